@@ -1,0 +1,67 @@
+"""The one exception hierarchy of patchswarm.
+
+Every error that protocol/, node/ or tracker/ raise on purpose derives from
+`PatchswarmError`. As in h11, the split says whose fault it is:
+
+- `UsageError`: the local caller misused an API (wrong argument types, asking
+  for something that cannot exist).
+- `InvalidInput` and its subclasses: bytes or state that came from elsewhere
+  (a file, a peer, a patch) are not what they must be. Messages say what was
+  expected and what was found.
+"""
+
+
+class PatchswarmError(Exception):
+    """Base of every deliberate patchswarm error."""
+
+
+class UsageError(PatchswarmError):
+    """The local caller used an API wrongly."""
+
+
+class InvalidInput(PatchswarmError):
+    """Data from outside (file, peer, patch) is malformed or inconsistent."""
+
+
+class CorruptData(InvalidInput):
+    """Bytes do not decode: truncated, bad magic, bad checksum, bad framing."""
+
+
+class UnsupportedFormat(InvalidInput):
+    """A container or dtype this version does not know."""
+
+
+class BaseMismatch(InvalidInput):
+    """A patch or chunk does not fit the state it is applied to.
+
+    Raised before anything is written: the state is unchanged.
+    """
+
+
+class AlreadyApplied(BaseMismatch):
+    """The state already holds the values this chunk writes."""
+
+
+class StateHashMismatch(InvalidInput):
+    """A full-state hash differs from the one that was promised."""
+
+    def __init__(self, what: str, expected: str, found: str):
+        super().__init__(f"{what}: expected state hash {expected}, found {found}")
+        self.expected = expected
+        self.found = found
+
+
+class ProtocolError(InvalidInput):
+    """A peer sent frames or messages that break the wire protocol."""
+
+
+class FrameTooLarge(ProtocolError):
+    """A frame announced a length beyond the negotiated maximum."""
+
+
+class SignatureError(InvalidInput):
+    """A signature does not verify against the trusted key."""
+
+
+class StaleVersion(InvalidInput):
+    """A manifest is older than, or a replay of, what is already known."""
