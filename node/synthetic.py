@@ -1,0 +1,160 @@
+"""Seeded, real optimizer-step checkpoints of a small transformer, for tests and benches.
+
+Owns: a tiny causal transformer LM, a short supervised warm-up (so AdamW's
+moments look like those of a trained model, not of step one), then RL steps
+with a REINFORCE loss at RL learning rates, and the served copies (bf16, fp8)
+of each fp32 master state. No files are written here; callers cache if they
+want. Everything is deterministic for a given seed on one torch build.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+from torch import nn
+
+SERVED_DTYPES = {
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    vocab: int = 256
+    d_model: int = 256
+    layers: int = 4
+    heads: int = 4
+    ff: int = 1024
+    seq: int = 24
+
+    @classmethod
+    def of_size(cls, params: str) -> "ModelSpec":
+        """`tiny` (~0.3M, unit tests), `small` (~3.4M, default), `medium` (~25M, bench)."""
+        sizes = {
+            "tiny": cls(vocab=64, d_model=64, layers=2, heads=2, ff=256, seq=12),
+            "small": cls(),
+            "medium": cls(vocab=1024, d_model=512, layers=8, heads=8, ff=2048, seq=24),
+        }
+        try:
+            return sizes[params]
+        except KeyError:
+            raise ValueError(f"model size: expected one of {sorted(sizes)}, found {params!r}") from None
+
+
+class Block(nn.Module):
+    def __init__(self, s: ModelSpec):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(s.d_model)
+        self.attn = nn.MultiheadAttention(s.d_model, s.heads, batch_first=True)
+        self.ln2 = nn.LayerNorm(s.d_model)
+        self.mlp = nn.Sequential(nn.Linear(s.d_model, s.ff), nn.GELU(), nn.Linear(s.ff, s.d_model))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyLM(nn.Module):
+    """A causal LM small enough to train on two CPU cores in seconds."""
+
+    def __init__(self, s: ModelSpec):
+        super().__init__()
+        self.spec = s
+        self.embed = nn.Embedding(s.vocab, s.d_model)
+        self.pos = nn.Parameter(torch.randn(s.seq, s.d_model) * 0.02)
+        self.blocks = nn.ModuleList(Block(s) for _ in range(s.layers))
+        self.ln_f = nn.LayerNorm(s.d_model)
+        self.head = nn.Linear(s.d_model, s.vocab, bias=False)
+        for p in self.parameters():
+            if p.dim() >= 2:
+                nn.init.normal_(p, std=0.02)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        t = tokens.shape[1]
+        mask = torch.triu(torch.full((t, t), float("-inf")), diagonal=1)
+        x = self.embed(tokens) + self.pos[:t]
+        for b in self.blocks:
+            x = b(x, mask)
+        return self.head(self.ln_f(x))
+
+    @torch.no_grad()
+    def sample(self, batch: int, length: int, gen: torch.Generator) -> torch.Tensor:
+        tokens = torch.zeros(batch, 1, dtype=torch.long)
+        for _ in range(length - 1):
+            logits = self(tokens)[:, -1]
+            nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)
+            tokens = torch.cat([tokens, nxt], 1)
+        return tokens
+
+
+def _reward(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Verifiable toy reward: fraction of strictly increasing adjacent pairs."""
+    return (tokens[:, 1:] > tokens[:, :-1]).float().mean(1)
+
+
+def _sequence_logprob(model: TinyLM, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens[:, :-1])
+    lp = torch.log_softmax(logits, -1).gather(-1, tokens[:, 1:, None])[..., 0]
+    return lp.sum(1)
+
+
+def served(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The served copy: every floating tensor cast to `dtype` (round to nearest)."""
+    return {k: (v.to(dtype) if v.is_floating_point() else v.clone()).contiguous() for k, v in state.items()}
+
+
+def master_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+
+
+@functools.lru_cache(maxsize=8)
+def rl_checkpoints(
+    size: str = "small", lr: float = 1e-6, steps: int = 3, seed: int = 0, warmup: int = 30
+) -> tuple[dict[str, torch.Tensor], ...]:
+    """fp32 master states before and after each of `steps` RL steps (steps+1 states).
+
+    Warm-up: `warmup` supervised AdamW steps at lr 1e-3 on random token sequences,
+    then the optimizer switches to `lr` and takes REINFORCE steps on sampled
+    rollouts. The returned tuple is cached; do not mutate its tensors.
+    """
+    spec = ModelSpec.of_size(size)
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+    model = TinyLM(spec)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.999), weight_decay=0.01)
+    for _ in range(warmup):
+        data = torch.randint(0, spec.vocab, (16, spec.seq), generator=gen)
+        data = torch.sort(data, dim=1).values  # a learnable structure
+        loss = nn.functional.cross_entropy(model(data[:, :-1]).flatten(0, 1), data[:, 1:].flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    for g in opt.param_groups:
+        g["lr"] = lr
+    states = [master_state(model)]
+    for _ in range(steps):
+        tokens = model.sample(16, spec.seq, gen)
+        r = _reward(tokens, spec.vocab)
+        adv = r - r.mean()
+        loss = -(adv * _sequence_logprob(model, tokens)).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        states.append(master_state(model))
+    return tuple(states)
+
+
+def served_pairs(
+    size: str = "small", lr: float = 1e-6, steps: int = 3, seed: int = 0, dtype: str = "bf16"
+) -> list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]]:
+    """Consecutive (base, target) served states from `rl_checkpoints`."""
+    tdtype = SERVED_DTYPES[dtype]
+    states = [served(s, tdtype) for s in rl_checkpoints(size, lr, steps, seed)]
+    return list(zip(states[:-1], states[1:]))

@@ -1,0 +1,118 @@
+"""The served dtypes and their bit patterns.
+
+Owns: the names used on the wire for each dtype, the integer view of the same
+width, and the order-preserving map from sign-magnitude float bits to integers
+(so +tiny → -tiny is a small delta, and -0.0 ≠ +0.0). Pure functions, no I/O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from .errors import UnsupportedFormat
+
+
+@dataclasses.dataclass(frozen=True)
+class DtypeInfo:
+    name: str
+    torch_dtype: torch.dtype
+    int_dtype: torch.dtype  # same width, signed
+    np_int: type  # numpy signed integer of the same width
+    width: int  # bytes
+    mantissa_bits: int  # context key = magnitude >> mantissa_bits (the exponent)
+    is_float: bool
+
+    @property
+    def bits(self) -> int:
+        return self.width * 8
+
+    @property
+    def sign_bit(self) -> int:
+        return 1 << (self.bits - 1)
+
+    @property
+    def magnitude_mask(self) -> int:
+        return self.sign_bit - 1
+
+
+_INFOS = [
+    DtypeInfo("bf16", torch.bfloat16, torch.int16, np.int16, 2, 7, True),
+    DtypeInfo("fp16", torch.float16, torch.int16, np.int16, 2, 10, True),
+    DtypeInfo("fp32", torch.float32, torch.int32, np.int32, 4, 23, True),
+    DtypeInfo("f8e4m3", torch.float8_e4m3fn, torch.int8, np.int8, 1, 3, True),
+    DtypeInfo("f8e5m2", torch.float8_e5m2, torch.int8, np.int8, 1, 2, True),
+    DtypeInfo("i8", torch.int8, torch.int8, np.int8, 1, 0, False),
+    DtypeInfo("u8", torch.uint8, torch.uint8, np.uint8, 1, 0, False),
+    DtypeInfo("i16", torch.int16, torch.int16, np.int16, 2, 0, False),
+    DtypeInfo("i32", torch.int32, torch.int32, np.int32, 4, 0, False),
+    DtypeInfo("i64", torch.int64, torch.int64, np.int64, 8, 0, False),
+    DtypeInfo("bool", torch.bool, torch.uint8, np.uint8, 1, 0, False),
+]
+BY_NAME = {i.name: i for i in _INFOS}
+BY_TORCH = {i.torch_dtype: i for i in _INFOS}
+
+
+def info_of(dtype: torch.dtype) -> DtypeInfo:
+    try:
+        return BY_TORCH[dtype]
+    except KeyError:
+        raise UnsupportedFormat(f"dtype: expected one of {sorted(BY_NAME)}, found {dtype}") from None
+
+
+def info_named(name: str) -> DtypeInfo:
+    try:
+        return BY_NAME[name]
+    except (KeyError, TypeError):
+        raise UnsupportedFormat(f"dtype name: expected one of {sorted(BY_NAME)}, found {name!r}") from None
+
+
+def int_view(t: torch.Tensor) -> np.ndarray:
+    """A flat numpy view (shared memory) of `t`'s bit patterns as integers."""
+    info = info_of(t.dtype)
+    flat = t.reshape(-1)
+    if flat.numel() == 0:
+        return np.zeros(0, dtype=info.np_int)
+    if info.torch_dtype is torch.bool:
+        return flat.view(torch.uint8).numpy()
+    return flat.view(info.int_dtype).numpy()
+
+
+def to_ordered(bits: np.ndarray, info: DtypeInfo) -> np.ndarray:
+    """Bit patterns → int64 whose order matches the float order (sign-magnitude undone)."""
+    v = bits.astype(np.int64)
+    if not info.is_float:
+        return v
+    mag = v & info.magnitude_mask
+    return np.where(v < 0, -mag - 1, mag)
+
+
+def from_ordered(ordered: np.ndarray, info: DtypeInfo) -> np.ndarray:
+    """Inverse of `to_ordered`, back to the dtype's integer view."""
+    if not info.is_float:
+        return ordered.astype(info.np_int)
+    neg = ordered < 0
+    mag = np.where(neg, -(ordered + 1), ordered)
+    u = np.where(neg, mag | info.sign_bit, mag)
+    return u.astype(info.np_int)
+
+
+def ordered_range(info: DtypeInfo) -> tuple[int, int]:
+    """Inclusive bounds of `to_ordered` over every bit pattern of the dtype."""
+    if info.is_float:
+        return -info.magnitude_mask - 1, info.magnitude_mask
+    if info.np_int in (np.uint8,):
+        return 0, 255
+    ii = np.iinfo(info.np_int)
+    return int(ii.min), int(ii.max)
+
+
+def magnitude(bits: np.ndarray, info: DtypeInfo) -> np.ndarray:
+    """Context key source: |value| as an integer in the dtype's width (floats: bits without sign)."""
+    if info.is_float:
+        return bits & info.np_int(info.magnitude_mask)
+    if info.np_int is np.uint8:
+        return bits
+    return np.abs(bits.astype(np.int64))

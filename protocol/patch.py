@@ -1,0 +1,581 @@
+"""Lossless patches between served states: diff, the container, and apply.
+
+Owns the patch format (version 1) and its two operations:
+
+- `diff(base, target) -> Patch`: compares bit patterns (never float values),
+  codes each changed element's position as a Rice-coded gap inside its
+  magnitude context class (see contexts.py) and its value as the zig-zag delta
+  of order-preserving integers (see dtypes.py), Rice-coded per class. Tensors
+  that are new, or whose dtype or shape changed, are carried in full
+  (planes.py); removed tensors are listed.
+- `apply(state, patch)`: in place. Every chunk is decoded and checked against
+  the digest of the values it overwrites before anything is written; after the
+  writes the full state hash must equal the patch's target hash, otherwise
+  every write is undone. A wrong base, a second apply, a truncated or corrupted
+  patch raise and leave the state as it was.
+
+Layout: a patch is a table of target tensors plus chunks. A chunk holds whole
+segments; a segment covers contiguous element ranges ("pieces") of one dtype:
+one range of a large tensor, or several small tensors back to back. Segments
+never overlap, so chunks decode and apply in any order. Pure: no files, no
+sockets, no clocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Callable, Iterable
+
+import msgpack
+import numpy as np
+import torch
+
+from . import contexts, planes, ricecode
+from .dtypes import DtypeInfo, from_ordered, info_named, info_of, int_view, magnitude, ordered_range, to_ordered
+from .errors import AlreadyApplied, BaseMismatch, CorruptData, StateHashMismatch, UnsupportedFormat, UsageError
+from .statehash import state_hash
+
+FORMAT = "patchswarm"
+FORMAT_VERSION = 1
+DELTA_SEGMENT_ELEMENTS = 1 << 22
+FULL_SEGMENT_BYTES = 2 << 20
+CHUNK_BYTES = 2 << 20
+DIGEST_BYTES = 16
+MAX_PATCH_BYTES = 1 << 40
+
+Progress = Callable[[int, int], None] | None
+State = dict[str, torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @classmethod
+    def of(cls, name: str, t: torch.Tensor) -> "TensorSpec":
+        return cls(name, info_of(t.dtype).name, tuple(t.shape))
+
+
+@dataclasses.dataclass
+class Patch:
+    kind: str  # "patch" or "keyframe"
+    base_hash: str | None
+    target_hash: str
+    tensors: list[TensorSpec]
+    full: list[str]
+    removed: list[str]
+    chunks: list[bytes]
+    layout: dict[str, str] | None = None
+
+    def to_bytes(self) -> bytes:
+        return msgpack.packb(
+            {
+                "format": FORMAT,
+                "v": FORMAT_VERSION,
+                "kind": self.kind,
+                "base": self.base_hash,
+                "target": self.target_hash,
+                "tensors": [[t.name, t.dtype, list(t.shape)] for t in self.tensors],
+                "full": self.full,
+                "removed": self.removed,
+                "layout": self.layout,
+                "chunks": self.chunks,
+            },
+            use_bin_type=True,
+        )
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "Patch":
+        try:
+            obj = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=MAX_PATCH_BYTES)
+        except Exception as e:  # msgpack raises several unrelated types for bad input
+            raise CorruptData(f"patch container: expected msgpack, found undecodable bytes ({type(e).__name__}: {e})") from None
+        _expect(isinstance(obj, dict), "patch container: expected a map", obj)
+        _expect(obj.get("format") == FORMAT, f"patch container: expected format {FORMAT!r}", obj.get("format"))
+        if obj.get("v") != FORMAT_VERSION:
+            raise UnsupportedFormat(f"patch container: expected version {FORMAT_VERSION}, found {obj.get('v')!r}")
+        kind = obj.get("kind")
+        _expect(kind in ("patch", "keyframe"), "patch kind: expected 'patch' or 'keyframe'", kind)
+        base, target = obj.get("base"), obj.get("target")
+        _expect(base is None or _is_hex(base), "base hash: expected 64 hex digits or nil", base)
+        _expect(_is_hex(target), "target hash: expected 64 hex digits", target)
+        tensors = obj.get("tensors")
+        _expect(isinstance(tensors, list), "tensor table: expected a list", type(tensors).__name__)
+        specs = []
+        for row in tensors:
+            _expect(
+                isinstance(row, list) and len(row) == 3 and isinstance(row[0], str) and isinstance(row[2], list)
+                and all(isinstance(s, int) and 0 <= s < 1 << 48 for s in row[2]),
+                "tensor table row: expected [name, dtype, shape]", row,
+            )
+            info_named(row[1])
+            specs.append(TensorSpec(row[0], row[1], tuple(row[2])))
+        names = [s.name for s in specs]
+        _expect(names == sorted(set(names)), "tensor table: expected unique names in order", names[:5])
+        full, removed, chunks, layout = obj.get("full"), obj.get("removed"), obj.get("chunks"), obj.get("layout")
+        for what, lst in (("full", full), ("removed", removed)):
+            _expect(isinstance(lst, list) and all(isinstance(x, str) for x in lst), f"{what} list: expected names", lst)
+        _expect(set(full) <= set(names), "full list: expected names from the tensor table", full)
+        _expect(isinstance(chunks, list) and all(isinstance(c, bytes) for c in chunks), "chunks: expected a list of bytes", type(chunks).__name__)
+        _expect(
+            layout is None or (isinstance(layout, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in layout.items())),
+            "layout: expected a map name -> file or nil", type(layout).__name__,
+        )
+        return cls(kind, base, target, specs, full, removed, chunks, layout)
+
+    def stats(self) -> dict:
+        s = {"kind": self.kind, "tensors": len(self.tensors), "params": sum(t.numel for t in self.tensors),
+             "changed": 0, "position_bytes": 0, "value_bytes": 0, "full_bytes": 0, "chunks": len(self.chunks),
+             "chunk_bytes": sum(len(c) for c in self.chunks)}
+        for chunk in self.chunks:
+            for seg in _parse_chunk(chunk)[0]:
+                if seg.kind == "f":
+                    s["full_bytes"] += sum(len(p[1]) for p in seg.planes)
+                    continue
+                for c in seg.classes:
+                    s["changed"] += c[0]
+                    s["position_bytes"] += len(c[3]) + len(c[4]) + len(c[5])
+                    s["value_bytes"] += len(c[6]) + len(c[7]) + len(c[8])
+        s["changed"] += sum(t.numel for t in self.tensors if t.name in set(self.full))
+        return s
+
+
+def _is_hex(x) -> bool:
+    return isinstance(x, str) and len(x) == 64 and all(c in "0123456789abcdef" for c in x)
+
+
+def _expect(ok: bool, what: str, found) -> None:
+    if not ok:
+        text = repr(found)
+        raise CorruptData(f"{what}, found {text[:80]}")
+
+
+def _digest(parts: Iterable[np.ndarray]) -> bytes:
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(np.ascontiguousarray(p).astype(p.dtype.newbyteorder("<"), copy=False).tobytes())
+    return h.digest()[:DIGEST_BYTES]
+
+
+def _zigzag(d: np.ndarray) -> np.ndarray:
+    return ((d << 1) ^ (d >> 63)).astype(np.uint64)
+
+
+def _unzigzag(z: np.ndarray) -> np.ndarray:
+    z = z.astype(np.uint64)
+    return ((z >> np.uint64(1)).astype(np.int64)) ^ -((z & np.uint64(1)).astype(np.int64))
+
+
+# ---------------------------------------------------------------- encoding
+
+
+def _check_state(state, what: str) -> None:
+    if not isinstance(state, dict):
+        raise UsageError(f"{what}: expected dict[str, torch.Tensor], found {type(state).__name__}")
+    for k, v in state.items():
+        if not isinstance(k, str) or not isinstance(v, torch.Tensor):
+            raise UsageError(f"{what}: expected dict[str, torch.Tensor], found entry {k!r}: {type(v).__name__}")
+        if v.device.type != "cpu":
+            raise UsageError(f"{what}[{k!r}]: expected a CPU tensor, found device {v.device}")
+        info_of(v.dtype)
+
+
+def _flat_bits(t: torch.Tensor) -> np.ndarray:
+    return int_view(t if t.is_contiguous() else t.contiguous())
+
+
+def _plan_segments(state: State, names: list[str], max_elements: int) -> list[list[tuple[str, int, int]]]:
+    """Pieces grouped into segments: same dtype, at most max_elements each."""
+    segments, cur, cur_n, cur_dt = [], [], 0, None
+    for name in names:
+        t = state[name]
+        n = t.numel()
+        if n == 0:
+            continue
+        if cur and (t.dtype != cur_dt or cur_n + n > max_elements):
+            segments.append(cur)
+            cur, cur_n = [], 0
+        cur_dt = t.dtype
+        for start in range(0, n, max_elements):
+            end = min(n, start + max_elements)
+            if cur and cur_n + (end - start) > max_elements:
+                segments.append(cur)
+                cur, cur_n = [], 0
+            cur.append((name, start, end))
+            cur_n += end - start
+    if cur:
+        segments.append(cur)
+    return segments
+
+
+def _gather(state: State, pieces) -> np.ndarray:
+    arrays = [_flat_bits(state[n])[s:e] for n, s, e in pieces]
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+
+
+def _encode_delta(base: State, target: State, pieces) -> tuple[dict | None, list[np.ndarray], list[np.ndarray]]:
+    info = info_of(base[pieces[0][0]].dtype)
+    b, t = _gather(base, pieces), _gather(target, pieces)
+    idx = np.flatnonzero(b != t)
+    if idx.size == 0:
+        return None, [], []
+    shift = info.mantissa_bits
+    thr = contexts.choose_thresholds(magnitude(b[:: max(1, b.size >> 16)], info), magnitude(b[idx], info), shift) if b.size > 4096 else []
+    old_all, new_all = b[idx], t[idx]
+    d = to_ordered(new_all, info) - to_ordered(old_all, info)
+    z = _zigzag(d) - np.uint64(1)
+    classes, olds, news = [], [], []
+    if thr:
+        ci = contexts.ClassIndex(magnitude(b, info), thr)
+        cls = ci.class_of(idx)
+    for c in range(len(thr) + 1):
+        if thr:
+            sel = cls == c
+            ranks = ci.rank(c, idx[sel])
+        else:
+            sel = slice(None)
+            ranks = idx
+        gaps = np.diff(ranks, prepend=-1).astype(np.uint64) - np.uint64(1)
+        vals = z[sel]
+        kp, kv = ricecode.best_k(gaps), ricecode.best_k(vals)
+        classes.append([int(ranks.size), kp, kv, *ricecode.encode(gaps, kp), *ricecode.encode(vals, kv)])
+        olds.append(old_all[sel])
+        news.append(new_all[sel])
+    seg = {"k": "d", "dt": info.name, "p": [list(p) for p in pieces], "th": thr, "c": classes}
+    return seg, olds, news
+
+
+def _encode_full(target: State, pieces) -> tuple[dict, list[np.ndarray]]:
+    info = info_of(target[pieces[0][0]].dtype)
+    bits = _gather(target, pieces)
+    return {"k": "f", "dt": info.name, "p": [list(p) for p in pieces], "pl": planes.encode(bits, info)}, [bits]
+
+
+def _pack_chunks(encoded: list[tuple[dict, list, list]], chunk_bytes: int) -> list[bytes]:
+    chunks, cur, cur_size = [], [], 0
+
+    def flush():
+        segs = [e[0] for e in cur]
+        old = _digest(a for e in cur for a in e[1])
+        new = _digest(a for e in cur for a in e[2])
+        chunks.append(msgpack.packb({"s": segs, "o": old, "n": new}, use_bin_type=True))
+
+    for item in encoded:
+        size = len(msgpack.packb(item[0], use_bin_type=True))
+        if cur and cur_size + size > chunk_bytes:
+            flush()
+            cur, cur_size = [], 0
+        cur.append(item)
+        cur_size += size
+    if cur:
+        flush()
+    return chunks
+
+
+def diff(base: State, target: State, layout: dict[str, str] | None = None, progress: Progress = None,
+         chunk_bytes: int = CHUNK_BYTES, base_hash: str | None = None, target_hash: str | None = None,
+         segment_elements: int = DELTA_SEGMENT_ELEMENTS) -> Patch:
+    """The patch that turns `base` into `target`, bit for bit.
+
+    `base_hash`/`target_hash` may be passed when the caller already knows them
+    (the origin does), to skip hashing the state again.
+    """
+    _check_state(base, "base")
+    _check_state(target, "target")
+    names = sorted(target)
+    full = [n for n in names if n not in base or base[n].dtype != target[n].dtype or base[n].shape != target[n].shape]
+    full_set = set(full)
+    delta_names = [n for n in names if n not in full_set]
+    encoded = []
+    delta_segs = _plan_segments(target, delta_names, segment_elements)
+    full_segs = _plan_segments_bytes(target, full)
+    total = len(delta_segs) + len(full_segs)
+    for i, pieces in enumerate(delta_segs):
+        seg, olds, news = _encode_delta(base, target, pieces)
+        if seg is not None:
+            encoded.append((seg, olds, news))
+        if progress:
+            progress(i + 1, total)
+    for j, pieces in enumerate(full_segs):
+        seg, news = _encode_full(target, pieces)
+        encoded.append((seg, [], news))
+        if progress:
+            progress(len(delta_segs) + j + 1, total)
+    return Patch(
+        kind="patch",
+        base_hash=base_hash or state_hash(base),
+        target_hash=target_hash or state_hash(target),
+        tensors=[TensorSpec.of(n, target[n]) for n in names],
+        full=full,
+        removed=sorted(set(base) - set(target)),
+        chunks=_pack_chunks(encoded, chunk_bytes),
+        layout=layout,
+    )
+
+
+def _plan_segments_bytes(state: State, names: list[str]):
+    out = []
+    for dt in sorted({state[n].dtype for n in names}, key=str):
+        group = [n for n in names if state[n].dtype == dt]
+        out += _plan_segments(state, group, max(1, FULL_SEGMENT_BYTES // info_of(dt).width))
+    return out
+
+
+def keyframe(state: State, layout: dict[str, str] | None = None, progress: Progress = None,
+             chunk_bytes: int = CHUNK_BYTES, state_hash_hex: str | None = None) -> Patch:
+    """A full snapshot of `state` as a patch from nothing."""
+    _check_state(state, "state")
+    names = sorted(state)
+    segs = _plan_segments_bytes(state, names)
+    encoded = []
+    for i, pieces in enumerate(segs):
+        seg, news = _encode_full(state, pieces)
+        encoded.append((seg, [], news))
+        if progress:
+            progress(i + 1, len(segs))
+    return Patch(
+        kind="keyframe", base_hash=None, target_hash=state_hash_hex or state_hash(state),
+        tensors=[TensorSpec.of(n, state[n]) for n in names], full=names, removed=[],
+        chunks=_pack_chunks(encoded, chunk_bytes), layout=layout,
+    )
+
+
+# ---------------------------------------------------------------- decoding
+
+
+@dataclasses.dataclass
+class _Segment:
+    kind: str
+    info: DtypeInfo
+    pieces: list[tuple[str, int, int]]
+    thresholds: list[int]
+    classes: list
+    planes: list
+
+    @property
+    def size(self) -> int:
+        return sum(e - s for _, s, e in self.pieces)
+
+
+def _parse_chunk(data: bytes) -> tuple[list[_Segment], bytes, bytes]:
+    try:
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as e:
+        raise CorruptData(f"chunk: expected msgpack, found undecodable bytes ({type(e).__name__})") from None
+    _expect(isinstance(obj, dict) and isinstance(obj.get("s"), list), "chunk: expected a map with segments", type(obj).__name__)
+    old, new = obj.get("o"), obj.get("n")
+    _expect(isinstance(old, bytes) and isinstance(new, bytes) and len(old) == len(new) == DIGEST_BYTES,
+            f"chunk digests: expected two {DIGEST_BYTES}-byte values", (old, new))
+    segs = []
+    for s in obj["s"]:
+        _expect(isinstance(s, dict) and s.get("k") in ("d", "f"), "segment: expected kind 'd' or 'f'", s if not isinstance(s, dict) else s.get("k"))
+        info = info_named(s.get("dt"))
+        pieces = s.get("p")
+        _expect(
+            isinstance(pieces, list) and pieces and all(
+                isinstance(p, list) and len(p) == 3 and isinstance(p[0], str) and isinstance(p[1], int)
+                and isinstance(p[2], int) and 0 <= p[1] < p[2] for p in pieces),
+            "segment pieces: expected [[name, start, end], ...] with start < end", pieces,
+        )
+        if s["k"] == "d":
+            thr, cls = s.get("th"), s.get("c")
+            _expect(isinstance(thr, list) and all(isinstance(x, int) and x >= 0 for x in thr) and thr == sorted(set(thr))
+                    and len(thr) < contexts.MAX_CLASSES, "segment thresholds: expected ascending ints", thr)
+            _expect(isinstance(cls, list) and len(cls) == len(thr) + 1, f"segment classes: expected {len(thr) + 1}", cls if not isinstance(cls, list) else len(cls))
+            for c in cls:
+                _expect(isinstance(c, list) and len(c) == 9 and all(isinstance(x, int) and x >= 0 for x in c[:3])
+                        and all(isinstance(x, bytes) for x in c[3:]), "segment class: expected [m, kp, kv, 6 streams]", c if not isinstance(c, list) else len(c))
+            segs.append(_Segment("d", info, [tuple(p) for p in pieces], thr, cls, []))
+        else:
+            segs.append(_Segment("f", info, [tuple(p) for p in pieces], [], [], s.get("pl")))
+    return segs, old, new
+
+
+@dataclasses.dataclass
+class DecodedChunk:
+    """What one chunk writes: per piece, flat positions, old and new bit patterns."""
+
+    writes: list[tuple[str, np.ndarray | slice, np.ndarray | None, np.ndarray]]
+
+    def write(self, state: State) -> None:
+        for name, pos, _old, new in self.writes:
+            int_view(state[name])[pos] = new
+
+    def undo(self, state: State) -> None:
+        for name, pos, old, _new in self.writes:
+            if old is not None and name in state:
+                int_view(state[name])[pos] = old
+
+
+def _decode_delta(state: State, seg: _Segment, specs: dict[str, TensorSpec]):
+    for name, s, e in seg.pieces:
+        t = state.get(name)
+        if t is None:
+            raise BaseMismatch(f"tensor {name!r}: the patch changes it but the state has no such tensor")
+        spec = specs.get(name)
+        if spec is None or spec.dtype != seg.info.name or e > spec.numel:
+            raise CorruptData(f"segment piece {name!r}[{s}:{e}]: does not fit the tensor table entry {spec}")
+        if info_of(t.dtype) is not seg.info or tuple(t.shape) != spec.shape:
+            raise BaseMismatch(f"tensor {name!r}: patch expects {spec.dtype}{list(spec.shape)}, state has {info_of(t.dtype).name}{list(t.shape)}")
+        if not t.is_contiguous():
+            state[name] = t = t.contiguous()
+    b = _gather(state, seg.pieces)
+    info = seg.info
+    ci = contexts.ClassIndex(magnitude(b, info), seg.thresholds) if seg.thresholds else None
+    positions, zs = [], []
+    for c, (m, kp, kv, pu, pr, pe, vu, vr, ve) in enumerate(seg.classes):
+        if m > b.size:
+            raise CorruptData(f"segment class {c}: expected at most {b.size} changes, found {m}")
+        gaps = ricecode.decode(pu, pr, pe, m, kp)
+        ranks = np.cumsum(gaps + np.uint64(1)).astype(np.int64) - 1 if m else np.zeros(0, np.int64)
+        if m and (gaps.max() >= np.uint64(b.size) or ranks[-1] >= b.size):
+            raise CorruptData(f"segment class {c}: position beyond the segment's {b.size} elements")
+        if ci is not None:
+            if m and ranks[-1] >= ci.class_size(c):
+                # The classes come from the base: a base other than the patch's
+                # has other class sizes. (A corrupted chunk fails its SHA-256 first.)
+                raise BaseMismatch(f"segment class {c}: {m} positions do not fit the state's {ci.class_size(c)} class members (wrong base, or already applied)")
+            positions.append(ci.select(c, ranks))
+        else:
+            positions.append(ranks)
+        zs.append(ricecode.decode(vu, vr, ve, m, kv))
+    pos = np.concatenate(positions) if positions else np.zeros(0, np.int64)
+    z = np.concatenate(zs) if zs else np.zeros(0, np.uint64)
+    old = b[pos]
+    new_ord = to_ordered(old, info) + _unzigzag(z + np.uint64(1))
+    lo, hi = ordered_range(info)
+    if info.width < 8 and pos.size and (new_ord.min() < lo or new_ord.max() > hi):
+        raise CorruptData(f"segment values: expected bit patterns of {info.name}, found out-of-range deltas")
+    new = from_ordered(new_ord, info)
+    writes = []
+    offsets = np.cumsum([0] + [e - s for _, s, e in seg.pieces])
+    piece_of = np.searchsorted(offsets, pos, side="right") - 1
+    for i, (name, s, _e) in enumerate(seg.pieces):
+        sel = piece_of == i if len(seg.pieces) > 1 else slice(None)
+        writes.append((name, pos[sel] - offsets[i] + s, old[sel], new[sel]))
+    return writes, old, new
+
+
+def _decode_full(seg: _Segment, specs: dict[str, TensorSpec]):
+    for name, s, e in seg.pieces:
+        spec = specs.get(name)
+        if spec is None or spec.dtype != seg.info.name or e > spec.numel:
+            raise CorruptData(f"full piece {name!r}[{s}:{e}]: does not fit the tensor table entry {spec}")
+    bits = planes.decode(seg.planes, seg.size, seg.info)
+    writes, off = [], 0
+    for name, s, e in seg.pieces:
+        writes.append((name, slice(s, e), None, bits[off : off + e - s]))
+        off += e - s
+    return writes, bits
+
+
+def decode_chunk(state: State, chunk: bytes, tensors: list[TensorSpec]) -> DecodedChunk:
+    """Decode one chunk against `state` and check it fits; writes nothing.
+
+    Raises BaseMismatch (or AlreadyApplied) when the values the chunk would
+    overwrite are not the ones it was made against.
+    """
+    specs = {t.name: t for t in tensors}
+    segs, old_digest, new_digest = _parse_chunk(chunk)
+    writes, olds, news = [], [], []
+    for seg in segs:
+        if seg.kind == "d":
+            w, o, n = _decode_delta(state, seg, specs)
+            olds.append(o)
+        else:
+            w, n = _decode_full(seg, specs)
+        writes += w
+        news.append(n)
+    if _digest(olds) != old_digest:
+        if len(olds) == len(news) and _digest(olds) == new_digest:
+            raise AlreadyApplied("chunk: the state already holds the values this chunk writes (applied twice?)")
+        raise BaseMismatch("chunk: the values it overwrites differ from the state's (wrong base, or already applied)")
+    if _digest(news) != new_digest:
+        raise CorruptData("chunk: decoded values do not match the chunk's digest of what it writes")
+    return DecodedChunk(writes)
+
+
+def check_structure(state: State, patch: Patch) -> set[str]:
+    """Raise BaseMismatch unless `state` has the tensors the patch changes; return the names it drops."""
+    full = set(patch.full)
+    for t in patch.tensors:
+        if t.name in full:
+            continue
+        cur = state.get(t.name)
+        if cur is None:
+            raise BaseMismatch(f"tensor {t.name!r}: the patch expects it in the base, the state has none")
+        if info_of(cur.dtype).name != t.dtype or tuple(cur.shape) != t.shape:
+            raise BaseMismatch(f"tensor {t.name!r}: patch expects {t.dtype}{list(t.shape)}, state has {info_of(cur.dtype).name}{list(cur.shape)}")
+    drop = set(state) - {t.name for t in patch.tensors} if patch.kind == "keyframe" else set(patch.removed)
+    missing = [n for n in drop if n not in state]
+    if missing:
+        raise BaseMismatch(f"tensor {missing[0]!r}: the patch removes it, the state has none")
+    return drop
+
+
+def prepare(state: State, patch: Patch) -> dict[str, torch.Tensor | None]:
+    """Make the state's structure the target's: drop removed tensors, allocate full ones.
+
+    Returns what was replaced (name → old tensor or None) so it can be undone.
+    """
+    drop = check_structure(state, patch)
+    specs = {t.name: t for t in patch.tensors}
+    full = set(patch.full)
+    saved: dict[str, torch.Tensor | None] = {}
+    for name in drop:
+        saved[name] = state.pop(name)
+    for name in full:
+        spec = specs[name]
+        saved.setdefault(name, state.get(name))
+        state[name] = torch.empty(spec.shape, dtype=info_named(spec.dtype).torch_dtype)
+    return saved
+
+
+def restore(state: State, saved: dict[str, torch.Tensor | None]) -> None:
+    for name, t in saved.items():
+        if t is None:
+            state.pop(name, None)
+        else:
+            state[name] = t
+
+
+def apply(state: State, patch: Patch, progress: Progress = None) -> None:
+    """Apply `patch` to `state` in place; on any error the state is left unchanged."""
+    _check_state(state, "state")
+    if not isinstance(patch, Patch):
+        raise UsageError(f"patch: expected a Patch, found {type(patch).__name__}")
+    n = len(patch.chunks)
+    # Delta chunks read only tensors that full segments never touch, so they
+    # can all be decoded and checked before the structure changes.
+    check_structure(state, patch)
+    decoded = []
+    for i, chunk in enumerate(patch.chunks):
+        decoded.append(decode_chunk(state, chunk, patch.tensors))
+        if progress:
+            progress(i + 1, 2 * n)
+    saved = prepare(state, patch)
+    done = []
+    try:
+        for i, d in enumerate(decoded):
+            d.write(state)
+            done.append(d)
+            if progress:
+                progress(n + i + 1, 2 * n)
+        found = state_hash(state)
+        if found != patch.target_hash:
+            raise StateHashMismatch("patched state", patch.target_hash, found)
+    except BaseException:
+        for d in reversed(done):
+            d.undo(state)
+        restore(state, saved)
+        raise
