@@ -31,7 +31,7 @@ import msgpack
 import numpy as np
 import torch
 
-from . import contexts, planes, ricecode
+from . import contexts, planes, rans, ricecode
 from .dtypes import DtypeInfo, from_ordered, info_named, info_of, int_view, magnitude, ordered_range, to_ordered
 from .errors import AlreadyApplied, BaseMismatch, CorruptData, StateHashMismatch, UnsupportedFormat, UsageError
 from .statehash import state_hash
@@ -223,7 +223,7 @@ def _gather(state: State, pieces) -> np.ndarray:
     return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
 
 
-def _encode_delta(base: State, target: State, pieces) -> tuple[dict | None, list[np.ndarray], list[np.ndarray]]:
+def _encode_delta(base: State, target: State, pieces, index: dict[str, int]) -> tuple[dict | None, list[np.ndarray], list[np.ndarray]]:
     info = info_of(base[pieces[0][0]].dtype)
     b, t = _gather(base, pieces), _gather(target, pieces)
     idx = np.flatnonzero(b != t)
@@ -247,18 +247,42 @@ def _encode_delta(base: State, target: State, pieces) -> tuple[dict | None, list
             ranks = idx
         gaps = np.diff(ranks, prepend=-1).astype(np.uint64) - np.uint64(1)
         vals = z[sel]
-        kp, kv = ricecode.best_k(gaps), ricecode.best_k(vals)
-        classes.append([int(ranks.size), kp, kv, *ricecode.encode(gaps, kp), *ricecode.encode(vals, kv)])
+        kp, *pstreams = _encode_ints(gaps)
+        kv, *vstreams = _encode_ints(vals)
+        classes.append([int(ranks.size), kp, kv, *pstreams, *vstreams])
         olds.append(old_all[sel])
         news.append(new_all[sel])
-    seg = {"k": "d", "dt": info.name, "p": [list(p) for p in pieces], "th": thr, "c": classes}
+    seg = {"k": "d", "dt": info.name, "p": [[index[n], a, b] for n, a, b in pieces], "th": thr, "c": classes}
     return seg, olds, news
 
 
-def _encode_full(target: State, pieces) -> tuple[dict, list[np.ndarray]]:
+RANS_MODE = 255  # in a k field: the stream is rANS-coded, not Rice
+
+
+def _encode_ints(vals: np.ndarray) -> list:
+    """Gaps or values of one class: rANS, or Rice where it is smaller (few values, flat tails)."""
+    kv = ricecode.best_k(vals)
+    rice = [kv, *ricecode.encode(vals, kv)]
+    if vals.size < 64:
+        return rice
+    data, esc = rans.encode(vals)
+    if len(data) + len(esc) < sum(len(x) for x in rice[1:]):
+        return [RANS_MODE, data, b"", esc]
+    return rice
+
+
+def _decode_ints(kv: int, vu: bytes, vr: bytes, ve: bytes, m: int) -> np.ndarray:
+    if kv == RANS_MODE:
+        if vr:
+            raise CorruptData("rANS values: expected an empty remainder stream")
+        return rans.decode(vu, ve, m)
+    return ricecode.decode(vu, vr, ve, m, kv)
+
+
+def _encode_full(target: State, pieces, index: dict[str, int]) -> tuple[dict, list[np.ndarray]]:
     info = info_of(target[pieces[0][0]].dtype)
     bits = _gather(target, pieces)
-    return {"k": "f", "dt": info.name, "p": [list(p) for p in pieces], "pl": planes.encode(bits, info)}, [bits]
+    return {"k": "f", "dt": info.name, "p": [[index[n], a, b] for n, a, b in pieces], "pl": planes.encode(bits, info)}, [bits]
 
 
 def _pack_chunks(encoded: list[tuple[dict, list, list]], chunk_bytes: int) -> list[bytes]:
@@ -295,19 +319,20 @@ def diff(base: State, target: State, layout: dict[str, str] | None = None, progr
     names = sorted(target)
     full = [n for n in names if n not in base or base[n].dtype != target[n].dtype or base[n].shape != target[n].shape]
     full_set = set(full)
+    index = {n: i for i, n in enumerate(names)}
     delta_names = [n for n in names if n not in full_set]
     encoded = []
     delta_segs = _plan_segments(target, delta_names, segment_elements)
     full_segs = _plan_segments_bytes(target, full)
     total = len(delta_segs) + len(full_segs)
     for i, pieces in enumerate(delta_segs):
-        seg, olds, news = _encode_delta(base, target, pieces)
+        seg, olds, news = _encode_delta(base, target, pieces, index)
         if seg is not None:
             encoded.append((seg, olds, news))
         if progress:
             progress(i + 1, total)
     for j, pieces in enumerate(full_segs):
-        seg, news = _encode_full(target, pieces)
+        seg, news = _encode_full(target, pieces, index)
         encoded.append((seg, [], news))
         if progress:
             progress(len(delta_segs) + j + 1, total)
@@ -338,8 +363,9 @@ def keyframe(state: State, layout: dict[str, str] | None = None, progress: Progr
     names = sorted(state)
     segs = _plan_segments_bytes(state, names)
     encoded = []
+    index = {n: i for i, n in enumerate(names)}
     for i, pieces in enumerate(segs):
-        seg, news = _encode_full(state, pieces)
+        seg, news = _encode_full(state, pieces, index)
         encoded.append((seg, [], news))
         if progress:
             progress(i + 1, len(segs))
@@ -383,9 +409,9 @@ def _parse_chunk(data: bytes) -> tuple[list[_Segment], bytes, bytes]:
         pieces = s.get("p")
         _expect(
             isinstance(pieces, list) and pieces and all(
-                isinstance(p, list) and len(p) == 3 and isinstance(p[0], str) and isinstance(p[1], int)
+                isinstance(p, list) and len(p) == 3 and isinstance(p[0], int) and isinstance(p[1], int)
                 and isinstance(p[2], int) and 0 <= p[1] < p[2] for p in pieces),
-            "segment pieces: expected [[name, start, end], ...] with start < end", pieces,
+            "segment pieces: expected [[tensor index, start, end], ...] with start < end", pieces,
         )
         if s["k"] == "d":
             thr, cls = s.get("th"), s.get("c")
@@ -436,7 +462,7 @@ def _decode_delta(state: State, seg: _Segment, specs: dict[str, TensorSpec]):
     for c, (m, kp, kv, pu, pr, pe, vu, vr, ve) in enumerate(seg.classes):
         if m > b.size:
             raise CorruptData(f"segment class {c}: expected at most {b.size} changes, found {m}")
-        gaps = ricecode.decode(pu, pr, pe, m, kp)
+        gaps = _decode_ints(kp, pu, pr, pe, m)
         ranks = np.cumsum(gaps + np.uint64(1)).astype(np.int64) - 1 if m else np.zeros(0, np.int64)
         if m and (gaps.max() >= np.uint64(b.size) or ranks[-1] >= b.size):
             raise CorruptData(f"segment class {c}: position beyond the segment's {b.size} elements")
@@ -448,7 +474,7 @@ def _decode_delta(state: State, seg: _Segment, specs: dict[str, TensorSpec]):
             positions.append(ci.select(c, ranks))
         else:
             positions.append(ranks)
-        zs.append(ricecode.decode(vu, vr, ve, m, kv))
+        zs.append(_decode_ints(kv, vu, vr, ve, m))
     pos = np.concatenate(positions) if positions else np.zeros(0, np.int64)
     z = np.concatenate(zs) if zs else np.zeros(0, np.uint64)
     old = b[pos]
@@ -487,6 +513,10 @@ def decode_chunk(state: State, chunk: bytes, tensors: list[TensorSpec]) -> Decod
     """
     specs = {t.name: t for t in tensors}
     segs, old_digest, new_digest = _parse_chunk(chunk)
+    for seg in segs:
+        if any(i >= len(tensors) for i, _, _ in seg.pieces):
+            raise CorruptData(f"segment piece: expected a tensor index below {len(tensors)}, found {max(i for i, _, _ in seg.pieces)}")
+        seg.pieces = [(tensors[i].name, a, b) for i, a, b in seg.pieces]
     writes, olds, news = [], [], []
     for seg in segs:
         if seg.kind == "d":

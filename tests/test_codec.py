@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from protocol import ricecode
+from protocol import rans, ricecode
 from protocol.errors import AlreadyApplied, BaseMismatch, CorruptData, PatchswarmError, StateHashMismatch
 from protocol.patch import Patch, apply, decode_chunk, diff, keyframe, prepare
 from protocol.statehash import state_hash
@@ -219,4 +219,21 @@ def test_container_parser_raises_only_its_own_errors(data):
     try:
         Patch.from_bytes(data)
     except PatchswarmError:
+        pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 2**64 - 1) | st.integers(0, 40), max_size=2000))
+def test_rans_round_trip(values):
+    v = np.array(values, dtype=np.uint64)
+    data, low = rans.encode(v)
+    assert np.array_equal(rans.decode(data, low, len(values)), v)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=300), st.binary(max_size=16), st.integers(0, 300))
+def test_rans_decoder_never_crashes(data, low, count):
+    try:
+        rans.decode(data, low, count)
+    except CorruptData:
         pass
