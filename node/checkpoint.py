@@ -1,0 +1,230 @@
+"""Checkpoints on disk: safetensors files and Hugging Face shard directories.
+
+Owns reading a served state from disk (`load_state`), writing one back
+(`save_state`) and the atomic-replace discipline for every file the node writes
+(`write_bytes_atomic`). A state is `dict[str, Tensor]`; a layout is the
+Hugging Face `weight_map` (tensor name -> shard file name), None for a single
+file. Tensors come back bit for bit: names, dtypes, shapes and bytes.
+
+Must not interpret the weights (that is protocol/), and must never leave a
+half-written file or directory under the name the caller asked for: writes go
+to a temporary name in the same directory, then `os.replace`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from protocol.errors import InvalidInput, UsageError
+
+State = dict[str, torch.Tensor]
+Layout = dict[str, str] | None
+
+INDEX_NAME = "model.safetensors.index.json"
+SUFFIX = ".safetensors"
+
+
+def load_state(path: str | os.PathLike) -> tuple[State, Layout]:
+    """Read a `.safetensors` file or a directory of shards; return (state, layout).
+
+    A directory either has `model.safetensors.index.json` (its `weight_map` is
+    the layout and must match the shards' contents) or one or more
+    `*.safetensors` files and no index (the layout is taken from the files).
+    """
+    p = Path(path)
+    if not p.exists():
+        raise InvalidInput(f"{p}: no such file or directory")
+    if p.is_dir():
+        return _load_dir(p)
+    if p.suffix != SUFFIX:
+        raise InvalidInput(f"{p}: expected a {SUFFIX} file or a directory of shards, found {p.suffix or 'no suffix'!r}")
+    return _load_file(p), None
+
+
+def _load_file(p: Path) -> State:
+    try:
+        return load_file(str(p))
+    except SafetensorError as e:
+        raise InvalidInput(f"{p}: not a readable safetensors file ({e})") from None
+
+
+def _load_dir(d: Path) -> tuple[State, dict[str, str]]:
+    index = d / INDEX_NAME
+    if index.exists():
+        weight_map = _read_index(index)
+        state: State = {}
+        for file in sorted(set(weight_map.values())):
+            shard = d / file
+            if not shard.is_file():
+                raise InvalidInput(f"{index}: names shard {file!r}, which does not exist in {d}")
+            part = _load_file(shard)
+            expected = {n for n, f in weight_map.items() if f == file}
+            if set(part) != expected:
+                extra, missing = sorted(set(part) - expected), sorted(expected - set(part))
+                raise InvalidInput(
+                    f"{shard}: index expects {len(expected)} tensors, file has {len(part)}"
+                    f" (missing {missing[:3]}, unlisted {extra[:3]})"
+                )
+            state.update(part)
+        return state, dict(sorted(weight_map.items()))
+    files = sorted(f for f in d.iterdir() if f.is_file() and f.suffix == SUFFIX)
+    if not files:
+        raise InvalidInput(f"{d}: expected {INDEX_NAME} or *{SUFFIX} files, found neither")
+    state, layout = {}, {}
+    for f in files:
+        for name, t in _load_file(f).items():
+            if name in layout:
+                raise InvalidInput(f"{d}: tensor {name!r} is in both {layout[name]} and {f.name}")
+            state[name], layout[name] = t, f.name
+    return state, dict(sorted(layout.items()))
+
+
+def _read_index(index: Path) -> dict[str, str]:
+    try:
+        obj = json.loads(index.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InvalidInput(f"{index}: expected JSON, found undecodable text ({e})") from None
+    weight_map = obj.get("weight_map") if isinstance(obj, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        raise InvalidInput(f"{index}: expected a 'weight_map' of tensor name -> file name")
+    for file in set(weight_map.values()):
+        _check_shard_name(file, str(index))
+    return weight_map
+
+
+def _check_shard_name(file: str, where: str) -> None:
+    """Shard names come from outside (an index, a patch): plain file names only."""
+    if not file.endswith(SUFFIX) or file != os.path.basename(file) or file in ("", ".", "..") or "\\" in file:
+        raise InvalidInput(f"{where}: shard name: expected a plain *{SUFFIX} file name, found {file!r}")
+
+
+def check_destination(path: str | os.PathLike, layout: Layout) -> None:
+    """Raise unless `save_state(state, path, layout)` could write there; writes nothing."""
+    p = Path(path)
+    if layout is None:
+        if p.suffix != SUFFIX:
+            raise UsageError(f"{p}: a single-file checkpoint must end with {SUFFIX}")
+        if p.is_dir():
+            raise UsageError(f"{p}: is a directory, expected a {SUFFIX} file name")
+    else:
+        for file in set(layout.values()):
+            _check_shard_name(file, "layout")
+        if p.exists() and not p.is_dir():
+            raise UsageError(f"{p}: exists and is not a directory; a sharded checkpoint is a directory")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise UsageError(f"{p}: parent directory {parent} does not exist")
+
+
+def save_state(state: State, path: str | os.PathLike, layout: Layout = None) -> None:
+    """Write `state` as one `.safetensors` file (layout None) or a shard directory with an index.
+
+    Atomic: the file (or directory) appears under `path` complete or not at all.
+    """
+    check_destination(path, layout)
+    p = Path(path)
+    tensors = _savable(state)
+    if layout is None:
+        _save_file_atomic(tensors, p)
+        return
+    missing = sorted(set(tensors) - set(layout))
+    if missing:
+        raise UsageError(f"layout: names no shard for tensors {missing[:3]} ({len(missing)} in all)")
+    weight_map = {n: layout[n] for n in sorted(tensors)}
+    tmp = Path(tempfile.mkdtemp(prefix=p.name + ".tmp-", dir=p.parent))
+    try:
+        os.chmod(tmp, 0o777 & ~_umask())
+        for file in sorted(set(weight_map.values())):
+            shard = {n: tensors[n] for n, f in weight_map.items() if f == file}
+            save_file(shard, str(tmp / file), metadata={"format": "pt"})
+            os.chmod(tmp / file, 0o666 & ~_umask())
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+        _replace_dir(tmp, p)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _savable(state: State) -> State:
+    """Contiguous CPU tensors, none sharing storage (safetensors refuses shared memory)."""
+    out, seen = {}, set()
+    for name, t in state.items():
+        if not isinstance(name, str) or not isinstance(t, torch.Tensor):
+            raise UsageError(f"state: expected dict[str, torch.Tensor], found entry {name!r}: {type(t).__name__}")
+        t = t.detach().cpu().contiguous()
+        if t.numel() > 0:
+            key = t.untyped_storage().data_ptr()
+            if key in seen:
+                t = t.clone()
+                key = t.untyped_storage().data_ptr()
+            seen.add(key)
+        out[name] = t
+    return out
+
+
+def _save_file_atomic(tensors: State, p: Path) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=p.name + ".tmp-", dir=p.parent)
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata={"format": "pt"})  # may recreate the file: chmod after
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, p)
+    except BaseException:
+        _unlink_quietly(tmp)
+        raise
+
+
+def _replace_dir(tmp: Path, p: Path) -> None:
+    """Move directory `tmp` to `p`; an existing `p` is moved aside first, then removed."""
+    if not p.exists():
+        os.rename(tmp, p)
+        return
+    old = Path(tempfile.mkdtemp(prefix=p.name + ".old-", dir=p.parent))
+    os.rmdir(old)
+    os.rename(p, old)
+    try:
+        os.rename(tmp, p)
+    except BaseException:
+        os.rename(old, p)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
+    """Write `data` to `path` via a temporary file in the same directory and `os.replace`."""
+    p = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=p.name + ".tmp-", dir=p.parent if str(p.parent) else ".")
+    try:
+        os.chmod(tmp, 0o666 & ~_umask())
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        _unlink_quietly(tmp)
+        raise
+
+
+def _umask() -> int:
+    """The process umask (mkstemp/mkdtemp create private files; the result should not be)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

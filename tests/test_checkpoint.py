@@ -1,0 +1,152 @@
+"""Checkpoint files: bit-exact load/save of single files and shard directories, clear errors."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from node.checkpoint import INDEX_NAME, load_state, save_state, write_bytes_atomic
+from protocol.errors import InvalidInput, PatchswarmError, UsageError
+
+
+def same_bits(a, b):
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        assert torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8)), k
+
+
+@pytest.fixture
+def mixed():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(16, 8, generator=g)
+    return {
+        "a.bf16": w.to(torch.bfloat16),
+        "b.fp8": w.to(torch.float8_e4m3fn),
+        "c.int8": torch.randint(-128, 128, (5, 3), dtype=torch.int8, generator=g),
+        "d.scalar": torch.tensor(1.5, dtype=torch.bfloat16),
+        "e.empty": torch.empty(0, 4, dtype=torch.float8_e5m2),
+        "f.transposed": w.to(torch.bfloat16).t(),  # not contiguous
+    }
+
+
+def test_single_file_round_trip(tmp_path, mixed):
+    out = tmp_path / "m.safetensors"
+    save_state(mixed, out)
+    state, layout = load_state(out)
+    assert layout is None
+    same_bits(state, mixed)
+    same_bits(load_file(str(out)), mixed)
+    assert [p.name for p in tmp_path.iterdir()] == ["m.safetensors"]  # no temp files left
+
+
+def test_sharded_round_trip(tmp_path, mixed):
+    layout = {n: ("model-00001-of-00002.safetensors" if i % 2 else "model-00002-of-00002.safetensors")
+              for i, n in enumerate(sorted(mixed))}
+    out = tmp_path / "ckpt"
+    save_state(mixed, out, layout)
+    index = json.loads((out / INDEX_NAME).read_text())
+    assert index["weight_map"] == layout
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in mixed.values())
+    state, got = load_state(out)
+    assert got == layout
+    same_bits(state, mixed)
+    for file in set(layout.values()):
+        part = load_file(str(out / file))
+        assert set(part) == {n for n, f in layout.items() if f == file}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_overwrite_directory_atomically(tmp_path, mixed):
+    out = tmp_path / "ckpt"
+    save_state(mixed, out, {n: "a.safetensors" for n in mixed})
+    save_state(mixed, out, {n: "b.safetensors" for n in mixed})
+    assert sorted(p.name for p in out.iterdir()) == sorted([INDEX_NAME, "b.safetensors"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_directory_without_index(tmp_path, mixed):
+    d = tmp_path / "d"
+    d.mkdir()
+    names = sorted(mixed)
+    save_file({n: mixed[n].contiguous() for n in names[:3]}, str(d / "x.safetensors"))
+    save_file({n: mixed[n].contiguous() for n in names[3:]}, str(d / "y.safetensors"))
+    state, layout = load_state(d)
+    same_bits(state, mixed)
+    assert layout == {n: ("x.safetensors" if n in names[:3] else "y.safetensors") for n in names}
+
+
+def test_shared_storage_is_saved(tmp_path):
+    w = torch.randn(4, 4).to(torch.bfloat16)
+    save_state({"embed": w, "head": w}, tmp_path / "tied.safetensors")
+    state, _ = load_state(tmp_path / "tied.safetensors")
+    same_bits(state, {"embed": w, "head": w})
+
+
+def test_index_naming_missing_shard(tmp_path, mixed):
+    out = tmp_path / "ckpt"
+    save_state(mixed, out, {n: ("a.safetensors" if i % 2 else "b.safetensors") for i, n in enumerate(mixed)})
+    os.unlink(out / "b.safetensors")
+    with pytest.raises(InvalidInput, match="b.safetensors"):
+        load_state(out)
+
+
+def test_index_disagreeing_with_shard(tmp_path, mixed):
+    out = tmp_path / "ckpt"
+    save_state(mixed, out, {n: "a.safetensors" for n in mixed})
+    index = json.loads((out / INDEX_NAME).read_text())
+    index["weight_map"]["ghost"] = "a.safetensors"
+    (out / INDEX_NAME).write_text(json.dumps(index))
+    with pytest.raises(InvalidInput, match="ghost"):
+        load_state(out)
+
+
+@pytest.mark.parametrize("bad", ["../evil.safetensors", "sub/x.safetensors", "x.bin"])
+def test_index_with_unsafe_shard_name(tmp_path, bad):
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / INDEX_NAME).write_text(json.dumps({"weight_map": {"w": bad}}))
+    with pytest.raises(InvalidInput, match="shard name"):
+        load_state(d)
+
+
+def test_bad_inputs(tmp_path):
+    with pytest.raises(InvalidInput, match="no such file"):
+        load_state(tmp_path / "nope.safetensors")
+    (tmp_path / "w.bin").write_bytes(b"\0" * 64)
+    with pytest.raises(InvalidInput, match="expected a .safetensors file"):
+        load_state(tmp_path / "w.bin")
+    (tmp_path / "junk.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(InvalidInput, match="not a readable safetensors"):
+        load_state(tmp_path / "junk.safetensors")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(InvalidInput, match="found neither"):
+        load_state(tmp_path / "empty")
+
+
+def test_truncated_safetensors(tmp_path, mixed):
+    out = tmp_path / "m.safetensors"
+    save_state(mixed, out)
+    out.write_bytes(out.read_bytes()[:-10])
+    with pytest.raises(PatchswarmError):
+        load_state(out)
+
+
+def test_save_usage_errors(tmp_path, mixed):
+    with pytest.raises(UsageError, match="must end with .safetensors"):
+        save_state(mixed, tmp_path / "m.bin")
+    with pytest.raises(UsageError, match="names no shard"):
+        save_state(mixed, tmp_path / "d", {"a.bf16": "a.safetensors"})
+    with pytest.raises(InvalidInput, match="shard name"):
+        save_state(mixed, tmp_path / "d", {n: "../x.safetensors" for n in mixed})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_write_bytes_atomic(tmp_path):
+    p = tmp_path / "x.patch"
+    write_bytes_atomic(p, b"one")
+    write_bytes_atomic(p, b"two")
+    assert p.read_bytes() == b"two"
+    assert [q.name for q in tmp_path.iterdir()] == ["x.patch"]

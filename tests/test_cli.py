@@ -1,0 +1,157 @@
+"""The `patchswarm` CLI as a real process: diff/apply bit-exact, wrong base, inspect, bad patch files."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from node.checkpoint import INDEX_NAME, save_state
+from node.synthetic import served_pairs
+from protocol.statehash import state_hash
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cli(*args, check=True):
+    r = subprocess.run([sys.executable, "-m", "node.cli", *map(str, args)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    if check:
+        assert r.returncode == 0, r.stderr
+    return r
+
+
+def same_bits(a, b):
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        assert torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8)), k
+
+
+def assert_one_line_error(r):
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("patchswarm: "), r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@pytest.fixture(scope="module")
+def pair():
+    (base, target), = served_pairs("tiny", lr=1e-5, steps=1)
+    return base, target
+
+
+@pytest.fixture(scope="module")
+def files(pair, tmp_path_factory):
+    d = tmp_path_factory.mktemp("cli")
+    base, target = pair
+    save_state(base, d / "base.safetensors")
+    save_state(target, d / "target.safetensors")
+    cli("diff", d / "base.safetensors", d / "target.safetensors", "-o", d / "step.patch")
+    return d
+
+
+def test_diff_apply_single_file(files, pair):
+    d = files
+    out = d / "out.safetensors"
+    r = cli("apply", d / "base.safetensors", d / "step.patch", "-o", out)
+    same_bits(load_file(str(out)), pair[1])
+    assert state_hash(pair[1]) in r.stdout
+
+
+def test_diff_summary_line(files):
+    r = cli("diff", files / "base.safetensors", files / "target.safetensors", "-o", files / "again.patch")
+    assert len(r.stdout.strip().splitlines()) == 1
+    assert "%" in r.stdout and "bytes" in r.stdout
+    assert (files / "again.patch").read_bytes() == (files / "step.patch").read_bytes()
+
+
+def test_sharded_round_trip(pair, tmp_path):
+    base, target = pair
+    names = sorted(target)
+    layout = {n: ("model-00001-of-00002.safetensors" if i < len(names) // 2 else "model-00002-of-00002.safetensors")
+              for i, n in enumerate(names)}
+    save_state(base, tmp_path / "base", layout)
+    save_state(target, tmp_path / "target", layout)
+    cli("diff", tmp_path / "base", tmp_path / "target", "-o", tmp_path / "p.patch")
+    cli("apply", tmp_path / "base", tmp_path / "p.patch", "-o", tmp_path / "out")
+    out = tmp_path / "out"
+    assert out.is_dir()
+    index = json.loads((out / INDEX_NAME).read_text())
+    assert index["weight_map"] == layout
+    got = {}
+    for file in sorted(set(layout.values())):
+        got.update(load_file(str(out / file)))
+    same_bits(got, target)
+
+
+def test_sharded_base_single_file_patch(files, pair, tmp_path):
+    """A patch without a layout applied to a shard directory writes a single file."""
+    base, _ = pair
+    save_state(base, tmp_path / "base", {n: "one.safetensors" for n in base})
+    cli("apply", tmp_path / "base", files / "step.patch", "-o", tmp_path / "out.safetensors")
+    same_bits(load_file(str(tmp_path / "out.safetensors")), pair[1])
+
+
+def test_wrong_base(files, pair, tmp_path):
+    _, target = pair
+    out = tmp_path / "out.safetensors"
+    r = cli("apply", files / "target.safetensors", files / "step.patch", "-o", out, check=False)
+    assert_one_line_error(r)
+    expected = json.loads(cli("inspect", files / "step.patch", "--json").stdout)["base_hash"]
+    line = r.stderr.strip()
+    assert line == f"patchswarm: wrong base: patch expects state hash {expected}, BASE has {state_hash(target)}"
+    assert not out.exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_inspect_json(files):
+    r = cli("inspect", files / "step.patch", "--json")
+    info = json.loads(r.stdout)
+    for key in ("kind", "base_hash", "target_hash", "tensors", "params", "changed", "bytes",
+                "position_bytes", "value_bytes", "chunks"):
+        assert key in info, key
+    assert info["bytes"] == (files / "step.patch").stat().st_size
+    assert info["kind"] == "patch"
+    assert 0 < info["changed"] <= info["params"]
+
+
+def test_inspect_table(files):
+    r = cli("inspect", files / "step.patch")
+    assert "target_hash" in r.stdout and "Traceback" not in r.stderr
+
+
+def test_keyframe_onto_empty(files, pair, tmp_path):
+    cli("diff", "-", files / "target.safetensors", "-o", tmp_path / "k.patch")
+    assert json.loads(cli("inspect", tmp_path / "k.patch", "--json").stdout)["base_hash"] is None
+    cli("apply", "-", tmp_path / "k.patch", "-o", tmp_path / "out.safetensors")
+    same_bits(load_file(str(tmp_path / "out.safetensors")), pair[1])
+
+
+def test_truncated_patch(files, tmp_path):
+    data = (files / "step.patch").read_bytes()
+    bad = tmp_path / "bad.patch"
+    bad.write_bytes(data[: len(data) // 2])
+    out = tmp_path / "out.safetensors"
+    assert_one_line_error(cli("inspect", bad, "--json", check=False))
+    assert_one_line_error(cli("apply", files / "base.safetensors", bad, "-o", out, check=False))
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("args", [
+    ("apply", "missing.safetensors", "missing.patch", "-o", "x.safetensors"),
+    ("inspect", "missing.patch"),
+    ("diff", "README.md", "README.md", "-o", "x.patch"),
+])
+def test_expected_faults_are_one_line(args):
+    assert_one_line_error(cli(*args, check=False))
+
+
+def test_usage_error_exit_code():
+    r = cli("apply", check=False)
+    assert r.returncode == 2
+    r = cli("frobnicate", check=False)
+    assert r.returncode == 2
