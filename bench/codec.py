@@ -1,0 +1,336 @@
+"""Codec bench: patch size and speed on real RL steps, against bounds and baselines.
+
+For each learning rate x served dtype x consecutive (base, target) pair from
+`node.synthetic.served_pairs` it measures:
+
+- patch bytes (`protocol.patch.diff(...).to_bytes()`) against the zero-order
+  entropy bound (`zero_order_bound_bytes`), the full checkpoint, and
+  `zstd -19 --long=27 --patch-from` on the raw tensor bytes;
+- encode (diff + to_bytes) and apply (from_bytes + apply on a clone of base,
+  including apply's full state-hash check) against the floor of any diff: a
+  plain `torch.ne` over the two versions' integer bit views (the faster of
+  torch's thread count and one thread). Timings are the minimum over
+  repetitions (encode/apply 3, compare 5). Every apply result is
+  checked bit-exact against the target; a mismatch aborts the bench;
+- keyframe bytes (`keyframe(target)`) and zipnn bytes for the same tensors.
+
+Run: `python bench/codec.py [--size small] [--lrs 1e-6,1e-5] [--dtypes bf16,fp8]
+[--pairs 2] [--json rows.json]`. Importing this module does no work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+_ROOT = Path(__file__).resolve().parent.parent
+if str(_ROOT) not in sys.path:
+    sys.path.insert(0, str(_ROOT))
+
+import torch  # noqa: E402
+
+State = dict[str, torch.Tensor]
+
+TARGETS = {"patch/bound": 0.85, "patch/zstd": 0.4, "encode/compare": 3.0, "apply/compare": 1.5}
+_INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits_view(t: torch.Tensor) -> torch.Tensor:
+    """A flat view of `t`'s bit patterns as a signed integer of the same width."""
+    flat = t.reshape(-1)
+    if flat.dtype is torch.bool:
+        return flat.view(torch.int8)
+    if not flat.dtype.is_floating_point and flat.dtype.is_signed:
+        return flat
+    return flat.view(_INT_OF_WIDTH[flat.element_size()])
+
+
+def _binary_entropy(p: float) -> float:
+    if p <= 0.0 or p >= 1.0:
+        return 0.0
+    return -p * math.log2(p) - (1.0 - p) * math.log2(1.0 - p)
+
+
+def zero_order_bound_bytes(base: State, target: State) -> float:
+    """Zero-order entropy bound, in bytes, for coding `target` given `base`.
+
+    Positions: for each tensor, N * H(m / N) bits (m changed of N elements,
+    binary entropy). Values: M * H(deltas) bits, where the deltas are the
+    integer differences of the bit patterns (target_int - base_int, int64) of
+    all M changed elements, with H the empirical entropy pooled over the pair.
+    Both states must have the same names, dtypes and shapes.
+    """
+    if set(base) != set(target):
+        raise ValueError(f"names differ: {sorted(set(base) ^ set(target))}")
+    bits = 0.0
+    deltas = []
+    for name in sorted(target):
+        b, t = base[name], target[name]
+        if b.dtype != t.dtype or b.shape != t.shape:
+            raise ValueError(f"{name}: dtype/shape differ: {b.dtype}{tuple(b.shape)} vs {t.dtype}{tuple(t.shape)}")
+        bi, ti = bits_view(b), bits_view(t)
+        mask = torch.ne(bi, ti)
+        n, m = bi.numel(), int(mask.sum())
+        if n:
+            bits += n * _binary_entropy(m / n)
+        if m:
+            deltas.append(ti[mask].to(torch.int64) - bi[mask].to(torch.int64))
+    if deltas:
+        _, counts = torch.unique(torch.cat(deltas), return_counts=True)
+        c = counts.to(torch.float64)
+        total = float(c.sum())
+        bits += float(-(c * torch.log2(c / total)).sum())
+    return bits / 8.0
+
+
+def raw_bytes(state: State) -> bytes:
+    """The raw tensor bytes concatenated in name order."""
+    return b"".join(bits_view(state[k]).numpy().tobytes() for k in sorted(state))
+
+
+def full_bytes(state: State) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def zstd_patch_from(base: State, target: State) -> tuple[int, float]:
+    """(bytes, seconds) of `zstd -19 --long=27 --patch-from=BASE TARGET` on raw tensor bytes."""
+    zstd = shutil.which("zstd") or "/usr/bin/zstd"
+    with tempfile.TemporaryDirectory(prefix="bench-zstd-") as d:
+        bp, tp, op = (os.path.join(d, n) for n in ("base.bin", "target.bin", "out.zst"))
+        Path(bp).write_bytes(raw_bytes(base))
+        Path(tp).write_bytes(raw_bytes(target))
+        cmd = [zstd, "-19", "--long=27", f"--patch-from={bp}", tp, "-o", op, "-q", "-f"]
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        dt = time.perf_counter() - t0
+        if proc.returncode:
+            raise RuntimeError(f"zstd failed ({proc.returncode}): {proc.stderr.decode(errors='replace')}")
+        return os.path.getsize(op), dt
+
+
+_ZIPNN_DTYPE = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32",
+                torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2"}
+
+
+def zipnn_bytes(state: State) -> tuple[int | None, str]:
+    """(summed compressed bytes per tensor, note). Bytes is None when zipnn fails.
+
+    The note says whether zipnn's own decompress gave back the input bytes.
+    """
+    try:
+        from zipnn import ZipNN
+
+        dtypes = {t.dtype for t in state.values()}
+        if len(dtypes) != 1:
+            raise ValueError(f"mixed dtypes {sorted(map(str, dtypes))}")
+        (dt,) = dtypes
+        if dt not in _ZIPNN_DTYPE:
+            raise ValueError(f"no zipnn dtype for {dt}")
+        z = ZipNN(bytearray_dtype=_ZIPNN_DTYPE[dt], input_format="byte")
+        total, bad = 0, 0
+        for k in sorted(state):
+            raw = bits_view(state[k]).numpy().tobytes()
+            c = z.compress(raw)
+            total += len(c)
+            if bytes(z.decompress(c)) != raw:
+                bad += 1
+        note = "" if not bad else f"zipnn roundtrip NOT lossless on {bad}/{len(state)} tensors"
+        return total, note
+    except Exception as e:  # a baseline: report, don't stop the bench
+        return None, f"zipnn n/a: {type(e).__name__}: {e}"
+
+
+def _min_time(fn, reps: int):
+    best, out = math.inf, None
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t0)
+    return best, out
+
+
+def compare_seconds(base: State, target: State, reps: int = 5) -> float:
+    """The floor: torch.ne over integer bit views of every tensor, summed.
+
+    Min over `reps` runs at torch's thread count and again at one thread: on a
+    small or busy machine each parallel region can wait a scheduler slice, and
+    the floor should be the fastest plain compare, not the unluckiest.
+    """
+    names = sorted(target)
+
+    def run():
+        return sum(int(torch.ne(bits_view(base[k]), bits_view(target[k])).sum()) for k in names)
+
+    best = _min_time(run, reps)[0]
+    threads = torch.get_num_threads()
+    if threads > 1:
+        torch.set_num_threads(1)
+        try:
+            best = min(best, _min_time(run, reps)[0])
+        finally:
+            torch.set_num_threads(threads)
+    return best
+
+
+def assert_bit_exact(state: State, target: State, where: str) -> None:
+    if set(state) != set(target):
+        raise SystemExit(f"FATAL {where}: apply result names differ: {sorted(set(state) ^ set(target))}")
+    for k in sorted(target):
+        a, b = state[k], target[k]
+        if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(bits_view(a), bits_view(b)):
+            raise SystemExit(f"FATAL {where}: apply result differs from target in tensor {k!r}")
+
+
+def _keyframe_fn():
+    try:
+        from protocol.keyframe import keyframe
+    except ImportError:
+        from protocol.patch import keyframe
+    return keyframe
+
+
+def bench_pair(base: State, target: State, where: str) -> dict:
+    from protocol import patch as P
+
+    keyframe = _keyframe_fn()
+    row: dict = {}
+    row["params"] = sum(t.numel() for t in target.values())
+
+    enc_s, blob = _min_time(lambda: P.diff(base, target).to_bytes(), 3)
+    stats = P.Patch.from_bytes(blob).stats()
+    row["changed"] = int(stats["changed"])
+    row["changed_pct"] = 100.0 * row["changed"] / max(1, row["params"])
+    row["patch_bytes"] = len(blob)
+    row["bound_bytes"] = zero_order_bound_bytes(base, target)
+    row["full_bytes"] = full_bytes(target)
+    row["zstd_bytes"], row["zstd_s"] = zstd_patch_from(base, target)
+
+    apply_best = math.inf
+    for _ in range(3):
+        state = {k: v.clone() for k, v in base.items()}
+        t0 = time.perf_counter()
+        P.apply(state, P.Patch.from_bytes(blob))
+        apply_best = min(apply_best, time.perf_counter() - t0)
+        assert_bit_exact(state, target, where)
+    row["encode_s"], row["apply_s"] = enc_s, apply_best
+    row["compare_s"] = compare_seconds(base, target)
+
+    row["keyframe_bytes"] = len(keyframe(target).to_bytes())
+    row["zipnn_bytes"], row["zipnn_note"] = zipnn_bytes(target)
+
+    def ratio(a, b):
+        return a / b if a is not None and b else None
+
+    row["patch/bound"] = ratio(row["patch_bytes"], row["bound_bytes"])
+    row["full/patch"] = ratio(row["full_bytes"], row["patch_bytes"])
+    row["patch/zstd"] = ratio(row["patch_bytes"], row["zstd_bytes"])
+    row["encode/compare"] = ratio(row["encode_s"], row["compare_s"])
+    row["apply/compare"] = ratio(row["apply_s"], row["compare_s"])
+    row["keyframe/raw"] = ratio(row["keyframe_bytes"], row["full_bytes"])
+    row["zipnn/raw"] = ratio(row["zipnn_bytes"], row["full_bytes"])
+    row["patch_stats"] = {k: stats[k] for k in stats}
+    return row
+
+
+COLUMNS = [  # (header, key, format)
+    ("lr", "lr", "{:g}"), ("dtype", "dtype", "{}"), ("pair", "pair", "{}"),
+    ("params", "params", "{:,}"), ("chg%", "changed_pct", "{:.2f}"),
+    ("patch B", "patch_bytes", "{:,}"), ("bound B", "bound_bytes", "{:,.0f}"), ("p/bound", "patch/bound", "{:.3f}"),
+    ("full B", "full_bytes", "{:,}"), ("full/p", "full/patch", "{:.1f}"),
+    ("zstd B", "zstd_bytes", "{:,}"), ("zstd s", "zstd_s", "{:.2f}"), ("p/zstd", "patch/zstd", "{:.3f}"),
+    ("enc s", "encode_s", "{:.4f}"), ("apply s", "apply_s", "{:.4f}"), ("cmp s", "compare_s", "{:.4f}"),
+    ("enc/cmp", "encode/compare", "{:.2f}"), ("app/cmp", "apply/compare", "{:.2f}"),
+    ("kf B", "keyframe_bytes", "{:,}"), ("kf/raw", "keyframe/raw", "{:.3f}"),
+    ("zipnn B", "zipnn_bytes", "{:,}"), ("zipnn/raw", "zipnn/raw", "{:.3f}"),
+]
+
+
+def _cell(row: dict, key: str, fmt: str) -> str:
+    v = row.get(key)
+    return "n/a" if v is None else fmt.format(v)
+
+
+def print_table(rows: list[dict]) -> None:
+    cells = [[_cell(r, k, f) for _, k, f in COLUMNS] for r in rows]
+    headers = [h for h, _, _ in COLUMNS]
+    if sys.stdout.isatty():
+        try:
+            from rich.console import Console
+            from rich.table import Table
+
+            table = Table(title="patchswarm codec bench")
+            for i, h in enumerate(headers):
+                table.add_column(h, justify="left" if i < 2 else "right", no_wrap=True)
+            for c in cells:
+                table.add_row(*c)
+            need = sum(max(len(h), *(len(c[i]) for c in cells)) + 3 for i, h in enumerate(headers)) + 1
+            Console(width=max(need, shutil.get_terminal_size().columns)).print(table)
+            return
+        except ImportError:
+            pass
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
+    print("  ".join(h.rjust(w) for h, w in zip(headers, widths)))
+    for c in cells:
+        print("  ".join(x.rjust(w) for x, w in zip(c, widths)), flush=True)
+
+
+def summary(rows: list[dict]) -> str:
+    sel = [r for r in rows if r["dtype"] == "bf16" and math.isclose(r["lr"], 1e-6)]
+    if not sel:
+        return "summary: no bf16 lr=1e-6 rows"
+    parts = []
+    for key, goal in TARGETS.items():
+        vals = [r[key] for r in sel if r.get(key) is not None]
+        if not vals:
+            parts.append(f"{key} n/a")
+            continue
+        mean = sum(vals) / len(vals)
+        parts.append(f"{key} {mean:.3f} (target <= {goal:g}: {'ok' if mean <= goal else 'MISS'})")
+    return f"summary bf16 lr=1e-6 ({len(sel)} rows): " + "; ".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", default="small", choices=["tiny", "small", "medium"])
+    ap.add_argument("--lrs", default="1e-6,1e-5", help="comma-separated RL learning rates")
+    ap.add_argument("--dtypes", default="bf16,fp8", help="comma-separated served dtypes")
+    ap.add_argument("--pairs", type=int, default=2, help="consecutive (base, target) pairs per lr x dtype")
+    ap.add_argument("--json", metavar="PATH", help="write the rows as JSON")
+    args = ap.parse_args(argv)
+
+    from node.synthetic import served_pairs
+
+    lrs = [float(x) for x in args.lrs.split(",") if x.strip()]
+    dtypes = [x.strip() for x in args.dtypes.split(",") if x.strip()]
+    rows, notes = [], []
+    for lr in lrs:
+        for dtype in dtypes:
+            t0 = time.perf_counter()
+            pairs = served_pairs(size=args.size, lr=lr, steps=args.pairs, seed=0, dtype=dtype)
+            print(f"# generated {len(pairs)} {args.size} {dtype} pairs at lr={lr:g} in "
+                  f"{time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+            for i, (base, target) in enumerate(pairs):
+                where = f"size={args.size} lr={lr:g} dtype={dtype} pair={i}"
+                row = {"size": args.size, "lr": lr, "dtype": dtype, "pair": i, **bench_pair(base, target, where)}
+                rows.append(row)
+                if row["zipnn_note"]:
+                    notes.append(f"{dtype}: {row['zipnn_note']}")
+    print_table(rows)
+    for n in dict.fromkeys(notes):
+        print(f"note: {n}")
+    print(summary(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
