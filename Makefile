@@ -24,7 +24,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest
 
 bench: $(STAMP)
-	$(BIN)/python bench/codec.py
+	$(BIN)/python bench/codec.py --size small --pairs 2
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -154,8 +154,8 @@ class Patch:
                     continue
                 for c in seg.classes:
                     s["changed"] += c[0]
-                    s["position_bytes"] += len(c[3]) + len(c[4]) + len(c[5])
-                    s["value_bytes"] += len(c[6]) + len(c[7]) + len(c[8])
+                    s["position_bytes"] += len(c[2]) + len(c[3]) + len(c[4])
+                s["value_bytes"] += sum(len(x) for x in seg.values[1:])
         s["changed"] += sum(t.numel for t in self.tensors if t.name in set(self.full))
         return s
 
@@ -244,7 +244,7 @@ def _encode_delta(base: State, target: State, pieces, index: dict[str, int]) -> 
     old_all, new_all = b[idx], t[idx]
     d = to_ordered(new_all, info) - to_ordered(old_all, info)
     z = _zigzag(d) - np.uint64(1)
-    classes, olds, news = [], [], []
+    classes, olds, news, zs, ctx = [], [], [], [], []
     if thr:
         ci = contexts.ClassIndex(magnitude(b, info), thr)
         cls = ci.class_of(idx)
@@ -256,37 +256,37 @@ def _encode_delta(base: State, target: State, pieces, index: dict[str, int]) -> 
             sel = slice(None)
             ranks = idx
         gaps = np.diff(ranks, prepend=-1).astype(np.uint64) - np.uint64(1)
-        vals = z[sel]
-        kp, *pstreams = _encode_ints(gaps)
-        kv, *vstreams = _encode_ints(vals)
-        classes.append([int(ranks.size), kp, kv, *pstreams, *vstreams])
+        classes.append([int(ranks.size), *_encode_ints(gaps)])
+        zs.append(z[sel])
+        ctx.append(np.full(ranks.size, c, dtype=np.int64))
         olds.append(old_all[sel])
         news.append(new_all[sel])
-    seg = {"k": "d", "dt": info.name, "p": [[index[n], a, b] for n, a, b in pieces], "th": thr, "c": classes}
+    values = _encode_ints(np.concatenate(zs), np.concatenate(ctx))
+    seg = {"k": "d", "dt": info.name, "p": [[index[n], a, b] for n, a, b in pieces], "th": thr, "c": classes, "v": values}
     return seg, olds, news
 
 
 RANS_MODE = 255  # in a k field: the stream is rANS-coded, not Rice
 
 
-def _encode_ints(vals: np.ndarray) -> list:
-    """Gaps or values of one class: rANS, or Rice where it is smaller (few values, flat tails)."""
+def _encode_ints(vals: np.ndarray, ctx: np.ndarray | None = None) -> list:
+    """[k, 3 streams]: rANS (k = RANS_MODE; `ctx` picks tables), or Rice with parameter k if smaller."""
     kv = ricecode.best_k(vals)
     rice = [kv, *ricecode.encode(vals, kv)]
     if vals.size < 64:
         return rice
-    data, esc = rans.encode(vals)
-    if len(data) + len(esc) < sum(len(x) for x in rice[1:]):
-        return [RANS_MODE, data, b"", esc]
+    data, low = rans.encode(vals, ctx)
+    if len(data) + len(low) < sum(len(x) for x in rice[1:]):
+        return [RANS_MODE, data, b"", low]
     return rice
 
 
-def _decode_ints(kv: int, vu: bytes, vr: bytes, ve: bytes, m: int) -> np.ndarray:
-    if kv == RANS_MODE:
-        if vr:
-            raise CorruptData("rANS values: expected an empty remainder stream")
-        return rans.decode(vu, ve, m)
-    return ricecode.decode(vu, vr, ve, m, kv)
+def _decode_ints(k: int, a: bytes, b: bytes, c: bytes, m: int, ctx: np.ndarray | None = None) -> np.ndarray:
+    if k == RANS_MODE:
+        if b:
+            raise CorruptData("rANS stream: expected an empty second stream")
+        return rans.decode(a, c, m, ctx)
+    return ricecode.decode(a, b, c, m, k)
 
 
 def _encode_full(target: State, pieces, index: dict[str, int]) -> tuple[dict, list[np.ndarray]]:
@@ -397,6 +397,7 @@ class _Segment:
     thresholds: list[int]
     classes: list
     planes: list
+    values: list
 
     @property
     def size(self) -> int:
@@ -429,11 +430,14 @@ def _parse_chunk(data: bytes) -> tuple[list[_Segment], bytes, bytes]:
                     and len(thr) < contexts.MAX_CLASSES, "segment thresholds: expected ascending ints", thr)
             _expect(isinstance(cls, list) and len(cls) == len(thr) + 1, f"segment classes: expected {len(thr) + 1}", cls if not isinstance(cls, list) else len(cls))
             for c in cls:
-                _expect(isinstance(c, list) and len(c) == 9 and all(isinstance(x, int) and x >= 0 for x in c[:3])
-                        and all(isinstance(x, bytes) for x in c[3:]), "segment class: expected [m, kp, kv, 6 streams]", c if not isinstance(c, list) else len(c))
-            segs.append(_Segment("d", info, [tuple(p) for p in pieces], thr, cls, []))
+                _expect(isinstance(c, list) and len(c) == 5 and all(isinstance(x, int) and x >= 0 for x in c[:2])
+                        and all(isinstance(x, bytes) for x in c[2:]), "segment class: expected [m, k, 3 streams]", c if not isinstance(c, list) else len(c))
+            v = s.get("v")
+            _expect(isinstance(v, list) and len(v) == 4 and isinstance(v[0], int) and all(isinstance(x, bytes) for x in v[1:]),
+                    "segment values: expected [k, 3 streams]", v if not isinstance(v, list) else len(v))
+            segs.append(_Segment("d", info, [tuple(p) for p in pieces], thr, cls, [], v))
         else:
-            segs.append(_Segment("f", info, [tuple(p) for p in pieces], [], [], s.get("pl")))
+            segs.append(_Segment("f", info, [tuple(p) for p in pieces], [], [], s.get("pl"), []))
     return segs, old, new
 
 
@@ -468,8 +472,8 @@ def _decode_delta(state: State, seg: _Segment, specs: dict[str, TensorSpec]):
     b = _gather(state, seg.pieces)
     info = seg.info
     ci = contexts.ClassIndex(magnitude(b, info), seg.thresholds) if seg.thresholds else None
-    positions, zs = [], []
-    for c, (m, kp, kv, pu, pr, pe, vu, vr, ve) in enumerate(seg.classes):
+    positions, ctx = [], []
+    for c, (m, kp, pu, pr, pe) in enumerate(seg.classes):
         if m > b.size:
             raise CorruptData(f"segment class {c}: expected at most {b.size} changes, found {m}")
         gaps = _decode_ints(kp, pu, pr, pe, m)
@@ -484,9 +488,10 @@ def _decode_delta(state: State, seg: _Segment, specs: dict[str, TensorSpec]):
             positions.append(ci.select(c, ranks))
         else:
             positions.append(ranks)
-        zs.append(_decode_ints(kv, vu, vr, ve, m))
-    pos = np.concatenate(positions) if positions else np.zeros(0, np.int64)
-    z = np.concatenate(zs) if zs else np.zeros(0, np.uint64)
+        ctx.append(np.full(m, c, dtype=np.int64))
+    pos = np.concatenate(positions)
+    kv, vu, vr, ve = seg.values
+    z = _decode_ints(kv, vu, vr, ve, pos.size, np.concatenate(ctx))
     old = b[pos]
     new_ord = to_ordered(old, info) + _unzigzag(z + np.uint64(1))
     lo, hi = ordered_range(info)

@@ -10,8 +10,13 @@ steps is n / L. Unlike a prefix code this spends fractions of a bit per symbol,
 which matters for value deltas (most are ±1 ulp: ~1.8 bits of entropy, 2+ bits
 in any prefix code).
 
-Stream: [lanes u16][symbols u8][freqs u16 × symbols][final states u32 × lanes]
-[words u16 ...], plus the raw low bits of bucketed values as a second string.
+Each value may have a context (an int both sides know, e.g. its position's
+magnitude class) that selects its frequency table; all contexts share the
+lanes, so one pass codes a whole segment.
+
+Stream: [lanes u16][contexts u8]{[symbols u8][freqs u16 × symbols]} per context
+[final states u32 × lanes][words u16 ...], plus the raw low bits of bucketed
+values as a second string.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ DIRECT_BITS = 4
 DIRECT = 1 << DIRECT_BITS
 ALPHABET = DIRECT + 64 - DIRECT_BITS
 RANS_L = 1 << 16
-_MIN_STEPS = 128
+_MIN_STEPS = 256
 _MAX_LANES = 1024
 
 
@@ -48,24 +53,42 @@ def _normalise(counts: np.ndarray) -> np.ndarray:
     return f
 
 
-def encode(values: np.ndarray) -> tuple[bytes, bytes]:
-    v = np.ascontiguousarray(values, dtype=np.uint64)
-    n = v.size
-    if n == 0:
-        return b"", b""
+def _symbols(v: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     big = v >= DIRECT
     nbits = _bit_length(v[big])
     sym = v.astype(np.int64)
     sym[big] = DIRECT + nbits - DIRECT_BITS - 1
-    counts = np.bincount(sym, minlength=ALPHABET)
-    nsym = int(sym.max()) + 1
-    freq = _normalise(counts)
-    cum = np.concatenate([[0], np.cumsum(freq)[:-1]])
+    return sym, big, nbits
+
+
+def encode(values: np.ndarray, ctx: np.ndarray | None = None) -> tuple[bytes, bytes]:
+    """Code `values`; `ctx[i]` (small ints, known to the decoder) picks value i's frequency table."""
+    v = np.ascontiguousarray(values, dtype=np.uint64)
+    n = v.size
+    if n == 0:
+        return b"", b""
+    ctx = np.zeros(n, dtype=np.int64) if ctx is None else ctx.astype(np.int64)
+    n_ctx = int(ctx.max()) + 1
+    if n_ctx > 255 or ctx.size != n:
+        raise ValueError(f"rans contexts: expected {n} values below 255, found {ctx.size} up to {n_ctx - 1}")
+    sym, big, nbits = _symbols(v)
+    counts = np.bincount(ctx * ALPHABET + sym, minlength=n_ctx * ALPHABET).reshape(n_ctx, ALPHABET)
+    freq = np.zeros_like(counts)
+    table = bytearray([n_ctx])
+    for c in range(n_ctx):
+        if counts[c].sum() == 0:
+            table.append(0)
+            continue
+        freq[c] = _normalise(counts[c])
+        nsym = int(np.flatnonzero(counts[c]).max()) + 1
+        table.append(nsym)
+        table += freq[c, :nsym].astype("<u2").tobytes()
+    cum = np.cumsum(freq, axis=1) - freq
     lanes = int(max(1, min(_MAX_LANES, n // _MIN_STEPS)))
     steps = -(-n // lanes)
     x = np.full(lanes, RANS_L, dtype=np.uint64)
-    f_all = freq[sym].astype(np.uint64)
-    c_all = cum[sym].astype(np.uint64)
+    f_all = freq[ctx, sym].astype(np.uint64)
+    c_all = cum[ctx, sym].astype(np.uint64)
     out_steps: list[np.ndarray] = [None] * steps  # type: ignore[list-item]
     for t in range(steps - 1, -1, -1):
         lo = t * lanes
@@ -76,8 +99,7 @@ def encode(values: np.ndarray) -> tuple[bytes, bytes]:
         out_steps[t] = (xs[emit] & np.uint64(0xFFFF)).astype("<u2")
         xs[emit] >>= np.uint64(16)
         x[:k] = ((xs // f) << np.uint64(PROB_BITS)) + (xs % f) + c
-    head = (np.array([lanes], dtype="<u2").tobytes() + bytes([nsym]) + freq[:nsym].astype("<u2").tobytes()
-            + x.astype("<u4").tobytes())
+    head = np.array([lanes], dtype="<u2").tobytes() + bytes(table) + x.astype("<u4").tobytes()
     return head + np.concatenate(out_steps).tobytes(), _pack_low_bits(v[big], nbits - 1)
 
 
@@ -114,29 +136,44 @@ def _unpack_low_bits(data: bytes, widths: np.ndarray) -> np.ndarray:
     return (mat << j.astype(np.uint64)).sum(1, dtype=np.uint64)
 
 
-def decode(data: bytes, escapes: bytes, count: int) -> np.ndarray:
+def decode(data: bytes, escapes: bytes, count: int, ctx: np.ndarray | None = None) -> np.ndarray:
     if count == 0:
         if data or escapes:
             raise CorruptData("rans stream: expected no data for 0 values, found some")
         return np.zeros(0, dtype=np.uint64)
-    if len(data) < 3 or not 1 <= data[2] <= ALPHABET or len(data) < 3 + 2 * data[2]:
-        raise CorruptData(f"rans stream: expected a header of up to {ALPHABET} symbols, found {len(data)} bytes")
+    ctx = np.zeros(count, dtype=np.int64) if ctx is None else ctx.astype(np.int64)
+    if len(data) < 3:
+        raise CorruptData(f"rans stream: expected a header, found {len(data)} bytes")
     lanes = int(np.frombuffer(data, "<u2", 1)[0])
-    nsym = data[2]
-    freq = np.zeros(ALPHABET, dtype=np.int64)
-    freq[:nsym] = np.frombuffer(data, "<u2", nsym, 3)
-    if lanes == 0 or freq.sum() != PROB_SCALE:
-        raise CorruptData(f"rans header: expected lanes ≥ 1 and frequencies summing to {PROB_SCALE}, found {lanes}, {freq.sum()}")
-    off = 3 + 2 * nsym
+    n_ctx = data[2]
+    if lanes == 0 or n_ctx <= int(ctx.max()):
+        raise CorruptData(f"rans header: expected ≥ 1 lanes and > {int(ctx.max())} contexts, found {lanes} and {n_ctx}")
+    freq = np.zeros((n_ctx, ALPHABET), dtype=np.int64)
+    slot_sym = np.zeros((n_ctx, PROB_SCALE), dtype=np.int64)
+    off = 3
+    for c in range(n_ctx):
+        if off >= len(data) or data[off] > ALPHABET:
+            raise CorruptData(f"rans table {c}: expected a symbol count up to {ALPHABET}")
+        nsym = data[off]
+        if len(data) < off + 1 + 2 * nsym:
+            raise CorruptData(f"rans table {c}: expected {nsym} frequencies, found {len(data) - off - 1} bytes")
+        freq[c, :nsym] = np.frombuffer(data, "<u2", nsym, off + 1)
+        off += 1 + 2 * nsym
+        if nsym and freq[c].sum() != PROB_SCALE:
+            raise CorruptData(f"rans table {c}: expected frequencies summing to {PROB_SCALE}, found {freq[c].sum()}")
+        if nsym:
+            slot_sym[c] = np.repeat(np.arange(ALPHABET), freq[c])
+    used = np.flatnonzero(freq.sum(1) == 0)
+    if used.size and np.isin(ctx, used).any():
+        raise CorruptData("rans contexts: a value refers to an empty frequency table")
     if len(data) < off + 4 * lanes or (len(data) - off - 4 * lanes) % 2:
         raise CorruptData(f"rans stream: expected {lanes} lane states and 16-bit words, found {len(data) - off} bytes")
     x = np.frombuffer(data, "<u4", lanes, off).astype(np.uint64)
     words = np.frombuffer(data, "<u2", (len(data) - off - 4 * lanes) // 2, off + 4 * lanes).astype(np.uint64)
     if (x < RANS_L).any():
         raise CorruptData("rans lane state: expected ≥ 2**16")
-    cum = np.concatenate([[0], np.cumsum(freq)[:-1]])
-    slot_sym = np.repeat(np.arange(ALPHABET), freq)
-    f_u, c_u = freq.astype(np.uint64), cum.astype(np.uint64)
+    f_u = freq.astype(np.uint64)
+    c_u = (np.cumsum(freq, axis=1) - freq).astype(np.uint64)
     out = np.empty(count, dtype=np.int64)
     steps = -(-count // lanes)
     ptr = 0
@@ -145,10 +182,11 @@ def decode(data: bytes, escapes: bytes, count: int) -> np.ndarray:
         lo = t * lanes
         k = min(lanes, count - lo)
         xs = x[:k]
+        c = ctx[lo : lo + k]
         slot = xs & mask
-        s = slot_sym[slot.astype(np.int64)]
+        s = slot_sym[c, slot.astype(np.int64)]
         out[lo : lo + k] = s
-        xs = f_u[s] * (xs >> np.uint64(PROB_BITS)) + slot - c_u[s]
+        xs = f_u[c, s] * (xs >> np.uint64(PROB_BITS)) + slot - c_u[c, s]
         need = xs < RANS_L
         m = int(need.sum())
         if ptr + m > words.size:

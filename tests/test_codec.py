@@ -223,11 +223,12 @@ def test_container_parser_raises_only_its_own_errors(data):
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(0, 2**64 - 1) | st.integers(0, 40), max_size=2000))
-def test_rans_round_trip(values):
-    v = np.array(values, dtype=np.uint64)
-    data, low = rans.encode(v)
-    assert np.array_equal(rans.decode(data, low, len(values)), v)
+@given(st.lists(st.tuples(st.integers(0, 2**64 - 1) | st.integers(0, 40), st.integers(0, 5)), max_size=2000))
+def test_rans_round_trip(pairs):
+    v = np.array([p[0] for p in pairs], dtype=np.uint64)
+    ctx = np.array([p[1] for p in pairs], dtype=np.int64)
+    data, low = rans.encode(v, ctx)
+    assert np.array_equal(rans.decode(data, low, len(pairs), ctx), v)
 
 
 @settings(max_examples=200, deadline=None)
