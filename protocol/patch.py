@@ -273,7 +273,9 @@ def _encode_ints(vals: np.ndarray, ctx: np.ndarray | None = None) -> list:
     """[k, 3 streams]: rANS (k = RANS_MODE; `ctx` picks tables), or Rice with parameter k if smaller."""
     kv = ricecode.best_k(vals)
     rice = [kv, *ricecode.encode(vals, kv)]
-    if vals.size < 64:
+    # Rice is within a few % of the entropy of geometric gaps unless they are
+    # mostly 0 (k = 0: it cannot spend under a bit); only then try rANS for gaps.
+    if vals.size < 64 or (ctx is None and kv > 0):
         return rice
     data, low = rans.encode(vals, ctx)
     if len(data) + len(low) < sum(len(x) for x in rice[1:]):
