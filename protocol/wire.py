@@ -1,0 +1,313 @@
+"""The peer/tracker wire protocol, with no I/O (in the style of h11).
+
+A frame is a 4-byte big-endian body length followed by a msgpack map whose key
+"t" names the message type; the other keys are exactly the message's fields.
+`Connection` holds one side's state: feed it bytes with `receive_data`, pull
+messages with `next_event` (or the `NEED_DATA` / `CLOSED` sentinels), and turn
+messages into bytes with `send`. The caller owns the socket and the clock.
+
+Whose fault: bad bytes from the peer raise `ProtocolError` (after which the
+connection is broken for good); the local caller misusing the API (sending an
+invalid message, sending before Hello or after Bye) raises `UsageError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import msgpack
+
+from .errors import FrameTooLarge, ProtocolError, UsageError
+
+MAX_FRAME_BYTES = 16 << 20  # default limit on one frame's body
+HEADER_BYTES = 4  # big-endian body length
+_LENGTH_LIMIT = (1 << 32) - 1  # what the header can express
+_UINT_LIMIT = 1 << 64  # msgpack's widest unsigned int
+_COMPACT_MIN = 64 << 10  # compact the buffer once this much has been consumed...
+
+
+class _Sentinel:
+    def __init__(self, name: str):
+        self._name = name
+
+    def __repr__(self) -> str:
+        return self._name
+
+
+NEED_DATA = _Sentinel("NEED_DATA")  # next_event: no complete frame buffered yet
+CLOSED = _Sentinel("CLOSED")  # next_event: peer sent EOF at a frame boundary
+
+
+# --- messages ---------------------------------------------------------------
+# Field annotations double as the wire schema (see _CHECKS). Messages are not
+# validated on construction; `send` and decoding validate them.
+
+
+@dataclass(frozen=True)
+class Hello:
+    node_id: str
+    region: str
+    role: str
+    listen: str
+    versions: list[int]
+
+
+@dataclass(frozen=True)
+class Have:
+    version: int
+    chunks: bytes  # bitfield, see bitfield_from_indices
+
+
+@dataclass(frozen=True)
+class HaveOne:
+    version: int
+    chunk: int
+
+
+@dataclass(frozen=True)
+class Request:
+    version: int
+    chunk: int
+
+
+@dataclass(frozen=True)
+class Piece:
+    version: int
+    chunk: int
+    data: bytes
+
+
+@dataclass(frozen=True)
+class Cancel:
+    version: int
+    chunk: int
+
+
+@dataclass(frozen=True)
+class Announce:
+    manifest: bytes  # signed manifest bytes
+
+
+@dataclass(frozen=True)
+class PeerList:
+    peers: list[dict]  # each exactly {"id": str, "region": str, "addr": str}
+
+
+@dataclass(frozen=True)
+class VersionNotice:
+    version: int
+    manifest: bytes
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    pass
+
+
+@dataclass(frozen=True)
+class Bye:
+    reason: str
+
+
+@dataclass(frozen=True)
+class Error:
+    message: str
+
+
+MESSAGE_TYPES = {
+    cls.__name__: cls
+    for cls in (Hello, Have, HaveOne, Request, Piece, Cancel, Announce,
+                PeerList, VersionNotice, Heartbeat, Bye, Error)
+}
+_PEER_KEYS = frozenset({"id", "region", "addr"})
+
+
+def _found(v) -> str:
+    r = repr(v)
+    return f"{type(v).__name__} {r if len(r) <= 60 else r[:57] + '...'}"
+
+
+def _is_uint(v) -> bool:
+    return type(v) is int and 0 <= v < _UINT_LIMIT
+
+
+def _check_peer(p) -> bool:
+    return (type(p) is dict and p.keys() == _PEER_KEYS
+            and all(type(x) is str for x in p.values()))
+
+
+# annotation -> (predicate, what is expected)
+_CHECKS = {
+    "str": (lambda v: type(v) is str, "str"),
+    "int": (_is_uint, "non-negative int below 2**64"),
+    "bytes": (lambda v: type(v) is bytes, "bytes"),
+    "list[int]": (lambda v: type(v) is list and all(map(_is_uint, v)),
+                  "list of non-negative ints"),
+    "list[dict]": (lambda v: type(v) is list and all(map(_check_peer, v)),
+                   'list of {"id": str, "region": str, "addr": str} maps'),
+}
+
+
+def _validate(name: str, values: dict, exc: type[Exception]) -> None:
+    for f in dataclasses.fields(MESSAGE_TYPES[name]):
+        ok, expected = _CHECKS[f.type]
+        if not ok(values[f.name]):
+            raise exc(f"{name}.{f.name}: expected {expected}, found {_found(values[f.name])}")
+
+
+def encode(msg) -> bytes:
+    """One frame for `msg` (validated; UsageError if invalid)."""
+    name = type(msg).__name__
+    if MESSAGE_TYPES.get(name) is not type(msg):
+        raise UsageError(f"expected a wire message, found {_found(msg)}")
+    values = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}
+    _validate(name, values, UsageError)
+    body = msgpack.packb({"t": name, **values}, use_bin_type=True)
+    return len(body).to_bytes(HEADER_BYTES, "big") + body
+
+
+def decode_body(body: bytes):
+    """The message in one frame body; ProtocolError if it is not one."""
+    try:
+        obj = msgpack.unpackb(body, raw=False, use_list=True, strict_map_key=True)
+    except Exception as e:  # msgpack raises many types for bad input
+        raise ProtocolError(f"expected a msgpack body, found undecodable bytes ({type(e).__name__}: {e})") from None
+    if type(obj) is not dict:
+        raise ProtocolError(f"expected a msgpack map, found {_found(obj)}")
+    name = obj.get("t")
+    if type(name) is not str or name not in MESSAGE_TYPES:
+        raise ProtocolError(f"expected \"t\" to be one of {sorted(MESSAGE_TYPES)}, found {_found(name)}")
+    cls = MESSAGE_TYPES[name]
+    wanted = {f.name for f in dataclasses.fields(cls)}
+    keys = set(obj) - {"t"}
+    if keys != wanted:
+        missing, extra = sorted(wanted - keys), sorted(map(str, keys - wanted))
+        raise ProtocolError(f"{name}: expected fields {sorted(wanted)}, missing {missing}, unexpected {extra}")
+    del obj["t"]
+    _validate(name, obj, ProtocolError)
+    return cls(**obj)
+
+
+# --- bitfields ----------------------------------------------------------------
+
+
+def bitfield_from_indices(indices, n: int) -> bytes:
+    """Bit i (byte i // 8, bit i % 8, LSB first) set for each index in [0, n)."""
+    if type(n) is not int or n < 0:
+        raise UsageError(f"expected a non-negative int n, found {_found(n)}")
+    out = bytearray((n + 7) // 8)
+    for i in indices:
+        if type(i) is not int or not 0 <= i < n:
+            raise UsageError(f"expected indices in [0, {n}), found {_found(i)}")
+        out[i >> 3] |= 1 << (i & 7)
+    return bytes(out)
+
+
+def indices_from_bitfield(b: bytes, n: int) -> list[int]:
+    """The sorted set indices of a bitfield of exactly n bits (ProtocolError if not)."""
+    if type(n) is not int or n < 0:
+        raise UsageError(f"expected a non-negative int n, found {_found(n)}")
+    if len(b) != (n + 7) // 8:
+        raise ProtocolError(f"bitfield of {n} bits: expected {(n + 7) // 8} bytes, found {len(b)}")
+    if n % 8 and b[-1] >> (n % 8):
+        raise ProtocolError(f"bitfield of {n} bits: found bits set beyond bit {n - 1}")
+    return [(k << 3) + j for k, byte in enumerate(b) if byte for j in range(8) if byte >> j & 1]
+
+
+# --- connection -----------------------------------------------------------------
+
+AWAIT_HELLO = "AWAIT_HELLO"  # nothing sent (or received) yet
+OPEN = "OPEN"  # Hello done; any message but Hello may follow
+DONE = "DONE"  # Bye done; nothing may follow
+
+# (state, message type) -> next state; `None` means any other message type.
+_TRANSITIONS = {
+    (AWAIT_HELLO, Hello): OPEN,
+    (OPEN, Bye): DONE,
+    (OPEN, None): OPEN,
+}
+
+
+def _advance(state: str, msg, exc: type[Exception], who: str) -> str:
+    nxt = _TRANSITIONS.get((state, type(msg)))
+    if nxt is None and type(msg) is not Hello:
+        nxt = _TRANSITIONS.get((state, None))
+    if nxt is None:
+        expected = {AWAIT_HELLO: "Hello first", OPEN: "anything but a second Hello",
+                    DONE: "nothing after Bye"}[state]
+        raise exc(f"{who}: expected {expected}, found {type(msg).__name__}")
+    return nxt
+
+
+class Connection:
+    """One side of a peer/tracker connection; see the module docstring."""
+
+    def __init__(self, max_frame: int = MAX_FRAME_BYTES):
+        if type(max_frame) is not int or not 0 < max_frame <= _LENGTH_LIMIT:
+            raise UsageError(f"expected max_frame in [1, 2**32), found {_found(max_frame)}")
+        self.max_frame = max_frame
+        self.our_state = AWAIT_HELLO
+        self.their_state = AWAIT_HELLO
+        self._buf = bytearray()
+        self._pos = 0  # bytes of _buf already parsed
+        self._eof = False
+        self._error: ProtocolError | None = None
+
+    def receive_data(self, data: bytes) -> None:
+        """Buffer bytes from the peer; b"" means the peer closed its side."""
+        if not data:
+            self._eof = True
+        elif self._eof:
+            raise UsageError("receive_data after EOF")
+        else:
+            self._buf += data
+
+    def next_event(self):
+        """The next message from the peer, NEED_DATA, or CLOSED."""
+        if self._error is not None:
+            raise ProtocolError(f"connection is broken: {self._error}") from self._error
+        try:
+            return self._next()
+        except ProtocolError as e:
+            self._error = e
+            raise
+
+    def _next(self):
+        buf, pos = self._buf, self._pos
+        avail = len(buf) - pos
+        if avail >= HEADER_BYTES:
+            n = int.from_bytes(buf[pos:pos + HEADER_BYTES], "big")
+            if n > self.max_frame:
+                raise FrameTooLarge(f"expected a frame of at most {self.max_frame} bytes, found a header of {n}")
+            if avail >= HEADER_BYTES + n:
+                end = pos + HEADER_BYTES + n
+                body = bytes(buf[pos + HEADER_BYTES:end])
+                self._consume(end)
+                msg = decode_body(body)
+                self.their_state = _advance(self.their_state, msg, ProtocolError, "peer")
+                return msg
+        if not self._eof:
+            return NEED_DATA
+        if avail:
+            raise ProtocolError(f"truncated frame: EOF with {avail} bytes of an incomplete frame buffered")
+        return CLOSED
+
+    def _consume(self, end: int) -> None:
+        # Dropping the consumed prefix costs O(rest); doing it only once the
+        # prefix is at least half the buffer keeps parsing linear overall.
+        if end == len(self._buf):
+            self._buf.clear()
+            end = 0
+        elif end >= _COMPACT_MIN and end * 2 >= len(self._buf):
+            del self._buf[:end]
+            end = 0
+        self._pos = end
+
+    def send(self, msg) -> bytes:
+        """The bytes that carry `msg` to the peer (UsageError if not allowed now)."""
+        data = encode(msg)
+        if len(data) - HEADER_BYTES > self.max_frame:
+            raise UsageError(f"expected a frame of at most {self.max_frame} bytes, found {len(data) - HEADER_BYTES}")
+        self.our_state = _advance(self.our_state, msg, UsageError, "send")
+        return data

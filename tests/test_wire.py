@@ -1,0 +1,350 @@
+"""Wire protocol: round trips, framing under any split, Hello-first rules, hostile bytes."""
+
+import time
+
+import hypothesis.strategies as st
+import msgpack
+import pytest
+from hypothesis import given, settings
+
+from protocol import wire
+from protocol.errors import FrameTooLarge, ProtocolError, UsageError
+from protocol.wire import (
+    CLOSED, NEED_DATA, Announce, Bye, Cancel, Connection, Error, Have, HaveOne, Heartbeat,
+    Hello, Piece, PeerList, Request, VersionNotice, bitfield_from_indices, indices_from_bitfield,
+)
+
+uint = st.integers(min_value=0, max_value=2**64 - 1)
+text = st.text(max_size=20)
+blob = st.binary(max_size=64)
+peer = st.fixed_dictionaries({"id": text, "region": text, "addr": text})
+
+hellos = st.builds(Hello, node_id=text, region=text, role=text, listen=text,
+                   versions=st.lists(uint, max_size=5))
+messages = st.one_of(
+    hellos,
+    st.builds(Have, version=uint, chunks=blob),
+    st.builds(HaveOne, version=uint, chunk=uint),
+    st.builds(Request, version=uint, chunk=uint),
+    st.builds(Piece, version=uint, chunk=uint, data=blob),
+    st.builds(Cancel, version=uint, chunk=uint),
+    st.builds(Announce, manifest=blob),
+    st.builds(PeerList, peers=st.lists(peer, max_size=4)),
+    st.builds(VersionNotice, version=uint, manifest=blob),
+    st.builds(Heartbeat),
+    st.builds(Bye, reason=text),
+    st.builds(Error, message=text),
+)
+body_messages = messages.filter(lambda m: not isinstance(m, (Hello, Bye)))
+
+HELLO = Hello(node_id="n1", region="eu", role="node", listen="10.0.0.1:7000", versions=[1, 2])
+
+
+def frame(obj) -> bytes:
+    body = msgpack.packb(obj, use_bin_type=True)
+    return len(body).to_bytes(4, "big") + body
+
+
+def drain(conn):
+    out = []
+    while (ev := conn.next_event()) is not NEED_DATA and ev is not CLOSED:
+        out.append(ev)
+    return out, ev
+
+
+def session(msgs):
+    """The bytes a sender emits for Hello followed by msgs."""
+    sender = Connection()
+    return b"".join(sender.send(m) for m in [HELLO, *msgs])
+
+
+# --- round trips and framing -------------------------------------------------------
+
+
+def test_every_type_is_covered():
+    assert set(wire.MESSAGE_TYPES) == {
+        "Hello", "Have", "HaveOne", "Request", "Piece", "Cancel", "Announce",
+        "PeerList", "VersionNotice", "Heartbeat", "Bye", "Error"}
+
+
+@given(messages)
+def test_round_trip_each_message(msg):
+    data = wire.encode(msg)
+    assert int.from_bytes(data[:4], "big") == len(data) - 4
+    assert wire.decode_body(data[4:]) == msg
+
+
+@given(st.lists(body_messages, max_size=10))
+def test_byte_by_byte_equals_whole(msgs):
+    data = session(msgs)
+    whole = Connection()
+    whole.receive_data(data)
+    whole.receive_data(b"")
+    expected, end = drain(whole)
+    assert expected == [HELLO, *msgs] and end is CLOSED
+
+    split = Connection()
+    got = []
+    for i in range(len(data)):
+        split.receive_data(data[i:i + 1])
+        more, end = drain(split)
+        assert end is NEED_DATA
+        got += more
+    split.receive_data(b"")
+    more, end = drain(split)
+    assert got + more == expected and end is CLOSED
+    assert split.next_event() is CLOSED  # stays closed
+
+
+@given(st.lists(body_messages, max_size=10), st.data())
+def test_random_splits(msgs, data):
+    raw = session(msgs)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(raw)), max_size=8)))
+    conn = Connection()
+    got = []
+    for a, b in zip([0, *cuts], [*cuts, len(raw)]):
+        if b > a:
+            conn.receive_data(raw[a:b])
+        got += drain(conn)[0]
+    assert got == [HELLO, *msgs]
+
+
+def test_many_small_frames_is_linear():
+    n = 20_000
+    raw = session([HaveOne(version=1, chunk=i) for i in range(n)])
+    conn = Connection()
+    t = time.perf_counter()  # generous bound: quadratic parsing would take minutes
+    conn.receive_data(raw)
+    got, end = drain(conn)
+    assert len(got) == n + 1 and got[-1] == HaveOne(version=1, chunk=n - 1) and end is NEED_DATA
+    assert time.perf_counter() - t < 2.0
+
+
+def test_one_large_frame_fed_in_small_pieces():
+    piece = Piece(version=3, chunk=7, data=bytes(range(256)) * (8 << 12))  # 8 MiB
+    raw = session([piece])
+    conn = Connection()
+    t = time.perf_counter()
+    got = []
+    for i in range(0, len(raw), 4096):
+        conn.receive_data(raw[i:i + 4096])
+        got += drain(conn)[0]
+    assert got == [HELLO, piece]
+    assert time.perf_counter() - t < 3.0
+
+
+# --- limits and truncation ---------------------------------------------------------
+
+
+def test_oversized_header_raises_at_once():
+    conn = Connection(max_frame=1000)
+    conn.receive_data((1001).to_bytes(4, "big"))  # no body at all yet
+    with pytest.raises(FrameTooLarge):
+        conn.next_event()
+    with pytest.raises(ProtocolError):  # broken for good
+        conn.next_event()
+
+
+def test_default_max_frame():
+    conn = Connection()
+    conn.receive_data((wire.MAX_FRAME_BYTES + 1).to_bytes(4, "big"))
+    with pytest.raises(FrameTooLarge):
+        conn.next_event()
+    ok = Connection()
+    ok.receive_data(wire.MAX_FRAME_BYTES.to_bytes(4, "big"))
+    assert ok.next_event() is NEED_DATA
+
+
+def test_send_respects_max_frame():
+    conn = Connection(max_frame=100)
+    conn.send(HELLO)
+    with pytest.raises(UsageError):
+        conn.send(Piece(version=1, chunk=0, data=bytes(200)))
+
+
+@pytest.mark.parametrize("cut", [1, 3, 4, 10])
+def test_truncated_frame_at_eof(cut):
+    raw = session([])
+    conn = Connection()
+    conn.receive_data(raw[:cut])
+    assert conn.next_event() is NEED_DATA
+    conn.receive_data(b"")
+    with pytest.raises(ProtocolError, match="truncated frame"):
+        conn.next_event()
+
+
+def test_eof_before_anything_is_closed():
+    conn = Connection()
+    conn.receive_data(b"")
+    assert conn.next_event() is CLOSED
+    with pytest.raises(UsageError):
+        conn.receive_data(b"x")
+
+
+def test_bad_max_frame():
+    for bad in (0, -1, 2**32, "16"):
+        with pytest.raises(UsageError):
+            Connection(max_frame=bad)
+
+
+# --- state machine -----------------------------------------------------------------
+
+
+def test_send_must_start_with_hello():
+    conn = Connection()
+    with pytest.raises(UsageError):
+        conn.send(Heartbeat())
+    conn.send(HELLO)
+    conn.send(Heartbeat())
+    with pytest.raises(UsageError):
+        conn.send(HELLO)  # only once
+
+
+def test_nothing_after_bye():
+    conn = Connection()
+    conn.send(HELLO)
+    conn.send(Bye(reason="done"))
+    for msg in (Heartbeat(), Bye(reason="again"), HELLO):
+        with pytest.raises(UsageError):
+            conn.send(msg)
+
+
+def test_receive_must_start_with_hello():
+    conn = Connection()
+    conn.receive_data(wire.encode(Heartbeat()))
+    with pytest.raises(ProtocolError, match="Hello"):
+        conn.next_event()
+    with pytest.raises(ProtocolError):
+        conn.next_event()
+
+
+def test_receive_after_bye_and_second_hello():
+    conn = Connection()
+    conn.receive_data(wire.encode(HELLO) + wire.encode(Bye(reason="x")) + wire.encode(Heartbeat()))
+    assert conn.next_event() == HELLO
+    assert conn.next_event() == Bye(reason="x")
+    with pytest.raises(ProtocolError, match="Bye"):
+        conn.next_event()
+
+    conn = Connection()
+    conn.receive_data(wire.encode(HELLO) * 2)
+    assert conn.next_event() == HELLO
+    with pytest.raises(ProtocolError):
+        conn.next_event()
+
+
+def test_bye_then_eof_is_clean():
+    conn = Connection()
+    conn.receive_data(session([Bye(reason="bye")]))
+    conn.receive_data(b"")
+    assert drain(conn) == ([HELLO, Bye(reason="bye")], CLOSED)
+
+
+# --- validation ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("obj, needle", [
+    ({"t": "Nope"}, '"t"'),
+    ({"version": 1}, '"t"'),
+    ([1, 2], "map"),
+    ({"t": "Request", "version": 1}, "missing ['chunk']"),
+    ({"t": "Request", "version": 1, "chunk": 2, "x": 3}, "unexpected ['x']"),
+    ({"t": "Request", "version": -1, "chunk": 2}, "Request.version: expected non-negative int"),
+    ({"t": "Request", "version": True, "chunk": 2}, "found bool"),
+    ({"t": "Request", "version": "1", "chunk": 2}, "found str"),
+    ({"t": "Piece", "version": 1, "chunk": 2, "data": "text"}, "Piece.data: expected bytes, found str"),
+    ({"t": "Bye", "reason": b"raw"}, "Bye.reason: expected str"),
+    ({"t": "Hello", "node_id": "a", "region": "b", "role": "c", "listen": "d", "versions": [1, -2]},
+     "Hello.versions"),
+    ({"t": "PeerList", "peers": [{"id": "a", "region": "b"}]}, "PeerList.peers"),
+    ({"t": "PeerList", "peers": [{"id": "a", "region": "b", "addr": 5}]}, "PeerList.peers"),
+    ({"t": "Heartbeat", "extra": 1}, "unexpected"),
+])
+def test_decode_rejects(obj, needle):
+    with pytest.raises(ProtocolError) as info:
+        wire.decode_body(msgpack.packb(obj, use_bin_type=True))
+    assert needle in str(info.value)
+
+
+@pytest.mark.parametrize("body", [b"", b"\xc1", b"\x81", msgpack.packb({"t": "Heartbeat"}) + b"\x00",
+                                  b"\xa2\xff\xfe"])
+def test_non_msgpack_body(body):
+    with pytest.raises(ProtocolError, match="msgpack"):
+        wire.decode_body(body)
+
+
+def test_send_validates():
+    conn = Connection()
+    conn.send(HELLO)
+    for bad in (Request(version=-1, chunk=0), Piece(version=1, chunk=0, data=bytearray(3)),
+                PeerList(peers=[{"id": "a"}]), "Heartbeat", {"t": "Heartbeat"}):
+        with pytest.raises(UsageError):
+            conn.send(bad)
+    assert conn.our_state == wire.OPEN  # a refused send changes nothing
+
+
+# --- hostile input -----------------------------------------------------------------
+
+
+def feed_and_drain(conn, data):
+    try:
+        conn.receive_data(data)
+        drain(conn)
+        conn.receive_data(b"")
+        drain(conn)
+    except ProtocolError:
+        with pytest.raises(ProtocolError):
+            conn.next_event()
+
+
+@settings(max_examples=300)
+@given(st.binary(max_size=200), st.booleans())
+def test_random_bytes_raise_only_protocol_error(data, after_hello):
+    prefix = wire.encode(HELLO) if after_hello else b""
+    feed_and_drain(Connection(max_frame=1 << 12), prefix + data)
+
+
+msgpack_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats() | text | blob,
+    lambda kids: st.lists(kids, max_size=3) | st.dictionaries(text, kids, max_size=3),
+    max_leaves=8,
+)
+
+
+@settings(max_examples=150)
+@given(st.sampled_from(sorted(wire.MESSAGE_TYPES)),
+       st.dictionaries(st.sampled_from(["version", "chunk", "data", "peers", "node_id", "region",
+                                        "role", "listen", "versions", "reason", "message",
+                                        "manifest", "chunks", "other"]),
+                       msgpack_values, max_size=6))
+def test_random_maps_raise_only_protocol_error(name, fields):
+    raw = wire.encode(HELLO) + frame({"t": name, **fields})
+    feed_and_drain(Connection(), raw)
+
+
+# --- bitfields ---------------------------------------------------------------------
+
+
+@given(st.integers(0, 300).flatmap(lambda n: st.tuples(st.just(n), st.sets(st.integers(0, max(n - 1, 0)))
+                                                          if n else st.just(set()))))
+def test_bitfield_round_trip(case):
+    n, idx = case
+    b = bitfield_from_indices(idx, n)
+    assert len(b) == (n + 7) // 8
+    assert indices_from_bitfield(b, n) == sorted(idx)
+
+
+def test_bitfield_layout():
+    assert bitfield_from_indices([0, 9], 10) == bytes([0b1, 0b10])
+    assert indices_from_bitfield(bytes([0x80]), 8) == [7]
+
+
+def test_bitfield_rejects():
+    with pytest.raises(ProtocolError, match="beyond"):
+        indices_from_bitfield(bytes([0b0000_0100]), 2)
+    with pytest.raises(ProtocolError, match="bytes"):
+        indices_from_bitfield(bytes(2), 8)
+    with pytest.raises(UsageError):
+        bitfield_from_indices([10], 10)
+    with pytest.raises(UsageError):
+        bitfield_from_indices([-1], 10)
