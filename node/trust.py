@@ -1,0 +1,283 @@
+"""Swarm trust on disk and on the wire: the trainer key, the swarm CA, node certificates, TLS 1.3 contexts.
+
+A swarm directory (`init_swarm`) holds:
+
+- trainer.key / trainer.pub: Ed25519, signs manifests (protocol/manifest.py);
+- ca.key / ca.crt: the swarm CA, ECDSA P-256, self-signed, CA=True.
+
+`issue` writes one member's credentials into a directory of their own:
+NAME.crt / NAME.key (ECDSA P-256), plus copies of ca.crt and trainer.pub. The
+certificate carries CN=NAME, OU=ROLE (one of ROLES), SAN DNS NAME + localhost
++ IP 127.0.0.1, EKU serverAuth + clientAuth.
+
+On the wire both sides present certificates (mutual TLS 1.3) and trust only
+the swarm CA. Hostnames are not checked: a peer is who its CA-signed
+certificate says, and `require_role` decides what it may do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import ipaddress
+import os
+import re
+import ssl
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from protocol.errors import InvalidInput, UsageError
+
+ROLES = frozenset({"tracker", "origin", "node"})
+TRAINER_KEY = "trainer.key"
+TRAINER_PUB = "trainer.pub"
+CA_KEY = "ca.key"
+CA_CRT = "ca.crt"
+CA_DAYS = 3650
+LEAF_DAYS = 825
+_NAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
+
+
+# ------------------------------------------------------------------ files
+
+
+def _write_new(path: Path, data: bytes, mode: int) -> None:
+    """Create `path` with `mode`; never overwrite."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    except FileExistsError:
+        raise UsageError(f"{path}: already exists; refusing to overwrite") from None
+    try:
+        os.fchmod(fd, mode)  # umask must not widen or narrow what we promise
+        with os.fdopen(fd, "wb") as f:
+            fd = -1
+            f.write(data)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def _pem_private(key) -> bytes:
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())
+
+
+def _pem_public(key) -> bytes:
+    return key.public_key().public_bytes(serialization.Encoding.PEM,
+                                         serialization.PublicFormat.SubjectPublicKeyInfo)
+
+
+def _now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.timezone.utc)
+
+
+def init_swarm(directory: str | os.PathLike) -> dict[str, Path]:
+    """Create a swarm's trainer key and CA in `directory`. Refuses to overwrite any of them."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    paths = {n: d / n for n in (TRAINER_KEY, TRAINER_PUB, CA_KEY, CA_CRT)}
+    existing = [str(p) for p in paths.values() if p.exists()]
+    if existing:
+        raise UsageError(f"swarm init: {', '.join(existing)} already exist; refusing to overwrite")
+
+    trainer = Ed25519PrivateKey.generate()
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([
+        x509.NameAttribute(NameOID.ORGANIZATION_NAME, "patchswarm"),
+        x509.NameAttribute(NameOID.COMMON_NAME, f"patchswarm swarm CA {d.resolve().name}"),
+    ])
+    now = _now()
+    ca_cert = (
+        x509.CertificateBuilder()
+        .subject_name(subject).issuer_name(subject)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(hours=1))
+        .not_valid_after(now + datetime.timedelta(days=CA_DAYS))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
+                                     data_encipherment=False, key_agreement=False, key_cert_sign=True,
+                                     crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    _write_new(paths[TRAINER_KEY], _pem_private(trainer), 0o600)
+    _write_new(paths[TRAINER_PUB], _pem_public(trainer), 0o644)
+    _write_new(paths[CA_KEY], _pem_private(ca_key), 0o600)
+    _write_new(paths[CA_CRT], ca_cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    return paths
+
+
+def _read(path: Path, what: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise UsageError(f"{path}: no {what} here (run `patchswarm swarm init` first?)") from None
+
+
+def issue(directory: str | os.PathLike, name: str, role: str, out: str | os.PathLike) -> dict[str, Path]:
+    """Issue credentials for member `name` with `role` from the swarm in `directory` into `out`."""
+    if role not in ROLES:
+        raise UsageError(f"issue: role must be one of {sorted(ROLES)}, found {role!r}")
+    if not isinstance(name, str) or len(name) > 253 or not _NAME.match(name):
+        raise UsageError(f"issue: name must be a DNS name (letters, digits, '-', '.'), found {name!r}")
+    d, o = Path(directory), Path(out)
+    ca_crt_pem = _read(d / CA_CRT, "swarm CA certificate")
+    trainer_pub = _read(d / TRAINER_PUB, "trainer public key")
+    try:
+        ca_key = serialization.load_pem_private_key(_read(d / CA_KEY, "swarm CA key"), password=None)
+        ca_cert = x509.load_pem_x509_certificate(ca_crt_pem)
+    except ValueError as e:
+        raise InvalidInput(f"{d}: swarm CA key or certificate does not load: {e}") from None
+    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
+        raise InvalidInput(f"{d / CA_KEY}: expected an EC P-256 key, found {type(ca_key).__name__}")
+
+    o.mkdir(parents=True, exist_ok=True)
+    others = [p.name for p in o.glob("*.crt") if p.name != CA_CRT]
+    if others:
+        raise UsageError(f"issue: {o} already holds credentials ({', '.join(sorted(others))}); "
+                         f"use one directory per member")
+    for fname, data in ((CA_CRT, ca_crt_pem), (TRAINER_PUB, trainer_pub)):
+        p = o / fname
+        if p.exists() and p.read_bytes() != data:
+            raise UsageError(f"issue: {p} belongs to another swarm; refusing to overwrite")
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = _now()
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "patchswarm"),
+            x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role),
+            x509.NameAttribute(NameOID.COMMON_NAME, name),
+        ]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(hours=1))
+        .not_valid_after(min(now + datetime.timedelta(days=LEAF_DAYS), ca_cert.not_valid_after_utc))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False, key_encipherment=False,
+                                     data_encipherment=False, key_agreement=True, key_cert_sign=False,
+                                     crl_sign=False, encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+                       critical=False)
+        .add_extension(x509.SubjectAlternativeName([
+            x509.DNSName(name), x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+        ]), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    paths = {"crt": o / f"{name}.crt", "key": o / f"{name}.key", "ca": o / CA_CRT, "trainer_pub": o / TRAINER_PUB}
+    _write_new(paths["key"], _pem_private(key), 0o600)
+    _write_new(paths["crt"], cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    for fname, data in ((CA_CRT, ca_crt_pem), (TRAINER_PUB, trainer_pub)):
+        if not (o / fname).exists():
+            _write_new(o / fname, data, 0o644)
+    return paths
+
+
+# ------------------------------------------------------------------ credentials
+
+
+@dataclasses.dataclass(frozen=True)
+class Credentials:
+    """One member's credentials directory, as written by `issue`."""
+
+    directory: Path
+    name: str
+    role: str
+    cert: Path
+    key: Path
+    ca: Path
+    trainer_pub: Path
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike) -> "Credentials":
+        d = Path(directory)
+        crts = sorted(p for p in d.glob("*.crt") if p.name != CA_CRT)
+        if len(crts) != 1:
+            raise UsageError(f"{d}: expected exactly one member certificate besides {CA_CRT}, "
+                             f"found {[p.name for p in crts]}")
+        crt = crts[0]
+        paths = {"key": crt.with_suffix(".key"), "ca": d / CA_CRT, "trainer_pub": d / TRAINER_PUB}
+        missing = [str(p) for p in paths.values() if not p.is_file()]
+        if missing:
+            raise UsageError(f"{d}: missing {', '.join(missing)}")
+        try:
+            cert = x509.load_pem_x509_certificate(crt.read_bytes())
+        except ValueError as e:
+            raise InvalidInput(f"{crt}: not a PEM certificate: {e}") from None
+        name, role = _name_role(cert.subject, str(crt))
+        return cls(d, name, role, crt, paths["key"], paths["ca"], paths["trainer_pub"])
+
+    def trainer_public_key(self) -> Ed25519PublicKey:
+        try:
+            key = serialization.load_pem_public_key(self.trainer_pub.read_bytes())
+        except ValueError as e:
+            raise InvalidInput(f"{self.trainer_pub}: not a PEM public key: {e}") from None
+        if not isinstance(key, Ed25519PublicKey):
+            raise InvalidInput(f"{self.trainer_pub}: expected an Ed25519 key, found {type(key).__name__}")
+        return key
+
+
+def _name_role(subject: x509.Name, where: str) -> tuple[str, str]:
+    cn = subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    ou = subject.get_attributes_for_oid(NameOID.ORGANIZATIONAL_UNIT_NAME)
+    if len(cn) != 1 or len(ou) != 1:
+        raise InvalidInput(f"{where}: expected one CN and one OU (role) in the subject, found {subject.rfc4514_string()}")
+    role = ou[0].value
+    if role not in ROLES:
+        raise InvalidInput(f"{where}: expected role in {sorted(ROLES)}, found {role!r}")
+    return str(cn[0].value), str(role)
+
+
+# ------------------------------------------------------------------ TLS
+
+
+def _context(purpose: int, creds: Credentials) -> ssl.SSLContext:
+    ctx = ssl.SSLContext(purpose)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    if purpose == ssl.PROTOCOL_TLS_CLIENT:
+        ctx.check_hostname = False  # identity is CA + role, not DNS
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    ctx.load_cert_chain(str(creds.cert), str(creds.key))
+    ctx.load_verify_locations(cafile=str(creds.ca))
+    return ctx
+
+
+def server_context(creds: Credentials) -> ssl.SSLContext:
+    """TLS 1.3 server context that requires a client certificate from the swarm CA."""
+    return _context(ssl.PROTOCOL_TLS_SERVER, creds)
+
+
+def client_context(creds: Credentials) -> ssl.SSLContext:
+    """TLS 1.3 client context presenting `creds` and trusting only the swarm CA."""
+    return _context(ssl.PROTOCOL_TLS_CLIENT, creds)
+
+
+def peer_identity(ssl_object) -> tuple[str, str]:
+    """`(name, role)` of the verified peer of `ssl_object` (ssl.SSLObject/SSLSocket, or a trio.SSLStream)."""
+    cert = ssl_object.getpeercert()
+    if not cert:
+        raise InvalidInput("peer: expected a verified certificate, found none")
+    cn = [v for rdn in cert.get("subject", ()) for k, v in rdn if k == "commonName"]
+    ou = [v for rdn in cert.get("subject", ()) for k, v in rdn if k == "organizationalUnitName"]
+    if len(cn) != 1 or len(ou) != 1:
+        raise InvalidInput(f"peer certificate: expected one CN and one OU (role), found {cert.get('subject')!r}")
+    if ou[0] not in ROLES:
+        raise InvalidInput(f"peer {cn[0]!r}: expected role in {sorted(ROLES)}, found {ou[0]!r}")
+    return cn[0], ou[0]
+
+
+def require_role(ssl_object, allowed: set[str] | frozenset[str]) -> tuple[str, str]:
+    """`peer_identity(ssl_object)` when its role is in `allowed`; InvalidInput otherwise."""
+    name, role = peer_identity(ssl_object)
+    if role not in allowed:
+        raise InvalidInput(f"peer {name!r}: expected role {' or '.join(sorted(allowed))}, found {role!r}")
+    return name, role

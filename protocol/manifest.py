@@ -1,0 +1,225 @@
+"""Signed swarm manifests: what a version is made of, and who says so. Sans-IO.
+
+A manifest names one published version of a swarm's weights: which version it
+patches (`base_version`/`base_hash`, both None for a keyframe), the state hash
+it yields (`target_hash`), the tensors it holds, and the chunks (size and
+SHA-256 each) that nodes fetch from each other. The trainer signs it with its
+Ed25519 key; nodes verify it against the swarm's `trainer.pub` before trusting
+any chunk it lists.
+
+Wire form:
+
+- manifest bytes: a msgpack array in one fixed order (see `_FIELDS`), maps in
+  `codec` with sorted keys, so that one manifest has exactly one encoding;
+- envelope: msgpack `[manifest_bytes, signature]`, the signature over the
+  manifest bytes.
+
+No files, no clocks: `created_at` is passed in by the caller.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+from typing import Any
+
+import msgpack
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from protocol.errors import CorruptData, SignatureError, StaleVersion, UsageError
+
+MAGIC = "patchswarm-manifest/1"
+SIGNATURE_BYTES = 64
+SHA256_BYTES = 32
+_FIELDS = ("swarm_id", "version", "base_version", "base_hash", "target_hash",
+           "tensors", "chunks", "codec", "created_at")
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    """One version of a swarm's weights. `tensors` and `chunks` are normalized to tuples."""
+
+    swarm_id: str
+    version: int
+    base_version: int | None
+    base_hash: str | None
+    target_hash: str
+    tensors: tuple  # of (name: str, dtype: str, shape: tuple[int, ...])
+    chunks: tuple  # of (size: int, sha256: bytes)
+    codec: dict
+    created_at: float
+
+    def __post_init__(self) -> None:
+        _check(self, UsageError)
+        object.__setattr__(self, "tensors", tuple((n, d, tuple(s)) for n, d, s in self.tensors))
+        object.__setattr__(self, "chunks", tuple((int(z), bytes(h)) for z, h in self.chunks))
+        object.__setattr__(self, "codec", _canonical(self.codec, UsageError))
+        object.__setattr__(self, "created_at", float(self.created_at))
+
+    @property
+    def is_keyframe(self) -> bool:
+        return self.base_version is None
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(size for size, _ in self.chunks)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check(m: Any, error: type[Exception]) -> None:
+    """Raise `error` naming the first field of `m` that is not what a manifest must hold."""
+
+    def bad(field: str, expected: str, found: Any) -> None:
+        raise error(f"manifest {field}: expected {expected}, found {found!r:.80}")
+
+    if not isinstance(m.swarm_id, str) or not m.swarm_id:
+        bad("swarm_id", "a non-empty str", m.swarm_id)
+    if not _is_int(m.version) or m.version < 0:
+        bad("version", "an int >= 0", m.version)
+    if (m.base_version is None) != (m.base_hash is None):
+        bad("base_version/base_hash", "both None (keyframe) or both set", (m.base_version, m.base_hash))
+    if m.base_version is not None:
+        if not _is_int(m.base_version) or not 0 <= m.base_version < m.version:
+            bad("base_version", f"an int in [0, {m.version})", m.base_version)
+        if not isinstance(m.base_hash, str) or not m.base_hash:
+            bad("base_hash", "a non-empty str", m.base_hash)
+    if not isinstance(m.target_hash, str) or not m.target_hash:
+        bad("target_hash", "a non-empty str", m.target_hash)
+    if not isinstance(m.tensors, (list, tuple)):
+        bad("tensors", "a list", m.tensors)
+    for t in m.tensors:
+        if (not isinstance(t, (list, tuple)) or len(t) != 3 or not isinstance(t[0], str)
+                or not isinstance(t[1], str) or not isinstance(t[2], (list, tuple))
+                or not all(_is_int(d) and d >= 0 for d in t[2])):
+            bad("tensors entry", "[name: str, dtype: str, shape: list of ints >= 0]", t)
+    if not isinstance(m.chunks, (list, tuple)):
+        bad("chunks", "a list", m.chunks)
+    for c in m.chunks:
+        if (not isinstance(c, (list, tuple)) or len(c) != 2 or not _is_int(c[0]) or c[0] < 0
+                or not isinstance(c[1], (bytes, bytearray)) or len(c[1]) != SHA256_BYTES):
+            bad("chunks entry", "[size: int >= 0, sha256: 32 bytes]", c)
+    if not isinstance(m.codec, dict):
+        bad("codec", "a dict", m.codec)
+    if (not isinstance(m.created_at, (int, float)) or isinstance(m.created_at, bool)
+            or not math.isfinite(m.created_at)):
+        bad("created_at", "a finite float", m.created_at)
+
+
+def _canonical(value: Any, error: type[Exception]) -> Any:
+    """`value` with every map's keys sorted; only msgpack's plain types (str keys) allowed."""
+    if isinstance(value, dict):
+        if not all(isinstance(k, str) for k in value):
+            raise error(f"manifest codec: expected str keys, found {list(value)!r:.80}")
+        return {k: _canonical(value[k], error) for k in sorted(value)}
+    if isinstance(value, (list, tuple)):
+        return [_canonical(v, error) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        if _is_int(value) and not -(2**63) <= value < 2**64:
+            raise error(f"manifest codec: int {value} does not fit msgpack")
+        return value
+    raise error(f"manifest codec: expected msgpack plain types, found {type(value).__name__}")
+
+
+def encode_manifest(m: Manifest) -> bytes:
+    """The one canonical encoding of `m`."""
+    if not isinstance(m, Manifest):
+        raise UsageError(f"encode_manifest: expected a Manifest, found {type(m).__name__}")
+    return msgpack.packb([
+        MAGIC, m.swarm_id, m.version, m.base_version, m.base_hash, m.target_hash,
+        [[n, d, list(s)] for n, d, s in m.tensors],
+        [[z, h] for z, h in m.chunks],
+        m.codec, m.created_at,
+    ], use_bin_type=True)
+
+
+def decode_manifest(data: bytes) -> Manifest:
+    """Parse canonical manifest bytes (unsigned). Raises CorruptData only."""
+    try:
+        obj = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True, use_list=True)
+    except Exception as e:  # msgpack raises a zoo: ValueError, ExtraData, FormatError, StackError, TypeError
+        raise CorruptData(f"manifest: not msgpack ({type(e).__name__}: {e})") from None
+    if not isinstance(obj, list) or len(obj) != 1 + len(_FIELDS):
+        raise CorruptData(f"manifest: expected an array of {1 + len(_FIELDS)}, found {type(obj).__name__}")
+    if obj[0] != MAGIC:
+        raise CorruptData(f"manifest: expected magic {MAGIC!r}, found {obj[0]!r:.80}")
+    fields = dict(zip(_FIELDS, obj[1:]))
+    probe = type("Probe", (), fields)
+    _check(probe, CorruptData)
+    try:
+        m = Manifest(**fields)
+    except UsageError as e:  # codec map with non-str keys and the like
+        raise CorruptData(str(e)) from None
+    if encode_manifest(m) != bytes(data):
+        raise CorruptData("manifest: not in canonical encoding")
+    return m
+
+
+def sign_manifest(m: Manifest, private_key: Ed25519PrivateKey) -> bytes:
+    """The signed envelope `msgpack [manifest_bytes, signature]`."""
+    if not isinstance(private_key, Ed25519PrivateKey):
+        raise UsageError(f"sign_manifest: expected an Ed25519PrivateKey, found {type(private_key).__name__}")
+    body = encode_manifest(m)
+    return msgpack.packb([body, private_key.sign(body)], use_bin_type=True)
+
+
+def verify_manifest(data: bytes, public_key: Ed25519PublicKey) -> Manifest:
+    """The manifest in a signed envelope, once its signature verifies against `public_key`.
+
+    Raises SignatureError when the signature does not verify, CorruptData when
+    the envelope or manifest does not decode; nothing else for any `data`.
+    """
+    if not isinstance(public_key, Ed25519PublicKey):
+        raise UsageError(f"verify_manifest: expected an Ed25519PublicKey, found {type(public_key).__name__}")
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise UsageError(f"verify_manifest: expected bytes, found {type(data).__name__}")
+    try:
+        env = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True, use_list=True)
+    except Exception as e:
+        raise CorruptData(f"manifest envelope: not msgpack ({type(e).__name__}: {e})") from None
+    if (not isinstance(env, list) or len(env) != 2
+            or not isinstance(env[0], bytes) or not isinstance(env[1], bytes)):
+        raise CorruptData("manifest envelope: expected [manifest: bin, signature: bin]")
+    body, sig = env
+    if len(sig) != SIGNATURE_BYTES:
+        raise SignatureError(f"manifest signature: expected {SIGNATURE_BYTES} bytes, found {len(sig)}")
+    try:
+        public_key.verify(sig, body)
+    except InvalidSignature:
+        raise SignatureError("manifest signature does not verify against the trainer key") from None
+    return decode_manifest(body)
+
+
+class VersionGate:
+    """Highest accepted manifest version per swarm; refuses replays and older versions."""
+
+    def __init__(self) -> None:
+        self._current: dict[str, int] = {}
+
+    def current(self, swarm_id: str) -> int | None:
+        return self._current.get(swarm_id)
+
+    def check(self, m: Manifest) -> None:
+        cur = self._current.get(m.swarm_id)
+        if cur is not None and m.version <= cur:
+            what = "replay of" if m.version == cur else "older than"
+            raise StaleVersion(f"swarm {m.swarm_id!r}: manifest version {m.version} is a {what} "
+                               f"accepted version {cur}; expected > {cur}")
+
+    def accept(self, m: Manifest) -> None:
+        self.check(m)
+        self._current[m.swarm_id] = m.version
+
+
+def chunk_ok(m: Manifest, index: int, data: bytes) -> bool:
+    """Whether `data` is chunk `index` of `m`: same size and SHA-256. False for an index out of range."""
+    if not _is_int(index):
+        raise UsageError(f"chunk_ok: expected an int index, found {type(index).__name__}")
+    if not 0 <= index < len(m.chunks):
+        return False
+    size, digest = m.chunks[index]
+    return len(data) == size and hashlib.sha256(data).digest() == digest

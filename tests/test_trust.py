@@ -1,0 +1,358 @@
+"""Swarm trust: signed manifests and the version gate, the swarm CA and member certificates, mutual TLS 1.3."""
+
+import functools
+import hashlib
+import ssl
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import msgpack
+import pytest
+import trio
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from node import trust
+from protocol.errors import CorruptData, InvalidInput, SignatureError, StaleVersion, UsageError
+from protocol.manifest import (Manifest, VersionGate, chunk_ok, decode_manifest, encode_manifest,
+                               sign_manifest, verify_manifest)
+
+ROOT = Path(__file__).resolve().parents[1]
+KEY = Ed25519PrivateKey.generate()
+OTHER_KEY = Ed25519PrivateKey.generate()
+CHUNKS = [b"first chunk", b"", b"x" * 1000]
+
+
+def manifest(version=2, base_version=1, swarm_id="s1", **kw):
+    fields = dict(
+        swarm_id=swarm_id, version=version, base_version=base_version,
+        base_hash=None if base_version is None else "sha256:" + "ab" * 32,
+        target_hash="sha256:" + "cd" * 32,
+        tensors=[["layer.0.weight", "bf16", [4, 8]], ["layer.0.bias", "fp32", [8]]],
+        chunks=[(len(c), hashlib.sha256(c).digest()) for c in CHUNKS],
+        codec={"zeta": 1, "alpha": {"b": [1, 2], "a": "x"}}, created_at=1700000000.25,
+    )
+    fields.update(kw)
+    return Manifest(**fields)
+
+
+# ------------------------------------------------------------------ manifests
+
+
+def test_sign_verify_round_trip():
+    m = manifest()
+    got = verify_manifest(sign_manifest(m, KEY), KEY.public_key())
+    assert got == m
+    assert got.chunks[0] == (len(CHUNKS[0]), hashlib.sha256(CHUNKS[0]).digest())
+    assert not got.is_keyframe and got.total_bytes == sum(map(len, CHUNKS))
+    k = manifest(version=0, base_version=None)
+    assert verify_manifest(sign_manifest(k, KEY), KEY.public_key()) == k and k.is_keyframe
+
+
+def test_encoding_is_canonical():
+    a = manifest(codec={"b": 1, "a": 2})
+    b = manifest(codec={"a": 2, "b": 1})
+    assert encode_manifest(a) == encode_manifest(b)
+    assert decode_manifest(encode_manifest(a)) == a
+    # same content in a non-canonical encoding (codec keys unsorted) is refused
+    obj = msgpack.unpackb(encode_manifest(a))
+    obj[8] = {"b": 1, "a": 2}
+    with pytest.raises(CorruptData):
+        decode_manifest(msgpack.packb(obj, use_bin_type=True))
+
+
+def test_every_tampered_byte_is_caught():
+    data = sign_manifest(manifest(), KEY)
+    for i in range(len(data)):
+        bad = bytearray(data)
+        bad[i] ^= 0x01
+        with pytest.raises((SignatureError, CorruptData)):
+            verify_manifest(bytes(bad), KEY.public_key())
+
+
+def test_tampered_manifest_body_is_signature_error():
+    body, sig = msgpack.unpackb(sign_manifest(manifest(), KEY))
+    tampered = body.replace(b"layer.0.weight", b"layer.0.weighT")
+    assert tampered != body
+    with pytest.raises(SignatureError):
+        verify_manifest(msgpack.packb([tampered, sig]), KEY.public_key())
+    bad_sig = bytes([sig[0] ^ 0x80]) + sig[1:]
+    with pytest.raises(SignatureError):
+        verify_manifest(msgpack.packb([body, bad_sig]), KEY.public_key())
+
+
+def test_other_key_is_signature_error():
+    with pytest.raises(SignatureError):
+        verify_manifest(sign_manifest(manifest(), OTHER_KEY), KEY.public_key())
+
+
+@pytest.mark.parametrize("data", [b"", b"\xc1", b"garbage", msgpack.packb([b"x"]), msgpack.packb({"a": 1}),
+                                  msgpack.packb([1, 2]), sign_manifest(manifest(), KEY)[:-5]])
+def test_garbage_is_corrupt_data(data):
+    with pytest.raises(CorruptData):
+        verify_manifest(data, KEY.public_key())
+
+
+def test_signed_but_malformed_manifest_is_corrupt_data():
+    for body in (b"\xc1", msgpack.packb(["wrong magic"]), msgpack.packb([1] * 10)):
+        with pytest.raises(CorruptData):
+            verify_manifest(msgpack.packb([body, KEY.sign(body)]), KEY.public_key())
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=512))
+def test_arbitrary_bytes_raise_only_signature_or_corrupt(data):
+    try:
+        verify_manifest(data, KEY.public_key())
+    except (SignatureError, CorruptData):
+        pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_mutated_envelopes_raise_only_signature_or_corrupt(draw):
+    data = bytearray(sign_manifest(manifest(), KEY))
+    for _ in range(draw.draw(st.integers(1, 4))):
+        i = draw.draw(st.integers(0, len(data) - 1))
+        data[i] = draw.draw(st.integers(0, 255))
+    cut = draw.draw(st.integers(0, len(data)))
+    try:
+        verify_manifest(bytes(data[:cut]), KEY.public_key())
+    except (SignatureError, CorruptData):
+        pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(), st.text(max_size=8),
+                          st.binary(max_size=40), st.lists(st.integers(), max_size=3),
+                          st.dictionaries(st.text(max_size=3), st.integers(), max_size=3)), max_size=11))
+def test_signed_arbitrary_arrays_raise_only_corrupt(obj):
+    try:
+        body = msgpack.packb(obj, use_bin_type=True)
+    except (OverflowError, ValueError):
+        return
+    try:
+        verify_manifest(msgpack.packb([body, KEY.sign(body)]), KEY.public_key())
+    except CorruptData:
+        pass
+
+
+def test_manifest_fields_are_checked():
+    with pytest.raises(UsageError):
+        manifest(base_version=1, base_hash=None)
+    with pytest.raises(UsageError):
+        manifest(version=1, base_version=1)
+    with pytest.raises(UsageError):
+        manifest(chunks=[(3, b"short")])
+    with pytest.raises(UsageError):
+        manifest(codec={1: "x"})
+
+
+def test_version_gate_rejects_replay_and_older():
+    gate = VersionGate()
+    gate.accept(manifest(version=2))
+    with pytest.raises(StaleVersion, match="replay"):
+        gate.check(manifest(version=2))
+    with pytest.raises(StaleVersion, match="older"):
+        gate.accept(manifest(version=1, base_version=0))
+    gate.accept(manifest(version=0, base_version=None, swarm_id="other"))  # per swarm
+    gate.accept(manifest(version=3))
+    assert gate.current("s1") == 3 and gate.current("other") == 0
+    with pytest.raises(StaleVersion):
+        gate.accept(manifest(version=3))
+
+
+def test_chunk_ok():
+    m = manifest()
+    assert all(chunk_ok(m, i, c) for i, c in enumerate(CHUNKS))
+    assert not chunk_ok(m, 0, CHUNKS[0] + b"!")
+    assert not chunk_ok(m, 0, b"First chunk")
+    assert not chunk_ok(m, 1, b"x")
+    assert not chunk_ok(m, len(CHUNKS), b"") and not chunk_ok(m, -1, b"")
+
+
+# ------------------------------------------------------------------ swarm CA and certificates
+
+
+def mode(p):
+    return stat.S_IMODE(p.stat().st_mode)
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory):
+    root = tmp_path_factory.mktemp("swarm")
+    trust.init_swarm(root / "swarm")
+    for name, role in (("tracker1", "tracker"), ("node1", "node"), ("origin1", "origin")):
+        trust.issue(root / "swarm", name, role, root / name)
+    trust.init_swarm(root / "rogue")
+    trust.issue(root / "rogue", "node1", "node", root / "rogue-node")
+    return root
+
+
+def test_init_and_issue_write_files(swarm):
+    s = swarm / "swarm"
+    assert sorted(p.name for p in s.iterdir()) == ["ca.crt", "ca.key", "trainer.key", "trainer.pub"]
+    assert mode(s / "ca.key") == 0o600 and mode(s / "trainer.key") == 0o600
+    n = swarm / "node1"
+    assert sorted(p.name for p in n.iterdir()) == ["ca.crt", "node1.crt", "node1.key", "trainer.pub"]
+    assert mode(n / "node1.key") == 0o600
+    assert (n / "ca.crt").read_bytes() == (s / "ca.crt").read_bytes()
+    creds = trust.Credentials.load(n)
+    assert (creds.name, creds.role) == ("node1", "node")
+    m = manifest()
+    assert verify_manifest(sign_manifest(m, _trainer_key(s)), creds.trainer_public_key()) == m
+
+
+def _trainer_key(swarm_dir):
+    from cryptography.hazmat.primitives import serialization
+    return serialization.load_pem_private_key((swarm_dir / "trainer.key").read_bytes(), password=None)
+
+
+def test_init_and_issue_refuse_overwrite(swarm, tmp_path):
+    before = (swarm / "swarm" / "ca.key").read_bytes()
+    with pytest.raises(UsageError, match="overwrite"):
+        trust.init_swarm(swarm / "swarm")
+    assert (swarm / "swarm" / "ca.key").read_bytes() == before
+    with pytest.raises(UsageError):
+        trust.issue(swarm / "swarm", "node2", "node", swarm / "node1")  # one member per directory
+    with pytest.raises(UsageError, match="role"):
+        trust.issue(swarm / "swarm", "x", "admin", tmp_path / "x")
+    with pytest.raises(UsageError, match="name"):
+        trust.issue(swarm / "swarm", "../evil", "node", tmp_path / "y")
+    with pytest.raises(UsageError):
+        trust.issue(tmp_path / "nowhere", "x", "node", tmp_path / "z")
+
+
+# ------------------------------------------------------------------ mutual TLS
+
+
+async def _serve(nursery, server_ctx, handler):
+    serve = functools.partial(trio.serve_ssl_over_tcp, host="127.0.0.1")
+    listeners = await nursery.start(serve, handler, 0, server_ctx)
+    return listeners[0].transport_listener.socket.getsockname()[1]
+
+
+async def _connect(port, ctx):
+    return await trio.open_ssl_over_tcp_stream("127.0.0.1", port, ssl_context=ctx)
+
+
+def _exchange(swarm, client_ctx, allowed_clients={"node", "origin"}):
+    """Serve as tracker1; connect with `client_ctx`. Returns (server outcomes, client outcome)."""
+    server_seen, client_seen = [], []
+
+    async def handler(stream):
+        try:
+            await stream.do_handshake()
+            name, role = trust.require_role(stream, allowed_clients)
+            server_seen.append((name, role))
+            await stream.send_all(b"hello " + name.encode())
+        except (trio.BrokenResourceError, InvalidInput) as e:
+            server_seen.append(e)
+        finally:
+            await trio.aclose_forcefully(stream)
+
+    async def main():
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                port = await _serve(nursery, trust.server_context(trust.Credentials.load(swarm / "tracker1")), handler)
+                stream = await _connect(port, client_ctx)
+                try:
+                    await stream.do_handshake()
+                    peer = trust.require_role(stream, {"tracker"})
+                    data = await stream.receive_some(100)
+                    client_seen.append((peer, data))
+                except (trio.BrokenResourceError, ssl.SSLError, OSError) as e:
+                    client_seen.append(e)
+                finally:
+                    await trio.aclose_forcefully(stream)  # also closes the TCP socket, so the server sees the end
+                while not server_seen:
+                    await trio.sleep(0.01)
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    return server_seen, client_seen
+
+
+def test_node_connects_to_tracker_and_both_see_identities(swarm):
+    server, client = _exchange(swarm, trust.client_context(trust.Credentials.load(swarm / "node1")))
+    assert server == [("node1", "node")]
+    assert client == [(("tracker1", "tracker"), b"hello node1")]
+
+
+def test_client_from_other_ca_is_refused(swarm):
+    ctx = trust.client_context(trust.Credentials.load(swarm / "rogue-node"))
+    ctx.load_verify_locations(cafile=str(swarm / "swarm" / "ca.crt"))  # it trusts us; we must not trust it
+    server, client = _exchange(swarm, ctx)
+    assert len(server) == 1 and isinstance(server[0], trio.BrokenResourceError)
+    assert len(client) == 1 and not isinstance(client[0], tuple)  # no payload reached the rogue
+
+
+def test_client_without_cert_is_refused(swarm):
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.load_verify_locations(cafile=str(swarm / "swarm" / "ca.crt"))
+    server, client = _exchange(swarm, ctx)
+    assert len(server) == 1 and isinstance(server[0], trio.BrokenResourceError)
+    assert len(client) == 1 and not isinstance(client[0], tuple)
+
+
+def test_client_refuses_server_from_other_ca(swarm):
+    ctx = trust.client_context(trust.Credentials.load(swarm / "rogue-node"))  # trusts only the rogue CA
+    server, client = _exchange(swarm, ctx)
+    assert len(client) == 1 and isinstance(client[0], (trio.BrokenResourceError, ssl.SSLError))
+    assert len(server) == 1 and isinstance(server[0], trio.BrokenResourceError)
+
+
+def test_server_rejects_wrong_role_over_tls(swarm):
+    server, client = _exchange(swarm, trust.client_context(trust.Credentials.load(swarm / "origin1")),
+                               allowed_clients={"node"})
+    assert len(server) == 1 and isinstance(server[0], InvalidInput)
+    assert "expected role node" in str(server[0]) and "'origin'" in str(server[0])
+    assert len(client) == 1 and (not isinstance(client[0], tuple) or client[0][1] == b"")
+
+
+class FakePeer:
+    def __init__(self, cert):
+        self.cert = cert
+
+    def getpeercert(self):
+        return self.cert
+
+
+def test_require_role_rejects_wrong_role():
+    peer = FakePeer({"subject": ((("organizationName", "patchswarm"),), (("organizationalUnitName", "node"),),
+                                 (("commonName", "n7"),))})
+    assert trust.peer_identity(peer) == ("n7", "node")
+    assert trust.require_role(peer, {"node", "origin"}) == ("n7", "node")
+    with pytest.raises(InvalidInput, match=r"expected role tracker, found 'node'"):
+        trust.require_role(peer, {"tracker"})
+    with pytest.raises(InvalidInput, match="none"):
+        trust.require_role(FakePeer(None), {"node"})
+    with pytest.raises(InvalidInput, match="role"):
+        trust.peer_identity(FakePeer({"subject": ((("organizationalUnitName", "admin"),), (("commonName", "x"),))}))
+
+
+# ------------------------------------------------------------------ CLI
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "node.cli", *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_cli_swarm_init_and_issue(tmp_path):
+    r = cli("swarm", "init", tmp_path / "sw")
+    assert r.returncode == 0, r.stderr
+    assert mode(tmp_path / "sw" / "ca.key") == 0o600 and mode(tmp_path / "sw" / "trainer.key") == 0o600
+    r = cli("swarm", "issue", tmp_path / "sw", "edge-1", "--role", "origin", "-o", tmp_path / "out")
+    assert r.returncode == 0, r.stderr
+    assert "edge-1" in r.stdout
+    creds = trust.Credentials.load(tmp_path / "out")
+    assert (creds.name, creds.role) == ("edge-1", "origin") and mode(creds.key) == 0o600
+    r = cli("swarm", "init", tmp_path / "sw")
+    assert r.returncode == 1 and r.stderr.startswith("patchswarm: ") and "Traceback" not in r.stderr
+    r = cli("swarm", "issue", tmp_path / "sw", "x", "--role", "admin", "-o", tmp_path / "o2")
+    assert r.returncode == 2
