@@ -20,7 +20,7 @@ from .errors import CorruptData
 
 MAX_CLASSES = 8
 CLASS_HEADER_BITS = 96  # what a class costs in the container, for the split decision
-_SAMPLE_TARGET = 1 << 16
+SAMPLE_TARGET = 1 << 16  # elements sampled per segment to estimate class sizes
 
 _POP8 = np.array([bin(i).count("1") for i in range(256)], dtype=np.uint8)
 # _SELECT8[byte, j] = index of the j-th set bit of byte
@@ -40,19 +40,18 @@ def _class_cost(n: np.ndarray, m: np.ndarray) -> float:
     return float((n[ok] * _h(m[ok] / n[ok])).sum())
 
 
-def choose_thresholds(mag: np.ndarray, changed_mag: np.ndarray, shift: int) -> list[int]:
+def choose_thresholds(sample_mag: np.ndarray, total: int, changed_mag: np.ndarray, shift: int) -> list[int]:
     """Magnitude thresholds (ascending) splitting elements into classes of similar change rate.
 
-    Works on histograms of the context key (magnitude >> shift): a strided
-    sample of all elements and every changed element. Starts from one class
+    Works on histograms of the context key (magnitude >> shift): a sample of
+    the `total` elements (`sample_mag`, e.g. strided) and every changed element. Starts from one class
     per key and greedily merges the adjacent pair that costs least, while the
     saving of keeping a split stays below what its header costs.
     """
-    n_total = mag.size
-    if n_total == 0 or changed_mag.size == 0 or changed_mag.size == n_total:
+    n_total = total
+    if n_total == 0 or sample_mag.size == 0 or changed_mag.size == 0 or changed_mag.size == n_total:
         return []
-    stride = max(1, n_total // _SAMPLE_TARGET)
-    keys_all = (mag[::stride] >> shift).astype(np.int64)
+    keys_all = (sample_mag >> shift).astype(np.int64)
     keys_chg = (changed_mag >> shift).astype(np.int64)
     top = int(max(keys_all.max(initial=0), keys_chg.max(initial=0))) + 1
     n = np.bincount(keys_all, minlength=top).astype(np.float64) * (n_total / keys_all.size)

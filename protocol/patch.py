@@ -156,7 +156,8 @@ class Patch:
                     s["changed"] += c[0]
                     s["position_bytes"] += len(c[2]) + len(c[3]) + len(c[4])
                 s["value_bytes"] += sum(len(x) for x in seg.values[1:])
-        s["changed"] += sum(t.numel for t in self.tensors if t.name in set(self.full))
+        full = set(self.full)
+        s["changed"] += sum(t.numel for t in self.tensors if t.name in full)
         return s
 
 
@@ -240,7 +241,8 @@ def _encode_delta(base: State, target: State, pieces, index: dict[str, int]) -> 
     if idx.size == 0:
         return None, [], []
     shift = info.mantissa_bits
-    thr = contexts.choose_thresholds(magnitude(b[:: max(1, b.size >> 16)], info), magnitude(b[idx], info), shift) if b.size > 4096 else []
+    sample = magnitude(b[:: max(1, b.size // contexts.SAMPLE_TARGET)], info)
+    thr = contexts.choose_thresholds(sample, b.size, magnitude(b[idx], info), shift) if b.size > 4096 else []
     old_all, new_all = b[idx], t[idx]
     d = to_ordered(new_all, info) - to_ordered(old_all, info)
     z = _zigzag(d) - np.uint64(1)
