@@ -53,27 +53,35 @@ class Hello:
     versions: list[int]
 
 
+# Chunks belong to an object: the patch or the keyframe of one version, named
+# by (version, keyframe). Both can exist for the same version.
+
+
 @dataclass(frozen=True)
 class Have:
     version: int
-    chunks: bytes  # bitfield, see bitfield_from_indices
+    keyframe: bool
+    chunks: bytes  # bitfield, see bitfield_from_indices; all zero = "I want this object"
 
 
 @dataclass(frozen=True)
 class HaveOne:
     version: int
+    keyframe: bool
     chunk: int
 
 
 @dataclass(frozen=True)
 class Request:
     version: int
+    keyframe: bool
     chunk: int
 
 
 @dataclass(frozen=True)
 class Piece:
     version: int
+    keyframe: bool
     chunk: int
     data: bytes
 
@@ -81,7 +89,18 @@ class Piece:
 @dataclass(frozen=True)
 class Cancel:
     version: int
+    keyframe: bool
     chunk: int
+
+
+@dataclass(frozen=True)
+class Reject:
+    """The answer to a Request the sender cannot serve (chunk evicted or never held)."""
+
+    version: int
+    keyframe: bool
+    chunk: int
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -91,7 +110,7 @@ class Announce:
 
 @dataclass(frozen=True)
 class PeerList:
-    peers: list[dict]  # each exactly {"id": str, "region": str, "addr": str}
+    peers: list[dict]  # each exactly {"id": str, "region": str, "addr": str, "role": str}
 
 
 @dataclass(frozen=True)
@@ -102,7 +121,21 @@ class VersionNotice:
 
 @dataclass(frozen=True)
 class Heartbeat:
-    pass
+    versions: list[int]  # as in Hello: the sender's current verified version, [] if none
+
+
+@dataclass(frozen=True)
+class Trajectories:
+    """Node -> origin: one batch of spooled trajectory records (protocol/trajectory.py)."""
+
+    batch: bytes
+
+
+@dataclass(frozen=True)
+class TrajectoriesAck:
+    """Origin -> node: these sequence numbers are durable at the origin."""
+
+    seqs: list[int]
 
 
 @dataclass(frozen=True)
@@ -117,10 +150,10 @@ class Error:
 
 MESSAGE_TYPES = {
     cls.__name__: cls
-    for cls in (Hello, Have, HaveOne, Request, Piece, Cancel, Announce,
-                PeerList, VersionNotice, Heartbeat, Bye, Error)
+    for cls in (Hello, Have, HaveOne, Request, Piece, Cancel, Reject, Announce,
+                PeerList, VersionNotice, Heartbeat, Trajectories, TrajectoriesAck, Bye, Error)
 }
-_PEER_KEYS = frozenset({"id", "region", "addr"})
+_PEER_KEYS = frozenset({"id", "region", "addr", "role"})
 
 
 def _found(v) -> str:
@@ -140,12 +173,13 @@ def _check_peer(p) -> bool:
 # annotation -> (predicate, what is expected)
 _CHECKS = {
     "str": (lambda v: type(v) is str, "str"),
+    "bool": (lambda v: type(v) is bool, "bool"),
     "int": (_is_uint, "non-negative int below 2**64"),
     "bytes": (lambda v: type(v) is bytes, "bytes"),
     "list[int]": (lambda v: type(v) is list and all(map(_is_uint, v)),
                   "list of non-negative ints"),
     "list[dict]": (lambda v: type(v) is list and all(map(_check_peer, v)),
-                   'list of {"id": str, "region": str, "addr": str} maps'),
+                   'list of {"id": str, "region": str, "addr": str, "role": str} maps'),
 }
 
 

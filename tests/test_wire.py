@@ -11,27 +11,31 @@ from protocol import wire
 from protocol.errors import FrameTooLarge, ProtocolError, UsageError
 from protocol.wire import (
     CLOSED, NEED_DATA, Announce, Bye, Cancel, Connection, Error, Have, HaveOne, Heartbeat,
-    Hello, Piece, PeerList, Request, VersionNotice, bitfield_from_indices, indices_from_bitfield,
+    Hello, Piece, PeerList, Reject, Request, Trajectories, TrajectoriesAck, VersionNotice,
+    bitfield_from_indices, indices_from_bitfield,
 )
 
 uint = st.integers(min_value=0, max_value=2**64 - 1)
 text = st.text(max_size=20)
 blob = st.binary(max_size=64)
-peer = st.fixed_dictionaries({"id": text, "region": text, "addr": text})
+peer = st.fixed_dictionaries({"id": text, "region": text, "addr": text, "role": text})
 
 hellos = st.builds(Hello, node_id=text, region=text, role=text, listen=text,
                    versions=st.lists(uint, max_size=5))
 messages = st.one_of(
     hellos,
-    st.builds(Have, version=uint, chunks=blob),
-    st.builds(HaveOne, version=uint, chunk=uint),
-    st.builds(Request, version=uint, chunk=uint),
-    st.builds(Piece, version=uint, chunk=uint, data=blob),
-    st.builds(Cancel, version=uint, chunk=uint),
+    st.builds(Have, version=uint, keyframe=st.booleans(), chunks=blob),
+    st.builds(HaveOne, version=uint, keyframe=st.booleans(), chunk=uint),
+    st.builds(Request, version=uint, keyframe=st.booleans(), chunk=uint),
+    st.builds(Piece, version=uint, keyframe=st.booleans(), chunk=uint, data=blob),
+    st.builds(Cancel, version=uint, keyframe=st.booleans(), chunk=uint),
+    st.builds(Reject, version=uint, keyframe=st.booleans(), chunk=uint, reason=text),
+    st.builds(Trajectories, batch=blob),
+    st.builds(TrajectoriesAck, seqs=st.lists(uint, max_size=5)),
     st.builds(Announce, manifest=blob),
     st.builds(PeerList, peers=st.lists(peer, max_size=4)),
     st.builds(VersionNotice, version=uint, manifest=blob),
-    st.builds(Heartbeat),
+    st.builds(Heartbeat, versions=st.lists(uint, max_size=2)),
     st.builds(Bye, reason=text),
     st.builds(Error, message=text),
 )
@@ -63,8 +67,8 @@ def session(msgs):
 
 def test_every_type_is_covered():
     assert set(wire.MESSAGE_TYPES) == {
-        "Hello", "Have", "HaveOne", "Request", "Piece", "Cancel", "Announce",
-        "PeerList", "VersionNotice", "Heartbeat", "Bye", "Error"}
+        "Hello", "Have", "HaveOne", "Request", "Piece", "Cancel", "Reject", "Announce",
+        "PeerList", "VersionNotice", "Heartbeat", "Trajectories", "TrajectoriesAck", "Bye", "Error"}
 
 
 @given(messages)
@@ -111,17 +115,17 @@ def test_random_splits(msgs, data):
 
 def test_many_small_frames_is_linear():
     n = 20_000
-    raw = session([HaveOne(version=1, chunk=i) for i in range(n)])
+    raw = session([HaveOne(version=1, keyframe=False, chunk=i) for i in range(n)])
     conn = Connection()
     t = time.perf_counter()  # generous bound: quadratic parsing would take minutes
     conn.receive_data(raw)
     got, end = drain(conn)
-    assert len(got) == n + 1 and got[-1] == HaveOne(version=1, chunk=n - 1) and end is NEED_DATA
+    assert len(got) == n + 1 and got[-1] == HaveOne(version=1, keyframe=False, chunk=n - 1) and end is NEED_DATA
     assert time.perf_counter() - t < 2.0
 
 
 def test_one_large_frame_fed_in_small_pieces():
-    piece = Piece(version=3, chunk=7, data=bytes(range(256)) * (8 << 12))  # 8 MiB
+    piece = Piece(version=3, keyframe=True, chunk=7, data=bytes(range(256)) * (8 << 12))  # 8 MiB
     raw = session([piece])
     conn = Connection()
     t = time.perf_counter()
@@ -159,7 +163,7 @@ def test_send_respects_max_frame():
     conn = Connection(max_frame=100)
     conn.send(HELLO)
     with pytest.raises(UsageError):
-        conn.send(Piece(version=1, chunk=0, data=bytes(200)))
+        conn.send(Piece(version=1, keyframe=False, chunk=0, data=bytes(200)))
 
 
 @pytest.mark.parametrize("cut", [1, 3, 4, 10])
@@ -193,9 +197,9 @@ def test_bad_max_frame():
 def test_send_must_start_with_hello():
     conn = Connection()
     with pytest.raises(UsageError):
-        conn.send(Heartbeat())
+        conn.send(Heartbeat(versions=[]))
     conn.send(HELLO)
-    conn.send(Heartbeat())
+    conn.send(Heartbeat(versions=[]))
     with pytest.raises(UsageError):
         conn.send(HELLO)  # only once
 
@@ -204,14 +208,14 @@ def test_nothing_after_bye():
     conn = Connection()
     conn.send(HELLO)
     conn.send(Bye(reason="done"))
-    for msg in (Heartbeat(), Bye(reason="again"), HELLO):
+    for msg in (Heartbeat(versions=[]), Bye(reason="again"), HELLO):
         with pytest.raises(UsageError):
             conn.send(msg)
 
 
 def test_receive_must_start_with_hello():
     conn = Connection()
-    conn.receive_data(wire.encode(Heartbeat()))
+    conn.receive_data(wire.encode(Heartbeat(versions=[])))
     with pytest.raises(ProtocolError, match="Hello"):
         conn.next_event()
     with pytest.raises(ProtocolError):
@@ -220,7 +224,7 @@ def test_receive_must_start_with_hello():
 
 def test_receive_after_bye_and_second_hello():
     conn = Connection()
-    conn.receive_data(wire.encode(HELLO) + wire.encode(Bye(reason="x")) + wire.encode(Heartbeat()))
+    conn.receive_data(wire.encode(HELLO) + wire.encode(Bye(reason="x")) + wire.encode(Heartbeat(versions=[])))
     assert conn.next_event() == HELLO
     assert conn.next_event() == Bye(reason="x")
     with pytest.raises(ProtocolError, match="Bye"):
@@ -247,18 +251,21 @@ def test_bye_then_eof_is_clean():
     ({"t": "Nope"}, '"t"'),
     ({"version": 1}, '"t"'),
     ([1, 2], "map"),
-    ({"t": "Request", "version": 1}, "missing ['chunk']"),
-    ({"t": "Request", "version": 1, "chunk": 2, "x": 3}, "unexpected ['x']"),
-    ({"t": "Request", "version": -1, "chunk": 2}, "Request.version: expected non-negative int"),
-    ({"t": "Request", "version": True, "chunk": 2}, "found bool"),
-    ({"t": "Request", "version": "1", "chunk": 2}, "found str"),
-    ({"t": "Piece", "version": 1, "chunk": 2, "data": "text"}, "Piece.data: expected bytes, found str"),
+    ({"t": "Request", "version": 1, "keyframe": False}, "missing ['chunk']"),
+    ({"t": "Request", "version": 1, "keyframe": False, "chunk": 2, "x": 3}, "unexpected ['x']"),
+    ({"t": "Request", "version": -1, "keyframe": False, "chunk": 2}, "Request.version: expected non-negative int"),
+    ({"t": "Request", "version": True, "keyframe": False, "chunk": 2}, "found bool"),
+    ({"t": "Request", "version": "1", "keyframe": False, "chunk": 2}, "found str"),
+    ({"t": "Request", "version": 1, "keyframe": 0, "chunk": 2}, "Request.keyframe: expected bool, found int"),
+    ({"t": "Piece", "version": 1, "keyframe": False, "chunk": 2, "data": "text"}, "Piece.data: expected bytes, found str"),
+    ({"t": "TrajectoriesAck", "seqs": [1, "2"]}, "TrajectoriesAck.seqs"),
     ({"t": "Bye", "reason": b"raw"}, "Bye.reason: expected str"),
     ({"t": "Hello", "node_id": "a", "region": "b", "role": "c", "listen": "d", "versions": [1, -2]},
      "Hello.versions"),
     ({"t": "PeerList", "peers": [{"id": "a", "region": "b"}]}, "PeerList.peers"),
-    ({"t": "PeerList", "peers": [{"id": "a", "region": "b", "addr": 5}]}, "PeerList.peers"),
-    ({"t": "Heartbeat", "extra": 1}, "unexpected"),
+    ({"t": "PeerList", "peers": [{"id": "a", "region": "b", "addr": 5, "role": "node"}]}, "PeerList.peers"),
+    ({"t": "PeerList", "peers": [{"id": "a", "region": "b", "addr": "x"}]}, "PeerList.peers"),
+    ({"t": "Heartbeat", "versions": [], "extra": 1}, "unexpected"),
 ])
 def test_decode_rejects(obj, needle):
     with pytest.raises(ProtocolError) as info:
@@ -266,7 +273,7 @@ def test_decode_rejects(obj, needle):
     assert needle in str(info.value)
 
 
-@pytest.mark.parametrize("body", [b"", b"\xc1", b"\x81", msgpack.packb({"t": "Heartbeat"}) + b"\x00",
+@pytest.mark.parametrize("body", [b"", b"\xc1", b"\x81", msgpack.packb({"t": "Heartbeat", "versions": []}) + b"\x00",
                                   b"\xa2\xff\xfe"])
 def test_non_msgpack_body(body):
     with pytest.raises(ProtocolError, match="msgpack"):
@@ -276,7 +283,7 @@ def test_non_msgpack_body(body):
 def test_send_validates():
     conn = Connection()
     conn.send(HELLO)
-    for bad in (Request(version=-1, chunk=0), Piece(version=1, chunk=0, data=bytearray(3)),
+    for bad in (Request(version=-1, keyframe=False, chunk=0), Piece(version=1, keyframe=False, chunk=0, data=bytearray(3)),
                 PeerList(peers=[{"id": "a"}]), "Heartbeat", {"t": "Heartbeat"}):
         with pytest.raises(UsageError):
             conn.send(bad)
@@ -315,7 +322,7 @@ msgpack_values = st.recursive(
 @given(st.sampled_from(sorted(wire.MESSAGE_TYPES)),
        st.dictionaries(st.sampled_from(["version", "chunk", "data", "peers", "node_id", "region",
                                         "role", "listen", "versions", "reason", "message",
-                                        "manifest", "chunks", "other"]),
+                                        "manifest", "chunks", "keyframe", "batch", "seqs", "other"]),
                        msgpack_values, max_size=6))
 def test_random_maps_raise_only_protocol_error(name, fields):
     raw = wire.encode(HELLO) + frame({"t": name, **fields})
