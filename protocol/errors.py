@@ -65,3 +65,11 @@ class SignatureError(InvalidInput):
 
 class StaleVersion(InvalidInput):
     """A manifest is older than, or a replay of, what is already known."""
+
+
+class SpoolFull(PatchswarmError):
+    """The trajectory spool stayed at its size limit for the whole timeout; nothing was written."""
+
+
+class StorageFailed(PatchswarmError):
+    """A durable write or fsync failed: the spool or store refuses appends until it is reopened."""

@@ -1,0 +1,522 @@
+"""The node's durable trajectory spool: accept, fsync, hand out for upload, delete after the ack.
+
+Owns one directory: `NNNNNNNNNNNN.seg` segment files of `Record` entries
+(protocol/trajectory.py framing, written by node/trajstore.SegmentLog with
+group commit), `state` (which node this spool belongs to and the seq
+high-water mark reserved so far), `acks` (log of acknowledged seq ranges) and
+`LOCK`. Must not: talk to the network, decide batching policy for the wire,
+or drop a record: a full spool makes `append` wait, then fail with SpoolFull.
+
+Seqs: unique per node for ever. The spool hands out seqs below `seq_reserved`,
+persisted in `state` before use (in steps of SEQ_RESERVE); a restart resumes at
+the reserved mark, so deleting acknowledged segments can never let a seq be
+reused. The price is a gap in the numbering per restart.
+
+Upload: a cursor design. `pending()` returns durable, unacknowledged records
+with seq >= the cursor, in seq order, and moves the cursor past them (they are
+"in flight"). `ack(seqs)` makes their deletion durable (ack log, then whole
+segments unlinked once every record in them is acknowledged). `requeue()`
+(call it when the connection to the origin is lost) moves the cursor back to
+the start, so everything unacknowledged is pending again. A restart does the
+same. Delivery is at-least-once; the origin deduplicates by (node_id, seq).
+
+Space: `max_bytes` bounds the framed bytes of unacknowledged records plus
+those being written; disk use can exceed it by the acknowledged part of
+segments not yet deleted (at most about one segment).
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import logging
+import os
+import time
+from array import array
+from pathlib import Path
+
+import msgpack
+import trio
+
+from protocol.errors import CorruptData, SpoolFull, UsageError
+from protocol.trajectory import (ENTRY_HEADER_BYTES, MAX_BATCH_BYTES, MAX_ID_CHARS, MAX_META_BYTES,
+                                 MAX_PAYLOAD_BYTES, AckedRanges, Record, SpoolState, decode_record,
+                                 encode_entry, encode_record, record_parts, scan_records, segment_header,
+                                 seq_ranges)
+
+from .trajstore import DirectoryLock, FileProblem, SegmentLog, fsync_dir, list_segments, segment_path
+
+log = logging.getLogger("patchswarm.spool")
+
+DEFAULT_MAX_BYTES = 1 << 30
+DEFAULT_SEGMENT_BYTES = 64 << 20
+DEFAULT_GROUP_BYTES = 16 << 20
+DEFAULT_BATCH_RECORDS = 4096
+SEQ_RESERVE = 1 << 20  # seqs reserved per write of `state`
+ACK_LOG_COMPACT_BYTES = 1 << 20  # rewrite `acks` from memory once it grows past this
+STATE_NAME, ACKS_NAME = "state", "acks"
+# Framed size of a record beyond payload, packed meta and the two id strings:
+# entry header, array header, kind, 2 str headers, seq, version, float, bin header.
+_RECORD_OVERHEAD = ENTRY_HEADER_BYTES + 1 + 1 + 2 * 5 + 9 + 9 + 9 + 5
+
+
+class _Segment:
+    """In-memory index of one live segment file (payloads stay on disk)."""
+    __slots__ = ("number", "path", "seqs", "offsets", "sizes", "acked", "n_acked", "fd")
+
+    def __init__(self, number: int, path: Path):
+        self.number = number
+        self.path = path
+        self.seqs = array("Q")
+        self.offsets = array("Q")
+        self.sizes = array("I")  # framed entry sizes
+        self.acked = bytearray()
+        self.n_acked = 0
+        self.fd = -1  # read-only, opened on first pending()
+
+    def unacked_from(self, j: int) -> int:
+        return (len(self.seqs) - j) - self.acked.count(1, j)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+# ================================================================ files (worker thread)
+
+
+def _write_state(directory: Path, state: SpoolState) -> None:
+    """Replace `state` atomically and durably."""
+    tmp = directory / (STATE_NAME + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(segment_header() + encode_entry(encode_record(state)))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, directory / STATE_NAME)
+    fsync_dir(directory)
+
+
+def _write_acks(directory: Path, ranges: list) -> None:
+    """Replace `acks` atomically with one entry holding `ranges`."""
+    tmp = directory / (ACKS_NAME + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(segment_header())
+        if ranges:
+            f.write(encode_entry(encode_record(AckedRanges(ranges))))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, directory / ACKS_NAME)
+    fsync_dir(directory)
+
+
+def _read_values(path: Path, problems: list, kind):
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    scan = scan_records(data)
+    problems.extend(FileProblem(str(path), p) for p in scan.problems)
+    return [v for _, v in scan.entries if type(v) is kind]
+
+
+def _recover(directory: Path, node_id: str, region: str):
+    """Worker thread: rebuild the index from the files; returns what open() needs."""
+    problems: list[FileProblem] = []
+    states = _read_values(directory / STATE_NAME, problems, SpoolState)
+    state = states[-1] if states else None
+    if state is not None and (state.node_id, state.region) != (node_id, region):
+        raise UsageError(f"spool {directory}: expected node {node_id!r} in region {region!r}, "
+                         f"found the spool of node {state.node_id!r} in region {state.region!r}")
+    segments, max_seq = [], -1
+    numbers = list_segments(directory)
+    for i, n in enumerate(numbers):
+        path = segment_path(directory, n)
+        data = path.read_bytes()
+        scan = scan_records(data)
+        problems.extend(FileProblem(str(path), p) for p in scan.problems)
+        seg = _Segment(n, path)
+        for entry, value in scan.entries:
+            if type(value) is not Record or value.node_id != node_id:
+                problems.append(FileProblem(str(path), f"entry at {entry.offset} is not a record of node {node_id!r}"))
+                continue
+            seg.seqs.append(value.seq)
+            seg.offsets.append(entry.offset)
+            seg.sizes.append(entry.end - entry.offset)
+            max_seq = max(max_seq, value.seq)
+        seg.acked = bytearray(len(seg.seqs))
+        tail = scan.problems[-1] if scan.problems and scan.problems[-1].tail else None
+        if i == len(numbers) - 1 and tail is not None:
+            # the write a crash interrupted: never fsynced, so never acknowledged
+            log.warning("spool: truncating %s at %d: %s", path, scan.good_end, tail)
+            with open(path, "r+b") as f:
+                f.truncate(scan.good_end)
+                os.fsync(f.fileno())
+        segments.append(seg)
+    acked = _read_values(directory / ACKS_NAME, problems, AckedRanges) or []
+    for entry in acked:
+        for a, b in entry.ranges:
+            for seg in segments:
+                if seg.seqs and seg.seqs[0] < b and seg.seqs[-1] >= a:
+                    lo, hi = bisect.bisect_left(seg.seqs, a), bisect.bisect_left(seg.seqs, b)
+                    for j in range(lo, hi):
+                        seg.acked[j] = 1
+    for seg in segments:
+        seg.n_acked = seg.acked.count(1)
+    live = [s for s in segments if s.n_acked < len(s.seqs)]  # damage stays reported in `problems`
+    for s in segments:
+        if s not in live:
+            s.path.unlink()
+    if state is None and (segments or acked):
+        log.warning("spool %s: no readable state file; resuming seqs after the highest one on disk", directory)
+    next_seq = max(state.seq_reserved if state else 0, max_seq + 1)
+    reserved = next_seq + SEQ_RESERVE
+    _write_state(directory, SpoolState(node_id, region, reserved))
+    _write_acks(directory, _acked_ranges(live))  # compacted; also drops a torn tail
+    for p in problems:
+        log.warning("spool: %s", p)
+    return live, problems, next_seq, reserved, (numbers[-1] + 1 if numbers else 1)
+
+
+def _acked_ranges(segments) -> list:
+    out = []
+    for s in segments:
+        out.extend(seq_ranges(s.seqs[j] for j in range(len(s.seqs)) if s.acked[j]))
+    return out
+
+
+def _record_bound(node_id: bytes, region: bytes, payload: bytes, meta_len: int) -> int:
+    return _RECORD_OVERHEAD + len(node_id) + len(region) + len(payload) + meta_len
+
+
+# ================================================================ the spool
+
+
+class TrajectorySpool:
+    """See the module docstring. Create with `await TrajectorySpool.open(...)`."""
+
+    def __init__(self, directory: Path, node_id: str, region: str, lock: DirectoryLock, recovered,
+                 max_bytes: int, segment_bytes: int, group_bytes: int, clock):
+        segments, problems, next_seq, reserved, next_number = recovered
+        self.directory = directory
+        self.node_id, self.region = node_id, region
+        self._id_bytes = (node_id.encode(), region.encode())
+        self.max_bytes = max_bytes
+        self.problems: list[FileProblem] = problems  # damage found on open
+        self._lock = lock
+        self._clock = clock
+        self._segs: list[_Segment] = segments
+        self._by_number = {s.number: s for s in segments}
+        self._next_seq = next_seq
+        self._seq_reserved = reserved
+        self._reserve_lock = trio.Lock()
+        self._ack_lock = trio.Lock()
+        self._cursor = 0  # pending() hands out unacked seqs >= this
+        self._unacked_bytes = sum(sum(s.sizes[j] for j in range(len(s.seqs)) if not s.acked[j]) for s in segments)
+        self._unacked = sum(len(s.seqs) - s.n_acked for s in segments)
+        self._being_written = 0  # bytes admitted, not yet durable
+        self._space_waiters: collections.deque = collections.deque()
+        self._new_records = trio.Event()
+        self._acks_fd = os.open(directory / ACKS_NAME, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+        self._acks_bytes = os.fstat(self._acks_fd).st_size
+        self.appended_total = 0
+        self.acked_total = 0
+        self.lost_total = 0  # records unreadable when handed out (disk damage after open)
+        self.log = SegmentLog(directory, next_number, segment_bytes, group_bytes, self._landed)
+
+    @classmethod
+    async def open(cls, directory, node_id: str, region: str, *, max_bytes: int = DEFAULT_MAX_BYTES,
+                   segment_bytes: int = DEFAULT_SEGMENT_BYTES, group_bytes: int = DEFAULT_GROUP_BYTES,
+                   clock=time.time) -> TrajectorySpool:
+        for name, v in (("node_id", node_id), ("region", region)):
+            if type(v) is not str or not 0 < len(v) <= MAX_ID_CHARS:
+                raise UsageError(f"{name}: expected a str of 1..{MAX_ID_CHARS} chars, found {v!r}")
+        if not (type(max_bytes) is int and max_bytes > 0 and type(segment_bytes) is int and segment_bytes > 0):
+            raise UsageError(f"expected positive int max_bytes and segment_bytes, found {max_bytes!r}, {segment_bytes!r}")
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        lock = DirectoryLock(directory)
+        try:
+            recovered = await trio.to_thread.run_sync(_recover, directory, node_id, region)
+        except BaseException:
+            lock.release()
+            raise
+        return cls(directory, node_id, region, lock, recovered, max_bytes, segment_bytes, group_bytes, clock)
+
+    # ------------------------------------------------------------ append
+
+    async def append(self, items, timeout: float) -> list[int]:
+        """Spool (payload bytes, policy_version, meta) items; returns their seqs once
+        they are fsynced. Waits up to `timeout` seconds for space, then raises
+        SpoolFull having written nothing. Payloads must be bytes: turn objects
+        into bytes + meta with protocol.trajectory.encode_payload first."""
+        prepared, need = [], 0
+        for item in items:
+            payload, version, meta = self._check_item(item)
+            meta_len = 1 if meta is None else len(msgpack.packb(meta))
+            if meta_len > MAX_META_BYTES:
+                raise UsageError(f"meta: expected at most {MAX_META_BYTES} packed bytes, found {meta_len}")
+            prepared.append((payload, version, meta))
+            need += _record_bound(*self._id_bytes, payload, meta_len)
+        if not prepared:
+            return []
+        if need > self.max_bytes:
+            raise UsageError(f"append of {len(prepared)} records: expected at most max_bytes={self.max_bytes} "
+                             f"bytes, found {need}; it could never fit")
+        await self._admit(need, timeout)
+        try:
+            n = len(prepared)
+            while self._next_seq + n > self._seq_reserved:
+                await self._reserve_seqs(n)
+            # No checkpoint from here to the commit's enqueue: seq order is file order.
+            first = self._next_seq
+            self._next_seq += n
+            now = float(self._clock())
+            bodies = [record_parts(Record(self.node_id, self.region, first + i, v, now, p, m))
+                      for i, (p, v, m) in enumerate(prepared)]
+            seqs = list(range(first, first + n))
+            await self.log.commit(bodies, seqs)
+        finally:
+            self._being_written -= need
+            self._wake_space()
+        return seqs
+
+    async def append_one(self, payload: bytes, policy_version: int, meta: dict | None = None, *,
+                         timeout: float) -> int:
+        return (await self.append([(payload, policy_version, meta)], timeout))[0]
+
+    @staticmethod
+    def _check_item(item):
+        if not isinstance(item, (tuple, list)) or len(item) not in (2, 3):
+            raise UsageError(f"append: expected (payload, policy_version[, meta]) tuples, found {type(item).__name__}")
+        payload, version, meta = item if len(item) == 3 else (*item, None)
+        if isinstance(payload, (bytearray, memoryview)):
+            payload = bytes(payload)
+        if type(payload) is not bytes:
+            raise UsageError(f"payload: expected bytes (use encode_payload for objects), found {type(payload).__name__}")
+        if len(payload) > MAX_PAYLOAD_BYTES:
+            raise UsageError(f"payload: expected at most {MAX_PAYLOAD_BYTES} bytes, found {len(payload)}")
+        if type(version) is not int or not 0 <= version < 1 << 64:
+            raise UsageError(f"policy_version: expected a non-negative int, found {version!r}")
+        if meta is not None and type(meta) is not dict:
+            raise UsageError(f"meta: expected a dict or None, found {type(meta).__name__}")
+        return payload, version, meta
+
+    def _fits(self, need: int) -> bool:
+        return self._unacked_bytes + self._being_written + need <= self.max_bytes
+
+    async def _admit(self, need: int, timeout: float) -> None:
+        """Reserve `need` bytes of room, first come first served."""
+        if not self._space_waiters and self._fits(need):
+            self._being_written += need
+            return
+        waiter = [need, trio.Event(), False]  # need, event, granted
+        self._space_waiters.append(waiter)
+        try:
+            with trio.fail_after(timeout):
+                await waiter[1].wait()
+        except BaseException as e:
+            if waiter[2]:
+                self._being_written -= need
+            else:
+                self._space_waiters.remove(waiter)
+            self._wake_space()
+            if isinstance(e, trio.TooSlowError):
+                raise SpoolFull(
+                    f"trajectory spool {self.directory}: expected room for {need} bytes within {timeout} s, "
+                    f"found it full ({self._unacked_bytes} unacknowledged + {self._being_written} being written "
+                    f"of max_bytes={self.max_bytes}); nothing was written. Is the uploader reaching the origin?") from None
+            raise
+
+    def _wake_space(self) -> None:
+        while self._space_waiters and self._fits(self._space_waiters[0][0]):
+            w = self._space_waiters.popleft()
+            self._being_written += w[0]
+            w[2] = True
+            w[1].set()
+
+    async def _reserve_seqs(self, n: int) -> None:
+        async with self._reserve_lock:
+            if self._next_seq + n <= self._seq_reserved:
+                return
+            new = max(self._seq_reserved, self._next_seq + n) + SEQ_RESERVE
+            await trio.to_thread.run_sync(_write_state, self.directory, SpoolState(self.node_id, self.region, new))
+            self._seq_reserved = new
+
+    def _landed(self, seqs: list[int], number: int, offsets: list[int]) -> None:
+        """SegmentLog callback, in file order: index the now durable records."""
+        seg = self._by_number.get(number)
+        if seg is None:
+            seg = self._by_number[number] = _Segment(number, segment_path(self.directory, number))
+            self._segs.append(seg)
+        ends = offsets[1:] + [self.log.active_end]
+        seg.seqs.extend(seqs)
+        seg.offsets.extend(offsets)
+        sizes = [e - o for o, e in zip(offsets, ends)]
+        seg.sizes.extend(sizes)
+        seg.acked.extend(bytes(len(seqs)))
+        self._unacked += len(seqs)
+        self._unacked_bytes += sum(sizes)
+        self.appended_total += len(seqs)
+        self._new_records.set()
+        self._new_records = trio.Event()
+
+    # ------------------------------------------------------------ upload side
+
+    def _first_segment(self, seq: int) -> int:
+        """Index of the first live segment that may hold seq or later ones."""
+        for i, s in enumerate(self._segs):
+            if s.seqs and s.seqs[-1] >= seq:
+                return i
+        return len(self._segs)
+
+    def pending(self, max_records: int = DEFAULT_BATCH_RECORDS, max_bytes: int = MAX_BATCH_BYTES) -> list[Record]:
+        """Up to `max_records` durable, unacknowledged records past the cursor, in
+        seq order, about `max_bytes` framed bytes at most (always at least one
+        record if any); the cursor moves past them. Reads the page cache."""
+        out: list[Record] = []
+        total = 0
+        for seg in self._segs[self._first_segment(self._cursor):]:
+            j = bisect.bisect_left(seg.seqs, self._cursor)
+            picked = []
+            while j < len(seg.seqs) and len(out) + len(picked) < max_records:
+                if not seg.acked[j]:
+                    if (out or picked) and total + seg.sizes[j] > max_bytes:
+                        break
+                    picked.append(j)
+                    total += seg.sizes[j]
+                j += 1
+            if picked:
+                out.extend(self._read(seg, picked))
+                self._cursor = seg.seqs[picked[-1]] + 1
+            if j < len(seg.seqs):  # stopped by a limit
+                break
+        return out
+
+    def _read(self, seg: _Segment, picked: list[int]) -> list[Record]:
+        if seg.fd < 0:
+            seg.fd = os.open(seg.path, os.O_RDONLY | os.O_CLOEXEC)
+        base = seg.offsets[picked[0]]
+        span = os.pread(seg.fd, seg.offsets[picked[-1]] + seg.sizes[picked[-1]] - base, base)
+        mv = memoryview(span)
+        out = []
+        for j in picked:
+            o = seg.offsets[j] - base
+            try:
+                rec = decode_record(mv[o + ENTRY_HEADER_BYTES:o + seg.sizes[j]])
+                if type(rec) is not Record or rec.seq != seg.seqs[j]:
+                    raise CorruptData(f"expected record seq {seg.seqs[j]}, found {rec!r:.80}")
+            except CorruptData as e:
+                # Damaged after open (checked then): unrecoverable; count it and free its room.
+                log.error("spool: %s at %d: %s; record seq %d is lost", seg.path, seg.offsets[j], e, seg.seqs[j])
+                self.problems.append(FileProblem(str(seg.path), f"record seq {seg.seqs[j]} unreadable: {e}"))
+                self.lost_total += 1
+                self._mark_acked(seg, j)
+                continue
+            out.append(rec)
+        return out
+
+    async def wait_pending(self) -> None:
+        """Return once pending() has something to give."""
+        while not self._has_pending():
+            await self._new_records.wait()
+
+    def _has_pending(self) -> bool:
+        for seg in self._segs[self._first_segment(self._cursor):]:
+            if seg.unacked_from(bisect.bisect_left(seg.seqs, self._cursor)):
+                return True
+        return False
+
+    def requeue(self) -> None:
+        """Every unacknowledged record is pending again (e.g. the connection was lost)."""
+        self._cursor = 0
+        self._new_records.set()
+        self._new_records = trio.Event()
+
+    def _mark_acked(self, seg: _Segment, j: int) -> None:
+        seg.acked[j] = 1
+        seg.n_acked += 1
+        self._unacked -= 1
+        self._unacked_bytes -= seg.sizes[j]
+
+    async def ack(self, seqs) -> int:
+        """The origin holds these seqs durably: forget them, durably. Returns how many
+        were newly acknowledged (unknown or repeated seqs are ignored)."""
+        newly = []
+        firsts = [s.seqs[0] if s.seqs else 0 for s in self._segs]
+        for seq in sorted(set(seqs)):
+            i = bisect.bisect_right(firsts, seq) - 1
+            if i < 0:
+                continue
+            seg = self._segs[i]
+            j = bisect.bisect_left(seg.seqs, seq)
+            if j < len(seg.seqs) and seg.seqs[j] == seq and not seg.acked[j]:
+                self._mark_acked(seg, j)
+                newly.append(seq)
+        if not newly:
+            return 0
+        self.acked_total += len(newly)
+        self._wake_space()
+        done = [s for s in self._segs if s.n_acked == len(s.seqs) and s.number != self.log.active]
+        for s in done:
+            self._segs.remove(s)
+            del self._by_number[s.number]
+            s.close()
+        async with self._ack_lock:
+            compact = self._acks_bytes > ACK_LOG_COMPACT_BYTES
+            ranges = _acked_ranges(self._segs) if compact else seq_ranges(newly)
+            await trio.to_thread.run_sync(self._persist_ack, ranges, compact, [s.path for s in done])
+        return len(newly)
+
+    def _persist_ack(self, ranges: list, compact: bool, unlink: list) -> None:
+        """Worker thread: make the ack durable, then delete whole acknowledged segments."""
+        if compact:
+            _write_acks(self.directory, ranges)
+            fd = os.open(self.directory / ACKS_NAME, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+            os.close(self._acks_fd)
+            self._acks_fd = fd
+            self._acks_bytes = os.fstat(fd).st_size
+        else:
+            entry = encode_entry(encode_record(AckedRanges(ranges)))
+            os.write(self._acks_fd, entry)
+            os.fdatasync(self._acks_fd)
+            self._acks_bytes += len(entry)
+        for path in unlink:
+            path.unlink()
+        if unlink:
+            fsync_dir(self.directory)
+
+    # ------------------------------------------------------------ status
+
+    def stats(self) -> dict:
+        in_flight = 0
+        for seg in self._segs:
+            k = bisect.bisect_left(seg.seqs, self._cursor)
+            in_flight += k - seg.acked.count(1, 0, k)
+        return {
+            "records": self._unacked,
+            "bytes": self._unacked_bytes,
+            "segments": len(self._segs),
+            "in_flight": in_flight,
+            "appended_total": self.appended_total,
+            "acked_total": self.acked_total,
+            "lost_total": self.lost_total,
+            "next_seq": self._next_seq,
+            "fsyncs": self.log.fsyncs,
+            "max_bytes": self.max_bytes,
+            "problems": len(self.problems),
+        }
+
+    async def aclose(self) -> None:
+        await self.log.aclose()
+        async with self._ack_lock:
+            os.close(self._acks_fd)
+        for s in self._segs:
+            s.close()
+        self._lock.release()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.aclose()

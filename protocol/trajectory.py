@@ -1,0 +1,555 @@
+"""Trajectory records and the bytes that carry them: segment files and wire batches.
+
+Sans-IO, the one definition of these formats (node/spool.py, node/trajstore.py
+and the node<->origin wire messages import it). Owns: the `Record` a rollout
+worker submits and the `ReceivedRecord` the origin stores, their msgpack
+bodies, the checksummed framing of segment files and its scanner, the
+lz4-compressed batch a node uploads, the rule for msgpack-object payloads and
+`SeqRanges`, the interval set used to deduplicate (node id, seq). Must not
+touch files, sockets, clocks or threads: bytes in, bytes and values out.
+
+Segment file
+    header   = b"PSTRJSEG" | version u32 LE | crc32(first 12 bytes) u32 LE
+    entry    = SYNC (4 bytes) | length u32 LE | crc32(length bytes + body) u32 LE | body
+    body     = msgpack array whose first element says what it is (KIND_*): a
+               Record (spool), a ReceivedRecord or DuplicatesNote (store), the
+               spool's SpoolState and AckedRanges (its `state` and `acks` files).
+Scanning (`scan_segment`, `scan_records`): an entry is intact when its sync
+marker, a plausible length and its CRC-32 (which covers the length too) all
+check. Intact entries are taken in order; at a bad spot X the scanner resyncs
+at the next offset after X where an intact entry starts (`bytes.find` on the
+sync marker, each candidate checked by its CRC) and reports X..resync point as
+one problem. Damage with no intact entry after it is the tail (a write torn by
+a crash): `good_end` stops before it and a writer may truncate there.
+Guarantees, property-tested: a truncation anywhere leaves exactly the entries
+that end before the cut (a prefix) and at most one tail problem; one damaged
+byte anywhere (sync, length, CRC, body; CRC-32 catches every single-byte
+error) loses exactly the entry it hits, or nothing if it hits the file header,
+and is reported once. A false resync needs a payload that embeds a whole valid
+entry (marker, length and matching CRC): random damage cannot make one.
+
+Wire batch (node -> origin, inside the caller's wire message as opaque bytes)
+    b"PSTB" | version u8 | flags u8 | raw length u32 LE | crc32(raw) u32 LE | data
+    raw  = msgpack array of record bodies; data = raw, lz4-block-compressed
+    when flags & 1 (the encoder keeps raw when lz4 does not make it smaller).
+The ack needs no codec of its own: the origin answers with the list of seqs
+that are durable (wire.py's `list[int]` field type).
+"""
+
+from __future__ import annotations
+
+import bisect
+import struct
+import zlib
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import lz4.block
+import msgpack
+
+from .errors import CorruptData, UnsupportedFormat, UsageError
+
+# --- limits ---------------------------------------------------------------------
+MAX_PAYLOAD_BYTES = 8 << 20  # one record's payload
+MAX_META_BYTES = 64 << 10  # one record's packed meta map
+MAX_ID_CHARS = 256  # node_id and region
+MAX_ENTRY_BYTES = MAX_PAYLOAD_BYTES + MAX_META_BYTES + 4096  # one entry body, fields included
+MAX_BATCH_BYTES = 12 << 20  # raw (uncompressed) size of one wire batch; fits a 16 MiB wire frame
+MAX_BATCH_RECORDS = 1 << 16  # records in one wire batch
+_U64 = 1 << 64
+
+# --- segment framing ------------------------------------------------------------
+FORMAT_VERSION = 1
+SEGMENT_MAGIC = b"PSTRJSEG"
+SEGMENT_HEADER_BYTES = 16
+ENTRY_SYNC = b"\xd5\x7a\x1e\xc0"  # read as a length it is far beyond MAX_ENTRY_BYTES
+ENTRY_HEADER_BYTES = 12
+_HEADER_FIELDS = struct.Struct("<II")  # length, crc
+
+# --- record bodies --------------------------------------------------------------
+KIND_RECORD = 1  # [1, node_id, region, seq, policy_version, submitted_at, payload, meta]
+KIND_RECEIVED = 2  # the same fields, then received_at
+KIND_DUPLICATES = 3  # [3, count]: the store dropped `count` duplicates in one append
+KIND_SPOOL_STATE = 4  # [4, node_id, region, seq_reserved]: the spool's `state` file
+KIND_ACKED = 5  # [5, [[start, end], ...]]: an entry of the spool's `acks` log
+_BODY_LEN = {KIND_RECORD: 8, KIND_RECEIVED: 9, KIND_DUPLICATES: 2, KIND_SPOOL_STATE: 4, KIND_ACKED: 2}
+_ALL_KINDS = tuple(_BODY_LEN)
+
+# --- payload rule ---------------------------------------------------------------
+PAYLOAD_FORMAT_KEY = "payload_format"  # reserved meta key
+PAYLOAD_MSGPACK = "msgpack"  # payload = msgpack.packb(obj); absent key: raw bytes
+
+# --- wire batch -----------------------------------------------------------------
+BATCH_MAGIC = b"PSTB"
+BATCH_VERSION = 1
+_BATCH_HEADER = struct.Struct("<4sBBII")  # magic, version, flags, raw length, crc32(raw)
+_FLAG_LZ4 = 1
+
+
+# ================================================================ records
+
+
+@dataclass(frozen=True)
+class Record:
+    """One trajectory as the node accepted it; (node_id, seq) names it for ever."""
+    node_id: str
+    region: str
+    seq: int
+    policy_version: int
+    submitted_at: float  # node wall clock, seconds since the epoch
+    payload: bytes
+    meta: dict | None = None
+
+    def received(self, received_at: float) -> ReceivedRecord:
+        return ReceivedRecord(self.node_id, self.region, self.seq, self.policy_version,
+                              self.submitted_at, self.payload, self.meta, received_at=received_at)
+
+    def value(self):
+        """The payload as the submitter gave it: bytes, or the msgpack-able object."""
+        return decode_payload(self.payload, self.meta)
+
+
+@dataclass(frozen=True)
+class ReceivedRecord(Record):
+    """A record as the origin stored it: `received_at` is the origin's clock."""
+    received_at: float = field(kw_only=True)
+
+
+@dataclass(frozen=True)
+class DuplicatesNote:
+    """Store entry: this many records of one append were duplicates and were dropped."""
+    count: int
+
+
+@dataclass(frozen=True)
+class SpoolState:
+    """The spool's `state` file: whose spool it is, and the seqs it may hand out
+    without writing this file again (all seqs below `seq_reserved` may be in use)."""
+    node_id: str
+    region: str
+    seq_reserved: int
+
+
+@dataclass(frozen=True)
+class AckedRanges:
+    """An entry of the spool's ack log: half-open seq ranges the origin has acknowledged."""
+    ranges: list  # [[start, end], ...]
+
+
+def _found(v) -> str:
+    r = repr(v)
+    return f"{type(v).__name__} {r if len(r) <= 60 else r[:57] + '...'}"
+
+
+def _uint(v) -> bool:
+    return type(v) is int and 0 <= v < _U64
+
+
+def _check_fields(node_id, region, seq, policy_version, submitted_at, payload, meta, exc) -> None:
+    for name, v in (("node_id", node_id), ("region", region)):
+        if type(v) is not str or not 0 < len(v) <= MAX_ID_CHARS:
+            raise exc(f"record.{name}: expected a str of 1..{MAX_ID_CHARS} chars, found {_found(v)}")
+    for name, v in (("seq", seq), ("policy_version", policy_version)):
+        if not _uint(v):
+            raise exc(f"record.{name}: expected a non-negative int below 2**64, found {_found(v)}")
+    if type(submitted_at) is not float:
+        raise exc(f"record.submitted_at: expected a float, found {_found(submitted_at)}")
+    if type(payload) is not bytes:
+        raise exc(f"record.payload: expected bytes, found {_found(payload)}")
+    if len(payload) > MAX_PAYLOAD_BYTES:
+        raise exc(f"record.payload: expected at most {MAX_PAYLOAD_BYTES} bytes, found {len(payload)}")
+    if meta is not None and type(meta) is not dict:
+        raise exc(f"record.meta: expected a dict or None, found {_found(meta)}")
+
+
+def encode_record(rec) -> bytes:
+    """The msgpack body of any entry value: Record, ReceivedRecord, DuplicatesNote,
+    SpoolState or AckedRanges (UsageError if invalid)."""
+    if type(rec) is DuplicatesNote:
+        if not _uint(rec.count):
+            raise UsageError(f"DuplicatesNote.count: expected a non-negative int, found {_found(rec.count)}")
+        return msgpack.packb([KIND_DUPLICATES, rec.count])
+    if type(rec) is SpoolState:
+        _check_fields(rec.node_id, rec.region, rec.seq_reserved, 0, 0.0, b"", None, UsageError)
+        return msgpack.packb([KIND_SPOOL_STATE, rec.node_id, rec.region, rec.seq_reserved])
+    if type(rec) is AckedRanges:
+        if not _ranges_ok(rec.ranges):
+            raise UsageError(f"AckedRanges.ranges: expected [start, end] pairs with start < end, found {_found(rec.ranges)}")
+        return msgpack.packb([KIND_ACKED, [list(r) for r in rec.ranges]])
+    return b"".join(record_parts(rec))
+
+
+def _bin_header(n: int) -> bytes:
+    if n < 1 << 8:
+        return b"\xc4" + n.to_bytes(1, "big")
+    if n < 1 << 16:
+        return b"\xc5" + n.to_bytes(2, "big")
+    return b"\xc6" + n.to_bytes(4, "big")
+
+
+def record_parts(rec: Record) -> tuple[bytes, bytes, bytes]:
+    """The body of a Record or ReceivedRecord as (prefix, payload, suffix):
+    b"".join of them is `encode_record(rec)`. Writers frame and write the three
+    pieces (entry_header and pwritev take them as they are) so a large payload
+    is never copied into a body."""
+    if type(rec) not in (Record, ReceivedRecord):
+        raise UsageError(f"expected a Record, found {_found(rec)}")
+    _check_fields(rec.node_id, rec.region, rec.seq, rec.policy_version, rec.submitted_at, rec.payload,
+                  rec.meta, UsageError)
+    received = type(rec) is ReceivedRecord
+    if received and type(rec.received_at) is not float:
+        raise UsageError(f"record.received_at: expected a float, found {_found(rec.received_at)}")
+    try:  # [1:] drops each packed list's own fixarray header
+        head = msgpack.packb([KIND_RECEIVED if received else KIND_RECORD, rec.node_id, rec.region, rec.seq,
+                              rec.policy_version, rec.submitted_at])[1:]
+        tail = msgpack.packb([rec.meta, rec.received_at] if received else [rec.meta])[1:]
+    except (TypeError, ValueError, OverflowError) as e:
+        raise UsageError(f"record.meta: expected msgpack-able values, found {type(e).__name__}: {e}") from None
+    if len(tail) > MAX_META_BYTES + 16:
+        raise UsageError(f"record.meta: expected at most {MAX_META_BYTES} packed bytes, found {len(tail)}")
+    count = _BODY_LEN[KIND_RECEIVED if received else KIND_RECORD]
+    return bytes([0x90 | count]) + head + _bin_header(len(rec.payload)), rec.payload, tail
+
+
+def body_length(body) -> int:
+    """Length of a body given as bytes or as parts."""
+    return len(body) if isinstance(body, (bytes, bytearray, memoryview)) else sum(map(len, body))
+
+
+def _unpack(body, what: str):
+    try:
+        return msgpack.unpackb(body, raw=False, use_list=True, strict_map_key=True)
+    except Exception as e:  # msgpack raises many types for bad input
+        raise CorruptData(f"{what}: expected msgpack, found undecodable bytes ({type(e).__name__}: {e})") from None
+
+
+def _ranges_ok(ranges) -> bool:
+    return isinstance(ranges, list) and all(
+        isinstance(r, (list, tuple)) and len(r) == 2 and _uint(r[0]) and _uint(r[1]) and r[0] < r[1] for r in ranges)
+
+
+def _record_from_obj(obj, what: str, allowed=_ALL_KINDS):
+    if type(obj) is not list or not obj or obj[0] not in allowed or type(obj[0]) is not int:
+        head = obj[0] if type(obj) is list and obj else obj
+        raise CorruptData(f"{what}: expected an array starting with a kind in {list(allowed)}, found {_found(head)}")
+    kind = obj[0]
+    if len(obj) != _BODY_LEN[kind]:
+        raise CorruptData(f"{what}: kind {kind} expects {_BODY_LEN[kind]} elements, found {len(obj)}")
+    if kind == KIND_DUPLICATES:
+        if not _uint(obj[1]):
+            raise CorruptData(f"{what}: duplicates count: expected a non-negative int, found {_found(obj[1])}")
+        return DuplicatesNote(obj[1])
+    if kind == KIND_SPOOL_STATE:
+        _check_fields(obj[1], obj[2], obj[3], 0, 0.0, b"", None, CorruptData)
+        return SpoolState(obj[1], obj[2], obj[3])
+    if kind == KIND_ACKED:
+        if not _ranges_ok(obj[1]):
+            raise CorruptData(f"{what}: expected [start, end] pairs with start < end, found {_found(obj[1])}")
+        return AckedRanges([tuple(r) for r in obj[1]])
+    _check_fields(*obj[1:8], CorruptData)
+    if kind == KIND_RECORD:
+        return Record(*obj[1:8])
+    if type(obj[8]) is not float:
+        raise CorruptData(f"{what}: received_at: expected a float, found {_found(obj[8])}")
+    return ReceivedRecord(*obj[1:8], received_at=obj[8])
+
+
+def decode_record(body) -> Record | ReceivedRecord | DuplicatesNote | SpoolState | AckedRanges:
+    """The value in one entry body (CorruptData if it is not one)."""
+    return _record_from_obj(_unpack(body, "record body"), "record body")
+
+
+# ================================================================ payloads
+
+
+def encode_payload(obj, meta: dict | None = None) -> tuple[bytes, dict | None]:
+    """(payload bytes, meta) for a submit: bytes pass as they are; any other
+    msgpack-able object is packed and meta gets {PAYLOAD_FORMAT_KEY: "msgpack"}
+    so that `decode_payload` (and `Record.value()`) can give the object back."""
+    if meta is not None and type(meta) is not dict:
+        raise UsageError(f"meta: expected a dict or None, found {_found(meta)}")
+    if meta and PAYLOAD_FORMAT_KEY in meta:
+        raise UsageError(f"meta: the key {PAYLOAD_FORMAT_KEY!r} is reserved, found it set to {_found(meta[PAYLOAD_FORMAT_KEY])}")
+    if isinstance(obj, (bytes, bytearray, memoryview)):
+        return bytes(obj), meta
+    try:
+        packed = msgpack.packb(obj)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise UsageError(f"payload: expected bytes or a msgpack-able object, found {_found(obj)} ({e})") from None
+    return packed, {**(meta or {}), PAYLOAD_FORMAT_KEY: PAYLOAD_MSGPACK}
+
+
+def decode_payload(payload: bytes, meta: dict | None):
+    """The object `encode_payload` was given (CorruptData if the packed payload is bad)."""
+    if meta and meta.get(PAYLOAD_FORMAT_KEY) == PAYLOAD_MSGPACK:
+        return _unpack(payload, "msgpack payload")
+    return payload
+
+
+# ================================================================ segment framing
+
+
+def segment_header() -> bytes:
+    head = SEGMENT_MAGIC + FORMAT_VERSION.to_bytes(4, "little")
+    return head + zlib.crc32(head).to_bytes(4, "little")
+
+
+def entry_header(body) -> bytes:
+    """The 12 bytes that frame `body` (bytes, or parts as from record_parts):
+    write them, then the body."""
+    parts = (body,) if isinstance(body, (bytes, bytearray, memoryview)) else body
+    n = sum(map(len, parts))
+    if not 0 < n <= MAX_ENTRY_BYTES:
+        raise UsageError(f"entry body: expected 1..{MAX_ENTRY_BYTES} bytes, found {n}")
+    nb = n.to_bytes(4, "little")
+    crc = zlib.crc32(nb)
+    for p in parts:
+        crc = zlib.crc32(p, crc)
+    return ENTRY_SYNC + nb + crc.to_bytes(4, "little")
+
+
+def encode_entry(body) -> bytes:
+    parts = (body,) if isinstance(body, (bytes, bytearray, memoryview)) else body
+    return entry_header(parts) + b"".join(parts)
+
+
+@dataclass(frozen=True)
+class Entry:
+    offset: int  # of the entry header
+    end: int  # offset just past the body
+    body: memoryview  # a view into the scanned data
+
+
+@dataclass(frozen=True)
+class ScanProblem:
+    kind: str  # "bad_header" | "torn" (entry runs past the end) | "corrupt" | "invalid" (body is not a record)
+    offset: int  # where the damage starts
+    end: int  # where scanning resumed (the data's end for a tail)
+    tail: bool  # nothing intact follows: a writer may truncate at `offset`
+    detail: str
+
+    def __str__(self) -> str:
+        where = "at the tail" if self.tail else f"resynced at {self.end}"
+        return f"{self.kind} at offset {self.offset} ({where}): {self.detail}"
+
+
+class SegmentScan(NamedTuple):
+    entries: list  # Entry, or (Entry, value) from scan_records
+    good_end: int  # offset just past the last intact entry (the header's end if none)
+    problems: list[ScanProblem]
+
+
+def _intact_end(data: bytes, pos: int, n: int):
+    """(end, None) if an intact entry starts at pos, else (None, (kind, detail))."""
+    if n - pos < ENTRY_HEADER_BYTES:
+        return None, ("torn", f"{n - pos} bytes left, an entry header needs {ENTRY_HEADER_BYTES}")
+    if data[pos:pos + 4] != ENTRY_SYNC:
+        return None, ("corrupt", f"expected the sync marker {ENTRY_SYNC.hex()}, found {bytes(data[pos:pos + 4]).hex()}")
+    length, crc = _HEADER_FIELDS.unpack_from(data, pos + 4)
+    if not 0 < length <= MAX_ENTRY_BYTES:
+        return None, ("corrupt", f"expected a body length in 1..{MAX_ENTRY_BYTES}, found {length}")
+    end = pos + ENTRY_HEADER_BYTES + length
+    if end > n:
+        return None, ("torn", f"the body of {length} bytes runs {end - n} bytes past the end")
+    mv = memoryview(data)
+    if zlib.crc32(mv[pos + ENTRY_HEADER_BYTES:end], zlib.crc32(mv[pos + 4:pos + 8])) != crc:
+        return None, ("corrupt", f"checksum mismatch over a body of {length} bytes")
+    return end, None
+
+
+def _resync(data: bytes, start: int, n: int):
+    """The first offset >= start where an intact entry starts, or None."""
+    while True:
+        i = data.find(ENTRY_SYNC, start, n)
+        if i < 0:
+            return None
+        if _intact_end(data, i, n)[0] is not None:
+            return i
+        start = i + 1
+
+
+def scan_entries(data: bytes, start: int = SEGMENT_HEADER_BYTES, end: int | None = None) -> SegmentScan:
+    """Every intact entry in data[start:end] (offsets are into `data`); see the module docstring."""
+    n = len(data) if end is None else end
+    entries, problems = [], []
+    mv = memoryview(data)
+    pos = good_end = start
+    while pos < n:
+        e, why = _intact_end(data, pos, n)
+        if e is not None:
+            entries.append(Entry(pos, e, mv[pos + ENTRY_HEADER_BYTES:e]))
+            pos = good_end = e
+            continue
+        nxt = _resync(data, pos + 1, n)
+        if nxt is None:
+            problems.append(ScanProblem(why[0], pos, n, True, why[1]))
+            break
+        problems.append(ScanProblem("corrupt", pos, nxt, False, f"{why[1]}; {nxt - pos} bytes skipped"))
+        pos = nxt
+    return SegmentScan(entries, good_end, problems)
+
+
+def check_segment_header(data: bytes) -> ScanProblem | None:
+    """None for a good header; a problem for a short or damaged one.
+
+    UnsupportedFormat for an intact header of another format version: the file
+    is not damaged, this code is too old for it."""
+    head = SEGMENT_HEADER_BYTES
+    if len(data) < head:
+        if segment_header().startswith(bytes(data)):
+            return ScanProblem("torn", 0, len(data), True, f"a header of {len(data)} of {head} bytes")
+        return ScanProblem("bad_header", 0, len(data), True, f"expected a {head}-byte segment header, found {len(data)} other bytes")
+    got = bytes(data[:head])
+    if got == segment_header():
+        return None
+    if zlib.crc32(got[:12]) == int.from_bytes(got[12:], "little") and got[:8] == SEGMENT_MAGIC:
+        version = int.from_bytes(got[8:12], "little")
+        raise UnsupportedFormat(f"segment format: expected version {FORMAT_VERSION}, found {version}")
+    return ScanProblem("bad_header", 0, head, False, f"expected header {segment_header().hex()}, found {got.hex()}")
+
+
+def scan_segment(data: bytes) -> SegmentScan:
+    """Header check, then `scan_entries` (a damaged header is reported and the
+    entries are still scanned, so it costs no records)."""
+    problem = check_segment_header(data)
+    if problem is not None and problem.tail:
+        return SegmentScan([], 0, [problem])
+    scan = scan_entries(data, SEGMENT_HEADER_BYTES)
+    if problem is not None:
+        scan.problems.insert(0, problem)
+    return scan
+
+
+def scan_records(data: bytes, start: int | None = None, end: int | None = None) -> SegmentScan:
+    """Like scan_segment (start None) or scan_entries (start given), with each
+    entry decoded: entries are (Entry, value). An intact entry whose body is not a
+    record (a writer bug, not damage) is reported as an "invalid" problem."""
+    scan = scan_segment(data) if start is None else scan_entries(data, start, end)
+    out, problems = [], list(scan.problems)
+    for e in scan.entries:
+        try:
+            out.append((e, decode_record(e.body)))
+        except CorruptData as exc:
+            problems.append(ScanProblem("invalid", e.offset, e.end, False, str(exc)))
+    if len(problems) > len(scan.problems):
+        problems.sort(key=lambda p: p.offset)
+    return SegmentScan(out, scan.good_end, problems)
+
+
+# ================================================================ wire batch
+
+
+def encode_batch(records) -> bytes:
+    """One upload batch (UsageError past MAX_BATCH_RECORDS or MAX_BATCH_BYTES)."""
+    records = list(records)
+    if len(records) > MAX_BATCH_RECORDS:
+        raise UsageError(f"batch: expected at most {MAX_BATCH_RECORDS} records, found {len(records)}")
+    parts = [msgpack.Packer().pack_array_header(len(records))]
+    for r in records:
+        if not isinstance(r, Record):
+            raise UsageError(f"batch: expected Records, found {_found(r)}")
+        parts.extend(record_parts(Record(r.node_id, r.region, r.seq, r.policy_version,
+                                         r.submitted_at, r.payload, r.meta)))
+    raw = b"".join(parts)
+    if len(raw) > MAX_BATCH_BYTES:
+        raise UsageError(f"batch: expected at most {MAX_BATCH_BYTES} bytes, found {len(raw)}")
+    packed = lz4.block.compress(raw, store_size=False)
+    flags = _FLAG_LZ4
+    if len(packed) >= len(raw):  # incompressible payloads: skip the decompressor's work
+        packed, flags = raw, 0
+    return _BATCH_HEADER.pack(BATCH_MAGIC, BATCH_VERSION, flags, len(raw), zlib.crc32(raw)) + packed
+
+
+def decode_batch(data: bytes) -> list[Record]:
+    """The records of one batch (CorruptData for anything malformed)."""
+    data = bytes(data)
+    if len(data) < _BATCH_HEADER.size:
+        raise CorruptData(f"batch: expected at least {_BATCH_HEADER.size} header bytes, found {len(data)}")
+    magic, version, flags, raw_len, crc = _BATCH_HEADER.unpack_from(data)
+    if magic != BATCH_MAGIC:
+        raise CorruptData(f"batch: expected magic {BATCH_MAGIC!r}, found {magic!r}")
+    if version != BATCH_VERSION:
+        raise UnsupportedFormat(f"batch: expected version {BATCH_VERSION}, found {version}")
+    if flags & ~_FLAG_LZ4:
+        raise CorruptData(f"batch: expected flags within {_FLAG_LZ4:#x}, found {flags:#x}")
+    if raw_len > MAX_BATCH_BYTES:
+        raise CorruptData(f"batch: expected at most {MAX_BATCH_BYTES} raw bytes, found a header of {raw_len}")
+    body = data[_BATCH_HEADER.size:]
+    if flags & _FLAG_LZ4:
+        try:
+            raw = lz4.block.decompress(body, uncompressed_size=raw_len)
+        except Exception as e:  # LZ4BlockError, ValueError
+            raise CorruptData(f"batch: expected an lz4 block of {raw_len} raw bytes, found undecodable data ({e})") from None
+    else:
+        raw = body
+    if len(raw) != raw_len:
+        raise CorruptData(f"batch: expected {raw_len} raw bytes, found {len(raw)}")
+    if zlib.crc32(raw) != crc:
+        raise CorruptData(f"batch: checksum mismatch over {raw_len} raw bytes")
+    obj = _unpack(raw, "batch")
+    if type(obj) is not list or len(obj) > MAX_BATCH_RECORDS:
+        raise CorruptData(f"batch: expected an array of at most {MAX_BATCH_RECORDS} records, found {_found(obj)[:40]}")
+    return [_record_from_obj(o, f"batch record {i}", (KIND_RECORD,)) for i, o in enumerate(obj)]
+
+
+# ================================================================ seq ranges
+
+
+class SeqRanges:
+    """A set of non-negative ints kept as sorted, disjoint, non-adjacent
+    half-open ranges: memory grows with the gaps, not with the count (a node's
+    seqs are dense, with a jump per restart)."""
+
+    def __init__(self, ranges=()):
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+        self._count = 0
+        for a, b in ranges:
+            self.add_range(a, b)
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __contains__(self, seq: int) -> bool:
+        i = bisect.bisect_right(self._starts, seq) - 1
+        return i >= 0 and seq < self._ends[i]
+
+    def ranges(self) -> list[tuple[int, int]]:
+        return list(zip(self._starts, self._ends))
+
+    def add(self, seq: int) -> bool:
+        """Add one seq; False if it was already there."""
+        return self.add_range(seq, seq + 1) == 1
+
+    def add_range(self, a: int, b: int) -> int:
+        """Add [a, b); returns how many were new."""
+        if not (type(a) is int and type(b) is int and 0 <= a <= b):
+            raise UsageError(f"expected 0 <= a <= b ints, found {_found((a, b))}")
+        if a == b:
+            return 0
+        starts, ends = self._starts, self._ends
+        i = bisect.bisect_left(ends, a)  # first range that ends at or after a (may touch)
+        j = bisect.bisect_right(starts, b)  # ranges [i, j) touch or overlap [a, b)
+        if i == j:  # fast path: no contact
+            starts.insert(i, a)
+            ends.insert(i, b)
+            self._count += b - a
+            return b - a
+        covered = sum(min(ends[k], b) - max(starts[k], a) for k in range(i, j) if ends[k] > a and starts[k] < b)
+        new_a, new_b = min(a, starts[i]), max(b, ends[j - 1])
+        starts[i:j] = [new_a]
+        ends[i:j] = [new_b]
+        added = (b - a) - max(covered, 0)
+        self._count += added
+        return added
+
+
+def seq_ranges(seqs) -> list[tuple[int, int]]:
+    """Sorted half-open ranges covering exactly the given seqs."""
+    out: list[tuple[int, int]] = []
+    for s in sorted(set(seqs)):
+        if out and out[-1][1] == s:
+            out[-1] = (out[-1][0], s + 1)
+        else:
+            out.append((s, s + 1))
+    return out

@@ -1,0 +1,794 @@
+"""Trajectory storage: record formats and framing (hypothesis), the node spool and
+the origin store on real files, readers in other processes, kill -9 recovery."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+import trio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from node.spool import TrajectorySpool
+from node.trajstore import TrajectoryReader, TrajectoryStore, list_segments, segment_path
+from protocol.errors import CorruptData, ProtocolError, SpoolFull, StorageFailed, UnsupportedFormat, UsageError
+from protocol.trajectory import (MAX_BATCH_BYTES, SEGMENT_HEADER_BYTES, DuplicatesNote, ReceivedRecord, Record,
+                                 SeqRanges, decode_batch, decode_payload, decode_record, encode_batch, encode_entry,
+                                 encode_payload, encode_record, scan_records, scan_segment, segment_header)
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+# ================================================================ strategies
+
+ids = st.text(min_size=1, max_size=12)
+meta_values = st.integers(-2**63, 2**63 - 1) | st.text(max_size=8) | st.binary(max_size=8) | st.booleans()
+metas = st.none() | st.dictionaries(st.text(max_size=6), meta_values | st.lists(meta_values, max_size=3), max_size=4)
+u64 = st.integers(0, 2**64 - 1)
+times = st.floats(allow_nan=False)
+records = st.builds(Record, node_id=ids, region=ids, seq=u64, policy_version=u64, submitted_at=times,
+                    payload=st.binary(max_size=300), meta=metas)
+received = st.builds(lambda r, t: r.received(t), records, times)
+any_values = records | received | st.builds(DuplicatesNote, st.integers(0, 2**64 - 1))
+
+
+def segment_of(values) -> tuple[bytes, list[tuple[int, int]]]:
+    """Segment bytes and each entry's (offset, end)."""
+    out, spans = bytearray(segment_header()), []
+    for v in values:
+        e = encode_entry(encode_record(v))
+        spans.append((len(out), len(out) + len(e)))
+        out += e
+    return bytes(out), spans
+
+
+def rec(seq, payload=b"x", node="n1", version=1, meta=None):
+    return Record(node, "r1", seq, version, 1.5, payload, meta)
+
+
+# ================================================================ protocol: bodies, framing, batches
+
+
+@given(any_values)
+def test_record_body_round_trips(v):
+    assert decode_record(encode_record(v)) == v
+
+
+@given(st.lists(any_values, max_size=8))
+def test_segment_round_trips(values):
+    data, spans = segment_of(values)
+    scan = scan_records(data)
+    assert [v for _, v in scan.entries] == values
+    assert [(e.offset, e.end) for e, _ in scan.entries] == spans
+    assert scan.good_end == len(data) and scan.problems == []
+
+
+@given(st.lists(any_values, min_size=1, max_size=6), st.data())
+def test_any_truncation_yields_a_prefix(values, data):
+    seg, spans = segment_of(values)
+    cut = data.draw(st.integers(0, len(seg)))
+    scan = scan_records(seg[:cut])
+    whole = [i for i, (_, end) in enumerate(spans) if end <= cut]
+    assert [v for _, v in scan.entries] == values[:len(whole)]
+    if cut < SEGMENT_HEADER_BYTES:
+        assert scan.good_end == 0 and len(scan.problems) == 1 and scan.problems[0].tail
+    else:
+        assert scan.good_end == (spans[whole[-1]][1] if whole else SEGMENT_HEADER_BYTES)
+        at_boundary = cut == scan.good_end
+        assert len(scan.problems) == (0 if at_boundary else 1)
+        if not at_boundary:
+            assert scan.problems[0].tail and scan.problems[0].offset == scan.good_end
+
+
+@settings(max_examples=300)
+@given(st.lists(any_values, min_size=1, max_size=6), st.data())
+def test_a_flipped_byte_costs_at_most_the_entry_it_hits(values, data):
+    seg, spans = segment_of(values)
+    pos = data.draw(st.integers(0, len(seg) - 1))
+    flip = data.draw(st.integers(1, 255))
+    bad = bytearray(seg)
+    bad[pos] ^= flip
+    scan = scan_records(bytes(bad))
+    hit = [i for i, (a, b) in enumerate(spans) if a <= pos < b]
+    expected = [i for i in range(len(values)) if i not in hit]
+    assert [(e.offset, e.end) for e, _ in scan.entries] == [spans[i] for i in expected]
+    assert [v for _, v in scan.entries] == [values[i] for i in expected]
+    [p] = scan.problems  # damage is always reported, once
+    if not hit:
+        assert p.kind == "bad_header"
+    else:
+        assert p.offset == spans[hit[0]][0]
+        assert p.tail == (hit[0] == len(values) - 1)
+
+
+def test_damage_in_a_length_field_resyncs_at_the_next_entry():
+    values = [rec(i, bytes([i]) * 50) for i in range(5)]
+    seg, spans = segment_of(values)
+    bad = bytearray(seg)
+    bad[spans[1][0] + 5] ^= 0x40  # length of entry 1 now points far past the data
+    scan = scan_records(bytes(bad))
+    assert [v.seq for _, v in scan.entries] == [0, 2, 3, 4]
+    [p] = scan.problems
+    assert (p.kind, p.offset, p.end, p.tail) == ("corrupt", spans[1][0], spans[2][0], False)
+
+
+def test_future_segment_version_is_refused_not_repaired():
+    import zlib
+    head = b"PSTRJSEG" + (2).to_bytes(4, "little")
+    with pytest.raises(UnsupportedFormat, match="expected version 1, found 2"):
+        scan_segment(head + zlib.crc32(head).to_bytes(4, "little"))
+
+
+@given(st.binary(max_size=200))
+def test_scanner_never_raises_on_random_bytes(data):
+    for d in (data, segment_header() + data):
+        scan = scan_records(d)
+        assert scan.good_end <= len(d)
+
+
+@given(st.lists(records, max_size=20))
+def test_batch_round_trips(recs):
+    assert decode_batch(encode_batch(recs)) == recs
+
+
+def test_batch_of_received_records_carries_plain_records():
+    r = rec(3).received(9.0)
+    assert decode_batch(encode_batch([r])) == [rec(3)]
+
+
+@given(st.binary(max_size=300))
+def test_random_bytes_are_corrupt_batches(data):
+    with pytest.raises((CorruptData, ProtocolError)):
+        decode_batch(data)
+
+
+@given(st.lists(records, min_size=1, max_size=5), st.data())
+def test_damaged_batches_raise_only_invalid_input(recs, data):
+    good = bytearray(encode_batch(recs))
+    for _ in range(data.draw(st.integers(1, 3))):
+        good[data.draw(st.integers(0, len(good) - 1))] ^= data.draw(st.integers(1, 255))
+    cut = data.draw(st.integers(0, len(good)))
+    try:
+        decode_batch(bytes(good[:cut]))
+    except (CorruptData, ProtocolError, UnsupportedFormat):
+        pass
+
+
+def test_batch_limits_and_bomb_header():
+    with pytest.raises(UsageError, match="expected at most"):
+        encode_batch([rec(i, b"\0" * (1 << 20)) for i in range(13)])
+    good = encode_batch([rec(1)])
+    bomb = good[:6] + (MAX_BATCH_BYTES + 1).to_bytes(4, "little") + good[10:]
+    with pytest.raises(CorruptData, match="raw bytes"):
+        decode_batch(bomb)
+
+
+def test_compressible_batches_shrink():
+    recs = [rec(i, b"observation " * 80) for i in range(200)]
+    assert len(encode_batch(recs)) < sum(len(r.payload) for r in recs) / 5
+
+
+def test_payload_rule_round_trips_objects_and_passes_bytes():
+    assert encode_payload(b"raw", {"k": 1}) == (b"raw", {"k": 1})
+    obj = {"obs": [1, 2, 3], "reward": 0.5, "text": "hi"}
+    payload, meta = encode_payload(obj, {"episode": 7})
+    assert meta == {"episode": 7, "payload_format": "msgpack"} and msgpack.unpackb(payload) == obj
+    assert Record("n", "r", 1, 1, 0.0, payload, meta).value() == obj
+    assert decode_payload(b"raw", None) == b"raw"
+    with pytest.raises(UsageError, match="reserved"):
+        encode_payload(b"x", {"payload_format": "msgpack"})
+    with pytest.raises(UsageError, match="msgpack-able"):
+        encode_payload(object())
+
+
+def test_invalid_records_are_refused_at_encode():
+    with pytest.raises(UsageError, match="payload: expected bytes"):
+        encode_record(Record("n", "r", 1, 1, 0.0, "text", None))
+    with pytest.raises(UsageError, match="seq"):
+        encode_record(Record("n", "r", -1, 1, 0.0, b"", None))
+    with pytest.raises(UsageError, match="msgpack-able"):
+        encode_record(Record("n", "r", 1, 1, 0.0, b"", {"x": object()}))
+
+
+@given(st.lists(st.tuples(st.integers(0, 200), st.integers(0, 8))))
+def test_seq_ranges_behave_like_a_set(ops):
+    model, ranges = set(), SeqRanges()
+    for a, k in ops:
+        if k == 0:
+            assert ranges.add(a) == (a not in model)
+            model.add(a)
+        else:
+            assert ranges.add_range(a, a + k) == len(set(range(a, a + k)) - model)
+            model.update(range(a, a + k))
+    assert len(ranges) == len(model)
+    assert all((x in ranges) == (x in model) for x in range(-1, 215))
+    rs = ranges.ranges()
+    assert all(rs[i][1] < rs[i + 1][0] for i in range(len(rs) - 1))  # disjoint and not adjacent
+
+
+# ================================================================ spool
+
+
+def run(fn, *args, limit=60):
+    async def main():
+        with trio.fail_after(limit):
+            return await fn(*args)
+    return trio.run(main)
+
+
+async def drain(sp, batch=50):
+    out = []
+    while True:
+        got = sp.pending(batch)
+        if not got:
+            return out
+        out.extend(got)
+
+
+def test_concurrent_appenders_share_fsyncs(tmp_path):
+    async def main():
+        sp = await TrajectorySpool.open(tmp_path, "n1", "r1")
+        seqs = {}
+
+        async def submit(i):
+            [seqs[i]] = await sp.append([(b"p%d" % i, 7, {"i": i})], timeout=5)
+
+        async with trio.open_nursery() as n:
+            for i in range(64):
+                n.start_soon(submit, i)
+        stats = sp.stats()
+        got = await drain(sp)
+        await sp.aclose()
+        return seqs, stats, got
+
+    seqs, stats, got = run(main)
+    assert sorted(seqs.values()) == list(range(64))
+    assert stats["records"] == 64 and stats["appended_total"] == 64
+    assert stats["fsyncs"] <= 4, f"64 concurrent appends took {stats['fsyncs']} fsyncs"
+    assert {r.seq: (r.payload, r.meta) for r in got} == {s: (b"p%d" % i, {"i": i}) for i, s in seqs.items()}
+    assert [r.seq for r in got] == sorted(r.seq for r in got)
+
+
+def test_restart_resumes_seqs_and_pending_and_acked_never_return(tmp_path):
+    async def first():
+        sp = await TrajectorySpool.open(tmp_path, "n1", "r1", segment_bytes=300)
+        seqs = await sp.append([(b"rec%d" % i, 1) for i in range(10)], timeout=5)
+        batch = sp.pending(4)
+        assert [r.seq for r in batch] == seqs[:4]
+        assert await sp.ack([r.seq for r in batch]) == 4
+        assert await sp.ack([r.seq for r in batch]) == 0  # repeated acks are harmless
+        await sp.aclose()
+        return seqs
+
+    async def second(seqs):
+        sp = await TrajectorySpool.open(tmp_path, "n1", "r1", segment_bytes=300)
+        got = await drain(sp)
+        assert [r.seq for r in got] == seqs[4:]
+        assert [r.payload for r in got] == [b"rec%d" % i for i in range(4, 10)]
+        [new] = await sp.append([(b"new", 2)], timeout=5)
+        assert new > max(seqs)
+        await sp.ack([r.seq for r in got] + [new])  # everything acknowledged: segments go
+        stats = sp.stats()
+        await sp.aclose()
+        return new, stats
+
+    async def third(before):
+        sp = await TrajectorySpool.open(tmp_path, "n1", "r1", segment_bytes=300)
+        assert await drain(sp) == []
+        [s] = await sp.append([(b"again", 3)], timeout=5)
+        await sp.aclose()
+        return s
+
+    seqs = run(first)
+    new, stats = run(second, seqs)
+    assert stats["records"] == 0 and stats["bytes"] == 0
+    assert run(third, new) > new  # no reuse even though every segment was deleted
+    assert len(list_segments(tmp_path)) <= 1
+
+
+def test_requeue_hands_out_in_flight_records_again(tmp_path):
+    async def main():
+        sp = await TrajectorySpool.open(tmp_path, "n1", "r1")
+        await sp.append([(b"a", 1), (b"b", 1), (b"c", 1)], timeout=5)
+        first = sp.pending(2)
+        assert sp.stats()["in_flight"] == 2
+        await sp.ack([first[0].seq])
+        assert [r.payload for r in sp.pending()] == [b"c"]
+        sp.requeue()
+        again = sp.pending()
+        await sp.aclose()
+        return again
+
+    assert [r.payload for r in run(main)] == [b"b", b"c"]
+
+
+def test_wait_pending_wakes_on_append(tmp_path):
+    async def main():
+        sp = await TrajectorySpool.open(tmp_path, "n1", "r1")
+        got = []
+
+        async def uploader():
+            await sp.wait_pending()
+            got.extend(sp.pending())
+
+        async with trio.open_nursery() as n:
+            n.start_soon(uploader)
+            await trio.sleep(0.05)
+            assert not got
+            await sp.append([(b"x", 1)], timeout=5)
+        await sp.aclose()
+        return got
+
+    assert [r.payload for r in run(main)] == [b"x"]
+
+
+def test_full_spool_waits_then_fails_clearly_and_drops_nothing(tmp_path):
+    async def main():
+        sp = await TrajectorySpool.open(tmp_path, "n1", "r1", max_bytes=4000)
+        first = await sp.append([(bytes(900), 1) for _ in range(4)], timeout=1)
+        t0 = trio.current_time()
+        with pytest.raises(SpoolFull, match=r"expected room for \d+ bytes within 0.2 s, found it full") as e:
+            await sp.append([(bytes(900), 1)], timeout=0.2)
+        waited = trio.current_time() - t0
+        assert sp.stats()["records"] == 4
+        # a waiting append succeeds as soon as an ack makes room
+        result = []
+
+        async def late():
+            result.extend(await sp.append([(b"late" + bytes(500), 1)], timeout=5))
+
+        async with trio.open_nursery() as n:
+            n.start_soon(late)
+            await trio.sleep(0.1)
+            assert not result
+            await sp.ack(first[:1])
+        got = await drain(sp)
+        await sp.aclose()
+        return str(e.value), waited, first, result, got
+
+    msg, waited, first, late, got = run(main)
+    assert waited >= 0.2 and "nothing was written" in msg
+    assert [r.seq for r in got] == first[1:] + late
+    with pytest.raises(UsageError, match="could never fit"):
+        async def huge():
+            sp = await TrajectorySpool.open(tmp_path / "other", "n1", "r1", max_bytes=1000)
+            try:
+                await sp.append([(bytes(2000), 1)], timeout=1)
+            finally:
+                await sp.aclose()
+        run(huge)
+
+
+def test_spool_refuses_another_node_and_a_second_writer(tmp_path):
+    async def main():
+        sp = await TrajectorySpool.open(tmp_path, "n1", "r1")
+        with pytest.raises(UsageError, match="held by another writer"):
+            await TrajectorySpool.open(tmp_path, "n1", "r1")
+        await sp.aclose()
+        with pytest.raises(UsageError, match="found the spool of node 'n1'"):
+            await TrajectorySpool.open(tmp_path, "n2", "r1")
+
+    run(main)
+
+
+def test_spool_torn_tail_is_truncated_and_intact_records_kept(tmp_path):
+    async def write():
+        sp = await TrajectorySpool.open(tmp_path, "n1", "r1")
+        seqs = await sp.append([(b"r%d" % i, 1) for i in range(5)], timeout=5)
+        await sp.aclose()
+        return seqs
+
+    seqs = run(write)
+    [n] = list_segments(tmp_path)
+    path = segment_path(tmp_path, n)
+    size = path.stat().st_size
+    with open(path, "ab") as f:  # a crash in the middle of the next write
+        f.write(encode_entry(encode_record(rec(99, b"z" * 100)))[:60])
+
+    async def reopen():
+        sp = await TrajectorySpool.open(tmp_path, "n1", "r1")
+        problems = list(sp.problems)
+        got = await drain(sp)
+        await sp.aclose()
+        return problems, got
+
+    problems, got = run(reopen)
+    assert [r.seq for r in got] == seqs
+    assert len(problems) == 1 and problems[0].problem.tail and problems[0].problem.offset == size
+    assert path.stat().st_size == size
+    assert run(reopen)[0] == []  # repaired: nothing to report the second time
+
+
+def test_spool_corrupt_middle_segment_is_reported_and_neighbours_survive(tmp_path):
+    async def write():
+        sp = await TrajectorySpool.open(tmp_path, "n1", "r1", segment_bytes=500)
+        seqs = []
+        for i in range(12):
+            seqs += await sp.append([(b"%03d" % i + bytes(100), 1)], timeout=5)
+        await sp.aclose()
+        return seqs
+
+    seqs = run(write)
+    numbers = list_segments(tmp_path)
+    assert len(numbers) >= 3
+    middle = segment_path(tmp_path, numbers[1])
+    data = bytearray(middle.read_bytes())
+    entries = scan_segment(bytes(data)).entries
+    victim = entries[0]
+    lost = decode_record(victim.body).seq
+    data[victim.offset + 30] ^= 0xFF
+    middle.write_bytes(bytes(data))
+
+    async def reopen():
+        sp = await TrajectorySpool.open(tmp_path, "n1", "r1", segment_bytes=500)
+        got = await drain(sp)
+        problems = list(sp.problems)
+        await sp.aclose()
+        return got, problems
+
+    got, problems = run(reopen)
+    assert [r.seq for r in got] == [s for s in seqs if s != lost]
+    assert len(problems) == 1 and problems[0].path == str(middle) and problems[0].problem.kind == "corrupt"
+
+
+SPOOL_CHILD = r"""
+import random, sys, trio
+from node.spool import TrajectorySpool
+
+async def main():
+    sp = await TrajectorySpool.open(sys.argv[1], "n1", "r1", max_bytes=1 << 22, segment_bytes=1 << 14)
+    print("OPEN", flush=True)
+
+    async def writer(w):
+        for i in range(10**9):
+            items = [(b"%d:%d:%d" % (w, i, k) + bytes(random.randrange(300)), i, None) for k in range(random.randrange(1, 4))]
+            seqs = await sp.append(items, timeout=30)
+            for s, (p, _, _) in zip(seqs, items):
+                print("A", s, p.split(b"\0")[0].decode(), flush=True)
+
+    async def acker():
+        while True:
+            await sp.wait_pending()
+            half = sp.pending(max_records=9)[::2]
+            for r in half:
+                print("T", r.seq, flush=True)  # about to ack: it may vanish from now on
+            await sp.ack([r.seq for r in half])
+            for r in half:
+                print("K", r.seq, flush=True)
+            await trio.sleep(0.002)
+
+    async with trio.open_nursery() as n:
+        for w in range(8):
+            n.start_soon(writer, w)
+        n.start_soon(acker)
+
+trio.run(main)
+"""
+
+
+def _run_and_kill(script: Path, args, out: Path, seconds: float) -> list[list[str]]:
+    with open(out, "w") as f:
+        p = subprocess.Popen([sys.executable, str(script), *map(str, args)], stdout=f, env=ENV, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 30
+        while "OPEN" not in out.read_text():
+            assert p.poll() is None, f"child exited with {p.returncode}"
+            assert time.monotonic() < deadline, "child did not open its files"
+            time.sleep(0.02)
+        time.sleep(seconds)
+        assert p.poll() is None, f"child exited with {p.returncode}"
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait(10)
+    complete = out.read_text().split("\n")[:-1]  # the kill may cut the last line: drop it
+    return [line.split() for line in complete[1:]]
+
+
+def test_sigkill_spool_keeps_every_acknowledged_record_exactly_once(tmp_path):
+    script = tmp_path / "child.py"
+    script.write_text(SPOOL_CHILD)
+    spool_dir = tmp_path / "spool"
+    rng = random.Random(os.getpid())
+    appended, acking, acked, last_seq = {}, set(), set(), -1
+    for round_ in range(3):
+        lines = _run_and_kill(script, [spool_dir], tmp_path / f"out{round_}", rng.uniform(0.3, 1.2))
+        for fields in lines:
+            if len(fields) == 3 and fields[0] == "A":
+                appended[int(fields[1])] = fields[2]
+            elif len(fields) == 2 and fields[0] == "K":
+                acked.add(int(fields[1]))
+            elif len(fields) == 2 and fields[0] == "T":
+                acking.add(int(fields[1]))
+        assert appended, "the child acknowledged nothing before the kill"
+
+        async def check():
+            sp = await TrajectorySpool.open(spool_dir, "n1", "r1", max_bytes=1 << 22, segment_bytes=1 << 14)
+            got = await drain(sp, 500)
+            [fresh] = await sp.append([(b"fresh%d\0" % round_, 0)], timeout=5)
+            await sp.aclose()
+            return got, fresh
+
+        got, fresh = run(check)
+        seqs = [r.seq for r in got]
+        assert len(seqs) == len(set(seqs)), "a record is pending twice"
+        by_seq = {r.seq: r.payload.split(b"\0")[0].decode() for r in got}
+        missing = set(appended) - acking - set(by_seq)
+        assert not missing, f"acknowledged appends lost after kill -9: {sorted(missing)[:10]}"
+        assert all(by_seq[s] == appended[s] for s in set(appended) - acking)
+        assert not acked & set(by_seq), "an acknowledged record came back"
+        assert fresh > max([last_seq, *appended, *by_seq]), "a seq was reused after restart"
+        last_seq = fresh
+        appended[fresh] = f"fresh{round_}"
+
+
+# ================================================================ store
+
+
+def test_store_dedups_and_counts_duplicates_durably(tmp_path):
+    recs = [rec(i, b"p%d" % i, node=f"n{i % 2}") for i in range(10)]
+
+    async def main():
+        st = await TrajectoryStore.open(tmp_path)
+        assert await st.append(recs) == [r.seq for r in recs]
+        assert await st.append(recs[:6] + [rec(100)]) == [r.seq for r in recs[:6]] + [100]
+        assert await st.append([rec(200), rec(200)]) == [200, 200]  # a duplicate inside one batch
+        summary = st.summary()
+        await st.aclose()
+        st = await TrajectoryStore.open(tmp_path)
+        again = st.summary()
+        got = list(st.iter_records())
+        await st.aclose()
+        return summary, again, got
+
+    summary, again, got = run(main)
+    assert summary["records"] == 12 and summary["duplicates_dropped"] == 7
+    assert summary["by_node"] == {"n0": 5, "n1": 7}
+    for k in ("records", "duplicates_dropped", "by_node", "by_version"):
+        assert again[k] == summary[k]
+    assert sorted((r.node_id, r.seq) for r in got) == sorted({(r.node_id, r.seq) for r in recs + [rec(100), rec(200)]})
+    assert all(isinstance(r, ReceivedRecord) and r.received_at > 0 for r in got)
+    assert TrajectoryReader(tmp_path).summary()["duplicates_dropped"] == 7
+
+
+def test_concurrent_store_appends_share_fsyncs_and_dedup_across_callers(tmp_path):
+    async def main():
+        st = await TrajectoryStore.open(tmp_path)
+        batch = [rec(i) for i in range(50)]
+
+        async def send(b):
+            assert await st.append(b) == [r.seq for r in b]
+
+        async with trio.open_nursery() as n:
+            for k in range(20):
+                n.start_soon(send, batch if k % 2 else [rec(1000 + k)])
+        s = st.summary()
+        await st.aclose()
+        return s
+
+    s = run(main)
+    assert s["records"] == 60 and s["duplicates_dropped"] == 450
+    assert s["fsyncs"] <= 5
+
+
+def test_store_torn_tail_and_corrupt_middle(tmp_path):
+    async def write():
+        st = await TrajectoryStore.open(tmp_path, segment_bytes=400)
+        for i in range(12):
+            await st.append([rec(i, bytes(100))])
+        await st.aclose()
+
+    run(write)
+    numbers = list_segments(tmp_path)
+    assert len(numbers) >= 3
+    last = segment_path(tmp_path, numbers[-1])
+    size = last.stat().st_size
+    with open(last, "ab") as f:
+        f.write(encode_entry(encode_record(rec(99).received(1.0)))[:-3])
+    middle = segment_path(tmp_path, numbers[1])
+    data = bytearray(middle.read_bytes())
+    victim = scan_segment(bytes(data)).entries[0]
+    lost = decode_record(victim.body).seq
+    data[victim.end - 5] ^= 1
+    middle.write_bytes(bytes(data))
+
+    reader_before = TrajectoryReader(tmp_path).summary()
+    assert last.stat().st_size > size  # a reader truncates nothing
+
+    async def reopen():
+        st = await TrajectoryStore.open(tmp_path, segment_bytes=400)
+        problems = [str(p) for p in st.problems]
+        seqs = [r.seq for r in st.iter_records()]
+        await st.append([rec(50)])
+        summary = st.summary()
+        await st.aclose()
+        return problems, seqs, summary
+
+    problems, seqs, summary = run(reopen)
+    assert seqs == [i for i in range(12) if i != lost]
+    assert len(problems) == 2 and "corrupt" in problems[0] and "at the tail" in problems[1]
+    assert last.stat().st_size == size
+    assert summary["records"] == 12 and len(summary["problems"]) == 2
+    assert reader_before["records"] == 11 and len(reader_before["problems"]) == 1  # its tail: still being written?
+    assert TrajectoryReader(tmp_path).summary()["records"] == 12
+
+
+def test_cursor_filters_count_skips_and_resume(tmp_path):
+    async def main():
+        st = await TrajectoryStore.open(tmp_path)
+        await st.append([rec(i, version=v) for i, v in enumerate([1, 2, 3, 4, 5, 2, 5])])
+        cur = st.cursor(min_version=2, max_staleness=2)
+        got = cur.read(100, current_version=5)
+        counts = (cur.below_min, cur.stale)
+        pos = cur.position
+        woke = []
+
+        async def trainer():
+            await st.wait_for_records(cur)
+            woke.extend(cur.read(100, current_version=5))
+
+        async with trio.open_nursery() as n:
+            n.start_soon(trainer)
+            await trio.sleep(0.05)
+            assert not woke
+            await st.append([rec(20, version=6)])
+        resumed = [r.seq for r in st.cursor(pos).read(100)]
+        summary = st.summary(current_version=5, max_staleness=2)
+        await st.aclose()
+        return got, counts, woke, resumed, summary
+
+    got, counts, woke, resumed, summary = run(main)
+    assert [r.policy_version for r in got] == [3, 4, 5, 5]
+    assert counts == (1, 2)  # v1 below min; two v2 records older than the staleness bound
+    assert [r.seq for r in woke] == [20] and resumed == [20]
+    assert summary["stale"] == 3 and summary["by_version"] == {1: 1, 2: 2, 3: 1, 4: 1, 5: 2, 6: 1}
+
+
+READER = r"""
+import io, json, sys
+from node.trajstore import TrajectoryReader
+r = TrajectoryReader(sys.argv[1])
+out = io.StringIO()
+n = r.dump_jsonl(out)
+print(json.dumps({"summary": r.summary(current_version=3, max_staleness=1), "dumped": n, "first": out.getvalue().splitlines()[0]}))
+"""
+
+
+def test_reader_process_sees_records_while_the_writer_holds_the_files(tmp_path):
+    async def read_in_child():
+        p = await trio.run_process([sys.executable, "-c", READER, str(tmp_path)], capture_stdout=True, env=ENV)
+        return json.loads(p.stdout)
+
+    async def main():
+        st = await TrajectoryStore.open(tmp_path)
+        await st.append([rec(i, b"payload%d" % i, node=f"n{i % 3}", version=i % 4) for i in range(30)])
+        first = await read_in_child()
+        sizes = {n: segment_path(tmp_path, n).stat().st_size for n in list_segments(tmp_path)}
+        # the writer is mid-write: half an entry past the committed end
+        last = segment_path(tmp_path, max(sizes))
+        with open(last, "ab") as f:
+            f.write(encode_entry(encode_record(rec(999).received(1.0)))[:25])
+        torn = await read_in_child()
+        assert last.stat().st_size == sizes[max(sizes)] + 25  # the reader truncated nothing
+        await st.append([rec(i) for i in range(30, 35)])  # the writer carries on over it
+        second = await read_in_child()
+        await st.aclose()
+        return first, torn, second
+
+    first, torn, second = run(main)
+    s = first["summary"]
+    assert s["records"] == 30 and s["by_node"] == {"n0": 10, "n1": 10, "n2": 10}
+    assert s["stale"] == 16  # versions 0 and 1 (8 records each) are more than 1 behind 3
+    assert first["dumped"] == 30
+    line = json.loads(first["first"])
+    assert {"node_id", "seq", "policy_version", "payload_b64", "region", "submitted_at", "received_at"} <= set(line)
+    assert (line["node_id"], line["seq"], line["payload_b64"]) == ("n0", 0, "cGF5bG9hZDA=")
+    assert torn["summary"]["records"] == 30 and torn["summary"]["problems"] == []
+    assert second["summary"]["records"] == 35
+
+
+STORE_CHILD = r"""
+import random, sys, trio
+from node.trajstore import TrajectoryStore
+from protocol.trajectory import Record
+
+async def main():
+    st = await TrajectoryStore.open(sys.argv[1], segment_bytes=1 << 15)
+    print("OPEN", flush=True)
+    start = int(sys.argv[2])
+
+    async def node(name):
+        sent = []
+        for seq in range(start, start + 10**9, 3):
+            batch = [Record(name, "r1", s, 1, 0.0, b"%s/%d" % (name.encode(), s) + bytes(random.randrange(200)), None)
+                     for s in range(seq, seq + 3)]
+            if sent and random.random() < 0.3:
+                batch += random.sample(sent, min(2, len(sent)))  # a resend after a lost ack
+            for s in await st.append(batch):
+                print("A", name, s, flush=True)
+            sent += batch
+
+    async with trio.open_nursery() as n:
+        for k in range(4):
+            n.start_soon(node, f"node{k}")
+
+trio.run(main)
+"""
+
+
+def test_sigkill_store_keeps_every_acknowledged_record_exactly_once(tmp_path):
+    script = tmp_path / "child.py"
+    script.write_text(STORE_CHILD)
+    store_dir = tmp_path / "store"
+    rng = random.Random(os.getpid() + 1)
+    acked = set()
+    for round_ in range(2):
+        lines = _run_and_kill(script, [store_dir, round_ * 10**6], tmp_path / f"out{round_}", rng.uniform(0.3, 1.0))
+        acked |= {(f[1], int(f[2])) for f in lines if len(f) == 3 and f[0] == "A"}
+        assert acked
+
+        async def check():
+            st = await TrajectoryStore.open(store_dir)
+            got = [(r.node_id, r.seq, r.payload) for r in st.iter_records()]
+            await st.aclose()
+            return got
+
+        got = run(check)
+        keys = [(n, s) for n, s, _ in got]
+        assert len(keys) == len(set(keys)), "a record is stored twice"
+        assert acked <= set(keys), f"acknowledged records lost: {sorted(acked - set(keys))[:10]}"
+        assert all(p.split(b"\0")[0] == b"%s/%d" % (n.encode(), s) for n, s, p in got)
+
+
+def test_cancelled_appenders_never_stall_the_others(tmp_path):
+    async def main():
+        sp = await TrajectorySpool.open(tmp_path, "n1", "r1")
+        done, gave_up = {}, 0
+
+        async def appender(i):
+            nonlocal gave_up
+            for k in range(20):
+                with trio.move_on_after(0.0005 if i % 2 else 30) as scope:
+                    [done[(i, k)]] = await sp.append([(b"%d/%d" % (i, k), 1)], timeout=30)
+                gave_up += scope.cancelled_caught
+
+        async with trio.open_nursery() as n:
+            for i in range(16):
+                n.start_soon(appender, i)
+        got = await drain(sp, 1000)
+        stats = sp.stats()
+        await sp.aclose()
+        return done, gave_up, got, stats
+
+    done, gave_up, got, stats = run(main, limit=60)
+    by_seq = {r.seq: r.payload for r in got}
+    assert len(done) + gave_up == 16 * 20 and len([k for k in done if k[0] % 2 == 0]) == 8 * 20
+    assert all(by_seq[s] == b"%d/%d" % k for k, s in done.items())  # acknowledged means stored
+    assert stats["records"] == len(got) >= len(done)  # given-up ones may have landed, once
+
+
+def test_a_failed_write_breaks_the_store_until_reopened(tmp_path):
+    async def main():
+        st = await TrajectoryStore.open(tmp_path, segment_bytes=1)  # every commit starts a new file
+        await st.append([rec(1)])
+        segment_path(tmp_path, st.log.active + 1).write_bytes(b"in the way")  # the next file cannot be created
+        with pytest.raises(StorageFailed, match="expected a durable write .* FileExistsError"):
+            await st.append([rec(2)])
+        with pytest.raises(StorageFailed):
+            await st.append([rec(3)])
+        await st.aclose()
+        segment_path(tmp_path, st.log.active + 1).unlink()
+        st = await TrajectoryStore.open(tmp_path)
+        seqs = [r.seq for r in st.iter_records()]
+        await st.append([rec(2)])  # not a duplicate: it never became durable
+        again = [r.seq for r in st.iter_records()]
+        await st.aclose()
+        return seqs, again
+
+    assert run(main) == ([1], [1, 2])
