@@ -1,0 +1,144 @@
+"""The WAN plan: who brings each chunk into a region, and from which regions.
+
+Owns the deterministic, process-independent assignment that lets a swarm move
+each chunk across each region boundary about once and out of the origin's
+uplink about once in total:
+
+- `responsible`: within one region, the member that fetches a chunk across the
+  WAN (rendezvous / highest-random-weight hashing, so a member leaving moves
+  only its own share and a member joining takes only what it wins).
+- `region_order`: the order in which regions bring a chunk across the WAN: the
+  origin's region first, then the others in a per-chunk rendezvous order, so
+  remote regions split the pulling from the origin's region and then exchange
+  with each other.
+- `upstream_regions`: for one region, the regions it may pull a chunk from
+  (nearest first) and whether the origin itself is a source.
+- `ResponsibilityMap`: `responsible` for every chunk of one object, kept up to
+  date incrementally as members come and go.
+
+Weights are SHA-256 digests of text, never Python's `hash()`, so every process
+computes the same plan. This module must not know about connections, time,
+what anyone holds or what to request next: that is protocol/picker.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Iterable
+
+ObjKey = tuple[int, bool]  # (version, is_keyframe): one published artifact
+
+
+def _member_prefix(node_id: str, key: ObjKey) -> bytes:
+    version, keyframe = key
+    return f"{node_id}|{version}|{int(keyframe)}|".encode()
+
+
+def member_weight(node_id: str, key: ObjKey, chunk: int) -> bytes:
+    """The rendezvous weight of `node_id` for one chunk:
+    SHA-256 of f"{node_id}|{version}|{int(kf)}|{chunk}" (bigger wins)."""
+    return hashlib.sha256(_member_prefix(node_id, key) + b"%d" % chunk).digest()
+
+
+def region_weight(region: str, key: ObjKey, chunk: int) -> bytes:
+    """The rendezvous weight of a region for one chunk. The "region:" tag keeps
+    region labels and node ids in separate name spaces."""
+    version, keyframe = key
+    return hashlib.sha256(f"region:{region}|{version}|{int(keyframe)}|{chunk}".encode()).digest()
+
+
+def responsible(key: ObjKey, chunk: int, region_members: Iterable[str]) -> str | None:
+    """The member of `region_members` that brings `chunk` of `key` into the
+    region: the highest `member_weight` (ties, impossible in practice, go to
+    the larger id). None for no members."""
+    best, best_weight = None, b""
+    for member in region_members:
+        weight = member_weight(member, key, chunk)
+        if best is None or (weight, member) > (best_weight, best):
+            best, best_weight = member, weight
+    return best
+
+
+def region_order(key: ObjKey, chunk: int, regions: Iterable[str], origin_region: str) -> list[str]:
+    """The order in which regions bring `chunk` across the WAN: `origin_region`
+    first (whether or not it is among `regions`), then the other regions by
+    descending `region_weight`. Duplicates in `regions` are ignored."""
+    others = {r for r in regions if r != origin_region}
+    ranked = sorted(others, key=lambda r: (region_weight(r, key, chunk), r), reverse=True)
+    return [origin_region, *ranked]
+
+
+def upstream_regions(key: ObjKey, chunk: int, region: str, member_regions: Iterable[str],
+                     origin_region: str) -> tuple[list[str], bool]:
+    """Where `region` pulls `chunk` from across the WAN.
+
+    `member_regions` are the regions that have at least one live member;
+    `region` is counted among them. Returns (the regions before `region` in
+    `region_order`, nearest first; whether the origin itself is a source).
+    The origin serves only its own region, or the first region after it when
+    no member lives in the origin's region: if the origin's region has nodes,
+    the remote regions take from them, which keeps the origin's uplink at
+    about one copy of each chunk. Regions without members are left out of the
+    order, so a region never waits on an empty one.
+    """
+    present = set(member_regions)
+    order = region_order(key, chunk, present | {region}, origin_region)
+    at = order.index(region)
+    origin_serves = at == 0 or (at == 1 and origin_region not in present)
+    return order[at - 1::-1] if at else [], origin_serves
+
+
+class ResponsibilityMap:
+    """`responsible(key, c, members)` for every chunk c of one object.
+
+    `set_members` updates incrementally: a member that joined is weighed once
+    per chunk, and only the chunks whose owner left are weighed again over
+    all members. That keeps membership churn at O(chunks) hash computations
+    instead of O(chunks × members).
+    """
+
+    def __init__(self, key: ObjKey, n_chunks: int, members: Iterable[str] = ()):
+        self.key = key
+        self.n_chunks = n_chunks
+        self._members: set[str] = set()
+        self._owner: list[str | None] = [None] * n_chunks
+        self._weight: list[bytes] = [b""] * n_chunks
+        self.set_members(members)
+
+    @property
+    def members(self) -> frozenset[str]:
+        return frozenset(self._members)
+
+    def owner(self, chunk: int) -> str | None:
+        """The member responsible for `chunk`, None while there are no members."""
+        return self._owner[chunk]
+
+    def set_members(self, members: Iterable[str]) -> list[int]:
+        """Replace the member set; return the chunks whose owner changed, ascending."""
+        new = set(members)
+        left, joined = self._members - new, new - self._members
+        old_owner = list(self._owner) if (left or joined) else self._owner
+        rehashed: set[int] = set()
+        if left:
+            for c, owner in enumerate(self._owner):
+                if owner in left:
+                    self._owner[c], self._weight[c] = None, b""
+                    rehashed.add(c)
+            for member in sorted(new):  # sorted: same tie-break order everywhere
+                self._offer(member, rehashed)
+        for member in sorted(joined):
+            self._offer(member, range(self.n_chunks), skip=rehashed)
+        self._members = new
+        if old_owner is self._owner:
+            return []
+        return [c for c in range(self.n_chunks) if old_owner[c] != self._owner[c]]
+
+    def _offer(self, member: str, chunks: Iterable[int], skip: set[int] = frozenset()) -> None:
+        prefix = _member_prefix(member, self.key)
+        owner, weight, sha256 = self._owner, self._weight, hashlib.sha256
+        for c in chunks:
+            if c in skip:
+                continue
+            w = sha256(prefix + b"%d" % c).digest()
+            if owner[c] is None or (w, member) > (weight[c], owner[c]):
+                owner[c], weight[c] = member, w

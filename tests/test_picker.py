@@ -1,0 +1,813 @@
+"""The swarm fetch policy: WAN plan (responsibility) and PiecePicker, without sockets.
+
+Scenario tables drive single pickers with facts; a tiny discrete-event swarm
+(pure Python, below) wires many pickers and an origin together and checks
+that everyone completes, each chunk enters each region across the WAN exactly
+once and the origin sends each chunk once while all is healthy.
+
+`python tests/test_picker.py` runs a microbenchmark of `requests()`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections import Counter
+from itertools import combinations
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from protocol.errors import ProtocolError, UsageError
+from protocol.picker import MAX_COPIES, NODE, ORIGIN, PiecePicker, Request
+from protocol.responsibility import (
+    ResponsibilityMap, region_order, responsible, upstream_regions,
+)
+
+KEY = (7, False)  # a patch
+KF = (7, True)  # a keyframe
+OR = "origin"  # the origin's peer id
+
+
+def make(me, members, *, origin_region="r0", n=16, connect=None, origin=True, seed=0,
+         pipeline=4, takeover_after=2.0, key=KEY, now=0.0, priority=0):
+    """A picker for `me`, with members set, connected to `connect` (default:
+    every other member) and the origin, holding one object with no chunks."""
+    p = PiecePicker(me, members[me], origin_region, seed=seed, pipeline=pipeline,
+                    takeover_after=takeover_after)
+    p.set_members(members)
+    for other in (connect if connect is not None else sorted(set(members) - {me})):
+        p.peer_joined(other, NODE, members[other])
+    if origin:
+        p.peer_joined(OR, ORIGIN, origin_region)
+    p.add_object(key, n, now=now, priority=priority)
+    if origin:
+        p.peer_has(OR, key, range(n))
+    return p
+
+
+def owned(node, members, n, key=KEY):
+    """The chunks `node` must bring into its region."""
+    region = [m for m, r in members.items() if r == members[node]]
+    return {c for c in range(n) if responsible(key, c, region) == node}
+
+
+def find_chunk(pred, limit=500):
+    c = next((c for c in range(limit) if pred(c)), None)
+    assert c is not None, "no chunk satisfies the scenario; widen the search"
+    return c
+
+
+def asked(reqs):
+    return {(r.peer, r.chunk) for r in reqs}
+
+
+# --- responsibility ---------------------------------------------------------
+
+
+def test_responsible_is_highest_sha256_weight():
+    members = ["a", "b", "node-3", "x"]
+    for c in range(20):
+        digests = {m: hashlib.sha256(f"{m}|7|0|{c}".encode()).digest() for m in members}
+        assert responsible(KEY, c, members) == max(members, key=lambda m: digests[m])
+        assert responsible(KEY, c, reversed(members)) == responsible(KEY, c, members)
+    assert responsible(KEY, 0, []) is None
+    assert responsible(KEY, 0, ["solo"]) == "solo"
+
+
+def test_responsible_spreads_chunks_over_members():
+    members = [f"n{i}" for i in range(4)]
+    share = Counter(responsible(KEY, c, members) for c in range(400))
+    assert set(share) == set(members)
+    assert all(60 <= v <= 140 for v in share.values()), share
+
+
+def test_keyframe_and_patch_of_same_version_differ():
+    members = [f"n{i}" for i in range(4)]
+    assert any(responsible(KEY, c, members) != responsible(KF, c, members) for c in range(20))
+
+
+def test_region_order_origin_first_then_per_chunk_rendezvous():
+    regions = ["r1", "r2", "r3", "r1"]
+    seconds = Counter()
+    for c in range(60):
+        order = region_order(KEY, c, regions, "r0")
+        assert order[0] == "r0" and sorted(order[1:]) == ["r1", "r2", "r3"]
+        assert region_order(KEY, c, ["r3", "r0", "r2", "r1"], "r0") == order
+        seconds[order[1]] += 1
+    assert set(seconds) == {"r1", "r2", "r3"}  # remote regions split the pulling
+
+
+@pytest.mark.parametrize("region, members, origin_region, expect", [
+    # (my region, regions with members, origin region, (upstream, origin serves))
+    ("r0", {"r0", "r1"}, "r0", ([], True)),  # the origin's region takes from the origin
+    ("r0", {"r0"}, "r0", ([], True)),  # the only region
+    ("r1", {"r1"}, "r0", (["r0"], True)),  # origin region without nodes: first region
+    ("r1", {"r0", "r1"}, "r0", (["r0"], False)),  # origin region has nodes: take from them
+])
+def test_upstream_regions_table(region, members, origin_region, expect):
+    for c in range(10):
+        assert upstream_regions(KEY, c, region, members, origin_region) == expect
+
+
+def test_upstream_regions_second_region_pulls_from_first():
+    for c in range(30):
+        order = region_order(KEY, c, ["r1", "r2"], "r0")
+        first, second = order[1], order[2]
+        assert upstream_regions(KEY, c, second, {"r1", "r2"}, "r0") == ([first, "r0"], False)
+        assert upstream_regions(KEY, c, first, {"r1", "r2"}, "r0") == (["r0"], True)
+        assert upstream_regions(KEY, c, second, {"r0", "r1", "r2"}, "r0") == ([first, "r0"], False)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sets(st.sampled_from([f"n{i}" for i in range(8)])), min_size=1, max_size=6))
+def test_responsibility_map_tracks_membership(history):
+    rmap = ResponsibilityMap(KEY, 40)
+    before = [None] * 40
+    for members in history:
+        changed = rmap.set_members(members)
+        now = [responsible(KEY, c, members) for c in range(40)]
+        assert [rmap.owner(c) for c in range(40)] == now
+        assert changed == [c for c in range(40) if before[c] != now[c]]
+        before = now
+
+
+# --- single pickers: scenario tables -------------------------------------------
+
+ONE_REGION = {"a": "r0", "b": "r0", "c": "r0"}
+
+
+@pytest.mark.parametrize("me", sorted(ONE_REGION))
+def test_single_region_only_the_responsible_node_asks_the_origin(me):
+    n = 30
+    p = make(me, ONE_REGION, n=n, pipeline=n)
+    reqs = p.requests(0.0)
+    assert {r.peer for r in reqs} == {OR}
+    assert {r.chunk for r in reqs} == owned(me, ONE_REGION, n)
+    assert p.responsible_for(KEY) == len(owned(me, ONE_REGION, n))
+
+
+def test_single_region_others_wait_then_take_from_the_responsible_node():
+    n = 30
+    b = make("b", ONE_REGION, n=n, pipeline=n)
+    b.requests(0.0)
+    c = min(owned("a", ONE_REGION, n))
+    assert b.requests(0.1) == []  # waits for a
+    b.peer_has("a", KEY, [c])
+    assert b.requests(0.2) == [Request("a", KEY, c)]  # same region, never the origin
+
+
+THREE = {"a0": "r0", "b0": "r0", "a1": "r1", "b1": "r1", "a2": "r2"}
+
+
+def _remote_chunk(me, second):
+    """A chunk `me` (in r1) must bring in, whose order puts `second` right after r0."""
+    return find_chunk(lambda c: responsible(KEY, c, ["a1", "b1"]) == me
+                      and region_order(KEY, c, ["r1", "r2"], "r0")[1] == second)
+
+
+@pytest.mark.parametrize("second, holders, expect", [
+    # r1 right after r0: pulls from r0's nodes, never the origin
+    ("r1", [], set()),
+    ("r1", ["a0"], {"a0"}),
+    ("r1", ["a0", "b0"], {"a0", "b0"}),
+    ("r1", ["a0", "a2"], {"a0"}),  # r2 is downstream of r1 for this chunk
+    ("r1", ["a2"], set()),
+    # r1 after r2: the nearest upstream (r2) first, then r0's nodes
+    ("r2", ["a2"], {"a2"}),
+    ("r2", ["a0", "a2"], {"a2"}),
+    ("r2", ["a0"], {"a0"}),
+    ("r2", [], set()),
+])
+def test_remote_responsible_node_sources_table(second, holders, expect):
+    c = _remote_chunk("a1", second)
+    got = set()
+    for seed in range(6):  # ties go to either eligible peer: collect over seeds
+        p = make("a1", THREE, n=c + 1, seed=seed)
+        for h in holders:
+            p.peer_has(h, KEY, [c])
+        got |= {r.peer for r in p.requests(0.0) if r.chunk == c}
+    assert got == expect
+
+
+def test_remote_same_region_holder_beats_wan():
+    c = _remote_chunk("a1", "r1")
+    p = make("a1", THREE, n=c + 1)
+    p.peer_has("a0", KEY, [c])
+    p.peer_has("b1", KEY, [c])
+    assert asked(p.requests(0.0)) == {("b1", c)}
+
+
+def test_remote_non_responsible_node_never_crosses_the_wan():
+    c = _remote_chunk("a1", "r1")
+    p = make("b1", THREE, n=c + 1)
+    p.peer_has("a0", KEY, [c])
+    p.peer_has("a2", KEY, [c])
+    assert all(r.chunk != c for r in p.requests(0.0))
+
+
+def test_origin_region_without_nodes():
+    members = {"a1": "r1", "a2": "r2"}
+    c = find_chunk(lambda c: region_order(KEY, c, ["r1", "r2"], "r0")[1] == "r1")
+    first = make("a1", members, n=c + 1)
+    assert ("origin", c) in asked(first.requests(0.0))
+    second = make("a2", members, n=c + 1)
+    assert all(r.chunk != c for r in second.requests(0.0))  # not from the origin
+    second.peer_has("a1", KEY, [c])
+    assert ("a1", c) in asked(second.requests(0.1))
+
+
+def test_single_node_is_responsible_for_everything():
+    p = make("solo", {"solo": "r5"}, n=6, pipeline=6)  # alone, not in the origin's region
+    assert asked(p.requests(0.0)) == {(OR, c) for c in range(6)}
+
+
+def test_member_leaving_moves_its_share_at_once_and_releases_requests():
+    members = {"a": "r0", "b": "r0"}
+    n = 40
+    b = make("b", members, n=n, pipeline=n)
+    mine, theirs = owned("b", members, n), owned("a", members, n)
+    first = b.requests(0.0)
+    assert {r.chunk for r in first} == mine
+    d = min(theirs)
+    b.peer_has("a", KEY, [d])
+    assert b.requests(0.0) == [Request("a", KEY, d)]
+    assert b.in_flight("a") == 1
+    b.peer_left("a")
+    assert b.in_flight("a") == 0
+    b.set_members({"b": "r0"})
+    again = b.requests(0.0)  # no delay: the whole object is b's now
+    assert {r.chunk for r in again} == theirs and {r.peer for r in again} == {OR}
+    assert b.in_flight() == n
+
+
+def test_member_joining_takes_its_share():
+    b = make("b", {"b": "r0"}, n=40, pipeline=1)
+    b.set_members({"a": "r0", "b": "r0"})
+    assert b.responsible_for(KEY) == len(owned("b", {"a": "r0", "b": "r0"}, 40))
+
+
+def _received_all(p, reqs):
+    for r in reqs:
+        assert p.chunk_received(r.key, r.chunk, r.peer) == []
+
+
+def test_takeover_only_after_the_delay_and_only_when_idle():
+    members = {"a1": "r1", "b1": "r1", "a0": "r0"}
+    n = 40
+    own, stuck = owned("b1", members, n), owned("a1", members, n)  # a1 never delivers
+    p = make("b1", members, n=n, takeover_after=2.0, now=10.0, pipeline=n)
+    p.peer_has("a0", KEY, range(n))
+    first = p.requests(10.0)
+    assert own and stuck and asked(first) == {("a0", c) for c in own}
+    assert p.next_wakeup(10.0) == 12.0
+    _received_all(p, first[1:])
+    assert p.requests(11.0) == [] and p.next_wakeup(11.0) == 12.0  # idle, but too early
+    assert p.requests(12.5) == []  # late enough, but one request is still in flight
+    _received_all(p, first[:1])
+    taken = p.requests(12.5)  # idle and late: a1's share, from a node peer
+    assert asked(taken) == {("a0", c) for c in stuck}
+    assert p.next_wakeup(12.5) is None  # the clock has run out: only facts matter now
+
+
+@pytest.mark.parametrize("holders, expect", [
+    (["a2"], {"a2"}),  # any region's node peer, even a downstream one
+    (["a0", "a2"], {"a0", "a2"}),
+    ([], {OR}),  # no node has it: the origin
+])
+def test_takeover_sources(holders, expect):
+    members = {"a1": "r1", "b1": "r1", "a0": "r0", "a2": "r2"}
+    c = min(owned("a1", members, 8))
+    got = set()
+    for seed in range(6):
+        p = make("b1", members, n=8, takeover_after=1.0, seed=seed, pipeline=8)
+        for h in holders:
+            p.peer_has(h, KEY, [c])
+        assert all(r.chunk != c for r in p.requests(0.0))
+        _received_all(p, p.requests(0.0))
+        got |= {r.peer for r in p.requests(1.0) if r.chunk == c}
+    assert got == expect
+
+
+def test_no_takeover_when_a_region_neighbour_has_it():
+    members = {"a1": "r1", "b1": "r1", "c1": "r1", "a0": "r0"}
+    c = min(owned("a1", members, 8))
+    p = make("b1", members, n=8, takeover_after=0.0, pipeline=8)
+    p.peer_has("c1", KEY, [c])  # c1 got it: take it from c1, not across the WAN
+    assert ("c1", c) in asked(p.requests(5.0))
+
+
+# --- endgame, priorities, pipeline, rarity, failures --------------------------
+
+
+def test_endgame_duplicates_in_region_and_cancels():
+    members = {"a": "r1", "b": "r1", "me": "r1"}
+    p = make("me", members, origin_region="r0", n=2, origin=False, pipeline=2)
+    p.peer_has("a", KEY, [0, 1])
+    p.peer_has("b", KEY, [0, 1])
+    reqs = p.requests(0.0)
+    assert len(reqs) == 4  # two firsts, then a second copy of each from the other peer
+    assert Counter(r.chunk for r in reqs) == {0: MAX_COPIES, 1: MAX_COPIES}
+    assert len(asked(reqs)) == 4
+    first = reqs[0]
+    other = next(r for r in reqs if r.chunk == first.chunk and r.peer != first.peer)
+    assert p.chunk_received(KEY, first.chunk, first.peer) == [other]
+    assert p.in_flight() == 2
+    assert p.requests(0.0) == []  # every copy allowed is out
+
+
+def test_endgame_never_crosses_the_wan():
+    c = _remote_chunk("a1", "r1")
+    p = make("a1", THREE, n=c + 1, pipeline=4)
+    p.peer_has("a0", KEY, range(c + 1))
+    p.peer_has("b0", KEY, range(c + 1))
+    reqs = p.requests(0.0)
+    assert reqs and Counter(r.chunk for r in reqs).most_common(1)[0][1] == 1
+
+
+def test_priorities_fill_the_earlier_version_first():
+    p = PiecePicker("me", "r0", "r0", pipeline=4)
+    p.peer_joined(OR, ORIGIN, "r0")
+    later, earlier = (9, False), (8, False)
+    p.add_object(later, 10, priority=9, now=0.0)
+    p.add_object(earlier, 3, priority=8, now=0.0)
+    for key in (later, earlier):
+        p.peer_has(OR, key, range(10 if key == later else 3))
+    reqs = p.requests(0.0)
+    assert [r.key for r in reqs] == [earlier] * 3 + [later]
+
+
+def test_pipeline_limit_per_peer():
+    p = make("me", {"me": "r0"}, n=10, pipeline=3)
+    reqs = p.requests(0.0)
+    assert len(reqs) == 3 and p.in_flight(OR) == 3
+    assert p.requests(0.0) == []
+    p.chunk_received(KEY, reqs[0].chunk, OR)
+    more = p.requests(0.0)
+    assert len(more) == 1 and not asked(more) & asked(reqs)
+
+
+def test_fewest_in_flight_peer_gets_the_request():
+    members = {"me": "r1", "a": "r1", "b": "r1"}
+    p = make("me", members, origin_region="r0", n=8, origin=False, pipeline=4)
+    p.peer_has("a", KEY, range(8))
+    p.peer_has("b", KEY, range(8))
+    reqs = p.requests(0.0)
+    assert Counter(r.peer for r in reqs) == {"a": 4, "b": 4}
+
+
+def test_rarest_first():
+    members = {"me": "r1", "a": "r1", "b": "r1", "c": "r1"}
+    p = make("me", members, origin_region="r0", n=6, origin=False, pipeline=1)
+    p.peer_has("a", KEY, range(6))
+    p.peer_has("b", KEY, [0, 1, 2, 3, 5])
+    p.peer_has("c", KEY, [0, 1, 2, 3])
+    reqs = p.requests(0.0)  # rarity: chunk 4 -> 1 holder, 5 -> 2, the others 3
+    assert reqs[:2] == [Request("a", KEY, 4), Request("b", KEY, 5)]
+    assert len(reqs) == 3 and reqs[2].peer == "c" and reqs[2].chunk in {0, 1, 2, 3}
+
+
+def test_seeds_start_different_nodes_on_different_chunks():
+    starts = set()
+    for seed in range(8):
+        p = make("me", {"me": "r0"}, n=64, pipeline=1, seed=seed)
+        starts.add(p.requests(0.0)[0].chunk)
+        again = make("me", {"me": "r0"}, n=64, pipeline=1, seed=seed)
+        assert again.requests(0.0)[0].chunk in starts  # same seed, same choice
+    assert len(starts) >= 5
+
+
+def test_chunk_failed_never_asks_that_peer_again():
+    members = {"me": "r1", "a": "r1", "b": "r1"}
+    p = make("me", members, origin_region="r0", n=1, origin=False, pipeline=1)
+    p.peer_has("a", KEY, [0])
+    assert p.requests(0.0) == [Request("a", KEY, 0)]
+    p.chunk_failed(KEY, 0, "a")
+    assert p.in_flight() == 0 and p.requests(0.0) == []  # a was the only holder
+    p.peer_has("b", KEY, [0])
+    assert p.requests(0.0) == [Request("b", KEY, 0)]
+    p.chunk_failed(KEY, 0, "b")
+    p.peer_has("a", KEY, [0])  # a repeats itself: still not asked
+    assert p.requests(0.0) == []
+    assert p.missing(KEY) == 1 and not p.complete(KEY)
+
+
+def test_failed_wan_source_falls_back_to_the_next():
+    c = _remote_chunk("a1", "r2")
+    p = make("a1", THREE, n=c + 1)
+    p.peer_has("a2", KEY, [c])
+    p.peer_has("a0", KEY, [c])
+    assert ("a2", c) in asked(p.requests(0.0))
+    p.chunk_failed(KEY, c, "a2")
+    assert ("a0", c) in asked(p.requests(0.0))
+
+
+@pytest.mark.parametrize("holders, expect", [
+    (["a1", "z2"], {"a1"}),  # same-region node peer
+    (["z2"], {"z2"}),  # else another region's node peer
+    ([], {OR}),  # else the origin
+])
+def test_keyframe_sources(holders, expect):
+    members = {"me": "r1", "a1": "r1", "z2": "r2"}
+    p = make("me", members, n=1, key=KF)
+    for h in holders:
+        p.peer_has(h, KF, [0])
+    assert {r.peer for r in p.requests(0.0)} == expect
+    assert p.next_wakeup(0.0) is None  # keyframes wait for nobody
+
+
+def test_have_before_add_object_is_kept():
+    p = PiecePicker("me", "r0", "r0")
+    p.peer_joined(OR, ORIGIN, "r0")
+    p.peer_has(OR, KEY, range(5))
+    p.add_object(KEY, 4, have=[0, 1], now=0.0)  # index 4 is out of range: dropped
+    assert {r.chunk for r in p.requests(0.0)} == {2, 3}
+
+
+def test_remove_object_cancels_in_flight():
+    p = make("me", {"me": "r0"}, n=5, pipeline=2)
+    reqs = p.requests(0.0)
+    assert sorted(p.remove_object(KEY)) == sorted(reqs)
+    assert p.in_flight() == 0 and p.remove_object(KEY) == []
+
+
+def test_complete_object_and_late_facts():
+    p = make("me", {"me": "r0"}, n=2, pipeline=2)
+    for r in p.requests(0.0):
+        p.chunk_received(r.key, r.chunk, r.peer)
+    assert p.complete(KEY) and p.missing(KEY) == 0
+    assert p.chunk_received(KEY, 0, OR) == []  # a late duplicate is harmless
+    p.peer_has(OR, KEY, [1])
+    assert p.requests(1.0) == [] and p.next_wakeup(1.0) is None
+
+
+@pytest.mark.parametrize("call, exc", [
+    (lambda p: p.peer_has("stranger", KEY, [0]), UsageError),
+    (lambda p: p.peer_has(OR, KEY, [16]), ProtocolError),
+    (lambda p: p.peer_joined(OR, ORIGIN, "r0"), UsageError),
+    (lambda p: p.peer_joined("x", "seeder", "r0"), UsageError),
+    (lambda p: p.add_object(KEY, 3, now=0.0), UsageError),
+    (lambda p: p.add_object((1, 0), 3, now=0.0), UsageError),
+    (lambda p: p.add_object((2, False), 3, have=[3], now=0.0), UsageError),
+    (lambda p: p.chunk_received(KEY, -1, OR), UsageError),
+    (lambda p: p.missing((99, False)), UsageError),
+    (lambda p: p.set_members({"me": "elsewhere"}), UsageError),
+])
+def test_misuse_and_bad_facts_raise(call, exc):
+    p = make("me", {"me": "r0"})
+    with pytest.raises(exc):
+        call(p)
+
+
+def test_constructor_rejects_bad_limits():
+    with pytest.raises(UsageError):
+        PiecePicker("me", "r0", "r0", pipeline=0)
+    with pytest.raises(UsageError):
+        PiecePicker("me", "r0", "r0", takeover_after=-1.0)
+
+
+def test_takeover_takes_at_most_pipeline_per_idle_round():
+    members = {"a1": "r1", "b1": "r1"}
+    stuck = owned("a1", members, 40)
+    p = make("b1", members, n=40, origin_region="r1", takeover_after=1.0, pipeline=3)
+    for _ in range(40):  # b1's own share, from the origin
+        _received_all(p, p.requests(0.0))
+    assert p.missing(KEY) == len(stuck) and p.requests(0.5) == []
+    first = p.requests(1.0)
+    assert len(first) == 3 and {r.chunk for r in first} <= stuck
+    assert p.requests(1.0) == []  # not idle while those are out
+    _received_all(p, first)
+    assert len(p.requests(1.0)) == 3
+
+
+# --- one picker under random facts --------------------------------------------
+
+PEERS = {"o": (ORIGIN, "r0"), "x1": (NODE, "r1"), "y1": (NODE, "r1"), "x0": (NODE, "r0"),
+         "x2": (NODE, "r2"), "z1": (NODE, "r1")}
+OBJECTS = {KEY: 12, (8, False): 5, KF: 6}
+fact = st.one_of(
+    st.tuples(st.just("join"), st.sampled_from(sorted(PEERS))),
+    st.tuples(st.just("leave"), st.sampled_from(sorted(PEERS))),
+    st.tuples(st.just("has"), st.sampled_from(sorted(PEERS)), st.sampled_from(sorted(OBJECTS)),
+              st.lists(st.integers(0, 11), max_size=6)),
+    st.tuples(st.just("recv"), st.integers(0, 50)),
+    st.tuples(st.just("fail"), st.integers(0, 50)),
+    st.tuples(st.just("members"), st.sets(st.sampled_from(["x1", "y1", "x0", "x2", "z1"]))),
+    st.tuples(st.just("requests"), st.floats(0, 5)),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(fact, max_size=60), st.integers(1, 3), st.integers(0, 99))
+def test_property_random_facts_keep_the_contract(facts, pipeline, seed):
+    p = PiecePicker("me", "r1", "r0", seed=seed, pipeline=pipeline, takeover_after=1.0)
+    for key, n in OBJECTS.items():
+        p.add_object(key, n, priority=key[0], now=0.0)
+    joined, holds, mine, out = set(), {}, {k: set() for k in OBJECTS}, set()
+    clock = 0.0
+    for f in facts:
+        if f[0] == "join" and f[1] not in joined:
+            p.peer_joined(f[1], *PEERS[f[1]])
+            joined.add(f[1])
+        elif f[0] == "leave":
+            p.peer_left(f[1])
+            joined.discard(f[1])
+            out = {r for r in out if r.peer != f[1]}
+            holds = {k: v for k, v in holds.items() if k[0] != f[1]}
+        elif f[0] == "has" and f[1] in joined:
+            chunks = [c for c in f[3] if c < OBJECTS[f[2]]]
+            p.peer_has(f[1], f[2], chunks)
+            holds.setdefault((f[1], f[2]), set()).update(chunks)
+        elif f[0] in ("recv", "fail") and out:
+            r = sorted(out)[f[1] % len(out)]
+            if f[0] == "recv":
+                cancels = p.chunk_received(r.key, r.chunk, r.peer)
+                copies = {o for o in out if (o.key, o.chunk) == (r.key, r.chunk)}
+                assert set(cancels) == copies - {r}
+                out -= copies
+                mine[r.key].add(r.chunk)
+            else:
+                p.chunk_failed(r.key, r.chunk, r.peer)
+                out.discard(r)
+        elif f[0] == "members":
+            p.set_members({m: PEERS[m][1] for m in f[1]} | {"me": "r1"})
+        elif f[0] == "requests":
+            clock = max(clock, f[1])
+            for r in p.requests(clock):
+                assert r.peer in joined
+                assert r.chunk in holds.get((r.peer, r.key), ()), f"{r.peer} lacks {r}"
+                assert r.chunk not in mine[r.key] and r not in out
+                out.add(r)
+        assert p.in_flight() == len(out)
+        for peer in PEERS:
+            assert p.in_flight(peer) == sum(r.peer == peer for r in out) <= pipeline
+        for key, n in OBJECTS.items():
+            assert p.missing(key) == n - len(mine[key])
+
+
+# --- a whole swarm --------------------------------------------------------------
+
+
+class Swarm:
+    """A discrete-event swarm: one PiecePicker per node, an origin holding every
+    chunk, instant delivery within a step, HaveOne to every neighbour. When a
+    step sends nothing, time jumps to the earliest `next_wakeup`. Checks the
+    picker contract on every request."""
+
+    def __init__(self, layout, origin_region, n_chunks, *, links=None, pipeline=4,
+                 takeover_after=2.0, dt=1e-3, seed=0):
+        self.layout = dict(layout)
+        self.region_of = {**layout, OR: origin_region}
+        self.n, self.pipeline, self.dt = n_chunks, pipeline, dt
+        everyone = [*sorted(layout), OR]
+        self.links = {x: set() for x in everyone}
+        for a, b in (links if links is not None else combinations(everyone, 2)):
+            self.links[a].add(b)
+            self.links[b].add(a)
+        self.have = {node: set() for node in layout}
+        self.have[OR] = set(range(n_chunks))
+        self.pickers = {}
+        for i, node in enumerate(sorted(layout)):
+            p = PiecePicker(node, layout[node], origin_region, seed=seed * 1000 + i,
+                            pipeline=pipeline, takeover_after=takeover_after)
+            p.set_members(self.layout)
+            for other in sorted(self.links[node]):
+                p.peer_joined(other, ORIGIN if other == OR else NODE, self.region_of[other])
+            p.add_object(KEY, n_chunks, now=0.0)
+            if OR in self.links[node]:
+                p.peer_has(OR, KEY, range(n_chunks))
+            self.pickers[node] = p
+        self.t = 0.0
+        self.steps = 0
+        self.wan_requests = Counter()  # (region, chunk) -> requests that crossed into it
+        self.wan_entries = Counter()  # (region, chunk) -> deliveries that crossed into it
+        self.origin_sent = 0
+
+    def done(self):
+        return all(p.complete(KEY) for p in self.pickers.values())
+
+    def leave(self, node):
+        del self.pickers[node]
+        del self.layout[node]
+        for other in self.links.pop(node):
+            self.links[other].discard(node)
+            if other in self.pickers:
+                self.pickers[other].peer_left(node)
+        for p in self.pickers.values():
+            p.set_members(self.layout)
+
+    def step(self):
+        self.steps += 1
+        sent, per_peer = [], Counter()
+        for node in sorted(self.pickers):
+            for r in self.pickers[node].requests(self.t):
+                assert r.key == KEY and r.peer in self.links[node], (node, r)
+                assert r.chunk in self.have[r.peer], f"{node} asked {r.peer} for {r.chunk} it lacks"
+                assert r.chunk not in self.have[node], f"{node} asked for {r.chunk} it has"
+                assert (node, r) not in sent, f"{node} asked twice: {r}"
+                per_peer[node, r.peer] += 1
+                assert per_peer[node, r.peer] <= self.pipeline
+                if self.region_of[r.peer] != self.region_of[node]:
+                    self.wan_requests[self.region_of[node], r.chunk] += 1
+                sent.append((node, r))
+        cancelled = set()
+        for node, r in sent:
+            if (node, r) in cancelled:
+                continue
+            for cancel in self.pickers[node].chunk_received(KEY, r.chunk, r.peer):
+                cancelled.add((node, cancel))
+            self.origin_sent += r.peer == OR
+            if self.region_of[r.peer] != self.region_of[node]:
+                self.wan_entries[self.region_of[node], r.chunk] += 1
+            if r.chunk not in self.have[node]:
+                self.have[node].add(r.chunk)
+                for other in sorted(self.links[node]):
+                    if other in self.pickers:
+                        self.pickers[other].peer_has(node, KEY, [r.chunk])
+        assert all(p.in_flight() == 0 for p in self.pickers.values())
+        if sent:
+            self.t += self.dt
+        else:
+            wakeups = [w for p in self.pickers.values() if (w := p.next_wakeup(self.t)) is not None]
+            missing = {n: p.missing(KEY) for n, p in self.pickers.items()}
+            assert wakeups, f"deadlock at t={self.t}: nobody can request; missing {missing}"
+            self.t = min(wakeups)
+
+    def run(self, max_steps=5000):
+        while not self.done():
+            assert self.steps < max_steps, "the swarm did not finish in time"
+            self.step()
+        return self
+
+
+def layout_of(*sizes, skip=()):
+    """Nodes per region: layout_of(4, 4) -> 4 nodes in r0, 4 in r1."""
+    return {f"n{r}.{i}": f"r{r}" for r, size in enumerate(sizes) for i in range(size)
+            if r not in skip}
+
+
+def assert_healthy(swarm, origin_region):
+    n = swarm.n
+    for region in set(swarm.layout.values()):
+        for c in range(n):
+            if region == origin_region:
+                assert swarm.wan_entries[region, c] == 0
+            else:
+                assert swarm.wan_entries[region, c] == 1, (region, c)
+                assert swarm.wan_requests[region, c] == 1, (region, c)
+    assert swarm.origin_sent == n  # <= 1.25 n asked for; exactly once when healthy
+
+
+@pytest.mark.parametrize("layout, origin_region", [
+    (layout_of(4, 4, 4), "r0"),  # 3 regions x 4 nodes, origin in region 0
+    (layout_of(4), "r0"),  # one region with the origin
+    (layout_of(1), "r0"),  # a single node
+    (layout_of(1, 5), "r0"),  # uneven
+    (layout_of(5, 1), "r0"),
+    (layout_of(3, 1, 5, 2), "r0"),
+    (layout_of(4, 4), "r9"),  # the origin's region has no nodes
+    (layout_of(0, 2, 3), "r0"),  # likewise, with a name among the regions
+])
+def test_swarm_completes_with_each_chunk_crossing_each_boundary_once(layout, origin_region):
+    swarm = Swarm(layout, origin_region, n_chunks=48).run()
+    assert swarm.done()
+    assert swarm.t < 2.0  # no takeover was needed
+    assert_healthy(swarm, origin_region)
+
+
+def test_swarm_survives_a_responsible_node_leaving_mid_version():
+    layout = layout_of(4, 4, 4)
+    swarm = Swarm(layout, "r0", n_chunks=64)
+    for _ in range(6):
+        swarm.step()
+    # the r1 node that brought the most chunks into r1 leaves with them
+    r1 = [n for n in sorted(swarm.pickers) if layout[n] == "r1"]
+    leaver = max(r1, key=lambda n: len(swarm.have[n]))
+    assert swarm.have[leaver] and not swarm.done()
+    swarm.leave(leaver)
+    swarm.run()
+    assert swarm.t < 2.0  # re-planned at once, not by takeover
+    assert max(swarm.wan_entries.values()) <= 2
+    assert swarm.origin_sent == 64
+
+
+def test_swarm_partial_links_finish_by_takeover():
+    # r1's nodes see the rest of the world only through n1.0, which is not
+    # responsible for everything: the others take over after the delay.
+    layout = layout_of(2, 3)
+    links = [("n0.0", "n0.1"), ("n0.0", OR), ("n0.1", OR), ("n1.0", "n0.0"),
+             ("n1.0", "n1.1"), ("n1.1", "n1.2")]
+    swarm = Swarm(layout, "r0", n_chunks=24, links=links, takeover_after=0.5).run()
+    assert swarm.done() and swarm.t >= 0.5
+
+
+@st.composite
+def swarm_shapes(draw, partial_links):
+    sizes = draw(st.lists(st.integers(0, 4), min_size=1, max_size=4).filter(lambda s: sum(s)))
+    origin_region = f"r{draw(st.integers(0, len(sizes)))}"  # may be a region with no nodes
+    layout = layout_of(*sizes)
+    rng = random.Random(draw(st.integers(0, 2**32 - 1)))
+    links = None
+    if partial_links:  # a random connected graph: a spanning tree plus extra edges
+        everyone = [OR, *sorted(layout)]
+        rng.shuffle(everyone)
+        links = [(x, rng.choice(everyone[:i])) for i, x in enumerate(everyone) if i]
+        links += [pair for pair in combinations(everyone, 2) if rng.random() < 0.3]
+    return dict(layout=layout, origin_region=origin_region, links=links,
+                n_chunks=draw(st.integers(1, 20)), pipeline=draw(st.integers(1, 4)),
+                seed=draw(st.integers(0, 1000)))
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(swarm_shapes(partial_links=True))
+def test_property_any_connected_swarm_completes(shape):
+    swarm = Swarm(shape["layout"], shape["origin_region"], shape["n_chunks"],
+                  links=shape["links"], pipeline=shape["pipeline"], seed=shape["seed"],
+                  takeover_after=0.2).run()
+    assert swarm.done()
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(swarm_shapes(partial_links=False), st.integers(0, 12), st.data())
+def test_property_full_mesh_crosses_each_boundary_once(shape, leave_after, data):
+    swarm = Swarm(shape["layout"], shape["origin_region"], shape["n_chunks"],
+                  pipeline=shape["pipeline"], seed=shape["seed"])
+    leaver = None
+    if len(shape["layout"]) > 1:
+        for _ in range(leave_after):
+            if swarm.done():
+                break
+            swarm.step()
+        leaver = data.draw(st.sampled_from(sorted(swarm.layout)))
+        swarm.leave(leaver)
+    swarm.run()
+    assert swarm.t < 2.0  # membership changes re-plan at once: no takeover
+    n = shape["n_chunks"]
+    if leaver is None:
+        assert_healthy(swarm, shape["origin_region"])
+    else:  # what the leaver alone held comes in once more, at most
+        assert max(swarm.wan_requests.values(), default=0) <= 2
+        assert swarm.origin_sent <= 2 * n
+
+
+# --- microbenchmark (not a test): python tests/test_picker.py -------------------
+
+
+def bench_case(n_chunks, n_peers, held, calls=20000, seed=1):
+    """One node of a 10-node region fetching a patch from 9 region peers, the
+    origin and remote peers in three regions, each holding a random `held`
+    share; one reply and one HaveOne between requests() calls, as the daemon
+    would drive it. Returns the timings."""
+    import time
+    rng = random.Random(seed)
+    remote = n_peers - 10
+    members = {f"l{i}": "r1" for i in range(10)} | {f"w{i}": f"r{2 + i % 3}" for i in range(remote)}
+    others = sorted(set(members) - {"l0"})
+    p = PiecePicker("l0", "r1", "r0", seed=seed)
+    p.set_members(members)
+    for peer in others:
+        p.peer_joined(peer, NODE, members[peer])
+    p.peer_joined(OR, ORIGIN, "r0")
+    t0 = time.perf_counter()
+    p.add_object(KEY, n_chunks, now=0.0)
+    t1 = time.perf_counter()
+    haves = [(peer, rng.sample(range(n_chunks), int(n_chunks * held))) for peer in others]
+    t2 = time.perf_counter()
+    p.peer_has(OR, KEY, range(n_chunks))
+    for peer, chunks in haves:
+        p.peer_has(peer, KEY, chunks)
+    t3 = time.perf_counter()
+    inflight, t_req, t_fact, made = [], 0.0, 0.0, 0
+    for i in range(calls):
+        t = time.perf_counter()
+        reqs = p.requests(i * 1e-4)
+        t_req += time.perf_counter() - t
+        made += len(reqs)
+        inflight += reqs
+        r = inflight.pop(rng.randrange(len(inflight))) if inflight else None
+        peer, c = rng.choice(others), rng.randrange(n_chunks)
+        t = time.perf_counter()
+        if r is not None:
+            p.chunk_received(r.key, r.chunk, r.peer)
+        p.peer_has(peer, KEY, [c])
+        t_fact += time.perf_counter() - t
+        if p.complete(KEY):
+            break
+    n_indices = n_chunks + sum(len(chunks) for _, chunks in haves)
+    return dict(add_ms=(t1 - t0) * 1e3, have_us=(t3 - t2) / n_indices * 1e6,
+                req_us=t_req / (i + 1) * 1e6, fact_us=t_fact / (i + 1) * 1e6,
+                calls=i + 1, made=made)
+
+
+def bench():
+    print("chunks  peers  held   add_object  per Have index  requests()  reply+HaveOne  calls  requests")
+    for n_chunks, n_peers, held in [(5000, 30, 1 / 3), (10000, 30, 1 / 3), (10000, 50, 1 / 3),
+                                    (10000, 30, 1.0), (10000, 30, 0.02)]:
+        r = bench_case(n_chunks, n_peers, held)
+        print(f"{n_chunks:6d} {n_peers:6d} {held:5.2f} {r['add_ms']:9.1f}ms {r['have_us']:13.2f}µs "
+              f"{r['req_us']:9.1f}µs {r['fact_us']:12.1f}µs {r['calls']:6d} {r['made']:9d}")
+
+
+if __name__ == "__main__":
+    bench()
