@@ -1,9 +1,11 @@
 """Microbench of the trajectory storage layers, side by side in one run.
 
 Rows: the naive floor (one record written and fdatasynced at a time), the node
-spool's append with 1/16/64 concurrent submitters (optionally with an
-uploader draining it: pending -> encode_batch -> ack), the origin store's
-append of decoded batches from 1 and 4 nodes, and the batch codec. Payloads
+spool's append with 1/16/64 concurrent submitters, the same 64 submitters
+while an uploader drains the spool into a store on the same disk (all but the
+network), the origin store's append of decoded batches from 1 and 4 nodes, and
+the batch codec. "cpu us/rec" is process CPU time (all threads, kernel
+included) per record: steadier than rates on a shared machine. Payloads
 are half random, half zeros (lz4 finds something, not everything).
 
     .venv/bin/python bench/trajectory_storage.py [--seconds 1.5] [--dir DIR]
@@ -71,7 +73,11 @@ def naive(directory: Path, size: int, seconds: float):
 
 
 async def spool_run(directory: Path, size: int, conc: int, seconds: float, drain: bool):
-    sp = await TrajectorySpool.open(directory, "node-1", "r1", max_bytes=1 << 40)
+    """Submitters append one record per call; with `drain`, an uploader moves
+    batches into a TrajectoryStore on the same disk (spool -> encode_batch ->
+    decode_batch -> store.append -> spool.ack: everything but the network)."""
+    sp = await TrajectorySpool.open(directory / "spool", "node-1", "r1", max_bytes=1 << 40)
+    st = await TrajectoryStore.open(directory / "store") if drain else None
     data = payload(size)
     lat: list[float] = []
     stop = trio.current_time() + seconds
@@ -84,10 +90,8 @@ async def spool_run(directory: Path, size: int, conc: int, seconds: float, drain
 
     async def uploader():
         while True:
-            await sp.wait_pending()
-            batch = sp.pending(4096, MAX_BATCH_BYTES)
-            decode_batch(encode_batch(batch))  # what the wire would carry
-            await sp.ack([r.seq for r in batch])
+            batch = await sp.next_batch(4096, MAX_BATCH_BYTES)
+            await sp.ack(await st.append(decode_batch(encode_batch(batch))))
 
     t0, c0 = time.perf_counter(), time.process_time()
     async with trio.open_nursery() as n:
@@ -100,6 +104,8 @@ async def spool_run(directory: Path, size: int, conc: int, seconds: float, drain
         n.cancel_scope.cancel()
     fsyncs = sp.log.fsyncs
     await sp.aclose()
+    if st is not None:
+        await st.aclose()
     shutil.rmtree(directory)
     return len(lat), secs, len(lat) * size, lat, fsyncs, cpu
 
@@ -108,12 +114,13 @@ async def store_run(directory: Path, size: int, nodes: int, seconds: float):
     """Store append alone: decoded batches (the codec rows time decode_batch)."""
     st = await TrajectoryStore.open(directory)
     per_batch = max(1, min(4096, MAX_BATCH_BYTES // (size + 200)))
+    templates = [decode_batch(encode_batch([Record(f"node-{k}", "r1", i, 1, time.time(), payload(size), None)
+                                            for i in range(per_batch)])) for k in range(nodes)]
     stored, lat = [0], []
     stop = trio.current_time() + seconds
 
     async def node(k):
-        template = decode_batch(encode_batch(
-            [Record(f"node-{k}", "r1", i, 1, time.time(), payload(size), None) for i in range(per_batch)]))
+        template = templates[k]
         seq = 0
         while trio.current_time() < stop:
             batch = [dataclasses.replace(r, seq=seq + i) for i, r in enumerate(template)]
@@ -163,7 +170,7 @@ def main() -> None:
             row("naive write+fsync", name, 1, *naive(base, size, secs))
             for conc in (1, 16, 64):
                 row("spool append", name, conc, *trio.run(spool_run, base / "s", size, conc, secs, False))
-            row("spool append+upload", name, 64, *trio.run(spool_run, base / "s", size, 64, secs, True))
+            row("spool->store, no net", name, 64, *trio.run(spool_run, base / "s", size, 64, secs, True))
             for nodes in (1, 4):
                 row("store append(batch)", name, nodes, *trio.run(store_run, base / "o", size, nodes, secs))
             (enc, dec), ratio = codec(size, secs)

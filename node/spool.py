@@ -12,9 +12,9 @@ persisted in `state` before use (in steps of SEQ_RESERVE); a restart resumes at
 the reserved mark, so deleting acknowledged segments can never let a seq be
 reused. The price is a gap in the numbering per restart.
 
-Upload: a cursor design. `pending()` returns durable, unacknowledged records
-with seq >= the cursor, in seq order, and moves the cursor past them (they are
-"in flight"). `ack(seqs)` makes their deletion durable (ack log, then whole
+Upload: a cursor design. `await next_batch()` (or the non-blocking
+`pending()`) returns durable, unacknowledged records with seq >= the cursor,
+in seq order, and moves the cursor past them (they are "in flight"). `ack(seqs)` makes their deletion durable (ack log, then whole
 segments unlinked once every record in them is acknowledged). `requeue()`
 (call it when the connection to the origin is lost) moves the cursor back to
 the start, so everything unacknowledged is pending again. A restart does the
@@ -62,7 +62,7 @@ _RECORD_OVERHEAD = ENTRY_HEADER_BYTES + 1 + 1 + 2 * 5 + 9 + 9 + 9 + 5
 
 class _Segment:
     """In-memory index of one live segment file (payloads stay on disk)."""
-    __slots__ = ("number", "path", "seqs", "offsets", "sizes", "acked", "n_acked", "fd")
+    __slots__ = ("number", "path", "seqs", "offsets", "sizes", "acked", "n_acked")
 
     def __init__(self, number: int, path: Path):
         self.number = number
@@ -72,15 +72,9 @@ class _Segment:
         self.sizes = array("I")  # framed entry sizes
         self.acked = bytearray()
         self.n_acked = 0
-        self.fd = -1  # read-only, opened on first pending()
 
     def unacked_from(self, j: int) -> int:
         return (len(self.seqs) - j) - self.acked.count(1, j)
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
 
 
 # ================================================================ files (worker thread)
@@ -165,8 +159,8 @@ def _recover(directory: Path, node_id: str, region: str):
         seg.n_acked = seg.acked.count(1)
     live = [s for s in segments if s.n_acked < len(s.seqs)]  # damage stays reported in `problems`
     for s in segments:
-        if s not in live:
-            s.path.unlink()
+        if s.n_acked == len(s.seqs):
+            s.path.unlink()  # made durable by _write_state's directory fsync below
     if state is None and (segments or acked):
         log.warning("spool %s: no readable state file; resuming seqs after the highest one on disk", directory)
     next_seq = max(state.seq_reserved if state else 0, max_seq + 1)
@@ -179,10 +173,44 @@ def _recover(directory: Path, node_id: str, region: str):
 
 
 def _acked_ranges(segments) -> list:
+    """Seq ranges acknowledged in these segments (runs found with bytes.find, not per record)."""
     out = []
     for s in segments:
-        out.extend(seq_ranges(s.seqs[j] for j in range(len(s.seqs)) if s.acked[j]))
+        j, n = 0, len(s.seqs)
+        while (j := s.acked.find(1, j)) >= 0:
+            k = s.acked.find(0, j)
+            k = n if k < 0 else k
+            if s.seqs[k - 1] - s.seqs[j] == k - 1 - j:  # consecutive seqs: the usual case
+                out.append((s.seqs[j], s.seqs[k - 1] + 1))
+            else:  # a gap (an entry lost to damage) inside the run
+                out.extend(seq_ranges(s.seqs[j:k]))
+            j = k
     return out
+
+
+def _read_plan(plan) -> tuple[list[Record], list]:
+    """Read and decode planned records (any thread: touches no spool state).
+    Returns (records, [(segment number, seq, error), ...] for damaged ones)."""
+    records, damaged = [], []
+    for number, path, picked in plan:
+        base = picked[0][1]
+        try:
+            with open(path, "rb", buffering=0) as f:
+                span = os.pread(f.fileno(), picked[-1][1] + picked[-1][2] - base, base)
+        except FileNotFoundError:
+            continue  # acknowledged and deleted meanwhile (a requeue raced an ack)
+        mv = memoryview(span)
+        for seq, offset, size in picked:
+            o = offset - base
+            try:
+                rec = decode_record(mv[o + ENTRY_HEADER_BYTES:o + size])
+                if type(rec) is not Record or rec.seq != seq:
+                    raise CorruptData(f"expected record seq {seq}, found {rec!r:.80}")
+            except CorruptData as e:
+                damaged.append((number, seq, str(e)))
+                continue
+            records.append(rec)
+    return records, damaged
 
 
 def _record_bound(node_id: bytes, region: bytes, payload: bytes, meta_len: int) -> int:
@@ -372,49 +400,54 @@ class TrajectorySpool:
 
     def pending(self, max_records: int = DEFAULT_BATCH_RECORDS, max_bytes: int = MAX_BATCH_BYTES) -> list[Record]:
         """Up to `max_records` durable, unacknowledged records past the cursor, in
-        seq order, about `max_bytes` framed bytes at most (always at least one
-        record if any); the cursor moves past them. Reads the page cache."""
-        out: list[Record] = []
-        total = 0
+        seq order, at most `max_bytes` framed bytes (but always one record if
+        there is any); the cursor moves past them. Reads the files (page cache)
+        on the calling thread: `next_batch` is the form for the event loop."""
+        return self._collect(_read_plan(self._plan(max_records, max_bytes)))
+
+    async def next_batch(self, max_records: int = DEFAULT_BATCH_RECORDS,
+                         max_bytes: int = MAX_BATCH_BYTES) -> list[Record]:
+        """Wait until something is pending, then `pending()`, reading in a worker thread."""
+        while True:
+            await self.wait_pending()
+            plan = self._plan(max_records, max_bytes)
+            if plan:
+                return self._collect(await trio.to_thread.run_sync(_read_plan, plan))
+
+    def _plan(self, max_records: int, max_bytes: int) -> list:
+        """Choose the next records past the cursor and move the cursor past them:
+        [(segment number, path, [(seq, offset, size), ...]), ...]."""
+        plan, count, total = [], 0, 0
         for seg in self._segs[self._first_segment(self._cursor):]:
             j = bisect.bisect_left(seg.seqs, self._cursor)
             picked = []
-            while j < len(seg.seqs) and len(out) + len(picked) < max_records:
+            while j < len(seg.seqs) and count + len(picked) < max_records:
                 if not seg.acked[j]:
-                    if (out or picked) and total + seg.sizes[j] > max_bytes:
+                    if (count or picked) and total + seg.sizes[j] > max_bytes:
                         break
-                    picked.append(j)
+                    picked.append((seg.seqs[j], seg.offsets[j], seg.sizes[j]))
                     total += seg.sizes[j]
                 j += 1
             if picked:
-                out.extend(self._read(seg, picked))
-                self._cursor = seg.seqs[picked[-1]] + 1
+                plan.append((seg.number, seg.path, picked))
+                count += len(picked)
+                self._cursor = picked[-1][0] + 1
             if j < len(seg.seqs):  # stopped by a limit
                 break
-        return out
+        return plan
 
-    def _read(self, seg: _Segment, picked: list[int]) -> list[Record]:
-        if seg.fd < 0:
-            seg.fd = os.open(seg.path, os.O_RDONLY | os.O_CLOEXEC)
-        base = seg.offsets[picked[0]]
-        span = os.pread(seg.fd, seg.offsets[picked[-1]] + seg.sizes[picked[-1]] - base, base)
-        mv = memoryview(span)
-        out = []
-        for j in picked:
-            o = seg.offsets[j] - base
-            try:
-                rec = decode_record(mv[o + ENTRY_HEADER_BYTES:o + seg.sizes[j]])
-                if type(rec) is not Record or rec.seq != seg.seqs[j]:
-                    raise CorruptData(f"expected record seq {seg.seqs[j]}, found {rec!r:.80}")
-            except CorruptData as e:
-                # Damaged after open (checked then): unrecoverable; count it and free its room.
-                log.error("spool: %s at %d: %s; record seq %d is lost", seg.path, seg.offsets[j], e, seg.seqs[j])
-                self.problems.append(FileProblem(str(seg.path), f"record seq {seg.seqs[j]} unreadable: {e}"))
-                self.lost_total += 1
+    def _collect(self, read) -> list[Record]:
+        records, damaged = read
+        for number, seq, err in damaged:
+            # Damaged after open (it checked then): unrecoverable. Count it and free its room.
+            seg = self._by_number.get(number)
+            j = bisect.bisect_left(seg.seqs, seq) if seg else 0
+            log.error("spool: %s: record seq %d is lost: %s", segment_path(self.directory, number), seq, err)
+            self.problems.append(FileProblem(str(segment_path(self.directory, number)), f"record seq {seq} unreadable: {err}"))
+            self.lost_total += 1
+            if seg and j < len(seg.seqs) and seg.seqs[j] == seq and not seg.acked[j]:
                 self._mark_acked(seg, j)
-                continue
-            out.append(rec)
-        return out
+        return records
 
     async def wait_pending(self) -> None:
         """Return once pending() has something to give."""
@@ -461,7 +494,6 @@ class TrajectorySpool:
         for s in done:
             self._segs.remove(s)
             del self._by_number[s.number]
-            s.close()
         async with self._ack_lock:
             compact = self._acks_bytes > ACK_LOG_COMPACT_BYTES
             ranges = _acked_ranges(self._segs) if compact else seq_ranges(newly)
@@ -511,8 +543,6 @@ class TrajectorySpool:
         await self.log.aclose()
         async with self._ack_lock:
             os.close(self._acks_fd)
-        for s in self._segs:
-            s.close()
         self._lock.release()
 
     async def __aenter__(self):
