@@ -281,7 +281,10 @@ class TrajectorySpool:
         prepared, need = [], 0
         for item in items:
             payload, version, meta = self._check_item(item)
-            meta_len = 1 if meta is None else len(msgpack.packb(meta))
+            try:
+                meta_len = 1 if meta is None else len(msgpack.packb(meta))
+            except (TypeError, ValueError, OverflowError) as e:
+                raise UsageError(f"meta: expected msgpack-able values, found {type(e).__name__}: {e}") from None
             if meta_len > MAX_META_BYTES:
                 raise UsageError(f"meta: expected at most {MAX_META_BYTES} packed bytes, found {meta_len}")
             prepared.append((payload, version, meta))

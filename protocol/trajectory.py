@@ -218,7 +218,9 @@ def body_length(body) -> int:
 
 def _unpack(body, what: str):
     try:
-        return msgpack.unpackb(body, raw=False, use_list=True, strict_map_key=True)
+        # strict_map_key=False: meta maps may have any key msgpack packs (ints too);
+        # decode must accept whatever encode accepted.
+        return msgpack.unpackb(body, raw=False, use_list=True, strict_map_key=False)
     except Exception as e:  # msgpack raises many types for bad input
         raise CorruptData(f"{what}: expected msgpack, found undecodable bytes ({type(e).__name__}: {e})") from None
 

@@ -30,7 +30,10 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
 ids = st.text(min_size=1, max_size=12)
 meta_values = st.integers(-2**63, 2**63 - 1) | st.text(max_size=8) | st.binary(max_size=8) | st.booleans()
-metas = st.none() | st.dictionaries(st.text(max_size=6), meta_values | st.lists(meta_values, max_size=3), max_size=4)
+meta_keys = st.text(max_size=6) | st.integers(-2**63, 2**63 - 1)
+metas = st.none() | st.dictionaries(meta_keys, st.recursive(
+    meta_values, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(meta_keys, inner, max_size=3),
+    max_leaves=6), max_size=4)
 u64 = st.integers(0, 2**64 - 1)
 times = st.floats(allow_nan=False)
 records = st.builds(Record, node_id=ids, region=ids, seq=u64, policy_version=u64, submitted_at=times,
@@ -833,3 +836,23 @@ def test_ack_log_compaction_keeps_acks_across_restarts(tmp_path, monkeypatch):
     seqs, got, size = run(main)
     assert [r.seq for r in got] == seqs[1::3]
     assert size < 300  # rewritten along the way (436 bytes if it had only grown)
+
+
+def test_bad_items_are_refused_before_anything_is_written(tmp_path):
+    async def main():
+        sp = await TrajectorySpool.open(tmp_path, "n1", "r1")
+        for items, match in [([(b"ok", 1), ("text", 1)], "payload: expected bytes"),
+                             ([(b"ok", 1), (b"x", -1)], "policy_version"),
+                             ([(b"ok", 1, {"x": object()})], "msgpack-able"),
+                             ([b"just bytes"], r"\(payload, policy_version\[, meta\]\)")]:
+            with pytest.raises(UsageError, match=match):
+                await sp.append(items, timeout=1)
+        payload, meta = encode_payload({"obs": [1, 2]}, {"ep": 3})
+        [seq] = await sp.append([(payload, 4, meta)], timeout=1)
+        got = await drain(sp)
+        stats = sp.stats()
+        await sp.aclose()
+        return seq, got, stats
+
+    seq, [r], stats = run(main)
+    assert stats["appended_total"] == 1 and r.seq == seq and r.value() == {"obs": [1, 2]}
