@@ -1,13 +1,13 @@
 """Lossless patches between served states: diff, the container, and apply.
 
-Owns the patch format (version 1) and its two operations:
+Owns the patch format (version 2) and its two operations:
 
-- `diff(base, target) -> Patch`: compares bit patterns (never float values),
-  codes each changed element's position as a Rice-coded gap inside its
-  magnitude context class (see contexts.py) and its value as the zig-zag delta
-  of order-preserving integers (see dtypes.py), Rice-coded per class. Tensors
-  that are new, or whose dtype or shape changed, are carried in full
-  (planes.py); removed tensors are listed.
+- `diff(base, target) -> Patch`: compares bit patterns (never float values).
+  A changed element's position is coded as its rank inside a context class
+  of the base (its exponent, contexts.py) and its value as the delta of
+  order-preserving integers (dtypes.py), both with the vectorized codes of
+  deltacode.py. Tensors that are new, or whose dtype or shape changed, are
+  carried in full (planes.py); removed tensors are listed.
 - `apply(state, patch)`: in place. Every chunk is decoded and checked against
   the digest of the values it overwrites before anything is written; after the
   writes the full state hash must equal the patch's target hash, otherwise
@@ -17,8 +17,9 @@ Owns the patch format (version 1) and its two operations:
 Layout: a patch is a table of target tensors plus chunks. A chunk holds whole
 segments; a segment covers contiguous element ranges ("pieces") of one dtype:
 one range of a large tensor, or several small tensors back to back. Segments
-never overlap, so chunks decode and apply in any order. Pure: no files, no
-sockets, no clocks.
+never overlap, so chunks decode and apply in any order. A chunk's digests
+cover the old and new bit patterns of its changed elements in segment order,
+ascending position inside a segment. Pure: no files, no sockets, no clocks.
 """
 
 from __future__ import annotations
@@ -32,19 +33,21 @@ import numpy as np
 import torch
 import zstandard
 
-from . import contexts, planes, rans, ricecode
-from .dtypes import DtypeInfo, from_ordered, info_named, info_of, int_view, magnitude, ordered_range, to_ordered
+from . import contexts, deltacode, planes
+from .dtypes import DtypeInfo, from_ordered, info_named, info_of, int_view, ordered_range, to_ordered
 from .errors import AlreadyApplied, BaseMismatch, CorruptData, StateHashMismatch, UnsupportedFormat, UsageError
-from .statehash import state_hash
+from .statehash import is_state_hash, state_hash
 
 FORMAT = "patchswarm"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: BLAKE3 state hashes, exponent-window classes, Rice-only codes
 DELTA_SEGMENT_ELEMENTS = 1 << 22
 FULL_SEGMENT_BYTES = 2 << 20
 CHUNK_BYTES = 2 << 20
 DIGEST_BYTES = 16
 MAX_PATCH_BYTES = 1 << 40
 MAX_TABLE_BYTES = 1 << 30
+MAX_SEGMENT_ELEMENTS = 1 << 30
+CLASS_MIN_ELEMENTS = 4096  # below this a class window costs more than it saves
 
 Progress = Callable[[int, int], None] | None
 State = dict[str, torch.Tensor]
@@ -112,8 +115,8 @@ class Patch:
         kind = obj.get("kind")
         _expect(kind in ("patch", "keyframe"), "patch kind: expected 'patch' or 'keyframe'", kind)
         base, target = obj.get("base"), obj.get("target")
-        _expect(base is None or _is_hex(base), "base hash: expected 64 hex digits or nil", base)
-        _expect(_is_hex(target), "target hash: expected 64 hex digits", target)
+        _expect(base is None or is_state_hash(base), "base hash: expected 'blake3:' and 64 hex digits, or nil", base)
+        _expect(is_state_hash(target), "target hash: expected 'blake3:' and 64 hex digits", target)
         tensors = obj.get("tensors")
         _expect(isinstance(tensors, bytes), "tensor table: expected compressed bytes", type(tensors).__name__)
         try:
@@ -152,17 +155,12 @@ class Patch:
                 if seg.kind == "f":
                     s["full_bytes"] += sum(len(p[1]) for p in seg.planes)
                     continue
-                for c in seg.classes:
-                    s["changed"] += c[0]
-                    s["position_bytes"] += len(c[2]) + len(c[3]) + len(c[4])
-                s["value_bytes"] += sum(len(x) for x in seg.values[1:])
+                s["changed"] += sum(row[0] for row in seg.rows)
+                s["position_bytes"] += len(seg.streams[0]) + len(seg.streams[1])
+                s["value_bytes"] += sum(len(x) for x in seg.streams[2:]) + sum(len(row[-1]) for row in seg.rows if row[0])
         full = set(self.full)
         s["changed"] += sum(t.numel for t in self.tensors if t.name in full)
         return s
-
-
-def _is_hex(x) -> bool:
-    return isinstance(x, str) and len(x) == 64 and all(c in "0123456789abcdef" for c in x)
 
 
 def _expect(ok: bool, what: str, found) -> None:
@@ -176,15 +174,6 @@ def _digest(parts: Iterable[np.ndarray]) -> bytes:
     for p in parts:
         h.update(np.ascontiguousarray(p).astype(p.dtype.newbyteorder("<"), copy=False).tobytes())
     return h.digest()[:DIGEST_BYTES]
-
-
-def _zigzag(d: np.ndarray) -> np.ndarray:
-    return ((d << 1) ^ (d >> 63)).astype(np.uint64)
-
-
-def _unzigzag(z: np.ndarray) -> np.ndarray:
-    z = z.astype(np.uint64)
-    return ((z >> np.uint64(1)).astype(np.int64)) ^ -((z & np.uint64(1)).astype(np.int64))
 
 
 # ---------------------------------------------------------------- encoding
@@ -229,68 +218,69 @@ def _plan_segments(state: State, names: list[str], max_elements: int) -> list[li
     return segments
 
 
+def _piece_bits(state: State, pieces, views: dict | None = None) -> list[np.ndarray]:
+    """Flat int views of each piece; `views` (name -> (tensor, view)) caches them."""
+    out = []
+    for name, s, e in pieces:
+        t = state[name]
+        cached = views.get(name) if views is not None else None
+        if cached is None or cached[0] is not t:
+            cached = (t, _flat_bits(t))
+            if views is not None:
+                views[name] = cached
+        out.append(cached[1][s:e])
+    return out
+
+
 def _gather(state: State, pieces) -> np.ndarray:
-    arrays = [_flat_bits(state[n])[s:e] for n, s, e in pieces]
+    arrays = _piece_bits(state, pieces)
     return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+
+
+def _window(size: int, keys: np.ndarray | None, changed_keys: np.ndarray | None) -> tuple[int, int]:
+    if keys is None:
+        return 0, 1
+    stride = max(1, size // contexts.SAMPLE_TARGET)
+    return contexts.choose_window(keys[:size:stride], size, changed_keys)
 
 
 def _encode_delta(base: State, target: State, pieces, index: dict[str, int]) -> tuple[dict | None, list[np.ndarray], list[np.ndarray]]:
     info = info_of(base[pieces[0][0]].dtype)
-    b, t = _gather(base, pieces), _gather(target, pieces)
-    idx = np.flatnonzero(b != t)
-    if idx.size == 0:
+    bs, ts = _piece_bits(base, pieces), _piece_bits(target, pieces)
+    idx_parts, olds, news, off = [], [], [], 0
+    for b, t in zip(bs, ts):
+        local = np.flatnonzero(b != t)
+        if local.size:
+            idx_parts.append(local + off)
+            olds.append(b[local])
+            news.append(t[local])
+        off += b.size
+    if not idx_parts:
         return None, [], []
-    shift = info.mantissa_bits
-    sample = magnitude(b[:: max(1, b.size // contexts.SAMPLE_TARGET)], info)
-    thr = contexts.choose_thresholds(sample, b.size, magnitude(b[idx], info), shift) if b.size > 4096 else []
-    old_all, new_all = b[idx], t[idx]
-    d = to_ordered(new_all, info) - to_ordered(old_all, info)
-    z = _zigzag(d) - np.uint64(1)
-    classes, olds, news, zs, ctx = [], [], [], [], []
-    if thr:
-        ci = contexts.ClassIndex(magnitude(b, info), thr)
-        cls = ci.class_of(idx)
-    for c in range(len(thr) + 1):
-        if thr:
-            sel = cls == c
-            ranks = ci.rank(c, idx[sel])
-        else:
-            sel = slice(None)
-            ranks = idx
-        gaps = np.diff(ranks, prepend=-1).astype(np.uint64) - np.uint64(1)
-        classes.append([int(ranks.size), *_encode_ints(gaps)])
-        zs.append(z[sel])
-        ctx.append(np.full(ranks.size, c, dtype=np.int64))
-        olds.append(old_all[sel])
-        news.append(new_all[sel])
-    values = _encode_ints(np.concatenate(zs), np.concatenate(ctx))
-    seg = {"k": "d", "dt": info.name, "p": [[index[n], a, b] for n, a, b in pieces], "th": thr, "c": classes, "v": values}
-    return seg, olds, news
-
-
-RANS_MODE = 255  # in a k field: the stream is rANS-coded, not Rice
-
-
-def _encode_ints(vals: np.ndarray, ctx: np.ndarray | None = None) -> list:
-    """[k, 3 streams]: rANS (k = RANS_MODE; `ctx` picks tables), or Rice with parameter k if smaller."""
-    kv = ricecode.best_k(vals)
-    rice = [kv, *ricecode.encode(vals, kv)]
-    # Rice is within a few % of the entropy of geometric gaps unless they are
-    # mostly 0 (k = 0: it cannot spend under a bit); only then try rANS for gaps.
-    if vals.size < 64 or (ctx is None and kv > 0):
-        return rice
-    data, low = rans.encode(vals, ctx)
-    if len(data) + len(low) < sum(len(x) for x in rice[1:]):
-        return [RANS_MODE, data, b"", low]
-    return rice
-
-
-def _decode_ints(k: int, a: bytes, b: bytes, c: bytes, m: int, ctx: np.ndarray | None = None) -> np.ndarray:
-    if k == RANS_MODE:
-        if b:
-            raise CorruptData("rANS stream: expected an empty second stream")
-        return rans.decode(a, c, m, ctx)
-    return ricecode.decode(a, b, c, m, k)
+    size = off
+    idx = np.concatenate(idx_parts)
+    old, new = np.concatenate(olds), np.concatenate(news)
+    d = to_ordered(new, info) - to_ordered(old, info)
+    keys = contexts.class_keys(bs, info) if contexts.has_classes(info) and size >= CLASS_MIN_ELEMENTS else None
+    changed_keys = keys[idx] if keys is not None else None
+    lo, classes = _window(size, keys, changed_keys)
+    if classes == 1:
+        ranks, sizes, deltas = [idx], [size], [d]
+    else:
+        cls = contexts.class_of_keys(changed_keys, lo, classes)
+        order = np.argsort(cls, kind="stable")  # by class, ascending position inside a class
+        counts = np.bincount(cls, minlength=classes)
+        ci = contexts.ClassIndex(keys, size, lo, classes, needed=np.flatnonzero(counts).tolist())
+        bounds = np.concatenate([[0], np.cumsum(counts)])
+        ranks, sizes, deltas = [], [], []
+        for c in range(classes):
+            sel = order[bounds[c] : bounds[c + 1]]
+            ranks.append(ci.rank(c, idx[sel]) if sel.size else sel)
+            sizes.append(ci.class_size(c) if sel.size else 0)
+            deltas.append(d[sel])
+    rows, streams = deltacode.encode(ranks, sizes, deltas)
+    seg = {"k": "d", "dt": info.name, "p": [[index[n], a, b] for n, a, b in pieces], "w": [lo, classes], "c": rows, "s": streams}
+    return seg, [old], [new]
 
 
 def _encode_full(target: State, pieces, index: dict[str, int]) -> tuple[dict, list[np.ndarray]]:
@@ -398,10 +388,10 @@ class _Segment:
     kind: str
     info: DtypeInfo
     pieces: list[tuple[str, int, int]]
-    thresholds: list[int]
-    classes: list
-    planes: list
-    values: list
+    window: tuple[int, int] = (0, 1)
+    rows: list = dataclasses.field(default_factory=list)
+    streams: list = dataclasses.field(default_factory=list)
+    planes: list = dataclasses.field(default_factory=list)
 
     @property
     def size(self) -> int:
@@ -428,20 +418,17 @@ def _parse_chunk(data: bytes) -> tuple[list[_Segment], bytes, bytes]:
                 and isinstance(p[2], int) and 0 <= p[1] < p[2] for p in pieces),
             "segment pieces: expected [[tensor index, start, end], ...] with start < end", pieces,
         )
-        if s["k"] == "d":
-            thr, cls = s.get("th"), s.get("c")
-            _expect(isinstance(thr, list) and all(isinstance(x, int) and x >= 0 for x in thr) and thr == sorted(set(thr))
-                    and len(thr) < contexts.MAX_CLASSES, "segment thresholds: expected ascending ints", thr)
-            _expect(isinstance(cls, list) and len(cls) == len(thr) + 1, f"segment classes: expected {len(thr) + 1}", cls if not isinstance(cls, list) else len(cls))
-            for c in cls:
-                _expect(isinstance(c, list) and len(c) == 5 and all(isinstance(x, int) and x >= 0 for x in c[:2])
-                        and all(isinstance(x, bytes) for x in c[2:]), "segment class: expected [m, k, 3 streams]", c if not isinstance(c, list) else len(c))
-            v = s.get("v")
-            _expect(isinstance(v, list) and len(v) == 4 and isinstance(v[0], int) and all(isinstance(x, bytes) for x in v[1:]),
-                    "segment values: expected [k, 3 streams]", v if not isinstance(v, list) else len(v))
-            segs.append(_Segment("d", info, [tuple(p) for p in pieces], thr, cls, [], v))
-        else:
-            segs.append(_Segment("f", info, [tuple(p) for p in pieces], [], [], s.get("pl"), []))
+        pieces = [tuple(p) for p in pieces]
+        if s["k"] == "f":
+            segs.append(_Segment("f", info, pieces, planes=s.get("pl")))
+            continue
+        window = s.get("w")
+        _expect(isinstance(window, list) and len(window) == 2 and all(isinstance(x, int) for x in window)
+                and window[1] in contexts.CLASS_CHOICES and (window[1] == 1 or contexts.has_classes(info)),
+                f"segment class window: expected [lo, C] with C in {contexts.CLASS_CHOICES}", window)
+        seg = _Segment("d", info, pieces, tuple(window), deltacode.check_rows(s.get("c"), window[1]), s.get("s"))
+        _expect(seg.size <= MAX_SEGMENT_ELEMENTS, f"segment: expected at most {MAX_SEGMENT_ELEMENTS} elements", seg.size)
+        segs.append(seg)
     return segs, old, new
 
 
@@ -450,18 +437,25 @@ class DecodedChunk:
     """What one chunk writes: per piece, flat positions, old and new bit patterns."""
 
     writes: list[tuple[str, np.ndarray | slice, np.ndarray | None, np.ndarray]]
+    # name -> (tensor, its int view) as seen at decode time, to skip re-viewing
+    views: dict[str, tuple[torch.Tensor, np.ndarray]] = dataclasses.field(default_factory=dict, repr=False)
+
+    def _view(self, state: State, name: str) -> np.ndarray:
+        t = state[name]
+        cached = self.views.get(name)
+        return cached[1] if cached is not None and cached[0] is t else int_view(t)
 
     def write(self, state: State) -> None:
         for name, pos, _old, new in self.writes:
-            int_view(state[name])[pos] = new
+            self._view(state, name)[pos] = new
 
     def undo(self, state: State) -> None:
         for name, pos, old, _new in self.writes:
             if old is not None and name in state:
-                int_view(state[name])[pos] = old
+                self._view(state, name)[pos] = old
 
 
-def _decode_delta(state: State, seg: _Segment, specs: dict[str, TensorSpec]):
+def _check_delta_pieces(state: State, seg: _Segment, specs: dict[str, TensorSpec]) -> None:
     for name, s, e in seg.pieces:
         t = state.get(name)
         if t is None:
@@ -472,42 +466,53 @@ def _decode_delta(state: State, seg: _Segment, specs: dict[str, TensorSpec]):
         if info_of(t.dtype) is not seg.info or tuple(t.shape) != spec.shape:
             raise BaseMismatch(f"tensor {name!r}: patch expects {spec.dtype}{list(spec.shape)}, state has {info_of(t.dtype).name}{list(t.shape)}")
         if not t.is_contiguous():
-            state[name] = t = t.contiguous()
-    b = _gather(state, seg.pieces)
+            state[name] = t.contiguous()
+
+
+def _positions(bs: list[np.ndarray], seg: _Segment) -> np.ndarray:
+    """Segment positions of the changed elements, in class order (ascending inside a class)."""
+    size = seg.size
+    lo, classes = seg.window
+    live = [c for c, row in enumerate(seg.rows) if row[0]]
+    if classes == 1:
+        if live and seg.rows[0][1] != size:
+            raise CorruptData(f"segment class: expected the segment's {size} elements, found {seg.rows[0][1]}")
+        ranks = deltacode.decode_positions(seg.rows, seg.streams)
+        return ranks[0]
+    if size < CLASS_MIN_ELEMENTS:
+        raise CorruptData(f"segment class window: expected none below {CLASS_MIN_ELEMENTS} elements, found {classes} classes")
+    ci = contexts.ClassIndex(contexts.class_keys(bs, seg.info), size, lo, classes, needed=live)
+    for c in live:
+        if ci.class_size(c) != seg.rows[c][1]:
+            # The classes come from the base: another base has other class sizes.
+            raise BaseMismatch(f"segment class {c}: the patch expects {seg.rows[c][1]} base elements in it, "
+                               f"the state has {ci.class_size(c)} (wrong base, or already applied)")
+    ranks = deltacode.decode_positions(seg.rows, seg.streams)
+    return ci.select({c: ranks[c] for c in live})
+
+
+def _decode_delta(state: State, seg: _Segment, specs: dict[str, TensorSpec], views: dict):
+    _check_delta_pieces(state, seg, specs)
     info = seg.info
-    ci = contexts.ClassIndex(magnitude(b, info), seg.thresholds) if seg.thresholds else None
-    positions, ctx = [], []
-    for c, (m, kp, pu, pr, pe) in enumerate(seg.classes):
-        if m > b.size:
-            raise CorruptData(f"segment class {c}: expected at most {b.size} changes, found {m}")
-        gaps = _decode_ints(kp, pu, pr, pe, m)
-        ranks = np.cumsum(gaps + np.uint64(1)).astype(np.int64) - 1 if m else np.zeros(0, np.int64)
-        if m and (gaps.max() >= np.uint64(b.size) or ranks[-1] >= b.size):
-            raise CorruptData(f"segment class {c}: position beyond the segment's {b.size} elements")
-        if ci is not None:
-            if m and ranks[-1] >= ci.class_size(c):
-                # The classes come from the base: a base other than the patch's
-                # has other class sizes. (A corrupted chunk fails its SHA-256 first.)
-                raise BaseMismatch(f"segment class {c}: {m} positions do not fit the state's {ci.class_size(c)} class members (wrong base, or already applied)")
-            positions.append(ci.select(c, ranks))
-        else:
-            positions.append(ranks)
-        ctx.append(np.full(m, c, dtype=np.int64))
-    pos = np.concatenate(positions)
-    kv, vu, vr, ve = seg.values
-    z = _decode_ints(kv, vu, vr, ve, pos.size, np.concatenate(ctx))
-    old = b[pos]
-    new_ord = to_ordered(old, info) + _unzigzag(z + np.uint64(1))
+    bs = _piece_bits(state, seg.pieces, views)
+    pos = _positions(bs, seg)
+    d = deltacode.decode_deltas(seg.rows, seg.streams)
+    order = np.argsort(pos, kind="stable")  # a merge of the classes' ascending runs
+    pos, d = pos[order], d[order]
+    offsets = np.cumsum([0] + [b.size for b in bs])
+    cuts = np.searchsorted(pos, offsets)
+    local = [pos[cuts[i] : cuts[i + 1]] - offsets[i] for i in range(len(bs))]
+    old = np.concatenate([b[p] for b, p in zip(bs, local)])
+    new_ord = to_ordered(old, info) + d
     lo, hi = ordered_range(info)
     if info.width < 8 and pos.size and (new_ord.min() < lo or new_ord.max() > hi):
         raise CorruptData(f"segment values: expected bit patterns of {info.name}, found out-of-range deltas")
     new = from_ordered(new_ord, info)
     writes = []
-    offsets = np.cumsum([0] + [e - s for _, s, e in seg.pieces])
-    piece_of = np.searchsorted(offsets, pos, side="right") - 1
     for i, (name, s, _e) in enumerate(seg.pieces):
-        sel = piece_of == i if len(seg.pieces) > 1 else slice(None)
-        writes.append((name, pos[sel] - offsets[i] + s, old[sel], new[sel]))
+        a, b = cuts[i], cuts[i + 1]
+        if b > a:
+            writes.append((name, local[i] + s, old[a:b], new[a:b]))
     return writes, old, new
 
 
@@ -524,13 +529,14 @@ def _decode_full(seg: _Segment, specs: dict[str, TensorSpec]):
     return writes, bits
 
 
-def decode_chunk(state: State, chunk: bytes, tensors: list[TensorSpec]) -> DecodedChunk:
+def decode_chunk(state: State, chunk: bytes, tensors: list[TensorSpec], _specs: dict | None = None) -> DecodedChunk:
     """Decode one chunk against `state` and check it fits; writes nothing.
 
     Raises BaseMismatch (or AlreadyApplied) when the values the chunk would
     overwrite are not the ones it was made against.
     """
-    specs = {t.name: t for t in tensors}
+    specs = _specs if _specs is not None else {t.name: t for t in tensors}
+    views: dict = {}
     segs, old_digest, new_digest = _parse_chunk(chunk)
     for seg in segs:
         if any(i >= len(tensors) for i, _, _ in seg.pieces):
@@ -539,7 +545,7 @@ def decode_chunk(state: State, chunk: bytes, tensors: list[TensorSpec]) -> Decod
     writes, olds, news = [], [], []
     for seg in segs:
         if seg.kind == "d":
-            w, o, n = _decode_delta(state, seg, specs)
+            w, o, n = _decode_delta(state, seg, specs, views)
             olds.append(o)
         else:
             w, n = _decode_full(seg, specs)
@@ -551,7 +557,7 @@ def decode_chunk(state: State, chunk: bytes, tensors: list[TensorSpec]) -> Decod
         raise BaseMismatch("chunk: the values it overwrites differ from the state's (wrong base, or already applied)")
     if _digest(news) != new_digest:
         raise CorruptData("chunk: decoded values do not match the chunk's digest of what it writes")
-    return DecodedChunk(writes)
+    return DecodedChunk(writes, views)
 
 
 def check_structure(state: State, patch: Patch) -> set[str]:
@@ -608,8 +614,9 @@ def apply(state: State, patch: Patch, progress: Progress = None) -> None:
     # can all be decoded and checked before the structure changes.
     check_structure(state, patch)
     decoded = []
+    specs = {t.name: t for t in patch.tensors}
     for i, chunk in enumerate(patch.chunks):
-        decoded.append(decode_chunk(state, chunk, patch.tensors))
+        decoded.append(decode_chunk(state, chunk, patch.tensors, specs))
         if progress:
             progress(i + 1, 2 * n)
     saved = prepare(state, patch)

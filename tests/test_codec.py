@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from protocol import rans, ricecode
+from protocol import contexts, deltacode, ricecode, statehash
 from protocol.errors import AlreadyApplied, BaseMismatch, CorruptData, PatchswarmError, StateHashMismatch
 from protocol.patch import Patch, apply, decode_chunk, diff, keyframe, prepare
 from protocol.statehash import state_hash
@@ -200,15 +200,36 @@ def test_keyframe_round_trip_and_size(real_pair):
 @given(st.lists(st.integers(0, 2**64 - 1) | st.integers(0, 50), max_size=300), st.integers(0, 40))
 def test_rice_round_trip(values, k):
     v = np.array(values, dtype=np.uint64)
-    streams = ricecode.encode(v, k)
-    assert np.array_equal(ricecode.decode(*streams, len(values), k), v)
+    blob = ricecode.pack(v, k)
+    assert np.array_equal(ricecode.unpack(blob, len(values), k), v)
+    assert len(blob) == (len(values) * k + 7) // 8 + (ricecode.cost_bits(v, k) - len(values) * k - 64 * int(((v >> np.uint64(k)) >= ricecode.ESCAPE_Q).sum()) + 7) // 8 + 8 * int(((v >> np.uint64(k)) >= ricecode.ESCAPE_Q).sum())
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.binary(max_size=64), st.binary(max_size=64), st.binary(max_size=24), st.integers(0, 50), st.integers(0, 45))
-def test_rice_decoder_never_crashes(unary, rem, esc, count, k):
+@given(st.lists(st.tuples(st.integers(0, 2**64 - 1) | st.integers(0, 300), st.integers(0, 40)), max_size=300))
+def test_rice_with_a_k_per_value_round_trips(pairs):
+    v = np.array([p[0] for p in pairs], dtype=np.uint64)
+    k = np.array([p[1] for p in pairs], dtype=np.int64)
+    assert np.array_equal(ricecode.unpack(ricecode.pack(v, k), len(pairs), k), v)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2**64 - 1), st.integers(0, 64)), max_size=200))
+def test_raw_bit_fields_match_a_plain_bit_layout(pairs):
+    v = np.array([p[0] for p in pairs], dtype=np.uint64)
+    w = np.array([p[1] for p in pairs], dtype=np.int64)
+    data = ricecode.pack_bits(v, w)
+    bits = [(x >> j) & 1 for x, n in pairs for j in range(n)]
+    assert data == (np.packbits(np.array(bits, np.uint8), bitorder="little").tobytes() if bits else b"")
+    want = np.array([x & ((1 << n) - 1) for x, n in pairs], dtype=np.uint64)
+    assert np.array_equal(ricecode.unpack_bits(data, w, len(pairs)), want)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=64), st.integers(0, 50), st.integers(0, 45))
+def test_rice_decoder_never_crashes(blob, count, k):
     try:
-        ricecode.decode(unary, rem, esc, count, k)
+        ricecode.unpack(blob, count, k)
     except CorruptData:
         pass
 
@@ -222,22 +243,116 @@ def test_container_parser_raises_only_its_own_errors(data):
         pass
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 2**64 - 1) | st.integers(0, 40), st.integers(0, 5)), max_size=2000))
-def test_rans_round_trip(pairs):
-    v = np.array([p[0] for p in pairs], dtype=np.uint64)
-    ctx = np.array([p[1] for p in pairs], dtype=np.int64)
-    data, low = rans.encode(v, ctx)
-    assert np.array_equal(rans.decode(data, low, len(pairs), ctx), v)
+@st.composite
+def class_changes(draw):
+    """Per class: size n, sorted changed ranks, nonzero int64 deltas (narrow, wide or extreme)."""
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    ranks, sizes, deltas = [], [], []
+    for _ in range(draw(st.integers(1, 8))):
+        n = draw(st.integers(0, 3000))
+        density = draw(st.sampled_from([0.0, 0.001, 0.05, 0.4, 0.6, 0.95, 1.0]))
+        r = np.flatnonzero(rng.random(n) < density)
+        kind = draw(st.sampled_from(["ulp", "wide", "extreme"]))
+        if kind == "ulp":
+            d = rng.choice([-2, -1, 1, 1, 1, 2], r.size)
+        elif kind == "wide":
+            d = rng.integers(1, 5000, r.size) * rng.choice([-1, 1], r.size)
+        else:
+            d = rng.choice(np.array([np.iinfo(np.int64).min, np.iinfo(np.int64).max, -1, 1, 1 << 40], dtype=np.int64), r.size)
+        ranks.append(r)
+        sizes.append(n)
+        deltas.append(d.astype(np.int64))
+    return ranks, sizes, deltas
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.binary(max_size=300), st.binary(max_size=16), st.integers(0, 300))
-def test_rans_decoder_never_crashes(data, low, count):
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(class_changes())
+def test_delta_code_round_trips(changes):
+    ranks, sizes, deltas = changes
+    rows, streams = deltacode.encode(ranks, sizes, deltas)
+    rows = deltacode.check_rows(msgpack_round_trip(rows), len(ranks))
+    streams = msgpack_round_trip(streams)
+    got = deltacode.decode_positions(rows, streams)
+    for want, have in zip(ranks, got):
+        assert np.array_equal(want, have)
+    assert np.array_equal(deltacode.decode_deltas(rows, streams), np.concatenate(deltas))
+
+
+def msgpack_round_trip(x):
+    import msgpack
+
+    return msgpack.unpackb(msgpack.packb(x, use_bin_type=True), raw=False)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(class_changes(), st.data())
+def test_delta_decoder_raises_only_corrupt_data(changes, data):
+    rows, streams = deltacode.encode(*changes)
+    streams = [bytearray(s) for s in streams]
+    for _ in range(data.draw(st.integers(1, 3))):
+        i = data.draw(st.integers(0, len(streams) - 1))
+        if data.draw(st.booleans()) and streams[i]:
+            j = data.draw(st.integers(0, len(streams[i]) - 1))
+            streams[i][j] ^= 1 << data.draw(st.integers(0, 7))
+        else:
+            streams[i] = streams[i][: data.draw(st.integers(0, len(streams[i])))] + data.draw(st.binary(max_size=3))
+    if data.draw(st.booleans()):
+        row = data.draw(st.integers(0, len(rows) - 1))
+        if len(rows[row]) > 1:
+            col = data.draw(st.integers(0, 7))
+            rows[row][col] = data.draw(st.integers(0, 70))
     try:
-        rans.decode(data, low, count)
+        rows = deltacode.check_rows(rows, len(rows))
+        deltacode.decode_positions(rows, [bytes(s) for s in streams])
+        deltacode.decode_deltas(rows, [bytes(s) for s in streams])
     except CorruptData:
         pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 2**64 - 1), min_size=1, max_size=50), st.data())
+def test_select_in_words_finds_the_kth_set_bit(words, data):
+    x = np.array(words, dtype=np.uint64)
+    k = [data.draw(st.integers(0, bin(w).count("1") - 1)) for w in words]
+    want = [[j for j in range(64) if w >> j & 1][i] for w, i in zip(words, k)]
+    assert contexts.select_in_words(x, np.array(k, dtype=np.uint64)).tolist() == want
+
+
+def test_class_index_rank_and_select_agree_with_a_sort():
+    rng = np.random.default_rng(5)
+    info = __import__("protocol.dtypes", fromlist=["info_of"]).info_of(torch.bfloat16)
+    pieces = [bits((torch.randn(n, generator=torch.Generator().manual_seed(n)) * 0.02).bfloat16()).numpy() for n in (1000, 63, 4097)]
+    size = sum(p.size for p in pieces)
+    keys = contexts.class_keys(pieces, info)
+    ids = contexts.class_of_keys(keys[:size], 118, 8)
+    ci = contexts.ClassIndex(keys.copy(), size, 118, 8)
+    ranks = {}
+    for c in range(8):
+        members = np.flatnonzero(ids == c)
+        assert ci.class_size(c) == members.size
+        pick = np.sort(rng.choice(members.size, min(members.size, 50), replace=False)) if members.size else members
+        assert np.array_equal(ci.rank(c, members[pick]), pick)
+        ranks[c] = pick
+    want = np.concatenate([np.flatnonzero(ids == c)[ranks[c]] for c in range(8)])
+    assert np.array_equal(ci.select(ranks), want)
+
+
+def test_state_hash_is_blake3_prefixed_and_independent_of_threads(monkeypatch):
+    state = {"a": torch.arange(3_000_000, dtype=torch.int32), "b": torch.zeros(0), "c": torch.tensor(1.5).bfloat16(),
+             "d": torch.ones(5, 7).t()}
+    h = state_hash(state)
+    assert statehash.is_state_hash(h) and h.startswith("blake3:")
+    monkeypatch.setattr(statehash, "_workers", lambda total: 1)
+    assert state_hash(state) == h
+    monkeypatch.setattr(statehash, "_workers", lambda total: 7)
+    monkeypatch.setattr(statehash, "BLOCK_BYTES", 1 << 20)
+    other = state_hash(state)  # another block size is another definition
+    assert other != h and statehash.is_state_hash(other)
+    changed = dict(state, a=state["a"].clone())
+    changed["a"][-1] += 1
+    monkeypatch.undo()
+    assert state_hash(changed) != h
+    assert state_hash(dict(state, c=torch.tensor(1.5))) != h  # same value, other dtype
 
 
 def test_second_apply_of_a_chunk_is_named_as_such():

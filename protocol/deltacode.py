@@ -1,0 +1,295 @@
+"""The codes for one segment's changes: which ranks changed in each class, and by how much.
+
+Owns the layout of a delta segment's class table and streams (patch.py owns
+the container around them). Everything is vectorized numpy over all classes of
+a segment at once; the coders are Rice blobs and raw bit fields (ricecode.py),
+which decode with a fixed, small number of numpy passes whatever the counts.
+
+Positions, per class (a class of n base elements of which m changed, as
+ranks inside the class): the cheapest of
+- GAPS: Rice-coded gaps between changed ranks (sparse classes);
+- HOLES: Rice-coded gaps between unchanged ranks (classes that mostly change);
+- BITMAP: one bit per class member (change rates near one half).
+
+Values: d = new - old of order-preserving integers (dtypes.py), never 0.
+Its sign is one raw bit (it is a coin flip on real steps), its magnitude
+a = |d| - 1 is coded per class as the cheaper of
+- RUNS: where a > 0 as Rice-coded gaps, then a - 1 there as a ranked code
+  (classes of mostly ±1 ulp: 1 bit + ~H(P(a > 0)) per value);
+- RANKED: a itself as a ranked code (classes of wide deltas).
+A ranked code maps each value to a symbol (itself below DIRECT, else its bit
+length, with the lower bits raw), sends the symbols in order of frequency and
+Rice-codes each value's rank in that order.
+
+Class table row: [m, n, pos mode, pos k, value mode, bigs, bigs k, rank k,
+symbols] ([0] for a class without changes; n, the class size, lets the
+decoder tell a wrong base from a corrupt patch before it decodes); streams: [position Rice blob, bitmaps, signs, bigs Rice blob,
+ranks Rice blob, raw low bits].
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import ricecode
+from .errors import CorruptData
+
+GAPS, HOLES, BITMAP = 0, 1, 2
+RUNS, RANKED = 0, 1
+DIRECT_BITS = 4
+DIRECT = 1 << DIRECT_BITS
+SYMBOLS = DIRECT + 64 - DIRECT_BITS
+_ROW = 9
+_STREAMS = 6
+_MAX_GAP = 1 << 40
+
+
+def _gaps(sorted_idx: np.ndarray) -> np.ndarray:
+    return (np.diff(sorted_idx, prepend=-1) - 1).astype(np.uint64)
+
+
+def _bit_length(v: np.ndarray) -> np.ndarray:
+    out = np.zeros(v.size, dtype=np.int64)
+    for shift in (32, 16, 8, 4, 2, 1):
+        hi = (v >> (out + shift).astype(np.uint64)) != 0
+        out[hi] += shift
+    return out + (v != 0)
+
+
+def _symbols(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(symbol, raw width) per value: small values are their own symbol."""
+    big = v >= DIRECT
+    sym = v.astype(np.int64)
+    widths = np.zeros(v.size, dtype=np.int64)
+    if big.any():
+        bl = _bit_length(v[big])
+        sym[big] = DIRECT + bl - DIRECT_BITS - 1
+        widths[big] = bl - 1
+    return sym, widths
+
+
+def _symbol_widths(sym: np.ndarray) -> np.ndarray:
+    return np.where(sym >= DIRECT, sym - DIRECT + DIRECT_BITS, 0)
+
+
+class _Ranked:
+    """A ranked code of one array: symbols table, ranks, raw low bits."""
+
+    def __init__(self, v: np.ndarray):
+        sym, self.widths = _symbols(v)
+        counts = np.bincount(sym, minlength=SYMBOLS)
+        used = np.flatnonzero(counts)
+        order = used[np.argsort(-counts[used], kind="stable")]
+        self.table = bytes(order.astype(np.uint8))
+        rank_of = np.zeros(SYMBOLS, dtype=np.int64)
+        rank_of[order] = np.arange(order.size)
+        self.ranks = rank_of[sym].astype(np.uint64)
+        self.k = ricecode.best_k(self.ranks) if len(self.table) > 1 else 0
+        self.low = v - np.where(self.widths > 0, np.uint64(1) << self.widths.astype(np.uint64), np.uint64(0))
+        rank_bits = ricecode.cost_bits(self.ranks, self.k) if len(self.table) > 1 else 0
+        self.bits = rank_bits + int(self.widths.sum()) + 8 * (len(self.table) + 2)
+
+
+def _position_code(ranks: np.ndarray, n: int) -> tuple[int, int, np.ndarray | None, np.ndarray | None]:
+    """(mode, k, values for the Rice blob or None, bitmap or None) for one class."""
+    m = ranks.size
+    gaps = _gaps(ranks)
+    k = ricecode.best_k(gaps)
+    best = (ricecode.cost_bits(gaps, k), GAPS, k, gaps, None)
+    if 3 * m > n:  # dense: the complement or a plain bitmap may be smaller
+        mask = np.zeros(n, dtype=bool)
+        mask[ranks] = True
+        if n < best[0]:
+            best = (n, BITMAP, 0, None, mask)
+        holes = _gaps(np.flatnonzero(~mask))
+        kh = ricecode.best_k(holes)
+        cost = ricecode.cost_bits(holes, kh)
+        if cost < best[0]:
+            best = (cost, HOLES, kh, holes, None)
+    return best[1:]
+
+
+def encode(ranks: list[np.ndarray], sizes: list[int], deltas: list[np.ndarray]) -> tuple[list, list]:
+    """Class table and streams for the changes of every class of one segment.
+
+    ranks[c]: ascending int64 ranks of the changed elements inside class c
+    (of sizes[c] members); deltas[c]: their int64 order-preserving deltas.
+    """
+    rows, pos_vals, pos_k, bitmaps = [], [], [], []
+    signs, big_vals, big_k, rank_vals, rank_k, low_vals, low_w = [], [], [], [], [], [], []
+    for r, n, d in zip(ranks, sizes, deltas):
+        m = r.size
+        if m == 0:
+            rows.append([0])
+            continue
+        mode, k, vals, bitmap = _position_code(r, n)
+        if vals is not None:
+            pos_vals.append(vals)
+            pos_k.append(np.full(vals.size, k, dtype=np.int64))
+        if bitmap is not None:
+            bitmaps.append(bitmap)
+        neg = d < 0
+        signs.append(neg)
+        a = np.where(neg, -d, d).astype(np.uint64) - np.uint64(1)  # modular: |int64 min| is 2**63
+        ranked = _Ranked(a)
+        bigs = np.flatnonzero(a)
+        if bigs.size < m:
+            big_gaps = _gaps(bigs)
+            kg = ricecode.best_k(big_gaps)
+            on_bigs = _Ranked(a[bigs] - np.uint64(1))
+            runs_bits = ricecode.cost_bits(big_gaps, kg) + on_bigs.bits + 16
+        if bigs.size < m and runs_bits < ranked.bits:
+            vmode, code = RUNS, on_bigs
+            big_vals.append(big_gaps)
+            big_k.append(np.full(bigs.size, kg, dtype=np.int64))
+        else:
+            vmode, code, kg = RANKED, ranked, 0
+        if len(code.table) > 1:
+            rank_vals.append(code.ranks)
+            rank_k.append(np.full(code.ranks.size, code.k, dtype=np.int64))
+        low_vals.append(code.low)
+        low_w.append(code.widths)
+        rows.append([m, n, mode, k, vmode, bigs.size if vmode == RUNS else 0, kg, code.k, code.table])
+
+    def cat(parts, dtype):
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+
+    streams = [
+        ricecode.pack(cat(pos_vals, np.uint64), cat(pos_k, np.int64)),
+        np.packbits(cat(bitmaps, bool), bitorder="little").tobytes(),
+        np.packbits(cat(signs, bool), bitorder="little").tobytes(),
+        ricecode.pack(cat(big_vals, np.uint64), cat(big_k, np.int64)),
+        ricecode.pack(cat(rank_vals, np.uint64), cat(rank_k, np.int64)),
+        ricecode.pack_bits(cat(low_vals, np.uint64), cat(low_w, np.int64)),
+    ]
+    return rows, streams
+
+
+M, N, PMODE, PK, VMODE, BIGS, BIGS_K, RANK_K, TABLE = range(_ROW)
+
+
+def check_rows(rows, classes: int) -> list[list]:
+    """Validate the shape of a class table (not the sizes against a base)."""
+    if not isinstance(rows, list) or len(rows) != classes:
+        raise CorruptData(f"class table: expected {classes} rows, found {len(rows) if isinstance(rows, list) else type(rows).__name__}")
+    for row in rows:
+        ok = isinstance(row, list) and row and isinstance(row[M], int) and row[M] >= 0
+        if ok and row[M] > 0:
+            ok = (len(row) == _ROW and all(isinstance(x, int) and x >= 0 for x in row[N:TABLE]) and isinstance(row[TABLE], bytes)
+                  and row[M] <= row[N] and row[PMODE] in (GAPS, HOLES, BITMAP) and row[VMODE] in (RUNS, RANKED)
+                  and len(row[TABLE]) <= SYMBOLS and max(row[PK], row[BIGS_K], row[RANK_K]) <= ricecode.MAX_K
+                  and row[BIGS] <= row[M] and (row[VMODE] == RUNS or row[BIGS] == 0))
+        elif ok:
+            ok = len(row) == 1
+        if not ok:
+            raise CorruptData(f"class table row: expected [m, n, pos mode, k, value mode, bigs, k, k, symbols] or [0], found {str(row)[:80]}")
+    return rows
+
+
+def _segmented_ranks(gaps: np.ndarray, counts: list[int]) -> list[np.ndarray]:
+    """Split a concatenation of gap runs and turn each run into ascending ranks."""
+    if gaps.size and int(gaps.max()) >= _MAX_GAP:
+        raise CorruptData(f"gap: expected below 2**40, found {int(gaps.max())}")
+    cs = np.cumsum(gaps.astype(np.int64) + 1)
+    out, off, base = [], 0, 0
+    for n in counts:
+        out.append(cs[off : off + n] - 1 - base)
+        if n:
+            base = int(cs[off + n - 1])
+        off += n
+    return out
+
+
+def _check_streams(streams) -> None:
+    if not isinstance(streams, list) or len(streams) != _STREAMS or not all(isinstance(s, bytes) for s in streams):
+        raise CorruptData(f"segment streams: expected {_STREAMS} byte strings")
+
+
+def decode_positions(rows: list[list], streams: list) -> list[np.ndarray]:
+    """Ascending ranks of the changed elements of every class (rows from `check_rows`)."""
+    _check_streams(streams)
+    counts, ks = [], []
+    for row in rows:
+        if row[M] and row[PMODE] != BITMAP:
+            counts.append(row[M] if row[PMODE] == GAPS else row[N] - row[M])
+            ks.append(row[PK])
+    rice = ricecode.unpack(streams[0], sum(counts), np.repeat(np.array(ks, dtype=np.int64), counts))
+    runs = iter(_segmented_ranks(rice, counts))
+    bitmap_bits = sum(row[N] for row in rows if row[M] and row[PMODE] == BITMAP)
+    if len(streams[1]) != (bitmap_bits + 7) // 8:
+        raise CorruptData(f"class bitmaps: expected {(bitmap_bits + 7) // 8} bytes, found {len(streams[1])}")
+    bits = np.unpackbits(np.frombuffer(streams[1], dtype=np.uint8), bitorder="little").view(bool)
+    if bits[bitmap_bits:].any():
+        raise CorruptData("class bitmaps: nonzero padding")
+    out, bit_off = [], 0
+    for row in rows:
+        m, n = row[M], (row[N] if row[M] else 0)
+        if m == 0:
+            out.append(np.zeros(0, dtype=np.int64))
+            continue
+        if row[PMODE] == BITMAP:
+            ranks = np.flatnonzero(bits[bit_off : bit_off + n])
+            bit_off += n
+        else:
+            ranks = next(runs)
+            if ranks.size and ranks[-1] >= n:
+                raise CorruptData(f"class rank: expected below the class size {n}, found {int(ranks[-1])}")
+            if row[PMODE] == HOLES:
+                mask = np.ones(n, dtype=bool)
+                mask[ranks] = False
+                ranks = np.flatnonzero(mask)
+        if ranks.size != m:
+            raise CorruptData(f"class positions: expected {m}, found {ranks.size}")
+        out.append(ranks)
+    return out
+
+
+def decode_deltas(rows: list[list], streams: list) -> np.ndarray:
+    """The int64 order-preserving deltas of every class, concatenated in class order."""
+    _check_streams(streams)
+    live = [row for row in rows if row[M]]
+    total = sum(row[M] for row in live)
+    if len(streams[2]) != (total + 7) // 8:
+        raise CorruptData(f"signs: expected {(total + 7) // 8} bytes, found {len(streams[2])}")
+    signs = np.unpackbits(np.frombuffer(streams[2], dtype=np.uint8), bitorder="little").view(bool)
+    if signs[total:].any():
+        raise CorruptData("signs: nonzero padding")
+    runs = [row for row in live if row[VMODE] == RUNS]
+    big_counts = [row[BIGS] for row in runs]
+    big_gaps = ricecode.unpack(streams[3], sum(big_counts),
+                               np.repeat(np.array([row[BIGS_K] for row in runs], dtype=np.int64), big_counts))
+    bigs = iter(_segmented_ranks(big_gaps, big_counts))
+    coded = [row[BIGS] if row[VMODE] == RUNS else row[M] for row in live]  # values in each ranked code
+    table_len = np.array([len(row[TABLE]) for row in live], dtype=np.int64)
+    rank_counts = [n if len(row[TABLE]) > 1 else 0 for row, n in zip(live, coded)]
+    ranks = ricecode.unpack(streams[4], sum(rank_counts),
+                            np.repeat(np.array([row[RANK_K] for row in live], dtype=np.int64), rank_counts))
+    tables = np.frombuffer(b"".join(row[TABLE] for row in live), dtype=np.uint8)
+    if (tables >= SYMBOLS).any():
+        raise CorruptData(f"symbol table: expected symbols below {SYMBOLS}")
+    which = np.repeat(np.arange(len(live)), coded)
+    rank_all = np.zeros(which.size, dtype=np.int64)
+    rank_all[np.repeat(table_len > 1, coded)] = ranks.astype(np.int64)
+    if (rank_all >= table_len[which]).any():
+        raise CorruptData("ranked code: a rank beyond its symbol table")
+    table_off = np.cumsum(table_len) - table_len
+    sym = tables[table_off[which] + rank_all].astype(np.int64)
+    widths = _symbol_widths(sym)
+    low = ricecode.unpack_bits(streams[5], widths, sym.size)
+    mags = np.where(widths > 0, (np.uint64(1) << widths.astype(np.uint64)) | low, sym.astype(np.uint64))
+    out, off = [], 0
+    for row, n in zip(live, coded):
+        v = mags[off : off + n]
+        off += n
+        if row[VMODE] == RUNS:
+            pos = next(bigs)
+            if pos.size and pos[-1] >= row[M]:
+                raise CorruptData(f"value runs: expected positions below {row[M]}, found {int(pos[-1])}")
+            a = np.zeros(row[M], dtype=np.uint64)
+            a[pos] = v + np.uint64(1)
+        else:
+            a = v
+        out.append(a)
+    a = np.concatenate(out) if out else np.zeros(0, dtype=np.uint64)
+    mag = (a + np.uint64(1)).astype(np.int64)  # modular, like the encoder
+    return np.where(signs[:total], -mag, mag)
