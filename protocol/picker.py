@@ -23,7 +23,9 @@ Patch objects (the WAN plan of protocol/responsibility.py):
      then the origin; at most `pipeline` chunks per idle round, rarest first.
      Members leaving re-plan at once (`set_members`), with no delay.
 Keyframe objects (late joiners, rare): no responsibility; node peers of R,
-else node peers of other regions, else the origin.
+else node peers of other regions, else the origin. A keyframe every member
+fetches (the swarm's first version) is added with `coordinated=True` and
+follows the patch rules.
 
 Among requestable chunks: objects by priority (lower first), then rarest first
 (rarity = connected peers that have the chunk), ties by a per-object shuffle
@@ -89,11 +91,12 @@ class _Wanted:
 
     __slots__ = ("key", "n_chunks", "priority", "added_at", "rank", "chunk_of", "missing",
                  "holders", "sources", "tier", "inflight", "failed", "buckets", "ready_of",
-                 "dead_buckets", "dead_ready", "n_ready", "duty", "mine", "upstream")
+                 "dead_buckets", "dead_ready", "n_ready", "duty", "mine", "upstream", "coordinated")
 
     def __init__(self, key: ObjKey, n_chunks: int, have: set[int], priority: int,
-                 added_at: float, rng: random.Random):
+                 added_at: float, rng: random.Random, coordinated: bool):
         self.key = key
+        self.coordinated = coordinated
         self.n_chunks = n_chunks
         self.priority = priority
         self.added_at = added_at
@@ -124,7 +127,8 @@ class _Wanted:
 
     @property
     def is_patch(self) -> bool:
-        return not self.key[1]
+        """Fetched under the WAN plan (responsibility), as every member wants it."""
+        return self.coordinated
 
     def ready(self, c: int) -> bool:
         return c in self.sources and c not in self.inflight
@@ -183,9 +187,12 @@ class PiecePicker:
                 self._refresh(obj, c)
 
     def add_object(self, key: ObjKey, n_chunks: int, *, have: Iterable[int] = (),
-                   priority: int = 0, now: float) -> None:
+                   priority: int = 0, now: float, coordinated: bool | None = None) -> None:
         """Start fetching `key` (n_chunks chunks, `have` already held). Lower
-        `priority` is fetched first. `now` starts the takeover clock."""
+        `priority` is fetched first. `now` starts the takeover clock.
+        `coordinated` (default: patches yes, keyframes no) says every member
+        fetches this object, so it follows the WAN plan; a keyframe that all
+        members bootstrap from (the first version) is one."""
         if (type(key) is not tuple or len(key) != 2 or type(key[0]) is not int
                 or type(key[1]) is not bool):
             raise UsageError(f"add_object: expected a key (version: int, keyframe: bool), "
@@ -198,7 +205,8 @@ class PiecePicker:
         bad = [c for c in held if not (type(c) is int and 0 <= c < n_chunks)]
         if bad:
             raise UsageError(f"add_object: expected have in [0, {n_chunks}), found {bad[:5]}")
-        obj = _Wanted(key, n_chunks, held, priority, now, self._rng)
+        obj = _Wanted(key, n_chunks, held, priority, now, self._rng,
+                      (not key[1]) if coordinated is None else bool(coordinated))
         if obj.is_patch:
             obj.duty = ResponsibilityMap(key, n_chunks, self._region_members)
             for c in range(n_chunks):

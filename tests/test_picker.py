@@ -812,3 +812,28 @@ def bench():
 
 if __name__ == "__main__":
     bench()
+
+
+def test_coordinated_keyframe_follows_the_wan_plan():
+    """The first version's keyframe, which every member bootstraps from, is fetched like a patch:
+    only the responsible node asks the origin for each chunk."""
+    key = (0, True)
+    members = {"a": "r0", "b": "r0", "c": "r0"}
+    asked_origin = Counter()
+    for me in members:
+        p = PiecePicker(me, "r0", "r0", seed=1, pipeline=12)
+        p.set_members(members)
+        p.add_object(key, 12, now=0.0, coordinated=True)
+        p.peer_joined("origin", ORIGIN, "r0")
+        p.peer_has("origin", key, range(12))
+        for r in p.requests(0.0):
+            assert r.peer == "origin"
+            asked_origin[r.chunk] += 1
+    assert sorted(asked_origin) == list(range(12)) and set(asked_origin.values()) == {1}
+    # Uncoordinated (the default for keyframes), every node asks the origin at once.
+    p = PiecePicker("a", "r0", "r0", seed=1)
+    p.set_members(members)
+    p.add_object(key, 12, now=0.0)
+    p.peer_joined("origin", ORIGIN, "r0")
+    p.peer_has("origin", key, range(12))
+    assert len(p.requests(0.0)) == p.pipeline
