@@ -1,0 +1,210 @@
+"""WAN bench: patchswarm, the patchswarm star and libtorrent moving one real patch over an emulated multi-region WAN.
+
+Each system runs in a fresh `bench.netemu.Topology` (regions are bridges, each
+host its own namespace, regions joined by a router whose per-region links are
+tbf-limited both ways) and delivers the same payload: the patch between two
+consecutive served bf16 checkpoints of a generated model (`bench.wan_runner.
+make_payload`, cached under /tmp/patchswarm-wan-payload). One table: time until
+every node holds the patch, the lower bound (`WanSpec.lower_bound_s`), WAN
+bytes into each region ÷ patch, origin bytes out ÷ patch; then the scaling
+rows (nodes per region at fixed WAN). A system that cannot run here (not
+built, not installed) is listed as skipped with the reason.
+
+Run (root): `python bench/wan.py [--regions 3] [--nodes 4] [--wan-mbit 100]
+[--lan-mbit 1000] [--systems libtorrent,patchswarm,star] [--scaling 2,4,8]`;
+`python bench/wan.py --cleanup` removes namespaces a killed run left (psw-*).
+Importing this module does no work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+
+_ROOT = Path(__file__).resolve().parent.parent
+if str(_ROOT) not in sys.path:
+    sys.path.insert(0, str(_ROOT))
+
+from bench import netemu  # noqa: E402
+from bench.wan_libtorrent import DEFAULT_PIECE_BYTES, LibtorrentRunner  # noqa: E402
+from bench.wan_patchswarm import PatchswarmRunner  # noqa: E402
+from bench.wan_runner import Payload, RunFailed, RunResult, SystemUnavailable, make_payload  # noqa: E402
+
+SYSTEMS = ("libtorrent", "patchswarm", "star")
+TARGETS = "targets (issue 4): time <= 1.3 x bound; WAN in <= 1.15 x patch; origin out <= 1.5 x patch; >= 2x faster than libtorrent"
+
+
+def make_runner(name: str, args: argparse.Namespace):
+    if name == "libtorrent":
+        return LibtorrentRunner(piece_bytes=args.piece_kib * 1024, unchoke_slots=args.unchoke_slots,
+                                log_dir=args.logs)
+    if name in ("patchswarm", "star"):
+        return PatchswarmRunner(no_peers=name == "star", verbose=args.verbose, log_dir=args.logs)
+    raise ValueError(f"system: expected one of {SYSTEMS}, found {name!r}")
+
+
+def run_one(spec: netemu.WanSpec, runner, payload: Payload, limit_s: float, check_links: bool) -> RunResult:
+    """One system on a fresh topology of `spec` (built and torn down here)."""
+    with netemu.Topology(spec) as topo:
+        if check_links:
+            _print_link_check(topo)
+        return runner.run(topo, payload, limit_s)
+
+
+def _print_link_check(topo: netemu.Topology) -> None:
+    """Measure one cross-region TCP transfer so the table's limits are seen to hold."""
+    remote = [h for h in topo.nodes if h.region != topo.spec.origin_region]
+    if not remote:
+        return
+    nbytes = int(topo.spec.wan_bytes_per_s * 1.0)
+    rate = netemu.tcp_throughput(topo, topo.origin, remote[0], nbytes)
+    print(f"link check: one TCP flow origin -> {remote[0].name} (other region): "
+          f"{rate * 8 / 1e6:.1f} Mbit/s of payload over a {topo.spec.wan_mbit:g} Mbit/s WAN link", flush=True)
+
+
+def median_run(runs: list[RunResult]) -> RunResult:
+    """The run with the median time (the lower middle one for an even count), bytes included."""
+    return sorted(runs, key=lambda r: r.seconds)[(len(runs) - 1) // 2]
+
+
+def format_table(rows: list[RunResult], regions: int) -> str:
+    head = ["system", "nodes", "time s", "bound s", "time/bound",
+            *[f"WAN in r{r}/P" for r in range(regions)], "max WAN in/P", "origin out/P"]
+    lines = []
+    for r in rows:
+        wan = r.wan_in_over_patch
+        remote = [w for i, w in enumerate(wan) if i != r.spec.origin_region] or wan
+        lines.append([r.system, f"{r.spec.regions}x{r.spec.nodes_per_region}", f"{r.seconds:.2f}", f"{r.bound_s:.2f}",
+                      f"{r.time_over_bound:.2f}", *[f"{w:.3f}" for w in wan], f"{max(remote):.3f}",
+                      f"{r.origin_out_over_patch:.3f}"])
+    widths = [max(len(h), *(len(l[i]) for l in lines)) if lines else len(h) for i, h in enumerate(head)]
+    fmt = "  ".join(f"{{:>{w}}}" for w in widths)
+    return "\n".join([fmt.format(*head), *(fmt.format(*l) for l in lines)])
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--regions", type=int, default=3)
+    ap.add_argument("--nodes", type=int, default=4, help="nodes per region (default 4)")
+    ap.add_argument("--wan-mbit", type=float, default=100.0, help="each region's WAN link, each way")
+    ap.add_argument("--lan-mbit", type=float, default=1000.0, help="each host's link, each way")
+    ap.add_argument("--wan-delay-ms", type=float, default=0.0, help="one-way delay per WAN link (needs sch_netem)")
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--scaling", default="2,4,8", help="nodes per region for the scaling rows ('' for none)")
+    ap.add_argument("--model", default="medium", help="node.synthetic model size for the payload")
+    ap.add_argument("--lr", type=float, default=1e-2, help="RL step learning rate (sets the patch size)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--limit-s", type=float, default=300.0, help="per run")
+    ap.add_argument("--repeat", type=int, default=1, help="runs per row; the row is the median run")
+    ap.add_argument("--piece-kib", type=int, default=DEFAULT_PIECE_BYTES // 1024, help="libtorrent piece size")
+    ap.add_argument("--unchoke-slots", type=int, default=8, help="libtorrent unchoke slots (-1: everyone)")
+    ap.add_argument("--json", type=Path, help="also write the rows here")
+    ap.add_argument("--cleanup", action="store_true", help="remove leftover psw-* namespaces and exit")
+    ap.add_argument("--logs", type=Path, help="keep every process's log under LOGS/<system>-<R>x<N>/")
+    ap.add_argument("-v", "--verbose", action="store_true", help="daemons log at debug level")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    reason = netemu.unavailable_reason()
+    if reason:
+        print(f"bench/wan.py: {reason}", file=sys.stderr)
+        return 2
+    # SIGTERM unwinds like Ctrl-C, so every `finally` tears its topology down.
+    signal.signal(signal.SIGTERM, _interrupt)
+    if args.cleanup:
+        gone = netemu.cleanup()
+        print(f"removed {len(gone)} namespaces" + (f": {' '.join(gone)}" if gone else ""))
+        return 0
+    systems = [s for s in args.systems.split(",") if s]
+    runners = {s: make_runner(s, args) for s in systems}
+    spec = netemu.WanSpec(args.regions, args.nodes, args.wan_mbit, args.lan_mbit, args.wan_delay_ms)
+    t = time.monotonic()
+    payload = make_payload(args.model, args.lr, args.seed)
+    print(f"payload: patch of {payload.label}: {payload.patch_bytes:,} bytes ({time.monotonic() - t:.1f} s to load/make)")
+    print(f"topology: {spec.regions} regions x {spec.nodes_per_region} nodes, WAN {spec.wan_mbit:g} Mbit/s "
+          f"each way per region, LAN {spec.lan_mbit:g} Mbit/s, WAN delay {spec.wan_delay_ms:g} ms", flush=True)
+
+    sizes = [args.nodes] + [int(n) for n in args.scaling.split(",") if n and int(n) != args.nodes]
+    rows: list[RunResult] = []
+    skipped: dict[str, str] = {}
+    notes: list[tuple[str, str]] = []        # (row name, text)
+    for name, runner in list(runners.items()):
+        why = runner.available()
+        if why:
+            skipped[name] = why
+            del runners[name]
+    check_links = True
+    try:
+        for n in sizes:
+            s = dataclasses.replace(spec, nodes_per_region=n)
+            for name, runner in runners.items():
+                tries: list[RunResult] = []
+                for _ in range(args.repeat):
+                    try:
+                        tries.append(run_one(s, runner, payload, args.limit_s, check_links))
+                    except SystemUnavailable as e:
+                        skipped[f"{name} {s.regions}x{n}"] = str(e)
+                        break
+                    except (RunFailed, netemu.TopologyError) as e:
+                        print(f"{name} {s.regions}x{n}: FAILED: {e}", flush=True)
+                    finally:
+                        check_links = False
+                    if tries:
+                        t = tries[-1]
+                        print(f"  {name} {s.regions}x{n}: {t.seconds:.2f} s (bound {t.bound_s:.2f} s)", flush=True)
+                if tries:
+                    r = median_run(tries)
+                    rows.append(r)
+                    row_name = f"{r.system} {s.regions}x{n}"
+                    notes += [(row_name, x) for x in r.notes]
+                    if len(tries) > 1:
+                        notes.append((row_name, f"median of {len(tries)} runs; times "
+                                      + ", ".join(f"{t.seconds:.2f}" for t in tries) + " s"))
+    except KeyboardInterrupt:
+        print("interrupted; namespaces and processes torn down", file=sys.stderr)
+        return 130
+
+    print()
+    print(format_table([r for r in rows if r.spec.nodes_per_region == args.nodes], spec.regions))
+    scaling = [int(n) for n in args.scaling.split(",") if n]
+    if scaling:
+        order = {name: i for i, name in enumerate(systems)}
+        rows_s = sorted((r for r in rows if r.spec.nodes_per_region in scaling),
+                        key=lambda r: (order.get(r.system, 99), r.spec.nodes_per_region))
+        print(f"\nscaling: nodes per region {args.scaling} at WAN {spec.wan_mbit:g} Mbit/s")
+        print(format_table(rows_s, spec.regions))
+    for name, why in skipped.items():
+        print(f"{name}: skipped: {why}")
+    where: dict[str, list[str]] = {}
+    for row_name, text in notes:
+        where.setdefault(text, []).append(row_name)
+    for text, names in where.items():
+        print(f"note: {', '.join(names)}: {text}")
+    print(f"P = patch bytes ({payload.patch_bytes:,}); WAN in = bytes the router sent into a region, link-layer "
+          f"(headers included); max WAN in = over the regions other than the origin's; {TARGETS}")
+    if args.json:
+        args.json.write_text(json.dumps([_row_json(r) for r in rows], indent=1) + "\n")
+    return 0 if rows or not systems else 1
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _row_json(r: RunResult) -> dict:
+    return {"system": r.system, "regions": r.spec.regions, "nodes_per_region": r.spec.nodes_per_region,
+            "wan_mbit": r.spec.wan_mbit, "lan_mbit": r.spec.lan_mbit, "patch_bytes": r.patch_bytes,
+            "seconds": r.seconds, "bound_s": r.bound_s, "per_node_s": r.per_node_s,
+            "wan_in": list(r.moved.wan_in), "wan_out": list(r.moved.wan_out),
+            "origin_out": r.moved.host_tx["origin"], "notes": r.notes}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,177 @@
+"""What every system in the WAN bench is given and what it returns.
+
+Owns: the payload (two consecutive served bf16 checkpoints of a generated model
+and the real patch between them, cached on disk by parameters), the result of
+one run (`RunResult`: times, bytes moved, ratios against the patch and the
+lower bound), the runner interface every system implements, the exception
+that says a system cannot run here, and reading line events from the
+processes a runner starts. Must not build networks (bench/netemu.py) or know
+any one system (bench/wan_libtorrent.py, bench/wan_patchswarm.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import select
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Protocol
+
+from bench.netemu import Counters, Topology, WanSpec
+
+PAYLOAD_CACHE = Path("/tmp/patchswarm-wan-payload")
+
+
+class SystemUnavailable(RuntimeError):
+    """A system cannot run here (not installed, not built yet); the message says why."""
+
+
+class RunFailed(RuntimeError):
+    """A system ran but did not deliver the payload to every node in time."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Payload:
+    """Version 0 and version 1 of a served model, and the patch between them."""
+
+    base: Path            # version 0, .safetensors (bf16)
+    target: Path          # version 1
+    patch: Path           # protocol.patch.diff(base, target).to_bytes()
+    patch_bytes: int
+    label: str            # e.g. "medium lr=0.01 seed=0"
+
+
+def make_payload(model: str = "medium", lr: float = 1e-2, seed: int = 0,
+                 cache_root: Path = PAYLOAD_CACHE) -> Payload:
+    """Generate (or reuse from `cache_root`) two consecutive served bf16 checkpoints and their patch.
+
+    One RL step of `node.synthetic` at `lr` after its warm-up. The cache
+    directory is keyed by the parameters; `meta.json` is written last, so a
+    directory without it is regenerated.
+    """
+    d = Path(cache_root) / f"{model}-lr{lr:g}-seed{seed}-bf16"
+    meta = d / "meta.json"
+    label = f"{model} lr={lr:g} seed={seed}"
+    if meta.exists():
+        m = json.loads(meta.read_text())
+        return Payload(d / "v0.safetensors", d / "v1.safetensors", d / "patch.bin", m["patch_bytes"], label)
+    from node import checkpoint, synthetic   # torch: only when a payload must be made
+    from protocol.patch import diff
+
+    d.mkdir(parents=True, exist_ok=True)
+    (base, target), = synthetic.served_pairs(model, lr=lr, steps=1, seed=seed, dtype="bf16")
+    data = diff(base, target).to_bytes()
+    checkpoint.save_state(base, d / "v0.safetensors")
+    checkpoint.save_state(target, d / "v1.safetensors")
+    checkpoint.write_bytes_atomic(d / "patch.bin", data)
+    raw = sum(t.numel() * t.element_size() for t in target.values())
+    checkpoint.write_bytes_atomic(meta, json.dumps({"patch_bytes": len(data), "checkpoint_bytes": raw}).encode())
+    return Payload(d / "v0.safetensors", d / "v1.safetensors", d / "patch.bin", len(data), label)
+
+
+@dataclasses.dataclass
+class RunResult:
+    """One system delivering one payload over one topology."""
+
+    system: str
+    spec: WanSpec
+    patch_bytes: int
+    seconds: float                      # published/announced -> the last node holds it
+    per_node_s: dict[str, float]        # host name -> seconds from the same start
+    moved: Counters                     # byte counters over the timed window
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def bound_s(self) -> float:
+        return self.spec.lower_bound_s(self.patch_bytes)
+
+    @property
+    def time_over_bound(self) -> float:
+        return self.seconds / self.bound_s
+
+    @property
+    def wan_in_over_patch(self) -> list[float]:
+        return [b / self.patch_bytes for b in self.moved.wan_in]
+
+    @property
+    def origin_out_over_patch(self) -> float:
+        return self.moved.host_tx["origin"] / self.patch_bytes
+
+
+class Runner(Protocol):
+    """A system under test. `run` starts its processes with `topo.spawn` (so they die with it)."""
+
+    name: str
+
+    def run(self, topo: Topology, payload: Payload, limit_s: float) -> RunResult: ...
+
+
+class LineEvents:
+    """Lines printed by several child processes, read as they come, with a deadline.
+
+    Each child writes one event per line on stdout (e.g. `ready`, `done 12.3`).
+    Reads the raw pipe with select (no buffering between select and read).
+    """
+
+    def __init__(self, procs: dict[str, subprocess.Popen]):
+        self._by_fd = {p.stdout.fileno(): name for name, p in procs.items()}
+        self._procs = procs
+        self._partial = {name: b"" for name in procs}
+
+    def next(self, deadline: float) -> tuple[str, str] | None:
+        """The next (name, line); None at the deadline. A child that exits is an error."""
+        while True:
+            for name, buf in self._partial.items():
+                if b"\n" in buf:
+                    line, rest = buf.split(b"\n", 1)
+                    self._partial[name] = rest
+                    return name, line.decode(errors="replace").strip()
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._by_fd:
+                return None
+            ready, _, _ = select.select(list(self._by_fd), [], [], left)
+            for fd in ready:
+                chunk = os.read(fd, 65536)
+                name = self._by_fd[fd]
+                if not chunk:
+                    del self._by_fd[fd]
+                    code = self._procs[name].wait(timeout=5)
+                    raise RunFailed(f"{name}: exited (code {code}) before the run ended")
+                self._partial[name] += chunk
+
+    def wait_all(self, names: set[str], word: str, deadline: float) -> dict[str, str]:
+        """Wait until every name in `names` printed a line starting with `word`; name -> rest of line."""
+        got: dict[str, str] = {}
+        while set(got) != names:
+            ev = self.next(deadline)
+            if ev is None:
+                missing = sorted(names - set(got))
+                raise RunFailed(f"no {word!r} within the time limit from {len(missing)} of {len(names)}: {missing[:6]}")
+            name, line = ev
+            head, _, rest = line.partition(" ")
+            if head == word and name in names:
+                got[name] = rest
+        return got
+
+
+def log_tails(logs: Path, lines: int = 3) -> str:
+    """The last `lines` lines of each `*.log` under `logs`, for an error message."""
+    out = []
+    for f in sorted(logs.glob("*.log")) if logs.exists() else []:
+        tail = f.read_text(errors="replace").strip().splitlines()[-lines:]
+        if tail:
+            out.append(f"\n  {f.stem}: " + " | ".join(tail))
+    return "".join(out)
+
+
+def keep_logs(dest_root: Path | None, logs: Path, run_name: str) -> None:
+    """Copy a run's `*.log` files to dest_root/run_name (replacing an older copy); no-op without dest_root."""
+    if dest_root is None or not logs.exists():
+        return
+    dest = Path(dest_root) / run_name
+    shutil.rmtree(dest, ignore_errors=True)
+    shutil.copytree(logs, dest)

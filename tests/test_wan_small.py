@@ -1,0 +1,107 @@
+"""The emulated WAN (bench/netemu.py) and the WAN bench's systems on a small topology.
+
+Needs root and network namespaces: skipped with the reason otherwise. The
+patchswarm test is also skipped while `patchswarm node` does not exist.
+2 regions x 2 nodes, 20 Mbit/s WAN, a small real patch: well under a minute.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import netemu
+
+REASON = netemu.unavailable_reason()
+needs_netns = pytest.mark.skipif(REASON is not None, reason=f"emulated WAN unavailable: {REASON}")
+
+WAN_MBIT, LAN_MBIT = 20.0, 200.0
+SMALL = netemu.WanSpec(regions=2, nodes_per_region=2, wan_mbit=WAN_MBIT, lan_mbit=LAN_MBIT)
+
+
+@pytest.fixture(scope="module")
+def payload():
+    from bench.wan_runner import make_payload
+
+    return make_payload("tiny", lr=1e-2, seed=0)
+
+
+def _ours(topo: netemu.Topology) -> list[str]:
+    return sorted(set(netemu.leftover_namespaces()) & set(topo.namespaces))
+
+
+@needs_netns
+def test_cross_region_tcp_is_held_to_the_wan_rate_and_everything_is_torn_down():
+    with netemu.Topology(SMALL) as topo:
+        assert len(_ours(topo)) == 1 + 2 + 2 + 4      # router, regions, origin + tracker, nodes
+        assert len(topo.namespaces) == 9
+        a, b = topo.nodes_in(0)[0], topo.nodes_in(1)[0]
+        before = topo.counters()
+        wan_rate = netemu.tcp_throughput(topo, a, b, 5_000_000)
+        moved = topo.counters() - before
+        lan_rate = netemu.tcp_throughput(topo, a, topo.nodes_in(0)[1], 10_000_000)
+        procs = topo.processes
+    wan_bytes = WAN_MBIT * 1e6 / 8
+    assert 0.5 * wan_bytes < wan_rate < 2.0 * wan_bytes, f"cross-region {wan_rate * 8 / 1e6:.1f} Mbit/s"
+    assert lan_rate > 3 * wan_rate, f"same-region {lan_rate * 8 / 1e6:.1f} vs cross {wan_rate * 8 / 1e6:.1f} Mbit/s"
+    # The payload crossed into region 1 once, with headers (< 10 %), and nothing went into region 0
+    # beyond ACKs.
+    assert 5_000_000 <= moved.wan_in[1] < 5_500_000
+    assert moved.wan_in[0] < 0.05 * 5_000_000
+    assert all(p.poll() is not None for p in procs)
+    assert _ours(topo) == []
+
+
+@needs_netns
+def test_namespaces_and_processes_go_on_an_exception():
+    with pytest.raises(RuntimeError, match="boom"):
+        with netemu.Topology(netemu.WanSpec(regions=2, nodes_per_region=1)) as topo:
+            sleeper = topo.spawn(topo.nodes[0], ["sleep", "60"])
+            raise RuntimeError("boom")
+    assert sleeper.poll() is not None
+    assert _ours(topo) == []
+
+
+@needs_netns
+def test_cleanup_removes_leftovers_by_prefix():
+    topo = netemu.Topology(netemu.WanSpec(regions=1, nodes_per_region=1), prefix="psw-leftover-")
+    topo.__enter__()                 # never closed: what a SIGKILLed run leaves
+    left = _ours(topo)
+    assert left
+    assert sorted(netemu.cleanup("psw-leftover-")) == sorted(left)
+    assert _ours(topo) == []
+
+
+def test_lower_bound_is_the_slowest_link():
+    spec = netemu.WanSpec(regions=3, nodes_per_region=4, wan_mbit=100, lan_mbit=1000)
+    assert spec.lower_bound_s(12_500_000) == pytest.approx(1.0)           # WAN: 12.5 MB/s
+    one_region = netemu.WanSpec(regions=1, nodes_per_region=4, wan_mbit=100, lan_mbit=1000)
+    assert one_region.lower_bound_s(125_000_000) == pytest.approx(1.0)    # no WAN crossing: LAN
+    slow_lan = netemu.WanSpec(regions=2, nodes_per_region=1, wan_mbit=100, lan_mbit=50)
+    assert slow_lan.lower_bound_s(6_250_000) == pytest.approx(1.0)
+
+
+@needs_netns
+def test_libtorrent_baseline_delivers_and_the_counters_see_it(payload):
+    pytest.importorskip("libtorrent", reason="libtorrent (dev extra) is not installed")
+    from bench.wan_libtorrent import LibtorrentRunner
+
+    with netemu.Topology(SMALL) as topo:
+        r = LibtorrentRunner().run(topo, payload, limit_s=60)
+    assert set(r.per_node_s) == {h.name for h in topo.nodes}
+    assert r.seconds >= 0.5 * r.bound_s
+    # Region 1 had to take the whole patch over its WAN link at least once; the origin sent it at least once.
+    assert r.moved.wan_in[1] >= payload.patch_bytes
+    assert r.moved.host_tx["origin"] >= payload.patch_bytes
+
+
+@needs_netns
+def test_patchswarm_crosses_the_wan_about_once(payload):
+    from bench.wan_patchswarm import PatchswarmRunner, unavailable_reason
+
+    why = unavailable_reason()
+    if why:
+        pytest.skip(why)
+    with netemu.Topology(SMALL) as topo:
+        r = PatchswarmRunner().run(topo, payload, limit_s=50)
+    assert set(r.per_node_s) == {h.name for h in topo.nodes}      # every node reached version 1 (hash checked)
+    assert r.moved.wan_in[1] <= 1.3 * payload.patch_bytes, r.moved
