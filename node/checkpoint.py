@@ -124,17 +124,22 @@ def check_destination(path: str | os.PathLike, layout: Layout) -> None:
         raise UsageError(f"{p}: parent directory {parent} does not exist")
 
 
-def save_state(state: State, path: str | os.PathLike, layout: Layout = None) -> None:
+def save_state(state: State, path: str | os.PathLike, layout: Layout = None,
+               metadata: dict[str, str] | None = None, durable: bool = False) -> None:
     """Write `state` as one `.safetensors` file (layout None) or a shard directory with an index.
 
     Atomic: the file (or directory) appears under `path` complete or not at all.
+    `metadata` goes into a single file's safetensors header; `durable` fsyncs
+    the file and its directory before returning (a crash then keeps it).
     """
     check_destination(path, layout)
     p = Path(path)
     tensors = _savable(state)
     if layout is None:
-        _save_file_atomic(tensors, p)
+        _save_file_atomic(tensors, p, {"format": "pt", **(metadata or {})}, durable)
         return
+    if metadata:
+        raise UsageError("save_state: metadata is only supported for a single file")
     missing = sorted(set(tensors) - set(layout))
     if missing:
         raise UsageError(f"layout: names no shard for tensors {missing[:3]} ({len(missing)} in all)")
@@ -172,16 +177,28 @@ def _savable(state: State) -> State:
     return out
 
 
-def _save_file_atomic(tensors: State, p: Path) -> None:
+def _save_file_atomic(tensors: State, p: Path, metadata: dict[str, str], durable: bool) -> None:
     fd, tmp = tempfile.mkstemp(prefix=p.name + ".tmp-", dir=p.parent)
     os.close(fd)
     try:
-        save_file(tensors, tmp, metadata={"format": "pt"})  # may recreate the file: chmod after
+        save_file(tensors, tmp, metadata=metadata)  # may recreate the file: chmod after
         os.chmod(tmp, 0o666 & ~_umask())
+        if durable:
+            _fsync_path(tmp)
         os.replace(tmp, p)
+        if durable:
+            _fsync_path(p.parent)
     except BaseException:
         _unlink_quietly(tmp)
         raise
+
+
+def _fsync_path(path: str | os.PathLike) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _replace_dir(tmp: Path, p: Path) -> None:

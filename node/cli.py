@@ -233,7 +233,16 @@ def cmd_swarm(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------ entry
 
 
+def _register_swarm_commands() -> None:
+    from node.cli_swarm import SWARM_COMMANDS
+
+    for name, help, configure, run in SWARM_COMMANDS:
+        if name not in COMMANDS:
+            COMMANDS[name] = Command(name, help, configure, run)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    _register_swarm_commands()
     parser = argparse.ArgumentParser(prog=PROG, description="Lossless sparse patches of model weights.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for c in COMMANDS.values():

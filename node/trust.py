@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import hashlib
 import ipaddress
 import os
 import re
@@ -224,6 +225,15 @@ class Credentials:
         if not isinstance(key, Ed25519PublicKey):
             raise InvalidInput(f"{self.trainer_pub}: expected an Ed25519 key, found {type(key).__name__}")
         return key
+
+    def swarm_id(self) -> str:
+        """The swarm's name on manifests: a fingerprint of the trainer key, so no two swarms share it."""
+        return swarm_id_of(self.trainer_public_key())
+
+
+def swarm_id_of(key: Ed25519PublicKey) -> str:
+    raw = key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    return "sw-" + hashlib.sha256(raw).hexdigest()[:16]
 
 
 def _name_role(subject: x509.Name, where: str) -> tuple[str, str]:

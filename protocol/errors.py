@@ -67,6 +67,10 @@ class StaleVersion(InvalidInput):
     """A manifest is older than, or a replay of, what is already known."""
 
 
+class ConflictingManifest(InvalidInput):
+    """Two validly signed manifests name the same object with different content."""
+
+
 class SpoolFull(PatchswarmError):
     """The trajectory spool stayed at its size limit for the whole timeout; nothing was written."""
 

@@ -274,19 +274,20 @@ def _advance(state: str, msg, exc: type[Exception], who: str) -> str:
     return nxt
 
 
-class Connection:
-    """One side of a peer/tracker connection; see the module docstring."""
+class FrameBuffer:
+    """Length-prefixed frames out of a byte stream: the framing alone, any body.
+
+    Shared by the peer protocol (`Connection`) and the node's local socket
+    (protocol/localapi.py). `next_body` returns one body, NEED_DATA, or CLOSED.
+    """
 
     def __init__(self, max_frame: int = MAX_FRAME_BYTES):
         if type(max_frame) is not int or not 0 < max_frame <= _LENGTH_LIMIT:
             raise UsageError(f"expected max_frame in [1, 2**32), found {_found(max_frame)}")
         self.max_frame = max_frame
-        self.our_state = AWAIT_HELLO
-        self.their_state = AWAIT_HELLO
         self._buf = bytearray()
         self._pos = 0  # bytes of _buf already parsed
         self._eof = False
-        self._error: ProtocolError | None = None
 
     def receive_data(self, data: bytes) -> None:
         """Buffer bytes from the peer; b"" means the peer closed its side."""
@@ -297,17 +298,7 @@ class Connection:
         else:
             self._buf += data
 
-    def next_event(self):
-        """The next message from the peer, NEED_DATA, or CLOSED."""
-        if self._error is not None:
-            raise ProtocolError(f"connection is broken: {self._error}") from self._error
-        try:
-            return self._next()
-        except ProtocolError as e:
-            self._error = e
-            raise
-
-    def _next(self):
+    def next_body(self):
         buf, pos = self._buf, self._pos
         avail = len(buf) - pos
         if avail >= HEADER_BYTES:
@@ -318,9 +309,7 @@ class Connection:
                 end = pos + HEADER_BYTES + n
                 body = bytes(buf[pos + HEADER_BYTES:end])
                 self._consume(end)
-                msg = decode_body(body)
-                self.their_state = _advance(self.their_state, msg, ProtocolError, "peer")
-                return msg
+                return body
         if not self._eof:
             return NEED_DATA
         if avail:
@@ -337,6 +326,46 @@ class Connection:
             del self._buf[:end]
             end = 0
         self._pos = end
+
+
+def frame(body: bytes, max_frame: int = MAX_FRAME_BYTES) -> bytes:
+    """`body` behind its length header (UsageError if it exceeds `max_frame`)."""
+    if len(body) > max_frame:
+        raise UsageError(f"expected a frame of at most {max_frame} bytes, found {len(body)}")
+    return len(body).to_bytes(HEADER_BYTES, "big") + body
+
+
+class Connection:
+    """One side of a peer/tracker connection; see the module docstring."""
+
+    def __init__(self, max_frame: int = MAX_FRAME_BYTES):
+        self._frames = FrameBuffer(max_frame)
+        self.max_frame = max_frame
+        self.our_state = AWAIT_HELLO
+        self.their_state = AWAIT_HELLO
+        self._error: ProtocolError | None = None
+
+    def receive_data(self, data: bytes) -> None:
+        """Buffer bytes from the peer; b"" means the peer closed its side."""
+        self._frames.receive_data(data)
+
+    def next_event(self):
+        """The next message from the peer, NEED_DATA, or CLOSED."""
+        if self._error is not None:
+            raise ProtocolError(f"connection is broken: {self._error}") from self._error
+        try:
+            return self._next()
+        except ProtocolError as e:
+            self._error = e
+            raise
+
+    def _next(self):
+        body = self._frames.next_body()
+        if body is NEED_DATA or body is CLOSED:
+            return body
+        msg = decode_body(body)
+        self.their_state = _advance(self.their_state, msg, ProtocolError, "peer")
+        return msg
 
     def send(self, msg) -> bytes:
         """The bytes that carry `msg` to the peer (UsageError if not allowed now)."""

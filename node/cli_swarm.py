@@ -1,0 +1,224 @@
+"""The `patchswarm` subcommands that run the swarm: tracker, origin, node, status.
+
+Owns their arguments, logging (one line per event, member name first, no
+tracebacks for expected faults), clean shutdown on SIGINT/SIGTERM, and how
+`status` shows a node to people (a rich table) and to programs (`--json`).
+node/cli.py registers `SWARM_COMMANDS` with its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from protocol.errors import UsageError
+
+SWARM_COMMANDS: list[tuple] = []  # (name, help, configure, run), registered by node/cli.py
+
+
+def command(name: str, help: str, configure):
+    def register(run):
+        SWARM_COMMANDS.append((name, help, configure, run))
+        return run
+
+    return register
+
+
+LOG_FORMAT = "%(asctime)s.%(msecs)03d {name} %(levelname)s %(message)s"
+
+
+def setup_logging(name: str, verbose: bool = False) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr,
+                        format=LOG_FORMAT.format(name=name), datefmt="%H:%M:%S", force=True)
+
+
+def parse_rate(text: str | None) -> float | None:
+    """Bytes per second: a number with an optional k/M/G suffix (powers of 10), or 'none'."""
+    if text is None or text.lower() in ("none", "0", ""):
+        return None
+    scale = {"k": 1e3, "m": 1e6, "g": 1e9}
+    t = text.strip().lower().removesuffix("b/s").removesuffix("/s")
+    mult = scale.get(t[-1:], 1.0)
+    try:
+        value = float(t[:-1] if t[-1:] in scale else t) * mult
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected bytes per second like 12500000 or 12.5M, found {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive rate, found {text!r}")
+    return value
+
+
+def run_service(name: str, start, verbose: bool = False) -> int:
+    """Run `await start(task_status=...)` until SIGINT/SIGTERM; 0 on a clean stop."""
+    import trio
+
+    setup_logging(name, verbose)
+    log = logging.getLogger("patchswarm")
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                await nursery.start(start)
+                async for signum in signals:
+                    log.info("stopping (%s)", signal.Signals(signum).name)
+                    nursery.cancel_scope.cancel()
+                    break
+
+    try:
+        trio.run(main)
+    except BaseExceptionGroup as group:
+        raise _sole(group) from None
+    return 0
+
+
+def _sole(group: BaseExceptionGroup) -> BaseException:
+    """The one real error inside nested nursery groups (what a person should see), else the group."""
+    leaves = []
+
+    def walk(e: BaseException) -> None:
+        if isinstance(e, BaseExceptionGroup):
+            for x in e.exceptions:
+                walk(x)
+        else:
+            leaves.append(e)
+
+    walk(group)
+    return leaves[0] if len(leaves) == 1 else group
+
+
+def _common(p: argparse.ArgumentParser, listen_default: str) -> None:
+    p.add_argument("--creds", metavar="OUT", required=True, type=Path,
+                   help="credentials directory from `patchswarm swarm issue`")
+    p.add_argument("--listen", metavar="HOST:PORT", default=listen_default,
+                   help=f"address to accept connections on (default {listen_default}; port 0 picks one)")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+
+def _tracker_args(p: argparse.ArgumentParser) -> None:
+    _common(p, "127.0.0.1:7700")
+
+
+@command("tracker", "run the tracker: membership, peer lists, version announcements", _tracker_args)
+def cmd_tracker(args: argparse.Namespace) -> int:
+    from tracker.server import Tracker
+
+    t = Tracker(args.creds, args.listen)
+    return run_service(f"tracker {t.creds.name}", t.run, args.verbose)
+
+
+def _origin_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tracker", metavar="HOST:PORT", required=True, help="the tracker's address")
+    p.add_argument("--key", metavar="TRAINER_KEY", required=True, type=Path, help="the trainer's signing key (trainer.key)")
+    p.add_argument("--data-dir", metavar="D", required=True, type=Path, help="where published versions and trajectories live")
+    p.add_argument("--region", default="default", help="region label of the trainer's datacenter (default: default)")
+    p.add_argument("--watch", metavar="CKPT_DIR", type=Path,
+                   help="publish each new checkpoint (.safetensors file or shard directory) in name order")
+    p.add_argument("--served-dtype", default="bf16", choices=["bf16", "fp16", "fp32", "fp8"],
+                   help="dtype floating tensors are served in (default bf16)")
+    p.add_argument("--upload-limit", type=parse_rate, metavar="BYTES_PER_S", help="cap on chunk upload rate")
+    p.add_argument("--chunk-bytes", type=int, help="target size of a swarm chunk (default 1 MiB)")
+    p.add_argument("--segment-elements", type=int,
+                   help="elements per patch segment, the unit chunks are made of (default 2**20)")
+    _common(p, "127.0.0.1:0")
+
+
+@command("origin", "run the origin: publish versions, seed chunks, take trajectories in", _origin_args)
+def cmd_origin(args: argparse.Namespace) -> int:
+    from node.origin import Origin, OriginConfig
+    from node.synthetic import SERVED_DTYPES
+
+    sizes = {k: v for k, v in (("chunk_bytes", args.chunk_bytes), ("segment_elements", args.segment_elements))
+             if v is not None}
+    if any(v < 1024 for v in sizes.values()):
+        raise UsageError("origin: --chunk-bytes and --segment-elements must be at least 1024")
+    o = Origin(OriginConfig(args.tracker, args.creds, args.key, args.data_dir, args.listen, args.region,
+                            args.upload_limit, **sizes))
+
+    async def start(task_status):
+        import trio
+
+        async with trio.open_nursery() as n:
+            await n.start(o.run)
+            if args.watch is not None:
+                n.start_soon(o.watch, args.watch, SERVED_DTYPES[args.served_dtype])
+            task_status.started()
+
+    return run_service(f"origin {o.id}", start, args.verbose)
+
+
+def _node_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tracker", metavar="HOST:PORT", required=True, help="the tracker's address")
+    p.add_argument("--data-dir", metavar="D", required=True, type=Path,
+                   help="weights, chunks, trajectory spool and the local socket D/node.sock")
+    p.add_argument("--region", required=True, help="region label (peers in the same region are preferred)")
+    p.add_argument("--upload-limit", type=parse_rate, metavar="BYTES_PER_S", help="cap on chunk upload rate")
+    p.add_argument("--download-limit", type=parse_rate, metavar="BYTES_PER_S", help="cap on download rate")
+    p.add_argument("--no-peers", action="store_true", help="fetch from the origin only (for comparisons)")
+    _common(p, "127.0.0.1:0")
+
+
+@command("node", "run a node daemon: fetch, verify and apply versions; serve peers", _node_args)
+def cmd_node(args: argparse.Namespace) -> int:
+    from node.daemon import Node, NodeConfig
+
+    n = Node(NodeConfig(args.tracker, args.creds, args.data_dir, args.listen, args.region,
+                        args.upload_limit, args.download_limit, args.no_peers))
+    return run_service(f"node {n.id}", n.run, args.verbose)
+
+
+def _status_args(p: argparse.ArgumentParser) -> None:
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--data-dir", metavar="D", type=Path, help="the node's data dir (uses D/node.sock)")
+    where.add_argument("--socket", metavar="PATH", type=Path, help="the node's local socket")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+@command("status", "show a running node's state", _status_args)
+def cmd_status(args: argparse.Namespace) -> int:
+    from node.client import NodeClient, socket_path
+
+    path = args.socket if args.socket is not None else socket_path(args.data_dir)
+    with NodeClient(path) as client:
+        st = client.status()
+    if args.json:
+        print(json.dumps(st))
+        return 0
+    print_status(st)
+    return 0
+
+
+def _mb(n: int | None) -> str:
+    return "-" if n is None else f"{n / 1e6:,.2f} MB"
+
+
+def print_status(st: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"node {st['node_id']} ({st['region']})", show_header=False)
+    t.add_column("field", style="bold")
+    t.add_column("value", overflow="fold")
+    latest = st.get("latest_version")
+    behind = "" if latest is None or st["version"] is None or latest <= st["version"] else f" (latest {latest})"
+    t.add_row("version", f"{'-' if st['version'] is None else st['version']}{behind}")
+    t.add_row("state hash", str(st.get("state_hash") or "-"))
+    t.add_row("weights", st["weights_path"])
+    t.add_row("tracker", "connected" if st.get("tracker_connected") else "not connected")
+    b = st["bytes_in"]
+    t.add_row("bytes in", f"origin {_mb(b['origin'])}, same region {_mb(b['same_region'])}, "
+                          f"other regions {_mb(b['other_region'])}")
+    t.add_row("bytes out", _mb(st["bytes_out"]))
+    t.add_row("rejected", f"{st['chunks_rejected']} chunks, {st.get('manifests_rejected', 0)} manifests")
+    if st.get("fetching"):
+        t.add_row("fetching", ", ".join(f"{k}: {v} chunks missing" for k, v in st["fetching"].items()))
+    spool = st.get("spool")
+    if spool:
+        t.add_row("spool", f"{spool['records']:,} records, {_mb(spool['bytes'])}; "
+                           f"uploading {spool.get('upload_rate_bps', 0) / 1e6:,.2f} MB/s")
+    peers = ", ".join(f"{p['id']} ({p['role'] if p['role'] == 'origin' else p['region']})" for p in st["peers"])
+    t.add_row("peers", peers or "none")
+    Console().print(t)

@@ -1,0 +1,183 @@
+"""Talk to a node daemon over its local Unix socket: `NodeClient` (blocking) and `AsyncNodeClient` (trio).
+
+For rollout workers and people. `status()`, `wait_version(min_version,
+timeout)`, `submit(payload, policy_version, meta=None) -> seq` and
+`submit_many(records) -> seqs`. A payload is bytes, or any msgpack-able
+object (it is packed, and `meta["msgpack"] = True` tells the trainer to unpack
+it). `submit` returns once the node has the records durably in its spool.
+Errors the node reports raise `NodeError` (with `.code`); a missing socket
+raises `NodeUnavailable`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import msgpack
+import trio
+
+from protocol import localapi
+from protocol.errors import PatchswarmError, ProtocolError, UsageError
+from protocol.wire import CLOSED, NEED_DATA, FrameBuffer
+
+SOCKET_NAME = "node.sock"
+DEFAULT_SUBMIT_TIMEOUT = 60.0
+MSGPACK_META = "msgpack"
+
+
+class NodeError(PatchswarmError):
+    """The node answered a request with an error."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class NodeUnavailable(NodeError):
+    """No node answers on the socket."""
+
+
+def socket_path(data_dir: str | os.PathLike) -> Path:
+    return Path(data_dir) / SOCKET_NAME
+
+
+def record(payload, policy_version: int, meta: dict | None = None) -> list:
+    """One submit record; packs a non-bytes payload with msgpack and says so in meta."""
+    if isinstance(payload, (bytes, bytearray, memoryview)):
+        return [bytes(payload), policy_version, meta]
+    try:
+        packed = msgpack.packb(payload, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise UsageError(f"submit: payload must be bytes or msgpack-able, found {type(payload).__name__} ({e})") from None
+    return [packed, policy_version, {**(meta or {}), MSGPACK_META: True}]
+
+
+def unpack_payload(payload: bytes, meta: dict | None):
+    """The object a submitter passed: unpacked if it was packed by `record`."""
+    if meta and meta.get(MSGPACK_META):
+        return msgpack.unpackb(payload, raw=False)
+    return payload
+
+
+def _result(reply: dict) -> dict:
+    if reply.get("ok") is True:
+        return reply
+    raise NodeError(str(reply.get("code", "error")), str(reply.get("error", reply)))
+
+
+class NodeClient:
+    """Blocking client; one request at a time (open one client per thread)."""
+
+    def __init__(self, path: str | os.PathLike, connect_timeout: float = 5.0):
+        self.path = Path(path)
+        self._sock: socket.socket | None = None
+        self._frames = FrameBuffer(localapi.MAX_FRAME_BYTES)
+        self._connect_timeout = connect_timeout
+
+    def _connect(self) -> socket.socket:
+        if self._sock is None:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(self._connect_timeout)
+            try:
+                s.connect(str(self.path))
+            except (FileNotFoundError, ConnectionRefusedError, socket.timeout) as e:
+                s.close()
+                raise NodeUnavailable("unavailable", f"no node answers at {self.path} ({type(e).__name__})") from None
+            self._sock = s
+            self._frames = FrameBuffer(localapi.MAX_FRAME_BYTES)
+        return self._sock
+
+    def _call(self, request: dict, timeout: float) -> dict:
+        s = self._connect()
+        s.settimeout(timeout + 10.0)
+        try:
+            s.sendall(localapi.encode(request))
+            while True:
+                body = self._frames.next_body()
+                if body is CLOSED:
+                    raise NodeUnavailable("unavailable", f"node at {self.path} closed the connection")
+                if body is not NEED_DATA:
+                    return _result(localapi.decode(body))
+                self._frames.receive_data(s.recv(1 << 20))
+        except (OSError, ProtocolError) as e:
+            self.close()
+            raise NodeUnavailable("unavailable", f"node at {self.path}: {type(e).__name__}: {e}") from None
+
+    def status(self) -> dict:
+        return self._call(localapi.status_request(), 5.0)["status"]
+
+    def wait_version(self, min_version: int, timeout: float) -> dict:
+        return self._call(localapi.wait_version_request(min_version, timeout), timeout)["status"]
+
+    def submit(self, payload, policy_version: int, meta: dict | None = None,
+               timeout: float = DEFAULT_SUBMIT_TIMEOUT) -> int:
+        return self.submit_many([(payload, policy_version, meta)], timeout)[0]
+
+    def submit_many(self, records, timeout: float = DEFAULT_SUBMIT_TIMEOUT) -> list[int]:
+        recs = [record(*r) for r in records]
+        return self._call(localapi.submit_request(recs, timeout), timeout)["seqs"]
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def __enter__(self) -> "NodeClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncNodeClient:
+    """The same calls for trio code: `await client.submit(...)`."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self._stream: trio.SocketStream | None = None
+        self._frames = FrameBuffer(localapi.MAX_FRAME_BYTES)
+        self._lock = trio.Lock()
+
+    async def _call(self, request: dict, timeout: float) -> dict:
+        async with self._lock:
+            if self._stream is None:
+                try:
+                    with trio.fail_after(5):
+                        self._stream = await trio.open_unix_socket(str(self.path))
+                except (OSError, trio.TooSlowError) as e:
+                    raise NodeUnavailable("unavailable", f"no node answers at {self.path} ({type(e).__name__})") from None
+                self._frames = FrameBuffer(localapi.MAX_FRAME_BYTES)
+            try:
+                with trio.fail_after(timeout + 10.0):
+                    await self._stream.send_all(localapi.encode(request))
+                    while True:
+                        body = self._frames.next_body()
+                        if body is CLOSED:
+                            raise NodeUnavailable("unavailable", f"node at {self.path} closed the connection")
+                        if body is not NEED_DATA:
+                            return _result(localapi.decode(body))
+                        self._frames.receive_data(await self._stream.receive_some(1 << 20))
+            except (OSError, trio.BrokenResourceError, trio.TooSlowError, ProtocolError) as e:
+                await self.aclose()
+                raise NodeUnavailable("unavailable", f"node at {self.path}: {type(e).__name__}: {e}") from None
+
+    async def status(self) -> dict:
+        return (await self._call(localapi.status_request(), 5.0))["status"]
+
+    async def wait_version(self, min_version: int, timeout: float) -> dict:
+        return (await self._call(localapi.wait_version_request(min_version, timeout), timeout))["status"]
+
+    async def submit(self, payload, policy_version: int, meta: dict | None = None,
+                     timeout: float = DEFAULT_SUBMIT_TIMEOUT) -> int:
+        return (await self.submit_many([(payload, policy_version, meta)], timeout))[0]
+
+    async def submit_many(self, records, timeout: float = DEFAULT_SUBMIT_TIMEOUT) -> list[int]:
+        recs = [record(*r) for r in records]
+        return (await self._call(localapi.submit_request(recs, timeout), timeout))["seqs"]
+
+    async def aclose(self) -> None:
+        if self._stream is not None:
+            await trio.aclose_forcefully(self._stream)
+            self._stream = None

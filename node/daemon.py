@@ -1,0 +1,500 @@
+"""The node daemon: joins the swarm, fetches and verifies chunks, applies versions in order, serves peers.
+
+Owns one member's I/O life: the tracker session (membership, version
+notices, heartbeats, reconnects), dialing and accepting peers (node/peers.py),
+executing the piece picker's answers (protocol/picker.py decides), checking
+every chunk against its signed manifest, applying objects strictly in the
+order `VersionBook.plan` gives (protocol/patch.py does the math, in a worker
+thread), publishing each verified version at `weights_path`
+(node/weights.py), the local socket (status, wait_version, submit) and the
+trajectory uploader. Every task lives in the daemon's nursery.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import fcntl
+import hashlib
+import logging
+import os
+import ssl
+import time
+from pathlib import Path
+
+import trio
+
+from protocol import localapi, wire
+from protocol.errors import (ConflictingManifest, CorruptData, InvalidInput, PatchswarmError, SignatureError,
+                             StaleVersion, UsageError)
+from protocol.manifest import chunk_ok
+from protocol.patch import apply as apply_patch
+from protocol.picker import PiecePicker
+from protocol.publication import ObjKey, describe, patch_of
+from protocol.versions import NEW, VersionBook
+
+from .localapi import serve_local
+from .peers import PeerDropped, PeerSet, Session
+from .ratelimit import TokenBucket
+from .store import ObjectStore
+from .trackerlink import TrackerLink, one_line
+from .transport import connect, serve
+from .trust import Credentials
+from .weights import WEIGHTS_NAME, Weights, read_weights, write_weights
+
+log = logging.getLogger("patchswarm.node")
+
+REQUEST_TIMEOUT = 30.0  # a requested chunk not delivered by then is asked of someone else
+SAME_REGION_PEERS = 16
+OTHER_REGION_PEERS = 3  # per other region
+KEEP_VERSIONS = 4  # objects kept after they are applied, to serve peers that are behind
+BACKOFF_MAX = 10.0
+
+
+class Wakeup:
+    """A level-triggered flag a loop sleeps on: `set()` from anywhere, `await wait(timeout)`."""
+
+    def __init__(self) -> None:
+        self._event = trio.Event()
+
+    def set(self) -> None:
+        self._event.set()
+
+    async def wait(self, timeout: float) -> None:
+        with trio.move_on_after(max(0.0, timeout)):
+            await self._event.wait()
+        self._event = trio.Event()
+
+
+@dataclasses.dataclass
+class NodeConfig:
+    tracker: str
+    creds: Path
+    data_dir: Path
+    listen: str
+    region: str
+    upload_limit: float | None = None
+    download_limit: float | None = None
+    no_peers: bool = False
+    keep_versions: int = KEEP_VERSIONS
+    seed: int | None = None
+
+
+def _rank(a: str, b: str) -> bytes:
+    return hashlib.sha256(f"{a}|{b}".encode()).digest()
+
+
+class Node:
+    def __init__(self, cfg: NodeConfig):
+        self.cfg = cfg
+        self.creds = Credentials.load(cfg.creds)
+        if self.creds.role != "node":
+            raise UsageError(f"{cfg.creds}: expected credentials with role node, found {self.creds.role!r}")
+        self.id = self.creds.name
+        self.region = cfg.region
+        self.swarm_id = self.creds.swarm_id()
+        self.data_dir = Path(cfg.data_dir)
+        self.weights_path = self.data_dir / WEIGHTS_NAME
+        self.book = VersionBook(self.swarm_id, self.creds.trainer_public_key())
+        self.store: ObjectStore | None = None
+        self.weights: Weights | None = None
+        self.upload = TokenBucket(cfg.upload_limit)
+        self.download = TokenBucket(cfg.download_limit)
+        self.peers = PeerSet(self.id, None, self.upload, self._on_message,  # store set in run()
+                             on_open=self._on_peer_open, on_close=self._on_peer_close)
+        self.tracker = TrackerLink(cfg.tracker, self.creds, self._hello, self._on_tracker_message)
+        self.picker: PiecePicker | None = None
+        self.members: dict[str, dict] = {}  # id -> peer entry from the tracker
+        self.origin_region: str | None = None
+        self.listen_addr = cfg.listen
+        self.started_at = time.time()
+        self.bytes_in = {"origin": 0, "same_region": 0, "other_region": 0}
+        self.chunks_rejected = 0
+        self.manifests_rejected = 0
+        self.manifests_stale = 0
+        self.applied: collections.deque[dict] = collections.deque(maxlen=64)  # recent versions, for status
+        self._wanted: set[ObjKey] = set()
+        self._unusable: set[ObjKey] = set()
+        self._outstanding: dict[tuple[str, ObjKey, int], float] = {}
+        self._dialing: set[str] = set()
+        self._dial_after: dict[str, float] = {}
+        self._sched = Wakeup()
+        self._applier = Wakeup()
+        self._dialer = Wakeup()
+        self._version_changed = trio.Event()
+        self._nursery: trio.Nursery | None = None
+        self._lock_fd: int | None = None
+
+    # ------------------------------------------------------------ life
+
+    @property
+    def version(self) -> int | None:
+        return None if self.weights is None else self.weights.version
+
+    async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._lock_data_dir()
+        self.weights = await trio.to_thread.run_sync(self._load_weights)
+        self.store = ObjectStore(self.data_dir / "objects")
+        self.peers.store = self.store
+        for line in self.store.load(self.book, None):
+            log.warning("dropped from the object store: %s", line)
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            self.listen_addr = await nursery.start(self._serve_peers)
+            await nursery.start(serve_local, self.data_dir / "node.sock", self._handle_local)
+            log.info("node %s (region %s) listening on %s, at %s; local socket %s", self.id, self.region,
+                     self.listen_addr, "no version yet" if self.weights is None else f"version {self.version}",
+                     self.data_dir / "node.sock")
+            nursery.start_soon(self.tracker.run)
+            nursery.start_soon(self._dial_loop)
+            nursery.start_soon(self._schedule_loop)
+            nursery.start_soon(self._apply_loop)
+            task_status.started(self)
+
+    def _lock_data_dir(self) -> None:
+        fd = os.open(self.data_dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise UsageError(f"{self.data_dir}: another daemon is running on this data dir") from None
+        self._lock_fd = fd  # held until the process exits
+
+    def _load_weights(self) -> Weights | None:
+        try:
+            w = read_weights(self.weights_path)
+        except InvalidInput as e:
+            log.warning("ignoring %s: %s; starting without weights", self.weights_path, e)
+            return None
+        if w is not None and w.swarm_id != self.swarm_id:
+            raise UsageError(f"{self.weights_path}: holds weights of swarm {w.swarm_id}, this node is in {self.swarm_id}")
+        return w
+
+    def _hello(self) -> wire.Hello:
+        return wire.Hello(self.id, self.region, "node", self.listen_addr,
+                          [] if self.version is None else [self.version])
+
+    # ------------------------------------------------------------ tracker
+
+    async def _on_tracker_message(self, msg) -> None:
+        if isinstance(msg, wire.PeerList):
+            self._on_peer_list(msg.peers)
+        elif isinstance(msg, wire.VersionNotice):
+            await self._offer(msg.manifest, "tracker")
+
+    def _on_peer_list(self, peers: list[dict]) -> None:
+        self.members = {p["id"]: p for p in peers if p["id"] != self.id}
+        origins = [p for p in peers if p["role"] == "origin"]
+        if origins:
+            self.origin_region = origins[0]["region"]
+        self._ensure_picker()
+        if self.picker is not None:
+            if self.cfg.no_peers:
+                self.picker.set_members({self.id: self.region})
+            else:
+                nodes = {p["id"]: p["region"] for p in peers if p["role"] == "node"}
+                nodes[self.id] = self.region
+                self.picker.set_members(nodes)
+        self._dialer.set()
+        self._sched.set()
+
+    def _ensure_picker(self) -> None:
+        if self.picker is not None or self.origin_region is None:
+            return
+        seed = self.cfg.seed if self.cfg.seed is not None else int.from_bytes(_rank(self.id, "seed")[:4], "big")
+        self.picker = PiecePicker(self.id, self.region, self.origin_region, seed=seed)
+        for s in self.peers.sessions.values():
+            self._picker_peer_joined(s)
+        self._applier.set()
+
+    # ------------------------------------------------------------ manifests
+
+    async def _offer(self, envelope: bytes, source: str) -> None:
+        try:
+            status, m = self.book.offer(envelope, self.version)
+        except StaleVersion as e:
+            self.manifests_stale += 1
+            log.debug("ignored a manifest from %s: %s", source, e)
+            return
+        except (SignatureError, CorruptData, ConflictingManifest, InvalidInput) as e:
+            self.manifests_rejected += 1
+            log.warning("rejected a manifest from %s: %s", source, e)
+            return
+        if status == NEW:
+            log.info("version %d announced: %s, %d chunks, %s bytes", m.version,
+                     "keyframe" if m.is_keyframe else "patch", len(m.chunks), f"{m.total_bytes:,}")
+            self._applier.set()
+
+    # ------------------------------------------------------------ peers
+
+    async def _serve_peers(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        await serve(self.cfg.listen, self.creds, {"node"}, self._hello, self._accepted,
+                    on_refused=lambda why: log.warning("refused a connection: %s", why),
+                    on_receive=self.download.take, task_status=task_status)
+
+    async def _accepted(self, ms) -> None:
+        await self.peers.run(ms, outbound=False)
+
+    def _wanted_peers(self) -> dict[str, dict]:
+        origin = {i: p for i, p in self.members.items() if p["role"] == "origin"}
+        if self.cfg.no_peers:
+            return origin
+        nodes = [p for p in self.members.values() if p["role"] == "node"]
+        same = sorted((p for p in nodes if p["region"] == self.region), key=lambda p: _rank(self.id, p["id"]))
+        out = {p["id"]: p for p in same[:SAME_REGION_PEERS]}
+        for region in {p["region"] for p in nodes} - {self.region}:
+            there = sorted((p for p in nodes if p["region"] == region), key=lambda p: _rank(self.id, p["id"]))
+            out.update({p["id"]: p for p in there[:OTHER_REGION_PEERS]})
+        out.update(origin)
+        return out
+
+    async def _dial_loop(self) -> None:
+        while True:
+            now = trio.current_time()
+            for pid, p in self._wanted_peers().items():
+                if self.peers.connected(pid) or pid in self._dialing or self._dial_after.get(pid, 0) > now:
+                    continue
+                # Both ends want each other: the smaller id dials first, the other a little later
+                # if no connection came, so pairs rarely open two connections.
+                if p["role"] == "node" and self.id > pid and pid not in self._dial_after:
+                    self._dial_after[pid] = now + 2.0
+                    continue
+                self._dialing.add(pid)
+                self._nursery.start_soon(self._dial, p)
+            await self._dialer.wait(1.0)
+
+    async def _dial(self, p: dict) -> None:
+        pid = p["id"]
+        try:
+            ms = await connect(p["addr"], self.creds, {p["role"]}, self._hello(), on_receive=self.download.take)
+        except (OSError, trio.TooSlowError, trio.BrokenResourceError, ssl.SSLError, PatchswarmError) as e:
+            delay = min(BACKOFF_MAX, 2 * max(1.0, self._dial_after.get(pid, 0) - trio.current_time() + 1))
+            self._dial_after[pid] = trio.current_time() + delay
+            log.info("could not reach %s %s at %s (%s)", p["role"], pid, p["addr"], one_line(e))
+            return
+        finally:
+            self._dialing.discard(pid)
+        self._dial_after[pid] = trio.current_time() + 1.0
+        await self.peers.run(ms, outbound=True)
+
+    def _kind(self, s: Session) -> str:
+        return "origin" if s.role == "origin" else "node"
+
+    def _picker_peer_joined(self, s: Session) -> None:
+        self.picker.peer_joined(s.id, self._kind(s), s.region)
+        for key, have in s.have.items():
+            self._tell_picker_has(s.id, key, have)
+
+    def _tell_picker_has(self, peer: str, key: ObjKey, chunks) -> None:
+        if key in self._wanted:
+            n = len(self.store.manifest(key).chunks)
+            self.picker.peer_has(peer, key, [c for c in chunks if c < n])
+
+    async def _on_peer_open(self, s: Session) -> None:
+        log.info("peer %s (%s, region %s) connected (%s)", s.id, s.role, s.region, "out" if s.outbound else "in")
+        if self.picker is not None:
+            self._picker_peer_joined(s)
+        self._sched.set()
+
+    async def _on_peer_close(self, s: Session) -> None:
+        if self.picker is not None:
+            self.picker.peer_left(s.id)
+        for k in [k for k in self._outstanding if k[0] == s.id]:
+            del self._outstanding[k]
+        self._sched.set()
+        self._dialer.set()
+
+    async def _on_message(self, s: Session, msg) -> None:
+        if isinstance(msg, wire.Piece):
+            await self._on_piece(s, msg)
+        elif isinstance(msg, (wire.Have, wire.HaveOne)):
+            if self.picker is not None:
+                key = (msg.version, msg.keyframe)
+                self._tell_picker_has(s.id, key, s.have.get(key, ()))
+                self._sched.set()
+        elif isinstance(msg, wire.Reject):
+            key = (msg.version, msg.keyframe)
+            self._outstanding.pop((s.id, key, msg.chunk), None)
+            s.have.get(key, set()).discard(msg.chunk)
+            if self.picker is not None and key in self._wanted:
+                self.picker.chunk_failed(key, msg.chunk, s.id)
+            self._sched.set()
+        elif isinstance(msg, wire.VersionNotice):
+            await self._offer(msg.manifest, f"peer {s.id}")
+        elif isinstance(msg, wire.Error):
+            log.warning("peer %s says: %s", s.id, msg.message)
+        else:
+            raise PeerDropped(f"sent {type(msg).__name__}, which peers do not send")
+
+    async def _on_piece(self, s: Session, msg: wire.Piece) -> None:
+        key = (msg.version, msg.keyframe)
+        self._outstanding.pop((s.id, key, msg.chunk), None)
+        if key not in self._wanted or msg.chunk in self.store.have(key):
+            return  # an endgame duplicate, or an object we stopped wanting
+        m = self.store.manifest(key)
+        if not chunk_ok(m, msg.chunk, msg.data):
+            self.chunks_rejected += 1
+            self.picker.chunk_failed(key, msg.chunk, s.id)
+            log.warning("rejected chunk %d of %s from peer %s: does not match the manifest's SHA-256; dropping the peer",
+                        msg.chunk, describe(key), s.id)
+            raise PeerDropped("sent a chunk that does not match its manifest")
+        self.store.put_chunk(key, msg.chunk, msg.data)
+        source = "origin" if s.role == "origin" else "same_region" if s.region == self.region else "other_region"
+        self.bytes_in[source] += len(msg.data)
+        s.piece_bytes_in += len(msg.data)
+        for c in self.picker.chunk_received(key, msg.chunk, s.id):
+            self._outstanding.pop((c.peer, c.key, c.chunk), None)
+            self._nursery.start_soon(self._send_to, c.peer, wire.Cancel(c.key[0], c.key[1], c.chunk))
+        self._nursery.start_soon(self.peers.broadcast, wire.HaveOne(key[0], key[1], msg.chunk), s.id)
+        if self.store.complete(key):
+            self._applier.set()
+        self._sched.set()
+
+    async def _send_to(self, peer: str, msg) -> None:
+        s = self.peers.sessions.get(peer)
+        if s is None:
+            return
+        try:
+            await s.send(msg)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, ssl.SSLError, OSError):
+            s.closed = True
+
+    # ------------------------------------------------------------ fetching
+
+    async def _schedule_loop(self) -> None:
+        while True:
+            timeout = 1.0
+            if self.picker is not None:
+                now = trio.current_time()
+                for k, sent in list(self._outstanding.items()):
+                    if now - sent > REQUEST_TIMEOUT:
+                        del self._outstanding[k]
+                        peer, key, chunk = k
+                        log.warning("peer %s did not deliver chunk %d of %s within %.0f s; asking elsewhere",
+                                    peer, chunk, describe(key), REQUEST_TIMEOUT)
+                        self.picker.chunk_failed(key, chunk, peer)
+                        self._nursery.start_soon(self._send_to, peer, wire.Cancel(key[0], key[1], chunk))
+                for r in self.picker.requests(now):
+                    if r.peer not in self.peers.sessions:
+                        continue
+                    self._outstanding[(r.peer, r.key, r.chunk)] = now
+                    self._nursery.start_soon(self._send_to, r.peer, wire.Request(r.key[0], r.key[1], r.chunk))
+                wake = self.picker.next_wakeup(now)
+                if wake is not None:
+                    timeout = min(timeout, wake - now)
+            await self._sched.wait(timeout)
+
+    def _sync_wanted(self, plan: list[ObjKey]) -> None:
+        """Make the picker fetch exactly the objects of `plan` (earlier versions first)."""
+        now = trio.current_time()
+        for key in plan:
+            if key in self._wanted:
+                continue
+            m = self.book.get(key)
+            if self.store.manifest(key) is None:
+                self.store.put_manifest(key, m, self.book.envelope(key))
+            self._wanted.add(key)
+            # A keyframe with no patch beside it (the first version) is what every member
+            # bootstraps from: fetch it under the WAN plan like a patch.
+            coordinated = not key[1] or self.book.get((key[0], False)) is None
+            self.picker.add_object(key, len(m.chunks), have=self.store.have(key), priority=key[0], now=now,
+                                   coordinated=coordinated)
+            for s in self.peers.sessions.values():
+                if key in s.have:
+                    self._tell_picker_has(s.id, key, s.have[key])
+        for key in self._wanted - set(plan):
+            self._wanted.discard(key)
+            for c in self.picker.remove_object(key):
+                self._outstanding.pop((c.peer, c.key, c.chunk), None)
+                self._nursery.start_soon(self._send_to, c.peer, wire.Cancel(c.key[0], c.key[1], c.chunk))
+        self._sched.set()
+
+    async def _apply_loop(self) -> None:
+        while True:
+            if self.picker is not None:
+                current_hash = None if self.weights is None else self.weights.state_hash
+                plan = [k for k in self.book.plan(self.version, current_hash) if k not in self._unusable]
+                self._sync_wanted(plan)
+                if plan and self.store.complete(plan[0]):
+                    await self._apply(plan[0])
+                    continue
+            await self._applier.wait(2.0)
+
+    async def _apply(self, key: ObjKey) -> None:
+        m = self.store.manifest(key)
+        t0 = time.perf_counter()
+        state = {} if self.weights is None else self.weights.state
+
+        def work() -> None:
+            apply_patch(state, patch_of(m, self.store.chunks(key)))  # in place; on error unchanged
+
+        try:
+            await trio.to_thread.run_sync(work)
+        except PatchswarmError as e:
+            self._unusable.add(key)
+            log.error("could not apply %s: %s; looking for another path", describe(key), e)
+            return
+        finally:
+            self._wanted.discard(key)
+            self.picker.remove_object(key)
+        w = Weights(state, m.version, m.target_hash, self.swarm_id)
+        # A failure to write is fatal on purpose: the node must never call current what the file lacks.
+        await trio.to_thread.run_sync(write_weights, self.weights_path, w)
+        self.weights = w
+        seconds = time.perf_counter() - t0
+        self.applied.append({"version": m.version, "kind": "keyframe" if m.is_keyframe else "patch",
+                             "bytes": m.total_bytes, "apply_s": round(seconds, 3), "at": time.time()})
+        log.info("applied version %d (%s, %s bytes) in %.2f s; state hash %s…", m.version,
+                 "keyframe" if m.is_keyframe else "patch", f"{m.total_bytes:,}", seconds, m.target_hash[:16])
+        self._version_changed.set()
+        self._version_changed = trio.Event()
+        self._retire(m.version)
+
+    def _retire(self, version: int) -> None:
+        """Drop what can never be needed again: objects older than the kept window."""
+        floor = version - self.cfg.keep_versions
+        for key in self.store.keys():
+            if key[0] < floor and key not in self._wanted:
+                self.store.drop(key)
+        self.book.forget_below(floor)
+
+    # ------------------------------------------------------------ local socket
+
+    def status(self) -> dict:
+        sessions = self.peers.sessions.values()
+        fetching = {describe(k): self.picker.missing(k) for k in sorted(self._wanted)} if self.picker else {}
+        return {
+            "node_id": self.id,
+            "region": self.region,
+            "swarm_id": self.swarm_id,
+            "version": self.version,
+            "state_hash": None if self.weights is None else self.weights.state_hash,
+            "weights_path": str(self.weights_path),
+            "latest_version": self.book.latest_version,
+            "listen": self.listen_addr,
+            "tracker_connected": self.tracker.connected,
+            "peers": sorted(({"id": s.id, "region": s.region, "role": s.role,
+                              "bytes_in": s.piece_bytes_in, "bytes_out": s.piece_bytes_out} for s in sessions),
+                            key=lambda p: p["id"]),
+            "bytes_in": dict(self.bytes_in),
+            "bytes_out": self.peers.bytes_out,
+            "chunks_rejected": self.chunks_rejected,
+            "manifests_rejected": self.manifests_rejected,
+            "fetching": fetching,
+            "applied": list(self.applied),
+            "uptime_s": round(time.time() - self.started_at, 1),
+        }
+
+    async def _handle_local(self, req: dict) -> dict:
+        op = req["op"]
+        if op == "status":
+            return localapi.ok(status=self.status())
+        if op == "wait_version":
+            with trio.move_on_after(req["timeout"]):
+                while self.version is None or self.version < req["min_version"]:
+                    await self._version_changed.wait()
+                return localapi.ok(status=self.status())
+            return localapi.error(localapi.TIMEOUT, f"version {req['min_version']} not reached within "
+                                                    f"{req['timeout']} s; the node is at {self.version}")
+        return localapi.error(localapi.UNAVAILABLE, f"{op}: not available on this node")

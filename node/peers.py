@@ -1,0 +1,192 @@
+"""Live connections to other members, and serving chunks on them.
+
+Owns `PeerSet`: one `Session` per connected peer (at most one per peer id:
+when two members dial each other at once, both keep the connection dialed by
+the smaller id), the Have bookkeeping of what each peer holds, and the upload
+side: requests queue per session and are answered from the `ObjectStore`
+through the shared upload rate limit; a Cancel removes a queued request.
+Everything else a peer says goes to the owner's `on_message`. Must not decide
+what to fetch (node/daemon.py and protocol/picker.py do).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import ssl
+from typing import Awaitable, Callable
+
+import trio
+
+from protocol import wire
+from protocol.errors import InvalidInput, ProtocolError
+from protocol.publication import ObjKey
+
+from .ratelimit import TokenBucket
+from .store import ObjectStore
+from .transport import MessageStream
+
+log = logging.getLogger("patchswarm.peers")
+SEND_TIMEOUT = 60.0  # a peer that takes no bytes for this long is dropped
+
+
+class PeerDropped(Exception):
+    """Raised inside a session to end it with a reason (bad data, protocol breach)."""
+
+
+@dataclasses.dataclass(eq=False)
+class Session:
+    ms: MessageStream
+    id: str
+    role: str
+    region: str
+    addr: str
+    outbound: bool
+    have: dict[ObjKey, set[int]] = dataclasses.field(default_factory=dict)
+    serve_queue: collections.deque = dataclasses.field(default_factory=collections.deque)
+    serve_ready: trio.Event = dataclasses.field(default_factory=trio.Event)
+    piece_bytes_in: int = 0
+    piece_bytes_out: int = 0
+    closed: bool = False
+
+    async def send(self, msg) -> None:
+        with trio.fail_after(SEND_TIMEOUT):
+            await self.ms.send(msg)
+
+
+OnMessage = Callable[[Session, object], Awaitable[None]]
+OnSession = Callable[[Session], Awaitable[None]]
+
+
+class PeerSet:
+    def __init__(self, me: str, store: ObjectStore, upload: TokenBucket, on_message: OnMessage,
+                 on_open: OnSession | None = None, on_close: OnSession | None = None):
+        self.me = me
+        self.store = store
+        self.upload = upload
+        self.sessions: dict[str, Session] = {}
+        self._on_message = on_message
+        self._on_open = on_open
+        self._on_close = on_close
+        self.bytes_out = 0
+
+    def connected(self, peer_id: str) -> bool:
+        return peer_id in self.sessions
+
+    def _keep_existing(self, existing: Session, outbound: bool, peer_id: str) -> bool:
+        dialer_of_new = self.me if outbound else peer_id
+        dialer_of_old = self.me if existing.outbound else peer_id
+        # Both ends apply the same rule, so they keep the same connection.
+        return dialer_of_old == min(self.me, peer_id) or dialer_of_new != min(self.me, peer_id)
+
+    async def run(self, ms: MessageStream, outbound: bool) -> None:
+        """Run one session until it ends; returns when the peer is gone."""
+        hello = ms.hello
+        assert hello is not None
+        existing = self.sessions.get(ms.peer_name)
+        if existing is not None:
+            if self._keep_existing(existing, outbound, ms.peer_name):
+                return
+            existing.closed = True
+            await existing.ms.aclose()
+        s = Session(ms, ms.peer_name, ms.peer_role, hello.region, hello.listen, outbound)
+        self.sessions[s.id] = s
+        reason = "closed"
+        try:
+            for key in self.store.keys():
+                have = self.store.have(key)
+                if have:
+                    n = len(self.store.manifest(key).chunks)
+                    await s.send(wire.Have(key[0], key[1], wire.bitfield_from_indices(have, n)))
+            if self._on_open is not None:
+                await self._on_open(s)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._serve, s)
+                reason = await self._receive(s)
+                nursery.cancel_scope.cancel()
+        except* PeerDropped as group:
+            reason = str(group.exceptions[0])
+        except* ProtocolError as group:
+            reason = f"protocol error: {group.exceptions[0]}"
+        except* InvalidInput as group:
+            reason = f"invalid input: {group.exceptions[0]}"
+        except* (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError) as group:
+            reason = f"connection lost ({type(group.exceptions[0]).__name__})"
+        except* trio.TooSlowError:
+            reason = f"took no bytes for {SEND_TIMEOUT:.0f} s"
+        finally:
+            s.closed = True
+            if self.sessions.get(s.id) is s:
+                del self.sessions[s.id]
+            with trio.CancelScope(shield=True):
+                await ms.aclose()
+                if self._on_close is not None:
+                    await self._on_close(s)
+        level = logging.INFO if reason in ("closed", "said bye") else logging.WARNING
+        log.log(level, "peer %s (%s, %s) left: %s", s.id, s.role, s.region, reason)
+
+    async def _receive(self, s: Session) -> str:
+        while not s.closed:
+            msg = await s.ms.receive()
+            if msg is None:
+                return "closed"
+            if isinstance(msg, wire.Request):
+                s.serve_queue.append((msg.version, msg.keyframe, msg.chunk))
+                s.serve_ready.set()
+            elif isinstance(msg, wire.Cancel):
+                try:
+                    s.serve_queue.remove((msg.version, msg.keyframe, msg.chunk))
+                except ValueError:
+                    pass  # already sent
+            elif isinstance(msg, wire.Bye):
+                return "said bye"
+            else:
+                if isinstance(msg, wire.Have):
+                    key = (msg.version, msg.keyframe)
+                    m = self.store.manifest(key)
+                    if m is not None:
+                        s.have[key] = set(wire.indices_from_bitfield(msg.chunks, len(m.chunks)))
+                    else:  # not known here yet: keep the raw bitfield's indices up to its length
+                        s.have[key] = set(wire.indices_from_bitfield(msg.chunks, len(msg.chunks) * 8))
+                elif isinstance(msg, wire.HaveOne):
+                    s.have.setdefault((msg.version, msg.keyframe), set()).add(msg.chunk)
+                await self._on_message(s, msg)
+        return "closed"
+
+    async def _serve(self, s: Session) -> None:
+        while True:
+            if not s.serve_queue:
+                s.serve_ready = trio.Event()
+                await s.serve_ready.wait()
+                continue
+            version, keyframe, index = s.serve_queue.popleft()
+            data = self.store.get_chunk((version, keyframe), index)
+            if data is None:
+                await s.send(wire.Reject(version, keyframe, index, "not held"))
+                continue
+            await self.upload.take(len(data))
+            await s.send(wire.Piece(version, keyframe, index, data))
+            s.piece_bytes_out += len(data)
+            self.bytes_out += len(data)
+
+    async def broadcast(self, msg, exclude: str | None = None) -> None:
+        """Send `msg` to every session; a peer that cannot take it is closed, not waited on."""
+        for s in list(self.sessions.values()):
+            if s.id == exclude or s.closed:
+                continue
+            try:
+                with trio.move_on_after(5):
+                    await s.ms.send(msg)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError):
+                s.closed = True
+
+    async def close_all(self, reason: str) -> None:
+        for s in list(self.sessions.values()):
+            s.closed = True
+            with trio.move_on_after(1):
+                try:
+                    await s.ms.send(wire.Bye(reason))
+                except (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError, InvalidInput):
+                    pass
+            await s.ms.aclose()

@@ -1,0 +1,128 @@
+"""A member's objects on disk: signed manifests and verified chunks, to apply and to serve.
+
+Owns the layout under `DATA_DIR/objects/`: one directory per object
+(`v{version:010d}-patch` or `-keyframe`) holding `manifest` (the signed
+envelope as received) and `NNNNNN.chunk` files. A chunk file is written under
+a temporary name and renamed, so a file that exists is whole; on start every
+chunk is checked against its manifest's SHA-256 again (a crash or a disk
+error costs a refetch, never a bad apply). Must not decide what to fetch or
+keep: callers say what to drop.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+
+from protocol.errors import InvalidInput
+from protocol.manifest import Manifest
+from protocol.publication import ObjKey
+from protocol.versions import VersionBook
+
+log = logging.getLogger("patchswarm.store")
+_DIR = re.compile(r"^v(\d{10})-(patch|keyframe)$")
+_CHUNK = re.compile(r"^(\d{6})\.chunk$")
+
+
+def _dirname(key: ObjKey) -> str:
+    return f"v{key[0]:010d}-{'keyframe' if key[1] else 'patch'}"
+
+
+class ObjectStore:
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._have: dict[ObjKey, set[int]] = {}
+        self._manifests: dict[ObjKey, Manifest] = {}
+
+    def load(self, book: VersionBook, current_version: int | None) -> list[str]:
+        """Re-read what survived a restart into `book`; returns one line per thing dropped."""
+        dropped = []
+        for d in sorted(self.root.iterdir()):
+            m = _DIR.match(d.name)
+            if not m or not d.is_dir():
+                continue
+            key = (int(m.group(1)), m.group(2) == "keyframe")
+            try:
+                _, manifest = book.offer((d / "manifest").read_bytes(), current_version)
+            except (OSError, InvalidInput) as e:
+                dropped.append(f"{d.name}: {e}")
+                shutil.rmtree(d, ignore_errors=True)
+                continue
+            self._manifests[key] = manifest
+            have = self._have.setdefault(key, set())
+            for f in d.iterdir():
+                c = _CHUNK.match(f.name)
+                if not c:
+                    f.unlink(missing_ok=True)  # temporaries of an interrupted write
+                    continue
+                i = int(c.group(1))
+                data = f.read_bytes()
+                if i < len(manifest.chunks) and (len(data), hashlib.sha256(data).digest()) == manifest.chunks[i]:
+                    have.add(i)
+                else:
+                    dropped.append(f"{d.name}/{f.name}: does not match its manifest")
+                    f.unlink(missing_ok=True)
+        return dropped
+
+    def put_manifest(self, key: ObjKey, manifest: Manifest, envelope: bytes) -> None:
+        d = self.root / _dirname(key)
+        d.mkdir(exist_ok=True)
+        _write_atomic(d / "manifest", envelope)
+        self._manifests[key] = manifest
+        self._have.setdefault(key, set())
+
+    def put_chunk(self, key: ObjKey, index: int, data: bytes) -> None:
+        """Store a chunk the caller has verified against the manifest."""
+        _write_atomic(self.root / _dirname(key) / f"{index:06d}.chunk", data)
+        self._have[key].add(index)
+
+    def get_chunk(self, key: ObjKey, index: int) -> bytes | None:
+        if index not in self._have.get(key, ()):
+            return None
+        try:
+            return (self.root / _dirname(key) / f"{index:06d}.chunk").read_bytes()
+        except FileNotFoundError:
+            self._have[key].discard(index)
+            return None
+
+    def chunks(self, key: ObjKey) -> list[bytes]:
+        """Every chunk of a complete object, in index order."""
+        n = len(self._manifests[key].chunks)
+        out = [self.get_chunk(key, i) for i in range(n)]
+        missing = [i for i, c in enumerate(out) if c is None]
+        if missing:
+            raise InvalidInput(f"object {_dirname(key)}: chunks {missing[:5]} are missing")
+        return out  # type: ignore[return-value]
+
+    def have(self, key: ObjKey) -> set[int]:
+        return self._have.get(key, set())
+
+    def keys(self) -> list[ObjKey]:
+        return sorted(self._manifests)
+
+    def manifest(self, key: ObjKey) -> Manifest | None:
+        return self._manifests.get(key)
+
+    def complete(self, key: ObjKey) -> bool:
+        m = self._manifests.get(key)
+        return m is not None and len(self._have.get(key, ())) == len(m.chunks)
+
+    def drop(self, key: ObjKey) -> None:
+        self._have.pop(key, None)
+        self._manifests.pop(key, None)
+        shutil.rmtree(self.root / _dirname(key), ignore_errors=True)
+
+    def bytes_held(self) -> int:
+        return sum(self._manifests[k].chunks[i][0] for k, have in self._have.items() for i in have)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)

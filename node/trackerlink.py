@@ -1,0 +1,99 @@
+"""A member's standing connection to the tracker: join, heartbeat, hear, rejoin.
+
+Owns `TrackerLink`: dial the tracker (mutual TLS, role tracker), heartbeat
+with the member's current version, hand every message to the owner, and on
+any loss reconnect with capped exponential backoff, for ever. The tracker is
+soft state, so a reconnect is the whole recovery: the owner's `on_connect`
+re-announces what the tracker must know. Must not interpret messages.
+"""
+
+from __future__ import annotations
+
+import logging
+import ssl
+from typing import Awaitable, Callable
+
+import trio
+
+from protocol import wire
+from protocol.errors import PatchswarmError, ProtocolError
+
+from .transport import MessageStream, connect
+from .trust import Credentials
+
+log = logging.getLogger("patchswarm.tracker-link")
+HEARTBEAT_SECONDS = 2.0
+BACKOFF_MIN, BACKOFF_MAX = 0.5, 10.0
+
+
+def one_line(e: BaseException) -> str:
+    return " ".join((str(e) or type(e).__name__).split())
+
+
+class TrackerLink:
+    def __init__(self, addr: str, creds: Credentials, hello: Callable[[], wire.Hello],
+                 on_message: Callable[[object], Awaitable[None]],
+                 on_connect: Callable[[MessageStream], Awaitable[None]] | None = None):
+        self.addr = addr
+        self.creds = creds
+        self._hello = hello
+        self._on_message = on_message
+        self._on_connect = on_connect
+        self.stream: MessageStream | None = None
+
+    @property
+    def connected(self) -> bool:
+        return self.stream is not None
+
+    async def run(self) -> None:
+        backoff = BACKOFF_MIN
+        while True:
+            try:
+                ms = await connect(self.addr, self.creds, {"tracker"}, self._hello())
+            except (OSError, trio.TooSlowError, trio.BrokenResourceError, ssl.SSLError, PatchswarmError) as e:
+                log.warning("tracker %s unreachable (%s); retrying in %.1f s", self.addr, one_line(e), backoff)
+                await trio.sleep(backoff)
+                backoff = min(BACKOFF_MAX, backoff * 2)
+                continue
+            backoff = BACKOFF_MIN
+            log.info("joined the swarm via tracker %s", self.addr)
+            try:
+                async with trio.open_nursery() as n:
+                    self.stream = ms
+                    if self._on_connect is not None:
+                        await self._on_connect(ms)
+                    n.start_soon(self._heartbeat, ms)
+                    while True:
+                        msg = await ms.receive()
+                        if msg is None:
+                            raise trio.BrokenResourceError("tracker closed the connection")
+                        if isinstance(msg, wire.Bye):
+                            raise trio.BrokenResourceError(f"tracker said bye: {msg.reason}")
+                        if isinstance(msg, wire.Error):
+                            log.warning("tracker says: %s", msg.message)
+                            continue
+                        await self._on_message(msg)
+            except* (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, ssl.SSLError,
+                     OSError, ProtocolError) as group:
+                log.warning("lost the tracker (%s); reconnecting", one_line(group.exceptions[0]))
+            finally:
+                self.stream = None
+                await ms.aclose()
+            await trio.sleep(backoff)
+
+    async def _heartbeat(self, ms: MessageStream) -> None:
+        while True:
+            with trio.fail_after(HEARTBEAT_SECONDS * 5):
+                await ms.send(wire.Heartbeat(self._hello().versions))
+            await trio.sleep(HEARTBEAT_SECONDS)
+
+    async def send(self, msg) -> bool:
+        """Send now if connected; False if not (the owner's on_connect catches up later)."""
+        ms = self.stream
+        if ms is None:
+            return False
+        try:
+            await ms.send(msg)
+            return True
+        except (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError):
+            return False

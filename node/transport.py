@@ -1,0 +1,198 @@
+"""Framed, mutually authenticated connections between swarm members (TLS 1.3 over trio TCP).
+
+Owns: parsing HOST:PORT, dialing and serving TLS with the swarm's contexts
+(node/trust.py), the Hello exchange that binds a wire identity to the peer's
+certificate, and `MessageStream`, which turns a TLS stream into wire messages
+(protocol/wire.py) with one sender at a time. Must not hold swarm policy: who
+to dial, what to ask for and what to do with a message are the callers'.
+
+Identity: a peer is who its CA-signed certificate says (CN = name, OU = role).
+Its Hello must repeat that name and role, or the connection is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import ssl
+from typing import Awaitable, Callable
+
+import trio
+
+from protocol import wire
+from protocol.errors import InvalidInput, ProtocolError, UsageError
+
+from .trust import Credentials, client_context, peer_identity, server_context
+
+log = logging.getLogger("patchswarm.transport")
+HANDSHAKE_SECONDS = 10.0
+RECEIVE_BYTES = 256 << 10
+
+
+def parse_addr(addr: str) -> tuple[str, int]:
+    """`HOST:PORT` or `[V6]:PORT` -> (host, port)."""
+    if not isinstance(addr, str) or ":" not in addr:
+        raise UsageError(f"address: expected HOST:PORT, found {addr!r}")
+    host, _, port = addr.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    try:
+        number = int(port)
+    except ValueError:
+        number = -1
+    if not host or not 0 <= number < 65536:
+        raise UsageError(f"address: expected HOST:PORT with a port in [0, 65535], found {addr!r}")
+    return host, number
+
+
+def format_addr(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+@dataclasses.dataclass
+class Counters:
+    """Bytes moved on one connection (TLS payload, frames included)."""
+
+    sent: int = 0
+    received: int = 0
+
+
+class MessageStream:
+    """Wire messages over one authenticated TLS stream.
+
+    `send` may be called from many tasks: frames never interleave. `receive`
+    returns the next message, or None when the peer closed cleanly; bad bytes
+    raise ProtocolError, a dead socket trio.BrokenResourceError.
+    """
+
+    def __init__(self, stream: trio.SSLStream, peer_name: str, peer_role: str,
+                 max_frame: int = wire.MAX_FRAME_BYTES,
+                 on_receive: Callable[[int], Awaitable[None]] | None = None):
+        self.stream = stream
+        self.peer_name = peer_name
+        self.peer_role = peer_role
+        self.hello: wire.Hello | None = None
+        self.counters = Counters()
+        self._conn = wire.Connection(max_frame=max_frame)
+        self._send_lock = trio.StrictFIFOLock()
+        self._on_receive = on_receive  # download rate limit: called with each read's size
+
+    async def send(self, msg) -> None:
+        data = self._conn.send(msg)
+        async with self._send_lock:
+            await self.stream.send_all(data)
+        self.counters.sent += len(data)
+
+    async def receive(self):
+        while True:
+            event = self._conn.next_event()
+            if event is wire.CLOSED:
+                return None
+            if event is not wire.NEED_DATA:
+                return event
+            data = await self.stream.receive_some(RECEIVE_BYTES)
+            self.counters.received += len(data)
+            if data and self._on_receive is not None:
+                await self._on_receive(len(data))
+            self._conn.receive_data(data)
+
+    async def aclose(self) -> None:
+        with trio.move_on_after(1) as scope:
+            scope.shield = True
+            try:
+                await self.stream.aclose()
+            except (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError):
+                pass
+
+
+async def _handshake(stream: trio.SSLStream, allowed_roles: frozenset[str] | set[str]) -> tuple[str, str]:
+    with trio.fail_after(HANDSHAKE_SECONDS):
+        await stream.do_handshake()
+    name, role = peer_identity(stream)
+    if role not in allowed_roles:
+        raise InvalidInput(f"peer {name!r}: expected role {' or '.join(sorted(allowed_roles))}, found {role!r}")
+    return name, role
+
+
+async def exchange_hello(ms: MessageStream, hello: wire.Hello) -> wire.Hello:
+    """Send our Hello, read theirs, and check it repeats their certificate's identity."""
+    await ms.send(hello)
+    with trio.fail_after(HANDSHAKE_SECONDS):
+        theirs = await ms.receive()
+    if not isinstance(theirs, wire.Hello):
+        raise ProtocolError(f"peer {ms.peer_name!r}: expected Hello, found {type(theirs).__name__}")
+    if (theirs.node_id, theirs.role) != (ms.peer_name, ms.peer_role):
+        raise ProtocolError(f"peer {ms.peer_name!r}: Hello says {theirs.node_id!r} ({theirs.role}), "
+                            f"certificate says {ms.peer_name!r} ({ms.peer_role})")
+    ms.hello = theirs
+    return theirs
+
+
+async def connect(addr: str, creds: Credentials, allowed_roles: set[str] | frozenset[str],
+                  hello: wire.Hello, *, ssl_context: ssl.SSLContext | None = None,
+                  on_receive: Callable[[int], Awaitable[None]] | None = None) -> MessageStream:
+    """Dial `addr`, authenticate both ways, exchange Hellos; the caller closes the stream."""
+    host, port = parse_addr(addr)
+    with trio.fail_after(HANDSHAKE_SECONDS):
+        tcp = await trio.open_tcp_stream(host, port)
+    stream = trio.SSLStream(tcp, ssl_context or client_context(creds), server_hostname=None)
+    try:
+        name, role = await _handshake(stream, allowed_roles)
+        ms = MessageStream(stream, name, role, on_receive=on_receive)
+        await exchange_hello(ms, hello)
+        return ms
+    except BaseException:
+        with trio.CancelScope(shield=True):
+            await trio.aclose_forcefully(stream)
+        raise
+
+
+Handler = Callable[[MessageStream], Awaitable[None]]
+
+
+async def serve(listen: str, creds: Credentials, allowed_roles: set[str] | frozenset[str],
+                hello: Callable[[], wire.Hello], handler: Handler, *,
+                on_refused: Callable[[str], None] | None = None,
+                on_receive: Callable[[int], Awaitable[None]] | None = None,
+                task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Accept TLS connections on `listen`; run `handler(stream)` for each authenticated peer.
+
+    Reports the bound address (`HOST:PORT`, with the real port when 0 was
+    asked) through `task_status`. Peers that fail TLS, present a role not in
+    `allowed_roles` or a Hello that contradicts their certificate are closed
+    and reported to `on_refused(reason)`.
+    """
+    host, port = parse_addr(listen)
+    context = server_context(creds)
+    listeners = await trio.open_tcp_listeners(port, host=host)
+
+    async def one(tcp: trio.SocketStream) -> None:
+        stream = trio.SSLStream(tcp, context, server_side=True)
+        try:
+            try:
+                name, role = await _handshake(stream, allowed_roles)
+                ms = MessageStream(stream, name, role, on_receive=on_receive)
+                await exchange_hello(ms, hello())
+            except (trio.BrokenResourceError, trio.TooSlowError, ssl.SSLError, OSError, InvalidInput) as e:
+                if on_refused is not None:
+                    on_refused(_reason(e))
+                return
+            try:
+                await handler(ms)
+            except Exception:  # a bug must not take the whole listener (and every peer) down
+                log.exception("connection handler for %s failed", ms.peer_name)
+        finally:
+            with trio.CancelScope(shield=True):
+                await trio.aclose_forcefully(stream)
+
+    bound = listeners[0].socket.getsockname()
+    task_status.started(format_addr(host if host not in ("0.0.0.0", "::") else bound[0], bound[1]))
+    await trio.serve_listeners(one, listeners)
+
+
+def _reason(e: BaseException) -> str:
+    cause = e.__cause__ or e.__context__
+    if isinstance(e, trio.BrokenResourceError) and cause is not None:
+        e = cause
+    text = str(e) or type(e).__name__
+    return " ".join(text.split())

@@ -1,0 +1,112 @@
+"""The node's local Unix-socket API: requests from rollout workers and people, and replies. Sans-IO.
+
+One definition of these bytes, used by the daemon (node/localapi.py) and the
+client (node/client.py). Frames are the peer protocol's (4-byte length, then a
+msgpack map; `protocol.wire.FrameBuffer`). A request is a map with "op"; the
+reply is `{"ok": true, ...}` or `{"ok": false, "error": str, "code": str}`.
+One request at a time per connection, answered in order.
+
+Ops:
+- status                                   -> {"status": {...}}
+- wait_version(min_version, timeout)       -> {"status": {...}}; code "timeout" when it runs out
+- submit(records, timeout)                 -> {"seqs": [int, ...]}: durable at the node
+    records: [[payload: bytes, policy_version: int, meta: map | nil], ...]
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgpack
+
+from .errors import ProtocolError, UsageError
+from .wire import frame
+
+MAX_FRAME_BYTES = 256 << 20  # a submit of many large records
+MAX_RECORDS_PER_SUBMIT = 65536
+OPS = ("status", "wait_version", "submit")
+
+# error codes in replies
+TIMEOUT = "timeout"
+BAD_REQUEST = "bad_request"
+FULL = "spool_full"
+UNAVAILABLE = "unavailable"
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+
+
+def _uint(v) -> bool:
+    return type(v) is int and 0 <= v < 1 << 63
+
+
+def encode(obj: dict) -> bytes:
+    return frame(msgpack.packb(obj, use_bin_type=True), MAX_FRAME_BYTES)
+
+
+def decode(body: bytes) -> dict:
+    try:
+        obj = msgpack.unpackb(body, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated types for bad input
+        raise ProtocolError(f"local API: expected a msgpack map, found undecodable bytes ({type(e).__name__})") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"local API: expected a msgpack map, found {type(obj).__name__}")
+    return obj
+
+
+# ------------------------------------------------------------------ requests
+
+
+def status_request() -> dict:
+    return {"op": "status"}
+
+
+def wait_version_request(min_version: int, timeout: float) -> dict:
+    if not _uint(min_version) or not _number(timeout):
+        raise UsageError(f"wait_version: expected min_version >= 0 and timeout >= 0, found {min_version!r}, {timeout!r}")
+    return {"op": "wait_version", "min_version": min_version, "timeout": float(timeout)}
+
+
+def submit_request(records: list, timeout: float) -> dict:
+    check_records(records, UsageError)
+    if not _number(timeout):
+        raise UsageError(f"submit: expected a timeout >= 0, found {timeout!r}")
+    return {"op": "submit", "records": [list(r) for r in records], "timeout": float(timeout)}
+
+
+def check_records(records, error: type[Exception]) -> None:
+    if not isinstance(records, (list, tuple)) or not 0 < len(records) <= MAX_RECORDS_PER_SUBMIT:
+        raise error(f"submit: expected 1..{MAX_RECORDS_PER_SUBMIT} records, found "
+                    f"{len(records) if isinstance(records, (list, tuple)) else type(records).__name__}")
+    for r in records:
+        if (not isinstance(r, (list, tuple)) or len(r) != 3 or not isinstance(r[0], (bytes, bytearray))
+                or not _uint(r[1]) or not (r[2] is None or isinstance(r[2], dict))):
+            raise error(f"submit: expected records [payload: bytes, policy_version: int >= 0, meta: map | nil], "
+                        f"found {repr(r)[:80]}")
+
+
+def check_request(req: dict) -> dict:
+    """The request if well formed; ProtocolError naming what is wrong otherwise."""
+    op = req.get("op")
+    if op not in OPS:
+        raise ProtocolError(f"local API: expected op in {list(OPS)}, found {op!r}")
+    if op == "wait_version":
+        if not _uint(req.get("min_version")) or not _number(req.get("timeout")):
+            raise ProtocolError("wait_version: expected min_version: int >= 0 and timeout: number >= 0")
+    elif op == "submit":
+        check_records(req.get("records"), ProtocolError)
+        if not _number(req.get("timeout")):
+            raise ProtocolError("submit: expected timeout: number >= 0")
+    return req
+
+
+# ------------------------------------------------------------------ replies
+
+
+def ok(**fields) -> dict:
+    return {"ok": True, **fields}
+
+
+def error(code: str, message: str) -> dict:
+    return {"ok": False, "code": code, "error": message}

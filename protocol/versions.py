@@ -1,0 +1,138 @@
+"""Which manifests a member trusts, and which objects take a node from its version to the latest. Sans-IO.
+
+Owns `VersionBook`: signed manifests in (verified against the trainer key,
+checked against the swarm id, never two different manifests for one object,
+never an object at or below the version the node already holds), and
+`plan(current_version, current_hash)`: the objects to apply, in order, that
+reach the highest version reachable for the fewest bytes: the patch chain, or
+a keyframe plus the patches after it (late joiners, or nodes too far behind).
+
+The tracker uses the same book to keep what it hands to joining nodes
+(`retained`). No clocks, no I/O.
+"""
+
+from __future__ import annotations
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+from .errors import ConflictingManifest, InvalidInput, StaleVersion
+from .manifest import Manifest, verify_manifest
+from .publication import ObjKey, describe, key_of
+
+KNOWN = "known"
+NEW = "new"
+
+
+class VersionBook:
+    def __init__(self, swarm_id: str, trainer_key: Ed25519PublicKey):
+        self.swarm_id = swarm_id
+        self._key = trainer_key
+        self._manifests: dict[ObjKey, Manifest] = {}
+        self._envelopes: dict[ObjKey, bytes] = {}
+
+    # ------------------------------------------------------------ facts in
+
+    def offer(self, envelope: bytes, current_version: int | None = None) -> tuple[str, Manifest]:
+        """Verify a signed manifest; (NEW, m) if it is new, (KNOWN, m) if already held.
+
+        Raises SignatureError / CorruptData for a manifest the trainer did not
+        sign, InvalidInput for another swarm's, ConflictingManifest for a
+        second, different manifest of one object, StaleVersion for an object
+        at or below `current_version` that is not already held.
+        """
+        m = verify_manifest(envelope, self._key)
+        if m.swarm_id != self.swarm_id:
+            raise InvalidInput(f"manifest: expected swarm {self.swarm_id!r}, found {m.swarm_id!r}")
+        key = key_of(m)
+        held = self._envelopes.get(key)
+        if held is not None:
+            if held == bytes(envelope):
+                return KNOWN, m
+            raise ConflictingManifest(f"manifest {describe(key)}: a different, validly signed manifest "
+                                      f"is already held (target {self._manifests[key].target_hash[:16]}…, "
+                                      f"found {m.target_hash[:16]}…)")
+        if current_version is not None and m.version <= current_version:
+            raise StaleVersion(f"manifest {describe(key)}: expected a version above the current "
+                               f"{current_version}, found {m.version} (replayed or older)")
+        self._manifests[key] = m
+        self._envelopes[key] = bytes(envelope)
+        return NEW, m
+
+    def forget_below(self, version: int) -> None:
+        """Drop manifests of versions below `version` (they can never be needed again)."""
+        for key in [k for k in self._manifests if k[0] < version]:
+            del self._manifests[key], self._envelopes[key]
+
+    # ------------------------------------------------------------ questions
+
+    def get(self, key: ObjKey) -> Manifest | None:
+        return self._manifests.get(key)
+
+    def envelope(self, key: ObjKey) -> bytes | None:
+        return self._envelopes.get(key)
+
+    def keys(self) -> list[ObjKey]:
+        return sorted(self._manifests)
+
+    @property
+    def latest_version(self) -> int | None:
+        return max((k[0] for k in self._manifests), default=None)
+
+    def retained(self, max_patches: int) -> list[ObjKey]:
+        """What a tracker keeps: the latest keyframe, every patch after it, and up to
+        `max_patches` patches in all (so nodes a little behind take patches, not a keyframe)."""
+        keyframes = sorted(k for k in self._manifests if k[1])
+        patches = sorted(k for k in self._manifests if not k[1])
+        keep = set(patches[-max_patches:]) if max_patches > 0 else set()
+        if keyframes:
+            kf = keyframes[-1]
+            keep.add(kf)
+            keep.update(p for p in patches if p[0] > kf[0])
+        return sorted(keep)
+
+    def plan(self, current_version: int | None, current_hash: str | None) -> list[ObjKey]:
+        """Objects to apply in order to reach the highest reachable version, fewest bytes first.
+
+        Empty when the node is up to date or nothing known leads anywhere yet.
+        A patch joins a path only if its base hash is the state the path is at.
+        """
+        latest = self.latest_version
+        if latest is None:
+            return []
+        floor = -1 if current_version is None else current_version
+        for target in range(latest, floor, -1):
+            best = self._cheapest(current_version, current_hash, target)
+            if best is not None:
+                return best
+        return []
+
+    def _chain(self, start_version: int, start_hash: str, target: int) -> list[ObjKey] | None:
+        """Patches start_version+1 .. target, each based on the previous one's target."""
+        path, at = [], start_hash
+        for v in range(start_version + 1, target + 1):
+            m = self._manifests.get((v, False))
+            if m is None or m.base_version != v - 1 or m.base_hash != at:
+                return None
+            path.append((v, False))
+            at = m.target_hash
+        return path
+
+    def _cost(self, path: list[ObjKey]) -> int:
+        return sum(self._manifests[k].total_bytes for k in path)
+
+    def _cheapest(self, current_version: int | None, current_hash: str | None, target: int) -> list[ObjKey] | None:
+        options = []
+        if current_version is not None and current_hash is not None:
+            chain = self._chain(current_version, current_hash, target)
+            if chain is not None:
+                options.append((self._cost(chain), 0, chain))
+        floor = -1 if current_version is None else current_version
+        for k in self._manifests:
+            if k[1] and floor < k[0] <= target:
+                chain = self._chain(k[0], self._manifests[k].target_hash, target)
+                if chain is not None:
+                    path = [k, *chain]
+                    options.append((self._cost(path), 1, path))
+        if not options:
+            return None
+        return min(options, key=lambda o: (o[0], o[1]))[2]

@@ -1,0 +1,222 @@
+"""A swarm of real processes on loopback for integration tests: tracker, origin, nodes via the CLI.
+
+`SwarmLab(tmp_path)` makes a swarm (CA, trainer key), issues credentials,
+starts `python -m node.cli tracker|origin|node` with logs in files, finds
+their addresses in their logs, and stops every process it started (SIGTERM,
+then SIGKILL) when closed. Every wait is bounded in time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from node.client import NodeClient, NodeUnavailable
+
+ROOT = Path(__file__).resolve().parents[1]
+LISTENING = re.compile(r"listening on ([^\s,;]+)")
+
+
+@dataclasses.dataclass
+class Proc:
+    name: str
+    args: list[str]
+    log: Path
+    popen: subprocess.Popen | None = None
+    data_dir: Path | None = None
+    addr: str | None = None
+
+    @property
+    def socket(self) -> Path:
+        return self.data_dir / "node.sock"
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def client(self) -> NodeClient:
+        return NodeClient(self.socket)
+
+    def status(self) -> dict:
+        with self.client() as c:
+            return c.status()
+
+
+class SwarmLab:
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.swarm = self.root / "swarm"
+        self.procs: list[Proc] = []
+        self._cli("swarm", "init", self.swarm)
+        self.tracker_addr: str | None = None
+
+    # -------------------------------------------------------- plumbing
+
+    def _cli(self, *args) -> str:
+        r = subprocess.run([sys.executable, "-m", "node.cli", *map(str, args)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60)
+        if r.returncode != 0:
+            raise AssertionError(f"patchswarm {' '.join(map(str, args))} failed: {r.stderr}")
+        return r.stdout
+
+    def creds(self, name: str, role: str) -> Path:
+        out = self.root / "creds" / name
+        if not out.exists():
+            self._cli("swarm", "issue", self.swarm, name, "--role", role, "-o", out)
+        return out
+
+    def _start(self, p: Proc) -> Proc:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        log = open(p.log, "ab")
+        p.popen = subprocess.Popen([sys.executable, "-m", "node.cli", *map(str, p.args)], cwd=ROOT,
+                                   stdout=log, stderr=subprocess.STDOUT, env=env)
+        log.close()
+        if p not in self.procs:
+            self.procs.append(p)
+        return p
+
+    def wait_log(self, p: Proc, pattern: str | re.Pattern, timeout: float = 60.0, after: int = 0) -> re.Match:
+        rx = re.compile(pattern) if isinstance(pattern, str) else pattern
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            m = rx.search(p.text(), after)
+            if m:
+                return m
+            if not p.alive():
+                raise AssertionError(f"{p.name} exited ({p.popen.returncode}) before /{rx.pattern}/:\n{p.text()[-3000:]}")
+            time.sleep(0.05)
+        raise AssertionError(f"{p.name}: no /{rx.pattern}/ within {timeout} s:\n{p.text()[-3000:]}")
+
+    # -------------------------------------------------------- members
+
+    def start_tracker(self, name: str = "tracker", port: int = 0) -> Proc:
+        creds = self.creds(name, "tracker")
+        p = Proc(name, ["tracker", "--creds", creds, "--listen", f"127.0.0.1:{port}"], self.root / f"{name}.log")
+        self._start(p)
+        p.addr = self.wait_log(p, LISTENING).group(1)
+        self.tracker_addr = p.addr
+        return p
+
+    def start_origin(self, name: str = "origin", region: str = "r0", watch: Path | None = None,
+                     extra: list[str] = ()) -> Proc:
+        creds = self.creds(name, "origin")
+        data = self.root / name
+        args = ["origin", "--tracker", self.tracker_addr, "--creds", creds, "--key", self.swarm / "trainer.key",
+                "--data-dir", data, "--listen", "127.0.0.1:0", "--region", region, *extra]
+        if watch is not None:
+            args += ["--watch", watch]
+        p = Proc(name, args, self.root / f"{name}.log", data_dir=data)
+        self._start(p)
+        p.addr = self.wait_log(p, LISTENING).group(1)
+        return p
+
+    def start_node(self, name: str, region: str = "r0", extra: list[str] = (), creds: Path | None = None,
+                   wait: bool = True) -> Proc:
+        creds = creds or self.creds(name, "node")
+        data = self.root / name
+        p = Proc(name, ["node", "--tracker", self.tracker_addr, "--creds", creds, "--data-dir", data,
+                        "--listen", "127.0.0.1:0", "--region", region, *extra], self.root / f"{name}.log",
+                 data_dir=data)
+        self._start(p)
+        if wait:
+            p.addr = self.wait_log(p, LISTENING).group(1)
+        return p
+
+    def restart(self, p: Proc) -> Proc:
+        offset = len(p.text())
+        self._start(p)
+        m = self.wait_log(p, LISTENING, after=offset)
+        p.addr = m.group(1)
+        return p
+
+    def kill(self, p: Proc, sig: int = signal.SIGKILL) -> None:
+        if p.alive():
+            p.popen.send_signal(sig)
+            p.popen.wait(timeout=30)
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.alive():
+                p.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for p in self.procs:
+            if p.popen is None:
+                continue
+            try:
+                p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.popen.kill()
+                p.popen.wait(timeout=10)
+
+    def __enter__(self) -> "SwarmLab":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -------------------------------------------------------- checks
+
+    def wait_version(self, nodes: list[Proc], version: int, timeout: float = 120.0) -> list[dict]:
+        deadline = time.monotonic() + timeout
+        out = []
+        for p in nodes:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AssertionError(f"{p.name} did not reach version {version} in {timeout} s; "
+                                         f"status {self._status_or_none(p)}\n{p.text()[-3000:]}")
+                try:
+                    with p.client() as c:
+                        out.append(c.wait_version(version, min(left, 5.0)))
+                    break
+                except NodeUnavailable:
+                    if not p.alive():
+                        raise AssertionError(f"{p.name} died:\n{p.text()[-3000:]}") from None
+                    time.sleep(0.2)
+                except Exception as e:  # NodeError timeout: poll again until the deadline
+                    if getattr(e, "code", None) != "timeout":
+                        raise
+        return out
+
+    def _status_or_none(self, p: Proc):
+        try:
+            return p.status()
+        except Exception as e:
+            return f"unavailable ({e})"
+
+
+def write_checkpoint(directory: Path, name: str, state: dict[str, torch.Tensor]) -> Path:
+    """Write a checkpoint the way trainers should: to a temporary name, then rename into place."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / f".{name}.tmp"
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp))
+    final = directory / name
+    os.replace(tmp, final)
+    return final
+
+
+def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    if set(a) != set(b):
+        return False
+    for k in a:
+        x, y = a[k], b[k]
+        if x.dtype != y.dtype or x.shape != y.shape:
+            return False
+        if x.numel() and not torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)):
+            return False
+    return True
+
+
+def load_weights(p: Proc) -> dict[str, torch.Tensor]:
+    return load_file(str(p.data_dir / "weights.safetensors"))

@@ -1,0 +1,188 @@
+"""The swarm end to end, as real processes on loopback: tracker, origin (--watch), nodes.
+
+Every node must reach every version bit-exactly; late joiners catch up; a
+node killed mid-download converges after a restart; members without valid
+credentials are refused; lying peers and foreign manifests are rejected and
+counted; and nodes take most bytes from each other, not from the origin.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import time
+
+import pytest
+import torch
+import trio
+
+from node import trust
+from node.synthetic import rl_checkpoints, served
+from node.transport import connect
+from protocol import wire
+from protocol.manifest import Manifest, sign_manifest
+from swarmlab import SwarmLab, load_weights, same_bits, write_checkpoint
+
+# Small pieces so that even the test model's patches span several chunks.
+ORIGIN_ARGS = ["--chunk-bytes", "32768", "--segment-elements", "65536"]
+
+
+@pytest.fixture(scope="module")
+def checkpoints():
+    """fp32 master states of 7 consecutive RL steps of the small model (lr 1e-5)."""
+    return rl_checkpoints("small", 1e-5, 6)
+
+
+def served_bf16(state):
+    return served(state, torch.bfloat16)
+
+
+def publish(lab: SwarmLab, watch, states, index: int) -> None:
+    write_checkpoint(watch, f"step{index:04d}.safetensors", states[index])
+
+
+def announced_bytes(origin, version: int) -> int:
+    m = re.search(rf"published version {version} \(patch ([\d,]+) B", origin.text())
+    assert m, origin.text()[-2000:]
+    return int(m.group(1).replace(",", ""))
+
+
+def test_every_node_gets_every_version_bit_exactly_and_mostly_from_peers(tmp_path, checkpoints):
+    watch = tmp_path / "watch"
+    with SwarmLab(tmp_path) as lab:
+        lab.start_tracker()
+        origin = lab.start_origin(region="r0", watch=watch, extra=ORIGIN_ARGS)
+        nodes = [lab.start_node(f"n{i}", region=f"r{i % 2}") for i in range(8)]
+        origin_in = []
+        for v in range(5):
+            publish(lab, watch, checkpoints, v)
+            statuses = lab.wait_version(nodes, v, timeout=120)
+            expect = served_bf16(checkpoints[v])
+            for p, st in zip(nodes, statuses):
+                assert st["version"] == v
+                assert same_bits(load_weights(p), expect), f"{p.name} differs from version {v}"
+            origin_in.append(sum(p.status()["bytes_in"]["origin"] for p in nodes))
+        # Patches (versions 1-4): the origin sent less than half of what a star would.
+        patch_bytes = sum(announced_bytes(origin, v) for v in range(1, 5))
+        from_origin = origin_in[-1] - origin_in[0]
+        assert from_origin < 0.5 * len(nodes) * patch_bytes, (from_origin, patch_bytes)
+        # Each node got most of its patch bytes from peers.
+        st = [p.status() for p in nodes]
+        assert all(s["chunks_rejected"] == 0 for s in st)
+        assert sum(s["bytes_in"]["same_region"] + s["bytes_in"]["other_region"] for s in st) > from_origin
+
+        # A node that joins after five versions catches up.
+        publish(lab, watch, checkpoints, 5)
+        lab.wait_version(nodes, 5)
+        late = lab.start_node("late", region="r1")
+        (status,) = lab.wait_version([late], 5, timeout=120)
+        assert status["version"] == 5
+        assert same_bits(load_weights(late), served_bf16(checkpoints[5]))
+
+
+def test_node_killed_mid_download_restarts_and_converges(tmp_path, checkpoints):
+    watch = tmp_path / "watch"
+    with SwarmLab(tmp_path) as lab:
+        lab.start_tracker()
+        origin = lab.start_origin(watch=watch, extra=ORIGIN_ARGS)
+        helper = lab.start_node("helper")
+        publish(lab, watch, checkpoints, 0)
+        lab.wait_version([helper], 0)
+        # 4.5 MB keyframe at 600 kB/s: the kill lands mid-download.
+        slow = lab.start_node("slow", extra=["--download-limit", "600k"])
+        lab.wait_log(slow, r"version 0 announced")
+        time.sleep(2.0)
+        assert slow.status()["version"] is None
+        lab.kill(slow, signal.SIGKILL)
+        slow.args = [a for a in slow.args if a not in ("--download-limit", "600k")]
+        lab.restart(slow)
+        publish(lab, watch, checkpoints, 1)
+        (st,) = lab.wait_version([slow], 1)
+        assert st["version"] == 1
+        assert same_bits(load_weights(slow), served_bf16(checkpoints[1]))
+        assert "dropped from the object store" not in slow.text()  # every stored chunk was whole
+        del origin
+
+
+def test_members_without_valid_credentials_are_refused(tmp_path, checkpoints):
+    watch = tmp_path / "watch"
+    with SwarmLab(tmp_path) as lab:
+        tracker = lab.start_tracker()
+        lab.start_origin(watch=watch, extra=ORIGIN_ARGS)
+        # Credentials from another swarm's CA.
+        trust.init_swarm(tmp_path / "rogue-swarm")
+        rogue_creds = tmp_path / "rogue-creds"
+        trust.issue(tmp_path / "rogue-swarm", "intruder", "node", rogue_creds)
+        intruder = lab.start_node("intruder", creds=rogue_creds)
+        publish(lab, watch, checkpoints, 0)
+        lab.wait_log(intruder, r"tracker \S+ unreachable", timeout=60)
+        lab.wait_log(tracker, r"refused a connection", timeout=60)
+        time.sleep(1.0)
+        st = intruder.status()
+        assert st["version"] is None and not st["tracker_connected"]
+        assert "intruder joined" not in tracker.text()
+
+
+def _rogue_manifest() -> bytes:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    m = Manifest(swarm_id="sw-whatever", version=99, base_version=None, base_hash=None,
+                 target_hash="blake3:" + "00" * 32, tensors=[], chunks=[], codec={"format": 1}, created_at=0.0)
+    return sign_manifest(m, Ed25519PrivateKey.generate())
+
+
+async def _lying_peer(creds_dir, victim_addr: str, region: str, stop_after: float) -> dict:
+    """A member with valid credentials that claims every chunk of version 1 and serves garbage."""
+    creds = trust.Credentials.load(creds_dir)
+    hello = wire.Hello(creds.name, region, "node", "127.0.0.1:1", [])
+    seen = {"requests": 0}
+    ms = await connect(victim_addr, creds, {"node"}, hello)
+    try:
+        await ms.send(wire.VersionNotice(99, _rogue_manifest()))
+        await ms.send(wire.Have(1, False, b"\xff" * 8))
+        with trio.move_on_after(stop_after):
+            while True:
+                msg = await ms.receive()
+                if msg is None:
+                    break
+                if isinstance(msg, wire.Request):
+                    seen["requests"] += 1
+                    await ms.send(wire.Piece(msg.version, msg.keyframe, msg.chunk, b"not the chunk you want"))
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        pass  # the victim hung up on us: expected
+    finally:
+        await ms.aclose()
+    return seen
+
+
+def test_lying_peer_and_foreign_manifest_are_rejected(tmp_path, checkpoints):
+    watch = tmp_path / "watch"
+    with SwarmLab(tmp_path) as lab:
+        lab.start_tracker()
+        lab.start_origin(region="r0", watch=watch, extra=ORIGIN_ARGS)
+        victim = lab.start_node("victim", region="r1")
+        publish(lab, watch, checkpoints, 0)
+        lab.wait_version([victim], 0)
+        rogue_creds = lab.creds("mallory", "node")
+        result = {}
+
+        async def scenario():
+            async with trio.open_nursery() as n:
+                async def run_rogue():
+                    result.update(await _lying_peer(rogue_creds, victim.addr, "r1", 60))
+                n.start_soon(run_rogue)
+                await trio.sleep(1.0)  # the rogue's Have is in before version 1 exists
+                publish(lab, watch, checkpoints, 1)
+                await trio.to_thread.run_sync(lambda: lab.wait_version([victim], 1))
+                n.cancel_scope.cancel()
+
+        trio.run(scenario)
+        st = victim.status()
+        assert st["version"] == 1
+        assert same_bits(load_weights(victim), served_bf16(checkpoints[1]))
+        assert st["manifests_rejected"] >= 1
+        assert "rejected a manifest from peer mallory" in victim.text()
+        assert result["requests"] >= 1, "the victim never asked the lying peer"
+        assert st["chunks_rejected"] >= 1
+        assert re.search(r"rejected chunk \d+ of v1 patch from peer mallory", victim.text())
+        assert "mallory" not in {p["id"] for p in st["peers"]}
