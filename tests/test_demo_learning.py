@@ -31,7 +31,7 @@ from protocol.statehash import state_hash
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 12
-# The offline run (python -m node.demo.learner) measures full/patch at ~21-24x
+# The offline run (python -m node.demo.learner) measures full/patch at 15-17x
 # for every step of 30; this bound leaves room for other torch builds.
 MIN_FULL_OVER_PATCH = 12.0
 
@@ -49,8 +49,8 @@ def offline():
 def test_policy_learns_within_a_few_versions(offline):
     rewards = [r["reward"] for r in offline.rows]
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
-    assert last > first + 0.04, f"reward did not improve: first steps {rewards[:3]}, last {rewards[-3:]}"
-    assert all(r["rollout_version"] == max(1, r["version"] - 2) for r in offline.rows)
+    assert last > first + 0.08, f"reward did not improve: first steps {rewards[:3]}, last {rewards[-3:]}"
+    assert all(r["rollout_version"] == max(0, r["version"] - 2) for r in offline.rows)
 
 
 def test_served_patches_are_lossless_and_small(offline):
@@ -68,7 +68,7 @@ def test_served_patches_are_lossless_and_small(offline):
 def test_unused_input_embedding_rows_do_not_move(offline):
     """A token no rollout has sampled gets no gradient in its input row, so the
     row keeps every bit (the rare non-digit a rollout does sample moves on
-    with Adam's momentum: ~85 of 4084 rows after 12 steps here)."""
+    with Adam's momentum: a few percent of the rows after 12 steps)."""
     base, target, _ = offline.pairs[-1]
     used = 2 + task.DIGITS
     moved = base["embed.weight"].view(torch.int16).ne(target["embed.weight"].view(torch.int16)).any(1)
@@ -169,8 +169,8 @@ def test_view_renders_live_on_a_terminal(offline):
     console = Console(file=out, force_terminal=True, width=140, color_system=None)
     with DemoView(console) as view:
         assert view.live
-        view.update(_nodes(STEPS + 1), offline.origin_stats, offline.rewards, note="step 12/12")
-    console.print(summary_table(_nodes(STEPS + 1), offline.origin_stats, offline.rewards))
+        view.update(_nodes(STEPS), offline.origin_stats, offline.rewards, note="step 12/12")
+    console.print(summary_table(_nodes(STEPS), offline.origin_stats, offline.rewards))
     text = out.getvalue()
     for needle in ("node-5", "r2", "same region", "full / sent", "keyframe", "reward", "summary", "mean patch"):
         assert needle in text, needle
@@ -182,19 +182,19 @@ def test_view_degrades_to_plain_lines_off_a_terminal(offline):
     view = DemoView(Console(file=out, force_terminal=False, width=200))
     assert not view.live
     with view:
-        view.update(_nodes(STEPS + 1), offline.origin_stats, offline.rewards)
+        view.update(_nodes(STEPS), offline.origin_stats, offline.rewards)
         first = out.getvalue()
-        view.update(_nodes(STEPS + 1), offline.origin_stats, offline.rewards)
+        view.update(_nodes(STEPS), offline.origin_stats, offline.rewards)
         assert out.getvalue() == first  # nothing new, nothing printed
         stats = {"versions": offline.origin_stats["versions"]
-                 + [{"version": STEPS + 2, "patch_bytes": 1000, "keyframe_bytes": None, "full_bytes": 2000}]}
-        view.update(_nodes(STEPS + 2), stats, offline.rewards + [(STEPS + 1, 0.9)])
+                 + [{"version": STEPS + 1, "patch_bytes": 1000, "keyframe_bytes": None, "full_bytes": 2000}]}
+        view.update(_nodes(STEPS + 1), stats, offline.rewards + [(STEPS + 1, 0.9)])
     lines = out.getvalue().splitlines()
     assert "\x1b[" not in out.getvalue()
-    assert sum(line.startswith("version ") for line in lines) == STEPS + 2
+    assert sum(line.startswith("version ") for line in lines) == STEPS + 2  # versions 0..STEPS + 1
     assert sum(line.startswith("node node-3 (r1) at version") for line in lines) == 2
     assert lines[-1] == f"step {STEPS + 1}: reward 0.900"
-    assert any(line.startswith(f"version {STEPS + 2} published: patch 1,000 B") for line in lines)
+    assert any(line.startswith(f"version {STEPS + 1} published: patch 1,000 B") for line in lines)
 
 
 def test_sparkline_scales_to_the_given_range():
@@ -204,11 +204,11 @@ def test_sparkline_scales_to_the_given_range():
 
 
 def test_figure_is_a_png_with_three_panels(offline, tmp_path):
-    path = write_figure(tmp_path / "demo.png", offline.rewards, offline.origin_stats, _nodes(STEPS + 1))
+    path = write_figure(tmp_path / "demo.png", offline.rewards, offline.origin_stats, _nodes(STEPS))
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     img = matplotlib.image.imread(path)
     assert img.shape[0] > 300 and img.shape[1] > 3 * img.shape[0] // 2
     assert not list(tmp_path.glob(".*.tmp"))
-    render(_nodes(1), {}, [])  # an empty run renders too
+    Console(file=io.StringIO()).print(render(_nodes(0), {}, []))  # an empty run renders too
     write_figure(tmp_path / "empty.png", [], {}, [])

@@ -100,7 +100,8 @@ def _bits_changed(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> int
 
 def run_offline(steps: int = 30, workers: int = 6, batch: int = 16, lag: int = 1, seed: int = 0,
                 keep_pairs: bool = False, learner: Learner | None = None) -> OfflineRun:
-    """The demo's RL loop in one process. Version 1 is the pretrained policy;
+    """The demo's RL loop in one process. Version 0 is the pretrained policy
+    (the origin numbers versions from 0 too);
     at each step every simulated worker rolls out `batch` trajectories with the
     served bf16 weights of the version `lag` behind the latest, the learner
     trains on all of them, and the new served state is diffed against the
@@ -113,13 +114,13 @@ def run_offline(steps: int = 30, workers: int = 6, batch: int = 16, lag: int = 1
     served = [task.served_state(learner.model)]
     full = sum(t.numel() * t.element_size() for t in served[0].values())
     params = sum(t.numel() for t in served[0].values())
-    versions = [{"version": 1, "patch_bytes": None, "keyframe_bytes": len(keyframe(served[0]).to_bytes()),
+    versions = [{"version": 0, "patch_bytes": None, "keyframe_bytes": len(keyframe(served[0]).to_bytes()),
                  "full_bytes": full, "changed": None, "params": params}]
     rows, pairs = [], []
     for step in range(1, steps + 1):
-        latest = len(versions)
-        rv = max(1, latest - lag)
-        weights = served[rv - (latest - len(served)) - 1]
+        latest = versions[-1]["version"]
+        rv = max(0, latest - lag)
+        weights = served[rv - latest + len(served) - 1]  # served[-1] is `latest`
         records, ro_cpu = [], 0.0
         for w in range(workers):
             t0 = time.process_time()

@@ -83,7 +83,7 @@ def run_worker(client, *, seed: int, batch: int, max_versions: int, idle_timeout
     t_end = time.monotonic() + deadline
     done: list[int] = []
     sent = 0
-    last = 0
+    last = -1  # versions count from 0
     idle_since = time.monotonic()
     while len(done) < max_versions:
         now = time.monotonic()
@@ -92,7 +92,8 @@ def run_worker(client, *, seed: int, batch: int, max_versions: int, idle_timeout
         if now >= t_end:
             return WorkerSummary(done, sent, f"deadline {deadline:g} s")
         if now - idle_since >= idle_timeout:
-            return WorkerSummary(done, sent, f"no version after {last} for {idle_timeout:g} s")
+            after = "yet" if last < 0 else f"after {last}"
+            return WorkerSummary(done, sent, f"no version {after} for {idle_timeout:g} s")
         try:
             st = client.wait_version(last + 1, min(WAIT_SLICE_S, t_end - now))
         except NodeUnavailable:

@@ -77,7 +77,7 @@ def nodes_table(nodes: Iterable[dict]) -> Table:
     for st in sorted(nodes, key=lambda s: (str(s.get("region")), str(s.get("node_id")))):
         bi = st.get("bytes_in") or {}
         recs, nbytes = _spool(st)
-        t.add_row(str(st.get("node_id", "?"))[:16], str(st.get("region", "?")), str(st.get("version") or "-"),
+        t.add_row(str(st.get("node_id", "?"))[:16], str(st.get("region", "?")), "-" if st.get("version") is None else str(st["version"]),
                   *(human_bytes(bi.get(k)) for k in SOURCES),
                   "-" if recs is None else f"{recs} rec / {human_bytes(nbytes)}")
     return t
