@@ -158,6 +158,8 @@ def _node_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--upload-limit", type=parse_rate, metavar="BYTES_PER_S", help="cap on chunk upload rate")
     p.add_argument("--download-limit", type=parse_rate, metavar="BYTES_PER_S", help="cap on download rate")
     p.add_argument("--no-peers", action="store_true", help="fetch from the origin only (for comparisons)")
+    p.add_argument("--spool-bytes", type=int, default=1 << 30,
+                   help="trajectory spool size limit; submit waits when it is full (default 1 GiB)")
     _common(p, "127.0.0.1:0")
 
 
@@ -166,7 +168,7 @@ def cmd_node(args: argparse.Namespace) -> int:
     from node.daemon import Node, NodeConfig
 
     n = Node(NodeConfig(args.tracker, args.creds, args.data_dir, args.listen, args.region,
-                        args.upload_limit, args.download_limit, args.no_peers))
+                        args.upload_limit, args.download_limit, args.no_peers, spool_bytes=args.spool_bytes))
     return run_service(f"node {n.id}", n.run, args.verbose)
 
 
@@ -188,6 +190,52 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(json.dumps(st))
         return 0
     print_status(st)
+    return 0
+
+
+def _trajectories_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data-dir", metavar="D", required=True, type=Path, help="the origin's data dir")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    p.add_argument("--dump", action="store_true",
+                   help="print every record as one JSON line (node_id, seq, policy_version, payload_b64, ...)")
+    p.add_argument("--max-staleness", type=int, metavar="N",
+                   help="count as stale the records more than N versions behind the origin's current version")
+
+
+@command("trajectories", "summarise (or dump) the trajectories an origin has received", _trajectories_args)
+def cmd_trajectories(args: argparse.Namespace) -> int:
+    from node.trajstore import TrajectoryReader
+    from node.weights import WEIGHTS_NAME, META_VERSION, read_metadata
+
+    directory = args.data_dir / "trajectories"
+    if not directory.is_dir():
+        raise UsageError(f"{args.data_dir}: no trajectories here (is it an origin's data dir?)")
+    reader = TrajectoryReader(directory)
+    if args.dump:
+        reader.dump_jsonl(sys.stdout)
+        return 0
+    weights = args.data_dir / WEIGHTS_NAME
+    current = int(read_metadata(weights)[META_VERSION]) if weights.exists() else None
+    summary = {"current_version": current, "max_staleness": args.max_staleness,
+               **reader.summary(current, args.max_staleness)}
+    if args.json:
+        print(json.dumps(summary))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"trajectories at {args.data_dir}", show_header=False)
+    t.add_column("field", style="bold")
+    t.add_column("value", overflow="fold")
+    t.add_row("records", f"{summary['records']:,} ({_mb(summary['payload_bytes'])} of payload)")
+    t.add_row("duplicates dropped", f"{summary['duplicates_dropped']:,}")
+    stale = f"{summary['stale']:,}" if args.max_staleness is not None else "- (give --max-staleness)"
+    t.add_row("stale", stale)
+    t.add_row("by node", ", ".join(f"{k}: {v:,}" for k, v in summary["by_node"].items()) or "-")
+    t.add_row("by version", ", ".join(f"v{k}: {v:,}" for k, v in summary["by_version"].items()) or "-")
+    if summary["problems"]:
+        t.add_row("problems", "; ".join(summary["problems"]))
+    Console().print(t)
     return 0
 
 

@@ -3,8 +3,9 @@
 For rollout workers and people. `status()`, `wait_version(min_version,
 timeout)`, `submit(payload, policy_version, meta=None) -> seq` and
 `submit_many(records) -> seqs`. A payload is bytes, or any msgpack-able
-object (it is packed, and `meta["msgpack"] = True` tells the trainer to unpack
-it). `submit` returns once the node has the records durably in its spool.
+object (packed by `protocol.trajectory.encode_payload`; the trainer gets it
+back with `record.value()`). `submit` returns once the node has the records
+durably in its spool.
 Errors the node reports raise `NodeError` (with `.code`); a missing socket
 raises `NodeUnavailable`.
 """
@@ -15,16 +16,15 @@ import os
 import socket
 from pathlib import Path
 
-import msgpack
 import trio
 
 from protocol import localapi
-from protocol.errors import PatchswarmError, ProtocolError, UsageError
+from protocol.errors import PatchswarmError, ProtocolError
+from protocol.trajectory import encode_payload
 from protocol.wire import CLOSED, NEED_DATA, FrameBuffer
 
 SOCKET_NAME = "node.sock"
 DEFAULT_SUBMIT_TIMEOUT = 60.0
-MSGPACK_META = "msgpack"
 
 
 class NodeError(PatchswarmError):
@@ -44,21 +44,9 @@ def socket_path(data_dir: str | os.PathLike) -> Path:
 
 
 def record(payload, policy_version: int, meta: dict | None = None) -> list:
-    """One submit record; packs a non-bytes payload with msgpack and says so in meta."""
-    if isinstance(payload, (bytes, bytearray, memoryview)):
-        return [bytes(payload), policy_version, meta]
-    try:
-        packed = msgpack.packb(payload, use_bin_type=True)
-    except (TypeError, ValueError, OverflowError) as e:
-        raise UsageError(f"submit: payload must be bytes or msgpack-able, found {type(payload).__name__} ({e})") from None
-    return [packed, policy_version, {**(meta or {}), MSGPACK_META: True}]
-
-
-def unpack_payload(payload: bytes, meta: dict | None):
-    """The object a submitter passed: unpacked if it was packed by `record`."""
-    if meta and meta.get(MSGPACK_META):
-        return msgpack.unpackb(payload, raw=False)
-    return payload
+    """One submit record: [payload bytes, policy_version, meta]."""
+    data, meta = encode_payload(payload, meta)
+    return [data, policy_version, meta]
 
 
 def _result(reply: dict) -> dict:

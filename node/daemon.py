@@ -26,16 +26,18 @@ import trio
 
 from protocol import localapi, wire
 from protocol.errors import (ConflictingManifest, CorruptData, InvalidInput, PatchswarmError, SignatureError,
-                             StaleVersion, UsageError)
+                             SpoolFull, StaleVersion, UsageError)
 from protocol.manifest import chunk_ok
 from protocol.patch import apply as apply_patch
 from protocol.picker import PiecePicker
 from protocol.publication import ObjKey, describe, patch_of
+from protocol.trajectory import encode_batch
 from protocol.versions import NEW, VersionBook
 
 from .localapi import serve_local
 from .peers import PeerDropped, PeerSet, Session
 from .ratelimit import TokenBucket
+from .spool import TrajectorySpool
 from .store import ObjectStore
 from .trackerlink import TrackerLink, one_line
 from .transport import connect, serve
@@ -49,6 +51,9 @@ SAME_REGION_PEERS = 16
 OTHER_REGION_PEERS = 3  # per other region
 KEEP_VERSIONS = 4  # objects kept after they are applied, to serve peers that are behind
 BACKOFF_MAX = 10.0
+SPOOL_BYTES = 1 << 30  # trajectories kept while the origin is unreachable; submit waits beyond
+UPLOAD_WINDOW = 4  # trajectory batches in flight to the origin before waiting for acks
+UPLOAD_BATCH_BYTES = 4 << 20
 
 
 class Wakeup:
@@ -78,6 +83,7 @@ class NodeConfig:
     no_peers: bool = False
     keep_versions: int = KEEP_VERSIONS
     seed: int | None = None
+    spool_bytes: int = SPOOL_BYTES
 
 
 def _rank(a: str, b: str) -> bytes:
@@ -124,6 +130,10 @@ class Node:
         self._version_changed = trio.Event()
         self._nursery: trio.Nursery | None = None
         self._lock_fd: int | None = None
+        self.spool: TrajectorySpool | None = None
+        self._uploads_in_flight = 0
+        self._uploader = Wakeup()
+        self._uploaded: collections.deque[tuple[float, int]] = collections.deque()  # (time, bytes) sent
 
     # ------------------------------------------------------------ life
 
@@ -139,6 +149,17 @@ class Node:
         self.peers.store = self.store
         for line in self.store.load(self.book, None):
             log.warning("dropped from the object store: %s", line)
+        self.spool = await TrajectorySpool.open(self.data_dir / "spool", self.id, self.region,
+                                                max_bytes=self.cfg.spool_bytes)
+        for problem in self.spool.problems:
+            log.warning("trajectory spool: %s (intact records around it are kept)", problem)
+        try:
+            await self._run(task_status)
+        finally:
+            with trio.CancelScope(shield=True):
+                await self.spool.aclose()
+
+    async def _run(self, task_status) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             self.listen_addr = await nursery.start(self._serve_peers)
@@ -150,6 +171,7 @@ class Node:
             nursery.start_soon(self._dial_loop)
             nursery.start_soon(self._schedule_loop)
             nursery.start_soon(self._apply_loop)
+            nursery.start_soon(self._upload_loop)
             task_status.started(self)
 
     def _lock_data_dir(self) -> None:
@@ -298,6 +320,12 @@ class Node:
         self._sched.set()
 
     async def _on_peer_close(self, s: Session) -> None:
+        if s.role == "origin":
+            # Batches in flight on that connection may never be acked: send everything unacked again
+            # (the origin drops what it already has).
+            self._uploads_in_flight = 0
+            self.spool.requeue()
+            self._uploader.set()
         if self.picker is not None:
             self.picker.peer_left(s.id)
         for k in [k for k in self._outstanding if k[0] == s.id]:
@@ -322,6 +350,10 @@ class Node:
             self._sched.set()
         elif isinstance(msg, wire.VersionNotice):
             await self._offer(msg.manifest, f"peer {s.id}")
+        elif isinstance(msg, wire.TrajectoriesAck) and s.role == "origin":
+            self._uploads_in_flight = max(0, self._uploads_in_flight - 1)
+            self._uploader.set()
+            await self.spool.ack(msg.seqs)
         elif isinstance(msg, wire.Error):
             log.warning("peer %s says: %s", s.id, msg.message)
         else:
@@ -459,6 +491,53 @@ class Node:
                 self.store.drop(key)
         self.book.forget_below(floor)
 
+    # ------------------------------------------------------------ trajectories
+
+    def _origin_session(self) -> Session | None:
+        return next((s for s in self.peers.sessions.values() if s.role == "origin" and not s.closed), None)
+
+    async def _upload_loop(self) -> None:
+        """Stream spooled trajectories to the origin; they leave the spool only on its ack."""
+        while True:
+            if self._origin_session() is None or self._uploads_in_flight >= UPLOAD_WINDOW:
+                await self._uploader.wait(1.0)
+                continue
+            batch = await self.spool.next_batch(max_bytes=UPLOAD_BATCH_BYTES)
+            data = encode_batch(batch)
+            s = self._origin_session()  # again: the wait may have outlived a connection
+            try:
+                if s is None:
+                    raise trio.ClosedResourceError("no connection to the origin")
+                self._uploads_in_flight += 1
+                await s.send(wire.Trajectories(data))
+            except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, ssl.SSLError, OSError):
+                # Whatever was handed out goes again later; the origin drops what it already has.
+                self.spool.requeue()
+                if s is not None:
+                    s.closed = True
+                continue
+            now = trio.current_time()
+            self._uploaded.append((now, len(data)))
+            while self._uploaded and self._uploaded[0][0] < now - 5.0:
+                self._uploaded.popleft()
+
+    def _spool_status(self) -> dict:
+        st = self.spool.stats()
+        now = trio.current_time()
+        recent = sum(b for t, b in self._uploaded if t >= now - 5.0)
+        return {"records": st["records"], "bytes": st["bytes"], "appended_total": st["appended_total"],
+                "acked_total": st["acked_total"], "upload_rate_bps": recent / 5.0,
+                "batches_in_flight": self._uploads_in_flight}
+
+    async def _submit(self, req: dict) -> dict:
+        try:
+            seqs = await self.spool.append([tuple(r) for r in req["records"]], req["timeout"])
+        except SpoolFull as e:
+            return localapi.error(localapi.FULL, str(e))
+        except UsageError as e:
+            return localapi.error(localapi.BAD_REQUEST, str(e))
+        return localapi.ok(seqs=seqs)
+
     # ------------------------------------------------------------ local socket
 
     def status(self) -> dict:
@@ -483,6 +562,7 @@ class Node:
             "manifests_rejected": self.manifests_rejected,
             "fetching": fetching,
             "applied": list(self.applied),
+            "spool": self._spool_status(),
             "uptime_s": round(time.time() - self.started_at, 1),
         }
 
@@ -497,4 +577,6 @@ class Node:
                 return localapi.ok(status=self.status())
             return localapi.error(localapi.TIMEOUT, f"version {req['min_version']} not reached within "
                                                     f"{req['timeout']} s; the node is at {self.version}")
+        if op == "submit":
+            return await self._submit(req)
         return localapi.error(localapi.UNAVAILABLE, f"{op}: not available on this node")

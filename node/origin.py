@@ -29,17 +29,19 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from protocol import wire
-from protocol.errors import InvalidInput, PatchswarmError, UsageError
+from protocol.errors import CorruptData, InvalidInput, PatchswarmError, StorageFailed, UsageError
 from protocol.manifest import sign_manifest
 from protocol.patch import diff, keyframe
 from protocol.publication import ObjKey, describe, manifest_of
 from protocol.statehash import state_hash
+from protocol.trajectory import ReceivedRecord, decode_batch
 from protocol.versions import VersionBook
 
 from .checkpoint import load_state
 from .peers import PeerDropped, PeerSet, Session
 from .ratelimit import TokenBucket
 from .store import ObjectStore
+from .trajstore import TrajectoryCursor, TrajectoryStore
 from .trackerlink import TrackerLink
 from .transport import serve
 from .trust import Credentials, swarm_id_of
@@ -131,6 +133,7 @@ class Origin:
         self.tracker = TrackerLink(cfg.tracker, self.creds, self._hello, self._on_tracker_message,
                                    on_connect=self._on_tracker_connect)
         self.history: list[VersionStats] = []
+        self.trajectory_store: TrajectoryStore | None = None
         self._publish_lock = trio.Lock()
         self._nursery: trio.Nursery | None = None
         self._members: list[dict] = []
@@ -152,6 +155,16 @@ class Origin:
             if not self.store.complete(key):  # published objects are written whole before announcing
                 log.warning("dropping incomplete object %s (interrupted publish)", describe(key))
                 self.store.drop(key)
+        self.trajectory_store = await TrajectoryStore.open(self.data_dir / "trajectories")
+        for problem in self.trajectory_store.problems:
+            log.warning("trajectory store: %s (intact records around it are kept)", problem)
+        try:
+            await self._run(task_status)
+        finally:
+            with trio.CancelScope(shield=True):
+                await self.trajectory_store.aclose()
+
+    async def _run(self, task_status) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             self.listen_addr = await nursery.start(self._serve_peers)
@@ -179,12 +192,43 @@ class Origin:
         log.info("node %s (region %s) connected", s.id, s.region)
 
     async def _on_message(self, s: Session, msg) -> None:
+        if isinstance(msg, wire.Trajectories):
+            try:
+                records = decode_batch(msg.batch)
+            except CorruptData as e:
+                raise PeerDropped(f"sent an undecodable trajectory batch: {e}") from None
+            wrong = next((r.node_id for r in records if r.node_id != s.id), None)
+            if wrong is not None:
+                raise PeerDropped(f"sent trajectories in the name of node {wrong!r}")
+            # Stored and acked in its own task: batches from one node commit together with
+            # other nodes' batches (one fsync), and the connection keeps reading meanwhile.
+            self._nursery.start_soon(self._store_and_ack, s, records)
+            return
         if isinstance(msg, (wire.Have, wire.HaveOne, wire.Heartbeat)):
             return
         if isinstance(msg, wire.Error):
             log.warning("node %s says: %s", s.id, msg.message)
             return
         raise PeerDropped(f"sent {type(msg).__name__}, which the origin does not take")
+
+    async def _store_and_ack(self, s: Session, records) -> None:
+        try:
+            seqs = await self.trajectory_store.append(records)
+        except StorageFailed as e:
+            log.error("trajectory store failed (%s); closing %s's connection so it resends later", e, s.id)
+            s.closed = True
+            await s.ms.aclose()
+            return
+        if not s.closed:
+            try:
+                await s.send(wire.TrajectoriesAck(seqs))
+            except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, OSError):
+                s.closed = True  # the node resends after reconnecting; the store drops the duplicates
+
+    def trajectories(self, min_version: int | None = None, max_staleness: int | None = None) -> "TrajectoryFeed":
+        """Trajectories in arrival order, from the first one stored; see TrajectoryFeed."""
+        return TrajectoryFeed(self, self.trajectory_store.cursor(min_version=min_version,
+                                                                 max_staleness=max_staleness))
 
     # ------------------------------------------------------------ tracker
 
@@ -303,7 +347,40 @@ class Origin:
             "nodes": sorted(s.id for s in self.peers.sessions.values()),
             "bytes_out": self.peers.bytes_out,
             "versions": [dataclasses.asdict(v) for v in self.history],
+            "trajectories": self.trajectory_store.summary(self.version),
         }
+
+
+class TrajectoryFeed:
+    """The trainer's view of arriving trajectories (in arrival order, each once).
+
+    Records below `min_version`, or more than `max_staleness` versions behind
+    the origin's current version when read, are skipped and counted in
+    `stale` / `below_min`, never silently dropped.
+    """
+
+    def __init__(self, origin: Origin, cursor: TrajectoryCursor):
+        self._origin = origin
+        self._cursor = cursor
+
+    @property
+    def stale(self) -> int:
+        return self._cursor.stale
+
+    @property
+    def below_min(self) -> int:
+        return self._cursor.below_min
+
+    async def get_batch(self, n: int, timeout: float) -> list[ReceivedRecord]:
+        """Up to `n` records: returns once `n` are in, or when `timeout` runs out with what there is."""
+        out: list[ReceivedRecord] = []
+        with trio.move_on_after(timeout):
+            while True:
+                out += self._cursor.read(n - len(out), current_version=self._origin.version)
+                if len(out) >= n:
+                    break
+                await self._origin.trajectory_store.wait_for_records(self._cursor)
+        return out
 
 
 _TEMP = re.compile(r"(^\.)|(\.tmp)|(\.partial$)|(~$)")
@@ -374,6 +451,10 @@ class SyncOrigin:
     def stats(self) -> dict:
         return trio.from_thread.run_sync(self.origin.stats, trio_token=self._token)
 
+    def trajectories(self, min_version: int | None = None, max_staleness: int | None = None) -> "SyncTrajectoryFeed":
+        feed = trio.from_thread.run_sync(self.origin.trajectories, min_version, max_staleness, trio_token=self._token)
+        return SyncTrajectoryFeed(self, feed)
+
     @property
     def listen_addr(self) -> str:
         return self.origin.listen_addr
@@ -388,3 +469,22 @@ class SyncOrigin:
                 pass
         self._thread.join(timeout=30)
         self._thread = None
+
+
+class SyncTrajectoryFeed:
+    """`TrajectoryFeed` for a plain training loop: `get_batch(n, timeout)` blocks."""
+
+    def __init__(self, owner: SyncOrigin, feed: TrajectoryFeed):
+        self._owner = owner
+        self._feed = feed
+
+    @property
+    def stale(self) -> int:
+        return self._feed.stale
+
+    @property
+    def below_min(self) -> int:
+        return self._feed.below_min
+
+    def get_batch(self, n: int, timeout: float) -> list[ReceivedRecord]:
+        return self._owner._call(self._feed.get_batch, n, timeout)
