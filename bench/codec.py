@@ -6,16 +6,19 @@ For each learning rate x served dtype x consecutive (base, target) pair from
 - patch bytes (`protocol.patch.diff(...).to_bytes()`) against the zero-order
   entropy bound (`zero_order_bound_bytes`), the full checkpoint, and
   `zstd -19 --long=27 --patch-from` on the raw tensor bytes;
-- encode (diff + to_bytes) and apply (from_bytes + apply on a clone of base,
-  including apply's full state-hash check) against the floor of any diff: a
-  plain `torch.ne` over the two versions' integer bit views (the faster of
-  torch's thread count and one thread). Timings are the minimum over
-  repetitions (encode/apply 3, compare 5). Every apply result is
-  checked bit-exact against the target; a mismatch aborts the bench;
+- speed against the floor of any diff: "compare", a plain `torch.ne` over
+  the two versions' integer bit views (the faster of torch's thread count and
+  one thread). "enc" is diff + to_bytes including both full-state hashes;
+  "enc-h" is the same when the caller passes the hashes it already holds (the
+  origin does); "apply" is from_bytes + apply on a clone of base, including
+  apply's full state-hash check. All four are timed in interleaved rounds
+  (ROUNDS of each, round-robin) and the minimum of each is kept, so that on a
+  shared machine they see the same conditions; every apply result is checked
+  bit-exact against the target and a mismatch aborts the bench;
 - keyframe bytes (`keyframe(target)`) and zipnn bytes for the same tensors.
 
 Run: `python bench/codec.py [--size small] [--lrs 1e-6,1e-5] [--dtypes bf16,fp8]
-[--pairs 2] [--json rows.json]`. Importing this module does no work.
+[--pairs 2] [--rounds 7] [--json rows.json]`. Importing this module does no work.
 """
 
 from __future__ import annotations
@@ -157,6 +160,12 @@ def _min_time(fn, reps: int):
     return best, out
 
 
+def _compare_once(base: State, target: State, names: list[str]) -> float:
+    t0 = time.perf_counter()
+    sum(int(torch.ne(bits_view(base[k]), bits_view(target[k])).sum()) for k in names)
+    return time.perf_counter() - t0
+
+
 def compare_seconds(base: State, target: State, reps: int = 5) -> float:
     """The floor: torch.ne over integer bit views of every tensor, summed.
 
@@ -165,18 +174,52 @@ def compare_seconds(base: State, target: State, reps: int = 5) -> float:
     the floor should be the fastest plain compare, not the unluckiest.
     """
     names = sorted(target)
-
-    def run():
-        return sum(int(torch.ne(bits_view(base[k]), bits_view(target[k])).sum()) for k in names)
-
-    best = _min_time(run, reps)[0]
+    best = min(_compare_once(base, target, names) for _ in range(reps))
     threads = torch.get_num_threads()
     if threads > 1:
         torch.set_num_threads(1)
         try:
-            best = min(best, _min_time(run, reps)[0])
+            best = min(best, min(_compare_once(base, target, names) for _ in range(reps)))
         finally:
             torch.set_num_threads(threads)
+    return best
+
+
+ROUNDS = 7
+
+
+def speed_rounds(base: State, target: State, blob: bytes, where: str, rounds: int = ROUNDS) -> dict:
+    """Minimum seconds of encode (with and without state hashing), apply and compare.
+
+    One round runs each once, round-robin (compare twice: torch's threads and
+    one thread), so slow spells on a shared machine hit all of them alike.
+    """
+    from protocol import patch as P
+    from protocol.statehash import state_hash
+
+    names = sorted(target)
+    base_hash, target_hash = state_hash(base), state_hash(target)
+    threads = torch.get_num_threads()
+    best = {"encode_s": math.inf, "encode_nohash_s": math.inf, "apply_s": math.inf, "compare_s": math.inf}
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        P.diff(base, target).to_bytes()
+        best["encode_s"] = min(best["encode_s"], time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        P.diff(base, target, base_hash=base_hash, target_hash=target_hash).to_bytes()
+        best["encode_nohash_s"] = min(best["encode_nohash_s"], time.perf_counter() - t0)
+        state = {k: v.clone() for k, v in base.items()}
+        t0 = time.perf_counter()
+        P.apply(state, P.Patch.from_bytes(blob))
+        best["apply_s"] = min(best["apply_s"], time.perf_counter() - t0)
+        assert_bit_exact(state, target, where)
+        del state
+        for n in sorted({threads, 1}):
+            torch.set_num_threads(n)
+            try:
+                best["compare_s"] = min(best["compare_s"], _compare_once(base, target, names))
+            finally:
+                torch.set_num_threads(threads)
     return best
 
 
@@ -197,14 +240,14 @@ def _keyframe_fn():
     return keyframe
 
 
-def bench_pair(base: State, target: State, where: str) -> dict:
+def bench_pair(base: State, target: State, where: str, rounds: int = ROUNDS) -> dict:
     from protocol import patch as P
 
     keyframe = _keyframe_fn()
     row: dict = {}
     row["params"] = sum(t.numel() for t in target.values())
 
-    enc_s, blob = _min_time(lambda: P.diff(base, target).to_bytes(), 3)
+    blob = P.diff(base, target).to_bytes()
     stats = P.Patch.from_bytes(blob).stats()
     row["changed"] = int(stats["changed"])
     row["changed_pct"] = 100.0 * row["changed"] / max(1, row["params"])
@@ -212,16 +255,7 @@ def bench_pair(base: State, target: State, where: str) -> dict:
     row["bound_bytes"] = zero_order_bound_bytes(base, target)
     row["full_bytes"] = full_bytes(target)
     row["zstd_bytes"], row["zstd_s"] = zstd_patch_from(base, target)
-
-    apply_best = math.inf
-    for _ in range(3):
-        state = {k: v.clone() for k, v in base.items()}
-        t0 = time.perf_counter()
-        P.apply(state, P.Patch.from_bytes(blob))
-        apply_best = min(apply_best, time.perf_counter() - t0)
-        assert_bit_exact(state, target, where)
-    row["encode_s"], row["apply_s"] = enc_s, apply_best
-    row["compare_s"] = compare_seconds(base, target)
+    row.update(speed_rounds(base, target, blob, where, rounds))
 
     row["keyframe_bytes"] = len(keyframe(target).to_bytes())
     row["zipnn_bytes"], row["zipnn_note"] = zipnn_bytes(target)
@@ -233,6 +267,7 @@ def bench_pair(base: State, target: State, where: str) -> dict:
     row["full/patch"] = ratio(row["full_bytes"], row["patch_bytes"])
     row["patch/zstd"] = ratio(row["patch_bytes"], row["zstd_bytes"])
     row["encode/compare"] = ratio(row["encode_s"], row["compare_s"])
+    row["encode_nohash/compare"] = ratio(row["encode_nohash_s"], row["compare_s"])
     row["apply/compare"] = ratio(row["apply_s"], row["compare_s"])
     row["keyframe/raw"] = ratio(row["keyframe_bytes"], row["full_bytes"])
     row["zipnn/raw"] = ratio(row["zipnn_bytes"], row["full_bytes"])
@@ -246,8 +281,9 @@ COLUMNS = [  # (header, key, format)
     ("patch B", "patch_bytes", "{:,}"), ("bound B", "bound_bytes", "{:,.0f}"), ("p/bound", "patch/bound", "{:.3f}"),
     ("full B", "full_bytes", "{:,}"), ("full/p", "full/patch", "{:.1f}"),
     ("zstd B", "zstd_bytes", "{:,}"), ("zstd s", "zstd_s", "{:.2f}"), ("p/zstd", "patch/zstd", "{:.3f}"),
-    ("enc s", "encode_s", "{:.4f}"), ("apply s", "apply_s", "{:.4f}"), ("cmp s", "compare_s", "{:.4f}"),
-    ("enc/cmp", "encode/compare", "{:.2f}"), ("app/cmp", "apply/compare", "{:.2f}"),
+    ("enc s", "encode_s", "{:.4f}"), ("enc-h s", "encode_nohash_s", "{:.4f}"), ("apply s", "apply_s", "{:.4f}"),
+    ("cmp s", "compare_s", "{:.4f}"),
+    ("enc/cmp", "encode/compare", "{:.2f}"), ("enc-h/cmp", "encode_nohash/compare", "{:.2f}"), ("app/cmp", "apply/compare", "{:.2f}"),
     ("kf B", "keyframe_bytes", "{:,}"), ("kf/raw", "keyframe/raw", "{:.3f}"),
     ("zipnn B", "zipnn_bytes", "{:,}"), ("zipnn/raw", "zipnn/raw", "{:.3f}"),
 ]
@@ -287,7 +323,7 @@ def summary(rows: list[dict]) -> str:
     if not sel:
         return "summary: no bf16 lr=1e-6 rows"
     parts = []
-    for key, goal in TARGETS.items():
+    for key, goal in [*TARGETS.items(), ("encode_nohash/compare", TARGETS["encode/compare"])]:
         vals = [r[key] for r in sel if r.get(key) is not None]
         if not vals:
             parts.append(f"{key} n/a")
@@ -303,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lrs", default="1e-6,1e-5", help="comma-separated RL learning rates")
     ap.add_argument("--dtypes", default="bf16,fp8", help="comma-separated served dtypes")
     ap.add_argument("--pairs", type=int, default=2, help="consecutive (base, target) pairs per lr x dtype")
+    ap.add_argument("--rounds", type=int, default=ROUNDS, help="interleaved timing rounds per pair (minimum kept)")
     ap.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     args = ap.parse_args(argv)
 
@@ -319,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
             for i, (base, target) in enumerate(pairs):
                 where = f"size={args.size} lr={lr:g} dtype={dtype} pair={i}"
-                row = {"size": args.size, "lr": lr, "dtype": dtype, "pair": i, **bench_pair(base, target, where)}
+                row = {"size": args.size, "lr": lr, "dtype": dtype, "pair": i, **bench_pair(base, target, where, args.rounds)}
                 rows.append(row)
                 if row["zipnn_note"]:
                     notes.append(f"{dtype}: {row['zipnn_note']}")

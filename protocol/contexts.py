@@ -32,6 +32,7 @@ CLASS_CHOICES = (1, 2, 4, 8)
 CLASS_HEADER_BITS = 96  # what a class costs in the container, for the window choice
 SAMPLE_TARGET = 1 << 16  # base elements sampled per segment to estimate class sizes
 KEY_VALUES = 256
+BLOCK = 512  # elements per prefix-count block: 8 words of 64
 
 _FULL = np.uint64(0xFFFFFFFFFFFFFFFF)
 _BYTES_ONE = np.uint64(0x0101010101010101)
@@ -53,24 +54,22 @@ def _exponent_mask(info: DtypeInfo) -> int:
     return (1 << (info.bits - 1 - info.mantissa_bits)) - 1
 
 
-def class_keys(pieces: list[np.ndarray], info: DtypeInfo) -> np.ndarray:
-    """The exponent field of every element of the concatenated pieces, as uint8.
-
-    The result is padded to a multiple of 64 elements (the padding is zero);
-    the pieces are read once, nothing is concatenated.
-    """
-    n = sum(p.size for p in pieces)
-    keys = np.zeros(-(-n // 64) * 64, dtype=np.uint8)
-    off = 0
-    for p in pieces:
-        # An arithmetic shift leaves sign copies above the exponent; for 8-bit
-        # exponents (bf16, fp32) the cast to uint8 drops them exactly.
-        np.right_shift(p, info.mantissa_bits, out=keys[off : off + p.size], casting="unsafe")
-        off += p.size
+def keys_of(bits: np.ndarray, info: DtypeInfo) -> np.ndarray:
+    """The class key (exponent field) of each bit pattern, as uint8."""
+    # An arithmetic shift leaves sign copies above the exponent; for 8-bit
+    # exponents (bf16, fp32) the cast to uint8 drops them exactly.
+    keys = np.right_shift(bits, info.mantissa_bits).astype(np.uint8)
     mask = _exponent_mask(info)
-    if mask < 0xFF:
-        np.bitwise_and(keys, mask, out=keys)
-    return keys
+    return keys & np.uint8(mask) if mask < 0xFF else keys
+
+
+def sample_keys(pieces: list[np.ndarray], info: DtypeInfo, stride: int) -> np.ndarray:
+    """Keys of every stride-th element of the concatenated pieces."""
+    parts, off = [], 0
+    for p in pieces:
+        parts.append(p[(-off) % stride :: stride])
+        off += p.size
+    return keys_of(np.concatenate(parts), info)
 
 
 def _h(p: np.ndarray) -> np.ndarray:
@@ -117,82 +116,177 @@ def class_of_keys(keys: np.ndarray, lo: int, classes: int) -> np.ndarray:
 class ClassIndex:
     """Class membership of one segment's base elements, with rank and select per class.
 
-    `keys` (from `class_keys`, padded to 64) is overwritten with class ids.
-    Only classes in `needed` get prefix counts (the others are never ranked).
+    Built from the base pieces of a segment (read once, in chunks: no
+    N-sized temporaries, whose page faults cost more than the work here).
+    Class ids are stored as log2(C) packed bit planes. Per class: membership words (64 elements each), their popcounts, and
+    prefix counts per block of 8 words (512 elements); inside a block, rank
+    and select read the 8 popcounts as one 64-bit word (SWAR), so the
+    per-class work over the whole segment is a few passes over N/64 words.
+    Only classes in `needed` are built (the others are never ranked).
     """
 
-    def __init__(self, keys: np.ndarray, size: int, lo: int, classes: int, needed=None):
+    def __init__(self, pieces: list[np.ndarray], info: DtypeInfo, lo: int, classes: int, needed=None):
         if classes not in CLASS_CHOICES:
             raise CorruptData(f"class count: expected one of {CLASS_CHOICES}, found {classes}")
         if not 0 <= lo < KEY_VALUES:
             raise CorruptData(f"class window: expected a start in 0..{KEY_VALUES - 1}, found {lo}")
+        size = sum(p.size for p in pieces)
         self.size = size
         self.classes = classes
-        n_words = keys.size // 64
+        n_words = -(-size // BLOCK) * (BLOCK // 64)
         valid_last = _FULL if size % 64 == 0 else np.uint64((1 << (size % 64)) - 1)
-        n_planes = classes.bit_length() - 1
-        planes = []
-        if n_planes:
-            ids = np.clip(keys, lo, lo + classes - 1, out=keys)
-            np.subtract(ids, lo, out=ids, casting="unsafe")
-            scratch = np.empty_like(ids)
-            for j in range(n_planes):
-                np.bitwise_and(ids, 1 << j, out=scratch)
-                planes.append(np.packbits(scratch, bitorder="little").view(np.uint64))
+        last = (size - 1) // 64 if size else 0
+        planes = _planes(pieces, info, lo, classes, n_words)
+        self._planes = planes
         inverted = [~p for p in planes]
-        needed = range(classes) if needed is None else sorted(set(needed))
-        self.words: dict[int, np.ndarray] = {}
-        for c in needed:
-            if n_planes == 0:
-                w = np.full(n_words, _FULL)
+        self.needed = list(range(classes)) if needed is None else sorted(set(int(c) for c in needed))
+        self._row = {c: i for i, c in enumerate(self.needed)}
+        n_blocks = n_words // 8
+        self._n_blocks = n_blocks
+        octets = np.empty((len(self.needed), n_blocks), dtype=np.uint64)  # per block: its 8 word popcounts as bytes
+        scratch = np.empty(n_words, dtype=np.uint64)
+        for i, c in enumerate(self.needed):
+            terms = [planes[j] if c >> j & 1 else inverted[j] for j in range(len(planes))]
+            if not terms:
+                scratch.fill(_FULL)
+            elif len(terms) == 1:
+                np.copyto(scratch, terms[0])
             else:
-                terms = [planes[j] if c >> j & 1 else inverted[j] for j in range(n_planes)]
-                w = terms[0] & terms[1] if n_planes > 1 else terms[0].copy()
+                np.bitwise_and(terms[0], terms[1], out=scratch)
                 for t in terms[2:]:
-                    w &= t
-            if n_words:
-                w[-1] &= valid_last
-            self.words[c] = w
-        self._pop: dict[int, np.ndarray] = {}
-        self._cum: dict[int, np.ndarray] = {}
-        for c in needed:
-            pop = np.bitwise_count(self.words[c]).astype(np.int64)
-            self._pop[c] = pop
-            # torch's 1-D cumsum is serial and ~5x faster than numpy's here.
-            self._cum[c] = torch.cumsum(torch.from_numpy(pop), 0).numpy()
+                    np.bitwise_and(scratch, t, out=scratch)
+            if size:
+                scratch[last] &= valid_last
+                scratch[last + 1 :] = 0
+            octets[i] = np.bitwise_count(scratch).view(np.uint64)
+        totals = _byte_sums(octets).astype(np.int64).ravel()
+        # One flat prefix over all needed classes (torch's 1-D cumsum is serial
+        # and several times faster than numpy's); each class's run starts
+        # where the previous one ends, so one searchsorted serves them all.
+        self._through = torch.cumsum(torch.from_numpy(totals), 0).numpy()  # members up to each block's end
+        self._before = self._through - totals
+        self._octets = octets.ravel()
+        self._start = {c: int(self._before[i * n_blocks]) if n_blocks else 0 for i, c in enumerate(self.needed)}
+        # A class's word is the AND of each plane or its complement: planes XOR these masks.
+        self._flip = [np.array([0 if c >> j & 1 else _FULL for c in range(classes)], dtype=np.uint64) for j in range(len(planes))]
 
     def class_size(self, c: int) -> int:
-        cum = self._cum[c]
-        return int(cum[-1]) if cum.size else 0
+        i = self._row[c]
+        end = int(self._through[(i + 1) * self._n_blocks - 1]) if self._n_blocks else 0
+        return end - self._start[c]
 
-    def rank(self, c: int, idx: np.ndarray) -> np.ndarray:
-        """Number of class-c elements strictly before each position in idx (all of class c)."""
+    def _words(self, cls: np.ndarray, w: np.ndarray) -> np.ndarray:
+        """The membership word w[i] of class cls[i] (bits past the segment end may be set)."""
+        if not self._planes:
+            return np.full(w.size, _FULL)
+        x = self._planes[0][w] ^ self._flip[0][cls]
+        for plane, flip in zip(self._planes[1:], self._flip[1:]):
+            x &= plane[w] ^ flip[cls]
+        return x
+
+    def _flat(self, cls: np.ndarray, block: np.ndarray) -> np.ndarray:
+        rows = np.array([self._row.get(c, -1) for c in range(self.classes)], dtype=np.int64)[cls]
+        if (rows < 0).any():
+            raise ValueError("class index: a class outside `needed` was asked for")
+        return rows * self._n_blocks + block
+
+    def rank(self, cls: np.ndarray, idx: np.ndarray) -> np.ndarray:
+        """Number of class-cls[i] elements before position idx[i] (idx[i] of that class)."""
         w = idx >> 6
+        flat = self._flat(cls, w >> 3)
+        before_word = _byte_sums(self._octets[flat] & _LOW_BYTES[w & 7]).astype(np.int64)
         below = (np.uint64(1) << (idx & 63).astype(np.uint64)) - np.uint64(1)
-        before = self._cum[c][w] - self._pop[c][w]
-        return before + np.bitwise_count(self.words[c][w] & below).astype(np.int64)
+        before_class = self._before[flat] - np.array([self._start.get(c, 0) for c in range(self.classes)], dtype=np.int64)[cls]
+        return before_class + before_word + np.bitwise_count(self._words(cls, w) & below).astype(np.int64)
 
     def select(self, ranks: dict[int, np.ndarray]) -> np.ndarray:
         """Positions of the members with the given ranks (ascending, 0-based) of each class.
 
         The result lists the classes in the order of `ranks`, ascending inside each.
         """
-        words, ks, at = [], [], []
-        for c, r in ranks.items():
-            if r.size == 0:
-                continue
+        live = [(c, r) for c, r in ranks.items() if r.size]
+        if not live:
+            return np.zeros(0, dtype=np.int64)
+        shifted = []
+        for c, r in live:
             size = self.class_size(c)
             if r[0] < 0 or r[-1] >= size:
-                raise CorruptData(f"position rank: expected < {size} in class {c}, found {int(r.max())}")
-            cum = self._cum[c]
-            w = np.searchsorted(cum, r, side="right")
-            ks.append(r - (cum[w] - self._pop[c][w]))
-            words.append(self.words[c][w])
-            at.append(w)
-        if not at:
-            return np.zeros(0, dtype=np.int64)
-        w, k, x = np.concatenate(at), np.concatenate(ks).astype(np.uint64), np.concatenate(words)
-        return w * 64 + select_in_words(x, k)
+                raise CorruptData(f"position rank: expected < {size} in class {c}, found {int(r[-1])}")
+            shifted.append(r + self._start[c])
+        target = np.concatenate(shifted)
+        flat = np.searchsorted(self._through, target, side="right")
+        k = (target - self._before[flat]).astype(np.uint64)
+        octet = self._octets[flat]
+        j, k_word = _select_in_octets(octet, k)
+        w = ((flat % self._n_blocks) << 3) + j
+        cls = np.repeat(np.array([c for c, _ in live], dtype=np.int64), [r.size for _, r in live])
+        return w * 64 + select_in_words(self._words(cls, w), k_word)
+
+
+CHUNK = 1 << 20  # elements per pass when building planes
+
+
+def _planes(pieces: list[np.ndarray], info: DtypeInfo, lo: int, classes: int, n_words: int) -> list[np.ndarray]:
+    """Bit planes of the class ids clip(key - lo, 0, C - 1), n_words 64-bit words each."""
+    n_planes = classes.bit_length() - 1
+    if n_planes == 0:
+        return []
+    planes = [np.zeros(n_words * 8, dtype=np.uint8) for _ in range(n_planes)]
+    size = sum(p.size for p in pieces)
+    chunk = min(CHUNK, -(-size // 8) * 8)
+    ids, scratch = np.empty(chunk, dtype=np.uint8), np.empty(chunk, dtype=np.uint8)
+    mask = _exponent_mask(info)
+    done = 0  # elements already packed (a multiple of 8 until the last chunk)
+
+    def flush(n: int) -> None:
+        nonlocal done
+        x = ids[:n]
+        if mask < 0xFF:
+            np.bitwise_and(x, mask, out=x)
+        np.clip(x, lo, lo + classes - 1, out=x)
+        np.subtract(x, lo, out=x, casting="unsafe")
+        for j, plane in enumerate(planes):
+            np.bitwise_and(x, 1 << j, out=scratch[:n])
+            plane[done // 8 : done // 8 + (n + 7) // 8] = np.packbits(scratch[:n], bitorder="little")
+        done += n
+
+    fill = 0
+    for p in pieces:
+        pos = 0
+        while pos < p.size:
+            take = min(chunk - fill, p.size - pos)
+            np.right_shift(p[pos : pos + take], info.mantissa_bits, out=ids[fill : fill + take], casting="unsafe")
+            fill += take
+            pos += take
+            if fill == chunk:
+                flush(fill)
+                fill = 0
+    if fill:
+        flush(fill)
+    return [p.view(np.uint64) for p in planes]
+
+
+_LANES16_LOW = np.uint64(0x00FF00FF00FF00FF)
+_LANES16_ONE = np.uint64(0x0001000100010001)
+_LANES16_HIGH = np.uint64(0x8000800080008000)
+_LOW_BYTES = np.array([(1 << (8 * j)) - 1 for j in range(8)], dtype=np.uint64)
+
+
+def _byte_sums(x: np.ndarray) -> np.ndarray:
+    """Sum of the 8 bytes of each uint64 (bytes up to 64: no overflow in 16-bit lanes)."""
+    pairs = (x & _LANES16_LOW) + ((x >> np.uint64(8)) & _LANES16_LOW)
+    return (pairs * _LANES16_ONE) >> np.uint64(48)
+
+
+def _select_in_octets(octet: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For 8 byte counts per uint64 (each ≤ 64) and k below their sum: the byte j
+    holding the k-th unit and k minus the counts before byte j."""
+    odd = (octet >> np.uint64(8)) & _LANES16_LOW  # counts of bytes 1, 3, 5, 7 in 16-bit lanes
+    through_odd = ((octet & _LANES16_LOW) + odd) * _LANES16_ONE  # prefix through bytes 1, 3, 5, 7
+    k_lanes = (k * _LANES16_ONE) | _LANES16_HIGH
+    passed = (np.bitwise_count((k_lanes - through_odd) & _LANES16_HIGH)
+              + np.bitwise_count((k_lanes - (through_odd - odd)) & _LANES16_HIGH))  # bytes with prefix ≤ k
+    return passed.astype(np.int64), k - _byte_sums(octet & _LOW_BYTES[passed])
 
 
 def select_in_words(x: np.ndarray, k: np.ndarray) -> np.ndarray:
@@ -205,4 +299,4 @@ def select_in_words(x: np.ndarray, k: np.ndarray) -> np.ndarray:
     byte = np.bitwise_count(le & _BYTES_HIGH).astype(np.uint64)
     before = ((prefix << np.uint64(8)) >> (byte * np.uint64(8))) & np.uint64(0xFF)
     within = (x >> (byte * np.uint64(8))) & np.uint64(0xFF)
-    return (byte * np.uint64(8)).astype(np.int64) + _SELECT8[within, k - before].astype(np.int64)
+    return (byte * np.uint64(8)).astype(np.int64) + _SELECT8.ravel()[(within << np.uint64(3)) | (k - before)].astype(np.int64)

@@ -131,8 +131,11 @@ def encode(ranks: list[np.ndarray], sizes: list[int], deltas: list[np.ndarray]) 
         neg = d < 0
         signs.append(neg)
         a = np.where(neg, -d, d).astype(np.uint64) - np.uint64(1)  # modular: |int64 min| is 2**63
-        ranked = _Ranked(a)
         bigs = np.flatnonzero(a)
+        if bigs.size == 0:  # all ±1: nothing but signs
+            rows.append([m, n, mode, k, RANKED, 0, 0, 0, b"\x00"])
+            continue
+        ranked = _Ranked(a)
         if bigs.size < m:
             big_gaps = _gaps(bigs)
             kg = ricecode.best_k(big_gaps)

@@ -70,14 +70,11 @@ def info_named(name: str) -> DtypeInfo:
 
 
 def int_view(t: torch.Tensor) -> np.ndarray:
-    """A flat numpy view (shared memory) of `t`'s bit patterns as integers."""
-    info = info_of(t.dtype)
-    flat = t.reshape(-1)
-    if flat.numel() == 0:
-        return np.zeros(0, dtype=info.np_int)
+    """A flat numpy view (shared memory) of a contiguous `t`'s bit patterns as integers."""
+    info = BY_TORCH.get(t.dtype) or info_of(t.dtype)
     if info.torch_dtype is torch.bool:
-        return flat.view(torch.uint8).numpy()
-    return flat.view(info.int_dtype).numpy()
+        return t.view(torch.uint8).numpy().reshape(-1)
+    return t.view(info.int_dtype).numpy().reshape(-1)
 
 
 def to_ordered(bits: np.ndarray, info: DtypeInfo) -> np.ndarray:
@@ -107,12 +104,3 @@ def ordered_range(info: DtypeInfo) -> tuple[int, int]:
         return 0, 255
     ii = np.iinfo(info.np_int)
     return int(ii.min), int(ii.max)
-
-
-def magnitude(bits: np.ndarray, info: DtypeInfo) -> np.ndarray:
-    """Context key source: |value| as an integer in the dtype's width (floats: bits without sign)."""
-    if info.is_float:
-        return bits & info.np_int(info.magnitude_mask)
-    if info.np_int is np.uint8:
-        return bits
-    return np.abs(bits.astype(np.int64))

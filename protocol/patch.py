@@ -36,7 +36,7 @@ import zstandard
 from . import contexts, deltacode, planes
 from .dtypes import DtypeInfo, from_ordered, info_named, info_of, int_view, ordered_range, to_ordered
 from .errors import AlreadyApplied, BaseMismatch, CorruptData, StateHashMismatch, UnsupportedFormat, UsageError
-from .statehash import is_state_hash, state_hash
+from .statehash import BackgroundHashes, is_state_hash, state_hash
 
 FORMAT = "patchswarm"
 FORMAT_VERSION = 2  # 2: BLAKE3 state hashes, exponent-window classes, Rice-only codes
@@ -237,13 +237,6 @@ def _gather(state: State, pieces) -> np.ndarray:
     return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
 
 
-def _window(size: int, keys: np.ndarray | None, changed_keys: np.ndarray | None) -> tuple[int, int]:
-    if keys is None:
-        return 0, 1
-    stride = max(1, size // contexts.SAMPLE_TARGET)
-    return contexts.choose_window(keys[:size:stride], size, changed_keys)
-
-
 def _encode_delta(base: State, target: State, pieces, index: dict[str, int]) -> tuple[dict | None, list[np.ndarray], list[np.ndarray]]:
     info = info_of(base[pieces[0][0]].dtype)
     bs, ts = _piece_bits(base, pieces), _piece_bits(target, pieces)
@@ -261,23 +254,23 @@ def _encode_delta(base: State, target: State, pieces, index: dict[str, int]) -> 
     idx = np.concatenate(idx_parts)
     old, new = np.concatenate(olds), np.concatenate(news)
     d = to_ordered(new, info) - to_ordered(old, info)
-    keys = contexts.class_keys(bs, info) if contexts.has_classes(info) and size >= CLASS_MIN_ELEMENTS else None
-    changed_keys = keys[idx] if keys is not None else None
-    lo, classes = _window(size, keys, changed_keys)
+    lo, classes = 0, 1
+    if contexts.has_classes(info) and size >= CLASS_MIN_ELEMENTS:
+        changed_keys = contexts.keys_of(old, info)
+        stride = max(1, size // contexts.SAMPLE_TARGET)
+        lo, classes = contexts.choose_window(contexts.sample_keys(bs, info, stride), size, changed_keys)
     if classes == 1:
         ranks, sizes, deltas = [idx], [size], [d]
     else:
         cls = contexts.class_of_keys(changed_keys, lo, classes)
         order = np.argsort(cls, kind="stable")  # by class, ascending position inside a class
         counts = np.bincount(cls, minlength=classes)
-        ci = contexts.ClassIndex(keys, size, lo, classes, needed=np.flatnonzero(counts).tolist())
+        ci = contexts.ClassIndex(bs, info, lo, classes, needed=np.flatnonzero(counts).tolist())
         bounds = np.concatenate([[0], np.cumsum(counts)])
-        ranks, sizes, deltas = [], [], []
-        for c in range(classes):
-            sel = order[bounds[c] : bounds[c + 1]]
-            ranks.append(ci.rank(c, idx[sel]) if sel.size else sel)
-            sizes.append(ci.class_size(c) if sel.size else 0)
-            deltas.append(d[sel])
+        ranks_all = ci.rank(cls[order], idx[order])
+        ranks = [ranks_all[bounds[c] : bounds[c + 1]] for c in range(classes)]
+        sizes = [ci.class_size(c) if counts[c] else 0 for c in range(classes)]
+        deltas = [d[order[bounds[c] : bounds[c + 1]]] for c in range(classes)]
     rows, streams = deltacode.encode(ranks, sizes, deltas)
     seg = {"k": "d", "dt": info.name, "p": [[index[n], a, b] for n, a, b in pieces], "w": [lo, classes], "c": rows, "s": streams}
     return seg, [old], [new]
@@ -320,6 +313,26 @@ def diff(base: State, target: State, layout: dict[str, str] | None = None, progr
     """
     _check_state(base, "base")
     _check_state(target, "target")
+    unhashed = [s for s, h in ((base, base_hash), (target, target_hash)) if h is None]
+    hashing = BackgroundHashes(unhashed)  # runs while the diff below runs
+    try:
+        chunks = _encode_chunks(base, target, progress, chunk_bytes, segment_elements)
+    finally:
+        hashes = iter(hashing.result())
+    names = sorted(target)
+    return Patch(
+        kind="patch",
+        base_hash=base_hash or next(hashes),
+        target_hash=target_hash or next(hashes),
+        tensors=[TensorSpec.of(n, target[n]) for n in names],
+        full=[n for n in names if n not in base or base[n].dtype != target[n].dtype or base[n].shape != target[n].shape],
+        removed=sorted(set(base) - set(target)),
+        chunks=chunks,
+        layout=layout,
+    )
+
+
+def _encode_chunks(base: State, target: State, progress: Progress, chunk_bytes: int, segment_elements: int) -> list[bytes]:
     names = sorted(target)
     full = [n for n in names if n not in base or base[n].dtype != target[n].dtype or base[n].shape != target[n].shape]
     full_set = set(full)
@@ -340,16 +353,7 @@ def diff(base: State, target: State, layout: dict[str, str] | None = None, progr
         encoded.append((seg, [], news))
         if progress:
             progress(len(delta_segs) + j + 1, total)
-    return Patch(
-        kind="patch",
-        base_hash=base_hash or state_hash(base),
-        target_hash=target_hash or state_hash(target),
-        tensors=[TensorSpec.of(n, target[n]) for n in names],
-        full=full,
-        removed=sorted(set(base) - set(target)),
-        chunks=_pack_chunks(encoded, chunk_bytes),
-        layout=layout,
-    )
+    return _pack_chunks(encoded, chunk_bytes)
 
 
 def _plan_segments_bytes(state: State, names: list[str]):
@@ -481,7 +485,7 @@ def _positions(bs: list[np.ndarray], seg: _Segment) -> np.ndarray:
         return ranks[0]
     if size < CLASS_MIN_ELEMENTS:
         raise CorruptData(f"segment class window: expected none below {CLASS_MIN_ELEMENTS} elements, found {classes} classes")
-    ci = contexts.ClassIndex(contexts.class_keys(bs, seg.info), size, lo, classes, needed=live)
+    ci = contexts.ClassIndex(bs, seg.info, lo, classes, needed=live)
     for c in live:
         if ci.class_size(c) != seg.rows[c][1]:
             # The classes come from the base: another base has other class sizes.

@@ -27,15 +27,14 @@ MAX_K = 40
 
 
 def best_k(values: np.ndarray) -> int:
-    """The Rice parameter with the fewest bits for these values (searched near the mean)."""
+    """The Rice parameter with the fewest bits for these values (searched next to the mean's)."""
     if values.size == 0:
         return 0
     mean = float(values.mean())
     guess = max(0, int(np.log2(mean * 0.69 + 1e-9))) if mean > 1 else 0
-    ks = np.arange(max(0, guess - 2), min(MAX_K, guess + 2) + 1, dtype=np.uint64)
-    q = values[None, :] >> ks[:, None]
-    esc = (q >= ESCAPE_Q).sum(1)
-    cost = np.minimum(q, ESCAPE_Q).sum(1) + values.size * (1 + ks) + 64 * esc
+    ks = np.arange(max(0, guess - 1), min(MAX_K, guess + 1) + 1, dtype=np.uint64)
+    q = np.minimum(values[None, :] >> ks[:, None], np.uint64(ESCAPE_Q))
+    cost = q.sum(1) + values.size * (1 + ks) + 64 * (q == ESCAPE_Q).sum(1)
     return int(ks[int(np.argmin(cost))])
 
 
@@ -46,9 +45,15 @@ def cost_bits(values: np.ndarray, k: int) -> int:
     return int(np.minimum(q, ESCAPE_Q).sum()) + values.size * (1 + k) + 64 * esc
 
 
-def _offsets(widths: np.ndarray | int, count: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """(widths, bit offsets, total bits) of `count` fields, as int64 arrays."""
-    w = np.full(count, int(widths), dtype=np.int64) if np.ndim(widths) == 0 else np.asarray(widths, dtype=np.int64)
+_MASKS = np.array([(1 << w) - 1 for w in range(65)], dtype=np.uint64)  # numpy shifts by ≥ 64 give 0
+
+
+def _offsets(widths: np.ndarray | int, count: int) -> tuple[np.ndarray | int, np.ndarray, int]:
+    """(widths, bit offsets, total bits) of `count` fields."""
+    if np.ndim(widths) == 0:
+        w = int(widths)
+        return w, np.arange(count, dtype=np.int64) * w, w * count
+    w = np.asarray(widths, dtype=np.int64)
     ends = np.cumsum(w)
     total = int(ends[-1]) if count else 0
     return w, ends - w, total
@@ -61,17 +66,15 @@ def pack_bits(values: np.ndarray, widths: np.ndarray | int) -> bytes:
     if total == 0:
         return b""
     # Each field lands in one 64-bit word, or straddles two: OR the low parts
-    # per word (fields sharing a word are adjacent), then the few spills.
-    wu, shift = w.astype(np.uint64), (off & 63).astype(np.uint64)
-    v = v & np.where(w < 64, (np.uint64(1) << np.minimum(wu, 63)) - np.uint64(1), ~np.uint64(0))
+    # per word (fields sharing a word are adjacent), then the spills.
+    shift = (off & 63).astype(np.uint64)
+    v = v & _MASKS[w]
     word = off >> 6
     words = np.zeros((total + 63) // 64 + 1, dtype=np.uint64)
-    live = w > 0
-    word, v_live, shift_live = word[live], v[live], shift[live]
     starts = np.flatnonzero(np.diff(word, prepend=-1))
-    words[word[starts]] = np.bitwise_or.reduceat(v_live << shift_live, starts)
-    spill = shift_live + wu[live] > np.uint64(64)
-    words[word[spill] + 1] |= v_live[spill] >> (np.uint64(64) - shift_live[spill])
+    words[word[starts]] = np.bitwise_or.reduceat(v << shift, starts)
+    spill = shift > np.uint64(64) - np.asarray(w, dtype=np.uint64)
+    words[word[spill] + 1] |= v[spill] >> (np.uint64(64) - shift[spill])
     return words.astype("<u8").tobytes()[: (total + 7) // 8]
 
 
@@ -92,11 +95,8 @@ def unpack_bits(data: bytes, widths: np.ndarray | int, count: int) -> np.ndarray
     padded.view(np.uint8)[: len(data)] = np.frombuffer(data, dtype=np.uint8)
     words = padded.astype(np.uint64)
     word, shift = off >> 6, (off & 63).astype(np.uint64)
-    lo = words[word] >> shift
-    hi = np.where(shift > 0, words[word + 1] << ((np.uint64(64) - shift) & np.uint64(63)), np.uint64(0))
-    wu = w.astype(np.uint64)
-    mask = np.where(w < 64, (np.uint64(1) << np.minimum(wu, 63)) - np.uint64(1), ~np.uint64(0))
-    return (lo | hi) & mask
+    # numpy's uint64 shifts by 64 give 0, so a field inside one word takes nothing from the next
+    return ((words[word] >> shift) | (words[word + 1] << (np.uint64(64) - shift))) & _MASKS[w]
 
 
 def pack(values: np.ndarray, k: np.ndarray | int) -> bytes:
@@ -139,7 +139,9 @@ def unpack(data: bytes, count: int, k: np.ndarray | int) -> np.ndarray:
     unary_len = (int(zeros[-1]) + 8) // 8
     if bits[zeros[-1] + 1 : unary_len * 8].any():
         raise CorruptData("rice unary part: nonzero padding after the last value")
-    q = np.diff(zeros, prepend=-1) - 1
+    q = np.empty(count, dtype=np.int64)
+    q[0] = zeros[0]
+    np.subtract(zeros[1:], zeros[:-1] + 1, out=q[1:])
     if (q > ESCAPE_Q).any():
         raise CorruptData(f"rice unary part: expected quotients up to {ESCAPE_Q}")
     r = unpack_bits(data[:rem_len], int(ks) if scalar else ks, count)

@@ -77,9 +77,9 @@ def _workers(total_bytes: int) -> int:
     return max(1, min(cores, _MAX_THREADS, total_bytes // (_PARALLEL_MIN_BYTES // 2)))
 
 
-def _block_digests(blocks: list[memoryview]) -> list[bytes]:
+def _block_digests(blocks: list[memoryview], workers: int | None = None) -> list[bytes]:
     digests: list = [None] * len(blocks)
-    bounds = _split([len(b) for b in blocks], _workers(sum(len(b) for b in blocks)))
+    bounds = _split([len(b) for b in blocks], workers or _workers(sum(len(b) for b in blocks)))
     threads = [threading.Thread(target=_hash_range, args=(blocks, digests, bounds[w], bounds[w + 1]), daemon=True)
                for w in range(1, len(bounds) - 1)]
     for t in threads:
@@ -94,7 +94,7 @@ def _block_digests(blocks: list[memoryview]) -> list[bytes]:
     return digests
 
 
-def state_hash(state: dict[str, torch.Tensor]) -> str:
+def state_hash(state: dict[str, torch.Tensor], _workers_override: int | None = None) -> str:
     names = sorted(state)
     owner: list[int] = []
     blocks: list[memoryview] = []
@@ -104,7 +104,7 @@ def state_hash(state: dict[str, torch.Tensor]) -> str:
             owner.append(i)
             blocks.append(mv[off : off + BLOCK_BYTES])
     leaves: list[list[bytes]] = [[] for _ in names]
-    for i, d in zip(owner, _block_digests(blocks)):
+    for i, d in zip(owner, _block_digests(blocks, _workers_override)):
         leaves[i].append(d)
     h = blake3.blake3()
     for name, tensor_leaves in zip(names, leaves):
@@ -112,3 +112,34 @@ def state_hash(state: dict[str, torch.Tensor]) -> str:
         digest = blake3.blake3(b"".join(tensor_leaves)).digest()
         h.update(msgpack.packb([name, info_of(t.dtype).name, list(t.shape), digest]))
     return PREFIX + h.hexdigest()
+
+
+class BackgroundHashes:
+    """State hashes computed on one helper thread while the caller works on.
+
+    For `diff`: hashing base and target costs about as much as the diff
+    itself and needs nothing from it. The states must not change until
+    `result()`, which joins the thread (call it in a `finally`: the thread
+    lives and dies inside the caller's call) and re-raises its error.
+    """
+
+    def __init__(self, states: list[dict[str, torch.Tensor]]):
+        self._out: list = []
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(states,), daemon=True)
+        if states:
+            self._thread.start()
+
+    def _run(self, states) -> None:
+        try:
+            for state in states:
+                self._out.append(state_hash(state, _workers_override=1))
+        except BaseException as e:  # handed to result()
+            self._error = e
+
+    def result(self) -> list[str]:
+        if self._thread.is_alive() or self._thread.ident is not None:
+            self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._out

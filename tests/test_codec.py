@@ -318,23 +318,31 @@ def test_select_in_words_finds_the_kth_set_bit(words, data):
     assert contexts.select_in_words(x, np.array(k, dtype=np.uint64)).tolist() == want
 
 
-def test_class_index_rank_and_select_agree_with_a_sort():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_class_index_rank_and_select_agree_with_a_sort(dtype, monkeypatch):
+    from protocol.dtypes import info_of
+
+    monkeypatch.setattr(contexts, "CHUNK", 1024)  # several chunks, a piece across chunk ends
     rng = np.random.default_rng(5)
-    info = __import__("protocol.dtypes", fromlist=["info_of"]).info_of(torch.bfloat16)
-    pieces = [bits((torch.randn(n, generator=torch.Generator().manual_seed(n)) * 0.02).bfloat16()).numpy() for n in (1000, 63, 4097)]
-    size = sum(p.size for p in pieces)
-    keys = contexts.class_keys(pieces, info)
-    ids = contexts.class_of_keys(keys[:size], 118, 8)
-    ci = contexts.ClassIndex(keys.copy(), size, 118, 8)
+    info = info_of(dtype)
+    gen = torch.Generator().manual_seed(3)
+    pieces = [bits((torch.randn(n, generator=gen) * 0.02).to(dtype)).numpy() for n in (1000, 63, 4097, 1)]
+    flat = np.concatenate(pieces)
+    keys = contexts.keys_of(flat, info)
+    lo = max(0, int(np.median(keys)) - 3)
+    ids = contexts.class_of_keys(keys, lo, 8)
+    ci = contexts.ClassIndex(pieces, info, lo, 8)
     ranks = {}
     for c in range(8):
         members = np.flatnonzero(ids == c)
         assert ci.class_size(c) == members.size
         pick = np.sort(rng.choice(members.size, min(members.size, 50), replace=False)) if members.size else members
-        assert np.array_equal(ci.rank(c, members[pick]), pick)
+        assert np.array_equal(ci.rank(np.full(pick.size, c), members[pick]), pick)
         ranks[c] = pick
     want = np.concatenate([np.flatnonzero(ids == c)[ranks[c]] for c in range(8)])
     assert np.array_equal(ci.select(ranks), want)
+    expo = (flat.astype(np.int64) >> info.mantissa_bits) & ((1 << (info.bits - 1 - info.mantissa_bits)) - 1)
+    assert np.array_equal(keys, expo)
 
 
 def test_state_hash_is_blake3_prefixed_and_independent_of_threads(monkeypatch):
