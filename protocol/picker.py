@@ -17,10 +17,13 @@ Patch objects (the WAN plan of protocol/responsibility.py):
      (`upstream_regions`: the nearest upstream region holding c first); the
      origin only where `upstream_regions` says the origin serves R;
   3. else nothing: wait for the responsible node of R to bring it;
-  4. takeover: once `takeover_after` seconds have passed since the object was
-     added, a node that is idle (nothing in flight, nothing else requestable)
-     fetches waiting chunks from any holder: node peers of any region first,
-     then the origin; at most `pipeline` chunks per idle round, rarest first.
+  4. takeover: once my region has made no progress on the object (no chunk
+     of it newly held by me or a same-region peer) for `takeover_after`
+     seconds, a node that is idle (nothing in flight, nothing else
+     requestable) fetches waiting chunks from any holder: node peers of any
+     region first, then the origin; at most `pipeline` chunks per idle round,
+     rarest first. A slow WAN that still moves chunks never triggers it; a
+     responsible node that went silent does.
      Members leaving re-plan at once (`set_members`), with no delay.
 Keyframe objects (late joiners, rare): no responsibility; node peers of R,
 else node peers of other regions, else the origin. A keyframe every member
@@ -91,12 +94,19 @@ class _Wanted:
 
     __slots__ = ("key", "n_chunks", "priority", "added_at", "rank", "chunk_of", "missing",
                  "holders", "sources", "tier", "inflight", "failed", "buckets", "ready_of",
-                 "dead_buckets", "dead_ready", "n_ready", "duty", "mine", "upstream", "coordinated")
+                 "dead_buckets", "dead_ready", "n_ready", "duty", "mine", "upstream", "coordinated",
+                 "progress", "progress_seen", "progress_at", "taken")
 
     def __init__(self, key: ObjKey, n_chunks: int, have: set[int], priority: int,
                  added_at: float, rng: random.Random, coordinated: bool):
         self.key = key
         self.coordinated = coordinated
+        # Chunks that reached my region (a same-region holder, or me), and when
+        # requests() last saw that count move: takeover waits for a stall.
+        self.progress = 0
+        self.progress_seen = 0
+        self.progress_at = added_at
+        self.taken: set[int] = set()  # chunks asked for by takeover: their arrival is not progress
         self.n_chunks = n_chunks
         self.priority = priority
         self.added_at = added_at
@@ -308,6 +318,10 @@ class PiecePicker:
             if p != peer:
                 cancels.append(Request(p, key, chunk))
         obj.missing.discard(chunk)
+        if chunk in obj.taken:
+            obj.taken.discard(chunk)
+        else:
+            obj.progress += 1
         del obj.holders[chunk]
         for table in (obj.sources, obj.tier, obj.failed, obj.upstream):
             table.pop(chunk, None)
@@ -336,6 +350,9 @@ class PiecePicker:
                 if len(info.inflight) < self.pipeline}
         out: list[Request] = []
         for obj in self._order:
+            if obj.progress != obj.progress_seen:
+                obj.progress_seen, obj.progress_at = obj.progress, now
+        for obj in self._order:
             if not free:
                 break
             if obj.n_ready:
@@ -346,7 +363,7 @@ class PiecePicker:
             # Idle: take over stuck chunks, at most `pipeline` per idle round so
             # that many idle nodes of one region do not flood the WAN at once.
             for obj in self._order:
-                if obj.is_patch and now >= obj.added_at + self.takeover_after and obj.waiting():
+                if obj.is_patch and now >= obj.progress_at + self.takeover_after and obj.waiting():
                     self._pick_takeover(obj, free, out, self.pipeline - len(out))
                 if len(out) >= self.pipeline or not free:
                     break
@@ -355,8 +372,8 @@ class PiecePicker:
     def next_wakeup(self, now: float) -> float | None:
         """The earliest time after `now` at which `requests()` could return
         something new without a new fact (a takeover clock running out)."""
-        due = [obj.added_at + self.takeover_after for obj in self._order
-               if obj.is_patch and obj.waiting() and obj.added_at + self.takeover_after > now]
+        due = [obj.progress_at + self.takeover_after for obj in self._order
+               if obj.is_patch and obj.waiting() and obj.progress_at + self.takeover_after > now]
         return min(due, default=None)
 
     def complete(self, key: ObjKey) -> bool:
@@ -451,6 +468,7 @@ class PiecePicker:
                 p = self._least_busy(eligible, free)
                 self._take_slot(free, p)
                 self._send(obj, c, p, out)
+                obj.taken.add(c)
                 budget -= 1
                 if not free or not budget:
                     return
@@ -530,6 +548,8 @@ class PiecePicker:
                 _discard(buckets, obj.dead_buckets, len(hs), rank[c])
                 buckets.setdefault(len(hs) + 1, set()).add(rank[c])
             hs.add(peer)
+            if fixed == _SAME_REGION:
+                obj.progress += 1
             if failed and peer in failed.get(c, ()):
                 continue
             if fixed is not None:

@@ -263,12 +263,14 @@ def test_takeover_only_after_the_delay_and_only_when_idle():
     assert own and stuck and asked(first) == {("a0", c) for c in own}
     assert p.next_wakeup(10.0) == 12.0
     _received_all(p, first[1:])
-    assert p.requests(11.0) == [] and p.next_wakeup(11.0) == 12.0  # idle, but too early
-    assert p.requests(12.5) == []  # late enough, but one request is still in flight
+    # Chunks arriving in the region are progress: the clock restarts from there.
+    assert p.requests(11.0) == [] and p.next_wakeup(11.0) == 13.0
+    assert p.requests(13.5) == []  # a stall long enough, but one request is still in flight
     _received_all(p, first[:1])
-    taken = p.requests(12.5)  # idle and late: a1's share, from a node peer
+    assert p.requests(13.5) == [] and p.next_wakeup(13.5) == 15.5  # that arrival was progress too
+    taken = p.requests(15.5)  # idle, and the region stalled for 2 s: a1's share, from a node peer
     assert asked(taken) == {("a0", c) for c in stuck}
-    assert p.next_wakeup(12.5) is None  # the clock has run out: only facts matter now
+    assert p.next_wakeup(15.5) is None  # the clock has run out: only facts matter now
 
 
 @pytest.mark.parametrize("holders, expect", [
@@ -286,7 +288,8 @@ def test_takeover_sources(holders, expect):
             p.peer_has(h, KEY, [c])
         assert all(r.chunk != c for r in p.requests(0.0))
         _received_all(p, p.requests(0.0))
-        got |= {r.peer for r in p.requests(1.0) if r.chunk == c}
+        assert all(r.chunk != c for r in p.requests(0.5))  # progress just now: no takeover yet
+        got |= {r.peer for r in p.requests(1.5) if r.chunk == c}
     assert got == expect
 
 
@@ -837,3 +840,23 @@ def test_coordinated_keyframe_follows_the_wan_plan():
     p.peer_joined("origin", ORIGIN, "r0")
     p.peer_has("origin", key, range(12))
     assert len(p.requests(0.0)) == p.pipeline
+
+
+def test_slow_but_moving_region_is_not_taken_over():
+    """A responsible node that keeps bringing chunks over a slow WAN is left to it; one that stalls is not."""
+    members = {"a1": "r1", "b1": "r1", "a0": "r0"}
+    n = 40
+    own, theirs = owned("b1", members, n), sorted(owned("a1", members, n))
+    p = make("b1", members, n=n, takeover_after=2.0, now=0.0, pipeline=n)
+    p.peer_has("a0", KEY, range(n))
+    _received_all(p, p.requests(0.0))  # b1's own share is done: b1 is idle from here on
+    t = 0.0
+    for c in theirs[:4]:  # a1 delivers one chunk every 1.5 s: slow, but moving
+        t += 1.5
+        p.peer_has("a1", KEY, [c])
+        got = p.requests(t)
+        assert asked(got) == {("a1", c)}, "take it from the neighbour, never across the WAN"
+        _received_all(p, got)
+    assert p.requests(t + 1.9) == []  # quiet for less than 2 s: still no takeover
+    taken = p.requests(t + 2.1)  # a1 stalled: take over its remaining share, pipeline at a time
+    assert taken and asked(taken) <= {("a0", c) for c in theirs[4:]}
