@@ -857,6 +857,7 @@ def test_slow_but_moving_region_is_not_taken_over():
         got = p.requests(t)
         assert asked(got) == {("a1", c)}, "take it from the neighbour, never across the WAN"
         _received_all(p, got)
+        assert p.requests(t) == []  # the daemon asks again after every fact
     assert p.requests(t + 1.9) == []  # quiet for less than 2 s: still no takeover
     taken = p.requests(t + 2.1)  # a1 stalled: take over its remaining share, pipeline at a time
     assert taken and asked(taken) <= {("a0", c) for c in theirs[4:]}
