@@ -45,7 +45,12 @@ _MAX_GAP = 1 << 40
 
 
 def _gaps(sorted_idx: np.ndarray) -> np.ndarray:
-    return (np.diff(sorted_idx, prepend=-1) - 1).astype(np.uint64)
+    """Elements skipped before each of the ascending indices."""
+    out = np.empty(sorted_idx.size, dtype=np.uint64)
+    if sorted_idx.size:
+        out[0] = sorted_idx[0]
+        np.subtract(sorted_idx[1:], sorted_idx[:-1] + 1, out=out[1:], casting="unsafe")
+    return out
 
 
 def _bit_length(v: np.ndarray) -> np.ndarray:
@@ -84,9 +89,8 @@ class _Ranked:
         rank_of = np.zeros(SYMBOLS, dtype=np.int64)
         rank_of[order] = np.arange(order.size)
         self.ranks = rank_of[sym].astype(np.uint64)
-        self.k = ricecode.best_k(self.ranks) if len(self.table) > 1 else 0
+        self.k, rank_bits = ricecode.best_k_and_bits(self.ranks) if len(self.table) > 1 else (0, 0)
         self.low = v - np.where(self.widths > 0, np.uint64(1) << self.widths.astype(np.uint64), np.uint64(0))
-        rank_bits = ricecode.cost_bits(self.ranks, self.k) if len(self.table) > 1 else 0
         self.bits = rank_bits + int(self.widths.sum()) + 8 * (len(self.table) + 2)
 
 
@@ -94,16 +98,15 @@ def _position_code(ranks: np.ndarray, n: int) -> tuple[int, int, np.ndarray | No
     """(mode, k, values for the Rice blob or None, bitmap or None) for one class."""
     m = ranks.size
     gaps = _gaps(ranks)
-    k = ricecode.best_k(gaps)
-    best = (ricecode.cost_bits(gaps, k), GAPS, k, gaps, None)
+    k, bits = ricecode.best_k_and_bits(gaps)
+    best = (bits, GAPS, k, gaps, None)
     if 3 * m > n:  # dense: the complement or a plain bitmap may be smaller
         mask = np.zeros(n, dtype=bool)
         mask[ranks] = True
         if n < best[0]:
             best = (n, BITMAP, 0, None, mask)
         holes = _gaps(np.flatnonzero(~mask))
-        kh = ricecode.best_k(holes)
-        cost = ricecode.cost_bits(holes, kh)
+        kh, cost = ricecode.best_k_and_bits(holes)
         if cost < best[0]:
             best = (cost, HOLES, kh, holes, None)
     return best[1:]
@@ -138,9 +141,9 @@ def encode(ranks: list[np.ndarray], sizes: list[int], deltas: list[np.ndarray]) 
         ranked = _Ranked(a)
         if bigs.size < m:
             big_gaps = _gaps(bigs)
-            kg = ricecode.best_k(big_gaps)
+            kg, gap_bits = ricecode.best_k_and_bits(big_gaps)
             on_bigs = _Ranked(a[bigs] - np.uint64(1))
-            runs_bits = ricecode.cost_bits(big_gaps, kg) + on_bigs.bits + 16
+            runs_bits = gap_bits + on_bigs.bits + 16
         if bigs.size < m and runs_bits < ranked.bits:
             vmode, code = RUNS, on_bigs
             big_vals.append(big_gaps)

@@ -26,16 +26,17 @@ ESCAPE_Q = 40
 MAX_K = 40
 
 
-def best_k(values: np.ndarray) -> int:
-    """The Rice parameter with the fewest bits for these values (searched next to the mean's)."""
+def best_k_and_bits(values: np.ndarray) -> tuple[int, int]:
+    """(k, exact bits of `pack(values, k)` before padding) for the best k next to the mean's."""
     if values.size == 0:
-        return 0
-    mean = float(values.mean())
-    guess = max(0, int(np.log2(mean * 0.69 + 1e-9))) if mean > 1 else 0
+        return 0, 0
+    mean = float(values.sum(dtype=np.float64)) / values.size
+    guess = min(MAX_K, max(0, int(np.log2(mean * 0.69 + 1e-9))) if mean > 1 else 0)
     ks = np.arange(max(0, guess - 1), min(MAX_K, guess + 1) + 1, dtype=np.uint64)
     q = np.minimum(values[None, :] >> ks[:, None], np.uint64(ESCAPE_Q))
     cost = q.sum(1) + values.size * (1 + ks) + 64 * (q == ESCAPE_Q).sum(1)
-    return int(ks[int(np.argmin(cost))])
+    i = int(np.argmin(cost))
+    return int(ks[i]), int(cost[i])
 
 
 def cost_bits(values: np.ndarray, k: int) -> int:

@@ -12,8 +12,10 @@ SHA-256 ran at ~1.6 GB/s per core here (with SHA extensions), about as long
 as the whole compare of two versions; BLAKE3 is a cryptographic hash at
 ~3 GB/s per core with AVX2. Why the block tree: the blocks are hashed on
 every core by threads that live and die inside the call (the blake3 module
-releases the GIL), without the blake3 module's own global thread pool.
-Pure computation otherwise: no files, no clocks.
+releases the GIL), without the blake3 module's own global thread pool;
+`BackgroundHashes` lets `diff` hash base and target on a helper thread while
+it encodes (joined before `diff` returns). Pure computation otherwise: no
+files, no clocks.
 """
 
 from __future__ import annotations

@@ -202,7 +202,11 @@ def test_rice_round_trip(values, k):
     v = np.array(values, dtype=np.uint64)
     blob = ricecode.pack(v, k)
     assert np.array_equal(ricecode.unpack(blob, len(values), k), v)
-    assert len(blob) == (len(values) * k + 7) // 8 + (ricecode.cost_bits(v, k) - len(values) * k - 64 * int(((v >> np.uint64(k)) >= ricecode.ESCAPE_Q).sum()) + 7) // 8 + 8 * int(((v >> np.uint64(k)) >= ricecode.ESCAPE_Q).sum())
+    escaped = int(((v >> np.uint64(k)) >= ricecode.ESCAPE_Q).sum())
+    unary_bits = ricecode.cost_bits(v, k) - len(values) * k - 64 * escaped
+    assert len(blob) == (len(values) * k + 7) // 8 + (unary_bits + 7) // 8 + 8 * escaped  # no lengths stored
+    best, bits = ricecode.best_k_and_bits(v)
+    assert bits == ricecode.cost_bits(v, best)
 
 
 @settings(max_examples=200, deadline=None)
@@ -377,3 +381,29 @@ def test_second_apply_of_a_chunk_is_named_as_such():
     with pytest.raises(BaseMismatch):
         apply(state, p)
     same(state, target)
+
+
+def test_rice_parameter_is_the_best_on_geometric_gaps():
+    rng = np.random.default_rng(11)
+    for p in (0.5, 0.1, 0.01, 0.0005):
+        gaps = rng.geometric(p, 5000).astype(np.uint64) - np.uint64(1)
+        k, bits = ricecode.best_k_and_bits(gaps)
+        assert bits == min(ricecode.cost_bits(gaps, j) for j in range(ricecode.MAX_K + 1))
+
+
+def test_diff_hashes_in_the_background_and_reports_hash_errors(monkeypatch):
+    base = {"w": torch.arange(5000, dtype=torch.float32).bfloat16()}
+    target = clone(base)
+    bits(target["w"])[::7] += 1
+    p = diff(base, target)
+    assert (p.base_hash, p.target_hash) == (state_hash(base), state_hash(target))
+    given = diff(base, target, base_hash=p.base_hash, target_hash=p.target_hash)
+    assert given.to_bytes() == p.to_bytes()
+
+    def broken(state, _workers_override=None):
+        raise RuntimeError("disk on fire")
+
+    monkeypatch.setattr(statehash, "state_hash", broken)
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        diff(base, target)
+    assert diff(base, target, base_hash=p.base_hash, target_hash=p.target_hash).to_bytes() == p.to_bytes()
