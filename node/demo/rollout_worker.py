@@ -1,6 +1,7 @@
 """A rollout worker for the demo: one per node, beside it, over the node's local socket.
 
     python -m node.demo.rollout_worker --socket D/node.sock --seed S [--batch N] [--max-versions K]
+                                       [--until-version V]
 
 Owns the worker loop: wait for the node to hold a version newer than the last
 one rolled out, read that version's served weights from `weights_path`
@@ -9,7 +10,9 @@ that really produced them), sample `--batch` rollouts, submit them in one
 `submit_many` (one fsync at the node), repeat. Must not talk to the swarm
 itself or train: the node moves weights and trajectories, the trainer learns.
 
-Stops, exit status 0, after `--max-versions` versions, on SIGTERM/SIGINT, when
+Stops, exit status 0, after `--max-versions` versions, after rolling out
+`--until-version` (the last version the trainer will learn from; a newer one
+is not rolled out, so no trajectory is left unread), on SIGTERM/SIGINT, when
 the node's socket goes away (the demo is over) or when no new version comes
 within `--idle-timeout`; every wait is bounded and the whole run is bounded by
 `--deadline`. Logs one line per version to stderr.
@@ -72,7 +75,8 @@ def rollout_records(weights: dict[str, torch.Tensor], version: int, seed: int, n
 
 
 def run_worker(client, *, seed: int, batch: int, max_versions: int, idle_timeout: float, deadline: float,
-               log: Callable[[str], None], stopping: Callable[[], bool] = lambda: False) -> WorkerSummary:
+               log: Callable[[str], None], stopping: Callable[[], bool] = lambda: False,
+               until_version: int | None = None) -> WorkerSummary:
     """The loop over versions; `client` is a `node.client.NodeClient`.
 
     Returns why it stopped. Raises only for unexpected faults (bad weights
@@ -113,6 +117,8 @@ def run_worker(client, *, seed: int, batch: int, max_versions: int, idle_timeout
         if weights is None:
             raise InvalidInput(f"{st['weights_path']}: no consistent read in {LOAD_TRIES} tries")
         version = int(st["version"])
+        if until_version is not None and version > until_version:
+            return WorkerSummary(done, sent, f"version {version} is past the final version {until_version}")
         t1 = time.perf_counter()
         records, rewards = rollout_records(weights, version, seed, batch)
         t2 = time.perf_counter()
@@ -128,6 +134,8 @@ def run_worker(client, *, seed: int, batch: int, max_versions: int, idle_timeout
         log(f"worker {seed} node {st.get('node_id', '?')} version {version}: {len(records)} rollouts, "
             f"reward {sum(rewards) / len(rewards):.3f}, load {t1 - t0:.2f} s, rollout {t2 - t1:.2f} s, "
             f"submit {t3 - t2:.2f} s")
+        if until_version is not None and version >= until_version:
+            return WorkerSummary(done, sent, f"final version {until_version} done")
     return WorkerSummary(done, sent, f"{max_versions} versions")
 
 
@@ -137,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, required=True)
     ap.add_argument("--batch", type=int, default=16, help="rollouts per version (default 16)")
     ap.add_argument("--max-versions", type=int, default=1000, help="stop after this many versions (default 1000)")
+    ap.add_argument("--until-version", type=int, help="the last version to roll out (the trainer's last)")
     ap.add_argument("--idle-timeout", type=float, default=120.0, help="stop when no new version comes for this long")
     ap.add_argument("--deadline", type=float, default=3600.0, help="stop after this many seconds in all")
     ap.add_argument("--connect-timeout", type=float, default=60.0, help="wait this long for the node's socket")
@@ -173,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         with NodeClient(sock) as client:
             summary = run_worker(
                 _Interruptible(client, stop), seed=args.seed, batch=args.batch, max_versions=args.max_versions,
-                idle_timeout=args.idle_timeout, deadline=args.deadline, log=log, stopping=lambda: stop["flag"])
+                idle_timeout=args.idle_timeout, deadline=args.deadline, log=log, stopping=lambda: stop["flag"],
+                until_version=args.until_version)
     except _Stop:
         summary = None
     except PatchswarmError as e:
