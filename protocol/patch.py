@@ -19,7 +19,8 @@ segments; a segment covers contiguous element ranges ("pieces") of one dtype:
 one range of a large tensor, or several small tensors back to back. Segments
 never overlap, so chunks decode and apply in any order. A chunk's digests
 cover the old and new bit patterns of its changed elements in segment order,
-ascending position inside a segment. Pure: no files, no sockets, no clocks.
+inside a segment in the order the codes list them (by class, ascending
+position inside a class). Pure: no files, no sockets, no clocks.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ CHUNK_BYTES = 2 << 20
 DIGEST_BYTES = 16
 MAX_PATCH_BYTES = 1 << 40
 MAX_TABLE_BYTES = 1 << 30
+TABLE_ZSTD_LEVEL = 12  # 53-tensor table: 261 B in 0.08 ms; level 19 saved 12 B for 0.5 ms
 MAX_SEGMENT_ELEMENTS = 1 << 30
 CLASS_MIN_ELEMENTS = 4096  # below this a class window costs more than it saves
 
@@ -92,7 +94,7 @@ class Patch:
                 "target": self.target_hash,
                 # Names share long prefixes ("blocks.17.attn..."): compressed,
                 # the table costs a quarter of its plain size.
-                "tensors": zstandard.ZstdCompressor(level=19).compress(
+                "tensors": zstandard.ZstdCompressor(level=TABLE_ZSTD_LEVEL).compress(
                     msgpack.packb([[t.name, t.dtype, list(t.shape)] for t in self.tensors], use_bin_type=True)),
                 "full": self.full,
                 "removed": self.removed,
@@ -241,8 +243,9 @@ def _encode_delta(base: State, target: State, pieces, index: dict[str, int]) -> 
     info = info_of(base[pieces[0][0]].dtype)
     bs, ts = _piece_bits(base, pieces), _piece_bits(target, pieces)
     idx_parts, olds, news, off = [], [], [], 0
+    differs = np.empty(max(b.size for b in bs), dtype=bool)  # reused: fresh big arrays cost page faults
     for b, t in zip(bs, ts):
-        local = np.flatnonzero(b != t)
+        local = np.flatnonzero(np.not_equal(b, t, out=differs[: b.size]))
         if local.size:
             idx_parts.append(local + off)
             olds.append(b[local])
@@ -261,9 +264,10 @@ def _encode_delta(base: State, target: State, pieces, index: dict[str, int]) -> 
         lo, classes = contexts.choose_window(contexts.sample_keys(bs, info, stride), size, changed_keys)
     if classes == 1:
         ranks, sizes, deltas = [idx], [size], [d]
+        olds, news = [old], [new]
     else:
         cls = contexts.class_of_keys(changed_keys, lo, classes)
-        order = np.argsort(cls, kind="stable")  # by class, ascending position inside a class
+        order = np.argsort(cls.astype(np.int8), kind="stable")  # by class, ascending inside; 8-bit keys: a radix sort
         counts = np.bincount(cls, minlength=classes)
         ci = contexts.ClassIndex(bs, info, lo, classes, needed=np.flatnonzero(counts).tolist())
         bounds = np.concatenate([[0], np.cumsum(counts)])
@@ -271,9 +275,10 @@ def _encode_delta(base: State, target: State, pieces, index: dict[str, int]) -> 
         ranks = [ranks_all[bounds[c] : bounds[c + 1]] for c in range(classes)]
         sizes = [ci.class_size(c) if counts[c] else 0 for c in range(classes)]
         deltas = [d[order[bounds[c] : bounds[c + 1]]] for c in range(classes)]
+        olds, news = [old[order]], [new[order]]
     rows, streams = deltacode.encode(ranks, sizes, deltas)
     seg = {"k": "d", "dt": info.name, "p": [[index[n], a, b] for n, a, b in pieces], "w": [lo, classes], "c": rows, "s": streams}
-    return seg, [old], [new]
+    return seg, olds, news
 
 
 def _encode_full(target: State, pieces, index: dict[str, int]) -> tuple[dict, list[np.ndarray]]:
@@ -499,24 +504,33 @@ def _decode_delta(state: State, seg: _Segment, specs: dict[str, TensorSpec], vie
     _check_delta_pieces(state, seg, specs)
     info = seg.info
     bs = _piece_bits(state, seg.pieces, views)
-    pos = _positions(bs, seg)
+    pos = _positions(bs, seg)  # in class order
     d = deltacode.decode_deltas(seg.rows, seg.streams)
-    order = np.argsort(pos, kind="stable")  # a merge of the classes' ascending runs
-    pos, d = pos[order], d[order]
     offsets = np.cumsum([0] + [b.size for b in bs])
-    cuts = np.searchsorted(pos, offsets)
-    local = [pos[cuts[i] : cuts[i + 1]] - offsets[i] for i in range(len(bs))]
-    old = np.concatenate([b[p] for b, p in zip(bs, local)])
-    new_ord = to_ordered(old, info) + d
+    if len(bs) > 1:
+        # Group by piece; a 16-bit stable argsort is a radix sort.
+        piece = np.searchsorted(offsets[1:], pos, side="right")
+        order = np.argsort(piece.astype(np.int16 if len(bs) < 1 << 15 else np.int64), kind="stable")
+        grouped = pos[order]
+        cuts = np.concatenate([[0], np.cumsum(np.bincount(piece, minlength=len(bs)))])
+    else:
+        order, grouped, cuts = None, pos, np.array([0, pos.size])
+    local = [grouped[cuts[i] : cuts[i + 1]] - offsets[i] for i in range(len(bs))]
+    old_grouped = np.concatenate([b[p] for b, p in zip(bs, local)])
+    new_ord = to_ordered(old_grouped, info) + (d if order is None else d[order])
     lo, hi = ordered_range(info)
     if info.width < 8 and pos.size and (new_ord.min() < lo or new_ord.max() > hi):
         raise CorruptData(f"segment values: expected bit patterns of {info.name}, found out-of-range deltas")
-    new = from_ordered(new_ord, info)
+    new_grouped = from_ordered(new_ord, info)
     writes = []
     for i, (name, s, _e) in enumerate(seg.pieces):
         a, b = cuts[i], cuts[i + 1]
         if b > a:
-            writes.append((name, local[i] + s, old[a:b], new[a:b]))
+            writes.append((name, local[i] + s, old_grouped[a:b], new_grouped[a:b]))
+    if order is None:
+        return writes, old_grouped, new_grouped
+    old, new = np.empty_like(old_grouped), np.empty_like(new_grouped)  # the digests' order: the class order
+    old[order], new[order] = old_grouped, new_grouped
     return writes, old, new
 
 
