@@ -120,6 +120,7 @@ class Node:
         self.manifests_stale = 0
         self.applied: collections.deque[dict] = collections.deque(maxlen=64)  # recent versions, for status
         self._wanted: set[ObjKey] = set()
+        self._timeline: dict[ObjKey, dict[str, float]] = {}  # wall-clock announced_at / complete_at
         self._unusable: set[ObjKey] = set()
         self._outstanding: dict[tuple[str, ObjKey, int], float] = {}
         self._dialing: set[str] = set()
@@ -244,6 +245,7 @@ class Node:
             log.warning("rejected a manifest from %s: %s", source, e)
             return
         if status == NEW:
+            self._timeline[(m.version, m.is_keyframe)] = {"announced_at": time.time()}
             log.info("version %d announced: %s, %d chunks, %s bytes", m.version,
                      "keyframe" if m.is_keyframe else "patch", len(m.chunks), f"{m.total_bytes:,}")
             self._applier.set()
@@ -380,6 +382,7 @@ class Node:
             self._nursery.start_soon(self._send_to, c.peer, wire.Cancel(c.key[0], c.key[1], c.chunk))
         self._nursery.start_soon(self.peers.broadcast, wire.HaveOne(key[0], key[1], msg.chunk), s.id)
         if self.store.complete(key):
+            self._timeline.setdefault(key, {})["complete_at"] = time.time()
             self._applier.set()
         self._sched.set()
 
@@ -476,7 +479,8 @@ class Node:
         self.weights = w
         seconds = time.perf_counter() - t0
         self.applied.append({"version": m.version, "kind": "keyframe" if m.is_keyframe else "patch",
-                             "bytes": m.total_bytes, "apply_s": round(seconds, 3), "at": time.time()})
+                             "bytes": m.total_bytes, "apply_s": round(seconds, 3),
+                             **self._timeline.pop(key, {}), "applied_at": time.time()})
         log.info("applied version %d (%s, %s bytes) in %.2f s; state hash %s…", m.version,
                  "keyframe" if m.is_keyframe else "patch", f"{m.total_bytes:,}", seconds, m.target_hash[:16])
         self._version_changed.set()
@@ -485,6 +489,8 @@ class Node:
 
     def _retire(self, version: int) -> None:
         """Drop what can never be needed again: objects older than the kept window."""
+        for key in [k for k in self._timeline if k[0] <= version]:
+            del self._timeline[key]
         floor = version - self.cfg.keep_versions
         for key in self.store.keys():
             if key[0] < floor and key not in self._wanted:
