@@ -20,6 +20,7 @@ files, no clocks.
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 
@@ -52,21 +53,38 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy()).cast("B")
 
 
-def _hash_range(blocks: list[memoryview], out: list, lo: int, hi: int) -> None:
-    for i in range(lo, hi):
-        out[i] = blake3.blake3(blocks[i]).digest()
+def _digest_block(mv: memoryview) -> bytes:
+    return blake3.blake3(mv).digest()
 
 
-def _split(sizes: list[int], parts: int) -> list[int]:
-    """Bounds of `parts` contiguous runs of blocks with about equal bytes."""
-    total = sum(sizes)
-    bounds, acc = [0], 0
-    for i, n in enumerate(sizes):
-        acc += n
-        if len(bounds) < parts and acc >= total * len(bounds) / parts:
-            bounds.append(i + 1)
-    bounds.append(len(sizes))
-    return bounds
+class _BlockJob:
+    """Blocks hashed by whoever calls `work`: each caller takes the next block
+    until none is left, so a thread the scheduler keeps waiting costs at most
+    one block, never a fixed share."""
+
+    def __init__(self, blocks: list[memoryview]):
+        self.blocks = blocks
+        self.digests: list = [None] * len(blocks)
+        self.error: BaseException | None = None
+        self._next = itertools.count()  # next() on a count is atomic under the GIL
+
+    def work(self) -> None:
+        try:
+            for i in self._next:
+                if i >= len(self.blocks) or self.error is not None:
+                    return
+                self.digests[i] = _digest_block(self.blocks[i])
+        except BaseException as e:  # re-raised by the thread that collects
+            self.error = e
+
+    def collect(self, threads: list[threading.Thread]) -> list[bytes]:
+        for t in threads:
+            t.join()
+        if self.error is not None:
+            raise self.error
+        if any(d is None for d in self.digests):
+            raise RuntimeError("state hash: a block was left unhashed")
+        return self.digests
 
 
 def _workers(total_bytes: int) -> int:
@@ -79,24 +97,15 @@ def _workers(total_bytes: int) -> int:
     return max(1, min(cores, _MAX_THREADS, total_bytes // (_PARALLEL_MIN_BYTES // 2)))
 
 
-def _block_digests(blocks: list[memoryview], workers: int | None = None) -> list[bytes]:
-    digests: list = [None] * len(blocks)
-    bounds = _split([len(b) for b in blocks], workers or _workers(sum(len(b) for b in blocks)))
-    threads = [threading.Thread(target=_hash_range, args=(blocks, digests, bounds[w], bounds[w + 1]), daemon=True)
-               for w in range(1, len(bounds) - 1)]
+def _start(job: _BlockJob, helpers: int) -> list[threading.Thread]:
+    threads = [threading.Thread(target=job.work, daemon=True) for _ in range(helpers)]
     for t in threads:
         t.start()
-    try:
-        _hash_range(blocks, digests, bounds[0], bounds[1])
-    finally:
-        for t in threads:
-            t.join()
-    if any(d is None for d in digests):
-        raise RuntimeError("state hash: a hashing thread failed")
-    return digests
+    return threads
 
 
-def state_hash(state: dict[str, torch.Tensor], _workers_override: int | None = None) -> str:
+def _blocks(state: dict[str, torch.Tensor]) -> tuple[list[str], list[int], list[memoryview]]:
+    """(names in order, owning name index per block, blocks)."""
     names = sorted(state)
     owner: list[int] = []
     blocks: list[memoryview] = []
@@ -105,8 +114,12 @@ def state_hash(state: dict[str, torch.Tensor], _workers_override: int | None = N
         for off in range(0, max(1, len(mv)), BLOCK_BYTES):
             owner.append(i)
             blocks.append(mv[off : off + BLOCK_BYTES])
+    return names, owner, blocks
+
+
+def _combine(state: dict[str, torch.Tensor], names: list[str], owner: list[int], digests: list[bytes]) -> str:
     leaves: list[list[bytes]] = [[] for _ in names]
-    for i, d in zip(owner, _block_digests(blocks, _workers_override)):
+    for i, d in zip(owner, digests):
         leaves[i].append(d)
     h = blake3.blake3()
     for name, tensor_leaves in zip(names, leaves):
@@ -116,32 +129,35 @@ def state_hash(state: dict[str, torch.Tensor], _workers_override: int | None = N
     return PREFIX + h.hexdigest()
 
 
+def state_hash(state: dict[str, torch.Tensor]) -> str:
+    names, owner, blocks = _blocks(state)
+    job = _BlockJob(blocks)
+    threads = _start(job, _workers(sum(len(b) for b in blocks)) - 1)
+    job.work()
+    return _combine(state, names, owner, job.collect(threads))
+
+
 class BackgroundHashes:
-    """State hashes computed on one helper thread while the caller works on.
+    """State hashes computed on a helper thread while the caller works on.
 
     For `diff`: hashing base and target costs about as much as the diff
     itself and needs nothing from it. The states must not change until
-    `result()`, which joins the thread (call it in a `finally`: the thread
-    lives and dies inside the caller's call) and re-raises its error.
+    `result()`, where the caller hashes whatever blocks are left, joins the
+    thread (call it in a `finally`: the thread lives and dies inside the
+    caller's call) and re-raises its error.
     """
 
     def __init__(self, states: list[dict[str, torch.Tensor]]):
-        self._out: list = []
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(states,), daemon=True)
-        if states:
-            self._thread.start()
-
-    def _run(self, states) -> None:
-        try:
-            for state in states:
-                self._out.append(state_hash(state, _workers_override=1))
-        except BaseException as e:  # handed to result()
-            self._error = e
+        self._states = states
+        self._parts = [_blocks(s) for s in states]
+        self._job = _BlockJob([b for _, _, blocks in self._parts for b in blocks])
+        self._threads = _start(self._job, 1 if states else 0)
 
     def result(self) -> list[str]:
-        if self._thread.is_alive() or self._thread.ident is not None:
-            self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._out
+        self._job.work()
+        digests = self._job.collect(self._threads)
+        out, at = [], 0
+        for state, (names, owner, blocks) in zip(self._states, self._parts):
+            out.append(_combine(state, names, owner, digests[at : at + len(blocks)]))
+            at += len(blocks)
+        return out

@@ -400,10 +400,10 @@ def test_diff_hashes_in_the_background_and_reports_hash_errors(monkeypatch):
     given = diff(base, target, base_hash=p.base_hash, target_hash=p.target_hash)
     assert given.to_bytes() == p.to_bytes()
 
-    def broken(state, _workers_override=None):
+    def broken(block):
         raise RuntimeError("disk on fire")
 
-    monkeypatch.setattr(statehash, "state_hash", broken)
+    monkeypatch.setattr(statehash, "_digest_block", broken)
     with pytest.raises(RuntimeError, match="disk on fire"):
         diff(base, target)
     assert diff(base, target, base_hash=p.base_hash, target_hash=p.target_hash).to_bytes() == p.to_bytes()
