@@ -152,9 +152,12 @@ class Origin:
         for line in self.store.load(self.book, None):
             log.warning("dropped from the object store: %s", line)
         for key in self.store.keys():
-            if not self.store.complete(key):  # published objects are written whole before announcing
-                log.warning("dropping incomplete object %s (interrupted publish)", describe(key))
+            # Objects are written whole, then the served weights, then announced: anything
+            # incomplete or beyond the served version was never announced.
+            if not self.store.complete(key) or key[0] > (-1 if self.version is None else self.version):
+                log.warning("dropping %s: its publish was interrupted before it was announced", describe(key))
                 self.store.drop(key)
+                self.book.discard(key)
         self.trajectory_store = await TrajectoryStore.open(self.data_dir / "trajectories")
         for problem in self.trajectory_store.problems:
             log.warning("trajectory store: %s (intact records around it are kept)", problem)
@@ -243,16 +246,18 @@ class Origin:
     # ------------------------------------------------------------ publishing
 
     async def publish(self, state_dict: dict, served_dtype: torch.dtype = torch.bfloat16) -> int:
-        """Publish the next version of the weights; returns its number once it is announced."""
-        served = served_copy(state_dict, served_dtype)
+        """Publish the next version of the weights; returns its number once it is announced.
+
+        The caller's tensors are copied (cast to `served_dtype`) before this returns, and
+        never referenced afterwards: the trainer may go on updating them.
+        """
         async with self._publish_lock:
             version = 0 if self.served is None else self.served.version + 1
-            stats, objects = await trio.to_thread.run_sync(self._encode, served, version)
-            new = Weights(served, version, objects[0][1].target_hash, self.swarm_id)
+            # Cast, hash, code, sign and write the objects' files off the event loop:
+            # serving chunks to nodes goes on meanwhile.
+            new, stats, objects = await trio.to_thread.run_sync(self._encode, state_dict, served_dtype, version)
             for key, m, envelope, chunks in objects:
-                self.store.put_manifest(key, m, envelope)
-                for i, c in enumerate(chunks):
-                    self.store.put_chunk(key, i, c)
+                self.store.adopt(key, m)
                 self.book.offer(envelope)
             # The served state is durable before anyone hears of the version: after a
             # crash the origin continues from exactly what it announced.
@@ -269,8 +274,10 @@ class Origin:
                      f"{stats.full_bytes:,}", stats.encode_s)
             return version
 
-    def _encode(self, served: dict[str, torch.Tensor], version: int):
+    def _encode(self, state_dict: dict, served_dtype: torch.dtype, version: int):
+        """Worker thread: the served state, its stats and its signed objects (files written)."""
         t0 = time.perf_counter()
+        served = served_copy(state_dict, served_dtype)
         target_hash = state_hash(served)
         prev = self.served
         parts: list[tuple[ObjKey, object]] = []
@@ -288,10 +295,12 @@ class Origin:
         objects = []
         for key, patch in parts:
             m = manifest_of(patch, swarm_id=self.swarm_id, version=version, created_at=time.time())
-            objects.append((key, m, sign_manifest(m, self.key), patch.chunks))
+            envelope = sign_manifest(m, self.key)
+            self.store.write_object(key, envelope, patch.chunks)
+            objects.append((key, m, envelope, patch.chunks))
         stats = VersionStats(version, patch_bytes, keyframe_bytes, _full_bytes(served), changed,
                              sum(t.numel() for t in served.values()), time.perf_counter() - t0)
-        return stats, objects
+        return Weights(served, version, target_hash, self.swarm_id), stats, objects
 
     def _keyframe_due(self, patch_bytes: int) -> bool:
         """A keyframe is due when the patches since the last one cost more than it did."""

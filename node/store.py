@@ -76,6 +76,20 @@ class ObjectStore:
         self._manifests[key] = manifest
         self._have.setdefault(key, set())
 
+    def write_object(self, key: ObjKey, envelope: bytes, chunks: list[bytes]) -> None:
+        """Write a whole object's files; touches no in-memory state, so it may run in a
+        worker thread. `adopt` it afterwards, from the owning thread."""
+        d = self.root / _dirname(key)
+        d.mkdir(exist_ok=True)
+        for i, c in enumerate(chunks):
+            _write_atomic(d / f"{i:06d}.chunk", c)
+        _write_atomic(d / "manifest", envelope)
+
+    def adopt(self, key: ObjKey, manifest: Manifest) -> None:
+        """Start serving an object whose files `write_object` wrote."""
+        self._manifests[key] = manifest
+        self._have[key] = set(range(len(manifest.chunks)))
+
     def put_chunk(self, key: ObjKey, index: int, data: bytes) -> None:
         """Store a chunk the caller has verified against the manifest."""
         _write_atomic(self.root / _dirname(key) / f"{index:06d}.chunk", data)

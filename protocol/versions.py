@@ -58,6 +58,11 @@ class VersionBook:
         self._envelopes[key] = bytes(envelope)
         return NEW, m
 
+    def discard(self, key: ObjKey) -> None:
+        """Forget one object (its publisher withdrew it before announcing it)."""
+        self._manifests.pop(key, None)
+        self._envelopes.pop(key, None)
+
     def forget_below(self, version: int) -> None:
         """Drop manifests of versions below `version` (they can never be needed again)."""
         for key in [k for k in self._manifests if k[0] < version]:
