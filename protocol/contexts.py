@@ -46,6 +46,7 @@ _SELECT8 = np.zeros((256, 8), dtype=np.uint8)
 for _b in range(256):
     _ones = [i for i in range(8) if _b >> i & 1]
     _SELECT8[_b, : len(_ones)] = _ones
+_SELECT8_FLAT = _SELECT8.ravel().astype(np.uint64)
 
 
 def has_classes(info: DtypeInfo) -> bool:
@@ -299,7 +300,7 @@ def select_in_words(x: np.ndarray, k: np.ndarray) -> np.ndarray:
     counts = np.bitwise_count(x.view(np.uint8)).view(np.uint64)
     prefix = counts * _BYTES_ONE
     le = ((k * _BYTES_ONE) | _BYTES_HIGH) - prefix
-    byte = np.bitwise_count(le & _BYTES_HIGH).astype(np.uint64)
-    before = ((prefix << np.uint64(8)) >> (byte * np.uint64(8))) & np.uint64(0xFF)
-    within = (x >> (byte * np.uint64(8))) & np.uint64(0xFF)
-    return (byte * np.uint64(8)).astype(np.int64) + _SELECT8.ravel()[(within << np.uint64(3)) | (k - before)].astype(np.int64)
+    shift = np.bitwise_count(le & _BYTES_HIGH).astype(np.uint64) << np.uint64(3)  # 8 × the target byte
+    before = ((prefix << np.uint64(8)) >> shift) & np.uint64(0xFF)
+    within = (x >> shift) & np.uint64(0xFF)
+    return (shift + _SELECT8_FLAT[(within << np.uint64(3)) | (k - before)]).astype(np.int64)
