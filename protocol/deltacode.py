@@ -21,10 +21,15 @@ A ranked code maps each value to a symbol (itself below DIRECT, else its bit
 length, with the lower bits raw), sends the symbols in order of frequency and
 Rice-codes each value's rank in that order.
 
+Why no arithmetic coder: rANS saved under 1 % of a patch here, but its decoder is a Python
+loop over lane steps (the old decode floor); these codes come within ~1-2 %
+of the class-conditioned entropy on real steps and decode in fixed passes.
+
 Class table row: [m, n, pos mode, pos k, value mode, bigs, bigs k, rank k,
 symbols] ([0] for a class without changes; n, the class size, lets the
-decoder tell a wrong base from a corrupt patch before it decodes); streams: [position Rice blob, bitmaps, signs, bigs Rice blob,
-ranks Rice blob, raw low bits].
+decoder tell a wrong base from a corrupt patch before it decodes). Streams:
+[position Rice blob, bitmaps, signs, bigs Rice blob, ranks Rice blob, raw
+low bits].
 """
 
 from __future__ import annotations
