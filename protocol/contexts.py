@@ -144,7 +144,6 @@ class ClassIndex:
         self._planes = planes
         inverted = [~p for p in planes]
         self.needed = list(range(classes)) if needed is None else sorted(set(int(c) for c in needed))
-        self._row = {c: i for i, c in enumerate(self.needed)}
         n_blocks = n_words // 8
         self._n_blocks = n_blocks
         octets = np.empty((len(self.needed), n_blocks), dtype=np.uint64)  # per block: its 8 word popcounts as bytes
@@ -171,11 +170,17 @@ class ClassIndex:
         self._before = self._through - totals
         self._octets = octets.ravel()
         self._start = {c: int(self._before[i * n_blocks]) if n_blocks else 0 for i, c in enumerate(self.needed)}
+        self._row_of = np.full(classes, -1, dtype=np.int64)  # class -> row in the flat arrays, -1 if not built
+        self._row_of[self.needed] = np.arange(len(self.needed))
+        self._start_of = np.zeros(classes, dtype=np.int64)  # class -> members of the classes before it
+        self._start_of[self.needed] = [self._start[c] for c in self.needed]
         # A class's word is the AND of each plane or its complement: planes XOR these masks.
         self._flip = [np.array([0 if c >> j & 1 else _FULL for c in range(classes)], dtype=np.uint64) for j in range(len(planes))]
 
     def class_size(self, c: int) -> int:
-        i = self._row[c]
+        i = int(self._row_of[c])
+        if i < 0:
+            raise ValueError(f"class index: class {c} is outside `needed`")
         end = int(self._through[(i + 1) * self._n_blocks - 1]) if self._n_blocks else 0
         return end - self._start[c]
 
@@ -188,19 +193,16 @@ class ClassIndex:
             x &= plane[w] ^ flip[cls]
         return x
 
-    def _flat(self, cls: np.ndarray, block: np.ndarray) -> np.ndarray:
-        rows = np.array([self._row.get(c, -1) for c in range(self.classes)], dtype=np.int64)[cls]
-        if (rows < 0).any():
-            raise ValueError("class index: a class outside `needed` was asked for")
-        return rows * self._n_blocks + block
-
     def rank(self, cls: np.ndarray, idx: np.ndarray) -> np.ndarray:
         """Number of class-cls[i] elements before position idx[i] (idx[i] of that class)."""
+        rows = self._row_of[cls]
+        if (rows < 0).any():
+            raise ValueError("class index: a class outside `needed` was asked for")
         w = idx >> 6
-        flat = self._flat(cls, w >> 3)
+        flat = rows * self._n_blocks + (w >> 3)
         before_word = _byte_sums(self._octets[flat] & _LOW_BYTES[w & 7]).astype(np.int64)
         below = (np.uint64(1) << (idx & 63).astype(np.uint64)) - np.uint64(1)
-        before_class = self._before[flat] - np.array([self._start.get(c, 0) for c in range(self.classes)], dtype=np.int64)[cls]
+        before_class = self._before[flat] - self._start_of[cls]
         return before_class + before_word + np.bitwise_count(self._words(cls, w) & below).astype(np.int64)
 
     def select(self, ranks: dict[int, np.ndarray]) -> np.ndarray:
