@@ -16,7 +16,6 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import runpy
 import sys
 from pathlib import Path
 from typing import Callable, Iterator
@@ -190,16 +189,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _demo_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed on to bench/codec.py")
+    from node.demo.run import add_arguments
+
+    add_arguments(p)
 
 
-@command("demo", "run the codec bench (bench/codec.py) on synthetic RL steps", _demo_args)
+@command("demo", "train a small policy with RL across a local multi-region swarm: tracker, 6 nodes, workers", _demo_args)
 def cmd_demo(args: argparse.Namespace) -> int:
-    script = Path(__file__).resolve().parents[1] / "bench" / "codec.py"
-    if not script.is_file():
-        raise UsageError(f"demo: {script} not found (the bench ships with the source tree, not the installed package)")
-    namespace = runpy.run_path(str(script), run_name="patchswarm_demo")
-    return int(namespace["main"](args.args) or 0)
+    from node.demo.run import run
+
+    return run(args)
 
 
 def _swarm_args(p: argparse.ArgumentParser) -> None:
