@@ -30,6 +30,17 @@ def _demo(out: Path, *args: str, stdout=subprocess.PIPE) -> subprocess.Popen:
                             env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"})
 
 
+def _stop(p: subprocess.Popen) -> None:
+    """After a failed assert: stop the demo as a person would (Ctrl-C), so it stops its children."""
+    if p.poll() is None:
+        p.send_signal(signal.SIGINT)
+        try:
+            p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()  # its children get SIGTERM from the kernel (the demo sets PR_SET_PDEATHSIG)
+            p.wait(timeout=30)
+
+
 def _processes_naming(text: str, but: int | None = None) -> list[str]:
     """Command lines of live processes that mention `text` (the run dir is in every child's
     arguments), except this one and `but`."""
@@ -53,9 +64,7 @@ def test_short_demo_learns_and_moves_every_version_and_trajectory(tmp_path):
     try:
         text, _ = p.communicate(timeout=240)
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.communicate(timeout=30)
+        _stop(p)
     assert p.returncode == 0, text
     assert "Traceback" not in text
     summary = json.loads((out / "summary.json").read_text())
@@ -120,9 +129,7 @@ def test_sigint_mid_run_stops_every_child_and_exits_130(tmp_path):
         p.send_signal(signal.SIGINT)
         assert p.wait(timeout=90) == 130
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait(timeout=30)
+        _stop(p)
     text = log_path.read_text()
     assert "Traceback" not in text and "interrupted (SIGINT)" in text, text
     assert not _processes_naming(str(out))

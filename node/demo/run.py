@@ -132,8 +132,25 @@ class Child:
         return "\n".join(self.text().splitlines()[-lines:])
 
 
+def _die_with_parent() -> Callable[[], None] | None:
+    """On Linux, a preexec_fn that has the kernel SIGTERM the child when the thread that
+    started it dies, even by SIGKILL: no node is left running after a killed demo."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child only calls it
+    pr_set_pdeathsig, sigterm = 1, int(signal.SIGTERM)
+
+    def set_pdeathsig() -> None:
+        prctl(pr_set_pdeathsig, sigterm)
+
+    return set_pdeathsig
+
+
 class Children:
-    """The processes this run started, each with its log file; `stop` ends them (bounded)."""
+    """The processes this run started, each with its log file; `stop` ends them (bounded).
+    Start them from the main thread (it lives as long as the run: see `_die_with_parent`)."""
 
     def __init__(self, logs: Path, signals: StopSignals):
         self.logs = logs
@@ -142,12 +159,13 @@ class Children:
         root = str(Path(__file__).resolve().parents[2])  # where `node` and `protocol` import from
         path = os.environ.get("PYTHONPATH")
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": root + (os.pathsep + path if path else "")}
+        self._preexec = _die_with_parent()
 
     def start(self, name: str, module: str, args: list) -> Child:
         log_path = self.logs / f"{name}.log"
         with self.signals.held(), open(log_path, "ab") as log:
             popen = subprocess.Popen([sys.executable, "-m", module, *map(str, args)], stdin=subprocess.DEVNULL,
-                                     stdout=log, stderr=subprocess.STDOUT, env=self.env)
+                                     stdout=log, stderr=subprocess.STDOUT, env=self.env, preexec_fn=self._preexec)
             child = Child(name, popen, log_path)
             self.all.append(child)
         return child
