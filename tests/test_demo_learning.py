@@ -139,7 +139,7 @@ def test_worker_gives_up_without_a_node(tmp_path):
     missing = _worker("--socket", str(tmp_path / "none.sock"), "--seed", "2", "--connect-timeout", "0.5")
     try:
         assert missing.wait(timeout=60) == 1
-        assert "no node socket" in missing.stderr.read()
+        assert "no node answers" in missing.stderr.read()
     finally:
         if missing.poll() is None:
             missing.kill()

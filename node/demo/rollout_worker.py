@@ -167,15 +167,23 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
 
-    from node.client import NodeClient
+    from node.client import NodeClient, NodeUnavailable
+
+    def _answers(path: Path) -> bool:
+        try:
+            with NodeClient(path, connect_timeout=1.0) as c:
+                c.status()
+            return True
+        except NodeUnavailable:
+            return False
 
     sock = Path(args.socket)
     t_connect = time.monotonic() + args.connect_timeout
     stop["waiting"] = True
     try:
-        while not sock.exists():
+        while not _answers(sock):  # the file appears a moment before the daemon accepts on it
             if time.monotonic() >= t_connect:
-                log(f"worker {args.seed}: no node socket at {sock} after {args.connect_timeout:g} s")
+                log(f"worker {args.seed}: no node answers at {sock} after {args.connect_timeout:g} s")
                 return 1
             time.sleep(0.2)
         stop["waiting"] = False
