@@ -14,11 +14,21 @@ reused. The price is a gap in the numbering per restart.
 
 Upload: a cursor design. `await next_batch()` (or the non-blocking
 `pending()`) returns durable, unacknowledged records with seq >= the cursor,
-in seq order, and moves the cursor past them (they are "in flight"). `ack(seqs)` makes their deletion durable (ack log, then whole
-segments unlinked once every record in them is acknowledged). `requeue()`
-(call it when the connection to the origin is lost) moves the cursor back to
-the start, so everything unacknowledged is pending again. A restart does the
-same. Delivery is at-least-once; the origin deduplicates by (node_id, seq).
+in seq order, and moves the cursor past them (they are "in flight"). The
+newest records (up to `hot_bytes`) are also kept in memory as the Records
+`append` made, so an uploader that keeps up never reads or decodes the files
+(no worker thread either); older ones are read back in a worker thread.
+`ack(seqs)` forgets them: an entry in the ack log, then whole segments
+unlinked once every record in them is acknowledged. `requeue()` (call it when
+the connection to the origin is lost) moves the cursor back to the start, so
+everything unacknowledged is pending again. A restart does the same. Delivery
+is at-least-once; the origin deduplicates by (node_id, seq).
+
+Ack durability: an ack entry is written (page cache: it survives kill -9) but
+not fdatasynced, since forgetting an ack is harmless: after a power loss the
+last acks may be gone and those records are uploaded again, and the origin
+drops them as duplicates. That saves a worker-thread hop and an fdatasync per
+upload batch. Compacting the log syncs (it replaces the file).
 
 Space: `max_bytes` bounds the framed bytes of unacknowledged records plus
 those being written; disk use can exceed it by the acknowledged part of
@@ -52,6 +62,7 @@ DEFAULT_MAX_BYTES = 1 << 30
 DEFAULT_SEGMENT_BYTES = 64 << 20
 DEFAULT_GROUP_BYTES = 16 << 20
 DEFAULT_BATCH_RECORDS = 4096
+DEFAULT_HOT_BYTES = 32 << 20  # newest records kept in memory for the uploader
 SEQ_RESERVE = 1 << 20  # seqs reserved per write of `state`
 ACK_LOG_COMPACT_BYTES = 1 << 20  # rewrite `acks` from memory once it grows past this
 STATE_NAME, ACKS_NAME = "state", "acks"
@@ -224,7 +235,7 @@ class TrajectorySpool:
     """See the module docstring. Create with `await TrajectorySpool.open(...)`."""
 
     def __init__(self, directory: Path, node_id: str, region: str, lock: DirectoryLock, recovered,
-                 max_bytes: int, segment_bytes: int, group_bytes: int, clock):
+                 max_bytes: int, segment_bytes: int, group_bytes: int, clock, hot_bytes: int = DEFAULT_HOT_BYTES):
         segments, problems, next_seq, reserved, next_number = recovered
         self.directory = directory
         self.node_id, self.region = node_id, region
@@ -240,6 +251,7 @@ class TrajectorySpool:
         self._reserve_lock = trio.Lock()
         self._ack_lock = trio.Lock()
         self._cursor = 0  # pending() hands out unacked seqs >= this
+        self._in_flight_bytes = 0  # framed bytes handed out since the last requeue, not yet acked
         self._unacked_bytes = sum(sum(s.sizes[j] for j in range(len(s.seqs)) if not s.acked[j]) for s in segments)
         self._unacked = sum(len(s.seqs) - s.n_acked for s in segments)
         self._being_written = 0  # bytes admitted, not yet durable
@@ -250,12 +262,18 @@ class TrajectorySpool:
         self.appended_total = 0
         self.acked_total = 0
         self.lost_total = 0  # records unreadable when handed out (disk damage after open)
+        # The newest durable records as append made them, for the uploader: seq -> (Record, framed size).
+        self.hot_bytes = hot_bytes
+        self._hot: dict[int, tuple[Record, int]] = {}
+        self._hot_order: collections.deque[int] = collections.deque()  # seqs in landing order (some may be gone)
+        self._hot_total = 0
+        self.read_from_disk = 0  # records the uploader had to read back from the files
         self.log = SegmentLog(directory, next_number, segment_bytes, group_bytes, self._landed)
 
     @classmethod
     async def open(cls, directory, node_id: str, region: str, *, max_bytes: int = DEFAULT_MAX_BYTES,
                    segment_bytes: int = DEFAULT_SEGMENT_BYTES, group_bytes: int = DEFAULT_GROUP_BYTES,
-                   clock=time.time) -> TrajectorySpool:
+                   hot_bytes: int = DEFAULT_HOT_BYTES, clock=time.time) -> TrajectorySpool:
         for name, v in (("node_id", node_id), ("region", region)):
             if type(v) is not str or not 0 < len(v) <= MAX_ID_CHARS:
                 raise UsageError(f"{name}: expected a str of 1..{MAX_ID_CHARS} chars, found {v!r}")
@@ -269,7 +287,7 @@ class TrajectorySpool:
         except BaseException:
             lock.release()
             raise
-        return cls(directory, node_id, region, lock, recovered, max_bytes, segment_bytes, group_bytes, clock)
+        return cls(directory, node_id, region, lock, recovered, max_bytes, segment_bytes, group_bytes, clock, hot_bytes)
 
     # ------------------------------------------------------------ append
 
@@ -303,10 +321,9 @@ class TrajectorySpool:
             first = self._next_seq
             self._next_seq += n
             now = float(self._clock())
-            bodies = [record_parts(Record(self.node_id, self.region, first + i, v, now, p, m))
-                      for i, (p, v, m) in enumerate(prepared)]
+            records = [Record(self.node_id, self.region, first + i, v, now, p, m) for i, (p, v, m) in enumerate(prepared)]
             seqs = list(range(first, first + n))
-            await self.log.commit(bodies, seqs)
+            await self.log.commit([record_parts(r) for r in records], (seqs, records))
         finally:
             self._being_written -= need
             self._wake_space()
@@ -374,8 +391,9 @@ class TrajectorySpool:
             await trio.to_thread.run_sync(_write_state, self.directory, SpoolState(self.node_id, self.region, new))
             self._seq_reserved = new
 
-    def _landed(self, seqs: list[int], number: int, offsets: list[int]) -> None:
+    def _landed(self, tag, number: int, offsets: list[int]) -> None:
         """SegmentLog callback, in file order: index the now durable records."""
+        seqs, records = tag
         seg = self._by_number.get(number)
         if seg is None:
             seg = self._by_number[number] = _Segment(number, segment_path(self.directory, number))
@@ -389,6 +407,12 @@ class TrajectorySpool:
         self._unacked += len(seqs)
         self._unacked_bytes += sum(sizes)
         self.appended_total += len(seqs)
+        for seq, rec, size in zip(seqs, records, sizes):
+            self._hot[seq] = (rec, size)
+            self._hot_order.append(seq)
+            self._hot_total += size
+        while self._hot_total > self.hot_bytes and self._hot_order:
+            self._forget_hot(self._hot_order.popleft())
         self._new_records.set()
         self._new_records = trio.Event()
 
@@ -404,18 +428,42 @@ class TrajectorySpool:
     def pending(self, max_records: int = DEFAULT_BATCH_RECORDS, max_bytes: int = MAX_BATCH_BYTES) -> list[Record]:
         """Up to `max_records` durable, unacknowledged records past the cursor, in
         seq order, at most `max_bytes` framed bytes (but always one record if
-        there is any); the cursor moves past them. Reads the files (page cache)
-        on the calling thread: `next_batch` is the form for the event loop."""
-        return self._collect(_read_plan(self._plan(max_records, max_bytes)))
+        there is any); the cursor moves past them. Records no longer in memory are
+        read from the files on the calling thread: `next_batch` is the form for
+        the event loop."""
+        plan = self._plan(max_records, max_bytes)
+        records = self._from_memory(plan)
+        return records if records is not None else self._collect(_read_plan(plan))
 
     async def next_batch(self, max_records: int = DEFAULT_BATCH_RECORDS,
                          max_bytes: int = MAX_BATCH_BYTES) -> list[Record]:
-        """Wait until something is pending, then `pending()`, reading in a worker thread."""
+        """Wait until something is pending, then `pending()`: from memory when the records
+        are still there (no thread), else read from the files in a worker thread."""
         while True:
             await self.wait_pending()
             plan = self._plan(max_records, max_bytes)
             if plan:
+                records = self._from_memory(plan)
+                if records is not None:
+                    return records
                 return self._collect(await trio.to_thread.run_sync(_read_plan, plan))
+
+    def _from_memory(self, plan) -> list[Record] | None:
+        """The planned records from the hot cache, or None if any of them has left it."""
+        hot, out = self._hot, []
+        for _, _, picked in plan:
+            for seq, _, _ in picked:
+                got = hot.get(seq)
+                if got is None:
+                    self.read_from_disk += sum(len(p) for _, _, p in plan)
+                    return None
+                out.append(got[0])
+        return out
+
+    def _forget_hot(self, seq: int) -> None:
+        got = self._hot.pop(seq, None)
+        if got is not None:
+            self._hot_total -= got[1]
 
     def _plan(self, max_records: int, max_bytes: int) -> list:
         """Choose the next records past the cursor and move the cursor past them:
@@ -437,7 +485,13 @@ class TrajectorySpool:
                 self._cursor = picked[-1][0] + 1
             if j < len(seg.seqs):  # stopped by a limit
                 break
+        self._in_flight_bytes += total
         return plan
+
+    def pending_bytes(self) -> int:
+        """Framed bytes of the records `pending()` would hand out now (all of them, past any
+        batch limit), so that an uploader can let a small batch fill up."""
+        return max(0, self._unacked_bytes - self._in_flight_bytes)
 
     def _collect(self, read) -> list[Record]:
         records, damaged = read
@@ -457,6 +511,12 @@ class TrajectorySpool:
         while not self._has_pending():
             await self._new_records.wait()
 
+    async def wait_pending_bytes(self, n: int) -> None:
+        """Return once pending_bytes() >= n (an uploader lets a small batch fill up for a
+        while: put a deadline around it)."""
+        while self.pending_bytes() < n:
+            await self._new_records.wait()
+
     def _has_pending(self) -> bool:
         for seg in self._segs[self._first_segment(self._cursor):]:
             if seg.unacked_from(bisect.bisect_left(seg.seqs, self._cursor)):
@@ -466,6 +526,7 @@ class TrajectorySpool:
     def requeue(self) -> None:
         """Every unacknowledged record is pending again (e.g. the connection was lost)."""
         self._cursor = 0
+        self._in_flight_bytes = 0
         self._new_records.set()
         self._new_records = trio.Event()
 
@@ -474,10 +535,14 @@ class TrajectorySpool:
         seg.n_acked += 1
         self._unacked -= 1
         self._unacked_bytes -= seg.sizes[j]
+        if seg.seqs[j] < self._cursor:  # it was handed out (since the last requeue)
+            self._in_flight_bytes = max(0, self._in_flight_bytes - seg.sizes[j])
+        self._forget_hot(seg.seqs[j])
 
     async def ack(self, seqs) -> int:
-        """The origin holds these seqs durably: forget them, durably. Returns how many
-        were newly acknowledged (unknown or repeated seqs are ignored)."""
+        """The origin holds these seqs durably: forget them (the ack log entry is not
+        fdatasynced: module docstring). Returns how many were newly acknowledged
+        (unknown or repeated seqs are ignored)."""
         newly = []
         firsts = [s.seqs[0] if s.seqs else 0 for s in self._segs]
         for seq in sorted(set(seqs)):
@@ -491,6 +556,11 @@ class TrajectorySpool:
                 newly.append(seq)
         if not newly:
             return 0
+        order = self._hot_order
+        while order and order[0] not in self._hot:
+            order.popleft()
+        if len(order) > 2 * len(self._hot) + 4096:  # acks out of landing order left holes: drop them
+            self._hot_order = collections.deque(s for s in order if s in self._hot)
         self.acked_total += len(newly)
         self._wake_space()
         done = [s for s in self._segs if s.n_acked == len(s.seqs) and s.number != self.log.active]
@@ -500,11 +570,20 @@ class TrajectorySpool:
         async with self._ack_lock:
             compact = self._acks_bytes > ACK_LOG_COMPACT_BYTES
             ranges = _acked_ranges(self._segs) if compact else seq_ranges(newly)
-            await trio.to_thread.run_sync(self._persist_ack, ranges, compact, [s.path for s in done])
+            if compact or done:
+                await trio.to_thread.run_sync(self._persist_ack, ranges, compact, [s.path for s in done])
+            else:  # the usual case: a small write to the page cache, no fdatasync (module docstring)
+                self._write_ack_entry(ranges)
         return len(newly)
 
+    def _write_ack_entry(self, ranges: list) -> None:
+        entry = encode_entry(encode_record(AckedRanges(ranges)))
+        os.write(self._acks_fd, entry)
+        self._acks_bytes += len(entry)
+
     def _persist_ack(self, ranges: list, compact: bool, unlink: list) -> None:
-        """Worker thread: make the ack durable, then delete whole acknowledged segments."""
+        """Worker thread: record the ack (durably when compacting), then delete whole
+        acknowledged segments."""
         if compact:
             _write_acks(self.directory, ranges)
             fd = os.open(self.directory / ACKS_NAME, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
@@ -512,10 +591,7 @@ class TrajectorySpool:
             self._acks_fd = fd
             self._acks_bytes = os.fstat(fd).st_size
         else:
-            entry = encode_entry(encode_record(AckedRanges(ranges)))
-            os.write(self._acks_fd, entry)
-            os.fdatasync(self._acks_fd)
-            self._acks_bytes += len(entry)
+            self._write_ack_entry(ranges)
         for path in unlink:
             path.unlink()
         if unlink:
@@ -538,6 +614,8 @@ class TrajectorySpool:
             "lost_total": self.lost_total,
             "next_seq": self._next_seq,
             "fsyncs": self.log.fsyncs,
+            "hot_bytes": self._hot_total,
+            "read_from_disk": self.read_from_disk,
             "max_bytes": self.max_bytes,
             "problems": len(self.problems),
         }

@@ -43,8 +43,8 @@ import trio
 from protocol.errors import StorageFailed, UsageError
 from protocol.trajectory import (ENTRY_HEADER_BYTES, MAX_ENTRY_BYTES, SEGMENT_HEADER_BYTES, DuplicatesNote,
                                  ReceivedRecord, Record, ScanProblem, SeqRanges, body_length,
-                                 check_segment_header, encode_record, entry_header, record_parts, scan_records,
-                                 segment_header)
+                                 check_segment_header, encode_record, entry_header, received_parts,
+                                 scan_records, segment_header)
 
 log = logging.getLogger("patchswarm.trajstore")
 
@@ -577,14 +577,16 @@ class TrajectoryStore:
         for r in records:
             if not isinstance(r, Record):
                 raise UsageError(f"append: expected Records, found {type(r).__name__}")
-        received = [ReceivedRecord(r.node_id, r.region, r.seq, r.policy_version, r.submitted_at,
-                                   r.payload, r.meta, received_at=now) for r in records]
-        encoded = [record_parts(rr) for rr in received]  # validate all before the index is touched
+        encoded = [received_parts(r, now) for r in records]  # validate all before the index is touched
         bodies, values, dups = [], [], 0
-        for rr, body in zip(received, encoded):
-            if self._index.setdefault(rr.node_id, SeqRanges()).add(rr.seq):
+        index = self._index
+        for r, body in zip(records, encoded):
+            seen = index.get(r.node_id)
+            if seen is None:
+                seen = index[r.node_id] = SeqRanges()
+            if seen.add(r.seq):
                 bodies.append(body)
-                values.append(rr)
+                values.append(r)  # what the tally counts (node, version, payload size)
             else:
                 dups += 1
         if dups:

@@ -146,6 +146,13 @@ def _uint(v) -> bool:
 
 
 def _check_fields(node_id, region, seq, policy_version, submitted_at, payload, meta, exc) -> None:
+    # One expression for the usual case (a valid record): this runs once per record on
+    # every hop (spool, batch, store), so the loop below only runs to name what is wrong.
+    if (type(node_id) is str and 0 < len(node_id) <= MAX_ID_CHARS and type(region) is str
+            and 0 < len(region) <= MAX_ID_CHARS and type(seq) is int and 0 <= seq < _U64
+            and type(policy_version) is int and 0 <= policy_version < _U64 and type(submitted_at) is float
+            and type(payload) is bytes and len(payload) <= MAX_PAYLOAD_BYTES and (meta is None or type(meta) is dict)):
+        return
     for name, v in (("node_id", node_id), ("region", region)):
         if type(v) is not str or not 0 < len(v) <= MAX_ID_CHARS:
             raise exc(f"record.{name}: expected a str of 1..{MAX_ID_CHARS} chars, found {_found(v)}")
@@ -194,15 +201,27 @@ def record_parts(rec: Record) -> tuple[bytes, bytes, bytes]:
     is never copied into a body."""
     if type(rec) not in (Record, ReceivedRecord):
         raise UsageError(f"expected a Record, found {_found(rec)}")
+    return received_parts(rec, rec.received_at) if type(rec) is ReceivedRecord else _parts(rec, None)
+
+
+def received_parts(rec: Record, received_at: float) -> tuple[bytes, bytes, bytes]:
+    """The parts of `rec.received(received_at)`'s body without making that object
+    (the origin's store writes one per record it takes in)."""
+    if not isinstance(rec, Record):
+        raise UsageError(f"expected a Record, found {_found(rec)}")
+    if type(received_at) is not float:
+        raise UsageError(f"record.received_at: expected a float, found {_found(received_at)}")
+    return _parts(rec, received_at)
+
+
+def _parts(rec: Record, received_at: float | None) -> tuple[bytes, bytes, bytes]:
     _check_fields(rec.node_id, rec.region, rec.seq, rec.policy_version, rec.submitted_at, rec.payload,
                   rec.meta, UsageError)
-    received = type(rec) is ReceivedRecord
-    if received and type(rec.received_at) is not float:
-        raise UsageError(f"record.received_at: expected a float, found {_found(rec.received_at)}")
+    received = received_at is not None
     try:  # [1:] drops each packed list's own fixarray header
         head = msgpack.packb([KIND_RECEIVED if received else KIND_RECORD, rec.node_id, rec.region, rec.seq,
                               rec.policy_version, rec.submitted_at])[1:]
-        tail = msgpack.packb([rec.meta, rec.received_at] if received else [rec.meta])[1:]
+        tail = msgpack.packb([rec.meta, received_at] if received else [rec.meta])[1:]
     except (TypeError, ValueError, OverflowError) as e:
         raise UsageError(f"record.meta: expected msgpack-able values, found {type(e).__name__}: {e}") from None
     if len(tail) > MAX_META_BYTES + 16:
@@ -450,8 +469,7 @@ def encode_batch(records) -> bytes:
     for r in records:
         if not isinstance(r, Record):
             raise UsageError(f"batch: expected Records, found {_found(r)}")
-        parts.extend(record_parts(Record(r.node_id, r.region, r.seq, r.policy_version,
-                                         r.submitted_at, r.payload, r.meta)))
+        parts.extend(_parts(r, None))  # a ReceivedRecord travels as the plain Record it holds
     raw = b"".join(parts)
     if len(raw) > MAX_BATCH_BYTES:
         raise UsageError(f"batch: expected at most {MAX_BATCH_BYTES} bytes, found {len(raw)}")
@@ -476,7 +494,7 @@ def decode_batch(data: bytes) -> list[Record]:
         raise CorruptData(f"batch: expected flags within {_FLAG_LZ4:#x}, found {flags:#x}")
     if raw_len > MAX_BATCH_BYTES:
         raise CorruptData(f"batch: expected at most {MAX_BATCH_BYTES} raw bytes, found a header of {raw_len}")
-    body = data[_BATCH_HEADER.size:]
+    body = memoryview(data)[_BATCH_HEADER.size:]  # no copy of what may be megabytes
     if flags & _FLAG_LZ4:
         try:
             raw = lz4.block.decompress(body, uncompressed_size=raw_len)
@@ -521,6 +539,15 @@ class SeqRanges:
 
     def add(self, seq: int) -> bool:
         """Add one seq; False if it was already there."""
+        ends = self._ends
+        if ends and type(seq) is int and seq >= ends[-1]:  # the usual case: past everything
+            if seq == ends[-1]:
+                ends[-1] = seq + 1
+            else:
+                self._starts.append(seq)
+                ends.append(seq + 1)
+            self._count += 1
+            return True
         return self.add_range(seq, seq + 1) == 1
 
     def add_range(self, a: int, b: int) -> int:

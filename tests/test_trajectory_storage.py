@@ -817,6 +817,52 @@ def test_next_batch_waits_then_reads_in_a_worker_thread(tmp_path):
     assert [r.payload for r in run(main)] == [b"0", b"1", b"2", b"3", b"4"]
 
 
+def test_uploader_takes_the_newest_records_from_memory_and_older_ones_from_disk(tmp_path):
+    async def main():
+        sp = await TrajectorySpool.open(tmp_path, "n1", "r1")
+        seqs = await sp.append([(b"r0" + bytes(100), 1)], timeout=5)
+        size = sp.stats()["bytes"]  # framed bytes of one record; all ten have the same size
+        sp.hot_bytes = 3 * size  # memory keeps the newest three
+        seqs += await sp.append([(b"r%d" % i + bytes(100), 1) for i in range(1, 10)], timeout=5)
+        seen = [sp.pending_bytes()]
+        old = await sp.next_batch(max_records=7)
+        seen += [sp.read_from_disk, sp.pending_bytes()]
+        new = await sp.next_batch()
+        seen += [sp.read_from_disk, sp.pending_bytes()]
+        await sp.ack(seqs[:5])  # written without fdatasync: still there after a reopen
+        seen.append(sp.pending_bytes())
+        sp.requeue()
+        seen.append(sp.pending_bytes())
+        await sp.aclose()
+        sp = await TrajectorySpool.open(tmp_path, "n1", "r1")
+        after = await drain(sp)
+        await sp.aclose()
+        return size, seqs, old, new, seen, after
+
+    size, seqs, old, new, seen, after = run(main)
+    assert [r.seq for r in old + new] == seqs
+    assert [r.payload[:2] for r in old + new] == [b"r%d" % i for i in range(10)]
+    assert seen == [10 * size, 7, 3 * size, 7, 0, 0, 5 * size]
+    assert [r.seq for r in after] == seqs[5:]
+
+
+def test_wait_pending_bytes_returns_once_enough_has_landed(tmp_path):
+    async def main():
+        sp = await TrajectorySpool.open(tmp_path, "n1", "r1")
+        await sp.append([(bytes(100), 1)], timeout=5)
+        one = sp.pending_bytes()
+        with trio.move_on_after(0.05) as waited:
+            await sp.wait_pending_bytes(3 * one)  # only one record there: times out
+        async with trio.open_nursery() as n:
+            n.start_soon(sp.wait_pending_bytes, 3 * one)
+            await trio.sleep(0.01)
+            await sp.append([(bytes(100), 1), (bytes(100), 1)], timeout=5)  # now three: it returns
+        await sp.aclose()
+        return waited.cancelled_caught
+
+    assert run(main) is True
+
+
 def test_ack_log_compaction_keeps_acks_across_restarts(tmp_path, monkeypatch):
     import node.spool as spool_mod
     monkeypatch.setattr(spool_mod, "ACK_LOG_COMPACT_BYTES", 200)  # compact after a few acks
