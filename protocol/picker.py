@@ -13,9 +13,10 @@ Where chunk c of object key may come from, for this node `me` in region R:
 Patch objects (the WAN plan of protocol/responsibility.py):
   1. a connected node peer in R that has c (never across the WAN when a
      neighbour has it);
-  2. else, if me is `responsible(key, c, members in R)`: an upstream node peer
-     (`upstream_regions`: the nearest upstream region holding c first); the
-     origin only where `upstream_regions` says the origin serves R;
+  2. else, if me is `responsible(key, c, members in R)`: a node peer of the
+     region just before R in c's chain (`upstream_regions`), never a farther
+     one (each region's uplink carries each chunk at most once); the origin
+     only where `upstream_regions` says the origin serves R;
   3. else nothing: wait for the responsible node of R to bring it;
   4. takeover: once my region has made no progress on the object (no chunk
      of it newly held by me or a same-region peer) for `takeover_after`
@@ -65,7 +66,7 @@ COMPACT_SLACK = 64  # removals a chunk set absorbs before it is rebuilt (see _di
 _NOT_A_SOURCE = 1 << 30  # source tier: this holder may not be asked now
 _SAME_REGION = 0  # source tier of a node peer in my region
 _OTHER_REGION = 1  # keyframes and takeover: node peers of other regions
-_ORIGIN = 1 << 20  # after every upstream region's node peers
+_ORIGIN = 1 << 20  # after the upstream region's node peers
 
 
 @dataclass(frozen=True, order=True)

@@ -7,12 +7,12 @@ uplink about once in total:
 - `responsible`: within one region, the member that fetches a chunk across the
   WAN (rendezvous / highest-random-weight hashing, so a member leaving moves
   only its own share and a member joining takes only what it wins).
-- `region_order`: the order in which regions bring a chunk across the WAN: the
-  origin's region first, then the others in a per-chunk rendezvous order, so
-  remote regions split the pulling from the origin's region and then exchange
-  with each other.
-- `upstream_regions`: for one region, the regions it may pull a chunk from
-  (nearest first) and whether the origin itself is a source.
+- `region_order`: the chain along which a chunk crosses the WAN: the origin's
+  region first, then the others in a per-chunk rendezvous order, so remote
+  regions split the pulling from the origin's region and then exchange with
+  each other.
+- `upstream_regions`: for one region, the region it pulls a chunk from (the
+  one just before it in the chain) and whether the origin itself is a source.
 - `ResponsibilityMap`: `responsible` for every chunk of one object, kept up to
   date incrementally as members come and go.
 
@@ -73,19 +73,27 @@ def upstream_regions(key: ObjKey, chunk: int, region: str, member_regions: Itera
     """Where `region` pulls `chunk` from across the WAN.
 
     `member_regions` are the regions that have at least one live member;
-    `region` is counted among them. Returns (the regions before `region` in
-    `region_order`, nearest first; whether the origin itself is a source).
+    `region` is counted among them. Returns (the region just before `region`
+    in `region_order`, as a list of at most one; whether the origin itself is
+    a source).
+
+    Only the region just before: a chunk moves along its chain, leaving each
+    region at most once, so every region's uplink carries at most one copy of
+    each chunk and the origin's region's uplink about one copy in total.
+    Pulling from a farther upstream region as soon as it holds the chunk (the
+    region just before is still fetching it) would load that region's uplink
+    with a copy per downstream region: measured on 3 regions x 4 nodes, the
+    origin's region sent 2x the patch and the version took 2.6x the lower
+    bound. A region that stalls is the picker's takeover, not this plan.
     The origin serves only its own region, or the first region after it when
-    no member lives in the origin's region: if the origin's region has nodes,
-    the remote regions take from them, which keeps the origin's uplink at
-    about one copy of each chunk. Regions without members are left out of the
-    order, so a region never waits on an empty one.
+    no member lives in the origin's region. Regions without members are left
+    out of the order, so a region never waits on an empty one.
     """
     present = set(member_regions)
     order = region_order(key, chunk, present | {region}, origin_region)
     at = order.index(region)
     origin_serves = at == 0 or (at == 1 and origin_region not in present)
-    return order[at - 1::-1] if at else [], origin_serves
+    return order[at - 1:at] if at else [], origin_serves
 
 
 class ResponsibilityMap:
