@@ -363,7 +363,11 @@ class Node:
 
     async def _on_piece(self, s: Session, msg: wire.Piece) -> None:
         key = (msg.version, msg.keyframe)
-        self._outstanding.pop((s.id, key, msg.chunk), None)
+        asked_at = self._outstanding.pop((s.id, key, msg.chunk), None)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("chunk %d of %s from %s (%s, region %s), %s B, %s", msg.chunk, describe(key), s.id, s.role,
+                      s.region, f"{len(msg.data):,}", "unasked" if asked_at is None
+                      else f"{trio.current_time() - asked_at:.3f} s after the request")
         if key not in self._wanted or msg.chunk in self.store.have(key):
             return  # an endgame duplicate, or an object we stopped wanting
         m = self.store.manifest(key)
@@ -410,9 +414,12 @@ class Node:
                                     peer, chunk, describe(key), REQUEST_TIMEOUT)
                         self.picker.chunk_failed(key, chunk, peer)
                         self._nursery.start_soon(self._send_to, peer, wire.Cancel(key[0], key[1], chunk))
+                debug = log.isEnabledFor(logging.DEBUG)
                 for r in self.picker.requests(now):
                     if r.peer not in self.peers.sessions:
                         continue
+                    if debug:  # with the arrival lines: who brought which chunk across the WAN, and when
+                        log.debug("request chunk %d of %s from %s", r.chunk, describe(r.key), r.peer)
                     self._outstanding[(r.peer, r.key, r.chunk)] = now
                     self._nursery.start_soon(self._send_to, r.peer, wire.Request(r.key[0], r.key[1], r.chunk))
                 wake = self.picker.next_wakeup(now)
