@@ -5,7 +5,8 @@ host its own namespace, regions joined by a router whose per-region links are
 tbf-limited both ways) and delivers the same payload: the patch between two
 consecutive served bf16 checkpoints of a generated model (`bench.wan_runner.
 make_payload`, cached under /tmp/patchswarm-wan-payload). One table: time until
-every node holds the patch, the lower bound (`WanSpec.lower_bound_s`), WAN
+every node holds the patch ("fetch"; patchswarm also reports "applied": until
+every node runs the new version), the lower bound (`WanSpec.lower_bound_s`), WAN
 bytes into each region ÷ patch, origin bytes out ÷ patch; then the scaling
 rows (nodes per region at fixed WAN). A system that cannot run here (not
 built, not installed) is listed as skipped with the reason.
@@ -44,7 +45,8 @@ def make_runner(name: str, args: argparse.Namespace):
         return LibtorrentRunner(piece_bytes=args.piece_kib * 1024, unchoke_slots=args.unchoke_slots,
                                 log_dir=args.logs)
     if name in ("patchswarm", "star"):
-        return PatchswarmRunner(no_peers=name == "star", verbose=args.verbose, log_dir=args.logs)
+        return PatchswarmRunner(no_peers=name == "star", verbose=args.verbose, log_dir=args.logs,
+                                chunk_bytes=None if args.chunk_kib is None else args.chunk_kib * 1024)
     raise ValueError(f"system: expected one of {SYSTEMS}, found {name!r}")
 
 
@@ -73,14 +75,15 @@ def median_run(runs: list[RunResult]) -> RunResult:
 
 
 def format_table(rows: list[RunResult], regions: int) -> str:
-    head = ["system", "nodes", "time s", "bound s", "time/bound",
+    head = ["system", "nodes", "fetch s", "bound s", "fetch/bound", "applied s",
             *[f"WAN in r{r}/P" for r in range(regions)], "max WAN in/P", "origin out/P"]
     lines = []
     for r in rows:
         wan = r.wan_in_over_patch
         remote = [w for i, w in enumerate(wan) if i != r.spec.origin_region] or wan
         lines.append([r.system, f"{r.spec.regions}x{r.spec.nodes_per_region}", f"{r.seconds:.2f}", f"{r.bound_s:.2f}",
-                      f"{r.time_over_bound:.2f}", *[f"{w:.3f}" for w in wan], f"{max(remote):.3f}",
+                      f"{r.time_over_bound:.2f}", "-" if r.applied_s is None else f"{r.applied_s:.2f}",
+                      *[f"{w:.3f}" for w in wan], f"{max(remote):.3f}",
                       f"{r.origin_out_over_patch:.3f}"])
     widths = [max(len(h), *(len(l[i]) for l in lines)) if lines else len(h) for i, h in enumerate(head)]
     fmt = "  ".join(f"{{:>{w}}}" for w in widths)
@@ -102,6 +105,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--limit-s", type=float, default=300.0, help="per run")
     ap.add_argument("--repeat", type=int, default=1, help="runs per row; the row is the median run")
     ap.add_argument("--piece-kib", type=int, default=DEFAULT_PIECE_BYTES // 1024, help="libtorrent piece size")
+    ap.add_argument("--chunk-kib", type=int, help="patchswarm/star: the origin's chunk size (default: its own)")
     ap.add_argument("--unchoke-slots", type=int, default=8, help="libtorrent unchoke slots (-1: everyone)")
     ap.add_argument("--json", type=Path, help="also write the rows here")
     ap.add_argument("--cleanup", action="store_true", help="remove leftover psw-* namespaces and exit")
@@ -158,12 +162,17 @@ def main(argv: list[str] | None = None) -> int:
                         check_links = False
                     if tries:
                         t = tries[-1]
-                        print(f"  {name} {s.regions}x{n}: {t.seconds:.2f} s (bound {t.bound_s:.2f} s)", flush=True)
+                        applied = "" if t.applied_s is None else f", applied {t.applied_s:.2f} s"
+                        print(f"  {name} {s.regions}x{n}: fetch {t.seconds:.2f} s (bound {t.bound_s:.2f} s){applied}; "
+                              f"WAN in/P {' '.join(f'{w:.2f}' for w in t.wan_in_over_patch)}, "
+                              f"origin out/P {t.origin_out_over_patch:.2f}", flush=True)
                 if tries:
                     r = median_run(tries)
                     rows.append(r)
                     row_name = f"{r.system} {s.regions}x{n}"
                     notes += [(row_name, x) for x in r.notes]
+                    notes.append((row_name, "WAN out of each region / P: " + ", ".join(
+                        f"r{i} {b / r.patch_bytes:.2f}" for i, b in enumerate(r.moved.wan_out))))
                     if len(tries) > 1:
                         notes.append((row_name, f"median of {len(tries)} runs; times "
                                       + ", ".join(f"{t.seconds:.2f}" for t in tries) + " s"))
@@ -187,8 +196,10 @@ def main(argv: list[str] | None = None) -> int:
         where.setdefault(text, []).append(row_name)
     for text, names in where.items():
         print(f"note: {', '.join(names)}: {text}")
-    print(f"P = patch bytes ({payload.patch_bytes:,}); WAN in = bytes the router sent into a region, link-layer "
-          f"(headers included); max WAN in = over the regions other than the origin's; {TARGETS}")
+    print(f"P = patch bytes ({payload.patch_bytes:,}); fetch = the version announced -> the last node holds every "
+          f"chunk, verified (what the bound and libtorrent's 'done' measure); applied = -> the last node runs it "
+          f"(patch applied, state hash checked, weights file replaced; CPU); WAN in = bytes the router sent into a "
+          f"region, link-layer (headers included); max WAN in = over the regions other than the origin's; {TARGETS}")
     if args.json:
         args.json.write_text(json.dumps([_row_json(r) for r in rows], indent=1) + "\n")
     return 0 if rows or not systems else 1
@@ -201,7 +212,7 @@ def _interrupt(signum, frame) -> None:
 def _row_json(r: RunResult) -> dict:
     return {"system": r.system, "regions": r.spec.regions, "nodes_per_region": r.spec.nodes_per_region,
             "wan_mbit": r.spec.wan_mbit, "lan_mbit": r.spec.lan_mbit, "patch_bytes": r.patch_bytes,
-            "seconds": r.seconds, "bound_s": r.bound_s, "per_node_s": r.per_node_s,
+            "seconds": r.seconds, "applied_s": r.applied_s, "bound_s": r.bound_s, "per_node_s": r.per_node_s,
             "wan_in": list(r.moved.wan_in), "wan_out": list(r.moved.wan_out),
             "origin_out": r.moved.host_tx["origin"], "notes": r.notes}
 

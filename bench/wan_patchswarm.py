@@ -1,21 +1,31 @@
 """patchswarm in the WAN bench: real tracker, origin and node processes in the emulated network.
 
 Owns: issuing credentials with the CLI (`patchswarm swarm init/issue`),
-starting the tracker and the origin (`--watch`) in their namespaces and one
-`patchswarm node` per node namespace (`--no-peers` for the star baseline),
-bringing every node to version 0 (untimed), then dropping version 1 into the
-watch directory and timing until every node's status says version >= 1 with
-the expected state hash. Must not reach into the daemon's internals: it
-speaks only the CLI and the local socket (`node.client.NodeClient`).
+pre-placing version 0 on every node (`D/weights.safetensors` with patchswarm
+metadata, the state the origin publishes as version 0, so nodes start there
+and fetch nothing for it), starting the tracker and the origin (`--watch`) in
+their namespaces and one `patchswarm node` per node namespace (`--no-peers`
+for the star baseline), then dropping version 1 into the watch directory and
+waiting until every node's status says version >= 1 with the expected state
+hash. Must not reach into the daemon's internals: it speaks only the CLI, the
+local socket (`node.client.NodeClient`) and the files whose format is a
+contract (the weights file, the origin's `watched.json` ledger).
 
-Timing: the clock starts when a node first reports `latest_version >= 1` (the
-version was published: diffed, signed and announced); the origin's publish
-time (checkpoint renamed into the watch dir -> announced) is reported apart.
-Status is polled every `POLL_S` over each node's Unix socket.
+Timing, from the nodes' own wall-clock timeline (`status()["applied"]`):
+the clock starts when the first node learned of version 1 (`announced_at`:
+the version was published: diffed, signed and announced). "fetch" ends at the
+last node's `complete_at` (every chunk held and verified: the network part,
+what libtorrent's "done" measures); "applied" at the last node's
+`applied_at` (the patch applied, the state hash checked, the weights file
+replaced: CPU, the same work for every system that ships a patch). The
+origin's publish time (checkpoint renamed into the watch dir -> announced) is
+reported apart.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import shutil
 import subprocess
@@ -28,11 +38,12 @@ from bench.netemu import Host, Topology, wait_listening
 from bench.wan_runner import Payload, RunFailed, RunResult, SystemUnavailable, keep_logs, log_tails
 
 TRACKER_PORT, ORIGIN_PORT, NODE_PORT = 7700, 7701, 7702
-POLL_S = 0.05
+POLL_S = 0.2   # status polls: the times come from the nodes' own timeline, so this only paces the bench
 # Peak RSS of one daemon, measured: ~750 MB for a 52.6 MB checkpoint (torch ~200 MB + copies of the
 # state while applying). Runs that would not fit in MemAvailable are skipped instead of OOM-killing the box.
 DAEMON_BASE_BYTES, DAEMON_BYTES_PER_CHECKPOINT_BYTE = 250e6, 10
 _CLI_TIMEOUT_S = 120.0
+_CONNECT_WAIT_S = 20.0      # for every node to have its peers before the timed version
 
 
 def patchswarm_exe() -> str:
@@ -60,8 +71,12 @@ def unavailable_reason() -> str | None:
 class PatchswarmRunner:
     """patchswarm (or, with `no_peers`, the star: every node from the origin only)."""
 
-    def __init__(self, no_peers: bool = False, verbose: bool = False, log_dir: Path | None = None):
+    def __init__(self, no_peers: bool = False, verbose: bool = False, log_dir: Path | None = None,
+                 chunk_bytes: int | None = None):
         self.no_peers = no_peers
+        # The origin's swarm chunk size (None: its default); segments of as many elements, so a
+        # chunk holds about one segment of a patch (a patch codes well under a byte per element).
+        self.chunk_bytes = chunk_bytes
         self.name = "star" if no_peers else "patchswarm"
         self.verbose = verbose
         self.log_dir = log_dir      # copy each process's log under log_dir/<system>-<R>x<N>/
@@ -74,6 +89,7 @@ class PatchswarmRunner:
         if reason:
             raise SystemUnavailable(reason)
         work = Path(tempfile.mkdtemp(prefix="psw-ps-"))
+        self._pids: dict[str, int] = {}
         try:
             return self._run(topo, payload, limit_s, work)
         except RunFailed as e:
@@ -94,6 +110,9 @@ class PatchswarmRunner:
         roles = {topo.tracker.name: "tracker", topo.origin.name: "origin", **{h.name: "node" for h in topo.nodes}}
         for name, role in roles.items():
             _cli([exe, "swarm", "issue", str(swarm), name, "--role", role, "-o", str(creds / name)])
+        v0 = work / "v0-weights.safetensors"
+        if topo.nodes:
+            _write_version0(payload.base, v0, creds / topo.nodes[0].name)
         _drop(payload.base, watch / "v000.safetensors")
 
         tracker_addr = f"{topo.tracker.ip}:{TRACKER_PORT}"
@@ -101,15 +120,19 @@ class PatchswarmRunner:
         self._spawn(topo, topo.tracker, logs, [exe, "tracker", "--listen", tracker_addr,
                                                "--creds", str(creds / "tracker"), *verbose])
         wait_listening(topo, topo.origin, topo.tracker.ip, TRACKER_PORT, deadline - time.monotonic())
+        origin_dir = work / "origin"
         self._spawn(topo, topo.origin, logs, [
             exe, "origin", "--tracker", tracker_addr, "--creds", str(creds / "origin"),
-            "--key", str(swarm / "trainer.key"), "--data-dir", str(work / "origin"),
+            "--key", str(swarm / "trainer.key"), "--data-dir", str(origin_dir),
             "--listen", f"{topo.origin.ip}:{ORIGIN_PORT}", "--region", _region(topo.origin.region),
-            "--watch", str(watch), *verbose])
+            "--watch", str(watch), *verbose,
+            *([] if self.chunk_bytes is None else ["--chunk-bytes", str(self.chunk_bytes),
+                                                   "--segment-elements", str(self.chunk_bytes)])])
         sockets = {}
         for h in topo.nodes:
             data = work / "data" / h.name
             data.mkdir(parents=True)
+            _place(v0, data / "weights.safetensors")
             sockets[h.name] = data / "node.sock"
             self._spawn(topo, h, logs, [
                 exe, "node", "--tracker", tracker_addr, "--creds", str(creds / h.name), "--data-dir", str(data),
@@ -117,65 +140,185 @@ class PatchswarmRunner:
                 *(["--no-peers"] if self.no_peers else []), *verbose])
         clients = {name: NodeClient(path) for name, path in sockets.items()}
         try:
-            _wait_versions(clients, 0, deadline, NodeUnavailable)          # untimed: version 0 everywhere
+            # Untimed: every node at the pre-placed version 0, the origin has published the same
+            # state as its version 0, and every node holds the connections it wants.
+            _wait_versions(clients, 0, deadline, NodeUnavailable)
+            _wait_published(origin_dir, "v000.safetensors", deadline)
+            connected = _wait_connected(clients, self._wanted_connections(topo), deadline)
             start_status = {n: c.status() for n, c in clients.items()}
             before = topo.counters()
-            t_drop = time.monotonic()
+            t_drop = time.time()
             _drop(payload.target, watch / "v001.safetensors")
-            seen = _wait_versions(clients, 1, deadline, NodeUnavailable)
+            cpu = _watch_fetch(clients, 1, self._pids, deadline, NodeUnavailable)
+            _wait_versions(clients, 1, deadline, NodeUnavailable)
             moved = topo.counters() - before
             end_status = {n: c.status() for n, c in clients.items()}
         finally:
             for c in clients.values():
                 c.close()
-        t_announce = min(s.announced for s in seen.values())
-        per_node = {n: s.reached - t_announce for n, s in seen.items()}
+        # Every node's final status (per-peer piece bytes, timeline) beside the logs, for diagnosis.
+        (logs / "status.json").write_text(json.dumps(end_status, indent=1, sort_keys=True) + "\n")
+        (logs / "fetch-cpu.json").write_text(json.dumps(dataclasses.asdict(cpu), indent=1) + "\n")
         expected = _state_hash(payload.target)
         wrong = sorted(n for n, st in end_status.items() if st.get("state_hash") != expected)
         if wrong:
             raise RunFailed(f"state hash differs from version 1's on {wrong[:6]}: expected {expected}, "
                             f"found {end_status[wrong[0]].get('state_hash')}")
-        notes = [f"publish (rename -> first node sees v1) {t_announce - t_drop:.2f} s",
-                 _bytes_in_note(start_status, end_status, payload.patch_bytes)]
-        return RunResult(self.name, topo.spec, payload.patch_bytes, max(per_node.values()), per_node, moved, notes)
+        v1 = {n: _timeline(st, 1) for n, st in end_status.items()}
+        t_announce = min(e["announced_at"] for e in v1.values())
+        per_node = {n: e["complete_at"] - t_announce for n, e in v1.items()}
+        applied_s = max(e["applied_at"] for e in v1.values()) - t_announce
+        apply_cpu = sorted(e["apply_s"] for e in v1.values())
+        swarm_patch = {e["bytes"] for e in v1.values()}
+        notes = [f"publish (rename -> first node learns of v1) {t_announce - t_drop:.2f} s",
+                 f"apply per node (decode, write, hash check; wall) median {apply_cpu[len(apply_cpu) // 2]:.2f} s, "
+                 f"max {apply_cpu[-1]:.2f} s",
+                 _version0_note(start_status, connected),
+                 f"swarm patch as the origin chunks it: {', '.join(f'{b:,}' for b in sorted(swarm_patch))} bytes",
+                 _bytes_in_note(start_status, end_status, payload.patch_bytes),
+                 f"CPU while fetching (first node learns of v1 -> every node holds it, as polled): "
+                 f"{cpu.wall_s:.2f} s wall; the swarm's processes used {cpu.swarm_s:.2f} CPU-s, everything on "
+                 f"the machine {cpu.busy_s:.2f} of the {cpu.cores} cores' {cpu.cores * cpu.wall_s:.2f} CPU-s"]
+        return RunResult(self.name, topo.spec, payload.patch_bytes, max(per_node.values()), per_node, moved, notes,
+                         applied_s=applied_s)
+
+    def _wanted_connections(self, topo: Topology) -> int:
+        """How many peers (origin included) a node holds at least once the swarm has settled:
+        the ones it dials (node/daemon.py `_wanted_peers`); others may dial it too."""
+        from node.daemon import OTHER_REGION_PEERS, SAME_REGION_PEERS
+
+        if self.no_peers:
+            return 1
+        n, others = topo.spec.nodes_per_region, topo.spec.regions - 1
+        return min(n - 1, SAME_REGION_PEERS) + others * min(n, OTHER_REGION_PEERS) + 1
 
     def _spawn(self, topo: Topology, host: Host, logs: Path, argv: list[str]) -> subprocess.Popen:
         with open(logs / f"{host.name}.log", "wb") as err:
-            return topo.spawn(host, argv, stdin=subprocess.DEVNULL, stdout=err, stderr=subprocess.STDOUT)
+            proc = topo.spawn(host, argv, stdin=subprocess.DEVNULL, stdout=err, stderr=subprocess.STDOUT)
+        self._pids[host.name] = proc.pid    # `ip netns exec` execs the command: the same pid
+        return proc
 
 
-class _Seen:
-    """When the poller first saw a node learn of a version and reach it."""
-
-    def __init__(self):
-        self.announced: float | None = None
-        self.reached: float | None = None
-
-
-def _wait_versions(clients: dict, version: int, deadline: float, unavailable: type) -> dict[str, _Seen]:
-    seen = {n: _Seen() for n in clients}
-    while True:
-        for name, client in clients.items():
-            s = seen[name]
-            if s.reached is not None:
-                continue
+def _poll_until(clients: dict, done, what: str, deadline: float, unavailable: type, seen=None) -> None:
+    """Poll every node's status until `done(status)` holds for each; `seen(status)` sees every status read."""
+    left = set(clients)
+    while left:
+        for name in sorted(left):
             try:
-                st = client.status()
+                st = clients[name].status()
             except unavailable:
                 continue               # not up yet, or restarting: poll again
-            now = time.monotonic()
-            if s.announced is None and _at_least(st.get("latest_version"), version):
-                s.announced = now
-            if _at_least(st.get("version"), version):
-                s.reached = now
-                s.announced = s.announced if s.announced is not None else now
-        if all(s.reached is not None for s in seen.values()):
-            return seen
+            if seen is not None:
+                seen(st)
+            if done(st):
+                left.discard(name)
+        if left:
+            if time.monotonic() > deadline:
+                raise RunFailed(f"{len(left)} of {len(clients)} nodes did not {what} within the time limit: "
+                                f"{sorted(left)[:6]}")
+            time.sleep(POLL_S)
+
+
+def _wait_versions(clients: dict, version: int, deadline: float, unavailable: type) -> None:
+    _poll_until(clients, lambda st: _at_least(st.get("version"), version), f"reach version {version}",
+                deadline, unavailable)
+
+
+@dataclasses.dataclass
+class _FetchCpu:
+    wall_s: float                # first node learned of the version -> every node holds every chunk (polled)
+    swarm_s: float               # CPU seconds of the tracker, origin and nodes in that window
+    busy_s: float                # CPU seconds of the whole machine (every process, not only ours)
+    cores: int
+    per_host_s: dict[str, float]  # the swarm's CPU seconds by host name
+
+
+def _watch_fetch(clients: dict, version: int, pids: dict[str, int], deadline: float,
+                 unavailable: type) -> _FetchCpu:
+    """Poll until every node holds every chunk of `version`; CPU used from its announcement until then."""
+    started = []
+
+    def seen(st: dict) -> None:
+        if not started and _at_least(st.get("latest_version"), version):
+            started.append((time.monotonic(), _process_cpu_s(pids), _machine_busy_s()))
+
+    def fetched(st: dict) -> bool:
+        fetching = st.get("fetching") or {}
+        return _at_least(st.get("version"), version) or bool(
+            _at_least(st.get("latest_version"), version) and fetching and not any(fetching.values()))
+
+    _poll_until(clients, fetched, f"fetch version {version}", deadline, unavailable, seen)
+    t0, cpu0, busy0 = started[0] if started else (time.monotonic(), _process_cpu_s(pids), _machine_busy_s())
+    cpu = _process_cpu_s(pids)
+    per_host = {n: round(cpu[n] - cpu0.get(n, 0.0), 2) for n in cpu}
+    return _FetchCpu(time.monotonic() - t0, sum(per_host.values()), _machine_busy_s() - busy0,
+                     os.cpu_count() or 1, per_host)
+
+
+def _process_cpu_s(pids: dict[str, int]) -> dict[str, float]:
+    """User + system CPU seconds of each process (all its threads) so far, by name."""
+    out = {}
+    for name, pid in pids.items():
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        out[name] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    return out
+
+
+def _machine_busy_s() -> float:
+    """CPU seconds every core of the machine spent not idle, since boot."""
+    with open("/proc/stat") as f:
+        cpu = [int(x) for x in f.readline().split()[1:]]
+    idle = cpu[3] + cpu[4]                         # idle, iowait
+    return (sum(cpu[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _wait_published(origin_dir: Path, name: str, deadline: float) -> None:
+    """Wait until the origin's watch ledger lists `name` (written after it announced that checkpoint)."""
+    ledger = origin_dir / "watched.json"
+    while True:
+        try:
+            if name in json.loads(ledger.read_text()):
+                return
+        except (FileNotFoundError, json.JSONDecodeError):
+            pass
         if time.monotonic() > deadline:
-            missing = sorted(n for n, s in seen.items() if s.reached is None)
-            raise RunFailed(f"{len(missing)} of {len(seen)} nodes did not reach version {version} "
-                            f"within the time limit: {missing[:6]}")
+            raise RunFailed(f"the origin did not publish {name} within the time limit")
         time.sleep(POLL_S)
+
+
+def _wait_connected(clients: dict, want: int, deadline: float) -> dict[str, int]:
+    """Wait (at most _CONNECT_WAIT_S) until each node has `want` peers; name -> peers it had."""
+    until = min(deadline, time.monotonic() + _CONNECT_WAIT_S)
+    while True:
+        have = {n: len(c.status().get("peers", [])) for n, c in clients.items()}
+        if all(h >= want for h in have.values()) or time.monotonic() > until:
+            return have
+        time.sleep(POLL_S)
+
+
+def _timeline(status: dict, version: int) -> dict:
+    """A node's timeline of `version` from its status (announced_at, complete_at, applied_at, apply_s, bytes)."""
+    entry = next((a for a in status.get("applied", []) if a.get("version") == version), None)
+    need = ("announced_at", "complete_at", "applied_at", "apply_s", "bytes")
+    if entry is None or any(k not in entry for k in need):
+        raise RunFailed(f"{status.get('node_id')}: expected a timeline of version {version} with {need} in its "
+                        f"status, found {entry}")
+    return entry
+
+
+def _version0_note(start: dict, connected: dict[str, int]) -> str:
+    """Check that no node fetched or applied anything for version 0 (it was pre-placed); a note."""
+    fetched = sum(sum(st.get("bytes_in", {}).values()) for st in start.values())
+    applied = sorted(n for n, st in start.items() if st.get("applied"))
+    if fetched or applied:
+        raise RunFailed(f"version 0 was pre-placed, yet nodes fetched {fetched:,} chunk bytes before version 1 "
+                        f"and applied a version on {applied[:6]}")
+    lo, hi = min(connected.values(), default=0), max(connected.values(), default=0)
+    return (f"version 0 pre-placed on every node (nothing fetched for it); "
+            f"peers per node at the start: {lo if lo == hi else f'{lo}-{hi}'}")
 
 
 def _memory_shortfall(daemons: int, checkpoint_bytes: int) -> str | None:
@@ -210,6 +353,25 @@ def _state_hash(path: Path) -> str:
 
 def _region(r: int) -> str:
     return f"region{r}"
+
+
+def _write_version0(checkpoint: Path, dst: Path, node_creds: Path) -> None:
+    """Version 0 as a node's weights file: the checkpoint's state with patchswarm metadata (swarm id, hash)."""
+    from node.checkpoint import load_state
+    from node.trust import Credentials
+    from node.weights import Weights, write_weights
+    from protocol.statehash import state_hash
+
+    state = load_state(checkpoint)[0]
+    write_weights(dst, Weights(state, 0, state_hash(state), Credentials.load(node_creds).swarm_id()))
+
+
+def _place(src: Path, dst: Path) -> None:
+    """One node's copy of version 0: a hard link (the daemon replaces the file by rename, never in place)."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)
 
 
 def _drop(src: Path, dst: Path) -> None:

@@ -49,28 +49,33 @@ def make_payload(model: str = "medium", lr: float = 1e-2, seed: int = 0,
                  cache_root: Path = PAYLOAD_CACHE) -> Payload:
     """Generate (or reuse from `cache_root`) two consecutive served bf16 checkpoints and their patch.
 
-    One RL step of `node.synthetic` at `lr` after its warm-up. The cache
-    directory is keyed by the parameters; `meta.json` is written last, so a
-    directory without it is regenerated.
+    One RL step of `node.synthetic` at `lr` after its warm-up. The checkpoints
+    are cached in a directory keyed by the parameters (`meta.json` is written
+    last, so a directory without it is regenerated); the patch is cached
+    beside them per patch container version, so a codec change re-diffs the
+    cached checkpoints instead of re-running the model.
     """
-    d = Path(cache_root) / f"{model}-lr{lr:g}-seed{seed}-bf16"
-    meta = d / "meta.json"
-    label = f"{model} lr={lr:g} seed={seed}"
-    if meta.exists():
-        m = json.loads(meta.read_text())
-        return Payload(d / "v0.safetensors", d / "v1.safetensors", d / "patch.bin", m["patch_bytes"], label)
-    from node import checkpoint, synthetic   # torch: only when a payload must be made
-    from protocol.patch import diff
+    from protocol.patch import FORMAT_VERSION
 
-    d.mkdir(parents=True, exist_ok=True)
-    (base, target), = synthetic.served_pairs(model, lr=lr, steps=1, seed=seed, dtype="bf16")
-    data = diff(base, target).to_bytes()
-    checkpoint.save_state(base, d / "v0.safetensors")
-    checkpoint.save_state(target, d / "v1.safetensors")
-    checkpoint.write_bytes_atomic(d / "patch.bin", data)
-    raw = sum(t.numel() * t.element_size() for t in target.values())
-    checkpoint.write_bytes_atomic(meta, json.dumps({"patch_bytes": len(data), "checkpoint_bytes": raw}).encode())
-    return Payload(d / "v0.safetensors", d / "v1.safetensors", d / "patch.bin", len(data), label)
+    d = Path(cache_root) / f"{model}-lr{lr:g}-seed{seed}-bf16"
+    meta, patch = d / "meta.json", d / f"patch-v{FORMAT_VERSION}.bin"
+    label = f"{model} lr={lr:g} seed={seed}"
+    if not meta.exists():
+        from node import checkpoint, synthetic   # torch: only when a payload must be made
+
+        d.mkdir(parents=True, exist_ok=True)
+        (base, target), = synthetic.served_pairs(model, lr=lr, steps=1, seed=seed, dtype="bf16")
+        checkpoint.save_state(base, d / "v0.safetensors")
+        checkpoint.save_state(target, d / "v1.safetensors")
+        raw = sum(t.numel() * t.element_size() for t in target.values())
+        checkpoint.write_bytes_atomic(meta, json.dumps({"checkpoint_bytes": raw}).encode())
+    if not patch.exists():
+        from node import checkpoint
+        from protocol.patch import diff
+
+        base, target = (checkpoint.load_state(d / f"v{v}.safetensors")[0] for v in (0, 1))
+        checkpoint.write_bytes_atomic(patch, diff(base, target).to_bytes())
+    return Payload(d / "v0.safetensors", d / "v1.safetensors", patch, patch.stat().st_size, label)
 
 
 @dataclasses.dataclass
@@ -80,10 +85,11 @@ class RunResult:
     system: str
     spec: WanSpec
     patch_bytes: int
-    seconds: float                      # published/announced -> the last node holds it
+    seconds: float                      # published/announced -> the last node holds every byte, verified
     per_node_s: dict[str, float]        # host name -> seconds from the same start
     moved: Counters                     # byte counters over the timed window
     notes: list[str] = dataclasses.field(default_factory=list)
+    applied_s: float | None = None      # -> the last node runs the new version (systems that apply)
 
     @property
     def bound_s(self) -> float:
