@@ -1,0 +1,338 @@
+"""End-to-end trajectory benchmark: rollout workers -> node spools -> origin store, as real processes.
+
+Starts a tracker, an origin and 4 nodes (`python -m node.cli ...`, through
+tests/swarmlab.py, imported from tests/) on loopback, then for each payload
+size runs a rollout fleet for a fixed time and measures end to end:
+
+- rec/s, MB/s: records whose submit was acknowledged, divided by the time from
+  the first submit until the origin holds every one of them durably (every
+  node's spool reports 0 unacknowledged records: a record leaves the spool
+  only on the origin's ack, which follows its fdatasync). So a backlog the
+  uploaders have not cleared when the submitters stop counts against the rate.
+- p50/p99 ms: submit latency as the worker sees it (acknowledged by the node:
+  fsynced to its spool).
+- drain s: how long after the submitters stopped the origin took to catch up.
+- naive: the same kind of records written and fdatasynced one at a time to one
+  file by one thread, on the same disk, in the same run (the floor).
+- us/rec: CPU time (all threads, kernel included, from /proc) per record of
+  the 4 node daemons together, the origin and the workers: steadier than rates
+  on a shared machine, and the number that says which process a record costs.
+- cores: what those processes used together, and the rest of the machine
+  (other users, this script) beside them; ours + rest near the core count
+  means the CPU, not the disk, was the limit.
+- check: the origin's store (read with node.trajstore.TrajectoryReader) gained
+  exactly as many records per node as the workers had acknowledged.
+
+The fleet: each node is a GPU host running `--procs` rollout worker processes
+(default 8: one per GPU) with `--threads` threads each; every worker submits
+one trajectory per call as soon as the previous one is acknowledged (a closed
+loop: an upper bound on offered load, as when many short episodes finish at
+once). `--per-call 8` submits 8 records per call instead, as a worker that
+hands in a GRPO group (the samples of one prompt finish together) would.
+Payloads are half random, half zeros (lz4 finds something, not everything),
+distinct per record.
+
+    .venv/bin/python bench/trajectories.py [--seconds 8] [--repeat 2] [--sizes 1KiB,16KiB,1MiB]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SIZES = {"1KiB": 1 << 10, "16KiB": 16 << 10, "1MiB": 1 << 20}
+NODES = 4
+POLICY_VERSION = 1
+POLL_SECONDS = 0.05  # how often the drain is checked: the end time is late by at most this
+POOL_BYTES = 256 << 10  # distinct payloads per worker: more than lz4's 64 KiB window apart
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+# ================================================================ the rollout worker (a child process)
+
+
+def payload_pool(size: int, seed: int) -> list[bytes]:
+    rnd = random.Random(seed)
+    half = size // 2
+    return [rnd.randbytes(half) + bytes(size - half) for _ in range(max(2, -(-POOL_BYTES // size)))]
+
+
+def worker_main(socket_path: str, worker: int, threads: int) -> None:
+    """Serve commands from stdin (one JSON line per row), answer one JSON line each.
+
+    Command: {"size", "seconds", "start" (wall clock), "per_call"}. Each thread
+    opens its own NodeClient and submits until start + seconds."""
+    from node.client import NodeClient, NodeError
+
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        size, per_call = cmd["size"], cmd["per_call"]
+        pool = payload_pool(size, worker * 7919 + size)
+        lat: list[float] = []
+        acked, errors = [0], []
+        lock = threading.Lock()
+
+        def run(t: int) -> None:
+            n = 0
+            mine = []
+            with NodeClient(socket_path) as client:
+                while time.time() < cmd["start"]:
+                    time.sleep(0.001)
+                stop = cmd["start"] + cmd["seconds"]
+                while time.time() < stop:
+                    batch = []
+                    for _ in range(per_call):
+                        n += 1
+                        stamp = f"{worker:04d}{t:02d}{n:010d}".encode()  # 16 bytes: unique per record
+                        batch.append((stamp + pool[n % len(pool)][16:], POLICY_VERSION, None))
+                    t0 = time.perf_counter()
+                    try:
+                        client.submit_many(batch, timeout=60)
+                    except NodeError as e:
+                        errors.append(str(e)[:200])
+                        break
+                    mine.append(time.perf_counter() - t0)
+            with lock:
+                lat.extend(mine)
+                acked[0] += len(mine) * per_call
+
+        ts = [threading.Thread(target=run, args=(t,)) for t in range(threads)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        print(json.dumps({"acked": acked[0], "lat": [round(x, 6) for x in lat], "errors": errors}), flush=True)
+
+
+# ================================================================ measuring
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (all its threads), in seconds."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def machine_busy_seconds() -> float:
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    idle = v[3] + v[4]  # idle + iowait
+    return (sum(v[:8]) - idle) / _TICK
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def naive_floor(directory: Path, size: int, seconds: float) -> tuple[int, float, list[float]]:
+    """One thread: frame one record, write it, fdatasync, next."""
+    from protocol.trajectory import Record, encode_entry, encode_record, segment_header
+
+    pool = payload_pool(size, 1)
+    path = directory / "naive.seg"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.write(fd, segment_header())
+    lat, n, t0 = [], 0, time.perf_counter()
+    try:
+        while time.perf_counter() - t0 < seconds:
+            t = time.perf_counter()
+            rec = Record("naive", "r0", n, POLICY_VERSION, time.time(), pool[n % len(pool)], None)
+            os.write(fd, encode_entry(encode_record(rec)))
+            os.fdatasync(fd)
+            lat.append(time.perf_counter() - t)
+            n += 1
+    finally:
+        os.close(fd)
+        path.unlink()
+    return n, time.perf_counter() - t0, lat
+
+
+class StoreCounter:
+    """Counts the origin's stored records per node, reading only what is new each time."""
+
+    def __init__(self, directory: Path):
+        from node.trajstore import TrajectoryReader
+
+        self.cursor = TrajectoryReader(directory).cursor()
+        self.by_node: collections.Counter = collections.Counter()
+
+    def update(self) -> collections.Counter:
+        while batch := self.cursor.read(4096):
+            self.by_node.update(r.node_id for r in batch)
+        return collections.Counter(self.by_node)
+
+
+# ================================================================ the fleet
+
+
+class Fleet:
+    """The swarm's processes and the worker processes, for the whole run."""
+
+    def __init__(self, root: Path, procs: int, threads: int):
+        sys.path.insert(0, str(ROOT / "tests"))
+        from swarmlab import SwarmLab  # the test harness: starts real processes, stops them on close
+
+        self.lab = SwarmLab(root)
+        self.lab.start_tracker()
+        self.origin = self.lab.start_origin()
+        self.nodes = [self.lab.start_node(f"n{i}", region=f"r{i % 2}") for i in range(NODES)]
+        self.workers: list[tuple[str, subprocess.Popen]] = []
+        for i, node in enumerate(self.nodes):
+            for k in range(procs):
+                p = subprocess.Popen([sys.executable, __file__, "--worker", str(node.socket), str(i * 100 + k),
+                                      str(threads)], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
+                self.workers.append((node.name, p))
+        self._wait_connected()
+        self.store = StoreCounter(self.origin.data_dir / "trajectories")
+        # One connection per node for the drain polls (a new connection per poll costs the node).
+        self._status_clients = [n.client() for n in self.nodes]
+
+    def _wait_connected(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        for node in self.nodes:
+            while not any(p["role"] == "origin" for p in node.status()["peers"]):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{node.name} did not connect to the origin in {timeout} s:\n{node.text()[-2000:]}")
+                time.sleep(0.1)
+
+    def spool_records(self) -> int:
+        return sum(c.status()["spool"]["records"] for c in self._status_clients)
+
+    def cpu(self) -> dict[str, float]:
+        return {"nodes": sum(cpu_seconds(n.popen.pid) for n in self.nodes),
+                "origin": cpu_seconds(self.origin.popen.pid),
+                "workers": sum(cpu_seconds(p.pid) for _, p in self.workers),
+                "machine": machine_busy_seconds()}
+
+    def row(self, size: int, seconds: float, per_call: int, drain_timeout: float) -> dict:
+        before = self.store.update()
+        start = time.time() + 0.5
+        for _, p in self.workers:
+            p.stdin.write(json.dumps({"size": size, "seconds": seconds, "start": start, "per_call": per_call}) + "\n")
+            p.stdin.flush()
+        while time.time() < start:
+            time.sleep(0.001)
+        cpu0, t0, load0 = self.cpu(), time.time(), os.getloadavg()[0]
+        results = collections.Counter()
+        lat: list[float] = []
+        errors: list[str] = []
+        for name, p in self.workers:
+            r = json.loads(p.stdout.readline())
+            results[name] += r["acked"]
+            lat.extend(r["lat"])
+            errors.extend(r["errors"])
+        t_stop = time.time()
+        deadline = time.monotonic() + drain_timeout
+        while self.spool_records():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the origin did not receive everything within {drain_timeout} s of the stop")
+            time.sleep(POLL_SECONDS)
+        t_end = time.time()
+        cpu1, load1 = self.cpu(), os.getloadavg()[0]
+        after = self.store.update()
+        gained = after - before
+        wall = t_end - t0
+        acked = sum(results.values())
+        ours = sum(cpu1[k] - cpu0[k] for k in ("nodes", "origin", "workers"))
+        return {
+            "acked": acked, "wall": wall, "drain": t_end - t_stop, "lat": lat, "errors": errors,
+            "rate": acked / wall, "mbps": acked * size / wall / 1e6,
+            "us_per_rec": {k: (cpu1[k] - cpu0[k]) / max(acked, 1) * 1e6 for k in ("nodes", "origin", "workers")},
+            "cores": ours / wall, "rest": ((cpu1["machine"] - cpu0["machine"]) - ours) / wall,
+            "load": (load0, load1),
+            "ok": dict(gained) == dict(results) and not errors,
+            "gained": dict(gained), "expected": dict(results),
+        }
+
+    def close(self) -> None:
+        for c in getattr(self, "_status_clients", []):
+            c.close()
+        for _, p in self.workers:
+            try:
+                p.stdin.close()
+            except OSError:
+                pass
+        for _, p in self.workers:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=10)
+        self.lab.close()
+
+
+# ================================================================ main
+
+
+HEADER = (f"{'size':>6} {'run':>3} {'load1':>5} {'records':>8} {'rec/s':>7} {'MB/s':>7} {'p50 ms':>7} {'p99 ms':>7} "
+          f"{'drain s':>7} | {'naive/s':>7} {'nMB/s':>6} {'np50ms':>6} {'x naive':>7} | "
+          f"{'us/rec node':>11} {'origin':>6} {'worker':>6} | {'cores ours':>10} {'rest':>5} | check")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=float, default=8.0, help="submitting time per row")
+    ap.add_argument("--naive-seconds", type=float, default=2.0)
+    ap.add_argument("--repeat", type=int, default=2, help="rows per size (interleaved: all sizes, then again)")
+    ap.add_argument("--sizes", default="1KiB,16KiB,1MiB")
+    ap.add_argument("--procs", type=int, default=8, help="rollout worker processes per node")
+    ap.add_argument("--threads", type=int, default=1, help="submitting threads per worker process")
+    ap.add_argument("--per-call", type=int, default=1, help="records per submit call")
+    ap.add_argument("--dir", default=None, help="where the swarm's data dirs go (default: a temp dir)")
+    ap.add_argument("--keep", action="store_true", help="keep the data dirs and logs")
+    ap.add_argument("--worker", nargs=3, metavar=("SOCKET", "ID", "THREADS"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker_main(args.worker[0], int(args.worker[1]), int(args.worker[2]))
+        return
+    sizes = [(n, SIZES[n]) for n in args.sizes.split(",")]
+    root = Path(tempfile.mkdtemp(prefix="bench-trajectories-", dir=args.dir))
+    print(f"# {NODES} nodes x {args.procs} worker processes x {args.threads} threads, {args.per_call} record(s) "
+          f"per submit, {args.seconds:g} s per row; {os.cpu_count()} CPUs; data in {root}", flush=True)
+    fleet = None
+    try:
+        fleet = Fleet(root, args.procs, args.threads)
+        fleet.row(1024, 1.0, 1, 60)  # warm-up: connections, first segment files, imports
+        print(f"# pids (for py-spy): origin {fleet.origin.popen.pid}, nodes "
+              f"{' '.join(str(n.popen.pid) for n in fleet.nodes)}", flush=True)
+        print(HEADER, flush=True)
+        for run in range(args.repeat):
+            for name, size in sizes:
+                n, nsecs, nlat = naive_floor(root, size, args.naive_seconds)
+                r = fleet.row(size, args.seconds, args.per_call, drain_timeout=600)
+                u = r["us_per_rec"]
+                check = "ok" if r["ok"] else f"MISMATCH stored {r['gained']} acked {r['expected']} {r['errors'][:2]}"
+                print(f"{name:>6} {run:>3} {r['load'][0]:5.2f} {r['acked']:>8} {r['rate']:>7.0f} {r['mbps']:>7.1f} "
+                      f"{pct(r['lat'], 0.5) * 1e3:>7.2f} {pct(r['lat'], 0.99) * 1e3:>7.2f} {r['drain']:>7.2f} | "
+                      f"{n / nsecs:>7.0f} {n * size / nsecs / 1e6:>6.1f} {pct(nlat, 0.5) * 1e3:>6.2f} "
+                      f"{r['rate'] / (n / nsecs):>7.1f} | {u['nodes']:>11.0f} {u['origin']:>6.0f} {u['workers']:>6.0f} | "
+                      f"{r['cores']:>10.2f} {r['rest']:>5.2f} | {check}", flush=True)
+        print(f"# load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    finally:
+        if fleet is not None:
+            fleet.close()
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
