@@ -588,6 +588,7 @@ class Swarm:
         self.steps = 0
         self.wan_requests = Counter()  # (region, chunk) -> requests that crossed into it
         self.wan_entries = Counter()  # (region, chunk) -> deliveries that crossed into it
+        self.wan_exits = Counter()  # (region, chunk) -> deliveries that crossed out of it
         self.origin_sent = 0
 
     def done(self):
@@ -626,6 +627,7 @@ class Swarm:
             self.origin_sent += r.peer == OR
             if self.region_of[r.peer] != self.region_of[node]:
                 self.wan_entries[self.region_of[node], r.chunk] += 1
+                self.wan_exits[self.region_of[r.peer], r.chunk] += 1
             if r.chunk not in self.have[node]:
                 self.have[node].add(r.chunk)
                 for other in sorted(self.links[node]):
@@ -662,6 +664,9 @@ def assert_healthy(swarm, origin_region):
             else:
                 assert swarm.wan_entries[region, c] == 1, (region, c)
                 assert swarm.wan_requests[region, c] == 1, (region, c)
+    # Each chunk leaves each region (the origin's counted with it) at most once: the remote
+    # regions relay to each other instead of all pulling from the origin's region.
+    assert max(swarm.wan_exits.values(), default=0) <= 1
     assert swarm.origin_sent == n  # <= 1.25 n asked for; exactly once when healthy
 
 
