@@ -88,9 +88,21 @@ class PeerSet:
         existing = self.sessions.get(ms.peer_name)
         if existing is not None:
             if self._keep_existing(existing, outbound, ms.peer_name):
+                await ms.aclose()
                 return
+            # Unregister the old session and report it gone *before* the new one is
+            # registered: its own `finally` then sees it is no longer registered and
+            # stays quiet, so a late close of the old connection cannot report the
+            # peer gone while its new session is live.
             existing.closed = True
-            await existing.ms.aclose()
+            del self.sessions[existing.id]
+            with trio.CancelScope(shield=True):
+                await existing.ms.aclose()
+                if self._on_close is not None:
+                    await self._on_close(existing)
+            if ms.peer_name in self.sessions:  # a third connection won meanwhile
+                await ms.aclose()
+                return
         s = Session(ms, ms.peer_name, ms.peer_role, hello.region, hello.listen, outbound)
         self.sessions[s.id] = s
         reason = "closed"
@@ -119,11 +131,12 @@ class PeerSet:
             reason = f"took no bytes for {SEND_TIMEOUT:.0f} s"
         finally:
             s.closed = True
-            if self.sessions.get(s.id) is s:
+            registered = self.sessions.get(s.id) is s
+            if registered:
                 del self.sessions[s.id]
             with trio.CancelScope(shield=True):
                 await ms.aclose()
-                if self._on_close is not None:
+                if registered and self._on_close is not None:
                     await self._on_close(s)
         level = logging.INFO if reason in ("closed", "said bye") else logging.WARNING
         log.log(level, "peer %s (%s, %s) left: %s", s.id, s.role, s.region, reason)
