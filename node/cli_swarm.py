@@ -263,6 +263,8 @@ def print_status(st: dict) -> None:
     t.add_row("rejected", f"{st['chunks_rejected']} chunks, {st.get('manifests_rejected', 0)} manifests")
     if st.get("fetching"):
         t.add_row("fetching", ", ".join(f"{k}: {v} chunks missing" for k, v in st["fetching"].items()))
+    if st.get("unusable"):
+        t.add_row("unusable", ", ".join(st["unusable"]) + " (failed to apply; see the node's log)")
     spool = st.get("spool")
     if spool:
         t.add_row("spool", f"{spool['records']:,} records, {_mb(spool['bytes'])}; "

@@ -574,6 +574,9 @@ class Node:
             "chunks_rejected": self.chunks_rejected,
             "manifests_rejected": self.manifests_rejected,
             "fetching": fetching,
+            # Objects that failed to apply (verified chunks, yet the patch did not fit): the
+            # node routes around them; a person should know the origin published one.
+            "unusable": [describe(k) for k in sorted(self._unusable)],
             "applied": list(self.applied),
             "spool": self._spool_status(),
             "uptime_s": round(time.time() - self.started_at, 1),

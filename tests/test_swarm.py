@@ -8,6 +8,7 @@ counted; and nodes take most bytes from each other, not from the origin.
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import time
@@ -78,6 +79,16 @@ def test_every_node_gets_every_version_bit_exactly_and_mostly_from_peers(tmp_pat
         (status,) = lab.wait_version([late], 5, timeout=120)
         assert status["version"] == 5
         assert same_bits(load_weights(late), served_bf16(checkpoints[5]))
+
+        # `patchswarm status`, as people and scripts use it.
+        js = json.loads(lab._cli("status", "--data-dir", late.data_dir, "--json"))
+        assert {"node_id", "region", "version", "state_hash", "weights_path", "latest_version", "peers",
+                "bytes_in", "bytes_out", "chunks_rejected", "spool"} <= set(js)
+        assert js["node_id"] == "late" and js["version"] == 5 and js["latest_version"] == 5
+        assert set(js["bytes_in"]) == {"origin", "same_region", "other_region"}
+        assert all({"id", "region"} <= set(p) for p in js["peers"]) and js["peers"]
+        table = lab._cli("status", "--socket", late.socket)
+        assert "node late (r1)" in table and "same region" in table and js["state_hash"][:20] in table
 
 
 def test_node_killed_mid_download_restarts_and_converges(tmp_path, checkpoints):
