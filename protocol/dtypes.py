@@ -77,23 +77,26 @@ def int_view(t: torch.Tensor) -> np.ndarray:
     return t.view(info.int_dtype).numpy().reshape(-1)
 
 
+def ordered_bits(bits: np.ndarray, info: DtypeInfo) -> np.ndarray:
+    """`to_ordered` in the dtype's own width; it is its own inverse.
+
+    A negative float's ordered value is -magnitude - 1 = ~magnitude, whose
+    bit pattern is the float's with the magnitude bits flipped: one xor with
+    a mask made from the sign (an arithmetic shift), no int64 temporaries.
+    """
+    if not info.is_float:
+        return bits
+    return bits ^ ((bits >> (info.bits - 1)) & info.magnitude_mask)
+
+
 def to_ordered(bits: np.ndarray, info: DtypeInfo) -> np.ndarray:
     """Bit patterns → int64 whose order matches the float order (sign-magnitude undone)."""
-    v = bits.astype(np.int64)
-    if not info.is_float:
-        return v
-    mag = v & info.magnitude_mask
-    return np.where(v < 0, -mag - 1, mag)
+    return ordered_bits(bits, info).astype(np.int64)
 
 
 def from_ordered(ordered: np.ndarray, info: DtypeInfo) -> np.ndarray:
-    """Inverse of `to_ordered`, back to the dtype's integer view."""
-    if not info.is_float:
-        return ordered.astype(info.np_int)
-    neg = ordered < 0
-    mag = np.where(neg, -(ordered + 1), ordered)
-    u = np.where(neg, mag | info.sign_bit, mag)
-    return u.astype(info.np_int)
+    """Inverse of `to_ordered`, back to the dtype's integer view (values must be in `ordered_range`)."""
+    return ordered_bits(ordered.astype(info.np_int), info)
 
 
 def ordered_range(info: DtypeInfo) -> tuple[int, int]:
