@@ -79,6 +79,20 @@ def pack_bits(values: np.ndarray, widths: np.ndarray | int) -> bytes:
     return words.astype("<u8").tobytes()[: (total + 7) // 8]
 
 
+_FAST_WIDTH = 57  # a field this wide, at any bit offset, lies inside the 8 bytes from its first byte
+
+
+def _unaligned_words(data: bytes) -> np.ndarray:
+    """w[i] = the 8 bytes of `data` from byte i as a little-endian uint64 (zeros past the end).
+
+    A strided view (stride 1 byte), so a field of up to 57 bits at bit
+    offset o is (w[o >> 3] >> (o & 7)) & mask: one gather instead of two.
+    """
+    buf = np.zeros(len(data) + 8, dtype=np.uint8)
+    buf[: len(data)] = np.frombuffer(data, dtype=np.uint8)
+    return np.ndarray(shape=(len(data) + 1,), dtype="<u8", buffer=buf, strides=(1,))
+
+
 def unpack_bits(data: bytes, widths: np.ndarray | int, count: int) -> np.ndarray:
     """Inverse of `pack_bits`; `data` must be exactly the packed bytes."""
     if count == 0:
@@ -92,6 +106,8 @@ def unpack_bits(data: bytes, widths: np.ndarray | int, count: int) -> np.ndarray
         return np.zeros(count, dtype=np.uint64)
     if total % 8 and data[-1] >> (total % 8):
         raise CorruptData("raw bit field: nonzero padding after the last value")
+    if (w if np.ndim(w) == 0 else int(w.max())) <= _FAST_WIDTH:
+        return (_unaligned_words(data)[off >> 3] >> (off & 7).astype(np.uint64)) & _MASKS[w]
     padded = np.zeros((total + 63) // 64 + 2, dtype="<u8")
     padded.view(np.uint8)[: len(data)] = np.frombuffer(data, dtype=np.uint8)
     words = padded.astype(np.uint64)
@@ -125,36 +141,44 @@ def unpack(data: bytes, count: int, k: np.ndarray | int) -> np.ndarray:
         return np.zeros(0, dtype=np.uint64)
     scalar = np.ndim(k) == 0
     ks = np.asarray(k, dtype=np.int64)
-    if (ks < 0).any() or (ks > MAX_K).any():
-        raise CorruptData(f"rice parameter: expected 0..{MAX_K}, found {int(ks.max())}")
-    rem_bits = int(ks) * count if scalar else int(ks.sum())
+    if scalar:
+        if not 0 <= int(ks) <= MAX_K:
+            raise CorruptData(f"rice parameter: expected 0..{MAX_K}, found {int(ks)}")
+        rem_bits = int(ks) * count
+    else:
+        if (ks.view(np.uint64) > MAX_K).any():  # negatives wrap to large
+            raise CorruptData(f"rice parameter: expected 0..{MAX_K}, found {int(ks.max()) if ks.min() >= 0 else int(ks.min())}")
+        rem_bits = int(ks.sum())
     rem_len = (rem_bits + 7) // 8
     if len(data) < rem_len + 1:
         raise CorruptData(f"rice blob: expected at least {rem_len + 1} bytes, found {len(data)}")
-    rest = np.frombuffer(data, dtype=np.uint8, offset=rem_len)
-    bits = np.unpackbits(rest, bitorder="little")
-    zeros = np.flatnonzero(bits == 0)
-    if zeros.size < count:
-        raise CorruptData(f"rice unary part: expected {count} values, found {zeros.size}")
-    zeros = zeros[:count]
-    unary_len = (int(zeros[-1]) + 8) // 8
-    if bits[zeros[-1] + 1 : unary_len * 8].any():
+    # The unary part's zero-bits end the values: unpack the complement, find its ones.
+    ends = np.flatnonzero(np.unpackbits(~np.frombuffer(data, dtype=np.uint8, offset=rem_len), bitorder="little"))
+    if ends.size < count:
+        raise CorruptData(f"rice unary part: expected {count} values, found {ends.size}")
+    last = int(ends[count - 1])
+    unary_len = (last + 8) // 8
+    if data[rem_len + unary_len - 1] >> (last % 8 + 1):
         raise CorruptData("rice unary part: nonzero padding after the last value")
     q = np.empty(count, dtype=np.int64)
-    q[0] = zeros[0]
-    np.subtract(zeros[1:], zeros[:-1] + 1, out=q[1:])
-    if (q > ESCAPE_Q).any():
+    q[0] = ends[0]
+    np.subtract(ends[1:count], ends[: count - 1] + 1, out=q[1:])
+    q_max = int(q.max())
+    if q_max > ESCAPE_Q:
         raise CorruptData(f"rice unary part: expected quotients up to {ESCAPE_Q}")
     r = unpack_bits(data[:rem_len], int(ks) if scalar else ks, count)
     values = (q.astype(np.uint64) << ks.astype(np.uint64)) | r
+    tail = data[rem_len + unary_len :]
+    if q_max < ESCAPE_Q:
+        if tail:
+            raise CorruptData(f"rice escapes: expected 0 bytes, found {len(tail)}")
+        return values
     esc = q == ESCAPE_Q
     n_esc = int(esc.sum())
-    tail = data[rem_len + unary_len :]
     if len(tail) != 8 * n_esc:
         raise CorruptData(f"rice escapes: expected {8 * n_esc} bytes, found {len(tail)}")
-    if n_esc:
-        raw = np.frombuffer(tail, dtype="<u8").astype(np.uint64)
-        if (raw >> (ks[esc] if not scalar else ks).astype(np.uint64) < ESCAPE_Q).any():
-            raise CorruptData("rice escapes: an escaped value is small enough to be coded inline")
-        values[esc] = raw
+    raw = np.frombuffer(tail, dtype="<u8").astype(np.uint64)
+    if (raw >> (ks[esc] if not scalar else ks).astype(np.uint64) < ESCAPE_Q).any():
+        raise CorruptData("rice escapes: an escaped value is small enough to be coded inline")
+    values[esc] = raw
     return values
