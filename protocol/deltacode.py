@@ -197,62 +197,78 @@ def check_rows(rows, classes: int) -> list[list]:
     return rows
 
 
-def _segmented_ranks(gaps: np.ndarray, counts: list[int]) -> list[np.ndarray]:
-    """Split a concatenation of gap runs and turn each run into ascending ranks."""
-    if gaps.size and int(gaps.max()) >= _MAX_GAP:
-        raise CorruptData(f"gap: expected below 2**40, found {int(gaps.max())}")
-    cs = np.cumsum(gaps.astype(np.int64) + 1)
-    out, off, base = [], 0, 0
-    for n in counts:
-        out.append(cs[off : off + n] - 1 - base)
-        if n:
-            base = int(cs[off + n - 1])
-        off += n
-    return out
-
-
 def _check_streams(streams) -> None:
     if not isinstance(streams, list) or len(streams) != _STREAMS or not all(isinstance(s, bytes) for s in streams):
         raise CorruptData(f"segment streams: expected {_STREAMS} byte strings")
 
 
-def decode_positions(rows: list[list], streams: list) -> list[np.ndarray]:
-    """Ascending ranks of the changed elements of every class (rows from `check_rows`)."""
+def _unpack_flags(data: bytes, count: int, what: str) -> np.ndarray:
+    """`count` bools packed little-endian, with zero padding."""
+    if len(data) != (count + 7) // 8:
+        raise CorruptData(f"{what}: expected {(count + 7) // 8} bytes, found {len(data)}")
+    if count % 8 and data[-1] >> (count % 8):
+        raise CorruptData(f"{what}: nonzero padding")
+    return np.unpackbits(np.frombuffer(data, dtype=np.uint8), count=count, bitorder="little").view(bool)
+
+
+def _gap_runs(data: bytes, counts: list[int], ks: list[int]) -> np.ndarray:
+    """Rice-coded gap runs (one k each) turned into ascending ranks, each run from 0, concatenated."""
+    gaps = ricecode.unpack(data, sum(counts), np.repeat(np.array(ks, dtype=np.int64), counts))
+    if gaps.size and int(gaps.max()) >= _MAX_GAP:
+        raise CorruptData(f"gap: expected below 2**40, found {int(gaps.max())}")
+    cs = np.cumsum((gaps + np.uint64(1)).view(np.int64))
+    off, base = 0, 0
+    for n in counts:  # in place: rank = elements up to here - 1 - those of the runs before
+        if n:
+            nxt = int(cs[off + n - 1])
+            cs[off : off + n] -= base + 1
+            base = nxt
+        off += n
+    return cs
+
+
+def decode_rank_runs(rows: list[list], streams: list) -> tuple[np.ndarray, list[int]]:
+    """Ascending ranks of the changed elements of every class, concatenated in
+    class order, and each class's count (rows from `check_rows`)."""
     _check_streams(streams)
-    counts, ks = [], []
-    for row in rows:
-        if row[M] and row[PMODE] != BITMAP:
-            counts.append(row[M] if row[PMODE] == GAPS else row[N] - row[M])
-            ks.append(row[PK])
-    rice = ricecode.unpack(streams[0], sum(counts), np.repeat(np.array(ks, dtype=np.int64), counts))
-    runs = iter(_segmented_ranks(rice, counts))
+    coded = [row for row in rows if row[M] and row[PMODE] != BITMAP]
+    runs = _gap_runs(streams[0], [row[M] if row[PMODE] == GAPS else row[N] - row[M] for row in coded],
+                     [row[PK] for row in coded])
     bitmap_bits = sum(row[N] for row in rows if row[M] and row[PMODE] == BITMAP)
-    if len(streams[1]) != (bitmap_bits + 7) // 8:
-        raise CorruptData(f"class bitmaps: expected {(bitmap_bits + 7) // 8} bytes, found {len(streams[1])}")
-    bits = np.unpackbits(np.frombuffer(streams[1], dtype=np.uint8), bitorder="little").view(bool)
-    if bits[bitmap_bits:].any():
-        raise CorruptData("class bitmaps: nonzero padding")
-    out, bit_off = [], 0
+    bits = _unpack_flags(streams[1], bitmap_bits, "class bitmaps")
+    out, counts, off, bit_off, simple = [], [], 0, 0, True
     for row in rows:
         m, n = row[M], (row[N] if row[M] else 0)
+        counts.append(m)
         if m == 0:
-            out.append(np.zeros(0, dtype=np.int64))
             continue
         if row[PMODE] == BITMAP:
             ranks = np.flatnonzero(bits[bit_off : bit_off + n])
             bit_off += n
+            simple = False
         else:
-            ranks = next(runs)
-            if ranks.size and ranks[-1] >= n:
+            take = m if row[PMODE] == GAPS else n - m
+            ranks = runs[off : off + take]
+            off += take
+            if take and ranks[-1] >= n:
                 raise CorruptData(f"class rank: expected below the class size {n}, found {int(ranks[-1])}")
             if row[PMODE] == HOLES:
                 mask = np.ones(n, dtype=bool)
                 mask[ranks] = False
                 ranks = np.flatnonzero(mask)
+                simple = False
         if ranks.size != m:
             raise CorruptData(f"class positions: expected {m}, found {ranks.size}")
         out.append(ranks)
-    return out
+    if simple:  # gaps only: the runs are the answer, already in class order
+        return runs, counts
+    return (np.concatenate(out) if out else np.zeros(0, dtype=np.int64)), counts
+
+
+def decode_positions(rows: list[list], streams: list) -> list[np.ndarray]:
+    """Ascending ranks of the changed elements of every class (rows from `check_rows`)."""
+    ranks, counts = decode_rank_runs(rows, streams)
+    return np.split(ranks, np.cumsum(counts)[:-1]) if counts else []
 
 
 def decode_deltas(rows: list[list], streams: list) -> np.ndarray:
@@ -260,47 +276,64 @@ def decode_deltas(rows: list[list], streams: list) -> np.ndarray:
     _check_streams(streams)
     live = [row for row in rows if row[M]]
     total = sum(row[M] for row in live)
-    if len(streams[2]) != (total + 7) // 8:
-        raise CorruptData(f"signs: expected {(total + 7) // 8} bytes, found {len(streams[2])}")
-    signs = np.unpackbits(np.frombuffer(streams[2], dtype=np.uint8), bitorder="little").view(bool)
-    if signs[total:].any():
-        raise CorruptData("signs: nonzero padding")
+    signs = _unpack_flags(streams[2], total, "signs")
     runs = [row for row in live if row[VMODE] == RUNS]
     big_counts = [row[BIGS] for row in runs]
-    big_gaps = ricecode.unpack(streams[3], sum(big_counts),
-                               np.repeat(np.array([row[BIGS_K] for row in runs], dtype=np.int64), big_counts))
-    bigs = iter(_segmented_ranks(big_gaps, big_counts))
+    bigs = _gap_runs(streams[3], big_counts, [row[BIGS_K] for row in runs])
+    # A ranked code with one symbol below DIRECT is that value everywhere:
+    # no ranks, no raw bits. Only the other codes are decoded value by value.
     coded = [row[BIGS] if row[VMODE] == RUNS else row[M] for row in live]  # values in each ranked code
-    table_len = np.array([len(row[TABLE]) for row in live], dtype=np.int64)
-    rank_counts = [n if len(row[TABLE]) > 1 else 0 for row, n in zip(live, coded)]
-    ranks = ricecode.unpack(streams[4], sum(rank_counts),
-                            np.repeat(np.array([row[RANK_K] for row in live], dtype=np.int64), rank_counts))
-    tables = np.frombuffer(b"".join(row[TABLE] for row in live), dtype=np.uint8)
-    if (tables >= SYMBOLS).any():
-        raise CorruptData(f"symbol table: expected symbols below {SYMBOLS}")
-    which = np.repeat(np.arange(len(live)), coded)
-    rank_all = np.zeros(which.size, dtype=np.int64)
-    rank_all[np.repeat(table_len > 1, coded)] = ranks.astype(np.int64)
-    if (rank_all >= table_len[which]).any():
-        raise CorruptData("ranked code: a rank beyond its symbol table")
-    table_off = np.cumsum(table_len) - table_len
-    sym = tables[table_off[which] + rank_all].astype(np.int64)
-    widths = _symbol_widths(sym)
-    low = ricecode.unpack_bits(streams[5], widths, sym.size)
-    mags = np.where(widths > 0, (np.uint64(1) << widths.astype(np.uint64)) | low, sym.astype(np.uint64))
-    out, off = [], 0
-    for row, n in zip(live, coded):
-        v = mags[off : off + n]
-        off += n
-        if row[VMODE] == RUNS:
-            pos = next(bigs)
-            if pos.size and pos[-1] >= row[M]:
-                raise CorruptData(f"value runs: expected positions below {row[M]}, found {int(pos[-1])}")
-            a = np.zeros(row[M], dtype=np.uint64)
-            a[pos] = v + np.uint64(1)
+    tables = [row[TABLE] for row in live]
+    plain = [len(t) == 1 and t[0] < DIRECT for t in tables]
+    if any(len(t) > 1 for t in tables):
+        rank_counts = [n if len(t) > 1 else 0 for t, n in zip(tables, coded)]
+        ranks = ricecode.unpack(streams[4], sum(rank_counts),
+                                np.repeat(np.array([row[RANK_K] for row in live], dtype=np.int64), rank_counts))
+    elif streams[4]:
+        raise CorruptData("rice blob: expected no data for 0 values, found some")
+    wide = [i for i, p in enumerate(plain) if not p]
+    if wide:
+        sel_tables = [tables[i] for i in wide]
+        sel_coded = [coded[i] for i in wide]
+        table_len = np.array([len(t) for t in sel_tables], dtype=np.int64)
+        flat_tables = np.frombuffer(b"".join(sel_tables), dtype=np.uint8)
+        if (flat_tables >= SYMBOLS).any():
+            raise CorruptData(f"symbol table: expected symbols below {SYMBOLS}")
+        if any(not t and n for t, n in zip(sel_tables, sel_coded)):
+            raise CorruptData("ranked code: a rank beyond its symbol table")
+        which = np.repeat(np.arange(len(wide)), sel_coded)
+        rank_all = np.zeros(which.size, dtype=np.int64)
+        if any(len(t) > 1 for t in sel_tables):
+            rank_off = np.cumsum([0] + rank_counts)
+            rank_all = np.concatenate([ranks[rank_off[i] : rank_off[i + 1]].astype(np.int64) if len(tables[i]) > 1
+                                       else np.zeros(coded[i], dtype=np.int64) for i in wide])
+            if (rank_all >= table_len[which]).any():
+                raise CorruptData("ranked code: a rank beyond its symbol table")
+        table_off = np.cumsum(table_len) - table_len
+        sym = flat_tables[table_off[which] + rank_all].astype(np.int64)
+        widths = _symbol_widths(sym)
+        low = ricecode.unpack_bits(streams[5], widths, sym.size)
+        mags = np.where(widths > 0, (np.uint64(1) << widths.astype(np.uint64)) | low, sym.astype(np.uint64))
+    else:
+        ricecode.unpack_bits(streams[5], 0, 0)  # no raw bits: the stream must be empty
+    a = np.zeros(total, dtype=np.uint64)
+    off = woff = boff = 0
+    for i, row in enumerate(live):
+        m, n = row[M], coded[i]
+        if plain[i]:
+            v = np.uint64(tables[i][0])
         else:
-            a = v
-        out.append(a)
-    a = np.concatenate(out) if out else np.zeros(0, dtype=np.uint64)
-    mag = (a + np.uint64(1)).astype(np.int64)  # modular, like the encoder
-    return np.where(signs[:total], -mag, mag)
+            v = mags[woff : woff + n]
+            woff += n
+        if row[VMODE] == RUNS:
+            pos = bigs[boff : boff + n]
+            boff += n
+            if n and pos[-1] >= m:
+                raise CorruptData(f"value runs: expected positions below {m}, found {int(pos[-1])}")
+            a[off + pos] = v + np.uint64(1)
+        elif not plain[i] or v:
+            a[off : off + m] = v
+        off += m
+    d = (a + np.uint64(1)).view(np.int64)  # modular, like the encoder
+    np.negative(d, out=d, where=signs)
+    return d
