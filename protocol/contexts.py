@@ -24,6 +24,9 @@ no N-sized temporary is allocated (page faults cost more than the work).
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import numpy as np
 import torch
 
@@ -120,16 +123,18 @@ def class_of_keys(keys: np.ndarray, lo: int, classes: int) -> np.ndarray:
 class ClassIndex:
     """Class membership of one segment's base elements, with rank and select per class.
 
-    Built from the base pieces of a segment (read once, in chunks: no
-    N-sized temporaries, whose page faults cost more than the work here).
-    Class ids are stored as log2(C) packed bit planes. Per class: membership words (64 elements each), their popcounts, and
-    prefix counts per block of 8 words (512 elements); inside a block, rank
-    and select read the 8 popcounts as one 64-bit word (SWAR), so the
-    per-class work over the whole segment is a few passes over N/64 words.
-    Only classes in `needed` are built (the others are never ranked).
+    Built from the base pieces of a segment, or from their keys when the
+    caller already has them (`keys`, which the index may overwrite). Class ids
+    are stored as log2(C) packed bit planes. Per class: membership words (64
+    elements each), their popcounts, and prefix counts per block of 8 words
+    (512 elements); inside a block, rank and select read the 8 popcounts as
+    one 64-bit word (SWAR), so the per-class work over the whole segment is a
+    few passes over N/64 words. Only classes in `needed` are built (the others
+    are never ranked).
     """
 
-    def __init__(self, pieces: list[np.ndarray], info: DtypeInfo, lo: int, classes: int, needed=None):
+    def __init__(self, pieces: list[np.ndarray], info: DtypeInfo, lo: int, classes: int, needed=None,
+                 keys: np.ndarray | None = None):
         if classes not in CLASS_CHOICES:
             raise CorruptData(f"class count: expected one of {CLASS_CHOICES}, found {classes}")
         if not 0 <= lo < KEY_VALUES:
@@ -138,30 +143,22 @@ class ClassIndex:
         self.size = size
         self.classes = classes
         n_words = -(-size // BLOCK) * (BLOCK // 64)
-        valid_last = _FULL if size % 64 == 0 else np.uint64((1 << (size % 64)) - 1)
-        last = (size - 1) // 64 if size else 0
-        planes = _planes(pieces, info, lo, classes, n_words)
-        self._planes = planes
-        inverted = [~p for p in planes]
-        self.needed = list(range(classes)) if needed is None else sorted(set(int(c) for c in needed))
         n_blocks = n_words // 8
         self._n_blocks = n_blocks
-        octets = np.empty((len(self.needed), n_blocks), dtype=np.uint64)  # per block: its 8 word popcounts as bytes
-        scratch = np.empty(n_words, dtype=np.uint64)
+        planes = _planes(pieces, info, lo, classes, n_words, keys)
+        self._planes = planes
+        # The planes hold the low bits of clip(key, lo, lo + C - 1), not of the
+        # class id (one pass fewer): class c is the code (lo + c) mod C. A
+        # class's word is the AND of each plane or its complement, i.e. of the
+        # planes XOR these masks.
+        codes = [(lo + c) & (classes - 1) for c in range(classes)]
+        self._flip = [np.array([0 if code >> j & 1 else _FULL for code in codes], dtype=np.uint64) for j in range(len(planes))]
+        self.needed = list(range(classes)) if needed is None else sorted(set(int(c) for c in needed))
+        counts = _word_counts(planes, size, n_words)
+        # per block: its 8 word popcounts as bytes
+        octets = np.empty((len(self.needed), n_blocks), dtype=np.uint64)
         for i, c in enumerate(self.needed):
-            terms = [planes[j] if c >> j & 1 else inverted[j] for j in range(len(planes))]
-            if not terms:
-                scratch.fill(_FULL)
-            elif len(terms) == 1:
-                np.copyto(scratch, terms[0])
-            else:
-                np.bitwise_and(terms[0], terms[1], out=scratch)
-                for t in terms[2:]:
-                    np.bitwise_and(scratch, t, out=scratch)
-            if size:
-                scratch[last] &= valid_last
-                scratch[last + 1 :] = 0
-            octets[i] = np.bitwise_count(scratch).view(np.uint64)
+            octets[i] = counts[codes[c]].view(np.uint64)
         totals = _byte_sums(octets).astype(np.int64).ravel()
         # One flat prefix over all needed classes (torch's 1-D cumsum is serial
         # and several times faster than numpy's); each class's run starts
@@ -169,20 +166,19 @@ class ClassIndex:
         self._through = torch.cumsum(torch.from_numpy(totals), 0).numpy()  # members up to each block's end
         self._before = self._through - totals
         self._octets = octets.ravel()
-        self._start = {c: int(self._before[i * n_blocks]) if n_blocks else 0 for i, c in enumerate(self.needed)}
         self._row_of = np.full(classes, -1, dtype=np.int64)  # class -> row in the flat arrays, -1 if not built
         self._row_of[self.needed] = np.arange(len(self.needed))
         self._start_of = np.zeros(classes, dtype=np.int64)  # class -> members of the classes before it
-        self._start_of[self.needed] = [self._start[c] for c in self.needed]
-        # A class's word is the AND of each plane or its complement: planes XOR these masks.
-        self._flip = [np.array([0 if c >> j & 1 else _FULL for c in range(classes)], dtype=np.uint64) for j in range(len(planes))]
+        self._end_of = np.zeros(classes, dtype=np.int64)
+        if n_blocks:
+            rows = np.arange(len(self.needed))
+            self._start_of[self.needed] = self._before[rows * n_blocks]
+            self._end_of[self.needed] = self._through[rows * n_blocks + n_blocks - 1]
 
     def class_size(self, c: int) -> int:
-        i = int(self._row_of[c])
-        if i < 0:
+        if self._row_of[c] < 0:
             raise ValueError(f"class index: class {c} is outside `needed`")
-        end = int(self._through[(i + 1) * self._n_blocks - 1]) if self._n_blocks else 0
-        return end - self._start[c]
+        return int(self._end_of[c] - self._start_of[c])
 
     def _words(self, cls: np.ndarray, w: np.ndarray) -> np.ndarray:
         """The membership word w[i] of class cls[i] (bits past the segment end may be set)."""
@@ -213,62 +209,167 @@ class ClassIndex:
         live = [(c, r) for c, r in ranks.items() if r.size]
         if not live:
             return np.zeros(0, dtype=np.int64)
-        shifted = []
-        for c, r in live:
+        return self._select(np.concatenate([r for _, r in live]), [c for c, _ in live], [r.size for _, r in live])
+
+    def select_runs(self, ranks: np.ndarray, counts: list[int]) -> np.ndarray:
+        """`select` for ranks given as runs: counts[c] ranks of class c, classes in order."""
+        live = [c for c, n in enumerate(counts) if n]
+        return self._select(ranks, live, [counts[c] for c in live])
+
+    def _select(self, ranks: np.ndarray, classes: list[int], counts: list[int]) -> np.ndarray:
+        if not classes:
+            return np.zeros(0, dtype=np.int64)
+        off = 0
+        for c, n in zip(classes, counts):
             size = self.class_size(c)
-            if r[0] < 0 or r[-1] >= size:
-                raise CorruptData(f"position rank: expected < {size} in class {c}, found {int(r[-1])}")
-            shifted.append(r + self._start[c])
-        target = np.concatenate(shifted)
+            if ranks[off] < 0 or ranks[off + n - 1] >= size:
+                raise CorruptData(f"position rank: expected < {size} in class {c}, found {int(ranks[off + n - 1])}")
+            off += n
+        # Per-class constants spread over each class's run (np.repeat), not gathered per rank.
+        classes = np.array(classes, dtype=np.int64)
+        target = ranks + np.repeat(self._start_of[classes], counts)  # members of the classes before, plus the rank
         flat = np.searchsorted(self._through, target, side="right")
-        k = (target - self._before[flat]).astype(np.uint64)
-        octet = self._octets[flat]
-        j, k_word = _select_in_octets(octet, k)
-        w = ((flat % self._n_blocks) << 3) + j
-        cls = np.repeat(np.array([c for c, _ in live], dtype=np.int64), [r.size for _, r in live])
-        return w * 64 + select_in_words(self._words(cls, w), k_word)
+        j, k_word = _select_in_octets(np.take(self._octets, flat), (target - np.take(self._before, flat)).astype(np.uint64))
+        # flat = row * n_blocks + block; the word is block * 8 + j
+        w = (flat << 3) + j - np.repeat(self._row_of[classes] * (self._n_blocks << 3), counts)
+        x = None
+        for plane, flip in zip(self._planes, self._flip):
+            term = np.take(plane, w) ^ np.repeat(flip[classes], counts)
+            x = term if x is None else np.bitwise_and(x, term, out=x)
+        if x is None:
+            x = np.full(w.size, _FULL)
+        return (w << 6) + select_in_words(x, k_word)
 
 
-CHUNK = 1 << 18  # elements per pass when building planes (L2-sized buffers measured fastest)
+def _word_counts(planes: list[np.ndarray], size: int, n_words: int) -> list[np.ndarray]:
+    """Per code x: how many of each word's (valid) elements have plane bits x, as uint8.
+
+    Popcounts of the ANDs of every nonempty set S of planes (2^P - 1 of
+    them; S = {} counts the valid elements), then the Möbius transform over
+    supersets turns "all bits of S set" into "bits exactly x": for P = 3
+    that is 4 ANDs, 7 popcounts and 12 byte subtractions, against 16 ANDs
+    and 8 popcounts for the 8 class words one by one.
+    """
+    n_planes = len(planes)
+    valid = np.zeros(n_words, dtype=np.uint8)
+    valid[: size // 64] = 64
+    if size % 64:
+        valid[size // 64] = size % 64
+    counts, ands = [valid], [None]
+    for s in range(1, 1 << n_planes):
+        high = s.bit_length() - 1
+        rest = s & ~(1 << high)
+        word = planes[high] if rest == 0 else np.bitwise_and(ands[rest], planes[high])
+        ands.append(word)
+        counts.append(np.bitwise_count(word))
+    for j in range(n_planes):  # uint8 wraps in between; the results are exact counts
+        for s in range(1 << n_planes):
+            if not s >> j & 1:
+                np.subtract(counts[s], counts[s | 1 << j], out=counts[s])
+    return counts
 
 
-def _planes(pieces: list[np.ndarray], info: DtypeInfo, lo: int, classes: int, n_words: int) -> list[np.ndarray]:
-    """Bit planes of the class ids clip(key - lo, 0, C - 1), n_words 64-bit words each."""
+CHUNK = 1 << 20  # elements per pass when building planes (1M measured fastest: fewer calls than L2-sized runs)
+
+
+class BufferPool:
+    """Byte buffers reused across calls and threads.
+
+    A fresh N-byte temporary per call is page-faulted in again whenever glibc
+    has trimmed the last one (about 1 µs a page here: 3 ms for a 4M-element
+    segment's keys). The pool keeps at most `keep` buffers; `take` hands out
+    one of at least n bytes (the caller slices it) and `give` returns it.
+    """
+
+    def __init__(self, keep: int = 4):
+        self._free: list[np.ndarray] = []
+        self._keep = keep
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> np.ndarray:
+        with self._lock:
+            fits = [i for i, b in enumerate(self._free) if b.size >= n]
+            if fits:
+                return self._free.pop(min(fits, key=lambda i: self._free[i].size))
+        return np.empty(max(n, 1 << 16), dtype=np.uint8)
+
+    def give(self, buf: np.ndarray) -> None:
+        with self._lock:
+            self._free.append(buf)
+            if len(self._free) > self._keep:
+                self._free.remove(min(self._free, key=lambda b: b.size))
+
+    @contextlib.contextmanager
+    def scratch(self, n: int):
+        buf = self.take(n)
+        try:
+            yield buf[:n]
+        finally:
+            self.give(buf)
+
+
+POOL = BufferPool()
+
+
+def segment_keys(pieces: list[np.ndarray], info: DtypeInfo, out: np.ndarray) -> np.ndarray:
+    """The keys of the concatenated pieces, written into `out` (uint8, at least their size)."""
+    off = 0
+    for p in pieces:
+        _keys_into(p, info, out[off : off + p.size])
+        off += p.size
+    return out[:off]
+
+
+def _keys_into(bits: np.ndarray, info: DtypeInfo, out: np.ndarray) -> None:
+    # As keys_of: the cast to uint8 drops the sign copies of the arithmetic shift.
+    np.right_shift(bits, info.mantissa_bits, out=out, casting="unsafe")
+    mask = _exponent_mask(info)
+    if mask < 0xFF:
+        np.bitwise_and(out, mask, out=out)
+
+
+def _key_chunks(pieces: list[np.ndarray], info: DtypeInfo, keys: np.ndarray | None, buf: np.ndarray):
+    """(start, keys) for consecutive runs of at most CHUNK elements (multiples of 8 but the last);
+    computed into `buf` (CHUNK bytes or the segment's size) unless `keys` are given."""
+    if keys is not None:
+        for a in range(0, keys.size, CHUNK):
+            yield a, keys[a : a + CHUNK]
+        return
+    start = fill = 0
+    for p in pieces:
+        pos = 0
+        while pos < p.size:
+            take = min(buf.size - fill, p.size - pos)
+            _keys_into(p[pos : pos + take], info, buf[fill : fill + take])
+            fill += take
+            pos += take
+            if fill == buf.size:
+                yield start, buf
+                start, fill = start + fill, 0
+    if fill:
+        yield start, buf[:fill]
+
+
+def _planes(pieces: list[np.ndarray], info: DtypeInfo, lo: int, classes: int, n_words: int,
+            keys: np.ndarray | None = None) -> list[np.ndarray]:
+    """Bit planes of the low log2(C) bits of clip(key, lo, lo + C - 1), n_words 64-bit words each.
+
+    `keys`, when given, are the segment's keys; they are clipped in place.
+    """
     n_planes = classes.bit_length() - 1
     if n_planes == 0:
         return []
     planes = [np.zeros(n_words * 8, dtype=np.uint8) for _ in range(n_planes)]
+    hi = min(KEY_VALUES - 1, lo + classes - 1)
     size = sum(p.size for p in pieces)
-    chunk = min(CHUNK, -(-size // 8) * 8)
-    ids, scratch = np.empty(chunk, dtype=np.uint8), np.empty(chunk, dtype=np.uint8)
-    mask = _exponent_mask(info)
-    done = 0  # elements already packed (a multiple of 8 until the last chunk)
-
-    def flush(n: int) -> None:
-        nonlocal done
-        x = ids[:n]
-        if mask < 0xFF:
-            np.bitwise_and(x, mask, out=x)
-        np.clip(x, lo, lo + classes - 1, out=x)
-        np.subtract(x, lo, out=x, casting="unsafe")
-        for j, plane in enumerate(planes):
-            np.bitwise_and(x, 1 << j, out=scratch[:n])
-            plane[done // 8 : done // 8 + (n + 7) // 8] = np.packbits(scratch[:n], bitorder="little")
-        done += n
-
-    fill = 0
-    for p in pieces:
-        pos = 0
-        while pos < p.size:
-            take = min(chunk - fill, p.size - pos)
-            np.right_shift(p[pos : pos + take], info.mantissa_bits, out=ids[fill : fill + take], casting="unsafe")
-            fill += take
-            pos += take
-            if fill == chunk:
-                flush(fill)
-                fill = 0
-    if fill:
-        flush(fill)
+    step = min(CHUNK, size)
+    with POOL.scratch(step) as temp, POOL.scratch(0 if keys is not None else step) as buf:
+        for start, k in _key_chunks(pieces, info, keys, buf):
+            np.clip(k, lo, hi, out=k)
+            t = temp[: k.size]
+            for j, plane in enumerate(planes):
+                np.bitwise_and(k, 1 << j, out=t)
+                plane[start // 8 : start // 8 + (k.size + 7) // 8] = np.packbits(t, bitorder="little")
     return [p.view(np.uint64) for p in planes]
 
 
@@ -292,7 +393,8 @@ def _select_in_octets(octet: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.
     k_lanes = (k * _LANES16_ONE) | _LANES16_HIGH
     passed = (np.bitwise_count((k_lanes - through_odd) & _LANES16_HIGH)
               + np.bitwise_count((k_lanes - (through_odd - odd)) & _LANES16_HIGH))  # bytes with prefix ≤ k
-    return passed.astype(np.int64), k - _byte_sums(octet & _LOW_BYTES[passed])
+    below = (np.uint64(1) << (passed << np.uint64(3))) - np.uint64(1)  # bytes before j (j ≤ 7)
+    return passed.astype(np.int64), k - _byte_sums(octet & below)
 
 
 def select_in_words(x: np.ndarray, k: np.ndarray) -> np.ndarray:
@@ -305,4 +407,4 @@ def select_in_words(x: np.ndarray, k: np.ndarray) -> np.ndarray:
     shift = np.bitwise_count(le & _BYTES_HIGH).astype(np.uint64) << np.uint64(3)  # 8 × the target byte
     before = ((prefix << np.uint64(8)) >> shift) & np.uint64(0xFF)
     within = (x >> shift) & np.uint64(0xFF)
-    return (shift + _SELECT8_FLAT[(within << np.uint64(3)) | (k - before)]).astype(np.int64)
+    return (shift + np.take(_SELECT8_FLAT, (within << np.uint64(3)) | (k - before))).astype(np.int64)
