@@ -35,7 +35,7 @@ import torch
 import zstandard
 
 from . import contexts, deltacode, planes
-from .dtypes import DtypeInfo, from_ordered, info_named, info_of, int_view, ordered_range, to_ordered
+from .dtypes import DtypeInfo, info_named, info_of, int_view, ordered_bits, ordered_range, to_ordered
 from .errors import AlreadyApplied, BaseMismatch, CorruptData, StateHashMismatch, UnsupportedFormat, UsageError
 from .statehash import BackgroundHashes, is_state_hash, state_hash
 
@@ -478,17 +478,19 @@ def _check_delta_pieces(state: State, seg: _Segment, specs: dict[str, TensorSpec
             state[name] = t.contiguous()
 
 
+def _live(seg: _Segment) -> list[int]:
+    return [c for c, row in enumerate(seg.rows) if row[0]]
+
+
 def _positions(bs: list[np.ndarray], seg: _Segment) -> np.ndarray:
     """Segment positions of the changed elements, in class order (ascending inside a class)."""
-    size = seg.size
     lo, classes = seg.window
-    live = [c for c, row in enumerate(seg.rows) if row[0]]
+    live = _live(seg)
     if classes == 1:
-        if live and seg.rows[0][1] != size:
-            raise CorruptData(f"segment class: expected the segment's {size} elements, found {seg.rows[0][1]}")
-        ranks = deltacode.decode_positions(seg.rows, seg.streams)
-        return ranks[0]
-    if size < CLASS_MIN_ELEMENTS:
+        if live and seg.rows[0][1] != seg.size:
+            raise CorruptData(f"segment class: expected the segment's {seg.size} elements, found {seg.rows[0][1]}")
+        return deltacode.decode_rank_runs(seg.rows, seg.streams)[0]
+    if seg.size < CLASS_MIN_ELEMENTS:
         raise CorruptData(f"segment class window: expected none below {CLASS_MIN_ELEMENTS} elements, found {classes} classes")
     ci = contexts.ClassIndex(bs, seg.info, lo, classes, needed=live)
     for c in live:
@@ -496,8 +498,7 @@ def _positions(bs: list[np.ndarray], seg: _Segment) -> np.ndarray:
             # The classes come from the base: another base has other class sizes.
             raise BaseMismatch(f"segment class {c}: the patch expects {seg.rows[c][1]} base elements in it, "
                                f"the state has {ci.class_size(c)} (wrong base, or already applied)")
-    ranks = deltacode.decode_positions(seg.rows, seg.streams)
-    return ci.select({c: ranks[c] for c in live})
+    return ci.select_runs(*deltacode.decode_rank_runs(seg.rows, seg.streams))
 
 
 def _decode_delta(state: State, seg: _Segment, specs: dict[str, TensorSpec], views: dict):
@@ -512,21 +513,23 @@ def _decode_delta(state: State, seg: _Segment, specs: dict[str, TensorSpec], vie
         piece = np.searchsorted(offsets[1:], pos, side="right")
         order = np.argsort(piece.astype(np.int16 if len(bs) < 1 << 15 else np.int64), kind="stable")
         grouped = pos[order]
-        cuts = np.concatenate([[0], np.cumsum(np.bincount(piece, minlength=len(bs)))])
+        cuts = np.searchsorted(piece[order], np.arange(len(bs) + 1)).tolist()
     else:
-        order, grouped, cuts = None, pos, np.array([0, pos.size])
-    local = [grouped[cuts[i] : cuts[i + 1]] - offsets[i] for i in range(len(bs))]
-    old_grouped = np.concatenate([b[p] for b, p in zip(bs, local)])
-    new_ord = to_ordered(old_grouped, info) + (d if order is None else d[order])
-    lo, hi = ordered_range(info)
-    if info.width < 8 and pos.size and (new_ord.min() < lo or new_ord.max() > hi):
-        raise CorruptData(f"segment values: expected bit patterns of {info.name}, found out-of-range deltas")
-    new_grouped = from_ordered(new_ord, info)
-    writes = []
+        order, grouped, cuts = None, pos, [0, pos.size]
+    old_grouped = np.empty(pos.size, dtype=bs[0].dtype)
+    targets = []
     for i, (name, s, _e) in enumerate(seg.pieces):
         a, b = cuts[i], cuts[i + 1]
         if b > a:
-            writes.append((name, local[i] + s, old_grouped[a:b], new_grouped[a:b]))
+            local = grouped[a:b] - offsets[i] if i else grouped[a:b]
+            np.take(bs[i], local, out=old_grouped[a:b])
+            targets.append((name, local + s if s else local, a, b))
+    new_ord = ordered_bits(old_grouped, info).astype(np.int64) + (d if order is None else d[order])
+    lo, hi = ordered_range(info)
+    if info.width < 8 and pos.size and (new_ord.min() < lo or new_ord.max() > hi):
+        raise CorruptData(f"segment values: expected bit patterns of {info.name}, found out-of-range deltas")
+    new_grouped = ordered_bits(new_ord.astype(info.np_int), info)
+    writes = [(name, p, old_grouped[a:b], new_grouped[a:b]) for name, p, a, b in targets]
     if order is None:
         return writes, old_grouped, new_grouped
     old, new = np.empty_like(old_grouped), np.empty_like(new_grouped)  # the digests' order: the class order
