@@ -1,0 +1,125 @@
+"""The node's local socket (node/localapi.py) with the clients (node/client.py), in one process:
+requests answered in order on one connection, frames larger than a read, bad frames, clients
+that vanish, the socket file's mode and removal."""
+
+import os
+import socket
+import stat
+import struct
+
+import msgpack
+import pytest
+import trio
+
+from node.client import AsyncNodeClient, NodeClient, NodeError
+from node.localapi import RECEIVE_BYTES, serve_local
+from protocol import localapi
+
+
+async def echo(req: dict) -> dict:
+    """A daemon stand-in: submit answers the payload sizes, status the number of calls so far."""
+    echo.calls += 1
+    if req["op"] == "submit":
+        if req["records"][0][1] == 99:
+            return localapi.error(localapi.FULL, "the spool is full")
+        return localapi.ok(seqs=[len(r[0]) for r in req["records"]])
+    return localapi.ok(status={"calls": echo.calls})
+
+
+echo.calls = 0
+
+
+def serving(tmp_path, body):
+    """Run `await body(path)` (it may use blocking clients through to_thread) while serving."""
+    path = tmp_path / "node.sock"
+
+    async def main():
+        async with trio.open_nursery() as n:
+            await n.start(serve_local, path, echo)
+            mode = stat.S_IMODE(os.stat(path).st_mode)
+            try:
+                await body(path)
+            finally:
+                n.cancel_scope.cancel()
+        return mode
+
+    mode = trio.run(main)
+    assert mode == 0o600
+    assert not path.exists(), "the socket file outlives the server"
+
+
+def test_many_requests_on_one_connection_and_a_frame_larger_than_a_read(tmp_path):
+    big = os.urandom(3 * RECEIVE_BYTES + 17)
+
+    def blocking(path):
+        with NodeClient(path) as c:
+            got = [c.submit(b"x" * i, 1) for i in range(50)]
+            got.append(c.submit(big, 1))
+            got.append(c.submit_many([(b"ab", 1, None), (b"abc", 2, {"k": 1})]))
+            with pytest.raises(NodeError) as e:
+                c.submit(b"z", 99)
+            after = c.submit(b"still served", 1)
+        return got, e.value.code, after
+
+    async def body(path):
+        got, code, after = await trio.to_thread.run_sync(blocking, path)
+        assert got == list(range(50)) + [len(big), [2, 3]]
+        assert code == localapi.FULL and after == len(b"still served")
+        c = AsyncNodeClient(path)
+        assert await c.submit(big, 1) == len(big)
+        await c.aclose()
+
+    serving(tmp_path, body)
+
+
+def test_pipelined_requests_are_answered_in_order(tmp_path):
+    async def body(path):
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(str(path))
+        n = 200
+        payloads = [os.urandom(i % 7) for i in range(n)]
+        s.sendall(b"".join(localapi.encode(localapi.submit_request([[p, 1, None]], 5)) for p in payloads))
+        data = b""
+        while data.count(b"seqs") < n:  # every reply holds the key once
+            data += await trio.to_thread.run_sync(s.recv, 1 << 16)
+        s.close()
+        replies, pos = [], 0
+        while pos < len(data):
+            (k,) = struct.unpack_from(">I", data, pos)
+            replies.append(msgpack.unpackb(data[pos + 4:pos + 4 + k]))
+            pos += 4 + k
+        assert [r["seqs"] for r in replies] == [[len(p)] for p in payloads]
+
+    serving(tmp_path, body)
+
+
+def test_bad_requests_get_an_error_and_bad_frames_cost_only_their_connection(tmp_path):
+    async def body(path):
+        def exchange(raw: bytes) -> bytes:
+            with socket.socket(socket.AF_UNIX) as s:
+                s.connect(str(path))
+                s.sendall(raw)
+                s.shutdown(socket.SHUT_WR)
+                out = b""
+                while chunk := s.recv(1 << 16):
+                    out += chunk
+                return out
+
+        reply = await trio.to_thread.run_sync(exchange, localapi.encode({"op": "fly"}))
+        assert msgpack.unpackb(reply[4:])["code"] == localapi.BAD_REQUEST
+        garbage = b"\xc1\xc1"  # not msgpack
+        reply = await trio.to_thread.run_sync(exchange, len(garbage).to_bytes(4, "big") + garbage)
+        assert msgpack.unpackb(reply[4:])["code"] == localapi.BAD_REQUEST
+        # a header past the frame limit, and a frame cut short: no reply, the connection closes
+        assert await trio.to_thread.run_sync(exchange, (localapi.MAX_FRAME_BYTES + 1).to_bytes(4, "big")) == b""
+        assert await trio.to_thread.run_sync(exchange, (100).to_bytes(4, "big") + b"short") == b""
+        # a client that resets mid-frame
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(str(path))
+        s.send((1000).to_bytes(4, "big") + b"x" * 10)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        s.close()
+        with NodeClient(path) as c:  # the others are still served
+            assert await trio.to_thread.run_sync(c.submit, b"ok", 1) == 2
+
+    serving(tmp_path, body)
