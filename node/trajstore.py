@@ -3,7 +3,7 @@
 Owns the files under one directory: `NNNNNNNNNNNN.seg` segment files in the
 format of protocol/trajectory.py and a `LOCK` file held by the one writer.
 `SegmentLog` appends entry bodies with group commit (concurrent callers share
-one write + fdatasync, run in a worker thread through trio.to_thread). The
+one write + fdatasync, run in one of trio's worker threads). The
 `TrajectoryStore` (writer, in the origin) deduplicates by (node id, seq),
 appends, and acknowledges only what is durable; `TrajectoryReader` (any other
 process, e.g. `patchswarm trajectories`) reads the same files without the lock
@@ -30,6 +30,7 @@ import bisect
 import collections
 import errno
 import fcntl
+import functools
 import json
 import logging
 import os
@@ -130,6 +131,24 @@ class FileProblem(NamedTuple):
 
 
 # ================================================================ group commit
+
+
+async def in_worker_thread(fn, *args):
+    """`fn(*args)` in one of trio's cached worker threads; the caller waits for it
+    even when cancelled (only shielded commit rounds use it: they must).
+
+    The commit round's hop, once per group: trio.to_thread.run_sync adds a
+    capacity limiter, a contextvars copy and cancellation plumbing that a
+    shielded round does not need, and cost 117 us of CPU per call here against
+    65 us for this (the rest is the kernel's wakeups and the GIL handoffs)."""
+    task = trio.lowlevel.current_task()
+    token = trio.lowlevel.current_trio_token()
+
+    def deliver(result) -> None:  # in the worker thread
+        token.run_sync_soon(trio.lowlevel.reschedule, task, result)
+
+    trio.lowlevel.start_thread_soon(functools.partial(fn, *args), deliver)
+    return await trio.lowlevel.wait_task_rescheduled(lambda _: trio.lowlevel.Abort.FAILED)
 
 
 class _Member:
@@ -252,7 +271,7 @@ class SegmentLog:
         try:
             if self._broken is not None:
                 raise self._broken
-            number, fd, start = await trio.to_thread.run_sync(self._write, rotate, bodies)
+            number, fd, start = await in_worker_thread(self._write, rotate, bodies)
         except Exception as e:  # OSError above all; anything else is as fatal for durability
             if self._broken is None:
                 self._broken = StorageFailed(f"segment log in {self.directory}: expected a durable write of "
