@@ -407,3 +407,15 @@ def test_diff_hashes_in_the_background_and_reports_hash_errors(monkeypatch):
     with pytest.raises(RuntimeError, match="disk on fire"):
         diff(base, target)
     assert diff(base, target, base_hash=p.base_hash, target_hash=p.target_hash).to_bytes() == p.to_bytes()
+
+
+def test_buffer_pool_reuses_and_keeps_at_most_its_limit():
+    pool = contexts.BufferPool(keep=2)
+    bufs = [pool.take(n) for n in (100, 70_000, 80_000)]
+    for b in bufs:
+        pool.give(b)
+    assert len(pool._free) == 2 and min(b.size for b in pool._free) >= 70_000
+    with pool.scratch(70_000) as a:
+        assert a.size == 70_000 and any(np.shares_memory(a, b) for b in bufs)
+    with pool.scratch(200_000) as big, pool.scratch(10) as small:
+        assert big.size == 200_000 and small.size == 10 and not np.shares_memory(big, small)
