@@ -216,7 +216,7 @@ def _gap_runs(data: bytes, counts: list[int], ks: list[int]) -> np.ndarray:
     gaps = ricecode.unpack(data, sum(counts), np.repeat(np.array(ks, dtype=np.int64), counts))
     if gaps.size and int(gaps.max()) >= _MAX_GAP:
         raise CorruptData(f"gap: expected below 2**40, found {int(gaps.max())}")
-    cs = np.cumsum((gaps + np.uint64(1)).view(np.int64))
+    cs = ricecode.cumsum((gaps + np.uint64(1)).view(np.int64))
     off, base = 0, 0
     for n in counts:  # in place: rank = elements up to here - 1 - those of the runs before
         if n:

@@ -19,6 +19,7 @@ which is what gaps between changes inside one context class are.
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from .errors import CorruptData
 
@@ -32,11 +33,22 @@ def best_k_and_bits(values: np.ndarray) -> tuple[int, int]:
         return 0, 0
     mean = float(values.sum(dtype=np.float64)) / values.size
     guess = min(MAX_K, max(0, int(np.log2(mean * 0.69 + 1e-9))) if mean > 1 else 0)
-    ks = np.arange(max(0, guess - 1), min(MAX_K, guess + 1) + 1, dtype=np.uint64)
-    q = np.minimum(values[None, :] >> ks[:, None], np.uint64(ESCAPE_Q))
-    cost = q.sum(1) + values.size * (1 + ks) + 64 * (q == ESCAPE_Q).sum(1)
-    i = int(np.argmin(cost))
-    return int(ks[i]), int(cost[i])
+    k_lo, k_hi = max(0, guess - 1), min(MAX_K, guess + 1)
+    escapes = int(values.max()) >> k_lo >= ESCAPE_Q  # else no k here escapes: one sum per k
+    q = values >> np.uint64(k_lo)
+    best = None
+    for k in range(k_lo, k_hi + 1):
+        if k > k_lo:
+            np.right_shift(q, np.uint64(1), out=q)
+        if escapes:
+            esc = int(np.count_nonzero(q >= ESCAPE_Q))
+            cost = int(np.minimum(q, np.uint64(ESCAPE_Q)).sum()) + 64 * esc
+        else:
+            cost = int(q.sum())
+        cost += values.size * (1 + k)
+        if best is None or cost < best[1]:
+            best = (k, cost)
+    return best
 
 
 def cost_bits(values: np.ndarray, k: int) -> int:
@@ -49,13 +61,23 @@ def cost_bits(values: np.ndarray, k: int) -> int:
 _MASKS = np.array([(1 << w) - 1 for w in range(65)], dtype=np.uint64)  # numpy shifts by ≥ 64 give 0
 
 
+def cumsum(x: np.ndarray) -> np.ndarray:
+    """Inclusive prefix sums of a 1-D int64 (or uint64, modular) array.
+
+    numpy's integer cumsum is a serial loop at ~2.5 ns an element here;
+    torch's is 3-5x faster on the 10^4-10^6 element arrays of a segment.
+    """
+    out = torch.cumsum(torch.from_numpy(np.ascontiguousarray(x).view(np.int64)), 0).numpy()
+    return out.view(x.dtype) if x.dtype == np.uint64 else out
+
+
 def _offsets(widths: np.ndarray | int, count: int) -> tuple[np.ndarray | int, np.ndarray, int]:
     """(widths, bit offsets, total bits) of `count` fields."""
     if np.ndim(widths) == 0:
         w = int(widths)
         return w, np.arange(count, dtype=np.int64) * w, w * count
     w = np.asarray(widths, dtype=np.int64)
-    ends = np.cumsum(w)
+    ends = cumsum(w)
     total = int(ends[-1]) if count else 0
     return w, ends - w, total
 
@@ -125,7 +147,7 @@ def pack(values: np.ndarray, k: np.ndarray | int) -> bytes:
     q = v >> ks
     esc = q >= ESCAPE_Q
     qc = np.where(esc, ESCAPE_Q, q).astype(np.int64)
-    ends = np.cumsum(qc + 1)
+    ends = cumsum(qc + 1)
     bits = np.ones(int(ends[-1]), dtype=np.uint8)
     bits[ends - 1] = 0
     unary = np.packbits(bits, bitorder="little").tobytes()
