@@ -100,12 +100,8 @@ def choose_window(sample_keys: np.ndarray, total: int, changed_keys: np.ndarray)
     cn = np.concatenate([[0.0], np.cumsum(n)])
     cm = np.concatenate([[0.0], np.cumsum(m)])
     best = (float(total * _h(np.array(m_total / total))), 0, 1)
-    lo = np.arange(KEY_VALUES)
     for classes in CLASS_CHOICES[1:]:
-        # class 0: keys <= lo; class i: key lo + i; last class: keys >= lo + C - 1
-        edges = np.minimum(lo[:, None] + np.arange(classes + 1)[None, :], KEY_VALUES)  # (lo, C + 1)
-        edges[:, 0] = 0
-        edges[:, -1] = KEY_VALUES
+        edges = _EDGES[classes]
         nc = np.diff(cn[edges], axis=1)
         mc = np.diff(cm[edges], axis=1)
         cost = np.where(nc > 0, nc * _h(mc / np.maximum(nc, 1)), 0.0).sum(1) + classes * CLASS_HEADER_BITS
@@ -113,6 +109,18 @@ def choose_window(sample_keys: np.ndarray, total: int, changed_keys: np.ndarray)
         if cost[i] < best[0]:
             best = (float(cost[i]), i, classes)
     return best[1], best[2]
+
+
+def _window_edges(classes: int) -> np.ndarray:
+    """(lo, C + 1) key edges of each window: class 0 keys <= lo, class i key lo + i, the last keys >= lo + C - 1."""
+    lo = np.arange(KEY_VALUES)
+    edges = np.minimum(lo[:, None] + np.arange(classes + 1)[None, :], KEY_VALUES)
+    edges[:, 0] = 0
+    edges[:, -1] = KEY_VALUES
+    return edges
+
+
+_EDGES = {c: _window_edges(c) for c in CLASS_CHOICES[1:]}
 
 
 def class_of_keys(keys: np.ndarray, lo: int, classes: int) -> np.ndarray:
@@ -201,6 +209,28 @@ class ClassIndex:
         before_class = self._before[flat] - self._start_of[cls]
         return before_class + before_word + np.bitwise_count(self._words(cls, w) & below).astype(np.int64)
 
+    def rank_runs(self, idx: np.ndarray, counts: list[int]) -> np.ndarray:
+        """`rank` for positions given as runs: counts[c] positions of class c, classes in order."""
+        classes = np.array([c for c, n in enumerate(counts) if n], dtype=np.int64)
+        counts = [counts[c] for c in classes.tolist()]
+        if (self._row_of[classes] < 0).any():
+            raise ValueError("class index: a class outside `needed` was asked for")
+        w = idx >> 6
+        flat = np.repeat(self._row_of[classes] * self._n_blocks, counts) + (w >> 3)
+        lower = (np.uint64(1) << ((w & 7) << 3).astype(np.uint64)) - np.uint64(1)  # the block's words before w
+        before_word = _byte_sums(np.take(self._octets, flat) & lower).astype(np.int64)
+        below = (np.uint64(1) << (idx & 63).astype(np.uint64)) - np.uint64(1)
+        before_class = np.take(self._before, flat) - np.repeat(self._start_of[classes], counts)
+        return before_class + before_word + np.bitwise_count(self._run_words(w, classes, counts) & below).astype(np.int64)
+
+    def _run_words(self, w: np.ndarray, classes: np.ndarray, counts: list[int]) -> np.ndarray:
+        """`_words` for classes given as runs: per-class masks repeated, not gathered."""
+        x = None
+        for plane, flip in zip(self._planes, self._flip):
+            term = np.take(plane, w) ^ np.repeat(flip[classes], counts)
+            x = term if x is None else np.bitwise_and(x, term, out=x)
+        return np.full(w.size, _FULL) if x is None else x
+
     def select(self, ranks: dict[int, np.ndarray]) -> np.ndarray:
         """Positions of the members with the given ranks (ascending, 0-based) of each class.
 
@@ -232,13 +262,7 @@ class ClassIndex:
         j, k_word = _select_in_octets(np.take(self._octets, flat), (target - np.take(self._before, flat)).astype(np.uint64))
         # flat = row * n_blocks + block; the word is block * 8 + j
         w = (flat << 3) + j - np.repeat(self._row_of[classes] * (self._n_blocks << 3), counts)
-        x = None
-        for plane, flip in zip(self._planes, self._flip):
-            term = np.take(plane, w) ^ np.repeat(flip[classes], counts)
-            x = term if x is None else np.bitwise_and(x, term, out=x)
-        if x is None:
-            x = np.full(w.size, _FULL)
-        return (w << 6) + select_in_words(x, k_word)
+        return (w << 6) + select_in_words(self._run_words(w, classes, counts), k_word)
 
 
 def _word_counts(planes: list[np.ndarray], size: int, n_words: int) -> list[np.ndarray]:
@@ -296,8 +320,8 @@ class BufferPool:
     def give(self, buf: np.ndarray) -> None:
         with self._lock:
             self._free.append(buf)
-            if len(self._free) > self._keep:
-                self._free.remove(min(self._free, key=lambda b: b.size))
+            if len(self._free) > self._keep:  # drop the smallest (by index: arrays do not compare with ==)
+                self._free.pop(min(range(len(self._free)), key=lambda i: self._free[i].size))
 
     @contextlib.contextmanager
     def scratch(self, n: int):
