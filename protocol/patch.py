@@ -239,42 +239,80 @@ def _gather(state: State, pieces) -> np.ndarray:
     return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
 
 
+KEYS_MAX_ELEMENTS = 1 << 24  # segments up to this size keep their keys in one pooled buffer while encoding
+
+
+def _changes(bs: list[np.ndarray], ts: list[np.ndarray], differs: np.ndarray) -> np.ndarray:
+    """Ascending segment positions where base and target pieces differ (`differs`: bool scratch)."""
+    off = 0
+    for b, t in zip(bs, ts):
+        np.not_equal(b, t, out=differs[off : off + b.size])
+        off += b.size
+    mask = differs[:off]
+    # Changes are sparse: find the 8-byte words with a change (a flatnonzero
+    # over N/8 words), then the changed bytes inside those words only.
+    whole = off - off % 8
+    words = mask[:whole].view(np.uint64)
+    with contexts.POOL.scratch(words.size) as hit:
+        at = np.flatnonzero(np.not_equal(words, 0, out=hit.view(bool)))
+    inside = np.flatnonzero(np.take(words, at).view(bool))
+    found = (np.take(at, inside >> 3) << 3) | (inside & 7)
+    if whole < off:
+        found = np.concatenate([found, whole + np.flatnonzero(mask[whole:])])
+    return found
+
+
 def _encode_delta(base: State, target: State, pieces, index: dict[str, int]) -> tuple[dict | None, list[np.ndarray], list[np.ndarray]]:
     info = info_of(base[pieces[0][0]].dtype)
     bs, ts = _piece_bits(base, pieces), _piece_bits(target, pieces)
-    idx_parts, olds, news, off = [], [], [], 0
-    differs = np.empty(max(b.size for b in bs), dtype=bool)  # reused: fresh big arrays cost page faults
-    for b, t in zip(bs, ts):
-        local = np.flatnonzero(np.not_equal(b, t, out=differs[: b.size]))
-        if local.size:
-            idx_parts.append(local + off)
-            olds.append(b[local])
-            news.append(t[local])
-        off += b.size
-    if not idx_parts:
+    sizes = [b.size for b in bs]
+    size = sum(sizes)
+    with contexts.POOL.scratch(size) as differs:
+        idx = _changes(bs, ts, differs.view(bool))
+    if not idx.size:
         return None, [], []
-    size = off
-    idx = np.concatenate(idx_parts)
-    old, new = np.concatenate(olds), np.concatenate(news)
+    offsets = np.cumsum([0] + sizes)
+    cuts = np.searchsorted(idx, offsets).tolist()
+    old, new = np.empty(idx.size, dtype=bs[0].dtype), np.empty(idx.size, dtype=bs[0].dtype)
+    for i, (b, t) in enumerate(zip(bs, ts)):
+        a, e = cuts[i], cuts[i + 1]
+        if e > a:
+            local = idx[a:e] - offsets[i] if i else idx[a:e]
+            np.take(b, local, out=old[a:e])
+            np.take(t, local, out=new[a:e])
     d = to_ordered(new, info) - to_ordered(old, info)
     lo, classes = 0, 1
-    if contexts.has_classes(info) and size >= CLASS_MIN_ELEMENTS:
+    if contexts.has_classes(info) and CLASS_MIN_ELEMENTS <= size <= KEYS_MAX_ELEMENTS:
+        with contexts.POOL.scratch(size) as keys:
+            # The keys of every base element serve three times: a sample for
+            # the window, the changed elements' classes, the class index.
+            contexts.segment_keys(bs, info, keys)
+            changed_keys = np.take(keys, idx)
+            lo, classes = contexts.choose_window(keys[:: max(1, size // contexts.SAMPLE_TARGET)], size, changed_keys)
+            if classes > 1:
+                cls = contexts.class_of_keys(changed_keys, lo, classes)
+                counts = np.bincount(cls, minlength=classes)
+                ci = contexts.ClassIndex(bs, info, lo, classes, needed=np.flatnonzero(counts).tolist(), keys=keys)
+    elif contexts.has_classes(info) and size >= CLASS_MIN_ELEMENTS:
         changed_keys = contexts.keys_of(old, info)
         stride = max(1, size // contexts.SAMPLE_TARGET)
         lo, classes = contexts.choose_window(contexts.sample_keys(bs, info, stride), size, changed_keys)
+        if classes > 1:
+            cls = contexts.class_of_keys(changed_keys, lo, classes)
+            counts = np.bincount(cls, minlength=classes)
+            ci = contexts.ClassIndex(bs, info, lo, classes, needed=np.flatnonzero(counts).tolist())
     if classes == 1:
         ranks, sizes, deltas = [idx], [size], [d]
         olds, news = [old], [new]
     else:
-        cls = contexts.class_of_keys(changed_keys, lo, classes)
         order = np.argsort(cls.astype(np.int8), kind="stable")  # by class, ascending inside; 8-bit keys: a radix sort
-        counts = np.bincount(cls, minlength=classes)
-        ci = contexts.ClassIndex(bs, info, lo, classes, needed=np.flatnonzero(counts).tolist())
-        bounds = np.concatenate([[0], np.cumsum(counts)])
-        ranks_all = ci.rank(cls[order], idx[order])
+        counts = counts.tolist()
+        bounds = np.cumsum([0] + counts).tolist()
+        ranks_all = ci.rank_runs(idx[order], counts)
         ranks = [ranks_all[bounds[c] : bounds[c + 1]] for c in range(classes)]
         sizes = [ci.class_size(c) if counts[c] else 0 for c in range(classes)]
-        deltas = [d[order[bounds[c] : bounds[c + 1]]] for c in range(classes)]
+        d = d[order]
+        deltas = [d[bounds[c] : bounds[c + 1]] for c in range(classes)]
         olds, news = [old[order]], [new[order]]
     rows, streams = deltacode.encode(ranks, sizes, deltas)
     seg = {"k": "d", "dt": info.name, "p": [[index[n], a, b] for n, a, b in pieces], "w": [lo, classes], "c": rows, "s": streams}
