@@ -14,12 +14,16 @@ Classes are a window of unit exponent steps: class = clip(exponent - lo, 0,
 C - 1) with C in {1, 2, 4, 8}. On real pairs this window costs within 0.5 % of
 the best free choice of class boundaries, and it is cheap where cost matters:
 the decoder builds the index over every base element, and that pass is the
-largest part of `apply` after the state hash. The class id is one clip of a
-byte, stored as log2(C) packed bit planes; a class's membership words are
-ANDs of planes (64 elements per operation); prefix counts are kept per block
-of 512 elements, and rank/select inside a block work on the block's 8 word
-popcounts packed in one 64-bit word (SWAR). Nothing sorts the N elements and
-no N-sized temporary is allocated (page faults cost more than the work).
+largest part of `apply` after the state hash. The per-element work is
+five numpy passes over bytes: key (one shift-and-cast of the bit pattern),
+clip to [lo, lo + C - 1], and per plane an AND and a packbits; the planes
+hold the clipped key's low log2(C) bits (class c is the code (lo + c) mod
+C, which saves a subtraction pass). Everything after that works on N/64
+words: per-word member counts of every class come from popcounts of plane
+ANDs by a Möbius transform, prefix counts are kept per block of 512
+elements, and rank/select inside a block work on the block's 8 word
+popcounts packed in one 64-bit word (SWAR). Nothing sorts the N elements;
+the byte temporaries come from a pool (page faults cost more than the work).
 """
 
 from __future__ import annotations
@@ -131,8 +135,8 @@ def class_of_keys(keys: np.ndarray, lo: int, classes: int) -> np.ndarray:
 class ClassIndex:
     """Class membership of one segment's base elements, with rank and select per class.
 
-    Built from the base pieces of a segment, or from their keys when the
-    caller already has them (`keys`, which the index may overwrite). Class ids
+    Built from the base pieces of a segment, read once in runs of CHUNK
+    elements into pooled buffers (no fresh N-sized temporaries). Class ids
     are stored as log2(C) packed bit planes. Per class: membership words (64
     elements each), their popcounts, and prefix counts per block of 8 words
     (512 elements); inside a block, rank and select read the 8 popcounts as
@@ -141,8 +145,7 @@ class ClassIndex:
     are never ranked).
     """
 
-    def __init__(self, pieces: list[np.ndarray], info: DtypeInfo, lo: int, classes: int, needed=None,
-                 keys: np.ndarray | None = None):
+    def __init__(self, pieces: list[np.ndarray], info: DtypeInfo, lo: int, classes: int, needed=None):
         if classes not in CLASS_CHOICES:
             raise CorruptData(f"class count: expected one of {CLASS_CHOICES}, found {classes}")
         if not 0 <= lo < KEY_VALUES:
@@ -153,7 +156,7 @@ class ClassIndex:
         n_words = -(-size // BLOCK) * (BLOCK // 64)
         n_blocks = n_words // 8
         self._n_blocks = n_blocks
-        planes = _planes(pieces, info, lo, classes, n_words, keys)
+        planes = _planes(pieces, info, lo, classes, n_words)
         self._planes = planes
         # The planes hold the low bits of clip(key, lo, lo + C - 1), not of the
         # class id (one pass fewer): class c is the code (lo + c) mod C. A
@@ -301,13 +304,15 @@ class BufferPool:
 
     A fresh N-byte temporary per call is page-faulted in again whenever glibc
     has trimmed the last one (about 1 µs a page here: 3 ms for a 4M-element
-    segment's keys). The pool keeps at most `keep` buffers; `take` hands out
-    one of at least n bytes (the caller slices it) and `give` returns it.
+    segment's keys). The pool keeps at most `keep` buffers of at most
+    `keep_bytes` each; `take` hands out one of at least n bytes (the caller
+    slices it) and `give` returns it.
     """
 
-    def __init__(self, keep: int = 4):
+    def __init__(self, keep: int = 4, keep_bytes: int = 1 << 26):
         self._free: list[np.ndarray] = []
         self._keep = keep
+        self._keep_bytes = keep_bytes  # larger buffers (huge segments) are not kept
         self._lock = threading.Lock()
 
     def take(self, n: int) -> np.ndarray:
@@ -318,6 +323,8 @@ class BufferPool:
         return np.empty(max(n, 1 << 16), dtype=np.uint8)
 
     def give(self, buf: np.ndarray) -> None:
+        if buf.size > self._keep_bytes:
+            return
         with self._lock:
             self._free.append(buf)
             if len(self._free) > self._keep:  # drop the smallest (by index: arrays do not compare with ==)
@@ -335,15 +342,6 @@ class BufferPool:
 POOL = BufferPool()
 
 
-def segment_keys(pieces: list[np.ndarray], info: DtypeInfo, out: np.ndarray) -> np.ndarray:
-    """The keys of the concatenated pieces, written into `out` (uint8, at least their size)."""
-    off = 0
-    for p in pieces:
-        _keys_into(p, info, out[off : off + p.size])
-        off += p.size
-    return out[:off]
-
-
 def _keys_into(bits: np.ndarray, info: DtypeInfo, out: np.ndarray) -> None:
     # As keys_of: the cast to uint8 drops the sign copies of the arithmetic shift.
     np.right_shift(bits, info.mantissa_bits, out=out, casting="unsafe")
@@ -352,13 +350,9 @@ def _keys_into(bits: np.ndarray, info: DtypeInfo, out: np.ndarray) -> None:
         np.bitwise_and(out, mask, out=out)
 
 
-def _key_chunks(pieces: list[np.ndarray], info: DtypeInfo, keys: np.ndarray | None, buf: np.ndarray):
-    """(start, keys) for consecutive runs of at most CHUNK elements (multiples of 8 but the last);
-    computed into `buf` (CHUNK bytes or the segment's size) unless `keys` are given."""
-    if keys is not None:
-        for a in range(0, keys.size, CHUNK):
-            yield a, keys[a : a + CHUNK]
-        return
+def _key_chunks(pieces: list[np.ndarray], info: DtypeInfo, buf: np.ndarray):
+    """(start, keys) for consecutive runs of the concatenated pieces, computed into
+    `buf` (a multiple of 8 long, or the whole segment): all runs but the last fill it."""
     start = fill = 0
     for p in pieces:
         pos = 0
@@ -374,21 +368,16 @@ def _key_chunks(pieces: list[np.ndarray], info: DtypeInfo, keys: np.ndarray | No
         yield start, buf[:fill]
 
 
-def _planes(pieces: list[np.ndarray], info: DtypeInfo, lo: int, classes: int, n_words: int,
-            keys: np.ndarray | None = None) -> list[np.ndarray]:
-    """Bit planes of the low log2(C) bits of clip(key, lo, lo + C - 1), n_words 64-bit words each.
-
-    `keys`, when given, are the segment's keys; they are clipped in place.
-    """
+def _planes(pieces: list[np.ndarray], info: DtypeInfo, lo: int, classes: int, n_words: int) -> list[np.ndarray]:
+    """Bit planes of the low log2(C) bits of clip(key, lo, lo + C - 1), n_words 64-bit words each."""
     n_planes = classes.bit_length() - 1
     if n_planes == 0:
         return []
     planes = [np.zeros(n_words * 8, dtype=np.uint8) for _ in range(n_planes)]
     hi = min(KEY_VALUES - 1, lo + classes - 1)
-    size = sum(p.size for p in pieces)
-    step = min(CHUNK, size)
-    with POOL.scratch(step) as temp, POOL.scratch(0 if keys is not None else step) as buf:
-        for start, k in _key_chunks(pieces, info, keys, buf):
+    step = min(CHUNK, sum(p.size for p in pieces))
+    with POOL.scratch(step) as buf, POOL.scratch(step) as temp:
+        for start, k in _key_chunks(pieces, info, buf):
             np.clip(k, lo, hi, out=k)
             t = temp[: k.size]
             for j, plane in enumerate(planes):

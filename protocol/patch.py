@@ -239,9 +239,6 @@ def _gather(state: State, pieces) -> np.ndarray:
     return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
 
 
-KEYS_MAX_ELEMENTS = 1 << 24  # segments up to this size keep their keys in one pooled buffer while encoding
-
-
 def _changes(bs: list[np.ndarray], ts: list[np.ndarray], differs: np.ndarray) -> np.ndarray:
     """Ascending segment positions where base and target pieces differ (`differs`: bool scratch)."""
     off = 0
@@ -282,31 +279,18 @@ def _encode_delta(base: State, target: State, pieces, index: dict[str, int]) -> 
             np.take(t, local, out=new[a:e])
     d = to_ordered(new, info) - to_ordered(old, info)
     lo, classes = 0, 1
-    if contexts.has_classes(info) and CLASS_MIN_ELEMENTS <= size <= KEYS_MAX_ELEMENTS:
-        with contexts.POOL.scratch(size) as keys:
-            # The keys of every base element serve three times: a sample for
-            # the window, the changed elements' classes, the class index.
-            contexts.segment_keys(bs, info, keys)
-            changed_keys = np.take(keys, idx)
-            lo, classes = contexts.choose_window(keys[:: max(1, size // contexts.SAMPLE_TARGET)], size, changed_keys)
-            if classes > 1:
-                cls = contexts.class_of_keys(changed_keys, lo, classes)
-                counts = np.bincount(cls, minlength=classes)
-                ci = contexts.ClassIndex(bs, info, lo, classes, needed=np.flatnonzero(counts).tolist(), keys=keys)
-    elif contexts.has_classes(info) and size >= CLASS_MIN_ELEMENTS:
+    if contexts.has_classes(info) and size >= CLASS_MIN_ELEMENTS:
         changed_keys = contexts.keys_of(old, info)
         stride = max(1, size // contexts.SAMPLE_TARGET)
         lo, classes = contexts.choose_window(contexts.sample_keys(bs, info, stride), size, changed_keys)
-        if classes > 1:
-            cls = contexts.class_of_keys(changed_keys, lo, classes)
-            counts = np.bincount(cls, minlength=classes)
-            ci = contexts.ClassIndex(bs, info, lo, classes, needed=np.flatnonzero(counts).tolist())
     if classes == 1:
         ranks, sizes, deltas = [idx], [size], [d]
         olds, news = [old], [new]
     else:
+        cls = contexts.class_of_keys(changed_keys, lo, classes)
         order = np.argsort(cls.astype(np.int8), kind="stable")  # by class, ascending inside; 8-bit keys: a radix sort
-        counts = counts.tolist()
+        counts = np.bincount(cls, minlength=classes).tolist()
+        ci = contexts.ClassIndex(bs, info, lo, classes, needed=[c for c in range(classes) if counts[c]])
         bounds = np.cumsum([0] + counts).tolist()
         ranks_all = ci.rank_runs(idx[order], counts)
         ranks = [ranks_all[bounds[c] : bounds[c + 1]] for c in range(classes)]

@@ -419,3 +419,6 @@ def test_buffer_pool_reuses_and_keeps_at_most_its_limit():
         assert a.size == 70_000 and any(np.shares_memory(a, b) for b in bufs)
     with pool.scratch(200_000) as big, pool.scratch(10) as small:
         assert big.size == 200_000 and small.size == 10 and not np.shares_memory(big, small)
+    small_pool = contexts.BufferPool(keep=2, keep_bytes=100_000)
+    small_pool.give(small_pool.take(200_000))
+    assert not small_pool._free  # too big to keep
