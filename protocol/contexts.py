@@ -104,11 +104,12 @@ def choose_window(sample_keys: np.ndarray, total: int, changed_keys: np.ndarray)
     cn = np.concatenate([[0.0], np.cumsum(n)])
     cm = np.concatenate([[0.0], np.cumsum(m)])
     best = (float(total * _h(np.array(m_total / total))), 0, 1)
-    for classes in CLASS_CHOICES[1:]:
-        edges = _EDGES[classes]
-        nc = np.diff(cn[edges], axis=1)
-        mc = np.diff(cm[edges], axis=1)
-        cost = np.where(nc > 0, nc * _h(mc / np.maximum(nc, 1)), 0.0).sum(1) + classes * CLASS_HEADER_BITS
+    # Every class of every window at once, (lo, 2 + 4 + 8) columns; each C sums its own columns.
+    nc = cn[_EDGE_HI] - cn[_EDGE_LO]
+    mc = cm[_EDGE_HI] - cm[_EDGE_LO]
+    bits = np.where(nc > 0, nc * _h(mc / np.maximum(nc, 1)), 0.0)
+    for classes, (a, b) in _EDGE_COLUMNS.items():
+        cost = bits[:, a:b].sum(1) + classes * CLASS_HEADER_BITS
         i = int(np.argmin(cost))
         if cost[i] < best[0]:
             best = (float(cost[i]), i, classes)
@@ -124,7 +125,11 @@ def _window_edges(classes: int) -> np.ndarray:
     return edges
 
 
-_EDGES = {c: _window_edges(c) for c in CLASS_CHOICES[1:]}
+_EDGES = [_window_edges(c) for c in CLASS_CHOICES[1:]]
+_EDGE_LO = np.concatenate([e[:, :-1] for e in _EDGES], axis=1)  # (lo, 2 + 4 + 8): first key of each class
+_EDGE_HI = np.concatenate([e[:, 1:] for e in _EDGES], axis=1)  # one past its last key
+_ENDS = np.cumsum([0, *CLASS_CHOICES[1:]]).tolist()
+_EDGE_COLUMNS = {c: (_ENDS[i], _ENDS[i + 1]) for i, c in enumerate(CLASS_CHOICES[1:])}
 
 
 def class_of_keys(keys: np.ndarray, lo: int, classes: int) -> np.ndarray:
