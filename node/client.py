@@ -28,6 +28,7 @@ from .localapi import RECEIVE_BYTES
 # receive_some allocates its buffer per call: below glibc's mmap threshold (128 KiB) that is cheap.
 _ASYNC_RECEIVE_BYTES = 64 << 10
 
+_IOV_MAX = 1024
 SOCKET_NAME = "node.sock"
 DEFAULT_SUBMIT_TIMEOUT = 60.0
 
@@ -52,6 +53,22 @@ def record(payload, policy_version: int, meta: dict | None = None) -> list:
     """One submit record: [payload bytes, policy_version, meta]."""
     data, meta = encode_payload(payload, meta)
     return [data, policy_version, meta]
+
+
+def _send_parts(s: socket.socket, parts: list) -> None:
+    """Write the buffers in order with as few calls as the kernel allows (sendmsg
+    takes up to _IOV_MAX of them at once; a short write resumes where it stopped)."""
+    if len(parts) == 1:
+        s.sendall(parts[0])
+        return
+    views, i = [memoryview(p) for p in parts], 0
+    while i < len(views):
+        sent = s.sendmsg(views[i:i + _IOV_MAX])
+        while i < len(views) and sent >= len(views[i]):
+            sent -= len(views[i])
+            i += 1
+        if sent:
+            views[i] = views[i][sent:]
 
 
 def _result(reply: dict) -> dict:
@@ -85,11 +102,12 @@ class NodeClient:
             self._frames = FrameBuffer(localapi.MAX_FRAME_BYTES)
         return self._sock
 
-    def _call(self, request: dict, timeout: float) -> dict:
+    def _call(self, frame: list, timeout: float) -> dict:
+        """Send the frame (a list of buffers, written in order), return the reply."""
         s = self._connect()
         s.settimeout(timeout + 10.0)
         try:
-            s.sendall(localapi.encode(request))
+            _send_parts(s, frame)
             while True:
                 body = self._frames.next_body()
                 if body is CLOSED:
@@ -103,10 +121,10 @@ class NodeClient:
             raise NodeUnavailable("unavailable", f"node at {self.path}: {type(e).__name__}: {e}") from None
 
     def status(self) -> dict:
-        return self._call(localapi.status_request(), 5.0)["status"]
+        return self._call([localapi.encode(localapi.status_request())], 5.0)["status"]
 
     def wait_version(self, min_version: int, timeout: float) -> dict:
-        return self._call(localapi.wait_version_request(min_version, timeout), timeout)["status"]
+        return self._call([localapi.encode(localapi.wait_version_request(min_version, timeout))], timeout)["status"]
 
     def submit(self, payload, policy_version: int, meta: dict | None = None,
                timeout: float = DEFAULT_SUBMIT_TIMEOUT) -> int:
@@ -114,7 +132,7 @@ class NodeClient:
 
     def submit_many(self, records, timeout: float = DEFAULT_SUBMIT_TIMEOUT) -> list[int]:
         recs = [record(*r) for r in records]
-        return self._call(localapi.submit_request(recs, timeout), timeout)["seqs"]
+        return self._call(localapi.submit_frame_parts(recs, timeout), timeout)["seqs"]
 
     def close(self) -> None:
         if self._sock is not None:
@@ -137,7 +155,7 @@ class AsyncNodeClient:
         self._frames = FrameBuffer(localapi.MAX_FRAME_BYTES)
         self._lock = trio.Lock()
 
-    async def _call(self, request: dict, timeout: float) -> dict:
+    async def _call(self, frame: list, timeout: float) -> dict:
         async with self._lock:
             if self._stream is None:
                 try:
@@ -148,7 +166,8 @@ class AsyncNodeClient:
                 self._frames = FrameBuffer(localapi.MAX_FRAME_BYTES)
             try:
                 with trio.fail_after(timeout + 10.0):
-                    await self._stream.send_all(localapi.encode(request))
+                    for part in frame:
+                        await self._stream.send_all(part)
                     while True:
                         body = self._frames.next_body()
                         if body is CLOSED:
@@ -161,10 +180,11 @@ class AsyncNodeClient:
                 raise NodeUnavailable("unavailable", f"node at {self.path}: {type(e).__name__}: {e}") from None
 
     async def status(self) -> dict:
-        return (await self._call(localapi.status_request(), 5.0))["status"]
+        return (await self._call([localapi.encode(localapi.status_request())], 5.0))["status"]
 
     async def wait_version(self, min_version: int, timeout: float) -> dict:
-        return (await self._call(localapi.wait_version_request(min_version, timeout), timeout))["status"]
+        return (await self._call([localapi.encode(localapi.wait_version_request(min_version, timeout))],
+                                 timeout))["status"]
 
     async def submit(self, payload, policy_version: int, meta: dict | None = None,
                      timeout: float = DEFAULT_SUBMIT_TIMEOUT) -> int:
@@ -172,7 +192,7 @@ class AsyncNodeClient:
 
     async def submit_many(self, records, timeout: float = DEFAULT_SUBMIT_TIMEOUT) -> list[int]:
         recs = [record(*r) for r in records]
-        return (await self._call(localapi.submit_request(recs, timeout), timeout))["seqs"]
+        return (await self._call(localapi.submit_frame_parts(recs, timeout), timeout))["seqs"]
 
     async def aclose(self) -> None:
         if self._stream is not None:

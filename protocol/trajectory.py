@@ -186,7 +186,8 @@ def encode_record(rec) -> bytes:
     return b"".join(record_parts(rec))
 
 
-def _bin_header(n: int) -> bytes:
+def bin_header(n: int) -> bytes:
+    """msgpack's header for a bin of n bytes (the writers put the payload after it as it is)."""
     if n < 1 << 8:
         return b"\xc4" + n.to_bytes(1, "big")
     if n < 1 << 16:
@@ -227,7 +228,7 @@ def _parts(rec: Record, received_at: float | None) -> tuple[bytes, bytes, bytes]
     if len(tail) > MAX_META_BYTES + 16:
         raise UsageError(f"record.meta: expected at most {MAX_META_BYTES} packed bytes, found {len(tail)}")
     count = _BODY_LEN[KIND_RECEIVED if received else KIND_RECORD]
-    return bytes([0x90 | count]) + head + _bin_header(len(rec.payload)), rec.payload, tail
+    return bytes([0x90 | count]) + head + bin_header(len(rec.payload)), rec.payload, tail
 
 
 def body_length(body) -> int:

@@ -10,10 +10,16 @@ import struct
 import msgpack
 import pytest
 import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+import node.client
 from node.client import AsyncNodeClient, NodeClient, NodeError
 from node.localapi import RECEIVE_BYTES, serve_local
 from protocol import localapi
+
+metas = st.none() | st.dictionaries(st.text(max_size=4), st.integers() | st.text(max_size=4), max_size=3)
+payloads = st.binary(max_size=40) | st.integers(0, 3).map(lambda k: bytes(localapi.SEPARATE_PAYLOAD_BYTES - 1 + k))
 
 
 async def echo(req: dict) -> dict:
@@ -48,6 +54,16 @@ def serving(tmp_path, body):
     assert not path.exists(), "the socket file outlives the server"
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(payloads, st.integers(0, 2**63 - 1), metas), min_size=1, max_size=6),
+       st.floats(0, 1e6))
+def test_submit_frame_parts_are_the_frame_of_submit_request(records, timeout):
+    parts = localapi.submit_frame_parts(records, timeout)
+    assert b"".join(parts) == localapi.encode(localapi.submit_request(records, timeout))
+    big = [p for p, _, _ in records if len(p) >= localapi.SEPARATE_PAYLOAD_BYTES]
+    assert [p for p in parts if any(p is b for b in big)] == big  # passed on, not copied
+
+
 def test_many_requests_on_one_connection_and_a_frame_larger_than_a_read(tmp_path):
     big = os.urandom(3 * RECEIVE_BYTES + 17)
 
@@ -68,6 +84,17 @@ def test_many_requests_on_one_connection_and_a_frame_larger_than_a_read(tmp_path
         c = AsyncNodeClient(path)
         assert await c.submit(big, 1) == len(big)
         await c.aclose()
+
+    serving(tmp_path, body)
+
+
+def test_a_submit_of_more_buffers_than_one_sendmsg_takes(tmp_path, monkeypatch):
+    monkeypatch.setattr(node.client, "_IOV_MAX", 3)
+    records = [(os.urandom(localapi.SEPARATE_PAYLOAD_BYTES + i), 1, {"i": i}) for i in range(7)]
+
+    async def body(path):
+        with NodeClient(path) as c:
+            assert await trio.to_thread.run_sync(c.submit_many, records) == [len(p) for p, _, _ in records]
 
     serving(tmp_path, body)
 
