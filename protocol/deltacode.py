@@ -123,31 +123,45 @@ def encode(ranks: list[np.ndarray], sizes: list[int], deltas: list[np.ndarray]) 
     ranks[c]: ascending int64 ranks of the changed elements inside class c
     (of sizes[c] members); deltas[c]: their int64 order-preserving deltas.
     """
-    rows, pos_vals, pos_k, bitmaps = [], [], [], []
-    signs, big_vals, big_k, rank_vals, rank_k, low_vals, low_w = [], [], [], [], [], [], []
-    for r, n, d in zip(ranks, sizes, deltas):
-        m = r.size
-        if m == 0:
-            rows.append([0])
-            continue
-        mode, k, vals, bitmap = _position_code(r, n)
+    live = [c for c, r in enumerate(ranks) if r.size]
+    if not live:
+        return [[0] for _ in ranks], _streams([], [], [], [], [], [], [], [], [], [])
+    counts = [ranks[c].size for c in live]
+    starts = np.cumsum([0] + counts[:-1])
+    r = np.concatenate([ranks[c] for c in live])
+    d = np.concatenate([deltas[c] for c in live])
+    # Every class's gaps, Rice parameter, signs and magnitudes in passes over
+    # all classes; only dense classes and wide deltas take a per-class path.
+    gaps = np.empty(r.size, dtype=np.uint64)
+    np.subtract(r[1:], r[:-1] + 1, out=gaps[1:], casting="unsafe")
+    gaps[starts] = r[starts]
+    gap_k = ricecode.best_k_runs(gaps, counts)
+    neg = d < 0
+    a = np.abs(d).view(np.uint64) - np.uint64(1)  # modular: |int64 min| is 2**63
+    wide = (np.maximum.reduceat(a, starts) > 0).tolist()
+    rows: list = [[0] for _ in ranks]
+    pos_vals, pos_k, bitmaps, big_vals, big_k, rank_vals, rank_k, low_vals, low_w = [], [], [], [], [], [], [], [], []
+    for i, c in enumerate(live):
+        m, n, lo = counts[i], sizes[c], int(starts[i])
+        if 3 * m > n:  # dense: the complement or a plain bitmap may be smaller
+            mode, k, vals, bitmap = _position_code(r[lo : lo + m], n)
+        else:
+            mode, k, vals, bitmap = GAPS, gap_k[i], gaps[lo : lo + m], None
         if vals is not None:
             pos_vals.append(vals)
             pos_k.append(np.full(vals.size, k, dtype=np.int64))
         if bitmap is not None:
             bitmaps.append(bitmap)
-        neg = d < 0
-        signs.append(neg)
-        a = np.where(neg, -d, d).astype(np.uint64) - np.uint64(1)  # modular: |int64 min| is 2**63
-        bigs = np.flatnonzero(a)
-        if bigs.size == 0:  # all ±1: nothing but signs
-            rows.append([m, n, mode, k, RANKED, 0, 0, 0, b"\x00"])
+        if not wide[i]:  # all ±1: nothing but signs
+            rows[c] = [m, n, mode, k, RANKED, 0, 0, 0, b"\x00"]
             continue
-        ranked = _Ranked(a)
+        ac = a[lo : lo + m]
+        bigs = np.flatnonzero(ac)
+        ranked = _Ranked(ac)
         if bigs.size < m:
             big_gaps = _gaps(bigs)
             kg, gap_bits = ricecode.best_k_and_bits(big_gaps)
-            on_bigs = _Ranked(a[bigs] - np.uint64(1))
+            on_bigs = _Ranked(ac[bigs] - np.uint64(1))
             runs_bits = gap_bits + on_bigs.bits + 16
         if bigs.size < m and runs_bits < ranked.bits:
             vmode, code = RUNS, on_bigs
@@ -160,12 +174,17 @@ def encode(ranks: list[np.ndarray], sizes: list[int], deltas: list[np.ndarray]) 
             rank_k.append(np.full(code.ranks.size, code.k, dtype=np.int64))
         low_vals.append(code.low)
         low_w.append(code.widths)
-        rows.append([m, n, mode, k, vmode, bigs.size if vmode == RUNS else 0, kg, code.k, code.table])
+        rows[c] = [m, n, mode, k, vmode, bigs.size if vmode == RUNS else 0, kg, code.k, code.table]
+    return rows, _streams(pos_vals, pos_k, bitmaps, [neg], big_vals, big_k, rank_vals, rank_k, low_vals, low_w)
 
+
+def _streams(pos_vals, pos_k, bitmaps, signs, big_vals, big_k, rank_vals, rank_k, low_vals, low_w) -> list[bytes]:
     def cat(parts, dtype):
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+        if not parts:
+            return np.zeros(0, dtype=dtype)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
-    streams = [
+    return [
         ricecode.pack(cat(pos_vals, np.uint64), cat(pos_k, np.int64)),
         np.packbits(cat(bitmaps, bool), bitorder="little").tobytes(),
         np.packbits(cat(signs, bool), bitorder="little").tobytes(),
@@ -173,7 +192,6 @@ def encode(ranks: list[np.ndarray], sizes: list[int], deltas: list[np.ndarray]) 
         ricecode.pack(cat(rank_vals, np.uint64), cat(rank_k, np.int64)),
         ricecode.pack_bits(cat(low_vals, np.uint64), cat(low_w, np.int64)),
     ]
-    return rows, streams
 
 
 M, N, PMODE, PK, VMODE, BIGS, BIGS_K, RANK_K, TABLE = range(_ROW)
