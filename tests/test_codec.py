@@ -422,3 +422,23 @@ def test_buffer_pool_reuses_and_keeps_at_most_its_limit():
     small_pool = contexts.BufferPool(keep=2, keep_bytes=100_000)
     small_pool.give(small_pool.take(200_000))
     assert not small_pool._free  # too big to keep
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 2**45) | st.integers(0, 300), min_size=1, max_size=60), min_size=1, max_size=8))
+def test_best_k_runs_matches_best_k_of_each_run(runs):
+    values = np.array([v for r in runs for v in r], dtype=np.uint64)
+    want = [ricecode.best_k_and_bits(np.array(r, dtype=np.uint64))[0] for r in runs]
+    assert ricecode.best_k_runs(values, [len(r) for r in runs]) == want
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 200), min_size=1, max_size=5), st.integers(0, 2**32 - 1))
+def test_changes_are_every_differing_position_in_order(sizes, seed):
+    from protocol.patch import _changes
+
+    rng = np.random.default_rng(seed)
+    bs = [rng.integers(-5, 5, n).astype(np.int16) for n in sizes]
+    ts = [np.where(rng.random(n) < 0.1, b + 1, b).astype(np.int16) for b, n in zip(bs, sizes)]
+    got = _changes(bs, ts, np.empty(sum(sizes), dtype=bool))
+    assert np.array_equal(got, np.flatnonzero(np.concatenate(bs) != np.concatenate(ts)))
