@@ -391,28 +391,28 @@ class TrajectorySpool:
             await trio.to_thread.run_sync(_write_state, self.directory, SpoolState(self.node_id, self.region, new))
             self._seq_reserved = new
 
-    def _landed(self, tag, number: int, offsets: list[int]) -> None:
-        """SegmentLog callback, in file order: index the now durable records."""
-        seqs, records = tag
+    def _landed(self, number: int, landed: list) -> None:
+        """SegmentLog callback, once per commit round, in file order: index the now
+        durable records, keep the newest in memory, wake the uploader once."""
         seg = self._by_number.get(number)
         if seg is None:
             seg = self._by_number[number] = _Segment(number, segment_path(self.directory, number))
             self._segs.append(seg)
-        ends = offsets[1:] + [self.log.active_end]
-        seg.seqs.extend(seqs)
-        seg.offsets.extend(offsets)
-        sizes = [e - o for o, e in zip(offsets, ends)]
-        seg.sizes.extend(sizes)
-        seg.acked.extend(bytes(len(seqs)))
-        self._unacked += len(seqs)
-        self._unacked_bytes += sum(sizes)
-        self.appended_total += len(seqs)
-        for seq, rec, size in zip(seqs, records, sizes):
-            self._hot[seq] = (rec, size)
-            self._hot_order.append(seq)
-            self._hot_total += size
-        while self._hot_total > self.hot_bytes and self._hot_order:
-            self._forget_hot(self._hot_order.popleft())
+        hot, order = self._hot, self._hot_order
+        for (seqs, records), offsets, sizes in landed:
+            seg.seqs.extend(seqs)
+            seg.offsets.extend(offsets)
+            seg.sizes.extend(sizes)
+            seg.acked.extend(bytes(len(seqs)))
+            self._unacked += len(seqs)
+            self._unacked_bytes += sum(sizes)
+            self._hot_total += sum(sizes)
+            self.appended_total += len(seqs)
+            for seq, rec, size in zip(seqs, records, sizes):
+                hot[seq] = (rec, size)
+            order.extend(seqs)
+        while self._hot_total > self.hot_bytes and order:
+            self._forget_hot(order.popleft())
         self._new_records.set()
         self._new_records = trio.Event()
 

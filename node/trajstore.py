@@ -153,12 +153,13 @@ async def in_worker_thread(fn, *args):
 
 class _Member:
     """One caller's bodies waiting in the commit queue."""
-    __slots__ = ("bodies", "tag", "nbytes", "done", "error", "event", "abandoned")
+    __slots__ = ("bodies", "tag", "sizes", "nbytes", "done", "error", "event", "abandoned")
 
     def __init__(self, bodies, tag):
         self.bodies = bodies
         self.tag = tag
-        self.nbytes = sum(ENTRY_HEADER_BYTES + body_length(b) for b in bodies)
+        self.sizes = [ENTRY_HEADER_BYTES + body_length(b) for b in bodies]  # framed, in the file
+        self.nbytes = sum(self.sizes)
         self.done = False
         self.error: BaseException | None = None
         self.event = trio.Event()
@@ -178,9 +179,10 @@ class SegmentLog:
     `commit(bodies, tag)` queues the bodies and returns once they are durable.
     The first caller to find no commit in progress leads: it takes the queue's
     head (up to `group_bytes`), writes it with one pwritev and one fdatasync in
-    a worker thread, calls `on_durable(tag, segment, offsets)` for each member in
-    queue order (so callers see their entries land in file order), wakes them,
-    and hands the lead to the next waiting member. A new segment file starts
+    a worker thread, calls `on_durable(segment, landed)` once with each member's
+    `(tag, offsets, sizes)` in queue order (so owners see entries land in file
+    order, and wake their own waiters once per round, not once per caller),
+    wakes the members, and hands the lead to the next waiting member. A new segment file starts
     when the active one has reached `segment_bytes` (and always with the first
     commit after open: recovered files are never appended to).
 
@@ -288,15 +290,17 @@ class SegmentLog:
                 os.close(self._fd)
             self._fd, self.active = fd, number
             self._next_number = number + 1
-        pos = start
+        pos, landed = start, []
         for m in group:
             offsets = []
-            for b in m.bodies:
+            for size in m.sizes:
                 offsets.append(pos)
-                pos += ENTRY_HEADER_BYTES + body_length(b)
+                pos += size
+            landed.append((m.tag, offsets, m.sizes))
             self.entries += len(m.bodies)
-            self.active_end = pos
-            self._on_durable(m.tag, number, offsets)
+        self.active_end = pos
+        self._on_durable(number, landed)
+        for m in group:
             m.done = True
             m.wake()
 
@@ -618,9 +622,10 @@ class TrajectoryStore:
         await self.log.commit(bodies, values)
         return [r.seq for r in records]
 
-    def _landed(self, values, number: int, offsets: list[int]) -> None:
-        for v in values:
-            self._tally.add(v)
+    def _landed(self, number: int, landed: list) -> None:
+        for values, _, _ in landed:
+            for v in values:
+                self._tally.add(v)
         if not self._numbers or self._numbers[-1] != number:
             self._numbers.append(number)
         self._ends[number] = self.log.active_end

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from node.spool import TrajectorySpool
-from node.trajstore import TrajectoryReader, TrajectoryStore, list_segments, segment_path
+from node.trajstore import SegmentLog, TrajectoryReader, TrajectoryStore, list_segments, segment_path
 from protocol.errors import CorruptData, ProtocolError, SpoolFull, StorageFailed, UnsupportedFormat, UsageError
 from protocol.trajectory import (MAX_BATCH_BYTES, SEGMENT_HEADER_BYTES, DuplicatesNote, ReceivedRecord, Record,
                                  SeqRanges, decode_batch, decode_payload, decode_record, encode_batch, encode_entry,
@@ -257,6 +257,30 @@ def test_concurrent_appenders_share_fsyncs(tmp_path):
     assert stats["fsyncs"] <= 4, f"64 concurrent appends took {stats['fsyncs']} fsyncs"
     assert {r.seq: (r.payload, r.meta) for r in got} == {s: (b"p%d" % i, {"i": i}) for i, s in seqs.items()}
     assert [r.seq for r in got] == sorted(r.seq for r in got)
+
+
+def test_segment_log_reports_each_round_once_in_file_order(tmp_path):
+    rounds = []
+
+    async def main():
+        log = SegmentLog(tmp_path, 1, 1 << 20, 1 << 20, lambda number, landed: rounds.append((number, landed)))
+
+        async def commit(i):
+            await log.commit([b"body %d" % i] * (1 + i % 3), i)
+
+        async with trio.open_nursery() as n:
+            for i in range(40):
+                n.start_soon(commit, i)
+        await log.aclose()
+        return log.fsyncs
+
+    fsyncs = run(main)
+    assert len(rounds) == fsyncs < 40  # one call per round; rounds were shared
+    landed = [m for _, ms in rounds for m in ms]
+    assert sorted(tag for tag, _, _ in landed) == list(range(40))
+    data = segment_path(tmp_path, 1).read_bytes()
+    entries = [(e.offset, e.end - e.offset, bytes(e.body)) for e in scan_segment(data).entries]
+    assert [(o, size, b"body %d" % tag) for tag, offsets, sizes in landed for o, size in zip(offsets, sizes)] == entries
 
 
 def test_restart_resumes_seqs_and_pending_and_acked_never_return(tmp_path):
