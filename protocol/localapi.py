@@ -96,7 +96,10 @@ def submit_frame_parts(records: list, timeout: float) -> list:
             cur = bytearray()
         else:
             cur += payload
-        cur += packer.pack(version) + packer.pack(meta)
+        try:
+            cur += packer.pack(version) + packer.pack(meta)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise UsageError(f"submit: expected msgpack-able meta values, found {type(e).__name__}: {e}") from None
     cur += packer.pack("timeout") + packer.pack(float(timeout))
     parts.append(bytes(cur))
     n = sum(map(len, parts))

@@ -17,8 +17,9 @@ import node.client
 from node.client import AsyncNodeClient, NodeClient, NodeError
 from node.localapi import RECEIVE_BYTES, serve_local
 from protocol import localapi
+from protocol.errors import UsageError
 
-metas = st.none() | st.dictionaries(st.text(max_size=4), st.integers() | st.text(max_size=4), max_size=3)
+metas = st.none() | st.dictionaries(st.text(max_size=4), st.integers(-2**63, 2**64 - 1) | st.text(max_size=4), max_size=3)
 payloads = st.binary(max_size=40) | st.integers(0, 3).map(lambda k: bytes(localapi.SEPARATE_PAYLOAD_BYTES - 1 + k))
 
 
@@ -62,6 +63,13 @@ def test_submit_frame_parts_are_the_frame_of_submit_request(records, timeout):
     assert b"".join(parts) == localapi.encode(localapi.submit_request(records, timeout))
     big = [p for p, _, _ in records if len(p) >= localapi.SEPARATE_PAYLOAD_BYTES]
     assert [p for p in parts if any(p is b for b in big)] == big  # passed on, not copied
+
+
+def test_submit_frame_parts_refuse_what_msgpack_cannot_carry():
+    with pytest.raises(UsageError, match="msgpack-able meta"):
+        localapi.submit_frame_parts([(b"p", 1, {"k": 2**64})], 5)
+    with pytest.raises(UsageError, match="records"):
+        localapi.submit_frame_parts([(b"p", -1, None)], 5)
 
 
 def test_many_requests_on_one_connection_and_a_frame_larger_than_a_read(tmp_path):
@@ -150,3 +158,17 @@ def test_bad_requests_get_an_error_and_bad_frames_cost_only_their_connection(tmp
             assert await trio.to_thread.run_sync(c.submit, b"ok", 1) == 2
 
     serving(tmp_path, body)
+
+
+def test_a_node_that_never_answers_runs_the_client_out_of_time(tmp_path):
+    """The blocking client bounds each read with the kernel's socket timeout (set to
+    the call's timeout + 10 s; a negative call timeout here makes that 0.2 s)."""
+    path = tmp_path / "silent.sock"
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(str(path))
+        listener.listen(1)  # accepts nothing, answers nothing
+        with NodeClient(path) as c:
+            with pytest.raises(node.client.NodeUnavailable, match="expected an answer within 0.2 s"):
+                c._call([localapi.encode(localapi.status_request())], -9.8)
+            with pytest.raises(node.client.NodeUnavailable):  # reconnects, and times out again
+                c._call([localapi.encode(localapi.status_request())], -9.8)
