@@ -40,6 +40,7 @@ from .errors import CorruptData
 MAX_CLASSES = 8
 CLASS_CHOICES = (1, 2, 4, 8)
 CLASS_HEADER_BITS = 96  # what a class costs in the container, for the window choice
+RUN_RANKS = 1 << 13  # ranks selected per run (its uint64 temporaries, 64 KiB each, stay in L2)
 SAMPLE_TARGET = 1 << 16  # base elements sampled per segment to estimate class sizes
 KEY_VALUES = 256
 BLOCK = 512  # elements per prefix-count block: 8 words of 64
@@ -266,11 +267,22 @@ class ClassIndex:
         # Per-class constants spread over each class's run (np.repeat), not gathered per rank.
         classes = np.array(classes, dtype=np.int64)
         target = ranks + np.repeat(self._start_of[classes], counts)  # members of the classes before, plus the rank
-        flat = np.searchsorted(self._through, target, side="right")
-        j, k_word = _select_in_octets(np.take(self._octets, flat), (target - np.take(self._before, flat)).astype(np.uint64))
-        # flat = row * n_blocks + block; the word is block * 8 + j
-        w = (flat << 3) + j - np.repeat(self._row_of[classes] * (self._n_blocks << 3), counts)
-        return (w << 6) + select_in_words(self._run_words(w, classes, counts), k_word)
+        row_words = np.repeat(self._row_of[classes] * (self._n_blocks << 3), counts)
+        flips = [np.repeat(flip[classes], counts) for flip in self._flip]
+        out = np.empty(target.size, dtype=np.int64)
+        # In runs of RUN_RANKS: a dozen passes over each run's temporaries stay in L2.
+        for a in range(0, target.size, RUN_RANKS):
+            t = target[a : a + RUN_RANKS]
+            flat = np.searchsorted(self._through, t, side="right")
+            j, k_word = _select_in_octets(np.take(self._octets, flat), (t - np.take(self._before, flat)).astype(np.uint64))
+            # flat = row * n_blocks + block; the word is block * 8 + j
+            w = (flat << 3) + j - row_words[a : a + RUN_RANKS]
+            x = np.full(w.size, _FULL) if not self._planes else None
+            for plane, flip in zip(self._planes, flips):
+                term = np.take(plane, w) ^ flip[a : a + RUN_RANKS]
+                x = term if x is None else np.bitwise_and(x, term, out=x)
+            np.add(w << 6, select_in_words(x, k_word), out=out[a : a + RUN_RANKS])
+        return out
 
 
 def _word_counts(planes: list[np.ndarray], size: int, n_words: int) -> list[np.ndarray]:
