@@ -270,10 +270,17 @@ class ClassIndex:
         row_words = np.repeat(self._row_of[classes] * (self._n_blocks << 3), counts)
         flips = [np.repeat(flip[classes], counts) for flip in self._flip]
         out = np.empty(target.size, dtype=np.int64)
+        merged = None
+        if classes.size == 1 or (classes[1:] > classes[:-1]).all():
+            # The targets ascend, and so do the block ends: one stable sort of
+            # both (timsort merges the two runs in linear time) gives every
+            # target's block, where a binary search per target pays ~20 ns.
+            order = np.argsort(np.concatenate([self._through, target]), kind="stable")
+            merged = np.flatnonzero(order >= self._through.size) - np.arange(target.size)
         # In runs of RUN_RANKS: a dozen passes over each run's temporaries stay in L2.
         for a in range(0, target.size, RUN_RANKS):
             t = target[a : a + RUN_RANKS]
-            flat = np.searchsorted(self._through, t, side="right")
+            flat = np.searchsorted(self._through, t, side="right") if merged is None else merged[a : a + RUN_RANKS]
             j, k_word = _select_in_octets(np.take(self._octets, flat), (t - np.take(self._before, flat)).astype(np.uint64))
             # flat = row * n_blocks + block; the word is block * 8 + j
             w = (flat << 3) + j - row_words[a : a + RUN_RANKS]
