@@ -55,7 +55,7 @@ BACKOFF_MAX = 10.0
 SPOOL_BYTES = 1 << 30  # trajectories kept while the origin is unreachable; submit waits beyond
 UPLOAD_WINDOW = 4  # trajectory batches in flight to the origin before waiting for acks
 UPLOAD_BATCH_BYTES = 4 << 20
-UPLOAD_LINGER = 0.02  # s between upload batches unless one fills up (see _upload_loop)
+UPLOAD_LINGER = 0.05  # s between upload batches unless one fills up (see _upload_loop)
 UPLOAD_FILL_BYTES = 1 << 20  # a batch this large leaves without waiting out the linger
 
 
