@@ -197,8 +197,11 @@ def main(argv: list[str] | None = None) -> int:
     except PatchswarmError as e:
         log(f"worker {args.seed}: {e}")
         return 1
-    if summary is None:
-        log(f"worker {args.seed}: stopped by signal")
+    if summary is None or stop["flag"]:
+        # Signalled: whatever it saw after (often its node's socket closing, since the
+        # demo stops everything at once) is a consequence, not the reason it ended.
+        done = "" if summary is None else f"; {len(summary.versions)} versions, {summary.trajectories} trajectories"
+        log(f"worker {args.seed}: stopped by signal{done}")
     else:
         log(f"worker {args.seed}: done ({summary.reason}); {len(summary.versions)} versions, "
             f"{summary.trajectories} trajectories")

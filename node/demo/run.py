@@ -199,7 +199,7 @@ class Children:
         children = self.all if children is None else children
         killed = []
         with self.signals.held():
-            for c in children:
+            for c in reversed(children):  # the last started first: workers before the nodes they use
                 if c.alive():
                     c.popen.terminate()
             if not self.wait_exit(children, grace):
