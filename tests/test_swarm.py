@@ -1,7 +1,8 @@
 """The swarm end to end, as real processes on loopback: tracker, origin (--watch), nodes.
 
 Every node must reach every version bit-exactly; late joiners catch up; a
-node killed mid-download converges after a restart; members without valid
+node killed mid-download converges after a restart; a tracker killed and
+restarted rebuilds its state from the members' re-announcements; members without valid
 credentials are refused; lying peers and foreign manifests are rejected and
 counted; and nodes take most bytes from each other, not from the origin.
 """
@@ -113,6 +114,31 @@ def test_node_killed_mid_download_restarts_and_converges(tmp_path, checkpoints):
         assert same_bits(load_weights(slow), served_bf16(checkpoints[1]))
         assert "dropped from the object store" not in slow.text()  # every stored chunk was whole
         del origin
+
+
+def test_tracker_restart_is_soft_state_members_reannounce_and_versions_flow(tmp_path, checkpoints):
+    watch = tmp_path / "watch"
+    with SwarmLab(tmp_path) as lab:
+        tracker = lab.start_tracker()
+        lab.start_origin(watch=watch, extra=ORIGIN_ARGS)
+        a, b = lab.start_node("a", region="r1"), lab.start_node("b", region="r2")
+        publish(lab, watch, checkpoints, 0)
+        lab.wait_version([a, b], 0)
+        # The tracker keeps nothing on disk: kill it and bring it back on the same address.
+        tracker.args = [tracker.addr if str(x).endswith(":0") else x for x in tracker.args]
+        lab.kill(tracker, signal.SIGKILL)
+        lab.restart(tracker)
+        assert lab.tracker_addr == tracker.addr
+        # Members reconnect and re-announce; what the origin publishes next reaches them,
+        # and a member that joins only now learns the latest version and its peers.
+        publish(lab, watch, checkpoints, 1)
+        late = lab.start_node("late", region="r1")
+        for st in lab.wait_version([a, b, late], 1):
+            assert st["version"] == 1
+        for p in (a, b, late):
+            assert same_bits(load_weights(p), served_bf16(checkpoints[1])), p.name
+        assert {"a", "b", "origin"} <= {peer["id"] for peer in late.status()["peers"]}
+        assert "Traceback" not in tracker.text()
 
 
 def test_members_without_valid_credentials_are_refused(tmp_path, checkpoints):
