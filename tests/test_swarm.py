@@ -91,6 +91,14 @@ def test_every_node_gets_every_version_bit_exactly_and_mostly_from_peers(tmp_pat
         table = lab._cli("status", "--socket", late.socket)
         assert "node late (r1)" in table and "same region" in table and js["state_hash"][:20] in table
 
+        # Logs: a line per event that matters, no tracebacks.
+        for p in nodes:
+            text = p.text()
+            assert "joined the swarm via tracker" in text and "Traceback" not in text, p.name
+            for v in range(6):
+                kind = "keyframe" if v == 0 else "patch"
+                assert re.search(rf"applied version {v} \({kind}, [\d,]+ bytes\) in [\d.]+ s", text), (p.name, v)
+
 
 def test_node_killed_mid_download_restarts_and_converges(tmp_path, checkpoints):
     watch = tmp_path / "watch"
@@ -223,3 +231,5 @@ def test_lying_peer_and_foreign_manifest_are_rejected(tmp_path, checkpoints):
         assert st["chunks_rejected"] >= 1
         assert re.search(r"rejected chunk \d+ of v1 patch from peer mallory", victim.text())
         assert "mallory" not in {p["id"] for p in st["peers"]}
+        assert re.search(r"peer mallory \(node, r1\) left: sent a chunk that does not match its manifest", victim.text())
+        assert "Traceback" not in victim.text()
