@@ -35,7 +35,11 @@ Among requestable chunks: objects by priority (lower first), then rarest first
 (rarity = connected peers that have the chunk), ties by a per-object shuffle
 from the seeded rng, so different nodes start on different chunks. Each request
 goes to the eligible peer with the fewest requests in flight (ties by rng), at
-most `pipeline` per peer. Endgame: when every missing chunk of an object is in
+most `pipeline` per peer and at most `wan_pipeline` in flight per other region
+(the origin counts as a peer of its region): chunks in flight over one WAN
+link share it, so the fewer at once, the sooner each is whole and the sooner
+the next region can relay it; a relay from one region is never held up by a
+slow transfer from another. Endgame: when every missing chunk of an object is in
 flight, a same-region node peer with a free slot is asked for a second copy
 (at most MAX_COPIES); the first copy that arrives cancels the others. Endgame
 never crosses the WAN: a duplicate there would spend the scarce link the plan
@@ -60,6 +64,12 @@ ORIGIN = "origin"  # peer kind: the seeder on the trainer, holds every announced
 NODE = "node"  # peer kind: another node daemon
 PEER_KINDS = (ORIGIN, NODE)
 MAX_COPIES = 2  # endgame: copies of one chunk in flight at once
+# Requests in flight across the WAN (to peers, the origin included, of other
+# regions), per node. Chunks in flight over one link share it, so each arrives
+# later the more there are; a region can forward a chunk only once it is whole.
+# Few at a time, each chunk crosses fast and the next region starts relaying
+# it early (see the README's WAN notes for the measurement).
+WAN_PIPELINE = 2
 MAX_PENDING_OBJECTS = 16  # objects whose Have facts are kept before add_object
 COMPACT_SLACK = 64  # removals a chunk set absorbs before it is rebuilt (see _discard)
 
@@ -152,15 +162,19 @@ class PiecePicker:
     """Which chunk to request next from which peer, for one node (see module doc)."""
 
     def __init__(self, me: str, region: str, origin_region: str, *, seed: int = 0,
-                 pipeline: int = 4, takeover_after: float = 2.0):
+                 pipeline: int = 4, takeover_after: float = 2.0, wan_pipeline: int = WAN_PIPELINE):
         if type(pipeline) is not int or pipeline < 1:
             raise UsageError(f"pipeline: expected an int >= 1, found {pipeline!r}")
+        if type(wan_pipeline) is not int or wan_pipeline < 1:
+            raise UsageError(f"wan_pipeline: expected an int >= 1, found {wan_pipeline!r}")
         if not takeover_after >= 0:
             raise UsageError(f"takeover_after: expected seconds >= 0, found {takeover_after!r}")
         self.me = me
         self.region = region
         self.origin_region = origin_region
         self.pipeline = pipeline
+        self.wan_pipeline = wan_pipeline
+        self._wan_budget: dict[str, int] = {}  # per other region: what requests() may still send to it
         self.takeover_after = float(takeover_after)
         self._rng = random.Random(seed)
         self._peers: dict[str, _Peer] = {}
@@ -347,8 +361,13 @@ class PiecePicker:
 
     def requests(self, now: float) -> list[Request]:
         """The new requests to send now (they count as in flight from here on)."""
+        budget: dict[str, int] = {}  # per other region: requests it may still take this round
+        for info in self._peers.values():
+            if info.region != self.region:
+                budget[info.region] = budget.get(info.region, self.wan_pipeline) - len(info.inflight)
+        self._wan_budget = budget
         free = {p: self.pipeline - len(info.inflight) for p, info in self._peers.items()
-                if len(info.inflight) < self.pipeline}
+                if len(info.inflight) < self.pipeline and (info.region == self.region or budget[info.region] > 0)}
         out: list[Request] = []
         for obj in self._order:
             if obj.progress != obj.progress_seen:
@@ -425,8 +444,8 @@ class PiecePicker:
             p = self._least_busy(eligible, free)
             picks.append((c, p))
             self._take_slot(free, p)
-            if p not in free:
-                useful.discard(p)
+            if p not in free or not useful <= free.keys():  # p, or a whole region's peers, ran out of slots
+                useful.intersection_update(free)
                 if not useful:
                     break
         for c, p in picks:
@@ -478,11 +497,16 @@ class PiecePicker:
         rand = self._rng.random
         return min(sorted(eligible), key=lambda p: (-free[p], rand()))
 
-    @staticmethod
-    def _take_slot(free: dict[str, int], p: str) -> None:
+    def _take_slot(self, free: dict[str, int], p: str) -> None:
         free[p] -= 1
         if not free[p]:
             del free[p]
+        region = self._peers[p].region
+        if region != self.region:
+            self._wan_budget[region] -= 1
+            if self._wan_budget[region] <= 0:  # that region's link is busy enough: none of its peers this round
+                for q in [q for q in free if self._peers[q].region == region]:
+                    del free[q]
 
     # --- bookkeeping ---------------------------------------------------------
 

@@ -31,11 +31,12 @@ OR = "origin"  # the origin's peer id
 
 
 def make(me, members, *, origin_region="r0", n=16, connect=None, origin=True, seed=0,
-         pipeline=4, takeover_after=2.0, key=KEY, now=0.0, priority=0):
+         pipeline=4, takeover_after=2.0, key=KEY, now=0.0, priority=0, wan_pipeline=None):
     """A picker for `me`, with members set, connected to `connect` (default:
     every other member) and the origin, holding one object with no chunks."""
+    extra = {} if wan_pipeline is None else {"wan_pipeline": wan_pipeline}
     p = PiecePicker(me, members[me], origin_region, seed=seed, pipeline=pipeline,
-                    takeover_after=takeover_after)
+                    takeover_after=takeover_after, **extra)
     p.set_members(members)
     for other in (connect if connect is not None else sorted(set(members) - {me})):
         p.peer_joined(other, NODE, members[other])
@@ -219,7 +220,7 @@ def test_origin_region_without_nodes():
 
 
 def test_single_node_is_responsible_for_everything():
-    p = make("solo", {"solo": "r5"}, n=6, pipeline=6)  # alone, not in the origin's region
+    p = make("solo", {"solo": "r5"}, n=6, pipeline=6, wan_pipeline=6)  # alone, not in the origin's region
     assert asked(p.requests(0.0)) == {(OR, c) for c in range(6)}
 
 
@@ -257,7 +258,7 @@ def test_takeover_only_after_the_delay_and_only_when_idle():
     members = {"a1": "r1", "b1": "r1", "a0": "r0"}
     n = 40
     own, stuck = owned("b1", members, n), owned("a1", members, n)  # a1 never delivers
-    p = make("b1", members, n=n, takeover_after=2.0, now=10.0, pipeline=n)
+    p = make("b1", members, n=n, takeover_after=2.0, now=10.0, pipeline=n, wan_pipeline=n)
     p.peer_has("a0", KEY, range(n))
     first = p.requests(10.0)
     assert own and stuck and asked(first) == {("a0", c) for c in own}
@@ -283,7 +284,7 @@ def test_takeover_sources(holders, expect):
     c = min(owned("a1", members, 8))
     got = set()
     for seed in range(6):
-        p = make("b1", members, n=8, takeover_after=1.0, seed=seed, pipeline=8)
+        p = make("b1", members, n=8, takeover_after=1.0, seed=seed, pipeline=8, wan_pipeline=8)
         for h in holders:
             p.peer_has(h, KEY, [c])
         assert all(r.chunk != c for r in p.requests(0.0))
@@ -300,6 +301,41 @@ def test_no_takeover_when_a_region_neighbour_has_it():
     p.peer_has("c1", KEY, [c])  # c1 got it: take it from c1, not across the WAN
     assert ("c1", c) in asked(p.requests(5.0))
 
+
+
+def test_requests_across_the_wan_are_few_per_region_at_a_time():
+    """Chunks in flight over one WAN link share it: a node keeps wan_pipeline requests
+    in flight per other region, so each crosses fast and can be relayed early."""
+    members = {"b1": "r1", "a0": "r0"}
+    n = 12
+    p = make("b1", members, n=n, pipeline=8, wan_pipeline=1)
+    p.peer_has("a0", KEY, range(n))
+    first = p.requests(0.0)
+    assert len(first) == 1 and first[0].peer in {"a0", OR}  # a0 and the origin share region r0
+    assert p.requests(0.0) == []  # nothing more until it lands
+    _received_all(p, first)
+    assert len(p.requests(0.1)) == 1
+    wide = make("b1", members, n=n, pipeline=8, wan_pipeline=3)
+    wide.peer_has("a0", KEY, range(n))
+    assert len(wide.requests(0.0)) == 3
+
+
+def test_a_relay_from_another_region_is_not_held_up_by_the_origins_link():
+    members = {"a1": "r1", "a2": "r2"}
+    # chunks a2 must bring from the origin's region, and ones it must relay from r1
+    from_r0 = [c for c in range(64) if region_order(KEY, c, ["r1", "r2"], "r0")[1] == "r2"]
+    from_r1 = [c for c in range(64) if region_order(KEY, c, ["r1", "r2"], "r0")[2] == "r2"]
+    assert from_r0 and from_r1
+    p = make("a2", members, n=64, pipeline=8, wan_pipeline=1)
+    p.peer_has("a1", KEY, from_r1)
+    got = p.requests(0.0)
+    assert {r.peer for r in got} == {OR, "a1"} and len(got) == 2, got
+
+
+def test_wan_pipeline_must_be_a_positive_int():
+    for bad in (0, -1, 1.5, None):
+        with pytest.raises(UsageError):
+            PiecePicker("a", "r1", "r0", wan_pipeline=bad)
 
 # --- endgame, priorities, pipeline, rarity, failures --------------------------
 
@@ -855,7 +891,7 @@ def test_slow_but_moving_region_is_not_taken_over():
     members = {"a1": "r1", "b1": "r1", "a0": "r0"}
     n = 40
     own, theirs = owned("b1", members, n), sorted(owned("a1", members, n))
-    p = make("b1", members, n=n, takeover_after=2.0, now=0.0, pipeline=n)
+    p = make("b1", members, n=n, takeover_after=2.0, now=0.0, pipeline=n, wan_pipeline=n)
     p.peer_has("a0", KEY, range(n))
     _received_all(p, p.requests(0.0))  # b1's own share is done: b1 is idle from here on
     t = 0.0
