@@ -404,9 +404,10 @@ class TrajectorySpool:
             seg.offsets.extend(offsets)
             seg.sizes.extend(sizes)
             seg.acked.extend(bytes(len(seqs)))
+            nbytes = sum(sizes)
             self._unacked += len(seqs)
-            self._unacked_bytes += sum(sizes)
-            self._hot_total += sum(sizes)
+            self._unacked_bytes += nbytes
+            self._hot_total += nbytes
             self.appended_total += len(seqs)
             for seq, rec, size in zip(seqs, records, sizes):
                 hot[seq] = (rec, size)

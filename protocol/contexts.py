@@ -68,11 +68,9 @@ def _exponent_mask(info: DtypeInfo) -> int:
 
 def keys_of(bits: np.ndarray, info: DtypeInfo) -> np.ndarray:
     """The class key (exponent field) of each bit pattern, as uint8."""
-    # An arithmetic shift leaves sign copies above the exponent; for 8-bit
-    # exponents (bf16, fp32) the cast to uint8 drops them exactly.
-    keys = np.right_shift(bits, info.mantissa_bits).astype(np.uint8)
-    mask = _exponent_mask(info)
-    return keys & np.uint8(mask) if mask < 0xFF else keys
+    keys = np.empty(bits.shape, dtype=np.uint8)
+    _keys_into(bits, info, keys)
+    return keys
 
 
 def sample_keys(pieces: list[np.ndarray], info: DtypeInfo, stride: int) -> np.ndarray:
@@ -197,29 +195,9 @@ class ClassIndex:
             raise ValueError(f"class index: class {c} is outside `needed`")
         return int(self._end_of[c] - self._start_of[c])
 
-    def _words(self, cls: np.ndarray, w: np.ndarray) -> np.ndarray:
-        """The membership word w[i] of class cls[i] (bits past the segment end may be set)."""
-        if not self._planes:
-            return np.full(w.size, _FULL)
-        x = self._planes[0][w] ^ self._flip[0][cls]
-        for plane, flip in zip(self._planes[1:], self._flip[1:]):
-            x &= plane[w] ^ flip[cls]
-        return x
-
-    def rank(self, cls: np.ndarray, idx: np.ndarray) -> np.ndarray:
-        """Number of class-cls[i] elements before position idx[i] (idx[i] of that class)."""
-        rows = self._row_of[cls]
-        if (rows < 0).any():
-            raise ValueError("class index: a class outside `needed` was asked for")
-        w = idx >> 6
-        flat = rows * self._n_blocks + (w >> 3)
-        before_word = _byte_sums(self._octets[flat] & _LOW_BYTES[w & 7]).astype(np.int64)
-        below = (np.uint64(1) << (idx & 63).astype(np.uint64)) - np.uint64(1)
-        before_class = self._before[flat] - self._start_of[cls]
-        return before_class + before_word + np.bitwise_count(self._words(cls, w) & below).astype(np.int64)
-
     def rank_runs(self, idx: np.ndarray, counts: list[int]) -> np.ndarray:
-        """`rank` for positions given as runs: counts[c] positions of class c, classes in order."""
+        """Rank inside its class (members of that class before it) of each position, given
+        as runs: counts[c] ascending positions of class c, classes in order."""
         classes = np.array([c for c, n in enumerate(counts) if n], dtype=np.int64)
         counts = [counts[c] for c in classes.tolist()]
         if (self._row_of[classes] < 0).any():
@@ -240,18 +218,9 @@ class ClassIndex:
             x = term if x is None else np.bitwise_and(x, term, out=x)
         return np.full(w.size, _FULL) if x is None else x
 
-    def select(self, ranks: dict[int, np.ndarray]) -> np.ndarray:
-        """Positions of the members with the given ranks (ascending, 0-based) of each class.
-
-        The result lists the classes in the order of `ranks`, ascending inside each.
-        """
-        live = [(c, r) for c, r in ranks.items() if r.size]
-        if not live:
-            return np.zeros(0, dtype=np.int64)
-        return self._select(np.concatenate([r for _, r in live]), [c for c, _ in live], [r.size for _, r in live])
-
     def select_runs(self, ranks: np.ndarray, counts: list[int]) -> np.ndarray:
-        """`select` for ranks given as runs: counts[c] ranks of class c, classes in order."""
+        """Positions of the members with the given ranks (ascending, 0-based), given as
+        runs: counts[c] ranks of class c, classes in order; the result in the same order."""
         live = [c for c, n in enumerate(counts) if n]
         return self._select(ranks, live, [counts[c] for c in live])
 
@@ -367,7 +336,8 @@ POOL = BufferPool()
 
 
 def _keys_into(bits: np.ndarray, info: DtypeInfo, out: np.ndarray) -> None:
-    # As keys_of: the cast to uint8 drops the sign copies of the arithmetic shift.
+    # An arithmetic shift leaves sign copies above the exponent; for 8-bit
+    # exponents (bf16, fp32) the cast to uint8 drops them exactly.
     np.right_shift(bits, info.mantissa_bits, out=out, casting="unsafe")
     mask = _exponent_mask(info)
     if mask < 0xFF:
@@ -413,7 +383,6 @@ def _planes(pieces: list[np.ndarray], info: DtypeInfo, lo: int, classes: int, n_
 _LANES16_LOW = np.uint64(0x00FF00FF00FF00FF)
 _LANES16_ONE = np.uint64(0x0001000100010001)
 _LANES16_HIGH = np.uint64(0x8000800080008000)
-_LOW_BYTES = np.array([(1 << (8 * j)) - 1 for j in range(8)], dtype=np.uint64)
 
 
 def _byte_sums(x: np.ndarray) -> np.ndarray:

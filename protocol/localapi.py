@@ -21,7 +21,7 @@ import msgpack
 
 from .errors import ProtocolError, UsageError
 from .trajectory import bin_header
-from .wire import HEADER_BYTES, frame
+from .wire import frame, frame_header
 
 MAX_FRAME_BYTES = 256 << 20  # a submit of many large records
 MAX_RECORDS_PER_SUBMIT = 65536
@@ -102,10 +102,7 @@ def submit_frame_parts(records: list, timeout: float) -> list:
             raise UsageError(f"submit: expected msgpack-able meta values, found {type(e).__name__}: {e}") from None
     cur += packer.pack("timeout") + packer.pack(float(timeout))
     parts.append(bytes(cur))
-    n = sum(map(len, parts))
-    if n > MAX_FRAME_BYTES:
-        raise UsageError(f"expected a frame of at most {MAX_FRAME_BYTES} bytes, found {n}")
-    parts[0] = n.to_bytes(HEADER_BYTES, "big") + parts[0]
+    parts[0] = frame_header(sum(map(len, parts)), MAX_FRAME_BYTES) + parts[0]
     return parts
 
 

@@ -27,13 +27,18 @@ ESCAPE_Q = 40
 MAX_K = 40
 
 
+def _k_range(mean: float) -> tuple[int, int]:
+    """The Rice parameters worth trying for values of this mean: the geometric
+    optimum's k (about log2(0.69 mean)) and its neighbours."""
+    guess = min(MAX_K, max(0, int(np.log2(mean * 0.69 + 1e-9))) if mean > 1 else 0)
+    return max(0, guess - 1), min(MAX_K, guess + 1)
+
+
 def best_k_and_bits(values: np.ndarray) -> tuple[int, int]:
     """(k, exact bits of `pack(values, k)` before padding) for the best k next to the mean's."""
     if values.size == 0:
         return 0, 0
-    mean = float(values.sum(dtype=np.float64)) / values.size
-    guess = min(MAX_K, max(0, int(np.log2(mean * 0.69 + 1e-9))) if mean > 1 else 0)
-    k_lo, k_hi = max(0, guess - 1), min(MAX_K, guess + 1)
+    k_lo, k_hi = _k_range(float(values.sum(dtype=np.float64)) / values.size)
     escapes = int(values.max()) >> k_lo >= ESCAPE_Q  # else no k here escapes: one sum per k
     q = values >> np.uint64(k_lo)
     best = None
@@ -61,12 +66,7 @@ def best_k_runs(values: np.ndarray, counts: list[int]) -> list[int]:
     starts = np.cumsum([0] + counts[:-1])
     sums = np.add.reduceat(values, starts).tolist()  # exact: float64 sums of these integers are exact too
     tops = np.maximum.reduceat(values, starts).tolist()
-    k_lo, k_hi, out = [], [], []
-    for s, n, top in zip(sums, counts, tops):
-        mean = float(s) / n
-        guess = min(MAX_K, max(0, int(np.log2(mean * 0.69 + 1e-9))) if mean > 1 else 0)
-        k_lo.append(max(0, guess - 1))
-        k_hi.append(min(MAX_K, guess + 1))
+    k_lo, k_hi = zip(*(_k_range(float(s) / n) for s, n in zip(sums, counts)))
     if any(top >> k >= ESCAPE_Q for top, k in zip(tops, k_lo)):  # escapes: the plain path
         return [best_k_and_bits(r)[0] for r in np.split(values, np.cumsum(counts)[:-1])]
     q = values >> np.repeat(np.array(k_lo, dtype=np.uint64), counts)

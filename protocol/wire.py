@@ -328,11 +328,16 @@ class FrameBuffer:
         self._pos = end
 
 
+def frame_header(n: int, max_frame: int = MAX_FRAME_BYTES) -> bytes:
+    """The length header of an n-byte body (UsageError if it exceeds `max_frame`)."""
+    if n > max_frame:
+        raise UsageError(f"expected a frame of at most {max_frame} bytes, found {n}")
+    return n.to_bytes(HEADER_BYTES, "big")
+
+
 def frame(body: bytes, max_frame: int = MAX_FRAME_BYTES) -> bytes:
     """`body` behind its length header (UsageError if it exceeds `max_frame`)."""
-    if len(body) > max_frame:
-        raise UsageError(f"expected a frame of at most {max_frame} bytes, found {len(body)}")
-    return len(body).to_bytes(HEADER_BYTES, "big") + body
+    return frame_header(len(body), max_frame) + body
 
 
 class Connection:
