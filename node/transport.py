@@ -22,12 +22,12 @@ import trio
 from protocol import wire
 from protocol.errors import InvalidInput, ProtocolError, UsageError
 
+from .tlsstream import RECEIVE_LIMIT, TLSSocketStream
 from .trust import Credentials, client_context, peer_identity, server_context
 
 log = logging.getLogger("patchswarm.transport")
 HANDSHAKE_SECONDS = 10.0
-RECEIVE_BYTES = 64 << 10  # TLS hands over at most one 16 KiB record per read; a buffer past
-# glibc's mmap threshold (128 KiB) costs an mmap + munmap on every read (11 us measured)
+RECEIVE_BYTES = RECEIVE_LIMIT  # every TLS record that has arrived, up to this, in one read
 
 
 def parse_addr(addr: str) -> tuple[str, int]:
@@ -66,7 +66,7 @@ class MessageStream:
     raise ProtocolError, a dead socket trio.BrokenResourceError.
     """
 
-    def __init__(self, stream: trio.SSLStream, peer_name: str, peer_role: str,
+    def __init__(self, stream: TLSSocketStream, peer_name: str, peer_role: str,
                  max_frame: int = wire.MAX_FRAME_BYTES,
                  on_receive: Callable[[int], Awaitable[None]] | None = None):
         self.stream = stream
@@ -106,7 +106,7 @@ class MessageStream:
                 pass
 
 
-async def _handshake(stream: trio.SSLStream, allowed_roles: frozenset[str] | set[str]) -> tuple[str, str]:
+async def _handshake(stream: TLSSocketStream, allowed_roles: frozenset[str] | set[str]) -> tuple[str, str]:
     with trio.fail_after(HANDSHAKE_SECONDS):
         await stream.do_handshake()
     name, role = peer_identity(stream)
@@ -136,7 +136,7 @@ async def connect(addr: str, creds: Credentials, allowed_roles: set[str] | froze
     host, port = parse_addr(addr)
     with trio.fail_after(HANDSHAKE_SECONDS):
         tcp = await trio.open_tcp_stream(host, port)
-    stream = trio.SSLStream(tcp, ssl_context or client_context(creds), server_hostname=None)
+    stream = TLSSocketStream.wrap(tcp, ssl_context or client_context(creds), server_side=False)
     try:
         name, role = await _handshake(stream, allowed_roles)
         ms = MessageStream(stream, name, role, on_receive=on_receive)
@@ -168,7 +168,13 @@ async def serve(listen: str, creds: Credentials, allowed_roles: set[str] | froze
     listeners = await trio.open_tcp_listeners(port, host=host)
 
     async def one(tcp: trio.SocketStream) -> None:
-        stream = trio.SSLStream(tcp, context, server_side=True)
+        try:
+            stream = TLSSocketStream.wrap(tcp, context, server_side=True)
+        except OSError as e:  # reset before we got to it
+            await trio.aclose_forcefully(tcp)
+            if on_refused is not None:
+                on_refused(_reason(e))
+            return
         try:
             try:
                 name, role = await _handshake(stream, allowed_roles)

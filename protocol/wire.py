@@ -307,7 +307,8 @@ class FrameBuffer:
                 raise FrameTooLarge(f"expected a frame of at most {self.max_frame} bytes, found a header of {n}")
             if avail >= HEADER_BYTES + n:
                 end = pos + HEADER_BYTES + n
-                body = bytes(buf[pos + HEADER_BYTES:end])
+                with memoryview(buf) as view:  # one copy, not a bytearray slice and then bytes
+                    body = bytes(view[pos + HEADER_BYTES:end])
                 self._consume(end)
                 return body
         if not self._eof:

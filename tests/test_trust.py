@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from node import trust
+from node.tlsstream import TLSSocketStream
 from protocol.errors import CorruptData, InvalidInput, SignatureError, StaleVersion, UsageError
 from protocol.manifest import (Manifest, VersionGate, chunk_ok, decode_manifest, encode_manifest,
                                sign_manifest, verify_manifest)
@@ -230,13 +231,17 @@ def test_init_and_issue_refuse_overwrite(swarm, tmp_path):
 
 
 async def _serve(nursery, server_ctx, handler):
-    serve = functools.partial(trio.serve_ssl_over_tcp, host="127.0.0.1")
-    listeners = await nursery.start(serve, handler, 0, server_ctx)
-    return listeners[0].transport_listener.socket.getsockname()[1]
+    # The TLS stream class the swarm runs on (node/tlsstream.py), not trio.SSLStream.
+    async def wrapped(tcp):
+        await handler(TLSSocketStream.wrap(tcp, server_ctx, server_side=True))
+
+    serve = functools.partial(trio.serve_tcp, host="127.0.0.1")
+    listeners = await nursery.start(serve, wrapped, 0)
+    return listeners[0].socket.getsockname()[1]
 
 
 async def _connect(port, ctx):
-    return await trio.open_ssl_over_tcp_stream("127.0.0.1", port, ssl_context=ctx)
+    return TLSSocketStream.wrap(await trio.open_tcp_stream("127.0.0.1", port), ctx, server_side=False)
 
 
 def _exchange(swarm, client_ctx, allowed_clients={"node", "origin"}):

@@ -82,7 +82,7 @@ class Tracker:
         host, _, port = listen.rpartition(":")
         if host.strip("[]") in ("", "0.0.0.0", "::"):
             try:
-                remote = ms.stream.transport_stream.socket.getpeername()[0]
+                remote = ms.stream.getpeername()[0]
             except (AttributeError, OSError):
                 return listen
             return format_addr(remote, int(port))

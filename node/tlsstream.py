@@ -1,0 +1,170 @@
+"""A trio stream over a non-blocking `ssl.SSLSocket`: TLS where OpenSSL owns the socket.
+
+Owns: wrapping an accepted or dialed TCP socket in TLS, the handshake, and
+`receive_some` / `send_all` / `aclose` with trio's Stream semantics (one
+receiver and one sender at a time, ClosedResourceError after close,
+BrokenResourceError for a dead or faulty connection).
+
+Why not `trio.SSLStream`: it runs OpenSSL over memory BIOs, so every 16 KiB
+TLS record costs a trip through Python (read the socket, feed the BIO, read
+the plaintext, yield to the scheduler). Measured on loopback with 1 MiB
+pieces, that is ~4.3 ms of CPU per MiB received and ~2.5 ms per MiB sent, a
+ceiling of ~230 MB/s per core before any swarm work. Here OpenSSL reads and
+writes the file descriptor itself and `receive_some` drains every record
+that has arrived in one call: 1.3 ms/MiB received, 1.1 ms/MiB sent.
+"""
+
+from __future__ import annotations
+
+import socket
+import ssl
+
+import trio
+
+RECEIVE_LIMIT = 256 << 10  # most plaintext one receive_some hands over
+_SEND_SLICE = 256 << 10    # plaintext handed to OpenSSL per write
+
+
+class TLSSocketStream(trio.abc.Stream):
+    """TLS over one TCP socket; create with `wrap` and call `do_handshake` before use."""
+
+    def __init__(self, sock: socket.socket, context: ssl.SSLContext, server_side: bool):
+        sock.setblocking(False)
+        self._ssl = context.wrap_socket(sock, server_side=server_side, do_handshake_on_connect=False)
+        self._buffer = bytearray(RECEIVE_LIMIT)
+        self._view = memoryview(self._buffer)
+        self._handshake_done = False
+        self._closed = False
+        self._broken: BaseException | None = None
+        self._eof = False
+        self._receiving = False
+        self._sending = False
+
+    @classmethod
+    def wrap(cls, tcp: trio.SocketStream, context: ssl.SSLContext, server_side: bool) -> "TLSSocketStream":
+        """Take over the socket of `tcp` (which must not be used afterwards)."""
+        sock = socket.socket(fileno=tcp.socket.detach())
+        return cls(sock, context, server_side)
+
+    # -- what the rest of the node asks of a TLS stream
+
+    def getpeercert(self):
+        return self._ssl.getpeercert()
+
+    def getpeername(self):
+        return self._ssl.getpeername()
+
+    async def do_handshake(self) -> None:
+        """Run the TLS handshake (certificates verified by the context); idempotent."""
+        self._check_usable()
+        while not self._handshake_done:
+            try:
+                self._ssl.do_handshake()
+                self._handshake_done = True
+            except ssl.SSLWantReadError:
+                await trio.lowlevel.wait_readable(self._ssl)
+            except ssl.SSLWantWriteError:
+                await trio.lowlevel.wait_writable(self._ssl)
+            except (ssl.SSLError, OSError) as e:
+                self._broken = e
+                raise trio.BrokenResourceError(f"TLS handshake failed: {e}") from e
+        await trio.lowlevel.checkpoint()
+
+    # -- trio.abc.Stream
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        self._check_usable()
+        if self._receiving:
+            raise trio.BusyResourceError("another task is already receiving on this TLS stream")
+        limit = RECEIVE_LIMIT if max_bytes is None else min(int(max_bytes), RECEIVE_LIMIT)
+        if limit < 1:
+            raise ValueError(f"max_bytes: expected at least 1, found {max_bytes}")
+        self._receiving = True
+        try:
+            if not self._handshake_done:
+                await self.do_handshake()
+            await trio.lowlevel.checkpoint_if_cancelled()
+            while True:
+                got = self._drain(limit)
+                if got or self._eof:
+                    await trio.lowlevel.cancel_shielded_checkpoint()
+                    return bytes(self._view[:got])
+                await trio.lowlevel.wait_readable(self._ssl)
+                self._check_usable()
+        finally:
+            self._receiving = False
+
+    def _drain(self, limit: int) -> int:
+        """Read every plaintext byte OpenSSL can give without blocking, up to `limit`."""
+        got = 0
+        try:
+            while got < limit and not self._eof:
+                n = self._ssl.recv_into(self._view[got:limit])
+                if n == 0:
+                    self._eof = True  # close_notify, or a bare FIN: frames carry their own length
+                got += n
+        except ssl.SSLWantReadError:
+            pass
+        except ssl.SSLWantWriteError:
+            pass  # TLS 1.3 never needs to write to read; if it ever does, the next wait retries
+        except (ssl.SSLError, OSError) as e:
+            if got:
+                return got  # hand over what arrived intact; the error repeats on the next call
+            self._broken = e
+            raise trio.BrokenResourceError(f"TLS receive failed: {e}") from e
+        return got
+
+    async def send_all(self, data) -> None:
+        self._check_usable()
+        if self._sending:
+            raise trio.BusyResourceError("another task is already sending on this TLS stream")
+        self._sending = True
+        view = memoryview(data).cast("B")
+        sent = 0
+        try:
+            if not self._handshake_done:
+                await self.do_handshake()
+            await trio.lowlevel.checkpoint_if_cancelled()
+            while sent < len(view):
+                piece = view[sent:sent + _SEND_SLICE]
+                try:
+                    sent += self._ssl.send(piece)
+                except ssl.SSLWantWriteError:
+                    await trio.lowlevel.wait_writable(self._ssl)  # then retry the same piece, as OpenSSL requires
+                    self._check_usable()
+                except ssl.SSLWantReadError:
+                    await trio.sleep(0.001)  # only during a handshake; the receiving task owns wait_readable
+                except (ssl.SSLError, OSError) as e:
+                    self._broken = e
+                    raise trio.BrokenResourceError(f"TLS send failed: {e}") from e
+            await trio.lowlevel.cancel_shielded_checkpoint()
+        except BaseException as e:
+            if 0 < sent < len(view) and self._broken is None:
+                self._broken = e  # half a message went out: the byte stream is no longer framed
+            raise
+        finally:
+            self._sending = False
+
+    async def wait_send_all_might_not_block(self) -> None:
+        self._check_usable()
+        await trio.lowlevel.wait_writable(self._ssl)
+
+    async def aclose(self) -> None:
+        if self._closed:
+            await trio.lowlevel.checkpoint()
+            return
+        self._closed = True
+        if self._handshake_done and self._broken is None:
+            try:
+                self._ssl.unwrap()  # one non-blocking try at close_notify; the peer reads EOF either way
+            except (ssl.SSLError, OSError, ValueError):
+                pass
+        trio.lowlevel.notify_closing(self._ssl)
+        self._ssl.close()
+        await trio.lowlevel.checkpoint()
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise trio.ClosedResourceError("this TLS stream was closed")
+        if self._broken is not None:
+            raise trio.BrokenResourceError(f"TLS stream broken earlier: {self._broken!r}")

@@ -1,0 +1,158 @@
+"""node/tlsstream.py: the TLS stream every swarm connection runs on, over real loopback sockets.
+
+Bytes arrive intact and in order however the reads fall, both directions at
+once; trio's Stream rules hold (one receiver at a time, closed means
+ClosedResourceError, cancellation leaves the stream usable while nothing
+was half sent); the peer's close is an EOF.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+
+import pytest
+import trio
+
+from node import transport, trust
+from node.tlsstream import RECEIVE_LIMIT, TLSSocketStream
+from protocol import wire
+
+
+@pytest.fixture(scope="module")
+def creds(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tls")
+    trust.init_swarm(root / "swarm")
+    for name, role in (("origin1", "origin"), ("node1", "node")):
+        trust.issue(root / "swarm", name, role, root / name)
+    return {name: trust.Credentials.load(root / name) for name in ("origin1", "node1")}
+
+
+async def _pair(nursery, creds):
+    """A connected, handshaken (server, client) pair of TLSSocketStreams."""
+    send, receive = trio.open_memory_channel(1)
+
+    async def on_accept(tcp):
+        s = TLSSocketStream.wrap(tcp, trust.server_context(creds["origin1"]), server_side=True)
+        await send.send(s)
+        await trio.sleep_forever()  # the test owns the stream; the nursery's cancel ends this
+
+    listeners = await nursery.start(functools.partial(trio.serve_tcp, host="127.0.0.1"), on_accept, 0)
+    port = listeners[0].socket.getsockname()[1]
+    client = TLSSocketStream.wrap(await trio.open_tcp_stream("127.0.0.1", port),
+                                  trust.client_context(creds["node1"]), server_side=False)
+    async with trio.open_nursery() as hs:
+        hs.start_soon(client.do_handshake)
+        server = await receive.receive()
+        await server.do_handshake()
+    return server, client
+
+
+async def _read_exactly(stream, n):
+    out = bytearray()
+    reads = 0
+    while len(out) < n:
+        data = await stream.receive_some()
+        assert data, f"EOF after {len(out)} of {n} bytes"
+        assert len(data) <= RECEIVE_LIMIT
+        out += data
+        reads += 1
+    return bytes(out), reads
+
+
+def test_bytes_cross_both_ways_at_once_intact(creds):
+    rng = os.urandom
+    up = [rng(n) for n in (1, 5, 16 << 10, (16 << 10) + 1, 3 << 20, 777)]
+    down = [rng(n) for n in (9 << 20, 2, 100_000)]
+
+    async def main():
+        with trio.fail_after(30):
+            async with trio.open_nursery() as n:
+                server, client = await _pair(n, creds)
+                got = {}
+
+                async def send(stream, parts):
+                    for p in parts:
+                        await stream.send_all(p)
+
+                async def read(stream, parts, key):
+                    got[key] = await _read_exactly(stream, sum(map(len, parts)))
+
+                async with trio.open_nursery() as io:
+                    io.start_soon(send, client, up)
+                    io.start_soon(send, server, down)
+                    io.start_soon(read, server, up, "up")
+                    io.start_soon(read, client, down, "down")
+                await client.aclose()
+                assert await server.receive_some() == b""  # the peer's close reads as EOF
+                assert await server.receive_some() == b""
+                await server.aclose()
+                n.cancel_scope.cancel()
+        return got
+
+    got = trio.run(main)
+    assert hashlib.sha256(got["up"][0]).digest() == hashlib.sha256(b"".join(up)).digest()
+    assert got["down"][0] == b"".join(down)
+    assert got["down"][1] < (9 << 20) // (16 << 10), "expected reads that take several TLS records at once"
+
+
+def test_stream_rules(creds):
+    async def main():
+        with trio.fail_after(30):
+            async with trio.open_nursery() as n:
+                server, client = await _pair(n, creds)
+                # A receive cancelled while waiting leaves the stream as it was.
+                with trio.move_on_after(0.05):
+                    await client.receive_some()
+                await server.send_all(b"after the cancel")
+                assert await client.receive_some() == b"after the cancel"
+                # One receiver at a time.
+                async with trio.open_nursery() as two:
+                    two.start_soon(client.receive_some)
+                    await trio.sleep(0.05)
+                    with pytest.raises(trio.BusyResourceError):
+                        await client.receive_some()
+                    await server.send_all(b"x")
+                with pytest.raises(ValueError):
+                    await client.receive_some(0)
+                assert client.getpeercert() and trust.peer_identity(client) == ("origin1", "origin")
+                assert trust.peer_identity(server) == ("node1", "node")
+                await client.aclose()
+                await client.aclose()  # idempotent
+                with pytest.raises(trio.ClosedResourceError):
+                    await client.receive_some()
+                with pytest.raises(trio.ClosedResourceError):
+                    await client.send_all(b"late")
+                await server.aclose()
+                n.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_message_stream_frames_over_it(creds):
+    """The transport's connect/serve run Hello and Pieces over TLSSocketStream end to end."""
+    pieces = [os.urandom(n) for n in (0, 1, 1 << 20, 5 << 20)]
+
+    async def main():
+        got = []
+        with trio.fail_after(30):
+            async with trio.open_nursery() as n:
+                async def handler(ms):
+                    for i, p in enumerate(pieces):
+                        await ms.send(wire.Piece(3, False, i, p))
+                    await ms.aclose()
+
+                addr = await n.start(transport.serve, "127.0.0.1:0", creds["origin1"], {"node"},
+                                     lambda: wire.Hello("origin1", "", "origin", "", []), handler)
+                ms = await transport.connect(addr, creds["node1"], {"origin"},
+                                             wire.Hello("node1", "r0", "node", "", []))
+                assert isinstance(ms.stream, TLSSocketStream)
+                while (msg := await ms.receive()) is not None:
+                    got.append(msg)
+                await ms.aclose()
+                n.cancel_scope.cancel()
+        return got
+
+    got = trio.run(main)
+    assert [m.data for m in got] == pieces and [m.chunk for m in got] == [0, 1, 2, 3]
