@@ -352,6 +352,27 @@ def test_class_index_rank_and_select_agree_with_a_sort(dtype, monkeypatch):
     assert np.array_equal(keys, expo)
 
 
+@pytest.mark.parametrize("classes", [1, 2, 4, 8])
+@pytest.mark.parametrize("path", ["dense", "sparse"])
+def test_select_dense_and_sparse_paths_agree(classes, path, monkeypatch):
+    """Dense classes gather from the members listed in class order; sparse ones select rank by rank."""
+    from protocol.dtypes import info_of
+
+    monkeypatch.setattr(contexts, "DENSE_SELECT", 1 << 40 if path == "dense" else 0)
+    rng = np.random.default_rng(classes)
+    info = info_of(torch.bfloat16)
+    pieces = [bits((torch.randn(n, generator=torch.Generator().manual_seed(n)) * 0.02).to(torch.bfloat16)).numpy()
+              for n in (5000, 77, 1)]
+    keys = contexts.keys_of(np.concatenate(pieces), info)
+    lo = max(0, int(np.median(keys)) - classes // 2)
+    ids = contexts.class_of_keys(keys, lo, classes)
+    ci = contexts.ClassIndex(pieces, info, lo, classes)
+    picks = [np.flatnonzero(rng.random(ci.class_size(c)) < (0.9 if c % 2 else 0.3)) for c in range(classes)]
+    want = np.concatenate([np.flatnonzero(ids == c)[picks[c]] for c in range(classes)])
+    got = ci.select_runs(np.concatenate(picks), [p.size for p in picks])
+    assert np.array_equal(got, want)
+
+
 def test_state_hash_is_blake3_prefixed_and_independent_of_threads(monkeypatch):
     state = {"a": torch.arange(3_000_000, dtype=torch.int32), "b": torch.zeros(0), "c": torch.tensor(1.5).bfloat16(),
              "d": torch.ones(5, 7).t()}
