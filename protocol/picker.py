@@ -70,6 +70,10 @@ MAX_COPIES = 2  # endgame: copies of one chunk in flight at once
 # Few at a time, each chunk crosses fast and the next region starts relaying
 # it early (see the README's WAN notes for the measurement).
 WAN_PIPELINE = 2
+# Members per region that bring an object across the WAN (None: all of them).
+# Every gateway keeps WAN_PIPELINE chunks in flight per upstream region, so
+# this also bounds how many chunks share one WAN link at once.
+WAN_GATEWAYS: int | None = 2
 MAX_PENDING_OBJECTS = 16  # objects whose Have facts are kept before add_object
 COMPACT_SLACK = 64  # removals a chunk set absorbs before it is rebuilt (see _discard)
 
@@ -162,11 +166,14 @@ class PiecePicker:
     """Which chunk to request next from which peer, for one node (see module doc)."""
 
     def __init__(self, me: str, region: str, origin_region: str, *, seed: int = 0,
-                 pipeline: int = 4, takeover_after: float = 2.0, wan_pipeline: int = WAN_PIPELINE):
+                 pipeline: int = 4, takeover_after: float = 2.0, wan_pipeline: int = WAN_PIPELINE,
+                 wan_gateways: int | None = WAN_GATEWAYS):
         if type(pipeline) is not int or pipeline < 1:
             raise UsageError(f"pipeline: expected an int >= 1, found {pipeline!r}")
         if type(wan_pipeline) is not int or wan_pipeline < 1:
             raise UsageError(f"wan_pipeline: expected an int >= 1, found {wan_pipeline!r}")
+        if wan_gateways is not None and (type(wan_gateways) is not int or wan_gateways < 1):
+            raise UsageError(f"wan_gateways: expected None or an int >= 1, found {wan_gateways!r}")
         if not takeover_after >= 0:
             raise UsageError(f"takeover_after: expected seconds >= 0, found {takeover_after!r}")
         self.me = me
@@ -174,6 +181,7 @@ class PiecePicker:
         self.origin_region = origin_region
         self.pipeline = pipeline
         self.wan_pipeline = wan_pipeline
+        self.wan_gateways = wan_gateways
         self._wan_budget: dict[str, int] = {}  # per other region: what requests() may still send to it
         self.takeover_after = float(takeover_after)
         self._rng = random.Random(seed)
@@ -233,7 +241,7 @@ class PiecePicker:
         obj = _Wanted(key, n_chunks, held, priority, now, self._rng,
                       (not key[1]) if coordinated is None else bool(coordinated))
         if obj.is_patch:
-            obj.duty = ResponsibilityMap(key, n_chunks, self._region_members)
+            obj.duty = ResponsibilityMap(key, n_chunks, self._region_members, gateways=self.wan_gateways)
             for c in range(n_chunks):
                 obj.mine[c] = obj.duty.owner(c) == self.me
         self._objects[key] = obj

@@ -47,6 +47,22 @@ def region_weight(region: str, key: ObjKey, chunk: int) -> bytes:
     return hashlib.sha256(f"region:{region}|{version}|{int(keyframe)}|{chunk}".encode()).digest()
 
 
+def gateway_weight(node_id: str, key: ObjKey) -> bytes:
+    """The rendezvous weight of `node_id` for carrying one object across the WAN
+    at all: SHA-256 of f"{node_id}|{version}|{int(kf)}|gateway" (bigger wins)."""
+    return hashlib.sha256(_member_prefix(node_id, key) + b"gateway").digest()
+
+
+def gateways(key: ObjKey, region_members: Iterable[str], k: int | None) -> set[str]:
+    """The at most `k` members of a region (all of them for k=None) that bring
+    `key` across the WAN: the highest `gateway_weight`, a new set per object so
+    that the WAN work of successive versions moves around the region."""
+    members = set(region_members)
+    if k is None or len(members) <= k:
+        return members
+    return set(sorted(members, key=lambda m: (gateway_weight(m, key), m), reverse=True)[:k])
+
+
 def responsible(key: ObjKey, chunk: int, region_members: Iterable[str]) -> str | None:
     """The member of `region_members` that brings `chunk` of `key` into the
     region: the highest `member_weight` (ties, impossible in practice, go to
@@ -105,9 +121,11 @@ class ResponsibilityMap:
     instead of O(chunks × members).
     """
 
-    def __init__(self, key: ObjKey, n_chunks: int, members: Iterable[str] = ()):
+    def __init__(self, key: ObjKey, n_chunks: int, members: Iterable[str] = (), gateways: int | None = None):
         self.key = key
         self.n_chunks = n_chunks
+        self.k_gateways = gateways
+        self._region: set[str] = set()  # every member; _members are the gateways among them
         self._members: set[str] = set()
         self._owner: list[str | None] = [None] * n_chunks
         self._weight: list[bytes] = [b""] * n_chunks
@@ -115,15 +133,21 @@ class ResponsibilityMap:
 
     @property
     def members(self) -> frozenset[str]:
-        return frozenset(self._members)
+        return frozenset(self._region)
 
     def owner(self, chunk: int) -> str | None:
         """The member responsible for `chunk`, None while there are no members."""
         return self._owner[chunk]
 
+    @property
+    def gateways(self) -> frozenset[str]:
+        """The members that own chunks (all of them unless `gateways` was given)."""
+        return frozenset(self._members)
+
     def set_members(self, members: Iterable[str]) -> list[int]:
         """Replace the member set; return the chunks whose owner changed, ascending."""
-        new = set(members)
+        self._region = set(members)
+        new = gateways(self.key, self._region, self.k_gateways)
         left, joined = self._members - new, new - self._members
         old_owner = list(self._owner) if (left or joined) else self._owner
         rehashed: set[int] = set()

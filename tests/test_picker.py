@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from protocol.errors import ProtocolError, UsageError
 from protocol.picker import MAX_COPIES, NODE, ORIGIN, PiecePicker, Request
 from protocol.responsibility import (
-    ResponsibilityMap, region_order, responsible, upstream_regions,
+    ResponsibilityMap, gateways, region_order, responsible, upstream_regions,
 )
 
 KEY = (7, False)  # a patch
@@ -31,12 +31,14 @@ OR = "origin"  # the origin's peer id
 
 
 def make(me, members, *, origin_region="r0", n=16, connect=None, origin=True, seed=0,
-         pipeline=4, takeover_after=2.0, key=KEY, now=0.0, priority=0, wan_pipeline=None):
+         pipeline=4, takeover_after=2.0, key=KEY, now=0.0, priority=0, wan_pipeline=None, wan_gateways=None):
     """A picker for `me`, with members set, connected to `connect` (default:
-    every other member) and the origin, holding one object with no chunks."""
+    every other member) and the origin, holding one object with no chunks.
+    Every member of a region is a gateway unless `wan_gateways` says otherwise
+    (the scenario tables below are written for that)."""
     extra = {} if wan_pipeline is None else {"wan_pipeline": wan_pipeline}
     p = PiecePicker(me, members[me], origin_region, seed=seed, pipeline=pipeline,
-                    takeover_after=takeover_after, **extra)
+                    takeover_after=takeover_after, wan_gateways=wan_gateways, **extra)
     p.set_members(members)
     for other in (connect if connect is not None else sorted(set(members) - {me})):
         p.peer_joined(other, NODE, members[other])
@@ -132,6 +134,62 @@ def test_responsibility_map_tracks_membership(history):
         assert [rmap.owner(c) for c in range(40)] == now
         assert changed == [c for c in range(40) if before[c] != now[c]]
         before = now
+
+
+def test_gateways_are_the_top_k_by_weight_and_move_between_objects():
+    members = [f"n{i}" for i in range(6)]
+    for k in (1, 2, 5):
+        gws = gateways(KEY, members, k)
+        assert len(gws) == k and gws <= set(members)
+        assert gws == gateways(KEY, reversed(members), k)  # order-independent
+        ranked = sorted(members, key=lambda m: hashlib.sha256(f"{m}|7|0|gateway".encode()).digest(), reverse=True)
+        assert gws == set(ranked[:k])
+    assert gateways(KEY, members, None) == set(members)
+    assert gateways(KEY, members[:2], 3) == set(members[:2])
+    assert gateways(KEY, [], 2) == set()
+    # Successive versions do not all load the same member's WAN link.
+    assert len({frozenset(gateways((v, False), members, 1)) for v in range(30)}) > 3
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sets(st.sampled_from([f"n{i}" for i in range(8)])), min_size=1, max_size=6),
+       st.sampled_from([1, 2, 3]))
+def test_responsibility_map_with_gateways_tracks_membership(history, k):
+    rmap = ResponsibilityMap(KEY, 40, gateways=k)
+    before = [None] * 40
+    for members in history:
+        changed = rmap.set_members(members)
+        gws = gateways(KEY, members, k)
+        assert rmap.gateways == gws and rmap.members == members
+        now = [responsible(KEY, c, gws) for c in range(40)]
+        assert [rmap.owner(c) for c in range(40)] == now
+        assert changed == [c for c in range(40) if before[c] != now[c]]
+        before = now
+
+
+def test_only_the_gateway_crosses_the_wan_and_a_new_one_takes_over_when_it_leaves():
+    region = {"a": "r0", "b": "r0", "c": "r0"}
+    [gw] = gateways(KEY, region, 1)
+    n = 12
+    pickers = {m: make(m, region, n=n, pipeline=n, wan_gateways=1) for m in region}
+    assert {r.chunk for r in pickers[gw].requests(0.0)} == set(range(n))  # every chunk, from the origin
+    assert pickers[gw].responsible_for(KEY) == n
+    for m in set(region) - {gw}:
+        assert pickers[m].requests(0.0) == [] and pickers[m].responsible_for(KEY) == 0
+    # The gateway leaves: the next one by weight brings everything in, at once.
+    rest = {m: r for m, r in region.items() if m != gw}
+    [next_gw] = gateways(KEY, rest, 1)
+    p = pickers[next_gw]
+    p.peer_left(gw)
+    p.set_members(rest)
+    reqs = p.requests(0.1)
+    assert {r.chunk for r in reqs} == set(range(n)) and {r.peer for r in reqs} == {OR}
+
+
+def test_wan_gateways_must_be_positive():
+    for bad in (0, -1, 1.5, "2"):
+        with pytest.raises(UsageError, match="wan_gateways"):
+            PiecePicker("a", "r0", "r0", wan_gateways=bad)
 
 
 # --- single pickers: scenario tables -------------------------------------------
