@@ -22,12 +22,11 @@ import trio
 from protocol import wire
 from protocol.errors import InvalidInput, ProtocolError, UsageError
 
-from .tlsstream import RECEIVE_LIMIT, TLSSocketStream
+from .tlsstream import TLSSocketStream
 from .trust import Credentials, client_context, peer_identity, server_context
 
 log = logging.getLogger("patchswarm.transport")
 HANDSHAKE_SECONDS = 10.0
-RECEIVE_BYTES = RECEIVE_LIMIT  # every TLS record that has arrived, up to this, in one read
 
 
 def parse_addr(addr: str) -> tuple[str, int]:
@@ -91,7 +90,7 @@ class MessageStream:
                 return None
             if event is not wire.NEED_DATA:
                 return event
-            data = await self.stream.receive_some(RECEIVE_BYTES)
+            data = await self.stream.receive_some()  # every TLS record that has arrived
             self.counters.received += len(data)
             if data and self._on_receive is not None:
                 await self._on_receive(len(data))

@@ -167,13 +167,12 @@ class ClassIndex:
         self._n_blocks = n_blocks
         planes = _planes(pieces, info, lo, classes, n_words)
         self._planes = planes
-        self._lo = lo
-        self._grouped: tuple[np.ndarray, np.ndarray] | None = None  # see _by_class
         # The planes hold the low bits of clip(key, lo, lo + C - 1), not of the
         # class id (one pass fewer): class c is the code (lo + c) mod C. A
         # class's word is the AND of each plane or its complement, i.e. of the
         # planes XOR these masks.
         codes = [(lo + c) & (classes - 1) for c in range(classes)]
+        self._codes = codes
         self._flip = [np.array([0 if code >> j & 1 else _FULL for code in codes], dtype=np.uint64) for j in range(len(planes))]
         self.needed = list(range(classes)) if needed is None else sorted(set(int(c) for c in needed))
         counts = _word_counts(planes, size, n_words)
@@ -248,16 +247,13 @@ class ClassIndex:
     def _by_class(self) -> tuple[np.ndarray, np.ndarray]:
         """(every position, grouped by class and ascending inside each; where each
         class starts in it). One radix sort of the per-element plane codes."""
-        if self._grouped is None:
-            codes = np.zeros(self.size, dtype=np.uint8)
-            for j, plane in enumerate(self._planes):
-                bits = np.unpackbits(plane.view(np.uint8), count=self.size, bitorder="little")
-                codes |= bits << np.uint8(j)
-            order = np.argsort(codes, kind="stable")  # radix sort for 8-bit keys: linear
-            code_start = np.cumsum(np.bincount(codes, minlength=self.classes)) - np.bincount(codes, minlength=self.classes)
-            first = code_start[[(self._lo + c) & (self.classes - 1) for c in range(self.classes)]]
-            self._grouped = order, first
-        return self._grouped
+        codes = np.zeros(self.size, dtype=np.uint8)
+        for j, plane in enumerate(self._planes):
+            bits = np.unpackbits(plane.view(np.uint8), count=self.size, bitorder="little")
+            codes |= bits << np.uint8(j)
+        order = np.argsort(codes, kind="stable")  # radix sort for 8-bit keys: linear
+        sizes = np.bincount(codes, minlength=self.classes)
+        return order, (np.cumsum(sizes) - sizes)[self._codes]
 
     def _select_sparse(self, ranks: np.ndarray, classes: list[int], counts: list[int]) -> np.ndarray:
         # Per-class constants spread over each class's run (np.repeat), not gathered per rank.

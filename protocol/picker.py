@@ -241,7 +241,7 @@ class PiecePicker:
         obj = _Wanted(key, n_chunks, held, priority, now, self._rng,
                       (not key[1]) if coordinated is None else bool(coordinated))
         if obj.is_patch:
-            obj.duty = ResponsibilityMap(key, n_chunks, self._region_members, gateways=self.wan_gateways)
+            obj.duty = ResponsibilityMap(key, n_chunks, self._region_members, max_gateways=self.wan_gateways)
             for c in range(n_chunks):
                 obj.mine[c] = obj.duty.owner(c) == self.me
         self._objects[key] = obj

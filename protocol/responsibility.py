@@ -113,7 +113,7 @@ def upstream_regions(key: ObjKey, chunk: int, region: str, member_regions: Itera
 
 
 class ResponsibilityMap:
-    """`responsible(key, c, members)` for every chunk c of one object.
+    """`responsible(key, c, gateways(key, members, max_gateways))` for every chunk c of one object.
 
     `set_members` updates incrementally: a member that joined is weighed once
     per chunk, and only the chunks whose owner left are weighed again over
@@ -121,19 +121,19 @@ class ResponsibilityMap:
     instead of O(chunks × members).
     """
 
-    def __init__(self, key: ObjKey, n_chunks: int, members: Iterable[str] = (), gateways: int | None = None):
+    def __init__(self, key: ObjKey, n_chunks: int, members: Iterable[str] = (), max_gateways: int | None = None):
         self.key = key
         self.n_chunks = n_chunks
-        self.k_gateways = gateways
-        self._region: set[str] = set()  # every member; _members are the gateways among them
+        self.max_gateways = max_gateways
         self._members: set[str] = set()
+        self._gateways: set[str] = set()
         self._owner: list[str | None] = [None] * n_chunks
         self._weight: list[bytes] = [b""] * n_chunks
         self.set_members(members)
 
     @property
     def members(self) -> frozenset[str]:
-        return frozenset(self._region)
+        return frozenset(self._members)
 
     def owner(self, chunk: int) -> str | None:
         """The member responsible for `chunk`, None while there are no members."""
@@ -141,14 +141,14 @@ class ResponsibilityMap:
 
     @property
     def gateways(self) -> frozenset[str]:
-        """The members that own chunks (all of them unless `gateways` was given)."""
-        return frozenset(self._members)
+        """The members that own chunks (all of them unless `max_gateways` was given)."""
+        return frozenset(self._gateways)
 
     def set_members(self, members: Iterable[str]) -> list[int]:
         """Replace the member set; return the chunks whose owner changed, ascending."""
-        self._region = set(members)
-        new = gateways(self.key, self._region, self.k_gateways)
-        left, joined = self._members - new, new - self._members
+        self._members = set(members)
+        new = gateways(self.key, self._members, self.max_gateways)
+        left, joined = self._gateways - new, new - self._gateways
         old_owner = list(self._owner) if (left or joined) else self._owner
         rehashed: set[int] = set()
         if left:
@@ -160,7 +160,7 @@ class ResponsibilityMap:
                 self._offer(member, rehashed)
         for member in sorted(joined):
             self._offer(member, range(self.n_chunks), skip=rehashed)
-        self._members = new
+        self._gateways = new
         if old_owner is self._owner:
             return []
         return [c for c in range(self.n_chunks) if old_owner[c] != self._owner[c]]

@@ -155,7 +155,7 @@ def test_gateways_are_the_top_k_by_weight_and_move_between_objects():
 @given(st.lists(st.sets(st.sampled_from([f"n{i}" for i in range(8)])), min_size=1, max_size=6),
        st.sampled_from([1, 2, 3]))
 def test_responsibility_map_with_gateways_tracks_membership(history, k):
-    rmap = ResponsibilityMap(KEY, 40, gateways=k)
+    rmap = ResponsibilityMap(KEY, 40, max_gateways=k)
     before = [None] * 40
     for members in history:
         changed = rmap.set_members(members)
