@@ -1,0 +1,153 @@
+"""Transport bench: CPU per MiB moved through the wire framing, trio.SSLStream against node/tlsstream.py.
+
+For each stream class, a sender and a receiver process on loopback exchange
+Hellos over mutual TLS 1.3 (the swarm's contexts), then the sender sends
+`--mib` Piece messages of 1 MiB; each side reports its own CPU time
+(process_time) for the transfer. Both classes run in the same invocation,
+alternating `--repeat` times, and the table shows the best run of each.
+
+    .venv/bin/python bench/transport.py [--mib 256] [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import trio  # noqa: E402
+
+from node import transport, trust  # noqa: E402
+from node.tlsstream import TLSSocketStream  # noqa: E402
+from protocol import wire  # noqa: E402
+
+STREAMS = ("trio.SSLStream", "TLSSocketStream")
+PIECE = 1 << 20
+CHILD_TIMEOUT_S = 120
+
+
+def _stream(kind: str, tcp: trio.SocketStream, ctx, server_side: bool):
+    if kind == "trio.SSLStream":
+        return trio.SSLStream(tcp, ctx, server_side=server_side, server_hostname=None)
+    return TLSSocketStream.wrap(tcp, ctx, server_side=server_side)
+
+
+async def _child(role: str, kind: str, creds_root: Path, port: int, mib: int) -> dict:
+    name = "origin1" if role == "send" else "node1"
+    creds = trust.Credentials.load(creds_root / name)
+    result: dict = {}
+
+    async def session(tls) -> None:
+        with trio.fail_after(CHILD_TIMEOUT_S):
+            await tls.do_handshake()
+            peer, peer_role = trust.peer_identity(tls)
+            ms = transport.MessageStream(tls, peer, peer_role)
+            await transport.exchange_hello(ms, wire.Hello(name, "r0", "origin" if role == "send" else "node", "", []))
+            t0, c0 = time.perf_counter(), time.process_time()
+            if role == "send":
+                data = os.urandom(PIECE)
+                for i in range(mib):
+                    await ms.send(wire.Piece(1, False, i, data))
+                assert await ms.receive() is None  # the receiver closes once it holds everything
+            else:
+                got = 0
+                while got < mib:
+                    msg = await ms.receive()
+                    assert isinstance(msg, wire.Piece) and len(msg.data) == PIECE, msg
+                    got += 1
+            result.update(cpu_s=time.process_time() - c0, wall_s=time.perf_counter() - t0)
+            await ms.aclose()
+
+    if role == "send":
+        ctx = trust.server_context(creds)
+        listener = socket.create_server(("127.0.0.1", port))
+        print("listening", flush=True)
+        sock, _ = await trio.to_thread.run_sync(listener.accept)
+        listener.close()
+        tcp = trio.SocketStream(trio.socket.from_stdlib_socket(sock))
+        await session(_stream(kind, tcp, ctx, True))
+    else:
+        tcp = await trio.open_tcp_stream("127.0.0.1", port)
+        await session(_stream(kind, tcp, trust.client_context(creds), False))
+    return result
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_pair(kind: str, creds_root: Path, mib: int) -> dict:
+    port = _free_port()
+    def argv(role: str) -> list[str]:
+        return [sys.executable, __file__, "--child", role, "--kind", kind, "--creds", str(creds_root),
+                "--port", str(port), "--mib", str(mib)]
+
+    sender = subprocess.Popen(argv("send"), stdout=subprocess.PIPE, text=True)
+    try:
+        assert sender.stdout.readline().strip() == "listening", "sender did not start"
+        receiver = subprocess.run(argv("receive"), capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+        out_s, _ = sender.communicate(timeout=CHILD_TIMEOUT_S)
+    finally:
+        if sender.poll() is None:
+            sender.kill()
+            sender.wait()
+    if receiver.returncode or sender.returncode:
+        raise SystemExit(f"{kind}: child failed (send rc {sender.returncode}, receive rc {receiver.returncode}):\n"
+                         f"{receiver.stderr[-2000:]}")
+    send, recv = json.loads(out_s.strip().splitlines()[-1]), json.loads(receiver.stdout.strip().splitlines()[-1])
+    return {"stream": kind, "send_ms_per_mib": 1e3 * send["cpu_s"] / mib,
+            "receive_ms_per_mib": 1e3 * recv["cpu_s"] / mib, "mb_per_s": mib * PIECE / 1e6 / recv["wall_s"]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mib", type=int, default=256, help="1 MiB pieces per run")
+    ap.add_argument("--repeat", type=int, default=3, help="runs per stream class (best kept)")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--kind", choices=STREAMS, help=argparse.SUPPRESS)
+    ap.add_argument("--creds", help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.mib < 1 or args.repeat < 1:
+        ap.error("--mib and --repeat: expected at least 1")
+    if args.child:
+        print(json.dumps(trio.run(_child, args.child, args.kind, Path(args.creds), args.port, args.mib)), flush=True)
+        return 0
+    with tempfile.TemporaryDirectory(prefix="psw-transport-") as tmp:
+        root = Path(tmp)
+        trust.init_swarm(root / "swarm")
+        for name, role in (("origin1", "origin"), ("node1", "node")):
+            trust.issue(root / "swarm", name, role, root / name)
+        best: dict[str, dict] = {}
+        for i in range(args.repeat):
+            for kind in STREAMS:
+                r = _run_pair(kind, root, args.mib)
+                print(f"  run {i}: {kind}: send {r['send_ms_per_mib']:.2f} ms/MiB, receive "
+                      f"{r['receive_ms_per_mib']:.2f} ms/MiB, {r['mb_per_s']:.0f} MB/s", flush=True)
+                cost = r["send_ms_per_mib"] + r["receive_ms_per_mib"]
+                if kind not in best or cost < best[kind]["send_ms_per_mib"] + best[kind]["receive_ms_per_mib"]:
+                    best[kind] = r
+    print(f"\n{'stream':>16}  {'send CPU ms/MiB':>15}  {'receive CPU ms/MiB':>18}  {'MB/s':>6}")
+    for kind in STREAMS:
+        r = best[kind]
+        print(f"{kind:>16}  {r['send_ms_per_mib']:>15.2f}  {r['receive_ms_per_mib']:>18.2f}  {r['mb_per_s']:>6.0f}")
+    a, b = best[STREAMS[0]], best[STREAMS[1]]
+    print(f"\nTLSSocketStream / trio.SSLStream CPU: send {b['send_ms_per_mib'] / a['send_ms_per_mib']:.2f}, "
+          f"receive {b['receive_ms_per_mib'] / a['receive_ms_per_mib']:.2f} "
+          f"({args.mib} x 1 MiB Pieces through MessageStream on loopback, best of {args.repeat})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
