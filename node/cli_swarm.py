@@ -36,6 +36,16 @@ def setup_logging(name: str, verbose: bool = False) -> None:
                         format=LOG_FORMAT.format(name=name), datefmt="%H:%M:%S", force=True)
 
 
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, found {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, found {text!r}")
+    return value
+
+
 def parse_rate(text: str | None) -> float | None:
     """Bytes per second: a number with an optional k/M/G suffix (powers of 10), or 'none'."""
     if text is None or text.lower() in ("none", "0", ""):
@@ -151,6 +161,9 @@ def cmd_origin(args: argparse.Namespace) -> int:
 
 
 def _node_args(p: argparse.ArgumentParser) -> None:
+    from node.lowprio import APPLY_NICE
+    from protocol.picker import WAN_GATEWAYS
+
     p.add_argument("--tracker", metavar="HOST:PORT", required=True, help="the tracker's address")
     p.add_argument("--data-dir", metavar="D", required=True, type=Path,
                    help="weights, chunks, trajectory spool and the local socket D/node.sock")
@@ -160,6 +173,12 @@ def _node_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-peers", action="store_true", help="fetch from the origin only (for comparisons)")
     p.add_argument("--spool-bytes", type=int, default=1 << 30,
                    help="trajectory spool size limit; submit waits when it is full (default 1 GiB)")
+    p.add_argument("--apply-nice", type=non_negative_int, default=APPLY_NICE, metavar="N",
+                   help=f"apply versions N nice steps below the daemon, so serving peers comes first "
+                        f"(default {APPLY_NICE}; 0: same priority)")
+    p.add_argument("--wan-gateways", type=non_negative_int, default=WAN_GATEWAYS, metavar="K",
+                   help=f"members per region that bring each version across the WAN (default {WAN_GATEWAYS}; "
+                        f"0: every member)")
     _common(p, "127.0.0.1:0")
 
 
@@ -168,7 +187,8 @@ def cmd_node(args: argparse.Namespace) -> int:
     from node.daemon import Node, NodeConfig
 
     n = Node(NodeConfig(args.tracker, args.creds, args.data_dir, args.listen, args.region,
-                        args.upload_limit, args.download_limit, args.no_peers, spool_bytes=args.spool_bytes))
+                        args.upload_limit, args.download_limit, args.no_peers, spool_bytes=args.spool_bytes,
+                        apply_nice=args.apply_nice, wan_gateways=args.wan_gateways or None))
     return run_service(f"node {n.id}", n.run, args.verbose)
 
 

@@ -4,7 +4,7 @@ Owns one member's I/O life: the tracker session (membership, version
 notices, heartbeats, reconnects), dialing and accepting peers (node/peers.py),
 executing the piece picker's answers (protocol/picker.py decides), checking
 every chunk against its signed manifest, applying objects strictly in the
-order `VersionBook.plan` gives (protocol/patch.py does the math, in a worker
+order `VersionBook.plan` gives (protocol/patch.py does the math, on a low-priority
 thread), publishing each verified version at `weights_path`
 (node/weights.py), the local socket (status, wait_version, submit) and the
 trajectory uploader. Every task lives in the daemon's nursery.
@@ -30,12 +30,13 @@ from protocol.errors import (ConflictingManifest, CorruptData, InvalidInput, Pat
                              SpoolFull, StaleVersion, UsageError)
 from protocol.manifest import chunk_ok
 from protocol.patch import apply as apply_patch
-from protocol.picker import PiecePicker
+from protocol.picker import WAN_GATEWAYS, PiecePicker
 from protocol.publication import ObjKey, describe, patch_of
 from protocol.trajectory import encode_batch
 from protocol.versions import NEW, VersionBook
 
 from .localapi import serve_local
+from .lowprio import APPLY_NICE, run_low_priority
 from .peers import PeerDropped, PeerSet, Session
 from .ratelimit import TokenBucket
 from .spool import TrajectorySpool
@@ -87,6 +88,8 @@ class NodeConfig:
     keep_versions: int = KEEP_VERSIONS
     seed: int | None = None
     spool_bytes: int = SPOOL_BYTES
+    apply_nice: int = APPLY_NICE
+    wan_gateways: int | None = WAN_GATEWAYS
 
 
 def _rank(a: str, b: str) -> bytes:
@@ -229,7 +232,8 @@ class Node:
         if self.picker is not None or self.origin_region is None:
             return
         seed = self.cfg.seed if self.cfg.seed is not None else int.from_bytes(_rank(self.id, "seed")[:4], "big")
-        self.picker = PiecePicker(self.id, self.region, self.origin_region, seed=seed)
+        self.picker = PiecePicker(self.id, self.region, self.origin_region, seed=seed,
+                                  wan_gateways=self.cfg.wan_gateways)
         for s in self.peers.sessions.values():
             self._picker_peer_joined(s)
         self._applier.set()
@@ -475,7 +479,8 @@ class Node:
             apply_patch(state, patch_of(m, self.store.chunks(key)))  # in place; on error unchanged
 
         try:
-            await trio.to_thread.run_sync(work)
+            # Below the loop's priority: peers fetching this version from us come first (node/lowprio.py).
+            await run_low_priority(work, self.cfg.apply_nice)
         except PatchswarmError as e:
             self._unusable.add(key)
             log.error("could not apply %s: %s; looking for another path", describe(key), e)
