@@ -449,7 +449,7 @@ class PiecePicker:
             eligible = obj.sources[c] & useful
             if not eligible:
                 continue
-            p = self._least_busy(eligible, free)
+            p = self._pick_peer(eligible, free)
             picks.append((c, p))
             self._take_slot(free, p)
             if p not in free or not useful <= free.keys():  # p, or a whole region's peers, ran out of slots
@@ -500,6 +500,20 @@ class PiecePicker:
                 budget -= 1
                 if not free or not budget:
                     return
+
+    def _pick_peer(self, eligible: set[str], free: dict[str, int]) -> str:
+        """Inside the region, the least busy holder. Across the WAN, the holder
+        already busiest with my requests (while it has a slot): a peer sends
+        one connection's pieces one after another, so requests stacked on one
+        connection cross the shared link in turn, each whole as early as it
+        can be, where requests spread over several connections share the link
+        and all finish late; the next region relays a chunk only once it is
+        whole. (The sources of a chunk are all of one tier, hence one region.)"""
+        any_peer = next(iter(eligible))
+        if self._peers[any_peer].region == self.region:
+            return self._least_busy(eligible, free)
+        rand = self._rng.random
+        return min(sorted(eligible), key=lambda p: (free[p], rand()))
 
     def _least_busy(self, eligible: Iterable[str], free: dict[str, int]) -> str:
         rand = self._rng.random

@@ -378,6 +378,24 @@ def test_requests_across_the_wan_are_few_per_region_at_a_time():
     assert len(wide.requests(0.0)) == 3
 
 
+def test_requests_across_the_wan_stack_on_one_connection():
+    """Pieces on one connection are sent one after another, so two requests to one
+    upstream peer arrive one whole chunk at a time; spread over two peers they
+    would share the WAN link and both arrive late. Inside a region they spread."""
+    members = {"b1": "r1", "a0": "r0", "c0": "r0", "d1": "r1"}
+    for seed in range(5):
+        p = make("b1", members, n=12, pipeline=4, wan_pipeline=3, connect=["a0", "c0"], origin=False, seed=seed)
+        p.peer_has("a0", KEY, range(12))
+        p.peer_has("c0", KEY, range(12))
+        reqs = p.requests(0.0)
+        assert len(reqs) == 3 and len({r.peer for r in reqs}) == 1, reqs
+    local = make("b1", members, n=12, pipeline=4, connect=["d1"], origin=False)
+    local.peer_joined("e1", NODE, "r1")
+    local.peer_has("d1", KEY, range(12))
+    local.peer_has("e1", KEY, range(12))
+    assert Counter(r.peer for r in local.requests(0.0)) == {"d1": 4, "e1": 4}
+
+
 def test_a_relay_from_another_region_is_not_held_up_by_the_origins_link():
     members = {"a1": "r1", "a2": "r2"}
     # chunks a2 must bring from the origin's region, and ones it must relay from r1
