@@ -70,6 +70,11 @@ class WanSpec:
     lan_mbit: float = 1000.0
     wan_delay_ms: float = 0.0    # one-way delay per WAN link traversal (needs sch_netem)
     origin_region: int = 0
+    # False: hosts set net.ipv4.tcp_slow_start_after_idle=0, the usual tuning of
+    # WAN data movers; the kernel default restarts a connection idle for more
+    # than its RTO from the initial window, and swarm connections idle between
+    # pieces. Every system in one run sees the same hosts.
+    idle_restart: bool = True
 
     def __post_init__(self):
         if not 1 <= self.regions <= 250:
@@ -254,6 +259,8 @@ class Topology:
             _ip(["link", "add", h.iface, "netns", h.netns, "type", "veth", "peer", "name", port, "netns", rns])
             _ip(["-n", h.netns, "addr", "add", f"{h.ip}/24", "dev", h.iface])
             _ip(["-n", h.netns, "link", "set", "dev", h.iface, "up"])
+            if not s.idle_restart:
+                _sysctl(h.netns, "net.ipv4.tcp_slow_start_after_idle", "0")
             _ip(["-n", h.netns, "route", "add", "default", "via", _addr(h.region, _ROUTER_HOST)])
             _ip(["-n", rns, "link", "set", "dev", port, "master", "br0", "up"])
             _shape(h.netns, h.iface, s.lan_mbit * 1e6, 0.0)

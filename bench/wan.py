@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shlex
 import signal
 import sys
 import time
@@ -46,7 +47,8 @@ def make_runner(name: str, args: argparse.Namespace):
                                 log_dir=args.logs)
     if name in ("patchswarm", "star"):
         return PatchswarmRunner(no_peers=name == "star", verbose=args.verbose, log_dir=args.logs,
-                                chunk_bytes=None if args.chunk_kib is None else args.chunk_kib * 1024)
+                                chunk_bytes=None if args.chunk_kib is None else args.chunk_kib * 1024,
+                                node_args=shlex.split(args.node_args))
     raise ValueError(f"system: expected one of {SYSTEMS}, found {name!r}")
 
 
@@ -97,6 +99,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--wan-mbit", type=float, default=100.0, help="each region's WAN link, each way")
     ap.add_argument("--lan-mbit", type=float, default=1000.0, help="each host's link, each way")
     ap.add_argument("--wan-delay-ms", type=float, default=0.0, help="one-way delay per WAN link (needs sch_netem)")
+    ap.add_argument("--no-idle-restart", action="store_true",
+                    help="hosts tuned as WAN data movers (net.ipv4.tcp_slow_start_after_idle=0), for every system")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--scaling", default="2,4,8", help="nodes per region for the scaling rows ('' for none)")
     ap.add_argument("--model", default="medium", help="node.synthetic model size for the payload")
@@ -106,6 +110,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--repeat", type=int, default=1, help="runs per row; the row is the median run")
     ap.add_argument("--piece-kib", type=int, default=DEFAULT_PIECE_BYTES // 1024, help="libtorrent piece size")
     ap.add_argument("--chunk-kib", type=int, help="patchswarm/star: the origin's chunk size (default: its own)")
+    ap.add_argument("--node-args", default="", metavar="ARGS",
+                    help="patchswarm/star: extra flags for every `patchswarm node`, e.g. '--apply-nice 0'")
     ap.add_argument("--unchoke-slots", type=int, default=8, help="libtorrent unchoke slots (-1: everyone)")
     ap.add_argument("--json", type=Path, help="also write the rows here")
     ap.add_argument("--cleanup", action="store_true", help="remove leftover psw-* namespaces and exit")
@@ -128,12 +134,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     systems = [s for s in args.systems.split(",") if s]
     runners = {s: make_runner(s, args) for s in systems}
-    spec = netemu.WanSpec(args.regions, args.nodes, args.wan_mbit, args.lan_mbit, args.wan_delay_ms)
+    spec = netemu.WanSpec(args.regions, args.nodes, args.wan_mbit, args.lan_mbit, args.wan_delay_ms,
+                          idle_restart=not args.no_idle_restart)
     t = time.monotonic()
     payload = make_payload(args.model, args.lr, args.seed)
     print(f"payload: patch of {payload.label}: {payload.patch_bytes:,} bytes ({time.monotonic() - t:.1f} s to load/make)")
     print(f"topology: {spec.regions} regions x {spec.nodes_per_region} nodes, WAN {spec.wan_mbit:g} Mbit/s "
-          f"each way per region, LAN {spec.lan_mbit:g} Mbit/s, WAN delay {spec.wan_delay_ms:g} ms", flush=True)
+          f"each way per region, LAN {spec.lan_mbit:g} Mbit/s, WAN delay {spec.wan_delay_ms:g} ms; TCP "
+          f"{'kernel default (slow start after idle)' if spec.idle_restart else 'tcp_slow_start_after_idle=0 on every host'}",
+          flush=True)
 
     sizes = [args.nodes] + [int(n) for n in args.scaling.split(",") if n and int(n) != args.nodes]
     rows: list[RunResult] = []

@@ -72,8 +72,9 @@ class PatchswarmRunner:
     """patchswarm (or, with `no_peers`, the star: every node from the origin only)."""
 
     def __init__(self, no_peers: bool = False, verbose: bool = False, log_dir: Path | None = None,
-                 chunk_bytes: int | None = None):
+                 chunk_bytes: int | None = None, node_args: tuple[str, ...] = ()):
         self.no_peers = no_peers
+        self.node_args = tuple(node_args)  # extra `patchswarm node` flags, for side-by-side trials
         # The origin's swarm chunk size (None: its default); segments of as many elements, so a
         # chunk holds about one segment of a patch (a patch codes well under a byte per element).
         self.chunk_bytes = chunk_bytes
@@ -137,7 +138,7 @@ class PatchswarmRunner:
             self._spawn(topo, h, logs, [
                 exe, "node", "--tracker", tracker_addr, "--creds", str(creds / h.name), "--data-dir", str(data),
                 "--listen", f"{h.ip}:{NODE_PORT}", "--region", _region(h.region),
-                *(["--no-peers"] if self.no_peers else []), *verbose])
+                *(["--no-peers"] if self.no_peers else []), *self.node_args, *verbose])
         clients = {name: NodeClient(path) for name, path in sockets.items()}
         try:
             # Untimed: every node at the pre-placed version 0, the origin has published the same

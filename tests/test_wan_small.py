@@ -64,6 +64,18 @@ def test_namespaces_and_processes_go_on_an_exception():
 
 
 @needs_netns
+@pytest.mark.parametrize("idle_restart", [True, False])
+def test_hosts_keep_or_drop_tcp_slow_start_after_idle(idle_restart):
+    import subprocess
+
+    with netemu.Topology(netemu.WanSpec(regions=1, nodes_per_region=1, idle_restart=idle_restart)) as topo:
+        for h in topo.hosts:
+            out = subprocess.run(["ip", "netns", "exec", h.netns, "cat", "/proc/sys/net/ipv4/tcp_slow_start_after_idle"],
+                                 capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+            assert out == ("1" if idle_restart else "0"), h.name
+
+
+@needs_netns
 def test_cleanup_removes_leftovers_by_prefix():
     topo = netemu.Topology(netemu.WanSpec(regions=1, nodes_per_region=1), prefix="psw-leftover-")
     topo.__enter__()                 # never closed: what a SIGKILLed run leaves
