@@ -37,6 +37,11 @@ import torch
 from .dtypes import DtypeInfo
 from .errors import CorruptData
 
+try:  # the compiled one-pass twin of ClassIndex's rank and select (setup.py; optional)
+    from . import _classkernel as KERNEL
+except ImportError:  # no compiler where this was installed: the numpy version below
+    KERNEL = None
+
 MAX_CLASSES = 8
 CLASS_CHOICES = (1, 2, 4, 8)
 CLASS_HEADER_BITS = 96  # what a class costs in the container, for the window choice
@@ -136,6 +141,57 @@ _ENDS = np.cumsum([0, *CLASS_CHOICES[1:]]).tolist()
 _EDGE_COLUMNS = {c: (_ENDS[i], _ENDS[i + 1]) for i, c in enumerate(CLASS_CHOICES[1:])}
 
 
+def select_positions(pieces: list[np.ndarray], info: DtypeInfo, lo: int, classes: int,
+                     ranks: np.ndarray, counts: list[int]) -> tuple[np.ndarray | None, list[int]]:
+    """(positions, class sizes) for one segment's base: the members with the given
+    in-class ranks (counts[c] ascending ranks of class c, classes in order;
+    positions in the same order), and the size of every class that has ranks
+    (-1 for the others where the numpy version skips them). Positions are None
+    when some rank does not fit (beyond its class, or not ascending): the
+    caller checks the sizes first, since another base has other sizes."""
+    _check_window(lo, classes)
+    if KERNEL is not None:
+        out = np.empty(ranks.size, dtype=np.int64)
+        sizes = np.zeros(classes, dtype=np.int64)
+        found = KERNEL.select(pieces, info.width, info.mantissa_bits, _exponent_mask(info), lo, classes,
+                              np.ascontiguousarray(ranks, dtype=np.int64), np.asarray(counts, dtype=np.int64),
+                              out, sizes)
+        return (out if found else None), sizes.tolist()
+    ci = ClassIndex(pieces, info, lo, classes, needed=[c for c, n in enumerate(counts) if n])
+    sizes = [ci.class_size(c) if counts[c] else -1 for c in range(classes)]
+    try:
+        return ci.select_runs(ranks, counts), sizes
+    except CorruptData:
+        return None, sizes
+
+
+def rank_positions(pieces: list[np.ndarray], info: DtypeInfo, lo: int, classes: int,
+                   idx: np.ndarray, cls: np.ndarray) -> tuple[np.ndarray, list[int]]:
+    """(ranks, class sizes): for each ascending segment position idx[i] of class
+    cls[i], how many members of its class come before it; every class's size."""
+    _check_window(lo, classes)
+    if KERNEL is not None:
+        got_cls = np.empty(idx.size, dtype=np.uint8)
+        ranks = np.empty(idx.size, dtype=np.int64)
+        sizes = np.zeros(classes, dtype=np.int64)
+        KERNEL.rank(pieces, info.width, info.mantissa_bits, _exponent_mask(info), lo, classes,
+                    np.ascontiguousarray(idx, dtype=np.int64), got_cls, ranks, sizes)
+        return ranks, sizes.tolist()
+    counts = np.bincount(cls, minlength=classes).tolist()
+    order = np.argsort(cls.astype(np.int8), kind="stable")  # by class, ascending inside: 8-bit keys, a radix sort
+    ci = ClassIndex(pieces, info, lo, classes, needed=[c for c in range(classes) if counts[c]])
+    ranks = np.empty(idx.size, dtype=np.int64)
+    ranks[order] = ci.rank_runs(idx[order], counts)
+    return ranks, [ci.class_size(c) if counts[c] else -1 for c in range(classes)]
+
+
+def _check_window(lo: int, classes: int) -> None:
+    if classes not in CLASS_CHOICES:
+        raise CorruptData(f"class count: expected one of {CLASS_CHOICES}, found {classes}")
+    if not 0 <= lo < KEY_VALUES:
+        raise CorruptData(f"class window: expected a start in 0..{KEY_VALUES - 1}, found {lo}")
+
+
 def class_of_keys(keys: np.ndarray, lo: int, classes: int) -> np.ndarray:
     """Class ids of the given keys (any shape), as int64."""
     return np.clip(keys.astype(np.int64) - lo, 0, classes - 1)
@@ -155,10 +211,7 @@ class ClassIndex:
     """
 
     def __init__(self, pieces: list[np.ndarray], info: DtypeInfo, lo: int, classes: int, needed=None):
-        if classes not in CLASS_CHOICES:
-            raise CorruptData(f"class count: expected one of {CLASS_CHOICES}, found {classes}")
-        if not 0 <= lo < KEY_VALUES:
-            raise CorruptData(f"class window: expected a start in 0..{KEY_VALUES - 1}, found {lo}")
+        _check_window(lo, classes)
         size = sum(p.size for p in pieces)
         self.size = size
         self.classes = classes

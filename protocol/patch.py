@@ -290,11 +290,11 @@ def _encode_delta(base: State, target: State, pieces, index: dict[str, int]) -> 
         cls = contexts.class_of_keys(changed_keys, lo, classes)
         order = np.argsort(cls.astype(np.int8), kind="stable")  # by class, ascending inside; 8-bit keys: a radix sort
         counts = np.bincount(cls, minlength=classes).tolist()
-        ci = contexts.ClassIndex(bs, info, lo, classes, needed=[c for c in range(classes) if counts[c]])
+        in_class, sizes = contexts.rank_positions(bs, info, lo, classes, idx, cls)
         bounds = np.cumsum([0] + counts).tolist()
-        ranks_all = ci.rank_runs(idx[order], counts)
+        ranks_all = in_class[order]
         ranks = [ranks_all[bounds[c] : bounds[c + 1]] for c in range(classes)]
-        sizes = [ci.class_size(c) if counts[c] else 0 for c in range(classes)]
+        sizes = [sizes[c] if counts[c] else 0 for c in range(classes)]
         d = d[order]
         deltas = [d[bounds[c] : bounds[c + 1]] for c in range(classes)]
         olds, news = [old[order]], [new[order]]
@@ -514,13 +514,16 @@ def _positions(bs: list[np.ndarray], seg: _Segment) -> np.ndarray:
         return deltacode.decode_rank_runs(seg.rows, seg.streams)[0]
     if seg.size < CLASS_MIN_ELEMENTS:
         raise CorruptData(f"segment class window: expected none below {CLASS_MIN_ELEMENTS} elements, found {classes} classes")
-    ci = contexts.ClassIndex(bs, seg.info, lo, classes, needed=live)
+    ranks, counts = deltacode.decode_rank_runs(seg.rows, seg.streams)
+    pos, sizes = contexts.select_positions(bs, seg.info, lo, classes, ranks, counts)
     for c in live:
-        if ci.class_size(c) != seg.rows[c][1]:
+        if sizes[c] != seg.rows[c][1]:
             # The classes come from the base: another base has other class sizes.
             raise BaseMismatch(f"segment class {c}: the patch expects {seg.rows[c][1]} base elements in it, "
-                               f"the state has {ci.class_size(c)} (wrong base, or already applied)")
-    return ci.select_runs(*deltacode.decode_rank_runs(seg.rows, seg.streams))
+                               f"the state has {sizes[c]} (wrong base, or already applied)")
+    if pos is None:
+        raise CorruptData("segment positions: expected ascending ranks inside each class's size, found others")
+    return pos
 
 
 def _decode_delta(state: State, seg: _Segment, specs: dict[str, TensorSpec], views: dict):

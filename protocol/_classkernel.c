@@ -1,0 +1,456 @@
+/* Context classes in one pass over a segment's base: rank (encoder) and select (decoder).
+ *
+ * The compiled twin of protocol/contexts.py's ClassIndex for the two calls a
+ * patch makes per segment; contexts.py keeps the numpy version as the
+ * reference and the fallback where this module did not build.
+ *
+ * Why compiled: the numpy version needs a dozen passes over the base (keys,
+ * clip, per plane an AND and a packbits, word popcounts, prefix sums, then
+ * select or rank per position). Each pass is memory-bound and they do not
+ * fuse. Here one pass reads each base element once: class codes for 4096
+ * elements into an L1 buffer, then per 64-element word the class masks (SSE2
+ * movemask of the code bits), their popcounts, and the ranks or selects that
+ * fall in the word.
+ *
+ * Class of an element: key = (bits >> shift) & emask (the exponent field),
+ * class = clamp(key - lo, 0, classes - 1). Positions are indices into the
+ * concatenation of the pieces.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef __SSE2__
+#include <emmintrin.h>
+#endif
+
+/* The two passes are built twice, for Haswell-class x86-64 (AVX2 lanes for the
+ * codes, a popcnt instruction) and for the baseline, and the loader picks one per
+ * machine (GCC target_clones; an ifunc). Without popcnt, each popcount is a
+ * dozen instructions: the pass takes ~1.8x as long. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define HOT __attribute__((target_clones("arch=haswell", "default")))
+#else
+#define HOT
+#endif
+
+#define CODES 4096 /* elements whose codes are made at once; a multiple of 64 */
+#define MAX_CLASSES 8
+#define MAX_PIECES_ON_STACK 64
+
+typedef struct {
+    Py_buffer *views;
+    Py_ssize_t n;       /* pieces */
+    int width;          /* bytes per element: 1, 2 or 4 */
+    int shift, lo, top; /* top = classes - 1 */
+    uint32_t emask;
+    Py_ssize_t piece, at; /* read position */
+} Source;
+
+/* Codes of the next `want` elements (fewer only at the end) into out. */
+static inline __attribute__((always_inline)) Py_ssize_t fill_codes(Source *s, uint8_t *out, Py_ssize_t want) {
+    Py_ssize_t got = 0;
+    const int shift = s->shift;
+    const uint32_t emask = s->emask, lo = (uint32_t)s->lo;
+    /* keys are at most emask <= 255, so clamping at 255 is the same clamp and keeps 8-bit lanes exact */
+    const uint32_t hi = s->lo + s->top > 255 ? 255 : (uint32_t)(s->lo + s->top);
+    while (got < want && s->piece < s->n) {
+        Py_buffer *v = &s->views[s->piece];
+        Py_ssize_t len = v->len / s->width;
+        Py_ssize_t take = len - s->at;
+        if (take > want - got) take = want - got;
+        uint8_t *o = out + got;
+        /* Plain loops in the element's own width (clamp, then subtract: no
+         * signed widening), so gcc -O3 vectorizes each into full-width lanes. */
+        if (s->width == 2) {
+            const uint16_t *x = (const uint16_t *)v->buf + s->at;
+            const uint16_t l = (uint16_t)lo, h = (uint16_t)hi, m = (uint16_t)emask;
+            for (Py_ssize_t i = 0; i < take; i++) {
+                uint16_t k = (uint16_t)((x[i] >> shift) & m);
+                k = k < l ? l : k;
+                k = k > h ? h : k;
+                o[i] = (uint8_t)(k - l);
+            }
+        } else if (s->width == 4) {
+            const uint32_t *x = (const uint32_t *)v->buf + s->at;
+            for (Py_ssize_t i = 0; i < take; i++) {
+                uint32_t k = (x[i] >> shift) & emask;
+                k = k < lo ? lo : k;
+                k = k > hi ? hi : k;
+                o[i] = (uint8_t)(k - lo);
+            }
+        } else {
+            const uint8_t *x = (const uint8_t *)v->buf + s->at;
+            const uint8_t l = (uint8_t)lo, h = (uint8_t)hi, m = (uint8_t)emask;
+            for (Py_ssize_t i = 0; i < take; i++) {
+                uint8_t k = (uint8_t)((x[i] >> shift) & m);
+                k = k < l ? l : k;
+                k = k > h ? h : k;
+                o[i] = (uint8_t)(k - l);
+            }
+        }
+        got += take;
+        s->at += take;
+        if (s->at == len) {
+            s->piece++;
+            s->at = 0;
+        }
+    }
+    return got;
+}
+
+/* masks[c] = the elements of class c among 64 codes (bit i = element i); `valid` limits a short last word. */
+static inline __attribute__((always_inline)) void class_masks(const uint8_t *codes, int planes, int classes, uint64_t valid, uint64_t *masks) {
+    uint64_t plane[3] = {0, 0, 0};
+#ifdef __SSE2__
+    __m128i v[4];
+    for (int q = 0; q < 4; q++) v[q] = _mm_loadu_si128((const __m128i *)(codes + 16 * q));
+    for (int j = 0; j < planes; j++) {
+        uint64_t p = 0;
+        for (int q = 0; q < 4; q++) {
+            /* bit j of each byte to its top bit; 16-bit lanes carry nothing into a byte's top bit for j <= 7 */
+            __m128i t = _mm_slli_epi16(v[q], 7 - j);
+            p |= (uint64_t)(uint16_t)_mm_movemask_epi8(t) << (16 * q);
+        }
+        plane[j] = p;
+    }
+#else
+    for (int j = 0; j < planes; j++) {
+        uint64_t p = 0;
+        for (int i = 0; i < 64; i++) p |= (uint64_t)((codes[i] >> j) & 1) << i;
+        plane[j] = p;
+    }
+#endif
+    for (int c = 0; c < classes; c++) {
+        uint64_t m = valid;
+        for (int j = 0; j < planes; j++) m &= (c >> j & 1) ? plane[j] : ~plane[j];
+        masks[c] = m;
+    }
+}
+
+/* The select pass: at[c] walks class c's ranks (next[c] the current one, INT64_MAX when done). */
+static inline __attribute__((always_inline)) int select_body(Source *s, const int planes, const int classes, const int64_t *restrict ranks, const int64_t *end_in,
+                           int64_t *restrict out, int64_t *at_io, int64_t *next_io, int64_t *seen_io) {
+    const int64_t NONE = INT64_MAX;
+    int ok = 1;
+    /* Locals, not the caller's arrays: stores to out[] could alias those and force reloads. */
+    int64_t at[MAX_CLASSES], next[MAX_CLASSES], seen[MAX_CLASSES], end[MAX_CLASSES];
+    for (int c = 0; c < classes; c++) {
+        at[c] = at_io[c];
+        next[c] = next_io[c];
+        seen[c] = seen_io[c];
+        end[c] = end_in[c];
+    }
+    uint8_t codes[CODES];
+    int64_t base = 0;
+    for (;;) {
+        Py_ssize_t got = fill_codes(s, codes, CODES);
+        if (got == 0) break;
+        for (Py_ssize_t w = 0; w < got; w += 64) {
+            Py_ssize_t left = got - w;
+            uint64_t valid = left >= 64 ? ~(uint64_t)0 : (((uint64_t)1 << left) - 1);
+            uint64_t masks[MAX_CLASSES];
+            class_masks(codes + w, planes, classes, valid, masks);
+            /* The common case, no rank in this word, without a branch per class: the
+             * class loop unrolls and its counters stay in registers. */
+            int64_t pc[MAX_CLASSES];
+            unsigned hit = 0;
+            for (int c = 0; c < classes; c++) {
+                pc[c] = __builtin_popcountll(masks[c]);
+                hit |= (unsigned)(next[c] - seen[c] < pc[c]) << c;
+            }
+            if (__builtin_expect(hit != 0, 0)) {
+                for (int c = 0; c < classes; c++) {
+                    if (!(hit >> c & 1)) continue;
+                    /* Walk the word's members once, however many ranks fall in it. */
+                    uint64_t m = masks[c];
+                    int64_t k_done = 0, last = -1;
+                    while (next[c] - seen[c] < pc[c]) {
+                        int64_t k = next[c] - seen[c];
+                        if (k <= last) { /* not strictly ascending: corrupt */
+                            ok = 0;
+                            next[c] = NONE;
+                            break;
+                        }
+                        for (; k_done < k; k_done++) m &= m - 1;
+                        out[at[c]] = base + w + __builtin_ctzll(m);
+                        last = k;
+                        at[c]++;
+                        next[c] = at[c] < end[c] ? ranks[at[c]] : NONE;
+                    }
+                }
+            }
+            for (int c = 0; c < classes; c++) seen[c] += pc[c];
+        }
+        base += got;
+    }
+    for (int c = 0; c < classes; c++) {
+        at_io[c] = at[c];
+        next_io[c] = next[c];
+        seen_io[c] = seen[c];
+    }
+    return ok;
+}
+
+/* The rank pass; returns how many positions it ranked, or -(i + 1) when position i is out of order. */
+static inline __attribute__((always_inline)) Py_ssize_t rank_body(Source *s, const int planes, const int classes, const int64_t *restrict pos, Py_ssize_t n,
+                                uint8_t *restrict cls, int64_t *restrict rank, int64_t *seen_out, int64_t *end_out) {
+    Py_ssize_t i = 0;
+    int64_t seen[MAX_CLASSES] = {0};
+    int64_t prev = -1, base = 0;
+    uint8_t codes[CODES];
+    for (;;) {
+        Py_ssize_t got = fill_codes(s, codes, CODES);
+        if (got == 0) break;
+        for (Py_ssize_t w = 0; w < got; w += 64) {
+            Py_ssize_t left = got - w;
+            uint64_t valid = left >= 64 ? ~(uint64_t)0 : (((uint64_t)1 << left) - 1);
+            uint64_t masks[MAX_CLASSES];
+            class_masks(codes + w, planes, classes, valid, masks);
+            int64_t word_end = base + w + (left >= 64 ? 64 : left);
+            for (; i < n && pos[i] < word_end; i++) {
+                if (pos[i] <= prev || pos[i] < base + w) {
+                    *end_out = base + got;
+                    for (int c = 0; c < classes; c++) seen_out[c] = seen[c];
+                    return -i - 1;
+                }
+                prev = pos[i];
+                int bit = (int)(pos[i] - base - w);
+                uint8_t c = codes[w + bit];
+                cls[i] = c;
+                rank[i] = seen[c] + __builtin_popcountll(masks[c] & (((uint64_t)1 << bit) - 1));
+            }
+            for (int c = 0; c < classes; c++) seen[c] += __builtin_popcountll(masks[c]);
+        }
+        base += got;
+    }
+    *end_out = base;
+    for (int c = 0; c < classes; c++) seen_out[c] = seen[c];
+    return i;
+}
+
+/* One copy of each pass per class count, so the class loops unroll and the masks stay in registers. */
+HOT static int select_pass(Source *s, int planes, int classes, const int64_t *ranks, const int64_t *end,
+                           int64_t *out, int64_t *at, int64_t *next, int64_t *seen) {
+    switch (planes) {
+        case 0: return select_body(s, 0, 1, ranks, end, out, at, next, seen);
+        case 1: return select_body(s, 1, 2, ranks, end, out, at, next, seen);
+        case 2: return select_body(s, 2, 4, ranks, end, out, at, next, seen);
+        default: return select_body(s, 3, 8, ranks, end, out, at, next, seen);
+    }
+}
+
+HOT static Py_ssize_t rank_pass(Source *s, int planes, int classes, const int64_t *pos, Py_ssize_t n, uint8_t *cls,
+                                int64_t *rank, int64_t *seen, int64_t *end_out) {
+    switch (planes) {
+        case 0: return rank_body(s, 0, 1, pos, n, cls, rank, seen, end_out);
+        case 1: return rank_body(s, 1, 2, pos, n, cls, rank, seen, end_out);
+        case 2: return rank_body(s, 2, 4, pos, n, cls, rank, seen, end_out);
+        default: return rank_body(s, 3, 8, pos, n, cls, rank, seen, end_out);
+    }
+}
+
+static int get_pieces(PyObject *seq, int width, Source *s, Py_buffer *stack) {
+    PyObject *fast = PySequence_Fast(seq, "pieces: expected a sequence of buffers");
+    if (!fast) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    Py_buffer *views = n <= MAX_PIECES_ON_STACK ? stack : PyMem_Calloc((size_t)n, sizeof(Py_buffer));
+    if (!views) {
+        Py_DECREF(fast);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(fast, i), &views[i], PyBUF_C_CONTIGUOUS) < 0) {
+            for (Py_ssize_t k = 0; k < i; k++) PyBuffer_Release(&views[k]);
+            if (views != stack) PyMem_Free(views);
+            Py_DECREF(fast);
+            return -1;
+        }
+        if (views[i].len % width) {
+            for (Py_ssize_t k = 0; k <= i; k++) PyBuffer_Release(&views[k]);
+            if (views != stack) PyMem_Free(views);
+            Py_DECREF(fast);
+            PyErr_Format(PyExc_ValueError, "piece %zd: expected a multiple of %d bytes, found %zd", i, width,
+                         views[i].len);
+            return -1;
+        }
+    }
+    Py_DECREF(fast);
+    s->views = views;
+    s->n = n;
+    s->piece = s->at = 0;
+    return 0;
+}
+
+static void put_pieces(Source *s, Py_buffer *stack) {
+    for (Py_ssize_t k = 0; k < s->n; k++) PyBuffer_Release(&s->views[k]);
+    if (s->views != stack) PyMem_Free(s->views);
+}
+
+static int check_args(int width, int shift, unsigned emask, int lo, int classes, int *planes) {
+    if (width != 1 && width != 2 && width != 4) {
+        PyErr_Format(PyExc_ValueError, "width: expected 1, 2 or 4 bytes, found %d", width);
+        return -1;
+    }
+    if (shift < 0 || shift >= 8 * width || emask > 0xFF || lo < 0 || lo > 0xFF) {
+        PyErr_Format(PyExc_ValueError, "key: expected shift < %d, emask <= 255, 0 <= lo <= 255, found %d, %u, %d",
+                     8 * width, shift, emask, lo);
+        return -1;
+    }
+    switch (classes) {
+        case 1: *planes = 0; break;
+        case 2: *planes = 1; break;
+        case 4: *planes = 2; break;
+        case 8: *planes = 3; break;
+        default: PyErr_Format(PyExc_ValueError, "classes: expected 1, 2, 4 or 8, found %d", classes); return -1;
+    }
+    return 0;
+}
+
+static int writable_i64(Py_buffer *b, const char *what, Py_ssize_t at_least) {
+    if (b->readonly || b->len % 8 || b->len / 8 < at_least) {
+        PyErr_Format(PyExc_ValueError, "%s: expected a writable int64 buffer of at least %zd, found %zd bytes%s", what,
+                     at_least, b->len, b->readonly ? " (read-only)" : "");
+        return -1;
+    }
+    return 0;
+}
+
+/* select(pieces, width, shift, emask, lo, classes, ranks, counts, out, sizes) -> bool
+ *
+ * ranks: int64, counts[c] ascending ranks of class c, classes in order. out[i]
+ * = the position of the member of ranks[i]'s class with that rank. sizes[c] =
+ * members of class c. Returns False when some rank was not found (beyond its
+ * class, or not ascending): the caller checks sizes first to tell a wrong base
+ * from corrupt ranks. */
+static PyObject *k_select(PyObject *self, PyObject *args) {
+    PyObject *pieces;
+    int width, shift, lo, classes, planes;
+    unsigned emask;
+    Py_buffer ranks_b, counts_b, out_b, sizes_b;
+    if (!PyArg_ParseTuple(args, "OiiIiiy*y*w*w*", &pieces, &width, &shift, &emask, &lo, &classes, &ranks_b,
+                          &counts_b, &out_b, &sizes_b))
+        return NULL;
+    PyObject *result = NULL;
+    Source s = {0};
+    Py_buffer stack[MAX_PIECES_ON_STACK];
+    int have_pieces = 0;
+    if (check_args(width, shift, emask, lo, classes, &planes) < 0) goto done;
+    if (counts_b.len != 8 * classes) {
+        PyErr_Format(PyExc_ValueError, "counts: expected %d int64, found %zd bytes", classes, counts_b.len);
+        goto done;
+    }
+    const int64_t *counts = counts_b.buf;
+    const int64_t *ranks = ranks_b.buf;
+    int64_t start[MAX_CLASSES], end[MAX_CLASSES], next[MAX_CLASSES], seen[MAX_CLASSES] = {0};
+    int64_t total = 0;
+    for (int c = 0; c < classes; c++) {
+        if (counts[c] < 0) {
+            PyErr_Format(PyExc_ValueError, "counts[%d]: expected >= 0, found %lld", c, (long long)counts[c]);
+            goto done;
+        }
+        start[c] = total;
+        total += counts[c];
+        end[c] = total;
+    }
+    if (ranks_b.len != 8 * total) {
+        PyErr_Format(PyExc_ValueError, "ranks: expected %lld int64, found %zd bytes", (long long)total, ranks_b.len);
+        goto done;
+    }
+    if (writable_i64(&out_b, "out", total) < 0 || writable_i64(&sizes_b, "sizes", classes) < 0) goto done;
+    int64_t *out = out_b.buf;
+    s.width = width; s.shift = shift; s.emask = emask; s.lo = lo; s.top = classes - 1;
+    if (get_pieces(pieces, width, &s, stack) < 0) goto done;
+    have_pieces = 1;
+    const int64_t NONE = INT64_MAX;
+    int64_t at[MAX_CLASSES];
+    for (int c = 0; c < classes; c++) {
+        at[c] = start[c];
+        next[c] = at[c] < end[c] ? ranks[at[c]] : NONE;
+    }
+    int ok;
+    Py_BEGIN_ALLOW_THREADS
+    ok = select_pass(&s, planes, classes, ranks, end, out, at, next, seen);
+    Py_END_ALLOW_THREADS
+    int64_t *sizes = sizes_b.buf;
+    for (int c = 0; c < classes; c++) {
+        sizes[c] = seen[c];
+        if (at[c] != end[c]) ok = 0;
+    }
+    result = PyBool_FromLong(ok);
+done:
+    if (have_pieces) put_pieces(&s, stack);
+    PyBuffer_Release(&ranks_b);
+    PyBuffer_Release(&counts_b);
+    PyBuffer_Release(&out_b);
+    PyBuffer_Release(&sizes_b);
+    return result;
+}
+
+/* rank(pieces, width, shift, emask, lo, classes, positions, out_class, out_rank, sizes) -> None
+ *
+ * positions: int64, strictly ascending, inside the segment. out_class[i]
+ * (uint8) and out_rank[i] (int64): the class of positions[i] and how many
+ * members of that class come before it. sizes[c] = members of class c. */
+static PyObject *k_rank(PyObject *self, PyObject *args) {
+    PyObject *pieces;
+    int width, shift, lo, classes, planes;
+    unsigned emask;
+    Py_buffer pos_b, cls_b, rank_b, sizes_b;
+    if (!PyArg_ParseTuple(args, "OiiIiiy*w*w*w*", &pieces, &width, &shift, &emask, &lo, &classes, &pos_b, &cls_b,
+                          &rank_b, &sizes_b))
+        return NULL;
+    PyObject *result = NULL;
+    Source s = {0};
+    Py_buffer stack[MAX_PIECES_ON_STACK];
+    int have_pieces = 0;
+    if (check_args(width, shift, emask, lo, classes, &planes) < 0) goto done;
+    Py_ssize_t n = pos_b.len / 8;
+    if (pos_b.len % 8 || cls_b.len < n || cls_b.readonly) {
+        PyErr_Format(PyExc_ValueError, "positions/out_class: expected %zd int64 and a writable uint8 buffer as long",
+                     n);
+        goto done;
+    }
+    if (writable_i64(&rank_b, "out_rank", n) < 0 || writable_i64(&sizes_b, "sizes", classes) < 0) goto done;
+    const int64_t *pos = pos_b.buf;
+    uint8_t *cls = cls_b.buf;
+    int64_t *rank = rank_b.buf;
+    s.width = width; s.shift = shift; s.emask = emask; s.lo = lo; s.top = classes - 1;
+    if (get_pieces(pieces, width, &s, stack) < 0) goto done;
+    have_pieces = 1;
+    int64_t seen[MAX_CLASSES] = {0};
+    int64_t base;
+    Py_ssize_t i;
+    Py_BEGIN_ALLOW_THREADS
+    i = rank_pass(&s, planes, classes, pos, n, cls, rank, seen, &base);
+    Py_END_ALLOW_THREADS
+    int bad = i < 0;
+    if (bad) i = -i - 1;
+    if (bad || i != n) {
+        PyErr_Format(PyExc_ValueError, "positions: expected strictly ascending positions below %lld, found %lld at %zd",
+                     (long long)base, (long long)(i < n ? pos[i] : -1), i);
+        goto done;
+    }
+    int64_t *sizes = sizes_b.buf;
+    for (int c = 0; c < classes; c++) sizes[c] = seen[c];
+    result = Py_NewRef(Py_None);
+done:
+    if (have_pieces) put_pieces(&s, stack);
+    PyBuffer_Release(&pos_b);
+    PyBuffer_Release(&cls_b);
+    PyBuffer_Release(&rank_b);
+    PyBuffer_Release(&sizes_b);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"select", k_select, METH_VARARGS, "Positions of given in-class ranks, and the class sizes (one pass)."},
+    {"rank", k_rank, METH_VARARGS, "Class and in-class rank of given positions, and the class sizes (one pass)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_classkernel", "Context classes in one pass.", -1,
+                                    methods};
+
+PyMODINIT_FUNC PyInit__classkernel(void) { return PyModule_Create(&module); }

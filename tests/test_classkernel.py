@@ -1,0 +1,112 @@
+"""protocol/_classkernel.c against protocol/contexts.py's numpy ClassIndex: the same ranks, positions and sizes.
+
+The compiled module is optional (setup.py); these tests skip, saying why, where it
+did not build, and the codec tests then run on the numpy version alone.
+"""
+
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+
+from protocol import contexts
+from protocol.dtypes import info_of
+from protocol.patch import apply, diff
+
+pytestmark = pytest.mark.skipif(contexts.KERNEL is None, reason="protocol._classkernel did not build (no C compiler?)")
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def _pieces(dtype, sizes, seed):
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for n in sizes:
+        t = (torch.randn(n, generator=gen) * torch.rand(1, generator=gen) * 0.1).to(dtype)
+        out.append(t.view(info_of(dtype).int_dtype).numpy())
+    return out
+
+
+def _numpy(monkeypatch):
+    monkeypatch.setattr(contexts, "KERNEL", None)
+
+
+@settings(max_examples=150, deadline=None)
+@given(dtype=st.sampled_from(DTYPES), sizes=st.lists(st.integers(0, 3000), min_size=1, max_size=5),
+       classes=st.sampled_from([1, 2, 4, 8]), lo_shift=st.integers(-6, 6), density=st.floats(0, 1),
+       seed=st.integers(0, 2**16))
+def test_select_and_rank_match_the_numpy_index(dtype, sizes, classes, lo_shift, density, seed):
+    info = info_of(dtype)
+    pieces = _pieces(dtype, sizes, seed)
+    flat = np.concatenate(pieces)
+    keys = contexts.keys_of(flat, info)
+    lo = int(np.clip((int(np.median(keys)) if keys.size else 0) + lo_shift, 0, 255))
+    ids = contexts.class_of_keys(keys, lo, classes)
+    rng = np.random.default_rng(seed)
+    picks = [np.flatnonzero(rng.random(int((ids == c).sum())) < density) for c in range(classes)]
+    ranks, counts = (np.concatenate(picks).astype(np.int64), [p.size for p in picks])
+    want = np.concatenate([np.flatnonzero(ids == c)[picks[c]] for c in range(classes)]).astype(np.int64)
+    sizes_want = [int((ids == c).sum()) for c in range(classes)]
+
+    pos, got_sizes = contexts.select_positions(pieces, info, lo, classes, ranks, counts)
+    assert np.array_equal(pos, want)
+    assert got_sizes == sizes_want
+    idx = np.sort(want)
+    in_class, got_sizes = contexts.rank_positions(pieces, info, lo, classes, idx, ids[idx])
+    assert got_sizes == sizes_want
+    members = [np.flatnonzero(ids == c) for c in range(classes)]
+    assert np.array_equal(in_class, [np.searchsorted(members[ids[p]], p) for p in idx.tolist()])
+    if classes > 1 and want.size:  # the numpy index answers the same where it has ranks
+        ci = contexts.ClassIndex(pieces, info, lo, classes)
+        assert np.array_equal(ci.select_runs(ranks, counts), want)
+
+
+@pytest.mark.parametrize("classes", [1, 2, 8])
+def test_ranks_that_do_not_fit_are_reported_not_written(classes):
+    info = info_of(torch.bfloat16)
+    pieces = _pieces(torch.bfloat16, [700, 5, 300], 1)
+    keys = contexts.keys_of(np.concatenate(pieces), info)
+    lo = int(np.median(keys))
+    sizes = np.bincount(contexts.class_of_keys(keys, lo, classes), minlength=classes)
+    c = int(np.argmax(sizes))
+    counts = [0] * classes
+    counts[c] = 2
+    for bad in ([3, 3], [5, 4], [0, int(sizes[c])]):  # repeated, descending, beyond the class
+        pos, got = contexts.select_positions(pieces, info, lo, classes, np.array(bad, dtype=np.int64), counts)
+        assert pos is None and got[c] == sizes[c]
+    with pytest.raises(ValueError, match="ascending"):
+        contexts.rank_positions(pieces, info, lo, classes, np.array([4, 2]), np.zeros(2, dtype=np.int64))
+    with pytest.raises(ValueError, match="ascending"):
+        contexts.rank_positions(pieces, info, lo, classes, np.array([1005]), np.zeros(1, dtype=np.int64))
+
+
+def test_argument_errors_are_clear():
+    k = contexts.KERNEL
+    x = np.zeros(10, dtype=np.uint16)
+    out, sizes = np.empty(0, dtype=np.int64), np.empty(8, dtype=np.int64)
+    with pytest.raises(ValueError, match="width"):
+        k.select([x], 3, 7, 255, 0, 8, np.empty(0, np.int64), np.zeros(8, np.int64), out, sizes)
+    with pytest.raises(ValueError, match="classes"):
+        k.select([x], 2, 7, 255, 0, 3, np.empty(0, np.int64), np.zeros(3, np.int64), out, sizes)
+    with pytest.raises(ValueError, match="multiple of 2"):
+        k.select([np.zeros(3, np.uint8)], 2, 7, 255, 0, 8, np.empty(0, np.int64), np.zeros(8, np.int64), out, sizes)
+    with pytest.raises(TypeError, match="read-write"):
+        ro = np.empty(8, dtype=np.int64)
+        ro.flags.writeable = False
+        k.select([x], 2, 7, 255, 0, 8, np.empty(0, np.int64), np.zeros(8, np.int64), out, ro)
+
+
+@pytest.mark.parametrize("lr", [1e-5, 1e-2])
+def test_patches_are_the_same_bytes_with_and_without_the_kernel(lr, monkeypatch):
+    gen = torch.Generator().manual_seed(7)
+    base = {f"w{i}": (torch.randn(n, generator=gen) * 0.02).bfloat16() for i, n in enumerate((40_000, 9_000, 130))}
+    target = {k: (v.float() - lr * torch.randn(v.shape, generator=gen).sign()).bfloat16() for k, v in base.items()}
+    compiled = diff(base, target).to_bytes()
+    _numpy(monkeypatch)
+    assert diff(base, target).to_bytes() == compiled
+    from protocol.patch import Patch
+
+    state = {k: v.clone() for k, v in base.items()}
+    apply(state, Patch.from_bytes(compiled))
+    assert all(torch.equal(state[k].view(torch.int16), target[k].view(torch.int16)) for k in target)
