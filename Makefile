@@ -11,7 +11,7 @@ $(BIN)/python:
 
 # CPU torch is pinned here (a plain `torch` would pull a multi-GB CUDA build);
 # pyproject keeps the open range torch>=2.4.
-$(STAMP): pyproject.toml setup.py protocol/_classkernel.c | $(BIN)/python
+$(STAMP): pyproject.toml setup.py protocol/_kernels.c | $(BIN)/python
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'

@@ -1,4 +1,4 @@
-"""Build step for the one compiled module, protocol/_classkernel (everything else is in pyproject.toml).
+"""Build step for the one compiled module, protocol/_kernels (everything else is in pyproject.toml).
 
 The module is optional: where it does not build (no compiler), protocol/contexts.py
 uses its numpy version of the same calls, with the same results.
@@ -6,5 +6,5 @@ uses its numpy version of the same calls, with the same results.
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("protocol._classkernel", ["protocol/_classkernel.c"],
+setup(ext_modules=[Extension("protocol._kernels", ["protocol/_kernels.c"],
                              extra_compile_args=["-O3", "-std=c11"], optional=True)])

@@ -38,7 +38,7 @@ from .dtypes import DtypeInfo
 from .errors import CorruptData
 
 try:  # the compiled one-pass twin of ClassIndex's rank and select (setup.py; optional)
-    from . import _classkernel as KERNEL
+    from . import _kernels as KERNEL
 except ImportError:  # no compiler where this was installed: the numpy version below
     KERNEL = None
 

@@ -23,8 +23,14 @@ import torch
 
 from .errors import CorruptData
 
-ESCAPE_Q = 40
+try:  # compiled decoders of the same layouts (protocol/_kernels.c; optional, see setup.py)
+    from . import _kernels as KERNEL
+except ImportError:
+    KERNEL = None
+
+ESCAPE_Q = 40  # protocol/_kernels.c has the same two limits
 MAX_K = 40
+_NO_WIDTHS = np.zeros(0, dtype=np.int64)
 
 
 def _k_range(mean: float) -> tuple[int, int]:
@@ -151,6 +157,19 @@ def _unaligned_words(data: bytes) -> np.ndarray:
 
 def unpack_bits(data: bytes, widths: np.ndarray | int, count: int) -> np.ndarray:
     """Inverse of `pack_bits`; `data` must be exactly the packed bytes."""
+    if KERNEL is not None:
+        out = np.empty(count, dtype=np.uint64)
+        scalar = np.ndim(widths) == 0
+        try:
+            KERNEL.unpack_bits(data, _NO_WIDTHS if scalar else np.ascontiguousarray(widths, dtype=np.int64),
+                               int(widths) if scalar else 0, count, out)
+        except ValueError as e:
+            raise CorruptData(str(e)) from None
+        return out
+    return _unpack_bits_numpy(data, widths, count)
+
+
+def _unpack_bits_numpy(data: bytes, widths: np.ndarray | int, count: int) -> np.ndarray:
     if count == 0:
         if data:
             raise CorruptData(f"raw bit field: expected 0 bytes for no values, found {len(data)}")
@@ -195,6 +214,19 @@ def unpack(data: bytes, count: int, k: np.ndarray | int) -> np.ndarray:
         if data:
             raise CorruptData("rice blob: expected no data for 0 values, found some")
         return np.zeros(0, dtype=np.uint64)
+    if KERNEL is not None:
+        out = np.empty(count, dtype=np.uint64)
+        scalar = np.ndim(k) == 0
+        try:
+            KERNEL.rice_unpack(data, count, _NO_WIDTHS if scalar else np.ascontiguousarray(k, dtype=np.int64),
+                               int(k) if scalar else 0, out)
+        except ValueError as e:
+            raise CorruptData(str(e)) from None
+        return out
+    return _unpack_numpy(data, count, k)
+
+
+def _unpack_numpy(data: bytes, count: int, k: np.ndarray | int) -> np.ndarray:
     scalar = np.ndim(k) == 0
     ks = np.asarray(k, dtype=np.int64)
     if scalar:
@@ -222,7 +254,7 @@ def unpack(data: bytes, count: int, k: np.ndarray | int) -> np.ndarray:
     q_max = int(q.max())
     if q_max > ESCAPE_Q:
         raise CorruptData(f"rice unary part: expected quotients up to {ESCAPE_Q}")
-    r = unpack_bits(data[:rem_len], int(ks) if scalar else ks, count)
+    r = _unpack_bits_numpy(data[:rem_len], int(ks) if scalar else ks, count)
     values = (q.astype(np.uint64) << ks.astype(np.uint64)) | r
     tail = data[rem_len + unary_len :]
     if q_max < ESCAPE_Q:

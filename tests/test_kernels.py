@@ -1,4 +1,4 @@
-"""protocol/_classkernel.c against protocol/contexts.py's numpy ClassIndex: the same ranks, positions and sizes.
+"""protocol/_kernels.c against protocol/contexts.py's numpy ClassIndex: the same ranks, positions and sizes.
 
 The compiled module is optional (setup.py); these tests skip, saying why, where it
 did not build, and the codec tests then run on the numpy version alone.
@@ -14,7 +14,7 @@ from protocol import contexts
 from protocol.dtypes import info_of
 from protocol.patch import apply, diff
 
-pytestmark = pytest.mark.skipif(contexts.KERNEL is None, reason="protocol._classkernel did not build (no C compiler?)")
+pytestmark = pytest.mark.skipif(contexts.KERNEL is None, reason="protocol._kernels did not build (no C compiler?)")
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2]
 
@@ -110,3 +110,72 @@ def test_patches_are_the_same_bytes_with_and_without_the_kernel(lr, monkeypatch)
     state = {k: v.clone() for k, v in base.items()}
     apply(state, Patch.from_bytes(compiled))
     assert all(torch.equal(state[k].view(torch.int16), target[k].view(torch.int16)) for k in target)
+
+
+# --- Rice blobs and raw bit fields: the compiled decoders against ricecode's numpy ones -------------
+
+from protocol import ricecode  # noqa: E402
+from protocol.errors import CorruptData  # noqa: E402
+
+
+def _both(fn_name, *args):
+    """(result or the CorruptData message) of the compiled and of the numpy decoder."""
+    out = []
+    for fn in (getattr(ricecode, fn_name), getattr(ricecode, f"_{fn_name}_numpy")):
+        try:
+            out.append(fn(*args).tolist())
+        except CorruptData as e:
+            out.append(("CorruptData", str(e)))
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(values=st.lists(st.integers(0, 2**64 - 1) | st.integers(0, 300), min_size=1, max_size=200),
+       k=st.integers(0, 40), per_value=st.booleans(), data=st.data())
+def test_rice_unpack_matches_numpy_on_good_and_damaged_blobs(values, k, per_value, data):
+    v = np.array(values, dtype=np.uint64)
+    ks = np.array(data.draw(st.lists(st.integers(0, 40), min_size=v.size, max_size=v.size)), dtype=np.int64) \
+        if per_value else k
+    blob = bytearray(ricecode.pack(v, ks))
+    compiled, numpy_ = _both("unpack", bytes(blob), v.size, ks)
+    assert compiled == numpy_ == v.tolist()
+    how = data.draw(st.sampled_from(["flip", "cut", "extend", "count"]))
+    count = v.size
+    if how == "flip" and blob:
+        blob[data.draw(st.integers(0, len(blob) - 1))] ^= 1 << data.draw(st.integers(0, 7))
+    elif how == "cut":
+        blob = blob[: data.draw(st.integers(0, len(blob)))]
+    elif how == "extend":
+        blob += data.draw(st.binary(min_size=1, max_size=9))
+    elif not per_value:
+        count = data.draw(st.integers(1, v.size + 3))
+    compiled, numpy_ = _both("unpack", bytes(blob), count, ks)
+    # The same values, or a rejection by both (messages may name the first problem differently).
+    assert compiled == numpy_ or (isinstance(compiled, tuple) and isinstance(numpy_, tuple)), (compiled, numpy_)
+
+
+@settings(max_examples=300, deadline=None)
+@given(pairs=st.lists(st.tuples(st.integers(0, 2**64 - 1), st.integers(0, 64)), min_size=1, max_size=200),
+       scalar=st.booleans(), tamper=st.sampled_from([None, "pad", "cut", "extend"]))
+def test_unpack_bits_matches_numpy(pairs, scalar, tamper):
+    v = np.array([p[0] for p in pairs], dtype=np.uint64)
+    w = pairs[0][1] if scalar else np.array([p[1] for p in pairs], dtype=np.int64)
+    data = bytearray(ricecode.pack_bits(v, w))
+    if tamper == "pad" and data:
+        data[-1] |= 0x80
+    elif tamper == "cut" and data:
+        data = data[:-1]
+    elif tamper == "extend":
+        data += b"\x00"
+    compiled, numpy_ = _both("unpack_bits", bytes(data), w, v.size)
+    assert compiled == numpy_ or (isinstance(compiled, tuple) and isinstance(numpy_, tuple)), (compiled, numpy_)
+    if tamper is None:
+        masks = [(1 << (w if scalar else n)) - 1 for _, n in pairs]
+        assert compiled == [x & m for (x, _), m in zip(pairs, masks)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=64), st.integers(1, 50), st.integers(0, 45))
+def test_rice_decoders_reject_the_same_random_bytes(blob, count, k):
+    compiled, numpy_ = _both("unpack", blob, count, k)
+    assert compiled == numpy_ or (isinstance(compiled, tuple) and isinstance(numpy_, tuple)), (compiled, numpy_)

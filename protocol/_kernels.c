@@ -1,8 +1,11 @@
-/* Context classes in one pass over a segment's base: rank (encoder) and select (decoder).
+/* The codec's compiled kernels: the class index in one pass over a segment's
+ * base (rank for the encoder, select for the decoder), and the decoders of
+ * Rice blobs and raw bit fields (protocol/ricecode.py's layouts).
  *
- * The compiled twin of protocol/contexts.py's ClassIndex for the two calls a
- * patch makes per segment; contexts.py keeps the numpy version as the
- * reference and the fallback where this module did not build.
+ * Each is the compiled twin of a numpy function that stays the reference
+ * and the fallback where this module did not build: contexts.ClassIndex,
+ * ricecode.unpack, ricecode.unpack_bits. The tests hold each pair to the
+ * same results and the same rejections.
  *
  * Why compiled: the numpy version needs a dozen passes over the base (keys,
  * clip, per plane an AND and a packbits, word popcounts, prefix sums, then
@@ -444,13 +447,273 @@ done:
     return result;
 }
 
+
+/* ------------------------------------------------------------------ bit fields and Rice blobs */
+
+#define ESCAPE_Q 40
+#define MAX_K 40
+
+/* 64 bits of p from bit `bit` on, the first 57 of them valid; p must have 8 readable bytes past the byte read. */
+static inline uint64_t bits_at(const uint8_t *p, uint64_t bit) {
+    uint64_t w;
+    memcpy(&w, p + (bit >> 3), 8);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    w = __builtin_bswap64(w);
+#endif
+    return w >> (bit & 7);
+}
+
+/* value of `w` bits (0..64) at bit `bit` */
+static inline uint64_t field_at(const uint8_t *p, uint64_t bit, int w) {
+    if (w == 0) return 0;
+    uint64_t v = bits_at(p, bit);
+    int sh = (int)(bit & 7);
+    if (sh + w > 64) v |= (uint64_t)p[(bit >> 3) + 8] << (64 - sh);
+    return w == 64 ? v : v & (((uint64_t)1 << w) - 1);
+}
+
+/* A copy of data with 16 zero bytes after it, so every read above stays inside. */
+static uint8_t *padded_copy(const Py_buffer *b) {
+    uint8_t *p = PyMem_Malloc((size_t)b->len + 16);
+    if (!p) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    memcpy(p, b->buf, (size_t)b->len);
+    memset(p + b->len, 0, 16);
+    return p;
+}
+
+/* Widths: an int64 buffer of count widths, or (when its length is 0) `width` for every value. */
+static int bit_total(const Py_buffer *widths, long long width, Py_ssize_t count, long long *total) {
+    if (widths->len == 0) {
+        if (width < 0 || width > 64) {
+            PyErr_Format(PyExc_ValueError, "raw bit field: expected widths 0..64, found %lld", width);
+            return -1;
+        }
+        *total = width * (long long)count;
+        return 0;
+    }
+    if (widths->len != 8 * count) {
+        PyErr_Format(PyExc_ValueError, "raw bit field: expected %zd widths, found %zd bytes", count, widths->len);
+        return -1;
+    }
+    const int64_t *w = widths->buf;
+    long long t = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if ((uint64_t)w[i] > 64) {
+            PyErr_Format(PyExc_ValueError, "raw bit field: expected widths 0..64, found %lld", (long long)w[i]);
+            return -1;
+        }
+        t += w[i];
+    }
+    *total = t;
+    return 0;
+}
+
+HOT static void read_fields(const uint8_t *p, const int64_t *w, int width, Py_ssize_t count, uint64_t *out) {
+    uint64_t bit = 0;
+    if (w) {
+        for (Py_ssize_t i = 0; i < count; i++) {
+            out[i] = field_at(p, bit, (int)w[i]);
+            bit += (uint64_t)w[i];
+        }
+    } else {
+        for (Py_ssize_t i = 0; i < count; i++, bit += (uint64_t)width) out[i] = field_at(p, bit, width);
+    }
+}
+
+/* unpack_bits(data, widths, width, count, out) -> None: ricecode.unpack_bits. */
+static PyObject *k_unpack_bits(PyObject *self, PyObject *args) {
+    Py_buffer data, widths, out;
+    long long width;
+    Py_ssize_t count;
+    if (!PyArg_ParseTuple(args, "y*y*Lnw*", &data, &widths, &width, &count, &out)) return NULL;
+    PyObject *result = NULL;
+    uint8_t *p = NULL;
+    long long total;
+    if (count < 0 || out.len < 8 * count) {
+        PyErr_Format(PyExc_ValueError, "out: expected room for %zd uint64, found %zd bytes", count, out.len);
+        goto done;
+    }
+    if (count == 0) {
+        if (data.len) {
+            PyErr_Format(PyExc_ValueError, "raw bit field: expected 0 bytes for no values, found %zd", data.len);
+            goto done;
+        }
+        result = Py_NewRef(Py_None);
+        goto done;
+    }
+    if (bit_total(&widths, width, count, &total) < 0) goto done;
+    if (data.len != (total + 7) / 8) {
+        PyErr_Format(PyExc_ValueError, "raw bit field: expected %lld bytes, found %zd", (total + 7) / 8, data.len);
+        goto done;
+    }
+    if (total % 8 && ((const uint8_t *)data.buf)[data.len - 1] >> (total % 8)) {
+        PyErr_SetString(PyExc_ValueError, "raw bit field: nonzero padding after the last value");
+        goto done;
+    }
+    if (!(p = padded_copy(&data))) goto done;
+    Py_BEGIN_ALLOW_THREADS
+    read_fields(p, widths.len ? (const int64_t *)widths.buf : NULL, (int)width, count, out.buf);
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    PyMem_Free(p);
+    PyBuffer_Release(&data);
+    PyBuffer_Release(&widths);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+/* The unary part: q[i] = one-bits before the i-th zero-bit, from bit 0 of u (ubits bits).
+ * Returns the bit just after the last zero read, or -1 when fewer than count zeros lie inside. */
+HOT static long long read_unary(const uint8_t *u, uint64_t ubits, Py_ssize_t count, uint64_t *q, Py_ssize_t *found,
+                                uint64_t *q_max) {
+    uint64_t bit = 0, top = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        uint64_t start = bit;
+        for (;;) {
+            uint64_t zeros = ~bits_at(u, bit) & (((uint64_t)1 << 57) - 1);
+            if (zeros) {
+                bit += (uint64_t)__builtin_ctzll(zeros);
+                break;
+            }
+            bit += 57;
+        }
+        if (bit >= ubits) { /* the zero lies in the padding: data ran out */
+            *found = i;
+            return -1;
+        }
+        q[i] = bit - start;
+        if (q[i] > top) top = q[i];
+        bit++;
+    }
+    *found = count;
+    *q_max = top;
+    return (long long)bit;
+}
+
+/* unpack(data, count, ks, k, out) -> None: ricecode.unpack (ks: int64 per value, or empty and k for all). */
+static PyObject *k_rice_unpack(PyObject *self, PyObject *args) {
+    Py_buffer data, ks, out;
+    Py_ssize_t count;
+    long long k;
+    if (!PyArg_ParseTuple(args, "y*ny*Lw*", &data, &count, &ks, &k, &out)) return NULL;
+    PyObject *result = NULL;
+    uint8_t *p = NULL;
+    uint64_t *q = NULL;
+    const uint8_t *raw = data.buf;
+    if (count <= 0 || out.len < 8 * count) {
+        PyErr_Format(PyExc_ValueError, "out: expected room for %zd uint64 (count > 0), found %zd bytes", count, out.len);
+        goto done;
+    }
+    long long rem_bits;
+    if (ks.len == 0) {
+        if (k < 0 || k > MAX_K) {
+            PyErr_Format(PyExc_ValueError, "rice parameter: expected 0..%d, found %lld", MAX_K, k);
+            goto done;
+        }
+        rem_bits = k * (long long)count;
+    } else {
+        if (ks.len != 8 * count) {
+            PyErr_Format(PyExc_ValueError, "rice parameters: expected %zd, found %zd bytes", count, ks.len);
+            goto done;
+        }
+        const int64_t *kv = ks.buf;
+        rem_bits = 0;
+        for (Py_ssize_t i = 0; i < count; i++) {
+            if ((uint64_t)kv[i] > MAX_K) {
+                PyErr_Format(PyExc_ValueError, "rice parameter: expected 0..%d, found %lld", MAX_K, (long long)kv[i]);
+                goto done;
+            }
+            rem_bits += kv[i];
+        }
+    }
+    Py_ssize_t rem_len = (Py_ssize_t)((rem_bits + 7) / 8);
+    if (data.len < rem_len + 1) {
+        PyErr_Format(PyExc_ValueError, "rice blob: expected at least %zd bytes, found %zd", rem_len + 1, data.len);
+        goto done;
+    }
+    if (!(p = padded_copy(&data)) || !(q = PyMem_Malloc(sizeof(uint64_t) * (size_t)count))) {
+        if (p) PyErr_NoMemory();
+        goto done;
+    }
+    Py_ssize_t found;
+    uint64_t q_max = 0;
+    long long end;
+    Py_BEGIN_ALLOW_THREADS
+    end = read_unary(p + rem_len, (uint64_t)(data.len - rem_len) * 8, count, q, &found, &q_max);
+    Py_END_ALLOW_THREADS
+    if (end < 0) {
+        PyErr_Format(PyExc_ValueError, "rice unary part: expected %zd values, found %zd", count, found);
+        goto done;
+    }
+    long long last = end - 1;
+    Py_ssize_t unary_len = (Py_ssize_t)((last + 8) / 8);
+    if (raw[rem_len + unary_len - 1] >> (last % 8 + 1)) {
+        PyErr_SetString(PyExc_ValueError, "rice unary part: nonzero padding after the last value");
+        goto done;
+    }
+    if (q_max > ESCAPE_Q) {
+        PyErr_Format(PyExc_ValueError, "rice unary part: expected quotients up to %d", ESCAPE_Q);
+        goto done;
+    }
+    if (rem_bits % 8 && raw[rem_len - 1] >> (rem_bits % 8)) {
+        PyErr_SetString(PyExc_ValueError, "raw bit field: nonzero padding after the last value");
+        goto done;
+    }
+    uint64_t *v = out.buf;
+    const int64_t *kv = ks.len ? ks.buf : NULL;
+    Py_BEGIN_ALLOW_THREADS
+    read_fields(p, kv, (int)k, count, v);
+    for (Py_ssize_t i = 0; i < count; i++) v[i] |= q[i] << (kv ? kv[i] : k);
+    Py_END_ALLOW_THREADS
+    Py_ssize_t tail_at = rem_len + unary_len, tail = data.len - tail_at;
+    if (q_max < ESCAPE_Q) {
+        if (tail) {
+            PyErr_Format(PyExc_ValueError, "rice escapes: expected 0 bytes, found %zd", tail);
+            goto done;
+        }
+    } else {
+        Py_ssize_t n_esc = 0;
+        for (Py_ssize_t i = 0; i < count; i++) n_esc += q[i] == ESCAPE_Q;
+        if (tail != 8 * n_esc) {
+            PyErr_Format(PyExc_ValueError, "rice escapes: expected %zd bytes, found %zd", 8 * n_esc, tail);
+            goto done;
+        }
+        Py_ssize_t e = 0;
+        for (Py_ssize_t i = 0; i < count; i++) {
+            if (q[i] != ESCAPE_Q) continue;
+            uint64_t x = 0;
+            for (int b = 7; b >= 0; b--) x = x << 8 | raw[tail_at + 8 * e + b];
+            e++;
+            if ((x >> (kv ? kv[i] : k)) < ESCAPE_Q) {
+                PyErr_SetString(PyExc_ValueError, "rice escapes: an escaped value is small enough to be coded inline");
+                goto done;
+            }
+            v[i] = x;
+        }
+    }
+    result = Py_NewRef(Py_None);
+done:
+    PyMem_Free(p);
+    PyMem_Free(q);
+    PyBuffer_Release(&data);
+    PyBuffer_Release(&ks);
+    PyBuffer_Release(&out);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"select", k_select, METH_VARARGS, "Positions of given in-class ranks, and the class sizes (one pass)."},
     {"rank", k_rank, METH_VARARGS, "Class and in-class rank of given positions, and the class sizes (one pass)."},
+    {"unpack_bits", k_unpack_bits, METH_VARARGS, "Raw bit fields (ricecode.unpack_bits)."},
+    {"rice_unpack", k_rice_unpack, METH_VARARGS, "A Rice blob (ricecode.unpack)."},
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_classkernel", "Context classes in one pass.", -1,
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels", "The codec's compiled kernels (protocol/_kernels.c).", -1,
                                     methods};
 
-PyMODINIT_FUNC PyInit__classkernel(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__kernels(void) { return PyModule_Create(&module); }
