@@ -63,35 +63,26 @@ static inline __attribute__((always_inline)) Py_ssize_t fill_codes(Source *s, ui
         Py_ssize_t take = len - s->at;
         if (take > want - got) take = want - got;
         uint8_t *o = out + got;
-        /* Plain loops in the element's own width (clamp, then subtract: no
+        /* One plain loop per element width, clamping and subtracting in that width (no
          * signed widening), so gcc -O3 vectorizes each into full-width lanes. */
-        if (s->width == 2) {
-            const uint16_t *x = (const uint16_t *)v->buf + s->at;
-            const uint16_t l = (uint16_t)lo, h = (uint16_t)hi, m = (uint16_t)emask;
-            for (Py_ssize_t i = 0; i < take; i++) {
-                uint16_t k = (uint16_t)((x[i] >> shift) & m);
-                k = k < l ? l : k;
-                k = k > h ? h : k;
-                o[i] = (uint8_t)(k - l);
-            }
-        } else if (s->width == 4) {
-            const uint32_t *x = (const uint32_t *)v->buf + s->at;
-            for (Py_ssize_t i = 0; i < take; i++) {
-                uint32_t k = (x[i] >> shift) & emask;
-                k = k < lo ? lo : k;
-                k = k > hi ? hi : k;
-                o[i] = (uint8_t)(k - lo);
-            }
-        } else {
-            const uint8_t *x = (const uint8_t *)v->buf + s->at;
-            const uint8_t l = (uint8_t)lo, h = (uint8_t)hi, m = (uint8_t)emask;
-            for (Py_ssize_t i = 0; i < take; i++) {
-                uint8_t k = (uint8_t)((x[i] >> shift) & m);
-                k = k < l ? l : k;
-                k = k > h ? h : k;
-                o[i] = (uint8_t)(k - l);
-            }
-        }
+#define CODES_OF(T)                                        \
+    do {                                                   \
+        const T *x = (const T *)v->buf + s->at;            \
+        const T l = (T)lo, h = (T)hi, m = (T)emask;        \
+        for (Py_ssize_t i = 0; i < take; i++) {            \
+            T k = (T)((x[i] >> shift) & m);                \
+            k = k < l ? l : k;                             \
+            k = k > h ? h : k;                             \
+            o[i] = (uint8_t)(k - l);                       \
+        }                                                  \
+    } while (0)
+        if (s->width == 2)
+            CODES_OF(uint16_t);
+        else if (s->width == 4)
+            CODES_OF(uint32_t);
+        else
+            CODES_OF(uint8_t);
+#undef CODES_OF
         got += take;
         s->at += take;
         if (s->at == len) {
@@ -131,6 +122,14 @@ static inline __attribute__((always_inline)) void class_masks(const uint8_t *cod
     }
 }
 
+/* The class masks of the word at codes + w, in a buffer of `got` codes; how many of its 64 elements exist. */
+static inline __attribute__((always_inline)) int word_masks(const uint8_t *codes, Py_ssize_t got, Py_ssize_t w,
+                                                            int planes, int classes, uint64_t *masks) {
+    Py_ssize_t left = got - w;
+    class_masks(codes + w, planes, classes, left >= 64 ? ~(uint64_t)0 : (((uint64_t)1 << left) - 1), masks);
+    return left >= 64 ? 64 : (int)left;
+}
+
 /* The select pass: at[c] walks class c's ranks (next[c] the current one, INT64_MAX when done). */
 static inline __attribute__((always_inline)) int select_body(Source *s, const int planes, const int classes, const int64_t *restrict ranks, const int64_t *end_in,
                            int64_t *restrict out, int64_t *at_io, int64_t *next_io, int64_t *seen_io) {
@@ -150,10 +149,8 @@ static inline __attribute__((always_inline)) int select_body(Source *s, const in
         Py_ssize_t got = fill_codes(s, codes, CODES);
         if (got == 0) break;
         for (Py_ssize_t w = 0; w < got; w += 64) {
-            Py_ssize_t left = got - w;
-            uint64_t valid = left >= 64 ? ~(uint64_t)0 : (((uint64_t)1 << left) - 1);
             uint64_t masks[MAX_CLASSES];
-            class_masks(codes + w, planes, classes, valid, masks);
+            word_masks(codes, got, w, planes, classes, masks);
             /* The common case, no rank in this word, without a branch per class: the
              * class loop unrolls and its counters stay in registers. */
             int64_t pc[MAX_CLASSES];
@@ -206,11 +203,8 @@ static inline __attribute__((always_inline)) Py_ssize_t rank_body(Source *s, con
         Py_ssize_t got = fill_codes(s, codes, CODES);
         if (got == 0) break;
         for (Py_ssize_t w = 0; w < got; w += 64) {
-            Py_ssize_t left = got - w;
-            uint64_t valid = left >= 64 ? ~(uint64_t)0 : (((uint64_t)1 << left) - 1);
             uint64_t masks[MAX_CLASSES];
-            class_masks(codes + w, planes, classes, valid, masks);
-            int64_t word_end = base + w + (left >= 64 ? 64 : left);
+            int64_t word_end = base + w + word_masks(codes, got, w, planes, classes, masks);
             for (; i < n && pos[i] < word_end; i++) {
                 if (pos[i] <= prev || pos[i] < base + w) {
                     *end_out = base + got;
@@ -289,6 +283,15 @@ static int get_pieces(PyObject *seq, int width, Source *s, Py_buffer *stack) {
 static void put_pieces(Source *s, Py_buffer *stack) {
     for (Py_ssize_t k = 0; k < s->n; k++) PyBuffer_Release(&s->views[k]);
     if (s->views != stack) PyMem_Free(s->views);
+}
+
+/* The end of select and rank: the pieces (when taken) and the four argument buffers. */
+static void release_all(Source *s, Py_buffer *stack, Py_buffer *a, Py_buffer *b, Py_buffer *c, Py_buffer *d) {
+    if (s) put_pieces(s, stack);
+    PyBuffer_Release(a);
+    PyBuffer_Release(b);
+    PyBuffer_Release(c);
+    PyBuffer_Release(d);
 }
 
 static int check_args(int width, int shift, unsigned emask, int lo, int classes, int *planes) {
@@ -383,11 +386,7 @@ static PyObject *k_select(PyObject *self, PyObject *args) {
     }
     result = PyBool_FromLong(ok);
 done:
-    if (have_pieces) put_pieces(&s, stack);
-    PyBuffer_Release(&ranks_b);
-    PyBuffer_Release(&counts_b);
-    PyBuffer_Release(&out_b);
-    PyBuffer_Release(&sizes_b);
+    release_all(have_pieces ? &s : NULL, stack, &ranks_b, &counts_b, &out_b, &sizes_b);
     return result;
 }
 
@@ -439,11 +438,7 @@ static PyObject *k_rank(PyObject *self, PyObject *args) {
     for (int c = 0; c < classes; c++) sizes[c] = seen[c];
     result = Py_NewRef(Py_None);
 done:
-    if (have_pieces) put_pieces(&s, stack);
-    PyBuffer_Release(&pos_b);
-    PyBuffer_Release(&cls_b);
-    PyBuffer_Release(&rank_b);
-    PyBuffer_Release(&sizes_b);
+    release_all(have_pieces ? &s : NULL, stack, &pos_b, &cls_b, &rank_b, &sizes_b);
     return result;
 }
 
