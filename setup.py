@@ -1,7 +1,7 @@
 """Build step for the one compiled module, protocol/_kernels (everything else is in pyproject.toml).
 
 The module is optional: where it does not build (no compiler), protocol/contexts.py
-uses its numpy version of the same calls, with the same results.
+and protocol/ricecode.py use their numpy versions of the same calls, with the same results.
 """
 
 from setuptools import Extension, setup

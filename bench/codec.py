@@ -342,14 +342,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=ROUNDS, help="interleaved timing rounds per pair (minimum kept)")
     ap.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     ap.add_argument("--no-kernel", action="store_true",
-                    help="use contexts.py's numpy class index instead of the compiled protocol/_kernels")
+                    help="use the numpy class index and Rice/bit-field decoders instead of protocol/_kernels")
     args = ap.parse_args(argv)
-    from protocol import contexts
+    from protocol import contexts, ricecode
 
     if args.no_kernel:
-        contexts.KERNEL = None
-    print(f"# class index: {'compiled (protocol/_kernels)' if contexts.KERNEL else 'numpy (contexts.ClassIndex)'}",
-          file=sys.stderr, flush=True)
+        contexts.KERNEL = ricecode.KERNEL = None
+    print(f"# kernels: {'compiled (protocol/_kernels)' if contexts.KERNEL else 'numpy'}", file=sys.stderr, flush=True)
 
     from node.synthetic import served_pairs
 

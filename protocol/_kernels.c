@@ -265,11 +265,11 @@ static int get_pieces(PyObject *seq, int width, Source *s, Py_buffer *stack) {
             return -1;
         }
         if (views[i].len % width) {
+            PyErr_Format(PyExc_ValueError, "piece %zd: expected a multiple of %d bytes, found %zd", i, width,
+                         views[i].len);
             for (Py_ssize_t k = 0; k <= i; k++) PyBuffer_Release(&views[k]);
             if (views != stack) PyMem_Free(views);
             Py_DECREF(fast);
-            PyErr_Format(PyExc_ValueError, "piece %zd: expected a multiple of %d bytes, found %zd", i, width,
-                         views[i].len);
             return -1;
         }
     }
@@ -285,9 +285,9 @@ static void put_pieces(Source *s, Py_buffer *stack) {
     if (s->views != stack) PyMem_Free(s->views);
 }
 
-/* The end of select and rank: the pieces (when taken) and the four argument buffers. */
+/* The end of select and rank: the pieces (when taken: views set) and the four argument buffers. */
 static void release_all(Source *s, Py_buffer *stack, Py_buffer *a, Py_buffer *b, Py_buffer *c, Py_buffer *d) {
-    if (s) put_pieces(s, stack);
+    if (s->views) put_pieces(s, stack);
     PyBuffer_Release(a);
     PyBuffer_Release(b);
     PyBuffer_Release(c);
@@ -312,6 +312,19 @@ static int check_args(int width, int shift, unsigned emask, int lo, int classes,
         default: PyErr_Format(PyExc_ValueError, "classes: expected 1, 2, 4 or 8, found %d", classes); return -1;
     }
     return 0;
+}
+
+/* What select and rank share before their own checks: the key and class arguments, then the pieces.
+ * 0, or -1 with an exception set; on success s holds the pieces until release_all. */
+static int open_source(PyObject *pieces, int width, int shift, unsigned emask, int lo, int classes, Source *s,
+                       Py_buffer *stack, int *planes) {
+    if (check_args(width, shift, emask, lo, classes, planes) < 0) return -1;
+    s->width = width;
+    s->shift = shift;
+    s->emask = emask;
+    s->lo = lo;
+    s->top = classes - 1;
+    return get_pieces(pieces, width, s, stack);
 }
 
 static int writable_i64(Py_buffer *b, const char *what, Py_ssize_t at_least) {
@@ -341,8 +354,7 @@ static PyObject *k_select(PyObject *self, PyObject *args) {
     PyObject *result = NULL;
     Source s = {0};
     Py_buffer stack[MAX_PIECES_ON_STACK];
-    int have_pieces = 0;
-    if (check_args(width, shift, emask, lo, classes, &planes) < 0) goto done;
+    if (open_source(pieces, width, shift, emask, lo, classes, &s, stack, &planes) < 0) goto done;
     if (counts_b.len != 8 * classes) {
         PyErr_Format(PyExc_ValueError, "counts: expected %d int64, found %zd bytes", classes, counts_b.len);
         goto done;
@@ -366,9 +378,6 @@ static PyObject *k_select(PyObject *self, PyObject *args) {
     }
     if (writable_i64(&out_b, "out", total) < 0 || writable_i64(&sizes_b, "sizes", classes) < 0) goto done;
     int64_t *out = out_b.buf;
-    s.width = width; s.shift = shift; s.emask = emask; s.lo = lo; s.top = classes - 1;
-    if (get_pieces(pieces, width, &s, stack) < 0) goto done;
-    have_pieces = 1;
     const int64_t NONE = INT64_MAX;
     int64_t at[MAX_CLASSES];
     for (int c = 0; c < classes; c++) {
@@ -386,7 +395,7 @@ static PyObject *k_select(PyObject *self, PyObject *args) {
     }
     result = PyBool_FromLong(ok);
 done:
-    release_all(have_pieces ? &s : NULL, stack, &ranks_b, &counts_b, &out_b, &sizes_b);
+    release_all(&s, stack, &ranks_b, &counts_b, &out_b, &sizes_b);
     return result;
 }
 
@@ -406,8 +415,7 @@ static PyObject *k_rank(PyObject *self, PyObject *args) {
     PyObject *result = NULL;
     Source s = {0};
     Py_buffer stack[MAX_PIECES_ON_STACK];
-    int have_pieces = 0;
-    if (check_args(width, shift, emask, lo, classes, &planes) < 0) goto done;
+    if (open_source(pieces, width, shift, emask, lo, classes, &s, stack, &planes) < 0) goto done;
     Py_ssize_t n = pos_b.len / 8;
     if (pos_b.len % 8 || cls_b.len < n || cls_b.readonly) {
         PyErr_Format(PyExc_ValueError, "positions/out_class: expected %zd int64 and a writable uint8 buffer as long",
@@ -418,9 +426,6 @@ static PyObject *k_rank(PyObject *self, PyObject *args) {
     const int64_t *pos = pos_b.buf;
     uint8_t *cls = cls_b.buf;
     int64_t *rank = rank_b.buf;
-    s.width = width; s.shift = shift; s.emask = emask; s.lo = lo; s.top = classes - 1;
-    if (get_pieces(pieces, width, &s, stack) < 0) goto done;
-    have_pieces = 1;
     int64_t seen[MAX_CLASSES] = {0};
     int64_t base;
     Py_ssize_t i;
@@ -438,7 +443,7 @@ static PyObject *k_rank(PyObject *self, PyObject *args) {
     for (int c = 0; c < classes; c++) sizes[c] = seen[c];
     result = Py_NewRef(Py_None);
 done:
-    release_all(have_pieces ? &s : NULL, stack, &pos_b, &cls_b, &rank_b, &sizes_b);
+    release_all(&s, stack, &pos_b, &cls_b, &rank_b, &sizes_b);
     return result;
 }
 

@@ -24,6 +24,8 @@ ANDs by a Möbius transform, prefix counts are kept per block of 512
 elements, and rank/select inside a block work on the block's 8 word
 popcounts packed in one 64-bit word (SWAR). Nothing sorts the N elements;
 the byte temporaries come from a pool (page faults cost more than the work).
+`select_positions` and `rank_positions` are what patches call: one compiled
+pass (protocol/_kernels.c) where it built, this ClassIndex otherwise.
 """
 
 from __future__ import annotations

@@ -509,15 +509,14 @@ class PiecePicker:
         can be, where requests spread over several connections share the link
         and all finish late; the next region relays a chunk only once it is
         whole. (The sources of a chunk are all of one tier, hence one region.)"""
-        any_peer = next(iter(eligible))
-        if self._peers[any_peer].region == self.region:
-            return self._least_busy(eligible, free)
-        rand = self._rng.random
-        return min(sorted(eligible), key=lambda p: (free[p], rand()))
+        across = self._peers[next(iter(eligible))].region != self.region
+        return self._least_busy(eligible, free, busiest=across)
 
-    def _least_busy(self, eligible: Iterable[str], free: dict[str, int]) -> str:
+    def _least_busy(self, eligible: Iterable[str], free: dict[str, int], busiest: bool = False) -> str:
+        """The eligible peer with the most free slots (with `busiest`, the fewest); ties by rng."""
         rand = self._rng.random
-        return min(sorted(eligible), key=lambda p: (-free[p], rand()))
+        sign = 1 if busiest else -1
+        return min(sorted(eligible), key=lambda p: (sign * free[p], rand()))
 
     def _take_slot(self, free: dict[str, int], p: str) -> None:
         free[p] -= 1

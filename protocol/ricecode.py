@@ -1,7 +1,8 @@
 """Vectorized Golomb-Rice coding of non-negative integer arrays, and raw bit fields.
 
 Owns two bit layouts, both built and read with a handful of numpy passes and
-no per-element Python:
+no per-element Python (reading goes through protocol/_kernels.c where it
+built, the numpy readers staying as reference and fallback):
 
 - raw fields (`pack_bits`/`unpack_bits`): value i's low widths[i] bits,
   least significant first, back to back, packed little-endian;

@@ -91,6 +91,11 @@ def test_argument_errors_are_clear():
         k.select([x], 2, 7, 255, 0, 3, np.empty(0, np.int64), np.zeros(3, np.int64), out, sizes)
     with pytest.raises(ValueError, match="multiple of 2"):
         k.select([np.zeros(3, np.uint8)], 2, 7, 255, 0, 8, np.empty(0, np.int64), np.zeros(8, np.int64), out, sizes)
+    many = [np.zeros(4, np.uint16) for _ in range(70)] + [np.zeros(3, np.uint8)]  # past the on-stack piece table
+    with pytest.raises(ValueError, match="piece 70: expected a multiple of 2 bytes, found 3"):
+        k.select(many, 2, 7, 255, 0, 8, np.empty(0, np.int64), np.zeros(8, np.int64), out, sizes)
+    assert k.select(many[:70], 2, 7, 255, 0, 8, np.empty(0, np.int64), np.zeros(8, np.int64), out, sizes)
+    assert sizes[0] == 280
     with pytest.raises(TypeError, match="read-write"):
         ro = np.empty(8, dtype=np.int64)
         ro.flags.writeable = False
