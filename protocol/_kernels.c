@@ -1,11 +1,15 @@
 /* The codec's compiled kernels: the class index in one pass over a segment's
- * base (rank for the encoder, select for the decoder), and the decoders of
- * Rice blobs and raw bit fields (protocol/ricecode.py's layouts).
+ * base (rank for the encoder, select for the decoder, which also hands back
+ * what it found in ascending position with the base's bits there), the
+ * encoder's compare of base and target, and the writers and readers of Rice
+ * blobs and raw bit fields (protocol/ricecode.py's layouts).
  *
  * Each is the compiled twin of a numpy function that stays the reference
- * and the fallback where this module did not build: contexts.ClassIndex,
- * ricecode.unpack, ricecode.unpack_bits. The tests hold each pair to the
- * same results and the same rejections.
+ * and the fallback where this module did not build: contexts.ClassIndex
+ * (with a sort and a gather for select's order), patch._changed_numpy,
+ * ricecode.pack, pack_bits, unpack and unpack_bits. The tests hold each pair
+ * to the same results (the same bytes, for the writers) and the same
+ * rejections.
  *
  * Why compiled: the numpy version needs a dozen passes over the base (keys,
  * clip, per plane an AND and a packbits, word popcounts, prefix sums, then
@@ -50,8 +54,10 @@ typedef struct {
     Py_ssize_t piece, at; /* read position */
 } Source;
 
-/* Codes of the next `want` elements (fewer only at the end) into out. */
-static inline __attribute__((always_inline)) Py_ssize_t fill_codes(Source *s, uint8_t *out, Py_ssize_t want) {
+/* Codes of the next `want` elements (fewer only at the end) into out. With one_piece, fewer also where a
+ * piece ends, and *first = the block's first element (all of the block is then one piece's run). */
+static inline __attribute__((always_inline)) Py_ssize_t fill_codes(Source *s, uint8_t *out, Py_ssize_t want,
+                                                                   const int one_piece, const char **first) {
     Py_ssize_t got = 0;
     const int shift = s->shift;
     const uint32_t emask = s->emask, lo = (uint32_t)s->lo;
@@ -63,6 +69,7 @@ static inline __attribute__((always_inline)) Py_ssize_t fill_codes(Source *s, ui
         Py_ssize_t take = len - s->at;
         if (take > want - got) take = want - got;
         uint8_t *o = out + got;
+        if (one_piece && got == 0) *first = (const char *)v->buf + s->at * s->width;
         /* One plain loop per element width, clamping and subtracting in that width (no
          * signed widening), so gcc -O3 vectorizes each into full-width lanes. */
 #define CODES_OF(T)                                        \
@@ -89,6 +96,7 @@ static inline __attribute__((always_inline)) Py_ssize_t fill_codes(Source *s, ui
             s->piece++;
             s->at = 0;
         }
+        if (one_piece && got > 0) break;
     }
     return got;
 }
@@ -130,12 +138,28 @@ static inline __attribute__((always_inline)) int word_masks(const uint8_t *codes
     return left >= 64 ? 64 : (int)left;
 }
 
+/* Where select writes: ascending positions, each one's index in the ranks' (class) order, and its base bits. */
+typedef struct {
+    int64_t *pos, *order;
+    char *old;
+    int64_t n;
+} Found;
+
+static inline __attribute__((always_inline)) void put_old(char *dst, const char *src, int width) {
+    switch (width) {
+        case 2: memcpy(dst, src, 2); break;
+        case 4: memcpy(dst, src, 4); break;
+        default: *dst = *src;
+    }
+}
+
 /* The select pass: at[c] walks class c's ranks (next[c] the current one, INT64_MAX when done). */
 static inline __attribute__((always_inline)) int select_body(Source *s, const int planes, const int classes, const int64_t *restrict ranks, const int64_t *end_in,
-                           int64_t *restrict out, int64_t *at_io, int64_t *next_io, int64_t *seen_io) {
+                           Found *found, int64_t *at_io, int64_t *next_io, int64_t *seen_io) {
     const int64_t NONE = INT64_MAX;
+    const int width = s->width;
     int ok = 1;
-    /* Locals, not the caller's arrays: stores to out[] could alias those and force reloads. */
+    /* Locals, not the caller's arrays: stores to the outputs could alias those and force reloads. */
     int64_t at[MAX_CLASSES], next[MAX_CLASSES], seen[MAX_CLASSES], end[MAX_CLASSES];
     for (int c = 0; c < classes; c++) {
         at[c] = at_io[c];
@@ -143,10 +167,15 @@ static inline __attribute__((always_inline)) int select_body(Source *s, const in
         seen[c] = seen_io[c];
         end[c] = end_in[c];
     }
+    int64_t *restrict pos = found->pos, *restrict order = found->order;
+    char *restrict old = found->old;
+    int64_t n = 0;
     uint8_t codes[CODES];
+    int64_t slot[64]; /* per bit of a word: the rank's index in class order */
     int64_t base = 0;
     for (;;) {
-        Py_ssize_t got = fill_codes(s, codes, CODES);
+        const char *first = NULL;
+        Py_ssize_t got = fill_codes(s, codes, CODES, 1, &first);
         if (got == 0) break;
         for (Py_ssize_t w = 0; w < got; w += 64) {
             uint64_t masks[MAX_CLASSES];
@@ -160,6 +189,7 @@ static inline __attribute__((always_inline)) int select_body(Source *s, const in
                 hit |= (unsigned)(next[c] - seen[c] < pc[c]) << c;
             }
             if (__builtin_expect(hit != 0, 0)) {
+                uint64_t hits = 0;
                 for (int c = 0; c < classes; c++) {
                     if (!(hit >> c & 1)) continue;
                     /* Walk the word's members once, however many ranks fall in it. */
@@ -173,11 +203,22 @@ static inline __attribute__((always_inline)) int select_body(Source *s, const in
                             break;
                         }
                         for (; k_done < k; k_done++) m &= m - 1;
-                        out[at[c]] = base + w + __builtin_ctzll(m);
+                        int bit = __builtin_ctzll(m);
+                        hits |= (uint64_t)1 << bit;
+                        slot[bit] = at[c];
                         last = k;
                         at[c]++;
                         next[c] = at[c] < end[c] ? ranks[at[c]] : NONE;
                     }
+                }
+                /* Out in ascending order: an element has one class, so no bit is set twice. */
+                while (hits) {
+                    int bit = __builtin_ctzll(hits);
+                    hits &= hits - 1;
+                    pos[n] = base + w + bit;
+                    order[n] = slot[bit];
+                    put_old(old + n * width, first + (w + bit) * width, width);
+                    n++;
                 }
             }
             for (int c = 0; c < classes; c++) seen[c] += pc[c];
@@ -189,6 +230,7 @@ static inline __attribute__((always_inline)) int select_body(Source *s, const in
         next_io[c] = next[c];
         seen_io[c] = seen[c];
     }
+    found->n = n;
     return ok;
 }
 
@@ -200,7 +242,7 @@ static inline __attribute__((always_inline)) Py_ssize_t rank_body(Source *s, con
     int64_t prev = -1, base = 0;
     uint8_t codes[CODES];
     for (;;) {
-        Py_ssize_t got = fill_codes(s, codes, CODES);
+        Py_ssize_t got = fill_codes(s, codes, CODES, 0, NULL);
         if (got == 0) break;
         for (Py_ssize_t w = 0; w < got; w += 64) {
             uint64_t masks[MAX_CLASSES];
@@ -228,12 +270,12 @@ static inline __attribute__((always_inline)) Py_ssize_t rank_body(Source *s, con
 
 /* One copy of each pass per class count, so the class loops unroll and the masks stay in registers. */
 HOT static int select_pass(Source *s, int planes, int classes, const int64_t *ranks, const int64_t *end,
-                           int64_t *out, int64_t *at, int64_t *next, int64_t *seen) {
+                           Found *found, int64_t *at, int64_t *next, int64_t *seen) {
     switch (planes) {
-        case 0: return select_body(s, 0, 1, ranks, end, out, at, next, seen);
-        case 1: return select_body(s, 1, 2, ranks, end, out, at, next, seen);
-        case 2: return select_body(s, 2, 4, ranks, end, out, at, next, seen);
-        default: return select_body(s, 3, 8, ranks, end, out, at, next, seen);
+        case 0: return select_body(s, 0, 1, ranks, end, found, at, next, seen);
+        case 1: return select_body(s, 1, 2, ranks, end, found, at, next, seen);
+        case 2: return select_body(s, 2, 4, ranks, end, found, at, next, seen);
+        default: return select_body(s, 3, 8, ranks, end, found, at, next, seen);
     }
 }
 
@@ -336,20 +378,23 @@ static int writable_i64(Py_buffer *b, const char *what, Py_ssize_t at_least) {
     return 0;
 }
 
-/* select(pieces, width, shift, emask, lo, classes, ranks, counts, out, sizes) -> bool
+/* select(pieces, width, shift, emask, lo, classes, ranks, counts, pos, order, old, sizes) -> bool
  *
- * ranks: int64, counts[c] ascending ranks of class c, classes in order. out[i]
- * = the position of the member of ranks[i]'s class with that rank. sizes[c] =
- * members of class c. Returns False when some rank was not found (beyond its
- * class, or not ascending): the caller checks sizes first to tell a wrong base
- * from corrupt ranks. */
+ * ranks: int64, counts[c] ascending ranks of class c, classes in order. The
+ * members found, in ascending position: pos[j] (int64) its position, order[j]
+ * (int64) the index in ranks of the rank that named it, old[j] its bits
+ * (width bytes each). sizes[c] = members of class c. Returns False when some
+ * rank was not found (beyond its class, or not ascending): the caller checks
+ * sizes first to tell a wrong base from corrupt ranks. Ascending output is
+ * what the writes need (grouped by piece, the pieces' values at hand), so the
+ * caller does not sort. */
 static PyObject *k_select(PyObject *self, PyObject *args) {
     PyObject *pieces;
     int width, shift, lo, classes, planes;
     unsigned emask;
-    Py_buffer ranks_b, counts_b, out_b, sizes_b;
-    if (!PyArg_ParseTuple(args, "OiiIiiy*y*w*w*", &pieces, &width, &shift, &emask, &lo, &classes, &ranks_b,
-                          &counts_b, &out_b, &sizes_b))
+    Py_buffer ranks_b, counts_b, pos_b, order_b, old_b, sizes_b;
+    if (!PyArg_ParseTuple(args, "OiiIiiy*y*w*w*w*w*", &pieces, &width, &shift, &emask, &lo, &classes, &ranks_b,
+                          &counts_b, &pos_b, &order_b, &old_b, &sizes_b))
         return NULL;
     PyObject *result = NULL;
     Source s = {0};
@@ -376,8 +421,14 @@ static PyObject *k_select(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "ranks: expected %lld int64, found %zd bytes", (long long)total, ranks_b.len);
         goto done;
     }
-    if (writable_i64(&out_b, "out", total) < 0 || writable_i64(&sizes_b, "sizes", classes) < 0) goto done;
-    int64_t *out = out_b.buf;
+    if (writable_i64(&pos_b, "pos", total) < 0 || writable_i64(&order_b, "order", total) < 0 ||
+        writable_i64(&sizes_b, "sizes", classes) < 0)
+        goto done;
+    if (old_b.len < total * width) {
+        PyErr_Format(PyExc_ValueError, "old: expected %lld bytes, found %zd", (long long)(total * width), old_b.len);
+        goto done;
+    }
+    Found found = {pos_b.buf, order_b.buf, old_b.buf, 0};
     const int64_t NONE = INT64_MAX;
     int64_t at[MAX_CLASSES];
     for (int c = 0; c < classes; c++) {
@@ -386,16 +437,19 @@ static PyObject *k_select(PyObject *self, PyObject *args) {
     }
     int ok;
     Py_BEGIN_ALLOW_THREADS
-    ok = select_pass(&s, planes, classes, ranks, end, out, at, next, seen);
+    ok = select_pass(&s, planes, classes, ranks, end, &found, at, next, seen);
     Py_END_ALLOW_THREADS
     int64_t *sizes = sizes_b.buf;
     for (int c = 0; c < classes; c++) {
         sizes[c] = seen[c];
         if (at[c] != end[c]) ok = 0;
     }
+    if (found.n != total) ok = 0;
     result = PyBool_FromLong(ok);
 done:
-    release_all(&s, stack, &ranks_b, &counts_b, &out_b, &sizes_b);
+    release_all(&s, stack, &ranks_b, &counts_b, &pos_b, &sizes_b);
+    PyBuffer_Release(&order_b);
+    PyBuffer_Release(&old_b);
     return result;
 }
 
@@ -447,6 +501,119 @@ done:
     return result;
 }
 
+
+/* ------------------------------------------------------------------ the encoder's compare */
+
+static inline __attribute__((always_inline)) uint64_t word_at(const char *p) {
+    uint64_t w;
+    memcpy(&w, p, 8);
+    return w;
+}
+
+static inline __attribute__((always_inline)) void put_value(char *dst, const char *src, int width) { put_old(dst, src, width); }
+
+/* Scans elements [i, n) of one piece pair; appends differing ones (position offset + i, old, new) while
+ * *count < cap. Returns where it stopped: n, or the first differing element it had no room for. */
+HOT static Py_ssize_t scan_piece(const char *a, const char *b, Py_ssize_t n, int width, Py_ssize_t i, int64_t offset,
+                                 int64_t *pos, char *old, char *nw, Py_ssize_t *count, Py_ssize_t cap) {
+    const Py_ssize_t per = 8 / width; /* elements in a 64-bit word */
+    Py_ssize_t k = *count;
+    while (i < n) {
+        if ((i & (per - 1)) == 0) {
+            /* Most elements do not change: skip 32 bytes at a time, then 8. */
+            while (i + 4 * per <= n) {
+                const char *x = a + i * width, *y = b + i * width;
+                uint64_t d = (word_at(x) ^ word_at(y)) | (word_at(x + 8) ^ word_at(y + 8)) |
+                             (word_at(x + 16) ^ word_at(y + 16)) | (word_at(x + 24) ^ word_at(y + 24));
+                if (d) break;
+                i += 4 * per;
+            }
+            while (i + per <= n && word_at(a + i * width) == word_at(b + i * width)) i += per;
+            if (i >= n) break;
+        }
+        Py_ssize_t e = (i | (per - 1)) + 1; /* the end of this element's word */
+        if (e > n) e = n;
+        for (; i < e; i++) {
+            const char *x = a + i * width, *y = b + i * width;
+            int differs = width == 2 ? memcmp(x, y, 2) != 0 : width == 4 ? memcmp(x, y, 4) != 0 : *x != *y;
+            if (!differs) continue;
+            if (k == cap) {
+                *count = k;
+                return i;
+            }
+            pos[k] = offset + i;
+            put_value(old + k * width, x, width);
+            put_value(nw + k * width, y, width);
+            k++;
+        }
+    }
+    *count = k;
+    return n;
+}
+
+/* changes(base_pieces, target_pieces, width, start, pos, old, new) -> (found, stop)
+ *
+ * The encoder's compare: from segment position `start` on, the elements whose
+ * bits differ between the base and target pieces (pairwise the same length),
+ * in ascending position, with both bit patterns: pos[j] (int64), old[j] and
+ * new[j] (width bytes each). Stops when `pos` is full; `stop` is where to
+ * start again (the segment's size once every element was compared). */
+static PyObject *k_changes(PyObject *self, PyObject *args) {
+    PyObject *base_seq, *target_seq;
+    int width;
+    Py_ssize_t start;
+    Py_buffer pos_b, old_b, new_b;
+    if (!PyArg_ParseTuple(args, "OOinw*w*w*", &base_seq, &target_seq, &width, &start, &pos_b, &old_b, &new_b))
+        return NULL;
+    PyObject *result = NULL;
+    Source a = {0}, b = {0};
+    Py_buffer stack_a[MAX_PIECES_ON_STACK], stack_b[MAX_PIECES_ON_STACK];
+    if (width != 1 && width != 2 && width != 4) {
+        PyErr_Format(PyExc_ValueError, "width: expected 1, 2 or 4 bytes, found %d", width);
+        goto done;
+    }
+    if (get_pieces(base_seq, width, &a, stack_a) < 0) goto done;
+    if (get_pieces(target_seq, width, &b, stack_b) < 0) goto done;
+    if (a.n != b.n) {
+        PyErr_Format(PyExc_ValueError, "pieces: expected as many target pieces as base pieces (%zd), found %zd", a.n,
+                     b.n);
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < a.n; i++) {
+        if (a.views[i].len != b.views[i].len) {
+            PyErr_Format(PyExc_ValueError, "piece %zd: expected the same length in base and target, found %zd and %zd",
+                         i, a.views[i].len, b.views[i].len);
+            goto done;
+        }
+    }
+    Py_ssize_t cap = pos_b.len / 8;
+    if (pos_b.len % 8 || old_b.len < cap * width || new_b.len < cap * width || start < 0) {
+        PyErr_Format(PyExc_ValueError, "pos/old/new: expected int64 room for n and n * %d bytes each, start >= 0", width);
+        goto done;
+    }
+    Py_ssize_t count = 0;
+    int64_t offset = 0, stop = -1;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < a.n && stop < 0; i++) {
+        Py_ssize_t n = a.views[i].len / width;
+        if (offset + n > start) {
+            Py_ssize_t from = start > offset ? start - offset : 0;
+            Py_ssize_t at = scan_piece(a.views[i].buf, b.views[i].buf, n, width, from, offset, pos_b.buf, old_b.buf,
+                                       new_b.buf, &count, cap);
+            if (at < n) stop = offset + at;
+        }
+        offset += n;
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_BuildValue("nL", count, (long long)(stop < 0 ? (start > offset ? start : offset) : stop));
+done:
+    if (a.views) put_pieces(&a, stack_a);
+    if (b.views) put_pieces(&b, stack_b);
+    PyBuffer_Release(&pos_b);
+    PyBuffer_Release(&old_b);
+    PyBuffer_Release(&new_b);
+    return result;
+}
 
 /* ------------------------------------------------------------------ bit fields and Rice blobs */
 
@@ -705,9 +872,182 @@ done:
     return result;
 }
 
+/* ------------------------------------------------------------------ the encoders of the same layouts */
+
+/* Bits appended least significant first, flushed 8 bytes at a time (the buffer has room for the last flush). */
+typedef struct {
+    uint8_t *p;
+    uint64_t acc;
+    int n; /* bits held in acc, < 64 */
+} BitWriter;
+
+static inline __attribute__((always_inline)) void store_le64(uint8_t *p, uint64_t x) {
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    x = __builtin_bswap64(x);
+#endif
+    memcpy(p, &x, 8);
+}
+
+static inline __attribute__((always_inline)) void put_bits(BitWriter *b, uint64_t v, int w) {
+    /* v holds only its low w <= 64 bits */
+    if (w == 0) return;
+    b->acc |= v << b->n;
+    if (b->n + w < 64) {
+        b->n += w;
+        return;
+    }
+    store_le64(b->p, b->acc);
+    b->p += 8;
+    int took = 64 - b->n;
+    b->acc = took < 64 ? v >> took : 0;
+    b->n = w - took;
+}
+
+static inline void flush_bits(BitWriter *b) {
+    for (int i = 0; i < (b->n + 7) / 8; i++) b->p[i] = (uint8_t)(b->acc >> (8 * i));
+    b->p += (b->n + 7) / 8;
+    b->acc = 0;
+    b->n = 0;
+}
+
+static inline uint64_t low_bits(uint64_t v, int w) { return w >= 64 ? v : v & (((uint64_t)1 << w) - 1); }
+
+/* The per-value widths (or the one width), checked to lie in [0, limit]; their sum in *total. */
+static int field_widths(Py_buffer *widths, long long width, Py_ssize_t count, int limit, const int64_t **w,
+                        long long *total) {
+    *w = NULL;
+    if (widths->len) {
+        if (widths->len != 8 * count) {
+            PyErr_Format(PyExc_ValueError, "widths: expected %zd int64, found %zd bytes", count, widths->len);
+            return -1;
+        }
+        *w = widths->buf;
+        long long t = 0;
+        for (Py_ssize_t i = 0; i < count; i++) {
+            if ((*w)[i] < 0 || (*w)[i] > limit) {
+                PyErr_Format(PyExc_ValueError, "width %zd: expected 0..%d, found %lld", i, limit, (long long)(*w)[i]);
+                return -1;
+            }
+            t += (*w)[i];
+        }
+        *total = t;
+        return 0;
+    }
+    if (width < 0 || width > limit) {
+        PyErr_Format(PyExc_ValueError, "width: expected 0..%d, found %lld", limit, width);
+        return -1;
+    }
+    *total = width * count;
+    return 0;
+}
+
+/* Values' low w bits, back to back (w: per value, or one width). */
+static inline __attribute__((always_inline)) void put_fields(BitWriter *b, const uint64_t *v, const int64_t *w,
+                                                             long long width, Py_ssize_t count) {
+    if (w) {
+        for (Py_ssize_t i = 0; i < count; i++) put_bits(b, low_bits(v[i], (int)w[i]), (int)w[i]);
+    } else {
+        for (Py_ssize_t i = 0; i < count; i++) put_bits(b, low_bits(v[i], (int)width), (int)width);
+    }
+    flush_bits(b);
+}
+
+/* What pack_bits and rice_pack share: (values, widths, width) parsed and checked, widths in [0, limit].
+ * 0, or -1 with an exception set and the buffers released. */
+static int open_fields(PyObject *args, int limit, Py_buffer *values, Py_buffer *widths, long long *width,
+                       Py_ssize_t *count, const int64_t **w, long long *total) {
+    if (!PyArg_ParseTuple(args, "y*y*L", values, widths, width)) return -1;
+    *count = values->len / 8;
+    if (values->len % 8) {
+        PyErr_Format(PyExc_ValueError, "values: expected uint64, found %zd bytes", values->len);
+    } else if (field_widths(widths, *width, *count, limit, w, total) == 0) {
+        return 0;
+    }
+    PyBuffer_Release(values);
+    PyBuffer_Release(widths);
+    return -1;
+}
+
+/* pack_bits(values, widths, width) -> bytes: ricecode.pack_bits (widths: int64 per value, or empty and one width). */
+static PyObject *k_pack_bits(PyObject *self, PyObject *args) {
+    Py_buffer values, widths;
+    long long width, total;
+    Py_ssize_t count;
+    const int64_t *w;
+    if (open_fields(args, 64, &values, &widths, &width, &count, &w, &total) < 0) return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t len = (Py_ssize_t)((total + 7) / 8);
+    uint8_t *buf = PyMem_Malloc((size_t)len + 8);
+    if (!buf) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    BitWriter b = {buf, 0, 0};
+    Py_BEGIN_ALLOW_THREADS
+    put_fields(&b, values.buf, w, width, count);
+    Py_END_ALLOW_THREADS
+    result = PyBytes_FromStringAndSize((const char *)buf, len);
+    PyMem_Free(buf);
+done:
+    PyBuffer_Release(&values);
+    PyBuffer_Release(&widths);
+    return result;
+}
+
+/* rice_pack(values, ks, k) -> bytes: ricecode.pack (ks: int64 per value, or empty and one k). */
+static PyObject *k_rice_pack(PyObject *self, PyObject *args) {
+    Py_buffer values, ks;
+    long long k, rem_bits;
+    Py_ssize_t count;
+    const int64_t *kv;
+    if (open_fields(args, MAX_K, &values, &ks, &k, &count, &kv, &rem_bits) < 0) return NULL;
+    PyObject *result = NULL;
+    const uint64_t *v = values.buf;
+    long long unary_bits = 0, escapes = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        uint64_t q = v[i] >> (kv ? kv[i] : k);
+        if (q >= ESCAPE_Q) escapes++;
+        unary_bits += (q >= ESCAPE_Q ? ESCAPE_Q : (long long)q) + 1;
+    }
+    Py_ssize_t rem_len = (Py_ssize_t)((rem_bits + 7) / 8), unary_len = (Py_ssize_t)((unary_bits + 7) / 8);
+    Py_ssize_t len = count ? rem_len + unary_len + 8 * (Py_ssize_t)escapes : 0;
+    uint8_t *buf = PyMem_Malloc((size_t)len + 8);
+    if (!buf) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (count) {
+        Py_BEGIN_ALLOW_THREADS
+        BitWriter rem = {buf, 0, 0};
+        put_fields(&rem, v, kv, k, count);
+        BitWriter un = {buf + rem_len, 0, 0};
+        uint8_t *esc = buf + rem_len + unary_len;
+        for (Py_ssize_t i = 0; i < count; i++) {
+            uint64_t q = v[i] >> (kv ? kv[i] : k);
+            int qc = q >= ESCAPE_Q ? ESCAPE_Q : (int)q;
+            put_bits(&un, ((uint64_t)1 << qc) - 1, qc + 1); /* qc ones, then a zero */
+            if (q >= ESCAPE_Q) {
+                store_le64(esc, v[i]);
+                esc += 8;
+            }
+        }
+        flush_bits(&un);
+        Py_END_ALLOW_THREADS
+    }
+    result = PyBytes_FromStringAndSize((const char *)buf, len);
+    PyMem_Free(buf);
+done:
+    PyBuffer_Release(&values);
+    PyBuffer_Release(&ks);
+    return result;
+}
+
 static PyMethodDef methods[] = {
-    {"select", k_select, METH_VARARGS, "Positions of given in-class ranks, and the class sizes (one pass)."},
+    {"select", k_select, METH_VARARGS, "Positions (ascending), rank order and base bits of given in-class ranks, and the class sizes (one pass)."},
     {"rank", k_rank, METH_VARARGS, "Class and in-class rank of given positions, and the class sizes (one pass)."},
+    {"changes", k_changes, METH_VARARGS, "Positions and bits of the elements that differ between two segments (one pass)."},
+    {"pack_bits", k_pack_bits, METH_VARARGS, "Raw bit fields (ricecode.pack_bits)."},
+    {"rice_pack", k_rice_pack, METH_VARARGS, "A Rice blob (ricecode.pack)."},
     {"unpack_bits", k_unpack_bits, METH_VARARGS, "Raw bit fields (ricecode.unpack_bits)."},
     {"rice_unpack", k_rice_unpack, METH_VARARGS, "A Rice blob (ricecode.unpack)."},
     {NULL, NULL, 0, NULL},

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -143,28 +144,54 @@ _ENDS = np.cumsum([0, *CLASS_CHOICES[1:]]).tolist()
 _EDGE_COLUMNS = {c: (_ENDS[i], _ENDS[i + 1]) for i, c in enumerate(CLASS_CHOICES[1:])}
 
 
+class Selected(NamedTuple):
+    """What a segment's select found, in ascending position."""
+
+    pos: np.ndarray  # int64 segment positions, ascending
+    order: np.ndarray  # int64: for each, the index of the rank that named it (the ranks' class order)
+    old: np.ndarray  # the base's bits there (the pieces' dtype)
+
+
 def select_positions(pieces: list[np.ndarray], info: DtypeInfo, lo: int, classes: int,
-                     ranks: np.ndarray, counts: list[int]) -> tuple[np.ndarray | None, list[int]]:
-    """(positions, class sizes) for one segment's base: the members with the given
-    in-class ranks (counts[c] ascending ranks of class c, classes in order;
-    positions in the same order), and the size of every class that has ranks
-    (-1 for the others where the numpy version skips them). Positions are None
-    when some rank does not fit (beyond its class, or not ascending): the
-    caller checks the sizes first, since another base has other sizes."""
+                     ranks: np.ndarray, counts: list[int]) -> tuple[Selected | None, list[int]]:
+    """(found, class sizes) for one segment's base: the members with the given
+    in-class ranks (counts[c] ascending ranks of class c, classes in order),
+    in ascending position with their base bits, and the size of every class
+    that has ranks (-1 for the others where the numpy version skips them).
+    Found is None when some rank does not fit (beyond its class, or not
+    ascending): the caller checks the sizes first, since another base has
+    other sizes."""
     _check_window(lo, classes)
     if KERNEL is not None:
-        out = np.empty(ranks.size, dtype=np.int64)
+        n = ranks.size
+        bits = pieces[0].dtype if pieces else info.np_int
+        found = Selected(np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64), np.empty(n, dtype=bits))
         sizes = np.zeros(classes, dtype=np.int64)
-        found = KERNEL.select(pieces, info.width, info.mantissa_bits, _exponent_mask(info), lo, classes,
-                              np.ascontiguousarray(ranks, dtype=np.int64), np.asarray(counts, dtype=np.int64),
-                              out, sizes)
-        return (out if found else None), sizes.tolist()
+        ok = KERNEL.select(pieces, info.width, info.mantissa_bits, _exponent_mask(info), lo, classes,
+                           np.ascontiguousarray(ranks, dtype=np.int64), np.asarray(counts, dtype=np.int64),
+                           found.pos, found.order, found.old.view(np.uint8), sizes)
+        return (found if ok else None), sizes.tolist()
     ci = ClassIndex(pieces, info, lo, classes, needed=[c for c, n in enumerate(counts) if n])
     sizes = [ci.class_size(c) if counts[c] else -1 for c in range(classes)]
     try:
-        return ci.select_runs(ranks, counts), sizes
+        in_class_order = ci.select_runs(ranks, counts)
     except CorruptData:
         return None, sizes
+    order = np.argsort(in_class_order, kind="stable")
+    pos = in_class_order[order]
+    return Selected(pos, order, gather_sorted(pieces, pos)), sizes
+
+
+def gather_sorted(pieces: list[np.ndarray], pos: np.ndarray) -> np.ndarray:
+    """The pieces' elements at ascending positions into their concatenation."""
+    out = np.empty(pos.size, dtype=pieces[0].dtype if pieces else np.uint8)
+    offsets = np.cumsum([0] + [p.size for p in pieces])
+    cuts = np.searchsorted(pos, offsets).tolist()
+    for i, p in enumerate(pieces):
+        a, b = cuts[i], cuts[i + 1]
+        if b > a:
+            np.take(p, pos[a:b] - offsets[i] if i else pos[a:b], out=out[a:b])
+    return out
 
 
 def rank_positions(pieces: list[np.ndarray], info: DtypeInfo, lo: int, classes: int,

@@ -26,6 +26,7 @@ position inside a class). Pure: no files, no sockets, no clocks.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from typing import Callable, Iterable
 
@@ -34,10 +35,11 @@ import numpy as np
 import torch
 import zstandard
 
-from . import contexts, deltacode, planes
+from . import contexts, deltacode, parallel, planes, statehash
 from .dtypes import DtypeInfo, info_named, info_of, int_view, ordered_bits, ordered_range, to_ordered
-from .errors import AlreadyApplied, BaseMismatch, CorruptData, StateHashMismatch, UnsupportedFormat, UsageError
-from .statehash import BackgroundHashes, is_state_hash, state_hash
+from .errors import (AlreadyApplied, BaseMismatch, CorruptData, PatchswarmError, StateHashMismatch, UnsupportedFormat,
+                     UsageError)
+from .statehash import is_state_hash, state_hash
 
 FORMAT = "patchswarm"
 FORMAT_VERSION = 2  # 2: BLAKE3 state hashes, exponent-window classes, Rice-only codes
@@ -50,6 +52,7 @@ MAX_TABLE_BYTES = 1 << 30
 TABLE_ZSTD_LEVEL = 12  # 53-tensor table: 261 B in 0.08 ms; level 19 saved 12 B for 0.5 ms
 MAX_SEGMENT_ELEMENTS = 1 << 30
 CLASS_MIN_ELEMENTS = 4096  # below this a class window costs more than it saves
+PARALLEL_MIN_BYTES = 1 << 19  # bytes read per thread below which another thread costs more than it saves
 
 Progress = Callable[[int, int], None] | None
 State = dict[str, torch.Tensor]
@@ -239,6 +242,34 @@ def _gather(state: State, pieces) -> np.ndarray:
     return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
 
 
+def _changed(bs: list[np.ndarray], ts: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(ascending segment positions where base and target pieces differ, the base's bits there, the target's)."""
+    kernel = contexts.KERNEL
+    dtype = bs[0].dtype
+    width = dtype.itemsize
+    if kernel is None or width not in (1, 2, 4):
+        return _changed_numpy(bs, ts)
+    size = sum(b.size for b in bs)
+    found, start, cap = [], 0, max(1 << 12, size // 32)  # room for 3 %; a denser patch takes a second call
+    while True:
+        pos, old, new = np.empty(cap, np.int64), np.empty(cap, dtype), np.empty(cap, dtype)
+        n, start = kernel.changes(bs, ts, width, start, pos, old.view(np.uint8), new.view(np.uint8))
+        found.append((pos[:n], old[:n], new[:n]))
+        if start >= size:
+            break
+        cap = size - start
+    if len(found) == 1:
+        return found[0]
+    return tuple(np.concatenate(parts) for parts in zip(*found))  # type: ignore[return-value]
+
+
+def _changed_numpy(bs: list[np.ndarray], ts: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    size = sum(b.size for b in bs)
+    with contexts.POOL.scratch(size) as differs:
+        idx = _changes(bs, ts, differs.view(bool))
+    return idx, contexts.gather_sorted(bs, idx), contexts.gather_sorted(ts, idx)
+
+
 def _changes(bs: list[np.ndarray], ts: list[np.ndarray], differs: np.ndarray) -> np.ndarray:
     """Ascending segment positions where base and target pieces differ (`differs`: bool scratch)."""
     off = 0
@@ -262,21 +293,10 @@ def _changes(bs: list[np.ndarray], ts: list[np.ndarray], differs: np.ndarray) ->
 def _encode_delta(base: State, target: State, pieces, index: dict[str, int]) -> tuple[dict | None, list[np.ndarray], list[np.ndarray]]:
     info = info_of(base[pieces[0][0]].dtype)
     bs, ts = _piece_bits(base, pieces), _piece_bits(target, pieces)
-    sizes = [b.size for b in bs]
-    size = sum(sizes)
-    with contexts.POOL.scratch(size) as differs:
-        idx = _changes(bs, ts, differs.view(bool))
+    size = sum(b.size for b in bs)
+    idx, old, new = _changed(bs, ts)
     if not idx.size:
         return None, [], []
-    offsets = np.cumsum([0] + sizes)
-    cuts = np.searchsorted(idx, offsets).tolist()
-    old, new = np.empty(idx.size, dtype=bs[0].dtype), np.empty(idx.size, dtype=bs[0].dtype)
-    for i, (b, t) in enumerate(zip(bs, ts)):
-        a, e = cuts[i], cuts[i + 1]
-        if e > a:
-            local = idx[a:e] - offsets[i] if i else idx[a:e]
-            np.take(b, local, out=old[a:e])
-            np.take(t, local, out=new[a:e])
     d = to_ordered(new, info) - to_ordered(old, info)
     lo, classes = 0, 1
     if contexts.has_classes(info) and size >= CLASS_MIN_ELEMENTS:
@@ -341,46 +361,44 @@ def diff(base: State, target: State, layout: dict[str, str] | None = None, progr
     _check_state(base, "base")
     _check_state(target, "target")
     unhashed = [s for s, h in ((base, base_hash), (target, target_hash)) if h is None]
-    hashing = BackgroundHashes(unhashed)  # runs while the diff below runs
-    try:
-        chunks = _encode_chunks(base, target, progress, chunk_bytes, segment_elements)
-    finally:
-        hashes = iter(hashing.result())
     names = sorted(target)
+    full = [n for n in names if n not in base or base[n].dtype != target[n].dtype or base[n].shape != target[n].shape]
+    # Segments and state-hash blocks are independent tasks, run on every core together.
+    encoding = _encode_tasks(base, target, names, full, segment_elements)
+    hashing, finish_hashes = statehash.hash_tasks(unhashed)
+    tasks = encoding + hashing
+    work = statehash.hash_bytes(unhashed) + 2 * sum(target[n].numel() * target[n].element_size() for n in names)
+    threads = parallel.threads_for(len(tasks), work, PARALLEL_MIN_BYTES)
+    results = parallel.run_all(tasks, threads, on_done=(lambda n: progress(n, len(tasks))) if progress else None)
+    chunks = _pack_chunks([r for r in results[: len(encoding)] if r[0] is not None], chunk_bytes)
+    hashes = iter(finish_hashes(results[len(encoding) :]))
     return Patch(
         kind="patch",
         base_hash=base_hash or next(hashes),
         target_hash=target_hash or next(hashes),
         tensors=[TensorSpec.of(n, target[n]) for n in names],
-        full=[n for n in names if n not in base or base[n].dtype != target[n].dtype or base[n].shape != target[n].shape],
+        full=full,
         removed=sorted(set(base) - set(target)),
         chunks=chunks,
         layout=layout,
     )
 
 
-def _encode_chunks(base: State, target: State, progress: Progress, chunk_bytes: int, segment_elements: int) -> list[bytes]:
-    names = sorted(target)
-    full = [n for n in names if n not in base or base[n].dtype != target[n].dtype or base[n].shape != target[n].shape]
+def _encode_tasks(base: State, target: State, names: list[str], full: list[str], segment_elements: int) -> list[Callable]:
+    """One task per segment, each returning (segment or None, old values, new values)."""
     full_set = set(full)
     index = {n: i for i, n in enumerate(names)}
     delta_names = [n for n in names if n not in full_set]
-    encoded = []
-    delta_segs = _plan_segments(target, delta_names, segment_elements)
-    full_segs = _plan_segments_bytes(target, full)
-    total = len(delta_segs) + len(full_segs)
-    for i, pieces in enumerate(delta_segs):
-        seg, olds, news = _encode_delta(base, target, pieces, index)
-        if seg is not None:
-            encoded.append((seg, olds, news))
-        if progress:
-            progress(i + 1, total)
-    for j, pieces in enumerate(full_segs):
-        seg, news = _encode_full(target, pieces, index)
-        encoded.append((seg, [], news))
-        if progress:
-            progress(len(delta_segs) + j + 1, total)
-    return _pack_chunks(encoded, chunk_bytes)
+    tasks: list[Callable] = [functools.partial(_encode_delta, base, target, pieces, index)
+                             for pieces in _plan_segments(target, delta_names, segment_elements)]
+    for pieces in _plan_segments_bytes(target, full):
+        tasks.append(functools.partial(_encode_full_task, target, pieces, index))
+    return tasks
+
+
+def _encode_full_task(target: State, pieces, index: dict[str, int]) -> tuple[dict, list, list[np.ndarray]]:
+    seg, news = _encode_full(target, pieces, index)
+    return seg, [], news
 
 
 def _plan_segments_bytes(state: State, names: list[str]):
@@ -504,62 +522,57 @@ def _live(seg: _Segment) -> list[int]:
     return [c for c, row in enumerate(seg.rows) if row[0]]
 
 
-def _positions(bs: list[np.ndarray], seg: _Segment) -> np.ndarray:
-    """Segment positions of the changed elements, in class order (ascending inside a class)."""
+def _positions(bs: list[np.ndarray], seg: _Segment) -> contexts.Selected:
+    """The changed elements in ascending position: positions, their index in
+    the patch's (class) order (None where that is ascending too), base bits."""
     lo, classes = seg.window
     live = _live(seg)
     if classes == 1:
         if live and seg.rows[0][1] != seg.size:
             raise CorruptData(f"segment class: expected the segment's {seg.size} elements, found {seg.rows[0][1]}")
-        return deltacode.decode_rank_runs(seg.rows, seg.streams)[0]
+        pos = deltacode.decode_rank_runs(seg.rows, seg.streams)[0]
+        return contexts.Selected(pos, None, contexts.gather_sorted(bs, pos))
     if seg.size < CLASS_MIN_ELEMENTS:
         raise CorruptData(f"segment class window: expected none below {CLASS_MIN_ELEMENTS} elements, found {classes} classes")
     ranks, counts = deltacode.decode_rank_runs(seg.rows, seg.streams)
-    pos, sizes = contexts.select_positions(bs, seg.info, lo, classes, ranks, counts)
+    found, sizes = contexts.select_positions(bs, seg.info, lo, classes, ranks, counts)
     for c in live:
         if sizes[c] != seg.rows[c][1]:
             # The classes come from the base: another base has other class sizes.
             raise BaseMismatch(f"segment class {c}: the patch expects {seg.rows[c][1]} base elements in it, "
                                f"the state has {sizes[c]} (wrong base, or already applied)")
-    if pos is None:
+    if found is None:
         raise CorruptData("segment positions: expected ascending ranks inside each class's size, found others")
-    return pos
+    return found
 
 
-def _decode_delta(state: State, seg: _Segment, specs: dict[str, TensorSpec], views: dict):
-    _check_delta_pieces(state, seg, specs)
+def _decode_delta(state: State, seg: _Segment, views: dict):
+    """(writes, old values, new values) of a delta segment whose pieces `_check_delta_pieces` passed.
+
+    The writes go in ascending position, piece by piece; the old and new
+    values for the chunk's digests in the patch's order."""
     info = seg.info
     bs = _piece_bits(state, seg.pieces, views)
-    pos = _positions(bs, seg)  # in class order
-    d = deltacode.decode_deltas(seg.rows, seg.streams)
-    offsets = np.cumsum([0] + [b.size for b in bs])
-    if len(bs) > 1:
-        # Group by piece; a 16-bit stable argsort is a radix sort.
-        piece = np.searchsorted(offsets[1:], pos, side="right")
-        order = np.argsort(piece.astype(np.int16 if len(bs) < 1 << 15 else np.int64), kind="stable")
-        grouped = pos[order]
-        cuts = np.searchsorted(piece[order], np.arange(len(bs) + 1)).tolist()
-    else:
-        order, grouped, cuts = None, pos, [0, pos.size]
-    old_grouped = np.empty(pos.size, dtype=bs[0].dtype)
-    targets = []
-    for i, (name, s, _e) in enumerate(seg.pieces):
-        a, b = cuts[i], cuts[i + 1]
-        if b > a:
-            local = grouped[a:b] - offsets[i] if i else grouped[a:b]
-            np.take(bs[i], local, out=old_grouped[a:b])
-            targets.append((name, local + s if s else local, a, b))
-    new_ord = ordered_bits(old_grouped, info).astype(np.int64) + (d if order is None else d[order])
+    pos, order, old = _positions(bs, seg)
+    d = deltacode.decode_deltas(seg.rows, seg.streams)  # in the patch's order
+    new_ord = ordered_bits(old, info).astype(np.int64) + (d if order is None else d[order])
     lo, hi = ordered_range(info)
     if info.width < 8 and pos.size and (new_ord.min() < lo or new_ord.max() > hi):
         raise CorruptData(f"segment values: expected bit patterns of {info.name}, found out-of-range deltas")
-    new_grouped = ordered_bits(new_ord.astype(info.np_int), info)
-    writes = [(name, p, old_grouped[a:b], new_grouped[a:b]) for name, p, a, b in targets]
+    new = ordered_bits(new_ord.astype(info.np_int), info)
+    offsets = np.cumsum([0] + [b.size for b in bs])
+    cuts = np.searchsorted(pos, offsets).tolist()
+    writes = []
+    for i, (name, s, _e) in enumerate(seg.pieces):
+        a, b = cuts[i], cuts[i + 1]
+        if b > a:
+            shift = s - int(offsets[i])
+            writes.append((name, pos[a:b] + shift if shift else pos[a:b], old[a:b], new[a:b]))
     if order is None:
-        return writes, old_grouped, new_grouped
-    old, new = np.empty_like(old_grouped), np.empty_like(new_grouped)  # the digests' order: the class order
-    old[order], new[order] = old_grouped, new_grouped
-    return writes, old, new
+        return writes, old, new
+    old_c, new_c = np.empty_like(old), np.empty_like(new)  # the digests' order: the patch's
+    old_c[order], new_c[order] = old, new
+    return writes, old_c, new_c
 
 
 def _decode_full(seg: _Segment, specs: dict[str, TensorSpec]):
@@ -572,7 +585,7 @@ def _decode_full(seg: _Segment, specs: dict[str, TensorSpec]):
     for name, s, e in seg.pieces:
         writes.append((name, slice(s, e), None, bits[off : off + e - s]))
         off += e - s
-    return writes, bits
+    return writes, None, bits
 
 
 def decode_chunk(state: State, chunk: bytes, tensors: list[TensorSpec], _specs: dict | None = None) -> DecodedChunk:
@@ -581,29 +594,95 @@ def decode_chunk(state: State, chunk: bytes, tensors: list[TensorSpec], _specs: 
     Raises BaseMismatch (or AlreadyApplied) when the values the chunk would
     overwrite are not the ones it was made against.
     """
-    specs = _specs if _specs is not None else {t.name: t for t in tensors}
-    views: dict = {}
+    return decode_chunks(state, [chunk], tensors, _specs)[0]
+
+
+class _Failed:
+    """A task's error, held until the walk in chunk order reaches it."""
+
+    def __init__(self, error: PatchswarmError):
+        self.error = error
+
+
+def _held(fn: Callable):
+    try:
+        return fn()
+    except PatchswarmError as e:
+        return _Failed(e)
+
+
+def _named_segments(chunk: bytes, tensors: list[TensorSpec]) -> tuple[list[_Segment], bytes, bytes]:
     segs, old_digest, new_digest = _parse_chunk(chunk)
     for seg in segs:
         if any(i >= len(tensors) for i, _, _ in seg.pieces):
             raise CorruptData(f"segment piece: expected a tensor index below {len(tensors)}, found {max(i for i, _, _ in seg.pieces)}")
         seg.pieces = [(tensors[i].name, a, b) for i, a, b in seg.pieces]
-    writes, olds, news = [], [], []
-    for seg in segs:
-        if seg.kind == "d":
-            w, o, n = _decode_delta(state, seg, specs, views)
-            olds.append(o)
-        else:
-            w, n = _decode_full(seg, specs)
-        writes += w
-        news.append(n)
-    if _digest(olds) != old_digest:
-        if len(olds) == len(news) and _digest(olds) == new_digest:
-            raise AlreadyApplied("chunk: the state already holds the values this chunk writes (applied twice?)")
-        raise BaseMismatch("chunk: the values it overwrites differ from the state's (wrong base, or already applied)")
-    if _digest(news) != new_digest:
-        raise CorruptData("chunk: decoded values do not match the chunk's digest of what it writes")
-    return DecodedChunk(writes, views)
+    return segs, old_digest, new_digest
+
+
+def decode_chunks(state: State, chunks: list[bytes], tensors: list[TensorSpec], _specs: dict | None = None,
+                  progress: Progress = None) -> list[DecodedChunk]:
+    """`decode_chunk` of each chunk, their segments decoded on every core
+    (`progress(done, total)` counts segments).
+
+    Raises the error a loop over the chunks in order would have raised first:
+    parsing and the state checks run in order, the decodes in parallel with
+    their errors held, then the walk in chunk order raises the first one.
+    """
+    specs = _specs if _specs is not None else {t.name: t for t in tensors}
+    tasks: list[Callable] = []
+    plan: list = []  # per chunk: an error, or (task numbers or an error, digests, views)
+    work = 0
+    for chunk in chunks:
+        try:
+            segs, old_digest, new_digest = _named_segments(chunk, tensors)
+        except PatchswarmError as e:
+            plan.append(e)
+            break
+        views: dict = {}
+        steps: list = []
+        for seg in segs:
+            if seg.kind == "d":
+                try:
+                    _check_delta_pieces(state, seg, specs)  # may make a tensor contiguous: not in a thread
+                except PatchswarmError as e:
+                    steps.append(e)
+                    break
+                tasks.append(functools.partial(_held, functools.partial(_decode_delta, state, seg, views)))
+            else:
+                tasks.append(functools.partial(_held, functools.partial(_decode_full, seg, specs)))
+            work += seg.size * seg.info.width
+            steps.append(len(tasks) - 1)
+        plan.append((steps, old_digest, new_digest, views))
+        if steps and isinstance(steps[-1], PatchswarmError):
+            break
+    results = parallel.run_all(tasks, parallel.threads_for(len(tasks), work, PARALLEL_MIN_BYTES),
+                               on_done=(lambda k: progress(k, len(tasks))) if progress else None)
+    decoded = []
+    for item in plan:
+        if isinstance(item, PatchswarmError):
+            raise item
+        steps, old_digest, new_digest, views = item
+        writes, olds, news = [], [], []
+        for step in steps:
+            if isinstance(step, PatchswarmError):
+                raise step
+            r = results[step]
+            if isinstance(r, _Failed):
+                raise r.error
+            w, o, n = r
+            writes += w
+            if o is not None:
+                olds.append(o)
+            news.append(n)
+        if _digest(olds) != old_digest:
+            if len(olds) == len(news) and _digest(olds) == new_digest:
+                raise AlreadyApplied("chunk: the state already holds the values this chunk writes (applied twice?)")
+            raise BaseMismatch("chunk: the values it overwrites differ from the state's (wrong base, or already applied)")
+        if _digest(news) != new_digest:
+            raise CorruptData("chunk: decoded values do not match the chunk's digest of what it writes")
+        decoded.append(DecodedChunk(writes, views))
+    return decoded
 
 
 def check_structure(state: State, patch: Patch) -> set[str]:
@@ -659,12 +738,13 @@ def apply(state: State, patch: Patch, progress: Progress = None) -> None:
     # Delta chunks read only tensors that full segments never touch, so they
     # can all be decoded and checked before the structure changes.
     check_structure(state, patch)
-    decoded = []
-    specs = {t.name: t for t in patch.tensors}
-    for i, chunk in enumerate(patch.chunks):
-        decoded.append(decode_chunk(state, chunk, patch.tensors, specs))
-        if progress:
-            progress(i + 1, 2 * n)
+    segments = [1]  # progress: segments decoded, then chunks written
+
+    def decoding(done: int, total: int) -> None:
+        segments[0] = total
+        progress(done, total + n)
+
+    decoded = decode_chunks(state, patch.chunks, patch.tensors, progress=decoding if progress else None)
     saved = prepare(state, patch)
     done = []
     try:
@@ -672,7 +752,7 @@ def apply(state: State, patch: Patch, progress: Progress = None) -> None:
             d.write(state)
             done.append(d)
             if progress:
-                progress(n + i + 1, 2 * n)
+                progress(segments[0] + i + 1, segments[0] + n)
         found = state_hash(state)
         if found != patch.target_hash:
             raise StateHashMismatch("patched state", patch.target_hash, found)

@@ -1,8 +1,9 @@
 """Vectorized Golomb-Rice coding of non-negative integer arrays, and raw bit fields.
 
 Owns two bit layouts, both built and read with a handful of numpy passes and
-no per-element Python (reading goes through protocol/_kernels.c where it
-built, the numpy readers staying as reference and fallback):
+no per-element Python (building and reading go through protocol/_kernels.c
+where it built, the numpy writers and readers staying as reference and
+fallback):
 
 - raw fields (`pack_bits`/`unpack_bits`): value i's low widths[i] bits,
   least significant first, back to back, packed little-endian;
@@ -125,6 +126,19 @@ def _offsets(widths: np.ndarray | int, count: int) -> tuple[np.ndarray | int, np
 
 def pack_bits(values: np.ndarray, widths: np.ndarray | int) -> bytes:
     """The low widths[i] (≤ 64) bits of each value, back to back, little-endian."""
+    if KERNEL is not None:
+        return KERNEL.pack_bits(*_field_args(values, widths))
+    return _pack_bits_numpy(values, widths)
+
+
+def _field_args(values: np.ndarray, widths: np.ndarray | int) -> tuple[np.ndarray, np.ndarray, int]:
+    """The compiled writers' (values, per-value widths or none, one width)."""
+    scalar = np.ndim(widths) == 0
+    return (np.ascontiguousarray(values, dtype=np.uint64),
+            _NO_WIDTHS if scalar else np.ascontiguousarray(widths, dtype=np.int64), int(widths) if scalar else 0)
+
+
+def _pack_bits_numpy(values: np.ndarray, widths: np.ndarray | int) -> bytes:
     v = np.asarray(values, dtype=np.uint64)
     w, off, total = _offsets(widths, v.size)
     if total == 0:
@@ -193,7 +207,13 @@ def _unpack_bits_numpy(data: bytes, widths: np.ndarray | int, count: int) -> np.
 
 
 def pack(values: np.ndarray, k: np.ndarray | int) -> bytes:
-    """Rice blob of `values` with parameter k (an int, or one per value)."""
+    """Rice blob of `values` with parameter k (an int, or one per value, 0..MAX_K)."""
+    if KERNEL is not None:
+        return KERNEL.rice_pack(*_field_args(values, k))
+    return _pack_numpy(values, k)
+
+
+def _pack_numpy(values: np.ndarray, k: np.ndarray | int) -> bytes:
     v = np.ascontiguousarray(values, dtype=np.uint64)
     if v.size == 0:
         return b""
@@ -205,7 +225,7 @@ def pack(values: np.ndarray, k: np.ndarray | int) -> bytes:
     bits = np.ones(int(ends[-1]), dtype=np.uint8)
     bits[ends - 1] = 0
     unary = np.packbits(bits, bitorder="little").tobytes()
-    rem = pack_bits(v, k if np.ndim(k) == 0 else np.asarray(k, dtype=np.int64))
+    rem = _pack_bits_numpy(v, k if np.ndim(k) == 0 else np.asarray(k, dtype=np.int64))
     return rem + unary + v[esc].astype("<u8").tobytes()
 
 

@@ -11,29 +11,28 @@ Why BLAKE3: the full-state check is the floor of every verified `apply`.
 SHA-256 ran at ~1.6 GB/s per core here (with SHA extensions), about as long
 as the whole compare of two versions; BLAKE3 is a cryptographic hash at
 ~3 GB/s per core with AVX2. Why the block tree: the blocks are hashed on
-every core by threads that live and die inside the call (the blake3 module
-releases the GIL), without the blake3 module's own global thread pool;
-`BackgroundHashes` lets `diff` hash base and target on a helper thread while
-it encodes (joined before `diff` returns). Pure computation otherwise: no
-files, no clocks.
+every core (protocol/parallel.py: threads that live and die inside the call;
+the blake3 module releases the GIL), without the blake3 module's own global
+thread pool; `hash_tasks` lets `diff` run the hashing of base and target
+among its own encoding tasks. Pure computation otherwise: no files, no
+clocks.
 """
 
 from __future__ import annotations
 
-import itertools
-import os
-import threading
+import functools
+from typing import Callable
 
 import blake3
 import msgpack
 import torch
 
+from . import parallel
 from .dtypes import info_of
 
 PREFIX = "blake3:"
 BLOCK_BYTES = 4 << 20
 _PARALLEL_MIN_BYTES = 1 << 20  # below this a second thread costs more than it saves
-_MAX_THREADS = 16
 
 
 def is_state_hash(s) -> bool:
@@ -57,51 +56,8 @@ def _digest_block(mv: memoryview) -> bytes:
     return blake3.blake3(mv).digest()
 
 
-class _BlockJob:
-    """Blocks hashed by whoever calls `work`: each caller takes the next block
-    until none is left, so a thread the scheduler keeps waiting costs at most
-    one block, never a fixed share."""
-
-    def __init__(self, blocks: list[memoryview]):
-        self.blocks = blocks
-        self.digests: list = [None] * len(blocks)
-        self.error: BaseException | None = None
-        self._next = itertools.count()  # next() on a count is atomic under the GIL
-
-    def work(self) -> None:
-        try:
-            for i in self._next:
-                if i >= len(self.blocks) or self.error is not None:
-                    return
-                self.digests[i] = _digest_block(self.blocks[i])
-        except BaseException as e:  # re-raised by the thread that collects
-            self.error = e
-
-    def collect(self, threads: list[threading.Thread]) -> list[bytes]:
-        for t in threads:
-            t.join()
-        if self.error is not None:
-            raise self.error
-        if any(d is None for d in self.digests):
-            raise RuntimeError("state hash: a block was left unhashed")
-        return self.digests
-
-
-def _workers(total_bytes: int) -> int:
-    if total_bytes < _PARALLEL_MIN_BYTES:
-        return 1
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    return max(1, min(cores, _MAX_THREADS, total_bytes // (_PARALLEL_MIN_BYTES // 2)))
-
-
-def _start(job: _BlockJob, helpers: int) -> list[threading.Thread]:
-    threads = [threading.Thread(target=job.work, daemon=True) for _ in range(helpers)]
-    for t in threads:
-        t.start()
-    return threads
+def _workers(total_bytes: int, blocks: int) -> int:
+    return parallel.threads_for(blocks, total_bytes, _PARALLEL_MIN_BYTES // 2)
 
 
 def _blocks(state: dict[str, torch.Tensor]) -> tuple[list[str], list[int], list[memoryview]]:
@@ -129,35 +85,39 @@ def _combine(state: dict[str, torch.Tensor], names: list[str], owner: list[int],
     return PREFIX + h.hexdigest()
 
 
-def state_hash(state: dict[str, torch.Tensor]) -> str:
-    names, owner, blocks = _blocks(state)
-    job = _BlockJob(blocks)
-    threads = _start(job, _workers(sum(len(b) for b in blocks)) - 1)
-    job.work()
-    return _combine(state, names, owner, job.collect(threads))
+def hash_tasks(states: list[dict[str, torch.Tensor]]) -> tuple[list[Callable[[], bytes]], Callable[[list[bytes]], list[str]]]:
+    """The state hashes of `states` as independent tasks for `parallel.run_all`,
+    largest first, and the function that turns the tasks' results into the
+    hashes, in order.
 
-
-class BackgroundHashes:
-    """State hashes computed on a helper thread while the caller works on.
-
-    For `diff`: hashing base and target costs about as much as the diff
-    itself and needs nothing from it. The states must not change until
-    `result()`, where the caller hashes whatever blocks are left, joins the
-    thread (call it in a `finally`: the thread lives and dies inside the
-    caller's call) and re-raises its error.
+    Largest first: threads that take the next task as they finish end
+    together only if the small tasks come last (a model's tensors alternate
+    between megabytes and a few hundred bytes). For `diff`, which runs them
+    among its own tasks. The states must not change until the tasks have run.
     """
+    parts = [_blocks(s) for s in states]
+    blocks = [b for _, _, bs in parts for b in bs]
+    order = sorted(range(len(blocks)), key=lambda i: -len(blocks[i]))
+    tasks = [functools.partial(_digest_block, blocks[i]) for i in order]
 
-    def __init__(self, states: list[dict[str, torch.Tensor]]):
-        self._states = states
-        self._parts = [_blocks(s) for s in states]
-        self._job = _BlockJob([b for _, _, blocks in self._parts for b in blocks])
-        self._threads = _start(self._job, 1 if states else 0)
-
-    def result(self) -> list[str]:
-        self._job.work()
-        digests = self._job.collect(self._threads)
+    def finish(digests: list[bytes]) -> list[str]:
+        by_block: list = [None] * len(blocks)
+        for i, d in zip(order, digests):
+            by_block[i] = d
         out, at = [], 0
-        for state, (names, owner, blocks) in zip(self._states, self._parts):
-            out.append(_combine(state, names, owner, digests[at : at + len(blocks)]))
-            at += len(blocks)
+        for state, (names, owner, bs) in zip(states, parts):
+            out.append(_combine(state, names, owner, by_block[at : at + len(bs)]))
+            at += len(bs)
         return out
+
+    return tasks, finish
+
+
+def hash_bytes(states: list[dict[str, torch.Tensor]]) -> int:
+    """How many bytes hashing `states` reads (to size a thread count)."""
+    return sum(t.numel() * t.element_size() for s in states for t in s.values())
+
+
+def state_hash(state: dict[str, torch.Tensor]) -> str:
+    tasks, finish = hash_tasks([state])
+    return finish(parallel.run_all(tasks, _workers(hash_bytes([state]), len(tasks))))[0]

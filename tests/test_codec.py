@@ -378,9 +378,9 @@ def test_state_hash_is_blake3_prefixed_and_independent_of_threads(monkeypatch):
              "d": torch.ones(5, 7).t()}
     h = state_hash(state)
     assert statehash.is_state_hash(h) and h.startswith("blake3:")
-    monkeypatch.setattr(statehash, "_workers", lambda total: 1)
+    monkeypatch.setattr(statehash, "_workers", lambda total, blocks: 1)
     assert state_hash(state) == h
-    monkeypatch.setattr(statehash, "_workers", lambda total: 7)
+    monkeypatch.setattr(statehash, "_workers", lambda total, blocks: 7)
     monkeypatch.setattr(statehash, "BLOCK_BYTES", 1 << 20)
     other = state_hash(state)  # another block size is another definition
     assert other != h and statehash.is_state_hash(other)

@@ -49,8 +49,11 @@ def test_select_and_rank_match_the_numpy_index(dtype, sizes, classes, lo_shift, 
     want = np.concatenate([np.flatnonzero(ids == c)[picks[c]] for c in range(classes)]).astype(np.int64)
     sizes_want = [int((ids == c).sum()) for c in range(classes)]
 
-    pos, got_sizes = contexts.select_positions(pieces, info, lo, classes, ranks, counts)
-    assert np.array_equal(pos, want)
+    found, got_sizes = contexts.select_positions(pieces, info, lo, classes, ranks, counts)
+    assert np.array_equal(found.pos, np.sort(want))  # ascending,
+    assert np.array_equal(want[found.order], found.pos)  # each named by its rank,
+    assert np.array_equal(found.old, flat[found.pos])  # with the base's bits
+    assert found.old.dtype == flat.dtype
     assert got_sizes == sizes_want
     idx = np.sort(want)
     in_class, got_sizes = contexts.rank_positions(pieces, info, lo, classes, idx, ids[idx])
@@ -73,8 +76,8 @@ def test_ranks_that_do_not_fit_are_reported_not_written(classes):
     counts = [0] * classes
     counts[c] = 2
     for bad in ([3, 3], [5, 4], [0, int(sizes[c])]):  # repeated, descending, beyond the class
-        pos, got = contexts.select_positions(pieces, info, lo, classes, np.array(bad, dtype=np.int64), counts)
-        assert pos is None and got[c] == sizes[c]
+        found, got = contexts.select_positions(pieces, info, lo, classes, np.array(bad, dtype=np.int64), counts)
+        assert found is None and got[c] == sizes[c]
     with pytest.raises(ValueError, match="ascending"):
         contexts.rank_positions(pieces, info, lo, classes, np.array([4, 2]), np.zeros(2, dtype=np.int64))
     with pytest.raises(ValueError, match="ascending"):
@@ -84,22 +87,23 @@ def test_ranks_that_do_not_fit_are_reported_not_written(classes):
 def test_argument_errors_are_clear():
     k = contexts.KERNEL
     x = np.zeros(10, dtype=np.uint16)
-    out, sizes = np.empty(0, dtype=np.int64), np.empty(8, dtype=np.int64)
+    empty, sizes = np.empty(0, dtype=np.int64), np.empty(8, dtype=np.int64)
+    out = (empty, empty, np.empty(0, np.uint8))
     with pytest.raises(ValueError, match="width"):
-        k.select([x], 3, 7, 255, 0, 8, np.empty(0, np.int64), np.zeros(8, np.int64), out, sizes)
+        k.select([x], 3, 7, 255, 0, 8, np.empty(0, np.int64), np.zeros(8, np.int64), *out, sizes)
     with pytest.raises(ValueError, match="classes"):
-        k.select([x], 2, 7, 255, 0, 3, np.empty(0, np.int64), np.zeros(3, np.int64), out, sizes)
+        k.select([x], 2, 7, 255, 0, 3, np.empty(0, np.int64), np.zeros(3, np.int64), *out, sizes)
     with pytest.raises(ValueError, match="multiple of 2"):
-        k.select([np.zeros(3, np.uint8)], 2, 7, 255, 0, 8, np.empty(0, np.int64), np.zeros(8, np.int64), out, sizes)
+        k.select([np.zeros(3, np.uint8)], 2, 7, 255, 0, 8, np.empty(0, np.int64), np.zeros(8, np.int64), *out, sizes)
     many = [np.zeros(4, np.uint16) for _ in range(70)] + [np.zeros(3, np.uint8)]  # past the on-stack piece table
     with pytest.raises(ValueError, match="piece 70: expected a multiple of 2 bytes, found 3"):
-        k.select(many, 2, 7, 255, 0, 8, np.empty(0, np.int64), np.zeros(8, np.int64), out, sizes)
-    assert k.select(many[:70], 2, 7, 255, 0, 8, np.empty(0, np.int64), np.zeros(8, np.int64), out, sizes)
+        k.select(many, 2, 7, 255, 0, 8, np.empty(0, np.int64), np.zeros(8, np.int64), *out, sizes)
+    assert k.select(many[:70], 2, 7, 255, 0, 8, np.empty(0, np.int64), np.zeros(8, np.int64), *out, sizes)
     assert sizes[0] == 280
     with pytest.raises(TypeError, match="read-write"):
         ro = np.empty(8, dtype=np.int64)
         ro.flags.writeable = False
-        k.select([x], 2, 7, 255, 0, 8, np.empty(0, np.int64), np.zeros(8, np.int64), out, ro)
+        k.select([x], 2, 7, 255, 0, 8, np.empty(0, np.int64), np.zeros(8, np.int64), *out, ro)
 
 
 @pytest.mark.parametrize("lr", [1e-5, 1e-2])
@@ -184,3 +188,73 @@ def test_unpack_bits_matches_numpy(pairs, scalar, tamper):
 def test_rice_decoders_reject_the_same_random_bytes(blob, count, k):
     compiled, numpy_ = _both("unpack", blob, count, k)
     assert compiled == numpy_ or (isinstance(compiled, tuple) and isinstance(numpy_, tuple)), (compiled, numpy_)
+
+
+# --- the encoder's kernels: the compare and the Rice and bit-field writers against numpy ------------
+
+@settings(max_examples=300, deadline=None)
+@given(pairs=st.lists(st.tuples(st.integers(0, 2**64 - 1), st.integers(0, 64)), max_size=200), scalar=st.booleans())
+def test_pack_bits_writes_the_numpy_bytes(pairs, scalar):
+    v = np.array([p[0] for p in pairs], dtype=np.uint64)
+    w = (pairs[0][1] if pairs else 7) if scalar else np.array([p[1] for p in pairs], dtype=np.int64)
+    assert ricecode.pack_bits(v, w) == ricecode._pack_bits_numpy(v, w)
+
+
+@settings(max_examples=300, deadline=None)
+@given(values=st.lists(st.integers(0, 2**64 - 1) | st.integers(0, 300), max_size=200),
+       k=st.integers(0, 40), per_value=st.booleans(), data=st.data())
+def test_rice_pack_writes_the_numpy_bytes(values, k, per_value, data):
+    v = np.array(values, dtype=np.uint64)
+    ks = np.array(data.draw(st.lists(st.integers(0, 40), min_size=v.size, max_size=v.size)), dtype=np.int64) \
+        if per_value else k
+    assert ricecode.pack(v, ks) == ricecode._pack_numpy(v, ks)
+
+
+def test_writers_reject_widths_out_of_range():
+    v = np.ones(2, dtype=np.uint64)
+    with pytest.raises(ValueError, match="width 1: expected 0..64, found 65"):
+        contexts.KERNEL.pack_bits(v, np.array([3, 65]), 0)
+    with pytest.raises(ValueError, match="width: expected 0..40, found 41"):
+        contexts.KERNEL.rice_pack(v, np.empty(0, np.int64), 41)
+    with pytest.raises(ValueError, match="expected 2 int64"):
+        contexts.KERNEL.rice_pack(v, np.zeros(3, np.int64), 0)
+
+
+@settings(max_examples=150, deadline=None)
+@given(dtype=st.sampled_from(DTYPES + [torch.int8]), sizes=st.lists(st.integers(0, 300), min_size=1, max_size=5),
+       density=st.floats(0, 1), seed=st.integers(0, 2**16), cap=st.integers(1, 50))
+def test_changes_finds_what_numpy_finds_whatever_the_room(dtype, sizes, density, seed, cap):
+    from protocol.patch import _changed, _changed_numpy
+
+    rng = np.random.default_rng(seed)
+    int_dtype = info_of(dtype).int_dtype
+    base = [torch.from_numpy(rng.integers(-100, 100, n).astype(np.int64)).to(int_dtype).numpy() for n in sizes]
+    target = [b.copy() for b in base]
+    for t in target:
+        hit = rng.random(t.size) < density
+        t[hit] += 1  # wraps at the type's edge, still another bit pattern
+    want = _changed_numpy(base, target)
+    got = _changed(base, target)
+    assert all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(got, want))
+    # A kernel call stops when its room is full and says where to go on from.
+    width, total = base[0].dtype.itemsize, sum(sizes)
+    parts, start = [], 0
+    for _ in range(total + 2):
+        pos, old, new = np.empty(cap, np.int64), np.empty(cap, base[0].dtype), np.empty(cap, base[0].dtype)
+        n, start = contexts.KERNEL.changes(base, target, width, start, pos, old.view(np.uint8), new.view(np.uint8))
+        parts.append(pos[:n])
+        if start >= total:
+            break
+    assert np.array_equal(np.concatenate(parts), want[0])
+
+
+def test_changes_argument_errors_are_clear():
+    k = contexts.KERNEL
+    a, b = np.zeros(4, np.uint16), np.zeros(5, np.uint16)
+    room = (np.empty(4, np.int64), np.empty(8, np.uint8), np.empty(8, np.uint8))
+    with pytest.raises(ValueError, match="piece 0: expected the same length in base and target, found 8 and 10"):
+        k.changes([a], [b], 2, 0, *room)
+    with pytest.raises(ValueError, match="expected as many target pieces as base pieces"):
+        k.changes([a], [a, a], 2, 0, *room)
+    with pytest.raises(ValueError, match="width"):
+        k.changes([a], [a], 8, 0, *room)

@@ -1,0 +1,57 @@
+"""protocol/parallel.py: results in task order, the first error a serial loop would raise, every task waited for."""
+
+import threading
+import time
+
+import pytest
+
+from protocol import parallel
+
+
+def test_results_come_back_in_task_order_from_several_threads():
+    names = []
+
+    def task(i):
+        def run():
+            time.sleep(0.001 * (i % 3))
+            names.append(threading.current_thread().ident)
+            return i * i
+        return run
+
+    done = []
+    assert parallel.run_all([task(i) for i in range(40)], threads=4, on_done=done.append) == [i * i for i in range(40)]
+    assert done == list(range(1, 41))  # one call per task, counting up
+
+
+def test_the_lowest_failing_task_is_the_error_raised_after_every_started_task_ends():
+    finished = []
+
+    def task(i):
+        def run():
+            if i in (5, 9):
+                raise ValueError(f"task {i}")
+            time.sleep(0.002)
+            finished.append(i)
+        return run
+
+    with pytest.raises(ValueError, match="task 5"):
+        parallel.run_all([task(i) for i in range(30)], threads=3)
+    assert set(range(5)) <= set(finished)  # every task below the failure ran to its end
+    time.sleep(0.01)
+    count = len(finished)
+    time.sleep(0.02)
+    assert len(finished) == count  # nothing still running after run_all returned
+
+
+def test_one_thread_or_no_tasks():
+    assert parallel.run_all([], threads=8) == []
+    assert parallel.run_all([lambda: threading.current_thread()], threads=1) == [threading.current_thread()]
+
+
+def test_thread_counts_follow_work_cores_and_tasks(monkeypatch):
+    monkeypatch.setattr(parallel, "cores", lambda: 4)
+    assert parallel.threads_for(tasks=1, work=10**9, min_work_per_thread=1) == 1
+    assert parallel.threads_for(tasks=10, work=100, min_work_per_thread=100) == 1
+    assert parallel.threads_for(tasks=10, work=250, min_work_per_thread=100) == 2
+    assert parallel.threads_for(tasks=3, work=10**9, min_work_per_thread=1) == 3
+    assert parallel.threads_for(tasks=10, work=10**9, min_work_per_thread=1) == 4
