@@ -4,6 +4,8 @@ The compiled module is optional (setup.py); these tests skip, saying why, where 
 did not build, and the codec tests then run on the numpy version alone.
 """
 
+import contextlib
+
 import hypothesis.strategies as st
 import numpy as np
 import pytest
@@ -32,11 +34,31 @@ def _numpy(monkeypatch):
     monkeypatch.setattr(contexts, "KERNEL", None)
 
 
+BOOKKEEPING = ["avx2", "scalar"]  # select and rank with their AVX2 class bookkeeping, then with the scalar one
+
+
+@contextlib.contextmanager
+def _bookkeeping(which):
+    k = contexts.KERNEL
+    if not k.use_avx2(which == "avx2") and which == "avx2":
+        pytest.skip("this CPU (or build) has no AVX2 passes")
+    try:
+        yield
+    finally:
+        k.use_avx2(True)
+
+
+@pytest.mark.parametrize("bookkeeping", BOOKKEEPING)
 @settings(max_examples=150, deadline=None)
 @given(dtype=st.sampled_from(DTYPES), sizes=st.lists(st.integers(0, 3000), min_size=1, max_size=5),
        classes=st.sampled_from([1, 2, 4, 8]), lo_shift=st.integers(-6, 6), density=st.floats(0, 1),
        seed=st.integers(0, 2**16))
-def test_select_and_rank_match_the_numpy_index(dtype, sizes, classes, lo_shift, density, seed):
+def test_select_and_rank_match_the_numpy_index(bookkeeping, dtype, sizes, classes, lo_shift, density, seed):
+    with _bookkeeping(bookkeeping):
+        _select_and_rank_match(dtype, sizes, classes, lo_shift, density, seed)
+
+
+def _select_and_rank_match(dtype, sizes, classes, lo_shift, density, seed):
     info = info_of(dtype)
     pieces = _pieces(dtype, sizes, seed)
     flat = np.concatenate(pieces)
@@ -65,8 +87,14 @@ def test_select_and_rank_match_the_numpy_index(dtype, sizes, classes, lo_shift, 
         assert np.array_equal(ci.select_runs(ranks, counts), want)
 
 
-@pytest.mark.parametrize("classes", [1, 2, 8])
-def test_ranks_that_do_not_fit_are_reported_not_written(classes):
+@pytest.mark.parametrize("bookkeeping", BOOKKEEPING)
+@pytest.mark.parametrize("classes", [1, 2, 4, 8])
+def test_ranks_that_do_not_fit_are_reported_not_written(bookkeeping, classes):
+    with _bookkeeping(bookkeeping):
+        _ranks_that_do_not_fit(classes)
+
+
+def _ranks_that_do_not_fit(classes):
     info = info_of(torch.bfloat16)
     pieces = _pieces(torch.bfloat16, [700, 5, 300], 1)
     keys = contexts.keys_of(np.concatenate(pieces), info)
