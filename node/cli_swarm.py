@@ -176,6 +176,8 @@ def _node_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--apply-nice", type=non_negative_int, default=APPLY_NICE, metavar="N",
                    help=f"apply versions N nice steps below the daemon, so serving peers comes first "
                         f"(default {APPLY_NICE}; 0: same priority)")
+    p.add_argument("--apply-threads", type=non_negative_int, default=0, metavar="N",
+                   help="threads that decode and hash a version (default 0: one per core, as the work is worth)")
     p.add_argument("--wan-gateways", type=non_negative_int, default=WAN_GATEWAYS, metavar="K",
                    help=f"members per region that bring each version across the WAN (default {WAN_GATEWAYS}; "
                         f"0: every member)")
@@ -188,7 +190,8 @@ def cmd_node(args: argparse.Namespace) -> int:
 
     n = Node(NodeConfig(args.tracker, args.creds, args.data_dir, args.listen, args.region,
                         args.upload_limit, args.download_limit, args.no_peers, spool_bytes=args.spool_bytes,
-                        apply_nice=args.apply_nice, wan_gateways=args.wan_gateways or None))
+                        apply_nice=args.apply_nice, apply_threads=args.apply_threads or None,
+                        wan_gateways=args.wan_gateways or None))
     return run_service(f"node {n.id}", n.run, args.verbose)
 
 

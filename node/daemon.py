@@ -89,6 +89,7 @@ class NodeConfig:
     seed: int | None = None
     spool_bytes: int = SPOOL_BYTES
     apply_nice: int = APPLY_NICE
+    apply_threads: int | None = None  # None: as many as the cores (protocol/parallel.py)
     wan_gateways: int | None = WAN_GATEWAYS
 
 
@@ -476,7 +477,8 @@ class Node:
         state = {} if self.weights is None else self.weights.state
 
         def work() -> None:
-            apply_patch(state, patch_of(m, self.store.chunks(key)))  # in place; on error unchanged
+            # in place; on error unchanged
+            apply_patch(state, patch_of(m, self.store.chunks(key)), threads=self.cfg.apply_threads)
 
         try:
             # Below the loop's priority: peers fetching this version from us come first (node/lowprio.py).

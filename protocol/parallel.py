@@ -38,12 +38,13 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
-def threads_for(tasks: int, work: int, min_work_per_thread: int) -> int:
+def threads_for(tasks: int, work: int, min_work_per_thread: int, limit: int | None = None) -> int:
     """How many threads `tasks` tasks of `work` units in all are worth:
-    at most one per task and per core, each with at least `min_work_per_thread`."""
+    at most one per task and per core, each with at least `min_work_per_thread`,
+    and at most `limit` when the caller sets one."""
     if tasks < 2 or work < 2 * min_work_per_thread:
         return 1
-    return max(1, min(cores(), MAX_THREADS, tasks, work // min_work_per_thread))
+    return max(1, min(cores(), MAX_THREADS, tasks, work // min_work_per_thread, limit or MAX_THREADS))
 
 
 class _Job:

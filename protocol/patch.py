@@ -621,9 +621,9 @@ def _named_segments(chunk: bytes, tensors: list[TensorSpec]) -> tuple[list[_Segm
 
 
 def decode_chunks(state: State, chunks: list[bytes], tensors: list[TensorSpec], _specs: dict | None = None,
-                  progress: Progress = None) -> list[DecodedChunk]:
-    """`decode_chunk` of each chunk, their segments decoded on every core
-    (`progress(done, total)` counts segments).
+                  progress: Progress = None, threads: int | None = None) -> list[DecodedChunk]:
+    """`decode_chunk` of each chunk, their segments decoded on every core (at
+    most `threads` threads when set; `progress(done, total)` counts segments).
 
     Raises the error a loop over the chunks in order would have raised first:
     parsing and the state checks run in order, the decodes in parallel with
@@ -656,7 +656,7 @@ def decode_chunks(state: State, chunks: list[bytes], tensors: list[TensorSpec], 
         plan.append((steps, old_digest, new_digest, views))
         if steps and isinstance(steps[-1], PatchswarmError):
             break
-    results = parallel.run_all(tasks, parallel.threads_for(len(tasks), work, PARALLEL_MIN_BYTES),
+    results = parallel.run_all(tasks, parallel.threads_for(len(tasks), work, PARALLEL_MIN_BYTES, threads),
                                on_done=(lambda k: progress(k, len(tasks))) if progress else None)
     decoded = []
     for item in plan:
@@ -729,8 +729,11 @@ def restore(state: State, saved: dict[str, torch.Tensor | None]) -> None:
             state[name] = t
 
 
-def apply(state: State, patch: Patch, progress: Progress = None) -> None:
-    """Apply `patch` to `state` in place; on any error the state is left unchanged."""
+def apply(state: State, patch: Patch, progress: Progress = None, threads: int | None = None) -> None:
+    """Apply `patch` to `state` in place; on any error the state is left unchanged.
+
+    `threads`: at most this many for decoding and hashing (None: as many as
+    the cores and the work are worth)."""
     _check_state(state, "state")
     if not isinstance(patch, Patch):
         raise UsageError(f"patch: expected a Patch, found {type(patch).__name__}")
@@ -744,7 +747,7 @@ def apply(state: State, patch: Patch, progress: Progress = None) -> None:
         segments[0] = total
         progress(done, total + n)
 
-    decoded = decode_chunks(state, patch.chunks, patch.tensors, progress=decoding if progress else None)
+    decoded = decode_chunks(state, patch.chunks, patch.tensors, progress=decoding if progress else None, threads=threads)
     saved = prepare(state, patch)
     done = []
     try:
@@ -753,7 +756,7 @@ def apply(state: State, patch: Patch, progress: Progress = None) -> None:
             done.append(d)
             if progress:
                 progress(segments[0] + i + 1, segments[0] + n)
-        found = state_hash(state)
+        found = state_hash(state, threads)
         if found != patch.target_hash:
             raise StateHashMismatch("patched state", patch.target_hash, found)
     except BaseException:

@@ -56,8 +56,8 @@ def _digest_block(mv: memoryview) -> bytes:
     return blake3.blake3(mv).digest()
 
 
-def _workers(total_bytes: int, blocks: int) -> int:
-    return parallel.threads_for(blocks, total_bytes, _PARALLEL_MIN_BYTES // 2)
+def _workers(total_bytes: int, blocks: int, limit: int | None = None) -> int:
+    return parallel.threads_for(blocks, total_bytes, _PARALLEL_MIN_BYTES // 2, limit)
 
 
 def _blocks(state: dict[str, torch.Tensor]) -> tuple[list[str], list[int], list[memoryview]]:
@@ -118,6 +118,7 @@ def hash_bytes(states: list[dict[str, torch.Tensor]]) -> int:
     return sum(t.numel() * t.element_size() for s in states for t in s.values())
 
 
-def state_hash(state: dict[str, torch.Tensor]) -> str:
+def state_hash(state: dict[str, torch.Tensor], threads: int | None = None) -> str:
+    """`threads`: at most this many (None: as many as the cores and the work are worth)."""
     tasks, finish = hash_tasks([state])
-    return finish(parallel.run_all(tasks, _workers(hash_bytes([state]), len(tasks))))[0]
+    return finish(parallel.run_all(tasks, _workers(hash_bytes([state]), len(tasks), threads)))[0]

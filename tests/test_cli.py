@@ -155,3 +155,10 @@ def test_usage_error_exit_code():
     assert r.returncode == 2
     r = cli("frobnicate", check=False)
     assert r.returncode == 2
+
+
+@pytest.mark.parametrize("flag", ["--apply-threads", "--apply-nice", "--wan-gateways"])
+def test_node_count_flags_reject_negatives(flag):
+    r = cli("node", "--tracker", "127.0.0.1:1", "--creds", "x", "--data-dir", "y", "--region", "r", flag, "-1",
+            check=False)
+    assert r.returncode == 2 and flag in r.stderr and "-1" in r.stderr

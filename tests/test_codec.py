@@ -466,3 +466,15 @@ def test_changes_are_every_differing_position_in_order(sizes, seed):
     ts = [np.where(rng.random(n) < 0.1, b + 1, b).astype(np.int16) for b, n in zip(bs, sizes)]
     got = _changes(bs, ts, np.empty(sum(sizes), dtype=bool))
     assert np.array_equal(got, np.flatnonzero(np.concatenate(bs) != np.concatenate(ts)))
+
+
+def test_apply_gives_the_same_bits_on_one_thread_or_many():
+    gen = torch.Generator().manual_seed(3)
+    base = {f"w{i}": (torch.randn(60_000, generator=gen) * 0.02).bfloat16() for i in range(6)}
+    target = {k: (v.float() + 1e-3 * torch.randn(v.shape, generator=gen)).bfloat16() for k, v in base.items()}
+    p = Patch.from_bytes(diff(base, target, segment_elements=50_000, chunk_bytes=20_000).to_bytes())
+    assert len(p.chunks) > 2
+    for threads in (1, None):
+        state = clone(base)
+        apply(state, p, threads=threads)
+        assert all(torch.equal(bits(state[k]), bits(target[k])) for k in target)
