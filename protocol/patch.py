@@ -20,7 +20,9 @@ one range of a large tensor, or several small tensors back to back. Segments
 never overlap, so chunks decode and apply in any order. A chunk's digests
 cover the old and new bit patterns of its changed elements in segment order,
 inside a segment in the order the codes list them (by class, ascending
-position inside a class). Pure: no files, no sockets, no clocks.
+position inside a class). Segments are encoded and decoded as independent
+tasks on every core (parallel.py); errors still surface in chunk order.
+Pure: no files, no sockets, no clocks.
 """
 
 from __future__ import annotations
