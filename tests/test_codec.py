@@ -378,9 +378,9 @@ def test_state_hash_is_blake3_prefixed_and_independent_of_threads(monkeypatch):
              "d": torch.ones(5, 7).t()}
     h = state_hash(state)
     assert statehash.is_state_hash(h) and h.startswith("blake3:")
-    monkeypatch.setattr(statehash, "_workers", lambda total, blocks: 1)
+    monkeypatch.setattr(statehash, "_workers", lambda total, blocks, limit=None: 1)
     assert state_hash(state) == h
-    monkeypatch.setattr(statehash, "_workers", lambda total, blocks: 7)
+    monkeypatch.setattr(statehash, "_workers", lambda total, blocks, limit=None: 7)
     monkeypatch.setattr(statehash, "BLOCK_BYTES", 1 << 20)
     other = state_hash(state)  # another block size is another definition
     assert other != h and statehash.is_state_hash(other)
@@ -478,3 +478,8 @@ def test_apply_gives_the_same_bits_on_one_thread_or_many():
         state = clone(base)
         apply(state, p, threads=threads)
         assert all(torch.equal(bits(state[k]), bits(target[k])) for k in target)
+
+
+def test_state_hash_is_the_same_on_one_thread_or_many():
+    state = {f"t{i}": torch.arange(300_000 + i, dtype=torch.int32) for i in range(5)}
+    assert state_hash(state, threads=1) == state_hash(state) == state_hash(state, threads=3)
