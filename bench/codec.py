@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=ROUNDS, help="interleaved timing rounds per pair (minimum kept)")
     ap.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     ap.add_argument("--no-kernel", action="store_true",
-                    help="use the numpy class index and Rice/bit-field decoders instead of protocol/_kernels")
+                    help="use the numpy versions (class index, compare, Rice/bit-field coders) instead of protocol/_kernels")
     args = ap.parse_args(argv)
     from protocol import contexts, ricecode
 

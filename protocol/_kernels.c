@@ -145,7 +145,8 @@ typedef struct {
     int64_t n;
 } Found;
 
-static inline __attribute__((always_inline)) void put_old(char *dst, const char *src, int width) {
+/* One element's bits, 1, 2 or 4 bytes, copied. */
+static inline __attribute__((always_inline)) void put_elem(char *dst, const char *src, int width) {
     switch (width) {
         case 2: memcpy(dst, src, 2); break;
         case 4: memcpy(dst, src, 4); break;
@@ -187,7 +188,7 @@ static inline __attribute__((always_inline)) int64_t emit_word(uint64_t hits, co
         hits &= hits - 1;
         pos[n] = word_pos + bit;
         order[n] = slot[bit];
-        put_old(old + n * width, word_bits + bit * width, width);
+        put_elem(old + n * width, word_bits + bit * width, width);
         n++;
     }
     return n;
@@ -723,7 +724,6 @@ static inline __attribute__((always_inline)) uint64_t word_at(const char *p) {
     return w;
 }
 
-static inline __attribute__((always_inline)) void put_value(char *dst, const char *src, int width) { put_old(dst, src, width); }
 
 /* Scans elements [i, n) of one piece pair; appends differing ones (position offset + i, old, new) while
  * *count < cap. Returns where it stopped: n, or the first differing element it had no room for. */
@@ -755,8 +755,8 @@ HOT static Py_ssize_t scan_piece(const char *a, const char *b, Py_ssize_t n, int
                 return i;
             }
             pos[k] = offset + i;
-            put_value(old + k * width, x, width);
-            put_value(nw + k * width, y, width);
+            put_elem(old + k * width, x, width);
+            put_elem(nw + k * width, y, width);
             k++;
         }
     }
@@ -1188,19 +1188,13 @@ static PyObject *k_pack_bits(PyObject *self, PyObject *args) {
     Py_ssize_t count;
     const int64_t *w;
     if (open_fields(args, 64, &values, &widths, &width, &count, &w, &total) < 0) return NULL;
-    PyObject *result = NULL;
-    Py_ssize_t len = (Py_ssize_t)((total + 7) / 8);
-    uint8_t *buf = PyMem_Malloc((size_t)len + 8);
-    if (!buf) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    BitWriter b = {buf, 0, 0};
+    /* Written in place: the writer's 8-byte stores never pass the last whole word of its bits. */
+    PyObject *result = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)((total + 7) / 8));
+    if (!result) goto done;
+    BitWriter b = {(uint8_t *)PyBytes_AS_STRING(result), 0, 0};
     Py_BEGIN_ALLOW_THREADS
     put_fields(&b, values.buf, w, width, count);
     Py_END_ALLOW_THREADS
-    result = PyBytes_FromStringAndSize((const char *)buf, len);
-    PyMem_Free(buf);
 done:
     PyBuffer_Release(&values);
     PyBuffer_Release(&widths);
@@ -1223,12 +1217,9 @@ static PyObject *k_rice_pack(PyObject *self, PyObject *args) {
         unary_bits += (q >= ESCAPE_Q ? ESCAPE_Q : (long long)q) + 1;
     }
     Py_ssize_t rem_len = (Py_ssize_t)((rem_bits + 7) / 8), unary_len = (Py_ssize_t)((unary_bits + 7) / 8);
-    Py_ssize_t len = count ? rem_len + unary_len + 8 * (Py_ssize_t)escapes : 0;
-    uint8_t *buf = PyMem_Malloc((size_t)len + 8);
-    if (!buf) {
-        PyErr_NoMemory();
-        goto done;
-    }
+    result = PyBytes_FromStringAndSize(NULL, count ? rem_len + unary_len + 8 * (Py_ssize_t)escapes : 0);
+    if (!result) goto done;
+    uint8_t *buf = (uint8_t *)PyBytes_AS_STRING(result);
     if (count) {
         Py_BEGIN_ALLOW_THREADS
         BitWriter rem = {buf, 0, 0};
@@ -1247,8 +1238,6 @@ static PyObject *k_rice_pack(PyObject *self, PyObject *args) {
         flush_bits(&un);
         Py_END_ALLOW_THREADS
     }
-    result = PyBytes_FromStringAndSize((const char *)buf, len);
-    PyMem_Free(buf);
 done:
     PyBuffer_Release(&values);
     PyBuffer_Release(&ks);

@@ -182,11 +182,17 @@ def select_positions(pieces: list[np.ndarray], info: DtypeInfo, lo: int, classes
     return Selected(pos, order, gather_sorted(pieces, pos)), sizes
 
 
+def piece_cuts(pieces: list[np.ndarray], pos: np.ndarray) -> tuple[list[int], list[int]]:
+    """(where each piece starts in the pieces' concatenation, where its share of the
+    ascending positions `pos` starts), each with one more entry for the end."""
+    offsets = np.cumsum([0] + [p.size for p in pieces])
+    return offsets.tolist(), np.searchsorted(pos, offsets).tolist()
+
+
 def gather_sorted(pieces: list[np.ndarray], pos: np.ndarray) -> np.ndarray:
     """The pieces' elements at ascending positions into their concatenation."""
     out = np.empty(pos.size, dtype=pieces[0].dtype if pieces else np.uint8)
-    offsets = np.cumsum([0] + [p.size for p in pieces])
-    cuts = np.searchsorted(pos, offsets).tolist()
+    offsets, cuts = piece_cuts(pieces, pos)
     for i, p in enumerate(pieces):
         a, b = cuts[i], cuts[i + 1]
         if b > a:

@@ -1,8 +1,8 @@
 """Independent pieces of one computation spread over the cores.
 
 Owns `run_all(tasks, threads)`: the tasks run on the caller's thread and on
-helper threads that live and die inside the call, each taking the next task
-until none is left, so a thread the scheduler keeps waiting costs at most one
+helper threads started by the call, each taking the next task until none is
+left, so a thread the scheduler keeps waiting costs at most one
 task, never a fixed share. It pays only where tasks spend their time outside
 the interpreter lock: the codec's compiled kernels, BLAKE3 and most numpy
 calls on large arrays release it.

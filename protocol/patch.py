@@ -562,13 +562,12 @@ def _decode_delta(state: State, seg: _Segment, views: dict):
     if info.width < 8 and pos.size and (new_ord.min() < lo or new_ord.max() > hi):
         raise CorruptData(f"segment values: expected bit patterns of {info.name}, found out-of-range deltas")
     new = ordered_bits(new_ord.astype(info.np_int), info)
-    offsets = np.cumsum([0] + [b.size for b in bs])
-    cuts = np.searchsorted(pos, offsets).tolist()
+    offsets, cuts = contexts.piece_cuts(bs, pos)
     writes = []
     for i, (name, s, _e) in enumerate(seg.pieces):
         a, b = cuts[i], cuts[i + 1]
         if b > a:
-            shift = s - int(offsets[i])
+            shift = s - offsets[i]
             writes.append((name, pos[a:b] + shift if shift else pos[a:b], old[a:b], new[a:b]))
     if order is None:
         return writes, old, new

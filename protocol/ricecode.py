@@ -127,15 +127,15 @@ def _offsets(widths: np.ndarray | int, count: int) -> tuple[np.ndarray | int, np
 def pack_bits(values: np.ndarray, widths: np.ndarray | int) -> bytes:
     """The low widths[i] (≤ 64) bits of each value, back to back, little-endian."""
     if KERNEL is not None:
-        return KERNEL.pack_bits(*_field_args(values, widths))
+        return KERNEL.pack_bits(np.ascontiguousarray(values, dtype=np.uint64), *_kernel_widths(widths))
     return _pack_bits_numpy(values, widths)
 
 
-def _field_args(values: np.ndarray, widths: np.ndarray | int) -> tuple[np.ndarray, np.ndarray, int]:
-    """The compiled writers' (values, per-value widths or none, one width)."""
-    scalar = np.ndim(widths) == 0
-    return (np.ascontiguousarray(values, dtype=np.uint64),
-            _NO_WIDTHS if scalar else np.ascontiguousarray(widths, dtype=np.int64), int(widths) if scalar else 0)
+def _kernel_widths(widths: np.ndarray | int) -> tuple[np.ndarray, int]:
+    """How the compiled coders take widths (or Rice k's): per value, or none and one for all."""
+    if np.ndim(widths) == 0:
+        return _NO_WIDTHS, int(widths)
+    return np.ascontiguousarray(widths, dtype=np.int64), 0
 
 
 def _pack_bits_numpy(values: np.ndarray, widths: np.ndarray | int) -> bytes:
@@ -174,10 +174,8 @@ def unpack_bits(data: bytes, widths: np.ndarray | int, count: int) -> np.ndarray
     """Inverse of `pack_bits`; `data` must be exactly the packed bytes."""
     if KERNEL is not None:
         out = np.empty(count, dtype=np.uint64)
-        scalar = np.ndim(widths) == 0
         try:
-            KERNEL.unpack_bits(data, _NO_WIDTHS if scalar else np.ascontiguousarray(widths, dtype=np.int64),
-                               int(widths) if scalar else 0, count, out)
+            KERNEL.unpack_bits(data, *_kernel_widths(widths), count, out)
         except ValueError as e:
             raise CorruptData(str(e)) from None
         return out
@@ -209,7 +207,7 @@ def _unpack_bits_numpy(data: bytes, widths: np.ndarray | int, count: int) -> np.
 def pack(values: np.ndarray, k: np.ndarray | int) -> bytes:
     """Rice blob of `values` with parameter k (an int, or one per value, 0..MAX_K)."""
     if KERNEL is not None:
-        return KERNEL.rice_pack(*_field_args(values, k))
+        return KERNEL.rice_pack(np.ascontiguousarray(values, dtype=np.uint64), *_kernel_widths(k))
     return _pack_numpy(values, k)
 
 
@@ -237,10 +235,8 @@ def unpack(data: bytes, count: int, k: np.ndarray | int) -> np.ndarray:
         return np.zeros(0, dtype=np.uint64)
     if KERNEL is not None:
         out = np.empty(count, dtype=np.uint64)
-        scalar = np.ndim(k) == 0
         try:
-            KERNEL.rice_unpack(data, count, _NO_WIDTHS if scalar else np.ascontiguousarray(k, dtype=np.int64),
-                               int(k) if scalar else 0, out)
+            KERNEL.rice_unpack(data, count, *_kernel_widths(k), out)
         except ValueError as e:
             raise CorruptData(str(e)) from None
         return out

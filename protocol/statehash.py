@@ -11,8 +11,8 @@ Why BLAKE3: the full-state check is the floor of every verified `apply`.
 SHA-256 ran at ~1.6 GB/s per core here (with SHA extensions), about as long
 as the whole compare of two versions; BLAKE3 is a cryptographic hash at
 ~3 GB/s per core with AVX2. Why the block tree: the blocks are hashed on
-every core (protocol/parallel.py: threads that live and die inside the call;
-the blake3 module releases the GIL), without the blake3 module's own global
+every core (protocol/parallel.py: threads started by the call; the blake3
+module releases the GIL), without the blake3 module's own global
 thread pool; `hash_tasks` lets `diff` run the hashing of base and target
 among its own encoding tasks. Pure computation otherwise: no files, no
 clocks.
