@@ -3,11 +3,12 @@
 Owns the one place a node's bulk CPU work (decoding and applying a version)
 leaves the event loop. Why a thread of its own rather than
 `trio.to_thread.run_sync`: Linux schedules threads one by one, so a nice
-value set on a thread applies to it alone, and threads it starts (the state
-hash's helpers) inherit it. trio's worker threads are cached and reused, and
-an unprivileged process cannot raise a thread's priority back, so lowering
-one of them would leave a slow thread behind for the spool and the weights
-writer. This thread lives and dies inside the call.
+value set on a thread applies to it alone, and threads it starts (the
+decode and state-hash helpers, protocol/parallel.py) inherit it. trio's
+worker threads are cached and reused, and an unprivileged process cannot
+raise a thread's priority back, so lowering one of them would leave a slow
+thread behind for the spool and the weights writer. This thread lives and
+dies inside the call.
 
 Why lower at all: while a node applies a version, its peers are still
 fetching that version's chunks from it. Serving them is the swarm's critical
