@@ -946,11 +946,12 @@ done:
     return result;
 }
 
-/* The unary part: q[i] = one-bits before the i-th zero-bit, from bit 0 of u (ubits bits).
- * Returns the bit just after the last zero read, or -1 when fewer than count zeros lie inside. */
-HOT static long long read_unary(const uint8_t *u, uint64_t ubits, Py_ssize_t count, uint64_t *q, Py_ssize_t *found,
-                                uint64_t *q_max) {
-    uint64_t bit = 0, top = 0;
+/* Both parts at once: value i = (one-bits before the i-th zero-bit of the unary part, from bit 0 of u,
+ * ubits bits) << k_i | its k_i remainder bits (from bit 0 of r, back to back). Returns the bit just after
+ * the last zero read, or -1 when fewer than count zeros lie inside. */
+HOT static long long read_rice(const uint8_t *r, const uint8_t *u, uint64_t ubits, const int64_t *kv, int k,
+                               Py_ssize_t count, uint64_t *out, Py_ssize_t *found, uint64_t *q_max) {
+    uint64_t bit = 0, rbit = 0, top = 0;
     for (Py_ssize_t i = 0; i < count; i++) {
         uint64_t start = bit;
         for (;;) {
@@ -965,8 +966,12 @@ HOT static long long read_unary(const uint8_t *u, uint64_t ubits, Py_ssize_t cou
             *found = i;
             return -1;
         }
-        q[i] = bit - start;
-        if (q[i] > top) top = q[i];
+        uint64_t q = bit - start;
+        if (q > top) top = q;
+        int ki = kv ? (int)kv[i] : k;
+        /* q < 2**57 and ki <= MAX_K: a quotient past ESCAPE_Q is rejected by the caller, whatever this holds */
+        out[i] = (q << ki) | field_at(r, rbit, ki);
+        rbit += (uint64_t)ki;
         bit++;
     }
     *found = count;
@@ -982,7 +987,6 @@ static PyObject *k_rice_unpack(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "y*ny*Lw*", &data, &count, &ks, &k, &out)) return NULL;
     PyObject *result = NULL;
     uint8_t *p = NULL;
-    uint64_t *q = NULL;
     const uint8_t *raw = data.buf;
     if (count <= 0 || out.len < 8 * count) {
         PyErr_Format(PyExc_ValueError, "out: expected room for %zd uint64 (count > 0), found %zd bytes", count, out.len);
@@ -1015,15 +1019,14 @@ static PyObject *k_rice_unpack(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "rice blob: expected at least %zd bytes, found %zd", rem_len + 1, data.len);
         goto done;
     }
-    if (!(p = padded_copy(&data)) || !(q = PyMem_Malloc(sizeof(uint64_t) * (size_t)count))) {
-        if (p) PyErr_NoMemory();
-        goto done;
-    }
+    if (!(p = padded_copy(&data))) goto done;
+    uint64_t *v = out.buf;
+    const int64_t *kv = ks.len ? ks.buf : NULL;
     Py_ssize_t found;
     uint64_t q_max = 0;
     long long end;
     Py_BEGIN_ALLOW_THREADS
-    end = read_unary(p + rem_len, (uint64_t)(data.len - rem_len) * 8, count, q, &found, &q_max);
+    end = read_rice(p, p + rem_len, (uint64_t)(data.len - rem_len) * 8, kv, (int)k, count, v, &found, &q_max);
     Py_END_ALLOW_THREADS
     if (end < 0) {
         PyErr_Format(PyExc_ValueError, "rice unary part: expected %zd values, found %zd", count, found);
@@ -1043,12 +1046,6 @@ static PyObject *k_rice_unpack(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "raw bit field: nonzero padding after the last value");
         goto done;
     }
-    uint64_t *v = out.buf;
-    const int64_t *kv = ks.len ? ks.buf : NULL;
-    Py_BEGIN_ALLOW_THREADS
-    read_fields(p, kv, (int)k, count, v);
-    for (Py_ssize_t i = 0; i < count; i++) v[i] |= q[i] << (kv ? kv[i] : k);
-    Py_END_ALLOW_THREADS
     Py_ssize_t tail_at = rem_len + unary_len, tail = data.len - tail_at;
     if (q_max < ESCAPE_Q) {
         if (tail) {
@@ -1056,15 +1053,16 @@ static PyObject *k_rice_unpack(PyObject *self, PyObject *args) {
             goto done;
         }
     } else {
+        /* value >> k is the quotient: the remainder has k bits */
         Py_ssize_t n_esc = 0;
-        for (Py_ssize_t i = 0; i < count; i++) n_esc += q[i] == ESCAPE_Q;
+        for (Py_ssize_t i = 0; i < count; i++) n_esc += v[i] >> (kv ? kv[i] : k) == ESCAPE_Q;
         if (tail != 8 * n_esc) {
             PyErr_Format(PyExc_ValueError, "rice escapes: expected %zd bytes, found %zd", 8 * n_esc, tail);
             goto done;
         }
         Py_ssize_t e = 0;
         for (Py_ssize_t i = 0; i < count; i++) {
-            if (q[i] != ESCAPE_Q) continue;
+            if (v[i] >> (kv ? kv[i] : k) != ESCAPE_Q) continue;
             uint64_t x = 0;
             for (int b = 7; b >= 0; b--) x = x << 8 | raw[tail_at + 8 * e + b];
             e++;
@@ -1078,9 +1076,151 @@ static PyObject *k_rice_unpack(PyObject *self, PyObject *args) {
     result = Py_NewRef(Py_None);
 done:
     PyMem_Free(p);
-    PyMem_Free(q);
     PyBuffer_Release(&data);
     PyBuffer_Release(&ks);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+/* ------------------------------------------------------------------ a delta segment's values */
+
+#define DIRECT_BITS 4
+#define DIRECT (1 << DIRECT_BITS)
+#define SYMBOLS (DIRECT + 64 - DIRECT_BITS)
+
+/* One pass from the decoded ranks, the symbol tables and the raw low bits to the
+ * int64 deltas (deltacode.decode_deltas's layout; its numpy path is the reference).
+ * classes: per live class [m, values in its ranked code, RUNS?, table length];
+ * ranks: the ranks of the classes whose table has more than one symbol, in class
+ * order; bigs: per RUNS class the in-class positions of |d| > 1 (ascending). */
+typedef struct {
+    const uint8_t *signs, *tables, *raw;
+    const uint64_t *ranks;
+    const int64_t *bigs, *cls;
+    Py_ssize_t n_ranks, n_bigs, n_cls, total;
+    uint64_t raw_bits;
+    int64_t *out;
+} Values;
+
+/* The next value's magnitude: its symbol through the table, then its raw low bits; 0 or a message. */
+static inline __attribute__((always_inline)) const char *next_mag(const Values *v, const uint8_t *table, int64_t tlen,
+                                                                  Py_ssize_t *ri, uint64_t *bit, uint64_t *mag) {
+    uint64_t r = tlen > 1 ? v->ranks[(*ri)++] : 0;
+    if (r >= (uint64_t)tlen) return "ranked code: a rank beyond its symbol table";
+    unsigned sym = table[r];
+    *mag = sym;
+    if (sym >= DIRECT) {
+        int w = (int)sym - DIRECT + DIRECT_BITS;
+        if (*bit + (uint64_t)w > v->raw_bits) return "raw bit field: expected more bits";
+        *mag = ((uint64_t)1 << w) | field_at(v->raw, *bit, w);
+        *bit += (uint64_t)w;
+    }
+    return NULL;
+}
+
+/* d with the sign of element i applied (modular, like the numpy reference) */
+static inline __attribute__((always_inline)) int64_t signed_at(const uint8_t *signs, Py_ssize_t i, uint64_t d) {
+    uint64_t s = (uint64_t)(signs[i >> 3] >> (i & 7) & 1);
+    return (int64_t)((d ^ ((uint64_t)0 - s)) + s);
+}
+
+/* 0, or a message for the first inconsistency met. */
+HOT static const char *values_body(const Values *v) {
+    Py_ssize_t off = 0, ri = 0, bi = 0, t_off = 0;
+    uint64_t bit = 0, mag = 0;
+    const char *err;
+    for (Py_ssize_t c = 0; c < v->n_cls; c++) {
+        const int64_t *row = v->cls + 4 * c;
+        int64_t m = row[0], n = row[1], runs = row[2], tlen = row[3];
+        if (m < 0 || n < 0 || n > m || tlen < 0 || m > v->total - off) return "class table: counts do not fit the segment";
+        if (n && tlen == 0) return "ranked code: a rank beyond its symbol table";
+        if (!runs && n != m) return "ranked code: expected a value per class member";
+        const uint8_t *table = v->tables + t_off;
+        t_off += tlen;
+        if (tlen > 1 && n > v->n_ranks - ri) return "ranked code: fewer ranks than values";
+        if (runs) {
+            /* |d| is 1 except at the listed positions, which must ascend inside the class */
+            if (n > v->n_bigs - bi) return "value runs: fewer positions than values";
+            const int64_t *pos = v->bigs + bi;
+            int64_t taken = 0, next = n ? pos[0] : m;
+            for (int64_t j = 0; j < m; j++) {
+                uint64_t d = 1;
+                if (j == next) {
+                    if ((err = next_mag(v, table, tlen, &ri, &bit, &mag))) return err;
+                    d = mag + 2;
+                    taken++;
+                    next = taken < n ? pos[taken] : m;
+                }
+                v->out[off + j] = signed_at(v->signs, off + j, d);
+            }
+            if (taken != n) return "value runs: expected ascending positions inside the class";
+            bi += n;
+        } else {
+            for (int64_t j = 0; j < m; j++) {
+                if ((err = next_mag(v, table, tlen, &ri, &bit, &mag))) return err;
+                v->out[off + j] = signed_at(v->signs, off + j, mag + 1);
+            }
+        }
+        off += m;
+    }
+    if (off != v->total) return "class table: counts do not add up to the signs";
+    if (ri != v->n_ranks) return "ranked code: more ranks than values";
+    if (bi != v->n_bigs) return "value runs: more positions than values";
+    if ((bit + 7) / 8 != v->raw_bits / 8) return "raw bit field: expected fewer bytes";
+    if (bit % 8 && v->raw[bit >> 3] >> (bit & 7)) return "raw bit field: nonzero padding after the last value";
+    return NULL;
+}
+
+/* values(signs, ranks, bigs, tables, classes, raw, out) -> None: deltacode.decode_deltas's values.
+ * The caller checked the signs' length and padding; the raw field's are checked here. */
+static PyObject *k_values(PyObject *self, PyObject *args) {
+    Py_buffer signs, ranks, bigs, tables, cls, raw, out;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*w*", &signs, &ranks, &bigs, &tables, &cls, &raw, &out)) return NULL;
+    PyObject *result = NULL;
+    uint8_t *p = NULL;
+    Py_ssize_t total = out.len / 8;
+    if (signs.len != (total + 7) / 8 || cls.len % 32 || ranks.len % 8 || bigs.len % 8) {
+        PyErr_SetString(PyExc_ValueError, "values: expected packed signs for every value and whole int64 rows");
+        goto done;
+    }
+    Py_ssize_t table_total = 0;
+    for (Py_ssize_t c = 0; c < cls.len / 32; c++) {
+        int64_t t = ((const int64_t *)cls.buf)[4 * c + 3];
+        if (t < 0 || t > SYMBOLS) {
+            PyErr_Format(PyExc_ValueError, "symbol table: expected at most %d symbols, found %lld", SYMBOLS, (long long)t);
+            goto done;
+        }
+        table_total += (Py_ssize_t)t;
+    }
+    if (table_total != tables.len) {
+        PyErr_Format(PyExc_ValueError, "symbol tables: expected %zd bytes, found %zd", table_total, tables.len);
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < tables.len; i++)
+        if (((const uint8_t *)tables.buf)[i] >= SYMBOLS) {
+            PyErr_Format(PyExc_ValueError, "symbol table: expected symbols below %d", SYMBOLS);
+            goto done;
+        }
+    if (!(p = padded_copy(&raw))) goto done;
+    Values v = {signs.buf, tables.buf, p, ranks.buf, bigs.buf, cls.buf, ranks.len / 8, bigs.len / 8, cls.len / 32,
+                total, (uint64_t)raw.len * 8, out.buf};
+    const char *err;
+    Py_BEGIN_ALLOW_THREADS
+    err = values_body(&v);
+    Py_END_ALLOW_THREADS
+    if (err) {
+        PyErr_SetString(PyExc_ValueError, err);
+        goto done;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    PyMem_Free(p);
+    PyBuffer_Release(&signs);
+    PyBuffer_Release(&ranks);
+    PyBuffer_Release(&bigs);
+    PyBuffer_Release(&tables);
+    PyBuffer_Release(&cls);
+    PyBuffer_Release(&raw);
     PyBuffer_Release(&out);
     return result;
 }
@@ -1267,6 +1407,7 @@ static PyMethodDef methods[] = {
     {"rice_pack", k_rice_pack, METH_VARARGS, "A Rice blob (ricecode.pack)."},
     {"unpack_bits", k_unpack_bits, METH_VARARGS, "Raw bit fields (ricecode.unpack_bits)."},
     {"rice_unpack", k_rice_unpack, METH_VARARGS, "A Rice blob (ricecode.unpack)."},
+    {"values", k_values, METH_VARARGS, "A delta segment's int64 deltas from its ranks, symbol tables, raw bits and signs (one pass)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -47,6 +47,7 @@ SYMBOLS = DIRECT + 64 - DIRECT_BITS
 _ROW = 9
 _STREAMS = 6
 _MAX_GAP = 1 << 40
+_NO_RANKS = np.zeros(0, dtype=np.uint64)
 
 
 def _gaps(sorted_idx: np.ndarray) -> np.ndarray:
@@ -220,12 +221,17 @@ def _check_streams(streams) -> None:
         raise CorruptData(f"segment streams: expected {_STREAMS} byte strings")
 
 
-def _unpack_flags(data: bytes, count: int, what: str) -> np.ndarray:
-    """`count` bools packed little-endian, with zero padding."""
+def _check_flags(data: bytes, count: int, what: str) -> None:
+    """Raise unless `data` holds `count` bools packed little-endian, with zero padding."""
     if len(data) != (count + 7) // 8:
         raise CorruptData(f"{what}: expected {(count + 7) // 8} bytes, found {len(data)}")
     if count % 8 and data[-1] >> (count % 8):
         raise CorruptData(f"{what}: nonzero padding")
+
+
+def _unpack_flags(data: bytes, count: int, what: str) -> np.ndarray:
+    """`count` bools packed little-endian, with zero padding."""
+    _check_flags(data, count, what)
     return np.unpackbits(np.frombuffer(data, dtype=np.uint8), count=count, bitorder="little").view(bool)
 
 
@@ -289,12 +295,26 @@ def decode_positions(rows: list[list], streams: list) -> list[np.ndarray]:
     return np.split(ranks, np.cumsum(counts)[:-1]) if counts else []
 
 
+def _values_kernel(kernel, live: list[list], coded: list[int], tables: list[bytes], streams: list, total: int,
+                   bigs: np.ndarray, ranks: np.ndarray) -> np.ndarray:
+    """decode_deltas's values in one compiled pass (its numpy path below is the reference)."""
+    classes = np.array([[row[M], n, row[VMODE] == RUNS, len(t)] for row, n, t in zip(live, coded, tables)],
+                       dtype=np.int64).reshape(-1, 4)
+    out = np.empty(total, dtype=np.int64)
+    try:
+        kernel.values(streams[2], np.ascontiguousarray(ranks, dtype=np.uint64), np.ascontiguousarray(bigs, dtype=np.int64),
+                      b"".join(tables), classes, streams[5], out)
+    except ValueError as e:
+        raise CorruptData(str(e)) from None
+    return out
+
+
 def decode_deltas(rows: list[list], streams: list) -> np.ndarray:
     """The int64 order-preserving deltas of every class, concatenated in class order."""
     _check_streams(streams)
     live = [row for row in rows if row[M]]
     total = sum(row[M] for row in live)
-    signs = _unpack_flags(streams[2], total, "signs")
+    _check_flags(streams[2], total, "signs")
     runs = [row for row in live if row[VMODE] == RUNS]
     big_counts = [row[BIGS] for row in runs]
     bigs = _gap_runs(streams[3], big_counts, [row[BIGS_K] for row in runs])
@@ -309,6 +329,10 @@ def decode_deltas(rows: list[list], streams: list) -> np.ndarray:
                                 np.repeat(np.array([row[RANK_K] for row in live], dtype=np.int64), rank_counts))
     elif streams[4]:
         raise CorruptData("rice blob: expected no data for 0 values, found some")
+    kernel = ricecode.KERNEL
+    if kernel is not None:
+        return _values_kernel(kernel, live, coded, tables, streams, total, bigs,
+                              ranks if any(len(t) > 1 for t in tables) else _NO_RANKS)
     wide = [i for i, p in enumerate(plain) if not p]
     if wide:
         sel_tables = [tables[i] for i in wide]
@@ -353,5 +377,6 @@ def decode_deltas(rows: list[list], streams: list) -> np.ndarray:
             a[off : off + m] = v
         off += m
     d = (a + np.uint64(1)).view(np.int64)  # modular, like the encoder
-    np.negative(d, out=d, where=signs)
+    np.negative(d, out=d, where=np.unpackbits(np.frombuffer(streams[2], dtype=np.uint8), count=total,
+                                              bitorder="little").view(bool))
     return d

@@ -218,6 +218,55 @@ def test_rice_decoders_reject_the_same_random_bytes(blob, count, k):
     assert compiled == numpy_ or (isinstance(compiled, tuple) and isinstance(numpy_, tuple)), (compiled, numpy_)
 
 
+# --- a delta segment's values: the compiled pass against deltacode's numpy path --------------------
+
+from protocol import deltacode  # noqa: E402
+from tests.test_codec import class_changes  # noqa: E402
+
+
+def _deltas_both(rows, streams):
+    out, kernel = [], ricecode.KERNEL
+    for k in (kernel, None):
+        ricecode.KERNEL = k
+        try:
+            out.append(deltacode.decode_deltas(rows, streams).tolist())
+        except CorruptData:
+            out.append("CorruptData")
+        finally:
+            ricecode.KERNEL = kernel
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(changes=class_changes(), data=st.data())
+def test_values_match_numpy_on_good_and_damaged_codes(changes, data):
+    rows, streams = deltacode.encode(*changes)
+    compiled, numpy_ = _deltas_both(rows, streams)
+    assert compiled == numpy_ == np.concatenate(changes[2]).tolist()
+    streams = [bytearray(s) for s in streams]
+    i = data.draw(st.sampled_from([2, 3, 4, 5]))  # signs, bigs, ranks, raw bits: what the pass reads
+    how = data.draw(st.sampled_from(["flip", "cut", "extend", "row"]))
+    if how == "flip" and streams[i]:
+        streams[i][data.draw(st.integers(0, len(streams[i]) - 1))] ^= 1 << data.draw(st.integers(0, 7))
+    elif how == "cut" and streams[i]:
+        streams[i] = streams[i][: data.draw(st.integers(0, len(streams[i]) - 1))]
+    elif how == "extend":
+        streams[i] += data.draw(st.binary(min_size=1, max_size=9))
+    elif how == "row":
+        live = [r for r in rows if len(r) > 1]
+        if live:
+            row = data.draw(st.sampled_from(live))
+            col = data.draw(st.sampled_from([deltacode.VMODE, deltacode.BIGS, deltacode.RANK_K, deltacode.TABLE]))
+            row[col] = data.draw(st.binary(max_size=4)) if col == deltacode.TABLE else data.draw(st.integers(0, 70))
+    try:
+        rows = deltacode.check_rows(rows, len(rows))
+    except CorruptData:
+        return
+    compiled, numpy_ = _deltas_both(rows, [bytes(s) for s in streams])
+    # The same deltas, or a rejection by both (the messages may name the first problem differently).
+    assert compiled == numpy_, (compiled[:8] if compiled != "CorruptData" else compiled, numpy_[:8] if numpy_ != "CorruptData" else numpy_)
+
+
 # --- the encoder's kernels: the compare and the Rice and bit-field writers against numpy ------------
 
 @settings(max_examples=300, deadline=None)
