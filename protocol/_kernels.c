@@ -1225,6 +1225,76 @@ done:
     return result;
 }
 
+/* An element's bits as int64: sign-extended, or zero-extended where unsigned. */
+static inline __attribute__((always_inline)) int64_t load_elem(const uint8_t *p, int width, int is_signed) {
+    switch (width) {
+    case 1: return is_signed ? (int64_t)(int8_t)p[0] : (int64_t)p[0];
+    case 2: { int16_t x; memcpy(&x, p, 2); return is_signed ? (int64_t)x : (int64_t)(uint16_t)x; }
+    default: { int32_t x; memcpy(&x, p, 4); return is_signed ? (int64_t)x : (int64_t)(uint32_t)x; }
+    }
+}
+
+/* 1, or 0 when some new value falls outside [lo, hi]. */
+HOT static int new_values_body(const uint8_t *old, Py_ssize_t n, int width, int is_signed, int64_t flip, int64_t lo,
+                               int64_t hi, const int64_t *d, const int64_t *order, uint8_t *out, uint8_t *old_c,
+                               uint8_t *new_c) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t v = load_elem(old + (size_t)i * width, width, is_signed);
+        int64_t ord = v ^ ((v >> 63) & flip); /* sign-magnitude to ordered: its own inverse */
+        int64_t nv = (int64_t)((uint64_t)ord + (uint64_t)d[order ? order[i] : i]);
+        if (nv < lo || nv > hi) return 0;
+        uint64_t bits = (uint64_t)(nv ^ ((nv >> 63) & flip));
+        put_elem((char *)out + (size_t)i * width, (const char *)&bits, width);
+        if (order) {
+            size_t at = (size_t)order[i] * width;
+            memcpy(old_c + at, old + (size_t)i * width, (size_t)width);
+            put_elem((char *)new_c + at, (const char *)&bits, width);
+        }
+    }
+    return 1;
+}
+
+/* new_values(old, width, signed, flip, lo, hi, d, order, out, old_c, new_c) -> bool: the new bits of a delta
+ * segment's changed elements (ascending position) from their old bits and the deltas (the patch's order;
+ * order[i] = element i's index in it, or empty where that is ascending too), and, with an order, old and new
+ * in the patch's order for the digests. False when a new value is no bit pattern of the dtype. */
+static PyObject *k_new_values(PyObject *self, PyObject *args) {
+    Py_buffer old, d, order, out, old_c, new_c;
+    int width, is_signed;
+    long long flip, lo, hi;
+    if (!PyArg_ParseTuple(args, "y*ipLLLy*y*w*w*w*", &old, &width, &is_signed, &flip, &lo, &hi, &d, &order, &out,
+                          &old_c, &new_c))
+        return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t n = (width == 1 || width == 2 || width == 4) ? old.len / width : -1;
+    if (n < 0 || old.len % width || d.len != 8 * n || out.len != old.len ||
+        (order.len && (order.len != 8 * n || old_c.len != old.len || new_c.len != old.len))) {
+        PyErr_SetString(PyExc_ValueError, "new_values: expected width 1, 2 or 4 and one delta, order entry and "
+                                          "output element per old element");
+        goto done;
+    }
+    const int64_t *ov = order.len ? order.buf : NULL;
+    for (Py_ssize_t i = 0; ov && i < n; i++)
+        if ((uint64_t)ov[i] >= (uint64_t)n) {
+            PyErr_SetString(PyExc_ValueError, "new_values: an order entry beyond the elements");
+            goto done;
+        }
+    int ok;
+    Py_BEGIN_ALLOW_THREADS
+    ok = new_values_body(old.buf, n, width, is_signed, (int64_t)flip, (int64_t)lo, (int64_t)hi, d.buf, ov, out.buf,
+                         old_c.buf, new_c.buf);
+    Py_END_ALLOW_THREADS
+    result = PyBool_FromLong(ok);
+done:
+    PyBuffer_Release(&old);
+    PyBuffer_Release(&d);
+    PyBuffer_Release(&order);
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&old_c);
+    PyBuffer_Release(&new_c);
+    return result;
+}
+
 /* ------------------------------------------------------------------ the encoders of the same layouts */
 
 /* Bits appended least significant first, flushed 8 bytes at a time (the buffer has room for the last flush). */
@@ -1407,6 +1477,7 @@ static PyMethodDef methods[] = {
     {"rice_pack", k_rice_pack, METH_VARARGS, "A Rice blob (ricecode.pack)."},
     {"unpack_bits", k_unpack_bits, METH_VARARGS, "Raw bit fields (ricecode.unpack_bits)."},
     {"rice_unpack", k_rice_unpack, METH_VARARGS, "A Rice blob (ricecode.unpack)."},
+    {"new_values", k_new_values, METH_VARARGS, "New bits of changed elements from old bits and deltas, and both in the patch's order (one pass)."},
     {"values", k_values, METH_VARARGS, "A delta segment's int64 deltas from its ranks, symbol tables, raw bits and signs (one pass)."},
     {NULL, NULL, 0, NULL},
 };

@@ -553,15 +553,10 @@ def _decode_delta(state: State, seg: _Segment, views: dict):
 
     The writes go in ascending position, piece by piece; the old and new
     values for the chunk's digests in the patch's order."""
-    info = seg.info
     bs = _piece_bits(state, seg.pieces, views)
     pos, order, old = _positions(bs, seg)
     d = deltacode.decode_deltas(seg.rows, seg.streams)  # in the patch's order
-    new_ord = ordered_bits(old, info).astype(np.int64) + (d if order is None else d[order])
-    lo, hi = ordered_range(info)
-    if info.width < 8 and pos.size and (new_ord.min() < lo or new_ord.max() > hi):
-        raise CorruptData(f"segment values: expected bit patterns of {info.name}, found out-of-range deltas")
-    new = ordered_bits(new_ord.astype(info.np_int), info)
+    new, old_c, new_c = _new_values(old, order, d, seg.info)
     offsets, cuts = contexts.piece_cuts(bs, pos)
     writes = []
     for i, (name, s, _e) in enumerate(seg.pieces):
@@ -569,11 +564,35 @@ def _decode_delta(state: State, seg: _Segment, views: dict):
         if b > a:
             shift = s - offsets[i]
             writes.append((name, pos[a:b] + shift if shift else pos[a:b], old[a:b], new[a:b]))
-    if order is None:
-        return writes, old, new
-    old_c, new_c = np.empty_like(old), np.empty_like(new)  # the digests' order: the patch's
-    old_c[order], new_c[order] = old, new
     return writes, old_c, new_c
+
+
+_NO_ORDER = np.zeros(0, dtype=np.int64)
+
+
+def _new_values(old: np.ndarray, order: np.ndarray | None, d: np.ndarray, info: DtypeInfo):
+    """(new bits in ascending position, old and new bits in the patch's order) from the
+    old bits (ascending position), `order` (each one's index in the patch's order, None
+    where that is ascending too) and the deltas (the patch's order)."""
+    kernel = contexts.KERNEL
+    lo, hi = ordered_range(info)
+    if kernel is not None and info.width < 8:
+        new = np.empty_like(old)
+        old_c, new_c = (old, new) if order is None else (np.empty_like(old), np.empty_like(old))
+        ok = kernel.new_values(old, info.width, info.np_int != np.uint8, info.magnitude_mask if info.is_float else 0, lo, hi,
+                               d, _NO_ORDER if order is None else order, new, old_c if order is not None else bytearray(),
+                               new_c if order is not None else bytearray())
+    else:
+        new_ord = ordered_bits(old, info).astype(np.int64) + (d if order is None else d[order])
+        ok = info.width == 8 or not new_ord.size or (new_ord.min() >= lo and new_ord.max() <= hi)
+        new = ordered_bits(new_ord.astype(info.np_int), info)
+        old_c, new_c = old, new
+        if order is not None:  # the digests' order: the patch's
+            old_c, new_c = np.empty_like(old), np.empty_like(new)
+            old_c[order], new_c[order] = old, new
+    if not ok:
+        raise CorruptData(f"segment values: expected bit patterns of {info.name}, found out-of-range deltas")
+    return new, old_c, new_c
 
 
 def _decode_full(seg: _Segment, specs: dict[str, TensorSpec]):

@@ -267,6 +267,32 @@ def test_values_match_numpy_on_good_and_damaged_codes(changes, data):
     assert compiled == numpy_, (compiled[:8] if compiled != "CorruptData" else compiled, numpy_[:8] if numpy_ != "CorruptData" else numpy_)
 
 
+@settings(max_examples=300, deadline=None)
+@given(name=st.sampled_from(["bf16", "fp16", "fp32", "f8e4m3", "f8e5m2", "i8", "u8", "i16", "i32", "bool"]),
+       n=st.integers(0, 300), ordered=st.booleans(), spread=st.sampled_from([1, 300, 2**40]), seed=st.integers(0, 2**16))
+def test_new_values_match_numpy_in_range_and_out(name, n, ordered, spread, seed):
+    from protocol import patch as P
+    from protocol.dtypes import info_named
+
+    info = info_named(name)
+    rng = np.random.default_rng(seed)
+    old = rng.integers(0, 256, n * info.width, dtype=np.uint8).view(info.np_int)
+    if name == "bool":
+        old = old & 1
+    d = rng.integers(-spread, spread + 1, n).astype(np.int64)
+    order = rng.permutation(n).astype(np.int64) if ordered else None
+    got = []
+    for kernel in (contexts.KERNEL, None):
+        saved, contexts.KERNEL = contexts.KERNEL, kernel
+        try:
+            got.append([x.tolist() for x in P._new_values(old, order, d, info)])
+        except CorruptData:
+            got.append("CorruptData")
+        finally:
+            contexts.KERNEL = saved
+    assert got[0] == got[1]
+
+
 # --- the encoder's kernels: the compare and the Rice and bit-field writers against numpy ------------
 
 @settings(max_examples=300, deadline=None)
