@@ -1295,6 +1295,82 @@ done:
     return result;
 }
 
+/* ------------------------------------------------------------------ the encoder of a ranked code */
+
+/* Symbol of a value: itself below DIRECT, else DIRECT + its bit length - DIRECT_BITS - 1. */
+static inline __attribute__((always_inline)) unsigned symbol_of(uint64_t v) {
+    return v < DIRECT ? (unsigned)v : (unsigned)(DIRECT + (64 - __builtin_clzll(v)) - DIRECT_BITS - 1);
+}
+
+/* symbols(values, sym, counts) -> None: each value's symbol (uint8) and how often each symbol occurs
+ * (int64[SYMBOLS], added to): deltacode._symbols's symbols and the bincount of _Ranked. */
+static PyObject *k_symbols(PyObject *self, PyObject *args) {
+    Py_buffer values, sym, counts;
+    if (!PyArg_ParseTuple(args, "y*w*w*", &values, &sym, &counts)) return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t n = values.len / 8;
+    if (values.len % 8 || sym.len != n || counts.len != 8 * SYMBOLS) {
+        PyErr_Format(PyExc_ValueError, "symbols: expected uint64 values, a uint8 per value and %d int64 counts", SYMBOLS);
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    const uint64_t *v = values.buf;
+    uint8_t *s = sym.buf;
+    int64_t *c = counts.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned x = symbol_of(v[i]);
+        s[i] = (uint8_t)x;
+        c[x]++;
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&values);
+    PyBuffer_Release(&sym);
+    PyBuffer_Release(&counts);
+    return result;
+}
+
+/* ranked(values, sym, rank_of, ranks, low, widths) -> total raw bits: per value its symbol's rank
+ * (rank_of: int64[SYMBOLS]), its raw width and its low bits below the leading one (deltacode._Ranked). */
+static PyObject *k_ranked(PyObject *self, PyObject *args) {
+    Py_buffer values, sym, rank_of, ranks, low, widths;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*w*w*", &values, &sym, &rank_of, &ranks, &low, &widths)) return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t n = values.len / 8;
+    if (values.len % 8 || sym.len != n || rank_of.len != 8 * SYMBOLS || ranks.len != 8 * n || low.len != 8 * n ||
+        widths.len != 8 * n) {
+        PyErr_Format(PyExc_ValueError, "ranked: expected uint64 values, their uint8 symbols, %d int64 ranks of "
+                                       "symbols and room for n ranks, low bits and widths", SYMBOLS);
+        goto done;
+    }
+    long long total = 0;
+    Py_BEGIN_ALLOW_THREADS
+    const uint64_t *v = values.buf;
+    const uint8_t *s = sym.buf;
+    const int64_t *r = rank_of.buf;
+    uint64_t *rk = ranks.buf, *lo = low.buf;
+    int64_t *w = widths.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned x = s[i] < SYMBOLS ? s[i] : 0;
+        int wi = x >= DIRECT ? (int)x - DIRECT + DIRECT_BITS : 0;
+        rk[i] = (uint64_t)r[x];
+        w[i] = wi;
+        lo[i] = wi ? v[i] - ((uint64_t)1 << wi) : v[i];
+        total += wi;
+    }
+    Py_END_ALLOW_THREADS
+    result = PyLong_FromLongLong(total);
+done:
+    PyBuffer_Release(&values);
+    PyBuffer_Release(&sym);
+    PyBuffer_Release(&rank_of);
+    PyBuffer_Release(&ranks);
+    PyBuffer_Release(&low);
+    PyBuffer_Release(&widths);
+    return result;
+}
+
 /* ------------------------------------------------------------------ the encoders of the same layouts */
 
 /* Bits appended least significant first, flushed 8 bytes at a time (the buffer has room for the last flush). */
@@ -1478,6 +1554,8 @@ static PyMethodDef methods[] = {
     {"unpack_bits", k_unpack_bits, METH_VARARGS, "Raw bit fields (ricecode.unpack_bits)."},
     {"rice_unpack", k_rice_unpack, METH_VARARGS, "A Rice blob (ricecode.unpack)."},
     {"new_values", k_new_values, METH_VARARGS, "New bits of changed elements from old bits and deltas, and both in the patch's order (one pass)."},
+    {"symbols", k_symbols, METH_VARARGS, "Each value's symbol of a ranked code and the symbol counts (one pass)."},
+    {"ranked", k_ranked, METH_VARARGS, "Each value's symbol rank, raw width and low bits of a ranked code (one pass)."},
     {"values", k_values, METH_VARARGS, "A delta segment's int64 deltas from its ranks, symbol tables, raw bits and signs (one pass)."},
     {NULL, NULL, 0, NULL},
 };

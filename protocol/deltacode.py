@@ -87,17 +87,29 @@ class _Ranked:
     """A ranked code of one array: symbols table, ranks, raw low bits."""
 
     def __init__(self, v: np.ndarray):
-        sym, self.widths = _symbols(v)
-        counts = np.bincount(sym, minlength=SYMBOLS)
+        kernel = ricecode.KERNEL
+        if kernel is not None:  # the same arrays in two compiled passes
+            v = np.ascontiguousarray(v, dtype=np.uint64)
+            sym, counts = np.empty(v.size, dtype=np.uint8), np.zeros(SYMBOLS, dtype=np.int64)
+            kernel.symbols(v, sym, counts)
+        else:
+            sym, widths = _symbols(v)
+            counts = np.bincount(sym, minlength=SYMBOLS)
         used = np.flatnonzero(counts)
         order = used[np.argsort(-counts[used], kind="stable")]
         self.table = bytes(order.astype(np.uint8))
         rank_of = np.zeros(SYMBOLS, dtype=np.int64)
         rank_of[order] = np.arange(order.size)
-        self.ranks = rank_of[sym].astype(np.uint64)
+        if kernel is not None:
+            self.ranks, self.low, self.widths = np.empty(v.size, np.uint64), np.empty(v.size, np.uint64), np.empty(v.size, np.int64)
+            raw_bits = kernel.ranked(v, sym, rank_of, self.ranks, self.low, self.widths)
+        else:
+            self.ranks = rank_of[sym].astype(np.uint64)
+            self.widths = widths
+            self.low = v - np.where(widths > 0, np.uint64(1) << widths.astype(np.uint64), np.uint64(0))
+            raw_bits = int(widths.sum())
         self.k, rank_bits = ricecode.best_k_and_bits(self.ranks) if len(self.table) > 1 else (0, 0)
-        self.low = v - np.where(self.widths > 0, np.uint64(1) << self.widths.astype(np.uint64), np.uint64(0))
-        self.bits = rank_bits + int(self.widths.sum()) + 8 * (len(self.table) + 2)
+        self.bits = rank_bits + raw_bits + 8 * (len(self.table) + 2)
 
 
 def _position_code(ranks: np.ndarray, n: int) -> tuple[int, int, np.ndarray | None, np.ndarray | None]:

@@ -267,6 +267,19 @@ def test_values_match_numpy_on_good_and_damaged_codes(changes, data):
     assert compiled == numpy_, (compiled[:8] if compiled != "CorruptData" else compiled, numpy_[:8] if numpy_ != "CorruptData" else numpy_)
 
 
+@settings(max_examples=200, deadline=None)
+@given(changes=class_changes())
+def test_delta_codes_are_the_same_bytes_with_and_without_the_kernel(changes):
+    kernel = ricecode.KERNEL
+    try:
+        compiled = deltacode.encode(*changes)
+        ricecode.KERNEL = None
+        numpy_ = deltacode.encode(*changes)
+    finally:
+        ricecode.KERNEL = kernel
+    assert compiled == numpy_
+
+
 @settings(max_examples=300, deadline=None)
 @given(name=st.sampled_from(["bf16", "fp16", "fp32", "f8e4m3", "f8e5m2", "i8", "u8", "i16", "i32", "bool"]),
        n=st.integers(0, 300), ordered=st.booleans(), spread=st.sampled_from([1, 300, 2**40]), seed=st.integers(0, 2**16))
