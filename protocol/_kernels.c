@@ -1,15 +1,19 @@
 /* The codec's compiled kernels: the class index in one pass over a segment's
  * base (rank for the encoder, select for the decoder, which also hands back
  * what it found in ascending position with the base's bits there), the
- * encoder's compare of base and target, and the writers and readers of Rice
- * blobs and raw bit fields (protocol/ricecode.py's layouts).
+ * encoder's compare of base and target, the writers and readers of Rice
+ * blobs and raw bit fields (protocol/ricecode.py's layouts), and the passes
+ * over a delta segment's values: its deltas from ranks, symbol tables, raw
+ * bits and signs, the new bits from old bits and deltas, and the encoder's
+ * symbols, ranks and low bits of a ranked code.
  *
  * Each is the compiled twin of a numpy function that stays the reference
  * and the fallback where this module did not build: contexts.ClassIndex
  * (with a sort and a gather for select's order), patch._changed_numpy,
- * ricecode.pack, pack_bits, unpack and unpack_bits. The tests hold each pair
- * to the same results (the same bytes, for the writers) and the same
- * rejections.
+ * ricecode.pack, pack_bits, unpack and unpack_bits, deltacode.decode_deltas's
+ * and deltacode._Ranked's numpy paths, patch._new_values's. The tests hold
+ * each pair to the same results (the same bytes, for the writers) and the
+ * same rejections.
  *
  * Why compiled: the numpy version needs a dozen passes over the base (keys,
  * clip, per plane an AND and a packbits, word popcounts, prefix sums, then

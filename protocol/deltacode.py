@@ -4,6 +4,8 @@ Owns the layout of a delta segment's class table and streams (patch.py owns
 the container around them). Everything is vectorized numpy over all classes of
 a segment at once; the coders are Rice blobs and raw bit fields (ricecode.py),
 which decode with a fixed, small number of numpy passes whatever the counts.
+Where protocol/_kernels built, the values (decode) and the ranked codes'
+symbols (encode) take compiled passes instead, with the same results.
 
 Positions, per class (a class of n base elements of which m changed, as
 ranks inside the class): the cheapest of

@@ -578,10 +578,13 @@ def _new_values(old: np.ndarray, order: np.ndarray | None, d: np.ndarray, info: 
     lo, hi = ordered_range(info)
     if kernel is not None and info.width < 8:
         new = np.empty_like(old)
-        old_c, new_c = (old, new) if order is None else (np.empty_like(old), np.empty_like(old))
-        ok = kernel.new_values(old, info.width, info.np_int != np.uint8, info.magnitude_mask if info.is_float else 0, lo, hi,
-                               d, _NO_ORDER if order is None else order, new, old_c if order is not None else bytearray(),
-                               new_c if order is not None else bytearray())
+        if order is None:  # the digests' order is ascending too: nothing to scatter
+            old_c, new_c, order, scatter = old, new, _NO_ORDER, (bytearray(), bytearray())
+        else:
+            old_c, new_c = np.empty_like(old), np.empty_like(old)
+            scatter = (old_c, new_c)
+        flip = info.magnitude_mask if info.is_float else 0
+        ok = kernel.new_values(old, info.width, info.np_int != np.uint8, flip, lo, hi, d, order, new, *scatter)
     else:
         new_ord = ordered_bits(old, info).astype(np.int64) + (d if order is None else d[order])
         ok = info.width == 8 or not new_ord.size or (new_ord.min() >= lo and new_ord.max() <= hi)
