@@ -254,7 +254,8 @@ def _gap_runs(data: bytes, counts: list[int], ks: list[int]) -> np.ndarray:
     gaps = ricecode.unpack(data, sum(counts), np.repeat(np.array(ks, dtype=np.int64), counts))
     if gaps.size and int(gaps.max()) >= _MAX_GAP:
         raise CorruptData(f"gap: expected below 2**40, found {int(gaps.max())}")
-    cs = ricecode.cumsum((gaps + np.uint64(1)).view(np.int64))
+    gaps += np.uint64(1)  # in place, like the sums below: a dense segment's runs are tens of MB
+    cs = ricecode.cumsum_in_place(gaps.view(np.int64))
     off, base = 0, 0
     for n in counts:  # in place: rank = elements up to here - 1 - those of the runs before
         if n:
@@ -391,6 +392,5 @@ def decode_deltas(rows: list[list], streams: list) -> np.ndarray:
             a[off : off + m] = v
         off += m
     d = (a + np.uint64(1)).view(np.int64)  # modular, like the encoder
-    np.negative(d, out=d, where=np.unpackbits(np.frombuffer(streams[2], dtype=np.uint8), count=total,
-                                              bitorder="little").view(bool))
+    np.negative(d, out=d, where=_unpack_flags(streams[2], total, "signs"))
     return d

@@ -179,7 +179,7 @@ def _expect(ok: bool, what: str, found) -> None:
 def _digest(parts: Iterable[np.ndarray]) -> bytes:
     h = hashlib.sha256()
     for p in parts:
-        h.update(np.ascontiguousarray(p).astype(p.dtype.newbyteorder("<"), copy=False).tobytes())
+        h.update(np.ascontiguousarray(p).astype(p.dtype.newbyteorder("<"), copy=False))  # no copy on little-endian
     return h.digest()[:DIGEST_BYTES]
 
 
@@ -563,7 +563,9 @@ def _decode_delta(state: State, seg: _Segment, views: dict):
         a, b = cuts[i], cuts[i + 1]
         if b > a:
             shift = s - offsets[i]
-            writes.append((name, pos[a:b] + shift if shift else pos[a:b], old[a:b], new[a:b]))
+            if shift:
+                pos[a:b] += shift  # in place: the segment's positions are used up here
+            writes.append((name, pos[a:b], old[a:b], new[a:b]))
     return writes, old_c, new_c
 
 

@@ -113,6 +113,12 @@ def cumsum(x: np.ndarray) -> np.ndarray:
     return out.view(x.dtype) if x.dtype == np.uint64 else out
 
 
+def cumsum_in_place(x: np.ndarray) -> np.ndarray:
+    """`cumsum` written over a contiguous int64 `x` (no new array); returns x."""
+    torch.from_numpy(x).cumsum_(0)
+    return x
+
+
 def _offsets(widths: np.ndarray | int, count: int) -> tuple[np.ndarray | int, np.ndarray, int]:
     """(widths, bit offsets, total bits) of `count` fields."""
     if np.ndim(widths) == 0:
