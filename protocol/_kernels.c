@@ -1238,6 +1238,15 @@ static inline __attribute__((always_inline)) int64_t load_elem(const uint8_t *p,
     }
 }
 
+/* The low `width` bytes of v as an element (by value, so also right on a big-endian machine). */
+static inline __attribute__((always_inline)) void store_elem(uint8_t *p, int width, uint64_t v) {
+    switch (width) {
+    case 1: p[0] = (uint8_t)v; break;
+    case 2: { uint16_t x = (uint16_t)v; memcpy(p, &x, 2); break; }
+    default: { uint32_t x = (uint32_t)v; memcpy(p, &x, 4); }
+    }
+}
+
 /* 1, or 0 when some new value falls outside [lo, hi]. */
 HOT static int new_values_body(const uint8_t *old, Py_ssize_t n, int width, int is_signed, int64_t flip, int64_t lo,
                                int64_t hi, const int64_t *d, const int64_t *order, uint8_t *out, uint8_t *old_c,
@@ -1248,11 +1257,11 @@ HOT static int new_values_body(const uint8_t *old, Py_ssize_t n, int width, int 
         int64_t nv = (int64_t)((uint64_t)ord + (uint64_t)d[order ? order[i] : i]);
         if (nv < lo || nv > hi) return 0;
         uint64_t bits = (uint64_t)(nv ^ ((nv >> 63) & flip));
-        put_elem((char *)out + (size_t)i * width, (const char *)&bits, width);
+        store_elem(out + (size_t)i * width, width, bits);
         if (order) {
             size_t at = (size_t)order[i] * width;
             memcpy(old_c + at, old + (size_t)i * width, (size_t)width);
-            put_elem((char *)new_c + at, (const char *)&bits, width);
+            store_elem(new_c + at, width, bits);
         }
     }
     return 1;
