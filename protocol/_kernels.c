@@ -950,11 +950,33 @@ done:
     return result;
 }
 
+/* The Rice parameter of each value in turn: ks[r] for counts[r] values per run r, or (counts NULL) one
+ * k per value. The caller checked that the counts add up to the values read. */
+typedef struct {
+    const int64_t *ks, *counts;
+    Py_ssize_t run;
+    int64_t left;
+} KSeq;
+
+static inline KSeq kseq(const int64_t *ks, const int64_t *counts) {
+    KSeq q = {ks, counts, -1, 0};
+    return q;
+}
+
+static inline __attribute__((always_inline)) int kseq_next(KSeq *q) {
+    while (q->left == 0) {
+        q->run++;
+        q->left = q->counts ? q->counts[q->run] : 1;
+    }
+    q->left--;
+    return (int)q->ks[q->run];
+}
+
 /* Both parts at once: value i = (one-bits before the i-th zero-bit of the unary part, from bit 0 of u,
  * ubits bits) << k_i | its k_i remainder bits (from bit 0 of r, back to back). Returns the bit just after
  * the last zero read, or -1 when fewer than count zeros lie inside. */
-HOT static long long read_rice(const uint8_t *r, const uint8_t *u, uint64_t ubits, const int64_t *kv, int k,
-                               Py_ssize_t count, uint64_t *out, Py_ssize_t *found, uint64_t *q_max) {
+HOT static long long read_rice(const uint8_t *r, const uint8_t *u, uint64_t ubits, KSeq ks, Py_ssize_t count,
+                               uint64_t *out, Py_ssize_t *found, uint64_t *q_max) {
     uint64_t bit = 0, rbit = 0, top = 0;
     for (Py_ssize_t i = 0; i < count; i++) {
         uint64_t start = bit;
@@ -972,7 +994,7 @@ HOT static long long read_rice(const uint8_t *r, const uint8_t *u, uint64_t ubit
         }
         uint64_t q = bit - start;
         if (q > top) top = q;
-        int ki = kv ? (int)kv[i] : k;
+        int ki = kseq_next(&ks);
         /* q < 2**57 and ki <= MAX_K: a quotient past ESCAPE_Q is rejected by the caller, whatever this holds */
         out[i] = (q << ki) | field_at(r, rbit, ki);
         rbit += (uint64_t)ki;
@@ -983,40 +1005,52 @@ HOT static long long read_rice(const uint8_t *r, const uint8_t *u, uint64_t ubit
     return (long long)bit;
 }
 
-/* unpack(data, count, ks, k, out) -> None: ricecode.unpack (ks: int64 per value, or empty and k for all). */
+/* unpack(data, count, ks, k, out[, runs]) -> None: ricecode.unpack. ks: int64 per value, or empty and k for
+ * all; with runs (int64, one per entry of ks), ks[r] for runs[r] values in turn. */
 static PyObject *k_rice_unpack(PyObject *self, PyObject *args) {
-    Py_buffer data, ks, out;
+    Py_buffer data, ks, out, runs = {0};
     Py_ssize_t count;
     long long k;
-    if (!PyArg_ParseTuple(args, "y*ny*Lw*", &data, &count, &ks, &k, &out)) return NULL;
+    if (!PyArg_ParseTuple(args, "y*ny*Lw*|y*", &data, &count, &ks, &k, &out, &runs)) return NULL;
     PyObject *result = NULL;
     uint8_t *p = NULL;
     const uint8_t *raw = data.buf;
+    int64_t one_k = (int64_t)k, one_count = (int64_t)count;
+    const int64_t *kv = ks.buf, *counts = NULL;
+    Py_ssize_t n_ks = ks.len / 8;
     if (count <= 0 || out.len < 8 * count) {
         PyErr_Format(PyExc_ValueError, "out: expected room for %zd uint64 (count > 0), found %zd bytes", count, out.len);
         goto done;
     }
-    long long rem_bits;
-    if (ks.len == 0) {
-        if (k < 0 || k > MAX_K) {
-            PyErr_Format(PyExc_ValueError, "rice parameter: expected 0..%d, found %lld", MAX_K, k);
+    if (ks.len == 0) { /* one k: one run of every value */
+        kv = &one_k;
+        counts = &one_count;
+        n_ks = 1;
+    } else if (runs.buf && runs.len) {
+        if (runs.len != ks.len || ks.len % 8) {
+            PyErr_Format(PyExc_ValueError, "rice parameter runs: expected a count per k, found %zd and %zd bytes",
+                         runs.len, ks.len);
             goto done;
         }
-        rem_bits = k * (long long)count;
-    } else {
-        if (ks.len != 8 * count) {
-            PyErr_Format(PyExc_ValueError, "rice parameters: expected %zd, found %zd bytes", count, ks.len);
+        counts = runs.buf;
+    } else if (ks.len != 8 * count) {
+        PyErr_Format(PyExc_ValueError, "rice parameters: expected %zd, found %zd bytes", count, ks.len);
+        goto done;
+    }
+    long long rem_bits = 0, total = 0;
+    for (Py_ssize_t r = 0; r < n_ks; r++) {
+        int64_t c = counts ? counts[r] : 1;
+        if ((uint64_t)kv[r] > MAX_K || c < 0) {
+            PyErr_Format(PyExc_ValueError, "rice parameter: expected 0..%d (for a count >= 0), found %lld", MAX_K,
+                         (long long)kv[r]);
             goto done;
         }
-        const int64_t *kv = ks.buf;
-        rem_bits = 0;
-        for (Py_ssize_t i = 0; i < count; i++) {
-            if ((uint64_t)kv[i] > MAX_K) {
-                PyErr_Format(PyExc_ValueError, "rice parameter: expected 0..%d, found %lld", MAX_K, (long long)kv[i]);
-                goto done;
-            }
-            rem_bits += kv[i];
-        }
+        rem_bits += kv[r] * c;
+        total += c;
+    }
+    if (total != count) {
+        PyErr_Format(PyExc_ValueError, "rice parameter runs: expected %zd values, found %lld", count, total);
+        goto done;
     }
     Py_ssize_t rem_len = (Py_ssize_t)((rem_bits + 7) / 8);
     if (data.len < rem_len + 1) {
@@ -1025,12 +1059,11 @@ static PyObject *k_rice_unpack(PyObject *self, PyObject *args) {
     }
     if (!(p = padded_copy(&data))) goto done;
     uint64_t *v = out.buf;
-    const int64_t *kv = ks.len ? ks.buf : NULL;
     Py_ssize_t found;
     uint64_t q_max = 0;
     long long end;
     Py_BEGIN_ALLOW_THREADS
-    end = read_rice(p, p + rem_len, (uint64_t)(data.len - rem_len) * 8, kv, (int)k, count, v, &found, &q_max);
+    end = read_rice(p, p + rem_len, (uint64_t)(data.len - rem_len) * 8, kseq(kv, counts), count, v, &found, &q_max);
     Py_END_ALLOW_THREADS
     if (end < 0) {
         PyErr_Format(PyExc_ValueError, "rice unary part: expected %zd values, found %zd", count, found);
@@ -1059,18 +1092,21 @@ static PyObject *k_rice_unpack(PyObject *self, PyObject *args) {
     } else {
         /* value >> k is the quotient: the remainder has k bits */
         Py_ssize_t n_esc = 0;
-        for (Py_ssize_t i = 0; i < count; i++) n_esc += v[i] >> (kv ? kv[i] : k) == ESCAPE_Q;
+        KSeq q = kseq(kv, counts);
+        for (Py_ssize_t i = 0; i < count; i++) n_esc += v[i] >> kseq_next(&q) == ESCAPE_Q;
         if (tail != 8 * n_esc) {
             PyErr_Format(PyExc_ValueError, "rice escapes: expected %zd bytes, found %zd", 8 * n_esc, tail);
             goto done;
         }
         Py_ssize_t e = 0;
+        q = kseq(kv, counts);
         for (Py_ssize_t i = 0; i < count; i++) {
-            if (v[i] >> (kv ? kv[i] : k) != ESCAPE_Q) continue;
+            int ki = kseq_next(&q);
+            if (v[i] >> ki != ESCAPE_Q) continue;
             uint64_t x = 0;
             for (int b = 7; b >= 0; b--) x = x << 8 | raw[tail_at + 8 * e + b];
             e++;
-            if ((x >> (kv ? kv[i] : k)) < ESCAPE_Q) {
+            if ((x >> ki) < ESCAPE_Q) {
                 PyErr_SetString(PyExc_ValueError, "rice escapes: an escaped value is small enough to be coded inline");
                 goto done;
             }
@@ -1083,6 +1119,7 @@ done:
     PyBuffer_Release(&data);
     PyBuffer_Release(&ks);
     PyBuffer_Release(&out);
+    if (runs.buf) PyBuffer_Release(&runs);
     return result;
 }
 

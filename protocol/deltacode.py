@@ -251,7 +251,7 @@ def _unpack_flags(data: bytes, count: int, what: str) -> np.ndarray:
 
 def _gap_runs(data: bytes, counts: list[int], ks: list[int]) -> np.ndarray:
     """Rice-coded gap runs (one k each) turned into ascending ranks, each run from 0, concatenated."""
-    gaps = ricecode.unpack(data, sum(counts), np.repeat(np.array(ks, dtype=np.int64), counts))
+    gaps = ricecode.unpack(data, sum(counts), ricecode.KRuns(counts, ks))
     if gaps.size and int(gaps.max()) >= _MAX_GAP:
         raise CorruptData(f"gap: expected below 2**40, found {int(gaps.max())}")
     gaps += np.uint64(1)  # in place, like the sums below: a dense segment's runs are tens of MB
@@ -340,8 +340,7 @@ def decode_deltas(rows: list[list], streams: list) -> np.ndarray:
     plain = [len(t) == 1 and t[0] < DIRECT for t in tables]
     if any(len(t) > 1 for t in tables):
         rank_counts = [n if len(t) > 1 else 0 for t, n in zip(tables, coded)]
-        ranks = ricecode.unpack(streams[4], sum(rank_counts),
-                                np.repeat(np.array([row[RANK_K] for row in live], dtype=np.int64), rank_counts))
+        ranks = ricecode.unpack(streams[4], sum(rank_counts), ricecode.KRuns(rank_counts, [row[RANK_K] for row in live]))
     elif streams[4]:
         raise CorruptData("rice blob: expected no data for 0 values, found some")
     kernel = ricecode.KERNEL

@@ -20,6 +20,8 @@ which is what gaps between changes inside one context class are.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
@@ -233,8 +235,17 @@ def _pack_numpy(values: np.ndarray, k: np.ndarray | int) -> bytes:
     return rem + unary + v[esc].astype("<u8").tobytes()
 
 
-def unpack(data: bytes, count: int, k: np.ndarray | int) -> np.ndarray:
-    """Inverse of `pack`; raises CorruptData unless `data` is exactly `count` values."""
+class KRuns(NamedTuple):
+    """Rice parameters in runs: ks[r] for counts[r] values in turn (several classes' values in one blob)."""
+
+    counts: list[int]
+    ks: list[int]
+
+
+def unpack(data: bytes, count: int, k: np.ndarray | int | KRuns) -> np.ndarray:
+    """Inverse of `pack`; raises CorruptData unless `data` is exactly `count` values.
+
+    `k`: one for all values, one per value, or `KRuns` (what `pack` took per value, in runs)."""
     if count == 0:
         if data:
             raise CorruptData("rice blob: expected no data for 0 values, found some")
@@ -242,10 +253,16 @@ def unpack(data: bytes, count: int, k: np.ndarray | int) -> np.ndarray:
     if KERNEL is not None:
         out = np.empty(count, dtype=np.uint64)
         try:
-            KERNEL.rice_unpack(data, count, *_kernel_widths(k), out)
+            if isinstance(k, KRuns):  # no per-value array: a dense segment has millions of values
+                KERNEL.rice_unpack(data, count, np.array(k.ks, dtype=np.int64), 0, out,
+                                   np.array(k.counts, dtype=np.int64))
+            else:
+                KERNEL.rice_unpack(data, count, *_kernel_widths(k), out)
         except ValueError as e:
             raise CorruptData(str(e)) from None
         return out
+    if isinstance(k, KRuns):
+        k = np.repeat(np.array(k.ks, dtype=np.int64), k.counts)
     return _unpack_numpy(data, count, k)
 
 

@@ -192,6 +192,34 @@ def test_rice_unpack_matches_numpy_on_good_and_damaged_blobs(values, k, per_valu
 
 
 @settings(max_examples=300, deadline=None)
+@given(runs=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 30)), min_size=1, max_size=8), data=st.data())
+def test_rice_unpack_takes_parameters_in_runs(runs, data):
+    ks = [k for k, _ in runs]
+    counts = [n for _, n in runs]
+    per_value = np.repeat(np.array(ks, dtype=np.int64), counts)
+    count = int(per_value.size)
+    v = np.array(data.draw(st.lists(st.integers(0, 2**64 - 1) | st.integers(0, 300), min_size=count, max_size=count)),
+                 dtype=np.uint64)
+    blob = bytearray(ricecode.pack(v, per_value)) if count else bytearray()
+    if data.draw(st.booleans()) and blob:
+        blob[data.draw(st.integers(0, len(blob) - 1))] ^= 1 << data.draw(st.integers(0, 7))
+    got = []
+    for k in (ricecode.KRuns(counts, ks), per_value):
+        try:
+            got.append(ricecode.unpack(bytes(blob), count, k).tolist())
+        except CorruptData:
+            got.append("CorruptData")
+    assert got[0] == got[1]
+
+
+def test_rice_unpack_rejects_runs_that_do_not_add_up():
+    blob = ricecode.pack(np.arange(5, dtype=np.uint64), 2)
+    for counts, ks in (([2, 2], [2, 2]), ([3, 3], [2, 2]), ([6, -1], [2, 2]), ([5], [41])):
+        with pytest.raises(CorruptData, match="rice parameter"):
+            ricecode.unpack(blob, 5, ricecode.KRuns(counts, ks))
+
+
+@settings(max_examples=300, deadline=None)
 @given(pairs=st.lists(st.tuples(st.integers(0, 2**64 - 1), st.integers(0, 64)), min_size=1, max_size=200),
        scalar=st.booleans(), tamper=st.sampled_from([None, "pad", "cut", "extend"]))
 def test_unpack_bits_matches_numpy(pairs, scalar, tamper):
