@@ -337,7 +337,7 @@ def decode_deltas(rows: list[list], streams: list) -> np.ndarray:
     # no ranks, no raw bits. Only the other codes are decoded value by value.
     coded = [row[BIGS] if row[VMODE] == RUNS else row[M] for row in live]  # values in each ranked code
     tables = [row[TABLE] for row in live]
-    plain = [len(t) == 1 and t[0] < DIRECT for t in tables]
+    ranks = _NO_RANKS  # only codes of more than one symbol send ranks
     if any(len(t) > 1 for t in tables):
         rank_counts = [n if len(t) > 1 else 0 for t, n in zip(tables, coded)]
         ranks = ricecode.unpack(streams[4], sum(rank_counts), ricecode.KRuns(rank_counts, [row[RANK_K] for row in live]))
@@ -345,8 +345,8 @@ def decode_deltas(rows: list[list], streams: list) -> np.ndarray:
         raise CorruptData("rice blob: expected no data for 0 values, found some")
     kernel = ricecode.KERNEL
     if kernel is not None:
-        return _values_kernel(kernel, live, coded, tables, streams, total, bigs,
-                              ranks if any(len(t) > 1 for t in tables) else _NO_RANKS)
+        return _values_kernel(kernel, live, coded, tables, streams, total, bigs, ranks)
+    plain = [len(t) == 1 and t[0] < DIRECT for t in tables]
     wide = [i for i, p in enumerate(plain) if not p]
     if wide:
         sel_tables = [tables[i] for i in wide]
