@@ -8,10 +8,11 @@ Owns the patch format (version 2) and its two operations:
   order-preserving integers (dtypes.py), both with the vectorized codes of
   deltacode.py. Tensors that are new, or whose dtype or shape changed, are
   carried in full (planes.py); removed tensors are listed.
-- `apply(state, patch)`: in place. Every chunk is decoded and checked against
-  the digest of the values it overwrites before anything is written; after the
-  writes the full state hash must equal the patch's target hash, otherwise
-  every write is undone. A wrong base, a second apply, a truncated or corrupted
+- `apply(state, patch)`: in place, a batch of chunks at a time. Every chunk is
+  decoded and checked against the digest of the values it overwrites before
+  it is written; after the writes the full state hash must equal the patch's
+  target hash, otherwise every write is undone (from the positions and old
+  bits kept per chunk). A wrong base, a second apply, a truncated or corrupted
   patch raise and leave the state as it was.
 
 Layout: a patch is a table of target tensors plus chunks. A chunk holds whole
@@ -54,6 +55,7 @@ MAX_TABLE_BYTES = 1 << 30
 TABLE_ZSTD_LEVEL = 12  # 53-tensor table: 261 B in 0.08 ms; level 19 saved 12 B for 0.5 ms
 MAX_SEGMENT_ELEMENTS = 1 << 30
 CLASS_MIN_ELEMENTS = 4096  # below this a class window costs more than it saves
+APPLY_BATCH_BYTES = 2 << 20  # patch bytes decoded at once by apply: bounds its working memory
 PARALLEL_MIN_BYTES = 1 << 19  # bytes read per thread below which another thread costs more than it saves
 
 Progress = Callable[[int, int], None] | None
@@ -500,6 +502,24 @@ class DecodedChunk:
         for name, pos, _old, new in self.writes:
             self._view(state, name)[pos] = new
 
+    def undo_record(self, state: State) -> "DecodedChunk":
+        """What `undo` needs once this chunk is written; call it before `write`.
+
+        Per delta piece the cheaper of: the old bits of the whole range its
+        writes span (a dense piece), or its positions (int32 where they fit)
+        and old bits. Full pieces keep nothing (`restore` puts the old tensor
+        back); new bits are let go."""
+        kept = []
+        for name, pos, old, _new in self.writes:
+            if old is None or not len(old):
+                continue
+            lo, hi = int(pos[0]), int(pos[-1]) + 1  # a piece's writes are ascending
+            if (hi - lo) * old.itemsize <= len(pos) * (4 + old.itemsize):
+                kept.append((name, slice(lo, hi), self._view(state, name)[lo:hi].copy(), None))
+            else:
+                kept.append((name, pos.astype(np.int32) if hi <= _INT32_MAX else pos, old, None))
+        return DecodedChunk(kept, self.views)
+
     def undo(self, state: State) -> None:
         for name, pos, old, _new in self.writes:
             if old is not None and name in state:
@@ -570,6 +590,7 @@ def _decode_delta(state: State, seg: _Segment, views: dict):
 
 
 _NO_ORDER = np.zeros(0, dtype=np.int64)
+_INT32_MAX = (1 << 31) - 1
 
 
 def _new_values(old: np.ndarray, order: np.ndarray | None, d: np.ndarray, info: DtypeInfo):
@@ -754,38 +775,60 @@ def restore(state: State, saved: dict[str, torch.Tensor | None]) -> None:
             state[name] = t
 
 
+def _batches(chunks: list[bytes], min_bytes: int, min_count: int) -> list[list[bytes]]:
+    """Consecutive runs of chunks, each at least `min_bytes` and `min_count` chunks (but the last)."""
+    out, cur, size = [], [], 0
+    for c in chunks:
+        cur.append(c)
+        size += len(c)
+        if size >= min_bytes and len(cur) >= min_count:
+            out.append(cur)
+            cur, size = [], 0
+    if cur:
+        out.append(cur)
+    return out
+
+
 def apply(state: State, patch: Patch, progress: Progress = None, threads: int | None = None) -> None:
     """Apply `patch` to `state` in place; on any error the state is left unchanged.
 
     `threads`: at most this many for decoding and hashing (None: as many as
-    the cores and the work are worth)."""
+    the cores and the work are worth). `progress(done, total)` counts chunks
+    written, then the state hash as one more step."""
     _check_state(state, "state")
     if not isinstance(patch, Patch):
         raise UsageError(f"patch: expected a Patch, found {type(patch).__name__}")
     n = len(patch.chunks)
-    # Delta chunks read only tensors that full segments never touch, so they
-    # can all be decoded and checked before the structure changes.
     check_structure(state, patch)
-    segments = [1]  # progress: segments decoded, then chunks written
-
-    def decoding(done: int, total: int) -> None:
-        segments[0] = total
-        progress(done, total + n)
-
-    decoded = decode_chunks(state, patch.chunks, patch.tensors, progress=decoding if progress else None, threads=threads)
-    saved = prepare(state, patch)
-    done = []
+    # A batch of chunks at a time, decoded on every core, checked, written;
+    # only what undoing it needs is kept. Holding every chunk's decoded
+    # arrays until the end made an apply's memory grow with the patch (16 B
+    # per changed element, and fresh pages cost more than the decode).
+    batches = _batches(patch.chunks, APPLY_BATCH_BYTES, threads or parallel.cores())
+    saved: dict | None = None
+    done: list[DecodedChunk] = []
     try:
-        for i, d in enumerate(decoded):
-            d.write(state)
-            done.append(d)
-            if progress:
-                progress(segments[0] + i + 1, segments[0] + n)
+        for batch in batches:
+            decoded = decode_chunks(state, batch, patch.tensors, threads=threads)
+            if saved is None:
+                # After the first checks: a wrong base or a second apply fails before
+                # the structure changes. Delta chunks never read full or removed tensors.
+                saved = prepare(state, patch)
+            for d in decoded:
+                done.append(d.undo_record(state))
+                d.write(state)
+                if progress:
+                    progress(len(done), n + 1)
+        if saved is None:
+            saved = prepare(state, patch)
         found = state_hash(state, threads)
         if found != patch.target_hash:
             raise StateHashMismatch("patched state", patch.target_hash, found)
+        if progress:
+            progress(n + 1, n + 1)
     except BaseException:
         for d in reversed(done):
             d.undo(state)
-        restore(state, saved)
+        if saved is not None:
+            restore(state, saved)
         raise

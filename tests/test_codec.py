@@ -483,3 +483,62 @@ def test_apply_gives_the_same_bits_on_one_thread_or_many():
 def test_state_hash_is_the_same_on_one_thread_or_many():
     state = {f"t{i}": torch.arange(300_000 + i, dtype=torch.int32) for i in range(5)}
     assert state_hash(state, threads=1) == state_hash(state) == state_hash(state, threads=3)
+
+
+def _dense_and_sparse_pair(real_pair):
+    """real_pair plus one tensor whose every element changes (its undo keeps the old range, not positions)."""
+    base, target = clone(real_pair[0]), clone(real_pair[1])
+    rng = np.random.default_rng(7)
+    dense = random_bits((64, 96), torch.bfloat16, rng)
+    base["z.dense"] = dense
+    target["z.dense"] = (bits(dense) ^ torch.from_numpy(rng.integers(1, 4, size=dense.numel(), dtype=np.int16))).view(torch.bfloat16).reshape(dense.shape)
+    return base, target
+
+
+@pytest.fixture
+def one_chunk_batches(monkeypatch):
+    import protocol.patch as patch_module
+
+    monkeypatch.setattr(patch_module, "APPLY_BATCH_BYTES", 1)  # with threads=1: every chunk its own batch
+
+
+def test_undo_keeps_old_ranges_for_dense_pieces_and_int32_positions_for_sparse(real_pair):
+    base, target = _dense_and_sparse_pair(real_pair)
+    p = diff(base, target, chunk_bytes=1 << 30)
+    state = clone(base)
+    d = decode_chunk(state, p.chunks[0], p.tensors)
+    kept = {name: (pos, old) for name, pos, old, _ in d.undo_record(state).writes}
+    pos, old = kept["z.dense"]
+    assert isinstance(pos, slice) and old.size == pos.stop - pos.start
+    positions = [(pos, old) for pos, old in kept.values() if not isinstance(pos, slice)]
+    assert positions and all(pos.dtype == np.int32 and pos.size == old.size for pos, old in positions)
+    ranges = [(pos, old) for pos, old in kept.values() if isinstance(pos, slice)]
+    assert all(old.size == pos.stop - pos.start for pos, old in ranges)
+
+
+def test_a_failure_after_earlier_batches_were_written_undoes_them(real_pair, one_chunk_batches):
+    base, target = _dense_and_sparse_pair(real_pair)
+    p = diff(base, target, chunk_bytes=256, segment_elements=4096)
+    assert len(p.chunks) > 3
+    state = clone(base)
+    apply(state, p, threads=1)  # batch by batch, undo records kept
+    same(state, target)
+
+    # The last chunk finds a base it was not made for: the chunks before it were written, then undone.
+    state = clone(base)
+    last = decode_chunk(state, p.chunks[-1], p.tensors).writes[-1]
+    bits(state[last[0]])[int(last[1][-1]) if not isinstance(last[1], slice) else last[1].stop - 1] ^= 1
+    snapshot = clone(state)
+    with pytest.raises(BaseMismatch):
+        apply(state, p, threads=1)
+    same(state, snapshot)
+
+    # Every chunk fits, the state hash does not (a flipped bit nothing writes): every batch is undone.
+    state = clone(base)
+    name = next(n for n in sorted(base) if n != "z.dense")
+    flat = bits(state[name])
+    flat[torch.nonzero(bits(base[name]) == bits(target[name]))[0, 0]] ^= 1
+    snapshot = clone(state)
+    with pytest.raises(StateHashMismatch):
+        apply(state, p, threads=1)
+    same(state, snapshot)
