@@ -805,11 +805,12 @@ def apply(state: State, patch: Patch, progress: Progress = None, threads: int | 
     # arrays until the end made an apply's memory grow with the patch (16 B
     # per changed element, and fresh pages cost more than the decode).
     batches = _batches(patch.chunks, APPLY_BATCH_BYTES, threads or parallel.cores())
+    specs = {t.name: t for t in patch.tensors}  # once, not per batch: a table may list many tensors
     saved: dict | None = None
     done: list[DecodedChunk] = []
     try:
         for batch in batches:
-            decoded = decode_chunks(state, batch, patch.tensors, threads=threads)
+            decoded = decode_chunks(state, batch, patch.tensors, specs, threads=threads)
             if saved is None:
                 # After the first checks: a wrong base or a second apply fails before
                 # the structure changes. Delta chunks never read full or removed tensors.
