@@ -804,7 +804,7 @@ def apply(state: State, patch: Patch, progress: Progress = None, threads: int | 
     # only what undoing it needs is kept. Holding every chunk's decoded
     # arrays until the end made an apply's memory grow with the patch (16 B
     # per changed element, and fresh pages cost more than the decode).
-    batches = _batches(patch.chunks, APPLY_BATCH_BYTES, threads or parallel.cores())
+    batches = _batches(patch.chunks, APPLY_BATCH_BYTES, min(threads or parallel.cores(), parallel.MAX_THREADS))
     specs = {t.name: t for t in patch.tensors}  # once, not per batch: a table may list many tensors
     saved: dict | None = None
     done: list[DecodedChunk] = []
