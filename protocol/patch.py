@@ -11,8 +11,8 @@ Owns the patch format (version 2) and its two operations:
 - `apply(state, patch)`: in place, a batch of chunks at a time. Every chunk is
   decoded and checked against the digest of the values it overwrites before
   it is written; after the writes the full state hash must equal the patch's
-  target hash, otherwise every write is undone (from the positions and old
-  bits kept per chunk). A wrong base, a second apply, a truncated or corrupted
+  target hash, otherwise every write is undone (from each chunk's undo
+  record: the old bits of the ranges it wrote, or positions and old bits). A wrong base, a second apply, a truncated or corrupted
   patch raise and leave the state as it was.
 
 Layout: a patch is a table of target tensors plus chunks. A chunk holds whole
@@ -667,9 +667,9 @@ def _named_segments(chunk: bytes, tensors: list[TensorSpec]) -> tuple[list[_Segm
 
 
 def decode_chunks(state: State, chunks: list[bytes], tensors: list[TensorSpec], _specs: dict | None = None,
-                  progress: Progress = None, threads: int | None = None) -> list[DecodedChunk]:
+                  threads: int | None = None) -> list[DecodedChunk]:
     """`decode_chunk` of each chunk, their segments decoded on every core (at
-    most `threads` threads when set; `progress(done, total)` counts segments).
+    most `threads` threads when set).
 
     Raises the error a loop over the chunks in order would have raised first:
     parsing and the state checks run in order, the decodes in parallel with
@@ -702,8 +702,7 @@ def decode_chunks(state: State, chunks: list[bytes], tensors: list[TensorSpec], 
         plan.append((steps, old_digest, new_digest, views))
         if steps and isinstance(steps[-1], PatchswarmError):
             break
-    results = parallel.run_all(tasks, parallel.threads_for(len(tasks), work, PARALLEL_MIN_BYTES, threads),
-                               on_done=(lambda k: progress(k, len(tasks))) if progress else None)
+    results = parallel.run_all(tasks, parallel.threads_for(len(tasks), work, PARALLEL_MIN_BYTES, threads))
     decoded = []
     for item in plan:
         if isinstance(item, PatchswarmError):
