@@ -13,7 +13,9 @@ Where chunk c of object key may come from, for this node `me` in region R:
 Patch objects (the WAN plan of protocol/responsibility.py):
   1. a connected node peer in R that has c (never across the WAN when a
      neighbour has it);
-  2. else, if me is `responsible(key, c, members in R)`: a node peer of the
+  2. else, if me owns c in R's `balanced_owners` (rendezvous hashing over
+     R's gateways, each taking an even share of the chunks R pulls from
+     each source): a node peer of the
      region just before R in c's chain (`upstream_regions`), never a farther
      one (each region's uplink carries each chunk at most once); the origin
      only where `upstream_regions` says the origin serves R;
@@ -210,12 +212,10 @@ class PiecePicker:
         for obj in self._objects.values():
             if not obj.is_patch:
                 continue
-            flipped = self._update_duty(obj)
             if regions_changed:  # every chunk's upstream regions may have moved
                 obj.upstream.clear()
-                stale = sorted(obj.missing)
-            else:
-                stale = [c for c in flipped if c in obj.missing]
+            flipped = self._update_duty(obj, reclass=regions_changed)
+            stale = sorted(obj.missing) if regions_changed else [c for c in flipped if c in obj.missing]
             for c in stale:
                 self._refresh(obj, c)
 
@@ -241,7 +241,8 @@ class PiecePicker:
         obj = _Wanted(key, n_chunks, held, priority, now, self._rng,
                       (not key[1]) if coordinated is None else bool(coordinated))
         if obj.is_patch:
-            obj.duty = ResponsibilityMap(key, n_chunks, self._region_members, max_gateways=self.wan_gateways)
+            obj.duty = ResponsibilityMap(key, n_chunks, self._region_members, max_gateways=self.wan_gateways,
+                                         classes=self._source_classes(obj))
             for c in range(n_chunks):
                 obj.mine[c] = obj.duty.owner(c) == self.me
         self._objects[key] = obj
@@ -536,15 +537,25 @@ class PiecePicker:
             raise UsageError(f"{what}: expected a chunk index of {obj.key} in "
                              f"[0, {obj.n_chunks}), found {chunk!r}")
 
-    def _update_duty(self, obj: _Wanted) -> list[int]:
-        """Refresh `obj.mine` from the region's members; the chunks that flipped."""
+    def _update_duty(self, obj: _Wanted, reclass: bool = False) -> list[int]:
+        """Refresh `obj.mine` from the region's members (and, with `reclass`, the
+        chunks' sources); the chunks that flipped."""
         flipped = []
-        for c in obj.duty.set_members(self._region_members):
+        for c in obj.duty.set_members(self._region_members, self._source_classes(obj) if reclass else None):
             now_mine = obj.duty.owner(c) == self.me
             if obj.mine[c] != now_mine:
                 obj.mine[c] = now_mine
                 flipped.append(c)
         return flipped
+
+    def _source_classes(self, obj: _Wanted) -> list[tuple]:
+        """Per chunk, where my region pulls it from across the WAN: the gateways
+        share out each source's chunks evenly (`balanced_owners`)."""
+        out = []
+        for c in range(obj.n_chunks):
+            regions, origin_serves = self._upstream(obj, c)
+            out.append((tuple(sorted(regions)), origin_serves))
+        return out
 
     def _upstream(self, obj: _Wanted, c: int) -> tuple[dict[str, int], bool]:
         plan = obj.upstream.get(c)

@@ -7,6 +7,9 @@ uplink about once in total:
 - `responsible`: within one region, the member that fetches a chunk across the
   WAN (rendezvous / highest-random-weight hashing, so a member leaving moves
   only its own share and a member joining takes only what it wins).
+- `balanced_owners`: the same, with bounded loads: no gateway takes more than
+  its fair share of the chunks that come from one source, so the last chunk a
+  region pulls is not queued behind a gateway that drew more than its share.
 - `region_order`: the chain along which a chunk crosses the WAN: the origin's
   region first, then the others in a per-chunk rendezvous order, so remote
   regions split the pulling from the origin's region and then exchange with
@@ -24,7 +27,11 @@ what anyone holds or what to request next: that is protocol/picker.py.
 from __future__ import annotations
 
 import hashlib
-from typing import Iterable
+from typing import Hashable, Iterable, Sequence
+
+import numpy as np
+
+from .errors import UsageError
 
 ObjKey = tuple[int, bool]  # (version, is_keyframe): one published artifact
 
@@ -75,6 +82,59 @@ def responsible(key: ObjKey, chunk: int, region_members: Iterable[str]) -> str |
     return best
 
 
+def _weights(member: str, key: ObjKey, n_chunks: int) -> np.ndarray:
+    """`member_weight` of every chunk as the first 8 bytes of each digest (big-endian
+    uint64: the same order as the digests, but for a 2**-64 chance of a tie)."""
+    prefix = _member_prefix(member, key)
+    sha256 = hashlib.sha256
+    raw = b"".join(sha256(prefix + b"%d" % c).digest()[:8] for c in range(n_chunks))
+    return np.frombuffer(raw, dtype=">u8").astype(np.uint64)
+
+
+def balanced_owners(key: ObjKey, n_chunks: int, gateways: Iterable[str],
+                    classes: Sequence[Hashable] | None = None,
+                    weights: dict[str, np.ndarray] | None = None) -> list[str | None]:
+    """The gateway that brings each chunk into the region: rendezvous hashing
+    with bounded loads.
+
+    Chunks of one class (where they come from: the origin, a region; None for
+    one class) are taken in ascending order, and each goes to the gateway of
+    highest weight that holds fewer than ceil(class size / gateways) of that
+    class. Plain rendezvous leaves shares binomial: 13 chunks over 2 gateways
+    split 9/4 often enough, and the region then waits on the gateway with 9
+    (measured, README: WAN notes). `weights` caches `_weights` per member."""
+    members = sorted(set(gateways))
+    if not members:
+        return [None] * n_chunks
+    if len(members) == 1:
+        return [members[0]] * n_chunks
+    cache = weights if weights is not None else {}
+    for m in members:
+        if m not in cache:
+            cache[m] = _weights(m, key, n_chunks)
+    w = np.stack([cache[m] for m in members])  # gateways x chunks
+    # Best first per chunk; equal weights to the larger id, like `responsible`.
+    prefs = np.lexsort((np.broadcast_to(np.arange(len(members))[:, None], w.shape), w), axis=0)[::-1].T
+    if classes is None:
+        classes = [None] * n_chunks
+    elif len(classes) != n_chunks:
+        raise UsageError(f"classes: expected one per chunk ({n_chunks}), found {len(classes)}")
+    sizes: dict[Hashable, int] = {}
+    for cls in classes:
+        sizes[cls] = sizes.get(cls, 0) + 1
+    k = len(members)
+    loads = {cls: [0] * k for cls in sizes}
+    owners: list[str | None] = [None] * n_chunks
+    for c, cls in enumerate(classes):
+        cap, load = -(-sizes[cls] // k), loads[cls]
+        for g in prefs[c].tolist():
+            if load[g] < cap:
+                load[g] += 1
+                owners[c] = members[g]
+                break
+    return owners
+
+
 def region_order(key: ObjKey, chunk: int, regions: Iterable[str], origin_region: str) -> list[str]:
     """The order in which regions bring `chunk` across the WAN: `origin_region`
     first (whether or not it is among `regions`), then the other regions by
@@ -113,23 +173,27 @@ def upstream_regions(key: ObjKey, chunk: int, region: str, member_regions: Itera
 
 
 class ResponsibilityMap:
-    """`responsible(key, c, gateways(key, members, max_gateways))` for every chunk c of one object.
+    """`balanced_owners(key, n_chunks, gateways(key, members, max_gateways), classes)`,
+    kept up to date as members come and go.
 
-    `set_members` updates incrementally: a member that joined is weighed once
-    per chunk, and only the chunks whose owner left are weighed again over
-    all members. That keeps membership churn at O(chunks) hash computations
-    instead of O(chunks × members).
+    A member's weights are hashed once per object (one SHA-256 per chunk) and
+    kept while it is a gateway; a change of members or classes re-runs only
+    the bounded assignment (a sort over gateways × chunks, one pass over the
+    chunks), so churn costs O(chunks) hashes per new gateway, not
+    O(chunks × members) per change.
     """
 
-    def __init__(self, key: ObjKey, n_chunks: int, members: Iterable[str] = (), max_gateways: int | None = None):
+    def __init__(self, key: ObjKey, n_chunks: int, members: Iterable[str] = (), max_gateways: int | None = None,
+                 classes: Sequence[Hashable] | None = None):
         self.key = key
         self.n_chunks = n_chunks
         self.max_gateways = max_gateways
         self._members: set[str] = set()
         self._gateways: set[str] = set()
         self._owner: list[str | None] = [None] * n_chunks
-        self._weight: list[bytes] = [b""] * n_chunks
-        self.set_members(members)
+        self._weights: dict[str, np.ndarray] = {}
+        self._classes = self._checked(classes)
+        self._assign(self._members_set(members))
 
     @property
     def members(self) -> frozenset[str]:
@@ -144,33 +208,36 @@ class ResponsibilityMap:
         """The members that own chunks (all of them unless `max_gateways` was given)."""
         return frozenset(self._gateways)
 
-    def set_members(self, members: Iterable[str]) -> list[int]:
-        """Replace the member set; return the chunks whose owner changed, ascending."""
-        self._members = set(members)
-        new = gateways(self.key, self._members, self.max_gateways)
-        left, joined = self._gateways - new, new - self._gateways
-        old_owner = list(self._owner) if (left or joined) else self._owner
-        rehashed: set[int] = set()
-        if left:
-            for c, owner in enumerate(self._owner):
-                if owner in left:
-                    self._owner[c], self._weight[c] = None, b""
-                    rehashed.add(c)
-            for member in sorted(new):  # sorted: same tie-break order everywhere
-                self._offer(member, rehashed)
-        for member in sorted(joined):
-            self._offer(member, range(self.n_chunks), skip=rehashed)
-        self._gateways = new
-        if old_owner is self._owner:
+    def set_members(self, members: Iterable[str], classes: Sequence[Hashable] | None = None) -> list[int]:
+        """Replace the member set (and the chunks' classes, when given); return
+        the chunks whose owner changed, ascending."""
+        new = self._members_set(members)
+        if classes is not None:
+            classes = self._checked(classes)
+            if classes == self._classes:
+                classes = None
+            else:
+                self._classes = classes
+        if new == self._gateways and classes is None:
             return []
-        return [c for c in range(self.n_chunks) if old_owner[c] != self._owner[c]]
+        old = self._owner
+        self._assign(new)
+        return [c for c in range(self.n_chunks) if old[c] != self._owner[c]]
 
-    def _offer(self, member: str, chunks: Iterable[int], skip: set[int] = frozenset()) -> None:
-        prefix = _member_prefix(member, self.key)
-        owner, weight, sha256 = self._owner, self._weight, hashlib.sha256
-        for c in chunks:
-            if c in skip:
-                continue
-            w = sha256(prefix + b"%d" % c).digest()
-            if owner[c] is None or (w, member) > (weight[c], owner[c]):
-                owner[c], weight[c] = member, w
+    def _members_set(self, members: Iterable[str]) -> set[str]:
+        self._members = set(members)
+        return gateways(self.key, self._members, self.max_gateways)
+
+    def _checked(self, classes: Sequence[Hashable] | None) -> list | None:
+        if classes is None:
+            return None
+        classes = list(classes)
+        if len(classes) != self.n_chunks:
+            raise UsageError(f"classes: expected one per chunk ({self.n_chunks}), found {len(classes)}")
+        return classes
+
+    def _assign(self, new: set[str]) -> None:
+        for m in [m for m in self._weights if m not in new]:
+            del self._weights[m]
+        self._gateways = new
+        self._owner = balanced_owners(self.key, self.n_chunks, new, self._classes, self._weights)

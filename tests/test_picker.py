@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from protocol.errors import ProtocolError, UsageError
 from protocol.picker import MAX_COPIES, NODE, ORIGIN, PiecePicker, Request
 from protocol.responsibility import (
-    ResponsibilityMap, gateways, region_order, responsible, upstream_regions,
+    ResponsibilityMap, balanced_owners, gateways, region_order, responsible, upstream_regions,
 )
 
 KEY = (7, False)  # a patch
@@ -50,10 +50,15 @@ def make(me, members, *, origin_region="r0", n=16, connect=None, origin=True, se
     return p
 
 
-def owned(node, members, n, key=KEY):
-    """The chunks `node` must bring into its region."""
-    region = [m for m, r in members.items() if r == members[node]]
-    return {c for c in range(n) if responsible(key, c, region) == node}
+def owned(node, members, n, key=KEY, origin_region="r0", k=None):
+    """The chunks `node` must bring into its region (of `k` gateways; None: all)."""
+    region = members[node]
+    in_region = [m for m, r in members.items() if r == region]
+    regions = set(members.values())
+    classes = [(tuple(up), serves) for up, serves in
+               (upstream_regions(key, c, region, regions, origin_region) for c in range(n))]
+    owners = balanced_owners(key, n, gateways(key, in_region, k), classes)
+    return {c for c in range(n) if owners[c] == node}
 
 
 def find_chunk(pred, limit=500):
@@ -123,6 +128,41 @@ def test_upstream_regions_second_region_pulls_from_first():
         assert upstream_regions(KEY, c, second, {"r0", "r1", "r2"}, "r0") == ([first], False)
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.sets(st.sampled_from([f"n{i}" for i in range(8)])), st.integers(0, 60),
+       st.one_of(st.none(), st.lists(st.sampled_from(["o", "r1", "r2"]), min_size=60, max_size=60)))
+def test_balanced_owners_bounds_each_gateways_share_of_each_class(gws, n, classes):
+    classes = None if classes is None else classes[:n]
+    owners = balanced_owners(KEY, n, gws, classes)
+    assert owners == balanced_owners(KEY, n, sorted(gws, reverse=True), classes)  # order-independent
+    if not gws:
+        assert owners == [None] * n
+        return
+    assert set(owners) <= gws
+    cls = classes or [None] * n
+    plain = [responsible(KEY, c, gws) for c in range(n)]
+    overflow = 0
+    for k in set(cls):
+        chunks = [c for c in range(n) if cls[c] == k]
+        cap = -(-len(chunks) // len(gws))
+        assert max(Counter(owners[c] for c in chunks).values()) <= cap
+        overflow += sum(max(0, v - cap) for v in Counter(plain[c] for c in chunks).values())
+    if not overflow:  # no gateway drew more than its share: plain rendezvous
+        assert owners == plain
+    else:
+        assert owners != plain
+
+
+def test_balanced_owners_evens_out_a_lopsided_rendezvous_split():
+    gws = {"n2.1", "n2.4"}
+    # Objects where plain rendezvous gives one gateway 9 or more of 13 chunks.
+    lopsided = [v for v in range(200)
+                if max(Counter(responsible((v, False), c, gws) for c in range(13)).values()) >= 9]
+    assert lopsided
+    for v in lopsided:
+        assert sorted(Counter(balanced_owners((v, False), 13, gws)).values()) == [6, 7]
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.sets(st.sampled_from([f"n{i}" for i in range(8)])), min_size=1, max_size=6))
 def test_responsibility_map_tracks_membership(history):
@@ -130,10 +170,24 @@ def test_responsibility_map_tracks_membership(history):
     before = [None] * 40
     for members in history:
         changed = rmap.set_members(members)
-        now = [responsible(KEY, c, members) for c in range(40)]
+        now = balanced_owners(KEY, 40, members)
         assert [rmap.owner(c) for c in range(40)] == now
         assert changed == [c for c in range(40) if before[c] != now[c]]
         before = now
+
+
+def test_responsibility_map_follows_new_classes():
+    members = {"a", "b", "c"}
+    first, second = ["o"] * 30, ["o", "r"] * 15
+    rmap = ResponsibilityMap(KEY, 30, members, classes=first)
+    assert [rmap.owner(c) for c in range(30)] == balanced_owners(KEY, 30, members, first)
+    changed = rmap.set_members(members, second)
+    now = balanced_owners(KEY, 30, members, second)
+    assert [rmap.owner(c) for c in range(30)] == now
+    assert changed == [c for c in range(30) if balanced_owners(KEY, 30, members, first)[c] != now[c]]
+    assert rmap.set_members(members, second) == []
+    with pytest.raises(UsageError, match="classes: expected one per chunk"):
+        rmap.set_members(members, ["o"] * 29)
 
 
 def test_gateways_are_the_top_k_by_weight_and_move_between_objects():
@@ -161,7 +215,7 @@ def test_responsibility_map_with_gateways_tracks_membership(history, k):
         changed = rmap.set_members(members)
         gws = gateways(KEY, members, k)
         assert rmap.gateways == gws and rmap.members == members
-        now = [responsible(KEY, c, gws) for c in range(40)]
+        now = balanced_owners(KEY, 40, gws)
         assert [rmap.owner(c) for c in range(40)] == now
         assert changed == [c for c in range(40) if before[c] != now[c]]
         before = now
@@ -220,10 +274,13 @@ def test_single_region_others_wait_then_take_from_the_responsible_node():
 THREE = {"a0": "r0", "b0": "r0", "a1": "r1", "b1": "r1", "a2": "r2"}
 
 
+REMOTE_N = 32  # chunks of the object in the scenarios that use _remote_chunk
+
+
 def _remote_chunk(me, second):
     """A chunk `me` (in r1) must bring in, whose order puts `second` right after r0."""
-    return find_chunk(lambda c: responsible(KEY, c, ["a1", "b1"]) == me
-                      and region_order(KEY, c, ["r1", "r2"], "r0")[1] == second)
+    mine = owned(me, THREE, REMOTE_N)
+    return find_chunk(lambda c: c in mine and region_order(KEY, c, ["r1", "r2"], "r0")[1] == second, REMOTE_N)
 
 
 @pytest.mark.parametrize("second, holders, expect", [
@@ -243,7 +300,7 @@ def test_remote_responsible_node_sources_table(second, holders, expect):
     c = _remote_chunk("a1", second)
     got = set()
     for seed in range(6):  # ties go to either eligible peer: collect over seeds
-        p = make("a1", THREE, n=c + 1, seed=seed)
+        p = make("a1", THREE, n=REMOTE_N, seed=seed)
         for h in holders:
             p.peer_has(h, KEY, [c])
         got |= {r.peer for r in p.requests(0.0) if r.chunk == c}
@@ -252,7 +309,7 @@ def test_remote_responsible_node_sources_table(second, holders, expect):
 
 def test_remote_same_region_holder_beats_wan():
     c = _remote_chunk("a1", "r1")
-    p = make("a1", THREE, n=c + 1)
+    p = make("a1", THREE, n=REMOTE_N)
     p.peer_has("a0", KEY, [c])
     p.peer_has("b1", KEY, [c])
     assert asked(p.requests(0.0)) == {("b1", c)}
@@ -260,7 +317,7 @@ def test_remote_same_region_holder_beats_wan():
 
 def test_remote_non_responsible_node_never_crosses_the_wan():
     c = _remote_chunk("a1", "r1")
-    p = make("b1", THREE, n=c + 1)
+    p = make("b1", THREE, n=REMOTE_N)
     p.peer_has("a0", KEY, [c])
     p.peer_has("a2", KEY, [c])
     assert all(r.chunk != c for r in p.requests(0.0))
@@ -434,7 +491,7 @@ def test_endgame_duplicates_in_region_and_cancels():
 
 def test_endgame_never_crosses_the_wan():
     c = _remote_chunk("a1", "r1")
-    p = make("a1", THREE, n=c + 1, pipeline=4)
+    p = make("a1", THREE, n=REMOTE_N, pipeline=4)
     p.peer_has("a0", KEY, range(c + 1))
     p.peer_has("b0", KEY, range(c + 1))
     reqs = p.requests(0.0)
@@ -512,7 +569,7 @@ def test_failed_wan_source_is_replaced_by_takeover():
     # Only the region just before mine is a WAN source: when its holder fails, a farther
     # region's holder is asked once my region has stalled (takeover), not at once.
     c = _remote_chunk("a1", "r2")
-    p = make("a1", THREE, n=c + 1, origin=False)
+    p = make("a1", THREE, n=REMOTE_N, origin=False)
     p.peer_has("a2", KEY, [c])
     p.peer_has("a0", KEY, [c])
     assert asked(p.requests(0.0)) == {("a2", c)}
