@@ -46,14 +46,22 @@ def load_state(path: str | os.PathLike) -> tuple[State, Layout]:
         return _load_dir(p)
     if p.suffix != SUFFIX:
         raise InvalidInput(f"{p}: expected a {SUFFIX} file or a directory of shards, found {p.suffix or 'no suffix'!r}")
-    return _load_file(p), None
+    return read_tensors(p), None
 
 
-def _load_file(p: Path) -> State:
+def read_tensors(path: str | os.PathLike) -> State:
+    """Every tensor of one `.safetensors` file, in memory this process owns.
+
+    `load_file` maps the file copy-on-write: until a tensor is written its
+    pages are the file's, so rewriting the file in place changes the loaded
+    weights (truncating it kills the process with SIGBUS), and the first
+    patch applied pays a page fault per 4 KiB it writes, while the swarm is
+    still fetching. Copying once at load avoids both."""
     try:
-        return load_file(str(p))
+        mapped = load_file(str(path))
     except SafetensorError as e:
-        raise InvalidInput(f"{p}: not a readable safetensors file ({e})") from None
+        raise InvalidInput(f"{path}: not a readable safetensors file ({e})") from None
+    return {name: mapped.pop(name).clone() for name in list(mapped)}  # one mapped tensor at a time
 
 
 def _load_dir(d: Path) -> tuple[State, dict[str, str]]:
@@ -65,7 +73,7 @@ def _load_dir(d: Path) -> tuple[State, dict[str, str]]:
             shard = d / file
             if not shard.is_file():
                 raise InvalidInput(f"{index}: names shard {file!r}, which does not exist in {d}")
-            part = _load_file(shard)
+            part = read_tensors(shard)
             expected = {n for n, f in weight_map.items() if f == file}
             if set(part) != expected:
                 extra, missing = sorted(set(part) - expected), sorted(expected - set(part))
@@ -80,7 +88,7 @@ def _load_dir(d: Path) -> tuple[State, dict[str, str]]:
         raise InvalidInput(f"{d}: expected {INDEX_NAME} or *{SUFFIX} files, found neither")
     state, layout = {}, {}
     for f in files:
-        for name, t in _load_file(f).items():
+        for name, t in read_tensors(f).items():
             if name in layout:
                 raise InvalidInput(f"{d}: tensor {name!r} is in both {layout[name]} and {f.name}")
             state[name], layout[name] = t, f.name

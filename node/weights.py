@@ -16,12 +16,11 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file
 
 from protocol.errors import InvalidInput
 from protocol.statehash import state_hash
 
-from .checkpoint import save_state
+from .checkpoint import read_tensors, save_state
 
 WEIGHTS_NAME = "weights.safetensors"
 META_VERSION = "patchswarm.version"
@@ -57,10 +56,7 @@ def read_weights(path: str | os.PathLike, verify: bool = True) -> Weights | None
     except (KeyError, ValueError):
         raise InvalidInput(f"{p}: expected patchswarm metadata ({META_VERSION}, {META_HASH}, {META_SWARM}), "
                            f"found keys {sorted(meta)}") from None
-    try:
-        state = load_file(str(p))
-    except SafetensorError as e:
-        raise InvalidInput(f"{p}: not a readable safetensors file ({e})") from None
+    state = read_tensors(p)
     if verify:
         found = state_hash(state)
         if found != expected:

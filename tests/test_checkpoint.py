@@ -42,6 +42,29 @@ def test_single_file_round_trip(tmp_path, mixed):
     assert [p.name for p in tmp_path.iterdir()] == ["m.safetensors"]  # no temp files left
 
 
+def _rewrite_tail_in_place(path, n=64):
+    with open(path, "r+b") as f:  # what `cp new old` does: same inode, new bytes
+        f.seek(-n, os.SEEK_END)
+        f.write(b"\xff" * n)
+
+
+def test_loaded_state_owns_its_memory(tmp_path):
+    from node.weights import Weights, read_weights, write_weights
+    from protocol.statehash import state_hash
+
+    want = torch.arange(4096, dtype=torch.int32)
+    out = tmp_path / "m.safetensors"
+    save_state({"w": want}, out)
+    state, _ = load_state(out)
+    weights = tmp_path / "weights.safetensors"
+    write_weights(weights, Weights({"w": want}, 3, state_hash({"w": want}), "swarm"))
+    held = read_weights(weights)
+    _rewrite_tail_in_place(out)
+    _rewrite_tail_in_place(weights)
+    # A copy-on-write mapping of the file would show the new bytes here.
+    assert torch.equal(state["w"], want) and torch.equal(held.state["w"], want)
+
+
 def test_sharded_round_trip(tmp_path, mixed):
     layout = {n: ("model-00001-of-00002.safetensors" if i % 2 else "model-00002-of-00002.safetensors")
               for i, n in enumerate(sorted(mixed))}
