@@ -12,8 +12,10 @@ Owns the patch format (version 2) and its two operations:
   decoded and checked against the digest of the values it overwrites before
   it is written; after the writes the full state hash must equal the patch's
   target hash, otherwise every write is undone (from each chunk's undo
-  record: the old bits of the ranges it wrote, or positions and old bits). A wrong base, a second apply, a truncated or corrupted
-  patch raise and leave the state as it was.
+  record: the old bits of the ranges it wrote, or positions and old bits).
+  A wrong base, a second apply, a truncated or corrupted patch raise and
+  leave the state as it was (with `undo=False`, only when found before the
+  first write: for callers that keep the base elsewhere).
 
 Layout: a patch is a table of target tensors plus chunks. A chunk holds whole
 segments; a segment covers contiguous element ranges ("pieces") of one dtype:
@@ -788,12 +790,20 @@ def _batches(chunks: list[bytes], min_bytes: int, min_count: int) -> list[list[b
     return out
 
 
-def apply(state: State, patch: Patch, progress: Progress = None, threads: int | None = None) -> None:
+def apply(state: State, patch: Patch, progress: Progress = None, threads: int | None = None,
+          undo: bool = True) -> None:
     """Apply `patch` to `state` in place; on any error the state is left unchanged.
 
     `threads`: at most this many for decoding and hashing (None: as many as
     the cores and the work are worth). `progress(done, total)` counts chunks
-    written, then the state hash as one more step."""
+    written, then the state hash as one more step.
+
+    `undo=False` is for callers that keep the base elsewhere (the node daemon
+    has it in its weights file): no undo records are kept, which for a dense
+    patch is a copy of every range it writes (the whole state at worst), and
+    an error raised after the first write leaves the state partly patched.
+    Errors found before any write (structure, wrong base in the first batch,
+    a second apply) still leave it unchanged."""
     _check_state(state, "state")
     if not isinstance(patch, Patch):
         raise UsageError(f"patch: expected a Patch, found {type(patch).__name__}")
@@ -806,7 +816,8 @@ def apply(state: State, patch: Patch, progress: Progress = None, threads: int | 
     batches = _batches(patch.chunks, APPLY_BATCH_BYTES, min(threads or parallel.cores(), parallel.MAX_THREADS))
     specs = {t.name: t for t in patch.tensors}  # once, not per batch: a table may list many tensors
     saved: dict | None = None
-    done: list[DecodedChunk] = []
+    kept: list[DecodedChunk] = []  # undo records, with `undo`
+    written = 0
     try:
         for batch in batches:
             decoded = decode_chunks(state, batch, patch.tensors, specs, threads=threads)
@@ -815,10 +826,12 @@ def apply(state: State, patch: Patch, progress: Progress = None, threads: int | 
                 # the structure changes. Delta chunks never read full or removed tensors.
                 saved = prepare(state, patch)
             for d in decoded:
-                done.append(d.undo_record(state))
+                if undo:
+                    kept.append(d.undo_record(state))
                 d.write(state)
+                written += 1
                 if progress:
-                    progress(len(done), n + 1)
+                    progress(written, n + 1)
         if saved is None:
             saved = prepare(state, patch)
         found = state_hash(state, threads)
@@ -827,8 +840,9 @@ def apply(state: State, patch: Patch, progress: Progress = None, threads: int | 
         if progress:
             progress(n + 1, n + 1)
     except BaseException:
-        for d in reversed(done):
-            d.undo(state)
-        if saved is not None:
-            restore(state, saved)
+        if undo or not written:
+            for d in reversed(kept):
+                d.undo(state)
+            if saved is not None:
+                restore(state, saved)
         raise

@@ -542,3 +542,33 @@ def test_a_failure_after_earlier_batches_were_written_undoes_them(real_pair, one
     with pytest.raises(StateHashMismatch):
         apply(state, p, threads=1)
     same(state, snapshot)
+
+
+def test_without_undo_no_records_are_kept_and_only_failures_before_a_write_leave_the_state(
+        real_pair, one_chunk_batches, monkeypatch):
+    import protocol.patch as patch_module
+
+    base, target = _dense_and_sparse_pair(real_pair)
+    p = diff(base, target, chunk_bytes=256, segment_elements=4096)
+
+    def no_records(self, state):
+        raise AssertionError("undo=False must not build undo records")
+
+    monkeypatch.setattr(patch_module.DecodedChunk, "undo_record", no_records)
+    state = clone(base)
+    apply(state, p, threads=1, undo=False)
+    same(state, target)
+    # Found before any write (the first batch's check): unchanged, as with undo.
+    with pytest.raises(AlreadyApplied):
+        apply(state, p, threads=1, undo=False)
+    same(state, target)
+
+    # Found after earlier batches were written: the state is left partly patched.
+    state = clone(base)
+    last = decode_chunk(state, p.chunks[-1], p.tensors).writes[-1]
+    bits(state[last[0]])[int(last[1][-1]) if not isinstance(last[1], slice) else last[1].stop - 1] ^= 1
+    with pytest.raises(BaseMismatch):
+        apply(state, p, threads=1, undo=False)
+    name, pos, _old, _new = decode_chunk(clone(base), p.chunks[0], p.tensors).writes[0]
+    assert torch.equal(bits(state[name])[pos], bits(target[name])[pos])  # the first chunk's writes stayed
+    assert not torch.equal(bits(state[name])[pos], bits(base[name])[pos])
