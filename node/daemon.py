@@ -477,8 +477,9 @@ class Node:
         state = {} if self.weights is None else self.weights.state
 
         def work() -> None:
-            # in place; on error unchanged
-            apply_patch(state, patch_of(m, self.store.chunks(key)), threads=self.cfg.apply_threads)
+            # In place, without undo records: for a dense patch they would be a
+            # second copy of the state, and the weights file holds the base anyway.
+            apply_patch(state, patch_of(m, self.store.chunks(key)), threads=self.cfg.apply_threads, undo=False)
 
         try:
             # Below the loop's priority: peers fetching this version from us come first (node/lowprio.py).
@@ -486,6 +487,10 @@ class Node:
         except PatchswarmError as e:
             self._unusable.add(key)
             log.error("could not apply %s: %s; looking for another path", describe(key), e)
+            if self.weights is not None:  # the state may be partly patched: back to what the file holds
+                self.weights = await trio.to_thread.run_sync(self._load_weights)
+                log.info("reloaded %s: %s", self.weights_path,
+                         "no usable weights" if self.weights is None else f"version {self.weights.version}")
             return
         finally:
             self._wanted.discard(key)
