@@ -102,7 +102,7 @@ def balanced_owners(key: ObjKey, n_chunks: int, gateways: Iterable[str],
     highest weight that holds fewer than ceil(class size / gateways) of that
     class. Plain rendezvous leaves shares binomial: 13 chunks over 2 gateways
     split 9/4 often enough, and the region then waits on the gateway with 9
-    (measured, README: WAN notes). `weights` caches `_weights` per member."""
+    (measured: README, design, WAN plan). `weights` caches `_weights` per member."""
     members = sorted(set(gateways))
     if not members:
         return [None] * n_chunks
@@ -193,7 +193,8 @@ class ResponsibilityMap:
         self._owner: list[str | None] = [None] * n_chunks
         self._weights: dict[str, np.ndarray] = {}
         self._classes = self._checked(classes)
-        self._assign(self._members_set(members))
+        self._members = set(members)
+        self._assign(gateways(key, self._members, max_gateways))
 
     @property
     def members(self) -> frozenset[str]:
@@ -211,7 +212,8 @@ class ResponsibilityMap:
     def set_members(self, members: Iterable[str], classes: Sequence[Hashable] | None = None) -> list[int]:
         """Replace the member set (and the chunks' classes, when given); return
         the chunks whose owner changed, ascending."""
-        new = self._members_set(members)
+        self._members = set(members)
+        new = gateways(self.key, self._members, self.max_gateways)
         if classes is not None:
             classes = self._checked(classes)
             if classes == self._classes:
@@ -223,10 +225,6 @@ class ResponsibilityMap:
         old = self._owner
         self._assign(new)
         return [c for c in range(self.n_chunks) if old[c] != self._owner[c]]
-
-    def _members_set(self, members: Iterable[str]) -> set[str]:
-        self._members = set(members)
-        return gateways(self.key, self._members, self.max_gateways)
 
     def _checked(self, classes: Sequence[Hashable] | None) -> list | None:
         if classes is None:
