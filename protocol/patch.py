@@ -56,8 +56,13 @@ MAX_PATCH_BYTES = 1 << 40
 MAX_TABLE_BYTES = 1 << 30
 TABLE_ZSTD_LEVEL = 12  # 53-tensor table: 261 B in 0.08 ms; level 19 saved 12 B for 0.5 ms
 MAX_SEGMENT_ELEMENTS = 1 << 30
+# A segment holds at most this many changes: a dense step's 1 M-element segment
+# decoded into ~30 MB of transients, and a segment is what one decode thread holds
+# at once (apply's peak: 119 -> 25 MB on the WAN payload). Sparse segments are far
+# below it, so their size (and the per-segment headers) is unchanged.
+SEGMENT_CHANGES = 1 << 18
 CLASS_MIN_ELEMENTS = 4096  # below this a class window costs more than it saves
-APPLY_BATCH_BYTES = 2 << 20  # patch bytes decoded at once by apply: bounds its working memory
+APPLY_BATCH_BYTES = 1 << 18  # at least this much patch per apply batch (and a segment per decode thread)
 PARALLEL_MIN_BYTES = 1 << 19  # bytes read per thread below which another thread costs more than it saves
 
 Progress = Callable[[int, int], None] | None
@@ -296,13 +301,43 @@ def _changes(bs: list[np.ndarray], ts: list[np.ndarray], differs: np.ndarray) ->
     return found
 
 
-def _encode_delta(base: State, target: State, pieces, index: dict[str, int]) -> tuple[dict | None, list[np.ndarray], list[np.ndarray]]:
-    info = info_of(base[pieces[0][0]].dtype)
+def _encode_delta(base: State, target: State, pieces, index: dict[str, int]) -> list[tuple[dict, list, list]]:
+    """The segments of one planned segment's changes: itself, none when nothing
+    changed, or consecutive parts of at most SEGMENT_CHANGES changes each."""
     bs, ts = _piece_bits(base, pieces), _piece_bits(target, pieces)
-    size = sum(b.size for b in bs)
     idx, old, new = _changed(bs, ts)
     if not idx.size:
-        return None, [], []
+        return []
+    if idx.size <= SEGMENT_CHANGES:
+        return [_encode_changes(base, pieces, index, bs, idx, old, new)]
+    out = []
+    for part in _split_pieces(pieces, idx[SEGMENT_CHANGES::SEGMENT_CHANGES].tolist()):
+        bs, ts = _piece_bits(base, part), _piece_bits(target, part)
+        out.append(_encode_changes(base, part, index, bs, *_changed(bs, ts)))
+    return out
+
+
+def _split_pieces(pieces, cuts: list[int]) -> list[list[tuple[str, int, int]]]:
+    """`pieces` cut at ascending positions of their concatenation (none at 0 or the end)."""
+    bounds = [0, *cuts, sum(e - s for _, s, e in pieces)]
+    parts, offset, at = [[] for _ in cuts + [0]], 0, 0
+    for name, s, e in pieces:
+        lo, hi = offset, offset + e - s
+        while at < len(parts) and bounds[at] < hi:
+            a, b = max(lo, bounds[at]), min(hi, bounds[at + 1])
+            if b > a:
+                parts[at].append((name, s + a - lo, s + b - lo))
+            if bounds[at + 1] > hi:
+                break
+            at += 1
+        offset = hi
+    return parts
+
+
+def _encode_changes(base: State, pieces, index: dict[str, int], bs: list[np.ndarray], idx: np.ndarray,
+                    old: np.ndarray, new: np.ndarray) -> tuple[dict, list, list]:
+    info = info_of(base[pieces[0][0]].dtype)
+    size = sum(b.size for b in bs)
     d = to_ordered(new, info) - to_ordered(old, info)
     lo, classes = 0, 1
     if contexts.has_classes(info) and size >= CLASS_MIN_ELEMENTS:
@@ -376,7 +411,7 @@ def diff(base: State, target: State, layout: dict[str, str] | None = None, progr
     work = statehash.hash_bytes(unhashed) + 2 * sum(target[n].numel() * target[n].element_size() for n in names)
     threads = parallel.threads_for(len(tasks), work, PARALLEL_MIN_BYTES)
     results = parallel.run_all(tasks, threads, on_done=(lambda n: progress(n, len(tasks))) if progress else None)
-    chunks = _pack_chunks([r for r in results[: len(encoding)] if r[0] is not None], chunk_bytes)
+    chunks = _pack_chunks([seg for r in results[: len(encoding)] for seg in r], chunk_bytes)
     hashes = iter(finish_hashes(results[len(encoding) :]))
     return Patch(
         kind="patch",
@@ -391,7 +426,7 @@ def diff(base: State, target: State, layout: dict[str, str] | None = None, progr
 
 
 def _encode_tasks(base: State, target: State, names: list[str], full: list[str], segment_elements: int) -> list[Callable]:
-    """One task per segment, each returning (segment or None, old values, new values)."""
+    """One task per planned segment, each returning a list of (segment, old values, new values)."""
     full_set = set(full)
     index = {n: i for i, n in enumerate(names)}
     delta_names = [n for n in names if n not in full_set]
@@ -402,9 +437,9 @@ def _encode_tasks(base: State, target: State, names: list[str], full: list[str],
     return tasks
 
 
-def _encode_full_task(target: State, pieces, index: dict[str, int]) -> tuple[dict, list, list[np.ndarray]]:
+def _encode_full_task(target: State, pieces, index: dict[str, int]) -> list[tuple[dict, list, list[np.ndarray]]]:
     seg, news = _encode_full(target, pieces, index)
-    return seg, [], news
+    return [(seg, [], news)]
 
 
 def _plan_segments_bytes(state: State, names: list[str]):
@@ -678,15 +713,32 @@ def decode_chunks(state: State, chunks: list[bytes], tensors: list[TensorSpec], 
     their errors held, then the walk in chunk order raises the first one.
     """
     specs = _specs if _specs is not None else {t.name: t for t in tensors}
+    parsed = []
+    for chunk in chunks:
+        parsed.append(_parsed(chunk, tensors))
+        if isinstance(parsed[-1], PatchswarmError):
+            break
+    return _decode_parsed(state, parsed, specs, threads)
+
+
+def _parsed(chunk: bytes, tensors: list[TensorSpec]):
+    """`_named_segments` of a chunk, or the error parsing it raised (held for the walk in chunk order)."""
+    try:
+        return _named_segments(chunk, tensors)
+    except PatchswarmError as e:
+        return e
+
+
+def _decode_parsed(state: State, parsed: list, specs: dict[str, TensorSpec], threads: int | None) -> list[DecodedChunk]:
+    """`decode_chunks` of chunks already parsed (each `_parsed`'s result; an error ends the list)."""
     tasks: list[Callable] = []
     plan: list = []  # per chunk: an error, or (task numbers or an error, digests, views)
     work = 0
-    for chunk in chunks:
-        try:
-            segs, old_digest, new_digest = _named_segments(chunk, tensors)
-        except PatchswarmError as e:
-            plan.append(e)
+    for item in parsed:
+        if isinstance(item, PatchswarmError):
+            plan.append(item)
             break
+        segs, old_digest, new_digest = item
         views: dict = {}
         steps: list = []
         for seg in segs:
@@ -776,18 +828,24 @@ def restore(state: State, saved: dict[str, torch.Tensor | None]) -> None:
             state[name] = t
 
 
-def _batches(chunks: list[bytes], min_bytes: int, min_count: int) -> list[list[bytes]]:
-    """Consecutive runs of chunks, each at least `min_bytes` and `min_count` chunks (but the last)."""
-    out, cur, size = [], [], 0
+def _parsed_batches(chunks: list[bytes], tensors: list[TensorSpec], min_bytes: int, min_segments: int):
+    """Consecutive runs of parsed chunks (`_parsed`), each of at least `min_bytes` of
+    patch and `min_segments` segments (but the last), parsed as they are reached so
+    only one batch's streams are held. A chunk that fails to parse ends its batch
+    and the iteration."""
+    cur, size, segs = [], 0, 0
     for c in chunks:
-        cur.append(c)
+        item = _parsed(c, tensors)
+        cur.append(item)
+        if isinstance(item, PatchswarmError):
+            break
         size += len(c)
-        if size >= min_bytes and len(cur) >= min_count:
-            out.append(cur)
-            cur, size = [], 0
+        segs += len(item[0])
+        if size >= min_bytes and segs >= min_segments:
+            yield cur
+            cur, size, segs = [], 0, 0
     if cur:
-        out.append(cur)
-    return out
+        yield cur
 
 
 def apply(state: State, patch: Patch, progress: Progress = None, threads: int | None = None,
@@ -809,18 +867,19 @@ def apply(state: State, patch: Patch, progress: Progress = None, threads: int | 
         raise UsageError(f"patch: expected a Patch, found {type(patch).__name__}")
     n = len(patch.chunks)
     check_structure(state, patch)
-    # A batch of chunks at a time, decoded on every core, checked, written;
-    # only what undoing it needs is kept. Holding every chunk's decoded
+    # A batch of chunks at a time (a segment per decode thread at least),
+    # decoded on every core, checked, written; only what undoing it needs is kept. Holding every chunk's decoded
     # arrays until the end made an apply's memory grow with the patch (16 B
     # per changed element, and fresh pages cost more than the decode).
-    batches = _batches(patch.chunks, APPLY_BATCH_BYTES, min(threads or parallel.cores(), parallel.MAX_THREADS))
+    batches = _parsed_batches(patch.chunks, patch.tensors, APPLY_BATCH_BYTES,
+                              min(threads or parallel.cores(), parallel.MAX_THREADS))
     specs = {t.name: t for t in patch.tensors}  # once, not per batch: a table may list many tensors
     saved: dict | None = None
     kept: list[DecodedChunk] = []  # undo records, with `undo`
     written = 0
     try:
         for batch in batches:
-            decoded = decode_chunks(state, batch, patch.tensors, specs, threads=threads)
+            decoded = _decode_parsed(state, batch, specs, threads)
             if saved is None:
                 # After the first checks: a wrong base or a second apply fails before
                 # the structure changes. Delta chunks never read full or removed tensors.

@@ -572,3 +572,69 @@ def test_without_undo_no_records_are_kept_and_only_failures_before_a_write_leave
     name, pos, _old, _new = decode_chunk(clone(base), p.chunks[0], p.tensors).writes[0]
     assert torch.equal(bits(state[name])[pos], bits(target[name])[pos])  # the first chunk's writes stayed
     assert not torch.equal(bits(state[name])[pos], bits(base[name])[pos])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=6), st.data())
+def test_split_pieces_cuts_the_concatenation_at_the_given_positions(lengths, data):
+    from protocol.patch import _split_pieces
+
+    pieces = [(f"t{i}", 3 * i, 3 * i + n) for i, n in enumerate(lengths)]
+    total = sum(lengths)
+    cuts = sorted(data.draw(st.sets(st.integers(1, total - 1), max_size=8))) if total > 1 else []
+    parts = _split_pieces(pieces, cuts)
+    assert len(parts) == len(cuts) + 1 and all(parts)
+    flat = [(name, i) for name, s, e in pieces for i in range(s, e)]
+    got = [[(name, i) for name, s, e in part for i in range(s, e)] for part in parts]
+    assert [x for part in got for x in part] == flat
+    assert [len(part) for part in got] == np.diff([0, *cuts, total]).tolist()
+
+
+def test_a_dense_segment_is_split_by_changes_and_sparse_ones_are_not(real_pair, monkeypatch):
+    import protocol.patch as patch_module
+
+    def changes(p):
+        return [sum(row[deltacode.M] for row in s.rows)
+                for c in p.chunks for s in patch_module._parse_chunk(c)[0] if s.kind == "d"]
+
+    base, target = clone(real_pair[0]), clone(real_pair[1])
+    rng = np.random.default_rng(5)
+    dense = random_bits((256, 256), torch.bfloat16, rng)
+    base["z.dense"] = dense
+    target["z.dense"] = (bits(dense) ^ torch.from_numpy(rng.integers(1, 4, size=dense.numel(), dtype=np.int16))).view(torch.bfloat16).reshape(dense.shape)
+    dense = dense.numel()
+    sparse_whole = diff(*real_pair)
+    cap = max(changes(sparse_whole)) + 1
+    assert cap < dense // 3  # the scenario: sparse segments below the cap, the dense tensor well above
+    monkeypatch.setattr(patch_module, "SEGMENT_CHANGES", cap)
+    split = diff(base, target)
+    assert max(changes(split)) <= cap and len(changes(split)) >= len(changes(sparse_whole)) + 3
+    state = clone(base)
+    apply(state, split)
+    same(state, target)
+    assert diff(*real_pair).to_bytes() == sparse_whole.to_bytes()  # nothing sparse was split
+
+
+def test_apply_batches_hold_a_segment_per_thread_and_end_at_an_unparsable_chunk(real_pair):
+    from protocol.patch import _parsed_batches
+
+    base, target = _dense_and_sparse_pair(real_pair)
+    p = diff(base, target, chunk_bytes=256, segment_elements=512)
+    counts = [len(patch_module_parse(c)) for c in p.chunks]
+    assert len(p.chunks) > 4
+    batches = list(_parsed_batches(p.chunks, p.tensors, 1, 3))
+    assert sum(len(b) for b in batches) == len(p.chunks)
+    at = 0
+    for b in batches[:-1]:
+        assert sum(counts[at:at + len(b)]) >= 3 and sum(counts[at:at + len(b) - 1]) < 3
+        at += len(b)
+    broken = list(p.chunks)
+    broken[2] = b"not msgpack"
+    items = [item for b in _parsed_batches(broken, p.tensors, 1, 1) for item in b]
+    assert len(items) == 3 and isinstance(items[-1], CorruptData)
+
+
+def patch_module_parse(chunk):
+    import protocol.patch as patch_module
+
+    return patch_module._parse_chunk(chunk)[0]
