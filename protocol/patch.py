@@ -58,7 +58,7 @@ TABLE_ZSTD_LEVEL = 12  # 53-tensor table: 261 B in 0.08 ms; level 19 saved 12 B 
 MAX_SEGMENT_ELEMENTS = 1 << 30
 # A segment holds at most this many changes: a dense step's 1 M-element segment
 # decoded into ~30 MB of transients, and a segment is what one decode thread holds
-# at once (apply's peak: 119 -> 25 MB on the WAN payload). Sparse segments are far
+# at once (apply's peak: 119 -> 18 MB on the WAN payload). Sparse segments are far
 # below it, so their size (and the per-segment headers) is unchanged.
 SEGMENT_CHANGES = 1 << 18
 CLASS_MIN_ELEMENTS = 4096  # below this a class window costs more than it saves
@@ -868,9 +868,10 @@ def apply(state: State, patch: Patch, progress: Progress = None, threads: int | 
     n = len(patch.chunks)
     check_structure(state, patch)
     # A batch of chunks at a time (a segment per decode thread at least),
-    # decoded on every core, checked, written; only what undoing it needs is kept. Holding every chunk's decoded
-    # arrays until the end made an apply's memory grow with the patch (16 B
-    # per changed element, and fresh pages cost more than the decode).
+    # decoded on every core, checked, written; only what undoing it needs is
+    # kept. Holding every chunk's decoded arrays until the end made an apply's
+    # memory grow with the patch (16 B per changed element, and fresh pages
+    # cost more than the decode).
     batches = _parsed_batches(patch.chunks, patch.tensors, APPLY_BATCH_BYTES,
                               min(threads or parallel.cores(), parallel.MAX_THREADS))
     specs = {t.name: t for t in patch.tensors}  # once, not per batch: a table may list many tensors
