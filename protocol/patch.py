@@ -310,10 +310,13 @@ def _encode_delta(base: State, target: State, pieces, index: dict[str, int]) -> 
         return []
     if idx.size <= SEGMENT_CHANGES:
         return [_encode_changes(base, pieces, index, bs, idx, old, new)]
+    # Each part starts at its first change: its changes are a run of these, shifted.
+    starts = idx[::SEGMENT_CHANGES].tolist()
     out = []
-    for part in _split_pieces(pieces, idx[SEGMENT_CHANGES::SEGMENT_CHANGES].tolist()):
-        bs, ts = _piece_bits(base, part), _piece_bits(target, part)
-        out.append(_encode_changes(base, part, index, bs, *_changed(bs, ts)))
+    for k, part in enumerate(_split_pieces(pieces, starts[1:])):
+        at = slice(k * SEGMENT_CHANGES, (k + 1) * SEGMENT_CHANGES)
+        first = starts[k] if k else 0
+        out.append(_encode_changes(base, part, index, _piece_bits(base, part), idx[at] - first, old[at], new[at]))
     return out
 
 

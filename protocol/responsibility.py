@@ -26,6 +26,7 @@ what anyone holds or what to request next: that is protocol/picker.py.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 from typing import Hashable, Iterable, Sequence
 
@@ -119,9 +120,7 @@ def balanced_owners(key: ObjKey, n_chunks: int, gateways: Iterable[str],
         classes = [None] * n_chunks
     elif len(classes) != n_chunks:
         raise UsageError(f"classes: expected one per chunk ({n_chunks}), found {len(classes)}")
-    sizes: dict[Hashable, int] = {}
-    for cls in classes:
-        sizes[cls] = sizes.get(cls, 0) + 1
+    sizes = collections.Counter(classes)
     k = len(members)
     loads = {cls: [0] * k for cls in sizes}
     owners: list[str | None] = [None] * n_chunks

@@ -593,9 +593,16 @@ def test_split_pieces_cuts_the_concatenation_at_the_given_positions(lengths, dat
 def test_a_dense_segment_is_split_by_changes_and_sparse_ones_are_not(real_pair, monkeypatch):
     import protocol.patch as patch_module
 
+    def delta_segments(p):
+        return [s for c in p.chunks for s in patch_module._parse_chunk(c)[0] if s.kind == "d"]
+
     def changes(p):
-        return [sum(row[deltacode.M] for row in s.rows)
-                for c in p.chunks for s in patch_module._parse_chunk(c)[0] if s.kind == "d"]
+        return [sum(row[deltacode.M] for row in s.rows) for s in delta_segments(p)]
+
+    def sparse_segments(p):  # comparable form of every segment that does not cover z.dense
+        dense_index = [t.name for t in p.tensors].index("z.dense")
+        return sorted(repr((s.pieces, s.window, s.rows, s.streams)) for s in delta_segments(p)
+                      if all(piece[0] != dense_index for piece in s.pieces))
 
     base, target = clone(real_pair[0]), clone(real_pair[1])
     rng = np.random.default_rng(5)
@@ -603,24 +610,28 @@ def test_a_dense_segment_is_split_by_changes_and_sparse_ones_are_not(real_pair, 
     base["z.dense"] = dense
     target["z.dense"] = (bits(dense) ^ torch.from_numpy(rng.integers(1, 4, size=dense.numel(), dtype=np.int16))).view(torch.bfloat16).reshape(dense.shape)
     dense = dense.numel()
-    sparse_whole = diff(*real_pair)
+    per = 1 << 16  # elements per planned segment: the sparse tensors' segments do not hold z.dense
+    sparse_whole = diff(*real_pair, segment_elements=per)
     cap = max(changes(sparse_whole)) + 1
     assert cap < dense // 3  # the scenario: sparse segments below the cap, the dense tensor well above
     monkeypatch.setattr(patch_module, "SEGMENT_CHANGES", cap)
-    split = diff(base, target)
+    split = diff(base, target, segment_elements=per)
     assert max(changes(split)) <= cap and len(changes(split)) >= len(changes(sparse_whole)) + 3
     state = clone(base)
     apply(state, split)
     same(state, target)
-    assert diff(*real_pair).to_bytes() == sparse_whole.to_bytes()  # nothing sparse was split
+    # Only the dense tensor's segment was cut: every other segment is as without the cap.
+    monkeypatch.undo()
+    kept = sparse_segments(split)
+    assert kept and kept == sparse_segments(diff(base, target, segment_elements=per))
 
 
 def test_apply_batches_hold_a_segment_per_thread_and_end_at_an_unparsable_chunk(real_pair):
-    from protocol.patch import _parsed_batches
+    from protocol.patch import _parse_chunk, _parsed_batches
 
     base, target = _dense_and_sparse_pair(real_pair)
     p = diff(base, target, chunk_bytes=256, segment_elements=512)
-    counts = [len(patch_module_parse(c)) for c in p.chunks]
+    counts = [len(_parse_chunk(c)[0]) for c in p.chunks]
     assert len(p.chunks) > 4
     batches = list(_parsed_batches(p.chunks, p.tensors, 1, 3))
     assert sum(len(b) for b in batches) == len(p.chunks)
@@ -632,9 +643,3 @@ def test_apply_batches_hold_a_segment_per_thread_and_end_at_an_unparsable_chunk(
     broken[2] = b"not msgpack"
     items = [item for b in _parsed_batches(broken, p.tensors, 1, 1) for item in b]
     assert len(items) == 3 and isinstance(items[-1], CorruptData)
-
-
-def patch_module_parse(chunk):
-    import protocol.patch as patch_module
-
-    return patch_module._parse_chunk(chunk)[0]

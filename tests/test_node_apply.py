@@ -30,7 +30,7 @@ def _pair():
     g = torch.Generator().manual_seed(3)
     base = {f"w{i}": torch.randn(64, 64, generator=g).to(torch.bfloat16) for i in range(4)}
     target = {k: v.clone() for k, v in base.items()}
-    for v in target.values():  # dense and sparse changes across several chunks
+    for v in target.values():  # a third of every tensor changes: several chunks
         flat = _bits(v)
         flat[::3] += 1
     return base, target
