@@ -56,7 +56,7 @@ async def _child(role: str, kind: str, creds_root: Path, port: int, mib: int) ->
             if role == "send":
                 data = os.urandom(PIECE)
                 for i in range(mib):
-                    await ms.send(wire.Piece(1, False, i, data))
+                    await ms.send(wire.Piece(1, False, i, 0, PIECE, data))
                 assert await ms.receive() is None  # the receiver closes once it holds everything
             else:
                 got = 0

@@ -39,6 +39,7 @@ from .localapi import serve_local
 from .lowprio import APPLY_NICE, run_low_priority
 from .peers import PeerDropped, PeerSet, Session
 from .ratelimit import TokenBucket
+from .relay import Inflows
 from .spool import TrajectorySpool
 from .store import ObjectStore
 from .trackerlink import TrackerLink, one_line
@@ -113,8 +114,9 @@ class Node:
         self.weights: Weights | None = None
         self.upload = TokenBucket(cfg.upload_limit)
         self.download = TokenBucket(cfg.download_limit)
+        self.inflows = Inflows()
         self.peers = PeerSet(self.id, None, self.upload, self._on_message,  # store set in run()
-                             on_open=self._on_peer_open, on_close=self._on_peer_close)
+                             on_open=self._on_peer_open, on_close=self._on_peer_close, inflows=self.inflows)
         self.tracker = TrackerLink(cfg.tracker, self.creds, self._hello, self._on_tracker_message)
         self.picker: PiecePicker | None = None
         self.members: dict[str, dict] = {}  # id -> peer entry from the tracker
@@ -129,6 +131,7 @@ class Node:
         self._wanted: set[ObjKey] = set()
         self._timeline: dict[ObjKey, dict[str, float]] = {}  # wall-clock announced_at / complete_at
         self._unusable: set[ObjKey] = set()
+        self._told: dict[ObjKey, dict[int, set[str]]] = {}  # peers sent an Incoming for a chunk not yet held
         self._outstanding: dict[tuple[str, ObjKey, int], float] = {}
         self._dialing: set[str] = set()
         self._dial_after: dict[str, float] = {}
@@ -315,8 +318,8 @@ class Node:
 
     def _picker_peer_joined(self, s: Session) -> None:
         self.picker.peer_joined(s.id, self._kind(s), s.region)
-        for key, have in s.have.items():
-            self._tell_picker_has(s.id, key, have)
+        for key in s.have.keys() | s.arriving.keys():
+            self._tell_picker_has(s.id, key, s.announced(key))
 
     def _tell_picker_has(self, peer: str, key: ObjKey, chunks) -> None:
         if key in self._wanted:
@@ -338,6 +341,7 @@ class Node:
             self._uploader.set()
         if self.picker is not None:
             self.picker.peer_left(s.id)
+        self.inflows.drop_peer(s.id)
         for k in [k for k in self._outstanding if k[0] == s.id]:
             del self._outstanding[k]
         self._sched.set()
@@ -346,15 +350,17 @@ class Node:
     async def _on_message(self, s: Session, msg) -> None:
         if isinstance(msg, wire.Piece):
             await self._on_piece(s, msg)
-        elif isinstance(msg, (wire.Have, wire.HaveOne)):
+        elif isinstance(msg, (wire.Have, wire.HaveOne, wire.Incoming)):
             if self.picker is not None:
                 key = (msg.version, msg.keyframe)
-                self._tell_picker_has(s.id, key, s.have.get(key, ()))
+                self._tell_picker_has(s.id, key, s.have.get(key, ()) if isinstance(msg, wire.Have) else (msg.chunk,))
                 self._sched.set()
         elif isinstance(msg, wire.Reject):
             key = (msg.version, msg.keyframe)
             self._outstanding.pop((s.id, key, msg.chunk), None)
+            self.inflows.discard(s.id, key, msg.chunk)  # a relay whose own source failed mid-chunk
             s.have.get(key, set()).discard(msg.chunk)
+            s.arriving.get(key, set()).discard(msg.chunk)
             if self.picker is not None and key in self._wanted:
                 self.picker.chunk_failed(key, msg.chunk, s.id)
             self._sched.set()
@@ -370,33 +376,58 @@ class Node:
             raise PeerDropped(f"sent {type(msg).__name__}, which peers do not send")
 
     async def _on_piece(self, s: Session, msg: wire.Piece) -> None:
-        key = (msg.version, msg.keyframe)
-        asked_at = self._outstanding.pop((s.id, key, msg.chunk), None)
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug("chunk %d of %s from %s (%s, region %s), %s B, %s", msg.chunk, describe(key), s.id, s.role,
-                      s.region, f"{len(msg.data):,}", "unasked" if asked_at is None
-                      else f"{trio.current_time() - asked_at:.3f} s after the request")
-        if key not in self._wanted or msg.chunk in self.store.have(key):
+        key, c = (msg.version, msg.keyframe), msg.chunk
+        if key not in self._wanted or c in self.store.have(key):
+            self.inflows.discard(s.id, key, c)
             return  # an endgame duplicate, or an object we stopped wanting
         m = self.store.manifest(key)
-        if not chunk_ok(m, msg.chunk, msg.data):
+        if c >= len(m.chunks):
+            raise PeerDropped(f"sent chunk {c} of {describe(key)}, which has {len(m.chunks)} chunks")
+        flow, first = self.inflows.receive(s.id, key, c, m.chunks[c][0],
+                                           msg.offset, msg.total, msg.data)
+        if flow is None:
+            return  # the rest of a flow this node cancelled
+        if first and not flow.asm.complete:
+            # Neighbours (and the next region's gateway) may follow it from here on; those
+            # told need no HaveOne later. Peers that announced the chunk do not need it.
+            told = self.peers.broadcast(wire.Incoming(key[0], key[1], c), s.id,
+                                        skip=lambda p: p.role == "origin" or p.announces(key, c))
+            self._told.setdefault(key, {}).setdefault(c, set()).update(told)
+        if not flow.asm.complete:
+            return
+        asked_at = self._outstanding.pop((s.id, key, c), None)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("chunk %d of %s from %s (%s, region %s), %s B, %s", c, describe(key), s.id, s.role,
+                      s.region, f"{msg.total:,}", "unasked" if asked_at is None
+                      else f"{trio.current_time() - asked_at:.3f} s after the request")
+        data = flow.asm.data()
+        if not chunk_ok(m, c, data):
+            self.inflows.finish(flow, ok=False)
             self.chunks_rejected += 1
-            self.picker.chunk_failed(key, msg.chunk, s.id)
+            self.picker.chunk_failed(key, c, s.id)
             log.warning("rejected chunk %d of %s from peer %s: does not match the manifest's SHA-256; dropping the peer",
-                        msg.chunk, describe(key), s.id)
+                        c, describe(key), s.id)
             raise PeerDropped("sent a chunk that does not match its manifest")
-        self.store.put_chunk(key, msg.chunk, msg.data)
+        self.store.put_chunk(key, c, data)
+        self.inflows.finish(flow, ok=True)  # its followers send the last part; new requests read the store
         source = "origin" if s.role == "origin" else "same_region" if s.region == self.region else "other_region"
-        self.bytes_in[source] += len(msg.data)
-        s.piece_bytes_in += len(msg.data)
-        for c in self.picker.chunk_received(key, msg.chunk, s.id):
-            self._outstanding.pop((c.peer, c.key, c.chunk), None)
-            self._nursery.start_soon(self._send_to, c.peer, wire.Cancel(c.key[0], c.key[1], c.chunk))
-        self._nursery.start_soon(self.peers.broadcast, wire.HaveOne(key[0], key[1], msg.chunk), s.id)
+        self.bytes_in[source] += len(data)
+        s.piece_bytes_in += len(data)
+        for dup in self.picker.chunk_received(key, c, s.id):
+            self._cancel(dup.peer, dup.key, dup.chunk)
+        told = self._told.get(key, {}).pop(c, ())
+        self.peers.broadcast(wire.HaveOne(key[0], key[1], c), s.id,
+                             skip=lambda p: p.role == "origin" or p.id in told or c in p.have.get(key, ()))
         if self.store.complete(key):
             self._timeline.setdefault(key, {})["complete_at"] = time.time()
             self._applier.set()
         self._sched.set()
+
+    def _cancel(self, peer: str, key: ObjKey, chunk: int) -> None:
+        """Withdraw a request: the peer drops it, and the parts that still come are ignored."""
+        self._outstanding.pop((peer, key, chunk), None)
+        self.inflows.discard(peer, key, chunk)
+        self._nursery.start_soon(self._send_to, peer, wire.Cancel(key[0], key[1], chunk))
 
     async def _send_to(self, peer: str, msg) -> None:
         s = self.peers.sessions.get(peer)
@@ -421,7 +452,7 @@ class Node:
                         log.warning("peer %s did not deliver chunk %d of %s within %.0f s; asking elsewhere",
                                     peer, chunk, describe(key), REQUEST_TIMEOUT)
                         self.picker.chunk_failed(key, chunk, peer)
-                        self._nursery.start_soon(self._send_to, peer, wire.Cancel(key[0], key[1], chunk))
+                        self._cancel(peer, key, chunk)
                 debug = log.isEnabledFor(logging.DEBUG)
                 for r in self.picker.requests(now):
                     if r.peer not in self.peers.sessions:
@@ -451,13 +482,14 @@ class Node:
             self.picker.add_object(key, len(m.chunks), have=self.store.have(key), priority=key[0], now=now,
                                    coordinated=coordinated)
             for s in self.peers.sessions.values():
-                if key in s.have:
-                    self._tell_picker_has(s.id, key, s.have[key])
+                if key in s.have or key in s.arriving:
+                    self._tell_picker_has(s.id, key, s.announced(key))
         for key in self._wanted - set(plan):
             self._wanted.discard(key)
             for c in self.picker.remove_object(key):
-                self._outstanding.pop((c.peer, c.key, c.chunk), None)
-                self._nursery.start_soon(self._send_to, c.peer, wire.Cancel(c.key[0], c.key[1], c.chunk))
+                self._cancel(c.peer, c.key, c.chunk)
+            self.inflows.drop_object(key)
+            self._told.pop(key, None)
         self._sched.set()
 
     async def _apply_loop(self) -> None:
@@ -495,6 +527,7 @@ class Node:
         finally:
             self._wanted.discard(key)
             self.picker.remove_object(key)
+            self._told.pop(key, None)
         w = Weights(state, m.version, m.target_hash, self.swarm_id)
         # A failure to write is fatal on purpose: the node must never call current what the file lacks.
         await trio.to_thread.run_sync(write_weights, self.weights_path, w)

@@ -207,7 +207,7 @@ class Origin:
             # other nodes' batches (one fsync), and the connection keeps reading meanwhile.
             self._nursery.start_soon(self._store_and_ack, s, records)
             return
-        if isinstance(msg, (wire.Have, wire.HaveOne, wire.Heartbeat)):
+        if isinstance(msg, (wire.Have, wire.HaveOne, wire.Incoming, wire.Heartbeat)):
             return
         if isinstance(msg, wire.Error):
             log.warning("node %s says: %s", s.id, msg.message)
@@ -265,7 +265,7 @@ class Origin:
             self.served = new
             self.history.append(stats)
             for key, m, envelope, chunks in objects:
-                await self.peers.broadcast(wire.Have(key[0], key[1], wire.bitfield_from_indices(range(len(chunks)), len(chunks))))
+                self.peers.broadcast(wire.Have(key[0], key[1], wire.bitfield_from_indices(range(len(chunks)), len(chunks))))
                 if not await self.tracker.send(wire.Announce(envelope)):
                     log.warning("could not announce %s now; will when the tracker is back", describe(key))
             self._retire()

@@ -2,11 +2,16 @@
 
 Owns `PeerSet`: one `Session` per connected peer (at most one per peer id:
 when two members dial each other at once, both keep the connection dialed by
-the smaller id), the Have bookkeeping of what each peer holds, and the upload
-side: requests queue per session and are answered from the `ObjectStore`
-through the shared upload rate limit; a Cancel removes a queued request.
-Everything else a peer says goes to the owner's `on_message`. Must not decide
-what to fetch (node/daemon.py and protocol/picker.py do).
+the smaller id), the Have bookkeeping of what each peer holds (an Incoming
+counts: the peer serves that chunk while it arrives), and the upload side:
+requests queue per session and are answered in parts (protocol/assembly.py)
+through the shared upload rate limit, from the `ObjectStore`, or, for a chunk
+still arriving, from its `Inflow` (node/relay.py) as its parts come in. A
+session sends the first part it can in queue order, so a whole chunk goes out
+at once while a chunk that is still arriving takes the link only when it has
+bytes. A Cancel removes a request, sent in part or not. Everything else a peer
+says goes to the owner's `on_message`. Must not decide what to fetch
+(node/daemon.py and protocol/picker.py do).
 """
 
 from __future__ import annotations
@@ -20,10 +25,12 @@ from typing import Awaitable, Callable
 import trio
 
 from protocol import wire
+from protocol.assembly import PART_BYTES
 from protocol.errors import InvalidInput, ProtocolError
 from protocol.publication import ObjKey
 
 from .ratelimit import TokenBucket
+from .relay import Inflow, Inflows
 from .store import ObjectStore
 from .transport import MessageStream
 
@@ -43,7 +50,8 @@ class Session:
     region: str
     addr: str
     outbound: bool
-    have: dict[ObjKey, set[int]] = dataclasses.field(default_factory=dict)
+    have: dict[ObjKey, set[int]] = dataclasses.field(default_factory=dict)  # held whole (Have, HaveOne)
+    arriving: dict[ObjKey, set[int]] = dataclasses.field(default_factory=dict)  # Incoming: served as they arrive
     serve_queue: collections.deque = dataclasses.field(default_factory=collections.deque)
     serve_ready: trio.Event = dataclasses.field(default_factory=trio.Event)
     piece_bytes_in: int = 0
@@ -51,9 +59,33 @@ class Session:
     closed: bool = False
     tasks: trio.Nursery | None = None  # the session's own tasks (serving, broadcast copies)
 
+    def announced(self, key: ObjKey) -> set[int]:
+        """The chunks of `key` this peer said it holds or is receiving."""
+        return self.have.get(key, set()) | self.arriving.get(key, set())
+
+    def announces(self, key: ObjKey, chunk: int) -> bool:
+        return chunk in self.have.get(key, ()) or chunk in self.arriving.get(key, ())
+
+    def wake(self) -> None:
+        """Something to serve may have become sendable (a request, a part arrived)."""
+        self.serve_ready.set()
+
     async def send(self, msg) -> None:
         with trio.fail_after(SEND_TIMEOUT):
             await self.ms.send(msg)
+
+
+@dataclasses.dataclass(eq=False)
+class Outflow:
+    """One requested chunk being served on a session: from `data` (held whole) or
+    by following `flow` (still arriving); `sent` bytes of it went out."""
+
+    key: ObjKey
+    chunk: int
+    sent: int = 0
+    started: bool = False
+    data: bytes | None = None
+    flow: Inflow | None = None
 
 
 OnMessage = Callable[[Session, object], Awaitable[None]]
@@ -62,9 +94,11 @@ OnSession = Callable[[Session], Awaitable[None]]
 
 class PeerSet:
     def __init__(self, me: str, store: ObjectStore, upload: TokenBucket, on_message: OnMessage,
-                 on_open: OnSession | None = None, on_close: OnSession | None = None):
+                 on_open: OnSession | None = None, on_close: OnSession | None = None,
+                 inflows: Inflows | None = None):
         self.me = me
         self.store = store
+        self.inflows = inflows  # chunks arriving now, served as they arrive; None: serve held chunks only
         self.upload = upload
         self.sessions: dict[str, Session] = {}
         self._on_message = on_message
@@ -147,13 +181,12 @@ class PeerSet:
             if msg is None:
                 return "closed"
             if isinstance(msg, wire.Request):
-                s.serve_queue.append((msg.version, msg.keyframe, msg.chunk))
-                s.serve_ready.set()
+                s.serve_queue.append(Outflow((msg.version, msg.keyframe), msg.chunk))
+                s.wake()
             elif isinstance(msg, wire.Cancel):
-                try:
-                    s.serve_queue.remove((msg.version, msg.keyframe, msg.chunk))
-                except ValueError:
-                    pass  # already sent
+                key = (msg.version, msg.keyframe)
+                for o in [o for o in s.serve_queue if o.key == key and o.chunk == msg.chunk]:
+                    self._drop_outflow(s, o)  # sent in part or not at all; else already sent
             elif isinstance(msg, wire.Bye):
                 return "said bye"
             else:
@@ -166,37 +199,95 @@ class PeerSet:
                         s.have[key] = set(wire.indices_from_bitfield(msg.chunks, len(msg.chunks) * 8))
                 elif isinstance(msg, wire.HaveOne):
                     s.have.setdefault((msg.version, msg.keyframe), set()).add(msg.chunk)
+                elif isinstance(msg, wire.Incoming):
+                    s.arriving.setdefault((msg.version, msg.keyframe), set()).add(msg.chunk)
                 await self._on_message(s, msg)
         return "closed"
 
     async def _serve(self, s: Session) -> None:
-        while True:
-            if not s.serve_queue:
-                s.serve_ready = trio.Event()
-                await s.serve_ready.wait()
-                continue
-            version, keyframe, index = s.serve_queue.popleft()
-            data = self.store.get_chunk((version, keyframe), index)
-            if data is None:
-                await s.send(wire.Reject(version, keyframe, index, "not held"))
-                continue
-            await self.upload.take(len(data))
-            await s.send(wire.Piece(version, keyframe, index, data))
-            s.piece_bytes_out += len(data)
-            self.bytes_out += len(data)
+        try:
+            while True:
+                msg = self._next_to_send(s)
+                if msg is None:
+                    # Nothing sendable: no await since the scan, so no wake-up was missed.
+                    s.serve_ready = trio.Event()
+                    await s.serve_ready.wait()
+                    continue
+                if isinstance(msg, wire.Piece):
+                    await self.upload.take(len(msg.data))
+                await s.send(msg)
+                if isinstance(msg, wire.Piece):
+                    s.piece_bytes_out += len(msg.data)
+                    self.bytes_out += len(msg.data)
+        finally:
+            for o in list(s.serve_queue):
+                self._drop_outflow(s, o)
 
-    async def broadcast(self, msg, exclude: str | None = None) -> None:
-        """Queue `msg` for every session and return: each copy is sent by a task of its own
-        session, so a connection busy with pieces over a slow link delays only its own copy
-        (sent one after another, a Have to a same-region peer waited behind every WAN peer's
-        piece in progress: measured, up to 1.4 s). A copy that cannot be sent ends its
-        session (SEND_TIMEOUT), as a piece would."""
+    def _next_to_send(self, s: Session):
+        """The next message for the serve queue: a part of the first request that has
+        bytes to send, or a Reject; None when every request waits on arriving bytes."""
+        for o in list(s.serve_queue):
+            if o.data is None and o.flow is None or o.flow is not None and o.flow.failed:
+                if not self._resolve(s, o):
+                    self._drop_outflow(s, o)
+                    return wire.Reject(o.key[0], o.key[1], o.chunk, "stream aborted" if o.started else "not held")
+            if o.data is not None:
+                total, limit = len(o.data), len(o.data)
+            else:
+                total, limit = o.flow.asm.total, o.flow.asm.forwardable
+            end = min(limit, o.sent + PART_BYTES)
+            whole = o.data is not None or o.flow.asm.verified_ok
+            if end > o.sent or (total == 0 and whole and not o.started):  # an empty chunk is one empty part
+                part = o.data[o.sent:end] if o.data is not None else o.flow.asm.view(o.sent, end)
+                msg = wire.Piece(o.key[0], o.key[1], o.chunk, o.sent, total, part)
+                o.sent, o.started = end, True
+                if end == total:
+                    self._drop_outflow(s, o)
+                return msg
+        return None
+
+    def _resolve(self, s: Session, o: Outflow) -> bool:
+        """Find where to serve `o` from (again, after its flow failed): the store,
+        else a flow of that chunk still arriving. False if neither."""
+        if o.flow is not None:
+            o.flow.unwatch(s.wake)
+            o.flow = None
+        data = self.store.get_chunk(o.key, o.chunk)
+        if data is not None:
+            o.data = data  # the same bytes a failed flow was bringing, so a started answer goes on
+            return True
+        flow = self.inflows.source(o.key, o.chunk) if self.inflows is not None else None
+        if flow is None:
+            return False
+        o.flow = flow
+        flow.watch(s.wake)
+        return True
+
+    def _drop_outflow(self, s: Session, o: Outflow) -> None:
+        try:
+            s.serve_queue.remove(o)
+        except ValueError:
+            pass
+        if o.flow is not None:
+            o.flow.unwatch(s.wake)
+            o.flow = None
+
+    def broadcast(self, msg, exclude: str | None = None, skip: Callable[[Session], bool] | None = None) -> set[str]:
+        """Queue `msg` for every session (but `exclude` and those `skip` says) and return
+        the ids it was queued for: each copy is sent by a task of its own session, so a
+        connection busy with pieces over a slow link delays only its own copy (sent one
+        after another, a Have to a same-region peer waited behind every WAN peer's piece
+        in progress: measured, up to 1.4 s). A copy that cannot be sent ends its session
+        (SEND_TIMEOUT), as a piece would."""
+        sent = set()
         for s in list(self.sessions.values()):
-            if s.id != exclude and not s.closed and s.tasks is not None:
+            if s.id != exclude and not s.closed and s.tasks is not None and not (skip and skip(s)):
                 try:
                     s.tasks.start_soon(s.send, msg)
                 except RuntimeError:
-                    pass  # the session is ending: its nursery takes no new tasks
+                    continue  # the session is ending: its nursery takes no new tasks
+                sent.add(s.id)
+        return sent
 
     async def close_all(self, reason: str) -> None:
         for s in list(self.sessions.values()):

@@ -80,10 +80,26 @@ class Request:
 
 @dataclass(frozen=True)
 class Piece:
+    """Bytes [offset, offset + len(data)) of a chunk of `total` bytes: one part
+    of the answer to a Request (protocol/assembly.py). A chunk's parts go in
+    order on one connection; parts of different chunks may interleave."""
+
     version: int
     keyframe: bool
     chunk: int
+    offset: int
+    total: int
     data: bytes
+
+
+@dataclass(frozen=True)
+class Incoming:
+    """The sender is receiving this chunk now and forwards it, as it arrives,
+    to whoever requests it (cut-through); a HaveOne follows once it is verified."""
+
+    version: int
+    keyframe: bool
+    chunk: int
 
 
 @dataclass(frozen=True)
@@ -150,7 +166,7 @@ class Error:
 
 MESSAGE_TYPES = {
     cls.__name__: cls
-    for cls in (Hello, Have, HaveOne, Request, Piece, Cancel, Reject, Announce,
+    for cls in (Hello, Have, HaveOne, Incoming, Request, Piece, Cancel, Reject, Announce,
                 PeerList, VersionNotice, Heartbeat, Trajectories, TrajectoriesAck, Bye, Error)
 }
 _PEER_KEYS = frozenset({"id", "region", "addr", "role"})

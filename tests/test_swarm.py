@@ -13,7 +13,9 @@ import json
 import re
 import signal
 import time
+from pathlib import Path
 
+import msgpack
 import pytest
 import torch
 import trio
@@ -22,7 +24,7 @@ from node import trust
 from node.synthetic import rl_checkpoints, served
 from node.transport import connect
 from protocol import wire
-from protocol.manifest import Manifest, sign_manifest
+from protocol.manifest import Manifest, decode_manifest, sign_manifest
 from swarmlab import SwarmLab, load_weights, same_bits, write_checkpoint
 
 # Small pieces so that even the test model's patches span several chunks.
@@ -176,8 +178,15 @@ def _rogue_manifest() -> bytes:
     return sign_manifest(m, Ed25519PrivateKey.generate())
 
 
-async def _lying_peer(creds_dir, victim_addr: str, region: str, stop_after: float) -> dict:
-    """A member with valid credentials that claims every chunk of version 1 and serves garbage."""
+def _chunk_size(data_dir: Path, version: int, chunk: int) -> int:
+    """The size a manifest the victim holds gives chunk `chunk` of the patch of `version`."""
+    envelope = (data_dir / "objects" / f"v{version:010d}-patch" / "manifest").read_bytes()
+    return decode_manifest(msgpack.unpackb(envelope)[0]).chunks[chunk][0]
+
+
+async def _lying_peer(creds_dir, victim_addr: str, victim_dir: Path, region: str, stop_after: float) -> dict:
+    """A member with valid credentials that claims every chunk of version 1 and serves
+    garbage of the right size (so the victim's hash check is what catches it)."""
     creds = trust.Credentials.load(creds_dir)
     hello = wire.Hello(creds.name, region, "node", "127.0.0.1:1", [])
     seen = {"requests": 0}
@@ -192,7 +201,8 @@ async def _lying_peer(creds_dir, victim_addr: str, region: str, stop_after: floa
                     break
                 if isinstance(msg, wire.Request):
                     seen["requests"] += 1
-                    await ms.send(wire.Piece(msg.version, msg.keyframe, msg.chunk, b"not the chunk you want"))
+                    size = _chunk_size(victim_dir, msg.version, msg.chunk)
+                    await ms.send(wire.Piece(msg.version, msg.keyframe, msg.chunk, 0, size, b"\xa5" * size))
     except (trio.BrokenResourceError, trio.ClosedResourceError):
         pass  # the victim hung up on us: expected
     finally:
@@ -214,7 +224,7 @@ def test_lying_peer_and_foreign_manifest_are_rejected(tmp_path, checkpoints):
         async def scenario():
             async with trio.open_nursery() as n:
                 async def run_rogue():
-                    result.update(await _lying_peer(rogue_creds, victim.addr, "r1", 60))
+                    result.update(await _lying_peer(rogue_creds, victim.addr, victim.data_dir, "r1", 60))
                 n.start_soon(run_rogue)
                 await trio.sleep(1.0)  # the rogue's Have is in before version 1 exists
                 publish(lab, watch, checkpoints, 1)

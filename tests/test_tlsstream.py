@@ -140,7 +140,7 @@ def test_message_stream_frames_over_it(creds):
             async with trio.open_nursery() as n:
                 async def handler(ms):
                     for i, p in enumerate(pieces):
-                        await ms.send(wire.Piece(3, False, i, p))
+                        await ms.send(wire.Piece(3, False, i, 0, len(p), p))
                     await ms.aclose()
 
                 addr = await n.start(transport.serve, "127.0.0.1:0", creds["origin1"], {"node"},

@@ -11,7 +11,7 @@ from protocol import wire
 from protocol.errors import FrameTooLarge, ProtocolError, UsageError
 from protocol.wire import (
     CLOSED, NEED_DATA, Announce, Bye, Cancel, Connection, Error, Have, HaveOne, Heartbeat,
-    Hello, Piece, PeerList, Reject, Request, Trajectories, TrajectoriesAck, VersionNotice,
+    Hello, Incoming, Piece, PeerList, Reject, Request, Trajectories, TrajectoriesAck, VersionNotice,
     bitfield_from_indices, indices_from_bitfield,
 )
 
@@ -27,7 +27,8 @@ messages = st.one_of(
     st.builds(Have, version=uint, keyframe=st.booleans(), chunks=blob),
     st.builds(HaveOne, version=uint, keyframe=st.booleans(), chunk=uint),
     st.builds(Request, version=uint, keyframe=st.booleans(), chunk=uint),
-    st.builds(Piece, version=uint, keyframe=st.booleans(), chunk=uint, data=blob),
+    st.builds(Piece, version=uint, keyframe=st.booleans(), chunk=uint, offset=uint, total=uint, data=blob),
+    st.builds(Incoming, version=uint, keyframe=st.booleans(), chunk=uint),
     st.builds(Cancel, version=uint, keyframe=st.booleans(), chunk=uint),
     st.builds(Reject, version=uint, keyframe=st.booleans(), chunk=uint, reason=text),
     st.builds(Trajectories, batch=blob),
@@ -67,7 +68,7 @@ def session(msgs):
 
 def test_every_type_is_covered():
     assert set(wire.MESSAGE_TYPES) == {
-        "Hello", "Have", "HaveOne", "Request", "Piece", "Cancel", "Reject", "Announce",
+        "Hello", "Have", "HaveOne", "Incoming", "Request", "Piece", "Cancel", "Reject", "Announce",
         "PeerList", "VersionNotice", "Heartbeat", "Trajectories", "TrajectoriesAck", "Bye", "Error"}
 
 
@@ -134,7 +135,7 @@ def test_many_small_frames_is_linear():
 
 
 def test_one_large_frame_fed_in_small_pieces():
-    piece = Piece(version=3, keyframe=True, chunk=7, data=bytes(range(256)) * (8 << 12))  # 8 MiB
+    piece = Piece(version=3, keyframe=True, chunk=7, offset=0, total=8 << 20, data=bytes(range(256)) * (8 << 12))  # 8 MiB
     raw = session([piece])
     conn = Connection()
     t = time.perf_counter()
@@ -172,7 +173,7 @@ def test_send_respects_max_frame():
     conn = Connection(max_frame=100)
     conn.send(HELLO)
     with pytest.raises(UsageError):
-        conn.send(Piece(version=1, keyframe=False, chunk=0, data=bytes(200)))
+        conn.send(Piece(version=1, keyframe=False, chunk=0, offset=0, total=200, data=bytes(200)))
 
 
 @pytest.mark.parametrize("cut", [1, 3, 4, 10])
@@ -266,7 +267,7 @@ def test_bye_then_eof_is_clean():
     ({"t": "Request", "version": True, "keyframe": False, "chunk": 2}, "found bool"),
     ({"t": "Request", "version": "1", "keyframe": False, "chunk": 2}, "found str"),
     ({"t": "Request", "version": 1, "keyframe": 0, "chunk": 2}, "Request.keyframe: expected bool, found int"),
-    ({"t": "Piece", "version": 1, "keyframe": False, "chunk": 2, "data": "text"}, "Piece.data: expected bytes, found str"),
+    ({"t": "Piece", "version": 1, "keyframe": False, "chunk": 2, "offset": 0, "total": 4, "data": "text"}, "Piece.data: expected bytes, found str"),
     ({"t": "TrajectoriesAck", "seqs": [1, "2"]}, "TrajectoriesAck.seqs"),
     ({"t": "Bye", "reason": b"raw"}, "Bye.reason: expected str"),
     ({"t": "Hello", "node_id": "a", "region": "b", "role": "c", "listen": "d", "versions": [1, -2]},
@@ -292,7 +293,7 @@ def test_non_msgpack_body(body):
 def test_send_validates():
     conn = Connection()
     conn.send(HELLO)
-    for bad in (Request(version=-1, keyframe=False, chunk=0), Piece(version=1, keyframe=False, chunk=0, data=bytearray(3)),
+    for bad in (Request(version=-1, keyframe=False, chunk=0), Piece(version=1, keyframe=False, chunk=0, offset=0, total=3, data=bytearray(3)),
                 PeerList(peers=[{"id": "a"}]), "Heartbeat", {"t": "Heartbeat"}):
         with pytest.raises(UsageError):
             conn.send(bad)

@@ -1,0 +1,92 @@
+"""A chunk in parts on the wire: reassembling it, and what of it may be forwarded, with no I/O.
+
+A `wire.Piece` carries bytes [offset, offset + len(data)) of a chunk of
+`total` bytes. A sender sends one chunk's parts in order on one connection,
+offset 0 first; parts of different chunks may interleave. Parts let a member
+relay a chunk while it still arrives (cut-through): a region's gateway
+forwards what came so far to the next region and to its neighbours, instead
+of waiting for the whole chunk and then sending it again (store and forward
+made the last chunks of a version cross two WAN links one after the other).
+
+Owns `PART_BYTES` (the sender's part size) and `ChunkAssembly` (the
+receiver's side: one chunk from one peer). A relay forwards everything but
+the part that completed the chunk until the chunk has been verified against
+its manifest, so an honest relay never hands on a whole chunk that is bad: a
+receiver that assembles a bad chunk knows whom to blame. Must not verify hashes (the caller
+holds the manifest) or know about peers.
+"""
+
+from __future__ import annotations
+
+from .errors import ProtocolError, UsageError
+
+# Bytes of a chunk per Piece message. A relay forwards a part once it is whole,
+# so each hop adds a part's time on its link; each message costs the sender and
+# the receiver a fixed amount of interpreter time.
+PART_BYTES = 128 << 10
+
+
+class ChunkAssembly:
+    """The bytes of one chunk arriving from one peer, in order.
+
+    `add` takes each part (ProtocolError if it does not continue the chunk);
+    `forwardable` is how many leading bytes may go on to others now;
+    `verified()` releases the rest once the caller has checked the whole.
+    """
+
+    __slots__ = ("total", "received", "_buf", "_last_start", "verified_ok")
+
+    def __init__(self, total: int, expected_total: int):
+        if total != expected_total:
+            raise ProtocolError(f"piece: expected a chunk of {expected_total} bytes (its manifest's size), "
+                                f"found a total of {total}")
+        self.total = total
+        self.received = 0
+        self._buf = bytearray(total)
+        self._last_start = 0  # where the part that completed the chunk began
+        self.verified_ok = False
+
+    def add(self, offset: int, total: int, data: bytes) -> bool:
+        """Append one part; True once the chunk is whole."""
+        if total != self.total:
+            raise ProtocolError(f"piece: expected total {self.total} for every part of the chunk, found {total}")
+        if offset != self.received:
+            raise ProtocolError(f"piece: expected the part at offset {self.received}, found offset {offset}")
+        end = offset + len(data)
+        if end > self.total or (not data and self.total):
+            raise ProtocolError(f"piece: expected a non-empty part within {self.total} bytes, "
+                                f"found {len(data)} bytes at offset {offset}")
+        self._buf[offset:end] = data
+        self._last_start = offset
+        self.received = end
+        return self.complete
+
+    @property
+    def complete(self) -> bool:
+        return self.received == self.total
+
+    @property
+    def forwardable(self) -> int:
+        """Leading bytes a relay may send on now: all that arrived, except the
+        part that completed the chunk while it is unverified."""
+        if not self.complete or self.verified_ok:
+            return self.received
+        return self._last_start
+
+    def verified(self) -> None:
+        """The caller checked the whole chunk against its manifest: all of it may go on."""
+        if not self.complete:
+            raise UsageError(f"verified: the chunk is not whole ({self.received} of {self.total} bytes)")
+        self.verified_ok = True
+
+    def data(self) -> bytearray:
+        """The chunk's bytes (the assembly's own buffer: do not modify)."""
+        return self._buf
+
+    def view(self, start: int, end: int) -> bytes:
+        """A copy of bytes [start, end), for a part sent on."""
+        if not 0 <= start <= end <= self.forwardable:
+            raise UsageError(f"view: expected a range within the {self.forwardable} forwardable bytes, "
+                             f"found [{start}, {end})")
+        with memoryview(self._buf) as mv:
+            return bytes(mv[start:end])

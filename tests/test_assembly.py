@@ -1,0 +1,51 @@
+"""Chunks in parts: splitting, reassembly, and what a relay may forward before verifying."""
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from protocol.assembly import ChunkAssembly
+from protocol.errors import ProtocolError, UsageError
+
+
+@given(st.binary(max_size=3000), st.lists(st.integers(1, 900), min_size=1, max_size=20))
+def test_any_split_reassembles_and_holds_back_the_last_part(data, cuts):
+    asm = ChunkAssembly(len(data), len(data))
+    pos, i, last_start = 0, 0, 0
+    if not data:
+        assert asm.add(0, 0, b"")
+    while pos < len(data):
+        end = min(len(data), pos + cuts[i % len(cuts)])
+        done = asm.add(pos, len(data), data[pos:end])
+        last_start, pos, i = pos, end, i + 1
+        assert done == (pos == len(data))
+        # Before verification a relay may send on everything except the completing part.
+        assert asm.forwardable == (pos if not done else last_start)
+        assert asm.view(0, asm.forwardable) == data[:asm.forwardable]
+    assert bytes(asm.data()) == data
+    asm.verified()
+    assert asm.forwardable == len(data) and asm.view(0, len(data)) == data
+
+
+def test_parts_must_continue_the_chunk():
+    asm = ChunkAssembly(10, 10)
+    with pytest.raises(ProtocolError, match="expected the part at offset 0, found offset 4"):
+        asm.add(4, 10, b"abcd")
+    asm.add(0, 10, b"abcd")
+    with pytest.raises(ProtocolError, match="expected total 10 for every part of the chunk, found 12"):
+        asm.add(4, 12, b"ef")
+    with pytest.raises(ProtocolError, match="within 10 bytes, found 7 bytes at offset 4"):
+        asm.add(4, 10, b"efghijk")
+    with pytest.raises(ProtocolError, match="non-empty part"):
+        asm.add(4, 10, b"")
+    with pytest.raises(ProtocolError, match="expected a chunk of 10 bytes .*found a total of 11"):
+        ChunkAssembly(11, 10)
+
+
+def test_misuse_is_the_callers_fault():
+    asm = ChunkAssembly(4, 4)
+    asm.add(0, 4, b"ab")
+    with pytest.raises(UsageError, match="not whole"):
+        asm.verified()
+    with pytest.raises(UsageError, match="within the 2 forwardable bytes"):
+        asm.view(0, 3)

@@ -1,0 +1,209 @@
+"""Serving a chunk while it still arrives (cut-through): PeerSet with Inflows.
+
+A relay's PeerSet runs over an in-memory stream pair; the test plays the
+requesting peer with a plain MessageStream and feeds the relay's Inflows by
+hand, part by part, as the daemon does when pieces arrive from upstream.
+"""
+
+import os
+
+import trio
+import trio.testing
+
+from node.peers import PeerSet
+from node.ratelimit import TokenBucket
+from node.relay import Inflows
+from node.store import ObjectStore
+from node.transport import MessageStream, exchange_hello
+from protocol import wire
+from protocol.assembly import PART_BYTES
+
+KEY = (1, False)
+UPSTREAM = "up"
+
+
+async def _noop(s, msg) -> None:
+    pass
+
+
+class Relay:
+    """The relay's PeerSet, a connected requester, and the chunks of one object."""
+
+    def __init__(self, tmp_path, chunks: list[bytes]):
+        self.chunks = chunks
+        self.store = ObjectStore(tmp_path / "store")
+        self.inflows = Inflows()
+        self.peers = PeerSet("relay", self.store, TokenBucket(None), _noop, inflows=self.inflows)
+        self.requester: MessageStream | None = None
+
+    async def connect(self, nursery) -> None:
+        a, b = trio.testing.memory_stream_pair()
+        mine, theirs = MessageStream(a, "req", "node"), MessageStream(b, "relay", "node")
+        async with trio.open_nursery() as n:
+            n.start_soon(exchange_hello, mine, wire.Hello("relay", "r1", "node", "x:1", []))
+            n.start_soon(exchange_hello, theirs, wire.Hello("req", "r2", "node", "x:2", []))
+        nursery.start_soon(self.peers.run, mine, False)
+        self.requester = theirs
+
+    def run(self, scenario) -> None:
+        """Connect, run `await scenario()`, and stop the relay."""
+        async def main():
+            with trio.fail_after(20):
+                async with trio.open_nursery() as n:
+                    await self.connect(n)
+                    await scenario()
+                    n.cancel_scope.cancel()
+        trio.run(main)
+
+    def feed(self, chunk: int, start: int, end: int):
+        """The upstream's part [start, end) of `chunk` arrives at the relay."""
+        data = self.chunks[chunk]
+        flow, _ = self.inflows.receive(UPSTREAM, KEY, chunk, len(data), start, len(data), data[start:end])
+        return flow
+
+    async def ask(self, chunk: int) -> None:
+        await self.requester.send(wire.Request(KEY[0], KEY[1], chunk))
+
+    async def pieces_until_quiet(self) -> list:
+        """Every message the requester gets until the relay has nothing more to send now."""
+        out = []
+        while True:
+            await trio.testing.wait_all_tasks_blocked()
+            with trio.move_on_after(0.05):
+                out.append(await self.requester.receive())
+                continue
+            return out
+
+
+def _parts(msgs, chunk):
+    return [(m.offset, len(m.data)) for m in msgs if isinstance(m, wire.Piece) and m.chunk == chunk]
+
+
+def test_a_chunk_is_served_while_it_arrives_and_its_last_part_after_verification(tmp_path):
+    data = os.urandom(3 * PART_BYTES + 1000)
+    r = Relay(tmp_path, [data])
+
+    async def scenario():
+        flow = r.feed(0, 0, PART_BYTES)
+        await r.ask(0)
+        got = await r.pieces_until_quiet()
+        assert _parts(got, 0) == [(0, PART_BYTES)]  # before the relay holds the chunk
+        r.feed(0, PART_BYTES, 3 * PART_BYTES)  # one part of twice the size from upstream
+        got += await r.pieces_until_quiet()
+        assert _parts(got, 0) == [(0, PART_BYTES), (PART_BYTES, PART_BYTES), (2 * PART_BYTES, PART_BYTES)]
+        r.feed(0, 3 * PART_BYTES, len(data))  # the chunk is whole, not yet verified
+        assert await r.pieces_until_quiet() == []  # the completing part waits for the check
+        r.inflows.finish(flow, ok=True)
+        last = await r.pieces_until_quiet()
+        assert _parts(last, 0) == [(3 * PART_BYTES, 1000)]
+        got += last
+        assert b"".join(m.data for m in got) == data
+        assert all(m.total == len(data) for m in got)
+
+    r.run(scenario)
+
+
+def test_a_held_chunk_goes_out_while_an_arriving_one_waits(tmp_path):
+    arriving, held = os.urandom(2 * PART_BYTES), os.urandom(2 * PART_BYTES + 5)
+    r = Relay(tmp_path, [arriving, held])
+    r.store.put_manifest(KEY, _manifest(r.chunks), b"envelope")
+    r.store.put_chunk(KEY, 1, held)
+
+    async def scenario():
+        r.feed(0, 0, 10)
+        await r.ask(0)
+        await r.ask(1)
+        got = await r.pieces_until_quiet()
+        assert _parts(got, 0) == [(0, 10)]
+        assert b"".join(m.data for m in got if isinstance(m, wire.Piece) and m.chunk == 1) == held
+
+    r.run(scenario)
+
+
+def test_a_failed_flow_continues_from_the_store_or_is_rejected(tmp_path):
+    a, b = os.urandom(2 * PART_BYTES), os.urandom(2 * PART_BYTES)
+    r = Relay(tmp_path, [a, b])
+    r.store.put_manifest(KEY, _manifest(r.chunks), b"envelope")
+
+    async def scenario():
+        r.feed(0, 0, PART_BYTES)
+        r.feed(1, 0, PART_BYTES)
+        await r.ask(0)
+        await r.ask(1)
+        got = await r.pieces_until_quiet()
+        assert _parts(got, 0) == [(0, PART_BYTES)] and _parts(got, 1) == [(0, PART_BYTES)]
+        # Chunk 0 came whole from another peer meanwhile; chunk 1 has no other source.
+        r.store.put_chunk(KEY, 0, a)
+        r.inflows.drop_peer(UPSTREAM)
+        got += await r.pieces_until_quiet()
+        assert b"".join(m.data for m in got if isinstance(m, wire.Piece) and m.chunk == 0) == a
+        rejects = [m for m in got if isinstance(m, wire.Reject)]
+        assert [(m.chunk, m.reason) for m in rejects] == [(1, "stream aborted")]
+        assert not r.peers.sessions["req"].serve_queue
+
+    r.run(scenario)
+
+
+def test_a_bad_chunk_is_never_handed_on_whole(tmp_path):
+    data = os.urandom(PART_BYTES + 7)
+    r = Relay(tmp_path, [data])
+
+    async def scenario():
+        r.feed(0, 0, PART_BYTES)
+        await r.ask(0)
+        got = await r.pieces_until_quiet()
+        flow = r.feed(0, PART_BYTES, len(data))
+        got += await r.pieces_until_quiet()
+        r.inflows.finish(flow, ok=False)  # the daemon's hash check failed
+        got += await r.pieces_until_quiet()
+        assert _parts(got, 0) == [(0, PART_BYTES)]
+        assert [m.reason for m in got if isinstance(m, wire.Reject)] == ["stream aborted"]
+
+    r.run(scenario)
+
+
+def test_cancel_stops_a_chunk_mid_stream_and_unknown_chunks_are_rejected(tmp_path):
+    data = os.urandom(3 * PART_BYTES)
+    r = Relay(tmp_path, [data])
+
+    async def scenario():
+        flow = r.feed(0, 0, PART_BYTES)
+        await r.ask(0)
+        got = await r.pieces_until_quiet()
+        await r.requester.send(wire.Cancel(KEY[0], KEY[1], 0))
+        await trio.testing.wait_all_tasks_blocked()
+        assert not r.peers.sessions["req"].serve_queue
+        r.feed(0, PART_BYTES, 2 * PART_BYTES)
+        await r.ask(5)
+        got += await r.pieces_until_quiet()
+        assert _parts(got, 0) == [(0, PART_BYTES)]
+        assert [(m.chunk, m.reason) for m in got if isinstance(m, wire.Reject)] == [(5, "not held")]
+        assert flow._watchers == []  # the cancelled answer no longer follows the flow
+
+    r.run(scenario)
+
+
+def test_inflows_restart_ignore_stale_parts_and_pick_the_furthest(tmp_path):
+    flows = Inflows()
+    data = bytes(range(256)) * 4
+    f1, first = flows.receive("p", KEY, 0, len(data), 0, len(data), data[:100])
+    assert first
+    f2, first = flows.receive("q", KEY, 0, len(data), 0, len(data), data[:300])
+    assert not first and flows.source(KEY, 0) is f2
+    flows.discard("q", KEY, 0)
+    assert f2.failed and flows.source(KEY, 0) is f1
+    # The rest of a discarded flow is ignored; asked again, it starts over at offset 0.
+    assert flows.receive("q", KEY, 0, len(data), 300, len(data), data[300:400]) == (None, False)
+    f3, first = flows.receive("p", KEY, 0, len(data), 0, len(data), data[:50])
+    assert f1.failed and f3 is not f1 and first  # the only live flow of that chunk again
+    flows.drop_object(KEY)
+    assert len(flows) == 0 and flows.source(KEY, 0) is None
+
+
+def _manifest(chunks):
+    import hashlib
+
+    from protocol.manifest import Manifest
+    return Manifest(swarm_id="sw", version=1, base_version=0, base_hash="blake3:" + "00" * 32,
+                    target_hash="blake3:" + "11" * 32, tensors=[],
+                    chunks=[(len(c), hashlib.sha256(c).digest()) for c in chunks], codec={"format": 1}, created_at=0.0)
