@@ -279,12 +279,17 @@ class Topology:
     def spawn(self, host: Host, argv: list[str], **popen_kwargs) -> subprocess.Popen:
         """Start `argv` inside `host`'s namespace; it is killed when the topology closes.
 
-        The child gets its own session (a terminal's Ctrl-C reaches only this
-        process, whose teardown then stops the child in order).
+        The child gets its own process group (a terminal's Ctrl-C reaches only
+        this process, whose teardown then stops the child in order), but stays
+        in this session. A session of its own would put each daemon in its own
+        scheduler autogroup (`kernel.sched_autogroup_enabled`), where its nice
+        values count only against its own threads: a node's low-priority apply
+        would then take a full share of the shared cores from the other nodes'
+        serving, which on hosts of their own it cannot.
         """
         if self._stack is None:
             raise RuntimeError("spawn: the topology is not up (use it inside `with`)")
-        proc = subprocess.Popen(["ip", "netns", "exec", host.netns, *argv], start_new_session=True, **popen_kwargs)
+        proc = subprocess.Popen(["ip", "netns", "exec", host.netns, *argv], process_group=0, **popen_kwargs)
         self._procs.append(proc)
         return proc
 
