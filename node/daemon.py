@@ -342,6 +342,8 @@ class Node:
         if self.picker is not None:
             self.picker.peer_left(s.id)
         self.inflows.drop_peer(s.id)
+        for told in (t for chunks in self._told.values() for t in chunks.values()):
+            told.discard(s.id)  # if it comes back, its new session was never told
         for k in [k for k in self._outstanding if k[0] == s.id]:
             del self._outstanding[k]
         self._sched.set()

@@ -83,6 +83,10 @@ def test_incoming_then_haveone_go_each_to_the_peers_that_need_them(tmp_path):
             await trio.testing.wait_all_tasks_blocked()
             assert [s.id for s in (up, lacking, whole, arriving, origin) if _sent(s, wire.Incoming)] == ["lacking"]
             late = _session(node, n, "late")  # connected while the chunk arrived: was not told
+            # A told peer reconnects: its new session was not told either.
+            await node._on_peer_close(lacking)
+            del node.peers.sessions["lacking"]
+            again = _session(node, n, "lacking")
             await node._on_piece(up, wire.Piece(1, False, 0, half, len(data), data[half:]))
             await trio.testing.wait_all_tasks_blocked()
             assert 0 in node.store.have(KEY)
@@ -90,6 +94,7 @@ def test_incoming_then_haveone_go_each_to_the_peers_that_need_them(tmp_path):
             # as its own flow may still fail; whoever holds it whole, and the origin, do not.
             assert [s.id for s in (up, lacking, whole, arriving, origin, late)
                     if _sent(s, wire.HaveOne)] == ["arriving", "late"]
+            assert _sent(again, wire.HaveOne) and not _sent(again, wire.Incoming)
             assert node._told.get(KEY, {}) == {}
             n.cancel_scope.cancel()
 
