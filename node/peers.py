@@ -236,7 +236,7 @@ class PeerSet:
             else:
                 total, limit = o.flow.asm.total, o.flow.asm.forwardable
             end = min(limit, o.sent + PART_BYTES)
-            whole = o.data is not None or o.flow.asm.verified_ok
+            whole = o.data is not None or o.flow.asm.verified
             if end > o.sent or (total == 0 and whole and not o.started):  # an empty chunk is one empty part
                 part = o.data[o.sent:end] if o.data is not None else o.flow.asm.view(o.sent, end)
                 msg = wire.Piece(o.key[0], o.key[1], o.chunk, o.sent, total, part)

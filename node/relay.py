@@ -92,7 +92,7 @@ class Inflows:
         """The flow's chunk is whole and was checked: `ok` releases its last part
         to followers; not `ok` fails them."""
         if ok:
-            flow.asm.verified()
+            flow.asm.mark_verified()
         self._end(flow, failed=not ok)
 
     def discard(self, peer: str, key: ObjKey, chunk: int) -> None:

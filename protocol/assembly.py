@@ -12,8 +12,8 @@ Owns `PART_BYTES` (the sender's part size) and `ChunkAssembly` (the
 receiver's side: one chunk from one peer). A relay forwards everything but
 the part that completed the chunk until the chunk has been verified against
 its manifest, so an honest relay never hands on a whole chunk that is bad: a
-receiver that assembles a bad chunk knows whom to blame. Must not verify hashes (the caller
-holds the manifest) or know about peers.
+receiver that assembles a bad chunk knows whom to blame. Must not verify
+hashes (the caller holds the manifest) or know about peers.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ class ChunkAssembly:
 
     `add` takes each part (ProtocolError if it does not continue the chunk);
     `forwardable` is how many leading bytes may go on to others now;
-    `verified()` releases the rest once the caller has checked the whole.
+    `mark_verified()` releases the rest once the caller has checked the whole.
     """
 
-    __slots__ = ("total", "received", "_buf", "_last_start", "verified_ok")
+    __slots__ = ("total", "received", "_buf", "_last_start", "verified")
 
     def __init__(self, total: int, expected_total: int):
         if total != expected_total:
@@ -44,7 +44,7 @@ class ChunkAssembly:
         self.received = 0
         self._buf = bytearray(total)
         self._last_start = 0  # where the part that completed the chunk began
-        self.verified_ok = False
+        self.verified = False
 
     def add(self, offset: int, total: int, data: bytes) -> bool:
         """Append one part; True once the chunk is whole."""
@@ -69,15 +69,15 @@ class ChunkAssembly:
     def forwardable(self) -> int:
         """Leading bytes a relay may send on now: all that arrived, except the
         part that completed the chunk while it is unverified."""
-        if not self.complete or self.verified_ok:
+        if not self.complete or self.verified:
             return self.received
         return self._last_start
 
-    def verified(self) -> None:
+    def mark_verified(self) -> None:
         """The caller checked the whole chunk against its manifest: all of it may go on."""
         if not self.complete:
-            raise UsageError(f"verified: the chunk is not whole ({self.received} of {self.total} bytes)")
-        self.verified_ok = True
+            raise UsageError(f"mark_verified: the chunk is not whole ({self.received} of {self.total} bytes)")
+        self.verified = True
 
     def data(self) -> bytearray:
         """The chunk's bytes (the assembly's own buffer: do not modify)."""

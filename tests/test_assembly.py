@@ -23,7 +23,7 @@ def test_any_split_reassembles_and_holds_back_the_last_part(data, cuts):
         assert asm.forwardable == (pos if not done else last_start)
         assert asm.view(0, asm.forwardable) == data[:asm.forwardable]
     assert bytes(asm.data()) == data
-    asm.verified()
+    asm.mark_verified()
     assert asm.forwardable == len(data) and asm.view(0, len(data)) == data
 
 
@@ -46,6 +46,6 @@ def test_misuse_is_the_callers_fault():
     asm = ChunkAssembly(4, 4)
     asm.add(0, 4, b"ab")
     with pytest.raises(UsageError, match="not whole"):
-        asm.verified()
+        asm.mark_verified()
     with pytest.raises(UsageError, match="within the 2 forwardable bytes"):
         asm.view(0, 3)
