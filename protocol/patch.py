@@ -674,13 +674,13 @@ def _decode_full(seg: _Segment, specs: dict[str, TensorSpec]):
     return writes, None, bits
 
 
-def decode_chunk(state: State, chunk: bytes, tensors: list[TensorSpec], _specs: dict | None = None) -> DecodedChunk:
+def decode_chunk(state: State, chunk: bytes, tensors: list[TensorSpec]) -> DecodedChunk:
     """Decode one chunk against `state` and check it fits; writes nothing.
 
     Raises BaseMismatch (or AlreadyApplied) when the values the chunk would
     overwrite are not the ones it was made against.
     """
-    return decode_chunks(state, [chunk], tensors, _specs)[0]
+    return decode_chunks(state, [chunk], tensors)[0]
 
 
 class _Failed:
@@ -706,7 +706,7 @@ def _named_segments(chunk: bytes, tensors: list[TensorSpec]) -> tuple[list[_Segm
     return segs, old_digest, new_digest
 
 
-def decode_chunks(state: State, chunks: list[bytes], tensors: list[TensorSpec], _specs: dict | None = None,
+def decode_chunks(state: State, chunks: list[bytes], tensors: list[TensorSpec],
                   threads: int | None = None) -> list[DecodedChunk]:
     """`decode_chunk` of each chunk, their segments decoded on every core (at
     most `threads` threads when set).
@@ -715,25 +715,23 @@ def decode_chunks(state: State, chunks: list[bytes], tensors: list[TensorSpec], 
     parsing and the state checks run in order, the decodes in parallel with
     their errors held, then the walk in chunk order raises the first one.
     """
-    specs = _specs if _specs is not None else {t.name: t for t in tensors}
-    parsed = []
+    parsed = [item for _, item in _parsed_in_order(chunks, tensors)]
+    return _decode_parsed(state, parsed, {t.name: t for t in tensors}, threads)
+
+
+def _parsed_in_order(chunks: list[bytes], tensors: list[TensorSpec]):
+    """(chunk, its `_named_segments` or the error parsing it raised), chunk by chunk as
+    they are reached, ending with the first error (held for the walk in chunk order)."""
     for chunk in chunks:
-        parsed.append(_parsed(chunk, tensors))
-        if isinstance(parsed[-1], PatchswarmError):
-            break
-    return _decode_parsed(state, parsed, specs, threads)
-
-
-def _parsed(chunk: bytes, tensors: list[TensorSpec]):
-    """`_named_segments` of a chunk, or the error parsing it raised (held for the walk in chunk order)."""
-    try:
-        return _named_segments(chunk, tensors)
-    except PatchswarmError as e:
-        return e
+        try:
+            yield chunk, _named_segments(chunk, tensors)
+        except PatchswarmError as e:
+            yield chunk, e
+            return
 
 
 def _decode_parsed(state: State, parsed: list, specs: dict[str, TensorSpec], threads: int | None) -> list[DecodedChunk]:
-    """`decode_chunks` of chunks already parsed (each `_parsed`'s result; an error ends the list)."""
+    """`decode_chunks` of chunks already parsed (as `_parsed_in_order` gives them; an error ends the list)."""
     tasks: list[Callable] = []
     plan: list = []  # per chunk: an error, or (task numbers or an error, digests, views)
     work = 0
@@ -832,13 +830,12 @@ def restore(state: State, saved: dict[str, torch.Tensor | None]) -> None:
 
 
 def _parsed_batches(chunks: list[bytes], tensors: list[TensorSpec], min_bytes: int, min_segments: int):
-    """Consecutive runs of parsed chunks (`_parsed`), each of at least `min_bytes` of
+    """Consecutive runs of parsed chunks (`_parsed_in_order`), each of at least `min_bytes` of
     patch and `min_segments` segments (but the last), parsed as they are reached so
     only one batch's streams are held. A chunk that fails to parse ends its batch
     and the iteration."""
     cur, size, segs = [], 0, 0
-    for c in chunks:
-        item = _parsed(c, tensors)
+    for c, item in _parsed_in_order(chunks, tensors):
         cur.append(item)
         if isinstance(item, PatchswarmError):
             break
