@@ -282,7 +282,10 @@ def print_status(st: dict) -> None:
     b = st["bytes_in"]
     t.add_row("bytes in", f"origin {_mb(b['origin'])}, same region {_mb(b['same_region'])}, "
                           f"other regions {_mb(b['other_region'])}")
-    t.add_row("bytes out", _mb(st["bytes_out"]))
+    out = _mb(st["bytes_out"])
+    if st.get("bytes_out_arriving"):
+        out += f" ({_mb(st['bytes_out_arriving'])} relayed while arriving)"
+    t.add_row("bytes out", out)
     t.add_row("rejected", f"{st['chunks_rejected']} chunks, {st.get('manifests_rejected', 0)} manifests")
     if st.get("fetching"):
         t.add_row("fetching", ", ".join(f"{k}: {v} chunks missing" for k, v in st["fetching"].items()))

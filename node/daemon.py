@@ -635,6 +635,7 @@ class Node:
                             key=lambda p: p["id"]),
             "bytes_in": dict(self.bytes_in),
             "bytes_out": self.peers.bytes_out,
+            "bytes_out_arriving": self.peers.bytes_out_arriving,
             "chunks_rejected": self.chunks_rejected,
             "manifests_rejected": self.manifests_rejected,
             "fetching": fetching,

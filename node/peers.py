@@ -105,6 +105,7 @@ class PeerSet:
         self._on_open = on_open
         self._on_close = on_close
         self.bytes_out = 0
+        self.bytes_out_arriving = 0  # of bytes_out: parts of chunks this member was still receiving (cut-through)
 
     def connected(self, peer_id: str) -> bool:
         return peer_id in self.sessions
@@ -207,7 +208,7 @@ class PeerSet:
     async def _serve(self, s: Session) -> None:
         try:
             while True:
-                msg = self._next_to_send(s)
+                msg, arriving = self._next_to_send(s)
                 if msg is None:
                     # Nothing sendable: no await since the scan, so no wake-up was missed.
                     s.serve_ready = trio.Event()
@@ -219,18 +220,21 @@ class PeerSet:
                 if isinstance(msg, wire.Piece):
                     s.piece_bytes_out += len(msg.data)
                     self.bytes_out += len(msg.data)
+                    if arriving:
+                        self.bytes_out_arriving += len(msg.data)
         finally:
             for o in list(s.serve_queue):
                 self._drop_outflow(s, o)
 
     def _next_to_send(self, s: Session):
-        """The next message for the serve queue: a part of the first request that has
-        bytes to send, or a Reject; None when every request waits on arriving bytes."""
+        """The next message for the serve queue, and whether it is a part of a chunk still
+        arriving here: a part of the first request that has bytes to send, or a Reject;
+        (None, False) when every request waits on arriving bytes."""
         for o in list(s.serve_queue):
             if o.data is None and o.flow is None or o.flow is not None and o.flow.failed:
                 if not self._resolve(s, o):
                     self._drop_outflow(s, o)
-                    return wire.Reject(o.key[0], o.key[1], o.chunk, "stream aborted" if o.started else "not held")
+                    return wire.Reject(o.key[0], o.key[1], o.chunk, "stream aborted" if o.started else "not held"), False
             if o.data is not None:
                 total, limit = len(o.data), len(o.data)
             else:
@@ -241,10 +245,11 @@ class PeerSet:
                 part = o.data[o.sent:end] if o.data is not None else o.flow.asm.view(o.sent, end)
                 msg = wire.Piece(o.key[0], o.key[1], o.chunk, o.sent, total, part)
                 o.sent, o.started = end, True
+                arriving = o.data is None
                 if end == total:
                     self._drop_outflow(s, o)
-                return msg
-        return None
+                return msg, arriving
+        return None, False
 
     def _resolve(self, s: Session, o: Outflow) -> bool:
         """Find where to serve `o` from (again, after its flow failed): the store,

@@ -102,6 +102,29 @@ def test_every_node_gets_every_version_bit_exactly_and_mostly_from_peers(tmp_pat
                 assert re.search(rf"applied version {v} \({kind}, [\d,]+ bytes\) in [\d.]+ s", text), (p.name, v)
 
 
+def test_chunks_are_relayed_while_they_still_arrive(tmp_path, checkpoints):
+    """1 MiB chunks (128 KiB parts) into nodes held to 3 MB/s each: a chunk takes a third of
+    a second to arrive, so neighbours that hear Incoming follow it, and the version lands
+    bit-exactly everywhere."""
+    watch = tmp_path / "watch"
+    with SwarmLab(tmp_path) as lab:
+        lab.start_tracker()
+        lab.start_origin(region="r0", watch=watch, extra=["--chunk-bytes", str(1 << 20)])
+        nodes = [lab.start_node(f"n{i}", region="r0" if i == 0 else "r1", extra=["--download-limit", "3M"])
+                 for i in range(4)]
+        publish(lab, watch, checkpoints, 0)
+        statuses = lab.wait_version(nodes, 0, timeout=120)
+        for p in nodes:
+            assert same_bits(load_weights(p), served_bf16(checkpoints[0])), p.name
+        assert all(st["chunks_rejected"] == 0 for st in statuses)
+        relayed = {p.name: p.status()["bytes_out_arriving"] for p in nodes}
+        assert sum(relayed.values()) >= 1 << 20, relayed  # at least a chunk's worth
+        table = lab._cli("status", "--socket", nodes[max(range(4), key=lambda i: relayed[nodes[i].name])].socket)
+        assert "relayed while arriving" in table
+        for p in nodes:
+            assert "Traceback" not in p.text(), p.name
+
+
 def test_node_killed_mid_download_restarts_and_converges(tmp_path, checkpoints):
     watch = tmp_path / "watch"
     with SwarmLab(tmp_path) as lab:
