@@ -131,7 +131,9 @@ class Node:
         self._wanted: set[ObjKey] = set()
         self._timeline: dict[ObjKey, dict[str, float]] = {}  # wall-clock announced_at / complete_at
         self._unusable: set[ObjKey] = set()
-        self._told: dict[ObjKey, dict[int, set[str]]] = {}  # peers sent an Incoming for a chunk not yet held
+        # Sessions sent an Incoming for a chunk not yet held. Sessions, not peer ids: a peer
+        # that reconnects meanwhile has a new session, which was never told.
+        self._told: dict[ObjKey, dict[int, set[Session]]] = {}
         self._outstanding: dict[tuple[str, ObjKey, int], float] = {}
         self._dialing: set[str] = set()
         self._dial_after: dict[str, float] = {}
@@ -342,8 +344,6 @@ class Node:
         if self.picker is not None:
             self.picker.peer_left(s.id)
         self.inflows.drop_peer(s.id)
-        for told in (t for chunks in self._told.values() for t in chunks.values()):
-            told.discard(s.id)  # if it comes back, its new session was never told
         for k in [k for k in self._outstanding if k[0] == s.id]:
             del self._outstanding[k]
         self._sched.set()
@@ -419,7 +419,7 @@ class Node:
             self._cancel(dup.peer, dup.key, dup.chunk)
         told = self._told.get(key, {}).pop(c, ())
         self.peers.broadcast(wire.HaveOne(key[0], key[1], c), s.id,
-                             skip=lambda p: p.role == "origin" or p.id in told or c in p.have.get(key, ()))
+                             skip=lambda p: p.role == "origin" or p in told or c in p.have.get(key, ()))
         if self.store.complete(key):
             self._timeline.setdefault(key, {})["complete_at"] = time.time()
             self._applier.set()

@@ -82,8 +82,7 @@ class Outflow:
 
     key: ObjKey
     chunk: int
-    sent: int = 0
-    started: bool = False
+    sent: int = 0  # while queued, > 0 once any part went out (an answer ends with its last part)
     data: bytes | None = None
     flow: Inflow | None = None
 
@@ -234,17 +233,17 @@ class PeerSet:
             if o.data is None and o.flow is None or o.flow is not None and o.flow.failed:
                 if not self._resolve(s, o):
                     self._drop_outflow(s, o)
-                    return wire.Reject(o.key[0], o.key[1], o.chunk, "stream aborted" if o.started else "not held"), False
+                    return wire.Reject(o.key[0], o.key[1], o.chunk, "stream aborted" if o.sent else "not held"), False
             if o.data is not None:
                 total, limit = len(o.data), len(o.data)
             else:
                 total, limit = o.flow.asm.total, o.flow.asm.forwardable
             end = min(limit, o.sent + PART_BYTES)
             whole = o.data is not None or o.flow.asm.verified
-            if end > o.sent or (total == 0 and whole and not o.started):  # an empty chunk is one empty part
+            if end > o.sent or (total == 0 and whole):  # an empty chunk is one empty part
                 part = o.data[o.sent:end] if o.data is not None else o.flow.asm.view(o.sent, end)
                 msg = wire.Piece(o.key[0], o.key[1], o.chunk, o.sent, total, part)
-                o.sent, o.started = end, True
+                o.sent = end
                 arriving = o.data is None
                 if end == total:
                     self._drop_outflow(s, o)
@@ -277,9 +276,9 @@ class PeerSet:
             o.flow.unwatch(s.wake)
             o.flow = None
 
-    def broadcast(self, msg, exclude: str | None = None, skip: Callable[[Session], bool] | None = None) -> set[str]:
+    def broadcast(self, msg, exclude: str | None = None, skip: Callable[[Session], bool] | None = None) -> set[Session]:
         """Queue `msg` for every session (but `exclude` and those `skip` says) and return
-        the ids it was queued for: each copy is sent by a task of its own session, so a
+        the sessions it was queued for: each copy is sent by a task of its own session, so a
         connection busy with pieces over a slow link delays only its own copy (sent one
         after another, a Have to a same-region peer waited behind every WAN peer's piece
         in progress: measured, up to 1.4 s). A copy that cannot be sent ends its session
@@ -291,7 +290,7 @@ class PeerSet:
                     s.tasks.start_soon(s.send, msg)
                 except RuntimeError:
                     continue  # the session is ending: its nursery takes no new tasks
-                sent.add(s.id)
+                sent.add(s)
         return sent
 
     async def close_all(self, reason: str) -> None:

@@ -207,3 +207,17 @@ def _manifest(chunks):
     return Manifest(swarm_id="sw", version=1, base_version=0, base_hash="blake3:" + "00" * 32,
                     target_hash="blake3:" + "11" * 32, tensors=[],
                     chunks=[(len(c), hashlib.sha256(c).digest()) for c in chunks], codec={"format": 1}, created_at=0.0)
+
+
+def test_an_empty_chunk_is_answered_with_one_empty_part(tmp_path):
+    r = Relay(tmp_path, [b"", os.urandom(10)])
+    r.store.put_manifest(KEY, _manifest(r.chunks), b"envelope")
+    r.store.put_chunk(KEY, 0, b"")
+
+    async def scenario():
+        await r.ask(0)
+        got = [m for m in await r.pieces_until_quiet() if isinstance(m, wire.Piece)]
+        assert [(m.chunk, m.offset, m.total, m.data) for m in got] == [(0, 0, 0, b"")]
+        assert not r.peers.sessions["req"].serve_queue
+
+    r.run(scenario)
