@@ -2,11 +2,16 @@
 
 Owns the layout under `DATA_DIR/objects/`: one directory per object
 (`v{version:010d}-patch` or `-keyframe`) holding `manifest` (the signed
-envelope as received) and `NNNNNN.chunk` files. A chunk file is written under
-a temporary name and renamed, so a file that exists is whole; on start every
-chunk is checked against its manifest's SHA-256 again (a crash or a disk
-error costs a refetch, never a bad apply). Must not decide what to fetch or
-keep: callers say what to drop.
+envelope as received) and `NNNNNN.chunk` files. A file is written under a
+temporary name (`.NAME.PID.tmp`) and renamed, so a file that exists is whole;
+on start every chunk is checked against its manifest's SHA-256 again (a crash
+or a disk error costs a refetch, never a bad apply). Must not decide what to
+fetch or keep: callers say what to drop.
+
+What start-up may delete, the one rule: what this store wrote and can show is
+unusable. That is a temporary of an interrupted write, a chunk file that does
+not match its manifest, and an object folder whose manifest is missing or does
+not verify (nothing in it can be checked). Any other file is left where it is.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from protocol.versions import VersionBook
 log = logging.getLogger("patchswarm.store")
 _DIR = re.compile(r"^v(\d{10})-(patch|keyframe)$")
 _CHUNK = re.compile(r"^(\d{6})\.chunk$")
+_TEMPORARY = re.compile(r"^\..+\.\d+\.tmp$")  # _write_atomic's names
+MANIFEST_NAME = "manifest"
 
 
 def _dirname(key: ObjKey) -> str:
@@ -48,7 +55,7 @@ class ObjectStore:
                 continue
             key = (int(m.group(1)), m.group(2) == "keyframe")
             try:
-                _, manifest = book.offer((d / "manifest").read_bytes(), current_version)
+                _, manifest = book.offer((d / MANIFEST_NAME).read_bytes(), current_version)
             except (OSError, InvalidInput) as e:
                 dropped.append(f"{d.name}: {e}")
                 shutil.rmtree(d, ignore_errors=True)
@@ -56,10 +63,12 @@ class ObjectStore:
             self._manifests[key] = manifest
             have = self._have.setdefault(key, set())
             for f in d.iterdir():
+                if _TEMPORARY.match(f.name):
+                    f.unlink(missing_ok=True)  # an interrupted write
+                    continue
                 c = _CHUNK.match(f.name)
                 if not c:
-                    f.unlink(missing_ok=True)  # temporaries of an interrupted write
-                    continue
+                    continue  # the manifest, or a file that is not the store's to judge
                 i = int(c.group(1))
                 data = f.read_bytes()
                 if i < len(manifest.chunks) and (len(data), hashlib.sha256(data).digest()) == manifest.chunks[i]:
@@ -72,7 +81,7 @@ class ObjectStore:
     def put_manifest(self, key: ObjKey, manifest: Manifest, envelope: bytes) -> None:
         d = self.root / _dirname(key)
         d.mkdir(exist_ok=True)
-        _write_atomic(d / "manifest", envelope)
+        _write_atomic(d / MANIFEST_NAME, envelope)
         self._manifests[key] = manifest
         self._have.setdefault(key, set())
 
@@ -83,7 +92,7 @@ class ObjectStore:
         d.mkdir(exist_ok=True)
         for i, c in enumerate(chunks):
             _write_atomic(d / f"{i:06d}.chunk", c)
-        _write_atomic(d / "manifest", envelope)
+        _write_atomic(d / MANIFEST_NAME, envelope)
 
     def adopt(self, key: ObjKey, manifest: Manifest) -> None:
         """Start serving an object whose files `write_object` wrote."""

@@ -1,0 +1,67 @@
+"""The object store across restarts: what start-up keeps and the one rule for what it deletes."""
+
+import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from node.store import ObjectStore
+from protocol.manifest import sign_manifest
+from protocol.patch import diff
+from protocol.publication import manifest_of
+from protocol.versions import VersionBook
+
+SWARM = "test-swarm"
+
+
+def _object(key: Ed25519PrivateKey, version: int = 1):
+    g = torch.Generator().manual_seed(version)
+    base = {"w": torch.randn(128, 128, generator=g).to(torch.bfloat16)}
+    target = {"w": base["w"].clone()}
+    target["w"].view(-1).view(torch.int16)[::3] += 1
+    p = diff(base, target, chunk_bytes=1_000, segment_elements=1 << 11)
+    m = manifest_of(p, swarm_id=SWARM, version=version, created_at=0.0)
+    return m, sign_manifest(m, key), p.chunks
+
+
+def _reopen(root, trainer) -> tuple[ObjectStore, list[str]]:
+    store = ObjectStore(root)
+    dropped = store.load(VersionBook(SWARM, trainer.public_key()), None)
+    return store, dropped
+
+
+def test_restarts_keep_manifests_and_chunks(tmp_path):
+    """The defect: start-up deleted every file that was not a chunk, the manifest
+    included, so the second restart dropped every object."""
+    trainer = Ed25519PrivateKey.generate()
+    m, envelope, chunks = _object(trainer)
+    assert len(chunks) > 1
+    store = ObjectStore(tmp_path)
+    store.write_object((1, False), envelope, chunks)
+    store.adopt((1, False), m)
+    for restart in range(3):
+        store, dropped = _reopen(tmp_path, trainer)
+        assert dropped == [], f"restart {restart}: {dropped}"
+        assert store.keys() == [(1, False)], f"restart {restart}"
+        assert store.complete((1, False)), f"restart {restart}"
+        assert (tmp_path / "v0000000001-patch" / "manifest").read_bytes() == envelope
+        assert store.chunks((1, False)) == chunks
+
+
+def test_start_up_deletes_only_what_the_store_can_show_is_unusable(tmp_path):
+    trainer = Ed25519PrivateKey.generate()
+    m, envelope, chunks = _object(trainer)
+    store = ObjectStore(tmp_path)
+    store.write_object((1, False), envelope, chunks)
+    d = tmp_path / "v0000000001-patch"
+    (d / f".000000.chunk.{12345}.tmp").write_bytes(b"half a chunk")  # an interrupted write
+    (d / ".manifest.777.tmp").write_bytes(b"half a manifest")
+    (d / "000001.chunk").write_bytes(b"not the chunk")  # fails its SHA-256
+    (d / "NOTES.txt").write_bytes(b"an operator's file")  # not the store's to judge
+    # An object folder without a manifest: an interrupted write_object, nothing checkable.
+    (tmp_path / "v0000000002-patch").mkdir()
+    (tmp_path / "v0000000002-patch" / "000000.chunk").write_bytes(b"x")
+    store, dropped = _reopen(tmp_path, trainer)
+    assert sorted(p.name for p in d.iterdir()) == sorted(
+        ["manifest", "NOTES.txt"] + [f"{i:06d}.chunk" for i in range(len(chunks)) if i != 1])
+    assert store.have((1, False)) == set(range(len(chunks))) - {1}
+    assert not (tmp_path / "v0000000002-patch").exists()
+    assert len(dropped) == 2 and "000001.chunk" in dropped[0] and "v0000000002-patch" in dropped[1]
