@@ -304,7 +304,8 @@ class Node:
     async def _dial(self, p: dict) -> None:
         pid = p["id"]
         try:
-            ms = await connect(p["addr"], self.creds, {p["role"]}, self._hello(), on_receive=self.download.take)
+            ms = await connect(p["addr"], self.creds, {p["role"]}, self._hello(), expect_name=pid,
+                               on_receive=self.download.take)
         except (OSError, trio.TooSlowError, trio.BrokenResourceError, ssl.SSLError, PatchswarmError) as e:
             delay = min(BACKOFF_MAX, 2 * max(1.0, self._dial_after.get(pid, 0) - trio.current_time() + 1))
             self._dial_after[pid] = trio.current_time() + delay

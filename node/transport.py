@@ -7,7 +7,12 @@ certificate, and `MessageStream`, which turns a TLS stream into wire messages
 to dial, what to ask for and what to do with a message are the callers'.
 
 Identity: a peer is who its CA-signed certificate says (CN = name, OU = role).
-Its Hello must repeat that name and role, or the connection is refused.
+Its Hello must repeat that name and role, or the connection is refused. A
+dialer names the member it means to reach (`expect_name`), and an address
+answered by any other certificate is refused, so an announced address cannot
+make a member talk to someone else under that member's name, nor to itself;
+a listener refuses a connection from its own name (itself, through an address
+someone announced).
 """
 
 from __future__ import annotations
@@ -105,12 +110,17 @@ class MessageStream:
                 pass
 
 
-async def _handshake(stream: TLSSocketStream, allowed_roles: frozenset[str] | set[str]) -> tuple[str, str]:
+async def _handshake(stream: TLSSocketStream, allowed_roles: frozenset[str] | set[str],
+                     expect_name: str | None, own_name: str) -> tuple[str, str]:
     with trio.fail_after(HANDSHAKE_SECONDS):
         await stream.do_handshake()
     name, role = peer_identity(stream)
     if role not in allowed_roles:
         raise InvalidInput(f"peer {name!r}: expected role {' or '.join(sorted(allowed_roles))}, found {role!r}")
+    if expect_name is not None and name != expect_name:
+        raise InvalidInput(f"dialed {expect_name!r}, found a certificate of {name!r} at that address")
+    if name == own_name:
+        raise InvalidInput(f"peer {name!r}: a connection to this member itself")
     return name, role
 
 
@@ -129,15 +139,19 @@ async def exchange_hello(ms: MessageStream, hello: wire.Hello) -> wire.Hello:
 
 
 async def connect(addr: str, creds: Credentials, allowed_roles: set[str] | frozenset[str],
-                  hello: wire.Hello, *, ssl_context: ssl.SSLContext | None = None,
+                  hello: wire.Hello, *, expect_name: str | None = None,
+                  ssl_context: ssl.SSLContext | None = None,
                   on_receive: Callable[[int], Awaitable[None]] | None = None) -> MessageStream:
-    """Dial `addr`, authenticate both ways, exchange Hellos; the caller closes the stream."""
+    """Dial `addr`, authenticate both ways, exchange Hellos; the caller closes the stream.
+
+    With `expect_name`, the peer's certificate must carry that name (InvalidInput
+    otherwise); a peer with this member's own name is always refused."""
     host, port = parse_addr(addr)
     with trio.fail_after(HANDSHAKE_SECONDS):
         tcp = await trio.open_tcp_stream(host, port)
     stream = TLSSocketStream.wrap(tcp, ssl_context or client_context(creds), server_side=False)
     try:
-        name, role = await _handshake(stream, allowed_roles)
+        name, role = await _handshake(stream, allowed_roles, expect_name, creds.name)
         ms = MessageStream(stream, name, role, on_receive=on_receive)
         await exchange_hello(ms, hello)
         return ms
@@ -176,7 +190,7 @@ async def serve(listen: str, creds: Credentials, allowed_roles: set[str] | froze
             return
         try:
             try:
-                name, role = await _handshake(stream, allowed_roles)
+                name, role = await _handshake(stream, allowed_roles, None, creds.name)
                 ms = MessageStream(stream, name, role, on_receive=on_receive)
                 await exchange_hello(ms, hello())
             except (trio.BrokenResourceError, trio.TooSlowError, ssl.SSLError, OSError, InvalidInput) as e:

@@ -266,3 +266,52 @@ def test_lying_peer_and_foreign_manifest_are_rejected(tmp_path, checkpoints):
         assert "mallory" not in {p["id"] for p in st["peers"]}
         assert re.search(r"peer mallory \(node, r1\) left: sent a chunk that does not match its manifest", victim.text())
         assert "Traceback" not in victim.text()
+
+
+async def _member_announcing(creds_dir, tracker_addr: str, listen: str, region: str, stay: float) -> None:
+    """A member with valid credentials that joins the tracker announcing someone else's address."""
+    creds = trust.Credentials.load(creds_dir)
+    ms = await connect(tracker_addr, creds, {"tracker"}, wire.Hello(creds.name, region, "node", listen, []))
+    try:
+        with trio.move_on_after(stay):
+            while True:  # heartbeats keep the entry on the tracker's list
+                await ms.send(wire.Heartbeat([]))
+                with trio.move_on_after(1.0):
+                    while await ms.receive() is not None:
+                        pass
+    finally:
+        await ms.aclose()
+
+
+def test_an_announced_address_that_is_not_the_member_is_refused_not_fatal(tmp_path, checkpoints):
+    """A member may announce any address. Announcing the victim's own address made the
+    victim dial itself and exit ('is this node'); announcing another node's address made
+    nodes talk to that node under the announcer's name. Now the dialed name must match the
+    certificate at the far end: the victim and its neighbour stay up and keep taking versions."""
+    watch = tmp_path / "watch"
+    with SwarmLab(tmp_path) as lab:
+        lab.start_tracker()
+        lab.start_origin(region="r0", watch=watch, extra=ORIGIN_ARGS)
+        victim = lab.start_node("victim", region="r1")
+        other = lab.start_node("other", region="r1")
+        publish(lab, watch, checkpoints, 0)
+        lab.wait_version([victim, other], 0)
+        mallory = lab.creds("mallory", "node")
+
+        async def scenario():
+            async with trio.open_nursery() as n:
+                n.start_soon(_member_announcing, mallory, lab.tracker_addr, victim.addr, "r1", 60)
+                await trio.to_thread.run_sync(
+                    lambda: lab.wait_log(victim, r"could not reach node mallory .*dialed 'mallory', found a "
+                                                 r"certificate of 'victim'", timeout=30))
+                publish(lab, watch, checkpoints, 1)
+                await trio.to_thread.run_sync(lambda: lab.wait_version([victim, other], 1))
+                n.cancel_scope.cancel()
+
+        trio.run(scenario)
+        assert victim.alive() and other.alive()
+        assert re.search(r"could not reach node mallory .*found a certificate of 'victim'", other.text())
+        for p in (victim, other):
+            assert same_bits(load_weights(p), served_bf16(checkpoints[1])), p.name
+            assert "mallory" not in {peer["id"] for peer in p.status()["peers"]}
+            assert "is this node" not in p.text() and "Traceback" not in p.text()
