@@ -14,7 +14,7 @@ $(BIN)/python:
 $(STAMP): pyproject.toml setup.py protocol/_kernels.c | $(BIN)/python
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,demo]'
 	touch $(STAMP)
 
 demo: $(STAMP)

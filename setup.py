@@ -6,5 +6,5 @@ and protocol/ricecode.py use their numpy versions of the same calls, with the sa
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("protocol._kernels", ["protocol/_kernels.c"],
+setup(ext_modules=[Extension("patchswarm.protocol._kernels", ["protocol/_kernels.c"],
                              extra_compile_args=["-O3", "-std=c11"], optional=True)])

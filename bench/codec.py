@@ -37,8 +37,7 @@ import time
 from pathlib import Path
 
 _ROOT = Path(__file__).resolve().parent.parent
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
+sys.path.insert(0, str(_ROOT / "tests"))  # the fixtures' generator (tests/synthetic.py)
 
 import torch  # noqa: E402
 
@@ -153,15 +152,6 @@ def zipnn_bytes(state: State) -> tuple[int | None, str]:
         return None, f"zipnn n/a: {type(e).__name__}: {e}"
 
 
-def _min_time(fn, reps: int):
-    best, out = math.inf, None
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - t0)
-    return best, out
-
-
 def _compare_once(base: State, target: State, names: list[str]) -> float:
     # Only the ne: an earlier version also counted the mask (.sum()), which
     # doubled this floor and flattered every ratio against it by ~2x.
@@ -169,25 +159,6 @@ def _compare_once(base: State, target: State, names: list[str]) -> float:
     for k in names:
         torch.ne(bits_view(base[k]), bits_view(target[k]))
     return time.perf_counter() - t0
-
-
-def compare_seconds(base: State, target: State, reps: int = 5) -> float:
-    """The floor: torch.ne over integer bit views of every tensor.
-
-    Min over `reps` runs at torch's thread count and again at one thread: on a
-    small or busy machine each parallel region can wait a scheduler slice, and
-    the floor should be the fastest plain compare, not the unluckiest.
-    """
-    names = sorted(target)
-    best = min(_compare_once(base, target, names) for _ in range(reps))
-    threads = torch.get_num_threads()
-    if threads > 1:
-        torch.set_num_threads(1)
-        try:
-            best = min(best, min(_compare_once(base, target, names) for _ in range(reps)))
-        finally:
-            torch.set_num_threads(threads)
-    return best
 
 
 ROUNDS = 7
@@ -199,8 +170,8 @@ def speed_rounds(base: State, target: State, blob: bytes, where: str, rounds: in
     One round runs each once, round-robin (compare twice: torch's threads and
     one thread), so slow spells on a shared machine hit all of them alike.
     """
-    from protocol import patch as P
-    from protocol.statehash import state_hash
+    from patchswarm.protocol import patch as P
+    from patchswarm.protocol.statehash import state_hash
 
     names = sorted(target)
     base_hash, target_hash = state_hash(base), state_hash(target)
@@ -241,18 +212,10 @@ def assert_bit_exact(state: State, target: State, where: str) -> None:
             raise SystemExit(f"FATAL {where}: apply result differs from target in tensor {k!r}")
 
 
-def _keyframe_fn():
-    try:
-        from protocol.keyframe import keyframe
-    except ImportError:
-        from protocol.patch import keyframe
-    return keyframe
-
-
 def bench_pair(base: State, target: State, where: str, rounds: int = ROUNDS) -> dict:
-    from protocol import patch as P
+    from patchswarm.protocol import patch as P
 
-    keyframe = _keyframe_fn()
+    from patchswarm.protocol.patch import keyframe
     row: dict = {}
     row["params"] = sum(t.numel() for t in target.values())
 
@@ -357,13 +320,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-kernel", action="store_true",
                     help="use the numpy versions (class index, compare, Rice/bit-field coders) instead of protocol/_kernels")
     args = ap.parse_args(argv)
-    from protocol import contexts, ricecode
+    from patchswarm.protocol import contexts, ricecode
 
     if args.no_kernel:
         contexts.KERNEL = ricecode.KERNEL = None
     print(f"# kernels: {'compiled (protocol/_kernels)' if contexts.KERNEL else 'numpy'}", file=sys.stderr, flush=True)
 
-    from node.synthetic import served_pairs
+    from synthetic import served_pairs
 
     lrs = [float(x) for x in args.lrs.split(",") if x.strip()]
     dtypes = [x.strip() for x in args.dtypes.split(",") if x.strip()]

@@ -293,10 +293,6 @@ class Topology:
         self._procs.append(proc)
         return proc
 
-    def exec_argv(self, host: Host, argv: list[str]) -> list[str]:
-        """The command line that runs `argv` inside `host`'s namespace (for subprocess.run)."""
-        return ["ip", "netns", "exec", host.netns, *argv]
-
     def _stop_processes(self) -> None:
         procs, self._procs = self._procs, []
         live = [p for p in procs if p.poll() is None]

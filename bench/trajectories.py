@@ -1,6 +1,6 @@
 """End-to-end trajectory benchmark: rollout workers -> node spools -> origin store, as real processes.
 
-Starts a tracker, an origin and 4 nodes (`python -m node.cli ...`, through
+Starts a tracker, an origin and 4 nodes (`python -m patchswarm.node.cli ...`, through
 tests/swarmlab.py, imported from tests/) on loopback, then for each payload
 size runs a rollout fleet for a fixed time and measures end to end:
 
@@ -75,7 +75,7 @@ def worker_main(socket_path: str, worker: int, threads: int) -> None:
 
     Command: {"size", "seconds", "start" (wall clock), "per_call"}. Each thread
     opens its own NodeClient and submits until start + seconds."""
-    from node.client import NodeClient, NodeError
+    from patchswarm.node.client import NodeClient, NodeError
 
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -144,7 +144,7 @@ def pct(xs: list[float], q: float) -> float:
 
 def naive_floor(directory: Path, size: int, seconds: float) -> tuple[int, float, list[float]]:
     """One thread: frame one record, write it, fdatasync, next."""
-    from protocol.trajectory import Record, encode_entry, encode_record, segment_header
+    from patchswarm.protocol.trajectory import Record, encode_entry, encode_record, segment_header
 
     pool = payload_pool(size, 1)
     path = directory / "naive.seg"
@@ -169,7 +169,7 @@ class StoreCounter:
     """Counts the origin's stored records per node, reading only what is new each time."""
 
     def __init__(self, directory: Path):
-        from node.trajstore import TrajectoryReader
+        from patchswarm.node.trainer.trajstore import TrajectoryReader
 
         self.cursor = TrajectoryReader(directory).cursor()
         self.by_node: collections.Counter = collections.Counter()

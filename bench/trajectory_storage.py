@@ -26,9 +26,9 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from node.spool import TrajectorySpool  # noqa: E402
-from node.trajstore import TrajectoryStore  # noqa: E402
-from protocol.trajectory import (MAX_BATCH_BYTES, Record, decode_batch, encode_batch, encode_entry,  # noqa: E402
+from patchswarm.node.spool import TrajectorySpool  # noqa: E402
+from patchswarm.node.trainer.trajstore import TrajectoryStore  # noqa: E402
+from patchswarm.protocol.trajectory import (MAX_BATCH_BYTES, Record, decode_batch, encode_batch, encode_entry,  # noqa: E402
                                  encode_record, segment_header)
 
 SIZES = [("1KiB", 1 << 10), ("16KiB", 16 << 10), ("1MiB", 1 << 20)]

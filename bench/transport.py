@@ -26,9 +26,9 @@ sys.path.insert(0, str(ROOT))
 
 import trio  # noqa: E402
 
-from node import transport, trust  # noqa: E402
-from node.tlsstream import TLSSocketStream  # noqa: E402
-from protocol import wire  # noqa: E402
+from patchswarm.node.net import transport, trust  # noqa: E402
+from patchswarm.node.net.tlsstream import TLSSocketStream  # noqa: E402
+from patchswarm.protocol import wire  # noqa: E402
 
 STREAMS = ("trio.SSLStream", "TLSSocketStream")
 PIECE = 1 << 20

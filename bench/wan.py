@@ -35,13 +35,13 @@ if str(_ROOT) not in sys.path:
 from bench import netemu  # noqa: E402
 from bench.wan_libtorrent import DEFAULT_PIECE_BYTES, LibtorrentRunner  # noqa: E402
 from bench.wan_patchswarm import PatchswarmRunner  # noqa: E402
-from bench.wan_runner import Payload, RunFailed, RunResult, SystemUnavailable, make_payload  # noqa: E402
+from bench.wan_runner import Payload, RunFailed, Runner, RunResult, SystemUnavailable, make_payload  # noqa: E402
 
 SYSTEMS = ("libtorrent", "patchswarm", "star")
 TARGETS = "targets (issue 4): time <= 1.3 x bound; WAN in <= 1.15 x patch; origin out <= 1.5 x patch; >= 2x faster than libtorrent"
 
 
-def make_runner(name: str, args: argparse.Namespace):
+def make_runner(name: str, args: argparse.Namespace) -> Runner:
     if name == "libtorrent":
         return LibtorrentRunner(piece_bytes=args.piece_kib * 1024, unchoke_slots=args.unchoke_slots,
                                 log_dir=args.logs)

@@ -8,7 +8,7 @@ their namespaces and one `patchswarm node` per node namespace (`--no-peers`
 for the star baseline), then dropping version 1 into the watch directory and
 waiting until every node's status says version >= 1 with the expected state
 hash. Must not reach into the daemon's internals: it speaks only the CLI, the
-local socket (`node.client.NodeClient`) and the files whose format is a
+local socket (`patchswarm.node.client.NodeClient`) and the files whose format is a
 contract (the weights file, the origin's `watched.json` ledger).
 
 Timing, from the nodes' own wall-clock timeline (`status()["applied"]`):
@@ -62,9 +62,9 @@ def unavailable_reason() -> str | None:
         last = (out.stderr.strip().splitlines() or ["?"])[-1]
         return f"the patchswarm node daemon is not built yet (`patchswarm node --help`: exit {out.returncode}: {last})"
     try:
-        from node.client import NodeClient  # noqa: F401
+        from patchswarm.node.client import NodeClient  # noqa: F401
     except ImportError as e:
-        return f"node.client.NodeClient is missing ({e})"
+        return f"patchswarm.node.client.NodeClient is missing ({e})"
     return None
 
 
@@ -100,7 +100,7 @@ class PatchswarmRunner:
             shutil.rmtree(work, ignore_errors=True)
 
     def _run(self, topo: Topology, payload: Payload, limit_s: float, work: Path) -> RunResult:
-        from node.client import NodeClient, NodeUnavailable
+        from patchswarm.node.client import NodeClient, NodeUnavailable
 
         deadline = time.monotonic() + limit_s
         exe = patchswarm_exe()
@@ -186,7 +186,7 @@ class PatchswarmRunner:
     def _wanted_connections(self, topo: Topology) -> int:
         """How many peers (origin included) a node holds at least once the swarm has settled:
         the ones it dials (node/daemon.py `_wanted_peers`); others may dial it too."""
-        from node.daemon import OTHER_REGION_PEERS, SAME_REGION_PEERS
+        from patchswarm.node.daemon import OTHER_REGION_PEERS, SAME_REGION_PEERS
 
         if self.no_peers:
             return 1
@@ -346,8 +346,8 @@ def _bytes_in_note(start: dict, end: dict, patch_bytes: int) -> str:
 
 
 def _state_hash(path: Path) -> str:
-    from node.checkpoint import load_state
-    from protocol.statehash import state_hash
+    from patchswarm.node.checkpoint import load_state
+    from patchswarm.protocol.statehash import state_hash
 
     return state_hash(load_state(path)[0])
 
@@ -358,10 +358,10 @@ def _region(r: int) -> str:
 
 def _write_version0(checkpoint: Path, dst: Path, node_creds: Path) -> None:
     """Version 0 as a node's weights file: the checkpoint's state with patchswarm metadata (swarm id, hash)."""
-    from node.checkpoint import load_state
-    from node.trust import Credentials
-    from node.weights import Weights, write_weights
-    from protocol.statehash import state_hash
+    from patchswarm.node.checkpoint import load_state
+    from patchswarm.node.net.trust import Credentials
+    from patchswarm.node.weights import Weights, write_weights
+    from patchswarm.protocol.statehash import state_hash
 
     state = load_state(checkpoint)[0]
     write_weights(dst, Weights(state, 0, state_hash(state), Credentials.load(node_creds).swarm_id()))

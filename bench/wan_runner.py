@@ -18,6 +18,7 @@ import select
 import shutil
 import subprocess
 import time
+import sys
 from pathlib import Path
 from typing import Protocol
 
@@ -55,13 +56,15 @@ def make_payload(model: str = "medium", lr: float = 1e-2, seed: int = 0,
     beside them per patch container version, so a codec change re-diffs the
     cached checkpoints instead of re-running the model.
     """
-    from protocol.patch import FORMAT_VERSION
+    from patchswarm.protocol.patch import FORMAT_VERSION
 
     d = Path(cache_root) / f"{model}-lr{lr:g}-seed{seed}-bf16"
     meta, patch = d / "meta.json", d / f"patch-v{FORMAT_VERSION}.bin"
     label = f"{model} lr={lr:g} seed={seed}"
     if not meta.exists():
-        from node import checkpoint, synthetic   # torch: only when a payload must be made
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        import synthetic  # the test fixtures' generator; torch: only when a payload must be made
+        from patchswarm.node import checkpoint
 
         d.mkdir(parents=True, exist_ok=True)
         (base, target), = synthetic.served_pairs(model, lr=lr, steps=1, seed=seed, dtype="bf16")
@@ -70,8 +73,8 @@ def make_payload(model: str = "medium", lr: float = 1e-2, seed: int = 0,
         raw = sum(t.numel() * t.element_size() for t in target.values())
         checkpoint.write_bytes_atomic(meta, json.dumps({"checkpoint_bytes": raw}).encode())
     if not patch.exists():
-        from node import checkpoint
-        from protocol.patch import diff
+        from patchswarm.node import checkpoint
+        from patchswarm.protocol.patch import diff
 
         base, target = (checkpoint.load_state(d / f"v{v}.safetensors")[0] for v in (0, 1))
         checkpoint.write_bytes_atomic(patch, diff(base, target).to_bytes())

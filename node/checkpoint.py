@@ -23,7 +23,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from protocol.errors import InvalidInput, UsageError
+from patchswarm.protocol.errors import InvalidInput, UsageError
 
 State = dict[str, torch.Tensor]
 Layout = dict[str, str] | None

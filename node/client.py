@@ -19,12 +19,12 @@ from pathlib import Path
 
 import trio
 
-from protocol import localapi
-from protocol.errors import PatchswarmError, ProtocolError
-from protocol.trajectory import encode_payload
-from protocol.wire import CLOSED, NEED_DATA, FrameBuffer
+from patchswarm.protocol import localapi
+from patchswarm.protocol.errors import PatchswarmError, ProtocolError
+from patchswarm.protocol.trajectory import encode_payload
+from patchswarm.protocol.wire import CLOSED, NEED_DATA, FrameBuffer
 
-from .localapi import RECEIVE_BYTES
+from patchswarm.node.localapi import RECEIVE_BYTES
 
 # receive_some allocates its buffer per call: below glibc's mmap threshold (128 KiB) that is cheap.
 _ASYNC_RECEIVE_BYTES = 64 << 10

@@ -19,33 +19,32 @@ import hashlib
 import logging
 import math
 import os
-import ssl
 import time
 from pathlib import Path
 
 import trio
 
-from protocol import localapi, wire
-from protocol.errors import (ConflictingManifest, CorruptData, InvalidInput, PatchswarmError, SignatureError,
+from patchswarm.protocol import localapi, wire
+from patchswarm.protocol.errors import (ConflictingManifest, CorruptData, InvalidInput, PatchswarmError, SignatureError,
                              SpoolFull, StaleVersion, UsageError)
-from protocol.manifest import chunk_ok
-from protocol.patch import apply as apply_patch
-from protocol.picker import WAN_GATEWAYS, PiecePicker
-from protocol.publication import ObjKey, describe, patch_of
-from protocol.trajectory import encode_batch
-from protocol.versions import NEW, VersionBook
+from patchswarm.protocol.manifest import chunk_ok
+from patchswarm.protocol.patch import apply as apply_patch
+from patchswarm.protocol.picker import WAN_GATEWAYS, PiecePicker
+from patchswarm.protocol.publication import ObjKey, describe, patch_of
+from patchswarm.protocol.trajectory import encode_batch
+from patchswarm.protocol.versions import NEW, VersionBook
 
-from .localapi import serve_local
-from .lowprio import APPLY_NICE, run_low_priority
-from .peers import PeerDropped, PeerSet, Session
-from .ratelimit import TokenBucket
-from .relay import Inflows
-from .spool import TrajectorySpool
-from .store import ObjectStore
-from .trackerlink import TrackerLink, one_line
-from .transport import connect, serve
-from .trust import Credentials
-from .weights import WEIGHTS_NAME, Weights, read_weights, write_weights
+from patchswarm.node.localapi import serve_local
+from patchswarm.node.lowprio import APPLY_NICE, run_low_priority
+from patchswarm.node.peers import PeerDropped, PeerSet, Session
+from patchswarm.node.net.ratelimit import TokenBucket
+from patchswarm.node.relay import Inflows
+from patchswarm.node.spool import TrajectorySpool
+from patchswarm.node.store import ObjectStore
+from patchswarm.node.net.trackerlink import TrackerLink
+from patchswarm.node.net.transport import CONNECTION_ERRORS, connect, one_line, serve
+from patchswarm.node.net.trust import Credentials
+from patchswarm.node.weights import WEIGHTS_NAME, Weights, read_weights, write_weights
 
 log = logging.getLogger("patchswarm.node")
 
@@ -306,7 +305,7 @@ class Node:
         try:
             ms = await connect(p["addr"], self.creds, {p["role"]}, self._hello(), expect_name=pid,
                                on_receive=self.download.take)
-        except (OSError, trio.TooSlowError, trio.BrokenResourceError, ssl.SSLError, PatchswarmError) as e:
+        except (*CONNECTION_ERRORS, PatchswarmError) as e:
             delay = min(BACKOFF_MAX, 2 * max(1.0, self._dial_after.get(pid, 0) - trio.current_time() + 1))
             self._dial_after[pid] = trio.current_time() + delay
             log.info("could not reach %s %s at %s (%s)", p["role"], pid, p["addr"], one_line(e))
@@ -438,7 +437,7 @@ class Node:
             return
         try:
             await s.send(msg)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, ssl.SSLError, OSError):
+        except CONNECTION_ERRORS:
             s.closed = True
 
     # ------------------------------------------------------------ fetching
@@ -588,7 +587,7 @@ class Node:
                     raise trio.ClosedResourceError("no connection to the origin")
                 self._uploads_in_flight += 1
                 await s.send(wire.Trajectories(data))
-            except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, ssl.SSLError, OSError):
+            except CONNECTION_ERRORS:
                 # Whatever was handed out goes again later; the origin drops what it already has.
                 self.spool.requeue()
                 if s is not None:

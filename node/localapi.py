@@ -27,9 +27,9 @@ from typing import Awaitable, Callable
 
 import trio
 
-from protocol import localapi
-from protocol.errors import ProtocolError
-from protocol.wire import CLOSED, NEED_DATA, FrameBuffer
+from patchswarm.protocol import localapi
+from patchswarm.protocol.errors import ProtocolError
+from patchswarm.protocol.wire import CLOSED, NEED_DATA, FrameBuffer
 
 log = logging.getLogger("patchswarm.localapi")
 Handler = Callable[[dict], Awaitable[dict]]

@@ -19,20 +19,19 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import ssl
 from typing import Awaitable, Callable
 
 import trio
 
-from protocol import wire
-from protocol.assembly import PART_BYTES
-from protocol.errors import InvalidInput, ProtocolError
-from protocol.publication import ObjKey
+from patchswarm.protocol import wire
+from patchswarm.protocol.assembly import PART_BYTES
+from patchswarm.protocol.errors import InvalidInput, ProtocolError
+from patchswarm.protocol.publication import ObjKey
 
-from .ratelimit import TokenBucket
-from .relay import Inflow, Inflows
-from .store import ObjectStore
-from .transport import MessageStream
+from patchswarm.node.net.ratelimit import TokenBucket
+from patchswarm.node.relay import Inflow, Inflows
+from patchswarm.node.store import ObjectStore
+from patchswarm.node.net.transport import CONNECTION_ERRORS, MessageStream
 
 log = logging.getLogger("patchswarm.peers")
 SEND_TIMEOUT = 60.0  # a peer that takes no bytes for this long is dropped
@@ -159,10 +158,10 @@ class PeerSet:
             reason = f"protocol error: {group.exceptions[0]}"
         except* InvalidInput as group:
             reason = f"invalid input: {group.exceptions[0]}"
-        except* (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError) as group:
-            reason = f"connection lost ({type(group.exceptions[0]).__name__})"
-        except* trio.TooSlowError:
+        except* trio.TooSlowError:  # before the general case, which includes it
             reason = f"took no bytes for {SEND_TIMEOUT:.0f} s"
+        except* CONNECTION_ERRORS as group:
+            reason = f"connection lost ({type(group.exceptions[0]).__name__})"
         finally:
             s.closed = True
             registered = self.sessions.get(s.id) is s
@@ -292,13 +291,3 @@ class PeerSet:
                     continue  # the session is ending: its nursery takes no new tasks
                 sent.add(s)
         return sent
-
-    async def close_all(self, reason: str) -> None:
-        for s in list(self.sessions.values()):
-            s.closed = True
-            with trio.move_on_after(1):
-                try:
-                    await s.ms.send(wire.Bye(reason))
-                except (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError, InvalidInput):
-                    pass
-            await s.ms.aclose()

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from typing import Callable
 
-from protocol.assembly import ChunkAssembly
-from protocol.errors import ProtocolError
-from protocol.publication import ObjKey
+from patchswarm.protocol.assembly import ChunkAssembly
+from patchswarm.protocol.errors import ProtocolError
+from patchswarm.protocol.publication import ObjKey
 
 Wake = Callable[[], None]
 

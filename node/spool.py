@@ -1,7 +1,7 @@
 """The node's durable trajectory spool: accept, fsync, hand out for upload, delete after the ack.
 
 Owns one directory: `NNNNNNNNNNNN.seg` segment files of `Record` entries
-(protocol/trajectory.py framing, written by node/trajstore.SegmentLog with
+(protocol/trajectory.py framing, written by node/seglog.SegmentLog with
 group commit), `state` (which node this spool belongs to and the seq
 high-water mark reserved so far), `acks` (log of acknowledged seq ranges) and
 `LOCK`. Must not: talk to the network, decide batching policy for the wire,
@@ -48,13 +48,13 @@ from pathlib import Path
 import msgpack
 import trio
 
-from protocol.errors import CorruptData, SpoolFull, UsageError
-from protocol.trajectory import (ENTRY_HEADER_BYTES, MAX_BATCH_BYTES, MAX_ID_CHARS, MAX_META_BYTES,
+from patchswarm.protocol.errors import CorruptData, SpoolFull, UsageError
+from patchswarm.protocol.trajectory import (ENTRY_HEADER_BYTES, MAX_BATCH_BYTES, MAX_ID_CHARS, MAX_META_BYTES,
                                  MAX_PAYLOAD_BYTES, AckedRanges, Record, SpoolState, decode_record,
                                  encode_entry, encode_record, record_parts, scan_records, segment_header,
                                  seq_ranges)
 
-from .trajstore import DirectoryLock, FileProblem, SegmentLog, fsync_dir, list_segments, segment_path
+from patchswarm.node.seglog import DirectoryLock, FileProblem, SegmentLog, fsync_dir, list_segments, segment_path
 
 log = logging.getLogger("patchswarm.spool")
 
@@ -328,10 +328,6 @@ class TrajectorySpool:
             self._being_written -= need
             self._wake_space()
         return seqs
-
-    async def append_one(self, payload: bytes, policy_version: int, meta: dict | None = None, *,
-                         timeout: float) -> int:
-        return (await self.append([(payload, policy_version, meta)], timeout))[0]
 
     @staticmethod
     def _check_item(item):

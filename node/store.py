@@ -23,10 +23,10 @@ import re
 import shutil
 from pathlib import Path
 
-from protocol.errors import InvalidInput
-from protocol.manifest import Manifest
-from protocol.publication import ObjKey
-from protocol.versions import VersionBook
+from patchswarm.protocol.errors import InvalidInput
+from patchswarm.protocol.manifest import Manifest
+from patchswarm.protocol.publication import ObjKey
+from patchswarm.protocol.versions import VersionBook
 
 log = logging.getLogger("patchswarm.store")
 _DIR = re.compile(r"^v(\d{10})-(patch|keyframe)$")
@@ -139,9 +139,6 @@ class ObjectStore:
         self._have.pop(key, None)
         self._manifests.pop(key, None)
         shutil.rmtree(self.root / _dirname(key), ignore_errors=True)
-
-    def bytes_held(self) -> int:
-        return sum(self._manifests[k].chunks[i][0] for k, have in self._have.items() for i in have)
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

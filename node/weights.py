@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from protocol.errors import InvalidInput
-from protocol.statehash import state_hash
+from patchswarm.protocol.errors import InvalidInput
+from patchswarm.protocol.statehash import state_hash
 
-from .checkpoint import read_tensors, save_state
+from patchswarm.node.checkpoint import read_tensors, save_state
 
 WEIGHTS_NAME = "weights.safetensors"
 META_VERSION = "patchswarm.version"

@@ -52,6 +52,14 @@ _INFOS = [
     DtypeInfo("bool", torch.bool, torch.uint8, np.uint8, 1, 0, False),
 ]
 BY_NAME = {i.name: i for i in _INFOS}
+# The dtypes a served checkpoint's floating tensors may be cast to, by the names people type.
+SERVED_DTYPES = {
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
 BY_TORCH = {i.torch_dtype: i for i in _INFOS}
 
 
@@ -92,11 +100,6 @@ def ordered_bits(bits: np.ndarray, info: DtypeInfo) -> np.ndarray:
 def to_ordered(bits: np.ndarray, info: DtypeInfo) -> np.ndarray:
     """Bit patterns → int64 whose order matches the float order (sign-magnitude undone)."""
     return ordered_bits(bits, info).astype(np.int64)
-
-
-def from_ordered(ordered: np.ndarray, info: DtypeInfo) -> np.ndarray:
-    """Inverse of `to_ordered`, back to the dtype's integer view (values must be in `ordered_range`)."""
-    return ordered_bits(ordered.astype(info.np_int), info)
 
 
 def ordered_range(info: DtypeInfo) -> tuple[int, int]:

@@ -22,19 +22,27 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from protocol.errors import CorruptData, SignatureError, StaleVersion, UsageError
+from .errors import CorruptData, SignatureError, UsageError
 
 MAGIC = "patchswarm-manifest/1"
 SIGNATURE_BYTES = 64
 SHA256_BYTES = 32
 _FIELDS = ("swarm_id", "version", "base_version", "base_hash", "target_hash",
            "tensors", "chunks", "codec", "created_at")
+
+
+class ObjKey(NamedTuple):
+    """One published object: the patch or the keyframe of a version. Equal to, and
+    interchangeable with, the plain tuple (version, keyframe)."""
+
+    version: int
+    keyframe: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,27 +200,6 @@ def verify_manifest(data: bytes, public_key: Ed25519PublicKey) -> Manifest:
     except InvalidSignature:
         raise SignatureError("manifest signature does not verify against the trainer key") from None
     return decode_manifest(body)
-
-
-class VersionGate:
-    """Highest accepted manifest version per swarm; refuses replays and older versions."""
-
-    def __init__(self) -> None:
-        self._current: dict[str, int] = {}
-
-    def current(self, swarm_id: str) -> int | None:
-        return self._current.get(swarm_id)
-
-    def check(self, m: Manifest) -> None:
-        cur = self._current.get(m.swarm_id)
-        if cur is not None and m.version <= cur:
-            what = "replay of" if m.version == cur else "older than"
-            raise StaleVersion(f"swarm {m.swarm_id!r}: manifest version {m.version} is a {what} "
-                               f"accepted version {cur}; expected > {cur}")
-
-    def accept(self, m: Manifest) -> None:
-        self.check(m)
-        self._current[m.swarm_id] = m.version
 
 
 def chunk_ok(m: Manifest, index: int, data: bytes) -> bool:

@@ -226,7 +226,7 @@ class PiecePicker:
         `coordinated` (default: patches yes, keyframes no) says every member
         fetches this object, so it follows the WAN plan; a keyframe that all
         members bootstrap from (the first version) is one."""
-        if (type(key) is not tuple or len(key) != 2 or type(key[0]) is not int
+        if (not isinstance(key, tuple) or len(key) != 2 or type(key[0]) is not int
                 or type(key[1]) is not bool):
             raise UsageError(f"add_object: expected a key (version: int, keyframe: bool), "
                              f"found {key!r}")

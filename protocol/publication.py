@@ -15,14 +15,13 @@ from __future__ import annotations
 import hashlib
 
 from .errors import CorruptData, UsageError
-from .manifest import Manifest
+from .manifest import Manifest, ObjKey
 from .patch import FORMAT_VERSION, Patch, TensorSpec
 
-ObjKey = tuple[int, bool]  # (version, is_keyframe)
 
 
 def key_of(m: Manifest) -> ObjKey:
-    return (m.version, m.is_keyframe)
+    return ObjKey(m.version, m.is_keyframe)
 
 
 def describe(key: ObjKey) -> str:

@@ -33,8 +33,7 @@ from typing import Hashable, Iterable, Sequence
 import numpy as np
 
 from .errors import UsageError
-
-ObjKey = tuple[int, bool]  # (version, is_keyframe): one published artifact
+from .manifest import ObjKey
 
 
 def _member_prefix(node_id: str, key: ObjKey) -> bytes:

@@ -1,7 +1,7 @@
 """A swarm of real processes on loopback for integration tests: tracker, origin, nodes via the CLI.
 
 `SwarmLab(tmp_path)` makes a swarm (CA, trainer key), issues credentials,
-starts `python -m node.cli tracker|origin|node` with logs in files, finds
+starts `python -m patchswarm.node.cli tracker|origin|node` with logs in files, finds
 their addresses in their logs, and stops every process it started (SIGTERM,
 then SIGKILL) when closed. Every wait is bounded in time.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from node.client import NodeClient, NodeUnavailable
+from patchswarm.node.client import NodeClient, NodeUnavailable
 
 ROOT = Path(__file__).resolve().parents[1]
 LISTENING = re.compile(r"listening on ([^\s,;]+)")
@@ -64,7 +64,7 @@ class SwarmLab:
     # -------------------------------------------------------- plumbing
 
     def _cli(self, *args) -> str:
-        r = subprocess.run([sys.executable, "-m", "node.cli", *map(str, args)], cwd=ROOT,
+        r = subprocess.run([sys.executable, "-m", "patchswarm.node.cli", *map(str, args)], cwd=ROOT,
                            capture_output=True, text=True, timeout=60)
         if r.returncode != 0:
             raise AssertionError(f"patchswarm {' '.join(map(str, args))} failed: {r.stderr}")
@@ -79,7 +79,7 @@ class SwarmLab:
     def _start(self, p: Proc) -> Proc:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         log = open(p.log, "ab")
-        p.popen = subprocess.Popen([sys.executable, "-m", "node.cli", *map(str, p.args)], cwd=ROOT,
+        p.popen = subprocess.Popen([sys.executable, "-m", "patchswarm.node.cli", *map(str, p.args)], cwd=ROOT,
                                    stdout=log, stderr=subprocess.STDOUT, env=env)
         log.close()
         if p not in self.procs:

@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from protocol.assembly import ChunkAssembly
-from protocol.errors import ProtocolError, UsageError
+from patchswarm.protocol.assembly import ChunkAssembly
+from patchswarm.protocol.errors import ProtocolError, UsageError
 
 
 @given(st.binary(max_size=3000), st.lists(st.integers(1, 900), min_size=1, max_size=20))

@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from node.checkpoint import INDEX_NAME, load_state, save_state, write_bytes_atomic
-from protocol.errors import InvalidInput, PatchswarmError, UsageError
+from patchswarm.node.checkpoint import INDEX_NAME, load_state, save_state, write_bytes_atomic
+from patchswarm.protocol.errors import InvalidInput, PatchswarmError, UsageError
 
 
 def same_bits(a, b):
@@ -49,8 +49,8 @@ def _rewrite_tail_in_place(path, n=64):
 
 
 def test_loaded_state_owns_its_memory(tmp_path):
-    from node.weights import Weights, read_weights, write_weights
-    from protocol.statehash import state_hash
+    from patchswarm.node.weights import Weights, read_weights, write_weights
+    from patchswarm.protocol.statehash import state_hash
 
     want = torch.arange(4096, dtype=torch.int32)
     out = tmp_path / "m.safetensors"

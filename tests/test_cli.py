@@ -9,15 +9,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from node.checkpoint import INDEX_NAME, save_state
-from node.synthetic import served_pairs
-from protocol.statehash import state_hash
+from patchswarm.node.checkpoint import INDEX_NAME, save_state
+from synthetic import served_pairs
+from patchswarm.protocol.statehash import state_hash
+
+pytestmark = pytest.mark.slow  # real processes
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def cli(*args, check=True):
-    r = subprocess.run([sys.executable, "-m", "node.cli", *map(str, args)], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "patchswarm.node.cli", *map(str, args)], cwd=ROOT,
                        capture_output=True, text=True, timeout=300)
     if check:
         assert r.returncode == 0, r.stderr

@@ -8,10 +8,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from protocol import contexts, deltacode, ricecode, statehash
-from protocol.errors import AlreadyApplied, BaseMismatch, CorruptData, PatchswarmError, StateHashMismatch
-from protocol.patch import Patch, apply, decode_chunk, diff, keyframe, prepare
-from protocol.statehash import state_hash
+from patchswarm.protocol import contexts, deltacode, ricecode, statehash
+from patchswarm.protocol.errors import AlreadyApplied, BaseMismatch, CorruptData, PatchswarmError, StateHashMismatch
+from patchswarm.protocol.patch import Patch, apply, decode_chunk, diff, keyframe, prepare
+from patchswarm.protocol.statehash import state_hash
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2, torch.int8]
 INT_OF = {1: torch.int8, 2: torch.int16, 4: torch.int32}
@@ -97,7 +97,7 @@ def test_special_values_round_trip():
 
 @pytest.fixture(scope="module")
 def real_pair():
-    from node.synthetic import served_pairs
+    from synthetic import served_pairs
 
     return served_pairs("tiny", lr=1e-5, steps=1)[0]
 
@@ -324,7 +324,7 @@ def test_select_in_words_finds_the_kth_set_bit(words, data):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2])
 def test_class_index_rank_and_select_agree_with_a_sort(dtype, monkeypatch):
-    from protocol.dtypes import info_of
+    from patchswarm.protocol.dtypes import info_of
 
     monkeypatch.setattr(contexts, "CHUNK", 1024)  # several chunks, a piece across chunk ends
     rng = np.random.default_rng(5)
@@ -356,7 +356,7 @@ def test_class_index_rank_and_select_agree_with_a_sort(dtype, monkeypatch):
 @pytest.mark.parametrize("path", ["dense", "sparse"])
 def test_select_dense_and_sparse_paths_agree(classes, path, monkeypatch):
     """Dense classes gather from the members listed in class order; sparse ones select rank by rank."""
-    from protocol.dtypes import info_of
+    from patchswarm.protocol.dtypes import info_of
 
     monkeypatch.setattr(contexts, "DENSE_SELECT", 1 << 40 if path == "dense" else 0)
     rng = np.random.default_rng(classes)
@@ -459,7 +459,7 @@ def test_best_k_runs_matches_best_k_of_each_run(runs):
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.integers(0, 200), min_size=1, max_size=5), st.integers(0, 2**32 - 1))
 def test_changes_are_every_differing_position_in_order(sizes, seed):
-    from protocol.patch import _changes
+    from patchswarm.protocol.patch import _changes
 
     rng = np.random.default_rng(seed)
     bs = [rng.integers(-5, 5, n).astype(np.int16) for n in sizes]
@@ -497,7 +497,7 @@ def _dense_and_sparse_pair(real_pair):
 
 @pytest.fixture
 def one_chunk_batches(monkeypatch):
-    import protocol.patch as patch_module
+    import patchswarm.protocol.patch as patch_module
 
     monkeypatch.setattr(patch_module, "APPLY_BATCH_BYTES", 1)  # with threads=1: every chunk its own batch
 
@@ -546,7 +546,7 @@ def test_a_failure_after_earlier_batches_were_written_undoes_them(real_pair, one
 
 def test_without_undo_no_records_are_kept_and_only_failures_before_a_write_leave_the_state(
         real_pair, one_chunk_batches, monkeypatch):
-    import protocol.patch as patch_module
+    import patchswarm.protocol.patch as patch_module
 
     base, target = _dense_and_sparse_pair(real_pair)
     p = diff(base, target, chunk_bytes=256, segment_elements=4096)
@@ -577,7 +577,7 @@ def test_without_undo_no_records_are_kept_and_only_failures_before_a_write_leave
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(1, 40), min_size=1, max_size=6), st.data())
 def test_split_pieces_cuts_the_concatenation_at_the_given_positions(lengths, data):
-    from protocol.patch import _split_pieces
+    from patchswarm.protocol.patch import _split_pieces
 
     pieces = [(f"t{i}", 3 * i, 3 * i + n) for i, n in enumerate(lengths)]
     total = sum(lengths)
@@ -591,7 +591,7 @@ def test_split_pieces_cuts_the_concatenation_at_the_given_positions(lengths, dat
 
 
 def test_a_dense_segment_is_split_by_changes_and_sparse_ones_are_not(real_pair, monkeypatch):
-    import protocol.patch as patch_module
+    import patchswarm.protocol.patch as patch_module
 
     def delta_segments(p):
         return [s for c in p.chunks for s in patch_module._parse_chunk(c)[0] if s.kind == "d"]
@@ -627,7 +627,7 @@ def test_a_dense_segment_is_split_by_changes_and_sparse_ones_are_not(real_pair, 
 
 
 def test_apply_batches_hold_a_segment_per_thread_and_end_at_an_unparsable_chunk(real_pair):
-    from protocol.patch import _parse_chunk, _parsed_batches
+    from patchswarm.protocol.patch import _parse_chunk, _parsed_batches
 
     base, target = _dense_and_sparse_pair(real_pair)
     p = diff(base, target, chunk_bytes=256, segment_elements=512)

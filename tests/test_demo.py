@@ -1,4 +1,4 @@
-"""The demo end to end, as a newcomer runs it: `python -m node.cli demo` as a subprocess.
+"""The demo end to end, as a newcomer runs it: `python -m patchswarm.node.cli demo` as a subprocess.
 
 A short run on a small swarm (a tracker, 3 nodes in 2 regions, 3 workers as
 processes, the origin inside the trainer) must pass its own checks, and
@@ -20,12 +20,14 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # real processes
+
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 4  # with seed 0 the reward of step 4 is above step 1's (0.47 -> 0.50); every run of it is the same
 
 
 def _demo(out: Path, *args: str, stdout=subprocess.PIPE) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "node.cli", "demo", "--out", str(out), *args], cwd=ROOT,
+    return subprocess.Popen([sys.executable, "-m", "patchswarm.node.cli", "demo", "--out", str(out), *args], cwd=ROOT,
                             stdout=stdout, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"})
 
@@ -75,7 +77,7 @@ def test_short_demo_learns_and_moves_every_version_and_trajectory(tmp_path):
     assert final == STEPS
     assert [n["node_id"] for n in summary["nodes"]] == ["node-0", "node-1", "node-2"]
     assert sorted({n["region"] for n in summary["nodes"]}) == ["r1", "r2"]
-    from node.weights import read_weights
+    from patchswarm.node.weights import read_weights
 
     origin = read_weights(out / "origin" / "weights.safetensors")
     assert origin.version == final
@@ -141,7 +143,7 @@ def test_sigint_mid_run_stops_every_child_and_exits_130(tmp_path):
 
 def test_refuses_a_run_dir_with_files_in_it(tmp_path):
     (tmp_path / "old.txt").write_text("an earlier run")
-    r = subprocess.run([sys.executable, "-m", "node.cli", "demo", "--out", str(tmp_path), "--steps", "2"], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "patchswarm.node.cli", "demo", "--out", str(tmp_path), "--steps", "2"], cwd=ROOT,
                        capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 1
     assert "expected a new or empty directory" in r.stderr and "Traceback" not in r.stderr

@@ -19,18 +19,18 @@ import torch
 from rich.console import Console
 from safetensors.torch import save_file
 
-from node.demo import task
-from node.demo.figure import write_figure
-from node.demo.learner import Learner, run_offline
-from node.demo.rollout_worker import load_weights, rollout_records
-from node.demo.view import DemoView, render, sparkline, summary_table
-from protocol.errors import CorruptData, InvalidInput
-from protocol.patch import Patch, apply
-from protocol.statehash import state_hash
+from patchswarm.node.demo import task
+from patchswarm.node.demo.figure import write_figure
+from patchswarm.node.demo.learner import Learner, run_offline
+from patchswarm.node.demo.rollout_worker import load_weights, rollout_records
+from patchswarm.node.demo.view import DemoView, render, sparkline, summary_table
+from patchswarm.protocol.errors import CorruptData, InvalidInput
+from patchswarm.protocol.patch import Patch, apply
+from patchswarm.protocol.statehash import state_hash
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 10
-# The offline run (python -m node.demo.learner) measures full/patch at 15-17x
+# The offline run (python -m patchswarm.node.demo.learner) measures full/patch at 15-17x
 # for every step of 30; this bound leaves room for other torch builds.
 MIN_FULL_OVER_PATCH = 12.0
 
@@ -130,11 +130,12 @@ def test_worker_loads_only_the_version_the_node_names(tmp_path):
 
 
 def _worker(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "node.demo.rollout_worker", *args], cwd=ROOT,
+    return subprocess.Popen([sys.executable, "-m", "patchswarm.node.demo.rollout_worker", *args], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
+@pytest.mark.slow
 def test_worker_gives_up_without_a_node(tmp_path):
     missing = _worker("--socket", str(tmp_path / "none.sock"), "--seed", "2", "--connect-timeout", "0.5")
     try:
@@ -148,6 +149,7 @@ def test_worker_gives_up_without_a_node(tmp_path):
         missing.stderr.close()
 
 
+@pytest.mark.slow
 def test_workers_roll_out_each_version_through_a_real_node(tmp_path):
     """Tracker and node as processes, the origin in this process as a trainer
     embeds it, two workers: every trajectory of every version comes back
@@ -155,7 +157,7 @@ def test_workers_roll_out_each_version_through_a_real_node(tmp_path):
     final version on its own, the other on SIGTERM while it waits."""
     from swarmlab import SwarmLab
 
-    from node.origin import SyncOrigin
+    from patchswarm.node.trainer.origin import SyncOrigin
 
     policy = task.Policy()  # untrained weights are enough: this is about the plumbing
     workers = []

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from node.cli import build_parser
+from patchswarm.node.cli import build_parser
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from protocol import contexts
-from protocol.dtypes import info_of
-from protocol.patch import apply, diff
+from patchswarm.protocol import contexts
+from patchswarm.protocol.dtypes import info_of
+from patchswarm.protocol.patch import apply, diff
 
 pytestmark = pytest.mark.skipif(contexts.KERNEL is None, reason="protocol._kernels did not build (no C compiler?)")
 
@@ -142,7 +142,7 @@ def test_patches_are_the_same_bytes_with_and_without_the_kernel(lr, monkeypatch)
     compiled = diff(base, target).to_bytes()
     _numpy(monkeypatch)
     assert diff(base, target).to_bytes() == compiled
-    from protocol.patch import Patch
+    from patchswarm.protocol.patch import Patch
 
     state = {k: v.clone() for k, v in base.items()}
     apply(state, Patch.from_bytes(compiled))
@@ -151,8 +151,8 @@ def test_patches_are_the_same_bytes_with_and_without_the_kernel(lr, monkeypatch)
 
 # --- Rice blobs and raw bit fields: the compiled decoders against ricecode's numpy ones -------------
 
-from protocol import ricecode  # noqa: E402
-from protocol.errors import CorruptData  # noqa: E402
+from patchswarm.protocol import ricecode  # noqa: E402
+from patchswarm.protocol.errors import CorruptData  # noqa: E402
 
 
 def _both(fn_name, *args):
@@ -248,7 +248,7 @@ def test_rice_decoders_reject_the_same_random_bytes(blob, count, k):
 
 # --- a delta segment's values: the compiled pass against deltacode's numpy path --------------------
 
-from protocol import deltacode  # noqa: E402
+from patchswarm.protocol import deltacode  # noqa: E402
 from tests.test_codec import class_changes  # noqa: E402
 
 
@@ -312,8 +312,8 @@ def test_delta_codes_are_the_same_bytes_with_and_without_the_kernel(changes):
 @given(name=st.sampled_from(["bf16", "fp16", "fp32", "f8e4m3", "f8e5m2", "i8", "u8", "i16", "i32", "bool"]),
        n=st.integers(0, 300), ordered=st.booleans(), spread=st.sampled_from([1, 300, 2**40]), seed=st.integers(0, 2**16))
 def test_new_values_match_numpy_in_range_and_out(name, n, ordered, spread, seed):
-    from protocol import patch as P
-    from protocol.dtypes import info_named
+    from patchswarm.protocol import patch as P
+    from patchswarm.protocol.dtypes import info_named
 
     info = info_named(name)
     rng = np.random.default_rng(seed)
@@ -368,7 +368,7 @@ def test_writers_reject_widths_out_of_range():
 @given(dtype=st.sampled_from(DTYPES + [torch.int8]), sizes=st.lists(st.integers(0, 300), min_size=1, max_size=5),
        density=st.floats(0, 1), seed=st.integers(0, 2**16), cap=st.integers(1, 50))
 def test_changes_finds_what_numpy_finds_whatever_the_room(dtype, sizes, density, seed, cap):
-    from protocol.patch import _changed, _changed_numpy
+    from patchswarm.protocol.patch import _changed, _changed_numpy
 
     rng = np.random.default_rng(seed)
     int_dtype = info_of(dtype).int_dtype

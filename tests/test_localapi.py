@@ -13,11 +13,11 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import node.client
-from node.client import AsyncNodeClient, NodeClient, NodeError
-from node.localapi import RECEIVE_BYTES, serve_local
-from protocol import localapi
-from protocol.errors import UsageError
+import patchswarm.node.client
+from patchswarm.node.client import AsyncNodeClient, NodeClient, NodeError
+from patchswarm.node.localapi import RECEIVE_BYTES, serve_local
+from patchswarm.protocol import localapi
+from patchswarm.protocol.errors import UsageError
 
 metas = st.none() | st.dictionaries(st.text(max_size=4), st.integers(-2**63, 2**64 - 1) | st.text(max_size=4), max_size=3)
 payloads = st.binary(max_size=40) | st.integers(0, 3).map(lambda k: bytes(localapi.SEPARATE_PAYLOAD_BYTES - 1 + k))
@@ -97,7 +97,7 @@ def test_many_requests_on_one_connection_and_a_frame_larger_than_a_read(tmp_path
 
 
 def test_a_submit_of_more_buffers_than_one_sendmsg_takes(tmp_path, monkeypatch):
-    monkeypatch.setattr(node.client, "_IOV_MAX", 3)
+    monkeypatch.setattr(patchswarm.node.client, "_IOV_MAX", 3)
     records = [(os.urandom(localapi.SEPARATE_PAYLOAD_BYTES + i), 1, {"i": i}) for i in range(7)]
 
     async def body(path):
@@ -168,7 +168,7 @@ def test_a_node_that_never_answers_runs_the_client_out_of_time(tmp_path):
         listener.bind(str(path))
         listener.listen(1)  # accepts nothing, answers nothing
         with NodeClient(path) as c:
-            with pytest.raises(node.client.NodeUnavailable, match="expected an answer within 0.2 s"):
+            with pytest.raises(patchswarm.node.client.NodeUnavailable, match="expected an answer within 0.2 s"):
                 c._call([localapi.encode(localapi.status_request())], -9.8)
-            with pytest.raises(node.client.NodeUnavailable):  # reconnects, and times out again
+            with pytest.raises(patchswarm.node.client.NodeUnavailable):  # reconnects, and times out again
                 c._call([localapi.encode(localapi.status_request())], -9.8)

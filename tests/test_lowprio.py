@@ -6,7 +6,7 @@ import threading
 import pytest
 import trio
 
-from node.lowprio import run_low_priority
+from patchswarm.node.lowprio import run_low_priority
 
 
 def _my_nice() -> int:

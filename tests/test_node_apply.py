@@ -4,13 +4,13 @@ failure found after the first write must leave the node on what its weights file
 import torch
 import trio
 
-from node.daemon import Node, NodeConfig
-from node.store import ObjectStore
-from node.trust import init_swarm, issue
-from node.weights import Weights, read_weights, write_weights
-from protocol.patch import diff
-from protocol.picker import PiecePicker
-from protocol.publication import manifest_of
+from patchswarm.node.daemon import Node, NodeConfig
+from patchswarm.node.store import ObjectStore
+from patchswarm.node.net.trust import init_swarm, issue
+from patchswarm.node.weights import Weights, read_weights, write_weights
+from patchswarm.protocol.patch import diff
+from patchswarm.protocol.picker import PiecePicker
+from patchswarm.protocol.publication import manifest_of
 
 KEY = (1, False)
 

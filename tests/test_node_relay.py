@@ -10,14 +10,14 @@ import torch
 import trio
 import trio.testing
 
-from node.daemon import Node, NodeConfig
-from node.peers import PeerDropped, Session
-from node.store import ObjectStore
-from node.trust import init_swarm, issue
-from protocol import wire
-from protocol.patch import diff
-from protocol.picker import PiecePicker
-from protocol.publication import manifest_of
+from patchswarm.node.daemon import Node, NodeConfig
+from patchswarm.node.peers import PeerDropped, Session
+from patchswarm.node.store import ObjectStore
+from patchswarm.node.net.trust import init_swarm, issue
+from patchswarm.protocol import wire
+from patchswarm.protocol.patch import diff
+from patchswarm.protocol.picker import PiecePicker
+from patchswarm.protocol.publication import manifest_of
 
 KEY = (1, False)
 

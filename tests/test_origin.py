@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from node import trust
-from node.origin import SyncOrigin
-from node.synthetic import rl_checkpoints, served
-from node.weights import WEIGHTS_NAME, read_weights
-from protocol.patch import apply
-from protocol.publication import patch_of
-from protocol.statehash import state_hash
+from patchswarm.node.net import trust
+from patchswarm.node.trainer.origin import SyncOrigin
+from synthetic import rl_checkpoints, served
+from patchswarm.node.weights import WEIGHTS_NAME, read_weights
+from patchswarm.protocol.patch import apply
+from patchswarm.protocol.publication import patch_of
+from patchswarm.protocol.statehash import state_hash
 
 
 def make_origin(tmp_path, **kw) -> SyncOrigin:
@@ -65,7 +65,7 @@ def test_interrupted_publish_is_dropped_and_published_again(tmp_path):
         # Simulate a crash between writing version 2's objects and writing the served weights:
         w = read_weights(tmp_path / "data" / WEIGHTS_NAME)
         o.publish(states[2])
-    from node.weights import write_weights
+    from patchswarm.node.weights import write_weights
     write_weights(tmp_path / "data" / WEIGHTS_NAME, w)  # the served state is version 1 again
     with make_origin(tmp_path) as o:
         assert o.origin.store.manifest((2, False)) is None  # never announced: dropped

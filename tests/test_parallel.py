@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from protocol import parallel
+from patchswarm.protocol import parallel
 
 
 def test_results_come_back_in_task_order_from_several_threads():

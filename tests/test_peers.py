@@ -6,11 +6,11 @@ Runs over in-memory stream pairs (no TLS: PeerSet only sees MessageStreams).
 import trio
 import trio.testing
 
-from node.peers import PeerSet
-from node.ratelimit import TokenBucket
-from node.store import ObjectStore
-from node.transport import MessageStream
-from protocol import wire
+from patchswarm.node.peers import PeerSet
+from patchswarm.node.net.ratelimit import TokenBucket
+from patchswarm.node.store import ObjectStore
+from patchswarm.node.net.transport import MessageStream
+from patchswarm.protocol import wire
 
 
 def _stream(stream, peer: str) -> MessageStream:

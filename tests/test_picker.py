@@ -19,9 +19,9 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from protocol.errors import ProtocolError, UsageError
-from protocol.picker import MAX_COPIES, NODE, ORIGIN, PiecePicker, Request
-from protocol.responsibility import (
+from patchswarm.protocol.errors import ProtocolError, UsageError
+from patchswarm.protocol.picker import MAX_COPIES, NODE, ORIGIN, PiecePicker, Request
+from patchswarm.protocol.responsibility import (
     ResponsibilityMap, balanced_owners, gateways, region_order, responsible, upstream_regions,
 )
 

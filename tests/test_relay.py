@@ -10,13 +10,13 @@ import os
 import trio
 import trio.testing
 
-from node.peers import PeerSet
-from node.ratelimit import TokenBucket
-from node.relay import Inflows
-from node.store import ObjectStore
-from node.transport import MessageStream, exchange_hello
-from protocol import wire
-from protocol.assembly import PART_BYTES
+from patchswarm.node.peers import PeerSet
+from patchswarm.node.net.ratelimit import TokenBucket
+from patchswarm.node.relay import Inflows
+from patchswarm.node.store import ObjectStore
+from patchswarm.node.net.transport import MessageStream, exchange_hello
+from patchswarm.protocol import wire
+from patchswarm.protocol.assembly import PART_BYTES
 
 KEY = (1, False)
 UPSTREAM = "up"
@@ -203,7 +203,7 @@ def test_inflows_restart_ignore_stale_parts_and_pick_the_furthest(tmp_path):
 def _manifest(chunks):
     import hashlib
 
-    from protocol.manifest import Manifest
+    from patchswarm.protocol.manifest import Manifest
     return Manifest(swarm_id="sw", version=1, base_version=0, base_hash="blake3:" + "00" * 32,
                     target_hash="blake3:" + "11" * 32, tensors=[],
                     chunks=[(len(c), hashlib.sha256(c).digest()) for c in chunks], codec={"format": 1}, created_at=0.0)

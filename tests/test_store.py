@@ -3,11 +3,11 @@
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from node.store import ObjectStore
-from protocol.manifest import sign_manifest
-from protocol.patch import diff
-from protocol.publication import manifest_of
-from protocol.versions import VersionBook
+from patchswarm.node.store import ObjectStore
+from patchswarm.protocol.manifest import sign_manifest
+from patchswarm.protocol.patch import diff
+from patchswarm.protocol.publication import manifest_of
+from patchswarm.protocol.versions import VersionBook
 
 SWARM = "test-swarm"
 

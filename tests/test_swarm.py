@@ -20,12 +20,14 @@ import pytest
 import torch
 import trio
 
-from node import trust
-from node.synthetic import rl_checkpoints, served
-from node.transport import connect
-from protocol import wire
-from protocol.manifest import Manifest, decode_manifest, sign_manifest
+from patchswarm.node.net import trust
+from synthetic import rl_checkpoints, served
+from patchswarm.node.net.transport import connect
+from patchswarm.protocol import wire
+from patchswarm.protocol.manifest import Manifest, decode_manifest, sign_manifest
 from swarmlab import SwarmLab, load_weights, same_bits, write_checkpoint
+
+pytestmark = pytest.mark.slow  # real processes
 
 # Small pieces so that even the test model's patches span several chunks.
 ORIGIN_ARGS = ["--chunk-bytes", "32768", "--segment-elements", "65536"]

@@ -15,9 +15,9 @@ import os
 import pytest
 import trio
 
-from node import transport, trust
-from node.tlsstream import RECEIVE_LIMIT, TLSSocketStream
-from protocol import wire
+from patchswarm.node.net import transport, trust
+from patchswarm.node.net.tlsstream import RECEIVE_LIMIT, TLSSocketStream
+from patchswarm.protocol import wire
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ exactly once with its payload intact, and no record may arrive twice.
 
 from __future__ import annotations
 
+import pytest
 import base64
 import json
 import random
@@ -17,19 +18,21 @@ import threading
 import time
 from pathlib import Path
 
-from node.client import NodeClient, NodeError
+from patchswarm.node.client import NodeClient, NodeError
 from swarmlab import ROOT, SwarmLab
+
+pytestmark = pytest.mark.slow  # real processes
 
 
 def dump(origin) -> list[dict]:
-    r = subprocess.run([sys.executable, "-m", "node.cli", "trajectories", "--data-dir", origin.data_dir, "--dump"],
+    r = subprocess.run([sys.executable, "-m", "patchswarm.node.cli", "trajectories", "--data-dir", origin.data_dir, "--dump"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     return [json.loads(line) for line in r.stdout.splitlines()]
 
 
 def summary(origin) -> dict:
-    r = subprocess.run([sys.executable, "-m", "node.cli", "trajectories", "--data-dir", origin.data_dir, "--json"],
+    r = subprocess.run([sys.executable, "-m", "patchswarm.node.cli", "trajectories", "--data-dir", origin.data_dir, "--json"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)

@@ -13,13 +13,13 @@ from pathlib import Path
 import msgpack
 import pytest
 import trio
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from node.spool import TrajectorySpool
-from node.trajstore import SegmentLog, TrajectoryReader, TrajectoryStore, list_segments, segment_path
-from protocol.errors import CorruptData, ProtocolError, SpoolFull, StorageFailed, UnsupportedFormat, UsageError
-from protocol.trajectory import (MAX_BATCH_BYTES, SEGMENT_HEADER_BYTES, DuplicatesNote, ReceivedRecord, Record,
+from patchswarm.node.spool import TrajectorySpool
+from patchswarm.node.trainer.trajstore import SegmentLog, TrajectoryReader, TrajectoryStore, list_segments, segment_path
+from patchswarm.protocol.errors import CorruptData, ProtocolError, SpoolFull, StorageFailed, UnsupportedFormat, UsageError
+from patchswarm.protocol.trajectory import (MAX_BATCH_BYTES, SEGMENT_HEADER_BYTES, DuplicatesNote, ReceivedRecord, Record,
                                  SeqRanges, decode_batch, decode_payload, decode_record, encode_batch, encode_entry,
                                  encode_payload, encode_record, scan_records, scan_segment, segment_header)
 
@@ -467,7 +467,7 @@ def test_spool_corrupt_middle_segment_is_reported_and_neighbours_survive(tmp_pat
 
 SPOOL_CHILD = r"""
 import random, sys, trio
-from node.spool import TrajectorySpool
+from patchswarm.node.spool import TrajectorySpool
 
 async def main():
     sp = await TrajectorySpool.open(sys.argv[1], "n1", "r1", max_bytes=1 << 22, segment_bytes=1 << 14)
@@ -518,6 +518,7 @@ def _run_and_kill(script: Path, args, out: Path, seconds: float) -> list[list[st
     return [line.split() for line in complete[1:]]
 
 
+@pytest.mark.slow
 def test_sigkill_spool_keeps_every_acknowledged_record_exactly_once(tmp_path):
     script = tmp_path / "child.py"
     script.write_text(SPOOL_CHILD)
@@ -685,7 +686,7 @@ def test_cursor_filters_count_skips_and_resume(tmp_path):
 
 READER = r"""
 import io, json, sys
-from node.trajstore import TrajectoryReader
+from patchswarm.node.trainer.trajstore import TrajectoryReader
 r = TrajectoryReader(sys.argv[1])
 out = io.StringIO()
 n = r.dump_jsonl(out)
@@ -693,6 +694,7 @@ print(json.dumps({"summary": r.summary(current_version=3, max_staleness=1), "dum
 """
 
 
+@pytest.mark.slow
 def test_reader_process_sees_records_while_the_writer_holds_the_files(tmp_path):
     async def read_in_child():
         p = await trio.run_process([sys.executable, "-c", READER, str(tmp_path)], capture_stdout=True, env=ENV)
@@ -728,8 +730,8 @@ def test_reader_process_sees_records_while_the_writer_holds_the_files(tmp_path):
 
 STORE_CHILD = r"""
 import random, sys, trio
-from node.trajstore import TrajectoryStore
-from protocol.trajectory import Record
+from patchswarm.node.trainer.trajstore import TrajectoryStore
+from patchswarm.protocol.trajectory import Record
 
 async def main():
     st = await TrajectoryStore.open(sys.argv[1], segment_bytes=1 << 15)
@@ -755,6 +757,7 @@ trio.run(main)
 """
 
 
+@pytest.mark.slow
 def test_sigkill_store_keeps_every_acknowledged_record_exactly_once(tmp_path):
     script = tmp_path / "child.py"
     script.write_text(STORE_CHILD)
@@ -894,7 +897,7 @@ def test_wait_pending_bytes_returns_once_enough_has_landed(tmp_path):
 
 
 def test_ack_log_compaction_keeps_acks_across_restarts(tmp_path, monkeypatch):
-    import node.spool as spool_mod
+    import patchswarm.node.spool as spool_mod
     monkeypatch.setattr(spool_mod, "ACK_LOG_COMPACT_BYTES", 200)  # compact after a few acks
 
     async def main():

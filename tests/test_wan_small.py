@@ -13,6 +13,8 @@ import pytest
 
 from bench import netemu
 
+pytestmark = pytest.mark.slow  # real processes
+
 REASON = netemu.unavailable_reason()
 needs_netns = pytest.mark.skipif(REASON is not None, reason=f"emulated WAN unavailable: {REASON}")
 

@@ -7,9 +7,9 @@ import msgpack
 import pytest
 from hypothesis import given, settings
 
-from protocol import wire
-from protocol.errors import FrameTooLarge, ProtocolError, UsageError
-from protocol.wire import (
+from patchswarm.protocol import wire
+from patchswarm.protocol.errors import FrameTooLarge, ProtocolError, UsageError
+from patchswarm.protocol.wire import (
     CLOSED, NEED_DATA, Announce, Bye, Cancel, Connection, Error, Have, HaveOne, Heartbeat,
     Hello, Incoming, Piece, PeerList, Reject, Request, Trajectories, TrajectoriesAck, VersionNotice,
     bitfield_from_indices, indices_from_bitfield,

@@ -1,0 +1,1 @@
+"""patchswarm.tracker: the tracker service (membership, peer lists by region, signed version notices)."""

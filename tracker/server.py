@@ -13,19 +13,18 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import ssl
 import time
 from pathlib import Path
 
 import trio
 
-from protocol import wire
-from protocol.errors import InvalidInput, ProtocolError, StaleVersion, UsageError
-from protocol.publication import describe
-from protocol.versions import NEW, VersionBook
+from patchswarm.protocol import wire
+from patchswarm.protocol.errors import InvalidInput, ProtocolError, StaleVersion, UsageError
+from patchswarm.protocol.publication import describe
+from patchswarm.protocol.versions import NEW, VersionBook
 
-from node.transport import MessageStream, format_addr, serve
-from node.trust import Credentials
+from patchswarm.node.net.transport import CONNECTION_ERRORS, MessageStream, format_addr, serve
+from patchswarm.node.net.trust import Credentials
 
 log = logging.getLogger("patchswarm.tracker")
 
@@ -120,7 +119,7 @@ class Tracker:
                     raise ProtocolError(f"sent {type(msg).__name__}, which the tracker does not take")
         except ProtocolError as e:
             reason = f"protocol error: {e}"
-        except (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError) as e:
+        except CONNECTION_ERRORS as e:
             reason = f"connection lost ({type(e).__name__})"
         finally:
             if self.members.get(m.id) is m:
@@ -166,7 +165,7 @@ class Tracker:
         try:
             with trio.fail_after(5):
                 await m.ms.send(msg)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, ssl.SSLError, OSError):
+        except CONNECTION_ERRORS:
             await m.ms.aclose()
 
     async def _peer_list_loop(self) -> None:

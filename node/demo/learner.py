@@ -5,7 +5,7 @@ Owns `Learner` (the fp32 master policy, its optimizer and the reward curve:
 trajectory records as the origin hands them out) and `run_offline` (the demo's
 loop without a swarm: simulated workers roll out with the served bf16 copy of
 a version `lag` behind, every new version is diffed against the previous one
-with the real codec). `python -m node.demo.learner` prints that run as a table:
+with the real codec). `python -m patchswarm.node.demo.learner` prints that run as a table:
 the reward curve, the patch against the bf16 checkpoint per version, and the
 CPU seconds of a train step and of a rollout batch.
 
@@ -23,8 +23,8 @@ from typing import Iterable
 
 import torch
 
-from protocol.errors import CorruptData, InvalidInput
-from protocol.patch import diff, keyframe
+from patchswarm.protocol.errors import CorruptData, InvalidInput
+from patchswarm.protocol.patch import diff, keyframe
 
 from . import task
 
@@ -147,7 +147,7 @@ def run_offline(steps: int = 30, workers: int = 6, batch: int = 16, lag: int = 1
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m node.demo.learner", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m patchswarm.node.demo.learner", description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--workers", type=int, default=6)
     ap.add_argument("--batch", type=int, default=16, help="rollouts per worker per version")

@@ -1,6 +1,6 @@
 """A rollout worker for the demo: one per node, beside it, over the node's local socket.
 
-    python -m node.demo.rollout_worker --socket D/node.sock --seed S [--batch N] [--max-versions K]
+    python -m patchswarm.node.demo.rollout_worker --socket D/node.sock --seed S [--batch N] [--max-versions K]
                                        [--until-version V]
 
 Owns the worker loop: wait for the node to hold a version newer than the last
@@ -31,8 +31,8 @@ from typing import Callable
 import torch
 from safetensors.torch import load_file
 
-from protocol.errors import InvalidInput, PatchswarmError
-from protocol.statehash import state_hash
+from patchswarm.protocol.errors import InvalidInput, PatchswarmError
+from patchswarm.protocol.statehash import state_hash
 
 from . import task
 
@@ -77,12 +77,12 @@ def rollout_records(weights: dict[str, torch.Tensor], version: int, seed: int, n
 def run_worker(client, *, seed: int, batch: int, max_versions: int, idle_timeout: float, deadline: float,
                log: Callable[[str], None], stopping: Callable[[], bool] = lambda: False,
                until_version: int | None = None) -> WorkerSummary:
-    """The loop over versions; `client` is a `node.client.NodeClient`.
+    """The loop over versions; `client` is a `patchswarm.node.client.NodeClient`.
 
     Returns why it stopped. Raises only for unexpected faults (bad weights
     that stay bad after LOAD_TRIES reads, node errors other than a timeout or
     a missing socket)."""
-    from node.client import NodeError, NodeUnavailable  # the swarm's client; imported late so task-only users need not
+    from patchswarm.node.client import NodeError, NodeUnavailable  # the swarm's client; imported late so task-only users need not
 
     t_end = time.monotonic() + deadline
     done: list[int] = []
@@ -140,7 +140,7 @@ def run_worker(client, *, seed: int, batch: int, max_versions: int, idle_timeout
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m node.demo.rollout_worker", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m patchswarm.node.demo.rollout_worker", description=__doc__.split("\n")[0])
     ap.add_argument("--socket", required=True, help="the node's local socket (DATA_DIR/node.sock)")
     ap.add_argument("--seed", type=int, required=True)
     ap.add_argument("--batch", type=int, default=16, help="rollouts per version (default 16)")
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
 
-    from node.client import NodeClient, NodeUnavailable
+    from patchswarm.node.client import NodeClient, NodeUnavailable
 
     def _answers(path: Path) -> bool:
         try:

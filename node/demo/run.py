@@ -4,8 +4,8 @@
 
 Owns one demo run: the run directory (swarm CA and credentials, data dirs,
 one log file per child, summary.json, demo.png), the child processes (a
-tracker and N nodes in R regions through `python -m node.cli`, one rollout
-worker per node through `python -m node.demo.rollout_worker`), the trainer
+tracker and N nodes in R regions through `python -m patchswarm.node.cli`, one rollout
+worker per node through `python -m patchswarm.node.demo.rollout_worker`), the trainer
 loop in this process (`Learner` and the origin embedded with `SyncOrigin`,
 the trainer API path), the live view, and the checks at the end: every node
 applied every version and holds the last one bit-exactly, every trajectory
@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator
 
-from protocol.errors import PatchswarmError, UsageError
+from patchswarm.protocol.errors import PatchswarmError, UsageError
 
 LISTENING = re.compile(r"listening on ([^\s,;]+)")
 WORKER_DONE = re.compile(r"worker (\d+): done \((.*)\); (\d+) versions, (\d+) trajectories")
@@ -254,7 +254,7 @@ class NodeProc:
 
 def node_status(n: NodeProc) -> dict:
     """The node's status, or a stand-in that says it did not answer."""
-    from node.client import NodeClient, NodeError
+    from patchswarm.node.client import NodeClient, NodeError
 
     try:
         with NodeClient(n.socket, connect_timeout=2.0) as c:
@@ -283,7 +283,7 @@ class DemoRun:
     def _credentials(self) -> dict[str, Path]:
         """The swarm CA, the trainer key and every member's credentials (in process: the same
         code `patchswarm swarm init/issue` runs, without a Python start per member)."""
-        from node import trust
+        from patchswarm.node.net import trust
 
         swarm = self.out / "swarm"
         trust.init_swarm(swarm)
@@ -295,13 +295,13 @@ class DemoRun:
         return creds
 
     def _start_nodes(self, creds: dict[str, Path]) -> None:
-        self.tracker = self.children.start("tracker", "node.cli",
+        self.tracker = self.children.start("tracker", "patchswarm.node.cli",
                                            ["tracker", "--creds", creds["tracker"], "--listen", "127.0.0.1:0"])
         self.tracker_addr = self.children.wait_log(self.tracker, LISTENING, START_TIMEOUT_S).group(1)
         for i, name in enumerate(self.cfg.node_names()):
             data = self.out / name
             region = self.cfg.region_of(i)
-            child = self.children.start(name, "node.cli", [
+            child = self.children.start(name, "patchswarm.node.cli", [
                 "node", "--tracker", self.tracker_addr, "--creds", creds[name], "--data-dir", data,
                 "--listen", "127.0.0.1:0", "--region", region])
             self.nodes.append(NodeProc(name, region, child, data))
@@ -311,7 +311,7 @@ class DemoRun:
         last = self.cfg.steps - 1  # the last version the trainer learns from
         for i, n in enumerate(self.nodes):
             n.addr = self.children.wait_log(n.child, LISTENING, START_TIMEOUT_S).group(1)
-            self.workers.append(self.children.start(f"worker-{i}", "node.demo.rollout_worker", [
+            self.workers.append(self.children.start(f"worker-{i}", "patchswarm.node.demo.rollout_worker", [
                 "--socket", n.socket, "--seed", self.cfg.worker_seed(i), "--batch", self.cfg.batch,
                 "--until-version", last, "--connect-timeout", START_TIMEOUT_S,
                 "--idle-timeout", BATCH_TIMEOUT_S * 2, "--deadline", BATCH_TIMEOUT_S * (self.cfg.steps + 4)]))
@@ -329,7 +329,7 @@ class DemoRun:
     def execute(self) -> list[Check]:
         import torch
 
-        from node.origin import SyncOrigin
+        from patchswarm.node.trainer.origin import SyncOrigin
 
         from .learner import Learner
         from .view import DemoView
@@ -406,7 +406,7 @@ class DemoRun:
     # ------------------------------------------------------------ the end
 
     def _finish(self, learner, origin) -> list[Check]:
-        from node.client import NodeClient, NodeError
+        from patchswarm.node.client import NodeClient, NodeError
 
         deadline = time.monotonic() + FINAL_TIMEOUT_S
         workers_done = self.children.wait_exit(self.workers, FINAL_TIMEOUT_S)
@@ -457,9 +457,9 @@ class DemoRun:
     def _check_bits(self, statuses: list[dict]) -> Check:
         import torch
 
-        from node.origin import served_copy
-        from node.weights import read_weights
-        from protocol.statehash import state_hash
+        from patchswarm.node.trainer.origin import served_copy
+        from patchswarm.node.weights import read_weights
+        from patchswarm.protocol.statehash import state_hash
 
         served = served_copy(self.final_state, torch.bfloat16)  # what the last publish served
         want_hash = state_hash(served)
@@ -650,7 +650,7 @@ def _run(demo: DemoRun, console) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m node.demo.run", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m patchswarm.node.demo.run", description=__doc__.split("\n")[0])
     add_arguments(ap)
     args = ap.parse_args(argv)
     try:

@@ -25,7 +25,7 @@ ulp is 2^-8..2^-7 of its magnitude), so the changed fraction grows with
 lr / |w|. A policy that must visibly learn in ~30 steps needs an lr far above
 real RL lrs (1e-6..1e-5): at lr 3e-4 half of the transformer body's bf16
 elements change every step. What keeps the patch ~16x below the checkpoint
-(measured by `python -m node.demo.learner`, 30 steps):
+(measured by `python -m patchswarm.node.demo.learner`, 30 steps):
   - a pretrained-LM shape: a 4096-token vocabulary with untied input and
     output embeddings (72 % of the parameters; the task uses 12 tokens).
     Input rows of tokens no rollout samples get no gradient (fresh RL
@@ -54,7 +54,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from protocol.errors import CorruptData
+from patchswarm.protocol.errors import CorruptData
 
 BOS = 0
 SORT = 1

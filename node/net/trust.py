@@ -32,7 +32,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from protocol.errors import InvalidInput, UsageError
+from patchswarm.protocol.errors import InvalidInput, UsageError
 
 ROLES = frozenset({"tracker", "origin", "node"})
 TRAINER_KEY = "trainer.key"

@@ -24,14 +24,23 @@ from typing import Awaitable, Callable
 
 import trio
 
-from protocol import wire
-from protocol.errors import InvalidInput, ProtocolError, UsageError
+from patchswarm.protocol import wire
+from patchswarm.protocol.errors import InvalidInput, ProtocolError, UsageError
 
-from .tlsstream import TLSSocketStream
-from .trust import Credentials, client_context, peer_identity, server_context
+from patchswarm.node.net.tlsstream import TLSSocketStream
+from patchswarm.node.net.trust import Credentials, client_context, peer_identity, server_context
 
 log = logging.getLogger("patchswarm.transport")
 HANDSHAKE_SECONDS = 10.0
+
+# What a connection that broke, closed, stalled past a deadline or failed TLS
+# raises: the one tuple every member catches around a send or a receive.
+CONNECTION_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, ssl.SSLError, OSError)
+
+
+def one_line(e: BaseException) -> str:
+    """An exception as one line for a log or a person: its text with whitespace folded."""
+    return " ".join((str(e) or type(e).__name__).split())
 
 
 def parse_addr(addr: str) -> tuple[str, int]:
@@ -106,7 +115,7 @@ class MessageStream:
             scope.shield = True
             try:
                 await self.stream.aclose()
-            except (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError):
+            except CONNECTION_ERRORS:
                 pass
 
 
@@ -193,7 +202,7 @@ async def serve(listen: str, creds: Credentials, allowed_roles: set[str] | froze
                 name, role = await _handshake(stream, allowed_roles, None, creds.name)
                 ms = MessageStream(stream, name, role, on_receive=on_receive)
                 await exchange_hello(ms, hello())
-            except (trio.BrokenResourceError, trio.TooSlowError, ssl.SSLError, OSError, InvalidInput) as e:
+            except (*CONNECTION_ERRORS, InvalidInput) as e:
                 if on_refused is not None:
                     on_refused(_reason(e))
                 return

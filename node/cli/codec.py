@@ -1,55 +1,23 @@
-"""The `patchswarm` command line: one function per subcommand, registered in `COMMANDS`.
+"""`patchswarm diff | apply | inspect`: the offline codec on checkpoint files.
 
-Owns argument parsing, what people see (one summary line, a rich table,
-progress bars only on a terminal) and exit codes: 0 ok, 1 for any deliberate
-patchswarm error or OS error (one line `patchswarm: <message>` on stderr, no
-traceback), 2 for usage errors from argparse. Must not hold codec logic
-(protocol/) or file-format logic (node/checkpoint.py).
-
-Adding a subcommand: write `def _x_args(p)` that adds its arguments and
-`@command("x", "help", _x_args) def cmd_x(args) -> int`.
+Owns what people see of it (one summary line, a rich table, progress bars only
+on a terminal). Must not hold codec logic (protocol/) or file-format logic
+(node/checkpoint.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import sys
 from pathlib import Path
 from typing import Callable, Iterator
 
-from protocol.errors import BaseMismatch, PatchswarmError, UsageError
+from patchswarm.node.cli import command
+from patchswarm.protocol.errors import BaseMismatch
 
-PROG = "patchswarm"
 EMPTY_BASE = "-"
-
-
-@dataclasses.dataclass(frozen=True)
-class Command:
-    name: str
-    help: str
-    configure: Callable[[argparse.ArgumentParser], None]
-    run: Callable[[argparse.Namespace], int]
-
-
-COMMANDS: dict[str, Command] = {}
-
-
-def command(name: str, help: str, configure: Callable[[argparse.ArgumentParser], None] = lambda p: None):
-    """Register the decorated `run(args) -> int` as subcommand `name`."""
-
-    def register(run: Callable[[argparse.Namespace], int]):
-        if name in COMMANDS:
-            raise UsageError(f"subcommand {name!r}: registered twice")
-        COMMANDS[name] = Command(name, help, configure, run)
-        return run
-
-    return register
-
-
-# ------------------------------------------------------------------ helpers
 
 
 @contextlib.contextmanager
@@ -78,13 +46,10 @@ def _state_bytes(state) -> int:
 
 
 def _read_patch(path: str):
-    from protocol.patch import Patch
+    from patchswarm.protocol.patch import Patch
 
     data = Path(path).read_bytes()
     return Patch.from_bytes(data), len(data)
-
-
-# ------------------------------------------------------------------ commands
 
 
 def _diff_args(p: argparse.ArgumentParser) -> None:
@@ -95,8 +60,8 @@ def _diff_args(p: argparse.ArgumentParser) -> None:
 
 @command("diff", "write the patch that turns BASE into TARGET", _diff_args)
 def cmd_diff(args: argparse.Namespace) -> int:
-    from node.checkpoint import load_state, write_bytes_atomic
-    from protocol.patch import diff, keyframe
+    from patchswarm.node.checkpoint import load_state, write_bytes_atomic
+    from patchswarm.protocol.patch import diff, keyframe
 
     target, layout = load_state(args.target)
     with progress_bar("diff") as progress:
@@ -125,9 +90,9 @@ def _apply_args(p: argparse.ArgumentParser) -> None:
 
 @command("apply", "apply PATCH to BASE and write the result to OUT", _apply_args)
 def cmd_apply(args: argparse.Namespace) -> int:
-    from node.checkpoint import check_destination, load_state, save_state
-    from protocol.patch import apply
-    from protocol.statehash import state_hash
+    from patchswarm.node.checkpoint import check_destination, load_state, save_state
+    from patchswarm.protocol.patch import apply
+    from patchswarm.protocol.statehash import state_hash
 
     state = {} if args.base == EMPTY_BASE else load_state(args.base)[0]
     patch, _ = _read_patch(args.patch)
@@ -186,87 +151,3 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         table.add_row("changed %", f"{100.0 * s['changed'] / s['params']:.3f}")
     Console().print(table)
     return 0
-
-
-def _demo_args(p: argparse.ArgumentParser) -> None:
-    from node.demo.run import add_arguments
-
-    add_arguments(p)
-
-
-@command("demo", "train a small policy with RL across a local multi-region swarm: tracker, 6 nodes, workers", _demo_args)
-def cmd_demo(args: argparse.Namespace) -> int:
-    from node.demo.run import run
-
-    return run(args)
-
-
-def _swarm_args(p: argparse.ArgumentParser) -> None:
-    sub = p.add_subparsers(dest="swarm_command", metavar="ACTION", required=True)
-    init = sub.add_parser("init", help="create a swarm: trainer key and CA", description="create a swarm: trainer key and CA")
-    init.add_argument("dir", metavar="DIR", help="swarm directory to create (refuses to overwrite keys)")
-    iss = sub.add_parser("issue", help="issue a member certificate signed by the swarm CA",
-                         description="issue a member certificate signed by the swarm CA")
-    iss.add_argument("dir", metavar="DIR", help="swarm directory (from `swarm init`)")
-    iss.add_argument("name", metavar="NAME", help="member name (DNS name, certificate CN)")
-    iss.add_argument("--role", required=True, choices=["tracker", "origin", "node"], help="member role")
-    iss.add_argument("-o", "--output", metavar="OUT", required=True, help="credentials directory to write")
-
-
-@command("swarm", "manage swarm trust: `swarm init DIR`, `swarm issue DIR NAME --role R -o OUT`", _swarm_args)
-def cmd_swarm(args: argparse.Namespace) -> int:
-    from node import trust
-
-    if args.swarm_command == "init":
-        trust.init_swarm(args.dir)
-        print(f"{args.dir}: new swarm, wrote {trust.TRAINER_KEY}, {trust.TRAINER_PUB}, {trust.CA_KEY}, {trust.CA_CRT}")
-        return 0
-    if args.swarm_command == "issue":
-        paths = trust.issue(args.dir, args.name, args.role, args.output)
-        print(f"{args.output}: issued {args.name!r} ({args.role}), wrote {paths['crt'].name}, {paths['key'].name}, "
-              f"{trust.CA_CRT}, {trust.TRAINER_PUB}")
-        return 0
-    raise UsageError(f"swarm: unknown action {args.swarm_command!r}")
-
-
-# ------------------------------------------------------------------ entry
-
-
-def _register_swarm_commands() -> None:
-    from node.cli_swarm import SWARM_COMMANDS
-
-    for name, help, configure, run in SWARM_COMMANDS:
-        if name not in COMMANDS:
-            COMMANDS[name] = Command(name, help, configure, run)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    _register_swarm_commands()
-    parser = argparse.ArgumentParser(prog=PROG, description="Lossless sparse patches of model weights.")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for c in COMMANDS.values():
-        p = sub.add_parser(c.name, help=c.help, description=c.help)
-        c.configure(p)
-        p.set_defaults(run=c.run)
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return args.run(args)
-    except (PatchswarmError, OSError) as e:
-        print(f"{PROG}: {_one_line(e)}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
-        return 130
-
-
-def _one_line(e: BaseException) -> str:
-    text = str(e) or type(e).__name__
-    return " ".join(text.split())
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,39 +1,20 @@
-"""The `patchswarm` subcommands that run the swarm: tracker, origin, node, status.
+"""`patchswarm origin | node | status | trajectories`: the member services and what they show.
 
-Owns their arguments, logging (one line per event, member name first, no
-tracebacks for expected faults), clean shutdown on SIGINT/SIGTERM, and how
-`status` shows a node to people (a rich table) and to programs (`--json`).
-node/cli.py registers `SWARM_COMMANDS` with its own.
+Owns their arguments and how `status` shows a node to people (a rich table)
+and to programs (`--json`); running a service (logging, clean stop on
+SIGINT/SIGTERM) is node/net/service.py's, shared with the tracker.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
-import signal
 import sys
 from pathlib import Path
 
-from protocol.errors import UsageError
-
-SWARM_COMMANDS: list[tuple] = []  # (name, help, configure, run), registered by node/cli.py
-
-
-def command(name: str, help: str, configure):
-    def register(run):
-        SWARM_COMMANDS.append((name, help, configure, run))
-        return run
-
-    return register
-
-
-LOG_FORMAT = "%(asctime)s.%(msecs)03d {name} %(levelname)s %(message)s"
-
-
-def setup_logging(name: str, verbose: bool = False) -> None:
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr,
-                        format=LOG_FORMAT.format(name=name), datefmt="%H:%M:%S", force=True)
+from patchswarm.node.cli import command
+from patchswarm.node.net.service import add_member_arguments, run_service
+from patchswarm.protocol.errors import UsageError
 
 
 def non_negative_int(text: str) -> int:
@@ -62,64 +43,6 @@ def parse_rate(text: str | None) -> float | None:
     return value
 
 
-def run_service(name: str, start, verbose: bool = False) -> int:
-    """Run `await start(task_status=...)` until SIGINT/SIGTERM; 0 on a clean stop."""
-    import trio
-
-    setup_logging(name, verbose)
-    log = logging.getLogger("patchswarm")
-
-    async def main() -> None:
-        async with trio.open_nursery() as nursery:
-            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                await nursery.start(start)
-                async for signum in signals:
-                    log.info("stopping (%s)", signal.Signals(signum).name)
-                    nursery.cancel_scope.cancel()
-                    break
-
-    try:
-        trio.run(main)
-    except BaseExceptionGroup as group:
-        raise _sole(group) from None
-    return 0
-
-
-def _sole(group: BaseExceptionGroup) -> BaseException:
-    """The one real error inside nested nursery groups (what a person should see), else the group."""
-    leaves = []
-
-    def walk(e: BaseException) -> None:
-        if isinstance(e, BaseExceptionGroup):
-            for x in e.exceptions:
-                walk(x)
-        else:
-            leaves.append(e)
-
-    walk(group)
-    return leaves[0] if len(leaves) == 1 else group
-
-
-def _common(p: argparse.ArgumentParser, listen_default: str) -> None:
-    p.add_argument("--creds", metavar="OUT", required=True, type=Path,
-                   help="credentials directory from `patchswarm swarm issue`")
-    p.add_argument("--listen", metavar="HOST:PORT", default=listen_default,
-                   help=f"address to accept connections on (default {listen_default}; port 0 picks one)")
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-
-
-def _tracker_args(p: argparse.ArgumentParser) -> None:
-    _common(p, "127.0.0.1:7700")
-
-
-@command("tracker", "run the tracker: membership, peer lists, version announcements", _tracker_args)
-def cmd_tracker(args: argparse.Namespace) -> int:
-    from tracker.server import Tracker
-
-    t = Tracker(args.creds, args.listen)
-    return run_service(f"tracker {t.creds.name}", t.run, args.verbose)
-
-
 def _origin_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tracker", metavar="HOST:PORT", required=True, help="the tracker's address")
     p.add_argument("--key", metavar="TRAINER_KEY", required=True, type=Path, help="the trainer's signing key (trainer.key)")
@@ -133,13 +56,13 @@ def _origin_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-bytes", type=int, help="target size of a swarm chunk (default 1 MiB)")
     p.add_argument("--segment-elements", type=int,
                    help="elements per patch segment, the unit chunks are made of (default 2**20)")
-    _common(p, "127.0.0.1:0")
+    add_member_arguments(p, "127.0.0.1:0")
 
 
 @command("origin", "run the origin: publish versions, seed chunks, take trajectories in", _origin_args)
 def cmd_origin(args: argparse.Namespace) -> int:
-    from node.origin import Origin, OriginConfig
-    from node.synthetic import SERVED_DTYPES
+    from patchswarm.node.trainer.origin import Origin, OriginConfig
+    from patchswarm.protocol.dtypes import SERVED_DTYPES
 
     sizes = {k: v for k, v in (("chunk_bytes", args.chunk_bytes), ("segment_elements", args.segment_elements))
              if v is not None}
@@ -161,8 +84,8 @@ def cmd_origin(args: argparse.Namespace) -> int:
 
 
 def _node_args(p: argparse.ArgumentParser) -> None:
-    from node.lowprio import APPLY_NICE
-    from protocol.picker import WAN_GATEWAYS
+    from patchswarm.node.lowprio import APPLY_NICE
+    from patchswarm.protocol.picker import WAN_GATEWAYS
 
     p.add_argument("--tracker", metavar="HOST:PORT", required=True, help="the tracker's address")
     p.add_argument("--data-dir", metavar="D", required=True, type=Path,
@@ -181,12 +104,12 @@ def _node_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--wan-gateways", type=non_negative_int, default=WAN_GATEWAYS, metavar="K",
                    help=f"members per region that bring each version across the WAN (default {WAN_GATEWAYS}; "
                         f"0: every member)")
-    _common(p, "127.0.0.1:0")
+    add_member_arguments(p, "127.0.0.1:0")
 
 
 @command("node", "run a node daemon: fetch, verify and apply versions; serve peers", _node_args)
 def cmd_node(args: argparse.Namespace) -> int:
-    from node.daemon import Node, NodeConfig
+    from patchswarm.node.daemon import Node, NodeConfig
 
     n = Node(NodeConfig(args.tracker, args.creds, args.data_dir, args.listen, args.region,
                         args.upload_limit, args.download_limit, args.no_peers, spool_bytes=args.spool_bytes,
@@ -204,7 +127,7 @@ def _status_args(p: argparse.ArgumentParser) -> None:
 
 @command("status", "show a running node's state", _status_args)
 def cmd_status(args: argparse.Namespace) -> int:
-    from node.client import NodeClient, socket_path
+    from patchswarm.node.client import NodeClient, socket_path
 
     path = args.socket if args.socket is not None else socket_path(args.data_dir)
     with NodeClient(path) as client:
@@ -227,8 +150,8 @@ def _trajectories_args(p: argparse.ArgumentParser) -> None:
 
 @command("trajectories", "summarise (or dump) the trajectories an origin has received", _trajectories_args)
 def cmd_trajectories(args: argparse.Namespace) -> int:
-    from node.trajstore import TrajectoryReader
-    from node.weights import WEIGHTS_NAME, META_VERSION, read_metadata
+    from patchswarm.node.trainer.trajstore import TrajectoryReader
+    from patchswarm.node.weights import WEIGHTS_NAME, META_VERSION, read_metadata
 
     directory = args.data_dir / "trajectories"
     if not directory.is_dir():

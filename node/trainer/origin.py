@@ -28,24 +28,24 @@ import trio
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from protocol import wire
-from protocol.errors import CorruptData, InvalidInput, PatchswarmError, StorageFailed, UsageError
-from protocol.manifest import sign_manifest
-from protocol.patch import diff, keyframe
-from protocol.publication import ObjKey, describe, manifest_of
-from protocol.statehash import state_hash
-from protocol.trajectory import ReceivedRecord, decode_batch
-from protocol.versions import VersionBook
+from patchswarm.protocol import wire
+from patchswarm.protocol.errors import CorruptData, InvalidInput, PatchswarmError, StorageFailed, UsageError
+from patchswarm.protocol.manifest import sign_manifest
+from patchswarm.protocol.patch import diff, keyframe
+from patchswarm.protocol.publication import ObjKey, describe, manifest_of
+from patchswarm.protocol.statehash import state_hash
+from patchswarm.protocol.trajectory import ReceivedRecord, decode_batch
+from patchswarm.protocol.versions import VersionBook
 
-from .checkpoint import load_state
-from .peers import PeerDropped, PeerSet, Session
-from .ratelimit import TokenBucket
-from .store import ObjectStore
-from .trajstore import TrajectoryCursor, TrajectoryStore
-from .trackerlink import TrackerLink
-from .transport import serve
-from .trust import Credentials, swarm_id_of
-from .weights import WEIGHTS_NAME, Weights, read_weights, write_weights
+from patchswarm.node.checkpoint import load_state
+from patchswarm.node.peers import PeerDropped, PeerSet, Session
+from patchswarm.node.net.ratelimit import TokenBucket
+from patchswarm.node.store import ObjectStore
+from patchswarm.node.trainer.trajstore import TrajectoryCursor, TrajectoryStore
+from patchswarm.node.net.trackerlink import TrackerLink
+from patchswarm.node.net.transport import CONNECTION_ERRORS, serve
+from patchswarm.node.net.trust import Credentials, swarm_id_of
+from patchswarm.node.weights import WEIGHTS_NAME, Weights, read_weights, write_weights
 
 log = logging.getLogger("patchswarm.origin")
 
@@ -225,7 +225,7 @@ class Origin:
         if not s.closed:
             try:
                 await s.send(wire.TrajectoriesAck(seqs))
-            except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, OSError):
+            except CONNECTION_ERRORS:
                 s.closed = True  # the node resends after reconnecting; the store drops the duplicates
 
     def trajectories(self, min_version: int | None = None, max_staleness: int | None = None) -> "TrajectoryFeed":

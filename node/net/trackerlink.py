@@ -10,24 +10,20 @@ re-announces what the tracker must know. Must not interpret messages.
 from __future__ import annotations
 
 import logging
-import ssl
 from typing import Awaitable, Callable
 
 import trio
 
-from protocol import wire
-from protocol.errors import PatchswarmError, ProtocolError
+from patchswarm.protocol import wire
+from patchswarm.protocol.errors import PatchswarmError, ProtocolError
 
-from .transport import MessageStream, connect
-from .trust import Credentials
+from patchswarm.node.net.transport import CONNECTION_ERRORS, MessageStream, connect, one_line
+from patchswarm.node.net.trust import Credentials
 
 log = logging.getLogger("patchswarm.tracker-link")
 HEARTBEAT_SECONDS = 2.0
 BACKOFF_MIN, BACKOFF_MAX = 0.5, 10.0
 
-
-def one_line(e: BaseException) -> str:
-    return " ".join((str(e) or type(e).__name__).split())
 
 
 class TrackerLink:
@@ -50,7 +46,7 @@ class TrackerLink:
         while True:
             try:
                 ms = await connect(self.addr, self.creds, {"tracker"}, self._hello())
-            except (OSError, trio.TooSlowError, trio.BrokenResourceError, ssl.SSLError, PatchswarmError) as e:
+            except (*CONNECTION_ERRORS, PatchswarmError) as e:
                 log.warning("tracker %s unreachable (%s); retrying in %.1f s", self.addr, one_line(e), backoff)
                 await trio.sleep(backoff)
                 backoff = min(BACKOFF_MAX, backoff * 2)
@@ -73,8 +69,7 @@ class TrackerLink:
                             log.warning("tracker says: %s", msg.message)
                             continue
                         await self._on_message(msg)
-            except* (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, ssl.SSLError,
-                     OSError, ProtocolError) as group:
+            except* (*CONNECTION_ERRORS, ProtocolError) as group:
                 log.warning("lost the tracker (%s); reconnecting", one_line(group.exceptions[0]))
             finally:
                 self.stream = None
@@ -95,5 +90,5 @@ class TrackerLink:
         try:
             await ms.send(msg)
             return True
-        except (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError):
+        except CONNECTION_ERRORS:
             return False

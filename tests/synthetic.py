@@ -15,13 +15,7 @@ import functools
 import torch
 from torch import nn
 
-SERVED_DTYPES = {
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-    "fp32": torch.float32,
-    "fp8": torch.float8_e4m3fn,
-    "fp8_e5m2": torch.float8_e5m2,
-}
+from patchswarm.protocol.dtypes import SERVED_DTYPES
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,84 @@
+"""The `patchswarm` command line: one registry of subcommands, and the entry point.
+
+Owns parsing, dispatch and exit codes: 0 ok, 1 for any deliberate patchswarm
+error or OS error (one line `patchswarm: <message>` on stderr, no traceback),
+2 for usage errors from argparse. The commands live in modules by topic
+(`MODULES`, imported when the parser is built): codec tools (codec.py), the
+demo (demo.py), swarm credentials (swarm.py), the tracker (tracker/cli.py,
+named by path so that node/ never imports tracker/), the member services and
+their status (services.py).
+
+Adding a subcommand: in one of those modules, write `def _x_args(p)` that adds
+its arguments and `@command("x", "help", _x_args) def cmd_x(args) -> int`; a
+module that cannot import this one (the tracker's) exposes `COMMANDS`, a list
+of (name, help, configure, run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import sys
+from typing import Callable
+
+from patchswarm.node.net.transport import one_line
+from patchswarm.protocol.errors import PatchswarmError, UsageError
+
+PROG = "patchswarm"
+MODULES = ("patchswarm.node.cli.codec", "patchswarm.node.cli.demo", "patchswarm.node.cli.swarm",
+           "patchswarm.tracker.cli", "patchswarm.node.cli.services")
+
+
+@dataclasses.dataclass(frozen=True)
+class Command:
+    name: str
+    help: str
+    configure: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+COMMANDS: dict[str, Command] = {}
+
+
+def register(name: str, help: str, configure: Callable[[argparse.ArgumentParser], None],
+             run: Callable[[argparse.Namespace], int]) -> None:
+    if name in COMMANDS and COMMANDS[name].run is not run:
+        raise UsageError(f"subcommand {name!r}: registered twice")
+    COMMANDS[name] = Command(name, help, configure, run)
+
+
+def command(name: str, help: str, configure: Callable[[argparse.ArgumentParser], None] = lambda p: None):
+    """Register the decorated `run(args) -> int` as subcommand `name`."""
+
+    def decorate(run: Callable[[argparse.Namespace], int]):
+        register(name, help, configure, run)
+        return run
+
+    return decorate
+
+
+def build_parser() -> argparse.ArgumentParser:
+    for name in MODULES:
+        for entry in getattr(importlib.import_module(name), "COMMANDS", ()):
+            register(*entry)
+    parser = argparse.ArgumentParser(prog=PROG, description="Lossless sparse patches of model weights, "
+                                                            "spread by a region-aware swarm.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for c in COMMANDS.values():
+        p = sub.add_parser(c.name, help=c.help, description=c.help)
+        c.configure(p)
+        p.set_defaults(run=c.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except (PatchswarmError, OSError) as e:
+        print(f"{PROG}: {one_line(e)}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130

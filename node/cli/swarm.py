@@ -1,0 +1,36 @@
+"""`patchswarm swarm init | issue`: the swarm's trust (trainer key, CA, member certificates)."""
+
+from __future__ import annotations
+
+import argparse
+
+from patchswarm.node.cli import command
+from patchswarm.protocol.errors import UsageError
+
+
+def _swarm_args(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="swarm_command", metavar="ACTION", required=True)
+    init = sub.add_parser("init", help="create a swarm: trainer key and CA", description="create a swarm: trainer key and CA")
+    init.add_argument("dir", metavar="DIR", help="swarm directory to create (refuses to overwrite keys)")
+    iss = sub.add_parser("issue", help="issue a member certificate signed by the swarm CA",
+                         description="issue a member certificate signed by the swarm CA")
+    iss.add_argument("dir", metavar="DIR", help="swarm directory (from `swarm init`)")
+    iss.add_argument("name", metavar="NAME", help="member name (DNS name, certificate CN)")
+    iss.add_argument("--role", required=True, choices=["tracker", "origin", "node"], help="member role")
+    iss.add_argument("-o", "--output", metavar="OUT", required=True, help="credentials directory to write")
+
+
+@command("swarm", "manage swarm trust: `swarm init DIR`, `swarm issue DIR NAME --role R -o OUT`", _swarm_args)
+def cmd_swarm(args: argparse.Namespace) -> int:
+    from patchswarm.node.net import trust
+
+    if args.swarm_command == "init":
+        trust.init_swarm(args.dir)
+        print(f"{args.dir}: new swarm, wrote {trust.TRAINER_KEY}, {trust.TRAINER_PUB}, {trust.CA_KEY}, {trust.CA_CRT}")
+        return 0
+    if args.swarm_command == "issue":
+        paths = trust.issue(args.dir, args.name, args.role, args.output)
+        print(f"{args.output}: issued {args.name!r} ({args.role}), wrote {paths['crt'].name}, {paths['key'].name}, "
+              f"{trust.CA_CRT}, {trust.TRAINER_PUB}")
+        return 0
+    raise UsageError(f"swarm: unknown action {args.swarm_command!r}")
