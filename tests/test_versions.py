@@ -1,0 +1,161 @@
+"""`VersionBook`, the gate every manifest passes and the planner of what a node applies next.
+
+The gate (`offer`): trainer signature, swarm id, one manifest per object, forward only.
+The planner (`plan`): the patch chain or a keyframe plus the patches after it, whichever
+reaches the highest reachable version for the fewest bytes; a patch joins a path only if
+its base hash is the state the path is at. Tables of scenarios, no sockets.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from patchswarm.protocol.errors import ConflictingManifest, InvalidInput, SignatureError, StaleVersion
+from patchswarm.protocol.manifest import Manifest, sign_manifest
+from patchswarm.protocol.versions import KNOWN, NEW, VersionBook
+
+KEY = Ed25519PrivateKey.generate()
+SWARM = "sw-test"
+
+
+def h(version: int, variant: str = "") -> str:
+    """The state hash of version `version` (a different `variant` is another state)."""
+    return "blake3:" + hashlib.sha256(f"{version}{variant}".encode()).hexdigest()
+
+
+def envelope(version: int, keyframe: bool = False, size: int = 100, base: str | None = None,
+             target: str | None = None, swarm: str = SWARM, key=KEY, created_at: float = 0.0) -> bytes:
+    m = Manifest(
+        swarm_id=swarm, version=version,
+        base_version=None if keyframe else version - 1,
+        base_hash=None if keyframe else (base or h(version - 1)),
+        target_hash=target or h(version), tensors=[["w", "bf16", [4]]],
+        chunks=[(size, hashlib.sha256(b"%d" % version).digest())], codec={"format": 2}, created_at=created_at)
+    return sign_manifest(m, key)
+
+
+def book(*envelopes: bytes) -> VersionBook:
+    b = VersionBook(SWARM, KEY.public_key())
+    for e in envelopes:
+        b.offer(e)
+    return b
+
+
+# ------------------------------------------------------------------ the gate
+
+
+def test_new_then_known_then_conflicting():
+    b = VersionBook(SWARM, KEY.public_key())
+    status, m = b.offer(envelope(3))
+    assert status == NEW and (m.version, m.is_keyframe) == (3, False)
+    assert b.offer(envelope(3))[0] == KNOWN  # the same bytes again: known, not stale
+    with pytest.raises(ConflictingManifest, match="different, validly signed manifest"):
+        b.offer(envelope(3, created_at=1.0))  # another manifest for the same object
+    assert b.keys() == [(3, False)]
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    (envelope(3, key=Ed25519PrivateKey.generate()), SignatureError, "does not verify"),
+    (envelope(3, swarm="another-swarm"), InvalidInput, "expected swarm 'sw-test', found 'another-swarm'"),
+    (b"not a manifest", InvalidInput, "manifest"),
+])
+def test_untrusted_manifests_are_refused(bad, error, match):
+    b = VersionBook(SWARM, KEY.public_key())
+    with pytest.raises(error, match=match):
+        b.offer(bad)
+    assert b.keys() == [] and b.latest_version is None
+
+
+@pytest.mark.parametrize("current, offered, stale", [
+    (5, 4, True),    # older
+    (5, 5, True),    # a replay of the version the node holds
+    (5, 6, False),
+    (None, 1, False),  # a node without weights takes anything
+])
+def test_versions_only_move_forward(current, offered, stale):
+    b = VersionBook(SWARM, KEY.public_key())
+    if stale:
+        with pytest.raises(StaleVersion, match=f"above the current {current}, found {offered}"):
+            b.offer(envelope(offered), current)
+        assert b.keys() == []
+    else:
+        assert b.offer(envelope(offered), current)[0] == NEW
+
+
+def test_a_held_manifest_is_known_even_below_the_current_version():
+    b = book(envelope(5))
+    assert b.offer(envelope(5), current_version=7)[0] == KNOWN
+
+
+def test_forget_below_and_discard():
+    b = book(envelope(1), envelope(2), envelope(2, keyframe=True), envelope(3))
+    b.forget_below(2)
+    assert b.keys() == [(2, False), (2, True), (3, False)]
+    b.discard((3, False))
+    assert b.keys() == [(2, False), (2, True)] and b.envelope((3, False)) is None
+
+
+@pytest.mark.parametrize("held, max_patches, kept", [
+    # the latest keyframe, every patch after it, and up to max_patches patches in all
+    ([(1, 0), (2, 0), (3, 0), (3, 1), (4, 0)], 64, [(1, 0), (2, 0), (3, 0), (3, 1), (4, 0)]),
+    ([(1, 0), (2, 0), (3, 0), (3, 1), (4, 0)], 2, [(3, 0), (3, 1), (4, 0)]),
+    ([(1, 0), (2, 0), (3, 1), (4, 0), (5, 0)], 1, [(3, 1), (4, 0), (5, 0)]),  # the chain after the keyframe stays
+    ([(1, 0), (2, 0), (3, 0)], 0, []),
+])
+def test_retained(held, max_patches, kept):
+    b = book(*(envelope(v, keyframe=bool(k)) for v, k in held))
+    assert b.retained(max_patches) == [(v, bool(k)) for v, k in kept]
+
+
+# ------------------------------------------------------------------ the planner
+
+
+P, K = False, True
+
+PLANS = [
+    # name, objects (version, keyframe, bytes), node at (version, hash variant), expected plan
+    ("up to date", [(3, P, 10)], (3, ""), []),
+    ("the chain", [(2, P, 10), (3, P, 10), (4, P, 10)], (1, ""), [(2, P), (3, P), (4, P)]),
+    ("a late joiner takes the keyframe and the patches after it",
+     [(1, K, 1000), (2, P, 10), (3, P, 10)], (None, ""), [(1, K), (2, P), (3, P)]),
+    ("the latest keyframe when it is the cheapest path",
+     [(1, K, 1000), (2, P, 10), (3, K, 1000), (3, P, 10)], (None, ""), [(3, K)]),
+    ("an older keyframe and its patches when they cost less",
+     [(1, K, 1000), (2, P, 10), (3, K, 2000), (3, P, 10)], (None, ""), [(1, K), (2, P), (3, P)]),
+    ("a keyframe beats a chain that costs more",
+     [(2, P, 600), (3, P, 600), (3, K, 1000)], (1, ""), [(3, K)]),
+    ("a chain beats a keyframe that costs more",
+     [(2, P, 400), (3, P, 400), (3, K, 1000)], (1, ""), [(2, P), (3, P)]),
+    ("equal cost: the chain, not the keyframe",
+     [(2, P, 500), (3, P, 500), (3, K, 1000)], (1, ""), [(2, P), (3, P)]),
+    ("a gap in the chain: as far as it reaches",
+     [(2, P, 10), (4, P, 10)], (1, ""), [(2, P)]),
+    ("a gap bridged by a keyframe",
+     [(2, P, 10), (3, K, 1000), (4, P, 10)], (1, ""), [(3, K), (4, P)]),
+    ("a node on another state (wrong base hash) cannot take the chain",
+     [(2, P, 10), (3, P, 10)], (1, "other"), []),
+    ("... but can take a keyframe",
+     [(2, P, 10), (3, K, 1000), (3, P, 10)], (1, "other"), [(3, K)]),
+    ("nothing leads anywhere yet", [(5, P, 10)], (None, ""), []),
+    ("a keyframe at or below the node's version is no path",
+     [(3, K, 10), (4, P, 10)], (3, "other"), []),
+]
+
+
+@pytest.mark.parametrize("name, objects, at, expected", PLANS, ids=[p[0] for p in PLANS])
+def test_plan(name, objects, at, expected):
+    b = book(*(envelope(v, keyframe=k, size=n) for v, k, n in objects))
+    version, variant = at
+    current_hash = None if version is None else h(version, variant)
+    assert b.plan(version, current_hash) == expected
+
+
+def test_a_patch_whose_base_is_not_the_previous_target_breaks_the_chain():
+    """Version 3's patch was made against another state of version 2 than version 2's
+    patch produces: the chain stops at 2, and a keyframe of 3 goes around it."""
+    objects = [envelope(2), envelope(3, base=h(2, "fork"))]
+    assert book(*objects).plan(1, h(1)) == [(2, P)]
+    assert book(*objects, envelope(3, keyframe=True, size=1000)).plan(1, h(1)) == [(3, K)]
