@@ -217,7 +217,7 @@ def test_init_and_issue_refuse_overwrite(swarm, tmp_path):
 
 
 async def _serve(nursery, server_ctx, handler):
-    # The TLS stream class the swarm runs on (node/tlsstream.py), not trio.SSLStream.
+    # The TLS stream class the swarm runs on (node/net/tlsstream.py), not trio.SSLStream.
     async def wrapped(tcp):
         await handler(TLSSocketStream.wrap(tcp, server_ctx, server_side=True))
 

@@ -1,7 +1,7 @@
 """Framed, mutually authenticated connections between swarm members (TLS 1.3 over trio TCP).
 
 Owns: parsing HOST:PORT, dialing and serving TLS with the swarm's contexts
-(node/trust.py), the Hello exchange that binds a wire identity to the peer's
+(node/net/trust.py), the Hello exchange that binds a wire identity to the peer's
 certificate, and `MessageStream`, which turns a TLS stream into wire messages
 (protocol/wire.py) with one sender at a time. Must not hold swarm policy: who
 to dial, what to ask for and what to do with a message are the callers'.
