@@ -49,9 +49,12 @@ def _origin_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", metavar="D", required=True, type=Path, help="where published versions and trajectories live")
     p.add_argument("--region", default="default", help="region label of the trainer's datacenter (default: default)")
     p.add_argument("--watch", metavar="CKPT_DIR", type=Path,
-                   help="publish each new checkpoint (.safetensors file or shard directory) in name order")
-    p.add_argument("--served-dtype", default="bf16", choices=["bf16", "fp16", "fp32", "fp8"],
-                   help="dtype floating tensors are served in (default bf16)")
+                   help="publish each new checkpoint in name order: a .safetensors file or a model directory "
+                        "(shards, index, config and tokenizer files)")
+    p.add_argument("--served", default="bf16", choices=["as-is", "bf16", "fp16", "fp32", "fp8-block"],
+                   help="served format: as-is keeps every tensor's dtype and bits (pre-quantized fp8 checkpoints); "
+                        "bf16/fp16/fp32 cast fp32 and fp16 tensors, never fp8 weights or their scales; fp8-block "
+                        "quantizes 2-D weights to e4m3 with fp32 128x128 block scales (default bf16)")
     p.add_argument("--upload-limit", type=parse_rate, metavar="BYTES_PER_S", help="cap on chunk upload rate")
     p.add_argument("--chunk-bytes", type=int, help="target size of a swarm chunk (default 1 MiB)")
     p.add_argument("--segment-elements", type=int,
@@ -62,7 +65,6 @@ def _origin_args(p: argparse.ArgumentParser) -> None:
 @command("origin", "run the origin: publish versions, seed chunks, take trajectories in", _origin_args)
 def cmd_origin(args: argparse.Namespace) -> int:
     from patchswarm.node.trainer.origin import Origin, OriginConfig
-    from patchswarm.protocol.dtypes import SERVED_DTYPES
 
     sizes = {k: v for k, v in (("chunk_bytes", args.chunk_bytes), ("segment_elements", args.segment_elements))
              if v is not None}
@@ -77,7 +79,7 @@ def cmd_origin(args: argparse.Namespace) -> int:
         async with trio.open_nursery() as n:
             await n.start(o.run)
             if args.watch is not None:
-                n.start_soon(o.watch, args.watch, SERVED_DTYPES[args.served_dtype])
+                n.start_soon(o.watch, args.watch, args.served)
             task_status.started()
 
     return run_service(f"origin {o.id}", start, args.verbose)

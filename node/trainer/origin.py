@@ -33,11 +33,13 @@ from patchswarm.protocol.errors import CorruptData, InvalidInput, PatchswarmErro
 from patchswarm.protocol.manifest import sign_manifest
 from patchswarm.protocol.patch import diff, keyframe
 from patchswarm.protocol.publication import ObjKey, describe, manifest_of
+from patchswarm.protocol.served import (DEFAULT_FORMAT, FILE_PREFIX, SCALE_SUFFIX, check_format, file_tensor,
+                                        file_tensor_name, serve_state)
 from patchswarm.protocol.statehash import state_hash
 from patchswarm.protocol.trajectory import ReceivedRecord, decode_batch
 from patchswarm.protocol.versions import VersionBook
 
-from patchswarm.node.checkpoint import load_state
+from patchswarm.node.checkpoint import load_model
 from patchswarm.node.peers import PeerDropped, PeerSet, Session
 from patchswarm.node.net.ratelimit import TokenBucket
 from patchswarm.node.store import ObjectStore
@@ -91,20 +93,21 @@ def load_trainer_key(path: Path) -> Ed25519PrivateKey:
     return key
 
 
-def served_copy(state_dict: dict, served_dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The served state: floating tensors cast to `served_dtype`, all detached, contiguous, on the CPU."""
+def served_copy(state_dict, served: str = DEFAULT_FORMAT, files: dict[str, bytes] | None = None,
+                layout: dict[str, str] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str] | None]:
+    """(the served state, its shard layout): the trainer's tensors served as `served`
+    (protocol/served.py), owned by the origin, plus a model directory's side files as
+    byte tensors. A quantized weight's scale goes into its weight's shard."""
     if not isinstance(state_dict, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
                                                    for k, v in state_dict.items()):
-        raise UsageError("publish: expected a dict[str, torch.Tensor] (a model's state_dict)")
-    out = {}
-    for k, v in state_dict.items():
-        t = v.detach().to("cpu")
-        if t.is_floating_point() and t.dtype != served_dtype:
-            t = t.to(served_dtype)  # a new tensor
-        elif t.numel() and t.untyped_storage().data_ptr() == v.untyped_storage().data_ptr():
-            t = t.clone()  # never keep a view of what the trainer will overwrite
-        out[k] = t.contiguous()
-    return out
+        raise UsageError("publish: expected a dict[str, torch.Tensor] (a model's state_dict) or a model directory")
+    out = serve_state(state_dict, served)
+    for name, data in (files or {}).items():
+        out[file_tensor_name(name)] = file_tensor(data)
+    if layout is not None:
+        layout = {n: layout[n if n in layout else n.removesuffix(SCALE_SUFFIX)] for n in out
+                  if not n.startswith(FILE_PREFIX)}
+    return out, layout
 
 
 def _full_bytes(state: dict[str, torch.Tensor]) -> int:
@@ -245,17 +248,22 @@ class Origin:
 
     # ------------------------------------------------------------ publishing
 
-    async def publish(self, state_dict: dict, served_dtype: torch.dtype = torch.bfloat16) -> int:
+    async def publish(self, state_dict: dict | str | Path, served: str = DEFAULT_FORMAT) -> int:
         """Publish the next version of the weights; returns its number once it is announced.
 
-        The caller's tensors are copied (cast to `served_dtype`) before this returns, and
-        never referenced afterwards: the trainer may go on updating them.
+        `state_dict`: the trainer's tensors, or the path of a checkpoint (a .safetensors
+        file, or a Hugging Face model directory, whose shard layout and side files --
+        config, tokenizer, generation files -- travel with the version). `served`: the
+        served format (protocol/served.py: as-is, bf16, fp16, fp32, fp8-block). The
+        caller's tensors are copied before this returns, and never referenced
+        afterwards: the trainer may go on updating them.
         """
+        check_format(served)
         async with self._publish_lock:
             version = 0 if self.served is None else self.served.version + 1
             # Cast, hash, code, sign and write the objects' files off the event loop:
             # serving chunks to nodes goes on meanwhile.
-            new, stats, objects = await trio.to_thread.run_sync(self._encode, state_dict, served_dtype, version)
+            new, stats, objects = await trio.to_thread.run_sync(self._encode, state_dict, served, version)
             for key, m, envelope, chunks in objects:
                 self.store.adopt(key, m)
                 self.book.offer(envelope)
@@ -274,22 +282,25 @@ class Origin:
                      f"{stats.full_bytes:,}", stats.encode_s)
             return version
 
-    def _encode(self, state_dict: dict, served_dtype: torch.dtype, version: int):
+    def _encode(self, state_dict, served_format: str, version: int):
         """Worker thread: the served state, its stats and its signed objects (files written)."""
         t0 = time.perf_counter()
-        served = served_copy(state_dict, served_dtype)
+        layout, files = None, None
+        if isinstance(state_dict, (str, Path)):
+            state_dict, layout, files = load_model(state_dict)
+        served, layout = served_copy(state_dict, served_format, files, layout)
         target_hash = state_hash(served)
         prev = self.served
         parts: list[tuple[ObjKey, object]] = []
         patch_bytes = keyframe_bytes = changed = None
         if prev is not None:
-            p = diff(prev.state, served, base_hash=prev.state_hash, target_hash=target_hash,
+            p = diff(prev.state, served, layout=layout, base_hash=prev.state_hash, target_hash=target_hash,
                      chunk_bytes=self.cfg.chunk_bytes, segment_elements=self.cfg.segment_elements)
             parts.append(((version, False), p))
             patch_bytes = sum(len(c) for c in p.chunks)
             changed = p.stats()["changed"]
         if prev is None or self._keyframe_due(patch_bytes):
-            k = keyframe(served, chunk_bytes=self.cfg.chunk_bytes, state_hash_hex=target_hash)
+            k = keyframe(served, layout=layout, chunk_bytes=self.cfg.chunk_bytes, state_hash_hex=target_hash)
             parts.append(((version, True), k))
             keyframe_bytes = sum(len(c) for c in k.chunks)
         objects = []
@@ -322,7 +333,7 @@ class Origin:
 
     # ------------------------------------------------------------ watching a directory
 
-    async def watch(self, directory: Path, served_dtype: torch.dtype = torch.bfloat16) -> None:
+    async def watch(self, directory: Path, served: str = DEFAULT_FORMAT) -> None:
         """Publish each new checkpoint in `directory` (name order) once it is in place."""
         directory = Path(directory)
         ledger = self.data_dir / "watched.json"
@@ -333,12 +344,12 @@ class Origin:
                 if entry.name in done or not _complete_checkpoint(entry):
                     continue
                 try:
-                    state, _ = await trio.to_thread.run_sync(load_state, entry)
+                    version = await self.publish(entry, served)
                 except (PatchswarmError, OSError) as e:
                     log.warning("skipping %s: %s", entry, e)
                     done.add(entry.name)
+                    ledger.write_text(json.dumps(sorted(done)))
                     continue
-                version = await self.publish(state, served_dtype)
                 log.info("published %s as version %d", entry.name, version)
                 done.add(entry.name)
                 ledger.write_text(json.dumps(sorted(done)))
@@ -454,8 +465,8 @@ class SyncOrigin:
             raise UsageError(f"origin stopped: {self._error}")
         return trio.from_thread.run(fn, *args, trio_token=self._token)
 
-    def publish(self, state_dict: dict, served_dtype: torch.dtype = torch.bfloat16) -> int:
-        return self._call(self.origin.publish, state_dict, served_dtype)
+    def publish(self, state_dict: dict | str | Path, served: str = DEFAULT_FORMAT) -> int:
+        return self._call(self.origin.publish, state_dict, served)
 
     def stats(self) -> dict:
         return trio.from_thread.run_sync(self.origin.stats, trio_token=self._token)
