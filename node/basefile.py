@@ -137,8 +137,10 @@ def _fsync(path: str | os.PathLike) -> None:
 
 
 def write(path: str | os.PathLike, state: dict[str, torch.Tensor], metadata: dict[str, str],
-          durable: bool = True) -> int:
-    """Write `state` to `path` atomically, streaming from the tensors' memory; returns the bytes written."""
+          durable: bool = True, mode: int = 0o600) -> int:
+    """Write `state` to `path` atomically, streaming from the tensors' memory; returns the bytes written.
+
+    `mode`: the file's permissions (private by default: weights are the trainer's)."""
     p = Path(path)
     entries = plan((n, t.dtype, tuple(t.shape)) for n, t in state.items())
     header = header_bytes(entries, metadata)
@@ -152,7 +154,7 @@ def write(path: str | os.PathLike, state: dict[str, torch.Tensor], metadata: dic
                     f.write(mv[off:off + _WRITE_BYTES])
             if durable:
                 os.fsync(f.fileno())
-        os.chmod(tmp, 0o600)
+        os.chmod(tmp, mode)
         os.replace(tmp, p)
         if durable:
             _fsync(p.parent)
