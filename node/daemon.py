@@ -116,7 +116,8 @@ class Node:
         self.inflows = Inflows()
         self.peers = PeerSet(self.id, None, self.upload, self._on_message,  # store set in run()
                              on_open=self._on_peer_open, on_close=self._on_peer_close, inflows=self.inflows)
-        self.tracker = TrackerLink(cfg.tracker, self.creds, self._hello, self._on_tracker_message)
+        self.tracker = TrackerLink(cfg.tracker, self.creds, self._hello, self._on_tracker_message,
+                                   revocations_file=self.data_dir / "revocations")
         self.picker: PiecePicker | None = None
         self.members: dict[str, dict] = {}  # id -> peer entry from the tracker
         self.origin_region: str | None = None

@@ -100,9 +100,10 @@ class SwarmLab:
 
     # -------------------------------------------------------- members
 
-    def start_tracker(self, name: str = "tracker", port: int = 0) -> Proc:
+    def start_tracker(self, name: str = "tracker", port: int = 0, extra: list[str] = ()) -> Proc:
         creds = self.creds(name, "tracker")
-        p = Proc(name, ["tracker", "--creds", creds, "--listen", f"127.0.0.1:{port}"], self.root / f"{name}.log")
+        p = Proc(name, ["tracker", "--creds", creds, "--listen", f"127.0.0.1:{port}", *extra],
+                 self.root / f"{name}.log")
         self._start(p)
         p.addr = self.wait_log(p, LISTENING).group(1)
         self.tracker_addr = p.addr

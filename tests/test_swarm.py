@@ -359,3 +359,38 @@ def test_fp8_checkpoints_and_side_files_reach_every_node_bit_exactly(tmp_path, c
             lab.wait_version(nodes, step)
             for p in nodes:
                 assert same_bits(load_weights(p), expected), (p.name, step)
+
+
+def test_a_revoked_member_is_dropped_by_everyone_and_cannot_rejoin(tmp_path, checkpoints):
+    """`swarm revoke` writes a signed list; the tracker (--revocations) rereads it and hands
+    it on; every member ends its connections to the revoked one and refuses it from then on,
+    while versions keep flowing to the others. Before revocation, a stolen certificate
+    stayed good until a new CA."""
+    import shutil
+
+    watch = tmp_path / "watch"
+    revocations = tmp_path / "tracker-revocations"
+    with SwarmLab(tmp_path) as lab:
+        tracker = lab.start_tracker(extra=["--revocations", revocations])
+        origin = lab.start_origin(region="r0", watch=watch, extra=ORIGIN_ARGS)
+        good = lab.start_node("good", region="r1")
+        stolen = lab.start_node("stolen", region="r1")
+        publish(lab, watch, checkpoints, 0)
+        lab.wait_version([good, stolen], 0)
+        assert "stolen" in {p["id"] for p in good.status()["peers"]}
+        lab._cli("swarm", "revoke", lab.swarm, "stolen")
+        t0 = time.monotonic()
+        shutil.copy(lab.swarm / "revocations", revocations)
+        lab.wait_log(tracker, r"revocation list 0: 1 certificates revoked; 1 member connections ended", timeout=30)
+        lab.wait_log(good, r"ending the connection to stolen: its certificate .* is revoked", timeout=30)
+        lab.wait_log(origin, r"ending the connection to stolen", timeout=30)
+        took = time.monotonic() - t0
+        assert took < 10, f"took {took:.1f} s to reach every member"
+        lab.wait_log(stolen, r"tracker \S+ unreachable", timeout=30)  # refused at the tracker from now on
+        publish(lab, watch, checkpoints, 1)
+        lab.wait_version([good], 1)
+        assert same_bits(load_weights(good), served_bf16(checkpoints[1]))
+        assert stolen.status()["version"] == 0
+        assert "stolen" not in {p["id"] for p in good.status()["peers"]}
+        # The list survives a restart of a member that heard it.
+        assert (good.data_dir / "revocations").read_bytes() == revocations.read_bytes()

@@ -134,7 +134,7 @@ class Origin:
         self.peers = PeerSet(self.id, None, self.upload, self._on_message, on_open=self._on_open)
         self.listen_addr = cfg.listen
         self.tracker = TrackerLink(cfg.tracker, self.creds, self._hello, self._on_tracker_message,
-                                   on_connect=self._on_tracker_connect)
+                                   on_connect=self._on_tracker_connect, revocations_file=self.data_dir / "revocations")
         self.history: list[VersionStats] = []
         self.trajectory_store: TrajectoryStore | None = None
         self._publish_lock = trio.Lock()
