@@ -50,10 +50,28 @@ def is_scale(name: str) -> bool:
     return name.endswith(_SCALE_ENDINGS)
 
 
-def quantizes(name: str, t: torch.Tensor) -> bool:
+def quantizes(name: str, dtype: torch.dtype, shape: tuple[int, ...] | torch.Size) -> bool:
     """Whether `fp8-block` turns this tensor into e4m3 + a block scale."""
-    return (t.dim() == 2 and t.is_floating_point() and t.dtype not in _FP8 and name.endswith("weight")
+    return (len(shape) == 2 and dtype.is_floating_point and dtype not in _FP8 and name.endswith("weight")
             and not any(word in name for word in _NOT_QUANTIZED))
+
+
+def _cast_to(name: str, dtype: torch.dtype, fmt: str) -> torch.dtype:
+    """The dtype a tensor that is not quantized is served in."""
+    target = torch.bfloat16 if fmt == "fp8-block" else _CAST.get(fmt)
+    if target is not None and dtype.is_floating_point and dtype not in _FP8 and not is_scale(name):
+        return target
+    return dtype
+
+
+def served_specs(name: str, dtype: torch.dtype, shape: tuple[int, ...],
+                 fmt: str) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """What `serve_tensor` makes of a tensor of this name, dtype and shape, without making it."""
+    shape = tuple(shape)
+    if fmt == "fp8-block" and quantizes(name, dtype, shape):
+        return [(name, torch.float8_e4m3fn, shape),
+                (name + SCALE_SUFFIX, torch.float32, (-(-shape[0] // BLOCK), -(-shape[1] // BLOCK)))]
+    return [(name, _cast_to(name, dtype, fmt), shape)]
 
 
 def block_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,25 +110,29 @@ def serve_tensor(name: str, tensor: torch.Tensor, fmt: str) -> Iterator[tuple[st
         raise UsageError(f"served state: expected str -> torch.Tensor, found {name!r}: {type(tensor).__name__}")
     source = tensor.detach()
     t = source.to("cpu")
-    if fmt == "fp8-block" and quantizes(name, t):
+    if fmt == "fp8-block" and quantizes(name, t.dtype, t.shape):
         fp8, scale_inv = block_quantize(t)
         yield name, fp8
         yield name + SCALE_SUFFIX, scale_inv
         return
-    target = torch.bfloat16 if fmt == "fp8-block" else _CAST.get(fmt)
-    if (target is not None and t.is_floating_point() and t.dtype not in _FP8 and t.dtype != target
-            and not is_scale(name)):
+    target = _cast_to(name, t.dtype, fmt)
+    if t.dtype != target:
         t = t.to(target)
     yield name, _own(t, source)
 
 
-def served_names(state: dict, fmt: str) -> set[str]:
-    """The names `serve_state` would produce (to find collisions before any work)."""
-    out = set()
-    for name, t in state.items():
-        out.add(name)
-        if fmt == "fp8-block" and isinstance(t, torch.Tensor) and quantizes(name, t):
-            out.add(name + SCALE_SUFFIX)
+def served_table(table: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+                 fmt: str) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """The served state's names, dtypes and shapes from the trainer's, before any tensor is
+    made (the origin plans a version with it); UsageError where `fmt` would write a name
+    the state already has."""
+    check_format(fmt)
+    out: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+    for name, (dtype, shape) in table.items():
+        for served_name, sdtype, sshape in served_specs(name, dtype, shape, fmt):
+            if served_name in out or (served_name != name and served_name in table):
+                raise UsageError(f"served state: {fmt} would write {served_name!r}, which the state already has")
+            out[served_name] = (sdtype, sshape)
     return out
 
 
@@ -118,14 +140,12 @@ def serve_state(state: dict, fmt: str) -> dict[str, torch.Tensor]:
     """Every tensor of `state` served as `fmt` (the whole state at once: for small states and
     tests; the origin serves tensor by tensor)."""
     check_format(fmt)
-    if not isinstance(state, dict):
-        raise UsageError(f"served state: expected a dict[str, torch.Tensor] (a state_dict), found {type(state).__name__}")
+    if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
+        raise UsageError("served state: expected a dict[str, torch.Tensor] (a state_dict)")
+    served_table({n: (t.dtype, tuple(t.shape)) for n, t in state.items()}, fmt)  # collisions, before any work
     out: dict[str, torch.Tensor] = {}
     for name, t in state.items():
-        for served_name, served in serve_tensor(name, t, fmt):
-            if served_name in out or (served_name != name and served_name in state):
-                raise UsageError(f"served state: {fmt} would write {served_name!r}, which the state already has")
-            out[served_name] = served
+        out.update(serve_tensor(name, t, fmt))
     return out
 
 

@@ -460,7 +460,7 @@ class DemoRun:
         from patchswarm.node.weights import read_weights
         from patchswarm.protocol.statehash import state_hash
 
-        served, _ = served_copy(self.final_state)  # what the last publish served
+        served = served_copy(self.final_state)  # what the last publish served
         want_hash = state_hash(served)
         bad = []
         for n, s in zip(self.nodes, statuses):
