@@ -171,3 +171,11 @@ class ObjectWriter:
     def finish(self, envelope: bytes) -> None:
         """The manifest goes last: an object without one is an interrupted write (dropped at start)."""
         _write_atomic(self.directory / MANIFEST_NAME, envelope)
+
+
+def latest_version(root: str | os.PathLike) -> int | None:
+    """The highest version with a manifest in an object store's folder, read without
+    loading or verifying anything (for tools looking at a member's data dir)."""
+    found = [int(m.group(1)) for d in Path(root).iterdir() if (m := _DIR.match(d.name))
+             and (d / MANIFEST_NAME).exists()] if Path(root).is_dir() else []
+    return max(found, default=None)

@@ -153,7 +153,7 @@ def _trajectories_args(p: argparse.ArgumentParser) -> None:
 @command("trajectories", "summarise (or dump) the trajectories an origin has received", _trajectories_args)
 def cmd_trajectories(args: argparse.Namespace) -> int:
     from patchswarm.node.trainer.trajstore import TrajectoryReader
-    from patchswarm.node.weights import WEIGHTS_NAME, META_VERSION, read_metadata
+    from patchswarm.node.store import latest_version
 
     directory = args.data_dir / "trajectories"
     if not directory.is_dir():
@@ -162,8 +162,7 @@ def cmd_trajectories(args: argparse.Namespace) -> int:
     if args.dump:
         reader.dump_jsonl(sys.stdout)
         return 0
-    weights = args.data_dir / WEIGHTS_NAME
-    current = int(read_metadata(weights)[META_VERSION]) if weights.exists() else None
+    current = latest_version(args.data_dir / "objects")  # the origin's last published version
     summary = {"current_version": current, "max_staleness": args.max_staleness,
                **reader.summary(current, args.max_staleness)}
     if args.json:
