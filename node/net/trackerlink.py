@@ -2,7 +2,8 @@
 
 Owns `TrackerLink`: dial the tracker (mutual TLS, role tracker), heartbeat
 with the member's current version, hand every message to the owner, and on
-any loss reconnect with capped exponential backoff, for ever. The tracker is
+any loss reconnect with capped exponential backoff, jittered (node/net/backoff.py)
+so a fleet that lost the same tracker does not come back in lockstep, for ever. The tracker is
 soft state, so a reconnect is the whole recovery: the owner's `on_connect`
 re-announces what the tracker must know. Must not interpret messages.
 """
@@ -17,13 +18,13 @@ import trio
 from patchswarm.protocol import wire
 from patchswarm.protocol.errors import PatchswarmError, ProtocolError
 
+from patchswarm.node.net.backoff import Backoff
 from patchswarm.node.net.transport import CONNECTION_ERRORS, MessageStream, connect, one_line
 from patchswarm.node.net.trust import Credentials
 
 log = logging.getLogger("patchswarm.tracker-link")
 HEARTBEAT_SECONDS = 2.0
 BACKOFF_MIN, BACKOFF_MAX = 0.5, 10.0
-
 
 
 class TrackerLink:
@@ -36,22 +37,22 @@ class TrackerLink:
         self._on_message = on_message
         self._on_connect = on_connect
         self.stream: MessageStream | None = None
+        self.backoff = Backoff(BACKOFF_MIN, BACKOFF_MAX)
 
     @property
     def connected(self) -> bool:
         return self.stream is not None
 
     async def run(self) -> None:
-        backoff = BACKOFF_MIN
         while True:
             try:
                 ms = await connect(self.addr, self.creds, {"tracker"}, self._hello())
             except (*CONNECTION_ERRORS, PatchswarmError) as e:
-                log.warning("tracker %s unreachable (%s); retrying in %.1f s", self.addr, one_line(e), backoff)
-                await trio.sleep(backoff)
-                backoff = min(BACKOFF_MAX, backoff * 2)
+                delay = self.backoff.next()
+                log.warning("tracker %s unreachable (%s); retrying in %.1f s", self.addr, one_line(e), delay)
+                await trio.sleep(delay)
                 continue
-            backoff = BACKOFF_MIN
+            self.backoff.reset()
             log.info("joined the swarm via tracker %s", self.addr)
             try:
                 async with trio.open_nursery() as n:
@@ -74,7 +75,7 @@ class TrackerLink:
             finally:
                 self.stream = None
                 await ms.aclose()
-            await trio.sleep(backoff)
+            await trio.sleep(self.backoff.next())
 
     async def _heartbeat(self, ms: MessageStream) -> None:
         while True:
