@@ -37,6 +37,7 @@ from patchswarm.protocol.versions import NEW, VersionBook
 from patchswarm.node.localapi import serve_local
 from patchswarm.node.lowprio import APPLY_NICE, run_low_priority
 from patchswarm.node.peers import PeerDropped, PeerSet, Session
+from patchswarm.node.net.backoff import jittered
 from patchswarm.node.net.ratelimit import TokenBucket
 from patchswarm.node.relay import Inflows
 from patchswarm.node.spool import TrajectorySpool
@@ -307,7 +308,7 @@ class Node:
                                on_receive=self.download.take)
         except (*CONNECTION_ERRORS, PatchswarmError) as e:
             delay = min(BACKOFF_MAX, 2 * max(1.0, self._dial_after.get(pid, 0) - trio.current_time() + 1))
-            self._dial_after[pid] = trio.current_time() + delay
+            self._dial_after[pid] = trio.current_time() + jittered(delay)  # members that lost one peer spread out
             log.info("could not reach %s %s at %s (%s)", p["role"], pid, p["addr"], one_line(e))
             return
         finally:
