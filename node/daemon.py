@@ -92,6 +92,7 @@ class NodeConfig:
     apply_nice: int = APPLY_NICE
     apply_threads: int | None = None  # None: as many as the cores (protocol/parallel.py)
     wan_gateways: int | None = WAN_GATEWAYS
+    advertise: str | None = None  # the address told to the tracker and peers; None: the bound listen address
 
 
 def _rank(a: str, b: str) -> bytes:
@@ -207,7 +208,7 @@ class Node:
         return w
 
     def _hello(self) -> wire.Hello:
-        return wire.Hello(self.id, self.region, "node", self.listen_addr,
+        return wire.Hello(self.id, self.region, "node", self.cfg.advertise or self.listen_addr,
                           [] if self.version is None else [self.version])
 
     # ------------------------------------------------------------ tracker
@@ -538,7 +539,7 @@ class Node:
         seconds = time.perf_counter() - t0
         self.applied.append({"version": m.version, "kind": "keyframe" if m.is_keyframe else "patch",
                              "bytes": m.total_bytes, "apply_s": round(seconds, 3),
-                             **self._timeline.pop(key, {}), "applied_at": time.time()})
+                             **self._timeline.pop(key, {}), "published_at": m.created_at, "applied_at": time.time()})
         log.info("applied version %d (%s, %s bytes) in %.2f s; state hash %s…", m.version,
                  "keyframe" if m.is_keyframe else "patch", f"{m.total_bytes:,}", seconds, m.target_hash[:16])
         self._version_changed.set()
