@@ -57,6 +57,14 @@ def _peers(peers: list[dict]) -> Metric:
     return g
 
 
+def _links(st: dict) -> Iterable[Metric]:
+    """A member's connections: its peers (where its status lists them) and the tracker link."""
+    if "peers" in st:
+        yield _peers(st["peers"])
+    yield from _gauge("patchswarm_tracker_connected", "1 while the tracker link is up",
+                      int(bool(st.get("tracker_connected"))))
+
+
 class StatusMetrics:
     """A Prometheus collector over one service's status dict (None until the service has started)."""
 
@@ -137,10 +145,7 @@ class NodeMetrics(StatusMetrics):
         if "fetching" in st:
             yield from _gauge("patchswarm_chunks_missing", "chunks still to fetch for the versions wanted",
                               sum(st["fetching"].values()))
-        if "peers" in st:
-            yield _peers(st["peers"])
-        yield from _gauge("patchswarm_tracker_connected", "1 while the tracker link is up",
-                          int(bool(st.get("tracker_connected"))))
+        yield from _links(st)
         spool = st.get("spool")
         if spool:
             yield from _gauge("patchswarm_spool_records", "trajectories spooled and not yet acknowledged by the origin",
@@ -208,10 +213,7 @@ class OriginMetrics(StatusMetrics):
                                     labels=["direction", "source"])
             b.add_metric(["out", "store"], st["bytes_out"])
             yield b
-        if "peers" in st:
-            yield _peers(st["peers"])
-        yield from _gauge("patchswarm_tracker_connected", "1 while the tracker link is up",
-                          int(bool(st.get("tracker_connected"))))
+        yield from _links(st)
         t = st.get("trajectories")
         if t:
             yield from _counter("patchswarm_trajectories_received", "trajectory records stored", t.get("records"))
