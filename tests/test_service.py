@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from importlib.metadata import version
 
@@ -104,3 +105,44 @@ def test_version_flag(argv, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 0 and capsys.readouterr().out.strip() == f"patchswarm {version('patchswarm')}"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_a_service_runs_from_its_config_file_with_the_environment_over_it(tmp_path):
+    """A real tracker: listen and metrics from the file, the log format from PATCHSWARM_LOG_FORMAT over
+    the file's, the metrics address from the flag over PATCHSWARM_METRICS."""
+    lab = SwarmLab(tmp_path)
+    creds = lab.creds("tracker", "tracker")
+    listen, file_metrics, flag_metrics = _free_port(), _free_port(), _free_port()
+    cfg = tmp_path / "tracker.toml"
+    cfg.write_text(f'service = "tracker"\ncreds = "{creds}"\nlisten = "127.0.0.1:{listen}"\n'
+                   f'metrics = "127.0.0.1:{file_metrics}"\nlog-format = "text"\n')
+    env = {**os.environ, "PATCHSWARM_LOG_FORMAT": "json", "PATCHSWARM_METRICS": "127.0.0.1:1"}
+    log = tmp_path / "tracker.log"
+    with open(log, "wb") as out:
+        p = subprocess.Popen([sys.executable, "-m", "patchswarm.node.cli", "tracker", "--config", str(cfg),
+                              "--metrics", f"127.0.0.1:{flag_metrics}"], cwd=ROOT, stdout=out,
+                             stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while "listening on" not in log.read_text() and time.monotonic() < deadline and p.poll() is None:
+            time.sleep(0.1)
+        lines = [json.loads(line) for line in log.read_text().splitlines()]  # json: the variable won
+        assert any(f"listening on 127.0.0.1:{listen}" in x["message"] for x in lines)  # the file's listen
+        ready = None
+        while ready is None and time.monotonic() < deadline:  # served at the flag's address
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{flag_metrics}/readyz", timeout=10) as r:
+                    ready = r.status
+            except urllib.error.HTTPError:  # 503 for the moment between listening and started
+                time.sleep(0.1)
+        assert ready == 200
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=30)
