@@ -37,6 +37,7 @@ from patchswarm.protocol.versions import NEW, VersionBook
 from patchswarm.node.localapi import serve_local
 from patchswarm.node.lowprio import APPLY_NICE, run_low_priority
 from patchswarm.node.peers import PeerDropped, PeerSet, Session
+from patchswarm.node.net.backoff import jittered
 from patchswarm.node.net.ratelimit import TokenBucket
 from patchswarm.node.relay import Inflows
 from patchswarm.node.spool import TrajectorySpool
@@ -91,6 +92,7 @@ class NodeConfig:
     apply_nice: int = APPLY_NICE
     apply_threads: int | None = None  # None: as many as the cores (protocol/parallel.py)
     wan_gateways: int | None = WAN_GATEWAYS
+    advertise: str | None = None  # the address told to the tracker and peers; None: the bound listen address
 
 
 def _rank(a: str, b: str) -> bytes:
@@ -207,7 +209,7 @@ class Node:
         return w
 
     def _hello(self) -> wire.Hello:
-        return wire.Hello(self.id, self.region, "node", self.listen_addr,
+        return wire.Hello(self.id, self.region, "node", self.cfg.advertise or self.listen_addr,
                           [] if self.version is None else [self.version])
 
     # ------------------------------------------------------------ tracker
@@ -308,7 +310,7 @@ class Node:
                                on_receive=self.download.take)
         except (*CONNECTION_ERRORS, PatchswarmError) as e:
             delay = min(BACKOFF_MAX, 2 * max(1.0, self._dial_after.get(pid, 0) - trio.current_time() + 1))
-            self._dial_after[pid] = trio.current_time() + delay
+            self._dial_after[pid] = trio.current_time() + jittered(delay)  # members that lost one peer spread out
             log.info("could not reach %s %s at %s (%s)", p["role"], pid, p["addr"], one_line(e))
             return
         finally:
@@ -538,7 +540,7 @@ class Node:
         seconds = time.perf_counter() - t0
         self.applied.append({"version": m.version, "kind": "keyframe" if m.is_keyframe else "patch",
                              "bytes": m.total_bytes, "apply_s": round(seconds, 3),
-                             **self._timeline.pop(key, {}), "applied_at": time.time()})
+                             **self._timeline.pop(key, {}), "published_at": m.created_at, "applied_at": time.time()})
         log.info("applied version %d (%s, %s bytes) in %.2f s; state hash %s…", m.version,
                  "keyframe" if m.is_keyframe else "patch", f"{m.total_bytes:,}", seconds, m.target_hash[:16])
         self._version_changed.set()

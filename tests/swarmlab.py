@@ -23,7 +23,8 @@ from safetensors.torch import load_file, save_file
 from patchswarm.node.client import NodeClient, NodeUnavailable
 
 ROOT = Path(__file__).resolve().parents[1]
-LISTENING = re.compile(r"listening on ([^\s,;]+)")
+LISTENING = re.compile(r"listening on ([^\s,;\"]+)")  # text or JSON log lines
+HTTP_LISTENING = re.compile(r"readiness on http://([^\s/\"]+)/")  # node/net/exporter.py, with --metrics
 
 
 @dataclasses.dataclass
@@ -133,6 +134,10 @@ class SwarmLab:
         if wait:
             p.addr = self.wait_log(p, LISTENING).group(1)
         return p
+
+    def http_addr(self, p: Proc) -> str:
+        """The HOST:PORT a member started with `--metrics` serves HTTP on."""
+        return self.wait_log(p, HTTP_LISTENING).group(1)
 
     def restart(self, p: Proc) -> Proc:
         offset = len(p.text())

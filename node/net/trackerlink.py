@@ -2,7 +2,8 @@
 
 Owns `TrackerLink`: dial the tracker (mutual TLS, role tracker), heartbeat
 with the member's current version, hand every message to the owner, and on
-any loss reconnect with capped exponential backoff, for ever. The tracker is
+any loss reconnect with capped exponential backoff, jittered (node/net/backoff.py)
+so a fleet that lost the same tracker does not come back in lockstep, for ever. The tracker is
 soft state, so a reconnect is the whole recovery: the owner's `on_connect`
 re-announces what the tracker must know. Must not interpret messages, but
 for the swarm's revocation list, which is trust: the link takes it into the
@@ -21,13 +22,13 @@ import trio
 from patchswarm.protocol import wire
 from patchswarm.protocol.errors import InvalidInput, PatchswarmError, ProtocolError
 
+from patchswarm.node.net.backoff import Backoff
 from patchswarm.node.net.transport import CONNECTION_ERRORS, MessageStream, apply_revocations, connect, one_line
 from patchswarm.node.net.trust import Credentials
 
 log = logging.getLogger("patchswarm.tracker-link")
 HEARTBEAT_SECONDS = 2.0
 BACKOFF_MIN, BACKOFF_MAX = 0.5, 10.0
-
 
 
 class TrackerLink:
@@ -41,6 +42,7 @@ class TrackerLink:
         self._on_message = on_message
         self._on_connect = on_connect
         self.stream: MessageStream | None = None
+        self.backoff = Backoff(BACKOFF_MIN, BACKOFF_MAX)
         # The revocation list is trust, not swarm policy: the link takes it into the
         # credentials itself (every handshake asks them), and keeps it across restarts.
         self._revocations_file = revocations_file
@@ -70,16 +72,15 @@ class TrackerLink:
         return self.stream is not None
 
     async def run(self) -> None:
-        backoff = BACKOFF_MIN
         while True:
             try:
                 ms = await connect(self.addr, self.creds, {"tracker"}, self._hello())
             except (*CONNECTION_ERRORS, PatchswarmError) as e:
-                log.warning("tracker %s unreachable (%s); retrying in %.1f s", self.addr, one_line(e), backoff)
-                await trio.sleep(backoff)
-                backoff = min(BACKOFF_MAX, backoff * 2)
+                delay = self.backoff.next()
+                log.warning("tracker %s unreachable (%s); retrying in %.1f s", self.addr, one_line(e), delay)
+                await trio.sleep(delay)
                 continue
-            backoff = BACKOFF_MIN
+            self.backoff.reset()
             log.info("joined the swarm via tracker %s", self.addr)
             try:
                 async with trio.open_nursery() as n:
@@ -105,7 +106,7 @@ class TrackerLink:
             finally:
                 self.stream = None
                 await ms.aclose()
-            await trio.sleep(backoff)
+            await trio.sleep(self.backoff.next())
 
     async def _heartbeat(self, ms: MessageStream) -> None:
         while True:

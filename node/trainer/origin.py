@@ -71,6 +71,7 @@ class OriginConfig:
     chunk_bytes: int = ORIGIN_CHUNK_BYTES
     segment_elements: int = ORIGIN_SEGMENT_ELEMENTS
     compact_every: int = COMPACT_EVERY
+    advertise: str | None = None  # the address told to the tracker and nodes; None: the bound listen address
 
 
 @dataclasses.dataclass
@@ -175,7 +176,7 @@ class Origin:
             task_status.started(self)
 
     def _hello(self) -> wire.Hello:
-        return wire.Hello(self.id, self.cfg.region, "origin", self.listen_addr,
+        return wire.Hello(self.id, self.cfg.region, "origin", self.cfg.advertise or self.listen_addr,
                           [] if self.version is None else [self.version])
 
     async def _serve_peers(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -397,6 +398,8 @@ class Origin:
             "tracker_connected": self.tracker.connected,
             "listen": self.listen_addr,
             "nodes": sorted(s.id for s in self.peers.sessions.values()),
+            "peers": sorted(({"id": s.id, "region": s.region, "role": s.role} for s in self.peers.sessions.values()),
+                            key=lambda p: p["id"]),
             "bytes_out": self.peers.bytes_out,
             "versions": [dataclasses.asdict(v) for v in self.history],
             "trajectories": self.trajectory_store.summary(self.version),
