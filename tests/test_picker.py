@@ -483,6 +483,135 @@ def test_constructor_rejects_bad_limits():
         PiecePicker("me", "r0", "r0", pipeline=0)
     with pytest.raises(UsageError):
         PiecePicker("me", "r0", "r0", takeover_after=-1.0)
+    for bad in (0, -1.0):
+        with pytest.raises(UsageError, match="request_timeout"):
+            PiecePicker("me", "r0", "r0", request_timeout=bad)
+
+
+# --- requests in flight: when they were sent, when they run out ----------------
+
+
+def _neighbour_and_origin(timeout=10.0):
+    """me alone responsible in r0 (a neighbour a that is not a member), both holding chunk 0 of 1."""
+    p = PiecePicker("me", "r0", "r0", request_timeout=timeout)
+    p.peer_joined("a", NODE, "r0")
+    p.peer_joined(OR, ORIGIN, "r0")
+    p.add_object(KEY, 1, now=0.0)
+    p.peer_has("a", KEY, [0])
+    p.peer_has(OR, KEY, [0])
+    return p
+
+
+def test_a_request_unanswered_in_time_expires_once_and_goes_to_another_holder():
+    p = _neighbour_and_origin()
+    assert p.requests(1.0) == [Request("a", KEY, 0)]  # the neighbour first; the origin is never an endgame copy
+    assert p.sent_at("a", KEY, 0) == 1.0 and p.next_wakeup(1.0) == 11.0
+    assert p.expired(10.9) == [] and p.in_flight() == 1
+    assert p.expired(11.0) == [Request("a", KEY, 0)]  # the caller cancels it
+    assert p.expired(50.0) == [] and p.in_flight() == 0 and p.sent_at("a", KEY, 0) is None
+    assert p.requests(11.0) == [Request(OR, KEY, 0)]  # never the one that let it run out
+    assert p.expired(21.0) == [Request(OR, KEY, 0)]
+    assert p.requests(21.0) == [] and p.next_wakeup(21.0) is None  # nobody left to ask
+
+
+def test_without_a_timeout_requests_never_expire():
+    p = _neighbour_and_origin(timeout=None)
+    assert p.requests(0.0) and p.next_wakeup(0.0) is None and p.expired(1e9) == []
+
+
+def test_an_answer_in_time_does_not_expire():
+    p = _neighbour_and_origin()
+    [r] = p.requests(0.0)
+    assert p.chunk_received(r.key, r.chunk, r.peer) == []
+    assert p.expired(100.0) == [] and p.next_wakeup(100.0) is None
+
+
+# --- what peers said: held whole, arriving, refused; kept until fetched ----------
+
+
+@pytest.mark.parametrize("said, expect", [
+    ([], (False, False)),
+    (["have"], (True, True)),
+    (["incoming"], (True, False)),  # served as it arrives, not held whole
+    (["incoming", "have"], (True, True)),
+    (["have", "incoming"], (True, True)),  # an Incoming after it held the chunk changes nothing
+    (["have", "refused"], (False, False)),  # a Reject withdraws what it said
+    (["incoming", "refused"], (False, False)),
+    (["have", "refused", "incoming"], (True, False)),  # it is receiving the chunk again
+    (["have", "refused", "have"], (True, True)),
+    (["have", "left"], (False, False)),  # a peer that left holds nothing; a new session starts afresh
+])
+@pytest.mark.parametrize("added_first", [True, False])  # the object fetched, or not yet
+def test_announced_and_holds_whole_table(said, expect, added_first):
+    p = PiecePicker("me", "r0", "r0")
+    p.peer_joined("a", NODE, "r0")
+    if added_first:
+        p.add_object(KEY, 4, now=0.0)
+    for word in said:
+        if word == "have":
+            p.peer_has("a", KEY, [2])
+        elif word == "incoming":
+            p.peer_has("a", KEY, [2], whole=False)
+        elif word == "refused":
+            p.chunk_refused(KEY, 2, "a")
+        else:
+            p.peer_left("a")
+            p.peer_joined("a", NODE, "r0")
+    if not added_first:
+        p.add_object(KEY, 4, now=0.0)
+    assert (p.announced("a", KEY, 2), p.holds_whole("a", KEY, 2)) == expect
+    assert (p.announced("a", KEY, 1), p.holds_whole("a", KEY, 1)) == (False, False)
+
+
+def test_a_refusing_peer_is_not_asked_again_for_that_chunk():
+    p = PiecePicker("me", "r0", "r0")
+    p.peer_joined("a", NODE, "r0")
+    p.add_object(KEY, 2, now=0.0)
+    p.peer_has("a", KEY, [0, 1])
+    assert asked(p.requests(0.0)) == {("a", 0), ("a", 1)}
+    p.chunk_refused(KEY, 0, "a")
+    p.peer_has("a", KEY, [0])  # says it again (got it meanwhile): still not asked for it
+    assert p.requests(1.0) == [] and p.in_flight() == 1
+
+
+def test_what_peers_said_survives_an_object_leaving_the_plan_and_coming_back():
+    p = PiecePicker("me", "r0", "r0", pipeline=1)
+    p.peer_joined("a", NODE, "r0")
+    p.add_object(KEY, 3, now=0.0)
+    p.peer_has("a", KEY, [0, 2])
+    p.peer_has("a", KEY, [1], whole=False)
+    [r] = p.requests(0.0)
+    assert p.chunk_received(r.key, r.chunk, "a") == []
+    assert p.remove_object(KEY) == []
+    p.add_object(KEY, 3, have=[r.chunk], now=1.0)
+    left = {0, 1, 2} - {r.chunk}
+    assert {c for c in left if p.announced("a", KEY, c)} == left
+    assert {c for c in left if p.holds_whole("a", KEY, c)} == left - {1}
+    assert p.requests(1.0)[0].peer == "a"
+
+
+def test_objects_wait_for_the_origins_region_and_facts_wait_for_objects():
+    p = PiecePicker("me", "r1", None)
+    p.peer_joined("a", NODE, "r1")
+    p.peer_has("a", KEY, [0, 1])  # before anything is known: kept
+    with pytest.raises(UsageError, match="origin's region"):
+        p.add_object(KEY, 2, now=0.0)
+    p.set_origin_region("r0")
+    p.set_origin_region("r2")  # the first word stands
+    assert p.origin_region == "r0"
+    p.add_object(KEY, 2, now=0.0)
+    assert asked(p.requests(0.0)) == {("a", 0), ("a", 1)}
+
+
+def test_facts_below_the_forgotten_versions_are_dropped_and_ignored():
+    p = PiecePicker("me", "r0", "r0")
+    p.peer_joined("a", NODE, "r0")
+    p.peer_has("a", (3, False), [0])
+    p.peer_has("a", (5, False), [0])
+    p.forget_below(5)
+    p.peer_has("a", (4, False), [0])  # said later, still below: ignored
+    assert not p.announced("a", (3, False), 0) and not p.announced("a", (4, False), 0)
+    assert p.announced("a", (5, False), 0)
 
 
 def test_takeover_takes_at_most_pipeline_per_idle_round():
@@ -508,21 +637,26 @@ fact = st.one_of(
     st.tuples(st.just("join"), st.sampled_from(sorted(PEERS))),
     st.tuples(st.just("leave"), st.sampled_from(sorted(PEERS))),
     st.tuples(st.just("has"), st.sampled_from(sorted(PEERS)), st.sampled_from(sorted(OBJECTS)),
-              st.lists(st.integers(0, 11), max_size=6)),
+              st.lists(st.integers(0, 11), max_size=6), st.booleans()),
     st.tuples(st.just("recv"), st.integers(0, 50)),
     st.tuples(st.just("fail"), st.integers(0, 50)),
+    st.tuples(st.just("refuse"), st.integers(0, 50)),
     st.tuples(st.just("members"), st.sets(st.sampled_from(["x1", "y1", "x0", "x2", "z1"]))),
     st.tuples(st.just("requests"), st.floats(0, 5)),
+    st.tuples(st.just("expire"), st.floats(0, 5)),
 )
+TIMEOUT = 2.0
 
 
 @settings(max_examples=150, deadline=None)
 @given(st.lists(fact, max_size=60), st.integers(1, 3), st.integers(0, 99))
 def test_property_random_facts_keep_the_contract(facts, pipeline, seed):
-    p = PiecePicker("me", "r1", "r0", seed=seed, pipeline=pipeline, takeover_after=1.0)
+    p = PiecePicker("me", "r1", "r0", seed=seed, pipeline=pipeline, takeover_after=1.0, request_timeout=TIMEOUT)
     for key, n in OBJECTS.items():
         p.add_object(key, n, priority=key[0], now=0.0)
-    joined, holds, mine, out = set(), {}, {k: set() for k in OBJECTS}, set()
+    joined, holds, mine, sent = set(), {}, {k: set() for k in OBJECTS}, {}  # sent: request -> when
+    said = {}  # (peer, key) -> chunk -> "whole" / "arriving": what the peer says now
+    failed = set()  # (peer, key, chunk) never to be asked again
     clock = 0.0
     for f in facts:
         if f[0] == "join" and f[1] not in joined:
@@ -531,23 +665,34 @@ def test_property_random_facts_keep_the_contract(facts, pipeline, seed):
         elif f[0] == "leave":
             p.peer_left(f[1])
             joined.discard(f[1])
-            out = {r for r in out if r.peer != f[1]}
+            sent = {r: t for r, t in sent.items() if r.peer != f[1]}
             holds = {k: v for k, v in holds.items() if k[0] != f[1]}
+            said = {k: v for k, v in said.items() if k[0] != f[1]}
+            failed = {x for x in failed if x[0] != f[1]}
         elif f[0] == "has" and f[1] in joined:
             chunks = [c for c in f[3] if c < OBJECTS[f[2]]]
-            p.peer_has(f[1], f[2], chunks)
+            p.peer_has(f[1], f[2], chunks, whole=f[4])
             holds.setdefault((f[1], f[2]), set()).update(chunks)
-        elif f[0] in ("recv", "fail") and out:
-            r = sorted(out)[f[1] % len(out)]
+            now_said = said.setdefault((f[1], f[2]), {})
+            for c in chunks:
+                now_said[c] = "whole" if f[4] or now_said.get(c) == "whole" else "arriving"
+        elif f[0] in ("recv", "fail", "refuse") and sent:
+            r = sorted(sent)[f[1] % len(sent)]
             if f[0] == "recv":
                 cancels = p.chunk_received(r.key, r.chunk, r.peer)
-                copies = {o for o in out if (o.key, o.chunk) == (r.key, r.chunk)}
+                copies = {o for o in sent if (o.key, o.chunk) == (r.key, r.chunk)}
                 assert set(cancels) == copies - {r}
-                out -= copies
+                for o in copies:
+                    del sent[o]
                 mine[r.key].add(r.chunk)
             else:
-                p.chunk_failed(r.key, r.chunk, r.peer)
-                out.discard(r)
+                if f[0] == "fail":
+                    p.chunk_failed(r.key, r.chunk, r.peer)
+                else:
+                    p.chunk_refused(r.key, r.chunk, r.peer)
+                    said.get((r.peer, r.key), {}).pop(r.chunk, None)
+                del sent[r]
+                failed.add((r.peer, r.key, r.chunk))
         elif f[0] == "members":
             p.set_members({m: PEERS[m][1] for m in f[1]} | {"me": "r1"})
         elif f[0] == "requests":
@@ -555,13 +700,27 @@ def test_property_random_facts_keep_the_contract(facts, pipeline, seed):
             for r in p.requests(clock):
                 assert r.peer in joined
                 assert r.chunk in holds.get((r.peer, r.key), ()), f"{r.peer} lacks {r}"
-                assert r.chunk not in mine[r.key] and r not in out
-                out.add(r)
-        assert p.in_flight() == len(out)
+                assert r.chunk not in mine[r.key] and r not in sent
+                assert (r.peer, r.key, r.chunk) not in failed, f"{r} was asked again"
+                assert p.sent_at(r.peer, r.key, r.chunk) == clock
+                sent[r] = clock
+        elif f[0] == "expire":
+            clock = max(clock, f[1])
+            late = p.expired(clock)
+            assert late == sorted(r for r, t in sent.items() if t <= clock - TIMEOUT)
+            for r in late:
+                del sent[r]
+                failed.add((r.peer, r.key, r.chunk))
+        assert p.in_flight() == len(sent)
         for peer in PEERS:
-            assert p.in_flight(peer) == sum(r.peer == peer for r in out) <= pipeline
+            assert p.in_flight(peer) == sum(r.peer == peer for r in sent) <= pipeline
         for key, n in OBJECTS.items():
             assert p.missing(key) == n - len(mine[key])
+            for peer in joined:
+                for c in set(range(n)) - mine[key]:
+                    word = said.get((peer, key), {}).get(c)
+                    assert (p.announced(peer, key, c), p.holds_whole(peer, key, c)) == \
+                        (word is not None, word == "whole"), (peer, key, c, word)
 
 
 def test_coordinated_keyframe_follows_the_wan_plan():
