@@ -437,8 +437,8 @@ class Node:
             return
         try:
             await s.send(msg)
-        except CONNECTION_ERRORS:
-            s.closed = True
+        except CONNECTION_ERRORS as e:
+            s.close(f"could not send a {type(msg).__name__} ({one_line(e)})")
 
     # ------------------------------------------------------------ fetching
 
@@ -587,11 +587,11 @@ class Node:
                     raise trio.ClosedResourceError("no connection to the origin")
                 self._uploads_in_flight += 1
                 await s.send(wire.Trajectories(data))
-            except CONNECTION_ERRORS:
+            except CONNECTION_ERRORS as e:
                 # Whatever was handed out goes again later; the origin drops what it already has.
                 self.spool.requeue()
                 if s is not None:
-                    s.closed = True
+                    s.close(f"could not send trajectories ({one_line(e)})")
                 continue
             now = last_sent = trio.current_time()
             self._uploaded.append((now, len(data)))

@@ -2,7 +2,8 @@
 
 Owns `PeerSet`: one `Session` per connected peer (at most one per peer id:
 when two members dial each other at once, both keep the connection dialed by
-the smaller id), the Have bookkeeping of what each peer holds (an Incoming
+the smaller id), how a session ends (`Session.close(reason)`, from here or
+from the owner), the Have bookkeeping of what each peer holds (an Incoming
 counts: the peer serves that chunk while it arrives), and the upload side:
 requests queue per session and are answered in parts (protocol/assembly.py)
 through the shared upload rate limit, from the `ObjectStore`, or, for a chunk
@@ -35,6 +36,7 @@ from patchswarm.node.net.transport import CONNECTION_ERRORS, MessageStream
 
 log = logging.getLogger("patchswarm.peers")
 SEND_TIMEOUT = 60.0  # a peer that takes no bytes for this long is dropped
+_QUIET_ENDS = ("closed", "said bye", "replaced by the connection both ends keep")  # logged at INFO
 
 
 class PeerDropped(Exception):
@@ -56,7 +58,20 @@ class Session:
     piece_bytes_in: int = 0
     piece_bytes_out: int = 0
     closed: bool = False
+    close_reason: str | None = None  # why it ended, for the log; the first reason given stands
     tasks: trio.Nursery | None = None  # the session's own tasks (serving, broadcast copies)
+
+    def close(self, reason: str) -> None:
+        """End the session: nothing more goes out on it, its tasks stop, and
+        `PeerSet.run` closes the connection and reports the peer gone. For the
+        owner's tasks too (a send that failed, a store that could not take
+        what the peer sent). A second call changes nothing."""
+        if self.closed:
+            return
+        self.closed = True
+        self.close_reason = reason
+        if self.tasks is not None:
+            self.tasks.cancel_scope.cancel()
 
     def announced(self, key: ObjKey) -> set[int]:
         """The chunks of `key` this peer said it holds or is receiving."""
@@ -127,7 +142,7 @@ class PeerSet:
             # registered: its own `finally` then sees it is no longer registered and
             # stays quiet, so a late close of the old connection cannot report the
             # peer gone while its new session is live.
-            existing.closed = True
+            existing.close("replaced by the connection both ends keep")
             del self.sessions[existing.id]
             with trio.CancelScope(shield=True):
                 await existing.ms.aclose()
@@ -163,7 +178,8 @@ class PeerSet:
         except* CONNECTION_ERRORS as group:
             reason = f"connection lost ({type(group.exceptions[0]).__name__})"
         finally:
-            s.closed = True
+            s.close(reason)
+            reason = s.close_reason
             registered = self.sessions.get(s.id) is s
             if registered:
                 del self.sessions[s.id]
@@ -171,7 +187,7 @@ class PeerSet:
                 await ms.aclose()
                 if registered and self._on_close is not None:
                     await self._on_close(s)
-        level = logging.INFO if reason in ("closed", "said bye") else logging.WARNING
+        level = logging.INFO if reason in _QUIET_ENDS else logging.WARNING
         log.log(level, "peer %s (%s, %s) left: %s", s.id, s.role, s.region, reason)
 
     async def _receive(self, s: Session) -> str:
