@@ -3,16 +3,16 @@
 Owns `PeerSet`: one `Session` per connected peer (at most one per peer id:
 when two members dial each other at once, both keep the connection dialed by
 the smaller id), how a session ends (`Session.close(reason)`, from here or
-from the owner), the Have bookkeeping of what each peer holds (an Incoming
-counts: the peer serves that chunk while it arrives), and the upload side:
+from the owner), and the upload side:
 requests queue per session and are answered in parts (protocol/assembly.py)
 through the shared upload rate limit, from the `ObjectStore`, or, for a chunk
 still arriving, from its `Inflow` (node/relay.py) as its parts come in. A
 session sends the first part it can in queue order, so a whole chunk goes out
 at once while a chunk that is still arriving takes the link only when it has
 bytes. A Cancel removes a request, sent in part or not. Everything else a peer
-says goes to the owner's `on_message`. Must not decide what to fetch
-(node/daemon.py and protocol/picker.py do).
+says goes to the owner's `on_message`, as it came: what a peer holds is
+recorded by whoever fetches (protocol/picker.py, through node/fetcher.py),
+not here. Must not decide what to fetch or whom to tell what.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Iterable
 
 import trio
 
@@ -51,8 +51,6 @@ class Session:
     region: str
     addr: str
     outbound: bool
-    have: dict[ObjKey, set[int]] = dataclasses.field(default_factory=dict)  # held whole (Have, HaveOne)
-    arriving: dict[ObjKey, set[int]] = dataclasses.field(default_factory=dict)  # Incoming: served as they arrive
     serve_queue: collections.deque = dataclasses.field(default_factory=collections.deque)
     serve_ready: trio.Event = dataclasses.field(default_factory=trio.Event)
     piece_bytes_in: int = 0
@@ -72,13 +70,6 @@ class Session:
         self.close_reason = reason
         if self.tasks is not None:
             self.tasks.cancel_scope.cancel()
-
-    def announced(self, key: ObjKey) -> set[int]:
-        """The chunks of `key` this peer said it holds or is receiving."""
-        return self.have.get(key, set()) | self.arriving.get(key, set())
-
-    def announces(self, key: ObjKey, chunk: int) -> bool:
-        return chunk in self.have.get(key, ()) or chunk in self.arriving.get(key, ())
 
     def wake(self) -> None:
         """Something to serve may have become sendable (a request, a part arrived)."""
@@ -205,17 +196,6 @@ class PeerSet:
             elif isinstance(msg, wire.Bye):
                 return "said bye"
             else:
-                if isinstance(msg, wire.Have):
-                    key = (msg.version, msg.keyframe)
-                    m = self.store.manifest(key)
-                    if m is not None:
-                        s.have[key] = set(wire.indices_from_bitfield(msg.chunks, len(m.chunks)))
-                    else:  # not known here yet: keep the raw bitfield's indices up to its length
-                        s.have[key] = set(wire.indices_from_bitfield(msg.chunks, len(msg.chunks) * 8))
-                elif isinstance(msg, wire.HaveOne):
-                    s.have.setdefault((msg.version, msg.keyframe), set()).add(msg.chunk)
-                elif isinstance(msg, wire.Incoming):
-                    s.arriving.setdefault((msg.version, msg.keyframe), set()).add(msg.chunk)
                 await self._on_message(s, msg)
         return "closed"
 
@@ -291,16 +271,16 @@ class PeerSet:
             o.flow.unwatch(s.wake)
             o.flow = None
 
-    def broadcast(self, msg, exclude: str | None = None, skip: Callable[[Session], bool] | None = None) -> set[Session]:
-        """Queue `msg` for every session (but `exclude` and those `skip` says) and return
+    def broadcast(self, msg, to: Iterable[Session] | None = None) -> set[Session]:
+        """Queue `msg` for every live session (or those of `to` still live) and return
         the sessions it was queued for: each copy is sent by a task of its own session, so a
         connection busy with pieces over a slow link delays only its own copy (sent one
         after another, a Have to a same-region peer waited behind every WAN peer's piece
         in progress: measured, up to 1.4 s). A copy that cannot be sent ends its session
         (SEND_TIMEOUT), as a piece would."""
         sent = set()
-        for s in list(self.sessions.values()):
-            if s.id != exclude and not s.closed and s.tasks is not None and not (skip and skip(s)):
+        for s in list(self.sessions.values()) if to is None else to:
+            if not s.closed and s.tasks is not None:
                 try:
                     s.tasks.start_soon(s.send, msg)
                 except RuntimeError:
