@@ -212,14 +212,14 @@ class Origin:
             seqs = await self.trajectory_store.append(records)
         except StorageFailed as e:
             log.error("trajectory store failed (%s); closing %s's connection so it resends later", e, s.id)
-            s.closed = True
-            await s.ms.aclose()
+            s.close(f"trajectory store failed ({e})")
             return
         if not s.closed:
             try:
                 await s.send(wire.TrajectoriesAck(seqs))
-            except CONNECTION_ERRORS:
-                s.closed = True  # the node resends after reconnecting; the store drops the duplicates
+            except CONNECTION_ERRORS as e:
+                # The node resends after reconnecting; the store drops the duplicates.
+                s.close(f"could not send a TrajectoriesAck ({type(e).__name__})")
 
     def trajectories(self, min_version: int | None = None, max_staleness: int | None = None) -> "TrajectoryFeed":
         """Trajectories in arrival order, from the first one stored; see TrajectoryFeed."""
