@@ -358,8 +358,11 @@ def _parsed_batches(chunks: list[bytes], tensors: list[TensorSpec], min_bytes: i
         yield cur
 
 
+Recorder = Callable[[str, np.ndarray | slice, np.ndarray], None]
+
+
 def apply(state: State, patch: Patch, progress: Progress = None, threads: int | None = None,
-          undo: bool = True) -> None:
+          undo: bool = True, recorder: Recorder | None = None) -> None:
     """Apply `patch` to `state` in place; on any error the state is left unchanged.
 
     `threads`: at most this many for decoding and hashing (None: as many as
@@ -371,7 +374,14 @@ def apply(state: State, patch: Patch, progress: Progress = None, threads: int | 
     patch is a copy of every range it writes (the whole state at worst), and
     an error raised after the first write leaves the state partly patched.
     Errors found before any write (structure, wrong base in the first batch,
-    a second apply) still leave it unchanged."""
+    a second apply) still leave it unchanged.
+
+    `recorder(name, positions, new_bits)` is told each write as it is made:
+    flat positions (ascending int64, or a slice for a whole tensor's range)
+    and the new bit patterns (the dtype's integer view), the arrays the
+    decoder made, not copies (protocol/changes.py encodes them). It only
+    reads them. Writes are told once each, in no particular order across
+    chunks; if `apply` raises, what was told is void."""
     check_state(state, "state")
     if not isinstance(patch, Patch):
         raise UsageError(f"patch: expected a Patch, found {type(patch).__name__}")
@@ -399,6 +409,9 @@ def apply(state: State, patch: Patch, progress: Progress = None, threads: int | 
                 if undo:
                     kept.append(d.undo_record(state))
                 d.write(state)
+                if recorder is not None:
+                    for name, pos, _old, new in d.writes:
+                        recorder(name, pos, new)
                 written += 1
                 if progress:
                     progress(written, n + 1)

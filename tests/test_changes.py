@@ -1,0 +1,227 @@
+"""Change streams (protocol/changes.py): what `apply` records, written into a copy of the base, is the target, bit for bit."""
+
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+
+from patchswarm.protocol import changes
+from patchswarm.protocol.changes import (MAX_FRAME_BYTES, ChangeEncoder, ChangeStream, Piece, VersionEnd, VersionHeader,
+                                         apply_changes, iter_events)
+from patchswarm.protocol.dtypes import BY_NAME, info_of
+from patchswarm.protocol.errors import BaseMismatch, CorruptData, InvalidInput
+from patchswarm.protocol.patch import Patch, apply, diff, keyframe
+from patchswarm.protocol.patchformat import TensorSpec
+from patchswarm.protocol.statehash import state_hash
+from patchswarm.protocol.wire import NEED_DATA
+
+DTYPES = [i.torch_dtype for i in BY_NAME.values()]
+# Bit patterns worth seeing in every 1-byte float: ±0, NaN (e4m3fn: 0x7f/0xff), ±inf and NaN (e5m2), ±max, subnormals.
+FP8_SPECIAL = [0x00, 0x80, 0x7F, 0xFF, 0x7C, 0xFC, 0x7D, 0xFE, 0x7E, 0x01, 0x81, 0x08]
+
+
+def random_bits(shape, dtype, rng):
+    n = int(np.prod(shape)) if shape else 1
+    if n == 0:
+        return torch.empty(shape, dtype=dtype)
+    if dtype is torch.bool:
+        return torch.from_numpy(rng.integers(0, 2, size=n).astype(np.bool_)).reshape(shape)
+    width = torch.empty(0, dtype=dtype).element_size()
+    raw = rng.integers(0, 256, size=n * width, dtype=np.uint8)
+    if width == 1 and dtype.is_floating_point and n:
+        pick = rng.random(n) < 0.3
+        raw[pick] = rng.choice(FP8_SPECIAL, int(pick.sum()))
+    return torch.from_numpy(raw).view(dtype).reshape(shape)
+
+
+def flat_bits(t):
+    return t.reshape(-1).view(torch.uint8)
+
+
+def same(a, b):
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        assert torch.equal(flat_bits(a[k].contiguous()), flat_bits(b[k].contiguous())), k
+
+
+def clone(s):
+    return {k: v.clone() for k, v in s.items()}
+
+
+def changed(t, rng, density, dtype):
+    t = t.clone()
+    if not t.numel():
+        return t
+    mask = torch.from_numpy(rng.random(t.numel()) < density)
+    as_int = info_of(dtype).int_dtype
+    repl = random_bits(tuple(t.shape), dtype, rng).reshape(-1).view(as_int)
+    flat = t.reshape(-1).view(as_int)
+    flat[mask] = repl[mask]
+    return t
+
+
+@st.composite
+def chains(draw):
+    """A base and 1..3 versions after it: every dtype, sparse and dense changes, tensors added,
+    removed and changed in dtype or shape."""
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    base = {}
+    for i in range(draw(st.integers(1, 4))):
+        dtype = draw(st.sampled_from(DTYPES))
+        shape = tuple(draw(st.lists(st.integers(0, 60), min_size=0, max_size=3)))
+        base[f"t{i}"] = random_bits(shape, dtype, rng)
+    states = [base]
+    for _ in range(draw(st.integers(1, 3))):
+        prev = states[-1]
+        nxt = {k: changed(v, rng, draw(st.sampled_from([0.0, 0.002, 0.05, 0.5, 1.0])), v.dtype) for k, v in prev.items()}
+        if draw(st.booleans()):
+            nxt[f"new{len(states)}"] = random_bits((draw(st.integers(0, 40)), 3), draw(st.sampled_from(DTYPES)), rng)
+        if draw(st.booleans()) and len(nxt) > 1:
+            del nxt[sorted(nxt)[0]]
+        if draw(st.booleans()) and nxt:
+            name = sorted(nxt)[-1]
+            nxt[name] = random_bits((draw(st.integers(0, 30)),), draw(st.sampled_from(DTYPES)), rng)
+        states.append(nxt)
+    return states
+
+
+def record(state, patch, base, version, max_frame_bytes=MAX_FRAME_BYTES) -> bytes:
+    """Apply `patch` to `state` with a recorder; the version's change stream."""
+    out = []
+    enc = ChangeEncoder.for_patch(patch, base, version, lambda bufs: out.extend(bytes(b) for b in bufs),
+                                  max_frame_bytes=max_frame_bytes)
+    enc.header()
+    apply(state, patch, recorder=enc)
+    enc.end()
+    return b"".join(out)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chains(), st.sampled_from([4096, 1 << 16, MAX_FRAME_BYTES]))
+def test_recorded_changes_make_the_base_into_the_target(states, frame_bytes):
+    node = clone(states[0])
+    stream = b""
+    at = (0, state_hash(states[0]))
+    for v, target in enumerate(states[1:], 1):
+        patch = Patch.from_bytes(diff(states[v - 1], target).to_bytes())
+        stream += record(node, patch, at, v, frame_bytes)
+        same(node, target)
+        at = (v, patch.target_hash)
+    follower = clone(states[0])
+    last = apply_changes(follower, stream, after=(0, state_hash(states[0])))
+    same(follower, states[-1])
+    assert (last.target_version, last.target_hash) == at == (len(states) - 1, state_hash(follower))
+    for ev in iter_events(stream):
+        if isinstance(ev, Piece):
+            assert len(ev.bits) * ev.bits.itemsize + (0 if ev.positions is None else ev.positions.nbytes) < frame_bytes
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chains())
+def test_a_keyframe_over_a_state_replaces_it(states):
+    node = clone(states[0])
+    kf = keyframe(states[-1])
+    stream = record(node, kf, (0, state_hash(states[0])), 7)
+    same(node, states[-1])
+    follower = clone(states[0])
+    apply_changes(follower, stream)
+    same(follower, states[-1])
+
+
+def test_sparse_bf16_costs_six_bytes_per_changed_element():
+    rng = np.random.default_rng(1)
+    base = {"w": torch.from_numpy(rng.standard_normal(1 << 20).astype(np.float32)).to(torch.bfloat16)}
+    target = {"w": base["w"].clone()}
+    flat = target["w"].view(torch.int16)
+    pos = torch.from_numpy(rng.choice(1 << 20, 10_000, replace=False))
+    flat[pos] += 1
+    stream = record(clone(base), diff(base, target), (0, state_hash(base)), 1)
+    assert 10_000 * 6 < len(stream) < 10_000 * 6 + 512
+
+
+def test_positions_are_int64_only_for_tensors_of_2_31_elements_or_more():
+    assert changes.position_dtype((1 << 31) - 1) is np.int32 and changes.position_dtype(1 << 31) is np.int64
+
+
+def test_frames_split_and_each_piece_writes_in_place_on_its_tensor():
+    base = {"a": torch.zeros(10_000, dtype=torch.float32)}
+    held = base["a"]
+    out = []
+    enc = ChangeEncoder(VersionHeader(0, "h0", 1, "h1"), [TensorSpec("a", "fp32", (10_000,))],
+                        lambda b: out.extend(bytes(x) for x in b), max_frame_bytes=4096)
+    enc.header()
+    pos = np.arange(0, 10_000, 2, dtype=np.int64)
+    enc("a", pos, np.full(len(pos), 0x3F800000, dtype=np.int32))  # 1.0
+    enc.end()
+    stream = b"".join(out)
+    pieces = [e for e in iter_events(stream) if isinstance(e, Piece)]
+    assert len(pieces) > 5 and all(p.positions.dtype == np.int32 for p in pieces)
+    apply_changes(base, stream)
+    assert base["a"] is held and held[::2].eq(1).all() and held[1::2].eq(0).all()
+
+
+def _one_version():
+    return b"".join(bytes(b) for f in _frames() for b in f)
+
+
+def _frames():
+    out = []
+    enc = ChangeEncoder(VersionHeader(3, "h3", 4, "h4"), [TensorSpec("a", "bf16", (100,)), TensorSpec("b", "u8", (5,))],
+                        out.append, full=["b"])
+    enc.header()
+    enc("a", np.array([1, 5, 99]), np.array([1, 2, 3], dtype=np.int16))
+    enc("b", slice(0, 5), np.arange(5, dtype=np.uint8))
+    enc.end()
+    return out
+
+
+def test_stream_checks_order_chain_and_counts():
+    data = _one_version()
+    evs = iter_events(data, after=(3, "h3"))
+    assert isinstance(evs[0], VersionHeader) and isinstance(evs[-1], VersionEnd)
+    with pytest.raises(BaseMismatch):
+        iter_events(data, after=(3, "other"))
+    with pytest.raises(BaseMismatch):
+        iter_events(data + data)  # the second version's base is 3, not 4
+    for cut in (1, 5, len(data) // 2, len(data) - 1):
+        with pytest.raises(CorruptData):
+            iter_events(data[:cut])
+    frames = [b"".join(bytes(x) for x in f) for f in _frames()]
+    with pytest.raises(CorruptData):  # a piece dropped: the end's counts differ
+        iter_events(b"".join(frames[:2] + frames[3:]))
+    with pytest.raises(CorruptData):  # no header
+        iter_events(b"".join(frames[1:]))
+
+
+def test_a_frame_longer_than_the_limit_is_refused_before_it_is_buffered():
+    s = ChangeStream()
+    s.receive_data((MAX_FRAME_BYTES + 1).to_bytes(4, "little"))
+    with pytest.raises(CorruptData):
+        s.next_event()
+    s = ChangeStream()
+    s.receive_data(_one_version()[:10])
+    assert s.next_event() is NEED_DATA
+
+
+def test_changes_that_do_not_fit_the_tensors_are_refused():
+    with pytest.raises(BaseMismatch):
+        apply_changes({"a": torch.zeros(100, dtype=torch.float16), "b": torch.zeros(5, dtype=torch.uint8)},
+                      _one_version())
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_decoder_raises_only_its_own_errors(data):
+    stream = bytearray(_one_version())
+    for _ in range(data.draw(st.integers(1, 4))):
+        i = data.draw(st.integers(0, len(stream) - 1))
+        stream[i] = data.draw(st.integers(0, 255))
+    try:
+        evs = iter_events(bytes(stream))
+    except InvalidInput:
+        return
+    for ev in evs:  # what decodes is within its tensor
+        if isinstance(ev, Piece) and ev.positions is not None:
+            assert 0 <= ev.positions.min() and ev.positions.max() < np.prod(ev.shape)
