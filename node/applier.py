@@ -27,6 +27,7 @@ from patchswarm.protocol.patch import apply as apply_patch
 from patchswarm.protocol.publication import ObjKey, describe, patch_of
 from patchswarm.protocol.versions import NEW, VersionBook
 
+from patchswarm.node.changelog import DIRNAME as CHANGES_DIR, Changelog
 from patchswarm.node.fetcher import Fetcher
 from patchswarm.node.lowprio import run_low_priority
 from patchswarm.node.store import ObjectStore
@@ -49,6 +50,7 @@ class Applier:
         self.apply_nice = apply_nice
         self.apply_threads = apply_threads
         self.weights: Weights | None = None
+        self.changelog = Changelog(self.weights_path.parent / CHANGES_DIR)  # what each version wrote, for engines
         self.applied: collections.deque[dict] = collections.deque(maxlen=64)  # recent versions, for status
         self.manifests_rejected = 0
         self.manifests_stale = 0
@@ -130,11 +132,14 @@ class Applier:
         m = self.store.manifest(key)
         t0 = time.perf_counter()
         state = {} if self.weights is None else self.weights.state
+        base = None if self.weights is None else (self.weights.version, self.weights.state_hash)
 
         def work() -> None:
             # In place, without undo records: for a dense patch they would be a
             # second copy of the state, and the weights file holds the base anyway.
-            apply_patch(state, patch_of(m, self.store.chunks(key)), threads=self.apply_threads, undo=False)
+            patch = patch_of(m, self.store.chunks(key))
+            with self.changelog.recording(patch, base, m.version) as recorder:
+                apply_patch(state, patch, threads=self.apply_threads, undo=False, recorder=recorder)
 
         try:
             # Below the loop's priority: peers fetching this version from us come first (node/lowprio.py).
@@ -168,6 +173,7 @@ class Applier:
         for key in [k for k in self._timeline if k[0] <= version]:
             del self._timeline[key]
         floor = version - self.keep_versions
+        self.changelog.retire(floor)  # to become the base version once the node keeps a base file and its chain
         for key in self.store.keys():
             if key[0] < floor and not self.fetcher.picker.is_fetching(key):
                 self.store.drop(key)

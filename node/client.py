@@ -16,15 +16,22 @@ import os
 import socket
 import struct
 from pathlib import Path
+from typing import Callable
 
 import trio
 
+import torch
+from safetensors import SafetensorError, safe_open
+
 from patchswarm.protocol import localapi
-from patchswarm.protocol.errors import PatchswarmError, ProtocolError
+from patchswarm.protocol.changes import ChangeApplier, ChangeStream
+from patchswarm.protocol.errors import CorruptData, InvalidInput, PatchswarmError, ProtocolError, StateHashMismatch
+from patchswarm.protocol.statehash import state_hash
 from patchswarm.protocol.trajectory import encode_payload
 from patchswarm.protocol.wire import CLOSED, NEED_DATA, FrameBuffer
 
 from patchswarm.node.localapi import RECEIVE_BYTES
+from patchswarm.node.weights import META_HASH, META_VERSION
 
 # receive_some allocates its buffer per call: below glibc's mmap threshold (128 KiB) that is cheap.
 _ASYNC_RECEIVE_BYTES = 64 << 10
@@ -72,6 +79,14 @@ def _send_parts(s: socket.socket, parts: list) -> None:
             views[i] = views[i][sent:]
 
 
+def _fed(client: "NodeClient", more: Callable[[dict], bool], reply: dict) -> bool:
+    try:
+        return more(reply)
+    except BaseException:
+        client.close()  # the rest of the stream would be read as replies to the next request
+        raise
+
+
 def _result(reply: dict) -> dict:
     if reply.get("ok") is True:
         return reply
@@ -116,8 +131,11 @@ class NodeClient:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
             self._timeout = seconds
 
-    def _call(self, frame: list, timeout: float) -> dict:
-        """Send the frame (a list of buffers, written in order), return the reply."""
+    def _call(self, frame: list, timeout: float, more: Callable[[dict], bool] | None = None) -> dict:
+        """Send the frame (a list of buffers, written in order), return the reply. With
+        `more`, a streamed reply: each frame goes to `more` until it returns False; that
+        frame is the reply. If `more` raises, the connection is closed (the rest of the
+        stream is not read)."""
         s = self._connect()
         try:
             self._set_timeout(s, timeout + 10.0)
@@ -127,7 +145,10 @@ class NodeClient:
                 if body is CLOSED:
                     raise NodeUnavailable("unavailable", f"node at {self.path} closed the connection")
                 if body is not NEED_DATA:
-                    return _result(localapi.decode(body))
+                    reply = _result(localapi.decode(body))
+                    if more is None or not _fed(self, more, reply):
+                        return reply
+                    continue
                 n = s.recv_into(self._buf)
                 self._frames.receive_data(memoryview(self._buf)[:n])
         except BlockingIOError:  # the socket timeout ran out
@@ -151,6 +172,88 @@ class NodeClient:
     def submit_many(self, records, timeout: float = DEFAULT_SUBMIT_TIMEOUT) -> list[int]:
         recs = [record(*r) for r in records]
         return self._call(localapi.submit_frame_parts(recs, timeout), timeout)["seqs"]
+
+    def follow(self, tensors: dict[str, torch.Tensor], from_version: int | None, from_hash: str | None = None, *,
+               verify: bool = False, device: torch.device | str | None = None,
+               timeout: float = 600.0) -> tuple[int, str]:
+        """Bring `tensors` (name → contiguous tensor, any device; written in place) from
+        `from_version` (whose state hash is `from_hash`, checked against the changes
+        when given) to the node's current version; returns (version, state hash).
+
+        `from_version` None, a node that no longer holds the changes, or changes that
+        do not fit (a corrupt file, another chain): bootstrap, i.e. read the node's
+        weights file whole into `tensors`, then follow from its version. New tensors
+        go to `device` (default: where the tensors are). `verify`: hash `tensors` at
+        the end and raise StateHashMismatch unless they are the node's version (a
+        full pass over the state: for tests and small models)."""
+        at = None if from_version is None else (from_version, from_hash)
+        for attempt in range(2):
+            if at is None:
+                at = self.bootstrap(tensors, device)
+            try:
+                at = self._follow_changes(tensors, at, device, timeout)
+                break
+            except NodeError as e:
+                if e.code != localapi.BOOTSTRAP or attempt:
+                    raise
+            except InvalidInput:  # the tensors may be half-written: the bootstrap writes every one
+                if attempt:
+                    raise
+            at = None
+        if verify:
+            found = state_hash(tensors)
+            if found != at[1]:
+                raise StateHashMismatch(f"tensors after following to version {at[0]}", at[1], found)
+        return at
+
+    def _follow_changes(self, tensors, at: tuple[int, str | None], device, timeout: float) -> tuple[int, str]:
+        stream, applier = ChangeStream(at), ChangeApplier(tensors, device)
+
+        def more(reply: dict) -> bool:
+            if "chg" not in reply:
+                return False
+            stream.receive_data(reply["chg"])
+            while (ev := stream.next_event()) is not NEED_DATA:
+                applier.feed(ev)
+            return True
+
+        end = self._call([localapi.encode(localapi.changes_request(*at))], timeout, more)
+        version, h = end.get("version"), end.get("state_hash")
+        if (not end.get("done") or not stream.between_versions or stream.last[0] != version
+                or stream.last[1] not in (None, h)):
+            raise CorruptData(f"changes: expected a stream ending at the node's version {version}, "
+                              f"found one ending at {stream.last[0]} (between versions: {stream.between_versions})")
+        return version, h
+
+    def bootstrap(self, tensors: dict[str, torch.Tensor], device: torch.device | str | None = None) -> tuple[int, str]:
+        """Read the node's weights file into `tensors` (in place where dtype and shape
+        match, new tensors on `device` otherwise; names it lacks are dropped); returns
+        its (version, state hash) from its metadata."""
+        st = self.status()
+        path = st.get("base_path") or st.get("weights_path")
+        if device is None and tensors:
+            device = next(iter(tensors.values())).device
+        try:
+            # One open file: the node may replace it meanwhile; this read stays on one version.
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+                names = set(f.keys())
+                for name in [n for n in tensors if n not in names]:
+                    del tensors[name]
+                for name in sorted(names):
+                    t = f.get_tensor(name)
+                    cur = tensors.get(name)
+                    if cur is not None and cur.dtype == t.dtype and cur.shape == t.shape and cur.is_contiguous():
+                        cur.copy_(t)
+                    else:
+                        tensors[name] = t.to(device or "cpu").contiguous()
+        except (SafetensorError, OSError) as e:
+            raise NodeUnavailable("unavailable", f"{path}: expected the node's weights file, found {e}") from None
+        try:
+            return int(meta[META_VERSION]), meta[META_HASH]
+        except (KeyError, ValueError):
+            raise CorruptData(f"{path}: expected patchswarm metadata ({META_VERSION}, {META_HASH}), "
+                              f"found keys {sorted(meta)}") from None
 
     def close(self) -> None:
         if self._sock is not None:

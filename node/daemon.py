@@ -144,7 +144,8 @@ class Node:
                 await self.spool.aclose()
 
     async def _run(self, task_status) -> None:
-        local = LocalRequests(self.status, self.applier.wait_version, lambda: self.version, self.spool)
+        local = LocalRequests(self.status, self.applier.wait_version, lambda: self.version, self.spool,
+                              changelog=self.applier.changelog)
         async with trio.open_nursery() as nursery:
             await nursery.start(self.fetcher.run)  # first: pieces may come as soon as peers can connect
             self.listen_addr = await nursery.start(self._serve_peers)

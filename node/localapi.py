@@ -3,7 +3,9 @@
 Owns the socket file (`DATA_DIR/node.sock`, mode 0600, a stale file from a
 crashed daemon is replaced), the request loop of each connection, and
 `LocalRequests`, what each request does: status, wait for a version, submit
-trajectories (appended to the spool, acknowledged once durable). The bytes
+trajectories (appended to the spool, acknowledged once durable), stream the
+changes since a version (node/changelog.py's files, a bounded read at a
+time: a `StreamedReply` is several frames). The bytes
 are protocol/localapi.py's. Must not hold node state: `LocalRequests` asks
 the parts that do.
 
@@ -20,12 +22,13 @@ per call (11 us measured), more than the rest of a small request's read.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
 import socket as _socket
 from pathlib import Path
-from typing import Awaitable, Callable
+from typing import AsyncIterator, Awaitable, BinaryIO, Callable
 
 import trio
 
@@ -33,6 +36,7 @@ from patchswarm.protocol import localapi
 from patchswarm.protocol.errors import ProtocolError, SpoolFull, UsageError
 from patchswarm.protocol.wire import CLOSED, NEED_DATA, FrameBuffer
 
+from patchswarm.node.changelog import Changelog
 from patchswarm.node.spool import TrajectorySpool
 
 log = logging.getLogger("patchswarm.localapi")
@@ -41,17 +45,26 @@ RECEIVE_BYTES = 256 << 10  # per connection; a larger frame takes several reads
 _GONE = (errno.ECONNRESET, errno.EPIPE, errno.ENOTCONN, errno.EBADF)
 
 
+class StreamedReply:
+    """A reply of several frames: the maps `parts` yields, sent in order as they come."""
+
+    def __init__(self, parts: AsyncIterator[dict]):
+        self.parts = parts
+
+
 class LocalRequests:
     """`handle(request) -> reply` for `serve_local`. `status()` is the node's
     status map; `wait_version(min_version, timeout)` returns False when the
-    timeout ran out first; `version()` the node's version, for that error."""
+    timeout ran out first; `version()` the node's version, for that error;
+    `changelog`: where `changes` finds its files (None: every caller bootstraps)."""
 
     def __init__(self, status: Callable[[], dict], wait_version: Callable[[int, float], Awaitable[bool]],
-                 version: Callable[[], int | None], spool: TrajectorySpool):
+                 version: Callable[[], int | None], spool: TrajectorySpool, changelog: Changelog | None = None):
         self._status = status
         self._wait_version = wait_version
         self._version = version
         self._spool = spool
+        self._changelog = changelog
 
     async def __call__(self, req: dict) -> dict:
         op = req["op"]
@@ -70,7 +83,35 @@ class LocalRequests:
             except UsageError as e:
                 return localapi.error(localapi.BAD_REQUEST, str(e))
             return localapi.ok(seqs=seqs)
+        if op == "changes":
+            return await self._changes(req["from_version"], req["from_hash"])
         return localapi.error(localapi.UNAVAILABLE, f"{op}: not available on this node")
+
+    async def _changes(self, after: int, after_hash: str | None) -> dict | StreamedReply:
+        st = self._status()
+        version, current = st.get("version"), st.get("state_hash")
+        if version is None:
+            return localapi.error(localapi.UNAVAILABLE, "changes: the node holds no version yet")
+        files = None
+        if self._changelog is not None:
+            files = await trio.to_thread.run_sync(self._changelog.chain, after, after_hash, version, current)
+        if files is None:
+            path = st.get("base_path") or st.get("weights_path")
+            return localapi.error(localapi.BOOTSTRAP, f"changes: the node no longer holds those from version {after} "
+                                                      f"to {version}; read {path} and follow from its version", path=path)
+        return StreamedReply(_stream_files(files, localapi.ok(done=True, version=version, state_hash=current)))
+
+
+async def _stream_files(files: list[BinaryIO], last: dict) -> AsyncIterator[dict]:
+    """The files' bytes as `chg` parts of at most CHANGES_PART_BYTES, then `last`; closes them."""
+    try:
+        for f in files:
+            while chunk := await trio.to_thread.run_sync(f.read, localapi.CHANGES_PART_BYTES):
+                yield localapi.ok(chg=chunk)
+        yield last
+    finally:
+        for f in files:
+            f.close()
 
 
 async def serve_local(path: Path, handle: Handler, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -132,7 +173,12 @@ async def _serve_connection(conn: _socket.socket, handle: Handler) -> None:
                 reply = await handle(localapi.check_request(localapi.decode(body)))
             except ProtocolError as e:
                 reply = localapi.error(localapi.BAD_REQUEST, str(e))
-            await _send_all(conn, localapi.encode(reply))
+            if isinstance(reply, StreamedReply):
+                async with contextlib.aclosing(reply.parts) as parts:
+                    async for part in parts:
+                        await _send_all(conn, localapi.encode(part))
+            else:
+                await _send_all(conn, localapi.encode(reply))
     except ProtocolError as e:
         log.warning("local client sent bad frames: %s", e)
     except OSError as e:

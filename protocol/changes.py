@@ -18,8 +18,9 @@ than 2^31 elements (int64 otherwise), then the new bits: 6 B per changed
 bf16 element, 5 B per fp8 one, 8 B per fp32 one; whole tensors (new, or of
 a new dtype or shape) as a range and their bits, no positions.
 
-A stream is frames, each `u32 length (little-endian) | body` with a body of
-at most `MAX_FRAME_BYTES`; body = `kind (1 byte) | u32 meta length | meta
+A stream is frames, each `u32 length | u32 CRC-32 of the body | body`
+(little-endian) with a body of at most `MAX_FRAME_BYTES`, so a damaged file
+is found before a frame is written into anyone's weights; body = `kind (1 byte) | u32 meta length | meta
 (msgpack) | payload`. Per version, in this order:
 
 - `H` header: base version and hash (None when the version was applied to
@@ -41,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import struct
 import warnings
+import zlib
 from typing import Callable, Iterable
 
 import msgpack
@@ -59,7 +61,8 @@ MAX_NAME_BYTES = 4096
 MAX_DIMS = 16
 MAX_ELEMENTS = 1 << 48  # per tensor: a shape beyond this is corrupt, not a model
 INT32_LIMIT = 1 << 31  # tensors with fewer elements carry int32 positions
-_LEN = struct.Struct("<I")
+_PREFIX = struct.Struct("<II")  # body length, CRC-32 of the body
+PREFIX_BYTES = _PREFIX.size
 _BODY = struct.Struct("<cI")  # kind, meta length
 KINDS = (b"H", b"S", b"P", b"E")
 
@@ -118,7 +121,11 @@ def _frame(kind: bytes, meta, *payload) -> list:
     size = _BODY.size + len(m) + sum(p.nbytes for p in payload)
     if size > MAX_FRAME_BYTES:
         raise UsageError(f"change frame: expected at most {MAX_FRAME_BYTES} bytes, found {size}")
-    return [_LEN.pack(size) + _BODY.pack(kind, len(m)) + m, *payload]
+    head = _BODY.pack(kind, len(m)) + m
+    crc = zlib.crc32(head)
+    for p in payload:
+        crc = zlib.crc32(p, crc)
+    return [_PREFIX.pack(size, crc) + head, *payload]
 
 
 # ------------------------------------------------------------------ encoding
@@ -175,7 +182,7 @@ class ChangeEncoder:
         # Structure lists in frames of bounded size: a keyframe of a model with
         # 100k tensors declares them all.
         items = [("removed", n) for n in self._removed] + [("full", [s.name, s.dtype, list(s.shape)]) for s in self._full]
-        budget = self._max - _LEN.size - _BODY.size - 64
+        budget = self._max - _BODY.size - 64
         cur: dict = {"removed": [], "full": []}
         used = 0
         for key, item in items:
@@ -241,12 +248,12 @@ def _bad(what: str, expected: str, found) -> CorruptData:
     return CorruptData(f"change frame {what}: expected {expected}, found {found!r}"[:400])
 
 
-def frame_length(prefix: bytes) -> int:
-    """The body length a frame's 4-byte prefix announces, checked against MAX_FRAME_BYTES."""
-    (n,) = _LEN.unpack(prefix)
+def frame_prefix(prefix: bytes) -> tuple[int, int]:
+    """(body length, CRC-32) a frame's PREFIX_BYTES announce, the length checked against MAX_FRAME_BYTES."""
+    n, crc = _PREFIX.unpack(prefix)
     if not _BODY.size <= n <= MAX_FRAME_BYTES:
         raise _bad("length", f"{_BODY.size}..{MAX_FRAME_BYTES} bytes", n)
-    return n
+    return n, crc
 
 
 def _spec_of(item) -> TensorSpec:
@@ -263,11 +270,14 @@ def _spec_of(item) -> TensorSpec:
     return TensorSpec(name, dtype, tuple(shape))
 
 
-def decode_frame(body: bytes | memoryview) -> Event:
-    """One frame's body (without its length prefix) as an event; CorruptData if it is malformed."""
+def decode_frame(body: bytes | memoryview, crc: int) -> Event:
+    """One frame's body (without its prefix) as an event; CorruptData if it is malformed
+    or its CRC-32 is not `crc`."""
     body = memoryview(body)
     if not _BODY.size <= len(body) <= MAX_FRAME_BYTES:
         raise _bad("body", f"{_BODY.size}..{MAX_FRAME_BYTES} bytes", len(body))
+    if zlib.crc32(body) != crc:
+        raise _bad("checksum", f"CRC-32 {crc:08x}", f"{zlib.crc32(body):08x} (damaged)")
     kind, mlen = _BODY.unpack_from(body)
     if kind not in KINDS:
         raise _bad("kind", f"one of {[k.decode() for k in KINDS]}", kind)
@@ -342,9 +352,10 @@ class ChangeStream:
     Checks the order (H, S*, P*, E per version), that each header's base is
     the previous target, and each end's counts. Holds at most one frame."""
 
-    def __init__(self, after: tuple[int, str] | None = None):
+    def __init__(self, after: tuple[int, str | None] | None = None):
+        """`after`: (version, state hash) the first header's base must be (hash None: not checked)."""
         self._buf = bytearray()
-        self._need: int | None = None
+        self._need: tuple[int, int] | None = None
         self._in_version = False
         self._seen_piece = False
         self._pieces = self._elements = 0
@@ -355,22 +366,24 @@ class ChangeStream:
 
     def next_event(self):
         if self._need is None:
-            if len(self._buf) < _LEN.size:
+            if len(self._buf) < PREFIX_BYTES:
                 return NEED_DATA
-            self._need = frame_length(bytes(self._buf[:_LEN.size]))
-        if len(self._buf) < _LEN.size + self._need:
+            self._need = frame_prefix(bytes(self._buf[:PREFIX_BYTES]))
+        n, crc = self._need
+        if len(self._buf) < PREFIX_BYTES + n:
             return NEED_DATA
-        body = bytes(self._buf[_LEN.size:_LEN.size + self._need])
-        del self._buf[:_LEN.size + self._need]
+        body = bytes(self._buf[PREFIX_BYTES:PREFIX_BYTES + n])
+        del self._buf[:PREFIX_BYTES + n]
         self._need = None
-        return self.check(decode_frame(body))
+        return self.check(decode_frame(body, crc))
 
     def check(self, ev: Event) -> Event:
         """`ev` if it may come next (for frames that arrive already split), else CorruptData or BaseMismatch."""
         if isinstance(ev, VersionHeader):
             if self._in_version:
                 raise _bad("order", "an end before the next header", "a header")
-            if self.last is not None and (ev.base_version, ev.base_hash) != self.last:
+            if self.last is not None and (ev.base_version != self.last[0]
+                                          or (self.last[1] is not None and ev.base_hash != self.last[1])):
                 raise BaseMismatch(f"change stream: expected a version after {self.last[0]} ({self.last[1][:23]}…), "
                                    f"found one after {ev.base_version} ({str(ev.base_hash)[:23]}…)")
             self._in_version, self._seen_piece, self._pieces, self._elements = True, False, 0, 0

@@ -11,6 +11,11 @@ Ops:
 - wait_version(min_version, timeout)       -> {"status": {...}}; code "timeout" when it runs out
 - submit(records, timeout)                 -> {"seqs": [int, ...]}: durable at the node
     records: [[payload: bytes, policy_version: int, meta: map | nil], ...]
+- changes(from_version, from_hash | nil)   -> several frames: {"chg": bytes}... then
+    {"done": true, "version": int, "state_hash": str}: the change stream
+    (protocol/changes.py, cut anywhere) from the caller's version to the node's;
+    code "bootstrap" with "path" (a safetensors file whose metadata says its
+    version) when the node no longer holds those changes
 """
 
 from __future__ import annotations
@@ -26,13 +31,15 @@ from .wire import frame, frame_header
 MAX_FRAME_BYTES = 256 << 20  # a submit of many large records
 MAX_RECORDS_PER_SUBMIT = 65536
 SEPARATE_PAYLOAD_BYTES = 64 << 10  # submit_frame_parts: payloads this large are not copied
-OPS = ("status", "wait_version", "submit")
+OPS = ("status", "wait_version", "submit", "changes")
+CHANGES_PART_BYTES = 1 << 20  # change stream bytes per reply frame
 
 # error codes in replies
 TIMEOUT = "timeout"
 BAD_REQUEST = "bad_request"
 FULL = "spool_full"
 UNAVAILABLE = "unavailable"
+BOOTSTRAP = "bootstrap"
 
 
 def _number(v) -> bool:
@@ -68,6 +75,12 @@ def wait_version_request(min_version: int, timeout: float) -> dict:
     if not _uint(min_version) or not _number(timeout):
         raise UsageError(f"wait_version: expected min_version >= 0 and timeout >= 0, found {min_version!r}, {timeout!r}")
     return {"op": "wait_version", "min_version": min_version, "timeout": float(timeout)}
+
+
+def changes_request(from_version: int, from_hash: str | None) -> dict:
+    if not _uint(from_version) or not (from_hash is None or isinstance(from_hash, str)):
+        raise UsageError(f"changes: expected from_version >= 0 and a state hash or None, found {from_version!r}, {from_hash!r}")
+    return {"op": "changes", "from_version": from_version, "from_hash": from_hash}
 
 
 def submit_request(records: list, timeout: float) -> dict:
@@ -125,6 +138,9 @@ def check_request(req: dict) -> dict:
     if op == "wait_version":
         if not _uint(req.get("min_version")) or not _number(req.get("timeout")):
             raise ProtocolError("wait_version: expected min_version: int >= 0 and timeout: number >= 0")
+    elif op == "changes":
+        if not _uint(req.get("from_version")) or not (req.get("from_hash") is None or isinstance(req["from_hash"], str)):
+            raise ProtocolError("changes: expected from_version: int >= 0 and from_hash: str | nil")
     elif op == "submit":
         check_records(req.get("records"), ProtocolError)
         if not _number(req.get("timeout")):
@@ -139,5 +155,5 @@ def ok(**fields) -> dict:
     return {"ok": True, **fields}
 
 
-def error(code: str, message: str) -> dict:
-    return {"ok": False, "code": code, "error": message}
+def error(code: str, message: str, **fields) -> dict:
+    return {"ok": False, "code": code, "error": message, **fields}
