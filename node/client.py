@@ -105,6 +105,7 @@ class NodeClient:
         # mmap and munmap (11 us measured), more than the rest of a small reply's read.
         self._buf = bytearray(RECEIVE_BYTES)
         self._timeout: float | None = None  # the kernel's send/receive timeout now set
+        self.bootstraps = 0  # full reads of the weights file by `follow`/`bootstrap`
 
     def _connect(self) -> socket.socket:
         if self._sock is None:
@@ -229,6 +230,7 @@ class NodeClient:
         """Read the node's weights file into `tensors` (in place where dtype and shape
         match, new tensors on `device` otherwise; names it lacks are dropped); returns
         its (version, state hash) from its metadata."""
+        self.bootstraps += 1
         st = self.status()
         path = st.get("base_path") or st.get("weights_path")
         if device is None and tensors:
