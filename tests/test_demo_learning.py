@@ -17,16 +17,14 @@ import msgpack
 import pytest
 import torch
 from rich.console import Console
-from safetensors.torch import save_file
 
 from patchswarm.node.demo import task
 from patchswarm.node.demo.figure import write_figure
 from patchswarm.node.demo.learner import Learner, run_offline
-from patchswarm.node.demo.rollout_worker import load_weights, rollout_records
+from patchswarm.node.demo.rollout_worker import rollout_records
 from patchswarm.node.demo.view import DemoView, render, sparkline, summary_table
 from patchswarm.protocol.errors import CorruptData, InvalidInput
 from patchswarm.protocol.patch import Patch, apply
-from patchswarm.protocol.statehash import state_hash
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 10
@@ -113,20 +111,6 @@ def test_learner_counts_staleness_and_skips_bad_records():
     assert learner.rewards() == [(1, m["reward_mean"])]
     with pytest.raises(InvalidInput):
         learner.step(recs[-1:], version=5)
-
-
-def test_worker_loads_only_the_version_the_node_names(tmp_path):
-    served = task.served_state(task.Policy())
-    path = tmp_path / "weights.safetensors"
-    save_file(served, str(path))
-    h = state_hash(served)
-    loaded = load_weights(path, h)
-    assert all(torch.equal(loaded[k].view(torch.int16), served[k].view(torch.int16)) for k in served)
-    with pytest.raises(InvalidInput, match="state hash"):
-        load_weights(path, "0" * 64)
-    path.write_bytes(b"truncated")
-    with pytest.raises(InvalidInput, match="safetensors"):
-        load_weights(path, h)
 
 
 def _worker(*args: str) -> subprocess.Popen:

@@ -4,10 +4,12 @@
                                        [--until-version V]
 
 Owns the worker loop: wait for the node to hold a version newer than the last
-one rolled out, read that version's served weights from `weights_path`
-(checked against the node's state hash, so the trajectories carry the version
-that really produced them), sample `--batch` rollouts, submit them in one
-`submit_many` (one fsync at the node), repeat. Must not talk to the swarm
+one rolled out, bring the weights it holds in memory to that version with the
+sparse hand-off (`NodeClient.follow`: the changes since its last version,
+written in place; one full read of the node's weights file at the start),
+check them against the node's state hash (so the trajectories carry the
+version that really produced them), sample `--batch` rollouts, submit them in
+one `submit_many` (one fsync at the node), repeat. Must not talk to the swarm
 itself or train: the node moves weights and trajectories, the trainer learns.
 
 Stops, exit status 0, after `--max-versions` versions, after rolling out
@@ -29,15 +31,12 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors.torch import load_file
 
-from patchswarm.protocol.errors import InvalidInput, PatchswarmError
-from patchswarm.protocol.statehash import state_hash
+from patchswarm.protocol.errors import PatchswarmError
 
 from . import task
 
 WAIT_SLICE_S = 5.0  # one wait_version call; the loop re-checks stop flags between slices
-LOAD_TRIES = 3
 
 
 class _Stop(Exception):
@@ -49,20 +48,6 @@ class WorkerSummary:
     versions: list[int]
     trajectories: int
     reason: str
-
-
-def load_weights(path: str | Path, expected_hash: str | None) -> dict[str, torch.Tensor]:
-    """The served state at `path`; raises InvalidInput if its state hash is not
-    `expected_hash` (the node replaced the file with a newer version meanwhile)."""
-    try:
-        state = load_file(str(path))
-    except Exception as e:  # safetensors raises its own error types and OSError
-        raise InvalidInput(f"{path}: expected a readable safetensors file ({type(e).__name__}: {e})") from None
-    if expected_hash is not None:
-        found = state_hash(state)
-        if found != expected_hash:
-            raise InvalidInput(f"{path}: expected state hash {expected_hash[:16]}…, found {found[:16]}…")
-    return state
 
 
 def rollout_records(weights: dict[str, torch.Tensor], version: int, seed: int, n: int) -> tuple[list, list[float]]:
@@ -79,15 +64,17 @@ def run_worker(client, *, seed: int, batch: int, max_versions: int, idle_timeout
                until_version: int | None = None) -> WorkerSummary:
     """The loop over versions; `client` is a `patchswarm.node.client.NodeClient`.
 
-    Returns why it stopped. Raises only for unexpected faults (bad weights
-    that stay bad after LOAD_TRIES reads, node errors other than a timeout or
-    a missing socket)."""
+    Returns why it stopped. Raises only for unexpected faults (weights that
+    do not hash to the node's version after a hand-off, node errors other
+    than a timeout or a missing socket)."""
     from patchswarm.node.client import NodeError, NodeUnavailable  # the swarm's client; imported late so task-only users need not
 
     t_end = time.monotonic() + deadline
     done: list[int] = []
     sent = 0
     last = -1  # versions count from 0
+    weights: dict[str, torch.Tensor] = {}  # the policy as this worker holds it, changed in place
+    at: tuple[int, str] | None = None  # its (version, state hash)
     idle_since = time.monotonic()
     while len(done) < max_versions:
         now = time.monotonic()
@@ -107,16 +94,12 @@ def run_worker(client, *, seed: int, batch: int, max_versions: int, idle_timeout
                 continue
             raise
         t0 = time.perf_counter()
-        weights = None
-        for _ in range(LOAD_TRIES):
-            try:
-                weights = load_weights(st["weights_path"], st["state_hash"])
-                break
-            except InvalidInput:
-                st = client.status()  # the file moved on to a newer version: tag with that one
-        if weights is None:
-            raise InvalidInput(f"{st['weights_path']}: no consistent read in {LOAD_TRIES} tries")
-        version = int(st["version"])
+        try:
+            # To the node's version now (it may be past st's): the tag is the version the weights hold.
+            at = client.follow(weights, *(at or (None,)), verify=True)
+        except NodeUnavailable:
+            return WorkerSummary(done, sent, "node socket gone")
+        version = at[0]
         if until_version is not None and version > until_version:
             return WorkerSummary(done, sent, f"version {version} is past the final version {until_version}")
         t1 = time.perf_counter()
@@ -132,7 +115,7 @@ def run_worker(client, *, seed: int, batch: int, max_versions: int, idle_timeout
         last = version
         idle_since = time.monotonic()
         log(f"worker {seed} node {st.get('node_id', '?')} version {version}: {len(records)} rollouts, "
-            f"reward {sum(rewards) / len(rewards):.3f}, load {t1 - t0:.2f} s, rollout {t2 - t1:.2f} s, "
+            f"reward {sum(rewards) / len(rewards):.3f}, hand-off {t1 - t0:.2f} s, rollout {t2 - t1:.2f} s, "
             f"submit {t3 - t2:.2f} s")
         if until_version is not None and version >= until_version:
             return WorkerSummary(done, sent, f"final version {until_version} done")
@@ -226,6 +209,9 @@ class _Interruptible:
 
     def status(self) -> dict:
         return self._client.status()
+
+    def follow(self, tensors: dict, *at, verify: bool = False) -> tuple[int, str]:
+        return self._client.follow(tensors, *at, verify=verify)
 
     def submit_many(self, records) -> list[int]:
         return self._client.submit_many(records)
