@@ -152,3 +152,40 @@ def served_pairs(
     tdtype = SERVED_DTYPES[dtype]
     states = [served(s, tdtype) for s in rl_checkpoints(size, lr, steps, seed)]
     return list(zip(states[:-1], states[1:]))
+
+
+def scaled_served_versions(gib: float, versions: int, seed: int = 0, bf16_changed: float = 0.0075,
+                           fp8_changed: float = 0.0005):
+    """A served checkpoint of about `gib` GiB and `versions` versions after it, one at a time.
+
+    For sizes no test model reaches on a laptop: the tensor mix and change rates
+    of the measurements in DESIGN.md and issue 20, not trained weights. Three
+    quarters of the bytes are bf16 matrices (8192 x 4096) of which
+    `bf16_changed` of the elements move by 1-2 ulp per version; a quarter are
+    fp8 e4m3 matrices (4096 x 4096) with an fp32 scale per 128 x 128 block,
+    where `fp8_changed` of the elements and half the scales move; plus bf16 norms.
+    Yields (state, changed elements); the state is updated in place, so hold a
+    clone to keep a version."""
+    gen = torch.Generator().manual_seed(seed)
+    state: dict[str, torch.Tensor] = {}
+    n_bf16 = max(1, round(gib * 0.75 * (1 << 30) / (8192 * 4096 * 2)))
+    n_fp8 = max(1, round(gib * 0.25 * (1 << 30) / (4096 * 4096)))
+    for i in range(n_bf16):
+        state[f"layers.{i}.mlp.weight"] = (torch.randn(8192, 4096, generator=gen) * 0.02).to(torch.bfloat16)
+        state[f"layers.{i}.norm.weight"] = (1 + 0.1 * torch.randn(4096, generator=gen)).to(torch.bfloat16)
+    for i in range(n_fp8):
+        state[f"layers.{i}.attn.weight"] = (torch.randn(4096, 4096, generator=gen) * 100).to(torch.float8_e4m3fn)
+        state[f"layers.{i}.attn.weight_scale_inv"] = torch.rand(32, 32, generator=gen) * 1e-3
+    yield state, 0
+    int_of = {1: torch.int8, 2: torch.int16, 4: torch.int32}
+    for _ in range(versions):
+        changed = 0
+        for name, t in state.items():
+            flat = t.view(int_of[t.element_size()]).view(-1)
+            rate = 0.5 if name.endswith("scale_inv") else fp8_changed if t.element_size() == 1 else bf16_changed
+            k = max(1, int(flat.numel() * rate))
+            pos = torch.randint(0, flat.numel(), (k,), generator=gen).unique()
+            step = torch.randint(1, 3, (len(pos),), generator=gen, dtype=flat.dtype)
+            flat[pos] += step  # never 0: every drawn position changes
+            changed += len(pos)
+        yield state, changed
