@@ -6,8 +6,9 @@ written while the version is applied (the patch decoder hands each write to
 the encoder, which goes straight to a temporary file: memory does not grow
 with the version) and renamed into place only if the apply succeeded; a
 temporary left by a crash is removed when the log is opened. `retire(floor)`
-drops the files of versions at or below `floor` (the node's base version:
-an engine that reads the base file follows the files after it).
+drops the files of versions at or below `floor` (the applier keeps what
+the store keeps: every version after the base, so an engine that reads the
+base file follows the files after it, and the window late peers ask for).
 
 `chain(after, upto)` opens, in order, the files that take a state at version
 `after` to version `upto`, or says there is no such chain (the engine must
@@ -69,12 +70,15 @@ class Changelog:
                 enc.header()
                 yield enc
                 enc.end()
+                # Durable before it is named: a restart replays the stored chain without
+                # recording it again, so a file lost to a power loss would break the chain
+                # engines follow until the base moves past it.
+                f.flush()
+                os.fdatasync(f.fileno())
             except BaseException:
                 f.close()
                 tmp.unlink(missing_ok=True)
                 raise
-        # No fsync: after a power loss the node re-applies from its verified base and
-        # records again; an engine checks every frame and the chain of hashes.
         os.replace(tmp, final)
 
     def header(self, version: int) -> VersionHeader | None:

@@ -5,7 +5,10 @@ timeout)`, `submit(payload, policy_version, meta=None) -> seq` and
 `submit_many(records) -> seqs`. A payload is bytes, or any msgpack-able
 object (packed by `protocol.trajectory.encode_payload`; the trainer gets it
 back with `record.value()`). `submit` returns once the node has the records
-durably in its spool.
+durably in its spool. `follow(tensors, from_version, from_hash)` is the
+sparse hand-off: the changes since a version written into the caller's
+tensors in place (any device; protocol/changes.py), with a bootstrap from the
+node's base file when the node no longer holds them.
 Errors the node reports raise `NodeError` (with `.code`); a missing socket
 raises `NodeUnavailable`.
 """
@@ -105,7 +108,7 @@ class NodeClient:
         # mmap and munmap (11 us measured), more than the rest of a small reply's read.
         self._buf = bytearray(RECEIVE_BYTES)
         self._timeout: float | None = None  # the kernel's send/receive timeout now set
-        self.bootstraps = 0  # full reads of the weights file by `follow`/`bootstrap`
+        self.bootstraps = 0  # full reads of the node's base file by `follow`/`bootstrap`
 
     def _connect(self) -> socket.socket:
         if self._sock is None:
@@ -183,7 +186,7 @@ class NodeClient:
 
         `from_version` None, a node that no longer holds the changes, or changes that
         do not fit (a corrupt file, another chain): bootstrap, i.e. read the node's
-        weights file whole into `tensors`, then follow from its version. New tensors
+        base file (status base_path) whole into `tensors`, then follow from its version. New tensors
         go to `device` (default: where the tensors are). `verify`: hash `tensors` at
         the end and raise StateHashMismatch unless they are the node's version (a
         full pass over the state: for tests and small models)."""
@@ -227,7 +230,7 @@ class NodeClient:
         return version, h
 
     def bootstrap(self, tensors: dict[str, torch.Tensor], device: torch.device | str | None = None) -> tuple[int, str]:
-        """Read the node's weights file into `tensors` (in place where dtype and shape
+        """Read the node's base file (status `base_path`) into `tensors` (in place where dtype and shape
         match, new tensors on `device` otherwise; names it lacks are dropped); returns
         its (version, state hash) from its metadata."""
         self.bootstraps += 1
@@ -250,7 +253,7 @@ class NodeClient:
                     else:
                         tensors[name] = t.to(device or "cpu").contiguous()
         except (SafetensorError, OSError) as e:
-            raise NodeUnavailable("unavailable", f"{path}: expected the node's weights file, found {e}") from None
+            raise NodeUnavailable("unavailable", f"{path}: expected the node's base file, found {e}") from None
         try:
             return int(meta[META_VERSION]), meta[META_HASH]
         except (KeyError, ValueError):

@@ -6,7 +6,7 @@
 Owns the worker loop: wait for the node to hold a version newer than the last
 one rolled out, bring the weights it holds in memory to that version with the
 sparse hand-off (`NodeClient.follow`: the changes since its last version,
-written in place; one full read of the node's weights file at the start),
+written in place; one full read of the node's base file at the start),
 check them against the node's state hash (so the trajectories carry the
 version that really produced them), sample `--batch` rollouts, submit them in
 one `submit_many` (one fsync at the node), repeat. Must not talk to the swarm
