@@ -29,19 +29,24 @@ def make_origin(tmp_path, **kw) -> SyncOrigin:
 
 
 def test_keyframe_first_patches_after_and_a_keyframe_when_the_chain_costs_more(tmp_path):
-    states = rl_checkpoints("tiny", 1e-2, 4)  # dense steps: each patch costs most of a keyframe
+    states = rl_checkpoints("tiny", 1e-2, 6)  # dense steps: each patch costs most of a keyframe
     with make_origin(tmp_path) as o:
         versions = [o.publish(s) for s in states]
         history = o.stats()["versions"]
-    assert versions == [0, 1, 2, 3, 4]
+    assert versions == list(range(7))
     assert history[0]["patch_bytes"] is None and history[0]["keyframe_bytes"] > 0
     assert all(h["patch_bytes"] > 0 for h in history[1:])
     keyframes = [h["version"] for h in history if h["keyframe_bytes"]]
     assert keyframes[0] == 0 and len(keyframes) >= 2, history
-    # each keyframe comes exactly when the patches since the previous one outweigh it
-    for prev, k in zip(keyframes, keyframes[1:]):
-        chain = sum(history[v]["patch_bytes"] for v in range(prev + 1, k + 1))
-        assert chain > history[prev]["keyframe_bytes"]
+    # each keyframe comes exactly when the patches since the previous one outweigh it:
+    # every keyframe was due, and every version whose chain outweighed the last keyframe got one
+    last = 0
+    for h in history[1:]:
+        chain = sum(history[v]["patch_bytes"] for v in range(last + 1, h["version"] + 1))
+        due = chain > history[last]["keyframe_bytes"]
+        assert bool(h["keyframe_bytes"]) == due, (h["version"], chain, history[last]["keyframe_bytes"])
+        if due:
+            last = h["version"]
 
 
 def test_restart_continues_the_version_chain_from_disk(tmp_path):
