@@ -609,6 +609,27 @@ def test_store_dedups_and_counts_duplicates_durably(tmp_path):
     assert TrajectoryReader(tmp_path).summary()["duplicates_dropped"] == 7
 
 
+def test_a_reopened_store_drops_seqs_it_stored_before_the_restart(tmp_path):
+    """A node resends what the origin stored but never acknowledged (it restarted): the
+    dedup index is rebuilt from the segments on open, so nothing is stored twice."""
+    before = [rec(i, b"p%d" % i, node=f"n{i % 2}") for i in range(6)]
+
+    async def main():
+        st = await TrajectoryStore.open(tmp_path, segment_bytes=200)  # several segments
+        await st.append(before)
+        await st.aclose()
+        st = await TrajectoryStore.open(tmp_path)
+        assert await st.append(before[2:] + [rec(7, b"p7", node="n1")]) == [2, 3, 4, 5, 7]
+        summary = st.summary()
+        got = [(r.node_id, r.seq) for r in st.iter_records()]
+        await st.aclose()
+        return summary, got
+
+    summary, got = run(main)
+    assert sorted(got) == sorted({(r.node_id, r.seq) for r in before} | {("n1", 7)})
+    assert summary["records"] == 7 and summary["duplicates_dropped"] == 4
+
+
 def test_concurrent_store_appends_share_fsyncs_and_dedup_across_callers(tmp_path):
     async def main():
         st = await TrajectoryStore.open(tmp_path)
