@@ -11,10 +11,9 @@ import pytest
 import trio
 import trio.testing
 
+from memlink import connected_pair, store_with
 from patchswarm.node.net.ratelimit import TokenBucket
-from patchswarm.node.net.transport import MessageStream, exchange_hello
 from patchswarm.node.peers import PeerSet
-from patchswarm.node.store import ObjectStore
 from patchswarm.protocol import wire
 from patchswarm.protocol.assembly import PART_BYTES
 
@@ -119,31 +118,6 @@ def test_concurrent_takers_are_served_in_arrival_order_at_the_shared_rate():
 # ---------------------------------------------------------------- the two places that use it
 
 
-async def _connected(peers: PeerSet | None, nursery, on_receive=None):
-    """A MessageStream pair after Hello: ours (with on_receive), theirs; `peers` runs theirs."""
-    a, b = trio.testing.memory_stream_pair()
-    served, requester = MessageStream(a, "req", "node"), MessageStream(b, "srv", "node", on_receive=on_receive)
-    async with trio.open_nursery() as n:
-        n.start_soon(exchange_hello, served, wire.Hello("srv", "r1", "node", "x:1", []))
-        n.start_soon(exchange_hello, requester, wire.Hello("req", "r1", "node", "x:2", []))
-    if peers is not None:
-        nursery.start_soon(peers.run, served, False)
-    return served, requester
-
-
-def _store_with(tmp_path, data: bytes) -> ObjectStore:
-    import hashlib
-
-    from patchswarm.protocol.manifest import Manifest
-    store = ObjectStore(tmp_path / "store")
-    m = Manifest(swarm_id="sw", version=1, base_version=0, base_hash="blake3:" + "00" * 32,
-                 target_hash="blake3:" + "11" * 32, tensors=[],
-                 chunks=[(len(data), hashlib.sha256(data).digest())], codec={"format": 1}, created_at=0.0)
-    store.put_manifest((1, False), m, b"envelope")
-    store.put_chunk((1, False), 0, data)
-    return store
-
-
 async def _noop(s, msg) -> None:
     pass
 
@@ -151,11 +125,12 @@ async def _noop(s, msg) -> None:
 def test_the_upload_limit_paces_the_pieces_a_member_serves(tmp_path):
     data = os.urandom(8 * PART_BYTES + 123)
     rate, burst = 256 * KIB, 64 * KIB
-    peers = PeerSet("srv", _store_with(tmp_path, data), TokenBucket(rate, burst), _noop)
+    peers = PeerSet("srv", store_with(tmp_path, [data]), TokenBucket(rate, burst), _noop)
 
     async def go():
         async with trio.open_nursery() as n:
-            _, requester = await _connected(peers, n)
+            served, requester, _ = await connected_pair()
+            n.start_soon(peers.run, served, False)
             await requester.send(wire.Request(1, False, 0))
             got, times = 0, []
             while got < len(data):
@@ -179,15 +154,14 @@ def test_the_download_limit_paces_what_a_member_reads():
 
     async def go():
         b = TokenBucket(rate, burst)
-        async with trio.open_nursery() as n:
-            sender, reader = await _connected(None, n, on_receive=b.take)
-            before = reader.counters.received
-            t0 = trio.current_time()
-            for i in range(count):
-                await sender.send(wire.Piece(1, False, i, 0, len(payload), payload))
-            for _ in range(count):
-                assert isinstance(await reader.receive(), wire.Piece)
-            return trio.current_time() - t0, reader.counters.received - before
+        sender, reader, _ = await connected_pair(on_receive=b.take)
+        before = reader.counters.received
+        t0 = trio.current_time()
+        for i in range(count):
+            await sender.send(wire.Piece(1, False, i, 0, len(payload), payload))
+        for _ in range(count):
+            assert isinstance(await reader.receive(), wire.Piece)
+        return trio.current_time() - t0, reader.counters.received - before
     elapsed, wire_bytes = run_mock(go)
     # every byte read is taken from the bucket before it is parsed: the frames (payload plus
     # headers) past the burst pass at the rate, and the hellos already spent part of it
