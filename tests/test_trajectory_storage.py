@@ -487,6 +487,8 @@ SPOOL_CHILD = r"""
 import random, sys, trio
 from patchswarm.node.spool import TrajectorySpool
 
+random.seed(int(sys.argv[2]))
+
 async def main():
     sp = await TrajectorySpool.open(sys.argv[1], "n1", "r1", max_bytes=1 << 22, segment_bytes=1 << 14)
     print("OPEN", flush=True)
@@ -518,6 +520,15 @@ trio.run(main)
 """
 
 
+def process_seed(test: str) -> int:
+    """The seed of a randomized process test: from PATCHSWARM_TEST_SEED if set, else a fresh
+    one; printed, so a failure's captured output says how to replay the test's choices (kill
+    times, payload sizes, resends; the processes' scheduling is not replayable)."""
+    seed = int(os.environ.get("PATCHSWARM_TEST_SEED") or random.SystemRandom().randrange(1 << 32))
+    print(f"{test}: seed {seed} (PATCHSWARM_TEST_SEED={seed} replays it)", flush=True)
+    return seed
+
+
 def _run_and_kill(script: Path, args, out: Path, seconds: float) -> list[list[str]]:
     with open(out, "w") as f:
         p = subprocess.Popen([sys.executable, str(script), *map(str, args)], stdout=f, env=ENV, cwd=ROOT)
@@ -541,10 +552,11 @@ def test_sigkill_spool_keeps_every_acknowledged_record_exactly_once(tmp_path):
     script = tmp_path / "child.py"
     script.write_text(SPOOL_CHILD)
     spool_dir = tmp_path / "spool"
-    rng = random.Random(os.getpid())
+    rng = random.Random(process_seed("sigkill spool"))
     appended, acking, acked, last_seq = {}, set(), set(), -1
     for round_ in range(3):
-        lines = _run_and_kill(script, [spool_dir], tmp_path / f"out{round_}", rng.uniform(0.3, 1.2))
+        lines = _run_and_kill(script, [spool_dir, rng.randrange(1 << 32)], tmp_path / f"out{round_}",
+                              rng.uniform(0.3, 1.2))
         for fields in lines:
             if len(fields) == 3 and fields[0] == "A":
                 appended[int(fields[1])] = fields[2]
@@ -772,6 +784,8 @@ import random, sys, trio
 from patchswarm.node.trainer.trajstore import TrajectoryStore
 from patchswarm.protocol.trajectory import Record
 
+random.seed(int(sys.argv[3]))
+
 async def main():
     st = await TrajectoryStore.open(sys.argv[1], segment_bytes=1 << 15)
     print("OPEN", flush=True)
@@ -801,12 +815,17 @@ def test_sigkill_store_keeps_every_acknowledged_record_exactly_once(tmp_path):
     script = tmp_path / "child.py"
     script.write_text(STORE_CHILD)
     store_dir = tmp_path / "store"
-    rng = random.Random(os.getpid() + 1)
+    rng = random.Random(process_seed("sigkill store"))
     acked = set()
-    for round_ in range(2):
-        lines = _run_and_kill(script, [store_dir, round_ * 10**6], tmp_path / f"out{round_}", rng.uniform(0.3, 1.0))
-        acked |= {(f[1], int(f[2])) for f in lines if len(f) == 3 and f[0] == "A"}
-        assert acked
+    for round_ in range(3):
+        # every round starts at seq 0: each restart sees seqs the store already holds (the
+        # dedup index rebuilt from the segments), a fresh range too once it outruns the last
+        lines = _run_and_kill(script, [store_dir, 0, rng.randrange(1 << 32)], tmp_path / f"out{round_}",
+                              rng.uniform(0.3, 1.0))
+        now = {(f[1], int(f[2])) for f in lines if len(f) == 3 and f[0] == "A"}
+        assert now, "the child acknowledged nothing before the kill"
+        assert round_ == 0 or now & acked, "no seq stored before the restart was sent again"
+        acked |= now
 
         async def check():
             st = await TrajectoryStore.open(store_dir)
