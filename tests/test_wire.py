@@ -375,9 +375,14 @@ def test_bitfield_layout():
 def test_bitfield_rejects():
     with pytest.raises(ProtocolError, match="beyond"):
         indices_from_bitfield(bytes([0b0000_0100]), 2)
-    with pytest.raises(ProtocolError, match="bytes"):
-        indices_from_bitfield(bytes(2), 8)
+    with pytest.raises(ProtocolError, match="bitfield of 9 bits: expected 2 bytes, found 1$"):
+        indices_from_bitfield(bytes(1), 9)
     with pytest.raises(UsageError):
         bitfield_from_indices([10], 10)
     with pytest.raises(UsageError):
         bitfield_from_indices([-1], 10)
+    with pytest.raises(UsageError, match="expected a non-negative int n, found int -1$"):
+        bitfield_from_indices([], -1)
+    # a long value is cut to 57 characters and '...' in the message
+    with pytest.raises(UsageError, match=r"found str 'x{56}\.\.\.$"):
+        bitfield_from_indices([], "x" * 100)
