@@ -149,6 +149,19 @@ def test_many_small_frames_cost_linear_work(piece):
     assert frames.moved <= len(raw), (frames.moved, len(raw))
 
 
+def test_parsed_frames_are_dropped_while_a_partial_one_waits():
+    """The buffer never empties while a frame is half in (a stream that never pauses between
+    frames); what was parsed must still go, or the buffer holds the whole stream."""
+    body = b"x" * 1000
+    framed = wire.frame_header(len(body)) + body
+    n = 3 * (64 << 10) // len(framed)
+    frames = wire.FrameBuffer()
+    frames.receive_data(framed * n + framed[:10])
+    assert [frames.next_body() for _ in range(n)] == [body] * n
+    assert frames.next_body() is NEED_DATA
+    assert len(frames._buf) <= (64 << 10) + len(framed), len(frames._buf)
+
+
 def test_one_large_frame_fed_in_small_pieces():
     piece = Piece(version=3, keyframe=True, chunk=7, offset=0, total=8 << 20, data=bytes(range(256)) * (8 << 12))  # 8 MiB
     raw = session([piece])
@@ -188,8 +201,10 @@ def test_default_max_frame():
 def test_send_respects_max_frame():
     conn = Connection(max_frame=100)
     conn.send(HELLO)
-    with pytest.raises(UsageError):
-        conn.send(Piece(version=1, keyframe=False, chunk=0, offset=0, total=200, data=bytes(200)))
+    big = Piece(version=1, keyframe=False, chunk=0, offset=0, total=200, data=bytes(200))
+    body = len(wire.encode(big)) - wire.HEADER_BYTES
+    with pytest.raises(UsageError, match=f"expected a frame of at most 100 bytes, found {body}$"):
+        conn.send(big)
 
 
 @pytest.mark.parametrize("cut", [1, 3, 4, 10])
@@ -373,7 +388,7 @@ def test_bitfield_layout():
 
 
 def test_bitfield_rejects():
-    with pytest.raises(ProtocolError, match="beyond"):
+    with pytest.raises(ProtocolError, match="bitfield of 2 bits: found bits set beyond bit 1$"):
         indices_from_bitfield(bytes([0b0000_0100]), 2)
     with pytest.raises(ProtocolError, match="bitfield of 9 bits: expected 2 bytes, found 1$"):
         indices_from_bitfield(bytes(1), 9)
