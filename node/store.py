@@ -21,6 +21,7 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 from patchswarm.protocol.errors import InvalidInput
@@ -142,14 +143,14 @@ class ObjectStore:
             self._have[key].discard(index)
             return None
 
-    def chunks(self, key: ObjKey) -> list[bytes]:
-        """Every chunk of a complete object, in index order."""
+    def chunks(self, key: ObjKey) -> "StoredChunks":
+        """Every chunk of a complete object, in index order, each read from disk when it is
+        reached: an apply holds one batch of a keyframe or a dense patch, not all of it."""
         n = len(self._manifests[key].chunks)
-        out = [self.get_chunk(key, i) for i in range(n)]
-        missing = [i for i, c in enumerate(out) if c is None]
+        missing = sorted(set(range(n)) - self._have.get(key, set()))
         if missing:
             raise InvalidInput(f"object {_dirname(key)}: chunks {missing[:5]} are missing")
-        return out  # type: ignore[return-value]
+        return StoredChunks(self, key, n)
 
     def have(self, key: ObjKey) -> set[int]:
         return self._have.get(key, set())
@@ -168,6 +169,26 @@ class ObjectStore:
         self._have.pop(key, None)
         self._manifests.pop(key, None)
         shutil.rmtree(self.root / _dirname(key), ignore_errors=True)
+
+
+class StoredChunks(Sequence):
+    """A complete object's chunks as a sequence that reads each from the store when indexed."""
+
+    def __init__(self, store: ObjectStore, key: ObjKey, n: int):
+        self._store, self._key, self._n = store, key, n
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self._n))]
+        if not -self._n <= i < self._n:
+            raise IndexError(i)
+        data = self._store.get_chunk(self._key, i % self._n)
+        if data is None:  # removed since the object was complete: fetched again, never applied half
+            raise InvalidInput(f"object {_dirname(self._key)}: chunk {i % self._n} is gone from the store")
+        return data
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
