@@ -17,6 +17,7 @@ retiring objects no restart or late peer needs. Must not fetch
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import time
 from pathlib import Path
@@ -48,7 +49,8 @@ COMPACT_NICE = 19  # compaction is the least urgent work on the host
 
 class Applier:
     def __init__(self, book: VersionBook, store: ObjectStore, fetcher: Fetcher, durable: DurableState,
-                 *, keep_versions: int, apply_nice: int, apply_threads: int | None, sink: ModelSink | None = None):
+                 *, keep_versions: int, apply_nice: int, apply_threads: int | None, sink: ModelSink | None = None,
+                 record_changes: bool = False):
         self.book = book
         self.store = store
         self.fetcher = fetcher
@@ -59,7 +61,8 @@ class Applier:
         self.apply_nice = apply_nice
         self.apply_threads = apply_threads
         self.weights: Weights | None = None
-        self.changelog = Changelog(durable.path.parent / CHANGES_DIR)  # what each version wrote, for engines
+        # What each version wrote, for clients that follow by sparse changes (--sparse-handoff).
+        self.changelog = Changelog(durable.path.parent / CHANGES_DIR) if record_changes else None
         self.applied: collections.deque[dict] = collections.deque(maxlen=64)  # recent versions, for status
         self.manifests_rejected = 0
         self.manifests_stale = 0
@@ -161,7 +164,8 @@ class Applier:
             patch = patch_of(m, self.store.chunks(key))
             # In place, without undo records: for a dense patch they would be a second copy
             # of the state, and the base file plus the stored chain hold the version before.
-            with self.changelog.recording(patch, base, m.version) as recorder:
+            with (self.changelog.recording(patch, base, m.version) if self.changelog is not None
+                  else contextlib.nullcontext(None)) as recorder:
                 apply_patch(state, patch, threads=self.apply_threads, undo=False, recorder=recorder,
                             progress=lambda done, total: done == 1 and failpoints.hit("apply.written"))
             if self.sink is not None:
@@ -249,7 +253,8 @@ class Applier:
         # Kept: the window late peers may still ask for, and every patch since the base (a
         # restart replays them, a compaction folds them).
         floor = min(version - self.keep_versions, self.durable.keep_from())
-        self.changelog.retire(floor - 1)  # the same versions' change files: an engine follows from the base
+        if self.changelog is not None:
+            self.changelog.retire(floor - 1)  # the same versions' change files: an engine follows from the base
         for key in self.store.keys():
             if key[0] < floor and not self.fetcher.picker.is_fetching(key):
                 self.store.drop(key)

@@ -81,6 +81,7 @@ class NodeConfig:
     engine: str | None = None  # sglang | vllm
     engine_url: str | None = None
     on_version: str | None = None  # a command run per version
+    sparse_handoff: bool = False  # record each version's changes for NodeClient.follow (node/changelog.py)
 
 
 class Node:
@@ -140,7 +141,8 @@ class Node:
         durable = DurableState(self.data_dir, self.store, self.swarm_id, self.cfg.compact_every)
         self.applier = Applier(self.book, self.store, self.fetcher, durable,
                                keep_versions=self.cfg.keep_versions, apply_nice=self.cfg.apply_nice,
-                               apply_threads=self.cfg.apply_threads, sink=self._model_sink())
+                               apply_threads=self.cfg.apply_threads, sink=self._model_sink(),
+                               record_changes=self.cfg.sparse_handoff)
         self.applier.weights = await trio.to_thread.run_sync(self.applier.load_weights)
         self.spool = await TrajectorySpool.open(self.data_dir / "spool", self.id, self.region,
                                                 max_bytes=self.cfg.spool_bytes)

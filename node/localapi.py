@@ -56,7 +56,7 @@ class LocalRequests:
     """`handle(request) -> reply` for `serve_local`. `status()` is the node's
     status map; `wait_version(min_version, timeout)` returns False when the
     timeout ran out first; `version()` the node's version, for that error;
-    `changelog`: where `changes` finds its files (None: every caller bootstraps)."""
+    `changelog`: where `changes` finds its files (None: the node records none, `changes` says so)."""
 
     def __init__(self, status: Callable[[], dict], wait_version: Callable[[int, float], Awaitable[bool]],
                  version: Callable[[], int | None], spool: TrajectorySpool, changelog: Changelog | None = None):
@@ -92,9 +92,10 @@ class LocalRequests:
         version, current = st.get("version"), st.get("state_hash")
         if version is None:
             return localapi.error(localapi.UNAVAILABLE, "changes: the node holds no version yet")
-        files = None
-        if self._changelog is not None:
-            files = await trio.to_thread.run_sync(self._changelog.chain, after, after_hash, version, current)
+        if self._changelog is None:
+            return localapi.error(localapi.UNAVAILABLE, "changes: this node does not record them; start it with "
+                                                        "--sparse-handoff")
+        files = await trio.to_thread.run_sync(self._changelog.chain, after, after_hash, version, current)
         if files is None:
             path = st.get("base_path") or st.get("weights_path")
             return localapi.error(localapi.BOOTSTRAP, f"changes: the node no longer holds those from version {after} "

@@ -156,3 +156,20 @@ def test_a_failed_apply_leaves_no_change_file(tmp_path):
         with log.recording(patch, (0, state_hash(states[0])), 2) as recorder:
             apply(clone(states[0]), patch, recorder=recorder)  # the wrong base
     assert log.versions() == [] and not list(log.dir.iterdir())
+
+
+def test_a_node_that_records_no_changes_says_how_to_turn_them_on(tmp_path):
+    """Without --sparse-handoff the node writes no change files (a version then costs its disk
+    the patch alone), and `changes` answers with what to do, not a bootstrap every version."""
+    states = versions(2)
+    node = FakeNode(tmp_path, states)
+    node.apply(0)
+    node.log = None
+
+    def body(path):
+        with NodeClient(path) as c:
+            with pytest.raises(NodeError, match="--sparse-handoff") as e:
+                c.follow(clone(states[0]), 0, state_hash(states[0]))
+            assert e.value.code == localapi.UNAVAILABLE
+
+    serving(tmp_path, node, body)

@@ -29,7 +29,7 @@ def test_a_process_holding_a_model_follows_ten_versions_by_sparse_changes_alone(
     with SwarmLab(tmp_path) as lab:
         lab.start_tracker()
         lab.start_origin(watch=watch, extra=["--chunk-bytes", "32768"])
-        node = lab.start_node("n0")
+        node = lab.start_node("n0", extra=["--sparse-handoff"])
         write_checkpoint(watch, "step0000.safetensors", checkpoints[0])
         lab.wait_version([node], 0)
         log = tmp_path / "follower.log"

@@ -142,6 +142,9 @@ def _node_args(p: argparse.ArgumentParser) -> None:
                    help="tell this engine of each version: sglang (POST /update_weights_from_disk) or vllm "
                         "(POST /collective_rpc reload_weights; serve it from the model directory's current link)")
     h.add_argument("--engine-url", metavar="URL", help="the engine's HTTP address, e.g. http://127.0.0.1:30000")
+    h.add_argument("--sparse-handoff", action="store_true",
+                   help="record each version's changes (positions and new bits, ~6 B per changed bf16 element) "
+                        "so a process holding the weights follows by sparse changes (NodeClient.follow)")
     h.add_argument("--on-version", metavar="CMD",
                    help="run CMD (a shell command) for each version, with PATCHSWARM_VERSION, PATCHSWARM_MODEL_DIR "
                         "and PATCHSWARM_STATE_HASH in its environment; exit 0 is success")
@@ -167,7 +170,8 @@ def cmd_node(args: argparse.Namespace) -> int:
                         apply_nice=args.apply_nice, apply_threads=args.apply_threads or None,
                         wan_gateways=args.wan_gateways or None, advertise=args.advertise,
                         compact_every=args.compact_every, model_dir=args.model_dir, engine=args.engine,
-                        engine_url=args.engine_url, on_version=args.on_version))
+                        engine_url=args.engine_url, on_version=args.on_version,
+                        sparse_handoff=args.sparse_handoff))
 
     async def start(task_status):
         import trio

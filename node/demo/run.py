@@ -304,7 +304,7 @@ class DemoRun:
             region = self.cfg.region_of(i)
             child = self.children.start(name, "patchswarm.node.cli", [
                 "node", "--tracker", self.tracker_addr, "--creds", creds[name], "--data-dir", data,
-                "--listen", "127.0.0.1:0", "--region", region, "--model-dir", data / "model"])
+                "--listen", "127.0.0.1:0", "--region", region, "--sparse-handoff"])
             self.nodes.append(NodeProc(name, region, child, data, creds[name]))
 
     def _start_workers(self) -> None:
