@@ -230,6 +230,20 @@ def check_rows(rows, classes: int) -> list[list]:
     return rows
 
 
+def check_counts(rows: list[list], streams, size: int) -> None:
+    """Raise unless the counts a class table declares fit what is present, before
+    anything is decoded or allocated for them: the live classes' sizes (the
+    classes split the segment's `size` elements, which its pieces took from the
+    base) and the changes (one sign bit each, in streams[2])."""
+    _check_streams(streams)
+    members = sum(row[N] for row in rows if row[M])
+    if members > size:
+        raise CorruptData(f"class sizes: expected at most the segment's {size} elements in all classes, found {members}")
+    changes = sum(row[M] for row in rows)
+    if len(streams[2]) != (changes + 7) // 8:
+        raise CorruptData(f"signs: expected {(changes + 7) // 8} bytes for {changes} changes, found {len(streams[2])}")
+
+
 def _check_streams(streams) -> None:
     if not isinstance(streams, list) or len(streams) != _STREAMS or not all(isinstance(s, bytes) for s in streams):
         raise CorruptData(f"segment streams: expected {_STREAMS} byte strings")

@@ -99,6 +99,7 @@ def _positions(bs: list[np.ndarray], seg: Segment) -> contexts.Selected:
     the patch's (class) order (None where that is ascending too), base bits."""
     lo, classes = seg.window
     live = _live(seg)
+    deltacode.check_counts(seg.rows, seg.streams, seg.size)
     if classes == 1:
         if live and seg.rows[0][1] != seg.size:
             raise CorruptData(f"segment class: expected the segment's {seg.size} elements, found {seg.rows[0][1]}")

@@ -231,10 +231,14 @@ def parse_chunk(data: bytes) -> tuple[list[Segment], bytes, bytes]:
         _expect(
             isinstance(pieces, list) and pieces and all(
                 isinstance(p, list) and len(p) == 3 and isinstance(p[0], int) and isinstance(p[1], int)
-                and isinstance(p[2], int) and 0 <= p[1] < p[2] for p in pieces),
+                and isinstance(p[2], int) and p[0] >= 0 and 0 <= p[1] < p[2] for p in pieces),
             "segment pieces: expected [[tensor index, start, end], ...] with start < end", pieces,
         )
         pieces = [tuple(p) for p in pieces]
+        # Ascending and disjoint: a segment's size is then at most the elements of the
+        # tensors it names (the decoder allocates in proportion to it).
+        _expect(all((p[0], p[2]) <= (q[0], q[1]) for p, q in zip(pieces, pieces[1:])),
+                "segment pieces: expected ascending, disjoint ranges", pieces[:4])
         if s["k"] == "f":
             segs.append(Segment("f", info, pieces, planes=s.get("pl")))
             continue
