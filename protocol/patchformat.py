@@ -41,6 +41,9 @@ MAX_PATCH_BYTES = 1 << 40
 MAX_TABLE_BYTES = 1 << 30
 TABLE_ZSTD_LEVEL = 12  # 53-tensor table: 261 B in 0.08 ms; level 19 saved 12 B for 0.5 ms
 MAX_SEGMENT_ELEMENTS = 1 << 30
+# A full segment decodes into one array (and a few temporaries) on one thread: the
+# encoder makes them of 2 MiB (patchencode.FULL_SEGMENT_BYTES); this leaves room.
+MAX_FULL_SEGMENT_BYTES = 64 << 20
 CLASS_MIN_ELEMENTS = 4096  # below this a class window costs more than it saves
 PARALLEL_MIN_BYTES = 1 << 19  # bytes read per thread below which another thread costs more than it saves
 
@@ -240,7 +243,10 @@ def parse_chunk(data: bytes) -> tuple[list[Segment], bytes, bytes]:
         _expect(all((p[0], p[2]) <= (q[0], q[1]) for p, q in zip(pieces, pieces[1:])),
                 "segment pieces: expected ascending, disjoint ranges", pieces[:4])
         if s["k"] == "f":
-            segs.append(Segment("f", info, pieces, planes=s.get("pl")))
+            seg = Segment("f", info, pieces, planes=s.get("pl"))
+            _expect(seg.size * info.width <= MAX_FULL_SEGMENT_BYTES,
+                    f"full segment: expected at most {MAX_FULL_SEGMENT_BYTES} bytes of elements", seg.size * info.width)
+            segs.append(seg)
             continue
         window = s.get("w")
         _expect(isinstance(window, list) and len(window) == 2 and all(isinstance(x, int) for x in window)
