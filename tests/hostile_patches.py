@@ -107,7 +107,7 @@ def table_of_nested_arrays():
 
 def chunk_of_nested_arrays():
     """A chunk of a million empty arrays where its segments should be (a patch of ~1 MB)."""
-    n = (1 << 20) - 64
+    n = (1 << 20) - 512
     chunk = b"\x83\xa1s\xdd" + n.to_bytes(4, "big") + b"\x90" * n + b"\xa1o\xc4\x10" + b"\0" * 16 + b"\xa1n\xc4\x10" + b"\0" * 16
     return "inspect", [], _container([], [], [chunk])
 
