@@ -33,6 +33,9 @@ from .errors import CorruptData, SignatureError, UsageError
 MAGIC = "patchswarm-manifest/1"
 SIGNATURE_BYTES = 64
 SHA256_BYTES = 32
+# Chunks of one version, at most: 2 TiB of 2 MiB chunks (a 500 GB checkpoint's keyframe
+# is ~170k). Wire messages bound chunk indices and Have bitfields by it.
+MAX_CHUNKS = 1 << 20
 _FIELDS = ("swarm_id", "version", "base_version", "base_hash", "target_hash",
            "tensors", "chunks", "codec", "created_at")
 
@@ -105,8 +108,8 @@ def _check(m: Any, error: type[Exception]) -> None:
                 or not isinstance(t[1], str) or not isinstance(t[2], (list, tuple))
                 or not all(_is_int(d) and d >= 0 for d in t[2])):
             bad("tensors entry", "[name: str, dtype: str, shape: list of ints >= 0]", t)
-    if not isinstance(m.chunks, (list, tuple)):
-        bad("chunks", "a list", m.chunks)
+    if not isinstance(m.chunks, (list, tuple)) or len(m.chunks) > MAX_CHUNKS:
+        bad("chunks", f"a list of at most {MAX_CHUNKS}", m.chunks if not isinstance(m.chunks, (list, tuple)) else len(m.chunks))
     for c in m.chunks:
         if (not isinstance(c, (list, tuple)) or len(c) != 2 or not _is_int(c[0]) or c[0] < 0
                 or not isinstance(c[1], (bytes, bytearray)) or len(c[1]) != SHA256_BYTES):

@@ -96,7 +96,7 @@ class PackReader:
 
     def _room(self, n: int, limit: int, expected: str) -> None:
         if n > limit:
-            raise self.fail(expected, f"a length of {n}")
+            raise self.fail(f"{expected} of at most {limit} bytes", f"a length of {n}")
         if n > self.end - self.pos:
             raise self.fail(expected, f"a length of {n} with {self.end - self.pos} bytes left")
 

@@ -83,6 +83,7 @@ PAYLOAD_MSGPACK = "msgpack"  # payload = msgpack.packb(obj); absent key: raw byt
 BATCH_MAGIC = b"PSTB"
 BATCH_VERSION = 1
 _BATCH_HEADER = struct.Struct("<4sBBII")  # magic, version, flags, raw length, crc32(raw)
+MAX_BATCH_WIRE_BYTES = _BATCH_HEADER.size + MAX_BATCH_BYTES  # the encoder keeps raw when lz4 does not shrink it
 _FLAG_LZ4 = 1
 
 

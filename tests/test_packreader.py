@@ -52,8 +52,8 @@ def test_typed_reads_give_back_what_was_packed(u, neg, text, blob, flag, x, ints
 @pytest.mark.parametrize("value, read, match", [
     ([1, 2, 3], lambda r: r.array_len(2), "at most 2 elements"),
     ({"a": 1}, lambda r: r.map_len(0), "at most 0 entries"),
-    ("abcd", lambda r: r.str(3), "a length of 4"),
-    (b"abcd", lambda r: r.bin(3), "a length of 4"),
+    ("abcd", lambda r: r.str(3), "at most 3 bytes, found a length of 4"),
+    (b"abcd", lambda r: r.bin(3), "at most 3 bytes, found a length of 4"),
     (300, lambda r: r.uint(255), r"in \[0, 255\], found 300"),
     (-1, lambda r: r.uint(), "found -1"),
     ([], lambda r: r.uint(), "found array"),
