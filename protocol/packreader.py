@@ -194,12 +194,18 @@ class PackReader:
 
     def bin(self, limit: int, expected: str = "bytes") -> bytes:
         """A bin of at most `limit` bytes."""
-        pos = self.pos
-        if pos + 1 < self.end and self.data[pos] == 0xc4:
-            end = pos + 2 + self.data[pos + 1]
-            if end - pos - 2 <= limit and end <= self.end:
-                self.pos = end
-                return bytes(self.data[pos + 2:end])
+        pos, data = self.pos, self.data
+        if pos + 1 < self.end:
+            b = data[pos]
+            if b == 0xc4:
+                start, n = pos + 2, data[pos + 1]
+            elif b == 0xc5 and pos + 2 < self.end:
+                start, n = pos + 3, (data[pos + 1] << 8) | data[pos + 2]
+            else:
+                start = n = -1
+            if start > 0 and n <= limit and start + n <= self.end:
+                self.pos = start + n
+                return bytes(data[start:start + n])
         b = self._first(expected)
         if b not in _BIN_LEN:
             raise self.fail(expected, kind_of(b))
@@ -211,7 +217,17 @@ class PackReader:
 
     def int(self, lo: int = -(1 << 63), hi: int = (1 << 64) - 1, expected: str = "an int") -> int:
         """An int in [lo, hi], in any of msgpack's int formats."""
-        start = self.pos
+        start, data = self.pos, self.data
+        if start < self.end:
+            b = data[start]
+            if b <= 0x7f and lo <= b <= hi:
+                self.pos = start + 1
+                return b
+            if b == 0xce and start + 5 <= self.end:  # uint32: seqs, sizes
+                v = int.from_bytes(data[start + 1:start + 5], "big")
+                if lo <= v <= hi:
+                    self.pos = start + 5
+                    return v
         b = self._first(expected)
         if b <= 0x7f:
             self.pos += 1
@@ -340,13 +356,16 @@ class PackReader:
         many values it holds, itself included. Raises when it holds more than
         `max_values` values or nests containers deeper than `max_depth`."""
         data, pos, end = self.data, self.pos, self.end
-        pending = [1]  # values still to read at each open depth
+        outer: list[int] = []  # values still to read in each enclosing container
+        left = 1  # values still to read in the innermost open one
         count = 0
-        while pending:
-            if pending[-1] == 0:
-                pending.pop()
+        while True:
+            if not left:
+                if not outer:
+                    break
+                left = outer.pop()
                 continue
-            pending[-1] -= 1
+            left -= 1
             if pos >= end:
                 self.pos = pos
                 raise self.fail(expected, "the end of the data")
@@ -355,52 +374,57 @@ class PackReader:
             if count > max_values:
                 self.pos = pos
                 raise self.fail(f"{expected} of at most {max_values} values", "more")
-            if b <= 0x7f or b >= 0xe0:
+            if b <= 0x7f or b >= 0xe0:  # fixint
                 pos += 1
-                continue
-            if b in _FIXED:
-                pos += 1 + _FIXED[b]
-                continue
-            if 0xa0 <= b <= 0xbf:
+            elif 0xa0 <= b <= 0xbf:  # fixstr
                 pos += 1 + (b & 0x1f)
-                continue
-            n = None  # a container's value count
-            if 0x80 <= b <= 0x8f:
-                n, pos = 2 * (b & 0x0f), pos + 1
-            elif 0x90 <= b <= 0x9f:
-                n, pos = b & 0x0f, pos + 1
+            elif b in _FIXED:
+                pos += 1 + _FIXED[b]
             else:
-                size = _STR_LEN.get(b) or _BIN_LEN.get(b) or _ARRAY_LEN.get(b) or _MAP_LEN.get(b)
-                if size is None:
-                    self.pos = pos
-                    raise self.fail(expected, kind_of(b))
-                length = int.from_bytes(data[pos + 1:pos + 1 + size], "big")
-                pos += 1 + size
-                if b in _ARRAY_LEN:
-                    n = length
-                elif b in _MAP_LEN:
-                    n = 2 * length
+                if 0x80 <= b <= 0x8f:
+                    n, pos = 2 * (b & 0x0f), pos + 1
+                elif 0x90 <= b <= 0x9f:
+                    n, pos = b & 0x0f, pos + 1
                 else:
-                    pos += length
-            if n is not None and n:
-                if len(pending) > max_depth:
-                    self.pos = pos
-                    raise self.fail(f"{expected} nested at most {max_depth} deep", "deeper")
-                if n > end - pos:
-                    self.pos = pos
-                    raise self.fail(expected, f"a container of {n} values with {end - pos} bytes left")
-                pending.append(n)
+                    size = _STR_LEN.get(b) or _BIN_LEN.get(b) or _ARRAY_LEN.get(b) or _MAP_LEN.get(b)
+                    if size is None:
+                        self.pos = pos
+                        raise self.fail(expected, kind_of(b))
+                    length = int.from_bytes(data[pos + 1:pos + 1 + size], "big")
+                    pos += 1 + size
+                    if b in _ARRAY_LEN:
+                        n = length
+                    elif b in _MAP_LEN:
+                        n = 2 * length
+                    else:
+                        n, pos = 0, pos + length
+                if n:
+                    if len(outer) >= max_depth:
+                        self.pos = pos
+                        raise self.fail(f"{expected} nested at most {max_depth} deep", "deeper")
+                    if n > end - pos:
+                        self.pos = pos
+                        raise self.fail(expected, f"a container of {n} values with {end - pos} bytes left")
+                    outer.append(left)
+                    left = n
         if pos > end:
             raise self.fail(expected, "the end of the data")
         self.pos = pos
         return count
 
-    def any(self, max_values: int, max_depth: int = MAX_SKIP_DEPTH, expected: str = "a value"):
-        """One free-form value, unpacked by msgpack once `skip` has bounded it.
-
-        Map keys may be any hashable msgpack value (as msgpack packs them)."""
+    def any(self, max_values: int, max_depth: int = MAX_SKIP_DEPTH, expected: str = "a value",
+            max_bytes: int | None = None, kind: str | None = None):
+        """One free-form value, unpacked by msgpack once `skip` has bounded it (and its
+        size, with `max_bytes`; its kind, with `kind`). Map keys may be any hashable
+        msgpack value."""
         start = self.pos
+        if kind is not None and kind_of(self._first(expected)) != kind:
+            raise self.fail(expected, kind_of(self.data[start]))
         self.skip(max_values, max_depth, expected)
+        size = self.pos - start
+        if max_bytes is not None and size > max_bytes:
+            self.pos = start
+            raise self.fail(f"{expected} of at most {max_bytes} bytes", f"{size}")
         try:
             return msgpack.unpackb(self.data[start:self.pos], raw=False, use_list=True, strict_map_key=False)
         except Exception as e:  # msgpack raises several types (unhashable key, bad UTF-8, ...)
