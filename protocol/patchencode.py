@@ -17,13 +17,15 @@ Pure: no files, no sockets, no clocks.
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Callable, Iterator, NamedTuple
 
 import msgpack
 import numpy as np
+import torch
 
 from . import contexts, deltacode, parallel, planes, statehash
 from .dtypes import info_of, to_ordered
+from .errors import UsageError
 from .patchformat import (CLASS_MIN_ELEMENTS, PARALLEL_MIN_BYTES, Patch, Progress, State, TensorSpec, check_state,
                           chunk_digest, piece_bits)
 from .statehash import state_hash
@@ -38,8 +40,9 @@ CHUNK_BYTES = 2 << 20
 SEGMENT_CHANGES = 1 << 18
 
 
-def _plan_segments(state: State, names: list[str], max_elements: int) -> list[list[tuple[str, int, int]]]:
-    """Pieces grouped into segments: same dtype, at most max_elements each."""
+def _plan_segments(state, names: list[str], max_elements: int) -> list[list[tuple[str, int, int]]]:
+    """Pieces grouped into segments: same dtype, at most max_elements each. `state` maps
+    names to tensors, or to anything with `dtype` and `numel()` (a spec of one to come)."""
     segments, cur, cur_n, cur_dt = [], [], 0, None
     for name in names:
         t = state[name]
@@ -186,25 +189,44 @@ def _encode_full(target: State, pieces, index: dict[str, int]) -> tuple[dict, li
     return {"k": "f", "dt": info.name, "p": [[index[n], a, b] for n, a, b in pieces], "pl": planes.encode(bits, info)}, [bits]
 
 
+class ChunkPacker:
+    """Segments in, chunks of about `chunk_bytes` out, as they fill: only the open chunk's
+    segments (and the values its digests cover) are held, so a keyframe or a patch of
+    any size can go to disk chunk by chunk."""
+
+    def __init__(self, chunk_bytes: int):
+        self.chunk_bytes = chunk_bytes
+        self._segs: list[dict] = []
+        self._size = 0
+        self._olds: list[np.ndarray] = []
+        self._news: list[np.ndarray] = []
+
+    def add(self, seg: dict, olds: list, news: list) -> list[bytes]:
+        """Take one encoded segment; returns the chunks it closed (zero or one)."""
+        size = len(msgpack.packb(seg, use_bin_type=True))
+        out = []
+        if self._segs and self._size + size > self.chunk_bytes:
+            out.append(self._flush())
+        self._segs.append(seg)
+        self._olds += olds
+        self._news += news
+        self._size += size
+        return out
+
+    def finish(self) -> list[bytes]:
+        return [self._flush()] if self._segs else []
+
+    def _flush(self) -> bytes:
+        chunk = msgpack.packb({"s": self._segs, "o": chunk_digest(self._olds), "n": chunk_digest(self._news)},
+                              use_bin_type=True)
+        self._segs, self._olds, self._news, self._size = [], [], [], 0
+        return chunk
+
+
 def _pack_chunks(encoded: list[tuple[dict, list, list]], chunk_bytes: int) -> list[bytes]:
-    chunks, cur, cur_size = [], [], 0
-
-    def flush():
-        segs = [e[0] for e in cur]
-        old = chunk_digest(a for e in cur for a in e[1])
-        new = chunk_digest(a for e in cur for a in e[2])
-        chunks.append(msgpack.packb({"s": segs, "o": old, "n": new}, use_bin_type=True))
-
-    for item in encoded:
-        size = len(msgpack.packb(item[0], use_bin_type=True))
-        if cur and cur_size + size > chunk_bytes:
-            flush()
-            cur, cur_size = [], 0
-        cur.append(item)
-        cur_size += size
-    if cur:
-        flush()
-    return chunks
+    packer = ChunkPacker(chunk_bytes)
+    chunks = [c for item in encoded for c in packer.add(*item)]
+    return chunks + packer.finish()
 
 
 def diff(base: State, target: State, layout: dict[str, str] | None = None, progress: Progress = None,
@@ -271,18 +293,134 @@ def keyframe(state: State, layout: dict[str, str] | None = None, progress: Progr
     """A full snapshot of `state` as a patch from nothing."""
     check_state(state, "state")
     names = sorted(state)
-    segs = _plan_segments_bytes(state, names)
-    encoded = []
-    index = {n: i for i, n in enumerate(names)}
-    for i, pieces in enumerate(segs):
-        seg, news = _encode_full(state, pieces, index)
-        encoded.append((seg, [], news))
-        if progress:
-            progress(i + 1, len(segs))
+    chunks = list(keyframe_chunks(state, chunk_bytes, progress=progress))
     return Patch(
         kind="keyframe", base_hash=None, target_hash=state_hash_hex or state_hash(state),
         tensors=[TensorSpec.of(n, state[n]) for n in names], full=names, removed=[],
-        chunks=_pack_chunks(encoded, chunk_bytes), layout=layout,
+        chunks=chunks, layout=layout,
     )
 
 
+def keyframe_chunks(state: State, chunk_bytes: int = CHUNK_BYTES, threads: int | None = None,
+                    progress: Progress = None) -> Iterator[bytes]:
+    """`keyframe(state)`'s chunks, as they are made: a batch of segments (one per thread)
+    at a time, so only that batch and the open chunk are ever held."""
+    check_state(state, "state")
+    names = sorted(state)
+    index = {n: i for i, n in enumerate(names)}
+    segs = _plan_segments_bytes(state, names)
+    packer = ChunkPacker(chunk_bytes)
+    step = max(1, threads or parallel.cores())
+    for i in range(0, len(segs), step):
+        group = segs[i:i + step]
+        work = sum(state[n].element_size() * (b - a) for pieces in group for n, a, b in pieces)
+        results = parallel.run_all([functools.partial(_encode_full, state, pieces, index) for pieces in group],
+                                   parallel.threads_for(len(group), work, PARALLEL_MIN_BYTES, threads))
+        for seg, news in results:
+            yield from packer.add(seg, [], news)
+        if progress:
+            progress(i + len(group), len(segs))
+    yield from packer.finish()
+
+
+class TargetSpec(NamedTuple):
+    """What a tensor of the target will be, before it exists."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+def diff_in_place(state: State, specs: dict[str, TargetSpec], produce: Callable[[str], torch.Tensor],
+                  base_hash: str, layout: dict[str, str] | None = None, chunk_bytes: int = CHUNK_BYTES,
+                  segment_elements: int = DELTA_SEGMENT_ELEMENTS, threads: int | None = None,
+                  on_chunk: Callable[[bytes], None] | None = None, counts: dict | None = None) -> Patch:
+    """`diff(state, target)` without ever holding both states: the target's tensors are made
+    one at a time by `produce(name)` (a tensor matching `specs[name]`), in segment order,
+    and each replaces the base's tensor in `state` as soon as every segment that reads
+    it is encoded. Returns the same patch `diff` would (the same chunks, byte for byte),
+    its target hash computed tensor by tensor; `state` is then the target.
+
+    Memory beyond `state`: the target tensors a batch of segments spans (one per
+    thread), the open chunk, and the chunks made (or none: `on_chunk(chunk)` takes each
+    one as it is made and the patch's `chunks` stays empty). `counts`, when given, gets
+    "changed": the elements that differ. If `produce` raises, part of `state` may
+    already be the target's: the caller must restore it."""
+    check_state(state, "base")
+    names = sorted(specs)
+    full = [n for n in names if n not in state or state[n].dtype != specs[n].dtype
+            or tuple(state[n].shape) != tuple(specs[n].shape)]
+    full_set = set(full)
+    removed = sorted(set(state) - set(specs))
+    index = {n: i for i, n in enumerate(names)}
+    delta_names = [n for n in names if n not in full_set]
+    plan = _plan_segments(specs, delta_names, segment_elements)
+    last_use = {name: i for i, pieces in enumerate(plan) for name, _, _ in pieces}
+    packer = ChunkPacker(chunk_bytes)
+    chunks: list[bytes] = []
+    digests: dict[str, bytes] = {}
+
+    def emit(made: list[bytes]) -> None:
+        for c in made:
+            if on_chunk is not None:
+                on_chunk(c)
+            else:
+                chunks.append(c)
+
+    def made(name: str) -> torch.Tensor:
+        t = produce(name)
+        spec = specs[name]
+        if not isinstance(t, torch.Tensor) or t.dtype != spec.dtype or tuple(t.shape) != tuple(spec.shape):
+            raise UsageError(f"diff_in_place: {name!r} was to be {spec.dtype}{list(spec.shape)}, "
+                             f"found {getattr(t, 'dtype', type(t).__name__)}{list(getattr(t, 'shape', []))}")
+        if t.device.type != "cpu":
+            raise UsageError(f"diff_in_place: {name!r}: expected a CPU tensor, found device {t.device}")
+        return t.contiguous()
+
+    def settle(name: str, t: torch.Tensor) -> None:
+        state[name] = t
+        digests[name] = statehash.tensor_digest(t, threads)
+
+    new: dict[str, torch.Tensor] = {}
+    changed = 0
+    step = max(1, threads or parallel.cores())
+    for i in range(0, len(plan), step):
+        group = plan[i:i + step]
+        for pieces in group:
+            for name, _, _ in pieces:
+                if name not in new:
+                    new[name] = made(name)
+        work = 2 * sum(specs[n].numel() for pieces in group for n, _, _ in pieces)
+        results = parallel.run_all([functools.partial(_encode_delta, state, new, pieces, index) for pieces in group],
+                                   parallel.threads_for(len(group), work, PARALLEL_MIN_BYTES, threads))
+        for r in results:
+            for seg in r:
+                changed += sum(len(a) for a in seg[1])
+                emit(packer.add(*seg))
+        for name in [n for n in new if last_use[n] < i + len(group)]:
+            settle(name, new.pop(name))
+    for name in delta_names:
+        if name not in digests:  # no elements, so in no segment
+            settle(name, made(name))
+    for name in removed:
+        del state[name]
+    for name in full:
+        state.pop(name, None)  # the base's tensor of another dtype or shape goes first
+        settle(name, made(name))
+    for pieces in _plan_segments_bytes(state, full):
+        seg, news = _encode_full(state, pieces, index)
+        emit(packer.add(seg, [], news))
+    emit(packer.finish())
+    if counts is not None:
+        counts["changed"] = changed + sum(specs[n].numel() for n in full)
+    return Patch(
+        kind="patch", base_hash=base_hash,
+        target_hash=statehash.combine({n: (state[n].dtype, tuple(state[n].shape), digests[n]) for n in names}),
+        tensors=[TensorSpec(n, info_of(specs[n].dtype).name, tuple(specs[n].shape)) for n in names],
+        full=full, removed=removed, chunks=chunks, layout=layout,
+    )

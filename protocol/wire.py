@@ -187,6 +187,14 @@ class TrajectoriesAck:
 
 
 @dataclass(frozen=True)
+class Revocations:
+    """Tracker -> member: the swarm's revocation list, signed by the swarm CA
+    (protocol/revocation.py); sent on join and whenever the list changes."""
+
+    envelope: bytes
+
+
+@dataclass(frozen=True)
 class Bye:
     reason: str
 
@@ -199,7 +207,7 @@ class Error:
 MESSAGE_TYPES = {
     cls.__name__: cls
     for cls in (Hello, Have, HaveOne, Incoming, Request, Piece, Cancel, Reject, Announce,
-                PeerList, VersionNotice, Heartbeat, Trajectories, TrajectoriesAck, Bye, Error)
+                PeerList, VersionNotice, Heartbeat, Trajectories, TrajectoriesAck, Revocations, Bye, Error)
 }
 _PEER_FIELDS = {"id": MAX_NAME_BYTES, "region": MAX_NAME_BYTES, "addr": MAX_ADDR_BYTES, "role": MAX_NAME_BYTES}
 

@@ -23,7 +23,7 @@ from patchswarm.protocol.errors import InvalidInput, ProtocolError, StaleVersion
 from patchswarm.protocol.publication import describe
 from patchswarm.protocol.versions import NEW, VersionBook
 
-from patchswarm.node.net.transport import CONNECTION_ERRORS, MessageStream, format_addr, serve
+from patchswarm.node.net.transport import CONNECTION_ERRORS, MessageStream, apply_revocations, format_addr, serve
 from patchswarm.node.net.trust import Credentials
 
 log = logging.getLogger("patchswarm.tracker")
@@ -49,7 +49,8 @@ class Member:
 
 
 class Tracker:
-    def __init__(self, creds: str | Path, listen: str, heartbeat_timeout: float = HEARTBEAT_TIMEOUT):
+    def __init__(self, creds: str | Path, listen: str, heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
+                 revocations: Path | None = None):
         self.creds = Credentials.load(creds)
         if self.creds.role != "tracker":
             raise UsageError(f"{creds}: expected credentials with role tracker, found {self.creds.role!r}")
@@ -60,6 +61,8 @@ class Tracker:
         self.members: dict[str, Member] = {}
         self.manifests_rejected = 0
         self._membership_changed = trio.Event()
+        self.revocations_file = revocations
+        self._revocations_seen: tuple[int, int] | None = None  # (mtime_ns, size) last read
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
@@ -67,6 +70,9 @@ class Tracker:
             log.info("tracker for swarm %s listening on %s", self.book.swarm_id, self.listen_addr)
             nursery.start_soon(self._expire_loop)
             nursery.start_soon(self._peer_list_loop)
+            if self.revocations_file is not None:
+                self._reload_revocations()
+                nursery.start_soon(self._revocations_loop)
             task_status.started(self)
 
     async def _serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -100,6 +106,8 @@ class Tracker:
         log.info("%s %s joined (region %s, %s, versions %s)", m.role, m.id, m.region, m.addr, m.versions or "none")
         reason = "left"
         try:
+            if self.creds.revocations.envelope is not None:
+                await ms.send(wire.Revocations(self.creds.revocations.envelope))
             await ms.send(wire.PeerList([x.entry() for x in self.members.values()]))
             for key in self.book.retained(RETAIN_PATCHES):
                 await ms.send(wire.VersionNotice(key[0], self.book.envelope(key)))
@@ -176,6 +184,37 @@ class Tracker:
             peers = wire.PeerList([x.entry() for x in self.members.values()])
             for m in list(self.members.values()):
                 await self._send_quietly(m, peers)
+
+    def _reload_revocations(self) -> bool:
+        """Take the revocation list file if it changed; True if a newer list is now held."""
+        try:
+            st = self.revocations_file.stat()
+        except FileNotFoundError:
+            return False
+        seen = (st.st_mtime_ns, st.st_size)
+        if seen == self._revocations_seen:
+            return False
+        self._revocations_seen = seen
+        try:
+            ended = apply_revocations(self.creds, self.revocations_file.read_bytes())
+        except (InvalidInput, OSError) as e:
+            log.warning("ignoring %s: %s", self.revocations_file, e)
+            return False
+        if ended is None:
+            return False
+        rl = self.creds.revocations.current
+        log.info("revocation list %d: %d certificates revoked; %d member connections ended",
+                 rl.sequence, len(rl.serials), ended)
+        return True
+
+    async def _revocations_loop(self) -> None:
+        """Hand every member a new revocation list within a second of its file changing."""
+        while True:
+            await trio.sleep(1.0)
+            if self._reload_revocations():
+                notice = wire.Revocations(self.creds.revocations.envelope)
+                for m in list(self.members.values()):
+                    await self._send_quietly(m, notice)
 
     async def _expire_loop(self) -> None:
         while True:
