@@ -129,16 +129,14 @@ class Fetcher:
         self._wakeup.set()
 
     def on_announce(self, s: Session, msg: wire.Have | wire.HaveOne | wire.Incoming) -> None:
-        """A peer holds chunks (Have, HaveOne) or receives one (Incoming): the picker records it."""
+        """A peer holds chunks (Have, HaveOne) or receives one (Incoming): the picker records it.
+        Checked against the object's manifest (ProtocolError, which drops the peer, if it does
+        not fit); ignored for an object whose manifest is not known here."""
         key = (msg.version, msg.keyframe)
-        if isinstance(msg, wire.Have):
-            m = self.store.manifest(key)  # not known here yet: the raw bitfield's indices, up to its length
-            chunks = wire.indices_from_bitfield(msg.chunks, len(msg.chunks) * 8 if m is None else len(m.chunks))
-        else:
-            chunks = [msg.chunk]
-        n = self.picker.n_chunks(key)
-        if n is not None:
-            chunks = [c for c in chunks if c < n]  # past the object's end: nothing to fetch there
+        m = self.store.manifest(key) or self.book.get(key)
+        chunks = wire.announced_chunks(msg, None if m is None else len(m.chunks))
+        if chunks is None:
+            return  # an object with no verified manifest here: ignored, nothing kept (protocol/wire.py)
         self.picker.peer_has(s.id, key, chunks, whole=not isinstance(msg, wire.Incoming))
         self._wakeup.set()
 

@@ -20,13 +20,13 @@ bitfield by the largest chunk count a manifest may declare, chunk indices below
 it) as it is read, so no frame costs more memory than the fields its type
 allows, whatever it declares or nests.
 
-Haves, for the daemon: `have_chunks(msg, chunk_count)` checks a Have against
-the chunk count of the object's manifest and gives the indices; for an object
-whose manifest is not known here it gives None, and such a Have may be
-ignored (the sender announces again: its HaveOnes as it verifies chunks, and a
-Have on every new connection), or kept as its raw bitfield (at most
-MAX_BITFIELD_BYTES) to be expanded once the manifest arrives; never expanded
-to indices on its own length.
+Announcements, for the daemon: `announced_chunks(msg, chunk_count)` checks a
+Have, HaveOne or Incoming against the chunk count of the object's manifest and
+gives the indices; for an object whose manifest is not known here it gives
+None, and the daemon ignores it without keeping anything (the sender announces
+again: its HaveOnes as it verifies chunks, and a Have on every new
+connection). A bitfield is never expanded to indices on its own length: an
+all-ones Have of an unknown version once cost a node ~1 GB.
 """
 
 from __future__ import annotations
@@ -395,6 +395,22 @@ def have_chunks(msg: Have, chunk_count: int | None) -> list[int] | None:
     if chunk_count is None:
         return None
     return indices_from_bitfield(msg.chunks, chunk_count)
+
+
+def announced_chunks(msg: Have | HaveOne | Incoming, chunk_count: int | None) -> list[int] | None:
+    """The chunks an announcement (Have, HaveOne, Incoming) speaks of, each checked
+    against `chunk_count`, the chunk count of the object's manifest (ProtocolError
+    if one is past it or a bitfield does not fit it). None, with nothing built, when
+    the manifest is not known here (`chunk_count` None): such announcements are
+    ignored, so one costs a peer's bytes and nothing of this node's memory."""
+    if chunk_count is None:
+        return None
+    if type(msg) is Have:
+        return indices_from_bitfield(msg.chunks, chunk_count)
+    if msg.chunk >= chunk_count:
+        raise ProtocolError(f"{type(msg).__name__} of {msg.version}: expected a chunk below {chunk_count}, "
+                            f"found {msg.chunk}")
+    return [msg.chunk]
 
 
 # --- connection -----------------------------------------------------------------
