@@ -462,6 +462,11 @@ class FrameBuffer:
         else:
             self._buf += data
 
+    @property
+    def buffered(self) -> int:
+        """Bytes received and not yet returned as a body (at most a frame and a read)."""
+        return len(self._buf) - self._pos
+
     def next_body(self):
         buf, pos = self._buf, self._pos
         avail = len(buf) - pos
@@ -519,6 +524,11 @@ class Connection:
     def receive_data(self, data: bytes) -> None:
         """Buffer bytes from the peer; b"" means the peer closed its side."""
         self._frames.receive_data(data)
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received and not yet returned as a message."""
+        return self._frames.buffered
 
     def next_event(self):
         """The next message from the peer, NEED_DATA, or CLOSED."""
