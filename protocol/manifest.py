@@ -29,6 +29,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from .errors import CorruptData, SignatureError, UsageError
+from .packreader import PackReader
 
 MAGIC = "patchswarm-manifest/1"
 SIGNATURE_BYTES = 64
@@ -188,14 +189,13 @@ def verify_manifest(data: bytes, public_key: Ed25519PublicKey) -> Manifest:
         raise UsageError(f"verify_manifest: expected an Ed25519PublicKey, found {type(public_key).__name__}")
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise UsageError(f"verify_manifest: expected bytes, found {type(data).__name__}")
-    try:
-        env = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True, use_list=True)
-    except Exception as e:
-        raise CorruptData(f"manifest envelope: not msgpack ({type(e).__name__}: {e})") from None
-    if (not isinstance(env, list) or len(env) != 2
-            or not isinstance(env[0], bytes) or not isinstance(env[1], bytes)):
+    # Read along its schema, not unpacked: an envelope comes from any peer (a VersionNotice), and
+    # 16 MiB of nested empty arrays cost ~1.2 GB to unpack before any check could run.
+    r = PackReader(bytes(data), CorruptData, "manifest envelope")
+    if r.array_len(2, "[manifest: bin, signature: bin]") != 2:
         raise CorruptData("manifest envelope: expected [manifest: bin, signature: bin]")
-    body, sig = env
+    body, sig = r.bin(len(data), "manifest: bin"), r.bin(len(data), "signature: bin")
+    r.expect_end()
     if len(sig) != SIGNATURE_BYTES:
         raise SignatureError(f"manifest signature: expected {SIGNATURE_BYTES} bytes, found {len(sig)}")
     try:

@@ -74,3 +74,22 @@ def test_announced_chunks_checks_each_kind_against_the_chunk_count():
         assert wire.announced_chunks(msg, None) is None
     with pytest.raises(ProtocolError, match="below 3"):
         wire.announced_chunks(wire.HaveOne(1, False, 3), 3)
+
+
+def test_a_manifest_envelope_of_nested_arrays_costs_its_bytes():
+    """A VersionNotice's envelope comes from any peer; it is read along its schema before a
+    signature is checked (unpacked, 16 MiB of empty arrays cost ~1.2 GB)."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from patchswarm.protocol.errors import CorruptData
+    from patchswarm.protocol.manifest import verify_manifest
+
+    n = 16 << 20
+    envelope = b"\x92\xdd" + n.to_bytes(4, "big") + b"\x90" * n + b"\xc4\x00"
+    key = Ed25519PrivateKey.generate().public_key()
+
+    def verify():
+        with pytest.raises(CorruptData):
+            verify_manifest(envelope, key)
+
+    assert _traced_peak(verify) < len(envelope) + (1 << 20)  # the one copy of its bytes
