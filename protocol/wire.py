@@ -23,10 +23,12 @@ allows, whatever it declares or nests.
 Announcements, for the daemon: `announced_chunks(msg, chunk_count)` checks a
 Have, HaveOne or Incoming against the chunk count of the object's manifest and
 gives the indices; for an object whose manifest is not known here it gives
-None, and the daemon ignores it without keeping anything (the sender announces
-again: its HaveOnes as it verifies chunks, and a Have on every new
-connection). A bitfield is never expanded to indices on its own length: an
-all-ones Have of an unknown version once cost a node ~1 GB.
+None. Such an announcement is ignored without anything built unless its
+version is near the latest known (`unknown_kept`): the origin announces a
+version to its peers as it tells the tracker, so its Have often arrives before
+the manifest, and it does not announce again. Those are kept as they came,
+bounded (protocol/piecestate.py). A bitfield is never expanded to indices on
+its own length: an all-ones Have of an unknown version once cost a node ~1 GB.
 """
 
 from __future__ import annotations
@@ -395,6 +397,17 @@ def have_chunks(msg: Have, chunk_count: int | None) -> list[int] | None:
     if chunk_count is None:
         return None
     return indices_from_bitfield(msg.chunks, chunk_count)
+
+
+UNKNOWN_VERSIONS_AHEAD = 16  # versions above the latest known whose announcements are kept before their manifest
+UNKNOWN_VERSIONS_BEHIND = 4  # and below it (a keyframe published after its patch)
+
+
+def unknown_kept(version: int, latest_known: int | None) -> bool:
+    """Whether announcements of a version whose manifest is not known here are worth keeping
+    (bounded, unexpanded) until it arrives: one near the latest known version may be on its
+    way; any other is ignored without anything built."""
+    return latest_known is None or latest_known - UNKNOWN_VERSIONS_BEHIND < version <= latest_known + UNKNOWN_VERSIONS_AHEAD
 
 
 def announced_chunks(msg: Have | HaveOne | Incoming, chunk_count: int | None) -> list[int] | None:

@@ -25,23 +25,70 @@ def _traced_peak(fn) -> int:
         tracemalloc.stop()
 
 
-def test_announcements_of_unknown_versions_cost_nothing(tmp_path):
+def _knows_version_1(fetcher) -> None:
+    """Give the fetcher a book that holds a signed manifest of version 1 (its latest)."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from patchswarm.protocol.manifest import Manifest, sign_manifest
+    from patchswarm.protocol.versions import VersionBook
+
+    key = Ed25519PrivateKey.generate()
+    fetcher.book = VersionBook("sw", key.public_key())
+    m = Manifest(swarm_id="sw", version=1, base_version=0, base_hash="blake3:" + "00" * 32,
+                 target_hash="blake3:" + "11" * 32, tensors=[], chunks=[(10, bytes(32))], codec={"format": 1},
+                 created_at=0.0)
+    fetcher.book.offer(sign_manifest(m, key))
+    assert fetcher.book.latest_version == 1
+
+
+ONES = b"\xff" * wire.MAX_BITFIELD_BYTES  # every chunk a manifest may hold: 2**20
+
+
+def test_announcements_of_versions_far_from_the_known_ones_cost_nothing(tmp_path):
     fetcher = _fetcher(tmp_path)
-    ones = b"\xff" * wire.MAX_BITFIELD_BYTES  # every chunk a manifest may hold: 2**20
+    _knows_version_1(fetcher)
 
     async def main():
         async with trio.open_nursery() as n:
             s = _session(fetcher, n, "a")
 
             def flood():
-                for v in range(100, 164):  # 64 versions no manifest here names
-                    fetcher.on_announce(s, wire.Have(v, False, ones))
+                for v in range(100, 164):  # 64 versions far above the latest known (1)
+                    fetcher.on_announce(s, wire.Have(v, False, ONES))
                     fetcher.on_announce(s, wire.HaveOne(v, True, wire.MAX_CHUNKS - 1))
                     fetcher.on_announce(s, wire.Incoming(v, True, 7))
 
             # Expanded and kept, the 64 Haves held 64 sets of 2**20 indices (~4 GB).
             assert _traced_peak(flood) < 1 << 20
-            assert not any(fetcher.picker.announced("a", (v, kf), 7) for v in range(100, 164) for kf in (False, True))
+            fetcher.picker.add_object((100, False), 8, now=0.0)
+            assert not fetcher.picker.announced("a", (100, False), 7)
+            n.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_announcements_just_ahead_of_the_manifest_are_kept_bounded_and_count_once_it_arrives(tmp_path):
+    """The origin announces a version to its peers as it tells the tracker: its Have often
+    comes before the manifest, and it does not come again."""
+    fetcher = _fetcher(tmp_path)
+    _knows_version_1(fetcher)
+
+    async def main():
+        async with trio.open_nursery() as n:
+            s = _session(fetcher, n, "a")
+
+            def announce():
+                for v in range(2, 18):  # every version the node keeps announcements of, ahead of its manifest
+                    fetcher.on_announce(s, wire.Have(v, False, ONES))
+                    for c in range(5000):
+                        fetcher.on_announce(s, wire.HaveOne(v, True, c))
+
+            # Kept as the bitfields' bytes and at most MAX_UNKNOWN_INDICES single chunks each.
+            assert _traced_peak(announce) < 16 * (wire.MAX_BITFIELD_BYTES + (1 << 17)) + (1 << 20)
+            fetcher.picker.add_object((2, False), 3, now=0.0)
+            fetcher.picker.add_object((2, True), 5000, now=0.0)
+            assert all(fetcher.picker.holds_whole("a", (2, False), c) for c in range(3))
+            assert fetcher.picker.holds_whole("a", (2, True), 0)
             n.cancel_scope.cancel()
 
     trio.run(main)
