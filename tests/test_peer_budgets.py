@@ -192,3 +192,35 @@ def test_connections_before_hello_are_capped(node_creds):
                 nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_one_host_cannot_take_every_slot_before_hello(node_creds):
+    refused = collections.Counter()
+
+    async def handler(ms):
+        pass
+
+    async def main():
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                addr = await nursery.start(lambda task_status: serve(
+                    "127.0.0.1:0", node_creds, {"node"}, lambda: HELLO, handler, refused=refused,
+                    max_before_hello=100, max_before_hello_per_host=2, task_status=task_status))
+                host, port = addr.rsplit(":", 1)
+                crowd = [await trio.open_tcp_stream(host, int(port), local_address="127.0.0.2") for _ in range(2)]
+                for _ in range(10):  # under load the listener may not have taken them all yet
+                    extra = await trio.open_tcp_stream(host, int(port), local_address="127.0.0.2")
+                    with trio.move_on_after(1):
+                        assert await extra.receive_some() == b""  # closed at once
+                        break
+                    crowd.append(extra)
+                assert refused == {BEFORE_HELLO: 1}
+                other = await trio.open_tcp_stream(host, int(port))  # from 127.0.0.1: a slot of its own
+                with trio.move_on_after(0.5) as waited:
+                    await other.receive_some()
+                assert waited.cancelled_caught and refused == {BEFORE_HELLO: 1}
+                for s in [*crowd, other]:
+                    await s.aclose()
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)

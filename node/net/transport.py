@@ -36,7 +36,8 @@ log = logging.getLogger("patchswarm.transport")
 HANDSHAKE_SECONDS = 10.0
 # Budgets (issue 21): what peers together may hold of this process before they are authenticated
 # and named (a Hello), and received bytes not yet read as messages, over every connection.
-MAX_CONNECTIONS_BEFORE_HELLO = 64  # accepted, TLS or Hello not done; more are closed at once
+MAX_CONNECTIONS_BEFORE_HELLO = 256  # accepted, TLS or Hello not done; more are closed at once
+MAX_BEFORE_HELLO_PER_HOST = 16  # of those, from one address: one host cannot take every slot
 MAX_BUFFERED_BYTES = 256 << 20  # each connection holds at most a frame (16 MiB) and a read
 BEFORE_HELLO = "connections before Hello"  # the budgets' names, for counters and logs
 BUFFERED = "bytes buffered"
@@ -258,6 +259,7 @@ async def serve(listen: str, creds: Credentials, allowed_roles: set[str] | froze
                 on_receive: Callable[[int], Awaitable[None]] | None = None,
                 refused: collections.Counter | None = None,
                 max_before_hello: int = MAX_CONNECTIONS_BEFORE_HELLO,
+                max_before_hello_per_host: int = MAX_BEFORE_HELLO_PER_HOST,
                 task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Accept TLS connections on `listen`; run `handler(stream)` for each authenticated peer.
 
@@ -265,26 +267,33 @@ async def serve(listen: str, creds: Credentials, allowed_roles: set[str] | froze
     asked) through `task_status`. Peers that fail TLS, present a role not in
     `allowed_roles` or a Hello that contradicts their certificate are closed
     and reported to `on_refused(reason)`, and counted in `refused` (by kind). At most
-    `max_before_hello` connections are open before their Hello is done (each
-    holds at most a TLS handshake and a 4 KiB frame, for HANDSHAKE_SECONDS at
-    most); beyond, a new connection is closed at once.
+    `max_before_hello` connections are open before their Hello is done, at
+    most `max_before_hello_per_host` from one address (each holds at most a
+    TLS handshake and a 4 KiB frame, for HANDSHAKE_SECONDS at most); beyond, a
+    new connection is closed at once.
     """
     host, port = parse_addr(listen)
     context = server_context(creds)
     listeners = await trio.open_tcp_listeners(port, host=host)
     before_hello = 0
+    by_host: collections.Counter[str] = collections.Counter()  # of before_hello
     refused = collections.Counter() if refused is None else refused
 
     def refuse(kind: str, reason: str) -> None:
         refused[kind] += 1
-        if on_refused is not None:
-            on_refused(reason)
+        n = refused[kind]
+        if on_refused is not None and (kind != BEFORE_HELLO or n & (n - 1) == 0):  # a flood: its 1st, 2nd, 4th, ...
+            on_refused(reason if kind != BEFORE_HELLO else f"{reason} ({n} refused so far)")
 
     async def one(tcp: trio.SocketStream) -> None:
         nonlocal before_hello
-        if before_hello >= max_before_hello:
+        try:
+            host = tcp.socket.getpeername()[0]
+        except OSError:  # reset before we got to it
+            host = ""
+        if before_hello >= max_before_hello or by_host[host] >= max_before_hello_per_host:
+            refuse(BEFORE_HELLO, f"over budget: {before_hello} {BEFORE_HELLO} already open, {by_host[host]} from {host}")
             await trio.aclose_forcefully(tcp)
-            refuse(BEFORE_HELLO, f"over budget: {before_hello} {BEFORE_HELLO} already open")
             return
         try:
             stream = TLSSocketStream.wrap(tcp, context, server_side=True)
@@ -295,6 +304,7 @@ async def serve(listen: str, creds: Credentials, allowed_roles: set[str] | froze
         ms = None
         try:
             before_hello += 1
+            by_host[host] += 1
             try:
                 name, role, serial = await _handshake(stream, allowed_roles, None, creds)
                 ms = MessageStream(stream, name, role, on_receive=on_receive, peer_serial=serial, creds=creds)
@@ -304,6 +314,9 @@ async def serve(listen: str, creds: Credentials, allowed_roles: set[str] | froze
                 return
             finally:
                 before_hello -= 1
+                by_host[host] -= 1
+                if not by_host[host]:
+                    del by_host[host]
             try:
                 await handler(ms)
             except Exception:  # a bug must not take the whole listener (and every peer) down
