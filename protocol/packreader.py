@@ -118,42 +118,31 @@ class PackReader:
 
     def map_len(self, limit: int, expected: str = "a map") -> int:
         """A map header of at most `limit` entries (each entry at least 2 bytes follows)."""
-        pos = self.pos
-        if pos < self.end:
-            b = self.data[pos]
-            if 0x80 <= b <= 0x8f and b - 0x80 <= limit and 2 * (b - 0x80) < self.end - pos:
-                self.pos = pos + 1
-                return b - 0x80
-        b = self._first(expected)
-        if 0x80 <= b <= 0x8f:
-            self.pos += 1
-            n = b & 0x0f
-        elif b in _MAP_LEN:
-            n = self._length(_MAP_LEN[b], expected)
-        else:
-            raise self.fail(expected, kind_of(b))
-        if n > limit or 2 * n > self.end - self.pos:
-            raise self.fail(f"{expected} of at most {limit} entries", f"a map header of {n} with {self.end - self.pos} bytes left")
-        return n
+        return self._header(0x80, _MAP_LEN, 2, limit, expected, ("entries", "a map header"))
 
     def array_len(self, limit: int, expected: str = "an array") -> int:
         """An array header of at most `limit` elements (each at least a byte follows)."""
+        return self._header(0x90, _ARRAY_LEN, 1, limit, expected, ("elements", "an array header"))
+
+    def _header(self, fix: int, lengths: dict, item_bytes: int, limit: int, expected: str, words) -> int:
+        """A container header: its fix form (`fix` + n), else a long one (`lengths`); n at
+        most `limit`, with at least `item_bytes` bytes left per item."""
         pos = self.pos
-        if pos < self.end:
+        if pos < self.end:  # the fix form, inline: most headers are
             b = self.data[pos]
-            if 0x90 <= b <= 0x9f and b - 0x90 <= limit and b - 0x90 < self.end - pos:
+            if fix <= b <= fix + 0x0f and b - fix <= limit and item_bytes * (b - fix) < self.end - pos:
                 self.pos = pos + 1
-                return b - 0x90
+                return b - fix
         b = self._first(expected)
-        if 0x90 <= b <= 0x9f:
+        if fix <= b <= fix + 0x0f:
             self.pos += 1
             n = b & 0x0f
-        elif b in _ARRAY_LEN:
-            n = self._length(_ARRAY_LEN[b], expected)
+        elif b in lengths:
+            n = self._length(lengths[b], expected)
         else:
             raise self.fail(expected, kind_of(b))
-        if n > limit or n > self.end - self.pos:
-            raise self.fail(f"{expected} of at most {limit} elements", f"an array header of {n} with {self.end - self.pos} bytes left")
+        if n > limit or item_bytes * n > self.end - self.pos:
+            raise self.fail(f"{expected} of at most {limit} {words[0]}", f"{words[1]} of {n} with {self.end - self.pos} bytes left")
         return n
 
     def str(self, limit: int, expected: str = "a str") -> str:

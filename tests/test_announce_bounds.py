@@ -5,7 +5,6 @@ In process, over the real Fetcher, PiecePicker and ObjectStore (tests/test_fetch
 
 from __future__ import annotations
 
-import tracemalloc
 
 import pytest
 import trio
@@ -14,15 +13,7 @@ from patchswarm.protocol import wire
 from patchswarm.protocol.errors import ProtocolError
 
 from test_fetcher import KEY, _fetcher, _session
-
-
-def _traced_peak(fn) -> int:
-    tracemalloc.start()
-    try:
-        fn()
-        return tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+from memory import traced_peak
 
 
 def _knows_version_1(fetcher) -> None:
@@ -59,7 +50,7 @@ def test_announcements_of_versions_far_from_the_known_ones_cost_nothing(tmp_path
                     fetcher.on_announce(s, wire.Incoming(v, True, 7))
 
             # Expanded and kept, the 64 Haves held 64 sets of 2**20 indices (~4 GB).
-            assert _traced_peak(flood) < 1 << 20
+            assert traced_peak(flood) < 1 << 20
             fetcher.picker.add_object((100, False), 8, now=0.0)
             assert not fetcher.picker.announced("a", (100, False), 7)
             n.cancel_scope.cancel()
@@ -84,7 +75,7 @@ def test_announcements_just_ahead_of_the_manifest_are_kept_bounded_and_count_onc
                         fetcher.on_announce(s, wire.HaveOne(v, True, c))
 
             # Kept as the bitfields' bytes and at most MAX_UNKNOWN_INDICES single chunks each.
-            assert _traced_peak(announce) < 16 * (wire.MAX_BITFIELD_BYTES + (1 << 17)) + (1 << 20)
+            assert traced_peak(announce) < 16 * (wire.MAX_BITFIELD_BYTES + (1 << 17)) + (1 << 20)
             fetcher.picker.add_object((2, False), 3, now=0.0)
             fetcher.picker.add_object((2, True), 5000, now=0.0)
             assert all(fetcher.picker.holds_whole("a", (2, False), c) for c in range(3))
@@ -139,4 +130,4 @@ def test_a_manifest_envelope_of_nested_arrays_costs_its_bytes():
         with pytest.raises(CorruptData):
             verify_manifest(envelope, key)
 
-    assert _traced_peak(verify) < len(envelope) + (1 << 20)  # the one copy of its bytes
+    assert traced_peak(verify) < len(envelope) + (1 << 20)  # the one copy of its bytes

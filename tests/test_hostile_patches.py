@@ -19,6 +19,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from hostile_patches import CASES, write_cases  # noqa: E402
+from memory import traced_peak  # noqa: E402
 
 
 BUDGET = 32 << 20
@@ -64,15 +65,6 @@ def zstd_frame_declaring(content_size: int, rle_bytes: int) -> bytes:
     header = bytes([0x28, 0xB5, 0x2F, 0xFD, 0xE0]) + content_size.to_bytes(8, "little")  # single segment, 8-byte size
     block = (rle_bytes << 3) | 0b011  # last block, RLE
     return header + block.to_bytes(3, "little") + b"\x00"
-
-
-def traced_peak(fn) -> int:
-    tracemalloc.start()
-    try:
-        fn()
-        return tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
 
 
 def test_byte_planes_are_checked_before_their_count_or_a_frame_s_declared_size_is_allocated():

@@ -158,24 +158,28 @@ def node_creds(tmp_path_factory):
     return trust.Credentials.load(root / "n1")
 
 
+async def _listener(nursery, creds, refused: collections.Counter, **caps) -> tuple[str, int]:
+    async def handler(ms):
+        pass
+
+    addr = await nursery.start(lambda task_status: serve(
+        "127.0.0.1:0", creds, {"node"}, lambda: HELLO, handler, refused=refused, task_status=task_status, **caps))
+    host, port = addr.rsplit(":", 1)
+    return host, int(port)
+
+
 def test_connections_before_hello_are_capped(node_creds):
     """Connections that never finish TLS hold the listener's slots before Hello: past the
     cap, a new one is closed at once and counted; once they go, slots are free again."""
     refused = collections.Counter()
 
-    async def handler(ms):
-        pass
-
     async def main():
         with trio.fail_after(30):
             async with trio.open_nursery() as nursery:
-                addr = await nursery.start(lambda task_status: serve(
-                    "127.0.0.1:0", node_creds, {"node"}, lambda: HELLO, handler, refused=refused,
-                    max_before_hello=3, task_status=task_status))
-                host, port = addr.rsplit(":", 1)
-                idle = [await trio.open_tcp_stream(host, int(port)) for _ in range(3)]
+                host, port = await _listener(nursery, node_creds, refused, max_before_hello=3)
+                idle = [await trio.open_tcp_stream(host, port) for _ in range(3)]
                 for _ in range(10):  # under load the listener may not have taken them all yet
-                    extra = await trio.open_tcp_stream(host, int(port))
+                    extra = await trio.open_tcp_stream(host, port)
                     with trio.move_on_after(1):
                         assert await extra.receive_some() == b""  # closed at once
                         break
@@ -185,7 +189,7 @@ def test_connections_before_hello_are_capped(node_creds):
                     await s.aclose()
                 while refused["refused"] < len(idle):
                     await trio.sleep(0.05)
-                again = await trio.open_tcp_stream(host, int(port))
+                again = await trio.open_tcp_stream(host, port)
                 await trio.sleep(0.2)
                 assert refused[BEFORE_HELLO] == 1  # a slot was free
                 await again.aclose()
@@ -197,25 +201,19 @@ def test_connections_before_hello_are_capped(node_creds):
 def test_one_host_cannot_take_every_slot_before_hello(node_creds):
     refused = collections.Counter()
 
-    async def handler(ms):
-        pass
-
     async def main():
         with trio.fail_after(30):
             async with trio.open_nursery() as nursery:
-                addr = await nursery.start(lambda task_status: serve(
-                    "127.0.0.1:0", node_creds, {"node"}, lambda: HELLO, handler, refused=refused,
-                    max_before_hello=100, max_before_hello_per_host=2, task_status=task_status))
-                host, port = addr.rsplit(":", 1)
-                crowd = [await trio.open_tcp_stream(host, int(port), local_address="127.0.0.2") for _ in range(2)]
+                host, port = await _listener(nursery, node_creds, refused, max_before_hello=100, max_before_hello_per_host=2)
+                crowd = [await trio.open_tcp_stream(host, port, local_address="127.0.0.2") for _ in range(2)]
                 for _ in range(10):  # under load the listener may not have taken them all yet
-                    extra = await trio.open_tcp_stream(host, int(port), local_address="127.0.0.2")
+                    extra = await trio.open_tcp_stream(host, port, local_address="127.0.0.2")
                     with trio.move_on_after(1):
                         assert await extra.receive_some() == b""  # closed at once
                         break
                     crowd.append(extra)
                 assert refused == {BEFORE_HELLO: 1}
-                other = await trio.open_tcp_stream(host, int(port))  # from 127.0.0.1: a slot of its own
+                other = await trio.open_tcp_stream(host, port)  # from 127.0.0.1: a slot of its own
                 with trio.move_on_after(0.5) as waited:
                     await other.receive_some()
                 assert waited.cancelled_caught and refused == {BEFORE_HELLO: 1}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import struct
-import tracemalloc
 import zlib
 
 import lz4.block
@@ -12,6 +11,7 @@ import pytest
 
 from patchswarm.protocol import trajectory as T
 from patchswarm.protocol.errors import CorruptData
+from memory import traced_peak
 
 HEADER = struct.Struct("<4sBBII")
 
@@ -19,15 +19,6 @@ HEADER = struct.Struct("<4sBBII")
 def batch_of(raw: bytes, compress: bool = True, raw_len: int | None = None) -> bytes:
     data = lz4.block.compress(raw, store_size=False) if compress else raw
     return HEADER.pack(b"PSTB", 1, 1 if compress else 0, len(raw) if raw_len is None else raw_len, zlib.crc32(raw)) + data
-
-
-def traced_peak(fn) -> int:
-    tracemalloc.start()
-    try:
-        fn()
-        return tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
 
 
 def record_body(meta) -> bytes:

@@ -17,6 +17,8 @@ from patchswarm.protocol.wire import (
     bitfield_from_indices, indices_from_bitfield,
 )
 
+from memory import traced_peak
+
 uint = st.integers(min_value=0, max_value=2**64 - 1)
 chunk = st.integers(min_value=0, max_value=MAX_CHUNKS - 1)  # chunk indices are below what a manifest may hold
 text = st.text(max_size=20)
@@ -389,17 +391,6 @@ def test_bitfield_rejects():
 
 _PAIRS = (8 << 20) - 64
 NESTED_16MIB = b"\xdd" + _PAIRS.to_bytes(4, "big") + b"\x91\x90" * _PAIRS  # 8 M arrays each holding an empty one
-
-
-def traced_peak(fn) -> int:
-    import tracemalloc
-
-    tracemalloc.start()
-    try:
-        fn()
-        return tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
 
 
 def test_a_16_mib_nested_array_frame_before_hello_costs_nothing_to_refuse():
