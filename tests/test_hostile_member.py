@@ -57,12 +57,8 @@ async def _drain(ms, seconds: float) -> str:
                 pass
             return "closed by the victim"
         return "still open"
-    except wire.ProtocolError:
+    except (wire.ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError, OSError):
         return "closed by the victim"
-    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-        return "closed by the victim"
-    finally:
-        await ms.aclose()
 
 
 def _frames(msg, n: int) -> bytes:
@@ -94,10 +90,12 @@ async def attack(creds, addr: str, kind: str, version: int) -> str:
             await trio.sleep(3)  # held, then let go
         elif kind == "announcement flood":
             await ms.stream.send_all(_frames(wire.HaveOne(version, False, 0), (1 << 17) + 1000))
+        return await _drain(ms, 15)
     except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-        await ms.aclose()
         return "closed by the victim"
-    return await _drain(ms, 15)
+    finally:  # cancelled with the scenario too: the victim sees it go
+        with trio.CancelScope(shield=True):
+            await ms.aclose()
 
 
 ATTACKS = ("huge bitfield", "unknown-version Haves", "nested msgpack", "request flood", "half-sent frame",
