@@ -21,6 +21,7 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 from patchswarm.protocol.errors import InvalidInput
@@ -46,8 +47,21 @@ class ObjectStore:
         self._have: dict[ObjKey, set[int]] = {}
         self._manifests: dict[ObjKey, Manifest] = {}
 
+    @classmethod
+    def read_only(cls, root: str | os.PathLike, book: VersionBook) -> "ObjectStore":
+        """The verified objects under `root` as they are, for tools and tests: nothing is
+        created or deleted (a running member may own the folder)."""
+        store = cls.__new__(cls)
+        store.root, store._have, store._manifests = Path(root), {}, {}
+        if store.root.is_dir():
+            store._scan(book, None, delete=False)
+        return store
+
     def load(self, book: VersionBook, current_version: int | None) -> list[str]:
         """Re-read what survived a restart into `book`; returns one line per thing dropped."""
+        return self._scan(book, current_version, delete=True)
+
+    def _scan(self, book: VersionBook, current_version: int | None, delete: bool) -> list[str]:
         dropped = []
         for d in sorted(self.root.iterdir()):
             m = _DIR.match(d.name)
@@ -58,24 +72,31 @@ class ObjectStore:
                 _, manifest = book.offer((d / MANIFEST_NAME).read_bytes(), current_version)
             except (OSError, InvalidInput) as e:
                 dropped.append(f"{d.name}: {e}")
-                shutil.rmtree(d, ignore_errors=True)
+                if delete:
+                    shutil.rmtree(d, ignore_errors=True)
                 continue
             self._manifests[key] = manifest
             have = self._have.setdefault(key, set())
             for f in d.iterdir():
                 if _TEMPORARY.match(f.name):
-                    f.unlink(missing_ok=True)  # an interrupted write
+                    if delete:
+                        f.unlink(missing_ok=True)  # an interrupted write
                     continue
                 c = _CHUNK.match(f.name)
                 if not c:
                     continue  # the manifest, or a file that is not the store's to judge
                 i = int(c.group(1))
-                data = f.read_bytes()
+                try:
+                    data = f.read_bytes()
+                except OSError as e:
+                    dropped.append(f"{d.name}/{f.name}: {e}")
+                    continue
                 if i < len(manifest.chunks) and (len(data), hashlib.sha256(data).digest()) == manifest.chunks[i]:
                     have.add(i)
                 else:
                     dropped.append(f"{d.name}/{f.name}: does not match its manifest")
-                    f.unlink(missing_ok=True)
+                    if delete:
+                        f.unlink(missing_ok=True)
         return dropped
 
     def put_manifest(self, key: ObjKey, manifest: Manifest, envelope: bytes) -> None:
@@ -122,14 +143,14 @@ class ObjectStore:
             self._have[key].discard(index)
             return None
 
-    def chunks(self, key: ObjKey) -> list[bytes]:
-        """Every chunk of a complete object, in index order."""
+    def chunks(self, key: ObjKey) -> "StoredChunks":
+        """Every chunk of a complete object, in index order, each read from disk when it is
+        reached: an apply holds one batch of a keyframe or a dense patch, not all of it."""
         n = len(self._manifests[key].chunks)
-        out = [self.get_chunk(key, i) for i in range(n)]
-        missing = [i for i, c in enumerate(out) if c is None]
+        missing = sorted(set(range(n)) - self._have.get(key, set()))
         if missing:
             raise InvalidInput(f"object {_dirname(key)}: chunks {missing[:5]} are missing")
-        return out  # type: ignore[return-value]
+        return StoredChunks(self, key, n)
 
     def have(self, key: ObjKey) -> set[int]:
         return self._have.get(key, set())
@@ -148,6 +169,26 @@ class ObjectStore:
         self._have.pop(key, None)
         self._manifests.pop(key, None)
         shutil.rmtree(self.root / _dirname(key), ignore_errors=True)
+
+
+class StoredChunks(Sequence):
+    """A complete object's chunks as a sequence that reads each from the store when indexed."""
+
+    def __init__(self, store: ObjectStore, key: ObjKey, n: int):
+        self._store, self._key, self._n = store, key, n
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self._n))]
+        if not -self._n <= i < self._n:
+            raise IndexError(i)
+        data = self._store.get_chunk(self._key, i % self._n)
+        if data is None:  # removed since the object was complete: fetched again, never applied half
+            raise InvalidInput(f"object {_dirname(self._key)}: chunk {i % self._n} is gone from the store")
+        return data
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

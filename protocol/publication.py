@@ -13,6 +13,7 @@ origin may publish both a patch (from version - 1) and a keyframe.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 
 from .errors import CorruptData, UsageError
 from .manifest import Manifest, ObjKey
@@ -53,7 +54,7 @@ def manifest_of(patch: Patch, *, swarm_id: str, version: int, created_at: float,
     )
 
 
-def patch_of(m: Manifest, chunks: list[bytes]) -> Patch:
+def patch_of(m: Manifest, chunks: Sequence[bytes]) -> Patch:
     """The Patch a manifest and its verified chunks (in index order) make up."""
     if len(chunks) != len(m.chunks):
         raise UsageError(f"patch_of: expected {len(m.chunks)} chunks, found {len(chunks)}")
@@ -73,6 +74,7 @@ def patch_of(m: Manifest, chunks: list[bytes]) -> Patch:
         tensors=[TensorSpec(n, d, tuple(s)) for n, d, s in m.tensors],
         full=list(full),
         removed=list(removed),
-        chunks=list(chunks),
+        # A sequence stays one: a store's lazily read chunks are read batch by batch by apply.
+        chunks=chunks if isinstance(chunks, Sequence) else list(chunks),
         layout=layout,
     )

@@ -13,12 +13,41 @@ from patchswarm.protocol.errors import AlreadyApplied, BaseMismatch, CorruptData
 from patchswarm.protocol.patch import Patch, apply, decode_chunk, diff, keyframe, prepare
 from patchswarm.protocol.statehash import state_hash
 
-DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2, torch.int8]
-INT_OF = {1: torch.int8, 2: torch.int16, 4: torch.int32}
+from patchswarm.protocol.dtypes import BY_TORCH
+from patchswarm.protocol.patchformat import parse_chunk
+
+DTYPES = list(BY_TORCH)  # every dtype the codec supports, so a new one is covered at once
+INT_OF = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+# Bit patterns a codec keyed on exponents and signs must carry through unchanged,
+# written unsigned: infinities, NaNs of both signs with payloads, -0.0, subnormals, extremes.
+SPECIALS = {
+    torch.bfloat16: [0x7F80, 0xFF80, 0x7FC0, 0xFFC1, 0x7F81, 0x8000, 0x0001, 0x8001, 0x7F7F, 0xFF7F],
+    torch.float16: [0x7C00, 0xFC00, 0x7E00, 0xFE01, 0x7C01, 0x8000, 0x0001, 0x8001, 0x7BFF, 0xFBFF],
+    torch.float32: [0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00001, 0x7F800001, 0x80000000, 0x00000001,
+                    0x80000001, 0x7F7FFFFF, 0xFF7FFFFF],
+    # e4m3fn: no infinities; NaN is 0x7f and 0xff only; 0x7e/0xfe are +-448
+    torch.float8_e4m3fn: [0x7F, 0xFF, 0x7E, 0xFE, 0x80, 0x00, 0x01, 0x81],
+    # e5m2: infinities 0x7c/0xfc, NaNs 0x7d-0x7f and 0xfd-0xff
+    torch.float8_e5m2: [0x7C, 0xFC, 0x7D, 0x7E, 0x7F, 0xFD, 0xFE, 0xFF, 0x80, 0x01, 0x7B, 0xFB],
+    torch.int8: [0x80, 0x7F, 0xFF, 0x00],
+    torch.uint8: [0x00, 0xFF, 0x80, 0x7F],
+    torch.int16: [0x8000, 0x7FFF, 0xFFFF, 0x0000],
+    torch.int32: [0x80000000, 0x7FFFFFFF, 0xFFFFFFFF, 0],
+    torch.int64: [1 << 63, (1 << 63) - 1, (1 << 64) - 1, 0],
+    torch.bool: [0, 1],
+}
 
 
 def bits(t):
     return t.reshape(-1).view(INT_OF[t.element_size()])
+
+
+def special_bits(dtype) -> torch.Tensor:
+    """The dtype's SPECIALS as a flat tensor of its signed integer view."""
+    width = torch.empty(0, dtype=dtype).element_size()
+    signed = [v - (1 << (8 * width)) if v >= 1 << (8 * width - 1) else v for v in SPECIALS[dtype]]
+    return torch.tensor(signed, dtype=INT_OF[width])
 
 
 def same(a, b):
@@ -37,8 +66,19 @@ def random_bits(shape, dtype, rng):
     n = int(np.prod(shape)) if shape else 1
     if n == 0:
         return torch.empty(shape, dtype=dtype)
+    if dtype is torch.bool:  # a bool byte other than 0 or 1 is not a bool
+        return torch.from_numpy(rng.integers(0, 2, size=n, dtype=np.uint8)).view(torch.bool).reshape(shape)
     raw = torch.from_numpy(rng.integers(0, 256, size=n * width, dtype=np.uint8))
     return raw.view(dtype).reshape(shape)
+
+
+def sprinkle_specials(t, rng, share: float) -> None:
+    """Overwrite about `share` of `t`'s elements (in place) with its dtype's special patterns."""
+    flat = bits(t)
+    if flat.numel():
+        at = torch.from_numpy(rng.random(flat.numel()) < share)
+        sp = special_bits(t.dtype)
+        flat[at] = sp[torch.from_numpy(rng.integers(0, len(sp), size=int(at.sum())))]
 
 
 @st.composite
@@ -53,15 +93,18 @@ def pairs(draw):
         if draw(st.booleans()):  # realistic magnitudes, not random bits
             t = (torch.from_numpy(rng.standard_normal(t.numel()).astype(np.float32) * 0.02).reshape(shape).to(dtype)
                  if dtype.is_floating_point else t)
+        specials = draw(st.sampled_from([0.0, 0.0, 0.01, 0.3]))
+        sprinkle_specials(t, rng, specials)
         base[f"t{i}"] = t
         density = draw(st.sampled_from([0.0, 0.001, 0.05, 0.5, 1.0]))
         tt = t.clone()
         flat = bits(tt)
         mask = torch.from_numpy(rng.random(flat.numel()) < density)
         repl = bits(random_bits(tuple(flat.shape), dtype, rng))
-        if draw(st.booleans()):  # small deltas as from an optimizer step
+        if draw(st.booleans()) and dtype is not torch.bool:  # small deltas as from an optimizer step
             repl = flat + torch.from_numpy(rng.choice([-2, -1, 1, 2], flat.numel())).to(flat.dtype)
         flat[mask] = repl[mask]
+        sprinkle_specials(tt, rng, specials)  # specials appear, vanish and change into each other
         target[f"t{i}"] = tt
     if draw(st.booleans()):  # an added tensor
         target["new"] = random_bits((5, 3), draw(st.sampled_from(DTYPES)), rng)
@@ -72,15 +115,54 @@ def pairs(draw):
     return base, target
 
 
+# Small chunks and segments too, so that a patch spans several of each (the defaults put
+# these small states in one of each); 48 bytes is below one segment's header: a chunk per segment.
+CHUNK_SIZES = st.sampled_from([48, 300, 4096, 1 << 20])
+SEGMENT_SIZES = st.sampled_from([16, 100, 4096, 1 << 22])
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(pairs())
-def test_round_trip_is_bit_exact(pair):
+@given(pairs(), CHUNK_SIZES, SEGMENT_SIZES)
+def test_round_trip_is_bit_exact(pair, chunk_bytes, segment_elements):
     base, target = pair
-    p = Patch.from_bytes(diff(base, target).to_bytes())
+    p = Patch.from_bytes(diff(base, target, chunk_bytes=chunk_bytes, segment_elements=segment_elements).to_bytes())
     state = clone(base)
     apply(state, p)
     same(state, target)
     assert p.base_hash == state_hash(base) and p.target_hash == state_hash(target)
+    kf = Patch.from_bytes(keyframe(target, chunk_bytes=chunk_bytes).to_bytes())
+    state = {}
+    apply(state, kf)
+    same(state, target)
+
+
+def test_every_supported_dtype_is_in_the_property_test():
+    assert len(DTYPES) == 11 and set(SPECIALS) == set(DTYPES)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_each_dtype_with_specials_over_many_chunks_and_segments(dtype):
+    """Deterministic companion of the property test: per dtype, every special pattern in
+    base and target, sparse and dense changes, a patch of several chunks and segments."""
+    rng = np.random.default_rng(11)
+    base = {"a": random_bits((40, 50), dtype, rng), "b": random_bits((3000,), dtype, rng)}
+    for t in base.values():
+        sprinkle_specials(t, rng, 0.2)
+    target = clone(base)
+    bits(target["a"])[::7] = bits(random_bits((40 * 50,), dtype, rng))[::7]  # dense
+    sp = special_bits(dtype)
+    bits(target["b"])[::97] = sp[torch.arange(len(bits(target["b"])[::97])) % len(sp)]  # sparse, specials
+    if dtype is not torch.bool:
+        bits(target["b"])[5::11] += 1
+    p = Patch.from_bytes(diff(base, target, chunk_bytes=300, segment_elements=100).to_bytes())
+    segments = [seg for c in p.chunks for seg in parse_chunk(c)[0]]
+    assert len(p.chunks) > 3 and len(segments) > 3, (len(p.chunks), len(segments))
+    state = clone(base)
+    apply(state, p)
+    same(state, target)
+    state = {}
+    apply(state, Patch.from_bytes(keyframe(target, chunk_bytes=300).to_bytes()))
+    same(state, target)
 
 
 def test_special_values_round_trip():

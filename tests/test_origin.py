@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import time
 
+import trio
+
 import torch
 
 from patchswarm.node.net import trust
@@ -33,15 +35,20 @@ def test_keyframe_first_patches_after_and_a_keyframe_when_the_chain_costs_more(t
     with make_origin(tmp_path) as o:
         versions = [o.publish(s) for s in states]
         history = o.stats()["versions"]
-    assert versions == [0, 1, 2, 3, 4]
+    assert versions == list(range(5))
     assert history[0]["patch_bytes"] is None and history[0]["keyframe_bytes"] > 0
     assert all(h["patch_bytes"] > 0 for h in history[1:])
     keyframes = [h["version"] for h in history if h["keyframe_bytes"]]
     assert keyframes[0] == 0 and len(keyframes) >= 2, history
-    # each keyframe comes exactly when the patches since the previous one outweigh it
-    for prev, k in zip(keyframes, keyframes[1:]):
-        chain = sum(history[v]["patch_bytes"] for v in range(prev + 1, k + 1))
-        assert chain > history[prev]["keyframe_bytes"]
+    # each keyframe comes exactly when the patches since the previous one outweigh it:
+    # every keyframe was due, and every version whose chain outweighed the last keyframe got one
+    last = 0
+    for h in history[1:]:
+        chain = sum(history[v]["patch_bytes"] for v in range(last + 1, h["version"] + 1))
+        due = chain > history[last]["keyframe_bytes"]
+        assert bool(h["keyframe_bytes"]) == due, (h["version"], chain, history[last]["keyframe_bytes"])
+        if due:
+            last = h["version"]
 
 
 def test_restart_continues_the_version_chain_from_disk(tmp_path):
@@ -118,3 +125,54 @@ def test_publish_copies_the_trainers_tensors(tmp_path):
         step = o.origin.served.state["step"].clone()
     assert history[1]["changed"] > 0
     assert int(step) == 8 and step.dtype == torch.int64
+
+
+def test_watch_publishes_complete_checkpoints_once_across_a_restart(tmp_path):
+    """`--watch`: a checkpoint is published once it is in place (a temporary or hidden name is
+    not in place yet), an unreadable one is skipped without stopping the watch, and what was
+    published or skipped is remembered across a restart (watched.json), so nothing is
+    published twice."""
+    from safetensors.torch import save_file
+
+    from patchswarm.node.trainer.origin import Origin, OriginConfig
+
+    g = torch.Generator().manual_seed(5)
+    states = [{"w": torch.randn(64, 256, generator=g), "b": torch.randn(256, generator=g)} for _ in range(4)]
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    swarm = tmp_path / "swarm"
+    trust.init_swarm(swarm)
+    trust.issue(swarm, "origin", "origin", tmp_path / "creds")
+    cfg = OriginConfig(tracker="127.0.0.1:9", creds=tmp_path / "creds", key=swarm / "trainer.key",
+                       data_dir=tmp_path / "data", listen="127.0.0.1:0")
+    ledger = tmp_path / "data" / "watched.json"
+
+    def watched() -> set:
+        import json
+        return set(json.loads(ledger.read_text())) if ledger.exists() else set()
+
+    async def watch_until(name: str) -> int | None:
+        """Run an origin watching `ckpt` until the ledger holds `name`; its version then."""
+        o = Origin(cfg)
+        with trio.fail_after(120):
+            async with trio.open_nursery() as n:
+                await n.start(o.run)
+                n.start_soon(o.watch, ckpt)
+                while name not in watched():
+                    await trio.sleep(0.05)
+                n.cancel_scope.cancel()
+        return o.version
+
+    save_file(states[0], ckpt / "a.safetensors")
+    save_file(states[1], ckpt / "b.safetensors.tmp")  # still being written: not in place
+    save_file(states[1], ckpt / ".c.safetensors")  # hidden: a writer's temporary
+    (ckpt / "d.safetensors").write_bytes(b"not a safetensors file")
+    save_file(states[2], ckpt / "e.safetensors")
+    # one pass in name order: a (0), d skipped, e (1); b.tmp and .c passed over before e
+    assert trio.run(watch_until, "e.safetensors") == 1
+    assert watched() == {"a.safetensors", "d.safetensors", "e.safetensors"}
+
+    (ckpt / "b.safetensors.tmp").rename(ckpt / "b.safetensors")  # now in place
+    save_file(states[3], ckpt / "f.safetensors")
+    assert trio.run(watch_until, "f.safetensors") == 3  # b (2), f (3); a and e not again
+    assert watched() == {"a.safetensors", "b.safetensors", "d.safetensors", "e.safetensors", "f.safetensors"}

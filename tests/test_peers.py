@@ -3,14 +3,19 @@
 Runs over in-memory stream pairs (no TLS: PeerSet only sees MessageStreams).
 """
 
+import os
+
+import pytest
 import trio
 import trio.testing
 
-from patchswarm.node.peers import PeerSet
+from memlink import KEY, connected_pair, store_with
+from patchswarm.node.peers import SEND_TIMEOUT, PeerSet
 from patchswarm.node.net.ratelimit import TokenBucket
 from patchswarm.node.store import ObjectStore
 from patchswarm.node.net.transport import MessageStream
 from patchswarm.protocol import wire
+from patchswarm.protocol.assembly import PART_BYTES
 
 
 def _stream(stream, peer: str) -> MessageStream:
@@ -116,3 +121,33 @@ def test_the_owner_closes_a_session_with_a_reason(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="patchswarm.peers"):
         trio.run(main)
     assert "left: could not send a Request (broken)" in caplog.text
+
+
+def test_a_peer_that_takes_no_bytes_for_send_timeout_is_dropped(tmp_path):
+    """A requester whose connection stops taking bytes (a stalled TCP window) while a piece
+    is going out: after SEND_TIMEOUT on the (mock) clock the session ends and the peer is
+    reported gone, instead of holding its serve task and the upload limit for ever."""
+    closed = []
+
+    async def on_close(s):
+        closed.append((s.id, s.close_reason, trio.current_time()))
+
+    async def main():
+        peers = PeerSet("srv", store_with(tmp_path / "store", [os.urandom(3 * PART_BYTES)]), TokenBucket(None),
+                        _noop, on_close=on_close)
+        served, requester, link = await connected_pair()
+        with trio.fail_after(10 * SEND_TIMEOUT):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(peers.run, served, False)
+                assert isinstance(await requester.receive(), wire.Have)
+                link.stalled = True  # from now on nothing the server sends gets through
+                start = trio.current_time()
+                await requester.send(wire.Request(KEY[0], KEY[1], 0))
+                while peers.connected("req"):
+                    await trio.sleep(1)
+        return start
+
+    start = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    [(peer, reason, when)] = closed
+    assert peer == "req" and reason == f"took no bytes for {SEND_TIMEOUT:.0f} s"
+    assert when - start == pytest.approx(SEND_TIMEOUT, abs=1.0)

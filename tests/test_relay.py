@@ -36,22 +36,25 @@ class Relay:
         self.peers = PeerSet("relay", self.store, TokenBucket(None), _noop, inflows=self.inflows)
         self.requester: MessageStream | None = None
 
-    async def connect(self, nursery) -> None:
+    async def connect(self, nursery, name: str = "req") -> MessageStream:
+        """Another requester connects (the first one is `self.requester`)."""
         a, b = trio.testing.memory_stream_pair()
-        mine, theirs = MessageStream(a, "req", "node"), MessageStream(b, "relay", "node")
+        mine, theirs = MessageStream(a, name, "node"), MessageStream(b, "relay", "node")
         async with trio.open_nursery() as n:
             n.start_soon(exchange_hello, mine, wire.Hello("relay", "r1", "node", "x:1", []))
-            n.start_soon(exchange_hello, theirs, wire.Hello("req", "r2", "node", "x:2", []))
+            n.start_soon(exchange_hello, theirs, wire.Hello(name, "r2", "node", "x:2", []))
         nursery.start_soon(self.peers.run, mine, False)
-        self.requester = theirs
+        if self.requester is None:
+            self.requester = theirs
+        return theirs
 
     def run(self, scenario) -> None:
-        """Connect, run `await scenario()`, and stop the relay."""
+        """Connect, run `await scenario()` (or `scenario(nursery)` if it takes one), and stop the relay."""
         async def main():
             with trio.fail_after(20):
                 async with trio.open_nursery() as n:
                     await self.connect(n)
-                    await scenario()
+                    await (scenario(n) if scenario.__code__.co_argcount else scenario())
                     n.cancel_scope.cancel()
         trio.run(main)
 
@@ -179,6 +182,36 @@ def test_cancel_stops_a_chunk_mid_stream_and_unknown_chunks_are_rejected(tmp_pat
         assert _parts(got, 0) == [(0, PART_BYTES)]
         assert [(m.chunk, m.reason) for m in got if isinstance(m, wire.Reject)] == [(5, "not held")]
         assert flow._watchers == []  # the cancelled answer no longer follows the flow
+
+    r.run(scenario)
+
+
+def test_a_requester_leaving_mid_cut_through_releases_the_flow_and_the_others_get_it_whole(tmp_path):
+    data = os.urandom(3 * PART_BYTES)
+    r = Relay(tmp_path, [data])
+
+    async def scenario(nursery):
+        other = await r.connect(nursery, "req2")
+        flow = r.feed(0, 0, PART_BYTES)
+        await r.ask(0)
+        await other.send(wire.Request(KEY[0], KEY[1], 0))
+        got = await r.pieces_until_quiet()
+        assert _parts(got, 0) == [(0, PART_BYTES)]
+        assert len(flow._watchers) == 2
+        await r.requester.stream.aclose()  # the first requester is gone mid-chunk
+        await trio.testing.wait_all_tasks_blocked()
+        assert not r.peers.connected("req") and r.peers.connected("req2")
+        assert len(flow._watchers) == 1  # only the one still there follows the flow
+        r.feed(0, PART_BYTES, len(data))
+        r.inflows.finish(flow, ok=True)
+        await trio.testing.wait_all_tasks_blocked()
+        pieces = []
+        while sum(len(p.data) for p in pieces) < len(data):
+            pieces.append(await other.receive())
+        assert b"".join(p.data for p in pieces) == data
+        assert flow._watchers == []
+        # what the leaver was sent, then the whole chunk to the other; nothing more to the leaver
+        assert r.peers.bytes_out == PART_BYTES + len(data)
 
     r.run(scenario)
 

@@ -43,7 +43,7 @@ def test_restarts_keep_manifests_and_chunks(tmp_path):
         assert store.keys() == [(1, False)], f"restart {restart}"
         assert store.complete((1, False)), f"restart {restart}"
         assert (tmp_path / "v0000000001-patch" / "manifest").read_bytes() == envelope
-        assert store.chunks((1, False)) == chunks
+        assert list(store.chunks((1, False))) == chunks
 
 
 def test_start_up_deletes_only_what_the_store_can_show_is_unusable(tmp_path):
@@ -65,3 +65,23 @@ def test_start_up_deletes_only_what_the_store_can_show_is_unusable(tmp_path):
     assert store.have((1, False)) == set(range(len(chunks))) - {1}
     assert not (tmp_path / "v0000000002-patch").exists()
     assert len(dropped) == 2 and "000001.chunk" in dropped[0] and "v0000000002-patch" in dropped[1]
+
+
+def test_an_objects_chunks_are_read_when_reached_not_all_at_once(tmp_path):
+    """An apply of a keyframe or a dense patch holds one batch of chunks, not the object:
+    the store hands out a sequence that reads each chunk from disk when it is indexed."""
+    import pytest
+
+    from patchswarm.protocol.errors import InvalidInput
+
+    trainer = Ed25519PrivateKey.generate()
+    m, envelope, chunks = _object(trainer)
+    store = ObjectStore(tmp_path)
+    store.write_object((1, False), envelope, chunks)
+    store.adopt((1, False), m)
+    seq = store.chunks((1, False))
+    assert not isinstance(seq, list) and len(seq) == len(chunks)
+    assert seq[0] == chunks[0] and seq[-1] == chunks[-1] and seq[1:3] == chunks[1:3]
+    (tmp_path / "v0000000001-patch" / "000001.chunk").unlink()  # read lazily: the loss shows when reached
+    with pytest.raises(InvalidInput, match="chunk 1 is gone"):
+        seq[1]

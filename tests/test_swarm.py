@@ -87,7 +87,7 @@ def test_every_node_gets_every_version_bit_exactly_and_mostly_from_peers(tmp_pat
 
         # `patchswarm status`, as people and scripts use it.
         js = json.loads(lab._cli("status", "--data-dir", late.data_dir, "--json"))
-        assert {"node_id", "region", "version", "state_hash", "weights_path", "latest_version", "peers",
+        assert {"node_id", "region", "version", "state_hash", "base_path", "latest_version", "peers",
                 "bytes_in", "bytes_out", "chunks_rejected", "spool"} <= set(js)
         assert js["node_id"] == "late" and js["version"] == 5 and js["latest_version"] == 5
         assert set(js["bytes_in"]) == {"origin", "same_region", "other_region"}
@@ -135,20 +135,58 @@ def test_node_killed_mid_download_restarts_and_converges(tmp_path, checkpoints):
         helper = lab.start_node("helper")
         publish(lab, watch, checkpoints, 0)
         lab.wait_version([helper], 0)
-        # 4.5 MB keyframe at 600 kB/s: the kill lands mid-download.
+        # 4.5 MB keyframe (4 chunks) at 600 kB/s: the kill lands once a chunk is in, the rest not
         slow = lab.start_node("slow", extra=["--download-limit", "600k"])
-        lab.wait_log(slow, r"version 0 announced")
-        time.sleep(2.0)
-        assert slow.status()["version"] is None
+        announced = lab.wait_log(slow, r"version 0 announced: keyframe, (\d+) chunks, ([\d,]+) bytes")
+        chunks, keyframe_bytes = int(announced.group(1)), int(announced.group(2).replace(",", ""))
+        stored = slow.data_dir / "objects" / "v0000000000-keyframe"
+        deadline = time.monotonic() + 60
+        while not sum((before := slow.status())["bytes_in"].values()):
+            assert time.monotonic() < deadline, f"no chunk arrived in 60 s: {before}"
+            time.sleep(0.05)
+        on_disk = len(list(stored.glob("*.chunk")))
         lab.kill(slow, signal.SIGKILL)
+        assert before["version"] is None and 0 < on_disk < chunks, (before, on_disk)
         slow.args = [a for a in slow.args if a not in ("--download-limit", "600k")]
         lab.restart(slow)
+        (st,) = lab.wait_version([slow], 0)
+        # the restart kept what had arrived (every kept chunk whole) and fetched only the rest
+        assert 0 < sum(st["bytes_in"].values()) < keyframe_bytes, (st["bytes_in"], keyframe_bytes)
+        assert "dropped from the object store" not in slow.text()
         publish(lab, watch, checkpoints, 1)
         (st,) = lab.wait_version([slow], 1)
         assert st["version"] == 1
         assert same_bits(load_weights(slow), served_bf16(checkpoints[1]))
-        assert "dropped from the object store" not in slow.text()  # every stored chunk was whole
         del origin
+
+
+def test_upload_and_download_limits_hold_between_real_processes(tmp_path, checkpoints):
+    """The origin at --upload-limit 1M, then a node at --download-limit 1M: each moves its
+    bytes no faster than the limit allows (bytes past the quarter-second burst at the rate).
+    The elapsed times bracket the transfers from outside, so load can only lengthen them."""
+    rate, burst = 1e6, 250e3
+    watch = tmp_path / "watch"
+    with SwarmLab(tmp_path) as lab:
+        lab.start_tracker()
+        lab.start_origin(watch=watch, extra=[*ORIGIN_ARGS, "--upload-limit", "1M"])
+        first = lab.start_node("first")
+        lab.wait_log(first, "joined the swarm via tracker")
+        t0 = time.monotonic()
+        publish(lab, watch, checkpoints, 0)
+        lab.wait_version([first], 0)
+        up_s = time.monotonic() - t0
+        from_origin = first.status()["bytes_in"]["origin"]
+
+        second = lab.start_node("second", extra=["--download-limit", "1M"])
+        t0 = time.monotonic()
+        lab.wait_version([second], 0)
+        down_s = time.monotonic() - t0
+        received = sum(second.status()["bytes_in"].values())
+        print(f"origin upload: {from_origin:,} B in {up_s:.2f} s; node download: {received:,} B in {down_s:.2f} s")
+        assert from_origin > 4 * burst and received > 4 * burst  # the keyframe: megabytes
+        assert up_s >= (from_origin - burst) / rate, (from_origin, up_s)
+        assert down_s >= (received - burst) / rate, (received, down_s)
+        assert same_bits(load_weights(second), served_bf16(checkpoints[0]))
 
 
 def test_tracker_restart_is_soft_state_members_reannounce_and_versions_flow(tmp_path, checkpoints):

@@ -52,8 +52,10 @@ def test_new_then_known_then_conflicting():
     status, m = b.offer(envelope(3))
     assert status == NEW and (m.version, m.is_keyframe) == (3, False)
     assert b.offer(envelope(3))[0] == KNOWN  # the same bytes again: known, not stale
-    with pytest.raises(ConflictingManifest, match="different, validly signed manifest"):
+    with pytest.raises(ConflictingManifest, match="different, validly signed manifest") as e:
         b.offer(envelope(3, created_at=1.0))  # another manifest for the same object
+    # both target hashes, to the same 16 characters (here the same state: only created_at differs)
+    assert str(e.value).endswith(f"(target {h(3)[:16]}…, found {h(3)[:16]}…)")
     assert b.keys() == [(3, False)]
 
 
@@ -140,6 +142,9 @@ PLANS = [
     ("... but can take a keyframe",
      [(2, P, 10), (3, K, 1000), (3, P, 10)], (1, "other"), [(3, K)]),
     ("nothing leads anywhere yet", [(5, P, 10)], (None, ""), []),
+    ("a fresh node takes version 0, the first keyframe", [(0, K, 1000)], (None, ""), [(0, K)]),
+    ("a fresh node: version 0 when nothing above it can be reached",
+     [(0, K, 1000), (2, P, 10)], (None, ""), [(0, K)]),
     ("a keyframe at or below the node's version is no path",
      [(3, K, 10), (4, P, 10)], (3, "other"), []),
 ]

@@ -1,0 +1,64 @@
+"""In-memory links for PeerSet tests: a MessageStream pair after Hello over a trio
+memory stream (no TLS: PeerSet only sees MessageStreams), one end of which can stop
+taking bytes, and an object store holding given chunks of one object."""
+
+from __future__ import annotations
+
+import hashlib
+
+import trio
+import trio.testing
+
+from patchswarm.node.net.transport import MessageStream, exchange_hello
+from patchswarm.node.store import ObjectStore
+from patchswarm.protocol import wire
+from patchswarm.protocol.manifest import Manifest
+
+KEY = (1, False)
+
+
+class Stallable:
+    """A stream whose sends block for ever once `stalled` (a peer whose TCP window stays
+    shut), and otherwise pass through."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.stalled = False
+
+    async def send_all(self, data) -> None:
+        if self.stalled:
+            await trio.sleep_forever()
+        await self.stream.send_all(data)
+
+    async def receive_some(self, max_bytes=None):
+        return await self.stream.receive_some(max_bytes)
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+async def connected_pair(on_receive=None) -> tuple[MessageStream, MessageStream, Stallable]:
+    """(served end "req" as a PeerSet "srv" sees it, requester end, the served end's stream)."""
+    a, b = trio.testing.memory_stream_pair()
+    a = Stallable(a)
+    served, requester = MessageStream(a, "req", "node"), MessageStream(b, "srv", "node", on_receive=on_receive)
+    async with trio.open_nursery() as n:
+        n.start_soon(exchange_hello, served, wire.Hello("srv", "r1", "node", "x:1", []))
+        n.start_soon(exchange_hello, requester, wire.Hello("req", "r1", "node", "x:2", []))
+    return served, requester, a
+
+
+def manifest_of_chunks(chunks: list[bytes]) -> Manifest:
+    return Manifest(swarm_id="sw", version=KEY[0], base_version=0, base_hash="blake3:" + "00" * 32,
+                    target_hash="blake3:" + "11" * 32, tensors=[],
+                    chunks=[(len(c), hashlib.sha256(c).digest()) for c in chunks], codec={"format": 1},
+                    created_at=0.0)
+
+
+def store_with(path, chunks: list[bytes]) -> ObjectStore:
+    """A store holding every chunk of one object (KEY)."""
+    store = ObjectStore(path)
+    store.put_manifest(KEY, manifest_of_chunks(chunks), b"envelope")
+    for i, c in enumerate(chunks):
+        store.put_chunk(KEY, i, c)
+    return store

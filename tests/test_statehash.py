@@ -1,0 +1,98 @@
+"""The state hash as documented in protocol/statehash.py (version 2), as a known answer.
+
+Two checks that do not trust the code under test: the definition written out again
+here from its docstring, byte by byte (msgpack records, BLAKE3 over per-block BLAKE3
+digests, 4 MiB blocks), and pinned hex answers for fixed states, so that a change of
+the definition (block size, record layout, a dtype's wire name, the prefix) shows
+as a failing test and not as a swarm whose old data no longer verifies.
+"""
+
+import blake3
+import msgpack
+import pytest
+import torch
+
+from patchswarm.protocol.statehash import combine, is_state_hash, state_hash, tensor_digest
+
+BLOCK = 4 << 20  # the documented block size
+
+
+def documented(state: dict, names: dict) -> str:
+    """The definition, from the docstring alone: `names` maps each tensor to its dtype's wire name."""
+    h = blake3.blake3()
+    for name in sorted(state):
+        t = state[name]
+        raw = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        leaves = b"".join(blake3.blake3(raw[o:o + BLOCK]).digest() for o in range(0, max(1, len(raw)), BLOCK))
+        h.update(msgpack.packb([name, names[name], list(t.shape), blake3.blake3(leaves).digest()]))
+    return "blake3:" + h.hexdigest()
+
+
+def fixed_state() -> tuple[dict, dict]:
+    """Every wire dtype name once, a 0-dim, an empty and a non-contiguous tensor; the bytes
+    are fixed by arithmetic, not by a random generator."""
+    ramp = torch.arange(24, dtype=torch.int32)
+    state = {
+        "bf16": (ramp.float() / 8 - 1).to(torch.bfloat16).reshape(2, 3, 4),
+        "fp16": (ramp.float() / 3).to(torch.float16),
+        "fp32": torch.tensor(-0.0),  # 0-dim, and the sign bit counts
+        "f8e4m3": (ramp.float() / 4).to(torch.float8_e4m3fn).reshape(4, 6),
+        "f8e5m2": (-ramp.float()).to(torch.float8_e5m2),
+        "i8": (ramp - 12).to(torch.int8),
+        "u8": ramp.to(torch.uint8) * 10,
+        "i16": (ramp * -1000).to(torch.int16),
+        "i32": ramp.reshape(4, 6).t(),  # not contiguous: hashed as its logical order
+        "i64": ramp.to(torch.int64) << 40,
+        "bool": ramp % 3 == 0,
+        "empty": torch.zeros(0, 5, dtype=torch.bfloat16),
+    }
+    names = {k: k for k in state}
+    names["empty"] = "bf16"
+    return state, names
+
+
+# The answers, computed once with the definition above (2026-12-04); they must never change
+# for version 2 of the state hash.
+FIXED_ANSWER = "blake3:80f5b7d53e97207bcc05a71af1783e1fb5e05365b6a797deaab920b55b5ddcf3"
+EMPTY_ANSWER = "blake3:af1349b9f5f9a1a6a0404dea36dcc9499bcb25c9adc112b7cc9a93cae41f3262"  # BLAKE3 of nothing
+
+
+def test_the_documented_definition_gives_the_same_hash():
+    state, names = fixed_state()
+    assert state_hash(state) == documented(state, names)
+
+
+def test_pinned_answers():
+    state, _ = fixed_state()
+    assert state_hash({}) == EMPTY_ANSWER
+    assert state_hash(state) == FIXED_ANSWER
+
+
+def test_a_tensor_over_several_blocks_is_hashed_block_by_block():
+    t = (torch.arange(BLOCK + 3, dtype=torch.int64) % 251).to(torch.uint8)  # 4 MiB and 3 bytes
+    state = {"big": t}
+    assert state_hash(state) == documented(state, {"big": "u8"})
+    # not the digest of the bytes in one piece: that would be a different definition
+    flat = blake3.blake3(t.numpy().tobytes()).digest()
+    one_block = "blake3:" + blake3.blake3(msgpack.packb(["big", "u8", [BLOCK + 3], flat])).hexdigest()
+    assert state_hash(state) != one_block
+
+
+def test_tensor_by_tensor_matches_the_whole_state():
+    state, _ = fixed_state()
+    records = {n: (t.dtype, tuple(t.shape), tensor_digest(t)) for n, t in state.items()}
+    assert combine(records) == state_hash(state)
+
+
+@pytest.mark.parametrize("change", [
+    lambda s: s.update(fp32=torch.tensor(0.0)),  # -0.0 -> +0.0
+    lambda s: s.update(i16=s["i16"].reshape(4, 6)),  # same bytes, another shape
+    lambda s: s.update(u8=s["u8"].view(torch.int8)),  # same bytes, another dtype
+    lambda s: s.update(renamed=s.pop("bool")),
+    lambda s: s.pop("empty"),
+])
+def test_what_the_hash_covers(change):
+    state, _ = fixed_state()
+    before = state_hash(state)
+    change(state)
+    assert state_hash(state) != before and is_state_hash(state_hash(state))
