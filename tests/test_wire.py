@@ -1,7 +1,6 @@
 """Wire protocol: round trips, framing under any split, Hello-first rules, hostile bytes."""
 
 import dataclasses
-import time
 
 import hypothesis.strategies as st
 import msgpack
