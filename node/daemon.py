@@ -219,7 +219,7 @@ class Node:
     async def _serve_peers(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         await serve(self.cfg.listen, self.creds, {"node"}, self._hello, self._accepted,
                     on_refused=lambda why: log.warning("refused a connection: %s", why),
-                    on_receive=self.download.take, task_status=task_status)
+                    on_receive=self.download.take, refused=self.peers.dropped, task_status=task_status)
 
     async def _accepted(self, ms) -> None:
         await self.peers.run(ms, outbound=False)
@@ -276,6 +276,7 @@ class Node:
             "bytes_out": self.peers.bytes_out,
             "bytes_out_arriving": self.peers.bytes_out_arriving,
             "chunks_rejected": f.chunks_rejected,
+            "peers_dropped": dict(self.peers.dropped),  # and connections refused, by kind (node/peers.py)
             "manifests_rejected": a.manifests_rejected,
             "fetching": f.status(),
             # Objects that failed to apply (verified chunks, yet the patch did not fit): the

@@ -25,6 +25,7 @@ import trio
 
 from patchswarm.protocol import wire
 from patchswarm.protocol.announce import Listener, tell_have, tell_incoming
+from patchswarm.protocol.wire import unknown_kept
 from patchswarm.protocol.manifest import chunk_ok
 from patchswarm.protocol.picker import ORIGIN, NODE, PiecePicker, Request
 from patchswarm.protocol.publication import ObjKey, describe
@@ -129,17 +130,20 @@ class Fetcher:
         self._wakeup.set()
 
     def on_announce(self, s: Session, msg: wire.Have | wire.HaveOne | wire.Incoming) -> None:
-        """A peer holds chunks (Have, HaveOne) or receives one (Incoming): the picker records it."""
+        """A peer holds chunks (Have, HaveOne) or receives one (Incoming): the picker records it.
+        Checked against the object's manifest (ProtocolError, which drops the peer, if it does
+        not fit). For an object whose manifest is not known here, kept unexpanded and bounded
+        if its version is near the latest known (protocol/wire.py's `unknown_kept`), else ignored."""
         key = (msg.version, msg.keyframe)
-        if isinstance(msg, wire.Have):
-            m = self.store.manifest(key)  # not known here yet: the raw bitfield's indices, up to its length
-            chunks = wire.indices_from_bitfield(msg.chunks, len(msg.chunks) * 8 if m is None else len(m.chunks))
-        else:
-            chunks = [msg.chunk]
-        n = self.picker.n_chunks(key)
-        if n is not None:
-            chunks = [c for c in chunks if c < n]  # past the object's end: nothing to fetch there
-        self.picker.peer_has(s.id, key, chunks, whole=not isinstance(msg, wire.Incoming))
+        m = self.store.manifest(key) or self.book.get(key)
+        chunks = wire.announced_chunks(msg, None if m is None else len(m.chunks))
+        whole = not isinstance(msg, wire.Incoming)
+        if chunks is not None:
+            self.picker.peer_has(s.id, key, chunks, whole=whole)
+        elif unknown_kept(key[0], self.book.latest_version):  # its manifest may be on its way (the origin
+            # announces as it tells the tracker): kept as it came, bounded, until the manifest is here
+            bitfield = msg.chunks if isinstance(msg, wire.Have) else None
+            self.picker.peer_has_unknown(s.id, key, bitfield, () if bitfield is not None else (msg.chunk,), whole=whole)
         self._wakeup.set()
 
     def on_reject(self, s: Session, msg: wire.Reject) -> None:

@@ -13,6 +13,16 @@ bytes. A Cancel removes a request, sent in part or not. Everything else a peer
 says goes to the owner's `on_message`, as it came: what a peer holds is
 recorded by whoever fetches (protocol/picker.py, through node/fetcher.py),
 not here. Must not decide what to fetch or whom to tell what.
+
+Budgets (issue 21): what one peer may ask of this node, `PeerBudgets`. Its
+requests waiting for an answer are at most `max_queued_requests` (a request
+for a chunk neither held nor arriving is answered with a Reject queued on
+its own, in O(1), so a flood of them never walks the serve queue); its
+announcements (Have, HaveOne, Incoming, manifests) at most
+`announcements_per_minute`. A peer past a budget is dropped, and every drop is
+counted by kind in `PeerSet.dropped` (the node's status shows it), with the
+listener's refusals (node/net/transport.py: connections before Hello, bytes
+buffered).
 """
 
 from __future__ import annotations
@@ -26,7 +36,7 @@ import trio
 
 from patchswarm.protocol import wire
 from patchswarm.protocol.assembly import PART_BYTES
-from patchswarm.protocol.errors import InvalidInput, ProtocolError
+from patchswarm.protocol.errors import BudgetExceeded, InvalidInput, ProtocolError
 from patchswarm.protocol.publication import ObjKey
 
 from patchswarm.node.net.ratelimit import TokenBucket
@@ -36,6 +46,21 @@ from patchswarm.node.net.transport import CONNECTION_ERRORS, MessageStream
 
 log = logging.getLogger("patchswarm.peers")
 SEND_TIMEOUT = 60.0  # a peer that takes no bytes for this long is dropped
+REQUESTS_QUEUED = "requests queued"  # budgets' names, for counters and logs
+ANNOUNCEMENTS = "announcements per minute"
+REJECTS_PER_WRITE = 256  # Rejects of requests for chunks not held, sent together
+_ANNOUNCEMENTS = (wire.Have, wire.HaveOne, wire.Incoming, wire.VersionNotice, wire.Announce)
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerBudgets:
+    """What one peer may ask of this node before it is dropped."""
+
+    # An honest fetcher keeps a few requests in flight per peer (protocol/picker.py's pipeline).
+    max_queued_requests: int = 1024
+    # An honest peer announces each chunk it takes at most twice (Incoming, HaveOne): 2**17 a
+    # minute is 2 MiB chunks (the codec's default) at 2.2 GB/s from one peer.
+    announcements_per_minute: int = 1 << 17
 _QUIET_ENDS = ("closed", "said bye", "replaced by the connection both ends keep")  # logged at INFO
 
 
@@ -52,6 +77,9 @@ class Session:
     addr: str
     outbound: bool
     serve_queue: collections.deque = dataclasses.field(default_factory=collections.deque)
+    rejects: collections.deque = dataclasses.field(default_factory=collections.deque)  # Rejects to send first
+    announced: int = 0  # announcements since `window_start`
+    window_start: float = -60.0
     serve_ready: trio.Event = dataclasses.field(default_factory=trio.Event)
     piece_bytes_in: int = 0
     piece_bytes_out: int = 0
@@ -79,6 +107,10 @@ class Session:
         with trio.fail_after(SEND_TIMEOUT):
             await self.ms.send(msg)
 
+    async def send_many(self, msgs) -> None:
+        with trio.fail_after(SEND_TIMEOUT):
+            await self.ms.send_many(msgs)
+
 
 @dataclasses.dataclass(eq=False)
 class Outflow:
@@ -99,8 +131,10 @@ OnSession = Callable[[Session], Awaitable[None]]
 class PeerSet:
     def __init__(self, me: str, store: ObjectStore, upload: TokenBucket, on_message: OnMessage,
                  on_open: OnSession | None = None, on_close: OnSession | None = None,
-                 inflows: Inflows | None = None):
+                 inflows: Inflows | None = None, budgets: PeerBudgets = PeerBudgets()):
         self.me = me
+        self.budgets = budgets
+        self.dropped: collections.Counter[str] = collections.Counter()  # peers dropped, by kind of fault
         self.store = store
         self.inflows = inflows  # chunks arriving now, served as they arrive; None: serve held chunks only
         self.upload = upload
@@ -160,12 +194,19 @@ class PeerSet:
                 nursery.cancel_scope.cancel()
         except* PeerDropped as group:
             reason = str(group.exceptions[0])
+            self.dropped["misbehaved"] += 1
+        except* BudgetExceeded as group:  # before ProtocolError, which includes it
+            reason = f"over budget: {group.exceptions[0]}"
+            self.dropped[group.exceptions[0].budget] += 1
         except* ProtocolError as group:
             reason = f"protocol error: {group.exceptions[0]}"
+            self.dropped["protocol error"] += 1
         except* InvalidInput as group:
             reason = f"invalid input: {group.exceptions[0]}"
+            self.dropped["invalid input"] += 1
         except* trio.TooSlowError:  # before the general case, which includes it
             reason = f"took no bytes for {SEND_TIMEOUT:.0f} s"
+            self.dropped["stalled"] += 1
         except* CONNECTION_ERRORS as group:
             reason = f"connection lost ({type(group.exceptions[0]).__name__})"
         finally:
@@ -187,8 +228,7 @@ class PeerSet:
             if msg is None:
                 return "closed"
             if isinstance(msg, wire.Request):
-                s.serve_queue.append(Outflow((msg.version, msg.keyframe), msg.chunk))
-                s.wake()
+                self._queue_request(s, msg)
             elif isinstance(msg, wire.Cancel):
                 key = (msg.version, msg.keyframe)
                 for o in [o for o in s.serve_queue if o.key == key and o.chunk == msg.chunk]:
@@ -196,12 +236,37 @@ class PeerSet:
             elif isinstance(msg, wire.Bye):
                 return "said bye"
             else:
+                if isinstance(msg, _ANNOUNCEMENTS):
+                    self._count_announcement(s)
                 await self._on_message(s, msg)
         return "closed"
+
+    def _queue_request(self, s: Session, msg: wire.Request) -> None:
+        limit = self.budgets.max_queued_requests
+        if len(s.serve_queue) + len(s.rejects) >= limit:
+            raise BudgetExceeded(REQUESTS_QUEUED, f"more than {limit} requests waiting for an answer")
+        key = (msg.version, msg.keyframe)
+        if msg.chunk in self.store.have(key) or self.inflows is not None and self.inflows.source(key, msg.chunk):
+            s.serve_queue.append(Outflow(key, msg.chunk))
+        else:  # answered at once, never walking the queue: a flood of these costs O(1) each
+            s.rejects.append(wire.Reject(msg.version, msg.keyframe, msg.chunk, "not held"))
+        s.wake()
+
+    def _count_announcement(self, s: Session) -> None:
+        now = trio.current_time()
+        if now - s.window_start >= 60.0:
+            s.window_start, s.announced = now, 0
+        s.announced += 1
+        if s.announced > self.budgets.announcements_per_minute:
+            raise BudgetExceeded(ANNOUNCEMENTS, f"more than {self.budgets.announcements_per_minute} "
+                                                f"announcements in a minute")
 
     async def _serve(self, s: Session) -> None:
         try:
             while True:
+                if s.rejects:  # in one write: a flood of them costs their encoding, not a send each
+                    await s.send_many([s.rejects.popleft() for _ in range(min(len(s.rejects), REJECTS_PER_WRITE))])
+                    continue
                 msg, arriving = self._next_to_send(s)
                 if msg is None:
                     # Nothing sendable: no await since the scan, so no wake-up was missed.
@@ -224,7 +289,7 @@ class PeerSet:
         """The next message for the serve queue, and whether it is a part of a chunk still
         arriving here: a part of the first request that has bytes to send, or a Reject;
         (None, False) when every request waits on arriving bytes."""
-        for o in list(s.serve_queue):
+        for o in s.serve_queue:  # every path that changes the queue returns at once
             if o.data is None and o.flow is None or o.flow is not None and o.flow.failed:
                 if not self._resolve(s, o):
                     self._drop_outflow(s, o)

@@ -46,8 +46,8 @@ RUNS, RANKED = 0, 1
 DIRECT_BITS = 4
 DIRECT = 1 << DIRECT_BITS
 SYMBOLS = DIRECT + 64 - DIRECT_BITS
-_ROW = 9
-_STREAMS = 6
+ROW_FIELDS = 9  # a class row with changes; one without is [0]
+STREAMS = 6
 _MAX_GAP = 1 << 40
 _NO_RANKS = np.zeros(0, dtype=np.uint64)
 
@@ -209,7 +209,7 @@ def _streams(pos_vals, pos_k, bitmaps, signs, big_vals, big_k, rank_vals, rank_k
     ]
 
 
-M, N, PMODE, PK, VMODE, BIGS, BIGS_K, RANK_K, TABLE = range(_ROW)
+M, N, PMODE, PK, VMODE, BIGS, BIGS_K, RANK_K, TABLE = range(ROW_FIELDS)
 
 
 def check_rows(rows, classes: int) -> list[list]:
@@ -219,7 +219,7 @@ def check_rows(rows, classes: int) -> list[list]:
     for row in rows:
         ok = isinstance(row, list) and row and isinstance(row[M], int) and row[M] >= 0
         if ok and row[M] > 0:
-            ok = (len(row) == _ROW and all(isinstance(x, int) and x >= 0 for x in row[N:TABLE]) and isinstance(row[TABLE], bytes)
+            ok = (len(row) == ROW_FIELDS and all(isinstance(x, int) and x >= 0 for x in row[N:TABLE]) and isinstance(row[TABLE], bytes)
                   and row[M] <= row[N] and row[PMODE] in (GAPS, HOLES, BITMAP) and row[VMODE] in (RUNS, RANKED)
                   and len(row[TABLE]) <= SYMBOLS and max(row[PK], row[BIGS_K], row[RANK_K]) <= ricecode.MAX_K
                   and row[BIGS] <= row[M] and (row[VMODE] == RUNS or row[BIGS] == 0))
@@ -230,9 +230,23 @@ def check_rows(rows, classes: int) -> list[list]:
     return rows
 
 
+def check_counts(rows: list[list], streams, size: int) -> None:
+    """Raise unless the counts a class table declares fit what is present, before
+    anything is decoded or allocated for them: the live classes' sizes (the
+    classes split the segment's `size` elements, which its pieces took from the
+    base) and the changes (one sign bit each, in streams[2])."""
+    _check_streams(streams)
+    members = sum(row[N] for row in rows if row[M])
+    if members > size:
+        raise CorruptData(f"class sizes: expected at most the segment's {size} elements in all classes, found {members}")
+    changes = sum(row[M] for row in rows)
+    if len(streams[2]) != (changes + 7) // 8:
+        raise CorruptData(f"signs: expected {(changes + 7) // 8} bytes for {changes} changes, found {len(streams[2])}")
+
+
 def _check_streams(streams) -> None:
-    if not isinstance(streams, list) or len(streams) != _STREAMS or not all(isinstance(s, bytes) for s in streams):
-        raise CorruptData(f"segment streams: expected {_STREAMS} byte strings")
+    if not isinstance(streams, list) or len(streams) != STREAMS or not all(isinstance(s, bytes) for s in streams):
+        raise CorruptData(f"segment streams: expected {STREAMS} byte strings")
 
 
 def _check_flags(data: bytes, count: int, what: str) -> None:

@@ -55,6 +55,15 @@ class ProtocolError(InvalidInput):
     """A peer sent frames or messages that break the wire protocol."""
 
 
+class BudgetExceeded(ProtocolError):
+    """A peer asked more of this node than one peer may (requests queued, bytes
+    buffered, announcements per minute): `budget` names the limit."""
+
+    def __init__(self, budget: str, message: str):
+        super().__init__(message)
+        self.budget = budget
+
+
 class FrameTooLarge(ProtocolError):
     """A frame announced a length beyond the negotiated maximum."""
 

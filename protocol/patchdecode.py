@@ -27,7 +27,8 @@ import torch
 
 from . import contexts, deltacode, parallel, planes
 from .dtypes import DtypeInfo, info_named, info_of, int_view, ordered_bits, ordered_range
-from .errors import AlreadyApplied, BaseMismatch, CorruptData, PatchswarmError, StateHashMismatch, UsageError
+from .errors import (AlreadyApplied, BaseMismatch, CorruptData, InvalidInput, PatchswarmError, StateHashMismatch,
+                     UsageError)
 from .patchformat import (CLASS_MIN_ELEMENTS, PARALLEL_MIN_BYTES, Patch, Progress, Segment, State, TensorSpec,
                           check_state, chunk_digest, parse_chunk, piece_bits)
 from .statehash import state_hash
@@ -99,6 +100,7 @@ def _positions(bs: list[np.ndarray], seg: Segment) -> contexts.Selected:
     the patch's (class) order (None where that is ascending too), base bits."""
     lo, classes = seg.window
     live = _live(seg)
+    deltacode.check_counts(seg.rows, seg.streams, seg.size)
     if classes == 1:
         if live and seg.rows[0][1] != seg.size:
             raise CorruptData(f"segment class: expected the segment's {seg.size} elements, found {seg.rows[0][1]}")
@@ -296,8 +298,16 @@ def _decode_parsed(state: State, parsed: list, specs: dict[str, TensorSpec], thr
 
 
 def check_structure(state: State, patch: Patch) -> set[str]:
-    """Raise BaseMismatch unless `state` has the tensors the patch changes; return the names it drops."""
+    """Raise BaseMismatch unless `state` has the tensors the patch changes; return the names it drops.
+
+    Raises CorruptData when the full tensors the table declares hold more bytes
+    than the chunks could expand to (before `prepare` allocates them)."""
     full = set(patch.full)
+    full_bytes = sum(t.numel * info_named(t.dtype).width for t in patch.tensors if t.name in full)
+    chunk_bytes = sum(len(c) for c in patch.chunks)
+    if full_bytes > planes.ZSTD_MAX_RATIO * chunk_bytes:
+        raise CorruptData(f"full tensors: expected at most {planes.ZSTD_MAX_RATIO} bytes per chunk byte ({chunk_bytes} "
+                          f"chunk bytes), found {full_bytes} bytes declared")
     for t in patch.tensors:
         if t.name in full:
             continue
@@ -320,14 +330,20 @@ def prepare(state: State, patch: Patch) -> dict[str, torch.Tensor | None]:
     """
     drop = check_structure(state, patch)
     specs = {t.name: t for t in patch.tensors}
-    full = set(patch.full)
+    made = {}
+    for name in patch.full:  # all of them before the state changes: an allocation may fail
+        spec = specs[name]
+        try:
+            made[name] = torch.empty(spec.shape, dtype=info_named(spec.dtype).torch_dtype)
+        except RuntimeError as e:  # torch's allocator: out of memory, or a size it cannot express
+            raise InvalidInput(f"tensor {name!r}: allocating {spec.dtype}{list(spec.shape)} "
+                               f"({spec.numel * info_named(spec.dtype).width} bytes) failed: {str(e)[:120]}") from None
     saved: dict[str, torch.Tensor | None] = {}
     for name in drop:
         saved[name] = state.pop(name)
-    for name in full:
-        spec = specs[name]
+    for name, t in made.items():
         saved.setdefault(name, state.get(name))
-        state[name] = torch.empty(spec.shape, dtype=info_named(spec.dtype).torch_dtype)
+        state[name] = t
     return saved
 
 
@@ -337,6 +353,38 @@ def restore(state: State, saved: dict[str, torch.Tensor | None]) -> None:
             state.pop(name, None)
         else:
             state[name] = t
+
+
+class _FullCoverage:
+    """The ranges of a patch's full tensors that its full segments write. Each must be
+    written exactly once: `prepare` allocates a full tensor uninitialized at the size the
+    table declares, and the state hash reads all of it."""
+
+    def __init__(self, patch: Patch):
+        full = set(patch.full)
+        self.numel = {t.name: t.numel for t in patch.tensors if t.name in full}
+        self.ranges: dict[str, list[tuple[int, int]]] = {name: [] for name in self.numel}
+
+    def add(self, segs: list[Segment]) -> None:
+        for seg in segs:
+            if seg.kind != "f":
+                continue
+            for name, s, e in seg.pieces:
+                if name not in self.ranges:  # it would overwrite a base tensor with no undo record
+                    raise CorruptData(f"full piece {name!r}[{s}:{e}]: expected a tensor of the patch's full list")
+                self.ranges[name].append((s, e))
+
+    def check(self) -> None:
+        for name, ranges in self.ranges.items():
+            at = 0
+            for s, e in sorted(ranges):
+                if s != at:
+                    raise CorruptData(f"full tensor {name!r}: expected its segments to cover [0, {self.numel[name]}) "
+                                      f"once, found {'a gap' if s > at else 'an overlap'} at {min(s, at)}")
+                at = e
+            if at != self.numel[name]:
+                raise CorruptData(f"full tensor {name!r}: expected its segments to cover [0, {self.numel[name]}), "
+                                  f"found [0, {at})")
 
 
 def _parsed_batches(chunks: list[bytes], tensors: list[TensorSpec], min_bytes: int, min_segments: int):
@@ -398,8 +446,12 @@ def apply(state: State, patch: Patch, progress: Progress = None, threads: int | 
     saved: dict | None = None
     kept: list[DecodedChunk] = []  # undo records, with `undo`
     written = 0
+    coverage = _FullCoverage(patch)
     try:
         for batch in batches:
+            for item in batch:
+                if not isinstance(item, PatchswarmError):
+                    coverage.add(item[0])
             decoded = _decode_parsed(state, batch, specs, threads)
             if saved is None:
                 # After the first checks: a wrong base or a second apply fails before
@@ -417,6 +469,7 @@ def apply(state: State, patch: Patch, progress: Progress = None, threads: int | 
                     progress(written, n + 1)
         if saved is None:
             saved = prepare(state, patch)
+        coverage.check()
         found = state_hash(state, threads)
         if found != patch.target_hash:
             raise StateHashMismatch("patched state", patch.target_hash, found)

@@ -21,6 +21,7 @@ Pure: no files, no sockets, no clocks.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from typing import Callable, Iterable
 
@@ -29,9 +30,10 @@ import numpy as np
 import torch
 import zstandard
 
-from . import contexts, deltacode
+from . import contexts, deltacode, planes
 from .dtypes import DtypeInfo, info_named, info_of, int_view
 from .errors import CorruptData, UnsupportedFormat, UsageError
+from .packreader import PackReader
 from .statehash import is_state_hash
 
 FORMAT = "patchswarm"
@@ -41,6 +43,22 @@ MAX_PATCH_BYTES = 1 << 40
 MAX_TABLE_BYTES = 1 << 30
 TABLE_ZSTD_LEVEL = 12  # 53-tensor table: 261 B in 0.08 ms; level 19 saved 12 B for 0.5 ms
 MAX_SEGMENT_ELEMENTS = 1 << 30
+MAX_NAME_BYTES = 4096  # a tensor or shard file name, UTF-8
+MAX_DIMS = 64
+MAX_DIM = (1 << 48) - 1
+# The tensor table's content per compressed byte, at most. Measured at level 12:
+# 33x (Llama-70B-like names), 72x (DeepSeek-V3's 47k experts), 77x (Qwen3-MoE fp8
+# with scales), 194x (100k names sharing a 200-character prefix).
+TABLE_MAX_RATIO = 512
+# Rows per compressed byte, at most: 187k short expert names took 0.7 byte a row.
+TABLE_ROWS_PER_BYTE = 16
+TABLES_CACHED = 4  # tensor tables kept read (one per model a process works with, usually)
+_MAX_FIELDS = 16  # entries of a container, chunk or segment map
+_MAX_KEY_BYTES = 32  # field names, kinds, dtype names
+_MAX_POSITION = (1 << 63) - 1  # element offsets and counts: they index int64 arrays
+# A full segment decodes into one array (and a few temporaries) on one thread: the
+# encoder makes them of 2 MiB (patchencode.FULL_SEGMENT_BYTES); this leaves room.
+MAX_FULL_SEGMENT_BYTES = 64 << 20
 CLASS_MIN_ELEMENTS = 4096  # below this a class window costs more than it saves
 PARALLEL_MIN_BYTES = 1 << 19  # bytes read per thread below which another thread costs more than it saves
 
@@ -48,7 +66,7 @@ Progress = Callable[[int, int], None] | None
 State = dict[str, torch.Tensor]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class TensorSpec:
     name: str
     dtype: str
@@ -99,46 +117,37 @@ class Patch:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "Patch":
-        try:
-            obj = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=MAX_PATCH_BYTES)
-        except Exception as e:  # msgpack raises several unrelated types for bad input
-            raise CorruptData(f"patch container: expected msgpack, found undecodable bytes ({type(e).__name__}: {e})") from None
-        _expect(isinstance(obj, dict), "patch container: expected a map", obj)
-        _expect(obj.get("format") == FORMAT, f"patch container: expected format {FORMAT!r}", obj.get("format"))
-        if obj.get("v") != FORMAT_VERSION:
-            raise UnsupportedFormat(f"patch container: expected version {FORMAT_VERSION}, found {obj.get('v')!r}")
-        kind = obj.get("kind")
+        """The patch in `data`; CorruptData (UnsupportedFormat for another version) if it is not one.
+
+        Read along the container's schema (packreader.py): every length is
+        checked against its limit and the bytes present before it is read, and
+        the tensor table's against what its compressed bytes can hold."""
+        r = PackReader(data, CorruptData, "patch container")
+        fields: dict = {}
+        for _ in range(r.map_len(_MAX_FIELDS, "a map of fields")):
+            key = r.str(_MAX_KEY_BYTES, "a field name")
+            if key in fields:
+                raise r.fail("each field once", f"{key!r} again")
+            read = _CONTAINER_FIELDS.get(key)
+            fields[key] = read(r) if read is not None else r.skip(_MAX_FIELDS, 4, "a value")  # a field it does not know
+        r.expect_end()
+        _expect(fields.get("format") == FORMAT, f"patch container: expected format {FORMAT!r}", fields.get("format"))
+        if fields.get("v") != FORMAT_VERSION:
+            raise UnsupportedFormat(f"patch container: expected version {FORMAT_VERSION}, found {fields.get('v')!r}")
+        kind = fields.get("kind")
         _expect(kind in ("patch", "keyframe"), "patch kind: expected 'patch' or 'keyframe'", kind)
-        base, target = obj.get("base"), obj.get("target")
+        base, target = fields.get("base"), fields.get("target")
         _expect(base is None or is_state_hash(base), "base hash: expected 'blake3:' and 64 hex digits, or nil", base)
         _expect(is_state_hash(target), "target hash: expected 'blake3:' and 64 hex digits", target)
-        tensors = obj.get("tensors")
-        _expect(isinstance(tensors, bytes), "tensor table: expected compressed bytes", type(tensors).__name__)
-        try:
-            tensors = msgpack.unpackb(zstandard.ZstdDecompressor().decompress(tensors, max_output_size=MAX_TABLE_BYTES), raw=False)
-        except Exception as e:
-            raise CorruptData(f"tensor table: expected zstd-compressed msgpack, found undecodable bytes ({type(e).__name__})") from None
-        _expect(isinstance(tensors, list), "tensor table: expected a list", type(tensors).__name__)
-        specs = []
-        for row in tensors:
-            _expect(
-                isinstance(row, list) and len(row) == 3 and isinstance(row[0], str) and isinstance(row[2], list)
-                and all(isinstance(s, int) and 0 <= s < 1 << 48 for s in row[2]),
-                "tensor table row: expected [name, dtype, shape]", row,
-            )
-            info_named(row[1])
-            specs.append(TensorSpec(row[0], row[1], tuple(row[2])))
+        table = fields.get("tensors")
+        _expect(isinstance(table, bytes), "tensor table: expected compressed bytes", type(table).__name__)
+        specs = list(_read_table(table))
         names = [s.name for s in specs]
-        _expect(names == sorted(set(names)), "tensor table: expected unique names in order", names[:5])
-        full, removed, chunks, layout = obj.get("full"), obj.get("removed"), obj.get("chunks"), obj.get("layout")
+        full, removed, chunks, layout = fields.get("full"), fields.get("removed"), fields.get("chunks"), fields.get("layout")
         for what, lst in (("full", full), ("removed", removed)):
-            _expect(isinstance(lst, list) and all(isinstance(x, str) for x in lst), f"{what} list: expected names", lst)
-        _expect(set(full) <= set(names), "full list: expected names from the tensor table", full)
-        _expect(isinstance(chunks, list) and all(isinstance(c, bytes) for c in chunks), "chunks: expected a list of bytes", type(chunks).__name__)
-        _expect(
-            layout is None or (isinstance(layout, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in layout.items())),
-            "layout: expected a map name -> file or nil", type(layout).__name__,
-        )
+            _expect(lst is not None, f"{what} list: expected names", lst)
+        _expect(set(full) <= set(names), "full list: expected names from the tensor table", full[:5])
+        _expect(chunks is not None, "chunks: expected a list of bytes", chunks)
         return cls(kind, base, target, specs, full, removed, chunks, layout)
 
     def stats(self) -> dict:
@@ -156,6 +165,61 @@ class Patch:
         full = set(self.full)
         s["changed"] += sum(t.numel for t in self.tensors if t.name in full)
         return s
+
+
+def _names(r: PackReader) -> list[str]:
+    return [r.str(MAX_NAME_BYTES, "a tensor name") for _ in range(r.array_len(r.end, "a list of names"))]
+
+
+def _layout(r: PackReader) -> dict[str, str] | None:
+    if r.nil():
+        return None
+    n = r.map_len(r.end, "a map name -> file or nil")
+    return {r.str(MAX_NAME_BYTES, "a tensor name"): r.str(MAX_NAME_BYTES, "a file name") for _ in range(n)}
+
+
+def _hash_or_nil(r: PackReader) -> str | None:
+    return None if r.nil() else r.str(_MAX_KEY_BYTES * 4, "a state hash")
+
+
+# The container's fields and how each is read (`from_bytes` checks what they say).
+_CONTAINER_FIELDS: dict[str, Callable[[PackReader], object]] = {
+    "format": lambda r: r.str(_MAX_KEY_BYTES, "a format name"),
+    "v": lambda r: r.int(expected="a version"),
+    "kind": lambda r: r.str(_MAX_KEY_BYTES, "a kind"),
+    "base": _hash_or_nil,
+    "target": _hash_or_nil,
+    "tensors": lambda r: r.bin(r.end, "the compressed tensor table"),
+    "full": _names,
+    "removed": _names,
+    "layout": _layout,
+    "chunks": lambda r: [r.bin(MAX_PATCH_BYTES, "a chunk") for _ in range(r.array_len(r.end, "a list of chunks"))],
+}
+
+
+@functools.lru_cache(maxsize=TABLES_CACHED)
+def _read_table(compressed: bytes) -> tuple[TensorSpec, ...]:
+    """The tensor table's rows, checked. Its content may be at most TABLE_MAX_RATIO times
+    its compressed bytes, and its rows TABLE_ROWS_PER_BYTE times (both far above what
+    real tables reach), so that the rows built stay in proportion to the patch's bytes.
+
+    Cached: the patches of one model carry the same table, and reading it costs
+    ~3 us a row (0.26 s for a 72k-tensor MoE) on every version otherwise."""
+    raw = planes.decompress(compressed, min(MAX_TABLE_BYTES, TABLE_MAX_RATIO * len(compressed)), "tensor table")
+    r = PackReader(raw, CorruptData, "tensor table")
+    n = r.array_len(TABLE_ROWS_PER_BYTE * len(compressed) + 64, "a list of [name, dtype, shape]")
+    specs = []
+    for _ in range(n):
+        if r.array_len(3, "a row [name, dtype, shape]") != 3:
+            raise r.fail("a row [name, dtype, shape]", "an array of another length")
+        name = r.str(MAX_NAME_BYTES, "a tensor name")
+        dtype = info_named(r.str(_MAX_KEY_BYTES, "a dtype name")).name  # the one str object per dtype
+        shape = tuple(r.uints(r.array_len(MAX_DIMS, "a shape"), MAX_DIM, "a dimension"))
+        specs.append(TensorSpec(name, dtype, shape))
+    r.expect_end()
+    names = [s.name for s in specs]
+    _expect(names == sorted(set(names)), "tensor table: expected unique names in order", names[:5])
+    return tuple(specs)
 
 
 def _expect(ok: bool, what: str, found) -> None:
@@ -215,35 +279,100 @@ class Segment:
 
 
 def parse_chunk(data: bytes) -> tuple[list[Segment], bytes, bytes]:
-    try:
-        obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
-    except Exception as e:
-        raise CorruptData(f"chunk: expected msgpack, found undecodable bytes ({type(e).__name__})") from None
-    _expect(isinstance(obj, dict) and isinstance(obj.get("s"), list), "chunk: expected a map with segments", type(obj).__name__)
-    old, new = obj.get("o"), obj.get("n")
+    """A chunk's segments (tensor indices in their pieces) and its two digests; CorruptData
+    (UnsupportedFormat for a dtype it does not know) if it is not one.
+
+    Read along the schema (packreader.py), so what a chunk costs to parse is in
+    proportion to its segments' fields, never to what its bytes declare or nest."""
+    r = PackReader(data, CorruptData, "chunk")
+    segs = old = new = None
+    for _ in range(r.map_len(_MAX_FIELDS, "a map with segments")):
+        key = r.str(_MAX_KEY_BYTES, "a field name")
+        if key == "s" and segs is None:
+            segs = [_segment(r) for _ in range(r.array_len(r.end, "a list of segments"))]
+        elif key == "o" and old is None:
+            old = r.bin(DIGEST_BYTES, "a digest")
+        elif key == "n" and new is None:
+            new = r.bin(DIGEST_BYTES, "a digest")
+        else:
+            r.skip(_MAX_FIELDS, 4, f"the value of {key!r} (once)")
+    r.expect_end()
+    _expect(segs is not None, "chunk: expected a map with segments", None)
     _expect(isinstance(old, bytes) and isinstance(new, bytes) and len(old) == len(new) == DIGEST_BYTES,
             f"chunk digests: expected two {DIGEST_BYTES}-byte values", (old, new))
-    segs = []
-    for s in obj["s"]:
-        _expect(isinstance(s, dict) and s.get("k") in ("d", "f"), "segment: expected kind 'd' or 'f'", s if not isinstance(s, dict) else s.get("k"))
-        info = info_named(s.get("dt"))
-        pieces = s.get("p")
-        _expect(
-            isinstance(pieces, list) and pieces and all(
-                isinstance(p, list) and len(p) == 3 and isinstance(p[0], int) and isinstance(p[1], int)
-                and isinstance(p[2], int) and 0 <= p[1] < p[2] for p in pieces),
-            "segment pieces: expected [[tensor index, start, end], ...] with start < end", pieces,
-        )
-        pieces = [tuple(p) for p in pieces]
-        if s["k"] == "f":
-            segs.append(Segment("f", info, pieces, planes=s.get("pl")))
-            continue
-        window = s.get("w")
-        _expect(isinstance(window, list) and len(window) == 2 and all(isinstance(x, int) for x in window)
-                and window[1] in contexts.CLASS_CHOICES and (window[1] == 1 or contexts.has_classes(info)),
-                f"segment class window: expected [lo, C] with C in {contexts.CLASS_CHOICES}", window)
-        seg = Segment("d", info, pieces, tuple(window), deltacode.check_rows(s.get("c"), window[1]), s.get("s"))
-        _expect(seg.size <= MAX_SEGMENT_ELEMENTS, f"segment: expected at most {MAX_SEGMENT_ELEMENTS} elements", seg.size)
-        segs.append(seg)
     return segs, old, new
 
+
+def _pieces(r: PackReader) -> list[tuple[int, int, int]]:
+    return r.uint_tuples(r.array_len(r.end, "segment pieces"), 3, _MAX_POSITION, "a piece [tensor index, start, end]")
+
+
+def _class_rows(r: PackReader) -> list[list]:
+    rows = []
+    for _ in range(r.array_len(contexts.MAX_CLASSES, "a class table")):
+        n = r.array_len(deltacode.ROW_FIELDS, "a class row")
+        if n == deltacode.ROW_FIELDS:
+            row = r.uints(n - 1, _MAX_POSITION, "a class row field")
+            row.append(r.bin(deltacode.SYMBOLS, "a symbol table"))
+        elif n == 1:
+            row = r.uints(1, _MAX_POSITION, "a class row field")
+        else:
+            raise r.fail(f"a class row of 1 or {deltacode.ROW_FIELDS} fields", f"{n}")
+        rows.append(row)
+    return rows
+
+
+def _byte_planes(r: PackReader) -> list[list]:
+    out = []
+    for _ in range(r.array_len(8, "byte planes")):
+        if r.array_len(2, "a plane [mode, bytes]") != 2:
+            raise r.fail("a plane [mode, bytes]", "an array of another length")
+        out.append([r.uint(255, "a plane mode"), r.bin(r.end, "plane bytes")])
+    return out
+
+
+def _segment(r: PackReader) -> Segment:
+    f: dict = {}
+    for _ in range(r.map_len(_MAX_FIELDS, "a segment")):
+        key = r.str(_MAX_KEY_BYTES, "a segment field")
+        if key in f:
+            raise r.fail("each segment field once", f"{key!r} again")
+        if key == "k":
+            f[key] = r.str(_MAX_KEY_BYTES, "a segment kind")
+        elif key == "dt":
+            f[key] = info_named(r.str(_MAX_KEY_BYTES, "a dtype name"))
+        elif key == "p":
+            f[key] = _pieces(r)
+        elif key == "w":
+            f[key] = r.uints(r.array_len(2, "a class window [lo, C]"), _MAX_POSITION, "a class window value")
+        elif key == "c":
+            f[key] = _class_rows(r)
+        elif key == "s":
+            f[key] = [r.bin(r.end, "a stream") for _ in range(r.array_len(8, "segment streams"))]
+        elif key == "pl":
+            f[key] = _byte_planes(r)
+        else:
+            f[key] = r.skip(_MAX_FIELDS, 4, "a segment field's value")
+    kind, info, pieces = f.get("k"), f.get("dt"), f.get("p")
+    _expect(kind in ("d", "f"), "segment: expected kind 'd' or 'f'", kind)
+    _expect(info is not None, "segment: expected a dtype name", None)
+    _expect(bool(pieces) and all(p[1] < p[2] for p in pieces),
+            "segment pieces: expected [[tensor index, start, end], ...] with start < end", pieces[:4] if pieces else pieces)
+    # Ascending and disjoint: a segment's size is then at most the elements of the
+    # tensors it names (the decoder allocates in proportion to it).
+    _expect(all((p[0], p[2]) <= (q[0], q[1]) for p, q in zip(pieces, pieces[1:])),
+            "segment pieces: expected ascending, disjoint ranges", pieces[:4])
+    if kind == "f":
+        _expect("pl" in f, "full segment: expected byte planes", None)
+        seg = Segment("f", info, pieces, planes=f["pl"])
+        _expect(seg.size * info.width <= MAX_FULL_SEGMENT_BYTES,
+                f"full segment: expected at most {MAX_FULL_SEGMENT_BYTES} bytes of elements", seg.size * info.width)
+        return seg
+    window = f.get("w")
+    _expect(window is not None and len(window) == 2 and window[1] in contexts.CLASS_CHOICES
+            and (window[1] == 1 or contexts.has_classes(info)),
+            f"segment class window: expected [lo, C] with C in {contexts.CLASS_CHOICES}", window)
+    _expect("s" in f and len(f["s"]) == deltacode.STREAMS, f"segment streams: expected {deltacode.STREAMS} byte strings", None)
+    seg = Segment("d", info, pieces, tuple(window), deltacode.check_rows(f.get("c"), window[1]), f["s"])
+    _expect(seg.size <= MAX_SEGMENT_ELEMENTS, f"segment: expected at most {MAX_SEGMENT_ELEMENTS} elements", seg.size)
+    return seg

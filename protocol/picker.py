@@ -188,7 +188,7 @@ class PiecePicker:
         self._objects[key] = obj
         self._order.append(obj)
         self._order.sort(key=lambda o: (o.priority, o.key))
-        for peer, (whole, arriving) in self._pending.take(key).items():
+        for peer, (whole, arriving) in self._pending.take(key, n_chunks).items():
             # Out-of-range indices from before the object was known are dropped:
             # there is no caller to blame any more.
             for chunks, is_whole in ((whole, True), (arriving - whole, False)):
@@ -255,6 +255,15 @@ class PiecePicker:
             raise ProtocolError(f"peer {peer!r} announced chunks of {key}: expected indices in "
                                 f"[0, {obj.n_chunks}), found {bad[:5]}")
         self._peer_holds(obj, peer, chunks, whole)
+
+    def peer_has_unknown(self, peer: str, key: ObjKey, bitfield: bytes | None, chunks: Iterable[int] = (), *,
+                         whole: bool = True) -> None:
+        """As `peer_has`, for an object whose chunk count is not known yet (no manifest):
+        kept bounded, as the bitfield's bytes and at most a few single chunks
+        (protocol/piecestate.py's PendingFacts), until `add_object` gives the count."""
+        if peer not in self._peers:
+            raise UsageError(f"peer_has_unknown: {peer!r} has not joined")
+        self._pending.add_unknown(peer, key, bitfield, chunks, whole)
 
     def chunk_received(self, key: ObjKey, chunk: int, peer: str) -> list[Request]:
         """Chunk `chunk` of `key` from `peer` verified and stored. Returns the

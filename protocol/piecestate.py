@@ -27,11 +27,14 @@ from __future__ import annotations
 import random
 from typing import Callable, Iterable
 
+import numpy as np
+
 from .responsibility import ObjKey, ResponsibilityMap
 
 NOT_A_SOURCE = 1 << 30  # source tier: this holder may not be asked now
 COMPACT_SLACK = 64  # removals a chunk set absorbs before it is rebuilt (see discard_compacting)
 MAX_PENDING_OBJECTS = 64  # objects whose announcements are kept before they are fetched
+MAX_UNKNOWN_INDICES = 1024  # single chunks (HaveOne, Incoming) kept per peer of an object with no chunk count yet
 
 
 class PeerState:
@@ -279,11 +282,20 @@ class PendingFacts:
     peers announce it as soon as they have it, often before. At most
     `max_objects` objects are kept (the oldest one first goes): a peer cannot
     grow this without bound. Indices are not checked here (the number of
-    chunks is not known yet): `take` hands them over as they came."""
+    chunks is not known yet): `take` hands them over as they came.
+
+    Objects whose manifest (so chunk count) is not known yet (`add_unknown`: a
+    peer may announce a version before its manifest reaches this node, the
+    origin always does) are kept apart and never expanded on their own word: a
+    Have's bitfield as bytes, OR-ed (at most what the wire lets a bitfield be),
+    single chunks up to MAX_UNKNOWN_INDICES per peer; `take(key, n_chunks)`
+    expands the bitfield's first n_chunks bits once the count is known."""
 
     def __init__(self, max_objects: int = MAX_PENDING_OBJECTS):
         self.max_objects = max_objects
         self._facts: dict[ObjKey, dict[str, tuple[set[int], set[int]]]] = {}
+        # key -> peer -> (Have bitfield, chunks held, chunks arriving) of objects with no chunk count yet
+        self._unknown: dict[ObjKey, dict[str, tuple[bytearray, set[int], set[int]]]] = {}
         self._floor: int | None = None  # versions below it are never fetched: their facts are dropped
 
     def add(self, peer: str, key: ObjKey, chunks: Iterable[int], whole: bool) -> None:
@@ -293,6 +305,23 @@ class PendingFacts:
             del self._facts[next(iter(self._facts))]  # oldest first
         held, arriving = self._facts.setdefault(key, {}).setdefault(peer, (set(), set()))
         (held if whole else arriving).update(chunks)
+
+    def add_unknown(self, peer: str, key: ObjKey, bitfield: bytes | None, chunks: Iterable[int], whole: bool) -> None:
+        if self._floor is not None and key[0] < self._floor:
+            return
+        if key not in self._unknown and len(self._unknown) >= self.max_objects:
+            del self._unknown[next(iter(self._unknown))]  # oldest first
+        bits, held, arriving = self._unknown.setdefault(key, {}).setdefault(peer, (bytearray(), set(), set()))
+        if bitfield:
+            if len(bits) < len(bitfield):
+                bits.extend(bytes(len(bitfield) - len(bits)))
+            view = np.frombuffer(bits, dtype=np.uint8)
+            view[:len(bitfield)] |= np.frombuffer(bitfield, dtype=np.uint8)
+        into = held if whole else arriving
+        for c in chunks:
+            if len(into) >= MAX_UNKNOWN_INDICES:
+                break
+            into.add(c)
 
     def put(self, key: ObjKey, facts: dict[str, tuple[set[int], set[int]]]) -> None:
         """Keep what was known of an object that stopped being fetched (it may come back)."""
@@ -315,17 +344,26 @@ class PendingFacts:
         return entry is not None and c in entry[0]
 
     def peer_left(self, peer: str) -> None:
-        for per_peer in self._facts.values():
+        for per_peer in (*self._facts.values(), *self._unknown.values()):
             per_peer.pop(peer, None)
 
-    def take(self, key: ObjKey) -> dict[str, tuple[set[int], set[int]]]:
-        return self._facts.pop(key, {})
+    def take(self, key: ObjKey, n_chunks: int) -> dict[str, tuple[set[int], set[int]]]:
+        """What is known of `key`, now fetched with `n_chunks` chunks (indices may still be out of range)."""
+        facts = self._facts.pop(key, {})
+        for peer, (bits, held, arriving) in self._unknown.pop(key, {}).items():
+            ones = np.flatnonzero(np.unpackbits(np.frombuffer(bits, dtype=np.uint8), count=min(n_chunks, 8 * len(bits)),
+                                                bitorder="little")).tolist() if bits else []
+            known_held, known_arriving = facts.setdefault(peer, (set(), set()))
+            known_held.update(held, ones)
+            known_arriving.update(arriving)
+        return facts
 
     def forget_below(self, version: int) -> None:
         """Objects below `version` will never be fetched: drop and ignore what is said of them."""
         self._floor = version if self._floor is None else max(self._floor, version)
-        for key in [k for k in self._facts if k[0] < self._floor]:
-            del self._facts[key]
+        for facts in (self._facts, self._unknown):
+            for key in [k for k in facts if k[0] < self._floor]:
+                del facts[key]
 
 
 def _drop(sets: dict, k, v) -> None:

@@ -245,11 +245,16 @@ class KRuns(NamedTuple):
 def unpack(data: bytes, count: int, k: np.ndarray | int | KRuns) -> np.ndarray:
     """Inverse of `pack`; raises CorruptData unless `data` is exactly `count` values.
 
+    Every value has a unary part of at least one bit: more than 8 values a
+    byte is refused before anything is allocated for them.
+
     `k`: one for all values, one per value, or `KRuns` (what `pack` took per value, in runs)."""
     if count == 0:
         if data:
             raise CorruptData("rice blob: expected no data for 0 values, found some")
         return np.zeros(0, dtype=np.uint64)
+    if count > 8 * len(data):  # before the output is allocated: the count may be a lie
+        raise CorruptData(f"rice blob: expected at least a bit per value ({count} values), found {len(data)} bytes")
     if KERNEL is not None:
         out = np.empty(count, dtype=np.uint64)
         try:

@@ -48,6 +48,7 @@ import lz4.block
 import msgpack
 
 from .errors import CorruptData, UnsupportedFormat, UsageError
+from .packreader import PackReader
 
 # --- limits ---------------------------------------------------------------------
 MAX_PAYLOAD_BYTES = 8 << 20  # one record's payload
@@ -56,6 +57,8 @@ MAX_ID_CHARS = 256  # node_id and region
 MAX_ENTRY_BYTES = MAX_PAYLOAD_BYTES + MAX_META_BYTES + 4096  # one entry body, fields included
 MAX_BATCH_BYTES = 12 << 20  # raw (uncompressed) size of one wire batch; fits a 16 MiB wire frame
 MAX_BATCH_RECORDS = 1 << 16  # records in one wire batch
+MAX_META_DEPTH = 32  # containers inside a meta map, decoding (encode takes what msgpack packs)
+_MAX_ID_BYTES = 4 * MAX_ID_CHARS  # node_id and region as UTF-8
 _U64 = 1 << 64
 
 # --- segment framing ------------------------------------------------------------
@@ -74,6 +77,7 @@ KIND_SPOOL_STATE = 4  # [4, node_id, region, seq_reserved]: the spool's `state` 
 KIND_ACKED = 5  # [5, [[start, end], ...]]: an entry of the spool's `acks` log
 _BODY_LEN = {KIND_RECORD: 8, KIND_RECEIVED: 9, KIND_DUPLICATES: 2, KIND_SPOOL_STATE: 4, KIND_ACKED: 2}
 _ALL_KINDS = tuple(_BODY_LEN)
+_MAX_BODY_LEN = max(_BODY_LEN.values())
 
 # --- payload rule ---------------------------------------------------------------
 PAYLOAD_FORMAT_KEY = "payload_format"  # reserved meta key
@@ -83,7 +87,9 @@ PAYLOAD_MSGPACK = "msgpack"  # payload = msgpack.packb(obj); absent key: raw byt
 BATCH_MAGIC = b"PSTB"
 BATCH_VERSION = 1
 _BATCH_HEADER = struct.Struct("<4sBBII")  # magic, version, flags, raw length, crc32(raw)
+MAX_BATCH_WIRE_BYTES = _BATCH_HEADER.size + MAX_BATCH_BYTES  # the encoder keeps raw when lz4 does not shrink it
 _FLAG_LZ4 = 1
+_LZ4_MAX_RATIO = 255  # an lz4 block's format: a match grows by at most 255 bytes per byte
 
 
 # ================================================================ records
@@ -245,40 +251,56 @@ def _unpack(body, what: str):
         raise CorruptData(f"{what}: expected msgpack, found undecodable bytes ({type(e).__name__}: {e})") from None
 
 
+def _read_value(r: PackReader, allowed=_ALL_KINDS):
+    """One entry body's value, read along its kind's schema: strings, payload and meta
+    are bounded (a meta map by MAX_META_BYTES and MAX_META_DEPTH) before they are built."""
+    start = r.pos
+    n = r.array_len(_MAX_BODY_LEN, "an array starting with a kind")
+    kind = r.int(expected="a kind") if n else None
+    if kind not in allowed:
+        r.pos = start
+        raise r.fail(f"an array starting with a kind in {list(allowed)}", _found(kind))
+    if n != _BODY_LEN[kind]:
+        raise CorruptData(f"{r.what}: kind {kind} expects {_BODY_LEN[kind]} elements, found {n}")
+    if kind == KIND_DUPLICATES:
+        count = r.int(expected="a duplicates count")
+        if not _uint(count):
+            raise CorruptData(f"{r.what}: duplicates count: expected a non-negative int, found {_found(count)}")
+        return DuplicatesNote(count)
+    if kind == KIND_ACKED:
+        ranges = r.uint_tuples(r.array_len(r.end, "a list of ranges"), 2, _U64 - 1, "a range [start, end]")
+        if not _ranges_ok(ranges):
+            raise CorruptData(f"{r.what}: expected [start, end] pairs with start < end, found {_found(ranges)}")
+        return AckedRanges(ranges)
+    node_id, region = r.str(_MAX_ID_BYTES, "a node id"), r.str(_MAX_ID_BYTES, "a region")
+    if kind == KIND_SPOOL_STATE:
+        seq = r.int(expected="a seq")
+        _check_fields(node_id, region, seq, 0, 0.0, b"", None, CorruptData)
+        return SpoolState(node_id, region, seq)
+    seq, version = r.int(expected="a seq"), r.int(expected="a policy version")
+    submitted_at = r.float("a float submitted_at")
+    payload = r.bin(MAX_PAYLOAD_BYTES, "a payload")
+    meta = None
+    if not r.nil():
+        meta = r.any(MAX_META_BYTES, MAX_META_DEPTH, "a meta map or nil", max_bytes=MAX_META_BYTES, kind="map")
+    _check_fields(node_id, region, seq, version, submitted_at, payload, meta, CorruptData)
+    if kind == KIND_RECORD:
+        return Record(node_id, region, seq, version, submitted_at, payload, meta)
+    return ReceivedRecord(node_id, region, seq, version, submitted_at, payload, meta,
+                          received_at=r.float("a float received_at"))
+
+
 def _ranges_ok(ranges) -> bool:
     return isinstance(ranges, list) and all(
         isinstance(r, (list, tuple)) and len(r) == 2 and _uint(r[0]) and _uint(r[1]) and r[0] < r[1] for r in ranges)
 
 
-def _record_from_obj(obj, what: str, allowed=_ALL_KINDS):
-    if type(obj) is not list or not obj or obj[0] not in allowed or type(obj[0]) is not int:
-        head = obj[0] if type(obj) is list and obj else obj
-        raise CorruptData(f"{what}: expected an array starting with a kind in {list(allowed)}, found {_found(head)}")
-    kind = obj[0]
-    if len(obj) != _BODY_LEN[kind]:
-        raise CorruptData(f"{what}: kind {kind} expects {_BODY_LEN[kind]} elements, found {len(obj)}")
-    if kind == KIND_DUPLICATES:
-        if not _uint(obj[1]):
-            raise CorruptData(f"{what}: duplicates count: expected a non-negative int, found {_found(obj[1])}")
-        return DuplicatesNote(obj[1])
-    if kind == KIND_SPOOL_STATE:
-        _check_fields(obj[1], obj[2], obj[3], 0, 0.0, b"", None, CorruptData)
-        return SpoolState(obj[1], obj[2], obj[3])
-    if kind == KIND_ACKED:
-        if not _ranges_ok(obj[1]):
-            raise CorruptData(f"{what}: expected [start, end] pairs with start < end, found {_found(obj[1])}")
-        return AckedRanges([tuple(r) for r in obj[1]])
-    _check_fields(*obj[1:8], CorruptData)
-    if kind == KIND_RECORD:
-        return Record(*obj[1:8])
-    if type(obj[8]) is not float:
-        raise CorruptData(f"{what}: received_at: expected a float, found {_found(obj[8])}")
-    return ReceivedRecord(*obj[1:8], received_at=obj[8])
-
-
 def decode_record(body) -> Record | ReceivedRecord | DuplicatesNote | SpoolState | AckedRanges:
     """The value in one entry body (CorruptData if it is not one)."""
-    return _record_from_obj(_unpack(body, "record body"), "record body")
+    r = PackReader(body, CorruptData, "record body")
+    value = _read_value(r)
+    r.expect_end()
+    return value
 
 
 # ================================================================ payloads
@@ -497,6 +519,9 @@ def decode_batch(data: bytes) -> list[Record]:
         raise CorruptData(f"batch: expected at most {MAX_BATCH_BYTES} raw bytes, found a header of {raw_len}")
     body = memoryview(data)[_BATCH_HEADER.size:]  # no copy of what may be megabytes
     if flags & _FLAG_LZ4:
+        if raw_len > _LZ4_MAX_RATIO * len(body):  # before lz4 allocates what the header declares
+            raise CorruptData(f"batch: expected at most {_LZ4_MAX_RATIO} raw bytes per lz4 byte, found a header of "
+                              f"{raw_len} for {len(body)}")
         try:
             raw = lz4.block.decompress(body, uncompressed_size=raw_len)
         except Exception as e:  # LZ4BlockError, ValueError
@@ -507,10 +532,14 @@ def decode_batch(data: bytes) -> list[Record]:
         raise CorruptData(f"batch: expected {raw_len} raw bytes, found {len(raw)}")
     if zlib.crc32(raw) != crc:
         raise CorruptData(f"batch: checksum mismatch over {raw_len} raw bytes")
-    obj = _unpack(raw, "batch")
-    if type(obj) is not list or len(obj) > MAX_BATCH_RECORDS:
-        raise CorruptData(f"batch: expected an array of at most {MAX_BATCH_RECORDS} records, found {_found(obj)[:40]}")
-    return [_record_from_obj(o, f"batch record {i}", (KIND_RECORD,)) for i, o in enumerate(obj)]
+    r = PackReader(raw, CorruptData, "batch")
+    records = []
+    for i in range(r.array_len(MAX_BATCH_RECORDS, "an array of records")):
+        r.what = f"batch record {i}"
+        records.append(_read_value(r, (KIND_RECORD,)))
+    r.what = "batch"
+    r.expect_end()
+    return records
 
 
 # ================================================================ seq ranges

@@ -9,6 +9,26 @@ messages into bytes with `send`. The caller owns the socket and the clock.
 Whose fault: bad bytes from the peer raise `ProtocolError` (after which the
 connection is broken for good); the local caller misusing the API (sending an
 invalid message, sending before Hello or after Bye) raises `UsageError`.
+
+Limits (named constants below, like h11's): every frame before the peer's
+Hello is at most MAX_HELLO_FRAME_BYTES (its header alone is refused beyond
+that, before any body is buffered); after it, `max_frame`. A body is read
+along its message's schema (protocol/packreader.py), the type key "t" first:
+each field is checked against what that message may carry (names and text by
+byte length, version lists, peer lists and ack lists by count, a Have's
+bitfield by the largest chunk count a manifest may declare, chunk indices below
+it) as it is read, so no frame costs more memory than the fields its type
+allows, whatever it declares or nests.
+
+Announcements, for the daemon: `announced_chunks(msg, chunk_count)` checks a
+Have, HaveOne or Incoming against the chunk count of the object's manifest and
+gives the indices; for an object whose manifest is not known here it gives
+None. Such an announcement is ignored without anything built unless its
+version is near the latest known (`unknown_kept`): the origin announces a
+version to its peers as it tells the tracker, so its Have often arrives before
+the manifest, and it does not announce again. Those are kept as they came,
+bounded (protocol/piecestate.py). A bitfield is never expanded to indices on
+its own length: an all-ones Have of an unknown version once cost a node ~1 GB.
 """
 
 from __future__ import annotations
@@ -17,13 +37,27 @@ import dataclasses
 from dataclasses import dataclass
 
 import msgpack
+import numpy as np
 
 from .errors import FrameTooLarge, ProtocolError, UsageError
+from .manifest import MAX_CHUNKS
+from .packreader import PackReader
+from .trajectory import MAX_BATCH_RECORDS, MAX_BATCH_WIRE_BYTES
 
 MAX_FRAME_BYTES = 16 << 20  # default limit on one frame's body
+MAX_HELLO_FRAME_BYTES = 4 << 10  # every frame before the peer's Hello (a Hello is ~100 bytes)
 HEADER_BYTES = 4  # big-endian body length
+MAX_NAME_BYTES = 256  # a node id, region or role (UTF-8)
+MAX_ADDR_BYTES = 512  # a listen address, "[host]:port"
+MAX_TEXT_BYTES = 4 << 10  # the text of a Reject, Bye or Error
+MAX_VERSIONS_LISTED = 64  # Hello and Heartbeat versions (a node sends its current one)
+MAX_PEERS = 1 << 14  # members in one PeerList
+MAX_ACK_SEQS = MAX_BATCH_RECORDS  # a TrajectoriesAck acknowledges one batch
+MAX_BITFIELD_BYTES = (MAX_CHUNKS + 7) // 8  # a Have's bitfield
+MAX_INT = (1 << 64) - 1  # msgpack's widest unsigned int
 _LENGTH_LIMIT = (1 << 32) - 1  # what the header can express
-_UINT_LIMIT = 1 << 64  # msgpack's widest unsigned int
+_MAX_KEY_BYTES = 16  # a field name
+_MAX_FIELDS = 6  # fields of the largest message (Piece), "t" aside
 _COMPACT_MIN = 64 << 10  # compact the buffer once this much has been consumed...
 
 
@@ -177,7 +211,37 @@ MESSAGE_TYPES = {
     for cls in (Hello, Have, HaveOne, Incoming, Request, Piece, Cancel, Reject, Announce,
                 PeerList, VersionNotice, Heartbeat, Trajectories, TrajectoriesAck, Revocations, Bye, Error)
 }
-_PEER_KEYS = frozenset({"id", "region", "addr", "role"})
+_PEER_FIELDS = {"id": MAX_NAME_BYTES, "region": MAX_NAME_BYTES, "addr": MAX_ADDR_BYTES, "role": MAX_NAME_BYTES}
+
+# What each field may carry beyond its type (annotation): the most bytes of a
+# str or bytes field, the most items of a list, the largest int. Unlisted str
+# fields take MAX_NAME_BYTES, bytes fields the frame limit, ints MAX_INT.
+_LIMITS = {
+    ("Hello", "listen"): MAX_ADDR_BYTES,
+    ("Hello", "versions"): MAX_VERSIONS_LISTED,
+    ("Heartbeat", "versions"): MAX_VERSIONS_LISTED,
+    ("Have", "chunks"): MAX_BITFIELD_BYTES,
+    ("PeerList", "peers"): MAX_PEERS,
+    ("TrajectoriesAck", "seqs"): MAX_ACK_SEQS,
+    ("Trajectories", "batch"): MAX_BATCH_WIRE_BYTES,
+    ("Reject", "reason"): MAX_TEXT_BYTES,
+    ("Bye", "reason"): MAX_TEXT_BYTES,
+    ("Error", "message"): MAX_TEXT_BYTES,
+    **{(name, "chunk"): MAX_CHUNKS - 1 for name in ("HaveOne", "Request", "Piece", "Incoming", "Cancel", "Reject")},
+}
+_DEFAULTS = {"str": MAX_NAME_BYTES, "bytes": _LENGTH_LIMIT, "int": MAX_INT}
+
+
+def _schema(cls) -> tuple[tuple[str, str, int | None], ...]:
+    """(field, annotation, limit) of each field of a message type."""
+    return tuple((f.name, f.type, _LIMITS.get((cls.__name__, f.name), _DEFAULTS.get(f.type)))
+                 for f in dataclasses.fields(cls))
+
+
+_SCHEMAS = {name: _schema(cls) for name, cls in MESSAGE_TYPES.items()}
+_ONE_OF_TYPES = f'"t" to be one of {sorted(MESSAGE_TYPES)}'
+# message -> field -> (what errors call it, annotation, limit): `decode_body`'s table
+_FIELDS_OF = {name: {f: (f"{name}.{f}", kind, limit) for f, kind, limit in schema} for name, schema in _SCHEMAS.items()}
 
 
 def _found(v) -> str:
@@ -185,33 +249,42 @@ def _found(v) -> str:
     return f"{type(v).__name__} {r if len(r) <= 60 else r[:57] + '...'}"
 
 
-def _is_uint(v) -> bool:
-    return type(v) is int and 0 <= v < _UINT_LIMIT
+def _is_uint(v, limit: int = MAX_INT) -> bool:
+    return type(v) is int and 0 <= v <= limit
+
+
+def _utf8_within(v, limit: int) -> bool:
+    if type(v) is not str or len(v) > limit:
+        return False
+    try:
+        return len(v.encode("utf-8")) <= limit
+    except UnicodeEncodeError:  # a lone surrogate: msgpack cannot send it
+        return False
 
 
 def _check_peer(p) -> bool:
-    return (type(p) is dict and p.keys() == _PEER_KEYS
-            and all(type(x) is str for x in p.values()))
+    return type(p) is dict and p.keys() == _PEER_FIELDS.keys() and all(
+        _utf8_within(p[k], limit) for k, limit in _PEER_FIELDS.items())
 
 
-# annotation -> (predicate, what is expected)
+# annotation -> (predicate(value, limit), what is expected given the limit): `encode`'s checks
 _CHECKS = {
-    "str": (lambda v: type(v) is str, "str"),
-    "bool": (lambda v: type(v) is bool, "bool"),
-    "int": (_is_uint, "non-negative int below 2**64"),
-    "bytes": (lambda v: type(v) is bytes, "bytes"),
-    "list[int]": (lambda v: type(v) is list and all(map(_is_uint, v)),
-                  "list of non-negative ints"),
-    "list[dict]": (lambda v: type(v) is list and all(map(_check_peer, v)),
-                   'list of {"id": str, "region": str, "addr": str, "role": str} maps'),
+    "str": (_utf8_within, "str of at most {} UTF-8 bytes"),
+    "bool": (lambda v, _: type(v) is bool, "bool"),
+    "int": (_is_uint, "non-negative int up to {}"),
+    "bytes": (lambda v, limit: type(v) is bytes and len(v) <= limit, "bytes, at most {}"),
+    "list[int]": (lambda v, limit: type(v) is list and len(v) <= limit and all(map(_is_uint, v)),
+                  "list of at most {} non-negative ints"),
+    "list[dict]": (lambda v, limit: type(v) is list and len(v) <= limit and all(map(_check_peer, v)),
+                   'list of at most {} {{"id": str, "region": str, "addr": str, "role": str}} maps'),
 }
 
 
 def _validate(name: str, values: dict, exc: type[Exception]) -> None:
-    for f in dataclasses.fields(MESSAGE_TYPES[name]):
-        ok, expected = _CHECKS[f.type]
-        if not ok(values[f.name]):
-            raise exc(f"{name}.{f.name}: expected {expected}, found {_found(values[f.name])}")
+    for field, kind, limit in _SCHEMAS[name]:
+        ok, expected = _CHECKS[kind]
+        if not ok(values[field], limit):
+            raise exc(f"{name}.{field}: expected {expected.format(limit)}, found {_found(values[field])}")
 
 
 def encode(msg) -> bytes:
@@ -225,26 +298,69 @@ def encode(msg) -> bytes:
     return len(body).to_bytes(HEADER_BYTES, "big") + body
 
 
-def decode_body(body: bytes):
-    """The message in one frame body; ProtocolError if it is not one."""
-    try:
-        obj = msgpack.unpackb(body, raw=False, use_list=True, strict_map_key=True)
-    except Exception as e:  # msgpack raises many types for bad input
-        raise ProtocolError(f"expected a msgpack body, found undecodable bytes ({type(e).__name__}: {e})") from None
-    if type(obj) is not dict:
-        raise ProtocolError(f"expected a msgpack map, found {_found(obj)}")
-    name = obj.get("t")
-    if type(name) is not str or name not in MESSAGE_TYPES:
-        raise ProtocolError(f"expected \"t\" to be one of {sorted(MESSAGE_TYPES)}, found {_found(name)}")
-    cls = MESSAGE_TYPES[name]
-    wanted = {f.name for f in dataclasses.fields(cls)}
-    keys = set(obj) - {"t"}
-    if keys != wanted:
-        missing, extra = sorted(wanted - keys), sorted(map(str, keys - wanted))
-        raise ProtocolError(f"{name}: expected fields {sorted(wanted)}, missing {missing}, unexpected {extra}")
-    del obj["t"]
-    _validate(name, obj, ProtocolError)
-    return cls(**obj)
+def _read_peer(r: PackReader) -> dict:
+    if r.map_len(len(_PEER_FIELDS), "a peer map") != len(_PEER_FIELDS):
+        raise r.fail('a peer {"id", "region", "addr", "role"}', "a map of other keys")
+    peer = {}
+    for _ in _PEER_FIELDS:
+        key = r.str(_MAX_KEY_BYTES, "a peer key")
+        limit = _PEER_FIELDS.get(key)
+        if limit is None or key in peer:
+            raise r.fail('a peer {"id", "region", "addr", "role"}', f"key {key!r}")
+        peer[key] = r.str(limit, "a str")
+    return peer
+
+
+def _read_field(r: PackReader, kind: str, limit: int | None):
+    if kind == "int":
+        return r.uint(limit, "non-negative int")
+    if kind == "bool":
+        return r.bool("bool")
+    if kind == "bytes":
+        return r.bin(limit, "bytes")
+    if kind == "str":
+        return r.str(limit, "str")
+    n = r.array_len(limit, "list")
+    if kind == "list[int]":
+        return r.uints(n, MAX_INT, "non-negative ints")
+    return [_read_peer(r) for _ in range(n)]  # list[dict]
+
+
+def decode_body(body: bytes, only: type | None = None):
+    """The message in one frame body; ProtocolError if it is not one (or, with
+    `only`, if it is of another type: checked before its fields are read).
+
+    Read along the message's schema, "t" first: no field is built before its
+    type and size are checked, and nothing that nests is built at all."""
+    r = PackReader(body, ProtocolError, "msgpack body")
+    n = r.map_len(1 + _MAX_FIELDS, "a msgpack map")
+    name = r.str(_MAX_KEY_BYTES, 'a map whose first key is "t"') if n else None
+    if name != "t":
+        raise ProtocolError(f'expected a map whose first key is "t", found {_found(name)}')
+    name = r.str(_MAX_KEY_BYTES, _ONE_OF_TYPES)
+    if name not in MESSAGE_TYPES:
+        raise ProtocolError(f"expected {_ONE_OF_TYPES}, found {_found(name)}")
+    if only is not None and name != only.__name__:
+        raise ProtocolError(f"expected {only.__name__} first, found {name}")
+    schema = _FIELDS_OF[name]
+    values = {}
+    for _ in range(n - 1):
+        key = r.str(_MAX_KEY_BYTES, "a field name")
+        spec = schema.get(key)
+        if spec is None or key in values:
+            break
+        r.what = spec[0]
+        values[key] = _read_field(r, spec[1], spec[2])
+    else:
+        key = None
+    if key is not None or len(values) != len(schema):
+        missing = sorted(schema.keys() - values.keys() - {key})
+        extra = [key] if key is not None and key not in schema else []
+        again = f", {key!r} twice" if key in values else ""
+        raise ProtocolError(f"{name}: expected fields {sorted(schema)}, missing {missing}, unexpected {extra}{again}")
+    r.what = "msgpack body"
+    r.expect_end()
+    return MESSAGE_TYPES[name](**values)
 
 
 # --- bitfields ----------------------------------------------------------------
@@ -270,7 +386,44 @@ def indices_from_bitfield(b: bytes, n: int) -> list[int]:
         raise ProtocolError(f"bitfield of {n} bits: expected {(n + 7) // 8} bytes, found {len(b)}")
     if n % 8 and b[-1] >> (n % 8):
         raise ProtocolError(f"bitfield of {n} bits: found bits set beyond bit {n - 1}")
-    return [(k << 3) + j for k, byte in enumerate(b) if byte for j in range(8) if byte >> j & 1]
+    return np.flatnonzero(np.unpackbits(np.frombuffer(b, dtype=np.uint8), bitorder="little")).tolist()
+
+
+def have_chunks(msg: Have, chunk_count: int | None) -> list[int] | None:
+    """The chunks a Have says its sender holds, checked against `chunk_count`, the
+    chunk count of the object's manifest (ProtocolError if the bitfield does not
+    fit it); None when the manifest is not known here (`chunk_count` None): see
+    the module docstring for what to do with such a Have."""
+    if chunk_count is None:
+        return None
+    return indices_from_bitfield(msg.chunks, chunk_count)
+
+
+UNKNOWN_VERSIONS_AHEAD = 16  # versions above the latest known whose announcements are kept before their manifest
+UNKNOWN_VERSIONS_BEHIND = 4  # and below it (a keyframe published after its patch)
+
+
+def unknown_kept(version: int, latest_known: int | None) -> bool:
+    """Whether announcements of a version whose manifest is not known here are worth keeping
+    (bounded, unexpanded) until it arrives: one near the latest known version may be on its
+    way; any other is ignored without anything built."""
+    return latest_known is None or latest_known - UNKNOWN_VERSIONS_BEHIND < version <= latest_known + UNKNOWN_VERSIONS_AHEAD
+
+
+def announced_chunks(msg: Have | HaveOne | Incoming, chunk_count: int | None) -> list[int] | None:
+    """The chunks an announcement (Have, HaveOne, Incoming) speaks of, each checked
+    against `chunk_count`, the chunk count of the object's manifest (ProtocolError
+    if one is past it or a bitfield does not fit it). None, with nothing built, when
+    the manifest is not known here (`chunk_count` None): such announcements are
+    ignored, so one costs a peer's bytes and nothing of this node's memory."""
+    if chunk_count is None:
+        return None
+    if type(msg) is Have:
+        return indices_from_bitfield(msg.chunks, chunk_count)
+    if msg.chunk >= chunk_count:
+        raise ProtocolError(f"{type(msg).__name__} of {msg.version}: expected a chunk below {chunk_count}, "
+                            f"found {msg.chunk}")
+    return [msg.chunk]
 
 
 # --- connection -----------------------------------------------------------------
@@ -322,6 +475,11 @@ class FrameBuffer:
         else:
             self._buf += data
 
+    @property
+    def buffered(self) -> int:
+        """Bytes received and not yet returned as a body (at most a frame and a read)."""
+        return len(self._buf) - self._pos
+
     def next_body(self):
         buf, pos = self._buf, self._pos
         avail = len(buf) - pos
@@ -370,6 +528,7 @@ class Connection:
 
     def __init__(self, max_frame: int = MAX_FRAME_BYTES):
         self._frames = FrameBuffer(max_frame)
+        self._frames.max_frame = min(max_frame, MAX_HELLO_FRAME_BYTES)  # until the peer's Hello
         self.max_frame = max_frame
         self.our_state = AWAIT_HELLO
         self.their_state = AWAIT_HELLO
@@ -378,6 +537,11 @@ class Connection:
     def receive_data(self, data: bytes) -> None:
         """Buffer bytes from the peer; b"" means the peer closed its side."""
         self._frames.receive_data(data)
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received and not yet returned as a message."""
+        return self._frames.buffered
 
     def next_event(self):
         """The next message from the peer, NEED_DATA, or CLOSED."""
@@ -393,8 +557,10 @@ class Connection:
         body = self._frames.next_body()
         if body is NEED_DATA or body is CLOSED:
             return body
-        msg = decode_body(body)
+        msg = decode_body(body, Hello if self.their_state == AWAIT_HELLO else None)
         self.their_state = _advance(self.their_state, msg, ProtocolError, "peer")
+        if type(msg) is Hello:
+            self._frames.max_frame = self.max_frame
         return msg
 
     def send(self, msg) -> bytes:

@@ -1,5 +1,7 @@
 """Wire protocol: round trips, framing under any split, Hello-first rules, hostile bytes."""
 
+import dataclasses
+
 import hypothesis.strategies as st
 import msgpack
 import pytest
@@ -7,13 +9,17 @@ from hypothesis import given, settings
 
 from patchswarm.protocol import wire
 from patchswarm.protocol.errors import FrameTooLarge, ProtocolError, UsageError
+from patchswarm.protocol.manifest import MAX_CHUNKS
 from patchswarm.protocol.wire import (
     CLOSED, NEED_DATA, Announce, Bye, Cancel, Connection, Error, Have, HaveOne, Heartbeat,
     Hello, Incoming, Piece, PeerList, Reject, Request, Revocations, Trajectories, TrajectoriesAck, VersionNotice,
     bitfield_from_indices, indices_from_bitfield,
 )
 
+from memory import traced_peak
+
 uint = st.integers(min_value=0, max_value=2**64 - 1)
+chunk = st.integers(min_value=0, max_value=MAX_CHUNKS - 1)  # chunk indices are below what a manifest may hold
 text = st.text(max_size=20)
 blob = st.binary(max_size=64)
 peer = st.fixed_dictionaries({"id": text, "region": text, "addr": text, "role": text})
@@ -23,12 +29,12 @@ hellos = st.builds(Hello, node_id=text, region=text, role=text, listen=text,
 messages = st.one_of(
     hellos,
     st.builds(Have, version=uint, keyframe=st.booleans(), chunks=blob),
-    st.builds(HaveOne, version=uint, keyframe=st.booleans(), chunk=uint),
-    st.builds(Request, version=uint, keyframe=st.booleans(), chunk=uint),
-    st.builds(Piece, version=uint, keyframe=st.booleans(), chunk=uint, offset=uint, total=uint, data=blob),
-    st.builds(Incoming, version=uint, keyframe=st.booleans(), chunk=uint),
-    st.builds(Cancel, version=uint, keyframe=st.booleans(), chunk=uint),
-    st.builds(Reject, version=uint, keyframe=st.booleans(), chunk=uint, reason=text),
+    st.builds(HaveOne, version=uint, keyframe=st.booleans(), chunk=chunk),
+    st.builds(Request, version=uint, keyframe=st.booleans(), chunk=chunk),
+    st.builds(Piece, version=uint, keyframe=st.booleans(), chunk=chunk, offset=uint, total=uint, data=blob),
+    st.builds(Incoming, version=uint, keyframe=st.booleans(), chunk=chunk),
+    st.builds(Cancel, version=uint, keyframe=st.booleans(), chunk=chunk),
+    st.builds(Reject, version=uint, keyframe=st.booleans(), chunk=chunk, reason=text),
     st.builds(Trajectories, batch=blob),
     st.builds(TrajectoriesAck, seqs=st.lists(uint, max_size=5)),
     st.builds(Announce, manifest=blob),
@@ -190,12 +196,25 @@ def test_oversized_header_raises_at_once():
 
 def test_default_max_frame():
     conn = Connection()
-    conn.receive_data((wire.MAX_FRAME_BYTES + 1).to_bytes(4, "big"))
+    conn.receive_data(wire.encode(HELLO) + (wire.MAX_FRAME_BYTES + 1).to_bytes(4, "big"))
+    assert conn.next_event() == HELLO
     with pytest.raises(FrameTooLarge):
         conn.next_event()
     ok = Connection()
-    ok.receive_data(wire.MAX_FRAME_BYTES.to_bytes(4, "big"))
+    ok.receive_data(wire.encode(HELLO) + wire.MAX_FRAME_BYTES.to_bytes(4, "big"))
+    assert ok.next_event() == HELLO
     assert ok.next_event() is NEED_DATA
+
+
+def test_frames_before_hello_are_held_to_the_hello_limit():
+    conn = Connection()
+    conn.receive_data((wire.MAX_HELLO_FRAME_BYTES + 1).to_bytes(4, "big"))  # the header alone
+    with pytest.raises(FrameTooLarge, match=str(wire.MAX_HELLO_FRAME_BYTES)):
+        conn.next_event()
+    conn = Connection(max_frame=100)  # a smaller max_frame is the limit before Hello too
+    conn.receive_data((101).to_bytes(4, "big"))
+    with pytest.raises(FrameTooLarge):
+        conn.next_event()
 
 
 def test_send_respects_max_frame():
@@ -401,3 +420,119 @@ def test_bitfield_rejects():
     # a long value is cut to 57 characters and '...' in the message
     with pytest.raises(UsageError, match=r"found str 'x{56}\.\.\.$"):
         bitfield_from_indices([], "x" * 100)
+
+
+# --- bounded decoding -----------------------------------------------------------------
+
+_PAIRS = (8 << 20) - 64
+NESTED_16MIB = b"\xdd" + _PAIRS.to_bytes(4, "big") + b"\x91\x90" * _PAIRS  # 8 M arrays each holding an empty one
+
+
+def test_a_16_mib_nested_array_frame_before_hello_costs_nothing_to_refuse():
+    data = len(NESTED_16MIB).to_bytes(4, "big") + NESTED_16MIB
+
+    def attack():
+        conn = Connection()
+        with pytest.raises(FrameTooLarge):
+            for i in range(0, len(data), 64 << 10):  # as a socket delivers it
+                conn.receive_data(data[i:i + (64 << 10)])
+                drain(conn)
+
+    assert traced_peak(attack) < 1 << 20
+
+
+@pytest.mark.parametrize("field", ["peers", "seqs", "versions", "chunks"])
+def test_a_16_mib_nested_frame_after_hello_costs_little_beyond_its_bytes(field):
+    name = {"peers": "PeerList", "seqs": "TrajectoriesAck", "versions": "Heartbeat", "chunks": "Have"}[field]
+    head = msgpack.packb({"t": name})[1:]  # the map's first entry; the map header is written below
+    extra = {"Have": msgpack.packb("version")[0:] + b"\x01" + msgpack.packb("keyframe") + b"\xc2"}.get(name, b"")
+    body = bytes([0x80 | (2 if not extra else 4)]) + head + extra + msgpack.packb(field) + NESTED_16MIB
+    conn = Connection()
+    conn.receive_data(wire.encode(HELLO))
+    assert conn.next_event() == HELLO
+    frame_bytes = len(body).to_bytes(4, "big") + body
+
+    def attack():
+        conn.receive_data(frame_bytes)
+        with pytest.raises(ProtocolError):
+            conn.next_event()
+
+    assert traced_peak(attack) < 2 * len(frame_bytes) + (2 << 20)  # the buffered frame, a copy of its body, little else
+
+
+def long_text(n):
+    return "x" * n
+
+
+@pytest.mark.parametrize("msg, needle", [
+    (Have(version=1, keyframe=False, chunks=bytes(wire.MAX_BITFIELD_BYTES + 1)), "Have.chunks"),
+    (HaveOne(version=1, keyframe=False, chunk=MAX_CHUNKS), "HaveOne.chunk"),
+    (Request(version=1, keyframe=True, chunk=MAX_CHUNKS), "Request.chunk"),
+    (PeerList(peers=[{"id": "a", "region": "r", "addr": "x:1", "role": "node"}] * (wire.MAX_PEERS + 1)), "PeerList.peers"),
+    (PeerList(peers=[{"id": long_text(wire.MAX_NAME_BYTES + 1), "region": "r", "addr": "x:1", "role": "node"}]), "PeerList.peers"),
+    (TrajectoriesAck(seqs=list(range(wire.MAX_ACK_SEQS + 1))), "TrajectoriesAck.seqs"),
+    (Heartbeat(versions=list(range(wire.MAX_VERSIONS_LISTED + 1))), "Heartbeat.versions"),
+    (Error(message=long_text(wire.MAX_TEXT_BYTES + 1)), "Error.message"),
+    (Trajectories(batch=bytes(wire.MAX_BATCH_WIRE_BYTES + 1)), "Trajectories.batch"),
+])
+def test_every_field_is_bounded_by_what_its_message_may_carry(msg, needle):
+    with pytest.raises(UsageError, match=needle):  # the sender's side
+        wire.encode(msg)
+    fields = {f: getattr(msg, f) for f in msg.__dataclass_fields__}
+    body = msgpack.packb({"t": type(msg).__name__, **fields}, use_bin_type=True)
+    with pytest.raises(ProtocolError, match=needle):  # the receiver's
+        wire.decode_body(body)
+
+
+@pytest.mark.parametrize("field, text", [("node_id", long_text(wire.MAX_NAME_BYTES + 1)), ("listen", long_text(wire.MAX_ADDR_BYTES + 1)),
+                                         ("region", "é" * (wire.MAX_NAME_BYTES // 2 + 1))])
+def test_hello_names_are_bounded_in_utf8_bytes(field, text):
+    bad = dataclasses.replace(HELLO, **{field: text})
+    with pytest.raises(UsageError, match=f"Hello.{field}"):
+        wire.encode(bad)
+    conn = Connection(max_frame=1 << 20)
+    conn.receive_data(frame({"t": "Hello", **dataclasses.asdict(bad)}))
+    with pytest.raises(ProtocolError, match=f"Hello.{field}"):
+        conn.next_event()
+
+
+def test_the_type_key_comes_first_and_fields_once():
+    body = msgpack.packb({"version": 1, "t": "HaveOne", "keyframe": False, "chunk": 1})
+    with pytest.raises(ProtocolError, match='first key is "t"'):
+        wire.decode_body(body)
+    twice = b"\x84" + msgpack.packb("t") + msgpack.packb("Bye") + (msgpack.packb("reason") + msgpack.packb("x")) * 2 + b"\xc0\xc0"
+    with pytest.raises(ProtocolError, match="twice"):
+        wire.decode_body(twice)
+
+
+def test_have_chunks_checks_a_have_against_the_manifest_and_ignores_unknown_objects():
+    have = Have(version=3, keyframe=False, chunks=bitfield_from_indices([0, 5, 9], 10))
+    assert wire.have_chunks(have, 10) == [0, 5, 9]
+    assert wire.have_chunks(have, None) is None  # object not known here: ignorable
+    with pytest.raises(ProtocolError, match="bitfield of 20 bits"):
+        wire.have_chunks(have, 20)
+    with pytest.raises(ProtocolError, match="beyond bit 8"):
+        wire.have_chunks(have, 9)
+
+
+def test_a_full_bitfield_expands_in_one_vectorized_pass():
+    n = MAX_CHUNKS
+    got = indices_from_bitfield(b"\xff" * wire.MAX_BITFIELD_BYTES, n)
+    assert len(got) == n and got[:3] == [0, 1, 2] and got[-1] == n - 1
+
+
+nested = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats() | text | blob,
+    lambda kids: st.lists(kids, max_size=40) | st.dictionaries(text, kids, max_size=8),
+    max_leaves=400,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(sorted(wire.MESSAGE_TYPES)), st.sampled_from(["peers", "seqs", "versions", "chunks", "data", "node_id"]),
+       nested, st.booleans())
+def test_nested_structures_in_any_field_end_in_protocol_error_within_a_budget(name, field, value, after_hello):
+    data = frame({"t": name, field: value})
+    prefix = wire.encode(HELLO) if after_hello else b""
+    peak = traced_peak(lambda: feed_and_drain(Connection(), prefix + data))
+    assert peak < 4 * len(data) + (256 << 10)

@@ -17,6 +17,7 @@ someone announced).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import ssl
@@ -26,13 +27,20 @@ from typing import Awaitable, Callable
 import trio
 
 from patchswarm.protocol import wire
-from patchswarm.protocol.errors import InvalidInput, ProtocolError, UsageError
+from patchswarm.protocol.errors import BudgetExceeded, InvalidInput, ProtocolError, UsageError
 
 from patchswarm.node.net.tlsstream import TLSSocketStream
 from patchswarm.node.net.trust import Credentials, client_context, peer_identity, peer_serial, server_context
 
 log = logging.getLogger("patchswarm.transport")
 HANDSHAKE_SECONDS = 10.0
+# Budgets (issue 21): what peers together may hold of this process before they are authenticated
+# and named (a Hello), and received bytes not yet read as messages, over every connection.
+MAX_CONNECTIONS_BEFORE_HELLO = 256  # accepted, TLS or Hello not done; more are closed at once
+MAX_BEFORE_HELLO_PER_HOST = 16  # of those, from one address: one host cannot take every slot
+MAX_BUFFERED_BYTES = 256 << 20  # each connection holds at most a frame (16 MiB) and a read
+BEFORE_HELLO = "connections before Hello"  # the budgets' names, for counters and logs
+BUFFERED = "bytes buffered"
 
 # What a connection that broke, closed, stalled past a deadline or failed TLS
 # raises: the one tuple every member catches around a send or a receive.
@@ -72,6 +80,20 @@ class Counters:
     received: int = 0
 
 
+class BufferBudget:
+    """Bytes received and not yet read as messages, over all the connections that share it.
+
+    A connection whose bytes would take the total past `limit` raises BudgetExceeded (its
+    peer is dropped); one connection alone holds at most a frame and a read."""
+
+    def __init__(self, limit: int = MAX_BUFFERED_BYTES):
+        self.limit = limit
+        self.used = 0
+
+
+RECEIVE_BUDGET = BufferBudget()  # the process's, unless a caller passes its own
+
+
 class MessageStream:
     """Wire messages over one authenticated TLS stream.
 
@@ -83,7 +105,8 @@ class MessageStream:
     def __init__(self, stream: TLSSocketStream, peer_name: str, peer_role: str,
                  max_frame: int = wire.MAX_FRAME_BYTES,
                  on_receive: Callable[[int], Awaitable[None]] | None = None,
-                 peer_serial: str | None = None, creds: Credentials | None = None):
+                 peer_serial: str | None = None, creds: Credentials | None = None,
+                 budget: BufferBudget | None = None):
         self.stream = stream
         self.peer_name = peer_name
         self.peer_role = peer_role
@@ -96,9 +119,18 @@ class MessageStream:
         self._conn = wire.Connection(max_frame=max_frame)
         self._send_lock = trio.StrictFIFOLock()
         self._on_receive = on_receive  # download rate limit: called with each read's size
+        self._budget = RECEIVE_BUDGET if budget is None else budget
+        self._charged = 0  # of the budget: this connection's buffered bytes when last counted
 
     async def send(self, msg) -> None:
         data = self._conn.send(msg)
+        async with self._send_lock:
+            await self.stream.send_all(data)
+        self.counters.sent += len(data)
+
+    async def send_many(self, msgs) -> None:
+        """Several messages in one write (their frames in order)."""
+        data = b"".join(map(self._conn.send, msgs))
         async with self._send_lock:
             await self.stream.send_all(data)
         self.counters.sent += len(data)
@@ -109,14 +141,30 @@ class MessageStream:
             if event is wire.CLOSED:
                 return None
             if event is not wire.NEED_DATA:
+                self._count_buffered()
                 return event
             data = await self.stream.receive_some()  # every TLS record that has arrived
             self.counters.received += len(data)
             if data and self._on_receive is not None:
                 await self._on_receive(len(data))
             self._conn.receive_data(data)
+            self._count_buffered()
+
+    def _count_buffered(self) -> None:
+        budget, now = self._budget, self._conn.buffered
+        budget.used += now - self._charged
+        grew, self._charged = now > self._charged, now
+        if grew and budget.used > budget.limit:
+            raise BudgetExceeded(BUFFERED, f"peer {self.peer_name!r}: {now} bytes buffered take all connections' "
+                                           f"to {budget.used}, past the budget of {budget.limit}")
+
+    def release(self) -> None:
+        """Give this connection's buffered bytes back to the budget (it is being closed)."""
+        self._budget.used -= self._charged
+        self._charged = 0
 
     async def aclose(self) -> None:
+        self.release()
         with trio.move_on_after(1) as scope:
             scope.shield = True
             try:
@@ -188,12 +236,15 @@ async def connect(addr: str, creds: Credentials, allowed_roles: set[str] | froze
     with trio.fail_after(HANDSHAKE_SECONDS):
         tcp = await trio.open_tcp_stream(host, port)
     stream = TLSSocketStream.wrap(tcp, ssl_context or client_context(creds), server_side=False)
+    ms = None
     try:
         name, role, serial = await _handshake(stream, allowed_roles, expect_name, creds)
         ms = MessageStream(stream, name, role, on_receive=on_receive, peer_serial=serial, creds=creds)
         await exchange_hello(ms, hello)
         return ms
     except BaseException:
+        if ms is not None:
+            ms.release()
         with trio.CancelScope(shield=True):
             await trio.aclose_forcefully(stream)
         raise
@@ -206,40 +257,73 @@ async def serve(listen: str, creds: Credentials, allowed_roles: set[str] | froze
                 hello: Callable[[], wire.Hello], handler: Handler, *,
                 on_refused: Callable[[str], None] | None = None,
                 on_receive: Callable[[int], Awaitable[None]] | None = None,
+                refused: collections.Counter | None = None,
+                max_before_hello: int = MAX_CONNECTIONS_BEFORE_HELLO,
+                max_before_hello_per_host: int = MAX_BEFORE_HELLO_PER_HOST,
                 task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Accept TLS connections on `listen`; run `handler(stream)` for each authenticated peer.
 
     Reports the bound address (`HOST:PORT`, with the real port when 0 was
     asked) through `task_status`. Peers that fail TLS, present a role not in
     `allowed_roles` or a Hello that contradicts their certificate are closed
-    and reported to `on_refused(reason)`.
+    and reported to `on_refused(reason)`, and counted in `refused` (by kind). At most
+    `max_before_hello` connections are open before their Hello is done, at
+    most `max_before_hello_per_host` from one address (each holds at most a
+    TLS handshake and a 4 KiB frame, for HANDSHAKE_SECONDS at most); beyond, a
+    new connection is closed at once.
     """
     host, port = parse_addr(listen)
     context = server_context(creds)
     listeners = await trio.open_tcp_listeners(port, host=host)
+    before_hello = 0
+    by_host: collections.Counter[str] = collections.Counter()  # of before_hello
+    refused = collections.Counter() if refused is None else refused
+
+    def refuse(kind: str, reason: str) -> None:
+        refused[kind] += 1
+        n = refused[kind]
+        if on_refused is not None and (kind != BEFORE_HELLO or n & (n - 1) == 0):  # a flood: its 1st, 2nd, 4th, ...
+            on_refused(reason if kind != BEFORE_HELLO else f"{reason} ({n} refused so far)")
 
     async def one(tcp: trio.SocketStream) -> None:
+        nonlocal before_hello
+        try:
+            host = tcp.socket.getpeername()[0]
+        except OSError:  # reset before we got to it
+            host = ""
+        if before_hello >= max_before_hello or by_host[host] >= max_before_hello_per_host:
+            refuse(BEFORE_HELLO, f"over budget: {before_hello} {BEFORE_HELLO} already open, {by_host[host]} from {host}")
+            await trio.aclose_forcefully(tcp)
+            return
         try:
             stream = TLSSocketStream.wrap(tcp, context, server_side=True)
         except OSError as e:  # reset before we got to it
             await trio.aclose_forcefully(tcp)
-            if on_refused is not None:
-                on_refused(_reason(e))
+            refuse("refused", _reason(e))
             return
+        ms = None
         try:
+            before_hello += 1
+            by_host[host] += 1
             try:
                 name, role, serial = await _handshake(stream, allowed_roles, None, creds)
                 ms = MessageStream(stream, name, role, on_receive=on_receive, peer_serial=serial, creds=creds)
                 await exchange_hello(ms, hello())
             except (*CONNECTION_ERRORS, InvalidInput) as e:
-                if on_refused is not None:
-                    on_refused(_reason(e))
+                refuse("refused", _reason(e))
                 return
+            finally:
+                before_hello -= 1
+                by_host[host] -= 1
+                if not by_host[host]:
+                    del by_host[host]
             try:
                 await handler(ms)
             except Exception:  # a bug must not take the whole listener (and every peer) down
                 log.exception("connection handler for %s failed", ms.peer_name)
         finally:
+            if ms is not None:
+                ms.release()
             with trio.CancelScope(shield=True):
                 await trio.aclose_forcefully(stream)
 

@@ -1,0 +1,139 @@
+"""Fabricated patches (tests/hostile_patches.py) end in a clean error within a memory budget.
+
+Budget: every case's patch is under 1 MiB and its base is one 16 KB tensor (or
+none); decoding it may allocate at most BUDGET, 32 MiB (traced numpy and Python
+allocations, and growth of the peak RSS), whatever sizes it declares. Before
+the bounded decoders each case took 65 MiB to 4.6 GiB, or crashed.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tracemalloc
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from hostile_patches import CASES, write_cases  # noqa: E402
+from memory import traced_peak  # noqa: E402
+
+
+BUDGET = 32 << 20
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hostile")
+    write_cases(folder)
+    run = subprocess.run([sys.executable, str(Path(__file__).with_name("hostile_patches.py")), str(folder)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return json.loads(run.stdout)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_fabricated_patch_is_refused_cleanly_within_the_budget(measured, case):
+    got = measured[case]
+    assert got["bytes"] < 1 << 20
+    assert got["outcome"].startswith("clean "), got
+    assert got["traced_peak"] < BUDGET, got
+    assert got["rss_growth"] < BUDGET, got
+
+
+def test_a_rice_blob_is_refused_before_its_declared_count_is_allocated():
+    from patchswarm.protocol import ricecode
+    from patchswarm.protocol.errors import CorruptData
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(CorruptData, match="at least a bit per value"):
+            ricecode.unpack(b"\x00" * 16, 1 << 27, 0)  # 1 GiB of uint64 if it were trusted
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20
+    assert ricecode.unpack(b"\x00", 8, 0).tolist() == [0] * 8  # 8 zeros fill one byte exactly
+
+
+def zstd_frame_declaring(content_size: int, rle_bytes: int) -> bytes:
+    """A zstd frame whose header declares `content_size` and whose one block is an RLE
+    block of `rle_bytes` zeros (a valid frame when the two are equal)."""
+    header = bytes([0x28, 0xB5, 0x2F, 0xFD, 0xE0]) + content_size.to_bytes(8, "little")  # single segment, 8-byte size
+    block = (rle_bytes << 3) | 0b011  # last block, RLE
+    return header + block.to_bytes(3, "little") + b"\x00"
+
+
+def test_byte_planes_are_checked_before_their_count_or_a_frame_s_declared_size_is_allocated():
+    from patchswarm.protocol import planes
+    from patchswarm.protocol.dtypes import info_named
+    from patchswarm.protocol.errors import CorruptData
+
+    bf16 = info_named("bf16")
+    assert planes.decode([[1, zstd_frame_declaring(4, 4)], [0, b"\0" * 4]], 4, bf16).tolist() == [0] * 4
+
+    def refused(planes_, count, match):
+        with pytest.raises(CorruptData, match=match):
+            planes.decode(planes_, count, bf16)
+
+    # 2**27 elements from two empty raw planes (256 MiB if trusted)
+    assert traced_peak(lambda: refused([[0, b""], [0, b""]], 1 << 27, "raw bytes")) < 1 << 20
+    # a 17-byte frame that declares 1 GiB of content (zstd allocates what a frame declares)
+    lie = [[1, zstd_frame_declaring(1 << 30, 4)], [0, b"\0" * 4]]
+    assert traced_peak(lambda: refused(lie, 4, "declares")) < 1 << 20
+    assert traced_peak(lambda: refused([[1, zstd_frame_declaring(1 << 30, 4)], [1, zstd_frame_declaring(1 << 30, 4)]],
+                                       1 << 30, "can hold|declares")) < 1 << 20
+
+
+def _keyframe_of(name: str, shape, pieces_planes, digests=None):
+    from hostile_patches import _chunk, _container, _digest
+
+    segs = [{"k": "f", "dt": "bf16", "p": [[0, s, e]], "pl": pl} for s, e, pl in pieces_planes]
+    old, new = digests or (_digest(b""), _digest(b"".join(b"\0" * 2 * (e - s) for s, e, _ in pieces_planes)))
+    return _container([(name, "bf16", shape)], [name], [_chunk(segs, old, new)], kind="keyframe")
+
+
+def test_a_full_tensor_that_cannot_be_allocated_is_a_clean_error_and_leaves_the_state(monkeypatch):
+    import torch
+
+    from patchswarm.protocol import planes
+    from patchswarm.protocol.errors import InvalidInput
+    from patchswarm.protocol.patch import Patch, apply
+
+    monkeypatch.setattr(planes, "ZSTD_MAX_RATIO", 1 << 60)  # past the bytes-per-chunk bound: the allocation itself
+    data = _keyframe_of("w", (1 << 24, 1 << 24), [(0, 4, [[0, b"\0" * 4], [0, b"\0" * 4]])])
+    state = {"old": torch.ones(3)}
+    with pytest.raises(InvalidInput, match="allocating bf16"):
+        apply(state, Patch.from_bytes(data))
+    assert list(state) == ["old"] and torch.equal(state["old"], torch.ones(3))
+
+
+def test_full_tensors_must_be_covered_by_their_segments_before_the_state_hash_reads_them():
+    from patchswarm.protocol.errors import CorruptData
+    from patchswarm.protocol.patch import Patch, apply
+
+    four = [[0, b"\0" * 4], [0, b"\0" * 4]]
+    gap = _keyframe_of("w", (1 << 20,), [(0, 4, four)])  # 2 MiB declared, 8 bytes present
+    with pytest.raises(CorruptData, match=r"cover \[0, 1048576\), found \[0, 4\)"):
+        apply({}, Patch.from_bytes(gap))
+    twice = _keyframe_of("w", (8,), [(0, 4, four), (2, 6, four), (6, 8, [[0, b"\0" * 2], [0, b"\0" * 2]])])
+    with pytest.raises(CorruptData, match="an overlap at 2"):
+        apply({}, Patch.from_bytes(twice))
+
+
+def test_a_full_segment_may_only_write_the_patch_s_full_tensors():
+    import torch
+
+    from hostile_patches import _chunk, _container, _digest
+    from patchswarm.protocol.errors import CorruptData
+    from patchswarm.protocol.patch import Patch, apply
+
+    seg = {"k": "f", "dt": "bf16", "p": [[0, 0, 4]], "pl": [[0, b"\0" * 4], [0, b"\0" * 4]]}
+    data = _container([("w", "bf16", (4,))], [], [_chunk([seg], _digest(b""), _digest(b"\0" * 8))])
+    state = {"w": torch.ones(4, dtype=torch.bfloat16)}
+    with pytest.raises(CorruptData, match="full list"):
+        apply(state, Patch.from_bytes(data))
+    assert torch.equal(state["w"], torch.ones(4, dtype=torch.bfloat16))

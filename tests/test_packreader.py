@@ -1,0 +1,127 @@
+"""PackReader: reads what msgpack packs, refuses what does not fit, and never builds before it checks."""
+
+from __future__ import annotations
+
+import tracemalloc
+
+import hypothesis.strategies as st
+import msgpack
+import pytest
+from hypothesis import given, settings
+
+from patchswarm.protocol.errors import CorruptData, PatchswarmError
+from patchswarm.protocol.packreader import PackReader
+
+SCALARS = (st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=False)
+           | st.text(max_size=40) | st.binary(max_size=40))
+VALUES = st.recursive(SCALARS, lambda kids: st.lists(kids, max_size=6) | st.dictionaries(st.text(max_size=8), kids, max_size=6),
+                      max_leaves=40)
+
+
+def reader(data: bytes) -> PackReader:
+    return PackReader(data, CorruptData, "test")
+
+
+@settings(max_examples=300, deadline=None)
+@given(VALUES)
+def test_skip_and_any_agree_with_msgpack(value):
+    data = msgpack.packb(value, use_bin_type=True)
+    r = reader(data)
+    assert r.any(10_000) == msgpack.unpackb(data, raw=False, strict_map_key=False)
+    r.expect_end()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 2**64 - 1), st.integers(-(2**63), -1), st.text(max_size=300), st.binary(max_size=70_000),
+       st.booleans(), st.floats(allow_nan=False), st.lists(st.integers(0, 2**64 - 1), max_size=20))
+def test_typed_reads_give_back_what_was_packed(u, neg, text, blob, flag, x, ints):
+    data = msgpack.packb([u, neg, text, blob, flag, None, x, ints], use_bin_type=True)
+    r = reader(data)
+    assert r.array_len(8) == 8
+    assert r.uint() == u
+    assert r.int() == neg
+    assert r.str(len(text.encode())) == text
+    assert r.bin(len(blob)) == blob
+    assert r.bool() is flag
+    assert r.nil() and not r.nil()
+    assert r.number() == x
+    assert r.uints(r.array_len(20)) == ints
+    r.expect_end()
+
+
+@pytest.mark.parametrize("value, read, match", [
+    ([1, 2, 3], lambda r: r.array_len(2), "at most 2 elements"),
+    ({"a": 1}, lambda r: r.map_len(0), "at most 0 entries"),
+    ("abcd", lambda r: r.str(3), "at most 3 bytes, found a length of 4"),
+    (b"abcd", lambda r: r.bin(3), "at most 3 bytes, found a length of 4"),
+    (300, lambda r: r.uint(255), r"in \[0, 255\], found 300"),
+    (-1, lambda r: r.uint(), "found -1"),
+    ([], lambda r: r.uint(), "found array"),
+    ("x", lambda r: r.bin(9), "found str"),
+    (1.5, lambda r: r.int(), "found float"),
+    ([[[[1]]]], lambda r: r.skip(100, max_depth=2), "nested at most 2"),
+    ([1, 2, 3, 4], lambda r: r.skip(4), "at most 4 values"),
+])
+def test_a_value_that_does_not_fit_is_refused(value, read, match):
+    with pytest.raises(CorruptData, match=match):
+        read(reader(msgpack.packb(value, use_bin_type=True)))
+
+
+def test_a_length_beyond_the_bytes_present_is_refused_before_anything_is_built():
+    cases = [
+        (b"\xdd\xff\xff\xff\xff", lambda r: r.array_len(1 << 40)),  # 4 G elements, none present
+        (b"\xdf\x00\x10\x00\x00" + b"\x00" * 100, lambda r: r.map_len(1 << 40)),
+        (b"\xc6\x7f\xff\xff\xff", lambda r: r.bin(1 << 40)),
+        (b"\xdb\x7f\xff\xff\xff", lambda r: r.str(1 << 40)),
+        (b"\x91\xdd\x10\x00\x00\x00", lambda r: r.skip(1 << 40)),
+    ]
+    for data, read in cases:
+        tracemalloc.start()
+        try:
+            with pytest.raises(CorruptData, match="bytes left|end of the data"):
+                read(reader(data))
+            assert tracemalloc.get_traced_memory()[1] < 1 << 16
+        finally:
+            tracemalloc.stop()
+
+
+def test_ext_types_and_the_reserved_byte_are_refused():
+    for data in (msgpack.packb(msgpack.ExtType(1, b"x")), b"\xc1", b"\xd4\x01\x00"):
+        with pytest.raises(CorruptData, match="ext or reserved"):
+            reader(data).skip(10)
+
+
+def test_sixteen_mib_of_nested_arrays_cost_no_memory_to_refuse():
+    data = b"\xdd\x01\x00\x00\x00" + b"\x91" * (16 << 20) + b"\x90"
+    tracemalloc.start()
+    try:
+        with pytest.raises(CorruptData, match="nested at most"):
+            reader(data).any(1 << 30)
+        assert tracemalloc.get_traced_memory()[1] < 1 << 16
+    finally:
+        tracemalloc.stop()
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.binary(max_size=300))
+def test_any_bytes_end_in_a_value_or_a_clean_error(data):
+    r = reader(data)
+    try:
+        while not r.at_end():
+            r.any(1000)
+    except PatchswarmError:
+        pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2**40), st.integers(0, 2**40), st.integers(0, 2**40)), max_size=20))
+def test_uint_tuples_read_any_int_and_array_form(rows):
+    data = msgpack.packb([list(r) for r in rows])
+    r = reader(data)
+    assert r.uint_tuples(r.array_len(100), 3, 2**40, "a piece") == rows
+    long_form = b"\x91\xdc\x00\x03\x01\xcf" + (300).to_bytes(8, "big") + b"\x02"  # array16 header, uint64 form
+    r = reader(long_form)
+    assert r.uint_tuples(r.array_len(1), 3, 2**40, "a piece") == [(1, 300, 2)]
+    with pytest.raises(CorruptData, match="another length"):
+        r = reader(msgpack.packb([[1, 2]]))
+        r.uint_tuples(r.array_len(1), 3, 10, "a piece")
