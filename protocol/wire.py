@@ -130,6 +130,16 @@ class PeerList:
 
 
 @dataclass(frozen=True)
+class PeerDelta:
+    """Tracker -> member: a change to the peer set it last sent (a PeerList, then
+    the deltas after it, in order): drop the ids in `remove`, then add the
+    entries in `add` (an entry replaces one with the same id)."""
+
+    add: list[dict]  # entries as in PeerList
+    remove: list[str]  # member ids
+
+
+@dataclass(frozen=True)
 class VersionNotice:
     version: int
     manifest: bytes
@@ -167,7 +177,7 @@ class Error:
 MESSAGE_TYPES = {
     cls.__name__: cls
     for cls in (Hello, Have, HaveOne, Incoming, Request, Piece, Cancel, Reject, Announce,
-                PeerList, VersionNotice, Heartbeat, Trajectories, TrajectoriesAck, Bye, Error)
+                PeerList, VersionNotice, Heartbeat, Trajectories, TrajectoriesAck, Bye, Error, PeerDelta)
 }
 _PEER_KEYS = frozenset({"id", "region", "addr", "role"})
 
@@ -196,6 +206,7 @@ _CHECKS = {
                   "list of non-negative ints"),
     "list[dict]": (lambda v: type(v) is list and all(map(_check_peer, v)),
                    'list of {"id": str, "region": str, "addr": str, "role": str} maps'),
+    "list[str]": (lambda v: type(v) is list and all(type(x) is str for x in v), "list of str"),
 }
 
 
