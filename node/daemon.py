@@ -29,6 +29,7 @@ from patchswarm.protocol.errors import (ConflictingManifest, CorruptData, Invali
                              SpoolFull, StaleVersion, UsageError)
 from patchswarm.protocol.manifest import chunk_ok
 from patchswarm.protocol.patch import apply as apply_patch
+from patchswarm.protocol.peersets import apply_delta
 from patchswarm.protocol.picker import WAN_GATEWAYS, PiecePicker
 from patchswarm.protocol.publication import ObjKey, describe, patch_of
 from patchswarm.protocol.trajectory import encode_batch
@@ -214,6 +215,8 @@ class Node:
     async def _on_tracker_message(self, msg) -> None:
         if isinstance(msg, wire.PeerList):
             self._on_peer_list(msg.peers)
+        elif isinstance(msg, wire.PeerDelta):
+            self._on_peer_list(list(apply_delta(self.members, msg).values()))
         elif isinstance(msg, wire.VersionNotice):
             await self._offer(msg.manifest, "tracker")
 
