@@ -17,7 +17,7 @@ import trio.testing
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from patchswarm.node.net import trust
-from patchswarm.node.net.transport import MessageStream, exchange_hello
+from patchswarm.node.net.transport import MessageStream, connect, exchange_hello
 from patchswarm.protocol import wire
 from patchswarm.protocol.manifest import Manifest, sign_manifest, verify_manifest
 from patchswarm.protocol.peersets import apply_delta
@@ -379,3 +379,36 @@ def test_a_member_whose_queue_overflows_is_dropped(tmp_path, monkeypatch):
             nursery.cancel_scope.cancel()
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0.01))
+
+
+def test_over_tls_a_member_learns_of_a_new_same_region_peer_by_delta(tmp_path):
+    """The real service on loopback: b joins after a; a is sent b's entry, b's list holds a."""
+    swarm = tmp_path / "swarm"
+    trust.init_swarm(swarm)
+    creds = {}
+    for name, role in [("tracker", "tracker"), ("a", "node"), ("b", "node"), ("c", "node")]:
+        trust.issue(swarm, name, role, tmp_path / name)
+        creds[name] = trust.Credentials.load(tmp_path / name)
+
+    async def main():
+        tracker = server.Tracker(tmp_path / "tracker", "127.0.0.1:0")
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(tracker.run)
+                members = {}
+                for name, region in [("a", "r1"), ("c", "r2"), ("b", "r1")]:
+                    members[name] = await connect(tracker.listen_addr, creds[name], {"tracker"},
+                                                  wire.Hello(name, region, "node", f"127.0.0.1:{7000 + ord(name)}", []))
+                first = {name: await ms.receive() for name, ms in members.items()}
+                assert isinstance(first["b"], wire.PeerList) and "a" in {p["id"] for p in first["b"].peers}
+                held = {p["id"]: p for p in first["a"].peers}
+                while "b" not in held:
+                    msg = await members["a"].receive()
+                    assert isinstance(msg, wire.PeerDelta), msg
+                    held = apply_delta(held, msg)
+                assert held["b"] == {"id": "b", "region": "r1", "addr": f"127.0.0.1:{7000 + ord('b')}", "role": "node"}
+                for ms in members.values():
+                    await ms.aclose()
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
