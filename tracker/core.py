@@ -38,7 +38,7 @@ from patchswarm.protocol import wire
 from patchswarm.protocol.errors import InvalidInput, StaleVersion
 from patchswarm.protocol.peersets import NODE, ORIGIN, PeerSets
 from patchswarm.protocol.picker import WAN_GATEWAYS
-from patchswarm.protocol.publication import describe
+from patchswarm.protocol.manifest import describe
 from patchswarm.protocol.versions import NEW, VersionBook
 
 log = logging.getLogger("patchswarm.tracker")
