@@ -328,7 +328,7 @@ def test_a_member_that_stops_reading_is_dropped_and_never_delays_the_others(tmp_
     received: dict[str, list] = {}
 
     async def main():
-        tracker = server.Tracker(creds["tracker"], "127.0.0.1:0", heartbeat_timeout=1e6)
+        tracker = server.Tracker(creds["tracker"], "127.0.0.1:0", heartbeat_timeout=1e6, delta_delay=0.1)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(tracker._tick_loop)
             readers = {}

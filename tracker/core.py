@@ -45,7 +45,11 @@ log = logging.getLogger("patchswarm.tracker")
 
 HEARTBEAT_TIMEOUT = 10.0  # a member silent this long is dropped (members heartbeat every 2 s)
 RETAIN_PATCHES = 64
-DELTA_DELAY = 0.1  # peer-set changes are coalesced this long before they go out
+# Peer-set changes are coalesced this long before they go out. A joining member gets
+# its own set at once; the others learn of it within this delay, and a burst of joins
+# (a fleet starting: hundreds a second) costs each member one delta per delay, not one
+# per join. Measured in bench/tracker_load.py (tracker/README.md).
+DELTA_DELAY = 1.0
 # (burst, per minute). A member rejoins after each restart or network blip: a
 # handful a minute is generous; 300 from one certificate is an attack.
 JOIN_BUDGET = (10, 10.0)

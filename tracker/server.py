@@ -7,8 +7,8 @@ member, who learns what, what is retained, who is dropped) is the core's.
 
 Pushes run concurrently, one queue per member: a version notice or a peer-set
 delta is encoded once and queued for each recipient. A member whose queue
-reaches SEND_QUEUE frames, or whose connection takes longer than SEND_TIMEOUT
-for one frame, is dropped (it takes a fresh full peer set when it
+reaches SEND_QUEUE frames, or whose write has not completed for
+SEND_TIMEOUT, is dropped (it takes a fresh full peer set when it
 reconnects); it never delays anyone else's pushes. Soft state only: after a
 restart members reconnect, the origin re-announces, and work continues.
 """
@@ -32,7 +32,8 @@ from patchswarm.tracker.core import BAD_MESSAGE, BEHIND, HEARTBEAT_TIMEOUT, LEFT
 log = logging.getLogger("patchswarm.tracker")
 
 SEND_QUEUE = 512  # frames queued for one member before it counts as fallen behind
-SEND_TIMEOUT = 10.0  # one frame stuck this long: the member has fallen behind
+SEND_TIMEOUT = 10.0  # a member whose write has not completed for this long has fallen behind
+BATCH_BYTES = 256 << 10  # queued frames joined into one write, up to about this much
 
 
 class _Session:
@@ -64,22 +65,32 @@ class _Session:
 
     async def send_loop(self) -> None:
         # The only task that writes to this stream once the Hellos are exchanged, so it
-        # writes frames encoded once for every recipient straight to the TLS stream.
-        stream, counters = self.ms.stream, self._tracker.sent
+        # writes frames encoded once for every recipient straight to the TLS stream,
+        # whatever is queued in one write (one wake-up). No deadline scope per write
+        # (measured: a third of the cost of a small push); the tick loop drops a member
+        # whose write has not completed for SEND_TIMEOUT (`Tracker._watch_senders`).
+        stream, counters, busy = self.ms.stream, self._tracker.sent, self._tracker.busy
         try:
             while True:
                 while not self.queue:
                     self._ready = trio.Event()
                     await self._ready.wait()
-                kind, frame = self.queue.popleft()
-                with trio.fail_after(SEND_TIMEOUT):
-                    await stream.send_all(frame)
-                self.ms.counters.sent += len(frame)
-                counters[kind] += len(frame)
-        except trio.TooSlowError:
-            self._tracker.fell_behind(self, f"one frame took over {SEND_TIMEOUT:.0f} s to send")
+                busy[self] = trio.current_time()
+                while self.queue:
+                    batch, size = [], 0
+                    while self.queue and size < BATCH_BYTES:
+                        kind, frame = self.queue.popleft()
+                        batch.append(frame)
+                        size += len(frame)
+                        counters[kind] += len(frame)
+                    await stream.send_all(batch[0] if len(batch) == 1 else b"".join(batch))
+                    self.ms.counters.sent += size
+                    busy[self] = trio.current_time()
+                del busy[self]
         except CONNECTION_ERRORS as e:
             self.close(f"connection lost ({type(e).__name__})")
+        finally:
+            busy.pop(self, None)
 
 
 class Tracker:
@@ -93,6 +104,7 @@ class Tracker:
         self.core = TrackerCore(self.creds.swarm_id(), self.creds.trainer_public_key(),
                                 heartbeat_timeout=heartbeat_timeout, **options)
         self.sent: collections.Counter[str] = collections.Counter()  # bytes pushed, by message type
+        self.busy: dict[_Session, float] = {}  # sessions writing now -> when their last write began
         self._wake = trio.Event()
         self._tick_at = float("inf")
 
@@ -143,6 +155,7 @@ class Tracker:
                 nursery.cancel_scope.cancel()
         finally:
             self._do(self.core.closed(s, trio.current_time()))
+            self._poke()
             log.info("%s %s %s", ms.peer_role, ms.peer_name, s.why or "left")
 
     async def _read(self, s: _Session) -> None:
@@ -163,6 +176,8 @@ class Tracker:
 
     def _do(self, actions: list) -> None:
         """Execute the core's actions; runs without a checkpoint, so no other task sees half of them."""
+        if not actions:  # a heartbeat, 5,000 a second at 10,000 members: nothing to do
+            return
         work = collections.deque(actions)
         while work:
             a = work.popleft()
@@ -176,11 +191,20 @@ class Tracker:
                     log.warning("dropping %s %s: %s%s", a.conn.ms.peer_role, a.conn.ms.peer_name, a.why,
                                 f" ({a.detail})" if a.detail else "")
                 a.conn.close(f"dropped: {a.why}" if a.why != LEFT else LEFT)
+        self._poke()
+
+    def _poke(self) -> None:
+        """Wake the tick loop if the core now has something due before it planned to wake."""
         if self.core.next_tick(trio.current_time()) < self._tick_at:
             self._wake.set()
 
+    def _watch_senders(self, now: float) -> None:
+        for s, since in [(s, t) for s, t in self.busy.items() if now - t > SEND_TIMEOUT]:
+            self.fell_behind(s, f"a write has not completed for {now - since:.0f} s")
+
     async def _tick_loop(self) -> None:
         while True:
+            self._watch_senders(trio.current_time())
             self._do(self.core.tick(trio.current_time()))
             self._tick_at = self.core.next_tick(trio.current_time())
             with trio.move_on_at(self._tick_at):
