@@ -1,7 +1,7 @@
 """Codec bench: patch size and speed on real RL steps, against bounds and baselines.
 
 For each learning rate x served dtype x consecutive (base, target) pair from
-`node.synthetic.served_pairs` it measures:
+`served_pairs` (tests/synthetic.py) it measures:
 
 - patch bytes (`protocol.patch.diff(...).to_bytes()`) against the zero-order
   entropy bound (`zero_order_bound_bytes`), the full checkpoint, and

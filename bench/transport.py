@@ -1,4 +1,4 @@
-"""Transport bench: CPU per MiB moved through the wire framing, trio.SSLStream against node/tlsstream.py.
+"""Transport bench: CPU per MiB moved through the wire framing, trio.SSLStream against node/net/tlsstream.py.
 
 For each stream class, a sender and a receiver process on loopback exchange
 Hellos over mutual TLS 1.3 (the swarm's contexts), then the sender sends

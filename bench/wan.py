@@ -103,7 +103,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="hosts tuned as WAN data movers (net.ipv4.tcp_slow_start_after_idle=0), for every system")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--scaling", default="2,4,8", help="nodes per region for the scaling rows ('' for none)")
-    ap.add_argument("--model", default="medium", help="node.synthetic model size for the payload")
+    ap.add_argument("--model", default="medium", help="tests/synthetic.py model size for the payload")
     ap.add_argument("--lr", type=float, default=1e-2, help="RL step learning rate (sets the patch size)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--limit-s", type=float, default=300.0, help="per run")

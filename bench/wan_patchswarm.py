@@ -185,8 +185,8 @@ class PatchswarmRunner:
 
     def _wanted_connections(self, topo: Topology) -> int:
         """How many peers (origin included) a node holds at least once the swarm has settled:
-        the ones it dials (node/daemon.py `_wanted_peers`); others may dial it too."""
-        from patchswarm.node.daemon import OTHER_REGION_PEERS, SAME_REGION_PEERS
+        the ones it dials (node/dialer.py `Dialer.wanted`); others may dial it too."""
+        from patchswarm.node.dialer import OTHER_REGION_PEERS, SAME_REGION_PEERS
 
         if self.no_peers:
             return 1

@@ -50,7 +50,7 @@ def make_payload(model: str = "medium", lr: float = 1e-2, seed: int = 0,
                  cache_root: Path = PAYLOAD_CACHE) -> Payload:
     """Generate (or reuse from `cache_root`) two consecutive served bf16 checkpoints and their patch.
 
-    One RL step of `node.synthetic` at `lr` after its warm-up. The checkpoints
+    One RL step of tests/synthetic.py at `lr` after its warm-up. The checkpoints
     are cached in a directory keyed by the parameters (`meta.json` is written
     last, so a directory without it is regenerated); the patch is cached
     beside them per patch container version, so a codec change re-diffs the

@@ -1,7 +1,8 @@
 """Checkpoints on disk: safetensors files and Hugging Face shard directories.
 
-Owns reading a served state from disk (`load_state`), writing one back
-(`save_state`) and the atomic-replace discipline for every file the node writes
+Owns reading a served state from disk (`load_state`; `load_model` adds a model
+directory's side files: config, tokenizer...), writing one back (`save_state`)
+and the atomic-replace discipline for every file the node writes
 (`write_bytes_atomic`). A state is `dict[str, Tensor]`; a layout is the
 Hugging Face `weight_map` (tensor name -> shard file name), None for a single
 file. Tensors come back bit for bit: names, dtypes, shapes and bytes.
@@ -24,6 +25,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from patchswarm.protocol.errors import InvalidInput, UsageError
+from patchswarm.protocol.served import MAX_SIDE_FILE_BYTES, check_side_file_name
 
 State = dict[str, torch.Tensor]
 Layout = dict[str, str] | None
@@ -47,6 +49,33 @@ def load_state(path: str | os.PathLike) -> tuple[State, Layout]:
     if p.suffix != SUFFIX:
         raise InvalidInput(f"{p}: expected a {SUFFIX} file or a directory of shards, found {p.suffix or 'no suffix'!r}")
     return read_tensors(p), None
+
+
+def read_side_files(d: str | os.PathLike) -> dict[str, bytes]:
+    """The other files of a Hugging Face model directory (config.json, tokenizer and
+    generation files...): every regular, non-hidden file at its top that is not a
+    shard or the shard index (the index is made again from the layout)."""
+    d = Path(d)
+    out = {}
+    for f in sorted(d.iterdir()):
+        if f.is_file() and f.suffix != SUFFIX and f.name != INDEX_NAME and not f.name.startswith("."):
+            size = f.stat().st_size
+            if size > MAX_SIDE_FILE_BYTES:
+                raise InvalidInput(f"{f}: a side file of {size:,} bytes; expected at most {MAX_SIDE_FILE_BYTES:,}")
+            out[f.name] = f.read_bytes()
+    return out
+
+
+def load_model(path: str | os.PathLike) -> tuple[State, Layout, dict[str, bytes]]:
+    """`load_state`, plus the side files when `path` is a model directory ({} for a file)."""
+    state, layout = load_state(path)
+    return state, layout, read_side_files(path) if Path(path).is_dir() else {}
+
+
+def write_side_files(d: str | os.PathLike, files: dict[str, bytes]) -> None:
+    """Write side files into directory `d` (each atomically)."""
+    for name, data in files.items():
+        write_bytes_atomic(Path(d) / check_side_file_name(name), data)
 
 
 def read_tensors(path: str | os.PathLike) -> State:

@@ -1,9 +1,11 @@
 """The node's local Unix socket: accepts requests from rollout workers and people, and answers them.
 
 Owns the socket file (`DATA_DIR/node.sock`, mode 0600, a stale file from a
-crashed daemon is replaced) and the request loop of each connection. The
-bytes are protocol/localapi.py's; what a request does is the daemon's
-`handle(request) -> reply`. Must not hold node state.
+crashed daemon is replaced), the request loop of each connection, and
+`LocalRequests`, what each request does: status, wait for a version, submit
+trajectories (appended to the spool, acknowledged once durable). The bytes
+are protocol/localapi.py's. Must not hold node state: `LocalRequests` asks
+the parts that do.
 
 The loop drives plain non-blocking sockets with trio's `wait_readable` /
 `wait_writable` instead of `trio.SocketStream`: a rollout worker makes one
@@ -28,13 +30,47 @@ from typing import Awaitable, Callable
 import trio
 
 from patchswarm.protocol import localapi
-from patchswarm.protocol.errors import ProtocolError
+from patchswarm.protocol.errors import ProtocolError, SpoolFull, UsageError
 from patchswarm.protocol.wire import CLOSED, NEED_DATA, FrameBuffer
+
+from patchswarm.node.spool import TrajectorySpool
 
 log = logging.getLogger("patchswarm.localapi")
 Handler = Callable[[dict], Awaitable[dict]]
 RECEIVE_BYTES = 256 << 10  # per connection; a larger frame takes several reads
 _GONE = (errno.ECONNRESET, errno.EPIPE, errno.ENOTCONN, errno.EBADF)
+
+
+class LocalRequests:
+    """`handle(request) -> reply` for `serve_local`. `status()` is the node's
+    status map; `wait_version(min_version, timeout)` returns False when the
+    timeout ran out first; `version()` the node's version, for that error."""
+
+    def __init__(self, status: Callable[[], dict], wait_version: Callable[[int, float], Awaitable[bool]],
+                 version: Callable[[], int | None], spool: TrajectorySpool):
+        self._status = status
+        self._wait_version = wait_version
+        self._version = version
+        self._spool = spool
+
+    async def __call__(self, req: dict) -> dict:
+        op = req["op"]
+        if op == "status":
+            return localapi.ok(status=self._status())
+        if op == "wait_version":
+            if await self._wait_version(req["min_version"], req["timeout"]):
+                return localapi.ok(status=self._status())
+            return localapi.error(localapi.TIMEOUT, f"version {req['min_version']} not reached within "
+                                                    f"{req['timeout']} s; the node is at {self._version()}")
+        if op == "submit":
+            try:
+                seqs = await self._spool.append([tuple(r) for r in req["records"]], req["timeout"])
+            except SpoolFull as e:
+                return localapi.error(localapi.FULL, str(e))
+            except UsageError as e:
+                return localapi.error(localapi.BAD_REQUEST, str(e))
+            return localapi.ok(seqs=seqs)
+        return localapi.error(localapi.UNAVAILABLE, f"{op}: not available on this node")
 
 
 async def serve_local(path: Path, handle: Handler, task_status=trio.TASK_STATUS_IGNORED) -> None:

@@ -2,16 +2,17 @@
 
 Owns `PeerSet`: one `Session` per connected peer (at most one per peer id:
 when two members dial each other at once, both keep the connection dialed by
-the smaller id), the Have bookkeeping of what each peer holds (an Incoming
-counts: the peer serves that chunk while it arrives), and the upload side:
+the smaller id), how a session ends (`Session.close(reason)`, from here or
+from the owner), and the upload side:
 requests queue per session and are answered in parts (protocol/assembly.py)
 through the shared upload rate limit, from the `ObjectStore`, or, for a chunk
 still arriving, from its `Inflow` (node/relay.py) as its parts come in. A
 session sends the first part it can in queue order, so a whole chunk goes out
 at once while a chunk that is still arriving takes the link only when it has
 bytes. A Cancel removes a request, sent in part or not. Everything else a peer
-says goes to the owner's `on_message`. Must not decide what to fetch
-(node/daemon.py and protocol/picker.py do).
+says goes to the owner's `on_message`, as it came: what a peer holds is
+recorded by whoever fetches (protocol/picker.py, through node/fetcher.py),
+not here. Must not decide what to fetch or whom to tell what.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Iterable
 
 import trio
 
@@ -35,6 +36,7 @@ from patchswarm.node.net.transport import CONNECTION_ERRORS, MessageStream
 
 log = logging.getLogger("patchswarm.peers")
 SEND_TIMEOUT = 60.0  # a peer that takes no bytes for this long is dropped
+_QUIET_ENDS = ("closed", "said bye", "replaced by the connection both ends keep")  # logged at INFO
 
 
 class PeerDropped(Exception):
@@ -49,21 +51,25 @@ class Session:
     region: str
     addr: str
     outbound: bool
-    have: dict[ObjKey, set[int]] = dataclasses.field(default_factory=dict)  # held whole (Have, HaveOne)
-    arriving: dict[ObjKey, set[int]] = dataclasses.field(default_factory=dict)  # Incoming: served as they arrive
     serve_queue: collections.deque = dataclasses.field(default_factory=collections.deque)
     serve_ready: trio.Event = dataclasses.field(default_factory=trio.Event)
     piece_bytes_in: int = 0
     piece_bytes_out: int = 0
     closed: bool = False
+    close_reason: str | None = None  # why it ended, for the log; the first reason given stands
     tasks: trio.Nursery | None = None  # the session's own tasks (serving, broadcast copies)
 
-    def announced(self, key: ObjKey) -> set[int]:
-        """The chunks of `key` this peer said it holds or is receiving."""
-        return self.have.get(key, set()) | self.arriving.get(key, set())
-
-    def announces(self, key: ObjKey, chunk: int) -> bool:
-        return chunk in self.have.get(key, ()) or chunk in self.arriving.get(key, ())
+    def close(self, reason: str) -> None:
+        """End the session: nothing more goes out on it, its tasks stop, and
+        `PeerSet.run` closes the connection and reports the peer gone. For the
+        owner's tasks too (a send that failed, a store that could not take
+        what the peer sent). A second call changes nothing."""
+        if self.closed:
+            return
+        self.closed = True
+        self.close_reason = reason
+        if self.tasks is not None:
+            self.tasks.cancel_scope.cancel()
 
     def wake(self) -> None:
         """Something to serve may have become sendable (a request, a part arrived)."""
@@ -127,7 +133,7 @@ class PeerSet:
             # registered: its own `finally` then sees it is no longer registered and
             # stays quiet, so a late close of the old connection cannot report the
             # peer gone while its new session is live.
-            existing.closed = True
+            existing.close("replaced by the connection both ends keep")
             del self.sessions[existing.id]
             with trio.CancelScope(shield=True):
                 await existing.ms.aclose()
@@ -163,7 +169,8 @@ class PeerSet:
         except* CONNECTION_ERRORS as group:
             reason = f"connection lost ({type(group.exceptions[0]).__name__})"
         finally:
-            s.closed = True
+            s.close(reason)
+            reason = s.close_reason
             registered = self.sessions.get(s.id) is s
             if registered:
                 del self.sessions[s.id]
@@ -171,7 +178,7 @@ class PeerSet:
                 await ms.aclose()
                 if registered and self._on_close is not None:
                     await self._on_close(s)
-        level = logging.INFO if reason in ("closed", "said bye") else logging.WARNING
+        level = logging.INFO if reason in _QUIET_ENDS else logging.WARNING
         log.log(level, "peer %s (%s, %s) left: %s", s.id, s.role, s.region, reason)
 
     async def _receive(self, s: Session) -> str:
@@ -189,17 +196,6 @@ class PeerSet:
             elif isinstance(msg, wire.Bye):
                 return "said bye"
             else:
-                if isinstance(msg, wire.Have):
-                    key = (msg.version, msg.keyframe)
-                    m = self.store.manifest(key)
-                    if m is not None:
-                        s.have[key] = set(wire.indices_from_bitfield(msg.chunks, len(m.chunks)))
-                    else:  # not known here yet: keep the raw bitfield's indices up to its length
-                        s.have[key] = set(wire.indices_from_bitfield(msg.chunks, len(msg.chunks) * 8))
-                elif isinstance(msg, wire.HaveOne):
-                    s.have.setdefault((msg.version, msg.keyframe), set()).add(msg.chunk)
-                elif isinstance(msg, wire.Incoming):
-                    s.arriving.setdefault((msg.version, msg.keyframe), set()).add(msg.chunk)
                 await self._on_message(s, msg)
         return "closed"
 
@@ -275,16 +271,16 @@ class PeerSet:
             o.flow.unwatch(s.wake)
             o.flow = None
 
-    def broadcast(self, msg, exclude: str | None = None, skip: Callable[[Session], bool] | None = None) -> set[Session]:
-        """Queue `msg` for every session (but `exclude` and those `skip` says) and return
+    def broadcast(self, msg, to: Iterable[Session] | None = None) -> set[Session]:
+        """Queue `msg` for every live session (or those of `to` still live) and return
         the sessions it was queued for: each copy is sent by a task of its own session, so a
         connection busy with pieces over a slow link delays only its own copy (sent one
         after another, a Have to a same-region peer waited behind every WAN peer's piece
         in progress: measured, up to 1.4 s). A copy that cannot be sent ends its session
         (SEND_TIMEOUT), as a piece would."""
         sent = set()
-        for s in list(self.sessions.values()):
-            if s.id != exclude and not s.closed and s.tasks is not None and not (skip and skip(s)):
+        for s in list(self.sessions.values()) if to is None else to:
+            if not s.closed and s.tasks is not None:
                 try:
                     s.tasks.start_soon(s.send, msg)
                 except RuntimeError:

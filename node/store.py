@@ -94,6 +94,15 @@ class ObjectStore:
             _write_atomic(d / f"{i:06d}.chunk", c)
         _write_atomic(d / MANIFEST_NAME, envelope)
 
+    def writer(self, key: ObjKey) -> "ObjectWriter":
+        """Write an object chunk by chunk as it is made (`add`), its manifest last
+        (`finish`): a keyframe of any size never has to be held whole. Touches no
+        in-memory state (may run in a worker thread); `adopt` it afterwards."""
+        d = self.root / _dirname(key)
+        shutil.rmtree(d, ignore_errors=True)  # leftovers of an interrupted publish of this key
+        d.mkdir()
+        return ObjectWriter(d)
+
     def adopt(self, key: ObjKey, manifest: Manifest) -> None:
         """Start serving an object whose files `write_object` wrote."""
         self._manifests[key] = manifest
@@ -146,3 +155,27 @@ def _write_atomic(path: Path, data: bytes) -> None:
     with open(tmp, "wb") as f:
         f.write(data)
     os.replace(tmp, path)
+
+
+class ObjectWriter:
+    """Chunk files of one object as they come; `table` is their (size, SHA-256) list."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self.table: list[tuple[int, bytes]] = []
+
+    def add(self, chunk: bytes) -> None:
+        _write_atomic(self.directory / f"{len(self.table):06d}.chunk", chunk)
+        self.table.append((len(chunk), hashlib.sha256(chunk).digest()))
+
+    def finish(self, envelope: bytes) -> None:
+        """The manifest goes last: an object without one is an interrupted write (dropped at start)."""
+        _write_atomic(self.directory / MANIFEST_NAME, envelope)
+
+
+def latest_version(root: str | os.PathLike) -> int | None:
+    """The highest version with a manifest in an object store's folder, read without
+    loading or verifying anything (for tools looking at a member's data dir)."""
+    found = [int(m.group(1)) for d in Path(root).iterdir() if (m := _DIR.match(d.name))
+             and (d / MANIFEST_NAME).exists()] if Path(root).is_dir() else []
+    return max(found, default=None)

@@ -19,8 +19,12 @@ from .manifest import Manifest, ObjKey, describe, key_of  # noqa: F401 (key_of, 
 from .patch import FORMAT_VERSION, Patch, TensorSpec
 
 
-def manifest_of(patch: Patch, *, swarm_id: str, version: int, created_at: float) -> Manifest:
-    """The manifest of `patch` published as `version` (its base is version - 1 unless a keyframe)."""
+def manifest_of(patch: Patch, *, swarm_id: str, version: int, created_at: float,
+                chunk_table: list[tuple[int, bytes]] | None = None) -> Manifest:
+    """The manifest of `patch` published as `version` (its base is version - 1 unless a keyframe).
+
+    `chunk_table`: each chunk's (size, SHA-256), for a patch whose chunks went to disk as
+    they were made (its `chunks` then stay empty)."""
     if not isinstance(patch, Patch):
         raise UsageError(f"manifest_of: expected a Patch, found {type(patch).__name__}")
     keyframe = patch.kind == "keyframe"
@@ -33,7 +37,7 @@ def manifest_of(patch: Patch, *, swarm_id: str, version: int, created_at: float)
         base_hash=None if keyframe else patch.base_hash,
         target_hash=patch.target_hash,
         tensors=[(t.name, t.dtype, t.shape) for t in patch.tensors],
-        chunks=[(len(c), hashlib.sha256(c).digest()) for c in patch.chunks],
+        chunks=chunk_table if chunk_table is not None else [(len(c), hashlib.sha256(c).digest()) for c in patch.chunks],
         codec={"format": FORMAT_VERSION, "full": list(patch.full), "removed": list(patch.removed),
                "layout": patch.layout},
         created_at=created_at,

@@ -118,6 +118,25 @@ def hash_bytes(states: list[dict[str, torch.Tensor]]) -> int:
     return sum(t.numel() * t.element_size() for s in states for t in s.values())
 
 
+def tensor_digest(t: torch.Tensor, threads: int | None = None) -> bytes:
+    """One tensor's digest as `state_hash` computes it (for callers that hash a state
+    tensor by tensor, e.g. while they build it; `combine` makes the state hash)."""
+    mv = tensor_bytes(t)
+    blocks = [mv[off: off + BLOCK_BYTES] for off in range(0, max(1, len(mv)), BLOCK_BYTES)]
+    tasks = [functools.partial(_digest_block, b) for b in blocks]
+    leaves = parallel.run_all(tasks, _workers(len(mv), len(tasks), threads))
+    return blake3.blake3(b"".join(leaves)).digest()
+
+
+def combine(records: dict[str, tuple[torch.dtype, tuple[int, ...], bytes]]) -> str:
+    """The state hash from each tensor's (dtype, shape, `tensor_digest`), by name."""
+    h = blake3.blake3()
+    for name in sorted(records):
+        dtype, shape, digest = records[name]
+        h.update(msgpack.packb([name, info_of(dtype).name, list(shape), digest]))
+    return PREFIX + h.hexdigest()
+
+
 def state_hash(state: dict[str, torch.Tensor], threads: int | None = None) -> str:
     """`threads`: at most this many (None: as many as the cores and the work are worth)."""
     tasks, finish = hash_tasks([state])

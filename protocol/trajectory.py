@@ -1,6 +1,6 @@
 """Trajectory records and the bytes that carry them: segment files and wire batches.
 
-Sans-IO, the one definition of these formats (node/spool.py, node/trajstore.py
+Sans-IO, the one definition of these formats (node/spool.py, node/trainer/trajstore.py
 and the node<->origin wire messages import it). Owns: the `Record` a rollout
 worker submits and the `ReceivedRecord` the origin stores, their msgpack
 bodies, the checksummed framing of segment files and its scanner, the

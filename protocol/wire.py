@@ -165,6 +165,14 @@ class TrajectoriesAck:
 
 
 @dataclass(frozen=True)
+class Revocations:
+    """Tracker -> member: the swarm's revocation list, signed by the swarm CA
+    (protocol/revocation.py); sent on join and whenever the list changes."""
+
+    envelope: bytes
+
+
+@dataclass(frozen=True)
 class Bye:
     reason: str
 
@@ -177,7 +185,7 @@ class Error:
 MESSAGE_TYPES = {
     cls.__name__: cls
     for cls in (Hello, Have, HaveOne, Incoming, Request, Piece, Cancel, Reject, Announce,
-                PeerList, VersionNotice, Heartbeat, Trajectories, TrajectoriesAck, Bye, Error, PeerDelta)
+                PeerList, VersionNotice, Heartbeat, Trajectories, TrajectoriesAck, Revocations, Bye, Error, PeerDelta)
 }
 _PEER_KEYS = frozenset({"id", "region", "addr", "role"})
 

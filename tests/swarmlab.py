@@ -23,7 +23,8 @@ from safetensors.torch import load_file, save_file
 from patchswarm.node.client import NodeClient, NodeUnavailable
 
 ROOT = Path(__file__).resolve().parents[1]
-LISTENING = re.compile(r"listening on ([^\s,;]+)")
+LISTENING = re.compile(r"listening on ([^\s,;\"]+)")  # text or JSON log lines
+HTTP_LISTENING = re.compile(r"readiness on http://([^\s/\"]+)/")  # node/net/exporter.py, with --metrics
 
 
 @dataclasses.dataclass
@@ -100,9 +101,10 @@ class SwarmLab:
 
     # -------------------------------------------------------- members
 
-    def start_tracker(self, name: str = "tracker", port: int = 0) -> Proc:
+    def start_tracker(self, name: str = "tracker", port: int = 0, extra: list[str] = ()) -> Proc:
         creds = self.creds(name, "tracker")
-        p = Proc(name, ["tracker", "--creds", creds, "--listen", f"127.0.0.1:{port}"], self.root / f"{name}.log")
+        p = Proc(name, ["tracker", "--creds", creds, "--listen", f"127.0.0.1:{port}", *extra],
+                 self.root / f"{name}.log")
         self._start(p)
         p.addr = self.wait_log(p, LISTENING).group(1)
         self.tracker_addr = p.addr
@@ -132,6 +134,10 @@ class SwarmLab:
         if wait:
             p.addr = self.wait_log(p, LISTENING).group(1)
         return p
+
+    def http_addr(self, p: Proc) -> str:
+        """The HOST:PORT a member started with `--metrics` serves HTTP on."""
+        return self.wait_log(p, HTTP_LISTENING).group(1)
 
     def restart(self, p: Proc) -> Proc:
         offset = len(p.text())

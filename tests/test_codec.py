@@ -459,7 +459,7 @@ def test_best_k_runs_matches_best_k_of_each_run(runs):
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.integers(0, 200), min_size=1, max_size=5), st.integers(0, 2**32 - 1))
 def test_changes_are_every_differing_position_in_order(sizes, seed):
-    from patchswarm.protocol.patch import _changes
+    from patchswarm.protocol.patchencode import _changes
 
     rng = np.random.default_rng(seed)
     bs = [rng.integers(-5, 5, n).astype(np.int16) for n in sizes]
@@ -497,9 +497,9 @@ def _dense_and_sparse_pair(real_pair):
 
 @pytest.fixture
 def one_chunk_batches(monkeypatch):
-    import patchswarm.protocol.patch as patch_module
+    import patchswarm.protocol.patchdecode as patchdecode
 
-    monkeypatch.setattr(patch_module, "APPLY_BATCH_BYTES", 1)  # with threads=1: every chunk its own batch
+    monkeypatch.setattr(patchdecode, "APPLY_BATCH_BYTES", 1)  # with threads=1: every chunk its own batch
 
 
 def test_undo_keeps_old_ranges_for_dense_pieces_and_int32_positions_for_sparse(real_pair):
@@ -546,7 +546,7 @@ def test_a_failure_after_earlier_batches_were_written_undoes_them(real_pair, one
 
 def test_without_undo_no_records_are_kept_and_only_failures_before_a_write_leave_the_state(
         real_pair, one_chunk_batches, monkeypatch):
-    import patchswarm.protocol.patch as patch_module
+    import patchswarm.protocol.patchdecode as patchdecode
 
     base, target = _dense_and_sparse_pair(real_pair)
     p = diff(base, target, chunk_bytes=256, segment_elements=4096)
@@ -554,7 +554,7 @@ def test_without_undo_no_records_are_kept_and_only_failures_before_a_write_leave
     def no_records(self, state):
         raise AssertionError("undo=False must not build undo records")
 
-    monkeypatch.setattr(patch_module.DecodedChunk, "undo_record", no_records)
+    monkeypatch.setattr(patchdecode.DecodedChunk, "undo_record", no_records)
     state = clone(base)
     apply(state, p, threads=1, undo=False)
     same(state, target)
@@ -577,7 +577,7 @@ def test_without_undo_no_records_are_kept_and_only_failures_before_a_write_leave
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(1, 40), min_size=1, max_size=6), st.data())
 def test_split_pieces_cuts_the_concatenation_at_the_given_positions(lengths, data):
-    from patchswarm.protocol.patch import _split_pieces
+    from patchswarm.protocol.patchencode import _split_pieces
 
     pieces = [(f"t{i}", 3 * i, 3 * i + n) for i, n in enumerate(lengths)]
     total = sum(lengths)
@@ -591,10 +591,11 @@ def test_split_pieces_cuts_the_concatenation_at_the_given_positions(lengths, dat
 
 
 def test_a_dense_segment_is_split_by_changes_and_sparse_ones_are_not(real_pair, monkeypatch):
-    import patchswarm.protocol.patch as patch_module
+    import patchswarm.protocol.patchencode as patchencode
+    from patchswarm.protocol.patchformat import parse_chunk
 
     def delta_segments(p):
-        return [s for c in p.chunks for s in patch_module._parse_chunk(c)[0] if s.kind == "d"]
+        return [s for c in p.chunks for s in parse_chunk(c)[0] if s.kind == "d"]
 
     def changes(p):
         return [sum(row[deltacode.M] for row in s.rows) for s in delta_segments(p)]
@@ -614,7 +615,7 @@ def test_a_dense_segment_is_split_by_changes_and_sparse_ones_are_not(real_pair, 
     sparse_whole = diff(*real_pair, segment_elements=per)
     cap = max(changes(sparse_whole)) + 1
     assert cap < dense // 3  # the scenario: sparse segments below the cap, the dense tensor well above
-    monkeypatch.setattr(patch_module, "SEGMENT_CHANGES", cap)
+    monkeypatch.setattr(patchencode, "SEGMENT_CHANGES", cap)
     split = diff(base, target, segment_elements=per)
     assert max(changes(split)) <= cap and len(changes(split)) >= len(changes(sparse_whole)) + 3
     state = clone(base)
@@ -627,11 +628,12 @@ def test_a_dense_segment_is_split_by_changes_and_sparse_ones_are_not(real_pair, 
 
 
 def test_apply_batches_hold_a_segment_per_thread_and_end_at_an_unparsable_chunk(real_pair):
-    from patchswarm.protocol.patch import _parse_chunk, _parsed_batches
+    from patchswarm.protocol.patchdecode import _parsed_batches
+    from patchswarm.protocol.patchformat import parse_chunk
 
     base, target = _dense_and_sparse_pair(real_pair)
     p = diff(base, target, chunk_bytes=256, segment_elements=512)
-    counts = [len(_parse_chunk(c)[0]) for c in p.chunks]
+    counts = [len(parse_chunk(c)[0]) for c in p.chunks]
     assert len(p.chunks) > 4
     batches = list(_parsed_batches(p.chunks, p.tensors, 1, 3))
     assert sum(len(b) for b in batches) == len(p.chunks)

@@ -312,7 +312,7 @@ def test_delta_codes_are_the_same_bytes_with_and_without_the_kernel(changes):
 @given(name=st.sampled_from(["bf16", "fp16", "fp32", "f8e4m3", "f8e5m2", "i8", "u8", "i16", "i32", "bool"]),
        n=st.integers(0, 300), ordered=st.booleans(), spread=st.sampled_from([1, 300, 2**40]), seed=st.integers(0, 2**16))
 def test_new_values_match_numpy_in_range_and_out(name, n, ordered, spread, seed):
-    from patchswarm.protocol import patch as P
+    from patchswarm.protocol import patchdecode
     from patchswarm.protocol.dtypes import info_named
 
     info = info_named(name)
@@ -326,7 +326,7 @@ def test_new_values_match_numpy_in_range_and_out(name, n, ordered, spread, seed)
     for kernel in (contexts.KERNEL, None):
         saved, contexts.KERNEL = contexts.KERNEL, kernel
         try:
-            got.append([x.tolist() for x in P._new_values(old, order, d, info)])
+            got.append([x.tolist() for x in patchdecode._new_values(old, order, d, info)])
         except CorruptData:
             got.append("CorruptData")
         finally:
@@ -368,7 +368,7 @@ def test_writers_reject_widths_out_of_range():
 @given(dtype=st.sampled_from(DTYPES + [torch.int8]), sizes=st.lists(st.integers(0, 300), min_size=1, max_size=5),
        density=st.floats(0, 1), seed=st.integers(0, 2**16), cap=st.integers(1, 50))
 def test_changes_finds_what_numpy_finds_whatever_the_room(dtype, sizes, density, seed, cap):
-    from patchswarm.protocol.patch import _changed, _changed_numpy
+    from patchswarm.protocol.patchencode import _changed, _changed_numpy
 
     rng = np.random.default_rng(seed)
     int_dtype = info_of(dtype).int_dtype

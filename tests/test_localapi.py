@@ -172,3 +172,45 @@ def test_a_node_that_never_answers_runs_the_client_out_of_time(tmp_path):
                 c._call([localapi.encode(localapi.status_request())], -9.8)
             with pytest.raises(patchswarm.node.client.NodeUnavailable):  # reconnects, and times out again
                 c._call([localapi.encode(localapi.status_request())], -9.8)
+
+
+def test_local_requests_answer_status_wait_and_submit(tmp_path):
+    """What each op does (node/localapi.py LocalRequests), over a real spool, on trio's mock clock."""
+    from patchswarm.node.localapi import LocalRequests
+    from patchswarm.node.spool import TrajectorySpool
+    from patchswarm.protocol import localapi
+
+    async def main():
+        version = {"v": 3}
+        changed = trio.Event()
+
+        async def wait_version(min_version, timeout):
+            with trio.move_on_after(timeout):
+                while version["v"] < min_version:
+                    await changed.wait()
+                return True
+            return False
+
+        async with await TrajectorySpool.open(tmp_path / "spool", "n1", "r1", max_bytes=4096) as spool:
+            handle = LocalRequests(lambda: {"version": version["v"]}, wait_version, lambda: version["v"], spool)
+            assert await handle({"op": "status"}) == localapi.ok(status={"version": 3})
+            late = await handle({"op": "wait_version", "min_version": 4, "timeout": 5.0})
+            assert late["code"] == localapi.TIMEOUT and "the node is at 3" in late["error"]
+            async with trio.open_nursery() as n:
+                async def bump():
+                    await trio.sleep(1.0)
+                    version["v"] = 4
+                    changed.set()
+                n.start_soon(bump)
+                assert await handle({"op": "wait_version", "min_version": 4, "timeout": 5.0}) == \
+                    localapi.ok(status={"version": 4})
+            ok = await handle({"op": "submit", "records": [[bytes(2500), 4, None]], "timeout": 1.0})
+            assert ok == localapi.ok(seqs=[0]) and spool.stats()["records"] == 1
+            # Room for one such record, not two, and nothing uploads it: the submit waits, then fails.
+            full = await handle({"op": "submit", "records": [[bytes(2500), 4, None]], "timeout": 1.0})
+            assert full["code"] == localapi.FULL
+            bad = await handle({"op": "submit", "records": [["not bytes", 4, None]], "timeout": 1.0})
+            assert bad["code"] == localapi.BAD_REQUEST
+            assert (await handle({"op": "publish"}))["code"] == localapi.UNAVAILABLE
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))

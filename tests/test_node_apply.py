@@ -3,27 +3,30 @@ failure found after the first write must leave the node on what its weights file
 
 import torch
 import trio
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from patchswarm.node.daemon import Node, NodeConfig
+from patchswarm.node.applier import Applier
+from patchswarm.node.fetcher import Fetcher
+from patchswarm.node.net.ratelimit import TokenBucket
+from patchswarm.node.peers import PeerSet
+from patchswarm.node.relay import Inflows
 from patchswarm.node.store import ObjectStore
-from patchswarm.node.net.trust import init_swarm, issue
-from patchswarm.node.weights import Weights, read_weights, write_weights
+from patchswarm.node.weights import WEIGHTS_NAME, Weights, read_weights, write_weights
 from patchswarm.protocol.patch import diff
 from patchswarm.protocol.picker import PiecePicker
 from patchswarm.protocol.publication import manifest_of
+from patchswarm.protocol.versions import VersionBook
 
 KEY = (1, False)
+SWARM = "sw"
 
 
 def _bits(t):
     return t.reshape(-1).view(torch.int16)
 
 
-def _node(tmp_path) -> Node:
-    init_swarm(tmp_path / "swarm")
-    issue(tmp_path / "swarm", "n1", "node", tmp_path / "n1")
-    return Node(NodeConfig(tracker="127.0.0.1:9", creds=tmp_path / "n1", data_dir=tmp_path / "data",
-                           listen="127.0.0.1:0", region="r0"))
+async def _noop(s, msg) -> None:
+    pass
 
 
 def _pair():
@@ -36,38 +39,41 @@ def _pair():
     return base, target
 
 
-def _ready(tmp_path, base, target):
-    node = _node(tmp_path)
+def _ready(tmp_path, base, target) -> Applier:
     p = diff(base, target, chunk_bytes=1024, segment_elements=2048)
     assert len(p.chunks) > 2
-    node.data_dir.mkdir(parents=True)
-    write_weights(node.weights_path, Weights({k: v.clone() for k, v in base.items()}, 0, p.base_hash, node.swarm_id))
-    node.weights = node._load_weights()
-    node.store = ObjectStore(node.data_dir / "objects")
-    node.store.write_object(KEY, b"(envelope)", p.chunks)
-    node.store.adopt(KEY, manifest_of(p, swarm_id=node.swarm_id, version=1, created_at=0.0))
-    node.picker = PiecePicker(node.id, node.region, node.region)
-    return node
+    store = ObjectStore(tmp_path / "objects")
+    store.write_object(KEY, b"(envelope)", p.chunks)
+    store.adopt(KEY, manifest_of(p, swarm_id=SWARM, version=1, created_at=0.0))
+    book = VersionBook(SWARM, Ed25519PrivateKey.generate().public_key())
+    picker, inflows = PiecePicker("n1", "r0", "r0"), Inflows()
+    fetcher = Fetcher("n1", "r0", picker, PeerSet("n1", store, TokenBucket(None), _noop, inflows=inflows), inflows,
+                      store, book, on_complete=lambda key: None)
+    applier = Applier(book, store, fetcher, tmp_path / WEIGHTS_NAME, SWARM, keep_versions=4, apply_nice=0,
+                      apply_threads=None)
+    write_weights(applier.weights_path, Weights({k: v.clone() for k, v in base.items()}, 0, p.base_hash, SWARM))
+    applier.weights = applier.load_weights()
+    return applier
 
 
 def test_apply_writes_the_new_version(tmp_path):
     base, target = _pair()
-    node = _ready(tmp_path, base, target)
-    trio.run(node._apply, KEY)
-    assert node.version == 1 and KEY not in node._unusable
-    on_disk = read_weights(node.weights_path)
+    applier = _ready(tmp_path, base, target)
+    trio.run(applier.apply, KEY)
+    assert applier.version == 1 and KEY not in applier.unusable
+    on_disk = read_weights(applier.weights_path)
     for name in target:
-        assert torch.equal(_bits(node.weights.state[name]), _bits(target[name]))
+        assert torch.equal(_bits(applier.weights.state[name]), _bits(target[name]))
         assert torch.equal(_bits(on_disk.state[name]), _bits(target[name]))
 
 
 def test_a_failed_apply_reloads_the_version_the_weights_file_holds(tmp_path):
     base, target = _pair()
-    node = _ready(tmp_path, base, target)
+    applier = _ready(tmp_path, base, target)
     # A bit flipped in memory where the patch writes nothing: every chunk fits and is
     # written, then the state hash does not match; the state is partly patched.
-    _bits(node.weights.state["w3"])[1] ^= 1
-    trio.run(node._apply, KEY)
-    assert KEY in node._unusable and node.version == 0
+    _bits(applier.weights.state["w3"])[1] ^= 1
+    trio.run(applier.apply, KEY)
+    assert KEY in applier.unusable and applier.version == 0
     for name in base:
-        assert torch.equal(_bits(node.weights.state[name]), _bits(base[name])), name
+        assert torch.equal(_bits(applier.weights.state[name]), _bits(base[name])), name

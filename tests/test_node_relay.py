@@ -1,7 +1,8 @@
-"""The node daemon's side of cut-through, in process: what it tells its peers while a
-chunk arrives (Incoming) and once it holds it (HaveOne), and to whom.
+"""The node daemon's side of cut-through, in process: what the fetcher tells its peers while
+a chunk arrives (Incoming) and once it holds it (HaveOne), and to whom.
 
-The peers are sessions whose message streams only record what they are sent."""
+The peers are sessions whose message streams only record what they are sent; what
+each peer said of the chunk reaches the fetcher as the messages a peer would send."""
 
 import dataclasses
 
@@ -9,15 +10,18 @@ import pytest
 import torch
 import trio
 import trio.testing
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from patchswarm.node.daemon import Node, NodeConfig
-from patchswarm.node.peers import PeerDropped, Session
+from patchswarm.node.fetcher import Fetcher
+from patchswarm.node.net.ratelimit import TokenBucket
+from patchswarm.node.peers import PeerDropped, PeerSet, Session
+from patchswarm.node.relay import Inflows
 from patchswarm.node.store import ObjectStore
-from patchswarm.node.net.trust import init_swarm, issue
 from patchswarm.protocol import wire
 from patchswarm.protocol.patch import diff
 from patchswarm.protocol.picker import PiecePicker
 from patchswarm.protocol.publication import manifest_of
+from patchswarm.protocol.versions import VersionBook
 
 KEY = (1, False)
 
@@ -30,32 +34,32 @@ class RecordingStream:
         self.sent.append(msg)
 
 
-def _node(tmp_path):
-    init_swarm(tmp_path / "swarm")
-    issue(tmp_path / "swarm", "n1", "node", tmp_path / "n1")
-    node = Node(NodeConfig(tracker="127.0.0.1:9", creds=tmp_path / "n1", data_dir=tmp_path / "data",
-                           listen="127.0.0.1:0", region="r1"))
+async def _noop(s, msg) -> None:
+    pass
+
+
+def _fetcher(tmp_path):
     g = torch.Generator().manual_seed(5)
     base = {"w": torch.randn(256, 256, generator=g).to(torch.bfloat16)}
     target = {"w": base["w"].clone()}
     target["w"].view(-1).view(torch.int16)[::2] += 1
     p = diff(base, target, chunk_bytes=200_000, segment_elements=1 << 16)
-    m = manifest_of(p, swarm_id=node.swarm_id, version=1, created_at=0.0)
-    node.data_dir.mkdir(parents=True)
-    node.store = ObjectStore(node.data_dir / "objects")
-    node.peers.store = node.store
-    node.store.put_manifest(KEY, m, b"(envelope)")
-    node.picker = PiecePicker(node.id, node.region, "r0")
-    node.picker.add_object(KEY, len(m.chunks), now=0.0)
-    node._wanted.add(KEY)
-    return node, p.chunks
+    m = manifest_of(p, swarm_id="sw", version=1, created_at=0.0)
+    store = ObjectStore(tmp_path / "objects")
+    store.put_manifest(KEY, m, b"(envelope)")
+    picker = PiecePicker("n1", "r1", "r0")
+    picker.add_object(KEY, len(m.chunks), now=0.0)
+    inflows = Inflows()
+    peers = PeerSet("n1", store, TokenBucket(None), _noop, inflows=inflows)
+    book = VersionBook("sw", Ed25519PrivateKey.generate().public_key())
+    return Fetcher("n1", "r1", picker, peers, inflows, store, book, on_complete=lambda key: None), p.chunks
 
 
-def _session(node, nursery, peer: str, role: str = "node", region: str = "r1") -> Session:
+def _session(fetcher, nursery, peer: str, role: str = "node", region: str = "r1") -> Session:
     s = Session(RecordingStream(), peer, role, region, "x:1", outbound=True)
     s.tasks = nursery
-    node.peers.sessions[peer] = s
-    node.picker.peer_joined(peer, "origin" if role == "origin" else "node", region)
+    fetcher.peers.sessions[peer] = s
+    fetcher.peer_joined(s)
     return s
 
 
@@ -64,55 +68,95 @@ def _sent(s: Session, kind) -> list:
 
 
 def test_incoming_then_haveone_go_each_to_the_peers_that_need_them(tmp_path):
-    node, chunks = _node(tmp_path)
+    fetcher, chunks = _fetcher(tmp_path)
     data = chunks[0]
     assert len(data) > 2, "the chunk must come in at least two parts"
     half = len(data) // 2
 
     async def main():
         async with trio.open_nursery() as n:
-            node._nursery = n
-            up = _session(node, n, "up", region="r0")
-            lacking = _session(node, n, "lacking")
-            whole = _session(node, n, "whole")
-            whole.have[KEY] = {0}  # announced the chunk whole already
-            arriving = _session(node, n, "arriving")
-            arriving.arriving[KEY] = {0}  # announced it is receiving it
-            origin = _session(node, n, "origin", role="origin", region="r0")
-            await node._on_piece(up, wire.Piece(1, False, 0, 0, len(data), data[:half]))
+            await n.start(fetcher.run)
+            up = _session(fetcher, n, "up", region="r0")
+            lacking = _session(fetcher, n, "lacking")
+            whole = _session(fetcher, n, "whole")
+            fetcher.on_announce(whole, wire.HaveOne(1, False, 0))  # announced the chunk whole already
+            arriving = _session(fetcher, n, "arriving")
+            fetcher.on_announce(arriving, wire.Incoming(1, False, 0))  # announced it is receiving it
+            origin = _session(fetcher, n, "origin", role="origin", region="r0")
+            await fetcher.on_piece(up, wire.Piece(1, False, 0, 0, len(data), data[:half]))
             await trio.testing.wait_all_tasks_blocked()
             assert [s.id for s in (up, lacking, whole, arriving, origin) if _sent(s, wire.Incoming)] == ["lacking"]
-            late = _session(node, n, "late")  # connected while the chunk arrived: was not told
+            late = _session(fetcher, n, "late")  # connected while the chunk arrived: was not told
             # A told peer reconnects: its new session was not told either.
-            await node._on_peer_close(lacking)
-            del node.peers.sessions["lacking"]
-            again = _session(node, n, "lacking")
-            await node._on_piece(up, wire.Piece(1, False, 0, half, len(data), data[half:]))
+            fetcher.peer_left(lacking)
+            del fetcher.peers.sessions["lacking"]
+            again = _session(fetcher, n, "lacking")
+            await fetcher.on_piece(up, wire.Piece(1, False, 0, half, len(data), data[half:]))
             await trio.testing.wait_all_tasks_blocked()
-            assert 0 in node.store.have(KEY)
+            assert 0 in fetcher.store.have(KEY)
             # The told peer already knows; the one that was receiving it gets the HaveOne,
             # as its own flow may still fail; whoever holds it whole, and the origin, do not.
             assert [s.id for s in (up, lacking, whole, arriving, origin, late)
                     if _sent(s, wire.HaveOne)] == ["arriving", "late"]
             assert _sent(again, wire.HaveOne) and not _sent(again, wire.Incoming)
-            assert node._told.get(KEY, {}) == {}
+            assert fetcher._told.get(KEY, {}) == {}
+            n.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_a_peer_that_refused_the_chunk_hears_of_it_again(tmp_path):
+    """A Reject withdraws what the peer said of the chunk: it is told Incoming and HaveOne as
+    one that never had it, until it announces the chunk again."""
+    fetcher, chunks = _fetcher(tmp_path)
+    data = chunks[0]
+
+    async def main():
+        async with trio.open_nursery() as n:
+            await n.start(fetcher.run)
+            up = _session(fetcher, n, "up", region="r0")
+            refused, again = _session(fetcher, n, "refused"), _session(fetcher, n, "again")
+            for s in (refused, again):
+                fetcher.on_announce(s, wire.HaveOne(1, False, 0))
+                fetcher.on_reject(s, wire.Reject(1, False, 0, "not held"))
+            fetcher.on_announce(again, wire.Incoming(1, False, 0))  # receiving it now
+            await fetcher.on_piece(up, wire.Piece(1, False, 0, 0, len(data), data[:1]))
+            await fetcher.on_piece(up, wire.Piece(1, False, 0, 1, len(data), data[1:]))
+            await trio.testing.wait_all_tasks_blocked()
+            assert _sent(refused, wire.Incoming) and not _sent(refused, wire.HaveOne)  # told
+            assert not _sent(again, wire.Incoming) and _sent(again, wire.HaveOne)  # its flow may fail
             n.cancel_scope.cancel()
 
     trio.run(main)
 
 
 def test_a_chunk_that_fails_its_hash_drops_the_sender_and_is_not_kept(tmp_path):
-    node, chunks = _node(tmp_path)
+    fetcher, chunks = _fetcher(tmp_path)
     bad = bytes(len(chunks[0]))
 
     async def main():
         async with trio.open_nursery() as n:
-            node._nursery = n
-            up = _session(node, n, "up", region="r0")
+            await n.start(fetcher.run)
+            up = _session(fetcher, n, "up", region="r0")
             with pytest.raises(PeerDropped, match="does not match its manifest"):
-                await node._on_piece(up, wire.Piece(1, False, 0, 0, len(bad), bad))
-            assert 0 not in node.store.have(KEY) and node.chunks_rejected == 1
-            assert node.inflows.source(KEY, 0) is None
+                await fetcher.on_piece(up, wire.Piece(1, False, 0, 0, len(bad), bad))
+            assert 0 not in fetcher.store.have(KEY) and fetcher.chunks_rejected == 1
+            assert fetcher.inflows.source(KEY, 0) is None
+            n.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_a_reject_past_the_objects_end_drops_the_peer(tmp_path):
+    """Such a Reject answers no request; it used to reach the picker as a misuse and end the daemon."""
+    fetcher, chunks = _fetcher(tmp_path)
+
+    async def main():
+        async with trio.open_nursery() as n:
+            await n.start(fetcher.run)
+            up = _session(fetcher, n, "up", region="r0")
+            with pytest.raises(PeerDropped, match="which has"):
+                fetcher.on_reject(up, wire.Reject(1, False, len(chunks), "not held"))
             n.cancel_scope.cancel()
 
     trio.run(main)

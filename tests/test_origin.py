@@ -6,6 +6,8 @@ what nodes receive over the wire is covered by tests/test_swarm.py.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from patchswarm.node.net import trust
@@ -58,18 +60,48 @@ def test_restart_continues_the_version_chain_from_disk(tmp_path):
 
 
 def test_interrupted_publish_is_dropped_and_published_again(tmp_path):
+    """A crash while version 2's patch was being written: some chunk files, a temporary, no
+    manifest (it goes last). The restart drops the object and resumes at version 1."""
     states = rl_checkpoints("tiny", 1e-5, 3)
     with make_origin(tmp_path) as o:
         o.publish(states[0])
         o.publish(states[1])
-        # Simulate a crash between writing version 2's objects and writing the served weights:
-        w = read_weights(tmp_path / "data" / WEIGHTS_NAME)
         o.publish(states[2])
-    from patchswarm.node.weights import write_weights
-    write_weights(tmp_path / "data" / WEIGHTS_NAME, w)  # the served state is version 1 again
+    obj = tmp_path / "data" / "objects" / "v0000000002-patch"
+    (obj / "manifest").unlink()
+    (obj / ".000001.chunk.999.tmp").write_bytes(b"half")
     with make_origin(tmp_path) as o:
-        assert o.origin.store.manifest((2, False)) is None  # never announced: dropped
+        assert o.origin.version == 1
+        assert o.origin.store.manifest((2, False)) is None and not obj.exists()
         assert o.publish(states[2]) == 2
+        patch = patch_of(o.origin.store.manifest((2, False)), o.origin.store.chunks((2, False)))
+    base = served(states[1], torch.bfloat16)
+    apply(base, patch)
+    assert state_hash(base) == state_hash(served(states[2], torch.bfloat16))
+
+
+def test_a_restart_replays_the_base_and_the_patches_after_it(tmp_path):
+    """No full write per version: the base is written at the first version and again every
+    `compact_every` versions (off the publish path); a restart replays the rest."""
+    states = rl_checkpoints("tiny", 1e-5, 6)
+    base_file = tmp_path / "data" / WEIGHTS_NAME
+    with make_origin(tmp_path, compact_every=4) as o:
+        o.publish(states[0])
+        assert read_weights(base_file).version == 0
+        for s in states[1:4]:
+            o.publish(s)
+        assert read_weights(base_file).version == 0, "nothing rewritten before compact_every versions"
+        o.publish(states[4])  # 4 versions since the base: compaction, in the background
+        for _ in range(200):
+            if o.origin.durable.base.version == 4:
+                break
+            time.sleep(0.05)
+        assert read_weights(base_file).version == 4
+        o.publish(states[5])
+        want = o.origin.served.state_hash
+    with make_origin(tmp_path, compact_every=4) as o:
+        assert o.origin.version == 5 and o.origin.served.state_hash == want
+        assert o.origin.served.state_hash == state_hash(served(states[5], torch.bfloat16))
 
 
 def test_publish_copies_the_trainers_tensors(tmp_path):
@@ -83,6 +115,6 @@ def test_publish_copies_the_trainers_tensors(tmp_path):
         ints["step"].add_(1)
         o.publish({**live, **ints})
         history = o.stats()["versions"]
+        step = o.origin.served.state["step"].clone()
     assert history[1]["changed"] > 0
-    w = read_weights(tmp_path / "data" / WEIGHTS_NAME)
-    assert int(w.state["step"]) == 8 and w.state["step"].dtype == torch.int64
+    assert int(step) == 8 and step.dtype == torch.int64

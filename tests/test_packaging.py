@@ -7,6 +7,7 @@ runs, because nothing of ours is called `protocol`, `node` or `tracker`.
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -47,8 +48,15 @@ def test_the_command_runs_beside_modules_named_like_the_old_packages(crowded_dir
 
 @pytest.mark.slow
 def test_the_wheel_holds_only_the_patchswarm_namespace(tmp_path):
+    # Built from a copy of the tracked files: a build leaves build/ and egg-info where it runs.
+    src = tmp_path / "src"
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    for name in filter(None, files.decode().split("\0")):
+        if (ROOT / name).is_file():
+            (src / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, src / name)
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                        "-w", str(tmp_path / "dist"), str(ROOT)], capture_output=True, text=True, timeout=600,
+                        "-w", str(tmp_path / "dist"), str(src)], capture_output=True, text=True, timeout=600,
                        cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     wheels = list((tmp_path / "dist").glob("patchswarm-*.whl"))

@@ -87,3 +87,32 @@ def test_a_duplicate_that_loses_is_closed_and_reports_nothing(tmp_path):
         assert events == [("open", False), ("close", False)]
 
     trio.run(main)
+
+
+def test_the_owner_closes_a_session_with_a_reason(tmp_path, caplog):
+    """Session.close(reason) from outside the session (the daemon's failed send, the origin's
+    failed store): the session ends now, the connection closes, the peer is reported gone once,
+    and the log says why."""
+    closed = []
+
+    async def on_close(s):
+        closed.append(s.close_reason)
+
+    async def main():
+        peers = PeerSet("b", ObjectStore(tmp_path / "store"), TokenBucket(None), _noop, on_close=on_close)
+        local, remote = trio.testing.memory_stream_pair()
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(peers.run, _stream(local, "a"), True)
+                await trio.testing.wait_all_tasks_blocked()
+                s = peers.sessions["a"]
+                s.close("could not send a Request (broken)")
+                s.close("a second reason")  # the first one stands
+                await trio.testing.wait_all_tasks_blocked()
+                assert not peers.connected("a") and s.closed
+                assert await remote.receive_some() == b""  # the connection is closed
+        assert closed == ["could not send a Request (broken)"]
+
+    with caplog.at_level("WARNING", logger="patchswarm.peers"):
+        trio.run(main)
+    assert "left: could not send a Request (broken)" in caplog.text

@@ -1,29 +1,22 @@
-"""The swarm fetch policy: WAN plan (responsibility) and PiecePicker, without sockets.
+"""The swarm fetch policy, one PiecePicker at a time, without sockets.
 
-Scenario tables drive single pickers with facts; a tiny discrete-event swarm
-(pure Python, below) wires many pickers and an origin together and checks
-that everyone completes, each chunk enters each region across the WAN exactly
-once and the origin sends each chunk once while all is healthy.
-
-`python tests/test_picker.py` runs a microbenchmark of `requests()`.
+Scenario tables drive single pickers with facts; one picker takes random facts
+and keeps its contract (a property test). The WAN plan itself is tested in
+test_responsibility.py, many pickers wired together in test_picker_swarm.py;
+`python bench/picker.py` measures the picker's costs.
 """
 
 from __future__ import annotations
 
-import hashlib
-import random
 from collections import Counter
-from itertools import combinations
 
 import hypothesis.strategies as st
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 
 from patchswarm.protocol.errors import ProtocolError, UsageError
 from patchswarm.protocol.picker import MAX_COPIES, NODE, ORIGIN, PiecePicker, Request
-from patchswarm.protocol.responsibility import (
-    ResponsibilityMap, balanced_owners, gateways, region_order, responsible, upstream_regions,
-)
+from patchswarm.protocol.responsibility import balanced_owners, gateways, region_order, upstream_regions
 
 KEY = (7, False)  # a patch
 KF = (7, True)  # a keyframe
@@ -69,156 +62,6 @@ def find_chunk(pred, limit=500):
 
 def asked(reqs):
     return {(r.peer, r.chunk) for r in reqs}
-
-
-# --- responsibility ---------------------------------------------------------
-
-
-def test_responsible_is_highest_sha256_weight():
-    members = ["a", "b", "node-3", "x"]
-    for c in range(20):
-        digests = {m: hashlib.sha256(f"{m}|7|0|{c}".encode()).digest() for m in members}
-        assert responsible(KEY, c, members) == max(members, key=lambda m: digests[m])
-        assert responsible(KEY, c, reversed(members)) == responsible(KEY, c, members)
-    assert responsible(KEY, 0, []) is None
-    assert responsible(KEY, 0, ["solo"]) == "solo"
-
-
-def test_responsible_spreads_chunks_over_members():
-    members = [f"n{i}" for i in range(4)]
-    share = Counter(responsible(KEY, c, members) for c in range(400))
-    assert set(share) == set(members)
-    assert all(60 <= v <= 140 for v in share.values()), share
-
-
-def test_keyframe_and_patch_of_same_version_differ():
-    members = [f"n{i}" for i in range(4)]
-    assert any(responsible(KEY, c, members) != responsible(KF, c, members) for c in range(20))
-
-
-def test_region_order_origin_first_then_per_chunk_rendezvous():
-    regions = ["r1", "r2", "r3", "r1"]
-    seconds = Counter()
-    for c in range(60):
-        order = region_order(KEY, c, regions, "r0")
-        assert order[0] == "r0" and sorted(order[1:]) == ["r1", "r2", "r3"]
-        assert region_order(KEY, c, ["r3", "r0", "r2", "r1"], "r0") == order
-        seconds[order[1]] += 1
-    assert set(seconds) == {"r1", "r2", "r3"}  # remote regions split the pulling
-
-
-@pytest.mark.parametrize("region, members, origin_region, expect", [
-    # (my region, regions with members, origin region, (upstream, origin serves))
-    ("r0", {"r0", "r1"}, "r0", ([], True)),  # the origin's region takes from the origin
-    ("r0", {"r0"}, "r0", ([], True)),  # the only region
-    ("r1", {"r1"}, "r0", (["r0"], True)),  # origin region without nodes: first region
-    ("r1", {"r0", "r1"}, "r0", (["r0"], False)),  # origin region has nodes: take from them
-])
-def test_upstream_regions_table(region, members, origin_region, expect):
-    for c in range(10):
-        assert upstream_regions(KEY, c, region, members, origin_region) == expect
-
-
-def test_upstream_regions_second_region_pulls_from_first():
-    for c in range(30):
-        order = region_order(KEY, c, ["r1", "r2"], "r0")
-        first, second = order[1], order[2]
-        assert upstream_regions(KEY, c, second, {"r1", "r2"}, "r0") == ([first], False)
-        assert upstream_regions(KEY, c, first, {"r1", "r2"}, "r0") == (["r0"], True)
-        assert upstream_regions(KEY, c, second, {"r0", "r1", "r2"}, "r0") == ([first], False)
-
-
-@settings(max_examples=100, deadline=None)
-@given(st.sets(st.sampled_from([f"n{i}" for i in range(8)])), st.integers(0, 60),
-       st.one_of(st.none(), st.lists(st.sampled_from(["o", "r1", "r2"]), min_size=60, max_size=60)))
-def test_balanced_owners_bounds_each_gateways_share_of_each_class(gws, n, classes):
-    classes = None if classes is None else classes[:n]
-    owners = balanced_owners(KEY, n, gws, classes)
-    assert owners == balanced_owners(KEY, n, sorted(gws, reverse=True), classes)  # order-independent
-    if not gws:
-        assert owners == [None] * n
-        return
-    assert set(owners) <= gws
-    cls = classes or [None] * n
-    plain = [responsible(KEY, c, gws) for c in range(n)]
-    overflow = 0
-    for k in set(cls):
-        chunks = [c for c in range(n) if cls[c] == k]
-        cap = -(-len(chunks) // len(gws))
-        assert max(Counter(owners[c] for c in chunks).values()) <= cap
-        overflow += sum(max(0, v - cap) for v in Counter(plain[c] for c in chunks).values())
-    if not overflow:  # no gateway drew more than its share: plain rendezvous
-        assert owners == plain
-    else:
-        assert owners != plain
-
-
-def test_balanced_owners_evens_out_a_lopsided_rendezvous_split():
-    gws = {"n2.1", "n2.4"}
-    # Objects where plain rendezvous gives one gateway 9 or more of 13 chunks.
-    lopsided = [v for v in range(200)
-                if max(Counter(responsible((v, False), c, gws) for c in range(13)).values()) >= 9]
-    assert lopsided
-    for v in lopsided:
-        assert sorted(Counter(balanced_owners((v, False), 13, gws)).values()) == [6, 7]
-
-
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.sets(st.sampled_from([f"n{i}" for i in range(8)])), min_size=1, max_size=6))
-def test_responsibility_map_tracks_membership(history):
-    rmap = ResponsibilityMap(KEY, 40)
-    before = [None] * 40
-    for members in history:
-        changed = rmap.set_members(members)
-        now = balanced_owners(KEY, 40, members)
-        assert [rmap.owner(c) for c in range(40)] == now
-        assert changed == [c for c in range(40) if before[c] != now[c]]
-        before = now
-
-
-def test_responsibility_map_follows_new_classes():
-    members = {"a", "b", "c"}
-    first, second = ["o"] * 30, ["o", "r"] * 15
-    rmap = ResponsibilityMap(KEY, 30, members, classes=first)
-    assert [rmap.owner(c) for c in range(30)] == balanced_owners(KEY, 30, members, first)
-    changed = rmap.set_members(members, second)
-    now = balanced_owners(KEY, 30, members, second)
-    assert [rmap.owner(c) for c in range(30)] == now
-    assert changed == [c for c in range(30) if balanced_owners(KEY, 30, members, first)[c] != now[c]]
-    assert rmap.set_members(members, second) == []
-    with pytest.raises(UsageError, match="classes: expected one per chunk"):
-        rmap.set_members(members, ["o"] * 29)
-
-
-def test_gateways_are_the_top_k_by_weight_and_move_between_objects():
-    members = [f"n{i}" for i in range(6)]
-    for k in (1, 2, 5):
-        gws = gateways(KEY, members, k)
-        assert len(gws) == k and gws <= set(members)
-        assert gws == gateways(KEY, reversed(members), k)  # order-independent
-        ranked = sorted(members, key=lambda m: hashlib.sha256(f"{m}|7|0|gateway".encode()).digest(), reverse=True)
-        assert gws == set(ranked[:k])
-    assert gateways(KEY, members, None) == set(members)
-    assert gateways(KEY, members[:2], 3) == set(members[:2])
-    assert gateways(KEY, [], 2) == set()
-    # Successive versions do not all load the same member's WAN link.
-    assert len({frozenset(gateways((v, False), members, 1)) for v in range(30)}) > 3
-
-
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.sets(st.sampled_from([f"n{i}" for i in range(8)])), min_size=1, max_size=6),
-       st.sampled_from([1, 2, 3]))
-def test_responsibility_map_with_gateways_tracks_membership(history, k):
-    rmap = ResponsibilityMap(KEY, 40, max_gateways=k)
-    before = [None] * 40
-    for members in history:
-        changed = rmap.set_members(members)
-        gws = gateways(KEY, members, k)
-        assert rmap.gateways == gws and rmap.members == members
-        now = balanced_owners(KEY, 40, gws)
-        assert [rmap.owner(c) for c in range(40)] == now
-        assert changed == [c for c in range(40) if before[c] != now[c]]
-        before = now
 
 
 def test_only_the_gateway_crosses_the_wan_and_a_new_one_takes_over_when_it_leaves():
@@ -640,6 +483,135 @@ def test_constructor_rejects_bad_limits():
         PiecePicker("me", "r0", "r0", pipeline=0)
     with pytest.raises(UsageError):
         PiecePicker("me", "r0", "r0", takeover_after=-1.0)
+    for bad in (0, -1.0):
+        with pytest.raises(UsageError, match="request_timeout"):
+            PiecePicker("me", "r0", "r0", request_timeout=bad)
+
+
+# --- requests in flight: when they were sent, when they run out ----------------
+
+
+def _neighbour_and_origin(timeout=10.0):
+    """me alone responsible in r0 (a neighbour a that is not a member), both holding chunk 0 of 1."""
+    p = PiecePicker("me", "r0", "r0", request_timeout=timeout)
+    p.peer_joined("a", NODE, "r0")
+    p.peer_joined(OR, ORIGIN, "r0")
+    p.add_object(KEY, 1, now=0.0)
+    p.peer_has("a", KEY, [0])
+    p.peer_has(OR, KEY, [0])
+    return p
+
+
+def test_a_request_unanswered_in_time_expires_once_and_goes_to_another_holder():
+    p = _neighbour_and_origin()
+    assert p.requests(1.0) == [Request("a", KEY, 0)]  # the neighbour first; the origin is never an endgame copy
+    assert p.sent_at("a", KEY, 0) == 1.0 and p.next_wakeup(1.0) == 11.0
+    assert p.expired(10.9) == [] and p.in_flight() == 1
+    assert p.expired(11.0) == [Request("a", KEY, 0)]  # the caller cancels it
+    assert p.expired(50.0) == [] and p.in_flight() == 0 and p.sent_at("a", KEY, 0) is None
+    assert p.requests(11.0) == [Request(OR, KEY, 0)]  # never the one that let it run out
+    assert p.expired(21.0) == [Request(OR, KEY, 0)]
+    assert p.requests(21.0) == [] and p.next_wakeup(21.0) is None  # nobody left to ask
+
+
+def test_without_a_timeout_requests_never_expire():
+    p = _neighbour_and_origin(timeout=None)
+    assert p.requests(0.0) and p.next_wakeup(0.0) is None and p.expired(1e9) == []
+
+
+def test_an_answer_in_time_does_not_expire():
+    p = _neighbour_and_origin()
+    [r] = p.requests(0.0)
+    assert p.chunk_received(r.key, r.chunk, r.peer) == []
+    assert p.expired(100.0) == [] and p.next_wakeup(100.0) is None
+
+
+# --- what peers said: held whole, arriving, refused; kept until fetched ----------
+
+
+@pytest.mark.parametrize("said, expect", [
+    ([], (False, False)),
+    (["have"], (True, True)),
+    (["incoming"], (True, False)),  # served as it arrives, not held whole
+    (["incoming", "have"], (True, True)),
+    (["have", "incoming"], (True, True)),  # an Incoming after it held the chunk changes nothing
+    (["have", "refused"], (False, False)),  # a Reject withdraws what it said
+    (["incoming", "refused"], (False, False)),
+    (["have", "refused", "incoming"], (True, False)),  # it is receiving the chunk again
+    (["have", "refused", "have"], (True, True)),
+    (["have", "left"], (False, False)),  # a peer that left holds nothing; a new session starts afresh
+])
+@pytest.mark.parametrize("added_first", [True, False])  # the object fetched, or not yet
+def test_announced_and_holds_whole_table(said, expect, added_first):
+    p = PiecePicker("me", "r0", "r0")
+    p.peer_joined("a", NODE, "r0")
+    if added_first:
+        p.add_object(KEY, 4, now=0.0)
+    for word in said:
+        if word == "have":
+            p.peer_has("a", KEY, [2])
+        elif word == "incoming":
+            p.peer_has("a", KEY, [2], whole=False)
+        elif word == "refused":
+            p.chunk_refused(KEY, 2, "a")
+        else:
+            p.peer_left("a")
+            p.peer_joined("a", NODE, "r0")
+    if not added_first:
+        p.add_object(KEY, 4, now=0.0)
+    assert (p.announced("a", KEY, 2), p.holds_whole("a", KEY, 2)) == expect
+    assert (p.announced("a", KEY, 1), p.holds_whole("a", KEY, 1)) == (False, False)
+
+
+def test_a_refusing_peer_is_not_asked_again_for_that_chunk():
+    p = PiecePicker("me", "r0", "r0")
+    p.peer_joined("a", NODE, "r0")
+    p.add_object(KEY, 2, now=0.0)
+    p.peer_has("a", KEY, [0, 1])
+    assert asked(p.requests(0.0)) == {("a", 0), ("a", 1)}
+    p.chunk_refused(KEY, 0, "a")
+    p.peer_has("a", KEY, [0])  # says it again (got it meanwhile): still not asked for it
+    assert p.requests(1.0) == [] and p.in_flight() == 1
+
+
+def test_what_peers_said_survives_an_object_leaving_the_plan_and_coming_back():
+    p = PiecePicker("me", "r0", "r0", pipeline=1)
+    p.peer_joined("a", NODE, "r0")
+    p.add_object(KEY, 3, now=0.0)
+    p.peer_has("a", KEY, [0, 2])
+    p.peer_has("a", KEY, [1], whole=False)
+    [r] = p.requests(0.0)
+    assert p.chunk_received(r.key, r.chunk, "a") == []
+    assert p.remove_object(KEY) == []
+    p.add_object(KEY, 3, have=[r.chunk], now=1.0)
+    left = {0, 1, 2} - {r.chunk}
+    assert {c for c in left if p.announced("a", KEY, c)} == left
+    assert {c for c in left if p.holds_whole("a", KEY, c)} == left - {1}
+    assert p.requests(1.0)[0].peer == "a"
+
+
+def test_objects_wait_for_the_origins_region_and_facts_wait_for_objects():
+    p = PiecePicker("me", "r1", None)
+    p.peer_joined("a", NODE, "r1")
+    p.peer_has("a", KEY, [0, 1])  # before anything is known: kept
+    with pytest.raises(UsageError, match="origin's region"):
+        p.add_object(KEY, 2, now=0.0)
+    p.set_origin_region("r0")
+    p.set_origin_region("r2")  # the first word stands
+    assert p.origin_region == "r0"
+    p.add_object(KEY, 2, now=0.0)
+    assert asked(p.requests(0.0)) == {("a", 0), ("a", 1)}
+
+
+def test_facts_below_the_forgotten_versions_are_dropped_and_ignored():
+    p = PiecePicker("me", "r0", "r0")
+    p.peer_joined("a", NODE, "r0")
+    p.peer_has("a", (3, False), [0])
+    p.peer_has("a", (5, False), [0])
+    p.forget_below(5)
+    p.peer_has("a", (4, False), [0])  # said later, still below: ignored
+    assert not p.announced("a", (3, False), 0) and not p.announced("a", (4, False), 0)
+    assert p.announced("a", (5, False), 0)
 
 
 def test_takeover_takes_at_most_pipeline_per_idle_round():
@@ -665,21 +637,26 @@ fact = st.one_of(
     st.tuples(st.just("join"), st.sampled_from(sorted(PEERS))),
     st.tuples(st.just("leave"), st.sampled_from(sorted(PEERS))),
     st.tuples(st.just("has"), st.sampled_from(sorted(PEERS)), st.sampled_from(sorted(OBJECTS)),
-              st.lists(st.integers(0, 11), max_size=6)),
+              st.lists(st.integers(0, 11), max_size=6), st.booleans()),
     st.tuples(st.just("recv"), st.integers(0, 50)),
     st.tuples(st.just("fail"), st.integers(0, 50)),
+    st.tuples(st.just("refuse"), st.integers(0, 50)),
     st.tuples(st.just("members"), st.sets(st.sampled_from(["x1", "y1", "x0", "x2", "z1"]))),
     st.tuples(st.just("requests"), st.floats(0, 5)),
+    st.tuples(st.just("expire"), st.floats(0, 5)),
 )
+TIMEOUT = 2.0
 
 
 @settings(max_examples=150, deadline=None)
 @given(st.lists(fact, max_size=60), st.integers(1, 3), st.integers(0, 99))
 def test_property_random_facts_keep_the_contract(facts, pipeline, seed):
-    p = PiecePicker("me", "r1", "r0", seed=seed, pipeline=pipeline, takeover_after=1.0)
+    p = PiecePicker("me", "r1", "r0", seed=seed, pipeline=pipeline, takeover_after=1.0, request_timeout=TIMEOUT)
     for key, n in OBJECTS.items():
         p.add_object(key, n, priority=key[0], now=0.0)
-    joined, holds, mine, out = set(), {}, {k: set() for k in OBJECTS}, set()
+    joined, holds, mine, sent = set(), {}, {k: set() for k in OBJECTS}, {}  # sent: request -> when
+    said = {}  # (peer, key) -> chunk -> "whole" / "arriving": what the peer says now
+    failed = set()  # (peer, key, chunk) never to be asked again
     clock = 0.0
     for f in facts:
         if f[0] == "join" and f[1] not in joined:
@@ -688,23 +665,34 @@ def test_property_random_facts_keep_the_contract(facts, pipeline, seed):
         elif f[0] == "leave":
             p.peer_left(f[1])
             joined.discard(f[1])
-            out = {r for r in out if r.peer != f[1]}
+            sent = {r: t for r, t in sent.items() if r.peer != f[1]}
             holds = {k: v for k, v in holds.items() if k[0] != f[1]}
+            said = {k: v for k, v in said.items() if k[0] != f[1]}
+            failed = {x for x in failed if x[0] != f[1]}
         elif f[0] == "has" and f[1] in joined:
             chunks = [c for c in f[3] if c < OBJECTS[f[2]]]
-            p.peer_has(f[1], f[2], chunks)
+            p.peer_has(f[1], f[2], chunks, whole=f[4])
             holds.setdefault((f[1], f[2]), set()).update(chunks)
-        elif f[0] in ("recv", "fail") and out:
-            r = sorted(out)[f[1] % len(out)]
+            now_said = said.setdefault((f[1], f[2]), {})
+            for c in chunks:
+                now_said[c] = "whole" if f[4] or now_said.get(c) == "whole" else "arriving"
+        elif f[0] in ("recv", "fail", "refuse") and sent:
+            r = sorted(sent)[f[1] % len(sent)]
             if f[0] == "recv":
                 cancels = p.chunk_received(r.key, r.chunk, r.peer)
-                copies = {o for o in out if (o.key, o.chunk) == (r.key, r.chunk)}
+                copies = {o for o in sent if (o.key, o.chunk) == (r.key, r.chunk)}
                 assert set(cancels) == copies - {r}
-                out -= copies
+                for o in copies:
+                    del sent[o]
                 mine[r.key].add(r.chunk)
             else:
-                p.chunk_failed(r.key, r.chunk, r.peer)
-                out.discard(r)
+                if f[0] == "fail":
+                    p.chunk_failed(r.key, r.chunk, r.peer)
+                else:
+                    p.chunk_refused(r.key, r.chunk, r.peer)
+                    said.get((r.peer, r.key), {}).pop(r.chunk, None)
+                del sent[r]
+                failed.add((r.peer, r.key, r.chunk))
         elif f[0] == "members":
             p.set_members({m: PEERS[m][1] for m in f[1]} | {"me": "r1"})
         elif f[0] == "requests":
@@ -712,286 +700,27 @@ def test_property_random_facts_keep_the_contract(facts, pipeline, seed):
             for r in p.requests(clock):
                 assert r.peer in joined
                 assert r.chunk in holds.get((r.peer, r.key), ()), f"{r.peer} lacks {r}"
-                assert r.chunk not in mine[r.key] and r not in out
-                out.add(r)
-        assert p.in_flight() == len(out)
+                assert r.chunk not in mine[r.key] and r not in sent
+                assert (r.peer, r.key, r.chunk) not in failed, f"{r} was asked again"
+                assert p.sent_at(r.peer, r.key, r.chunk) == clock
+                sent[r] = clock
+        elif f[0] == "expire":
+            clock = max(clock, f[1])
+            late = p.expired(clock)
+            assert late == sorted(r for r, t in sent.items() if t <= clock - TIMEOUT)
+            for r in late:
+                del sent[r]
+                failed.add((r.peer, r.key, r.chunk))
+        assert p.in_flight() == len(sent)
         for peer in PEERS:
-            assert p.in_flight(peer) == sum(r.peer == peer for r in out) <= pipeline
+            assert p.in_flight(peer) == sum(r.peer == peer for r in sent) <= pipeline
         for key, n in OBJECTS.items():
             assert p.missing(key) == n - len(mine[key])
-
-
-# --- a whole swarm --------------------------------------------------------------
-
-
-class Swarm:
-    """A discrete-event swarm: one PiecePicker per node, an origin holding every
-    chunk, instant delivery within a step, HaveOne to every neighbour. When a
-    step sends nothing, time jumps to the earliest `next_wakeup`. Checks the
-    picker contract on every request."""
-
-    def __init__(self, layout, origin_region, n_chunks, *, links=None, pipeline=4,
-                 takeover_after=2.0, dt=1e-3, seed=0):
-        self.layout = dict(layout)
-        self.region_of = {**layout, OR: origin_region}
-        self.n, self.pipeline, self.dt = n_chunks, pipeline, dt
-        everyone = [*sorted(layout), OR]
-        self.links = {x: set() for x in everyone}
-        for a, b in (links if links is not None else combinations(everyone, 2)):
-            self.links[a].add(b)
-            self.links[b].add(a)
-        self.have = {node: set() for node in layout}
-        self.have[OR] = set(range(n_chunks))
-        self.pickers = {}
-        for i, node in enumerate(sorted(layout)):
-            p = PiecePicker(node, layout[node], origin_region, seed=seed * 1000 + i,
-                            pipeline=pipeline, takeover_after=takeover_after)
-            p.set_members(self.layout)
-            for other in sorted(self.links[node]):
-                p.peer_joined(other, ORIGIN if other == OR else NODE, self.region_of[other])
-            p.add_object(KEY, n_chunks, now=0.0)
-            if OR in self.links[node]:
-                p.peer_has(OR, KEY, range(n_chunks))
-            self.pickers[node] = p
-        self.t = 0.0
-        self.steps = 0
-        self.wan_requests = Counter()  # (region, chunk) -> requests that crossed into it
-        self.wan_entries = Counter()  # (region, chunk) -> deliveries that crossed into it
-        self.wan_exits = Counter()  # (region, chunk) -> deliveries that crossed out of it
-        self.origin_sent = 0
-
-    def done(self):
-        return all(p.complete(KEY) for p in self.pickers.values())
-
-    def leave(self, node):
-        del self.pickers[node]
-        del self.layout[node]
-        for other in self.links.pop(node):
-            self.links[other].discard(node)
-            if other in self.pickers:
-                self.pickers[other].peer_left(node)
-        for p in self.pickers.values():
-            p.set_members(self.layout)
-
-    def step(self):
-        self.steps += 1
-        sent, per_peer = [], Counter()
-        for node in sorted(self.pickers):
-            for r in self.pickers[node].requests(self.t):
-                assert r.key == KEY and r.peer in self.links[node], (node, r)
-                assert r.chunk in self.have[r.peer], f"{node} asked {r.peer} for {r.chunk} it lacks"
-                assert r.chunk not in self.have[node], f"{node} asked for {r.chunk} it has"
-                assert (node, r) not in sent, f"{node} asked twice: {r}"
-                per_peer[node, r.peer] += 1
-                assert per_peer[node, r.peer] <= self.pipeline
-                if self.region_of[r.peer] != self.region_of[node]:
-                    self.wan_requests[self.region_of[node], r.chunk] += 1
-                sent.append((node, r))
-        cancelled = set()
-        for node, r in sent:
-            if (node, r) in cancelled:
-                continue
-            for cancel in self.pickers[node].chunk_received(KEY, r.chunk, r.peer):
-                cancelled.add((node, cancel))
-            self.origin_sent += r.peer == OR
-            if self.region_of[r.peer] != self.region_of[node]:
-                self.wan_entries[self.region_of[node], r.chunk] += 1
-                self.wan_exits[self.region_of[r.peer], r.chunk] += 1
-            if r.chunk not in self.have[node]:
-                self.have[node].add(r.chunk)
-                for other in sorted(self.links[node]):
-                    if other in self.pickers:
-                        self.pickers[other].peer_has(node, KEY, [r.chunk])
-        assert all(p.in_flight() == 0 for p in self.pickers.values())
-        if sent:
-            self.t += self.dt
-        else:
-            wakeups = [w for p in self.pickers.values() if (w := p.next_wakeup(self.t)) is not None]
-            missing = {n: p.missing(KEY) for n, p in self.pickers.items()}
-            assert wakeups, f"deadlock at t={self.t}: nobody can request; missing {missing}"
-            self.t = min(wakeups)
-
-    def run(self, max_steps=5000):
-        while not self.done():
-            assert self.steps < max_steps, "the swarm did not finish in time"
-            self.step()
-        return self
-
-
-def layout_of(*sizes, skip=()):
-    """Nodes per region: layout_of(4, 4) -> 4 nodes in r0, 4 in r1."""
-    return {f"n{r}.{i}": f"r{r}" for r, size in enumerate(sizes) for i in range(size)
-            if r not in skip}
-
-
-def assert_healthy(swarm, origin_region):
-    n = swarm.n
-    for region in set(swarm.layout.values()):
-        for c in range(n):
-            if region == origin_region:
-                assert swarm.wan_entries[region, c] == 0
-            else:
-                assert swarm.wan_entries[region, c] == 1, (region, c)
-                assert swarm.wan_requests[region, c] == 1, (region, c)
-    # Each chunk leaves each region (the origin's counted with it) at most once: the remote
-    # regions relay to each other instead of all pulling from the origin's region.
-    assert max(swarm.wan_exits.values(), default=0) <= 1
-    assert swarm.origin_sent == n  # <= 1.25 n asked for; exactly once when healthy
-
-
-@pytest.mark.parametrize("layout, origin_region", [
-    (layout_of(4, 4, 4), "r0"),  # 3 regions x 4 nodes, origin in region 0
-    (layout_of(4), "r0"),  # one region with the origin
-    (layout_of(1), "r0"),  # a single node
-    (layout_of(1, 5), "r0"),  # uneven
-    (layout_of(5, 1), "r0"),
-    (layout_of(3, 1, 5, 2), "r0"),
-    (layout_of(4, 4), "r9"),  # the origin's region has no nodes
-    (layout_of(0, 2, 3), "r0"),  # likewise, with a name among the regions
-])
-def test_swarm_completes_with_each_chunk_crossing_each_boundary_once(layout, origin_region):
-    swarm = Swarm(layout, origin_region, n_chunks=48).run()
-    assert swarm.done()
-    assert swarm.t < 2.0  # no takeover was needed
-    assert_healthy(swarm, origin_region)
-
-
-def test_swarm_survives_a_responsible_node_leaving_mid_version():
-    layout = layout_of(4, 4, 4)
-    swarm = Swarm(layout, "r0", n_chunks=64)
-    for _ in range(6):
-        swarm.step()
-    # the r1 node that brought the most chunks into r1 leaves with them
-    r1 = [n for n in sorted(swarm.pickers) if layout[n] == "r1"]
-    leaver = max(r1, key=lambda n: len(swarm.have[n]))
-    assert swarm.have[leaver] and not swarm.done()
-    swarm.leave(leaver)
-    swarm.run()
-    assert swarm.t < 2.0  # re-planned at once, not by takeover
-    assert max(swarm.wan_entries.values()) <= 2
-    assert swarm.origin_sent == 64
-
-
-def test_swarm_partial_links_finish_by_takeover():
-    # r1's nodes see the rest of the world only through n1.0, which is not
-    # responsible for everything: the others take over after the delay.
-    layout = layout_of(2, 3)
-    links = [("n0.0", "n0.1"), ("n0.0", OR), ("n0.1", OR), ("n1.0", "n0.0"),
-             ("n1.0", "n1.1"), ("n1.1", "n1.2")]
-    swarm = Swarm(layout, "r0", n_chunks=24, links=links, takeover_after=0.5).run()
-    assert swarm.done() and swarm.t >= 0.5
-
-
-@st.composite
-def swarm_shapes(draw, partial_links):
-    sizes = draw(st.lists(st.integers(0, 4), min_size=1, max_size=4).filter(lambda s: sum(s)))
-    origin_region = f"r{draw(st.integers(0, len(sizes)))}"  # may be a region with no nodes
-    layout = layout_of(*sizes)
-    rng = random.Random(draw(st.integers(0, 2**32 - 1)))
-    links = None
-    if partial_links:  # a random connected graph: a spanning tree plus extra edges
-        everyone = [OR, *sorted(layout)]
-        rng.shuffle(everyone)
-        links = [(x, rng.choice(everyone[:i])) for i, x in enumerate(everyone) if i]
-        links += [pair for pair in combinations(everyone, 2) if rng.random() < 0.3]
-    return dict(layout=layout, origin_region=origin_region, links=links,
-                n_chunks=draw(st.integers(1, 20)), pipeline=draw(st.integers(1, 4)),
-                seed=draw(st.integers(0, 1000)))
-
-
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(swarm_shapes(partial_links=True))
-def test_property_any_connected_swarm_completes(shape):
-    swarm = Swarm(shape["layout"], shape["origin_region"], shape["n_chunks"],
-                  links=shape["links"], pipeline=shape["pipeline"], seed=shape["seed"],
-                  takeover_after=0.2).run()
-    assert swarm.done()
-
-
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(swarm_shapes(partial_links=False), st.integers(0, 12), st.data())
-def test_property_full_mesh_crosses_each_boundary_once(shape, leave_after, data):
-    swarm = Swarm(shape["layout"], shape["origin_region"], shape["n_chunks"],
-                  pipeline=shape["pipeline"], seed=shape["seed"])
-    leaver = None
-    if len(shape["layout"]) > 1:
-        for _ in range(leave_after):
-            if swarm.done():
-                break
-            swarm.step()
-        leaver = data.draw(st.sampled_from(sorted(swarm.layout)))
-        swarm.leave(leaver)
-    swarm.run()
-    assert swarm.t < 2.0  # membership changes re-plan at once: no takeover
-    n = shape["n_chunks"]
-    if leaver is None:
-        assert_healthy(swarm, shape["origin_region"])
-    else:  # what the leaver alone held comes in once more, at most
-        assert max(swarm.wan_requests.values(), default=0) <= 2
-        assert swarm.origin_sent <= 2 * n
-
-
-# --- microbenchmark (not a test): python tests/test_picker.py -------------------
-
-
-def bench_case(n_chunks, n_peers, held, calls=20000, seed=1):
-    """One node of a 10-node region fetching a patch from 9 region peers, the
-    origin and remote peers in three regions, each holding a random `held`
-    share; one reply and one HaveOne between requests() calls, as the daemon
-    would drive it. Returns the timings, in this thread's CPU time so that a
-    busy shared machine inflates them less."""
-    import time
-    rng = random.Random(seed)
-    remote = n_peers - 10
-    members = {f"l{i}": "r1" for i in range(10)} | {f"w{i}": f"r{2 + i % 3}" for i in range(remote)}
-    others = sorted(set(members) - {"l0"})
-    p = PiecePicker("l0", "r1", "r0", seed=seed)
-    p.set_members(members)
-    for peer in others:
-        p.peer_joined(peer, NODE, members[peer])
-    p.peer_joined(OR, ORIGIN, "r0")
-    t0 = time.thread_time()
-    p.add_object(KEY, n_chunks, now=0.0)
-    t1 = time.thread_time()
-    haves = [(peer, rng.sample(range(n_chunks), int(n_chunks * held))) for peer in others]
-    t2 = time.thread_time()
-    p.peer_has(OR, KEY, range(n_chunks))
-    for peer, chunks in haves:
-        p.peer_has(peer, KEY, chunks)
-    t3 = time.thread_time()
-    inflight, t_req, t_fact, made = [], 0.0, 0.0, 0
-    for i in range(calls):
-        t = time.thread_time()
-        reqs = p.requests(i * 1e-4)
-        t_req += time.thread_time() - t
-        made += len(reqs)
-        inflight += reqs
-        r = inflight.pop(rng.randrange(len(inflight))) if inflight else None
-        peer, c = rng.choice(others), rng.randrange(n_chunks)
-        t = time.thread_time()
-        if r is not None:
-            p.chunk_received(r.key, r.chunk, r.peer)
-        p.peer_has(peer, KEY, [c])
-        t_fact += time.thread_time() - t
-        if p.complete(KEY):
-            break
-    n_indices = n_chunks + sum(len(chunks) for _, chunks in haves)
-    return dict(add_ms=(t1 - t0) * 1e3, have_us=(t3 - t2) / n_indices * 1e6,
-                req_us=t_req / (i + 1) * 1e6, fact_us=t_fact / (i + 1) * 1e6,
-                calls=i + 1, made=made)
-
-
-def bench():
-    print("chunks  peers  held   add_object  per Have index  requests()  reply+HaveOne  calls  requests")
-    for n_chunks, n_peers, held in [(5000, 30, 1 / 3), (10000, 30, 1 / 3), (10000, 50, 1 / 3),
-                                    (10000, 30, 1.0), (10000, 30, 0.02)]:
-        r = bench_case(n_chunks, n_peers, held)
-        print(f"{n_chunks:6d} {n_peers:6d} {held:5.2f} {r['add_ms']:9.1f}ms {r['have_us']:13.2f}µs "
-              f"{r['req_us']:9.1f}µs {r['fact_us']:12.1f}µs {r['calls']:6d} {r['made']:9d}")
-
-
-if __name__ == "__main__":
-    bench()
+            for peer in joined:
+                for c in set(range(n)) - mine[key]:
+                    word = said.get((peer, key), {}).get(c)
+                    assert (p.announced(peer, key, c), p.holds_whole(peer, key, c)) == \
+                        (word is not None, word == "whole"), (peer, key, c, word)
 
 
 def test_coordinated_keyframe_follows_the_wan_plan():

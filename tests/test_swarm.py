@@ -317,3 +317,80 @@ def test_an_announced_address_that_is_not_the_member_is_refused_not_fatal(tmp_pa
             assert same_bits(load_weights(p), served_bf16(checkpoints[1])), p.name
             assert "mallory" not in {peer["id"] for peer in p.status()["peers"]}
             assert "is this node" not in p.text() and "Traceback" not in p.text()
+
+
+def _write_model_dir(watch: Path, name: str, state: dict, files: dict[str, bytes]) -> None:
+    """A Hugging Face model directory (two shards, an index, side files), renamed into place."""
+    from patchswarm.node.checkpoint import save_state, write_side_files
+
+    names = sorted(state)
+    layout = {n: "model-00001-of-00002.safetensors" if i % 2 else "model-00002-of-00002.safetensors"
+              for i, n in enumerate(names)}
+    tmp = watch / f".{name}.partial"
+    save_state(state, tmp, layout)
+    write_side_files(tmp, files)
+    tmp.rename(watch / name)
+
+
+@pytest.mark.parametrize("served_format", ["as-is", "fp8-block"])
+def test_fp8_checkpoints_and_side_files_reach_every_node_bit_exactly(tmp_path, checkpoints, served_format):
+    """A pre-quantized checkpoint (e4m3 weights with fp32 128x128 block scales, bf16 norms)
+    published as-is, or fp32 masters quantized by the origin (fp8-block), with a model
+    directory's config and tokenizer: every node holds the served bits, side files included.
+    Before served formats the origin cast every floating tensor to one dtype (bf16 by
+    default: the fp8 weights changed dtype and the scales were rounded)."""
+    from patchswarm.protocol.served import file_tensor, file_tensor_name, serve_state
+
+    watch = tmp_path / "watch"
+    watch.mkdir()
+    with SwarmLab(tmp_path) as lab:
+        lab.start_tracker()
+        lab.start_origin(region="r0", watch=watch, extra=[*ORIGIN_ARGS, "--served", served_format])
+        nodes = [lab.start_node("a", region="r1"), lab.start_node("b", region="r1")]
+        for step in range(3):
+            files = {"config.json": json.dumps({"model_type": "tiny", "step": step // 2}).encode(),
+                     "tokenizer.json": b'{"vocab": {"a": 0}}'}
+            master = {k: v for k, v in checkpoints[step].items()}
+            on_disk = serve_state(master, "fp8-block") if served_format == "as-is" else master
+            _write_model_dir(watch, f"step{step:04d}", on_disk, files)
+            expected = serve_state(on_disk, served_format)
+            expected.update({file_tensor_name(n): file_tensor(d) for n, d in files.items()})
+            assert any(t.dtype == torch.float8_e4m3fn for t in expected.values())
+            lab.wait_version(nodes, step)
+            for p in nodes:
+                assert same_bits(load_weights(p), expected), (p.name, step)
+
+
+def test_a_revoked_member_is_dropped_by_everyone_and_cannot_rejoin(tmp_path, checkpoints):
+    """`swarm revoke` writes a signed list; the tracker (--revocations) rereads it and hands
+    it on; every member ends its connections to the revoked one and refuses it from then on,
+    while versions keep flowing to the others. Before revocation, a stolen certificate
+    stayed good until a new CA."""
+    import shutil
+
+    watch = tmp_path / "watch"
+    revocations = tmp_path / "tracker-revocations"
+    with SwarmLab(tmp_path) as lab:
+        tracker = lab.start_tracker(extra=["--revocations", revocations])
+        origin = lab.start_origin(region="r0", watch=watch, extra=ORIGIN_ARGS)
+        good = lab.start_node("good", region="r1")
+        stolen = lab.start_node("stolen", region="r1")
+        publish(lab, watch, checkpoints, 0)
+        lab.wait_version([good, stolen], 0)
+        assert "stolen" in {p["id"] for p in good.status()["peers"]}
+        lab._cli("swarm", "revoke", lab.swarm, "stolen")
+        t0 = time.monotonic()
+        shutil.copy(lab.swarm / "revocations", revocations)
+        lab.wait_log(tracker, r"revocation list 0: 1 certificates revoked; 1 member connections ended", timeout=30)
+        lab.wait_log(good, r"ending the connection to stolen: its certificate .* is revoked", timeout=30)
+        lab.wait_log(origin, r"ending the connection to stolen", timeout=30)
+        took = time.monotonic() - t0
+        assert took < 10, f"took {took:.1f} s to reach every member"
+        lab.wait_log(stolen, r"tracker \S+ unreachable", timeout=30)  # refused at the tracker from now on
+        publish(lab, watch, checkpoints, 1)
+        lab.wait_version([good], 1)
+        assert same_bits(load_weights(good), served_bf16(checkpoints[1]))
+        assert stolen.status()["version"] == 0
+        assert "stolen" not in {p["id"] for p in good.status()["peers"]}
+        # The list survives a restart of a member that heard it.
+        assert (good.data_dir / "revocations").read_bytes() == revocations.read_bytes()

@@ -1,4 +1,4 @@
-"""node/tlsstream.py: the TLS stream every swarm connection runs on, over real loopback sockets.
+"""node/net/tlsstream.py: the TLS stream every swarm connection runs on, over real loopback sockets.
 
 Bytes arrive intact and in order however the reads fall, both directions at
 once; trio's Stream rules hold (one receiver at a time, closed means

@@ -181,8 +181,8 @@ def swarm(tmp_path_factory):
 
 def test_init_and_issue_write_files(swarm):
     s = swarm / "swarm"
-    assert sorted(p.name for p in s.iterdir()) == ["ca.crt", "ca.key", "trainer.key", "trainer.pub"]
-    assert mode(s / "ca.key") == 0o600 and mode(s / "trainer.key") == 0o600
+    assert sorted(p.name for p in s.iterdir()) == ["ca.crt", "ca.key", "issued.json", "trainer.key", "trainer.pub"]
+    assert mode(s / "ca.key") == 0o600 and mode(s / "trainer.key") == 0o600 and mode(s / "issued.json") == 0o600
     n = swarm / "node1"
     assert sorted(p.name for p in n.iterdir()) == ["ca.crt", "node1.crt", "node1.key", "trainer.pub"]
     assert mode(n / "node1.key") == 0o600
@@ -217,7 +217,7 @@ def test_init_and_issue_refuse_overwrite(swarm, tmp_path):
 
 
 async def _serve(nursery, server_ctx, handler):
-    # The TLS stream class the swarm runs on (node/tlsstream.py), not trio.SSLStream.
+    # The TLS stream class the swarm runs on (node/net/tlsstream.py), not trio.SSLStream.
     async def wrapped(tcp):
         await handler(TLSSocketStream.wrap(tcp, server_ctx, server_side=True))
 

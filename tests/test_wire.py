@@ -11,7 +11,8 @@ from patchswarm.protocol import wire
 from patchswarm.protocol.errors import FrameTooLarge, ProtocolError, UsageError
 from patchswarm.protocol.wire import (
     CLOSED, NEED_DATA, Announce, Bye, Cancel, Connection, Error, Have, HaveOne, Heartbeat,
-    Hello, Incoming, Piece, PeerDelta, PeerList, Reject, Request, Trajectories, TrajectoriesAck, VersionNotice,
+    Hello, Incoming, Piece, PeerDelta, PeerList, Reject, Request, Revocations, Trajectories, TrajectoriesAck,
+    VersionNotice,
     bitfield_from_indices, indices_from_bitfield,
 )
 
@@ -38,6 +39,7 @@ messages = st.one_of(
     st.builds(PeerDelta, add=st.lists(peer, max_size=4), remove=st.lists(text, max_size=4)),
     st.builds(VersionNotice, version=uint, manifest=blob),
     st.builds(Heartbeat, versions=st.lists(uint, max_size=2)),
+    st.builds(Revocations, envelope=blob),
     st.builds(Bye, reason=text),
     st.builds(Error, message=text),
 )
@@ -70,8 +72,8 @@ def session(msgs):
 def test_every_type_is_covered():
     assert set(wire.MESSAGE_TYPES) == {
         "Hello", "Have", "HaveOne", "Incoming", "Request", "Piece", "Cancel", "Reject", "Announce",
-        "PeerList", "VersionNotice", "Heartbeat", "Trajectories", "TrajectoriesAck", "Bye", "Error",
-        "PeerDelta"}
+        "PeerList", "VersionNotice", "Heartbeat", "Trajectories", "TrajectoriesAck", "Revocations", "Bye",
+        "Error", "PeerDelta"}
 
 
 @given(messages)

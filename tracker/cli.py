@@ -1,4 +1,4 @@
-"""`patchswarm tracker`: run the tracker service.
+"""`patchswarm tracker`: run the tracker service, with its metrics and the swarm page.
 
 The `patchswarm` command finds this module by its path (node/cli's registry),
 so node/ never imports tracker/; it exposes `COMMANDS` instead of using the
@@ -8,19 +8,40 @@ registry's decorator for the same reason.
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 from patchswarm.node.net.service import add_member_arguments, run_service
 
 
 def _tracker_args(p: argparse.ArgumentParser) -> None:
     add_member_arguments(p, "127.0.0.1:7700")
+    p.add_argument("--revocations", metavar="FILE", type=Path,
+                   help="the swarm's signed revocation list (SWARM/revocations, from `swarm revoke` or "
+                        "`swarm issue --rotate`): reread when it changes and handed to every member")
 
 
 def cmd_tracker(args: argparse.Namespace) -> int:
+    import trio
+
+    from patchswarm.node.net.httpserve import Response
+    from patchswarm.node.net.metrics import TrackerMetrics
+    from patchswarm.tracker.page import page_html, swarm_view
     from patchswarm.tracker.server import Tracker
 
-    t = Tracker(args.creds, args.listen)
-    return run_service(f"tracker {t.creds.name}", t.run, args.verbose)
+    t = Tracker(args.creds, args.listen, revocations=args.revocations)
+
+    async def start(task_status=trio.TASK_STATUS_IGNORED):
+        async with trio.open_nursery() as n:
+            await n.start(t.run)
+            task_status.started(t.status)
+
+    pages = {
+        "/": lambda: Response(200, page_html(swarm_view(t.status())).encode(), "text/html; charset=utf-8"),
+        "/swarm.json": lambda: Response(200, json.dumps(swarm_view(t.status())).encode(), "application/json"),
+    }
+    return run_service(f"tracker {t.creds.name}", start, args, TrackerMetrics(), pages)
 
 
-COMMANDS = [("tracker", "run the tracker: membership, peer lists, version announcements", _tracker_args, cmd_tracker)]
+COMMANDS = [("tracker", "run the tracker: membership, peer lists, version announcements; "
+                        "with --metrics, its metrics and a live swarm page at /", _tracker_args, cmd_tracker)]

@@ -23,9 +23,9 @@ from pathlib import Path
 import trio
 
 from patchswarm.protocol import wire
-from patchswarm.protocol.errors import ProtocolError, UsageError
+from patchswarm.protocol.errors import InvalidInput, ProtocolError, UsageError
 
-from patchswarm.node.net.transport import CONNECTION_ERRORS, MessageStream, format_addr, serve
+from patchswarm.node.net.transport import CONNECTION_ERRORS, MessageStream, apply_revocations, format_addr, serve
 from patchswarm.node.net.trust import Credentials
 from patchswarm.tracker.core import BAD_MESSAGE, BEHIND, HEARTBEAT_TIMEOUT, LEFT, Close, Send, TrackerCore
 
@@ -94,7 +94,8 @@ class _Session:
 
 
 class Tracker:
-    def __init__(self, creds: str | Path, listen: str, heartbeat_timeout: float = HEARTBEAT_TIMEOUT, **options):
+    def __init__(self, creds: str | Path, listen: str, heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
+                 revocations: Path | None = None, **options):
         """`options` go to `TrackerCore` (budgets, delays, retention)."""
         self.creds = Credentials.load(creds)
         if self.creds.role != "tracker":
@@ -107,6 +108,8 @@ class Tracker:
         self.busy: dict[_Session, float] = {}  # sessions writing now -> when their last write began
         self._wake = trio.Event()
         self._tick_at = float("inf")
+        self.revocations_file = revocations
+        self._revocations_seen: tuple[int, int] | None = None  # (mtime_ns, size) last read
 
     @property
     def book(self):
@@ -118,6 +121,9 @@ class Tracker:
             self.listen_addr = await nursery.start(self._serve)
             log.info("tracker for swarm %s listening on %s", self.book.swarm_id, self.listen_addr)
             nursery.start_soon(self._tick_loop)
+            if self.revocations_file is not None:
+                self._reload_revocations()
+                nursery.start_soon(self._revocations_loop)
             task_status.started(self)
 
     async def _serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -147,6 +153,8 @@ class Tracker:
             async with trio.open_nursery() as nursery:
                 s.scope = nursery.cancel_scope
                 nursery.start_soon(s.send_loop)
+                if self.creds.revocations.envelope is not None:  # first, so a member knows whom to refuse
+                    s.push("Revocations", wire.encode(wire.Revocations(self.creds.revocations.envelope)))
                 self._do(self.core.connected(s, hello, self._advertised(ms, hello.listen), trio.current_time()))
                 if s.why is None:
                     log.info("%s %s joined (region %s, %s, versions %s)", ms.peer_role, ms.peer_name,
@@ -210,6 +218,39 @@ class Tracker:
             with trio.move_on_at(self._tick_at):
                 await self._wake.wait()
             self._wake = trio.Event()
+
+    # ------------------------------------------------------------ revocations
+
+    def _reload_revocations(self) -> bool:
+        """Take the revocation list file if it changed; True if a newer list is now held."""
+        try:
+            st = self.revocations_file.stat()
+        except FileNotFoundError:
+            return False
+        seen = (st.st_mtime_ns, st.st_size)
+        if seen == self._revocations_seen:
+            return False
+        self._revocations_seen = seen
+        try:
+            ended = apply_revocations(self.creds, self.revocations_file.read_bytes())
+        except (InvalidInput, OSError) as e:
+            log.warning("ignoring %s: %s", self.revocations_file, e)
+            return False
+        if ended is None:
+            return False
+        rl = self.creds.revocations.current
+        log.info("revocation list %d: %d certificates revoked; %d member connections ended",
+                 rl.sequence, len(rl.serials), ended)
+        return True
+
+    async def _revocations_loop(self) -> None:
+        """Hand every member a new revocation list within a second of its file changing:
+        encoded once, queued for each like any other push."""
+        while True:
+            await trio.sleep(1.0)
+            if self._reload_revocations():
+                notice = wire.Revocations(self.creds.revocations.envelope)
+                self._do([Send.of([m.conn for m in self.members.values()], notice)])
 
     # ------------------------------------------------------------ status
 

@@ -19,15 +19,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import os
 import sys
 from typing import Callable
 
+from patchswarm.node.net import config as layers
+from patchswarm.node.net.service import package_version
 from patchswarm.node.net.transport import one_line
 from patchswarm.protocol.errors import PatchswarmError, UsageError
 
 PROG = "patchswarm"
 MODULES = ("patchswarm.node.cli.codec", "patchswarm.node.cli.demo", "patchswarm.node.cli.swarm",
-           "patchswarm.tracker.cli", "patchswarm.node.cli.services")
+           "patchswarm.tracker.cli", "patchswarm.node.cli.services", "patchswarm.node.cli.config")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,16 +67,38 @@ def build_parser() -> argparse.ArgumentParser:
             register(*entry)
     parser = argparse.ArgumentParser(prog=PROG, description="Lossless sparse patches of model weights, "
                                                             "spread by a region-aware swarm.")
+    version = f"{PROG} {package_version()}"
+    parser.add_argument("--version", action="version", version=version)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    parser.subcommands = {}
     for c in COMMANDS.values():
         p = sub.add_parser(c.name, help=c.help, description=c.help)
         c.configure(p)
+        if layers.is_layered(p):
+            p.add_argument("--version", action="version", version=version)
         p.set_defaults(run=c.run)
+        parser.subcommands[c.name] = p
     return parser
 
 
+def parse(argv: list[str] | None = None, environ: dict[str, str] | None = None) -> argparse.Namespace:
+    """The arguments of one invocation; a service's flags layered as flag > environment > file > default."""
+    parser = build_parser()
+    layered = {name: p for name, p in parser.subcommands.items() if layers.is_layered(p)}
+    for p in layered.values():
+        layers.prepare(p)
+    args = parser.parse_args(argv)
+    p = layered.get(args.command)
+    if p is not None:
+        try:
+            layers.resolve(p, args.command, args, os.environ if environ is None else environ)
+        except layers.ConfigError as e:
+            p.error("\n  ".join(["bad configuration:", *map(str, e.problems)]))
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse(argv)
     try:
         return args.run(args)
     except (PatchswarmError, OSError) as e:

@@ -1,19 +1,23 @@
 """`patchswarm origin | node | status | trajectories`: the member services and what they show.
 
 Owns their arguments and how `status` shows a node to people (a rich table)
-and to programs (`--json`); running a service (logging, clean stop on
-SIGINT/SIGTERM) is node/net/service.py's, shared with the tracker.
+and to programs (`--json`); running a service (configuration layers, logging,
+metrics, readiness, clean stop on SIGINT/SIGTERM) is node/net/service.py's,
+shared with the tracker.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 
 from patchswarm.node.cli import command
-from patchswarm.node.net.service import add_member_arguments, run_service
+from patchswarm.node.net.logs import event
+from patchswarm.node.net.service import (add_advertise_argument, add_member_arguments, address, loopback_warning,
+                                        run_service)
 from patchswarm.protocol.errors import UsageError
 
 
@@ -44,55 +48,71 @@ def parse_rate(text: str | None) -> float | None:
 
 
 def _origin_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tracker", metavar="HOST:PORT", required=True, help="the tracker's address")
+    p.add_argument("--tracker", metavar="HOST:PORT", required=True, type=address, help="the tracker's address")
     p.add_argument("--key", metavar="TRAINER_KEY", required=True, type=Path, help="the trainer's signing key (trainer.key)")
     p.add_argument("--data-dir", metavar="D", required=True, type=Path, help="where published versions and trajectories live")
     p.add_argument("--region", default="default", help="region label of the trainer's datacenter (default: default)")
     p.add_argument("--watch", metavar="CKPT_DIR", type=Path,
-                   help="publish each new checkpoint (.safetensors file or shard directory) in name order")
-    p.add_argument("--served-dtype", default="bf16", choices=["bf16", "fp16", "fp32", "fp8"],
-                   help="dtype floating tensors are served in (default bf16)")
-    p.add_argument("--upload-limit", type=parse_rate, metavar="BYTES_PER_S", help="cap on chunk upload rate")
+                   help="publish each new checkpoint in name order: a .safetensors file or a model directory "
+                        "(shards, index, config and tokenizer files)")
+    p.add_argument("--served", default="bf16", choices=["as-is", "bf16", "fp16", "fp32", "fp8-block"],
+                   help="served format: as-is keeps every tensor's dtype and bits (pre-quantized fp8 checkpoints); "
+                        "bf16/fp16/fp32 cast fp32 and fp16 tensors, never fp8 weights or their scales; fp8-block "
+                        "quantizes 2-D weights to e4m3 with fp32 128x128 block scales (default bf16)")
+    p.add_argument("--upload-limit", type=parse_rate, metavar="BYTES_PER_S",
+                   help="cap on chunk upload rate, e.g. 200M (default: none, unlimited)")
     p.add_argument("--chunk-bytes", type=int, help="target size of a swarm chunk (default 1 MiB)")
     p.add_argument("--segment-elements", type=int,
                    help="elements per patch segment, the unit chunks are made of (default 2**20)")
     add_member_arguments(p, "127.0.0.1:0")
+    add_advertise_argument(p)
+
+
+def _warn_if_unreachable(args: argparse.Namespace) -> None:
+    why = loopback_warning(args.advertise or args.listen, args.tracker)
+    if why is not None:
+        logging.getLogger("patchswarm").warning(why, extra=event("advertise_loopback", advertised=args.advertise
+                                                                 or args.listen, tracker=args.tracker))
 
 
 @command("origin", "run the origin: publish versions, seed chunks, take trajectories in", _origin_args)
 def cmd_origin(args: argparse.Namespace) -> int:
     from patchswarm.node.trainer.origin import Origin, OriginConfig
-    from patchswarm.protocol.dtypes import SERVED_DTYPES
 
     sizes = {k: v for k, v in (("chunk_bytes", args.chunk_bytes), ("segment_elements", args.segment_elements))
              if v is not None}
     if any(v < 1024 for v in sizes.values()):
         raise UsageError("origin: --chunk-bytes and --segment-elements must be at least 1024")
+    from patchswarm.node.net.metrics import OriginMetrics
+
     o = Origin(OriginConfig(args.tracker, args.creds, args.key, args.data_dir, args.listen, args.region,
-                            args.upload_limit, **sizes))
+                            args.upload_limit, **sizes, advertise=args.advertise))
 
     async def start(task_status):
         import trio
 
+        _warn_if_unreachable(args)
         async with trio.open_nursery() as n:
             await n.start(o.run)
             if args.watch is not None:
-                n.start_soon(o.watch, args.watch, SERVED_DTYPES[args.served_dtype])
-            task_status.started()
+                n.start_soon(o.watch, args.watch, args.served)
+            task_status.started(o.stats)
 
-    return run_service(f"origin {o.id}", start, args.verbose)
+    return run_service(f"origin {o.id}", start, args, OriginMetrics())
 
 
 def _node_args(p: argparse.ArgumentParser) -> None:
     from patchswarm.node.lowprio import APPLY_NICE
     from patchswarm.protocol.picker import WAN_GATEWAYS
 
-    p.add_argument("--tracker", metavar="HOST:PORT", required=True, help="the tracker's address")
+    p.add_argument("--tracker", metavar="HOST:PORT", required=True, type=address, help="the tracker's address")
     p.add_argument("--data-dir", metavar="D", required=True, type=Path,
                    help="weights, chunks, trajectory spool and the local socket D/node.sock")
     p.add_argument("--region", required=True, help="region label (peers in the same region are preferred)")
-    p.add_argument("--upload-limit", type=parse_rate, metavar="BYTES_PER_S", help="cap on chunk upload rate")
-    p.add_argument("--download-limit", type=parse_rate, metavar="BYTES_PER_S", help="cap on download rate")
+    p.add_argument("--upload-limit", type=parse_rate, metavar="BYTES_PER_S",
+                   help="cap on chunk upload rate, e.g. 200M (default: none, unlimited)")
+    p.add_argument("--download-limit", type=parse_rate, metavar="BYTES_PER_S",
+                   help="cap on download rate, e.g. 1G (default: none, unlimited)")
     p.add_argument("--no-peers", action="store_true", help="fetch from the origin only (for comparisons)")
     p.add_argument("--spool-bytes", type=int, default=1 << 30,
                    help="trajectory spool size limit; submit waits when it is full (default 1 GiB)")
@@ -105,17 +125,28 @@ def _node_args(p: argparse.ArgumentParser) -> None:
                    help=f"members per region that bring each version across the WAN (default {WAN_GATEWAYS}; "
                         f"0: every member)")
     add_member_arguments(p, "127.0.0.1:0")
+    add_advertise_argument(p)
 
 
 @command("node", "run a node daemon: fetch, verify and apply versions; serve peers", _node_args)
 def cmd_node(args: argparse.Namespace) -> int:
     from patchswarm.node.daemon import Node, NodeConfig
+    from patchswarm.node.net.metrics import NodeMetrics
 
     n = Node(NodeConfig(args.tracker, args.creds, args.data_dir, args.listen, args.region,
                         args.upload_limit, args.download_limit, args.no_peers, spool_bytes=args.spool_bytes,
                         apply_nice=args.apply_nice, apply_threads=args.apply_threads or None,
-                        wan_gateways=args.wan_gateways or None))
-    return run_service(f"node {n.id}", n.run, args.verbose)
+                        wan_gateways=args.wan_gateways or None, advertise=args.advertise))
+
+    async def start(task_status):
+        import trio
+
+        _warn_if_unreachable(args)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(n.run)
+            task_status.started(n.status)
+
+    return run_service(f"node {n.id}", start, args, NodeMetrics())
 
 
 def _status_args(p: argparse.ArgumentParser) -> None:
@@ -151,7 +182,7 @@ def _trajectories_args(p: argparse.ArgumentParser) -> None:
 @command("trajectories", "summarise (or dump) the trajectories an origin has received", _trajectories_args)
 def cmd_trajectories(args: argparse.Namespace) -> int:
     from patchswarm.node.trainer.trajstore import TrajectoryReader
-    from patchswarm.node.weights import WEIGHTS_NAME, META_VERSION, read_metadata
+    from patchswarm.node.store import latest_version
 
     directory = args.data_dir / "trajectories"
     if not directory.is_dir():
@@ -160,8 +191,7 @@ def cmd_trajectories(args: argparse.Namespace) -> int:
     if args.dump:
         reader.dump_jsonl(sys.stdout)
         return 0
-    weights = args.data_dir / WEIGHTS_NAME
-    current = int(read_metadata(weights)[META_VERSION]) if weights.exists() else None
+    current = latest_version(args.data_dir / "objects")  # the origin's last published version
     summary = {"current_version": current, "max_staleness": args.max_staleness,
                **reader.summary(current, args.max_staleness)}
     if args.json:

@@ -18,9 +18,17 @@ def _swarm_args(p: argparse.ArgumentParser) -> None:
     iss.add_argument("name", metavar="NAME", help="member name (DNS name, certificate CN)")
     iss.add_argument("--role", required=True, choices=["tracker", "origin", "node"], help="member role")
     iss.add_argument("-o", "--output", metavar="OUT", required=True, help="credentials directory to write")
+    iss.add_argument("--rotate", action="store_true",
+                     help="NAME already has a certificate: issue a new one and revoke the old (names are unique)")
+    rev = sub.add_parser("revoke", help="revoke every certificate of a member",
+                         description="revoke every certificate of a member; writes DIR/revocations, which the "
+                                     "tracker (--revocations) hands to every member within a second or two")
+    rev.add_argument("dir", metavar="DIR", help="swarm directory (from `swarm init`)")
+    rev.add_argument("name", metavar="NAME", help="member name")
 
 
-@command("swarm", "manage swarm trust: `swarm init DIR`, `swarm issue DIR NAME --role R -o OUT`", _swarm_args)
+@command("swarm", "manage swarm trust: `swarm init DIR`, `swarm issue DIR NAME --role R -o OUT [--rotate]`, "
+                  "`swarm revoke DIR NAME`", _swarm_args)
 def cmd_swarm(args: argparse.Namespace) -> int:
     from patchswarm.node.net import trust
 
@@ -29,8 +37,15 @@ def cmd_swarm(args: argparse.Namespace) -> int:
         print(f"{args.dir}: new swarm, wrote {trust.TRAINER_KEY}, {trust.TRAINER_PUB}, {trust.CA_KEY}, {trust.CA_CRT}")
         return 0
     if args.swarm_command == "issue":
-        paths = trust.issue(args.dir, args.name, args.role, args.output)
+        paths = trust.issue(args.dir, args.name, args.role, args.output, rotate=args.rotate)
         print(f"{args.output}: issued {args.name!r} ({args.role}), wrote {paths['crt'].name}, {paths['key'].name}, "
               f"{trust.CA_CRT}, {trust.TRAINER_PUB}")
+        if "revocations" in paths:
+            print(f"{paths['revocations']}: the old certificate is revoked; give this file to the tracker "
+                  f"(--revocations)")
+        return 0
+    if args.swarm_command == "revoke":
+        path = trust.revoke(args.dir, args.name)
+        print(f"{path}: {args.name!r} revoked; give this file to the tracker (--revocations)")
         return 0
     raise UsageError(f"swarm: unknown action {args.swarm_command!r}")

@@ -455,13 +455,12 @@ class DemoRun:
         return Check("every version applied", not bad, detail)
 
     def _check_bits(self, statuses: list[dict]) -> Check:
-        import torch
 
         from patchswarm.node.trainer.origin import served_copy
         from patchswarm.node.weights import read_weights
         from patchswarm.protocol.statehash import state_hash
 
-        served = served_copy(self.final_state, torch.bfloat16)  # what the last publish served
+        served = served_copy(self.final_state)  # what the last publish served
         want_hash = state_hash(served)
         bad = []
         for n, s in zip(self.nodes, statuses):

@@ -1,49 +1,144 @@
-"""Running a member as a service: logging, the common member arguments, clean stop on signals.
+"""Running a member as a service: the common arguments, logging, readiness to systemd, clean stop on signals.
 
 Shared by the node, the origin and the tracker (tracker/cli.py), so it lives
-in the network layer everyone may import. Owns the log line format, running
-`await start(task_status=...)` until SIGINT/SIGTERM, and turning a nursery's
-exception group into the one error a person should see.
+in the network layer everyone may import. Owns the arguments every service
+has (`--config`, `--log-format`, `--metrics`, `-v`; members also `--creds`,
+`--listen`, `--advertise`), running `await start(task_status=...)` until
+SIGINT/SIGTERM with the HTTP exporter beside it, telling systemd READY=1 once
+the service is up (`Type=notify`), the warning for an address nobody else can
+reach, and turning a nursery's exception group into the one error a person
+should see.
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
+import os
 import signal
-import sys
+import socket
+from importlib import metadata
 from pathlib import Path
 
-
-LOG_FORMAT = "%(asctime)s.%(msecs)03d {name} %(levelname)s %(message)s"
-
-
-def setup_logging(name: str, verbose: bool = False) -> None:
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr,
-                        format=LOG_FORMAT.format(name=name), datefmt="%H:%M:%S", force=True)
+from patchswarm.node.net.config import add_config_argument
+from patchswarm.node.net.logs import FORMATS, event, setup_logging
+from patchswarm.node.net.transport import parse_addr
+from patchswarm.protocol.errors import UsageError
 
 
-def add_member_arguments(p: argparse.ArgumentParser, listen_default: str) -> None:
-    p.add_argument("--creds", metavar="OUT", required=True, type=Path,
-                   help="credentials directory from `patchswarm swarm issue`")
-    p.add_argument("--listen", metavar="HOST:PORT", default=listen_default,
-                   help=f"address to accept connections on (default {listen_default}; port 0 picks one)")
+def package_version() -> str:
+    try:
+        return metadata.version("patchswarm")
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
+def address(text: str) -> str:
+    """An argparse type: HOST:PORT (or [V6]:PORT), checked now rather than when the service dials or binds."""
+    try:
+        parse_addr(text)
+    except UsageError as e:  # its message names the expected form
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def add_service_arguments(p: argparse.ArgumentParser) -> None:
+    """Arguments of every long-running service (the tracker's too)."""
+    add_config_argument(p)
+    p.add_argument("--metrics", metavar="HOST:PORT", type=address,
+                   help="serve /metrics (Prometheus), /healthz and /readyz over HTTP here (default: off)")
+    p.add_argument("--log-format", choices=FORMATS, default="text",
+                   help="text: a line per event with local date, time and UTC offset; json: one object per line "
+                        "(UTC timestamp, level, event, message, fields) (default text)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
-def run_service(name: str, start, verbose: bool = False) -> int:
-    """Run `await start(task_status=...)` until SIGINT/SIGTERM; 0 on a clean stop."""
+def add_member_arguments(p: argparse.ArgumentParser, listen_default: str) -> None:
+    """Arguments of the services that are swarm members (origin, node) and the tracker."""
+    p.add_argument("--creds", metavar="OUT", required=True, type=Path,
+                   help="credentials directory from `patchswarm swarm issue`")
+    p.add_argument("--listen", metavar="HOST:PORT", default=listen_default, type=address,
+                   help=f"address to accept connections on (default {listen_default}; port 0 picks one)")
+    add_service_arguments(p)
+
+
+def add_advertise_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--advertise", metavar="HOST:PORT", type=address,
+                   help="the address peers should dial, as told to the tracker (default: the --listen address; "
+                        "a wildcard host there is replaced by the address the tracker sees)")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: only a resolver knows, and a warning must not wait on one
+
+
+def loopback_warning(advertised: str, tracker: str) -> str | None:
+    """Why peers could not reach a member that advertises `advertised` to `tracker`, or None."""
+    host, port = parse_addr(advertised)
+    if _is_loopback(host) and not _is_loopback(parse_addr(tracker)[0]):
+        return (f"advertising {advertised} to tracker {tracker}: a loopback address that no other host can dial; "
+                f"give --listen 0.0.0.0:PORT or --advertise HOST:PORT with this host's reachable address")
+    return None
+
+
+def sd_notify(state: str) -> bool:
+    """Tell the service manager `state` (e.g. READY=1) over $NOTIFY_SOCKET; False where there is none.
+
+    The protocol is one datagram on a Unix socket (sd_notify(3)); a name starting
+    with @ is in the abstract namespace.
+    """
+    path = os.environ.get("NOTIFY_SOCKET")
+    if not path:
+        return False
+    if path.startswith("@"):
+        path = "\0" + path[1:]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+            s.settimeout(1.0)  # a datagram to a live manager does not block; a dead one must not hang us
+            s.sendto(state.encode(), path)
+    except OSError as e:
+        logging.getLogger("patchswarm").warning("could not notify the service manager at %s: %s",
+                                                os.environ["NOTIFY_SOCKET"], e)
+        return False
+    return True
+
+
+def run_service(name: str, start, args: argparse.Namespace, metrics=None, pages=None) -> int:
+    """Run `await start(task_status=...)` until SIGINT/SIGTERM; 0 on a clean stop.
+
+    `start` reports its service's status function through `task_status.started`;
+    with `--metrics`, the exporter (node/net/exporter.py) serves from before the
+    service starts (/readyz answers 503 meanwhile) with `metrics` (a
+    StatusMetrics) and `pages` (extra routes).
+    """
     import trio
 
-    setup_logging(name, verbose)
+    setup_logging(name, args.verbose, args.log_format)
     log = logging.getLogger("patchswarm")
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                await nursery.start(start)
+                exporter = None
+                if args.metrics:
+                    from patchswarm.node.net.exporter import Exporter
+
+                    exporter = Exporter(metrics, pages)
+                    await nursery.start(exporter.run, args.metrics)
+                status = await nursery.start(start)
+                if exporter is not None:
+                    exporter.attach(status)
+                sd_notify("READY=1")
                 async for signum in signals:
-                    log.info("stopping (%s)", signal.Signals(signum).name)
+                    log.info("stopping (%s)", signal.Signals(signum).name,
+                             extra=event("stopping", signal=signal.Signals(signum).name))
+                    sd_notify("STOPPING=1")
                     nursery.cancel_scope.cancel()
                     break
 

@@ -158,6 +158,17 @@ class TLSSocketStream(trio.abc.Stream):
         self._check_usable()
         await trio.lowlevel.wait_writable(self._ssl)
 
+    def abort(self, why: str) -> None:
+        """End the connection now, from synchronous code: the peer and any task waiting on
+        this stream see it fail (used when the peer's certificate is revoked)."""
+        if self._closed or self._broken is not None:
+            return
+        self._broken = trio.BrokenResourceError(why)
+        try:
+            self._ssl.shutdown(socket.SHUT_RDWR)  # a pending receive wakes and fails
+        except OSError:
+            pass
+
     async def aclose(self) -> None:
         if self._closed:
             await trio.lowlevel.checkpoint()

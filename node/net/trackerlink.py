@@ -2,22 +2,28 @@
 
 Owns `TrackerLink`: dial the tracker (mutual TLS, role tracker), heartbeat
 with the member's current version, hand every message to the owner, and on
-any loss reconnect with capped exponential backoff, for ever. The tracker is
+any loss reconnect with capped exponential backoff, jittered (node/net/backoff.py)
+so a fleet that lost the same tracker does not come back in lockstep, for ever. The tracker is
 soft state, so a reconnect is the whole recovery: the owner's `on_connect`
-re-announces what the tracker must know. Must not interpret messages.
+re-announces what the tracker must know. Must not interpret messages, but
+for the swarm's revocation list, which is trust: the link takes it into the
+credentials every handshake asks, and keeps it in `revocations_file`.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+from pathlib import Path
 from typing import Awaitable, Callable
 
 import trio
 
 from patchswarm.protocol import wire
-from patchswarm.protocol.errors import PatchswarmError, ProtocolError
+from patchswarm.protocol.errors import InvalidInput, PatchswarmError, ProtocolError
 
-from patchswarm.node.net.transport import CONNECTION_ERRORS, MessageStream, connect, one_line
+from patchswarm.node.net.backoff import Backoff
+from patchswarm.node.net.transport import CONNECTION_ERRORS, MessageStream, apply_revocations, connect, one_line
 from patchswarm.node.net.trust import Credentials
 
 log = logging.getLogger("patchswarm.tracker-link")
@@ -25,33 +31,56 @@ HEARTBEAT_SECONDS = 2.0
 BACKOFF_MIN, BACKOFF_MAX = 0.5, 10.0
 
 
-
 class TrackerLink:
     def __init__(self, addr: str, creds: Credentials, hello: Callable[[], wire.Hello],
                  on_message: Callable[[object], Awaitable[None]],
-                 on_connect: Callable[[MessageStream], Awaitable[None]] | None = None):
+                 on_connect: Callable[[MessageStream], Awaitable[None]] | None = None,
+                 revocations_file: Path | None = None):
         self.addr = addr
         self.creds = creds
         self._hello = hello
         self._on_message = on_message
         self._on_connect = on_connect
         self.stream: MessageStream | None = None
+        self.backoff = Backoff(BACKOFF_MIN, BACKOFF_MAX)
+        # The revocation list is trust, not swarm policy: the link takes it into the
+        # credentials itself (every handshake asks them), and keeps it across restarts.
+        self._revocations_file = revocations_file
+        if revocations_file is not None and revocations_file.exists():
+            try:
+                apply_revocations(creds, revocations_file.read_bytes())
+            except (InvalidInput, OSError) as e:
+                log.warning("ignoring %s: %s", revocations_file, one_line(e))
+
+    def _take_revocations(self, envelope: bytes) -> None:
+        try:
+            ended = apply_revocations(self.creds, envelope)
+        except InvalidInput as e:  # unsigned, another swarm's, or older than the one held
+            log.warning("tracker sent a revocation list this member does not take: %s", one_line(e))
+            return
+        if ended is None:
+            return
+        rl = self.creds.revocations.current
+        log.info("revocation list %d: %d certificates revoked; %d connections ended", rl.sequence, len(rl.serials), ended)
+        if self._revocations_file is not None:
+            tmp = self._revocations_file.with_name(self._revocations_file.name + ".tmp")
+            tmp.write_bytes(envelope)
+            os.replace(tmp, self._revocations_file)
 
     @property
     def connected(self) -> bool:
         return self.stream is not None
 
     async def run(self) -> None:
-        backoff = BACKOFF_MIN
         while True:
             try:
                 ms = await connect(self.addr, self.creds, {"tracker"}, self._hello())
             except (*CONNECTION_ERRORS, PatchswarmError) as e:
-                log.warning("tracker %s unreachable (%s); retrying in %.1f s", self.addr, one_line(e), backoff)
-                await trio.sleep(backoff)
-                backoff = min(BACKOFF_MAX, backoff * 2)
+                delay = self.backoff.next()
+                log.warning("tracker %s unreachable (%s); retrying in %.1f s", self.addr, one_line(e), delay)
+                await trio.sleep(delay)
                 continue
-            backoff = BACKOFF_MIN
+            self.backoff.reset()
             log.info("joined the swarm via tracker %s", self.addr)
             try:
                 async with trio.open_nursery() as n:
@@ -68,13 +97,16 @@ class TrackerLink:
                         if isinstance(msg, wire.Error):
                             log.warning("tracker says: %s", msg.message)
                             continue
+                        if isinstance(msg, wire.Revocations):
+                            self._take_revocations(msg.envelope)
+                            continue
                         await self._on_message(msg)
             except* (*CONNECTION_ERRORS, ProtocolError) as group:
                 log.warning("lost the tracker (%s); reconnecting", one_line(group.exceptions[0]))
             finally:
                 self.stream = None
                 await ms.aclose()
-            await trio.sleep(backoff)
+            await trio.sleep(self.backoff.next())
 
     async def _heartbeat(self, ms: MessageStream) -> None:
         while True:

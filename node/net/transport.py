@@ -1,7 +1,7 @@
 """Framed, mutually authenticated connections between swarm members (TLS 1.3 over trio TCP).
 
 Owns: parsing HOST:PORT, dialing and serving TLS with the swarm's contexts
-(node/trust.py), the Hello exchange that binds a wire identity to the peer's
+(node/net/trust.py), the Hello exchange that binds a wire identity to the peer's
 certificate, and `MessageStream`, which turns a TLS stream into wire messages
 (protocol/wire.py) with one sender at a time. Must not hold swarm policy: who
 to dial, what to ask for and what to do with a message are the callers'.
@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import ssl
+import weakref
 from typing import Awaitable, Callable
 
 import trio
@@ -28,7 +29,7 @@ from patchswarm.protocol import wire
 from patchswarm.protocol.errors import InvalidInput, ProtocolError, UsageError
 
 from patchswarm.node.net.tlsstream import TLSSocketStream
-from patchswarm.node.net.trust import Credentials, client_context, peer_identity, server_context
+from patchswarm.node.net.trust import Credentials, client_context, peer_identity, peer_serial, server_context
 
 log = logging.getLogger("patchswarm.transport")
 HANDSHAKE_SECONDS = 10.0
@@ -81,10 +82,15 @@ class MessageStream:
 
     def __init__(self, stream: TLSSocketStream, peer_name: str, peer_role: str,
                  max_frame: int = wire.MAX_FRAME_BYTES,
-                 on_receive: Callable[[int], Awaitable[None]] | None = None):
+                 on_receive: Callable[[int], Awaitable[None]] | None = None,
+                 peer_serial: str | None = None, creds: Credentials | None = None):
         self.stream = stream
         self.peer_name = peer_name
         self.peer_role = peer_role
+        self.peer_serial = peer_serial
+        self.creds = creds
+        if creds is not None:
+            _LIVE.add(self)
         self.hello: wire.Hello | None = None
         self.counters = Counters()
         self._conn = wire.Connection(max_frame=max_frame)
@@ -119,18 +125,41 @@ class MessageStream:
                 pass
 
 
+# Every authenticated connection, so a new revocation list can end those of revoked peers.
+_LIVE: "weakref.WeakSet[MessageStream]" = weakref.WeakSet()
+
+
+def apply_revocations(creds: Credentials, envelope: bytes) -> int | None:
+    """Take a signed revocation list into `creds` (raises as RevocationBook.offer does);
+    None if it was already held, else the number of live connections it ended."""
+    if not creds.revocations.offer(envelope):
+        return None
+    ended = 0
+    for ms in list(_LIVE):
+        if ms.creds is creds and ms.peer_serial is not None and creds.revocations.revoked(ms.peer_serial):
+            log.warning("ending the connection to %s: its certificate (serial %s) is revoked",
+                        ms.peer_name, ms.peer_serial)
+            ms.stream.abort(f"the certificate of {ms.peer_name!r} is revoked")
+            ended += 1
+    return ended
+
+
 async def _handshake(stream: TLSSocketStream, allowed_roles: frozenset[str] | set[str],
-                     expect_name: str | None, own_name: str) -> tuple[str, str]:
+                     expect_name: str | None, creds: Credentials) -> tuple[str, str, str]:
     with trio.fail_after(HANDSHAKE_SECONDS):
         await stream.do_handshake()
     name, role = peer_identity(stream)
+    serial = peer_serial(stream)
+    if creds.revocations is not None and creds.revocations.revoked(serial):
+        raise InvalidInput(f"peer {name!r}: its certificate (serial {serial}) is revoked")
+    own_name = creds.name
     if role not in allowed_roles:
         raise InvalidInput(f"peer {name!r}: expected role {' or '.join(sorted(allowed_roles))}, found {role!r}")
     if expect_name is not None and name != expect_name:
         raise InvalidInput(f"dialed {expect_name!r}, found a certificate of {name!r} at that address")
     if name == own_name:
         raise InvalidInput(f"peer {name!r}: a connection to this member itself")
-    return name, role
+    return name, role, serial
 
 
 async def exchange_hello(ms: MessageStream, hello: wire.Hello) -> wire.Hello:
@@ -160,8 +189,8 @@ async def connect(addr: str, creds: Credentials, allowed_roles: set[str] | froze
         tcp = await trio.open_tcp_stream(host, port)
     stream = TLSSocketStream.wrap(tcp, ssl_context or client_context(creds), server_side=False)
     try:
-        name, role = await _handshake(stream, allowed_roles, expect_name, creds.name)
-        ms = MessageStream(stream, name, role, on_receive=on_receive)
+        name, role, serial = await _handshake(stream, allowed_roles, expect_name, creds)
+        ms = MessageStream(stream, name, role, on_receive=on_receive, peer_serial=serial, creds=creds)
         await exchange_hello(ms, hello)
         return ms
     except BaseException:
@@ -199,8 +228,8 @@ async def serve(listen: str, creds: Credentials, allowed_roles: set[str] | froze
             return
         try:
             try:
-                name, role = await _handshake(stream, allowed_roles, None, creds.name)
-                ms = MessageStream(stream, name, role, on_receive=on_receive)
+                name, role, serial = await _handshake(stream, allowed_roles, None, creds)
+                ms = MessageStream(stream, name, role, on_receive=on_receive, peer_serial=serial, creds=creds)
                 await exchange_hello(ms, hello())
             except (*CONNECTION_ERRORS, InvalidInput) as e:
                 if on_refused is not None:

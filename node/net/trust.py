@@ -3,7 +3,12 @@
 A swarm directory (`init_swarm`) holds:
 
 - trainer.key / trainer.pub: Ed25519, signs manifests (protocol/manifest.py);
-- ca.key / ca.crt: the swarm CA, ECDSA P-256, self-signed, CA=True.
+- ca.key / ca.crt: the swarm CA, ECDSA P-256, self-signed, CA=True;
+- issued.json: every certificate issued, by member name (names are unique:
+  `issue` refuses a second one unless rotating, which revokes the old);
+- revocations: the list of revoked serials signed by the CA
+  (protocol/revocation.py), written by `revoke` and rotation, for the tracker
+  to hand every member.
 
 `issue` writes one member's credentials into a directory of their own:
 NAME.crt / NAME.key (ECDSA P-256), plus copies of ca.crt and trainer.pub. The
@@ -12,7 +17,9 @@ certificate carries CN=NAME, OU=ROLE (one of ROLES), SAN DNS NAME + localhost
 
 On the wire both sides present certificates (mutual TLS 1.3) and trust only
 the swarm CA. Hostnames are not checked: a peer is who its CA-signed
-certificate says, and `require_role` decides what it may do.
+certificate says, and `require_role` decides what it may do; a certificate
+whose serial is on the member's revocation list (`Credentials.revocations`)
+is refused.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import dataclasses
 import datetime
 import hashlib
 import ipaddress
+import json
 import os
 import re
 import ssl
@@ -33,12 +41,15 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from patchswarm.protocol.errors import InvalidInput, UsageError
+from patchswarm.protocol.revocation import RevocationBook, RevocationList, serial_hex, sign_list, verify_list
 
 ROLES = frozenset({"tracker", "origin", "node"})
 TRAINER_KEY = "trainer.key"
 TRAINER_PUB = "trainer.pub"
 CA_KEY = "ca.key"
 CA_CRT = "ca.crt"
+ISSUED = "issued.json"  # in the swarm directory: every certificate issued, by member name
+REVOCATIONS = "revocations"  # in the swarm directory: the signed list to hand the tracker
 CA_DAYS = 3650
 LEAF_DAYS = 825
 _NAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
@@ -121,8 +132,73 @@ def _read(path: Path, what: str) -> bytes:
         raise UsageError(f"{path}: no {what} here (run `patchswarm swarm init` first?)") from None
 
 
-def issue(directory: str | os.PathLike, name: str, role: str, out: str | os.PathLike) -> dict[str, Path]:
-    """Issue credentials for member `name` with `role` from the swarm in `directory` into `out`."""
+def _registry(d: Path) -> dict[str, list[dict]]:
+    p = d / ISSUED
+    if not p.exists():
+        return {}
+    try:
+        obj = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InvalidInput(f"{p}: expected JSON, found undecodable text ({e})") from None
+    if not isinstance(obj, dict):
+        raise InvalidInput(f"{p}: expected a JSON object of member name -> issued certificates")
+    return obj
+
+
+def _write_replacing(path: Path, data: bytes, mode: int) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    _write_new(tmp, data, mode)
+    os.replace(tmp, path)
+
+
+def _load_ca_key(d: Path) -> ec.EllipticCurvePrivateKey:
+    try:
+        ca_key = serialization.load_pem_private_key(_read(d / CA_KEY, "swarm CA key"), password=None)
+    except ValueError as e:
+        raise InvalidInput(f"{d / CA_KEY}: swarm CA key does not load: {e}") from None
+    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
+        raise InvalidInput(f"{d / CA_KEY}: expected an EC P-256 key, found {type(ca_key).__name__}")
+    return ca_key
+
+
+def revoke(directory: str | os.PathLike, name: str, reason: str = "revoked") -> Path:
+    """Revoke every certificate issued to `name` and write the swarm's signed revocation
+    list (`DIR/revocations`, for the tracker's --revocations); returns its path."""
+    d = Path(directory)
+    registry = _registry(d)
+    entries = registry.get(name)
+    if not entries:
+        raise UsageError(f"revoke: no certificate was issued to {name!r} from {d} (see {d / ISSUED})")
+    now = _now().isoformat()
+    for e in entries:
+        e.setdefault("revoked", now)
+        e.setdefault("reason", reason)
+    return _write_revocations(d, registry)
+
+
+def _write_revocations(d: Path, registry: dict[str, list[dict]]) -> Path:
+    trainer_pub = serialization.load_pem_public_key(_read(d / TRAINER_PUB, "trainer public key"))
+    serials = sorted({serial_hex(e["serial"]) for es in registry.values() for e in es if e.get("revoked")})
+    previous = -1
+    if (d / REVOCATIONS).exists():
+        try:
+            previous = verify_list((d / REVOCATIONS).read_bytes(), _load_ca_key(d).public_key()).sequence
+        except InvalidInput:
+            previous = -1
+    rl = RevocationList(swarm_id_of(trainer_pub), previous + 1, tuple(serials), _now().timestamp())
+    _write_replacing(d / ISSUED, (json.dumps(registry, indent=2, sort_keys=True) + "\n").encode(), 0o600)
+    _write_replacing(d / REVOCATIONS, sign_list(rl, _load_ca_key(d)), 0o644)
+    return d / REVOCATIONS
+
+
+def issue(directory: str | os.PathLike, name: str, role: str, out: str | os.PathLike,
+          rotate: bool = False) -> dict[str, Path]:
+    """Issue credentials for member `name` with `role` from the swarm in `directory` into `out`.
+
+    A name already issued (and not revoked) is refused: two members with one name knock
+    each other off the tracker. `rotate` issues a new certificate for it and revokes the
+    old ones (the new revocation list is written for the tracker)."""
     if role not in ROLES:
         raise UsageError(f"issue: role must be one of {sorted(ROLES)}, found {role!r}")
     if not isinstance(name, str) or len(name) > 253 or not _NAME.match(name):
@@ -130,16 +206,23 @@ def issue(directory: str | os.PathLike, name: str, role: str, out: str | os.Path
     d, o = Path(directory), Path(out)
     ca_crt_pem = _read(d / CA_CRT, "swarm CA certificate")
     trainer_pub = _read(d / TRAINER_PUB, "trainer public key")
+    ca_key = _load_ca_key(d)
     try:
-        ca_key = serialization.load_pem_private_key(_read(d / CA_KEY, "swarm CA key"), password=None)
         ca_cert = x509.load_pem_x509_certificate(ca_crt_pem)
     except ValueError as e:
-        raise InvalidInput(f"{d}: swarm CA key or certificate does not load: {e}") from None
-    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
-        raise InvalidInput(f"{d / CA_KEY}: expected an EC P-256 key, found {type(ca_key).__name__}")
+        raise InvalidInput(f"{d}: swarm CA certificate does not load: {e}") from None
 
+    registry = _registry(d)
+    live = [e for e in registry.get(name, []) if not e.get("revoked")]
+    if live and not rotate:
+        raise UsageError(f"issue: {name!r} already has a certificate (serial {live[-1]['serial']}); "
+                         f"names are unique in a swarm: --rotate issues a new one and revokes the old")
     o.mkdir(parents=True, exist_ok=True)
     others = [p.name for p in o.glob("*.crt") if p.name != CA_CRT]
+    if rotate and others == [f"{name}.crt"]:
+        for suffix in (".crt", ".key"):
+            (o / f"{name}{suffix}").unlink()
+        others = []
     if others:
         raise UsageError(f"issue: {o} already holds credentials ({', '.join(sorted(others))}); "
                          f"use one directory per member")
@@ -180,6 +263,15 @@ def issue(directory: str | os.PathLike, name: str, role: str, out: str | os.Path
     for fname, data in ((CA_CRT, ca_crt_pem), (TRAINER_PUB, trainer_pub)):
         if not (o / fname).exists():
             _write_new(o / fname, data, 0o644)
+    now_iso = now.isoformat()
+    for e in live:  # rotation: the old certificates stop working once the tracker has the list
+        e["revoked"], e["reason"] = now_iso, "rotated"
+    registry.setdefault(name, []).append({"serial": serial_hex(cert.serial_number), "role": role,
+                                          "issued": now_iso, "not_after": cert.not_valid_after_utc.isoformat()})
+    if live:
+        paths["revocations"] = _write_revocations(d, registry)
+    else:
+        _write_replacing(d / ISSUED, (json.dumps(registry, indent=2, sort_keys=True) + "\n").encode(), 0o600)
     return paths
 
 
@@ -197,6 +289,8 @@ class Credentials:
     key: Path
     ca: Path
     trainer_pub: Path
+    # The swarm's revocation list as this member last heard it; every handshake asks it.
+    revocations: RevocationBook | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @classmethod
     def load(cls, directory: str | os.PathLike) -> "Credentials":
@@ -215,7 +309,15 @@ class Credentials:
         except ValueError as e:
             raise InvalidInput(f"{crt}: not a PEM certificate: {e}") from None
         name, role = _name_role(cert.subject, str(crt))
-        return cls(d, name, role, crt, paths["key"], paths["ca"], paths["trainer_pub"])
+        creds = cls(d, name, role, crt, paths["key"], paths["ca"], paths["trainer_pub"])
+        try:
+            ca_key = x509.load_pem_x509_certificate(paths["ca"].read_bytes()).public_key()
+        except ValueError as e:
+            raise InvalidInput(f"{paths['ca']}: not a PEM certificate: {e}") from None
+        if not isinstance(ca_key, ec.EllipticCurvePublicKey):
+            raise InvalidInput(f"{paths['ca']}: expected an EC P-256 CA key, found {type(ca_key).__name__}")
+        object.__setattr__(creds, "revocations", RevocationBook(creds.swarm_id(), ca_key))
+        return creds
 
     def trainer_public_key(self) -> Ed25519PublicKey:
         try:
@@ -283,6 +385,14 @@ def peer_identity(ssl_object) -> tuple[str, str]:
     if ou[0] not in ROLES:
         raise InvalidInput(f"peer {cn[0]!r}: expected role in {sorted(ROLES)}, found {ou[0]!r}")
     return cn[0], ou[0]
+
+
+def peer_serial(ssl_object) -> str:
+    """The verified peer certificate's serial, as revocation lists name it."""
+    cert = ssl_object.getpeercert()
+    if not cert or "serialNumber" not in cert:
+        raise InvalidInput("peer: expected a verified certificate with a serial number, found none")
+    return serial_hex(cert["serialNumber"])
 
 
 def require_role(ssl_object, allowed: set[str] | frozenset[str]) -> tuple[str, str]:

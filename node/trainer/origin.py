@@ -31,13 +31,15 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from patchswarm.protocol import wire
 from patchswarm.protocol.errors import CorruptData, InvalidInput, PatchswarmError, StorageFailed, UsageError
 from patchswarm.protocol.manifest import sign_manifest
-from patchswarm.protocol.patch import diff, keyframe
+from patchswarm.protocol.patch import Patch, TensorSpec
+from patchswarm.protocol.patchencode import TargetSpec, diff_in_place, keyframe_chunks
+from patchswarm.protocol.peersets import apply_delta
 from patchswarm.protocol.publication import ObjKey, describe, manifest_of
+from patchswarm.protocol.served import (DEFAULT_FORMAT, check_format)
 from patchswarm.protocol.statehash import state_hash
 from patchswarm.protocol.trajectory import ReceivedRecord, decode_batch
 from patchswarm.protocol.versions import VersionBook
 
-from patchswarm.node.checkpoint import load_state
 from patchswarm.node.peers import PeerDropped, PeerSet, Session
 from patchswarm.node.net.ratelimit import TokenBucket
 from patchswarm.node.store import ObjectStore
@@ -45,7 +47,10 @@ from patchswarm.node.trainer.trajstore import TrajectoryCursor, TrajectoryStore
 from patchswarm.node.net.trackerlink import TrackerLink
 from patchswarm.node.net.transport import CONNECTION_ERRORS, serve
 from patchswarm.node.net.trust import Credentials, swarm_id_of
-from patchswarm.node.weights import WEIGHTS_NAME, Weights, read_weights, write_weights
+from patchswarm.node.lowprio import run_low_priority
+from patchswarm.node.persistence import COMPACT_EVERY, DurableState
+from patchswarm.node.trainer.source import Source
+from patchswarm.node.weights import Weights
 
 log = logging.getLogger("patchswarm.origin")
 
@@ -66,6 +71,8 @@ class OriginConfig:
     upload_limit: float | None = None
     chunk_bytes: int = ORIGIN_CHUNK_BYTES
     segment_elements: int = ORIGIN_SEGMENT_ELEMENTS
+    compact_every: int = COMPACT_EVERY
+    advertise: str | None = None  # the address told to the tracker and nodes; None: the bound listen address
 
 
 @dataclasses.dataclass
@@ -91,20 +98,10 @@ def load_trainer_key(path: Path) -> Ed25519PrivateKey:
     return key
 
 
-def served_copy(state_dict: dict, served_dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The served state: floating tensors cast to `served_dtype`, all detached, contiguous, on the CPU."""
-    if not isinstance(state_dict, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
-                                                   for k, v in state_dict.items()):
-        raise UsageError("publish: expected a dict[str, torch.Tensor] (a model's state_dict)")
-    out = {}
-    for k, v in state_dict.items():
-        t = v.detach().to("cpu")
-        if t.is_floating_point() and t.dtype != served_dtype:
-            t = t.to(served_dtype)  # a new tensor
-        elif t.numel() and t.untyped_storage().data_ptr() == v.untyped_storage().data_ptr():
-            t = t.clone()  # never keep a view of what the trainer will overwrite
-        out[k] = t.contiguous()
-    return out
+def served_copy(state_dict: dict, served: str = DEFAULT_FORMAT) -> dict[str, torch.Tensor]:
+    """The served state `publish(state_dict, served)` makes (all of it at once: for checks)."""
+    src = Source.from_state(state_dict, served)
+    return {n: src.produce(n) for n in sorted(src.table)}
 
 
 def _full_bytes(state: dict[str, torch.Tensor]) -> int:
@@ -126,12 +123,14 @@ class Origin:
         self.data_dir = Path(cfg.data_dir)
         self.book = VersionBook(self.swarm_id, pub)
         self.store: ObjectStore | None = None
+        self.durable: DurableState | None = None
         self.served: Weights | None = None
+        self._compacting = False
         self.upload = TokenBucket(cfg.upload_limit)
         self.peers = PeerSet(self.id, None, self.upload, self._on_message, on_open=self._on_open)
         self.listen_addr = cfg.listen
         self.tracker = TrackerLink(cfg.tracker, self.creds, self._hello, self._on_tracker_message,
-                                   on_connect=self._on_tracker_connect)
+                                   on_connect=self._on_tracker_connect, revocations_file=self.data_dir / "revocations")
         self.history: list[VersionStats] = []
         self.trajectory_store: TrajectoryStore | None = None
         self._publish_lock = trio.Lock()
@@ -146,16 +145,17 @@ class Origin:
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        self.served = await trio.to_thread.run_sync(self._load_served)
         self.store = ObjectStore(self.data_dir / "objects")
         self.peers.store = self.store
         for line in self.store.load(self.book, None):
             log.warning("dropped from the object store: %s", line)
+        # The served state is the base file plus the stored objects after it, replayed and
+        # verified: a version is durable once its object is (chunks first, manifest last).
+        self.durable = DurableState(self.data_dir, self.store, self.swarm_id, self.cfg.compact_every)
+        self.served = await trio.to_thread.run_sync(self.durable.load, self.book)
         for key in self.store.keys():
-            # Objects are written whole, then the served weights, then announced: anything
-            # incomplete or beyond the served version was never announced.
             if not self.store.complete(key) or key[0] > (-1 if self.version is None else self.version):
-                log.warning("dropping %s: its publish was interrupted before it was announced", describe(key))
+                log.warning("dropping %s: incomplete, or beyond the version it reaches", describe(key))
                 self.store.drop(key)
                 self.book.discard(key)
         self.trajectory_store = await TrajectoryStore.open(self.data_dir / "trajectories")
@@ -176,14 +176,8 @@ class Origin:
             nursery.start_soon(self.tracker.run)
             task_status.started(self)
 
-    def _load_served(self) -> Weights | None:
-        w = read_weights(self.data_dir / WEIGHTS_NAME)
-        if w is not None and w.swarm_id != self.swarm_id:
-            raise UsageError(f"{self.data_dir}: holds weights of swarm {w.swarm_id}, this origin is {self.swarm_id}")
-        return w
-
     def _hello(self) -> wire.Hello:
-        return wire.Hello(self.id, self.cfg.region, "origin", self.listen_addr,
+        return wire.Hello(self.id, self.cfg.region, "origin", self.cfg.advertise or self.listen_addr,
                           [] if self.version is None else [self.version])
 
     async def _serve_peers(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -219,14 +213,14 @@ class Origin:
             seqs = await self.trajectory_store.append(records)
         except StorageFailed as e:
             log.error("trajectory store failed (%s); closing %s's connection so it resends later", e, s.id)
-            s.closed = True
-            await s.ms.aclose()
+            s.close(f"trajectory store failed ({e})")
             return
         if not s.closed:
             try:
                 await s.send(wire.TrajectoriesAck(seqs))
-            except CONNECTION_ERRORS:
-                s.closed = True  # the node resends after reconnecting; the store drops the duplicates
+            except CONNECTION_ERRORS as e:
+                # The node resends after reconnecting; the store drops the duplicates.
+                s.close(f"could not send a TrajectoriesAck ({type(e).__name__})")
 
     def trajectories(self, min_version: int | None = None, max_staleness: int | None = None) -> "TrajectoryFeed":
         """Trajectories in arrival order, from the first one stored; see TrajectoryFeed."""
@@ -242,65 +236,115 @@ class Origin:
     async def _on_tracker_message(self, msg) -> None:
         if isinstance(msg, wire.PeerList):
             self._members = msg.peers
+        elif isinstance(msg, wire.PeerDelta):
+            self._members = list(apply_delta({p["id"]: p for p in self._members}, msg).values())
 
     # ------------------------------------------------------------ publishing
 
-    async def publish(self, state_dict: dict, served_dtype: torch.dtype = torch.bfloat16) -> int:
+    async def publish(self, state_dict: dict | str | Path, served: str = DEFAULT_FORMAT) -> int:
         """Publish the next version of the weights; returns its number once it is announced.
 
-        The caller's tensors are copied (cast to `served_dtype`) before this returns, and
-        never referenced afterwards: the trainer may go on updating them.
+        `state_dict`: the trainer's tensors, or the path of a checkpoint (a .safetensors
+        file, or a Hugging Face model directory, whose shard layout and side files --
+        config, tokenizer, generation files -- travel with the version). `served`: the
+        served format (protocol/served.py: as-is, bf16, fp16, fp32, fp8-block). The
+        caller's tensors are copied before this returns, and never referenced
+        afterwards: the trainer may go on updating them.
         """
+        check_format(served)
         async with self._publish_lock:
             version = 0 if self.served is None else self.served.version + 1
             # Cast, hash, code, sign and write the objects' files off the event loop:
             # serving chunks to nodes goes on meanwhile.
-            new, stats, objects = await trio.to_thread.run_sync(self._encode, state_dict, served_dtype, version)
-            for key, m, envelope, chunks in objects:
+            try:
+                new, stats, objects = await trio.to_thread.run_sync(self._encode, state_dict, served, version)
+            except BaseException:
+                # The served state is changed tensor by tensor as the patch is made: after a
+                # failure part of it may be the new version's. Back to what is durable.
+                if self.served is not None:
+                    with trio.CancelScope(shield=True):
+                        self.served = await trio.to_thread.run_sync(self.durable.load, self.book)
+                raise
+            for key, m, envelope in objects:
                 self.store.adopt(key, m)
                 self.book.offer(envelope)
-            # The served state is durable before anyone hears of the version: after a
-            # crash the origin continues from exactly what it announced.
-            await trio.to_thread.run_sync(write_weights, self.data_dir / WEIGHTS_NAME, new)
+            # The objects are durable before anyone hears of the version: after a crash the
+            # origin continues from the base plus them.
             self.served = new
+            if self.durable.base is None:
+                await trio.to_thread.run_sync(self.durable.write_base, new)  # once: the first version
             self.history.append(stats)
-            for key, m, envelope, chunks in objects:
-                self.peers.broadcast(wire.Have(key[0], key[1], wire.bitfield_from_indices(range(len(chunks)), len(chunks))))
+            for key, m, envelope in objects:
+                n = len(m.chunks)
+                self.peers.broadcast(wire.Have(key[0], key[1], wire.bitfield_from_indices(range(n), n)))
                 if not await self.tracker.send(wire.Announce(envelope)):
                     log.warning("could not announce %s now; will when the tracker is back", describe(key))
             self._retire()
-            what = ", ".join(f"{'keyframe' if k[1] else 'patch'} {m.total_bytes:,} B" for k, m, _, _ in objects)
+            if self.durable.due(version) and not self._compacting:
+                self._compacting = True
+                self._nursery.start_soon(self._compact, version, new.state_hash)
+            what = ", ".join(f"{'keyframe' if k[1] else 'patch'} {m.total_bytes:,} B" for k, m, _ in objects)
             log.info("published version %d (%s; checkpoint %s B) in %.2f s", version, what,
                      f"{stats.full_bytes:,}", stats.encode_s)
             return version
 
-    def _encode(self, state_dict: dict, served_dtype: torch.dtype, version: int):
-        """Worker thread: the served state, its stats and its signed objects (files written)."""
+    def _encode(self, state_dict, served_format: str, version: int):
+        """Worker thread: the new served state, its stats and its signed objects, whose files
+        are written as they are made. The served state is changed in place, tensor by
+        tensor (one served copy, never two: diff_in_place)."""
         t0 = time.perf_counter()
-        served = served_copy(state_dict, served_dtype)
-        target_hash = state_hash(served)
+        src = (Source.from_path(state_dict, served_format) if isinstance(state_dict, (str, Path))
+               else Source.from_state(state_dict, served_format))
+        specs = {n: TargetSpec(dt, shape) for n, (dt, shape) in src.table.items()}
         prev = self.served
-        parts: list[tuple[ObjKey, object]] = []
-        patch_bytes = keyframe_bytes = changed = None
-        if prev is not None:
-            p = diff(prev.state, served, base_hash=prev.state_hash, target_hash=target_hash,
-                     chunk_bytes=self.cfg.chunk_bytes, segment_elements=self.cfg.segment_elements)
-            parts.append(((version, False), p))
-            patch_bytes = sum(len(c) for c in p.chunks)
-            changed = p.stats()["changed"]
-        if prev is None or self._keyframe_due(patch_bytes):
-            k = keyframe(served, chunk_bytes=self.cfg.chunk_bytes, state_hash_hex=target_hash)
-            parts.append(((version, True), k))
-            keyframe_bytes = sum(len(c) for c in k.chunks)
         objects = []
-        for key, patch in parts:
-            m = manifest_of(patch, swarm_id=self.swarm_id, version=version, created_at=time.time())
-            envelope = sign_manifest(m, self.key)
-            self.store.write_object(key, envelope, patch.chunks)
-            objects.append((key, m, envelope, patch.chunks))
-        stats = VersionStats(version, patch_bytes, keyframe_bytes, _full_bytes(served), changed,
-                             sum(t.numel() for t in served.values()), time.perf_counter() - t0)
-        return Weights(served, version, target_hash, self.swarm_id), stats, objects
+        patch_bytes = keyframe_bytes = changed = None
+        if prev is None:
+            state = {n: src.produce(n) for n in sorted(specs)}
+            target_hash = state_hash(state)
+        else:
+            writer = self.store.writer((version, False))
+            counts: dict = {}
+            p = diff_in_place(prev.state, specs, src.produce, prev.state_hash, layout=src.layout,
+                              chunk_bytes=self.cfg.chunk_bytes, segment_elements=self.cfg.segment_elements,
+                              on_chunk=writer.add, counts=counts)
+            state, target_hash, changed = prev.state, p.target_hash, counts["changed"]
+            objects.append(self._seal((version, False), p, writer))
+            patch_bytes = objects[-1][1].total_bytes
+        if prev is None or self._keyframe_due(patch_bytes):
+            writer = self.store.writer((version, True))
+            for chunk in keyframe_chunks(state, self.cfg.chunk_bytes):
+                writer.add(chunk)
+            names = sorted(state)
+            k = Patch(kind="keyframe", base_hash=None, target_hash=target_hash,
+                      tensors=[TensorSpec.of(n, state[n]) for n in names], full=names, removed=[], chunks=[],
+                      layout=src.layout)
+            objects.append(self._seal((version, True), k, writer))
+            keyframe_bytes = objects[-1][1].total_bytes
+        stats = VersionStats(version, patch_bytes, keyframe_bytes, _full_bytes(state), changed,
+                             sum(t.numel() for t in state.values()), time.perf_counter() - t0)
+        return Weights(state, version, target_hash, self.swarm_id), stats, objects
+
+    def _seal(self, key: ObjKey, patch: Patch, writer) -> tuple:
+        """Sign the manifest of an object whose chunks `writer` wrote, and write it last."""
+        m = manifest_of(patch, swarm_id=self.swarm_id, version=key[0], created_at=time.time(),
+                        chunk_table=writer.table)
+        envelope = sign_manifest(m, self.key)
+        writer.finish(envelope)
+        return key, m, envelope
+
+    async def _compact(self, version: int, target_hash: str) -> None:
+        """Fold the patches since the base into a new base, below the serving loop's priority;
+        the store keeps the chain (`_retire` asks `durable.keep_from`) until this is done."""
+        try:
+            await run_low_priority(lambda: self.durable.compact(version, target_hash), nice=19,
+                                   name="patchswarm-compact")
+        except (PatchswarmError, OSError) as e:
+            log.error("compaction to version %d failed (%s); the base stays at version %s and the chain is kept",
+                      version, e, self.durable.base.version if self.durable.base else None)
+        finally:
+            self._compacting = False
+        self._retire()
 
     def _keyframe_due(self, patch_bytes: int) -> bool:
         """A keyframe is due when the patches since the last one cost more than it did."""
@@ -313,7 +357,10 @@ class Origin:
         return chain + patch_bytes > kf_bytes
 
     def _retire(self) -> None:
+        """Keep what late joiners need (the latest keyframe's chain, recent patches) and what
+        a restart replays (every patch after the base); drop the rest."""
         keep = set(self.book.retained(RETAIN_PATCHES))
+        keep.update(k for k in self.store.keys() if not k[1] and k[0] >= self.durable.keep_from())
         for key in self.store.keys():
             if key not in keep:
                 self.store.drop(key)
@@ -322,7 +369,7 @@ class Origin:
 
     # ------------------------------------------------------------ watching a directory
 
-    async def watch(self, directory: Path, served_dtype: torch.dtype = torch.bfloat16) -> None:
+    async def watch(self, directory: Path, served: str = DEFAULT_FORMAT) -> None:
         """Publish each new checkpoint in `directory` (name order) once it is in place."""
         directory = Path(directory)
         ledger = self.data_dir / "watched.json"
@@ -333,12 +380,12 @@ class Origin:
                 if entry.name in done or not _complete_checkpoint(entry):
                     continue
                 try:
-                    state, _ = await trio.to_thread.run_sync(load_state, entry)
+                    version = await self.publish(entry, served)
                 except (PatchswarmError, OSError) as e:
                     log.warning("skipping %s: %s", entry, e)
                     done.add(entry.name)
+                    ledger.write_text(json.dumps(sorted(done)))
                     continue
-                version = await self.publish(state, served_dtype)
                 log.info("published %s as version %d", entry.name, version)
                 done.add(entry.name)
                 ledger.write_text(json.dumps(sorted(done)))
@@ -354,6 +401,8 @@ class Origin:
             "tracker_connected": self.tracker.connected,
             "listen": self.listen_addr,
             "nodes": sorted(s.id for s in self.peers.sessions.values()),
+            "peers": sorted(({"id": s.id, "region": s.region, "role": s.role} for s in self.peers.sessions.values()),
+                            key=lambda p: p["id"]),
             "bytes_out": self.peers.bytes_out,
             "versions": [dataclasses.asdict(v) for v in self.history],
             "trajectories": self.trajectory_store.summary(self.version),
@@ -454,8 +503,8 @@ class SyncOrigin:
             raise UsageError(f"origin stopped: {self._error}")
         return trio.from_thread.run(fn, *args, trio_token=self._token)
 
-    def publish(self, state_dict: dict, served_dtype: torch.dtype = torch.bfloat16) -> int:
-        return self._call(self.origin.publish, state_dict, served_dtype)
+    def publish(self, state_dict: dict | str | Path, served: str = DEFAULT_FORMAT) -> int:
+        return self._call(self.origin.publish, state_dict, served)
 
     def stats(self) -> dict:
         return trio.from_thread.run_sync(self.origin.stats, trio_token=self._token)

@@ -1,0 +1,114 @@
+"""Dialing: which members this node connects to, and connecting to them, with backoff.
+
+Owns `Dialer`: the members the tracker last listed, the choice of peers to
+keep connected (the origin; up to SAME_REGION_PEERS nodes of this region and
+OTHER_REGION_PEERS of each other region, each chosen by a hash of both ids, so
+the choice is stable and spread), the dial loop, the backoff after a failed
+dial, and the rule for two members that want each other: the smaller id
+dials first, the other only if no connection came a little later, so a pair
+rarely opens two connections (node/peers.py keeps one if it does). A dialed
+connection runs as a session of the `PeerSet`. Must not accept connections
+(the daemon serves) or say anything on a session.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from typing import Callable
+
+import trio
+
+from patchswarm.protocol import wire
+from patchswarm.protocol.errors import PatchswarmError
+
+from patchswarm.node.net.backoff import jittered
+from patchswarm.node.net.ratelimit import TokenBucket
+from patchswarm.node.net.transport import CONNECTION_ERRORS, connect, one_line
+from patchswarm.node.net.trust import Credentials
+from patchswarm.node.peers import PeerSet
+from patchswarm.node.wakeup import Wakeup
+
+log = logging.getLogger("patchswarm.node")
+
+SAME_REGION_PEERS = 16
+OTHER_REGION_PEERS = 3  # per other region
+BACKOFF_MAX = 10.0
+SECOND_DIALER_WAIT = 2.0  # s the larger id of a pair waits for the smaller one's dial
+REDIAL_AFTER = 1.0  # s after a connection, before the same peer is dialed again once it ends
+POLL_S = 1.0
+
+
+def rank(a: str, b: str) -> bytes:
+    """A stable pseudo-random order of `b`s as seen from `a`."""
+    return hashlib.sha256(f"{a}|{b}".encode()).digest()
+
+
+class Dialer:
+    def __init__(self, me: str, region: str, creds: Credentials, peers: PeerSet, hello: Callable[[], wire.Hello],
+                 download: TokenBucket, *, no_peers: bool = False):
+        self.me = me
+        self.region = region
+        self.creds = creds
+        self.peers = peers
+        self.hello = hello
+        self.download = download
+        self.no_peers = no_peers  # dial only the origin (the star baseline)
+        self.members: dict[str, dict] = {}  # id -> peer entry from the tracker, me excluded
+        self._dialing: set[str] = set()
+        self._dial_after: dict[str, float] = {}
+        self._wakeup = Wakeup()
+
+    def set_members(self, members: dict[str, dict]) -> None:
+        self.members = {i: p for i, p in members.items() if i != self.me}
+        self._wakeup.set()
+
+    def wake(self) -> None:
+        """A connection ended: see whom to dial."""
+        self._wakeup.set()
+
+    def wanted(self) -> dict[str, dict]:
+        """The members to keep connected: id -> peer entry."""
+        origin = {i: p for i, p in self.members.items() if p["role"] == "origin"}
+        if self.no_peers:
+            return origin
+        nodes = [p for p in self.members.values() if p["role"] == "node"]
+        same = sorted((p for p in nodes if p["region"] == self.region), key=lambda p: rank(self.me, p["id"]))
+        out = {p["id"]: p for p in same[:SAME_REGION_PEERS]}
+        for region in {p["region"] for p in nodes} - {self.region}:
+            there = sorted((p for p in nodes if p["region"] == region), key=lambda p: rank(self.me, p["id"]))
+            out.update({p["id"]: p for p in there[:OTHER_REGION_PEERS]})
+        out.update(origin)
+        return out
+
+    async def run(self) -> None:
+        """Dial whoever is wanted and not connected, until cancelled."""
+        async with trio.open_nursery() as nursery:
+            while True:
+                now = trio.current_time()
+                for pid, p in self.wanted().items():
+                    if self.peers.connected(pid) or pid in self._dialing or self._dial_after.get(pid, 0) > now:
+                        continue
+                    # Both ends want each other: the smaller id dials first, the other a little later
+                    # if no connection came, so pairs rarely open two connections.
+                    if p["role"] == "node" and self.me > pid and pid not in self._dial_after:
+                        self._dial_after[pid] = now + SECOND_DIALER_WAIT
+                        continue
+                    self._dialing.add(pid)
+                    nursery.start_soon(self._dial, p)
+                await self._wakeup.wait(POLL_S)
+
+    async def _dial(self, p: dict) -> None:
+        pid = p["id"]
+        try:
+            ms = await connect(p["addr"], self.creds, {p["role"]}, self.hello(), expect_name=pid,
+                               on_receive=self.download.take)
+        except (*CONNECTION_ERRORS, PatchswarmError) as e:
+            delay = min(BACKOFF_MAX, 2 * max(1.0, self._dial_after.get(pid, 0) - trio.current_time() + 1))
+            self._dial_after[pid] = trio.current_time() + jittered(delay)  # members that lost one peer spread out
+            log.info("could not reach %s %s at %s (%s)", p["role"], pid, p["addr"], one_line(e))
+            return
+        finally:
+            self._dialing.discard(pid)
+        self._dial_after[pid] = trio.current_time() + REDIAL_AFTER
+        await self.peers.run(ms, outbound=True)

@@ -1,0 +1,225 @@
+"""Fetching: asks peers for the chunks of the objects the plan wants, takes them in, tells peers what arrives.
+
+Owns `Fetcher`: it executes the piece picker's answers (protocol/picker.py
+decides which chunk to ask of whom, and when a request has run out of time;
+it is also the node's one record of who holds which chunk and of the
+requests in flight, so the facts peers announce go straight to it), sends
+Request and Cancel, takes each Piece in (node/relay.py reassembles it, and
+lets sessions serve it onward while it arrives), checks every whole chunk
+against its signed manifest before the object store takes it, and tells
+peers of it: `Incoming` at its first part, `HaveOne` once verified, to the
+peers protocol/announce.py names. The relay state is kept here: which
+sessions were told `Incoming` for a chunk not yet held. An object whose
+chunks are all held is reported to the owner (`on_complete`).
+
+Must not choose which objects to fetch (the applier's plan, through `want`),
+which chunk or peer comes next (the picker), or serve peers (node/peers.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import trio
+
+from patchswarm.protocol import wire
+from patchswarm.protocol.announce import Listener, tell_have, tell_incoming
+from patchswarm.protocol.manifest import chunk_ok
+from patchswarm.protocol.picker import ORIGIN, NODE, PiecePicker, Request
+from patchswarm.protocol.publication import ObjKey, describe
+from patchswarm.protocol.versions import VersionBook
+
+from patchswarm.node.net.transport import CONNECTION_ERRORS, one_line
+from patchswarm.node.peers import PeerDropped, PeerSet, Session
+from patchswarm.node.relay import Inflows
+from patchswarm.node.store import ObjectStore
+from patchswarm.node.wakeup import Wakeup
+
+log = logging.getLogger("patchswarm.node")
+
+REQUEST_TIMEOUT = 30.0  # a requested chunk not delivered by then is asked of someone else
+POLL_S = 1.0  # the fetch loop looks again at least this often
+
+
+class Fetcher:
+    def __init__(self, me: str, region: str, picker: PiecePicker, peers: PeerSet, inflows: Inflows,
+                 store: ObjectStore, book: VersionBook, on_complete: Callable[[ObjKey], None]):
+        self.me = me
+        self.region = region
+        self.picker = picker
+        self.peers = peers
+        self.inflows = inflows
+        self.store = store
+        self.book = book
+        self._on_complete = on_complete
+        self.bytes_in = {"origin": 0, "same_region": 0, "other_region": 0}
+        self.chunks_rejected = 0
+        # Sessions sent an Incoming for a chunk not yet held. Sessions, not peer ids: a peer
+        # that reconnects meanwhile has a new session, which was never told.
+        self._told: dict[ObjKey, dict[int, set[Session]]] = {}
+        self._wakeup = Wakeup()
+        self._nursery: trio.Nursery | None = None
+
+    async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Send what the picker answers, as facts come in, until cancelled."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery  # the Request and Cancel sends
+            task_status.started()
+            while True:
+                now = trio.current_time()
+                for r in self.picker.expired(now):
+                    log.warning("peer %s did not deliver chunk %d of %s within %.0f s; asking elsewhere",
+                                r.peer, r.chunk, describe(r.key), self.picker.request_timeout)
+                    self._cancel(r)
+                debug = log.isEnabledFor(logging.DEBUG)
+                for r in self.picker.requests(now):
+                    if r.peer not in self.peers.sessions:
+                        continue
+                    if debug:  # with the arrival lines: who brought which chunk across the WAN, and when
+                        log.debug("request chunk %d of %s from %s", r.chunk, describe(r.key), r.peer)
+                    nursery.start_soon(self._send_to, r.peer, wire.Request(r.key[0], r.key[1], r.chunk))
+                wake = self.picker.next_wakeup(now)
+                await self._wakeup.wait(POLL_S if wake is None else min(POLL_S, wake - now))
+
+    def wake(self) -> None:
+        """Something the picker answers from may have changed (members): ask it again."""
+        self._wakeup.set()
+
+    # ------------------------------------------------------------ what to fetch
+
+    def want(self, plan: list[ObjKey]) -> None:
+        """Fetch exactly the objects of `plan` (earlier versions first)."""
+        now = trio.current_time()
+        for key in plan:
+            if self.picker.is_fetching(key):
+                continue
+            m = self.book.get(key)
+            if self.store.manifest(key) is None:
+                self.store.put_manifest(key, m, self.book.envelope(key))
+            # A keyframe with no patch beside it (the first version) is what every member
+            # bootstraps from: fetch it under the WAN plan like a patch.
+            coordinated = not key[1] or self.book.get((key[0], False)) is None
+            self.picker.add_object(key, len(m.chunks), have=self.store.have(key), priority=key[0], now=now,
+                                   coordinated=coordinated)
+        for key in set(self.picker.fetching()) - set(plan):
+            self.stop(key)
+        self._wakeup.set()
+
+    def stop(self, key: ObjKey) -> None:
+        """Stop fetching `key` (applied, unusable, or off the plan): its requests are cancelled."""
+        for r in self.picker.remove_object(key):
+            self._cancel(r)
+        self.inflows.drop_object(key)
+        self._told.pop(key, None)
+
+    def status(self) -> dict[str, int]:
+        """Chunks still missing, per object being fetched."""
+        return {describe(k): self.picker.missing(k) for k in self.picker.fetching()}
+
+    # ------------------------------------------------------------ facts from peers
+
+    def peer_joined(self, s: Session) -> None:
+        self.picker.peer_joined(s.id, ORIGIN if s.role == "origin" else NODE, s.region)
+        self._wakeup.set()
+
+    def peer_left(self, s: Session) -> None:
+        self.picker.peer_left(s.id)
+        self.inflows.drop_peer(s.id)
+        self._wakeup.set()
+
+    def on_announce(self, s: Session, msg: wire.Have | wire.HaveOne | wire.Incoming) -> None:
+        """A peer holds chunks (Have, HaveOne) or receives one (Incoming): the picker records it."""
+        key = (msg.version, msg.keyframe)
+        if isinstance(msg, wire.Have):
+            m = self.store.manifest(key)  # not known here yet: the raw bitfield's indices, up to its length
+            chunks = wire.indices_from_bitfield(msg.chunks, len(msg.chunks) * 8 if m is None else len(m.chunks))
+        else:
+            chunks = [msg.chunk]
+        n = self.picker.n_chunks(key)
+        if n is not None:
+            chunks = [c for c in chunks if c < n]  # past the object's end: nothing to fetch there
+        self.picker.peer_has(s.id, key, chunks, whole=not isinstance(msg, wire.Incoming))
+        self._wakeup.set()
+
+    def on_reject(self, s: Session, msg: wire.Reject) -> None:
+        """The peer will not send a chunk asked of it (or stopped mid-chunk: its own source failed)."""
+        key = (msg.version, msg.keyframe)
+        n = self.picker.n_chunks(key)
+        if n is not None and msg.chunk >= n:
+            raise PeerDropped(f"refused chunk {msg.chunk} of {describe(key)}, which has {n} chunks")
+        self.inflows.discard(s.id, key, msg.chunk)
+        self.picker.chunk_refused(key, msg.chunk, s.id)
+        self._wakeup.set()
+
+    async def on_piece(self, s: Session, msg: wire.Piece) -> None:
+        key, c = (msg.version, msg.keyframe), msg.chunk
+        if not self.picker.is_fetching(key) or c in self.store.have(key):
+            self.inflows.discard(s.id, key, c)
+            return  # an endgame duplicate, or an object we stopped wanting
+        m = self.store.manifest(key)
+        if c >= len(m.chunks):
+            raise PeerDropped(f"sent chunk {c} of {describe(key)}, which has {len(m.chunks)} chunks")
+        flow, first = self.inflows.receive(s.id, key, c, m.chunks[c][0], msg.offset, msg.total, msg.data)
+        if flow is None:
+            return  # the rest of a flow this node cancelled
+        if first and not flow.asm.complete:
+            # Neighbours (and the next region's gateway) may follow it from here on.
+            told = self.peers.broadcast(wire.Incoming(key[0], key[1], c), to=self._audience(s, key, c, tell_incoming))
+            self._told.setdefault(key, {}).setdefault(c, set()).update(told)
+        if not flow.asm.complete:
+            return
+        if log.isEnabledFor(logging.DEBUG):
+            asked_at = self.picker.sent_at(s.id, key, c)
+            log.debug("chunk %d of %s from %s (%s, region %s), %s B, %s", c, describe(key), s.id, s.role,
+                      s.region, f"{msg.total:,}", "unasked" if asked_at is None
+                      else f"{trio.current_time() - asked_at:.3f} s after the request")
+        data = flow.asm.data()
+        if not chunk_ok(m, c, data):
+            self.inflows.finish(flow, ok=False)
+            self.chunks_rejected += 1
+            self.picker.chunk_failed(key, c, s.id)
+            log.warning("rejected chunk %d of %s from peer %s: does not match the manifest's SHA-256; dropping the peer",
+                        c, describe(key), s.id)
+            raise PeerDropped("sent a chunk that does not match its manifest")
+        self.store.put_chunk(key, c, data)
+        self.inflows.finish(flow, ok=True)  # its followers send the last part; new requests read the store
+        source = "origin" if s.role == "origin" else "same_region" if s.region == self.region else "other_region"
+        self.bytes_in[source] += len(data)
+        s.piece_bytes_in += len(data)
+        # Who hears of it is decided before the picker forgets the chunk's holders.
+        hear = self._audience(s, key, c, tell_have, self._told.get(key, {}).pop(c, ()))
+        for dup in self.picker.chunk_received(key, c, s.id):
+            self._cancel(dup)
+        self.peers.broadcast(wire.HaveOne(key[0], key[1], c), to=hear)
+        if self.store.complete(key):
+            self._on_complete(key)
+        self._wakeup.set()
+
+    def forget_below(self, version: int) -> None:
+        """Objects below `version` are gone for good: what peers say of them no longer matters."""
+        self.picker.forget_below(version)
+
+    # ------------------------------------------------------------ sending
+
+    def _audience(self, sender: Session, key: ObjKey, c: int, rule, told=()) -> list[Session]:
+        """The sessions `rule` (protocol/announce.py) says to tell of chunk c of `key`."""
+        picker = self.picker
+        return [p for p in self.peers.sessions.values()
+                if rule(Listener(sender=p.id == sender.id, origin=p.role == "origin", same_region=p.region == self.region,
+                                 announced=picker.announced(p.id, key, c), whole=picker.holds_whole(p.id, key, c),
+                                 told=p in told))]
+
+    def _cancel(self, r: Request) -> None:
+        """Withdraw a request: the peer drops it, and the parts that still come are ignored."""
+        self.inflows.discard(r.peer, r.key, r.chunk)
+        self._nursery.start_soon(self._send_to, r.peer, wire.Cancel(r.key[0], r.key[1], r.chunk))
+
+    async def _send_to(self, peer: str, msg) -> None:
+        s = self.peers.sessions.get(peer)
+        if s is None:
+            return
+        try:
+            await s.send(msg)
+        except CONNECTION_ERRORS as e:
+            s.close(f"could not send a {type(msg).__name__} ({one_line(e)})")

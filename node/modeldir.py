@@ -1,0 +1,160 @@
+"""The current version as a Hugging Face model directory an engine loads, switched atomically.
+
+Owns `DIR/versions/vNNNNNNNNNN/` (one complete model directory per version:
+the published shard layout, `model.safetensors.index.json`, the side files
+that travelled with the version) and `DIR/current`, a symbolic link replaced
+atomically (rename over it) once a version's directory is complete and
+fsynced, so a reader that resolves `current` sees one whole version, never a
+mix. A shard none of whose tensors changed since the previous version is
+hard-linked from it instead of written again. A version directory is removed
+only when it is not current and nobody holds it (`hold`/`release`: an engine
+still loading it).
+
+Must not decide when to write (the daemon's hand-off does) nor hold the
+state: it is handed the tensors of the version to write.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from patchswarm.node import basefile
+from patchswarm.node.checkpoint import INDEX_NAME, write_side_files
+from patchswarm.protocol.errors import UsageError
+
+SINGLE_FILE = "model.safetensors"
+CURRENT = "current"
+FILE_MODE = 0o640  # the engine may run as another user of the node's group; others read nothing
+VERSIONS = "versions"
+
+
+def version_name(version: int) -> str:
+    return f"v{version:010d}"
+
+
+class ModelDir:
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+        (self.root / VERSIONS).mkdir(parents=True, exist_ok=True)
+        self._held: dict[int, int] = {}
+        self._shards: dict[int, dict[str, set[str]]] = {}  # version -> shard file -> its tensors
+        for stale in (self.root / VERSIONS).glob(".*"):  # a write a crash interrupted
+            shutil.rmtree(stale, ignore_errors=True)
+        (self.root / (CURRENT + ".tmp")).unlink(missing_ok=True)
+
+    @property
+    def current(self) -> Path:
+        return self.root / CURRENT
+
+    def current_version(self) -> int | None:
+        try:
+            target = os.readlink(self.current)
+        except OSError:
+            return None
+        name = Path(target).name
+        return int(name[1:]) if name.startswith("v") and name[1:].isdigit() else None
+
+    def path(self, version: int) -> Path:
+        return self.root / VERSIONS / version_name(version)
+
+    def write(self, version: int, state: dict[str, torch.Tensor], layout: dict[str, str] | None,
+              files: dict[str, bytes], metadata: dict[str, str], changed: set[str] | None = None) -> int:
+        """Write version `version` and make it current; returns the bytes written.
+
+        `changed`: the tensors that differ from the current version (None: all of them);
+        a shard of only unchanged tensors, present in the current version with the same
+        tensors, is hard-linked instead of written."""
+        final = self.path(version)
+        if final.exists():
+            raise UsageError(f"model dir: version {version} is already written at {final}")
+        shards = _shards_of(state, layout)
+        prev_version = self.current_version()
+        prev = self.path(prev_version) if prev_version is not None else None
+        prev_shards = self._shards.get(prev_version) if prev_version is not None else None
+        tmp = self.root / VERSIONS / f".{version_name(version)}.partial"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        written = 0
+        try:
+            for shard, names in sorted(shards.items()):
+                unchanged = changed is not None and not (names & changed)
+                if (unchanged and prev is not None and prev_shards is not None and prev_shards.get(shard) == names
+                        and (prev / shard).exists()):
+                    os.link(prev / shard, tmp / shard)
+                    continue
+                written += basefile.write(tmp / shard, {n: state[n] for n in sorted(names)},
+                                          metadata if layout is None else {"format": "pt"}, durable=False,
+                                          mode=FILE_MODE)
+            if layout is not None:
+                total = sum(t.numel() * t.element_size() for n, t in state.items())
+                index = {"metadata": {"total_size": total, **metadata},
+                         "weight_map": {n: layout[n] for n in sorted(state)}}
+                data = (json.dumps(index, indent=2) + "\n").encode()
+                (tmp / INDEX_NAME).write_bytes(data)
+                written += len(data)
+            write_side_files(tmp, files)
+            written += sum(len(d) for d in files.values())
+            for f in tmp.iterdir():
+                _fsync(f)
+            _fsync(tmp)
+            os.rename(tmp, final)
+            _fsync(final.parent)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self._shards[version] = shards
+        link_tmp = self.root / (CURRENT + ".tmp")
+        link_tmp.unlink(missing_ok=True)
+        os.symlink(Path(VERSIONS) / version_name(version), link_tmp)
+        os.replace(link_tmp, self.current)
+        _fsync(self.root)
+        self.prune()
+        return written
+
+    def hold(self, version: int) -> None:
+        """Keep `version`'s directory while someone reads it (an engine loading it)."""
+        self._held[version] = self._held.get(version, 0) + 1
+
+    def release(self, version: int) -> None:
+        n = self._held.get(version, 0) - 1
+        if n > 0:
+            self._held[version] = n
+        else:
+            self._held.pop(version, None)
+        self.prune()
+
+    def prune(self) -> None:
+        """Remove every version directory that is neither current nor held."""
+        current = self.current_version()
+        for d in (self.root / VERSIONS).iterdir():
+            if not d.name.startswith("v") or not d.name[1:].isdigit():
+                continue
+            v = int(d.name[1:])
+            if v != current and v not in self._held:
+                shutil.rmtree(d, ignore_errors=True)
+                self._shards.pop(v, None)
+
+
+def _shards_of(state: dict[str, torch.Tensor], layout: dict[str, str] | None) -> dict[str, set[str]]:
+    if layout is None:
+        return {SINGLE_FILE: set(state)}
+    missing = sorted(set(state) - set(layout))
+    if missing:
+        raise UsageError(f"model dir: the layout names no shard for {missing[:3]} ({len(missing)} in all)")
+    out: dict[str, set[str]] = {}
+    for name in state:
+        out.setdefault(layout[name], set()).add(name)
+    return out
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

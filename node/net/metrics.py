@@ -1,0 +1,255 @@
+"""What each service exports to Prometheus, read from its own status at scrape time, and when it is ready.
+
+Owns one collector per service (`NodeMetrics`, `OriginMetrics`, `TrackerMetrics`):
+each turns the dict its service's `status()` / `stats()` already returns into
+metric families when Prometheus scrapes, so the services keep no metrics
+objects and their code has no counter calls. Histograms of events the status
+lists (versions applied, versions published) are observed once per event, at
+the first scrape that sees it. Each also says whether its service is ready
+(`not_ready(status)` -> the reason, or None). Must not import the services:
+it reads dicts, and a key a service does not report is left out, never faked.
+
+The status keys read here are the contract with the services (node/daemon.py,
+node/trainer/origin.py, tracker/server.py); tests/test_metrics.py runs a real
+swarm and checks every series below is present.
+
+Engine hand-off (issue 20): a node whose status has an `engine` entry
+{"version": int | None, "last_error": str | None, "publish_to_engine_s": float | None}
+gets the engine series, and is ready only once the engine holds its version.
+Without that entry there is no engine series at all.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+from prometheus_client import Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800)
+StatusFn = Callable[[], dict]
+
+
+def _gauge(name: str, doc: str, value: float | None, labels: dict[str, str] | None = None) -> Iterable[Metric]:
+    if value is None:
+        return
+    g = GaugeMetricFamily(name, doc, labels=list(labels or {}))
+    g.add_metric(list((labels or {}).values()), float(value))
+    yield g
+
+
+def _counter(name: str, doc: str, value: float | None) -> Iterable[Metric]:
+    if value is None:
+        return
+    yield CounterMetricFamily(name, doc, value=float(value))
+
+
+def _peers(peers: list[dict]) -> Metric:
+    """Connected peers by region, role and transport (TCP+TLS unless the status names another)."""
+    counts: dict[tuple[str, str, str], int] = {}
+    for p in peers:
+        key = (p.get("region", ""), p.get("role", ""), p.get("transport", "tcp"))
+        counts[key] = counts.get(key, 0) + 1
+    g = GaugeMetricFamily("patchswarm_peers", "connected peers by region, role and transport",
+                          labels=["region", "role", "transport"])
+    for key, n in sorted(counts.items()):
+        g.add_metric(list(key), n)
+    return g
+
+
+def _links(st: dict) -> Iterable[Metric]:
+    """A member's connections: its peers (where its status lists them) and the tracker link."""
+    if "peers" in st:
+        yield _peers(st["peers"])
+    yield from _gauge("patchswarm_tracker_connected", "1 while the tracker link is up",
+                      int(bool(st.get("tracker_connected"))))
+
+
+class StatusMetrics:
+    """A Prometheus collector over one service's status dict (None until the service has started)."""
+
+    service = "service"
+
+    def __init__(self) -> None:
+        self._status: StatusFn | None = None
+
+    def attach(self, status: StatusFn) -> None:
+        self._status = status
+
+    def status(self) -> dict | None:
+        return None if self._status is None else self._status()
+
+    def describe(self) -> list:
+        return []  # families vary with the status; the registry must not call collect() to learn names
+
+    def collect(self) -> Iterable[Metric]:
+        st = self.status()
+        if st is not None:
+            yield from self.families(st)
+
+    def families(self, st: dict) -> Iterable[Metric]:
+        raise NotImplementedError
+
+    def not_ready(self, st: dict) -> str | None:
+        """Why the service is not ready yet (None: it is)."""
+        return None
+
+
+class NodeMetrics(StatusMetrics):
+    service = "node"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.publish_to_applied = Histogram(
+            "patchswarm_publish_to_applied_seconds",
+            "from the origin signing a version (manifest created_at) to this node holding it verified",
+            buckets=LATENCY_BUCKETS, registry=None)
+        self._observed_version = -1
+
+    def families(self, st: dict) -> Iterable[Metric]:
+        version, latest = st.get("version"), st.get("latest_version")
+        yield from _gauge("patchswarm_version", "the verified version this node holds", version)
+        yield from _gauge("patchswarm_latest_version", "the newest version this node has heard of", latest)
+        if latest is not None:
+            behind = latest + 1 if version is None else max(0, latest - version)
+            yield from _gauge("patchswarm_versions_behind", "versions between the held one and the latest heard of "
+                                                            "(latest + 1 with none held)", behind)
+        for entry in st.get("applied", ()):
+            if entry["version"] > self._observed_version and "published_at" in entry:
+                self.publish_to_applied.observe(max(0.0, entry["applied_at"] - entry["published_at"]))
+                self._observed_version = entry["version"]
+        yield from self.publish_to_applied.collect()
+        b = CounterMetricFamily("patchswarm_bytes", "chunk bytes by direction and source: in from the origin, "
+                                                    "the same region or other regions; out from the store or "
+                                                    "relayed while still arriving", labels=["direction", "source"])
+        for source, n in st.get("bytes_in", {}).items():
+            b.add_metric(["in", source], n)
+        if "bytes_out" in st:
+            relayed = st.get("bytes_out_arriving", 0)
+            b.add_metric(["out", "store"], st["bytes_out"] - relayed)
+            b.add_metric(["out", "relay"], relayed)
+        yield b
+        rejected = st.get("chunks_rejected")
+        if rejected is not None:
+            r = CounterMetricFamily("patchswarm_chunks_rejected", "chunks refused, by reason",
+                                    labels=["reason"])
+            by_reason = rejected if isinstance(rejected, dict) else {"sha256_mismatch": rejected}
+            for reason, n in sorted(by_reason.items()):
+                r.add_metric([reason], n)
+            yield r
+        yield from _counter("patchswarm_manifests_rejected", "manifests refused (signature, swarm, conflict)",
+                            st.get("manifests_rejected"))
+        if "unusable" in st:
+            yield from _gauge("patchswarm_objects_unusable", "verified objects that failed to apply",
+                              len(st["unusable"]))
+        if "fetching" in st:
+            yield from _gauge("patchswarm_chunks_missing", "chunks still to fetch for the versions wanted",
+                              sum(st["fetching"].values()))
+        yield from _links(st)
+        spool = st.get("spool")
+        if spool:
+            yield from _gauge("patchswarm_spool_records", "trajectories spooled and not yet acknowledged by the origin",
+                              spool["records"])
+            yield from _gauge("patchswarm_spool_bytes", "bytes of those trajectories", spool["bytes"])
+            yield from _counter("patchswarm_trajectories_appended", "trajectories submitted and made durable",
+                                spool.get("appended_total"))
+            yield from _counter("patchswarm_trajectories_acked", "trajectories the origin acknowledged",
+                                spool.get("acked_total"))
+            yield from _gauge("patchswarm_trajectory_upload_bytes_per_second",
+                              "trajectory bytes sent to the origin per second, over the last 5 s",
+                              spool.get("upload_rate_bps"))
+        engine = st.get("engine")
+        if engine is not None:
+            yield from _gauge("patchswarm_engine_version", "the version the inference engine holds",
+                              engine.get("version"))
+            if version is not None:
+                held = engine.get("version")
+                yield from _gauge("patchswarm_engine_versions_behind", "versions the engine lags this node",
+                                  version + 1 if held is None else max(0, version - held))
+            yield from _gauge("patchswarm_engine_error", "1 while the last hand-off failed",
+                              int(engine.get("last_error") is not None))
+            yield from _gauge("patchswarm_engine_handoff_seconds", "publish to engine holding it, last version",
+                              engine.get("publish_to_engine_s"))
+
+    def not_ready(self, st: dict) -> str | None:
+        version, latest = st.get("version"), st.get("latest_version")
+        if version is None:
+            return "no verified version yet"
+        if latest is None or version < latest:
+            return f"at version {version}, latest heard of is {latest}"
+        engine = st.get("engine")
+        if engine is not None and engine.get("version") != version:
+            return f"at version {version}, the engine holds {engine.get('version')} ({engine.get('last_error') or 'pending'})"
+        return None
+
+
+class OriginMetrics(StatusMetrics):
+    service = "origin"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encode_seconds = Histogram("patchswarm_publish_encode_seconds",
+                                        "publish: cast, hash, diff, encode, sign and write one version",
+                                        buckets=LATENCY_BUCKETS, registry=None)
+        self._observed_version = -1
+
+    def families(self, st: dict) -> Iterable[Metric]:
+        yield from _gauge("patchswarm_version", "the latest version published", st.get("version"))
+        history = st.get("versions", [])
+        for v in history:
+            if v["version"] > self._observed_version:
+                self.encode_seconds.observe(v["encode_s"])
+                self._observed_version = v["version"]
+        yield from self.encode_seconds.collect()
+        if history:
+            last = history[-1]
+            yield from _gauge("patchswarm_published_patch_bytes", "bytes of the latest version's patch",
+                              last.get("patch_bytes"))
+            yield from _gauge("patchswarm_published_keyframe_bytes", "bytes of the latest keyframe published",
+                              next((v["keyframe_bytes"] for v in reversed(history) if v.get("keyframe_bytes")), None))
+            yield from _gauge("patchswarm_checkpoint_bytes", "raw bytes of the served checkpoint", last.get("full_bytes"))
+        if "bytes_out" in st:
+            b = CounterMetricFamily("patchswarm_bytes", "chunk bytes by direction and source",
+                                    labels=["direction", "source"])
+            b.add_metric(["out", "store"], st["bytes_out"])
+            yield b
+        yield from _links(st)
+        t = st.get("trajectories")
+        if t:
+            yield from _counter("patchswarm_trajectories_received", "trajectory records stored", t.get("records"))
+            yield from _counter("patchswarm_trajectories_duplicates_dropped", "trajectory records received twice",
+                                t.get("duplicates_dropped"))
+            yield from _counter("patchswarm_trajectory_payload_bytes", "trajectory payload bytes stored",
+                                t.get("payload_bytes"))
+
+    def not_ready(self, st: dict) -> str | None:
+        return None if st.get("tracker_connected") else "not connected to the tracker yet"
+
+
+class TrackerMetrics(StatusMetrics):
+    service = "tracker"
+
+    def families(self, st: dict) -> Iterable[Metric]:
+        latest = st.get("latest_version")
+        yield from _gauge("patchswarm_latest_version", "the newest version announced", latest)
+        members = st.get("members", [])
+        by: dict[tuple[str, str], int] = {}
+        lag: dict[tuple[str, str], int] = {}
+        for m in members:
+            by[(m["region"], m["role"])] = by.get((m["region"], m["role"]), 0) + 1
+            if m["role"] == "node":
+                held = max(m["versions"], default=None)
+                bucket = "none" if held is None else str(min(3, max(0, (latest or 0) - held)))
+                bucket = "3+" if bucket == "3" else bucket
+                lag[(m["region"], bucket)] = lag.get((m["region"], bucket), 0) + 1
+        g = GaugeMetricFamily("patchswarm_members", "members connected, by region and role", labels=["region", "role"])
+        for key, n in sorted(by.items()):
+            g.add_metric(list(key), n)
+        yield g
+        g = GaugeMetricFamily("patchswarm_members_behind", "nodes by region and versions behind the latest "
+                                                           "(0, 1, 2, 3+, none held)", labels=["region", "behind"])
+        for key, n in sorted(lag.items()):
+            g.add_metric(list(key), n)
+        yield g
+        yield from _counter("patchswarm_manifests_rejected", "announcements refused (not the origin, bad manifest)",
+                            st.get("manifests_rejected"))

@@ -1,0 +1,153 @@
+"""A member's durable record of its served state: a base file plus the stored objects after it.
+
+Owns what a restart resumes from, for a node and for the origin alike. A
+version's cost on disk follows its patch: the object store already holds each
+version's verified chunks (written once, as they arrive or are made); the full
+state is written only as the *base* (node/basefile.py), at the first version
+and then by compaction, off the critical path, at most once per
+`compact_every` versions. Until then the objects after the base stay in the
+store (`keep_from`), and a restart is the base plus those objects replayed
+with every check the codec has (each object's state hash included).
+
+The base file is `weights.safetensors` in the data dir: plain safetensors
+whose metadata says its version, state hash and swarm, so a crash at any
+moment leaves one complete verified version there; the objects after it are
+each complete or absent (the store's rule). Must not fetch, serve or decide
+what to apply next; the daemon and the origin do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from patchswarm.node import basefile
+from patchswarm.node.store import ObjectStore
+from patchswarm.node.weights import META_HASH, META_SWARM, META_VERSION, WEIGHTS_NAME, Weights, read_weights
+from patchswarm.protocol.errors import InvalidInput, PatchswarmError, UsageError
+from patchswarm.protocol.manifest import ObjKey
+from patchswarm.protocol.patch import apply
+from patchswarm.protocol.publication import describe, patch_of
+from patchswarm.protocol.versions import VersionBook
+
+log = logging.getLogger("patchswarm.persistence")
+
+COMPACT_EVERY = 16  # versions between full writes: amortized, at most state/16 written per version
+
+
+@dataclasses.dataclass
+class Base:
+    version: int
+    state_hash: str
+
+
+def metadata(version: int, state_hash: str, swarm_id: str) -> dict[str, str]:
+    return {META_VERSION: str(version), META_HASH: state_hash, META_SWARM: swarm_id}
+
+
+class DurableState:
+    def __init__(self, data_dir: Path, store: ObjectStore, swarm_id: str, compact_every: int = COMPACT_EVERY):
+        if compact_every < 1:
+            raise UsageError(f"compact_every: expected at least 1, found {compact_every}")
+        self.path = Path(data_dir) / WEIGHTS_NAME
+        self.store = store
+        self.swarm_id = swarm_id
+        self.compact_every = compact_every
+        self.base: Base | None = None
+        self.compactions = 0
+        self.bytes_written = 0  # base writes and compactions, since start
+
+    # ------------------------------------------------------------ restart
+
+    def load(self, book: VersionBook, threads: int | None = None) -> Weights | None:
+        """The latest version the base and the stored objects reach, verified; None if none.
+
+        `book` holds the stored objects' manifests (ObjectStore.load filled it). An object
+        that fails to apply ends the replay at the version before it (and is dropped, so
+        the swarm fetches it again)."""
+        w = None
+        if self.path.exists():
+            w = read_weights(self.path)  # verifies the tensors against the hash it names
+            if w is not None and w.swarm_id != self.swarm_id:
+                raise UsageError(f"{self.path}: holds weights of swarm {w.swarm_id}, this member is in {self.swarm_id}")
+            if w is not None:
+                self.base = Base(w.version, w.state_hash)
+        stored = {k for k in self.store.keys() if self.store.complete(k)}
+        plan = [k for k in book.plan(None if w is None else w.version, None if w is None else w.state_hash)
+                if k in stored]
+        for key in plan:
+            m = self.store.manifest(key)
+            state = {} if key[1] or w is None else w.state
+            try:
+                # With undo: a failure leaves the state at the version before (restarts are rare).
+                apply(state, patch_of(m, self.store.chunks(key)), threads=threads, undo=True)
+            except PatchswarmError as e:
+                log.error("replaying %s failed (%s); resuming at %s", describe(key), e,
+                          "no version" if w is None else f"version {w.version}")
+                self.store.drop(key)
+                book.discard(key)
+                break
+            w = Weights(state, m.version, m.target_hash, self.swarm_id)
+        return w
+
+    # ------------------------------------------------------------ what must stay
+
+    def keep_from(self) -> int:
+        """The lowest version whose objects must stay in the store: the first after the base."""
+        return 0 if self.base is None else self.base.version + 1
+
+    def chain(self, upto: int) -> list[ObjKey]:
+        """The patches from the base to `upto`, in order (all must be stored)."""
+        if self.base is None:
+            return []
+        return [(v, False) for v in range(self.base.version + 1, upto + 1)]
+
+    def due(self, version: int) -> bool:
+        """Whether the state at `version` should be written as the base now."""
+        return self.base is None or version - self.base.version >= self.compact_every
+
+    # ------------------------------------------------------------ writing the base
+
+    def write_base(self, w: Weights) -> int:
+        """Write the live state as the base (the first version, or after a keyframe the chain
+        cannot bridge); the caller keeps it unchanged until this returns."""
+        t0 = time.perf_counter()
+        n = basefile.write(self.path, w.state, metadata(w.version, w.state_hash, self.swarm_id))
+        self.base = Base(w.version, w.state_hash)
+        self.bytes_written += n
+        log.info("wrote the base at version %d (%s bytes) in %.1f s", w.version, f"{n:,}", time.perf_counter() - t0)
+        return n
+
+    def compact(self, version: int, state_hash: str, threads: int | None = None) -> int:
+        """Fold the stored patches after the base into a new base at `version`, without the
+        live state (a mapped copy of the base file; node/basefile.py). Blocking: run it on a
+        low-priority thread. The store must keep the chain until this returns."""
+        if self.base is None:
+            raise UsageError("compact: there is no base yet (write_base first)")
+        keys = self.chain(version)
+        missing = [describe(k) for k in keys if not self.store.complete(k)]
+        if missing:
+            raise InvalidInput(f"compact: the chain to version {version} lacks {', '.join(missing[:3])}")
+        t0 = time.perf_counter()
+        patches = (patch_of(self.store.manifest(k), self.store.chunks(k)) for k in keys)
+        n = basefile.compact(self.path, patches, self.path, metadata(version, state_hash, self.swarm_id), state_hash,
+                             threads=threads)
+        self.base = Base(version, state_hash)
+        self.compactions += 1
+        self.bytes_written += n
+        log.info("compacted %d versions into the base at version %d (%s bytes) in %.1f s", len(keys), version,
+                 f"{n:,}", time.perf_counter() - t0)
+        return n
+
+    def status(self) -> dict:
+        return {"base_version": None if self.base is None else self.base.version,
+                "compactions": self.compactions, "bytes_written": self.bytes_written,
+                "compact_every": self.compact_every}
+
+
+def state_bytes(state: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())

@@ -1,0 +1,46 @@
+"""Who hears of a chunk this member receives: `Incoming` at its first part, `HaveOne` once verified.
+
+A pure rule, with no I/O. The node daemon (node/fetcher.py) describes each
+connected peer as a `Listener` (what that peer said of the chunk, whether
+this session was told) and sends each message to the peers the rule names.
+
+- `Incoming` (the chunk's first part arrived; it is served as it arrives)
+  goes to every peer that announced neither the chunk nor its arrival: they,
+  the next region's gateway among them, may ask for it at once.
+- `HaveOne` (the chunk is held and verified) goes to every peer not sent
+  `Incoming` for it on this session (one that reconnected meanwhile has a new
+  session, which was not) that does not hold it whole; one still receiving
+  it gets it, as its own flow may fail.
+- Neither goes to the peer the chunk comes from, nor to the origin, which
+  holds every chunk. Regions do not matter: takeover in a stalled region
+  fetches from holders anywhere, so every region hears.
+
+So each member sends one small message per chunk to each peer that lacks
+it. Must not know about sessions or sockets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Listener:
+    """One connected peer, as far as the rule is concerned, for one chunk."""
+
+    sender: bool = False  # the chunk comes from this peer
+    origin: bool = False  # the origin: holds every chunk it announced
+    same_region: bool = True  # not a factor (see the module doc); here so that tables can show it
+    announced: bool = False  # said it holds the chunk or is receiving it (and did not refuse it since)
+    whole: bool = False  # said it holds the chunk whole (Have, HaveOne); implies announced
+    told: bool = False  # this session was sent Incoming for the chunk
+
+
+def tell_incoming(peer: Listener) -> bool:
+    """Send `Incoming` for the chunk to `peer` (its first part arrived)?"""
+    return not (peer.sender or peer.origin or peer.announced)
+
+
+def tell_have(peer: Listener) -> bool:
+    """Send `HaveOne` for the chunk to `peer` (it is held and verified)?"""
+    return not (peer.sender or peer.origin or peer.told or peer.whole)

@@ -1,0 +1,115 @@
+"""Which holders of a chunk a node may ask, under the WAN plan: source tiers, with no I/O.
+
+Owns `SourceTiers`: this node's view of the swarm (the nodes and their
+regions, the origin's region) and, per object, the chunks this node must
+bring into its region (a `ResponsibilityMap`, protocol/responsibility.py) and
+the regions each chunk may come from. From those it gives the tier of a
+holder for a chunk: lower is better, `NOT_A_SOURCE` may not be asked now.
+These are rules 1-3 and the keyframe rule of protocol/picker.py's module doc;
+the picker asks only the holders at a chunk's best tier. Must not hold facts
+about peers' chunks (protocol/piecestate.py) or pick (protocol/picker.py).
+"""
+
+from __future__ import annotations
+
+from .piecestate import NOT_A_SOURCE, ObjectState, PeerState
+from .responsibility import ResponsibilityMap, upstream_regions
+
+ORIGIN = "origin"  # peer kind: the seeder on the trainer, holds every announced chunk
+NODE = "node"  # peer kind: another node daemon
+
+SAME_REGION = 0  # a node peer in my region
+OTHER_REGION = 1  # keyframes and takeover: node peers of other regions (upstream regions: 1, 2, ...)
+ORIGIN_TIER = 1 << 20  # after the upstream region's node peers
+
+
+class SourceTiers:
+    def __init__(self, me: str, region: str, origin_region: str | None, wan_gateways: int | None):
+        self.me = me
+        self.region = region
+        self.origin_region = origin_region
+        self.wan_gateways = wan_gateways
+        self.members: dict[str, str] = {me: region}
+        self.region_members: set[str] = {me}
+        self.member_regions: frozenset[str] = frozenset({region})
+
+    def set_members(self, members: dict[str, str]) -> bool:
+        """The live nodes (id -> region, me included); True if the set of regions changed."""
+        self.members = {**members, self.me: self.region}
+        self.region_members = {m for m, r in self.members.items() if r == self.region}
+        regions = frozenset(self.members.values())
+        changed = regions != self.member_regions
+        self.member_regions = regions
+        return changed
+
+    def plan(self, obj: ObjectState) -> None:
+        """Give a new patch object its responsibility: which chunks me brings into the region."""
+        obj.duty = ResponsibilityMap(obj.key, obj.n_chunks, self.region_members, max_gateways=self.wan_gateways,
+                                     classes=self._source_classes(obj))
+        for c in range(obj.n_chunks):
+            obj.mine[c] = obj.duty.owner(c) == self.me
+
+    def replan(self, obj: ObjectState, regions_changed: bool) -> list[int]:
+        """After `set_members`: refresh a patch object's responsibility; the
+        missing chunks whose sources may have moved."""
+        if regions_changed:  # every chunk's upstream regions may have moved
+            obj.upstream.clear()
+        flipped = []
+        for c in obj.duty.set_members(self.region_members, self._source_classes(obj) if regions_changed else None):
+            now_mine = obj.duty.owner(c) == self.me
+            if obj.mine[c] != now_mine:
+                obj.mine[c] = now_mine
+                flipped.append(c)
+        return sorted(obj.missing) if regions_changed else [c for c in flipped if c in obj.missing]
+
+    def fixed_tier(self, obj: ObjectState, info: PeerState) -> int | None:
+        """The tier `info` has for every chunk of `obj`, or None where it depends on the chunk."""
+        if info.kind == NODE and info.region == self.region:
+            return SAME_REGION
+        if not obj.is_patch:
+            return self.any_tier(info)
+        return None
+
+    def tier(self, obj: ObjectState, c: int, info: PeerState) -> int:
+        """How good a source `info` is for chunk c under the normal rules (lower first)."""
+        fixed = self.fixed_tier(obj, info)
+        if fixed is not None:
+            return fixed
+        if not obj.mine[c]:
+            return NOT_A_SOURCE
+        regions, origin_serves = self._upstream(obj, c)
+        if info.kind == NODE:
+            return regions.get(info.region, NOT_A_SOURCE)
+        return ORIGIN_TIER if origin_serves else NOT_A_SOURCE
+
+    def tier_of(self, obj: ObjectState):
+        """`tier` for one object, as piecestate's `TierOf`."""
+        return lambda c, info: self.tier(obj, c, info)
+
+    @staticmethod
+    def any_tier(info: PeerState) -> int:
+        """Keyframes and takeover: any node peer, then the origin."""
+        return OTHER_REGION if info.kind == NODE else ORIGIN_TIER
+
+    @staticmethod
+    def any_tier_of(c: int, info: PeerState) -> int:
+        """`any_tier` as piecestate's `TierOf`."""
+        return OTHER_REGION if info.kind == NODE else ORIGIN_TIER
+
+    def _source_classes(self, obj: ObjectState) -> list[tuple]:
+        """Per chunk, where my region pulls it from across the WAN: the gateways
+        share out each source's chunks evenly (`balanced_owners`)."""
+        out = []
+        for c in range(obj.n_chunks):
+            regions, origin_serves = self._upstream(obj, c)
+            out.append((tuple(sorted(regions)), origin_serves))
+        return out
+
+    def _upstream(self, obj: ObjectState, c: int) -> tuple[dict[str, int], bool]:
+        plan = obj.upstream.get(c)
+        if plan is None:
+            regions, origin_serves = upstream_regions(obj.key, c, self.region,
+                                                      self.member_regions, self.origin_region)
+            plan = {r: OTHER_REGION + i for i, r in enumerate(regions)}, origin_serves
+            obj.upstream[c] = plan
+        return plan

@@ -1,0 +1,44 @@
+"""Who hears of a chunk this member receives (protocol/announce.py), as two tables of peer kinds:
+`Incoming` when its first part arrives, `HaveOne` once it is verified. The daemon's use of the
+rule, with sessions, is in test_node_relay.py."""
+
+import pytest
+
+from patchswarm.protocol.announce import Listener, tell_have, tell_incoming
+
+NOTHING = Listener()  # a node of my region that said nothing of the chunk
+
+
+@pytest.mark.parametrize("peer, told", [
+    (Listener(sender=True, announced=True), False),  # the chunk comes from it
+    (Listener(origin=True), False),  # holds every chunk
+    (Listener(origin=True, same_region=False), False),
+    (NOTHING, True),  # may follow the chunk from here at once
+    (Listener(same_region=False), True),  # the next region's gateway among them
+    (Listener(announced=True, whole=True), False),  # holds it whole
+    (Listener(announced=True, same_region=False), False),  # is receiving it (said Incoming)
+    (Listener(announced=False), True),  # said it, then refused it (a Reject): as one that never had it
+], ids=["sender", "origin", "origin elsewhere", "same region", "other region", "holds it whole",
+        "receiving it", "refused it"])
+def test_incoming_goes_to_peers_that_said_nothing_of_the_chunk(peer, told):
+    assert tell_incoming(peer) is told
+
+
+@pytest.mark.parametrize("peer, told", [
+    (Listener(sender=True, announced=True, whole=True), False),
+    (Listener(origin=True), False),
+    (Listener(told=True), False),  # it knows: the Incoming said so
+    (Listener(told=True, same_region=False), False),
+    (NOTHING, True),  # connected after the first part: was not told
+    (Listener(same_region=False), True),
+    (NOTHING, True),  # a told peer that reconnected: its new session was not told
+    (Listener(announced=True, whole=True), False),  # holds it whole
+    (Listener(announced=True, whole=True, told=True), False),  # told, then got it whole elsewhere
+    (Listener(announced=True), True),  # still receiving it: its own flow may fail
+    (Listener(announced=True, told=True), False),
+    (Listener(announced=False), True),  # refused it
+], ids=["sender", "origin", "told", "told elsewhere", "connected late", "other region, not told",
+        "reconnected", "holds it whole", "told, holds it whole", "receiving it", "receiving it, told",
+        "refused it"])
+def test_haveone_goes_to_peers_not_told_that_do_not_hold_it_whole(peer, told):
+    assert tell_have(peer) is told

@@ -1,0 +1,106 @@
+"""The durable base (node/basefile.py): a plain safetensors file written streaming, and
+compacted forward by applying verified patches in place on a copy of it."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from patchswarm.node import basefile
+from patchswarm.protocol.errors import BaseMismatch, StateHashMismatch, UsageError
+from patchswarm.protocol.patch import diff, keyframe
+from patchswarm.protocol.statehash import state_hash
+
+
+def same(a: dict, b: dict) -> bool:
+    return set(a) == set(b) and all(
+        a[k].dtype == b[k].dtype and a[k].shape == b[k].shape
+        and torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8)) for k in a)
+
+
+def states(n: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    s = {"emb": torch.randn(300, 64, generator=g).to(torch.bfloat16),
+         "w": torch.randn(257, 129, generator=g).to(torch.bfloat16),
+         "fp8": torch.randn(64, 64, generator=g).to(torch.float8_e4m3fn),
+         "scale": torch.rand(1, 1, generator=g),
+         "odd": torch.arange(7, dtype=torch.uint8),
+         "empty": torch.empty(0, 3)}
+    out = [s]
+    for _ in range(n):
+        s = {k: v.clone() for k, v in s.items()}
+        for k in ("emb", "w"):
+            flat = s[k].view(-1).view(torch.int16)
+            flat[torch.randint(0, flat.numel(), (40,), generator=g)] += 1
+        s["scale"] += 0.5
+        out.append(s)
+    return out
+
+
+def meta(v: int, h: str) -> dict[str, str]:
+    return {"patchswarm.version": str(v), "patchswarm.state_hash": h}
+
+
+def test_write_is_plain_safetensors_with_aligned_data(tmp_path):
+    s = states(0)[0]
+    n = basefile.write(tmp_path / "b.safetensors", s, meta(0, "x"))
+    assert n == os.path.getsize(tmp_path / "b.safetensors")
+    assert same(load_file(str(tmp_path / "b.safetensors")), s)
+    start, entries, m = basefile.read_header(tmp_path / "b.safetensors")
+    assert start % basefile.HEADER_ALIGN == 0 and m == meta(0, "x")
+    for e in entries:
+        assert (start + e.begin) % torch.empty(0, dtype=e.dtype).element_size() == 0, e.name
+
+
+@pytest.mark.parametrize("writer", ["ours", "safetensors"])
+def test_compact_applies_the_chain_in_place_on_a_copy(tmp_path, writer):
+    chain = states(4)
+    base = tmp_path / "base.safetensors"
+    if writer == "ours":
+        basefile.write(base, chain[0], meta(0, state_hash(chain[0])))
+    else:  # a base another writer made: offsets not aligned for us, metadata elsewhere
+        save_file({k: v.contiguous() for k, v in chain[0].items()}, str(base), metadata={"format": "pt"})
+    before = base.read_bytes()
+    patches = [diff(a, b) for a, b in zip(chain, chain[1:])]
+    out = tmp_path / "new.safetensors"
+    seen = []
+    basefile.compact(base, patches, out, meta(4, patches[-1].target_hash), patches[-1].target_hash,
+                     on_object=seen.append)
+    assert seen == [1, 2, 3, 4]
+    assert same(load_file(str(out)), chain[4])
+    assert basefile.read_header(out)[2] == meta(4, patches[-1].target_hash)
+    assert base.read_bytes() == before, "the old base must stay as it was"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["base.safetensors", "new.safetensors"]
+
+
+def test_compact_rewrites_when_the_structure_changes(tmp_path):
+    a, b = states(1)
+    b = dict(b)
+    b["new"] = torch.arange(10, dtype=torch.int32)  # added
+    del b["odd"]  # removed
+    b["w"] = b["w"][:100].clone()  # reshaped
+    base = tmp_path / "base.safetensors"
+    basefile.write(base, a, meta(0, "a"))
+    p = diff(a, b)
+    basefile.compact(base, [p], base, meta(1, p.target_hash), p.target_hash)
+    assert same(load_file(str(base)), b)
+    assert [x.name for x in tmp_path.iterdir()] == ["base.safetensors"]
+
+
+def test_a_wrong_chain_or_hash_leaves_the_base_and_no_temporaries(tmp_path):
+    chain = states(2)
+    base = tmp_path / "base.safetensors"
+    basefile.write(base, chain[0], meta(0, "a"))
+    before = base.read_bytes()
+    p1, p2 = diff(chain[0], chain[1]), diff(chain[1], chain[2])
+    with pytest.raises(BaseMismatch):
+        basefile.compact(base, [p2], base, meta(2, "x"), p2.target_hash)  # skips version 1
+    with pytest.raises(StateHashMismatch):
+        basefile.compact(base, [p1], base, meta(1, "x"), p2.target_hash)  # not where the chain ends
+    with pytest.raises(UsageError, match="patches only"):
+        basefile.compact(base, [keyframe(chain[1])], base, meta(1, "x"), p1.target_hash)
+    assert base.read_bytes() == before
+    assert [x.name for x in tmp_path.iterdir()] == ["base.safetensors"]

@@ -1,0 +1,46 @@
+"""Whom a node keeps connected (node/dialer.py `Dialer.wanted`): the origin always; up to
+SAME_REGION_PEERS nodes of its region and OTHER_REGION_PEERS of each other region, chosen by a
+hash of both ids (stable, and different from node to node); only the origin for the star."""
+
+import pytest
+
+from patchswarm.node.dialer import OTHER_REGION_PEERS, SAME_REGION_PEERS, Dialer
+
+
+def _members(layout: dict[str, int]) -> dict[str, dict]:
+    """{region: nodes} -> tracker entries, with an origin in r0."""
+    out = {"origin": {"id": "origin", "role": "origin", "region": "r0", "addr": "x:1"}}
+    for region, n in layout.items():
+        for i in range(n):
+            pid = f"{region}.n{i}"
+            out[pid] = {"id": pid, "role": "node", "region": region, "addr": "x:1"}
+    return out
+
+
+def _wanted(me: str, region: str, layout: dict[str, int], no_peers: bool = False) -> dict[str, dict]:
+    d = Dialer(me, region, creds=None, peers=None, hello=None, download=None, no_peers=no_peers)
+    d.set_members(_members(layout))
+    return d.wanted()
+
+
+@pytest.mark.parametrize("layout, per_region", [
+    ({"r0": 4, "r1": 4}, {"r0": 3, "r1": 3}),  # everyone of my region (but me), three of the other
+    ({"r0": 40, "r1": 2}, {"r0": SAME_REGION_PEERS, "r1": 2}),
+    ({"r0": 1, "r1": 9, "r2": 9}, {"r0": 0, "r1": OTHER_REGION_PEERS, "r2": OTHER_REGION_PEERS}),
+])
+def test_the_origin_and_a_bounded_share_of_each_region(layout, per_region):
+    wanted = _wanted("r0.n0", "r0", layout)
+    assert "origin" in wanted and "r0.n0" not in wanted
+    nodes = [p for p in wanted.values() if p["role"] == "node"]
+    assert {r: sum(p["region"] == r for p in nodes) for r in layout} == per_region
+
+
+def test_the_choice_is_stable_and_differs_between_nodes():
+    layout = {"r0": 40, "r1": 20}
+    a = _wanted("r0.n0", "r0", layout)
+    assert a == _wanted("r0.n0", "r0", layout)
+    assert set(a) != set(_wanted("r0.n1", "r0", layout))
+
+
+def test_the_star_dials_only_the_origin():
+    assert list(_wanted("r0.n0", "r0", {"r0": 4, "r1": 4}, no_peers=True)) == ["origin"]

@@ -1,0 +1,87 @@
+"""The fetcher's requests in flight, in process, on trio's mock clock: a request the picker
+says has timed out is cancelled, and the chunk is asked of another holder.
+
+The peers are sessions whose message streams only record what they are sent."""
+
+import dataclasses
+
+import trio
+import trio.testing
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from patchswarm.node.fetcher import Fetcher
+from patchswarm.node.net.ratelimit import TokenBucket
+from patchswarm.node.peers import PeerSet, Session
+from patchswarm.node.relay import Inflows
+from patchswarm.node.store import ObjectStore
+from patchswarm.protocol import wire
+from patchswarm.protocol.manifest import Manifest
+from patchswarm.protocol.picker import PiecePicker
+from patchswarm.protocol.versions import VersionBook
+
+KEY = (1, False)
+TIMEOUT = 30.0
+
+
+@dataclasses.dataclass
+class RecordingStream:
+    sent: list = dataclasses.field(default_factory=list)
+
+    async def send(self, msg) -> None:
+        self.sent.append((trio.current_time(), msg))
+
+
+async def _noop(s, msg) -> None:
+    pass
+
+
+def _fetcher(tmp_path) -> Fetcher:
+    store = ObjectStore(tmp_path / "objects")
+    m = Manifest(swarm_id="sw", version=1, base_version=0, base_hash="blake3:" + "00" * 32,
+                 target_hash="blake3:" + "11" * 32, tensors=[], chunks=[(10, bytes(32))], codec={"format": 1},
+                 created_at=0.0)
+    store.put_manifest(KEY, m, b"(envelope)")
+    picker = PiecePicker("me", "r1", "r1", seed=3, request_timeout=TIMEOUT)
+    picker.add_object(KEY, 1, now=0.0)
+    inflows = Inflows()
+    peers = PeerSet("me", store, TokenBucket(None), _noop, inflows=inflows)
+    book = VersionBook("sw", Ed25519PrivateKey.generate().public_key())
+    return Fetcher("me", "r1", picker, peers, inflows, store, book, on_complete=lambda key: None)
+
+
+def _session(fetcher, nursery, peer: str, role: str = "node") -> Session:
+    s = Session(RecordingStream(), peer, role, "r1", "x:1", outbound=True)
+    s.tasks = nursery
+    fetcher.peers.sessions[peer] = s
+    fetcher.peer_joined(s)
+    fetcher.on_announce(s, wire.HaveOne(KEY[0], KEY[1], 0))
+    return s
+
+
+def _sent(s: Session, kind) -> list[float]:
+    return [t for t, m in s.ms.sent if isinstance(m, kind)]
+
+
+def test_a_request_that_times_out_is_cancelled_and_asked_of_another_holder(tmp_path):
+    fetcher = _fetcher(tmp_path)
+
+    async def main():
+        start = trio.current_time()
+        async with trio.open_nursery() as n:
+            await n.start(fetcher.run)
+            # A neighbour is asked first; the origin (never asked for an endgame copy) next.
+            first, second = _session(fetcher, n, "a"), _session(fetcher, n, "origin", role="origin")
+            await trio.testing.wait_all_tasks_blocked()
+            assert len(_sent(first, wire.Request)) == 1 and not _sent(second, wire.Request)
+            await trio.sleep(TIMEOUT - 1)  # neither answers
+            assert not _sent(first, wire.Cancel) and not _sent(second, wire.Request)
+            await trio.sleep(2)
+            [cancelled_at] = _sent(first, wire.Cancel)
+            [asked_at] = _sent(second, wire.Request)
+            assert cancelled_at - start == asked_at - start == TIMEOUT
+            await trio.sleep(10 * TIMEOUT)  # the second one times out too: nobody is left to ask
+            assert len(_sent(first, wire.Request)) == len(_sent(second, wire.Request)) == 1
+            assert len(_sent(second, wire.Cancel)) == 1 and fetcher.picker.in_flight() == 0
+            n.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))

@@ -1,0 +1,213 @@
+"""Engine hand-offs: the model directory (node/modeldir.py) and the loop that feeds an engine
+(node/engines.py), with a real HTTP server that speaks SGLang's weight-update shape and loads
+what it is given."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import trio
+import trio.testing
+from safetensors.torch import load_file
+
+from patchswarm.node.engines import Command, Handoff, HandoffFailed, Offer, SGLang, make_engine
+from patchswarm.node.modeldir import ModelDir
+from patchswarm.protocol.errors import UsageError
+from patchswarm.protocol.served import file_tensor, file_tensor_name
+from patchswarm.protocol.statehash import state_hash
+
+HERE = Path(__file__).resolve().parent
+LAYOUT = {"a": "model-00001-of-00002.safetensors", "b": "model-00001-of-00002.safetensors",
+          "c": "model-00002-of-00002.safetensors"}
+
+
+def state(v: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(v)
+    return {"a": torch.randn(8, 8, generator=g).to(torch.bfloat16), "b": torch.full((3,), float(v)),
+            "c": torch.arange(10, dtype=torch.int32)}
+
+
+# ------------------------------------------------------------------ model directory
+
+
+def test_versions_switch_atomically_and_unchanged_shards_are_linked(tmp_path):
+    md = ModelDir(tmp_path / "md")
+    s0, s1 = state(0), state(1)
+    s1["c"] = s0["c"]  # shard 2 unchanged in version 1
+    files = {"config.json": b"{}"}
+    md.write(0, s0, LAYOUT, files, {"patchswarm.version": "0"})
+    assert md.current_version() == 0
+    n1 = md.write(1, s1, LAYOUT, files, {"patchswarm.version": "1"}, changed={"a", "b"})
+    assert md.current_version() == 1 and os.readlink(md.current) == "versions/v0000000001"
+    cur = md.current
+    loaded = {**load_file(str(cur / LAYOUT["a"])), **load_file(str(cur / LAYOUT["c"]))}
+    assert all(torch.equal(loaded[k].view(torch.uint8) if loaded[k].dtype == torch.bfloat16 else loaded[k],
+                           s1[k].view(torch.uint8) if s1[k].dtype == torch.bfloat16 else s1[k]) for k in s1)
+    index = json.loads((cur / "model.safetensors.index.json").read_text())
+    assert index["weight_map"] == LAYOUT and (cur / "config.json").read_bytes() == b"{}"
+    # The unchanged shard is the same file (a hard link), not a second write; version 0 is gone.
+    assert os.stat(cur / LAYOUT["c"]).st_nlink == 1  # v0 was pruned, so only v1 links it now
+    assert n1 < sum(t.numel() * t.element_size() for t in s1.values()) + 4096 * 2
+    assert sorted(p.name for p in (tmp_path / "md" / "versions").iterdir()) == ["v0000000001"]
+
+
+def test_a_held_version_survives_until_released_and_crash_leftovers_go(tmp_path):
+    md = ModelDir(tmp_path / "md")
+    md.write(0, state(0), None, {}, {})
+    md.hold(0)
+    md.write(1, state(1), None, {}, {})
+    assert (md.path(0) / "model.safetensors").exists(), "held by an engine still loading it"
+    md.release(0)
+    assert not md.path(0).exists()
+    (tmp_path / "md" / "versions" / ".v0000000002.partial").mkdir()  # a write a crash cut short
+    md2 = ModelDir(tmp_path / "md")
+    assert md2.current_version() == 1
+    assert sorted(p.name for p in (tmp_path / "md" / "versions").iterdir()) == ["v0000000001"]
+
+
+# ------------------------------------------------------------------ the feeding loop
+
+
+class ScriptedEngine:
+    name = "scripted"
+
+    def __init__(self, fail_first: int = 0):
+        self.fail_first = fail_first
+        self.calls: list[int] = []
+        self.gate = trio.Event()
+
+    async def load(self, offer: Offer) -> str:
+        self.calls.append(offer.version)
+        await self.gate.wait()
+        if self.fail_first:
+            self.fail_first -= 1
+            raise HandoffFailed("not now")
+        return "ok"
+
+
+def test_versions_go_in_order_a_newer_supersedes_and_failures_are_retried():
+    async def main():
+        engine = ScriptedEngine(fail_first=2)
+        held: dict[int, int] = {}
+        h = Handoff(engine, hold=lambda v: held.__setitem__(v, held.get(v, 0) + 1),
+                    release=lambda v: held.__setitem__(v, held[v] - 1))
+        async with trio.open_nursery() as n:
+            n.start_soon(h.run)
+            h.offer(Offer(1, Path("/x/1"), "h1", time.time()))
+            await trio.testing.wait_all_tasks_blocked()
+            h.offer(Offer(2, Path("/x/2"), "h2", time.time()))  # while 1 is in flight
+            h.offer(Offer(3, Path("/x/3"), "h3", time.time()))  # supersedes 2
+            engine.gate.set()
+            with trio.fail_after(600):
+                await h.wait_delivered(3)
+            n.cancel_scope.cancel()
+        # 1 failed; 3 had superseded it by then, so 3 went next (failed once, retried, delivered).
+        assert engine.calls[0] == 1 and engine.calls[-1] == 3 and 2 not in engine.calls
+        assert h.delivered == 3 and h.superseded == 1 and h.last_error is None
+        assert {v: c for v, c in held.items() if c} == {3: 1}, held  # only what the engine uses is held
+        assert h.status()["engine_version"] == 3
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_a_failure_is_retried_until_it_succeeds_never_skipped():
+    async def main():
+        engine = ScriptedEngine(fail_first=3)
+        engine.gate.set()
+        h = Handoff(engine)
+        async with trio.open_nursery() as n:
+            n.start_soon(h.run)
+            h.offer(Offer(7, Path("/x/7"), "h7", None))
+            with trio.fail_after(600):
+                await h.wait_delivered(7)
+            n.cancel_scope.cancel()
+        assert engine.calls == [7, 7, 7, 7] and h.attempts == 4
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_engine_choices_are_checked():
+    assert make_engine(None, None, None) is None
+    assert isinstance(make_engine(None, None, "true"), Command)
+    assert isinstance(make_engine("sglang", "http://127.0.0.1:1", None), SGLang)
+    for args in [("sglang", None, None), ("tgi", "http://x:1", None), (None, "http://x:1", None),
+                 ("vllm", "http://x:1", "true"), ("sglang", "ftp://x", None)]:
+        with pytest.raises(UsageError):
+            make_engine(*args)
+
+
+def test_on_version_command_gets_the_version_in_its_environment(tmp_path):
+    out = tmp_path / "seen"
+
+    async def main():
+        cmd = Command(f'echo "$PATCHSWARM_VERSION $PATCHSWARM_MODEL_DIR $PATCHSWARM_STATE_HASH" >> {out}')
+        await cmd.load(Offer(4, tmp_path / "v4", "blake3:ab", None))
+        with pytest.raises(HandoffFailed, match="exited 3"):
+            await Command("exit 3").load(Offer(5, tmp_path, "h", None))
+
+    trio.run(main)
+    assert out.read_text() == f"4 {tmp_path / 'v4'} blake3:ab\n"
+
+
+# ------------------------------------------------------------------ a real HTTP engine
+
+
+@pytest.fixture
+def fake_sglang(tmp_path):
+    port_file, log = tmp_path / "port", tmp_path / "engine.jsonl"
+    procs = []
+
+    def start(refuse: int = 0):
+        p = subprocess.Popen([sys.executable, str(HERE / "engines" / "fake_sglang.py"), "--port-file", str(port_file),
+                              "--log", str(log), "--refuse", str(refuse)])
+        procs.append(p)
+        deadline = time.monotonic() + 60
+        while not port_file.exists() or not port_file.read_text():
+            assert time.monotonic() < deadline and p.poll() is None, "fake sglang did not start"
+            time.sleep(0.05)
+        return f"http://127.0.0.1:{port_file.read_text()}", log
+
+    yield start
+    for p in procs:
+        p.send_signal(signal.SIGINT)
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+@pytest.mark.slow
+def test_sglang_shaped_engine_loads_each_version_in_order_and_refusals_are_retried(tmp_path, fake_sglang):
+    url, log = fake_sglang(refuse=1)
+    md = ModelDir(tmp_path / "md")
+    files = {"config.json": b'{"model_type": "x"}'}
+    hashes = {}
+
+    async def main():
+        h = Handoff(SGLang(url), hold=md.hold, release=md.release)
+        async with trio.open_nursery() as n:
+            n.start_soon(h.run)
+            for v in range(3):
+                s = state(v)
+                md.write(v, s, LAYOUT, files, {})
+                full = {**s, file_tensor_name("config.json"): file_tensor(files["config.json"])}
+                hashes[v] = state_hash(full)
+                h.offer(Offer(v, md.path(v), hashes[v], time.time()))
+                with trio.fail_after(60):
+                    await h.wait_delivered(v)
+            n.cancel_scope.cancel()
+        return h
+
+    h = trio.run(main)
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [c["version"] for c in calls] == ["0", "1", "2"]
+    assert [c["state_hash"] for c in calls] == [hashes[0], hashes[1], hashes[2]]
+    assert h.attempts == 4  # the first call was refused and retried

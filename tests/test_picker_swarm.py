@@ -1,0 +1,231 @@
+"""Many piece pickers wired together, without sockets: a discrete-event swarm.
+
+Pure Python: one PiecePicker per node, an origin holding every chunk, instant
+delivery within a step. Checks that everyone completes, that each chunk
+enters each region across the WAN exactly once and that the origin sends each
+chunk once while all is healthy, also when a member leaves or links are
+partial. Single pickers are tested with tables in test_picker.py.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from itertools import combinations
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from patchswarm.protocol.picker import NODE, ORIGIN, PiecePicker
+
+KEY = (7, False)  # a patch
+OR = "origin"  # the origin's peer id
+
+
+
+class Swarm:
+    """A discrete-event swarm: one PiecePicker per node, an origin holding every
+    chunk, instant delivery within a step, HaveOne to every neighbour. When a
+    step sends nothing, time jumps to the earliest `next_wakeup`. Checks the
+    picker contract on every request."""
+
+    def __init__(self, layout, origin_region, n_chunks, *, links=None, pipeline=4,
+                 takeover_after=2.0, dt=1e-3, seed=0):
+        self.layout = dict(layout)
+        self.region_of = {**layout, OR: origin_region}
+        self.n, self.pipeline, self.dt = n_chunks, pipeline, dt
+        everyone = [*sorted(layout), OR]
+        self.links = {x: set() for x in everyone}
+        for a, b in (links if links is not None else combinations(everyone, 2)):
+            self.links[a].add(b)
+            self.links[b].add(a)
+        self.have = {node: set() for node in layout}
+        self.have[OR] = set(range(n_chunks))
+        self.pickers = {}
+        for i, node in enumerate(sorted(layout)):
+            p = PiecePicker(node, layout[node], origin_region, seed=seed * 1000 + i,
+                            pipeline=pipeline, takeover_after=takeover_after)
+            p.set_members(self.layout)
+            for other in sorted(self.links[node]):
+                p.peer_joined(other, ORIGIN if other == OR else NODE, self.region_of[other])
+            p.add_object(KEY, n_chunks, now=0.0)
+            if OR in self.links[node]:
+                p.peer_has(OR, KEY, range(n_chunks))
+            self.pickers[node] = p
+        self.t = 0.0
+        self.steps = 0
+        self.wan_requests = Counter()  # (region, chunk) -> requests that crossed into it
+        self.wan_entries = Counter()  # (region, chunk) -> deliveries that crossed into it
+        self.wan_exits = Counter()  # (region, chunk) -> deliveries that crossed out of it
+        self.origin_sent = 0
+
+    def done(self):
+        return all(p.complete(KEY) for p in self.pickers.values())
+
+    def leave(self, node):
+        del self.pickers[node]
+        del self.layout[node]
+        for other in self.links.pop(node):
+            self.links[other].discard(node)
+            if other in self.pickers:
+                self.pickers[other].peer_left(node)
+        for p in self.pickers.values():
+            p.set_members(self.layout)
+
+    def step(self):
+        self.steps += 1
+        sent, per_peer = [], Counter()
+        for node in sorted(self.pickers):
+            for r in self.pickers[node].requests(self.t):
+                assert r.key == KEY and r.peer in self.links[node], (node, r)
+                assert r.chunk in self.have[r.peer], f"{node} asked {r.peer} for {r.chunk} it lacks"
+                assert r.chunk not in self.have[node], f"{node} asked for {r.chunk} it has"
+                assert (node, r) not in sent, f"{node} asked twice: {r}"
+                per_peer[node, r.peer] += 1
+                assert per_peer[node, r.peer] <= self.pipeline
+                if self.region_of[r.peer] != self.region_of[node]:
+                    self.wan_requests[self.region_of[node], r.chunk] += 1
+                sent.append((node, r))
+        cancelled = set()
+        for node, r in sent:
+            if (node, r) in cancelled:
+                continue
+            for cancel in self.pickers[node].chunk_received(KEY, r.chunk, r.peer):
+                cancelled.add((node, cancel))
+            self.origin_sent += r.peer == OR
+            if self.region_of[r.peer] != self.region_of[node]:
+                self.wan_entries[self.region_of[node], r.chunk] += 1
+                self.wan_exits[self.region_of[r.peer], r.chunk] += 1
+            if r.chunk not in self.have[node]:
+                self.have[node].add(r.chunk)
+                for other in sorted(self.links[node]):
+                    if other in self.pickers:
+                        self.pickers[other].peer_has(node, KEY, [r.chunk])
+        assert all(p.in_flight() == 0 for p in self.pickers.values())
+        if sent:
+            self.t += self.dt
+        else:
+            wakeups = [w for p in self.pickers.values() if (w := p.next_wakeup(self.t)) is not None]
+            missing = {n: p.missing(KEY) for n, p in self.pickers.items()}
+            assert wakeups, f"deadlock at t={self.t}: nobody can request; missing {missing}"
+            self.t = min(wakeups)
+
+    def run(self, max_steps=5000):
+        while not self.done():
+            assert self.steps < max_steps, "the swarm did not finish in time"
+            self.step()
+        return self
+
+
+def layout_of(*sizes, skip=()):
+    """Nodes per region: layout_of(4, 4) -> 4 nodes in r0, 4 in r1."""
+    return {f"n{r}.{i}": f"r{r}" for r, size in enumerate(sizes) for i in range(size)
+            if r not in skip}
+
+
+def assert_healthy(swarm, origin_region):
+    n = swarm.n
+    for region in set(swarm.layout.values()):
+        for c in range(n):
+            if region == origin_region:
+                assert swarm.wan_entries[region, c] == 0
+            else:
+                assert swarm.wan_entries[region, c] == 1, (region, c)
+                assert swarm.wan_requests[region, c] == 1, (region, c)
+    # Each chunk leaves each region (the origin's counted with it) at most once: the remote
+    # regions relay to each other instead of all pulling from the origin's region.
+    assert max(swarm.wan_exits.values(), default=0) <= 1
+    assert swarm.origin_sent == n  # <= 1.25 n asked for; exactly once when healthy
+
+
+@pytest.mark.parametrize("layout, origin_region", [
+    (layout_of(4, 4, 4), "r0"),  # 3 regions x 4 nodes, origin in region 0
+    (layout_of(4), "r0"),  # one region with the origin
+    (layout_of(1), "r0"),  # a single node
+    (layout_of(1, 5), "r0"),  # uneven
+    (layout_of(5, 1), "r0"),
+    (layout_of(3, 1, 5, 2), "r0"),
+    (layout_of(4, 4), "r9"),  # the origin's region has no nodes
+    (layout_of(0, 2, 3), "r0"),  # likewise, with a name among the regions
+])
+def test_swarm_completes_with_each_chunk_crossing_each_boundary_once(layout, origin_region):
+    swarm = Swarm(layout, origin_region, n_chunks=48).run()
+    assert swarm.done()
+    assert swarm.t < 2.0  # no takeover was needed
+    assert_healthy(swarm, origin_region)
+
+
+def test_swarm_survives_a_responsible_node_leaving_mid_version():
+    layout = layout_of(4, 4, 4)
+    swarm = Swarm(layout, "r0", n_chunks=64)
+    for _ in range(6):
+        swarm.step()
+    # the r1 node that brought the most chunks into r1 leaves with them
+    r1 = [n for n in sorted(swarm.pickers) if layout[n] == "r1"]
+    leaver = max(r1, key=lambda n: len(swarm.have[n]))
+    assert swarm.have[leaver] and not swarm.done()
+    swarm.leave(leaver)
+    swarm.run()
+    assert swarm.t < 2.0  # re-planned at once, not by takeover
+    assert max(swarm.wan_entries.values()) <= 2
+    assert swarm.origin_sent == 64
+
+
+def test_swarm_partial_links_finish_by_takeover():
+    # r1's nodes see the rest of the world only through n1.0, which is not
+    # responsible for everything: the others take over after the delay.
+    layout = layout_of(2, 3)
+    links = [("n0.0", "n0.1"), ("n0.0", OR), ("n0.1", OR), ("n1.0", "n0.0"),
+             ("n1.0", "n1.1"), ("n1.1", "n1.2")]
+    swarm = Swarm(layout, "r0", n_chunks=24, links=links, takeover_after=0.5).run()
+    assert swarm.done() and swarm.t >= 0.5
+
+
+@st.composite
+def swarm_shapes(draw, partial_links):
+    sizes = draw(st.lists(st.integers(0, 4), min_size=1, max_size=4).filter(lambda s: sum(s)))
+    origin_region = f"r{draw(st.integers(0, len(sizes)))}"  # may be a region with no nodes
+    layout = layout_of(*sizes)
+    rng = random.Random(draw(st.integers(0, 2**32 - 1)))
+    links = None
+    if partial_links:  # a random connected graph: a spanning tree plus extra edges
+        everyone = [OR, *sorted(layout)]
+        rng.shuffle(everyone)
+        links = [(x, rng.choice(everyone[:i])) for i, x in enumerate(everyone) if i]
+        links += [pair for pair in combinations(everyone, 2) if rng.random() < 0.3]
+    return dict(layout=layout, origin_region=origin_region, links=links,
+                n_chunks=draw(st.integers(1, 20)), pipeline=draw(st.integers(1, 4)),
+                seed=draw(st.integers(0, 1000)))
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(swarm_shapes(partial_links=True))
+def test_property_any_connected_swarm_completes(shape):
+    swarm = Swarm(shape["layout"], shape["origin_region"], shape["n_chunks"],
+                  links=shape["links"], pipeline=shape["pipeline"], seed=shape["seed"],
+                  takeover_after=0.2).run()
+    assert swarm.done()
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(swarm_shapes(partial_links=False), st.integers(0, 12), st.data())
+def test_property_full_mesh_crosses_each_boundary_once(shape, leave_after, data):
+    swarm = Swarm(shape["layout"], shape["origin_region"], shape["n_chunks"],
+                  pipeline=shape["pipeline"], seed=shape["seed"])
+    leaver = None
+    if len(shape["layout"]) > 1:
+        for _ in range(leave_after):
+            if swarm.done():
+                break
+            swarm.step()
+        leaver = data.draw(st.sampled_from(sorted(swarm.layout)))
+        swarm.leave(leaver)
+    swarm.run()
+    assert swarm.t < 2.0  # membership changes re-plan at once: no takeover
+    n = shape["n_chunks"]
+    if leaver is None:
+        assert_healthy(swarm, shape["origin_region"])
+    else:  # what the leaver alone held comes in once more, at most
+        assert max(swarm.wan_requests.values(), default=0) <= 2
+        assert swarm.origin_sent <= 2 * n

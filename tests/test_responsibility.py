@@ -1,0 +1,173 @@
+"""The WAN plan, without sockets: who is responsible for bringing each chunk into a region.
+
+Rendezvous hashing per chunk (`responsible`), the order in which regions pass a
+chunk on (`region_order`, `upstream_regions`), the gateways of a region and the
+even share of each source's chunks among them (`gateways`, `balanced_owners`),
+and `ResponsibilityMap` following membership. The picker that acts on this plan
+is tested in test_picker.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import given, settings
+
+from patchswarm.protocol.errors import UsageError
+from patchswarm.protocol.responsibility import (
+    ResponsibilityMap, balanced_owners, gateways, region_order, responsible, upstream_regions,
+)
+
+KEY = (7, False)  # a patch
+KF = (7, True)  # a keyframe
+
+
+
+def test_responsible_is_highest_sha256_weight():
+    members = ["a", "b", "node-3", "x"]
+    for c in range(20):
+        digests = {m: hashlib.sha256(f"{m}|7|0|{c}".encode()).digest() for m in members}
+        assert responsible(KEY, c, members) == max(members, key=lambda m: digests[m])
+        assert responsible(KEY, c, reversed(members)) == responsible(KEY, c, members)
+    assert responsible(KEY, 0, []) is None
+    assert responsible(KEY, 0, ["solo"]) == "solo"
+
+
+def test_responsible_spreads_chunks_over_members():
+    members = [f"n{i}" for i in range(4)]
+    share = Counter(responsible(KEY, c, members) for c in range(400))
+    assert set(share) == set(members)
+    assert all(60 <= v <= 140 for v in share.values()), share
+
+
+def test_keyframe_and_patch_of_same_version_differ():
+    members = [f"n{i}" for i in range(4)]
+    assert any(responsible(KEY, c, members) != responsible(KF, c, members) for c in range(20))
+
+
+def test_region_order_origin_first_then_per_chunk_rendezvous():
+    regions = ["r1", "r2", "r3", "r1"]
+    seconds = Counter()
+    for c in range(60):
+        order = region_order(KEY, c, regions, "r0")
+        assert order[0] == "r0" and sorted(order[1:]) == ["r1", "r2", "r3"]
+        assert region_order(KEY, c, ["r3", "r0", "r2", "r1"], "r0") == order
+        seconds[order[1]] += 1
+    assert set(seconds) == {"r1", "r2", "r3"}  # remote regions split the pulling
+
+
+@pytest.mark.parametrize("region, members, origin_region, expect", [
+    # (my region, regions with members, origin region, (upstream, origin serves))
+    ("r0", {"r0", "r1"}, "r0", ([], True)),  # the origin's region takes from the origin
+    ("r0", {"r0"}, "r0", ([], True)),  # the only region
+    ("r1", {"r1"}, "r0", (["r0"], True)),  # origin region without nodes: first region
+    ("r1", {"r0", "r1"}, "r0", (["r0"], False)),  # origin region has nodes: take from them
+])
+def test_upstream_regions_table(region, members, origin_region, expect):
+    for c in range(10):
+        assert upstream_regions(KEY, c, region, members, origin_region) == expect
+
+
+def test_upstream_regions_second_region_pulls_from_first():
+    for c in range(30):
+        order = region_order(KEY, c, ["r1", "r2"], "r0")
+        first, second = order[1], order[2]
+        assert upstream_regions(KEY, c, second, {"r1", "r2"}, "r0") == ([first], False)
+        assert upstream_regions(KEY, c, first, {"r1", "r2"}, "r0") == (["r0"], True)
+        assert upstream_regions(KEY, c, second, {"r0", "r1", "r2"}, "r0") == ([first], False)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.sets(st.sampled_from([f"n{i}" for i in range(8)])), st.integers(0, 60),
+       st.one_of(st.none(), st.lists(st.sampled_from(["o", "r1", "r2"]), min_size=60, max_size=60)))
+def test_balanced_owners_bounds_each_gateways_share_of_each_class(gws, n, classes):
+    classes = None if classes is None else classes[:n]
+    owners = balanced_owners(KEY, n, gws, classes)
+    assert owners == balanced_owners(KEY, n, sorted(gws, reverse=True), classes)  # order-independent
+    if not gws:
+        assert owners == [None] * n
+        return
+    assert set(owners) <= gws
+    cls = classes or [None] * n
+    plain = [responsible(KEY, c, gws) for c in range(n)]
+    overflow = 0
+    for k in set(cls):
+        chunks = [c for c in range(n) if cls[c] == k]
+        cap = -(-len(chunks) // len(gws))
+        assert max(Counter(owners[c] for c in chunks).values()) <= cap
+        overflow += sum(max(0, v - cap) for v in Counter(plain[c] for c in chunks).values())
+    if not overflow:  # no gateway drew more than its share: plain rendezvous
+        assert owners == plain
+    else:
+        assert owners != plain
+
+
+def test_balanced_owners_evens_out_a_lopsided_rendezvous_split():
+    gws = {"n2.1", "n2.4"}
+    # Objects where plain rendezvous gives one gateway 9 or more of 13 chunks.
+    lopsided = [v for v in range(200)
+                if max(Counter(responsible((v, False), c, gws) for c in range(13)).values()) >= 9]
+    assert lopsided
+    for v in lopsided:
+        assert sorted(Counter(balanced_owners((v, False), 13, gws)).values()) == [6, 7]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sets(st.sampled_from([f"n{i}" for i in range(8)])), min_size=1, max_size=6))
+def test_responsibility_map_tracks_membership(history):
+    rmap = ResponsibilityMap(KEY, 40)
+    before = [None] * 40
+    for members in history:
+        changed = rmap.set_members(members)
+        now = balanced_owners(KEY, 40, members)
+        assert [rmap.owner(c) for c in range(40)] == now
+        assert changed == [c for c in range(40) if before[c] != now[c]]
+        before = now
+
+
+def test_responsibility_map_follows_new_classes():
+    members = {"a", "b", "c"}
+    first, second = ["o"] * 30, ["o", "r"] * 15
+    rmap = ResponsibilityMap(KEY, 30, members, classes=first)
+    assert [rmap.owner(c) for c in range(30)] == balanced_owners(KEY, 30, members, first)
+    changed = rmap.set_members(members, second)
+    now = balanced_owners(KEY, 30, members, second)
+    assert [rmap.owner(c) for c in range(30)] == now
+    assert changed == [c for c in range(30) if balanced_owners(KEY, 30, members, first)[c] != now[c]]
+    assert rmap.set_members(members, second) == []
+    with pytest.raises(UsageError, match="classes: expected one per chunk"):
+        rmap.set_members(members, ["o"] * 29)
+
+
+def test_gateways_are_the_top_k_by_weight_and_move_between_objects():
+    members = [f"n{i}" for i in range(6)]
+    for k in (1, 2, 5):
+        gws = gateways(KEY, members, k)
+        assert len(gws) == k and gws <= set(members)
+        assert gws == gateways(KEY, reversed(members), k)  # order-independent
+        ranked = sorted(members, key=lambda m: hashlib.sha256(f"{m}|7|0|gateway".encode()).digest(), reverse=True)
+        assert gws == set(ranked[:k])
+    assert gateways(KEY, members, None) == set(members)
+    assert gateways(KEY, members[:2], 3) == set(members[:2])
+    assert gateways(KEY, [], 2) == set()
+    # Successive versions do not all load the same member's WAN link.
+    assert len({frozenset(gateways((v, False), members, 1)) for v in range(30)}) > 3
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sets(st.sampled_from([f"n{i}" for i in range(8)])), min_size=1, max_size=6),
+       st.sampled_from([1, 2, 3]))
+def test_responsibility_map_with_gateways_tracks_membership(history, k):
+    rmap = ResponsibilityMap(KEY, 40, max_gateways=k)
+    before = [None] * 40
+    for members in history:
+        changed = rmap.set_members(members)
+        gws = gateways(KEY, members, k)
+        assert rmap.gateways == gws and rmap.members == members
+        now = balanced_owners(KEY, 40, gws)
+        assert [rmap.owner(c) for c in range(40)] == now
+        assert changed == [c for c in range(40) if before[c] != now[c]]
+        before = now
