@@ -288,6 +288,34 @@ def test_gateways_of_a_new_version_learn_each_other_at_once():
                     assert theirs <= held.keys(), (g, other)
 
 
+@pytest.mark.parametrize("regions, size", [(8, 25), (8, 100), (24, 25)])
+def test_a_membership_change_costs_its_region_and_its_samplers_not_the_fleet(regions, size):
+    """One node of r3 leaves and another joins, 20 times: the deltas reach the region and the
+    members that sampled the node (3 per member of each other region, spread over the region's
+    nodes: about 3 x (regions - 1) of them), never the fleet; each carries a few entries."""
+    core = TrackerCore(SWARM, KEY.public_key(), delta_delay=0.1, heartbeat_timeout=1e9)
+    core.connected(Conn("origin"), hello("origin", "origin", "r0"), "origin:7000", 0.0)
+    for r in range(regions):
+        for i in range(size):
+            core.connected(Conn(f"n{r}.{i}"), hello(f"n{r}.{i}", region=f"r{r}"), f"n{r}.{i}:7000", 0.0)
+    core.tick(1.0)
+    recipients, pushed, changes = 0, 0, 0
+    for k in range(20):
+        t = 2.0 + k
+        name, joiner = f"n3.{k}", Conn(f"n3.{k}b")
+        acts = core.closed(core.members[name].conn, t)
+        acts += core.connected(joiner, hello(f"n3.{k}b", region="r3"), f"n3.{k}b:7000", t)
+        acts += core.tick(t + 0.2)
+        sends = [a for a in acts if isinstance(a, Send) and a.to != (joiner,)]  # not the joiner's own list
+        recipients += sum(len(a.to) for a in sends)
+        pushed += sum(len(a.frame) * len(a.to) for a in sends)
+        changes += 2
+    affected = size + 3 * (regions - 1)  # the region, and the samplers a node has on average
+    assert recipients / changes <= 1.5 * affected, (recipients / changes, affected)
+    assert pushed / recipients <= 160  # a delta of one or two entries, not a list
+    assert recipients / changes < (regions * size) / 3  # far from the fleet
+
+
 # ------------------------------------------------------------------ the shell
 
 
