@@ -115,12 +115,15 @@ def simulate(members: int, args) -> dict:
     layout, links, _ = build_swarm(members, regions, args.seed)
     region_of = {**layout, OR: "r0"}
     net = Network(region_of, lan, wan, args.lan_ms / 1e3, args.wan_ms / 1e3)
+    by_region: dict[str, list[str]] = defaultdict(list)
+    for node, region in layout.items():
+        by_region[region].append(node)
     pickers: dict[str, PiecePicker] = {}
     for i, (node, region) in enumerate(layout.items()):
         p = PiecePicker(node, region, "r0", seed=args.seed * 1_000_003 + i)
         # The picker's member set is the node's peer set: its region, its samples, the gateways.
         known = {q: region_of[q] for q in links[node] if q != OR}
-        known.update((q, region) for q in _region_members(layout, region))
+        known.update((q, region) for q in by_region[region])
         known[node] = region
         p.set_members(known)
         for q in sorted(links[node]):
@@ -183,7 +186,7 @@ def simulate(members: int, args) -> dict:
     w0 = wan["r0"]
     for r in range(regions):
         region = f"r{r}"
-        nodes = [n for n, g in layout.items() if g == region]
+        nodes = by_region.get(region)
         if not nodes:
             continue
         bound = patch / (lan if region == "r0" else min(lan, wan[region], w0))
@@ -196,16 +199,6 @@ def simulate(members: int, args) -> dict:
     return {"members": members, "regions": regions, "rows": rows, "everyone_s": everyone, "bound_s": bound,
             "ratio": everyone / bound, "origin_out_over_patch": net.sent[OR] / patch, "requests": requests,
             "setup_s": setup_s, "wall_s": time.monotonic() - wall0, "cpu_s": time.process_time() - cpu0}
-
-
-_REGION_CACHE: dict[tuple[int, str], list[str]] = {}
-
-
-def _region_members(layout: dict[str, str], region: str) -> list[str]:
-    key = (id(layout), region)
-    if key not in _REGION_CACHE:
-        _REGION_CACHE[key] = [n for n, g in layout.items() if g == region]
-    return _REGION_CACHE[key]
 
 
 def format_result(res: dict, args) -> str:
