@@ -33,6 +33,19 @@ Payloads are half random, half zeros (lz4 finds something, not everything),
 distinct per record.
 
     .venv/bin/python bench/trajectories.py [--seconds 8] [--repeat 2] [--sizes 1KiB,16KiB,1MiB]
+
+Many uploaders into one origin (`--uploaders 64`): instead of node daemons,
+`--uploader-procs` processes hold `--uploaders` node sessions to the origin in
+all, each over its own mutual-TLS connection with its own node certificate,
+and send what a node's uploader (node/uploader.py) sends: `Trajectories`
+batches of `--batch-records` records (encode_batch), at most UPLOAD_WINDOW
+unacknowledged, the next as soon as one is acked, for `--seconds`. That is
+the origin's ingest with the spools taken out (a node's own cost per record
+is the table above): rec/s and MB/s acknowledged (an ack follows the store's
+fdatasync), ack latency p50/p99, the origin's CPU per record and cores, and
+the check that the store gained exactly the acknowledged records per node.
+
+    .venv/bin/python bench/trajectories.py --uploaders 64,128 [--sizes 1KiB,16KiB] [--batch-records 64]
 """
 
 from __future__ import annotations
@@ -48,6 +61,7 @@ import sys
 import tempfile
 import threading
 import time
+import zlib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -280,6 +294,154 @@ class Fleet:
         self.lab.close()
 
 
+# ================================================================ many uploaders into one origin
+
+
+def uploaders_main(origin_addr: str, creds_dir: str, names: list[str], batch_records: int) -> None:
+    """Hold one session per name to the origin; per JSON command on stdin, upload
+    batches for the time given and answer one JSON line (acked per name, ack latencies)."""
+    import trio
+
+    from patchswarm.node.net.transport import CONNECTION_ERRORS, connect
+    from patchswarm.node.net.trust import Credentials, client_context
+    from patchswarm.node.uploader import UPLOAD_WINDOW
+    from patchswarm.protocol import wire
+    from patchswarm.protocol.trajectory import Record, encode_batch
+
+    async def main():
+        sessions = {}
+        for name in names:
+            creds = Credentials.load(Path(creds_dir) / name)
+            sessions[name] = await connect(origin_addr, creds, {"origin"}, wire.Hello(name, "r1", "node", "", []),
+                                           ssl_context=client_context(creds))
+        print(json.dumps({"ready": len(sessions)}), flush=True)
+        stdin = trio.wrap_file(sys.stdin)
+        seq = collections.Counter()
+        while line := await stdin.readline():
+            cmd = json.loads(line)
+            size, start, stop = cmd["size"], cmd["start"], cmd["start"] + cmd["seconds"]
+            acked, lat, errors = collections.Counter(), [], []
+
+            async def upload(name: str, ms) -> None:
+                pool = payload_pool(size, zlib.crc32(name.encode()))
+                window = trio.Semaphore(UPLOAD_WINDOW)
+                sent_at: dict[int, tuple[float, int]] = {}  # first seq of a batch -> (sent, records)
+
+                async def read_acks():
+                    while (msg := await ms.receive()) is not None:
+                        if isinstance(msg, wire.TrajectoriesAck):
+                            got = set(msg.seqs)
+                            for s0 in [s0 for s0 in sent_at if s0 in got]:
+                                t, n = sent_at.pop(s0)
+                                lat.append(time.perf_counter() - t)
+                                acked[name] += n
+                                window.release()
+
+                async with trio.open_nursery() as n:
+                    n.start_soon(read_acks)
+                    await trio.sleep(max(0.0, start - time.time()))
+                    try:
+                        while time.time() < stop:
+                            await window.acquire()
+                            first = seq[name] + 1
+                            batch = [Record(name, "r1", first + i, POLICY_VERSION, time.time(),
+                                            f"{first + i:016d}".encode() + pool[(first + i) % len(pool)][16:])
+                                     for i in range(batch_records)]
+                            seq[name] += batch_records
+                            sent_at[first] = (time.perf_counter(), batch_records)
+                            await ms.send(wire.Trajectories(encode_batch(batch)))
+                        with trio.move_on_after(120):
+                            while sent_at:
+                                await trio.sleep(0.01)
+                    except CONNECTION_ERRORS as e:
+                        errors.append(f"{name}: {type(e).__name__}")
+                    n.cancel_scope.cancel()
+
+            async with trio.open_nursery() as n:
+                for name, ms in sessions.items():
+                    n.start_soon(upload, name, ms)
+            print(json.dumps({"acked": dict(acked), "lat": [round(x, 6) for x in lat], "errors": errors}), flush=True)
+
+    trio.run(main)
+
+
+def run_uploaders(args, sizes) -> None:
+    """The origin under `--uploaders` concurrent node sessions (see the module doc)."""
+    from patchswarm.node.net import trust
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from swarmlab import SwarmLab
+
+    counts = [int(x) for x in str(args.uploaders).split(",")]
+    root = Path(tempfile.mkdtemp(prefix="bench-uploaders-", dir=args.dir))
+    print(f"# one origin, {'/'.join(map(str, counts))} node sessions from {args.uploader_procs} processes, "
+          f"{args.batch_records} records per batch, {args.seconds:g} s per row; {os.cpu_count()} CPUs; data in {root}",
+          flush=True)
+    print(f"{'uploaders':>9} {'size':>6} {'run':>3} {'load1':>5} {'records':>9} {'rec/s':>7} {'MB/s':>7} "
+          f"{'ack p50 ms':>10} {'p99 ms':>7} | {'origin us/rec':>13} {'origin cores':>12} {'machine':>7} | check", flush=True)
+    lab = SwarmLab(root)
+    try:
+        lab.start_tracker()
+        origin = lab.start_origin()
+        store = StoreCounter(origin.data_dir / "trajectories")
+        for count in counts:
+            names = [f"u{count}-{i:04d}" for i in range(count)]
+            for name in names:
+                trust.issue(lab.swarm, name, "node", root / "creds" / name)
+            procs = []
+            for g in range(args.uploader_procs):
+                mine = names[g::args.uploader_procs]
+                procs.append(subprocess.Popen(
+                    [sys.executable, __file__, "--uploader-proc", origin.addr, str(root / "creds"),
+                     ",".join(mine), str(args.batch_records)],
+                    cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+            try:
+                ready = sum(json.loads(p.stdout.readline())["ready"] for p in procs)
+                assert ready == count, f"{ready} of {count} sessions connected"
+                for run in range(args.repeat):
+                    for label, size in sizes:
+                        before = store.update()
+                        start = time.time() + 0.5
+                        for p in procs:
+                            p.stdin.write(json.dumps({"size": size, "seconds": args.seconds, "start": start}) + "\n")
+                            p.stdin.flush()
+                        while time.time() < start:
+                            time.sleep(0.001)
+                        cpu0, busy0, t0, load0 = cpu_seconds(origin.popen.pid), machine_busy_seconds(), time.time(), \
+                            os.getloadavg()[0]
+                        acked, lat, errors = collections.Counter(), [], []
+                        for p in procs:
+                            r = json.loads(p.stdout.readline())
+                            acked.update(r["acked"])
+                            lat.extend(r["lat"])
+                            errors.extend(r["errors"])
+                        wall = time.time() - t0
+                        cpu = cpu_seconds(origin.popen.pid) - cpu0
+                        busy = machine_busy_seconds() - busy0
+                        gained = store.update() - before
+                        total = sum(acked.values())
+                        ok = dict(gained) == dict(acked) and not errors
+                        check = "ok" if ok else f"MISMATCH stored {sum(gained.values())} acked {total} {errors[:2]}"
+                        print(f"{count:>9} {label:>6} {run:>3} {load0:5.2f} {total:>9} {total / wall:>7.0f} "
+                              f"{total * size / wall / 1e6:>7.1f} {pct(lat, 0.5) * 1e3:>10.1f} {pct(lat, 0.99) * 1e3:>7.1f} | "
+                              f"{cpu / max(total, 1) * 1e6:>13.1f} {cpu / wall:>12.2f} {busy / wall:>7.2f} | {check}",
+                              flush=True)
+            finally:
+                for p in procs:
+                    p.stdin.close()
+                for p in procs:
+                    try:
+                        p.wait(timeout=30)
+                    except subprocess.TimeoutExpired:
+                        p.kill()
+                        p.wait()
+        print(f"# load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    finally:
+        lab.close()
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+
+
 # ================================================================ main
 
 
@@ -299,12 +461,24 @@ def main() -> None:
     ap.add_argument("--per-call", type=int, default=1, help="records per submit call")
     ap.add_argument("--dir", default=None, help="where the swarm's data dirs go (default: a temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the data dirs and logs")
+    ap.add_argument("--uploaders", default=None,
+                    help="node sessions uploading into one origin, e.g. 64,128 (instead of the node fleet)")
+    ap.add_argument("--uploader-procs", type=int, default=4, help="processes holding those sessions")
+    ap.add_argument("--batch-records", type=int, default=64, help="records per Trajectories batch")
     ap.add_argument("--worker", nargs=3, metavar=("SOCKET", "ID", "THREADS"), help=argparse.SUPPRESS)
+    ap.add_argument("--uploader-proc", nargs=4, metavar=("ORIGIN", "CREDS", "NAMES", "BATCH"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         worker_main(args.worker[0], int(args.worker[1]), int(args.worker[2]))
         return
+    if args.uploader_proc:
+        uploaders_main(args.uploader_proc[0], args.uploader_proc[1], args.uploader_proc[2].split(","),
+                       int(args.uploader_proc[3]))
+        return
     sizes = [(n, SIZES[n]) for n in args.sizes.split(",")]
+    if args.uploaders:
+        run_uploaders(args, sizes)
+        return
     root = Path(tempfile.mkdtemp(prefix="bench-trajectories-", dir=args.dir))
     print(f"# {NODES} nodes x {args.procs} worker processes x {args.threads} threads, {args.per_call} record(s) "
           f"per submit, {args.seconds:g} s per row; {os.cpu_count()} CPUs; data in {root}", flush=True)

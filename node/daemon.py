@@ -31,6 +31,7 @@ import trio
 
 from patchswarm.protocol import wire
 from patchswarm.protocol.errors import UsageError
+from patchswarm.protocol.peersets import apply_delta
 from patchswarm.protocol.picker import WAN_GATEWAYS, PiecePicker
 from patchswarm.protocol.publication import describe
 from patchswarm.protocol.versions import VersionBook
@@ -197,6 +198,8 @@ class Node:
     async def _on_tracker_message(self, msg) -> None:
         if isinstance(msg, wire.PeerList):
             self._on_peer_list(msg.peers)
+        elif isinstance(msg, wire.PeerDelta):
+            self._on_peer_list(list(apply_delta(self.dialer.members, msg).values()))
         elif isinstance(msg, wire.VersionNotice):
             self.applier.offer(msg.manifest, "tracker")
 

@@ -79,6 +79,14 @@ class Manifest:
         return sum(size for size, _ in self.chunks)
 
 
+def key_of(m: Manifest) -> ObjKey:
+    return ObjKey(m.version, m.is_keyframe)
+
+
+def describe(key: ObjKey) -> str:
+    return f"v{key[0]} {'keyframe' if key[1] else 'patch'}"
+
+
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 

@@ -16,17 +16,8 @@ import hashlib
 from collections.abc import Sequence
 
 from .errors import CorruptData, UsageError
-from .manifest import Manifest, ObjKey
+from .manifest import Manifest, ObjKey, describe, key_of  # noqa: F401 (key_of, describe: re-exported)
 from .patch import FORMAT_VERSION, Patch, TensorSpec
-
-
-
-def key_of(m: Manifest) -> ObjKey:
-    return ObjKey(m.version, m.is_keyframe)
-
-
-def describe(key: ObjKey) -> str:
-    return f"v{key[0]} {'keyframe' if key[1] else 'patch'}"
 
 
 def manifest_of(patch: Patch, *, swarm_id: str, version: int, created_at: float,

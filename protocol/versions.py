@@ -16,8 +16,7 @@ from __future__ import annotations
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from .errors import ConflictingManifest, InvalidInput, StaleVersion
-from .manifest import Manifest, verify_manifest
-from .publication import ObjKey, describe, key_of
+from .manifest import Manifest, ObjKey, describe, key_of, verify_manifest
 
 KNOWN = "known"
 NEW = "new"

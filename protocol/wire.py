@@ -164,6 +164,16 @@ class PeerList:
 
 
 @dataclass(frozen=True)
+class PeerDelta:
+    """Tracker -> member: a change to the peer set it last sent (a PeerList, then
+    the deltas after it, in order): drop the ids in `remove`, then add the
+    entries in `add` (an entry replaces one with the same id)."""
+
+    add: list[dict]  # entries as in PeerList
+    remove: list[str]  # member ids
+
+
+@dataclass(frozen=True)
 class VersionNotice:
     version: int
     manifest: bytes
@@ -209,7 +219,7 @@ class Error:
 MESSAGE_TYPES = {
     cls.__name__: cls
     for cls in (Hello, Have, HaveOne, Incoming, Request, Piece, Cancel, Reject, Announce,
-                PeerList, VersionNotice, Heartbeat, Trajectories, TrajectoriesAck, Revocations, Bye, Error)
+                PeerList, VersionNotice, Heartbeat, Trajectories, TrajectoriesAck, Revocations, Bye, Error, PeerDelta)
 }
 _PEER_FIELDS = {"id": MAX_NAME_BYTES, "region": MAX_NAME_BYTES, "addr": MAX_ADDR_BYTES, "role": MAX_NAME_BYTES}
 
@@ -222,6 +232,8 @@ _LIMITS = {
     ("Heartbeat", "versions"): MAX_VERSIONS_LISTED,
     ("Have", "chunks"): MAX_BITFIELD_BYTES,
     ("PeerList", "peers"): MAX_PEERS,
+    ("PeerDelta", "add"): MAX_PEERS,
+    ("PeerDelta", "remove"): MAX_PEERS,
     ("TrajectoriesAck", "seqs"): MAX_ACK_SEQS,
     ("Trajectories", "batch"): MAX_BATCH_WIRE_BYTES,
     ("Reject", "reason"): MAX_TEXT_BYTES,
@@ -277,6 +289,9 @@ _CHECKS = {
                   "list of at most {} non-negative ints"),
     "list[dict]": (lambda v, limit: type(v) is list and len(v) <= limit and all(map(_check_peer, v)),
                    'list of at most {} {{"id": str, "region": str, "addr": str, "role": str}} maps'),
+    "list[str]": (lambda v, limit: type(v) is list and len(v) <= limit
+                  and all(_utf8_within(x, MAX_NAME_BYTES) for x in v),
+                  "list of at most {} member ids"),
 }
 
 
@@ -323,6 +338,8 @@ def _read_field(r: PackReader, kind: str, limit: int | None):
     n = r.array_len(limit, "list")
     if kind == "list[int]":
         return r.uints(n, MAX_INT, "non-negative ints")
+    if kind == "list[str]":
+        return [r.str(MAX_NAME_BYTES, "a member id") for _ in range(n)]
     return [_read_peer(r) for _ in range(n)]  # list[dict]
 
 

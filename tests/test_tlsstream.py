@@ -16,7 +16,7 @@ import pytest
 import trio
 
 from patchswarm.node.net import transport, trust
-from patchswarm.node.net.tlsstream import RECEIVE_LIMIT, TLSSocketStream
+from patchswarm.node.net.tlsstream import FIRST_BUFFER, RECEIVE_LIMIT, TLSSocketStream
 from patchswarm.protocol import wire
 
 
@@ -70,6 +70,7 @@ def test_bytes_cross_both_ways_at_once_intact(creds):
         with trio.fail_after(30):
             async with trio.open_nursery() as n:
                 server, client = await _pair(n, creds)
+                assert len(client._buffer) == len(server._buffer) == FIRST_BUFFER  # idle: one record's worth
                 got = {}
 
                 async def send(stream, parts):
@@ -84,6 +85,7 @@ def test_bytes_cross_both_ways_at_once_intact(creds):
                     io.start_soon(send, server, down)
                     io.start_soon(read, server, up, "up")
                     io.start_soon(read, client, down, "down")
+                assert len(client._buffer) == RECEIVE_LIMIT  # 9 MiB grew it to full size
                 await client.aclose()
                 assert await server.receive_some() == b""  # the peer's close reads as EOF
                 assert await server.receive_some() == b""

@@ -12,7 +12,8 @@ from patchswarm.protocol.errors import FrameTooLarge, ProtocolError, UsageError
 from patchswarm.protocol.manifest import MAX_CHUNKS
 from patchswarm.protocol.wire import (
     CLOSED, NEED_DATA, Announce, Bye, Cancel, Connection, Error, Have, HaveOne, Heartbeat,
-    Hello, Incoming, Piece, PeerList, Reject, Request, Revocations, Trajectories, TrajectoriesAck, VersionNotice,
+    Hello, Incoming, Piece, PeerDelta, PeerList, Reject, Request, Revocations, Trajectories, TrajectoriesAck,
+    VersionNotice,
     bitfield_from_indices, indices_from_bitfield,
 )
 
@@ -39,6 +40,7 @@ messages = st.one_of(
     st.builds(TrajectoriesAck, seqs=st.lists(uint, max_size=5)),
     st.builds(Announce, manifest=blob),
     st.builds(PeerList, peers=st.lists(peer, max_size=4)),
+    st.builds(PeerDelta, add=st.lists(peer, max_size=4), remove=st.lists(text, max_size=4)),
     st.builds(VersionNotice, version=uint, manifest=blob),
     st.builds(Heartbeat, versions=st.lists(uint, max_size=2)),
     st.builds(Revocations, envelope=blob),
@@ -75,7 +77,7 @@ def test_every_type_is_covered():
     assert set(wire.MESSAGE_TYPES) == {
         "Hello", "Have", "HaveOne", "Incoming", "Request", "Piece", "Cancel", "Reject", "Announce",
         "PeerList", "VersionNotice", "Heartbeat", "Trajectories", "TrajectoriesAck", "Revocations", "Bye",
-        "Error"}
+        "Error", "PeerDelta"}
 
 
 @given(messages)
@@ -325,6 +327,8 @@ def test_bye_then_eof_is_clean():
     ({"t": "PeerList", "peers": [{"id": "a", "region": "b"}]}, "PeerList.peers"),
     ({"t": "PeerList", "peers": [{"id": "a", "region": "b", "addr": 5, "role": "node"}]}, "PeerList.peers"),
     ({"t": "PeerList", "peers": [{"id": "a", "region": "b", "addr": "x"}]}, "PeerList.peers"),
+    ({"t": "PeerDelta", "add": [], "remove": ["a", 3]}, "PeerDelta.remove"),
+    ({"t": "PeerDelta", "add": [{"id": "a"}], "remove": []}, "PeerDelta.add"),
     ({"t": "Heartbeat", "versions": [], "extra": 1}, "unexpected"),
 ])
 def test_decode_rejects(obj, needle):

@@ -1,75 +1,126 @@
-"""The tracker: membership, peer lists by region, the latest signed manifests, version notices.
+"""The tracker service: the trio shell around `TrackerCore` (tracker/core.py).
 
-Owns the live member table (one session per member id; a member that stops
-heartbeating is dropped), pushing the peer list to every member when the
-membership changes, verifying each manifest the origin announces (trainer
-signature, swarm id, forward only) and pushing it to every node, and handing
-the retained manifests (the latest keyframe's chain, plus recent patches) to
-each member that joins. Soft state only: after a restart members reconnect,
-the origin re-announces, and work continues.
+Owns the listener (mutual TLS; nodes and the origin), one task per member
+reading its messages into the core, one bounded send queue and sender task per
+member, the clock, and executing the core's actions. Every decision (who is a
+member, who learns what, what is retained, who is dropped) is the core's.
+
+Pushes run concurrently, one queue per member: a version notice or a peer-set
+delta is encoded once and queued for each recipient. A member whose queue
+reaches SEND_QUEUE frames, or whose write has not completed for
+SEND_TIMEOUT, is dropped (it takes a fresh full peer set when it
+reconnects); it never delays anyone else's pushes. Soft state only: after a
+restart members reconnect, the origin re-announces, and work continues.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import collections
 import logging
-import time
+import resource
 from pathlib import Path
 
 import trio
 
 from patchswarm.protocol import wire
-from patchswarm.protocol.errors import InvalidInput, ProtocolError, StaleVersion, UsageError
-from patchswarm.protocol.publication import describe
-from patchswarm.protocol.versions import NEW, VersionBook
+from patchswarm.protocol.errors import InvalidInput, ProtocolError, UsageError
 
 from patchswarm.node.net.transport import CONNECTION_ERRORS, MessageStream, apply_revocations, format_addr, serve
 from patchswarm.node.net.trust import Credentials
+from patchswarm.tracker.core import BAD_MESSAGE, BEHIND, HEARTBEAT_TIMEOUT, LEFT, Close, Send, TrackerCore
 
 log = logging.getLogger("patchswarm.tracker")
 
-HEARTBEAT_TIMEOUT = 10.0  # a member silent this long is dropped
-RETAIN_PATCHES = 64
-PEER_LIST_DELAY = 0.1  # coalesce membership changes into one peer list push
+SEND_QUEUE = 512  # frames queued for one member before it counts as fallen behind
+SEND_TIMEOUT = 10.0  # a member whose write has not completed for this long has fallen behind
+BATCH_BYTES = 256 << 10  # queued frames joined into one write, up to about this much
 
 
-@dataclasses.dataclass(eq=False)
-class Member:
-    ms: MessageStream
-    id: str
-    role: str
-    region: str
-    addr: str
-    joined_at: float
-    last_seen: float
-    versions: list[int]
+class _Session:
+    """One member's connection: its send queue and the scope of its tasks."""
 
-    def entry(self) -> dict:
-        return {"id": self.id, "region": self.region, "addr": self.addr, "role": self.role}
+    __slots__ = ("ms", "queue", "scope", "why", "_ready", "_tracker")
+
+    def __init__(self, ms: MessageStream, tracker: "Tracker"):
+        self.ms = ms
+        self.queue: collections.deque[tuple[str, bytes]] = collections.deque()
+        self.scope: trio.CancelScope | None = None
+        self.why: str | None = None  # set once the session is ending, with the reason
+        self._ready = trio.Event()
+        self._tracker = tracker
+
+    def push(self, kind: str, frame: bytes) -> bool:
+        """Queue a frame; False if the queue is full."""
+        if len(self.queue) >= SEND_QUEUE:
+            return False
+        self.queue.append((kind, frame))
+        self._ready.set()
+        return True
+
+    def close(self, why: str) -> None:
+        if self.why is None:
+            self.why = why
+        if self.scope is not None:
+            self.scope.cancel()
+
+    async def send_loop(self) -> None:
+        # The only task that writes to this stream once the Hellos are exchanged, so it
+        # writes frames encoded once for every recipient straight to the TLS stream,
+        # whatever is queued in one write (one wake-up). No deadline scope per write
+        # (measured: a third of the cost of a small push); the tick loop drops a member
+        # whose write has not completed for SEND_TIMEOUT (`Tracker._watch_senders`).
+        stream, counters, busy = self.ms.stream, self._tracker.sent, self._tracker.busy
+        try:
+            while True:
+                while not self.queue:
+                    self._ready = trio.Event()
+                    await self._ready.wait()
+                busy[self] = trio.current_time()
+                while self.queue:
+                    batch, size = [], 0
+                    while self.queue and size < BATCH_BYTES:
+                        kind, frame = self.queue.popleft()
+                        batch.append(frame)
+                        size += len(frame)
+                        counters[kind] += len(frame)
+                    await stream.send_all(batch[0] if len(batch) == 1 else b"".join(batch))
+                    self.ms.counters.sent += size
+                    busy[self] = trio.current_time()
+                del busy[self]
+        except CONNECTION_ERRORS as e:
+            self.close(f"connection lost ({type(e).__name__})")
+        finally:
+            busy.pop(self, None)
 
 
 class Tracker:
     def __init__(self, creds: str | Path, listen: str, heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
-                 revocations: Path | None = None):
+                 revocations: Path | None = None, **options):
+        """`options` go to `TrackerCore` (budgets, delays, retention)."""
         self.creds = Credentials.load(creds)
         if self.creds.role != "tracker":
             raise UsageError(f"{creds}: expected credentials with role tracker, found {self.creds.role!r}")
         self.listen = listen
         self.listen_addr = listen
-        self.heartbeat_timeout = heartbeat_timeout
-        self.book = VersionBook(self.creds.swarm_id(), self.creds.trainer_public_key())
-        self.members: dict[str, Member] = {}
-        self.manifests_rejected = 0
-        self._membership_changed = trio.Event()
+        self.core = TrackerCore(self.creds.swarm_id(), self.creds.trainer_public_key(),
+                                heartbeat_timeout=heartbeat_timeout, **options)
+        self.sent: collections.Counter[str] = collections.Counter()  # bytes pushed, by message type
+        self.busy: dict[_Session, float] = {}  # sessions writing now -> when their last write began
+        self._wake = trio.Event()
+        self._tick_at = float("inf")
         self.revocations_file = revocations
         self._revocations_seen: tuple[int, int] | None = None  # (mtime_ns, size) last read
 
+    @property
+    def book(self):
+        return self.core.book
+
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        _raise_fd_limit()
         async with trio.open_nursery() as nursery:
             self.listen_addr = await nursery.start(self._serve)
             log.info("tracker for swarm %s listening on %s", self.book.swarm_id, self.listen_addr)
-            nursery.start_soon(self._expire_loop)
-            nursery.start_soon(self._peer_list_loop)
+            nursery.start_soon(self._tick_loop)
             if self.revocations_file is not None:
                 self._reload_revocations()
                 nursery.start_soon(self._revocations_loop)
@@ -93,97 +144,82 @@ class Tracker:
             return format_addr(remote, int(port))
         return listen
 
+    # ------------------------------------------------------------ sessions
+
     async def _session(self, ms: MessageStream) -> None:
+        s = _Session(ms, self)
         hello = ms.hello
-        now = time.monotonic()
-        m = Member(ms, ms.peer_name, ms.peer_role, hello.region, self._advertised(ms, hello.listen), now, now,
-                   list(hello.versions))
-        old = self.members.get(m.id)
-        if old is not None:
-            log.info("member %s reconnected; closing its old session", m.id)
-            await old.ms.aclose()
-        self.members[m.id] = m
-        log.info("%s %s joined (region %s, %s, versions %s)", m.role, m.id, m.region, m.addr, m.versions or "none")
-        reason = "left"
         try:
-            if self.creds.revocations.envelope is not None:
-                await ms.send(wire.Revocations(self.creds.revocations.envelope))
-            await ms.send(wire.PeerList([x.entry() for x in self.members.values()]))
-            for key in self.book.retained(RETAIN_PATCHES):
-                await ms.send(wire.VersionNotice(key[0], self.book.envelope(key)))
-            self._membership_changed.set()
-            while True:
-                msg = await ms.receive()
-                if msg is None:
-                    break
-                m.last_seen = time.monotonic()
-                if isinstance(msg, wire.Heartbeat):
-                    m.versions = list(msg.versions)
-                elif isinstance(msg, wire.Announce):
-                    await self._announce(m, msg.manifest)
-                elif isinstance(msg, wire.Bye):
-                    break
-                elif not isinstance(msg, wire.Error):
-                    raise ProtocolError(f"sent {type(msg).__name__}, which the tracker does not take")
-        except ProtocolError as e:
-            reason = f"protocol error: {e}"
-        except CONNECTION_ERRORS as e:
-            reason = f"connection lost ({type(e).__name__})"
+            async with trio.open_nursery() as nursery:
+                s.scope = nursery.cancel_scope
+                nursery.start_soon(s.send_loop)
+                if self.creds.revocations.envelope is not None:  # first, so a member knows whom to refuse
+                    s.push("Revocations", wire.encode(wire.Revocations(self.creds.revocations.envelope)))
+                self._do(self.core.connected(s, hello, self._advertised(ms, hello.listen), trio.current_time()))
+                if s.why is None:
+                    log.info("%s %s joined (region %s, %s, versions %s)", ms.peer_role, ms.peer_name,
+                             hello.region, ms.hello.listen, hello.versions or "none")
+                    await self._read(s)
+                nursery.cancel_scope.cancel()
         finally:
-            if self.members.get(m.id) is m:
-                del self.members[m.id]
-                self._membership_changed.set()
-                log.info("%s %s %s", m.role, m.id, reason)
+            self._do(self.core.closed(s, trio.current_time()))
+            self._poke()
+            log.info("%s %s %s", ms.peer_role, ms.peer_name, s.why or "left")
 
-    async def _announce(self, m: Member, envelope: bytes) -> None:
-        if m.role != "origin":
-            self.manifests_rejected += 1
-            log.warning("node %s tried to announce a version; only the origin may", m.id)
-            await m.ms.send(wire.Error("only the origin announces versions"))
-            return
-        latest = self.book.latest_version
+    async def _read(self, s: _Session) -> None:
         try:
-            status, man = self.book.offer(envelope, None)
-        except StaleVersion as e:
-            log.debug("ignored an announcement: %s", e)
-            return
-        except InvalidInput as e:
-            self.manifests_rejected += 1
-            log.warning("rejected a manifest from %s: %s", m.id, e)
-            await m.ms.send(wire.Error(f"manifest rejected: {e}"))
-            return
-        if status != NEW:
-            return
-        key = (man.version, man.is_keyframe)
-        if latest is not None and man.version < latest and key not in self.book.retained(RETAIN_PATCHES):
-            return  # an old object re-announced after a restart, which nobody needs any more
-        log.info("%s announced (%d chunks, %s bytes)", describe(key), len(man.chunks), f"{man.total_bytes:,}")
-        self._prune()
-        notice = wire.VersionNotice(man.version, envelope)
-        for other in list(self.members.values()):
-            if other.role == "node":
-                await self._send_quietly(other, notice)
+            while True:
+                msg = await s.ms.receive()
+                if msg is None:
+                    s.why = s.why or LEFT
+                    return
+                self._do(self.core.received(s, msg, trio.current_time()))
+        except ProtocolError as e:
+            self._do(self.core.dropped(s, BAD_MESSAGE, f"protocol error: {e}", trio.current_time()))
+        except CONNECTION_ERRORS as e:
+            s.why = s.why or f"connection lost ({type(e).__name__})"
 
-    def _prune(self) -> None:
-        keep = self.book.retained(RETAIN_PATCHES)
-        if keep:
-            self.book.forget_below(min(k[0] for k in keep))
+    def fell_behind(self, s: _Session, detail: str) -> None:
+        self._do(self.core.dropped(s, BEHIND, detail, trio.current_time()))
 
-    async def _send_quietly(self, m: Member, msg) -> None:
-        try:
-            with trio.fail_after(5):
-                await m.ms.send(msg)
-        except CONNECTION_ERRORS:
-            await m.ms.aclose()
+    def _do(self, actions: list) -> None:
+        """Execute the core's actions; runs without a checkpoint, so no other task sees half of them."""
+        if not actions:  # a heartbeat, 5,000 a second at 10,000 members: nothing to do
+            return
+        work = collections.deque(actions)
+        while work:
+            a = work.popleft()
+            if isinstance(a, Send):
+                kind = type(a.msg).__name__
+                for s in a.to:
+                    if s.why is None and not s.push(kind, a.frame):
+                        work.extend(self.core.dropped(s, BEHIND, f"{len(s.queue)} frames queued", trio.current_time()))
+            elif isinstance(a, Close):
+                if a.why != LEFT:
+                    log.warning("dropping %s %s: %s%s", a.conn.ms.peer_role, a.conn.ms.peer_name, a.why,
+                                f" ({a.detail})" if a.detail else "")
+                a.conn.close(f"dropped: {a.why}" if a.why != LEFT else LEFT)
+        self._poke()
 
-    async def _peer_list_loop(self) -> None:
+    def _poke(self) -> None:
+        """Wake the tick loop if the core now has something due before it planned to wake."""
+        if self.core.next_tick(trio.current_time()) < self._tick_at:
+            self._wake.set()
+
+    def _watch_senders(self, now: float) -> None:
+        for s, since in [(s, t) for s, t in self.busy.items() if now - t > SEND_TIMEOUT]:
+            self.fell_behind(s, f"a write has not completed for {now - since:.0f} s")
+
+    async def _tick_loop(self) -> None:
         while True:
-            await self._membership_changed.wait()
-            await trio.sleep(PEER_LIST_DELAY)
-            self._membership_changed = trio.Event()
-            peers = wire.PeerList([x.entry() for x in self.members.values()])
-            for m in list(self.members.values()):
-                await self._send_quietly(m, peers)
+            self._watch_senders(trio.current_time())
+            self._do(self.core.tick(trio.current_time()))
+            self._tick_at = self.core.next_tick(trio.current_time())
+            with trio.move_on_at(self._tick_at):
+                await self._wake.wait()
+            self._wake = trio.Event()
+
+    # ------------------------------------------------------------ revocations
 
     def _reload_revocations(self) -> bool:
         """Take the revocation list file if it changed; True if a newer list is now held."""
@@ -208,28 +244,35 @@ class Tracker:
         return True
 
     async def _revocations_loop(self) -> None:
-        """Hand every member a new revocation list within a second of its file changing."""
+        """Hand every member a new revocation list within a second of its file changing:
+        encoded once, queued for each like any other push."""
         while True:
             await trio.sleep(1.0)
             if self._reload_revocations():
                 notice = wire.Revocations(self.creds.revocations.envelope)
-                for m in list(self.members.values()):
-                    await self._send_quietly(m, notice)
+                self._do([Send.of([m.conn for m in self.members.values()], notice)])
 
-    async def _expire_loop(self) -> None:
-        while True:
-            await trio.sleep(1.0)
-            cutoff = time.monotonic() - self.heartbeat_timeout
-            for m in list(self.members.values()):
-                if m.last_seen < cutoff:
-                    log.warning("%s %s silent for %.0f s; dropping it", m.role, m.id, self.heartbeat_timeout)
-                    await m.ms.aclose()
+    # ------------------------------------------------------------ status
+
+    @property
+    def members(self):
+        return self.core.members
+
+    @property
+    def manifests_rejected(self) -> int:
+        return self.core.manifests_rejected
 
     def status(self) -> dict:
-        return {
-            "swarm_id": self.book.swarm_id,
-            "listen": self.listen_addr,
-            "latest_version": self.book.latest_version,
-            "members": [{**m.entry(), "versions": m.versions} for m in self.members.values()],
-            "manifests_rejected": self.manifests_rejected,
-        }
+        return {**self.core.status(), "listen": self.listen_addr, "bytes_sent": dict(self.sent)}
+
+
+def _raise_fd_limit() -> None:
+    """One descriptor per member: lift the soft limit to the hard one (often 1024 -> far more)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError) as e:
+            log.warning("could not raise the open-file limit from %d to %d: %s", soft, hard, e)
+            return
+    log.debug("open-file limit %d", max(soft, hard))

@@ -33,6 +33,7 @@ from patchswarm.protocol.errors import CorruptData, InvalidInput, PatchswarmErro
 from patchswarm.protocol.manifest import sign_manifest
 from patchswarm.protocol.patch import Patch, TensorSpec
 from patchswarm.protocol.patchencode import TargetSpec, diff_in_place, keyframe_chunks
+from patchswarm.protocol.peersets import apply_delta
 from patchswarm.protocol.publication import ObjKey, describe, manifest_of
 from patchswarm.protocol.served import (DEFAULT_FORMAT, check_format)
 from patchswarm.protocol.statehash import state_hash
@@ -235,6 +236,8 @@ class Origin:
     async def _on_tracker_message(self, msg) -> None:
         if isinstance(msg, wire.PeerList):
             self._members = msg.peers
+        elif isinstance(msg, wire.PeerDelta):
+            self._members = list(apply_delta({p["id"]: p for p in self._members}, msg).values())
 
     # ------------------------------------------------------------ publishing
 

@@ -1,0 +1,442 @@
+"""The tracker: its decisions without sockets (TrackerCore), and its I/O shell over memory streams.
+
+The core takes events with the time and returns what to send and whom to
+close, so liveness, reconnects, announcements, retention, peer-set deltas and
+budgets are checked as tables of events. The shell is checked where it has
+behaviour of its own: concurrent pushes through per-member queues, a member
+that stops reading dropped without delaying the others.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import trio
+import trio.testing
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from patchswarm.node.net import trust
+from patchswarm.node.net.transport import MessageStream, connect, exchange_hello
+from patchswarm.protocol import wire
+from patchswarm.protocol.manifest import Manifest, sign_manifest, verify_manifest
+from patchswarm.protocol.peersets import apply_delta
+from patchswarm.tracker import server
+from patchswarm.tracker.core import (BAD_MESSAGE, BEHIND, OVER_ANNOUNCES, OVER_JOINS, REPLACED, SILENT, Close,
+                                     Send, TrackerCore)
+
+KEY = Ed25519PrivateKey.generate()
+SWARM = "sw-test"
+
+
+def h(version: int) -> str:
+    return "blake3:" + hashlib.sha256(b"%d" % version).hexdigest()
+
+
+def envelope(version: int, keyframe: bool = False, key=KEY) -> bytes:
+    m = Manifest(swarm_id=SWARM, version=version, base_version=None if keyframe else version - 1,
+                 base_hash=None if keyframe else h(version - 1), target_hash=h(version),
+                 tensors=[["w", "bf16", [4]]], chunks=[(100, hashlib.sha256(b"%d" % version).digest())],
+                 codec={"format": 2}, created_at=0.0)
+    return sign_manifest(m, key)
+
+
+def hello(name: str, role: str = "node", region: str = "r0", versions=()) -> wire.Hello:
+    return wire.Hello(name, region, role, f"{name}:7000", list(versions))
+
+
+class Conn:
+    """A connection token, as the shell's sessions are: the core never looks inside."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"Conn({self.name})"
+
+
+class Run:
+    """Drives a TrackerCore and keeps what each connection was sent, as a member would."""
+
+    def __init__(self, **options):
+        options.setdefault("delta_delay", 0.1)
+        self.core = TrackerCore(SWARM, KEY.public_key(), **options)
+        self.got: dict[Conn, list] = {}
+        self.closed: dict[Conn, str] = {}
+        self.now = 0.0
+
+    def do(self, actions):
+        for a in actions:
+            if isinstance(a, Send):
+                assert wire.decode_body(a.frame[4:]) == a.msg
+                for c in a.to:
+                    self.got.setdefault(c, []).append(a.msg)
+            else:
+                assert isinstance(a, Close)
+                self.closed[a.conn] = a.why
+        return actions
+
+    def join(self, name, role="node", region="r0", versions=(), at=None):
+        c = Conn(name)
+        self.now = self.now if at is None else at
+        self.do(self.core.connected(c, hello(name, role, region, versions), f"{name}:7000", self.now))
+        return c
+
+    def send(self, conn, msg, at=None):
+        self.now = self.now if at is None else at
+        return self.do(self.core.received(conn, msg, self.now))
+
+    def tick(self, at):
+        self.now = at
+        return self.do(self.core.tick(at))
+
+    def peers(self, conn) -> dict[str, dict]:
+        """The peer set a member holds from what it was sent."""
+        held: dict[str, dict] = {}
+        for msg in self.got.get(conn, []):
+            if isinstance(msg, wire.PeerList):
+                held = {p["id"]: p for p in msg.peers}
+            elif isinstance(msg, wire.PeerDelta):
+                held = apply_delta(held, msg)
+                held.pop(conn.name, None)
+        return held
+
+    def notices(self, conn) -> list[tuple[int, bool]]:
+        out = []
+        for msg in self.got.get(conn, []):
+            if isinstance(msg, wire.VersionNotice):
+                m = verify_manifest(msg.manifest, KEY.public_key())
+                out.append((m.version, m.is_keyframe))
+        return out
+
+
+def test_a_joining_node_gets_its_peers_then_the_retained_manifests_in_order():
+    run = Run()
+    origin = run.join("origin", "origin", "r0")
+    for v, kf in [(0, True), (1, False), (2, False)]:
+        run.send(origin, wire.Announce(envelope(v, kf)))
+    a = run.join("a", region="r0")
+    b = run.join("b", region="r1")
+    first = run.got[b][0]
+    assert isinstance(first, wire.PeerList)
+    assert {p["id"] for p in first.peers} == {"origin", "a"}
+    assert run.notices(b) == [(0, True), (1, False), (2, False)]
+    assert run.notices(a) == [(0, True), (1, False), (2, False)]
+    assert origin not in run.got or not run.notices(origin)  # the origin is not sent its own manifests
+
+
+def test_a_silent_member_is_dropped_and_the_others_told():
+    run = Run(heartbeat_timeout=10.0)
+    a = run.join("a", at=0.0)
+    b = run.join("b", at=0.0)
+    run.tick(0.2)
+    assert "b" in run.peers(a)
+    run.send(a, wire.Heartbeat([]), at=6.0)
+    assert run.tick(9.9) == []
+    run.tick(10.0)
+    assert run.closed == {b: SILENT}
+    run.tick(10.2)  # after the coalescing delay
+    assert "b" not in run.peers(a)
+    assert run.core.drops[SILENT] == 1
+    assert run.tick(15.9) == [] and a not in run.closed  # it heartbeat at 6
+    run.tick(16.0)
+    assert run.closed[a] == SILENT
+
+
+def test_an_announce_from_a_node_is_refused_counted_and_not_spread():
+    run = Run()
+    origin = run.join("origin", "origin")
+    a = run.join("a")
+    mallory = run.join("mallory")
+    run.send(mallory, wire.Announce(envelope(1)))
+    assert run.core.manifests_rejected == 1
+    assert run.core.book.latest_version is None
+    assert run.notices(a) == []
+    assert [m for m in run.got[mallory] if isinstance(m, wire.Error)]
+    assert mallory not in run.closed  # refused, not dropped: one mistake is not an attack
+    run.send(origin, wire.Announce(envelope(1)))
+    assert run.notices(a) == [(1, False)]
+
+
+def test_a_reconnect_closes_the_old_session_and_its_late_close_changes_nothing():
+    run = Run()
+    a = run.join("a")
+    old = run.join("b")
+    run.tick(0.2)
+    n_a = len(run.got[a])
+    new = run.join("b")
+    assert run.closed == {old: REPLACED}
+    assert run.do(run.core.closed(old, run.now)) == []  # the old session's end, seen later
+    assert "b" in run.core.members and run.core.members["b"].conn is new
+    run.tick(0.5)
+    assert len(run.got[a]) == n_a  # same region and address: nobody else hears of it
+    assert isinstance(run.got[new][0], wire.PeerList) and {p["id"] for p in run.got[new][0].peers} == {"a"}
+
+
+def test_a_stale_reannouncement_is_ignored():
+    run = Run(retain_patches=2)
+    origin = run.join("origin", "origin")
+    a = run.join("a")
+    run.send(origin, wire.Announce(envelope(0, True)))
+    for v in range(1, 6):
+        run.send(origin, wire.Announce(envelope(v)))
+    run.send(origin, wire.Announce(envelope(5, True)))
+    before = list(run.got[a])
+    # The origin restarts and re-announces objects nobody needs any more, and the latest again.
+    for e in (envelope(1), envelope(2), envelope(5)):
+        assert run.send(origin, wire.Announce(e)) == []
+    assert run.got[a] == before
+    assert (1, False) not in run.core.book.keys() and (2, False) not in run.core.book.keys()
+
+
+def test_retained_manifests_are_pruned_to_the_latest_keyframe_and_recent_patches():
+    run = Run(retain_patches=2)
+    origin = run.join("origin", "origin")
+    run.send(origin, wire.Announce(envelope(0, True)))
+    for v in range(1, 6):
+        run.send(origin, wire.Announce(envelope(v)))
+    run.send(origin, wire.Announce(envelope(5, True)))
+    run.send(origin, wire.Announce(envelope(6)))
+    late = run.join("late")
+    # the latest keyframe and every patch after it, and the last two patches in all
+    assert run.notices(late) == [(5, False), (5, True), (6, False)]
+    assert run.core.book.keys() == [(5, False), (5, True), (6, False)]
+
+
+def test_a_new_same_region_peer_reaches_the_region_by_delta():
+    run = Run()
+    run.join("origin", "origin", "r0")
+    r1 = [run.join(f"n{i}", region="r1") for i in range(5)]
+    r2 = [run.join(f"m{i}", region="r2") for i in range(5)]
+    run.tick(0.2)
+    before = {c: len(run.got[c]) for c in r1 + r2}
+    run.join("n-new", region="r1", at=1.0)
+    assert run.tick(1.05) == []  # coalesced, not yet
+    run.tick(1.1)
+    for c in r1:
+        assert "n-new" in run.peers(c)
+        assert isinstance(run.got[c][-1], wire.PeerDelta)
+    # r2 members: only those whose sample of r1 now takes the newcomer hear of it
+    for c in r2:
+        assert len(run.got[c]) == before[c] + ("n-new" in run.peers(c))
+
+
+def test_membership_deltas_are_coalesced_into_one_message_per_member():
+    run = Run()
+    a = run.join("a", region="r0")
+    run.tick(0.2)
+    n = len(run.got[a])
+    for i in range(20):
+        run.join(f"x{i}", region="r0", at=1.0 + i * 0.004)
+        run.tick(run.now)  # the shell ticks whenever the core has something due
+    run.tick(1.2)
+    assert len(run.got[a]) == n + 1
+    assert {f"x{i}" for i in range(20)} <= run.peers(a).keys()
+
+
+def test_three_hundred_joins_from_one_certificate_cost_the_others_a_bounded_number_of_pushes():
+    run = Run(join_budget=(10, 10.0))
+    honest = [run.join(f"h{i}", region="r0") for i in range(5)]
+    run.tick(0.2)
+    before = len(run.got[honest[0]])
+    for i in range(300):
+        c = Conn("mallory")
+        run.now = 1.0 + i * 0.05
+        # each time from another address, so that every accepted join is a real change
+        run.do(run.core.connected(c, wire.Hello("mallory", "r0", "node", f"10.6.6.{i % 250}:7000", []),
+                                  f"10.6.6.{i % 250}:7000", run.now))
+        run.tick(run.now)
+    run.tick(run.now + 1.0)
+    assert run.core.drops[OVER_JOINS] >= 290 - 15 * 10 / 60
+    pushes = len(run.got[honest[0]]) - before
+    assert pushes <= 10 + 3, pushes  # the burst, plus the refill over 15 s, plus the drop
+    assert "mallory" not in run.core.members
+
+
+def test_a_member_over_its_announce_budget_is_dropped_and_counted():
+    run = Run(announce_budget=(5, 5.0))
+    mallory = run.join("mallory")
+    for i in range(6):
+        if mallory in run.closed:
+            break
+        run.send(mallory, wire.Announce(envelope(1)), at=0.1 * i)
+    assert run.closed[mallory] == OVER_ANNOUNCES
+    assert run.core.drops[OVER_ANNOUNCES] == 1 and "mallory" not in run.core.members
+
+
+def test_a_message_the_tracker_does_not_take_drops_the_member():
+    run = Run()
+    a = run.join("a")
+    run.send(a, wire.Request(1, False, 0))
+    assert run.closed == {a: BAD_MESSAGE} and "a" not in run.core.members
+
+
+def test_gateways_of_a_new_version_learn_each_other_at_once():
+    run = Run(wan_gateways=2)
+    origin = run.join("origin", "origin", "r0")
+    conns = {f"n{r}.{i}": run.join(f"n{r}.{i}", region=f"r{r}") for r in range(3) for i in range(8)}
+    run.tick(0.2)
+    run.send(origin, wire.Announce(envelope(0, True)))
+    run.send(origin, wire.Announce(envelope(1)))  # no tick: the gateways' deltas go with the notice
+    gws = {r: run.core.peers.gateways(f"r{r}") for r in range(3)}
+    assert all(len(g) == 2 for g in gws.values())
+    for r, mine in gws.items():
+        for g in mine:
+            held = run.peers(conns[g])
+            for other, theirs in gws.items():
+                if other != r:
+                    assert theirs <= held.keys(), (g, other)
+
+
+@pytest.mark.parametrize("regions, size", [(8, 25), (8, 100), (24, 25)])
+def test_a_membership_change_costs_its_region_and_its_samplers_not_the_fleet(regions, size):
+    """One node of r3 leaves and another joins, 20 times: the deltas reach the region and the
+    members that sampled the node (3 per member of each other region, spread over the region's
+    nodes: about 3 x (regions - 1) of them), never the fleet; each carries a few entries."""
+    core = TrackerCore(SWARM, KEY.public_key(), delta_delay=0.1, heartbeat_timeout=1e9)
+    core.connected(Conn("origin"), hello("origin", "origin", "r0"), "origin:7000", 0.0)
+    for r in range(regions):
+        for i in range(size):
+            core.connected(Conn(f"n{r}.{i}"), hello(f"n{r}.{i}", region=f"r{r}"), f"n{r}.{i}:7000", 0.0)
+    core.tick(1.0)
+    recipients, pushed, changes = 0, 0, 0
+    for k in range(20):
+        t = 2.0 + k
+        name, joiner = f"n3.{k}", Conn(f"n3.{k}b")
+        acts = core.closed(core.members[name].conn, t)
+        acts += core.connected(joiner, hello(f"n3.{k}b", region="r3"), f"n3.{k}b:7000", t)
+        acts += core.tick(t + 0.2)
+        sends = [a for a in acts if isinstance(a, Send) and a.to != (joiner,)]  # not the joiner's own list
+        recipients += sum(len(a.to) for a in sends)
+        pushed += sum(len(a.frame) * len(a.to) for a in sends)
+        changes += 2
+    affected = size + 3 * (regions - 1)  # the region, and the samplers a node has on average
+    assert recipients / changes <= 1.5 * affected, (recipients / changes, affected)
+    assert pushed / recipients <= 160  # a delta of one or two entries, not a list
+    assert recipients / changes < (regions * size) / 3  # far from the fleet
+
+
+# ------------------------------------------------------------------ the shell
+
+
+def _creds(tmp_path):
+    swarm = tmp_path / "swarm"
+    trust.init_swarm(swarm)
+    out = {}
+    for name, role in [("tracker", "tracker")]:
+        trust.issue(swarm, name, role, tmp_path / name)
+        out[name] = tmp_path / name
+    return out
+
+
+async def _member(tracker: server.Tracker, nursery, name: str, region: str = "r0"):
+    """A member joined to `tracker` over an in-memory lockstep stream (a send waits for its reader)."""
+    ours, theirs = trio.testing.lockstep_stream_pair()
+    t_ms = MessageStream(theirs, name, "node")
+    m_ms = MessageStream(ours, tracker.creds.name, "tracker")
+
+    async def tracker_side():
+        t_ms.hello = await t_ms.receive()
+        await t_ms.send(tracker._hello())
+        await tracker._session(t_ms)
+
+    nursery.start_soon(tracker_side)
+    await exchange_hello(m_ms, hello(name, region=region))
+    return m_ms
+
+
+async def _read_all(ms, into: list) -> None:
+    while (msg := await ms.receive()) is not None:
+        into.append(msg)
+
+
+def test_a_member_that_stops_reading_is_dropped_and_never_delays_the_others(tmp_path, monkeypatch):
+    monkeypatch.setattr(server, "SEND_TIMEOUT", 3.0)
+    creds = _creds(tmp_path)
+    received: dict[str, list] = {}
+
+    async def main():
+        tracker = server.Tracker(creds["tracker"], "127.0.0.1:0", heartbeat_timeout=1e6, delta_delay=0.1)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(tracker._tick_loop)
+            readers = {}
+            for name in ("a", "b", "c"):
+                readers[name] = await _member(tracker, nursery, name)
+                received[name] = []
+                nursery.start_soon(_read_all, readers[name], received[name])
+            stuck = await _member(tracker, nursery, "stuck")  # never reads after its Hello
+            await trio.sleep(0.5)
+            assert "stuck" in tracker.core.members
+            # Joins keep changing everyone's set; the stuck member's sender blocks on its first frame.
+            t0 = trio.current_time()
+            for i in range(5):
+                nursery.start_soon(_read_all, await _member(tracker, nursery, f"x{i}"), [])
+                await trio.sleep(0.2)
+            # Everyone who reads was told of every newcomer within the coalescing delay.
+            for name in ("a", "b", "c"):
+                held = {}
+                for msg in received[name]:
+                    held = {p["id"]: p for p in msg.peers} if isinstance(msg, wire.PeerList) else apply_delta(held, msg)
+                assert {f"x{i}" for i in range(5)} <= held.keys()
+            assert trio.current_time() - t0 < 3.0  # no push waited for the stuck member's send
+            await trio.sleep(3.5)
+            assert "stuck" not in tracker.core.members
+            assert tracker.core.drops[BEHIND] == 1
+            nursery.cancel_scope.cancel()
+        del stuck
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0.01))
+
+
+def test_a_member_whose_queue_overflows_is_dropped(tmp_path, monkeypatch):
+    monkeypatch.setattr(server, "SEND_QUEUE", 4)
+    monkeypatch.setattr(server, "SEND_TIMEOUT", 1e6)
+    creds = _creds(tmp_path)
+
+    async def main():
+        tracker = server.Tracker(creds["tracker"], "127.0.0.1:0", heartbeat_timeout=1e6, delta_delay=0.01)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(tracker._tick_loop)
+            await _member(tracker, nursery, "stuck")
+            for i in range(8):  # each join is one delta for "stuck": its queue fills up
+                nursery.start_soon(_read_all, await _member(tracker, nursery, f"x{i}"), [])
+                await trio.sleep(0.05)
+            assert "stuck" not in tracker.core.members
+            assert tracker.core.drops[BEHIND] == 1
+            assert {f"x{i}" for i in range(8)} <= tracker.core.members.keys()
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0.01))
+
+
+def test_over_tls_a_member_learns_of_a_new_same_region_peer_by_delta(tmp_path):
+    """The real service on loopback: b joins after a; a is sent b's entry, b's list holds a."""
+    swarm = tmp_path / "swarm"
+    trust.init_swarm(swarm)
+    creds = {}
+    for name, role in [("tracker", "tracker"), ("a", "node"), ("b", "node"), ("c", "node")]:
+        trust.issue(swarm, name, role, tmp_path / name)
+        creds[name] = trust.Credentials.load(tmp_path / name)
+
+    async def main():
+        tracker = server.Tracker(tmp_path / "tracker", "127.0.0.1:0")
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(tracker.run)
+                members = {}
+                for name, region in [("a", "r1"), ("c", "r2"), ("b", "r1")]:
+                    members[name] = await connect(tracker.listen_addr, creds[name], {"tracker"},
+                                                  wire.Hello(name, region, "node", f"127.0.0.1:{7000 + ord(name)}", []))
+                first = {name: await ms.receive() for name, ms in members.items()}
+                assert isinstance(first["b"], wire.PeerList) and "a" in {p["id"] for p in first["b"].peers}
+                held = {p["id"]: p for p in first["a"].peers}
+                while "b" not in held:
+                    msg = await members["a"].receive()
+                    assert isinstance(msg, wire.PeerDelta), msg
+                    held = apply_delta(held, msg)
+                assert held["b"] == {"id": "b", "region": "r1", "addr": f"127.0.0.1:{7000 + ord('b')}", "role": "node"}
+                for ms in members.values():
+                    await ms.aclose()
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)

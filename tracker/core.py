@@ -1,0 +1,326 @@
+"""The tracker's decisions, with no I/O: members, liveness, budgets, retained manifests, peer sets.
+
+Owns `TrackerCore`. Events go in, each with the time (`now`, seconds on any
+monotonic clock): a member connected (its certificate-checked Hello), a
+message from it, its connection ended, time passed (`tick`). Actions come
+out: `Send` (one encoded frame for some connections) and `Close` (end one
+connection, with the reason). tracker/server.py runs it over TLS sessions
+and owns the sockets, the send queues and the clock.
+
+What it decides:
+- one session per member id: a member that connects again replaces (closes)
+  its old session; a member silent for `heartbeat_timeout` is closed;
+- each member's peer set (protocol/peersets.py): the whole set when it
+  joins, deltas afterwards, coalesced for `delta_delay` so a burst of joins
+  costs each affected member one message;
+- the manifests: only the origin announces; each is verified (trainer
+  signature, swarm, forward only) and sent to every node once; the latest
+  keyframe's chain and recent patches are kept (`retained`) for members that
+  join later;
+- budgets per member id and minute (issue 21): joins and announcements.
+  A member over a budget is closed and counted; while its budget is empty it
+  is refused at once, so a member reconnecting in a loop costs the others
+  nothing.
+
+Connections are opaque hashable tokens; the core never touches them.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+from typing import Hashable
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+from patchswarm.protocol import wire
+from patchswarm.protocol.errors import InvalidInput, StaleVersion
+from patchswarm.protocol.peersets import NODE, ORIGIN, PeerSets
+from patchswarm.protocol.picker import WAN_GATEWAYS
+from patchswarm.protocol.manifest import describe
+from patchswarm.protocol.versions import NEW, VersionBook
+
+log = logging.getLogger("patchswarm.tracker")
+
+HEARTBEAT_TIMEOUT = 10.0  # a member silent this long is dropped (members heartbeat every 2 s)
+RETAIN_PATCHES = 64
+# Peer-set changes are coalesced this long before they go out. A joining member gets
+# its own set at once; the others learn of it within this delay, and a burst of joins
+# (a fleet starting: hundreds a second) costs each member one delta per delay, not one
+# per join. Measured in bench/tracker_load.py (tracker/README.md).
+DELTA_DELAY = 1.0
+# (burst, per minute). A member rejoins after each restart or network blip: a
+# handful a minute is generous; 300 from one certificate is an attack.
+JOIN_BUDGET = (10, 10.0)
+# The origin re-announces everything it retains after each reconnect (up to a
+# keyframe plus RETAIN_PATCHES patches), and about two objects per version.
+ANNOUNCE_BUDGET = (2 * RETAIN_PATCHES + 16, 120.0)
+
+# Why a member was closed: the keys of `TrackerCore.drops`.
+SILENT, REPLACED, OVER_JOINS, OVER_ANNOUNCES, BAD_MESSAGE, BEHIND, LEFT = (
+    "silent", "replaced", "over join budget", "over announce budget", "bad message", "fell behind", "left")
+
+
+@dataclasses.dataclass(frozen=True)
+class Send:
+    """Send `frame` (the encoding of `msg`) on each connection in `to`."""
+
+    to: tuple[Hashable, ...]
+    msg: object
+    frame: bytes
+
+    @classmethod
+    def of(cls, to, msg) -> "Send":
+        return cls(tuple(to), msg, wire.encode(msg))
+
+
+@dataclasses.dataclass(frozen=True)
+class Close:
+    """End connection `conn`; `why` is one of the drop reasons above, `detail` says more."""
+
+    conn: Hashable
+    why: str
+    detail: str = ""
+
+
+@dataclasses.dataclass(eq=False)
+class Member:
+    conn: Hashable
+    id: str
+    role: str
+    region: str
+    addr: str
+    joined_at: float
+    last_seen: float
+    versions: list[int]
+
+    def entry(self) -> dict:
+        return {"id": self.id, "region": self.region, "addr": self.addr, "role": self.role}
+
+
+class Budget:
+    """Token buckets per key: `burst` at most, refilled at `per_minute`."""
+
+    def __init__(self, burst: int, per_minute: float):
+        self.burst = float(burst)
+        self.rate = per_minute / 60.0
+        self._buckets: dict[str, tuple[float, float]] = {}  # key -> (tokens, at)
+
+    def take(self, key: str, now: float) -> bool:
+        tokens, at = self._buckets.get(key, (self.burst, now))
+        tokens = min(self.burst, tokens + (now - at) * self.rate)
+        if tokens < 1.0:
+            self._buckets[key] = (tokens, now)
+            return False
+        self._buckets[key] = (tokens - 1.0, now)
+        return True
+
+    def prune(self, now: float) -> None:
+        """Forget keys whose bucket is full again (they are as good as new)."""
+        full = [k for k, (t, at) in self._buckets.items() if t + (now - at) * self.rate >= self.burst]
+        for k in full:
+            del self._buckets[k]
+
+    def __len__(self) -> int:
+        return len(self._buckets)
+
+
+class TrackerCore:
+    """The tracker's state and decisions (see the module doc)."""
+
+    def __init__(self, swarm_id: str, trainer_key: Ed25519PublicKey, *,
+                 heartbeat_timeout: float = HEARTBEAT_TIMEOUT, retain_patches: int = RETAIN_PATCHES,
+                 delta_delay: float = DELTA_DELAY, join_budget: tuple[int, float] = JOIN_BUDGET,
+                 announce_budget: tuple[int, float] = ANNOUNCE_BUDGET, wan_gateways: int | None = WAN_GATEWAYS,
+                 seed: int = 0):
+        self.book = VersionBook(swarm_id, trainer_key)
+        self.heartbeat_timeout = heartbeat_timeout
+        self.retain_patches = retain_patches
+        self.delta_delay = delta_delay
+        self.peers = PeerSets(gateways=wan_gateways or 0, seed=seed)
+        self.members: dict[str, Member] = {}
+        self._by_conn: dict[Hashable, Member] = {}
+        self._by_seen: collections.OrderedDict[str, None] = collections.OrderedDict()  # least recently heard first
+        self._joins = Budget(*join_budget)
+        self._announces = Budget(*announce_budget)
+        self._notices: dict[tuple[int, bool], Send] = {}  # retained object -> its VersionNotice
+        self._delta_due: float | None = None
+        self._last_prune = 0.0
+        self.manifests_rejected = 0
+        self.drops: collections.Counter[str] = collections.Counter()
+        self.changes = 0  # membership changes that changed someone's peer set
+
+    # ------------------------------------------------------------ events
+
+    def connected(self, conn: Hashable, hello: wire.Hello, addr: str, now: float) -> list:
+        """A member authenticated as `hello.node_id` / `hello.role` (its certificate
+        says so) and listens at `addr`. Returns its peer set and the retained
+        manifests, or a Close when it is over its join budget."""
+        mid, role = hello.node_id, hello.role
+        out: list = []
+        old = self.members.get(mid)
+        if not self._joins.take(mid, now):
+            self.drops[OVER_JOINS] += 1
+            if old is not None:
+                out += self._drop(old, now, OVER_JOINS, "joined again, over its join budget")
+            return out + [Close(conn, OVER_JOINS, f"more than {self._joins.burst:.0f} joins in a row "
+                                                  f"or {self._joins.rate * 60:.0f} a minute")]
+        if old is not None:  # the new session takes its place; the peer sets change only if its entry did
+            self.drops[REPLACED] += 1
+            del self._by_conn[old.conn]
+            out.append(Close(old.conn, REPLACED, "connected again"))
+        m = Member(conn, mid, role, hello.region, addr, now, now, list(hello.versions))
+        self.members[mid] = m
+        self._by_conn[conn] = m
+        self._by_seen[mid] = None
+        self._by_seen.move_to_end(mid)
+        if role in (NODE, ORIGIN):
+            self._changed(self.peers.join(mid, role, m.region, addr), now)
+            out.append(Send.of([conn], wire.PeerList(self.peers.full(mid))))
+        if role == NODE:
+            out += [dataclasses.replace(self._notices[k], to=(conn,)) for k in sorted(self._notices)]
+        return out
+
+    def received(self, conn: Hashable, msg, now: float) -> list:
+        m = self._by_conn.get(conn)
+        if m is None:
+            return []
+        m.last_seen = now
+        self._by_seen.move_to_end(m.id)
+        if isinstance(msg, wire.Heartbeat):
+            m.versions = list(msg.versions)
+            return []
+        if isinstance(msg, wire.Announce):
+            return self._announce(m, msg.manifest, now)
+        if isinstance(msg, wire.Bye):
+            return self._drop(m, now, LEFT, f"said bye ({msg.reason})")
+        if isinstance(msg, wire.Error):
+            log.info("%s %s says: %s", m.role, m.id, msg.message)
+            return []
+        return self._drop(m, now, BAD_MESSAGE, f"sent {type(msg).__name__}, which the tracker does not take")
+
+    def closed(self, conn: Hashable, now: float) -> list:
+        """The connection ended (whoever ended it)."""
+        m = self._by_conn.get(conn)
+        return [] if m is None else self._remove(m, now)
+
+    def dropped(self, conn: Hashable, why: str, detail: str, now: float) -> list:
+        """The I/O side gave up on `conn` (e.g. it fell behind its send queue)."""
+        m = self._by_conn.get(conn)
+        return [] if m is None else self._drop(m, now, why, detail)
+
+    def tick(self, now: float) -> list:
+        """Drop silent members; send the peer-set changes that are due."""
+        out: list = []
+        cutoff = now - self.heartbeat_timeout
+        while self._by_seen:
+            m = self.members[next(iter(self._by_seen))]
+            if m.last_seen > cutoff:
+                break
+            out += self._drop(m, now, SILENT, f"silent for {now - m.last_seen:.0f} s")
+        if self._delta_due is not None and now >= self._delta_due:
+            out += self._flush()
+        if now - self._last_prune >= 60.0:
+            self._last_prune = now
+            self._joins.prune(now)
+            self._announces.prune(now)
+        return out
+
+    def next_tick(self, now: float) -> float:
+        """When `tick` has something to do next (at the latest a second from now)."""
+        due = [now + 1.0]
+        if self._delta_due is not None:
+            due.append(self._delta_due)
+        if self._by_seen:
+            due.append(self.members[next(iter(self._by_seen))].last_seen + self.heartbeat_timeout)
+        return max(now, min(due))
+
+    # ------------------------------------------------------------ manifests
+
+    def _announce(self, m: Member, envelope: bytes, now: float) -> list:
+        if not self._announces.take(m.id, now):
+            self.drops[OVER_ANNOUNCES] += 1
+            return self._drop(m, now, OVER_ANNOUNCES, "announced too often")
+        if m.role != ORIGIN:
+            self.manifests_rejected += 1
+            log.warning("node %s tried to announce a version; only the origin may", m.id)
+            return [Send.of([m.conn], wire.Error("only the origin announces versions"))]
+        latest = self.book.latest_version
+        try:
+            status, man = self.book.offer(envelope, None)
+        except StaleVersion as e:
+            log.debug("ignored an announcement: %s", e)
+            return []
+        except InvalidInput as e:
+            self.manifests_rejected += 1
+            log.warning("rejected a manifest from %s: %s", m.id, e)
+            return [Send.of([m.conn], wire.Error(f"manifest rejected: {e}"))]
+        if status != NEW:
+            return []
+        key = (man.version, man.is_keyframe)
+        if latest is not None and man.version < latest and key not in self.book.retained(self.retain_patches):
+            self.book.discard(key)  # an old object re-announced after a restart, which nobody needs any more
+            return []
+        log.info("%s announced (%d chunks, %s bytes)", describe(key), len(man.chunks), f"{man.total_bytes:,}")
+        notice = Send.of(self._conns(NODE), wire.VersionNotice(man.version, bytes(envelope)))
+        self._notices[key] = notice
+        self._prune()
+        out = [notice]
+        if man.version == self.book.latest_version and (not man.is_keyframe or self.book.get((man.version, False)) is None):
+            # Its gateways now carry chunks across the WAN: they learn each other's addresses at once.
+            self.peers.set_object(key)
+            out += self._flush()
+        return out
+
+    def _prune(self) -> None:
+        keep = self.book.retained(self.retain_patches)
+        if keep:
+            self.book.forget_below(min(k[0] for k in keep))
+        for k in [k for k in self._notices if k not in keep]:
+            del self._notices[k]
+
+    # ------------------------------------------------------------ membership
+
+    def _drop(self, m: Member, now: float, why: str, detail: str) -> list:
+        if why not in (LEFT, OVER_JOINS, OVER_ANNOUNCES):  # budgets are counted where they are checked
+            self.drops[why] += 1
+        return self._remove(m, now) + [Close(m.conn, why, detail)]
+
+    def _remove(self, m: Member, now: float) -> list:
+        del self._by_conn[m.conn]
+        if self.members.get(m.id) is m:
+            del self.members[m.id]
+            del self._by_seen[m.id]
+            self._changed(self.peers.leave(m.id), now)
+        return []
+
+    def _changed(self, changed: bool, now: float) -> None:
+        if changed:
+            self.changes += 1
+            if self._delta_due is None:
+                self._delta_due = now + self.delta_delay
+
+    def _flush(self) -> list:
+        self._delta_due = None
+        out = []
+        for ids, delta in self.peers.flush():
+            conns = [self.members[i].conn for i in ids if i in self.members]
+            if conns:
+                out.append(Send.of(conns, delta))
+        return out
+
+    def _conns(self, role: str) -> list[Hashable]:
+        return [m.conn for m in self.members.values() if m.role == role]
+
+    # ------------------------------------------------------------ status
+
+    def status(self) -> dict:
+        return {
+            "swarm_id": self.book.swarm_id,
+            "latest_version": self.book.latest_version,
+            "members": [{**m.entry(), "versions": m.versions} for m in self.members.values()],
+            "manifests_rejected": self.manifests_rejected,
+            "drops": dict(self.drops),
+            "changes": self.changes,
+        }
