@@ -163,6 +163,27 @@ class Revocations:
 
 
 @dataclass(frozen=True)
+class Signal:
+    """WebRTC signalling (node/net/rtcsignal.py), relayed by the tracker between members.
+
+    To the tracker, `peer` names the recipient; from the tracker, the sender
+    (taken from the sender's certificate, never from the message). `kind` is
+    "offer" or "answer"; `session` is the offerer's random id for one attempt,
+    which the answer repeats. The SDP carries every ICE candidate (aiortc gathers
+    them before it hands out a description: no trickle) and the DTLS certificate
+    fingerprint; `signature` is the sender's swarm key over `signal_statement`,
+    and `cert` its swarm certificate, so the recipient checks who signed the
+    fingerprint without trusting the tracker."""
+
+    peer: str
+    kind: str
+    session: int
+    sdp: str
+    cert: bytes
+    signature: bytes
+
+
+@dataclass(frozen=True)
 class Bye:
     reason: str
 
@@ -175,7 +196,7 @@ class Error:
 MESSAGE_TYPES = {
     cls.__name__: cls
     for cls in (Hello, Have, HaveOne, Incoming, Request, Piece, Cancel, Reject, Announce,
-                PeerList, VersionNotice, Heartbeat, Trajectories, TrajectoriesAck, Revocations, Bye, Error)
+                PeerList, VersionNotice, Heartbeat, Trajectories, TrajectoriesAck, Revocations, Signal, Bye, Error)
 }
 _PEER_KEYS = frozenset({"id", "region", "addr", "role"})
 
@@ -207,11 +228,41 @@ _CHECKS = {
 }
 
 
+SIGNAL_KINDS = ("offer", "answer")
+SDP_MAX_BYTES = 16 << 10  # an SDP with one data channel and a few dozen candidates is ~1-3 KiB
+CERT_MAX_BYTES = 4 << 10  # a P-256 member certificate in PEM is ~0.8 KiB
+SIGNATURE_MAX_BYTES = 160  # a DER ECDSA P-256 signature is at most 72 bytes
+MEMBER_NAME_MAX = 253  # a DNS name (node/net/trust.py)
+
+# (message, field) -> (predicate, what is expected): bounds beyond the field's type.
+_BOUNDS = {
+    ("Signal", "peer"): (lambda v: 0 < len(v) <= MEMBER_NAME_MAX, f"a member name of 1 to {MEMBER_NAME_MAX} chars"),
+    ("Signal", "kind"): (lambda v: v in SIGNAL_KINDS, f"one of {', '.join(SIGNAL_KINDS)}"),
+    ("Signal", "sdp"): (lambda v: len(v) <= SDP_MAX_BYTES, f"an SDP of at most {SDP_MAX_BYTES} chars"),
+    ("Signal", "cert"): (lambda v: len(v) <= CERT_MAX_BYTES, f"a certificate of at most {CERT_MAX_BYTES} bytes"),
+    ("Signal", "signature"): (lambda v: len(v) <= SIGNATURE_MAX_BYTES,
+                              f"a signature of at most {SIGNATURE_MAX_BYTES} bytes"),
+}
+
+
 def _validate(name: str, values: dict, exc: type[Exception]) -> None:
     for f in dataclasses.fields(MESSAGE_TYPES[name]):
         ok, expected = _CHECKS[f.type]
         if not ok(values[f.name]):
             raise exc(f"{name}.{f.name}: expected {expected}, found {_found(values[f.name])}")
+        bound = _BOUNDS.get((name, f.name))
+        if bound is not None and not bound[0](values[f.name]):
+            raise exc(f"{name}.{f.name}: expected {bound[1]}, found {_found(values[f.name])}")
+
+
+_SIGNAL_DOMAIN = b"patchswarm webrtc signal v1"
+
+
+def signal_statement(swarm_id: str, sender: str, recipient: str, kind: str, session: int, sdp: str) -> bytes:
+    """The bytes a Signal's sender signs: which swarm, from whom, to whom, which step of
+    which attempt, and the whole SDP (its DTLS fingerprint with it). A signature over
+    these cannot be replayed to another member, swarm, attempt or step."""
+    return _SIGNAL_DOMAIN + msgpack.packb([swarm_id, sender, recipient, kind, session, sdp], use_bin_type=True)
 
 
 def encode(msg) -> bytes:

@@ -60,6 +60,8 @@ class Tracker:
         self.book = VersionBook(self.creds.swarm_id(), self.creds.trainer_public_key())
         self.members: dict[str, Member] = {}
         self.manifests_rejected = 0
+        self.signals_relayed = 0  # WebRTC offers and answers forwarded between members
+        self.signals_dropped = 0  # ... addressed to no member
         self._membership_changed = trio.Event()
         self.revocations_file = revocations
         self._revocations_seen: tuple[int, int] | None = None  # (mtime_ns, size) last read
@@ -83,7 +85,10 @@ class Tracker:
         return wire.Hello(self.creds.name, "", "tracker", self.listen_addr, [])
 
     def _advertised(self, ms: MessageStream, listen: str) -> str:
-        """The member's listen address, with a wildcard host replaced by the address it came from."""
+        """The member's listen address, with a wildcard host replaced by the address it came from;
+        "" for a member that accepts no connections (--no-listen)."""
+        if not listen:
+            return ""
         host, _, port = listen.rpartition(":")
         if host.strip("[]") in ("", "0.0.0.0", "::"):
             try:
@@ -121,6 +126,8 @@ class Tracker:
                     m.versions = list(msg.versions)
                 elif isinstance(msg, wire.Announce):
                     await self._announce(m, msg.manifest)
+                elif isinstance(msg, wire.Signal):
+                    await self._relay_signal(m, msg)
                 elif isinstance(msg, wire.Bye):
                     break
                 elif not isinstance(msg, wire.Error):
@@ -163,6 +170,18 @@ class Tracker:
         for other in list(self.members.values()):
             if other.role == "node":
                 await self._send_quietly(other, notice)
+
+    async def _relay_signal(self, m: Member, msg: wire.Signal) -> None:
+        """WebRTC signalling between members (node/net/rtcsignal.py): to the member it names,
+        as from the member that sent it. The tracker checks nothing in it but who is who:
+        the recipient checks the sender's signature."""
+        to = self.members.get(msg.peer)
+        if to is None or to is m:
+            self.signals_dropped += 1
+            log.debug("dropped a WebRTC %s from %s to %s: not a member", msg.kind, m.id, msg.peer)
+            return
+        self.signals_relayed += 1
+        await self._send_quietly(to, dataclasses.replace(msg, peer=m.id))
 
     def _prune(self) -> None:
         keep = self.book.retained(RETAIN_PATCHES)
@@ -232,4 +251,6 @@ class Tracker:
             "latest_version": self.book.latest_version,
             "members": [{**m.entry(), "versions": m.versions} for m in self.members.values()],
             "manifests_rejected": self.manifests_rejected,
+            "signals_relayed": self.signals_relayed,
+            "signals_dropped": self.signals_dropped,
         }
