@@ -101,7 +101,11 @@ class RTCSignaller:
                     raise trio.BrokenResourceError("no tracker connection to signal through")
                 await waiting.arrived.wait()
                 name, got_role, serial = self._check(waiting.answer, "answer", frozenset({role}))
-                await peer.accept_answer(waiting.answer.sdp)
+                try:
+                    await peer.accept_answer(waiting.answer.sdp)
+                except ValueError as e:  # aiortc on an SDP it cannot use
+                    raise InvalidInput(f"answer from {peer_id!r}: expected an SDP aiortc takes, found one it "
+                                       f"does not ({one_line(e)})") from None
                 return await self._session(peer, name, got_role, serial)
         except BaseException:
             with trio.CancelScope(shield=True):
