@@ -99,6 +99,9 @@ class RTCLoop:
 
     async def __aenter__(self) -> "RTCLoop":
         _use_host_addresses(self.ice.host_addresses)
+        for name in ("aioice", "aiortc"):  # a line per candidate pair and TURN message at INFO
+            if logging.getLogger(name).level == logging.NOTSET:
+                logging.getLogger(name).setLevel(logging.WARNING)
         self._token = trio.lowlevel.current_trio_token()
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="patchswarm-webrtc", daemon=True)
@@ -247,6 +250,8 @@ class RTCPeer:
 
         self._pc = RTCPeerConnection(RTCConfiguration(iceServers=self.rtc.ice.servers()))
         self._opened = asyncio.get_running_loop().create_future()
+        # Read a failure here, so asyncio does not log it as never retrieved when nobody waits.
+        self._opened.add_done_callback(lambda f: f.cancelled() or f.exception())
         self.rtc._peers.add(self)
 
         @self._pc.on("connectionstatechange")
