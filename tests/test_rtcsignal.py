@@ -64,17 +64,20 @@ class Member:
                 await trio.sleep(0.02)
 
 
-async def _tracker(nursery, swarm):
-    return await nursery.start(Tracker(swarm / "tracker", "127.0.0.1:0").run)
+async def tracker_and_two(nursery, swarm, before_start=lambda a, b: None):
+    """A tracker, and members n1 and n2 joined to it."""
+    tracker = await nursery.start(Tracker(swarm / "tracker", "127.0.0.1:0").run)
+    a, b = Member(swarm / "n1", tracker.listen_addr), Member(swarm / "n2", tracker.listen_addr)
+    before_start(a, b)
+    await a.start(nursery)
+    await b.start(nursery)
+    return tracker, a, b
 
 
 def test_session_through_the_tracker_is_authenticated_and_carries_messages(swarm):
     async def main():
         async with trio.open_nursery() as n:
-            tracker = await _tracker(n, swarm)
-            a, b = Member(swarm / "n1", tracker.listen_addr), Member(swarm / "n2", tracker.listen_addr)
-            await a.start(n)
-            await b.start(n)
+            tracker, a, b = await tracker_and_two(n, swarm)
             with trio.fail_after(60):
                 ms = await a.rtc.connect("n2", "node")
                 assert (ms.peer_name, ms.peer_role, ms.hello.node_id) == ("n2", "node", "n2")
@@ -120,10 +123,7 @@ def _forgeries(swarm, good: wire.Signal, signer_creds, statement_for):
 def test_forged_offers_are_refused_and_counted(swarm):
     async def main():
         async with trio.open_nursery() as n:
-            tracker = await _tracker(n, swarm)
-            a, b = Member(swarm / "n1", tracker.listen_addr), Member(swarm / "n2", tracker.listen_addr)
-            await a.start(n)
-            await b.start(n)
+            tracker, a, b = await tracker_and_two(n, swarm)
             peer = a.rtc._rtc.peer()
             sdp = await peer.local_offer()
             good = a.rtc._signal("n2", "offer", 42, sdp)
@@ -153,15 +153,11 @@ def test_forged_offers_are_refused_and_counted(swarm):
 def test_tracker_relays_only_to_members_and_stamps_the_sender(swarm):
     async def main():
         async with trio.open_nursery() as n:
-            tracker = await _tracker(n, swarm)
-            a, b = Member(swarm / "n1", tracker.listen_addr), Member(swarm / "n2", tracker.listen_addr)
             seen = []
 
             async def record(msg):
                 seen.append(msg)
-            b.link._on_message = record
-            await a.start(n)
-            await b.start(n)
+            tracker, a, b = await tracker_and_two(n, swarm, lambda a, b: setattr(b.link, "_on_message", record))
             sig = wire.Signal("nobody", "offer", 1, "v=0", b"", b"")
             await a.link.send(sig)
             await a.link.send(dataclasses.replace(sig, peer="n1"))  # to itself
