@@ -7,6 +7,13 @@ Hellos over mutual TLS 1.3 (the swarm's contexts), then the sender sends
 alternating `--repeat` times, and the table shows the best run of each.
 
     .venv/bin/python bench/transport.py [--mib 256] [--repeat 3]
+
+`--webrtc`: WebRTC data channels (node/net/webrtc.py) against TCP+TLS
+(TLSSocketStream), one pair of endpoints in one process on loopback, Piece
+messages of 16-256 KiB through MessageStream: MB/s received. `--profile`
+prints where the asyncio thread's time goes in a WebRTC run.
+
+    .venv/bin/python bench/transport.py --webrtc [--mib 32] [--repeat 2] [--profile]
 """
 
 from __future__ import annotations
@@ -110,10 +117,107 @@ def _run_pair(kind: str, creds_root: Path, mib: int) -> dict:
             "receive_ms_per_mib": 1e3 * recv["cpu_s"] / mib, "mb_per_s": mib * PIECE / 1e6 / recv["wall_s"]}
 
 
+SIZES_KIB = (16, 64, 256)
+
+
+async def _tls_pair(creds_root: Path):
+    node, origin = (trust.Credentials.load(creds_root / n) for n in ("node1", "origin1"))
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    client = await trio.open_tcp_stream("127.0.0.1", port)
+    server = await listeners[0].accept()
+    await listeners[0].aclose()
+    a = TLSSocketStream.wrap(client, trust.client_context(node), server_side=False)
+    b = TLSSocketStream.wrap(server, trust.server_context(origin), server_side=True)
+    async with trio.open_nursery() as n:
+        n.start_soon(a.do_handshake)
+        n.start_soon(b.do_handshake)
+    return a, b, None
+
+
+async def _webrtc_pair(rtc):
+    pa, pb = rtc.peer(), rtc.peer()
+    await pa.accept_answer(await pb.local_answer(await pa.local_offer()))
+    with trio.fail_after(30):
+        return await pa.open(), await pb.open(), (pa, pb)
+
+
+async def _throughput(kind: str, creds_root: Path, size: int, total: int) -> float:
+    """MB/s of `total` bytes of Pieces of `size` bytes, one way, through MessageStream."""
+    from patchswarm.node.net.webrtc import IceConfig, RTCLoop
+
+    async def run(a, b) -> float:
+        send, recv = transport.MessageStream(a, "b", "node"), transport.MessageStream(b, "a", "node")
+        data, count = os.urandom(size), max(1, total // size)
+        hello = wire.Hello("x", "r0", "node", "", [])
+
+        async def sender():
+            await send.send(hello)
+            for i in range(count):
+                await send.send(wire.Piece(1, False, i, 0, size, data))
+
+        with trio.fail_after(CHILD_TIMEOUT_S * 5):
+            async with trio.open_nursery() as n:
+                n.start_soon(sender)
+                assert isinstance(await recv.receive(), wire.Hello)
+                t0 = time.perf_counter()
+                for _ in range(count):
+                    msg = await recv.receive()
+                    assert isinstance(msg, wire.Piece) and len(msg.data) == size
+                wall = time.perf_counter() - t0
+        await send.aclose()
+        await recv.aclose()
+        return count * size / 1e6 / wall
+
+    if kind == "TCP+TLS":
+        a, b, _ = await _tls_pair(creds_root)
+        return await run(a, b)
+    async with RTCLoop(IceConfig(host_addresses=("127.0.0.1",))) as rtc:
+        a, b, _ = await _webrtc_pair(rtc)
+        return await run(a, b)
+
+
+def webrtc_table(creds_root: Path, mib: int, repeat: int, profile: bool) -> None:
+    kinds = ["TCP+TLS", "WebRTC"]
+    best: dict[tuple[str, int], float] = {}
+    for i in range(repeat):
+        for kib in SIZES_KIB:
+            for kind in kinds:
+                mbs = trio.run(_throughput, kind, creds_root, kib << 10, mib << 20)
+                print(f"  run {i}: {kind}, {kib} KiB messages: {mbs:.1f} MB/s", flush=True)
+                best[kind, kib] = max(best.get((kind, kib), 0.0), mbs)
+    print(f"\n{'transport':>28}  " + "  ".join(f"{k:>4} KiB MB/s" for k in SIZES_KIB))
+    for kind in kinds:
+        print(f"{kind:>28}  " + "  ".join(f"{best[kind, k]:>13.1f}" for k in SIZES_KIB))
+    print(f"\n({mib} MiB one way per cell, one pair in one process on loopback, best of {repeat})")
+    if profile:
+        import cProfile
+        import pstats
+        import asyncio
+        prof = cProfile.Profile()  # enabled in the asyncio thread, from inside its run_forever
+        real_run_forever = asyncio.BaseEventLoop.run_forever
+
+        def profiled(self):
+            prof.enable()
+            try:
+                return real_run_forever(self)
+            finally:
+                prof.disable()
+        asyncio.BaseEventLoop.run_forever = profiled
+        try:
+            trio.run(_throughput, "WebRTC", creds_root, 64 << 10, mib << 20)
+        finally:
+            asyncio.BaseEventLoop.run_forever = real_run_forever
+        print("\nWhere the asyncio thread's time goes (WebRTC, 64 KiB messages), by own time:")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mib", type=int, default=256, help="1 MiB pieces per run")
     ap.add_argument("--repeat", type=int, default=3, help="runs per stream class (best kept)")
+    ap.add_argument("--webrtc", action="store_true", help="WebRTC data channels against TCP+TLS, 16-256 KiB messages")
+    ap.add_argument("--profile", action="store_true", help="with --webrtc: where the WebRTC CPU goes")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--kind", choices=STREAMS, help=argparse.SUPPRESS)
     ap.add_argument("--creds", help=argparse.SUPPRESS)
@@ -129,6 +233,9 @@ def main() -> int:
         trust.init_swarm(root / "swarm")
         for name, role in (("origin1", "origin"), ("node1", "node")):
             trust.issue(root / "swarm", name, role, root / name)
+        if args.webrtc:
+            webrtc_table(root, args.mib, args.repeat, args.profile)
+            return 0
         best: dict[str, dict] = {}
         for i in range(args.repeat):
             for kind in STREAMS:

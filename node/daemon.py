@@ -42,9 +42,11 @@ from patchswarm.node.fetcher import REQUEST_TIMEOUT, Fetcher
 from patchswarm.node.localapi import LocalRequests, serve_local
 from patchswarm.node.lowprio import APPLY_NICE
 from patchswarm.node.net.ratelimit import TokenBucket
+from patchswarm.node.net.rtcsignal import RTCSignaller
 from patchswarm.node.net.trackerlink import TrackerLink
-from patchswarm.node.net.transport import serve
+from patchswarm.node.net.transport import serve, transport_of
 from patchswarm.node.net.trust import Credentials
+from patchswarm.node.net.webrtc import IceConfig
 from patchswarm.node.peers import PeerDropped, PeerSet, Session
 from patchswarm.node.relay import Inflows
 from patchswarm.node.spool import TrajectorySpool
@@ -77,6 +79,9 @@ class NodeConfig:
     apply_threads: int | None = None  # None: as many as the cores (protocol/parallel.py)
     wan_gateways: int | None = WAN_GATEWAYS
     advertise: str | None = None  # the address told to the tracker and peers; None: the bound listen address
+    transport: str = "tcp"  # to other nodes: tcp | webrtc | auto (node/dialer.py); webrtc and auto answer offers
+    no_listen: bool = False  # accept nothing inbound (behind NAT): advertise no address
+    ice: IceConfig = IceConfig()
     compact_every: int = COMPACT_EVERY  # versions between full writes of the state (node/persistence.py)
     model_dir: Path | None = None  # the current version as a model directory (node/modelsink.py)
     engine: str | None = None  # sglang | vllm
@@ -113,8 +118,10 @@ class Node:
                              on_open=self._on_peer_open, on_close=self._on_peer_close, inflows=self.inflows)
         self.tracker = TrackerLink(cfg.tracker, self.creds, self._hello, self._on_tracker_message,
                                    revocations_file=self.data_dir / "revocations")
+        self.rtc = None if cfg.transport == "tcp" else RTCSignaller(
+            self.creds, cfg.ice, self.tracker.send, self._hello, self._accepted, on_receive=self.download.take)
         self.dialer = Dialer(self.id, self.region, self.creds, self.peers, self._hello, self.download,
-                             no_peers=cfg.no_peers)
+                             no_peers=cfg.no_peers, rtc=self.rtc, transport=cfg.transport)
         self.store: ObjectStore | None = None
         self.fetcher: Fetcher | None = None
         self.applier: Applier | None = None
@@ -166,10 +173,13 @@ class Node:
                               changelog=self.applier.changelog)
         async with trio.open_nursery() as nursery:
             await nursery.start(self.fetcher.run)  # first: pieces may come as soon as peers can connect
-            self.listen_addr = await nursery.start(self._serve_peers)
+            self.listen_addr = "" if self.cfg.no_listen else await nursery.start(self._serve_peers)
+            if self.rtc is not None:
+                await nursery.start(self.rtc.run)
             await nursery.start(serve_local, self.data_dir / "node.sock", local)
             log.info("node %s (region %s) listening on %s, at %s; local socket %s", self.id, self.region,
-                     self.listen_addr, "no version yet" if self.version is None else f"version {self.version}",
+                     self.listen_addr or "no address (--no-listen)",
+                     "no version yet" if self.version is None else f"version {self.version}",
                      self.data_dir / "node.sock")
             nursery.start_soon(self.tracker.run)
             nursery.start_soon(self.dialer.run)
@@ -202,6 +212,8 @@ class Node:
             self._on_peer_list(list(apply_delta(self.dialer.members, msg).values()))
         elif isinstance(msg, wire.VersionNotice):
             self.applier.offer(msg.manifest, "tracker")
+        elif isinstance(msg, wire.Signal) and self.rtc is not None:
+            await self.rtc.on_signal(msg)
 
     def _on_peer_list(self, peers: list[dict]) -> None:
         self.dialer.set_members({p["id"]: p for p in peers})
@@ -273,8 +285,9 @@ class Node:
             "listen": self.listen_addr,
             "tracker_connected": self.tracker.connected,
             "peers": sorted(({"id": s.id, "region": s.region, "role": s.role,
-                              "bytes_in": s.piece_bytes_in, "bytes_out": s.piece_bytes_out}
+                              "bytes_in": s.piece_bytes_in, "bytes_out": s.piece_bytes_out, **transport_of(s.ms)}
                              for s in self.peers.sessions.values()), key=lambda p: p["id"]),
+            "webrtc_refused": {} if self.rtc is None else dict(self.rtc.refused),
             "bytes_in": dict(f.bytes_in),
             "bytes_out": self.peers.bytes_out,
             "bytes_out_arriving": self.peers.bytes_out_arriving,

@@ -3,7 +3,10 @@
 Owns `Dialer`: the members the tracker last listed, the choice of peers to
 keep connected (the origin; up to SAME_REGION_PEERS nodes of this region and
 OTHER_REGION_PEERS of each other region, each chosen by a hash of both ids, so
-the choice is stable and spread), the dial loop, the backoff after a failed
+the choice is stable and spread), how to reach each (`route`: TCP+TLS, or a
+WebRTC data channel through node/net/rtcsignal.py for a member that accepts
+nothing inbound, with --transport webrtc, or with auto after failed TCP dials),
+the dial loop, the backoff after a failed
 dial, and the rule for two members that want each other: the smaller id
 dials first, the other only if no connection came a little later, so a pair
 rarely opens two connections (node/peers.py keeps one if it does). A dialed
@@ -24,6 +27,7 @@ from patchswarm.protocol.errors import PatchswarmError
 
 from patchswarm.node.net.backoff import jittered
 from patchswarm.node.net.ratelimit import TokenBucket
+from patchswarm.node.net.rtcsignal import RTCSignaller
 from patchswarm.node.net.transport import CONNECTION_ERRORS, connect, one_line
 from patchswarm.node.net.trust import Credentials
 from patchswarm.node.peers import PeerSet
@@ -37,6 +41,7 @@ BACKOFF_MAX = 10.0
 SECOND_DIALER_WAIT = 2.0  # s the larger id of a pair waits for the smaller one's dial
 REDIAL_AFTER = 1.0  # s after a connection, before the same peer is dialed again once it ends
 POLL_S = 1.0
+TCP_FAILURES_BEFORE_WEBRTC = 2  # transport auto: a node that many TCP dials did not reach is tried over WebRTC
 
 
 def rank(a: str, b: str) -> bytes:
@@ -46,7 +51,8 @@ def rank(a: str, b: str) -> bytes:
 
 class Dialer:
     def __init__(self, me: str, region: str, creds: Credentials, peers: PeerSet, hello: Callable[[], wire.Hello],
-                 download: TokenBucket, *, no_peers: bool = False):
+                 download: TokenBucket, *, no_peers: bool = False, rtc: RTCSignaller | None = None,
+                 transport: str = "tcp"):
         self.me = me
         self.region = region
         self.creds = creds
@@ -58,6 +64,9 @@ class Dialer:
         self._dialing: set[str] = set()
         self._dial_after: dict[str, float] = {}
         self._wakeup = Wakeup()
+        self.rtc = rtc
+        self.transport = transport  # tcp | webrtc | auto
+        self._tcp_failures: dict[str, int] = {}  # id -> TCP dials in a row that failed
 
     def set_members(self, members: dict[str, dict]) -> None:
         self.members = {i: p for i, p in members.items() if i != self.me}
@@ -81,13 +90,24 @@ class Dialer:
         out.update(origin)
         return out
 
+    def route(self, p: dict) -> str | None:
+        """How to reach member `p`: "tcp", "webrtc", or None (no way from here). The origin
+        answers no offers, so it is always TCP; nodes go over WebRTC with transport webrtc,
+        when they accept nothing inbound (no address), or, with auto, after failed TCP dials."""
+        rtc_ok = self.rtc is not None and p["role"] == "node"
+        if rtc_ok and (self.transport == "webrtc" or not p["addr"] or (
+                self.transport == "auto" and self._tcp_failures.get(p["id"], 0) >= TCP_FAILURES_BEFORE_WEBRTC)):
+            return "webrtc"
+        return "tcp" if p["addr"] else None
+
     async def run(self) -> None:
         """Dial whoever is wanted and not connected, until cancelled."""
         async with trio.open_nursery() as nursery:
             while True:
                 now = trio.current_time()
                 for pid, p in self.wanted().items():
-                    if self.peers.connected(pid) or pid in self._dialing or self._dial_after.get(pid, 0) > now:
+                    if (self.peers.connected(pid) or pid in self._dialing or self._dial_after.get(pid, 0) > now
+                            or self.route(p) is None):
                         continue
                     # Both ends want each other: the smaller id dials first, the other a little later
                     # if no connection came, so pairs rarely open two connections.
@@ -99,16 +119,24 @@ class Dialer:
                 await self._wakeup.wait(POLL_S)
 
     async def _dial(self, p: dict) -> None:
-        pid = p["id"]
+        pid, how = p["id"], self.route(p)
         try:
-            ms = await connect(p["addr"], self.creds, {p["role"]}, self.hello(), expect_name=pid,
-                               on_receive=self.download.take)
+            if how == "webrtc":
+                ms = await self.rtc.connect(pid, p["role"])
+            else:
+                ms = await connect(p["addr"], self.creds, {p["role"]}, self.hello(), expect_name=pid,
+                                   on_receive=self.download.take)
         except (*CONNECTION_ERRORS, PatchswarmError) as e:
             delay = min(BACKOFF_MAX, 2 * max(1.0, self._dial_after.get(pid, 0) - trio.current_time() + 1))
             self._dial_after[pid] = trio.current_time() + jittered(delay)  # members that lost one peer spread out
-            log.info("could not reach %s %s at %s (%s)", p["role"], pid, p["addr"], one_line(e))
+            if how == "tcp":
+                self._tcp_failures[pid] = self._tcp_failures.get(pid, 0) + 1
+            log.info("could not reach %s %s at %s over %s (%s)", p["role"], pid, p["addr"] or "no address", how,
+                     one_line(e))
             return
         finally:
             self._dialing.discard(pid)
+        if how == "tcp":
+            self._tcp_failures.pop(pid, None)
         self._dial_after[pid] = trio.current_time() + REDIAL_AFTER
         await self.peers.run(ms, outbound=True)

@@ -55,6 +55,11 @@ MAX_PEERS = 1 << 14  # members in one PeerList
 MAX_ACK_SEQS = MAX_BATCH_RECORDS  # a TrajectoriesAck acknowledges one batch
 MAX_BITFIELD_BYTES = (MAX_CHUNKS + 7) // 8  # a Have's bitfield
 MAX_INT = (1 << 64) - 1  # msgpack's widest unsigned int
+SIGNAL_KINDS = ("offer", "answer")
+SDP_MAX_BYTES = 16 << 10  # an SDP with one data channel and a few dozen candidates is ~1-3 KiB
+CERT_MAX_BYTES = 4 << 10  # a P-256 member certificate in PEM is ~0.8 KiB
+SIGNATURE_MAX_BYTES = 160  # a DER ECDSA P-256 signature is at most 72 bytes
+MEMBER_NAME_MAX = 253  # a DNS name (node/net/trust.py)
 _LENGTH_LIMIT = (1 << 32) - 1  # what the header can express
 _MAX_KEY_BYTES = 16  # a field name
 _MAX_FIELDS = 6  # fields of the largest message (Piece), "t" aside
@@ -207,6 +212,27 @@ class Revocations:
 
 
 @dataclass(frozen=True)
+class Signal:
+    """WebRTC signalling (node/net/rtcsignal.py), relayed by the tracker between members.
+
+    To the tracker, `peer` names the recipient; from the tracker, the sender
+    (taken from the sender's certificate, never from the message). `kind` is
+    "offer" or "answer"; `session` is the offerer's random id for one attempt,
+    which the answer repeats. The SDP carries every ICE candidate (aiortc gathers
+    them before it hands out a description: no trickle) and the DTLS certificate
+    fingerprint; `signature` is the sender's swarm key over `signal_statement`,
+    and `cert` its swarm certificate, so the recipient checks who signed the
+    fingerprint without trusting the tracker."""
+
+    peer: str
+    kind: str
+    session: int
+    sdp: str
+    cert: bytes
+    signature: bytes
+
+
+@dataclass(frozen=True)
 class Bye:
     reason: str
 
@@ -219,7 +245,8 @@ class Error:
 MESSAGE_TYPES = {
     cls.__name__: cls
     for cls in (Hello, Have, HaveOne, Incoming, Request, Piece, Cancel, Reject, Announce,
-                PeerList, VersionNotice, Heartbeat, Trajectories, TrajectoriesAck, Revocations, Bye, Error, PeerDelta)
+                PeerList, VersionNotice, Heartbeat, Trajectories, TrajectoriesAck, Revocations, Bye, Error, PeerDelta,
+                Signal)
 }
 _PEER_FIELDS = {"id": MAX_NAME_BYTES, "region": MAX_NAME_BYTES, "addr": MAX_ADDR_BYTES, "role": MAX_NAME_BYTES}
 
@@ -234,6 +261,10 @@ _LIMITS = {
     ("PeerList", "peers"): MAX_PEERS,
     ("PeerDelta", "add"): MAX_PEERS,
     ("PeerDelta", "remove"): MAX_PEERS,
+    ("Signal", "peer"): MEMBER_NAME_MAX,
+    ("Signal", "sdp"): SDP_MAX_BYTES,
+    ("Signal", "cert"): CERT_MAX_BYTES,
+    ("Signal", "signature"): SIGNATURE_MAX_BYTES,
     ("TrajectoriesAck", "seqs"): MAX_ACK_SEQS,
     ("Trajectories", "batch"): MAX_BATCH_WIRE_BYTES,
     ("Reject", "reason"): MAX_TEXT_BYTES,
@@ -295,11 +326,36 @@ _CHECKS = {
 }
 
 
+# (message, field) -> (predicate, what is expected): what a field means beyond its type and
+# size, checked when a message is made and when one is read.
+_BOUNDS = {
+    ("Signal", "peer"): (lambda v: len(v) > 0, "a member name"),
+    ("Signal", "kind"): (lambda v: v in SIGNAL_KINDS, f"one of {', '.join(SIGNAL_KINDS)}"),
+}
+
+
+def _check_bounds(name: str, values: dict, exc: type[Exception]) -> None:
+    for (message, field), (ok, expected) in _BOUNDS.items():
+        if message == name and not ok(values[field]):
+            raise exc(f"{name}.{field}: expected {expected}, found {_found(values[field])}")
+
+
 def _validate(name: str, values: dict, exc: type[Exception]) -> None:
     for field, kind, limit in _SCHEMAS[name]:
         ok, expected = _CHECKS[kind]
         if not ok(values[field], limit):
             raise exc(f"{name}.{field}: expected {expected.format(limit)}, found {_found(values[field])}")
+    _check_bounds(name, values, exc)
+
+
+_SIGNAL_DOMAIN = b"patchswarm webrtc signal v1"
+
+
+def signal_statement(swarm_id: str, sender: str, recipient: str, kind: str, session: int, sdp: str) -> bytes:
+    """The bytes a Signal's sender signs: which swarm, from whom, to whom, which step of
+    which attempt, and the whole SDP (its DTLS fingerprint with it). A signature over
+    these cannot be replayed to another member, swarm, attempt or step."""
+    return _SIGNAL_DOMAIN + msgpack.packb([swarm_id, sender, recipient, kind, session, sdp], use_bin_type=True)
 
 
 def encode(msg) -> bytes:
@@ -377,6 +433,7 @@ def decode_body(body: bytes, only: type | None = None):
         raise ProtocolError(f"{name}: expected fields {sorted(schema)}, missing {missing}, unexpected {extra}{again}")
     r.what = "msgpack body"
     r.expect_end()
+    _check_bounds(name, values, ProtocolError)
     return MESSAGE_TYPES[name](**values)
 
 

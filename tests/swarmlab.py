@@ -37,6 +37,7 @@ class Proc:
     addr: str | None = None
     creds: Path | None = None
     env: dict[str, str] = dataclasses.field(default_factory=dict)  # added to the environment at each start
+    prefix: list[str] = dataclasses.field(default_factory=list)  # e.g. ["ip", "netns", "exec", NS]
 
     @property
     def socket(self) -> Path:
@@ -82,8 +83,8 @@ class SwarmLab:
     def _start(self, p: Proc) -> Proc:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **p.env}
         log = open(p.log, "ab")
-        p.popen = subprocess.Popen([sys.executable, "-m", "patchswarm.node.cli", *map(str, p.args)], cwd=ROOT,
-                                   stdout=log, stderr=subprocess.STDOUT, env=env)
+        p.popen = subprocess.Popen([*p.prefix, sys.executable, "-m", "patchswarm.node.cli", *map(str, p.args)],
+                                   cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
         log.close()
         if p not in self.procs:
             self.procs.append(p)
@@ -103,35 +104,35 @@ class SwarmLab:
 
     # -------------------------------------------------------- members
 
-    def start_tracker(self, name: str = "tracker", port: int = 0, extra: list[str] = ()) -> Proc:
+    def start_tracker(self, name: str = "tracker", port: int = 0, extra: list[str] = (), prefix: list[str] = ()) -> Proc:
         creds = self.creds(name, "tracker")
         p = Proc(name, ["tracker", "--creds", creds, "--listen", f"127.0.0.1:{port}", *extra],
-                 self.root / f"{name}.log")
+                 self.root / f"{name}.log", prefix=list(prefix))
         self._start(p)
         p.addr = self.wait_log(p, LISTENING).group(1)
         self.tracker_addr = p.addr
         return p
 
     def start_origin(self, name: str = "origin", region: str = "r0", watch: Path | None = None,
-                     extra: list[str] = ()) -> Proc:
+                     extra: list[str] = (), prefix: list[str] = ()) -> Proc:
         creds = self.creds(name, "origin")
         data = self.root / name
         args = ["origin", "--tracker", self.tracker_addr, "--creds", creds, "--key", self.swarm / "trainer.key",
                 "--data-dir", data, "--listen", "127.0.0.1:0", "--region", region, *extra]
         if watch is not None:
             args += ["--watch", watch]
-        p = Proc(name, args, self.root / f"{name}.log", data_dir=data, creds=creds)
+        p = Proc(name, args, self.root / f"{name}.log", data_dir=data, creds=creds, prefix=list(prefix))
         self._start(p)
         p.addr = self.wait_log(p, LISTENING).group(1)
         return p
 
     def start_node(self, name: str, region: str = "r0", extra: list[str] = (), creds: Path | None = None,
-                   wait: bool = True, env: dict[str, str] | None = None) -> Proc:
+                   wait: bool = True, env: dict[str, str] | None = None, prefix: list[str] = ()) -> Proc:
         creds = creds or self.creds(name, "node")
         data = self.root / name
         p = Proc(name, ["node", "--tracker", self.tracker_addr, "--creds", creds, "--data-dir", data,
                         "--listen", "127.0.0.1:0", "--region", region, *extra], self.root / f"{name}.log",
-                 data_dir=data, creds=creds, env=env or {})
+                 data_dir=data, creds=creds, env=env or {}, prefix=list(prefix))
         self._start(p)
         if wait:
             p.addr = self.wait_log(p, LISTENING).group(1)

@@ -44,3 +44,21 @@ def test_the_choice_is_stable_and_differs_between_nodes():
 
 def test_the_star_dials_only_the_origin():
     assert list(_wanted("r0.n0", "r0", {"r0": 4, "r1": 4}, no_peers=True)) == ["origin"]
+
+
+@pytest.mark.parametrize("transport,has_rtc,addr,role,tcp_failures,expected", [
+    ("tcp", False, "10.0.0.2:7000", "node", 0, "tcp"),
+    ("tcp", False, "", "node", 0, None),  # accepts nothing inbound, and this member has no WebRTC
+    ("webrtc", True, "10.0.0.2:7000", "node", 0, "webrtc"),
+    ("webrtc", True, "10.0.0.1:7000", "origin", 0, "tcp"),  # the origin answers no offers
+    ("auto", True, "10.0.0.2:7000", "node", 0, "tcp"),
+    ("auto", True, "10.0.0.2:7000", "node", 1, "tcp"),
+    ("auto", True, "10.0.0.2:7000", "node", 2, "webrtc"),  # TCP dials to it kept failing
+    ("auto", True, "", "node", 0, "webrtc"),  # it has no address
+    ("auto", True, "", "origin", 0, None),
+])
+def test_route_picks_tcp_or_webrtc(transport, has_rtc, addr, role, tcp_failures, expected):
+    d = Dialer("n1", "r0", creds=None, peers=None, hello=None, download=None, rtc=object() if has_rtc else None,
+               transport=transport)
+    d._tcp_failures["n2"] = tcp_failures
+    assert d.route({"id": "n2", "region": "r0", "addr": addr, "role": role}) == expected

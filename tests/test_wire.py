@@ -12,7 +12,8 @@ from patchswarm.protocol.errors import FrameTooLarge, ProtocolError, UsageError
 from patchswarm.protocol.manifest import MAX_CHUNKS
 from patchswarm.protocol.wire import (
     CLOSED, NEED_DATA, Announce, Bye, Cancel, Connection, Error, Have, HaveOne, Heartbeat,
-    Hello, Incoming, Piece, PeerDelta, PeerList, Reject, Request, Revocations, Trajectories, TrajectoriesAck,
+    Hello, Incoming, Piece, PeerDelta, PeerList, Reject, Request, Revocations, Signal, Trajectories,
+    TrajectoriesAck,
     VersionNotice,
     bitfield_from_indices, indices_from_bitfield,
 )
@@ -44,6 +45,8 @@ messages = st.one_of(
     st.builds(VersionNotice, version=uint, manifest=blob),
     st.builds(Heartbeat, versions=st.lists(uint, max_size=2)),
     st.builds(Revocations, envelope=blob),
+    st.builds(Signal, peer=text.filter(bool), kind=st.sampled_from(wire.SIGNAL_KINDS), session=uint, sdp=text,
+              cert=blob, signature=blob),
     st.builds(Bye, reason=text),
     st.builds(Error, message=text),
 )
@@ -77,7 +80,7 @@ def test_every_type_is_covered():
     assert set(wire.MESSAGE_TYPES) == {
         "Hello", "Have", "HaveOne", "Incoming", "Request", "Piece", "Cancel", "Reject", "Announce",
         "PeerList", "VersionNotice", "Heartbeat", "Trajectories", "TrajectoriesAck", "Revocations", "Bye",
-        "Error", "PeerDelta"}
+        "Error", "PeerDelta", "Signal"}
 
 
 @given(messages)
@@ -386,11 +389,50 @@ msgpack_values = st.recursive(
 @given(st.sampled_from(sorted(wire.MESSAGE_TYPES)),
        st.dictionaries(st.sampled_from(["version", "chunk", "data", "peers", "node_id", "region",
                                         "role", "listen", "versions", "reason", "message",
-                                        "manifest", "chunks", "keyframe", "batch", "seqs", "other"]),
+                                        "manifest", "chunks", "keyframe", "batch", "seqs", "peer",
+                                        "kind", "session", "sdp", "cert", "signature", "other"]),
                        msgpack_values, max_size=6))
 def test_random_maps_raise_only_protocol_error(name, fields):
     raw = wire.encode(HELLO) + frame({"t": name, **fields})
     feed_and_drain(Connection(), raw)
+
+
+# --- signalling bounds -----------------------------------------------------------------
+
+SIGNAL = Signal("n2", "offer", 7, "v=0\r\n", b"-----BEGIN CERTIFICATE-----", b"sig")
+
+
+@pytest.mark.parametrize("field,value,expected", [
+    ("kind", "candidate", "one of offer, answer"),
+    ("peer", "", "a member name"),
+    ("peer", "n" * (wire.MEMBER_NAME_MAX + 1), f"at most {wire.MEMBER_NAME_MAX}"),
+    ("sdp", "x" * (wire.SDP_MAX_BYTES + 1), f"at most {wire.SDP_MAX_BYTES}"),
+    ("cert", b"x" * (wire.CERT_MAX_BYTES + 1), f"at most {wire.CERT_MAX_BYTES}"),
+    ("signature", b"x" * (wire.SIGNATURE_MAX_BYTES + 1), f"at most {wire.SIGNATURE_MAX_BYTES}"),
+])
+def test_signal_out_of_bounds_is_refused_both_ways(field, value, expected):
+    import dataclasses
+    bad = dataclasses.replace(SIGNAL, **{field: value})
+    with pytest.raises(UsageError, match=expected):
+        wire.encode(bad)
+    fields = {f: getattr(bad, f) for f in ("peer", "kind", "session", "sdp", "cert", "signature")}
+    with pytest.raises(ProtocolError, match=expected):
+        drain_all(wire.encode(HELLO) + frame({"t": "Signal", **fields}))
+
+
+def drain_all(raw: bytes):
+    c = Connection()
+    c.receive_data(raw)
+    return drain(c)
+
+
+def test_signal_statement_binds_every_field():
+    base = ("sw-1", "n1", "n2", "offer", 7, "v=0")
+    s = wire.signal_statement(*base)
+    for i, other in enumerate(("sw-2", "n3", "n3", "answer", 8, "v=1")):
+        changed = list(base)
+        changed[i] = other
+        assert wire.signal_statement(*changed) != s
 
 
 # --- bitfields ---------------------------------------------------------------------

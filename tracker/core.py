@@ -148,6 +148,8 @@ class TrackerCore:
         self._delta_due: float | None = None
         self._last_prune = 0.0
         self.manifests_rejected = 0
+        self.signals_relayed = 0  # WebRTC offers and answers forwarded between members
+        self.signals_dropped = 0  # ... addressed to no member
         self.drops: collections.Counter[str] = collections.Counter()
         self.changes = 0  # membership changes that changed someone's peer set
 
@@ -193,12 +195,26 @@ class TrackerCore:
             return []
         if isinstance(msg, wire.Announce):
             return self._announce(m, msg.manifest, now)
+        if isinstance(msg, wire.Signal):
+            return self._relay_signal(m, msg)
         if isinstance(msg, wire.Bye):
             return self._drop(m, now, LEFT, f"said bye ({msg.reason})")
         if isinstance(msg, wire.Error):
             log.info("%s %s says: %s", m.role, m.id, msg.message)
             return []
         return self._drop(m, now, BAD_MESSAGE, f"sent {type(msg).__name__}, which the tracker does not take")
+
+    def _relay_signal(self, m, msg: wire.Signal) -> list:
+        """WebRTC signalling between members (node/net/rtcsignal.py): to the member it names,
+        as from the member that sent it. The tracker checks nothing in it but who is who:
+        the recipient checks the sender's signature."""
+        to = self.members.get(msg.peer)
+        if to is None or to is m:
+            self.signals_dropped += 1
+            log.debug("dropped a WebRTC %s from %s to %s: not a member", msg.kind, m.id, msg.peer)
+            return []
+        self.signals_relayed += 1
+        return [Send.of([to.conn], dataclasses.replace(msg, peer=m.id))]
 
     def closed(self, conn: Hashable, now: float) -> list:
         """The connection ended (whoever ended it)."""
@@ -321,6 +337,8 @@ class TrackerCore:
             "latest_version": self.book.latest_version,
             "members": [{**m.entry(), "versions": m.versions} for m in self.members.values()],
             "manifests_rejected": self.manifests_rejected,
+            "signals_relayed": self.signals_relayed,
+            "signals_dropped": self.signals_dropped,
             "drops": dict(self.drops),
             "changes": self.changes,
         }

@@ -134,7 +134,10 @@ class Tracker:
         return wire.Hello(self.creds.name, "", "tracker", self.listen_addr, [])
 
     def _advertised(self, ms: MessageStream, listen: str) -> str:
-        """The member's listen address, with a wildcard host replaced by the address it came from."""
+        """The member's listen address, with a wildcard host replaced by the address it came from;
+        "" for a member that accepts no connections (--no-listen)."""
+        if not listen:
+            return ""
         host, _, port = listen.rpartition(":")
         if host.strip("[]") in ("", "0.0.0.0", "::"):
             try:
@@ -261,6 +264,14 @@ class Tracker:
     @property
     def manifests_rejected(self) -> int:
         return self.core.manifests_rejected
+
+    @property
+    def signals_relayed(self) -> int:
+        return self.core.signals_relayed
+
+    @property
+    def signals_dropped(self) -> int:
+        return self.core.signals_dropped
 
     def status(self) -> dict:
         return {**self.core.status(), "listen": self.listen_addr, "bytes_sent": dict(self.sent)}

@@ -150,6 +150,33 @@ def _node_args(p: argparse.ArgumentParser) -> None:
                         "and PATCHSWARM_STATE_HASH in its environment; exit 0 is success")
     add_member_arguments(p, "127.0.0.1:0")
     add_advertise_argument(p)
+    _transport_args(p)
+
+
+def _transport_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--transport", choices=("tcp", "webrtc", "auto"), default="tcp",
+                   help="how to reach other nodes: TCP+TLS (default); WebRTC data channels signalled through the "
+                        "tracker (for hosts behind NAT); auto: TCP where the peer is reachable, WebRTC otherwise. "
+                        "The origin is always reached over TCP")
+    p.add_argument("--no-listen", action="store_true",
+                   help="accept no inbound connections (behind NAT): peers reach this node over WebRTC only")
+    p.add_argument("--stun", metavar="HOST:PORT", type=address,
+                   help="STUN server for WebRTC (default: none; no public server is contacted unless given)")
+    p.add_argument("--turn", metavar="URL", help="TURN server for WebRTC, turn:HOST:PORT[?transport=udp|tcp]")
+    p.add_argument("--turn-user", metavar="NAME", help="TURN user name")
+    p.add_argument("--turn-password", metavar="SECRET", help="TURN password")
+    p.add_argument("--ice-host", metavar="IP", nargs="+",
+                   help="offer WebRTC host candidates on these local addresses only "
+                        "(default: every interface but 127.0.0.1)")
+
+
+def _ice_config(args: argparse.Namespace):
+    from patchswarm.node.net.webrtc import IceConfig
+
+    if args.turn and not (args.turn_user and args.turn_password):
+        raise UsageError("--turn: expected --turn-user and --turn-password with it")
+    return IceConfig(args.stun, args.turn, args.turn_user, args.turn_password,
+                     tuple(args.ice_host) if args.ice_host else None)
 
 
 def _compact_argument(p: argparse.ArgumentParser) -> None:
@@ -171,12 +198,14 @@ def cmd_node(args: argparse.Namespace) -> int:
                         wan_gateways=args.wan_gateways or None, advertise=args.advertise,
                         compact_every=args.compact_every, model_dir=args.model_dir, engine=args.engine,
                         engine_url=args.engine_url, on_version=args.on_version,
-                        sparse_handoff=args.sparse_handoff))
+                        sparse_handoff=args.sparse_handoff, transport=args.transport, no_listen=args.no_listen,
+                        ice=_ice_config(args)))
 
     async def start(task_status):
         import trio
 
-        _warn_if_unreachable(args)
+        if not args.no_listen:
+            _warn_if_unreachable(args)
         async with trio.open_nursery() as nursery:
             await nursery.start(n.run)
             task_status.started(n.status)

@@ -173,6 +173,13 @@ class MessageStream:
                 pass
 
 
+def transport_of(ms: MessageStream) -> dict:
+    """What a session runs on, for status: {"transport": "tcp"} or, over a data channel
+    (node/net/webrtc.py), {"transport": "webrtc", "path": "direct" | "relayed"}."""
+    kind = getattr(ms.stream, "transport", "tcp")
+    return {"transport": kind} if kind == "tcp" else {"transport": kind, "path": ms.stream.path}
+
+
 # Every authenticated connection, so a new revocation list can end those of revoked peers.
 _LIVE: "weakref.WeakSet[MessageStream]" = weakref.WeakSet()
 

@@ -35,6 +35,7 @@ import ssl
 from pathlib import Path
 
 from cryptography import x509
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -401,3 +402,57 @@ def require_role(ssl_object, allowed: set[str] | frozenset[str]) -> tuple[str, s
     if role not in allowed:
         raise InvalidInput(f"peer {name!r}: expected role {' or '.join(sorted(allowed))}, found {role!r}")
     return name, role
+
+
+# ------------------------------------------------------------------ signed statements
+
+
+def sign_statement(creds: Credentials, data: bytes) -> bytes:
+    """`data` signed with the member's certificate key (ECDSA P-256, SHA-256, DER): how a
+    member vouches for something that does not travel over its TLS connection (a WebRTC
+    DTLS fingerprint, node/net/rtcsignal.py)."""
+    key = serialization.load_pem_private_key(creds.key.read_bytes(), password=None)
+    if not isinstance(key, ec.EllipticCurvePrivateKey):
+        raise InvalidInput(f"{creds.key}: expected an EC P-256 key, found {type(key).__name__}")
+    return key.sign(data, ec.ECDSA(hashes.SHA256()))
+
+
+def member_certificate(creds: Credentials) -> bytes:
+    """The member's own certificate (PEM), to send beside a signed statement."""
+    return creds.cert.read_bytes()
+
+
+def verify_statement(creds: Credentials, cert_pem: bytes, data: bytes, signature: bytes) -> tuple[str, str, str]:
+    """`(name, role, serial)` of the member whose certificate `cert_pem` signed `data`.
+
+    InvalidInput unless the certificate is issued by this swarm's CA, is valid now,
+    is not revoked (`creds.revocations`), names a role, and its key signed `data`."""
+    try:
+        cert = x509.load_pem_x509_certificate(cert_pem)
+    except ValueError as e:
+        raise InvalidInput(f"signed statement: expected a PEM certificate, found undecodable bytes ({e})") from None
+    ca = x509.load_pem_x509_certificate(creds.ca.read_bytes())
+    try:
+        cert.verify_directly_issued_by(ca)
+    except (ValueError, TypeError, InvalidSignature) as e:
+        raise InvalidInput(f"signed statement: expected a certificate issued by this swarm's CA, found one that is "
+                           f"not ({type(e).__name__})") from None
+    now = _now()
+    if not cert.not_valid_before_utc <= now <= cert.not_valid_after_utc:
+        raise InvalidInput(f"signed statement: certificate valid {cert.not_valid_before_utc} to "
+                           f"{cert.not_valid_after_utc}, not now")
+    name, role = _name_role(cert.subject, "signed statement certificate")
+    serial = serial_hex(cert.serial_number)
+    if creds.revocations is not None and creds.revocations.revoked(serial):
+        raise InvalidInput(f"signed statement: the certificate of {name!r} (serial {serial}) is revoked")
+    key = cert.public_key()
+    if not isinstance(key, ec.EllipticCurvePublicKey):
+        raise InvalidInput(f"signed statement: expected an EC P-256 key in {name!r}'s certificate, "
+                           f"found {type(key).__name__}")
+    if not signature:
+        raise InvalidInput(f"signed statement from {name!r}: expected a signature, found none")
+    try:
+        key.verify(signature, data, ec.ECDSA(hashes.SHA256()))
+    except InvalidSignature:
+        raise InvalidInput(f"signed statement from {name!r}: the signature does not match what it signs") from None
+    return name, role, serial

@@ -1,0 +1,196 @@
+"""WebRTC sessions between members: signalled through the tracker, bound to swarm identities.
+
+Owns `RTCSignaller`: dialing a member over WebRTC (`connect`: an offer to it
+through the tracker, its answer back) and answering the offers the tracker
+relays (`on_signal`), each ending as an authenticated `MessageStream`
+(node/net/transport.py) over a data channel (node/net/webrtc.py), exactly as a
+TLS connection ends: the peer's name, role and certificate serial known, Hellos
+exchanged and checked against them. Must not choose whom to dial (node/dialer.py)
+or say anything on a session.
+
+Why a data channel is as authenticated as a TLS connection: every offer and
+answer carries the sender's swarm certificate and its signature over the
+SDP, which names the DTLS certificate fingerprint (`wire.signal_statement`:
+swarm, sender, recipient, step, attempt, SDP). The recipient takes it only if
+the certificate is the swarm CA's, unrevoked, of the member the tracker says
+sent it and of a role it accepts, and the signature holds; DTLS then accepts
+only the certificate with that fingerprint (aiortc checks it). The tracker
+relays but cannot forge: a changed SDP breaks the signature, another
+certificate breaks DTLS. Refusals are counted by reason (`refused`).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import secrets
+from typing import Awaitable, Callable
+
+import trio
+
+from patchswarm.protocol import wire
+from patchswarm.protocol.errors import InvalidInput, PatchswarmError
+
+from patchswarm.node.net.transport import CONNECTION_ERRORS, MessageStream, exchange_hello, one_line
+from patchswarm.node.net.trust import Credentials, member_certificate, sign_statement, verify_statement
+from patchswarm.node.net.webrtc import IceConfig, RTCLoop, RTCPeer, sdp_fingerprints
+
+log = logging.getLogger("patchswarm.webrtc")
+
+CONNECT_SECONDS = 30.0  # an offer to an open channel with Hellos done: signalling, ICE, DTLS, SCTP
+MAX_ANSWERING = 16  # offers being answered at once; more are refused (each costs a peer connection)
+
+
+@dataclasses.dataclass(eq=False)
+class _Offered:
+    peer: str
+    answer: wire.Signal | None = None
+    arrived: trio.Event = dataclasses.field(default_factory=trio.Event)
+
+
+class RTCSignaller:
+    def __init__(self, creds: Credentials, ice: IceConfig, send: Callable[[wire.Signal], Awaitable[bool]],
+                 hello: Callable[[], wire.Hello], handler: Callable[[MessageStream], Awaitable[None]], *,
+                 allowed_roles: frozenset[str] = frozenset({"node"}),
+                 on_receive: Callable[[int], Awaitable[None]] | None = None):
+        self.creds = creds
+        self.ice = ice
+        self._send = send  # to the tracker; False when not connected
+        self.hello = hello
+        self.handler = handler
+        self.allowed_roles = allowed_roles
+        self.on_receive = on_receive
+        self.swarm_id = creds.swarm_id()
+        self.refused: collections.Counter[str] = collections.Counter()  # reason -> signals refused
+        self._cert = member_certificate(creds)
+        self._offered: dict[int, _Offered] = {}  # session -> our offer awaiting its answer
+        self._answering = 0
+        self._rtc: RTCLoop | None = None
+        self._nursery: trio.Nursery | None = None
+
+    async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Hold the asyncio loop and the answering tasks until cancelled."""
+        async with RTCLoop(self.ice) as rtc:
+            try:
+                async with trio.open_nursery() as nursery:
+                    self._rtc, self._nursery = rtc, nursery
+                    task_status.started()
+                    await trio.sleep_forever()
+            finally:
+                self._rtc = self._nursery = None
+
+    # ------------------------------------------------------------ dialing
+
+    async def connect(self, peer_id: str, role: str) -> MessageStream:
+        """An authenticated session with member `peer_id` over a data channel.
+
+        Raises as `transport.connect` does: a connection error (no tracker, no
+        answer, ICE or DTLS failed, within CONNECT_SECONDS) or InvalidInput /
+        ProtocolError (the answer or the Hello does not hold)."""
+        rtc = self._rtc
+        if rtc is None:
+            raise trio.BrokenResourceError("WebRTC is not running")
+        peer = rtc.peer()
+        session = secrets.randbits(63)
+        try:
+            with trio.fail_after(CONNECT_SECONDS):
+                offer = await peer.local_offer()
+                waiting = self._offered[session] = _Offered(peer_id)
+                if not await self._send(self._signal(peer_id, "offer", session, offer)):
+                    raise trio.BrokenResourceError("no tracker connection to signal through")
+                await waiting.arrived.wait()
+                name, got_role, serial = self._check(waiting.answer, "answer", frozenset({role}))
+                try:
+                    await peer.accept_answer(waiting.answer.sdp)
+                except ValueError as e:  # aiortc on an SDP it cannot use
+                    raise InvalidInput(f"answer from {peer_id!r}: expected an SDP aiortc takes, found one it "
+                                       f"does not ({one_line(e)})") from None
+                return await self._session(peer, name, got_role, serial)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await peer.aclose()
+            raise
+        finally:
+            self._offered.pop(session, None)
+
+    # ------------------------------------------------------------ answering
+
+    async def on_signal(self, msg: wire.Signal) -> None:
+        """A Signal the tracker relayed (`msg.peer` is its sender). Returns at once."""
+        if msg.kind == "answer":
+            waiting = self._offered.get(msg.session)
+            if waiting is None or waiting.peer != msg.peer or waiting.answer is not None:
+                self._refuse("answer to no offer of ours", msg, "no offer of ours to them with that session")
+                return
+            waiting.answer = msg
+            waiting.arrived.set()
+        elif self._nursery is None:
+            self._refuse("webrtc off", msg, "WebRTC is not running here")
+        elif self._answering >= MAX_ANSWERING:
+            self._refuse("busy", msg, f"{MAX_ANSWERING} offers are being answered already")
+        else:
+            self._answering += 1
+            self._nursery.start_soon(self._answer, msg)
+
+    async def _answer(self, msg: wire.Signal) -> None:
+        peer = None
+        try:
+            try:
+                name, role, serial = self._check(msg, "offer", self.allowed_roles)
+            except InvalidInput:
+                return
+            peer = self._rtc.peer()
+            with trio.fail_after(CONNECT_SECONDS):
+                answer = await peer.local_answer(msg.sdp)
+                if not await self._send(self._signal(msg.peer, "answer", msg.session, answer)):
+                    raise trio.BrokenResourceError("no tracker connection to answer through")
+                ms = await self._session(peer, name, role, serial)
+        except (*CONNECTION_ERRORS, PatchswarmError, ValueError) as e:  # ValueError: aiortc on an SDP it cannot use
+            log.info("WebRTC offer from %s not completed: %s", msg.peer, one_line(e))
+            if peer is not None:
+                with trio.CancelScope(shield=True):
+                    await peer.aclose()
+            return
+        finally:
+            self._answering -= 1
+        try:
+            await self.handler(ms)
+        except Exception:  # a bug must not take the signaller (and every WebRTC peer) down
+            log.exception("connection handler for %s failed", ms.peer_name)
+        finally:
+            await ms.aclose()
+
+    # ------------------------------------------------------------ both
+
+    async def _session(self, peer: RTCPeer, name: str, role: str, serial: str) -> MessageStream:
+        stream = await peer.open()
+        ms = MessageStream(stream, name, role, on_receive=self.on_receive, peer_serial=serial, creds=self.creds)
+        await exchange_hello(ms, self.hello())
+        return ms
+
+    def _signal(self, to: str, kind: str, session: int, sdp: str) -> wire.Signal:
+        statement = wire.signal_statement(self.swarm_id, self.creds.name, to, kind, session, sdp)
+        return wire.Signal(to, kind, session, sdp, self._cert, sign_statement(self.creds, statement))
+
+    def _check(self, msg: wire.Signal, kind: str, roles: frozenset[str]) -> tuple[str, str, str]:
+        """(name, role, serial) of the member that signed `msg`; InvalidInput (counted) if it does not hold."""
+        try:
+            if msg.kind != kind:
+                raise InvalidInput(f"expected an {kind}, found an {msg.kind}")
+            if not sdp_fingerprints(msg.sdp):
+                raise InvalidInput("expected a DTLS fingerprint in the SDP, found none")
+            statement = wire.signal_statement(self.swarm_id, msg.peer, self.creds.name, kind, msg.session, msg.sdp)
+            name, role, serial = verify_statement(self.creds, msg.cert, statement, msg.signature)
+            if name != msg.peer:
+                raise InvalidInput(f"relayed as from {msg.peer!r}, signed with the certificate of {name!r}")
+            if role not in roles:
+                raise InvalidInput(f"expected role {' or '.join(sorted(roles))}, found {role!r}")
+        except InvalidInput as e:
+            self._refuse("fingerprint not signed by the sender", msg, str(e))
+            raise
+        return name, role, serial
+
+    def _refuse(self, reason: str, msg: wire.Signal, detail: str) -> None:
+        self.refused[reason] += 1
+        log.warning("refused a WebRTC %s from %s: %s", msg.kind, msg.peer, detail)

@@ -1,0 +1,172 @@
+"""WebRTC signalling through a real tracker (node/net/rtcsignal.py, tracker/server.py), in one
+process on loopback: a session is as authenticated as a TLS one, and a fingerprint that is
+unsigned, signed by someone else or changed after signing is refused and counted."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import trio
+
+from patchswarm.protocol import wire
+from patchswarm.protocol.errors import InvalidInput
+from patchswarm.node.net import trust
+from patchswarm.node.net.rtcsignal import RTCSignaller
+from patchswarm.node.net.trackerlink import TrackerLink
+from patchswarm.node.net.webrtc import IceConfig
+from patchswarm.tracker.server import Tracker
+
+pytest.importorskip("aiortc")
+
+LOOPBACK = IceConfig(host_addresses=("127.0.0.1",))
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rtcswarm")
+    trust.init_swarm(root / "swarm")
+    for name, role in [("tracker", "tracker"), ("n1", "node"), ("n2", "node"), ("n3", "node"), ("o", "origin")]:
+        trust.issue(root / "swarm", name, role, root / name)
+    trust.init_swarm(root / "rogue")
+    trust.issue(root / "rogue", "n1", "node", root / "rogue-n1")
+    return root
+
+
+class Member:
+    """A member with a tracker link and a signaller; sessions it accepts land in `accepted`."""
+
+    def __init__(self, creds_dir, tracker_addr):
+        self.creds = trust.Credentials.load(creds_dir)
+        self.accepted: list = []
+        self.got: list = []
+        self.link = TrackerLink(tracker_addr, self.creds, self.hello, self.on_tracker)
+        self.rtc = RTCSignaller(self.creds, LOOPBACK, self.link.send, self.hello, self.handler)
+
+    def hello(self):
+        return wire.Hello(self.creds.name, "r", self.creds.role, "", [])
+
+    async def on_tracker(self, msg):
+        if isinstance(msg, wire.Signal):
+            await self.rtc.on_signal(msg)
+
+    async def handler(self, ms):
+        self.accepted.append(ms)
+        while (msg := await ms.receive()) is not None:
+            self.got.append(msg)
+            await ms.send(wire.Error(f"echo {len(self.got)}"))
+
+    async def start(self, nursery):
+        await nursery.start(self.rtc.run)
+        nursery.start_soon(self.link.run)
+        with trio.fail_after(10):
+            while not self.link.connected:
+                await trio.sleep(0.02)
+
+
+async def tracker_and_two(nursery, swarm, before_start=lambda a, b: None):
+    """A tracker, and members n1 and n2 joined to it."""
+    tracker = await nursery.start(Tracker(swarm / "tracker", "127.0.0.1:0").run)
+    a, b = Member(swarm / "n1", tracker.listen_addr), Member(swarm / "n2", tracker.listen_addr)
+    before_start(a, b)
+    await a.start(nursery)
+    await b.start(nursery)
+    return tracker, a, b
+
+
+def test_session_through_the_tracker_is_authenticated_and_carries_messages(swarm):
+    async def main():
+        async with trio.open_nursery() as n:
+            tracker, a, b = await tracker_and_two(n, swarm)
+            with trio.fail_after(60):
+                ms = await a.rtc.connect("n2", "node")
+                assert (ms.peer_name, ms.peer_role, ms.hello.node_id) == ("n2", "node", "n2")
+                assert ms.stream.transport == "webrtc" and ms.stream.path == "direct"
+                piece = wire.Piece(1, False, 0, 0, 200_000, bytes(range(256)) * 781 + b"abcdefghijklmnopqrstuvwxyzabcdefgh")
+                await ms.send(piece)
+                assert await ms.receive() == wire.Error("echo 1")
+                assert b.got == [piece] and b.accepted[0].peer_name == "n1"
+                assert b.accepted[0].peer_serial == trust.verify_statement(
+                    b.creds, (swarm / "n1" / "n1.crt").read_bytes(), b"x",
+                    trust.sign_statement(a.creds, b"x"))[2]
+                await ms.aclose()
+            assert tracker.signals_relayed == 2 and not a.rtc.refused and not b.rtc.refused
+            n.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def _forgeries(swarm, good: wire.Signal, signer_creds, statement_for):
+    """Offers from n1 to n2 that must each be refused, by name."""
+    rogue = trust.Credentials.load(swarm / "rogue-n1")
+    n3 = trust.Credentials.load(swarm / "n3")
+    origin = trust.Credentials.load(swarm / "o")
+    changed_sdp = good.sdp.replace("a=fingerprint:sha-256 ", "a=fingerprint:sha-256 00:", 1)
+
+    def signed_by(creds, **kw):
+        msg = dataclasses.replace(good, cert=trust.member_certificate(creds), **kw)
+        return dataclasses.replace(msg, signature=trust.sign_statement(creds, statement_for(msg, creds.name)))
+
+    return {
+        "unsigned": dataclasses.replace(good, signature=b""),
+        "fingerprint changed after signing": dataclasses.replace(good, sdp=changed_sdp),
+        "no fingerprint": signed_by(signer_creds, sdp="v=0\r\n"),
+        "another swarm's certificate": signed_by(rogue),
+        "another member's certificate": signed_by(n3),
+        "a role this member does not take": signed_by(origin),
+        "signed for another recipient": dataclasses.replace(
+            good, signature=trust.sign_statement(signer_creds, wire.signal_statement(
+                signer_creds.swarm_id(), "n1", "n3", "offer", good.session, good.sdp))),
+    }
+
+
+def test_forged_offers_are_refused_and_counted(swarm):
+    async def main():
+        async with trio.open_nursery() as n:
+            tracker, a, b = await tracker_and_two(n, swarm)
+            peer = a.rtc._rtc.peer()
+            sdp = await peer.local_offer()
+            good = a.rtc._signal("n2", "offer", 42, sdp)
+
+            def statement_for(msg, sender):  # what a sender named `sender` would sign for this message
+                return wire.signal_statement(a.creds.swarm_id(), sender, "n2", "offer", msg.session, msg.sdp)
+
+            forged = _forgeries(swarm, dataclasses.replace(good, peer="n1"), a.creds, statement_for)
+            for why, msg in forged.items():
+                with pytest.raises(InvalidInput):
+                    b.rtc._check(msg, "offer", b.rtc.allowed_roles)
+            before = sum(b.rtc.refused.values())
+            for msg in forged.values():  # through the tracker: the same refusals, counted
+                await a.link.send(dataclasses.replace(msg, peer="n2"))
+            with trio.fail_after(10):
+                while sum(b.rtc.refused.values()) < before + len(forged):
+                    await trio.sleep(0.02)
+            assert not b.accepted
+            name, role, _ = b.rtc._check(dataclasses.replace(good, peer="n1"), "offer", b.rtc.allowed_roles)
+            assert (name, role) == ("n1", "node")
+            await peer.aclose()
+            n.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_tracker_relays_only_to_members_and_stamps_the_sender(swarm):
+    async def main():
+        async with trio.open_nursery() as n:
+            seen = []
+
+            async def record(msg):
+                seen.append(msg)
+            tracker, a, b = await tracker_and_two(n, swarm, lambda a, b: setattr(b.link, "_on_message", record))
+            sig = wire.Signal("nobody", "offer", 1, "v=0", b"", b"")
+            await a.link.send(sig)
+            await a.link.send(dataclasses.replace(sig, peer="n1"))  # to itself
+            await a.link.send(dataclasses.replace(sig, peer="n2"))
+            with trio.fail_after(10):
+                while not any(isinstance(m, wire.Signal) for m in seen):
+                    await trio.sleep(0.02)
+            assert [m.peer for m in seen if isinstance(m, wire.Signal)] == ["n1"]
+            assert (tracker.signals_relayed, tracker.signals_dropped) == (1, 2)
+            n.cancel_scope.cancel()
+
+    trio.run(main)

@@ -1,0 +1,119 @@
+"""WebRTC data channels (node/net/webrtc.py) on loopback, in one process: wire messages
+through `MessageStream` exactly as over TLS, split and reassembled, with backpressure."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import trio
+
+from patchswarm.protocol import wire
+from patchswarm.node.net.transport import MessageStream
+from patchswarm.node.net.webrtc import MESSAGE_BYTES, IceConfig, RTCLoop, sdp_candidates, sdp_fingerprints
+
+pytest.importorskip("aiortc")
+
+LOOPBACK = IceConfig(host_addresses=("127.0.0.1",))
+OPEN_SECONDS = 20
+
+
+async def pair(rtc: RTCLoop):
+    """Two connected peers of `rtc`, the SDP carried by hand (what the tracker relays)."""
+    a, b = rtc.peer(), rtc.peer()
+    offer = await a.local_offer()
+    answer = await b.local_answer(offer)
+    await a.accept_answer(answer)
+    with trio.fail_after(OPEN_SECONDS):
+        sa, sb = await a.open(), await b.open()
+    return a, b, sa, sb
+
+
+def test_no_ice_server_unless_configured():
+    assert IceConfig().servers() == []  # [] and not None: None is aiortc's public STUN default
+    servers = IceConfig(stun="10.0.0.1:3478", turn="10.0.0.2:3478", turn_user="u", turn_password="p").servers()
+    assert [s.urls for s in servers] == ["stun:10.0.0.1:3478", "turn:10.0.0.2:3478"]
+    assert (servers[1].username, servers[1].credential) == ("u", "p")
+
+
+def test_offer_has_loopback_host_candidates_only_and_a_fingerprint():
+    async def main():
+        async with RTCLoop(LOOPBACK) as rtc:
+            peer = rtc.peer()
+            sdp = await peer.local_offer()
+            await peer.aclose()
+        cands = sdp_candidates(sdp)
+        assert cands and {(addr, typ) for addr, _, typ in cands} == {("127.0.0.1", "host")}
+        fps = sdp_fingerprints(sdp)
+        assert fps and all(alg.startswith("sha-") and len(v.split(":")) >= 32 for alg, v in fps)
+
+    trio.run(main)
+
+
+def _pieces(rng: random.Random, n: int) -> list[wire.Piece]:
+    out = []
+    for i in range(n):
+        # Log-uniform sizes from 0 B to 4x a data-channel message: most frames fit one
+        # message, many are split across several, some end exactly on a boundary.
+        size = rng.choice([0, 1, MESSAGE_BYTES - 9, MESSAGE_BYTES, 3 * MESSAGE_BYTES + 1,
+                           int(2 ** rng.uniform(0, 18))])
+        out.append(wire.Piece(i, bool(i & 1), i % 97, 0, size, rng.randbytes(size)))
+    return out
+
+
+@pytest.mark.slow
+def test_loopback_pair_exchanges_1000_messages_both_ways_bit_exactly():
+    rng = random.Random(22)
+    to_b, to_a = _pieces(rng, 1000), _pieces(rng, 1000)
+
+    async def main():
+        async with RTCLoop(LOOPBACK) as rtc:
+            a, b, sa, sb = await pair(rtc)
+            ma, mb = MessageStream(sa, "b", "node"), MessageStream(sb, "a", "node")
+            got = {"a": [], "b": []}
+
+            async def send(ms, msgs):
+                await ms.send(wire.Hello("x", "r", "node", "", []))
+                for m in msgs:
+                    await ms.send(m)
+
+            async def receive(ms, into, n):
+                assert isinstance(await ms.receive(), wire.Hello)
+                while len(into) < n:
+                    into.append(await ms.receive())
+
+            with trio.fail_after(240):
+                async with trio.open_nursery() as n:
+                    n.start_soon(send, ma, to_b)
+                    n.start_soon(send, mb, to_a)
+                    n.start_soon(receive, ma, got["a"], len(to_a))
+                    n.start_soon(receive, mb, got["b"], len(to_b))
+            assert got["b"] == to_b and got["a"] == to_a
+            assert a.path() == b.path() == "direct"
+            await ma.aclose()
+            with trio.fail_after(10):
+                assert await mb.receive() is None  # the other end sees a clean close
+            await mb.aclose()
+
+    trio.run(main)
+
+
+def test_a_changed_fingerprint_fails_the_dtls_handshake():
+    """What makes a signed fingerprint worth signing: DTLS accepts only the certificate the SDP names."""
+    async def main():
+        async with RTCLoop(LOOPBACK) as rtc:
+            a, b = rtc.peer(), rtc.peer()
+            offer = await a.local_offer()
+            answer = await b.local_answer(offer)
+            (alg, fp), = sdp_fingerprints(answer)[:1]
+            other = ":".join("00" for _ in fp.split(":"))
+            forged = answer.replace(fp, other).replace(fp.lower(), other)
+            assert forged != answer
+            await a.accept_answer(forged)
+            with pytest.raises((ConnectionError, trio.TooSlowError)):
+                with trio.fail_after(OPEN_SECONDS):
+                    await a.open()
+            await a.aclose()
+            await b.aclose()
+
+    trio.run(main)
