@@ -33,7 +33,8 @@ Patch objects (the WAN plan of protocol/responsibility.py):
      region first, then the origin; at most `pipeline` chunks per idle round,
      rarest first. A slow WAN that still moves chunks never triggers it; a
      responsible node that went silent does.
-     Members leaving re-plan at once (`set_members`), with no delay.
+     Members leaving re-plan at once (`set_members`, or a same-region
+     member's session closing: `peer_left`), with no delay.
 Keyframe objects (late joiners, rare): no responsibility; node peers of R,
 else node peers of other regions, else the origin. A keyframe every member
 fetches (the swarm's first version) is added with `coordinated=True` and
@@ -54,9 +55,17 @@ never crosses the WAN: a duplicate there would spend the scarce link the plan
 exists to save.
 
 A request unanswered after `request_timeout` seconds (None: never) is
-returned once by `expired(now)`: that peer is never asked for that chunk
-again, and the chunk is asked of another holder (the request's answer is
-the picker's to wait for, so its deadline is too).
+returned once by `expired(now)`, and the chunk is asked of another holder
+(the request's answer is the picker's to wait for, so its deadline is too).
+A peer that failed a chunk (refused it, sent it bad, or late) is not asked
+for it again until its word on the chunk changes: it announces the chunk
+again after a refusal, or whole after arriving. Then it is a source again
+at once: a relay that broke (its own source died) never keeps a neighbour
+from being asked once it holds the chunk.
+
+A same-region node whose session closes is out of the region's plan at
+once (its chunks go to the other gateways), though the tracker lists it
+until its heartbeat times out; it is back in when it connects again.
 
 Cost: facts update per-chunk indexes incrementally (holder sets, rarity
 buckets of the requestable chunks, the requestable chunks of each peer), so
@@ -152,7 +161,9 @@ class PiecePicker:
         if members.get(self.me, self.region) != self.region:
             raise UsageError(f"members: expected {self.me!r} in region {self.region!r}, "
                              f"found {members[self.me]!r}")
-        regions_changed = self._tiers.set_members(members)
+        self._replan(self._tiers.set_members(members))
+
+    def _replan(self, regions_changed: bool) -> None:
         for obj in self._objects.values():
             if obj.is_patch:
                 tier_of = self._tiers.tier_of(obj)
@@ -224,10 +235,13 @@ class PiecePicker:
         if peer == self.me:
             raise UsageError(f"peer_joined: {peer!r} is this node")
         self._peers[peer] = PeerState(kind, region)
+        if kind == NODE and self._tiers.member_back(peer):
+            self._replan(False)
 
     def peer_left(self, peer: str) -> None:
         """The connection to `peer` is gone: its requests in flight are released
-        and it is no longer a holder. Unknown peers are ignored."""
+        and it is no longer a holder; a member of my region is out of the
+        plan until it connects again. Unknown peers are ignored."""
         self._pending.peer_left(peer)
         info = self._peers.get(peer)
         if info is None:
@@ -237,6 +251,10 @@ class PiecePicker:
         for obj in self._objects.values():
             obj.forget_holder(peer, self._tiers.tier_of(obj), self._peers)
         del self._peers[peer]
+        if info.kind == NODE and self._tiers.member_down(peer):
+            # A gateway that died takes its share with it: the region re-plans now,
+            # not when the tracker's heartbeat timeout drops it.
+            self._replan(False)
 
     def peer_has(self, peer: str, key: ObjKey, chunks: Iterable[int], *, whole: bool = True) -> None:
         """`peer` holds `chunks` of `key` (a Have bitfield's indices or one
@@ -278,7 +296,8 @@ class PiecePicker:
 
     def chunk_failed(self, key: ObjKey, chunk: int, peer: str) -> None:
         """`peer` sent bad data for the chunk, or did not send it in time:
-        release the request; that peer is never asked for that chunk again."""
+        release the request; that peer is not asked for that chunk again
+        until its word on it changes (see the module doc)."""
         obj = self._objects.get(key)
         if obj is None:
             return
@@ -287,8 +306,8 @@ class PiecePicker:
 
     def chunk_refused(self, key: ObjKey, chunk: int, peer: str) -> None:
         """`peer` answered a request for the chunk with a Reject: it no longer
-        says it has the chunk (until it announces it again), and, as with
-        `chunk_failed`, it is never asked for it again."""
+        says it has the chunk, and is not asked for it again until it
+        announces it again (Incoming or HaveOne: it got the chunk anew)."""
         obj = self._objects.get(key)
         if obj is None:
             self._pending.withdraw(peer, key, chunk)
@@ -299,9 +318,9 @@ class PiecePicker:
 
     def expired(self, now: float) -> list[Request]:
         """The requests sent `request_timeout` seconds or more before `now`
-        and not answered: each is released and its peer is never asked for
-        that chunk again (`requests()` asks another holder). The caller
-        cancels them."""
+        and not answered: each is released and its peer is not asked for
+        that chunk again until it announces it whole (`requests()` asks
+        another holder). The caller cancels them."""
         if self.request_timeout is None or not self._n_inflight:
             return []
         deadline = now - self.request_timeout

@@ -32,15 +32,38 @@ class SourceTiers:
         self.members: dict[str, str] = {me: region}
         self.region_members: set[str] = {me}
         self.member_regions: frozenset[str] = frozenset({region})
+        # Members of my region whose session closed and did not come back: out of
+        # the plan though the tracker still lists them (until its heartbeat timeout).
+        self.down: set[str] = set()
 
     def set_members(self, members: dict[str, str]) -> bool:
         """The live nodes (id -> region, me included); True if the set of regions changed."""
         self.members = {**members, self.me: self.region}
-        self.region_members = {m for m, r in self.members.items() if r == self.region}
+        self.down &= self.members.keys()
+        self._region_members()
         regions = frozenset(self.members.values())
         changed = regions != self.member_regions
         self.member_regions = regions
         return changed
+
+    def member_down(self, node: str) -> bool:
+        """`node`'s session closed: True if that takes a member of my region out of the plan."""
+        if self.members.get(node) != self.region or node == self.me or node in self.down:
+            return False
+        self.down.add(node)
+        self._region_members()
+        return True
+
+    def member_back(self, node: str) -> bool:
+        """`node` connected again: True if that puts a member of my region back in the plan."""
+        if node not in self.down:
+            return False
+        self.down.discard(node)
+        self._region_members()
+        return True
+
+    def _region_members(self) -> None:
+        self.region_members = {m for m, r in self.members.items() if r == self.region and m not in self.down}
 
     def plan(self, obj: ObjectState) -> None:
         """Give a new patch object its responsibility: which chunks me brings into the region."""

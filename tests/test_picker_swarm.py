@@ -73,6 +73,14 @@ class Swarm:
         for p in self.pickers.values():
             p.set_members(self.layout)
 
+    def kill(self, node):
+        """`node` dies: its sessions close, but the tracker lists it until its heartbeat times out."""
+        del self.pickers[node]
+        for other in self.links.pop(node):
+            self.links[other].discard(node)
+            if other in self.pickers:
+                self.pickers[other].peer_left(node)
+
     def step(self):
         self.steps += 1
         sent, per_peer = [], Counter()
@@ -169,6 +177,20 @@ def test_swarm_survives_a_responsible_node_leaving_mid_version():
     swarm.run()
     assert swarm.t < 2.0  # re-planned at once, not by takeover
     assert max(swarm.wan_entries.values()) <= 2
+    assert swarm.origin_sent == 64
+
+
+def test_swarm_survives_a_gateway_in_each_remote_region_dying_before_the_tracker_knows():
+    layout = layout_of(4, 4, 4)
+    swarm = Swarm(layout, "r0", n_chunks=64)
+    for _ in range(4):
+        swarm.step()
+    for region in ("r1", "r2"):
+        here = [n for n in sorted(swarm.pickers) if layout[n] == region]
+        swarm.kill(max(here, key=lambda n: len(swarm.have[n])))  # the busiest gateway
+    assert not swarm.done()
+    swarm.run()
+    assert swarm.t < 2.0  # re-planned when the sessions closed, not by takeover
     assert swarm.origin_sent == 64
 
 
