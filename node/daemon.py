@@ -73,6 +73,7 @@ class NodeConfig:
     apply_nice: int = APPLY_NICE
     apply_threads: int | None = None  # None: as many as the cores (protocol/parallel.py)
     wan_gateways: int | None = WAN_GATEWAYS
+    wan_rates: dict[str, float] | None = None  # region -> WAN rate, the same on every member (the chains' order)
     advertise: str | None = None  # the address told to the tracker and peers; None: the bound listen address
 
 
@@ -99,7 +100,7 @@ class Node:
         seed = cfg.seed if cfg.seed is not None else int.from_bytes(rank(self.id, "seed")[:4], "big")
         # The origin's region comes with the first peer list; facts about peers are taken before.
         self.picker = PiecePicker(self.id, self.region, None, seed=seed, wan_gateways=cfg.wan_gateways,
-                                  request_timeout=REQUEST_TIMEOUT)
+                                  request_timeout=REQUEST_TIMEOUT, wan_rates=cfg.wan_rates)
         self.peers = PeerSet(self.id, None, self.upload, self._on_message,  # store set in run()
                              on_open=self._on_peer_open, on_close=self._on_peer_close, inflows=self.inflows)
         self.tracker = TrackerLink(cfg.tracker, self.creds, self._hello, self._on_tracker_message,

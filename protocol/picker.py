@@ -16,7 +16,9 @@ bytes (the daemon verifies them) or use randomness other than the
 
 Where chunk c of object key may come from, for this node `me` in region R:
 
-Patch objects (the WAN plan of protocol/responsibility.py):
+Patch objects (the WAN plan of protocol/responsibility.py; `wan_rates`, the
+WAN link rate of each region, the same on every member, orders each chunk's
+chain of regions from the fastest link to the slowest):
   1. a connected node peer in R that has c (never across the WAN when a
      neighbour has it);
   2. else, if me owns c in R's `balanced_owners` (rendezvous hashing over
@@ -75,9 +77,10 @@ serve, never at all chunks × all peers.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Mapping
 
 from .errors import ProtocolError, UsageError
 from .piecestate import ObjectState, PeerState, PendingFacts
@@ -118,7 +121,8 @@ class PiecePicker:
 
     def __init__(self, me: str, region: str, origin_region: str | None, *, seed: int = 0,
                  pipeline: int = 4, takeover_after: float = 2.0, wan_pipeline: int = WAN_PIPELINE,
-                 wan_gateways: int | None = WAN_GATEWAYS, request_timeout: float | None = None):
+                 wan_gateways: int | None = WAN_GATEWAYS, request_timeout: float | None = None,
+                 wan_rates: Mapping[str, float] | None = None):
         if type(pipeline) is not int or pipeline < 1:
             raise UsageError(f"pipeline: expected an int >= 1, found {pipeline!r}")
         if type(wan_pipeline) is not int or wan_pipeline < 1:
@@ -129,6 +133,10 @@ class PiecePicker:
             raise UsageError(f"takeover_after: expected seconds >= 0, found {takeover_after!r}")
         if request_timeout is not None and not request_timeout > 0:
             raise UsageError(f"request_timeout: expected None or seconds > 0, found {request_timeout!r}")
+        bad = [(r, v) for r, v in (wan_rates or {}).items()
+               if type(r) is not str or isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf]
+        if bad:
+            raise UsageError(f"wan_rates: expected region -> rate > 0, found {bad[:3]}")
         self.me = me
         self.region = region
         self.pipeline = pipeline
@@ -137,7 +145,7 @@ class PiecePicker:
         self.request_timeout = request_timeout
         self.takeover_after = float(takeover_after)
         self._rng = random.Random(seed)
-        self._tiers = SourceTiers(me, region, origin_region, wan_gateways)
+        self._tiers = SourceTiers(me, region, origin_region, wan_gateways, wan_rates)
         self._peers: dict[str, PeerState] = {}
         self._objects: dict[ObjKey, ObjectState] = {}
         self._order: list[ObjectState] = []  # by (priority, key)

@@ -12,6 +12,8 @@ about peers' chunks (protocol/piecestate.py) or pick (protocol/picker.py).
 
 from __future__ import annotations
 
+from typing import Mapping
+
 from .piecestate import NOT_A_SOURCE, ObjectState, PeerState
 from .responsibility import ResponsibilityMap, upstream_regions
 
@@ -24,11 +26,13 @@ ORIGIN_TIER = 1 << 20  # after the upstream region's node peers
 
 
 class SourceTiers:
-    def __init__(self, me: str, region: str, origin_region: str | None, wan_gateways: int | None):
+    def __init__(self, me: str, region: str, origin_region: str | None, wan_gateways: int | None,
+                 wan_rates: Mapping[str, float] | None = None):
         self.me = me
         self.region = region
         self.origin_region = origin_region
         self.wan_gateways = wan_gateways
+        self.wan_rates = dict(wan_rates) if wan_rates else None  # region -> WAN rate: the chains' order
         self.members: dict[str, str] = {me: region}
         self.region_members: set[str] = {me}
         self.member_regions: frozenset[str] = frozenset({region})
@@ -131,8 +135,8 @@ class SourceTiers:
     def _upstream(self, obj: ObjectState, c: int) -> tuple[dict[str, int], bool]:
         plan = obj.upstream.get(c)
         if plan is None:
-            regions, origin_serves = upstream_regions(obj.key, c, self.region,
-                                                      self.member_regions, self.origin_region)
+            regions, origin_serves = upstream_regions(obj.key, c, self.region, self.member_regions,
+                                                      self.origin_region, self.wan_rates)
             plan = {r: OTHER_REGION + i for i, r in enumerate(regions)}, origin_serves
             obj.upstream[c] = plan
         return plan

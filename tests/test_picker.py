@@ -83,6 +83,33 @@ def test_only_the_gateway_crosses_the_wan_and_a_new_one_takes_over_when_it_leave
     assert {r.chunk for r in reqs} == set(range(n)) and {r.peer for r in reqs} == {OR}
 
 
+@pytest.mark.parametrize("bad", [{"r1": 0}, {"r1": -5}, {"r1": float("inf")}, {"r1": float("nan")},
+                                 {"r1": "50"}, {"r1": True}, {1: 50}])
+def test_wan_rates_must_be_positive_numbers(bad):
+    with pytest.raises(UsageError, match="wan_rates"):
+        PiecePicker("a", "r0", "r0", wan_rates=bad)
+
+
+def test_with_wan_rates_the_fast_region_never_pulls_through_the_slow_one():
+    """Issue 26: about half of the 50 Mbit/s region's chunks came through the 20 Mbit/s one."""
+    rates = {"r0": 100, "r1": 50, "r2": 20}
+    n = 32
+    fast = make("a1", THREE, n=n, pipeline=n, wan_pipeline=n, origin=False)
+    rated = PiecePicker("a1", "r1", "r0", pipeline=n, wan_pipeline=n, wan_gateways=None, wan_rates=rates)
+    rated.set_members(THREE)
+    for p in (fast, rated):
+        if p is rated:
+            for other in sorted(set(THREE) - {"a1"}):
+                p.peer_joined(other, NODE, THREE[other])
+            p.add_object(KEY, n, now=0.0)
+        p.peer_has("a0", KEY, range(n))
+        p.peer_has("a2", KEY, range(n))
+    unrated_peers = Counter(r.peer for r in fast.requests(0.0))
+    rated_peers = Counter(r.peer for r in rated.requests(0.0))
+    assert unrated_peers["a2"] > 0  # the rendezvous chain sends some through r2
+    assert set(rated_peers) == {"a0"} and rated.responsible_for(KEY) == rated_peers["a0"]
+
+
 def test_wan_gateways_must_be_positive():
     for bad in (0, -1, 1.5, "2"):
         with pytest.raises(UsageError, match="wan_gateways"):

@@ -101,6 +101,23 @@ def cmd_origin(args: argparse.Namespace) -> int:
     return run_service(f"origin {o.id}", start, args, OriginMetrics())
 
 
+def parse_region_rates(text: str | None) -> dict[str, float] | None:
+    """REGION=MBIT[,REGION=MBIT...]: each region's WAN link rate, Mbit/s; '' or 'none': not known."""
+    if text is None or text.strip().lower() in ("", "none"):
+        return None
+    out = {}
+    for item in text.split(","):
+        region, eq, rate = item.strip().partition("=")
+        try:
+            value = float(rate)
+        except ValueError:
+            value = None
+        if not eq or not region or value is None or not 0 < value < float("inf"):
+            raise argparse.ArgumentTypeError(f"expected REGION=MBIT[,REGION=MBIT...] with rates > 0, found {item!r}")
+        out[region] = value
+    return out
+
+
 def _node_args(p: argparse.ArgumentParser) -> None:
     from patchswarm.node.lowprio import APPLY_NICE
     from patchswarm.protocol.picker import WAN_GATEWAYS
@@ -124,6 +141,10 @@ def _node_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--wan-gateways", type=non_negative_int, default=WAN_GATEWAYS, metavar="K",
                    help=f"members per region that bring each version across the WAN (default {WAN_GATEWAYS}; "
                         f"0: every member)")
+    p.add_argument("--wan-rates", type=parse_region_rates, metavar="REGION=MBIT,...",
+                   help="each region's WAN link rate (Mbit/s, each way); the same on every member: each chunk "
+                        "crosses the regions from the fastest link to the slowest (default: not known, "
+                        "a per-chunk order)")
     add_member_arguments(p, "127.0.0.1:0")
     add_advertise_argument(p)
 
@@ -136,7 +157,8 @@ def cmd_node(args: argparse.Namespace) -> int:
     n = Node(NodeConfig(args.tracker, args.creds, args.data_dir, args.listen, args.region,
                         args.upload_limit, args.download_limit, args.no_peers, spool_bytes=args.spool_bytes,
                         apply_nice=args.apply_nice, apply_threads=args.apply_threads or None,
-                        wan_gateways=args.wan_gateways or None, advertise=args.advertise))
+                        wan_gateways=args.wan_gateways or None, wan_rates=args.wan_rates,
+                        advertise=args.advertise))
 
     async def start(task_status):
         import trio
