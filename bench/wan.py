@@ -11,9 +11,18 @@ bytes into each region ÷ patch, origin bytes out ÷ patch; then the scaling
 rows (nodes per region at fixed WAN). A system that cannot run here (not
 built, not installed) is listed as skipped with the reason.
 
+Two conditions real fleets have (issue 26): `--region-mbit 100,50,20` gives
+each region its own WAN rate (patchswarm nodes are told them with
+`--wan-rates`; the system `patchswarm-blind` runs the plan without them), and
+the system `patchswarm-faults` SIGKILLs one gateway of each remote region
+`--kill-at` s after the announcement and restarts one at `--restart-at`. Both
+add a per-region table (each region's time against its own bound, its longest
+stall), and with faults each never-killed node's time against `patchswarm`'s.
+
 Run (root): `python bench/wan.py [--regions 3] [--nodes 4] [--wan-mbit 100]
-[--lan-mbit 1000] [--systems libtorrent,patchswarm,star] [--scaling 2,4,8]`;
-`python bench/wan.py --cleanup` removes namespaces a killed run left (psw-*).
+[--region-mbit R0,R1,..] [--lan-mbit 1000] [--systems libtorrent,patchswarm,star]
+[--scaling 2,4,8]`; `python bench/wan.py --cleanup` removes namespaces a killed
+run left (psw-*).
 Importing this module does no work.
 """
 
@@ -96,10 +105,11 @@ def _print_link_check(topo: netemu.Topology) -> None:
     remote = [h for h in topo.nodes if h.region != topo.spec.origin_region]
     if not remote:
         return
-    nbytes = int(topo.spec.wan_bytes_per_s * 1.0)
+    nbytes = int(topo.spec.region_wan_mbit(remote[0].region) * 1e6 / 8)
     rate = netemu.tcp_throughput(topo, topo.origin, remote[0], nbytes)
     print(f"link check: one TCP flow origin -> {remote[0].name} (other region): "
-          f"{rate * 8 / 1e6:.1f} Mbit/s of payload over a {topo.spec.wan_mbit:g} Mbit/s WAN link", flush=True)
+          f"{rate * 8 / 1e6:.1f} Mbit/s of payload over a {topo.spec.region_wan_mbit(remote[0].region):g} Mbit/s "
+          f"WAN link", flush=True)
 
 
 def median_run(runs: list[RunResult]) -> RunResult:

@@ -202,9 +202,12 @@ class PatchswarmRunner:
             raise RunFailed(f"state hash differs from version 1's on {wrong[:6]}: expected {expected}, "
                             f"found {end_status[wrong[0]].get('state_hash')}")
         killed = set(self._killed) if self.faults else set()
-        v1 = {n: _timeline(st, 1) for n, st in end_status.items()}
-        t_announce = min(e["announced_at"] for n, e in v1.items() if n not in killed)
-        per_node = {n: e["complete_at"] - t_announce for n, e in v1.items() if n not in killed}
+        # A restarted node may have learned of the version from its store, not an announcement.
+        v1 = {n: _timeline(st, 1) for n, st in end_status.items() if n not in killed}
+        back = {n: next((a for a in st.get("applied", []) if a.get("version") == 1), {}) for n, st in end_status.items()
+                if n in killed}
+        t_announce = min(e["announced_at"] for e in v1.values())
+        per_node = {n: e["complete_at"] - t_announce for n, e in v1.items()}
         applied_s = max(e["applied_at"] for e in v1.values()) - t_announce
         apply_cpu = sorted(e["apply_s"] for e in v1.values())
         swarm_patch = {e["bytes"] for e in v1.values()}
@@ -219,7 +222,7 @@ class PatchswarmRunner:
                  f"the machine {cpu.busy_s:.2f} of the {cpu.cores} cores' {cpu.cores * cpu.wall_s:.2f} CPU-s"]
         stalls = {n: longest_stall(points) for n, points in progress.items() if n not in killed}
         if self.faults:
-            back = {n: f"{e['complete_at'] - t_announce:.2f} s" for n, e in v1.items() if n in killed}
+            back = {n: f"{e['complete_at'] - t_announce:.2f} s" if "complete_at" in e else "?" for n, e in back.items()}
             notes.append(f"{self.faults.label()}: killed {sorted(killed)}; restarted and complete: {back or 'none'}; "
                          f"times, stalls and bounds over the {len(per_node)} nodes never killed")
         if progress:
@@ -352,7 +355,8 @@ def _watch_fetch(clients: dict, version: int, pids: dict[str, int], deadline: fl
                 poll_s=FAST_POLL_S if progress is not None else POLL_S)
     t0, cpu0, busy0 = started[0] if started else (time.monotonic(), _process_cpu_s(pids), _machine_busy_s())
     cpu = _process_cpu_s(pids)
-    per_host = {n: round(cpu[n] - cpu0.get(n, 0.0), 2) for n in cpu}
+    # A node restarted meanwhile is a new process: all of its CPU time is in the window.
+    per_host = {n: round(cpu[n] - (cpu0.get(n, 0.0) if pids[n] == cpu0.pids.get(n) else 0.0), 2) for n in cpu}
     return _FetchCpu(time.monotonic() - t0, sum(per_host.values()), _machine_busy_s() - busy0,
                      os.cpu_count() or 1, per_host)
 
@@ -373,9 +377,16 @@ def longest_stall(points: list[tuple[float, int]]) -> float:
     return longest
 
 
-def _process_cpu_s(pids: dict[str, int]) -> dict[str, float]:
+class _CpuTimes(dict):
+    """name -> CPU seconds, with the pid each was read from (`pids`)."""
+
+    pids: dict[str, int]
+
+
+def _process_cpu_s(pids: dict[str, int]) -> _CpuTimes:
     """User + system CPU seconds of each process (all its threads) so far, by name."""
-    out = {}
+    out = _CpuTimes()
+    out.pids = dict(pids)
     for name, pid in pids.items():
         try:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
