@@ -41,7 +41,7 @@ from bench.wan_runner import Payload, RunFailed, RunResult, SystemUnavailable, k
 
 TRACKER_PORT, ORIGIN_PORT, NODE_PORT = 7700, 7701, 7702
 POLL_S = 0.2   # status polls: the times come from the nodes' own timeline, so this only paces the bench
-FAST_POLL_S = 0.02  # while fetching: the polls also time each node's progress (its stalls)
+FAST_POLL_S = 0.05  # while fetching with faults scheduled: the polls also run them
 # Peak RSS of one daemon, measured: ~750 MB for a 52.6 MB checkpoint (torch ~200 MB + copies of the
 # state while applying). Runs that would not fit in MemAvailable are skipped instead of OOM-killing the box.
 DAEMON_BASE_BYTES, DAEMON_BYTES_PER_CHECKPOINT_BYTE = 250e6, 10
@@ -185,8 +185,7 @@ class PatchswarmRunner:
             _drop(payload.target, watch / "v001.safetensors")
             polled = {n: c for n, c in clients.items()}  # killed nodes leave it; a restarted one is back
             schedule = self._fault_schedule(topo, logs, polled) if self.faults else None
-            progress: dict[str, list[tuple[float, int]]] = {}
-            cpu = _watch_fetch(polled, 1, self._pids, deadline, NodeUnavailable, schedule, progress)
+            cpu = _watch_fetch(polled, 1, self._pids, deadline, NodeUnavailable, schedule)
             _wait_versions(polled, 1, deadline, NodeUnavailable)
             moved = topo.counters() - before
             end_status = {n: c.status() for n, c in polled.items()}
@@ -220,15 +219,15 @@ class PatchswarmRunner:
                  f"CPU while fetching (first node learns of v1 -> every node holds it, as polled): "
                  f"{cpu.wall_s:.2f} s wall; the swarm's processes used {cpu.swarm_s:.2f} CPU-s, everything on "
                  f"the machine {cpu.busy_s:.2f} of the {cpu.cores} cores' {cpu.cores * cpu.wall_s:.2f} CPU-s"]
-        stalls = {n: longest_stall(points) for n, points in progress.items() if n not in killed}
+        stalls = {n: st["longest_wait_s"]["v1 patch"] for n, st in end_status.items()
+                  if n not in killed and "v1 patch" in st.get("longest_wait_s", {})}
         if self.faults:
             back = {n: f"{e['complete_at'] - t_announce:.2f} s" if "complete_at" in e else "?" for n, e in back.items()}
             notes.append(f"{self.faults.label()}: killed {sorted(killed)}; restarted and complete: {back or 'none'}; "
                          f"times, stalls and bounds over the {len(per_node)} nodes never killed")
-        if progress:
-            gaps = [b - a for points in progress.values() for (a, _), (b, _) in zip(points, points[1:])]
-            notes.append(f"stall = the longest a node's missing count did not fall while it lacked chunks, "
-                         f"from status polls (a poll round took up to {max(gaps, default=0):.2f} s)")
+        if stalls:
+            notes.append("stall = the longest a node went without a chunk arriving while it lacked chunks "
+                         "(from learning of the version; the node's own clock, status 'longest_wait_s')")
         return RunResult(self.name, topo.spec, payload.patch_bytes, max(per_node.values()), per_node, moved, notes,
                          applied_s=applied_s, stall_s=stalls)
 
@@ -328,19 +327,14 @@ class _FetchCpu:
 
 
 def _watch_fetch(clients: dict, version: int, pids: dict[str, int], deadline: float,
-                 unavailable: type, schedule=None, progress: dict | None = None) -> _FetchCpu:
+                 unavailable: type, schedule=None) -> _FetchCpu:
     """Poll until every node holds every chunk of `version`; CPU used from its announcement until then.
-    `schedule(seconds since the announcement)` runs fault events; `progress` gets, per node,
-    (time, chunks missing) from each poll while it fetches."""
+    `schedule(seconds since the announcement)` runs fault events (polled faster, to be on time)."""
     started = []
 
     def seen(st: dict) -> None:
         if not started and _at_least(st.get("latest_version"), version):
             started.append((time.monotonic(), _process_cpu_s(pids), _machine_busy_s()))
-        if progress is not None and _at_least(st.get("latest_version"), version):
-            missing = 0 if _at_least(st.get("version"), version) else sum((st.get("fetching") or {}).values())
-            if st.get("fetching") or missing == 0:
-                progress.setdefault(st["node_id"], []).append((time.monotonic(), missing))
 
     def tick() -> None:
         if schedule is not None and started:
@@ -352,29 +346,13 @@ def _watch_fetch(clients: dict, version: int, pids: dict[str, int], deadline: fl
             _at_least(st.get("latest_version"), version) and fetching and not any(fetching.values()))
 
     _poll_until(clients, fetched, f"fetch version {version}", deadline, unavailable, seen, tick,
-                poll_s=FAST_POLL_S if progress is not None else POLL_S)
+                poll_s=FAST_POLL_S if schedule is not None else POLL_S)
     t0, cpu0, busy0 = started[0] if started else (time.monotonic(), _process_cpu_s(pids), _machine_busy_s())
     cpu = _process_cpu_s(pids)
     # A node restarted meanwhile is a new process: all of its CPU time is in the window.
     per_host = {n: round(cpu[n] - (cpu0.get(n, 0.0) if pids[n] == cpu0.pids.get(n) else 0.0), 2) for n in cpu}
     return _FetchCpu(time.monotonic() - t0, sum(per_host.values()), _machine_busy_s() - busy0,
                      os.cpu_count() or 1, per_host)
-
-
-def longest_stall(points: list[tuple[float, int]]) -> float:
-    """The longest time between a node's first poll while fetching (or a fall in its
-    missing count) and the next fall, while chunks were missing."""
-    longest, since, last = 0.0, None, None
-    for t, missing in points:
-        if since is None:
-            since, last = t, missing
-            continue
-        if missing < last:
-            longest, since = max(longest, t - since), t
-        last = missing
-        if missing == 0:
-            break
-    return longest
 
 
 class _CpuTimes(dict):

@@ -256,6 +256,7 @@ class Node:
             "chunks_rejected": f.chunks_rejected,
             "manifests_rejected": a.manifests_rejected,
             "fetching": f.status(),
+            "longest_wait_s": f.waits(),
             # Objects that failed to apply (verified chunks, yet the patch did not fit): the
             # node routes around them; a person should know the origin published one.
             "unusable": [describe(k) for k in sorted(a.unusable)],
