@@ -19,7 +19,7 @@ For each learning rate x served dtype x consecutive (base, target) pair from
   the bench;
 - keyframe bytes (`keyframe(target)`) and zipnn bytes for the same tensors.
 
-Run: `python bench/codec.py [--size small] [--lrs 1e-6,1e-5] [--dtypes bf16,fp8]
+Run: `python bench/codec.py [--size small] [--lrs 1e-6,1e-5] [--dtypes bf16,fp8,fp8-block]
 [--pairs 2] [--rounds 7] [--json rows.json]`. Importing this module does no work.
 """
 
@@ -313,7 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", default="small", choices=["tiny", "small", "medium"])
     ap.add_argument("--lrs", default="1e-6,1e-5", help="comma-separated RL learning rates")
-    ap.add_argument("--dtypes", default="bf16,fp8", help="comma-separated served dtypes")
+    ap.add_argument("--dtypes", default="bf16,fp8,fp8-block",
+                    help="comma-separated served dtypes, or fp8-block (e4m3 weights with fp32 block scales, "
+                         "bf16 norms: a pre-quantized checkpoint served as-is)")
     ap.add_argument("--pairs", type=int, default=2, help="consecutive (base, target) pairs per lr x dtype")
     ap.add_argument("--rounds", type=int, default=ROUNDS, help="interleaved timing rounds per pair (minimum kept)")
     ap.add_argument("--json", metavar="PATH", help="write the rows as JSON")

@@ -1,15 +1,17 @@
-"""Applying: versions in, strictly in order, to the weights file; the plan that says what to fetch.
+"""Applying: versions in, strictly in order, to the state in memory; the plan that says what to fetch.
 
-Owns `Applier`: the node's current weights (loaded from and written to
-`weights_path`, node/weights.py), the signed manifests it learns of (the
+Owns `Applier`: the node's current weights (in memory; durable as the base
+file plus the stored patch chain, node/persistence.py, so a version costs
+the disk its patch, not the model), the signed manifests it learns of (the
 `VersionBook`: offered by the tracker or a peer, checked there), the plan
 from the current version to the newest reachable one (`VersionBook.plan`),
 which it hands to the fetcher (`Fetcher.want`), applying each object of the
 plan once its chunks are all held (protocol/patch.py does the math, on a
 low-priority thread), the objects that failed to apply (routed around), the
-per-version timeline (announced, complete, applied) for status, and retiring
-objects older than the kept window. Must not fetch (node/fetcher.py) or
-serve (node/peers.py).
+per-version timeline (announced, complete, applied) for status, writing the
+base (first version, keyframes) and compacting it in the background, and
+retiring objects no restart or late peer needs. Must not fetch
+(node/fetcher.py) or serve (node/peers.py).
 """
 
 from __future__ import annotations
@@ -24,27 +26,34 @@ import trio
 from patchswarm.protocol.errors import (ConflictingManifest, CorruptData, InvalidInput, PatchswarmError, SignatureError,
                                         StaleVersion, UsageError)
 from patchswarm.protocol.patch import apply as apply_patch
+from patchswarm.protocol.patchdecode import touched_tensors
 from patchswarm.protocol.publication import ObjKey, describe, patch_of
 from patchswarm.protocol.versions import NEW, VersionBook
 
+from patchswarm.node import failpoints
 from patchswarm.node.fetcher import Fetcher
 from patchswarm.node.lowprio import run_low_priority
+from patchswarm.node.modelsink import ModelSink
+from patchswarm.node.net.transport import one_line
+from patchswarm.node.persistence import DurableState
 from patchswarm.node.store import ObjectStore
 from patchswarm.node.wakeup import Wakeup
-from patchswarm.node.weights import Weights, read_weights, write_weights
+from patchswarm.node.weights import Weights
 
 log = logging.getLogger("patchswarm.node")
 POLL_S = 2.0  # the apply loop looks again at least this often
+COMPACT_NICE = 19  # compaction is the least urgent work on the host
 
 
 class Applier:
-    def __init__(self, book: VersionBook, store: ObjectStore, fetcher: Fetcher, weights_path: Path, swarm_id: str,
-                 *, keep_versions: int, apply_nice: int, apply_threads: int | None):
+    def __init__(self, book: VersionBook, store: ObjectStore, fetcher: Fetcher, durable: DurableState,
+                 *, keep_versions: int, apply_nice: int, apply_threads: int | None, sink: ModelSink | None = None):
         self.book = book
         self.store = store
         self.fetcher = fetcher
-        self.weights_path = Path(weights_path)
-        self.swarm_id = swarm_id
+        self.durable = durable
+        self.sink = sink
+        self.swarm_id = durable.swarm_id
         self.keep_versions = keep_versions
         self.apply_nice = apply_nice
         self.apply_threads = apply_threads
@@ -58,22 +67,31 @@ class Applier:
         self._timeline: dict[ObjKey, dict[str, float]] = {}  # wall-clock announced_at / complete_at
         self._wakeup = Wakeup()
         self._version_changed = trio.Event()
+        self._compacting = False
+        self._base_due = False  # a base write failed or waited for a compaction: retried after the next apply
+        self._nursery: trio.Nursery | None = None
 
     @property
     def version(self) -> int | None:
         return None if self.weights is None else self.weights.version
 
+    @property
+    def base_path(self) -> Path:
+        return self.durable.path
+
     def load_weights(self) -> Weights | None:
-        """The weights file's version, or None (no file, or one that does not read: a warning).
-        Blocking: run it in a thread."""
-        try:
-            w = read_weights(self.weights_path)
-        except InvalidInput as e:
-            log.warning("ignoring %s: %s; starting without weights", self.weights_path, e)
-            return None
-        if w is not None and w.swarm_id != self.swarm_id:
-            raise UsageError(f"{self.weights_path}: holds weights of swarm {w.swarm_id}, this node is in {self.swarm_id}")
-        return w
+        """The latest version the base file and the stored chain reach, verified (every
+        object replayed with the codec's checks), or None. Blocking: run it in a thread."""
+        return self.durable.load(self.book, self.apply_threads)
+
+    async def hand_off_loaded(self) -> None:
+        """At start: the configured hand-offs catch up with the version the node resumed at."""
+        if self.sink is None or self.weights is None:
+            return
+        key = next((k for k in [(self.version, False), (self.version, True)] if self.store.manifest(k)), None)
+        m = None if key is None else self.store.manifest(key)
+        await self.sink.write(self.weights, None if m is None else m.codec.get("layout"), None,
+                              None if m is None else m.created_at)
 
     def wake(self) -> None:
         self._wakeup.set()
@@ -116,25 +134,34 @@ class Applier:
     async def run(self) -> None:
         """Keep the fetcher on the plan and apply its first object once complete, until cancelled.
         Nothing is planned before the origin's region is known (the WAN plan needs it)."""
-        while True:
-            if self.fetcher.picker.origin_region is not None:
-                current_hash = None if self.weights is None else self.weights.state_hash
-                plan = [k for k in self.book.plan(self.version, current_hash) if k not in self.unusable]
-                self.fetcher.want(plan)
-                if plan and self.store.complete(plan[0]):
-                    await self.apply(plan[0])
-                    continue
-            await self._wakeup.wait(POLL_S)
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery  # for compactions, which outlive one apply
+            self._compact_if_due()  # a restart may resume with a long chain after the base
+            while True:
+                if self.fetcher.picker.origin_region is not None:
+                    current_hash = None if self.weights is None else self.weights.state_hash
+                    plan = [k for k in self.book.plan(self.version, current_hash) if k not in self.unusable]
+                    self.fetcher.want(plan)
+                    if plan and self.store.complete(plan[0]):
+                        await self.apply(plan[0])
+                        continue
+                await self._wakeup.wait(POLL_S)
 
     async def apply(self, key: ObjKey) -> None:
         m = self.store.manifest(key)
         t0 = time.perf_counter()
         state = {} if self.weights is None else self.weights.state
+        changed: set[str] | None = None
 
         def work() -> None:
-            # In place, without undo records: for a dense patch they would be a
-            # second copy of the state, and the weights file holds the base anyway.
-            apply_patch(state, patch_of(m, self.store.chunks(key)), threads=self.apply_threads, undo=False)
+            nonlocal changed
+            patch = patch_of(m, self.store.chunks(key))
+            # In place, without undo records: for a dense patch they would be a second copy
+            # of the state, and the base file plus the stored chain hold the version before.
+            apply_patch(state, patch, threads=self.apply_threads, undo=False,
+                        progress=lambda done, total: done == 1 and failpoints.hit("apply.written"))
+            if self.sink is not None:
+                changed = touched_tensors(patch)  # the model directory rewrites only their shards
 
         try:
             # Below the loop's priority: peers fetching this version from us come first (node/lowprio.py).
@@ -142,18 +169,24 @@ class Applier:
         except PatchswarmError as e:
             self.unusable.add(key)
             log.error("could not apply %s: %s; looking for another path", describe(key), e)
-            if self.weights is not None:  # the state may be partly patched: back to what the file holds
+            if self.weights is not None:  # the state may be partly patched: back to what is durable
                 self.weights = await trio.to_thread.run_sync(self.load_weights)
-                log.info("reloaded %s: %s", self.weights_path,
+                log.info("reloaded the base and the stored chain: %s",
                          "no usable weights" if self.weights is None else f"version {self.weights.version}")
             return
         finally:
             self.fetcher.stop(key)
-        w = Weights(state, m.version, m.target_hash, self.swarm_id)
-        # A failure to write is fatal on purpose: the node must never call current what the file lacks.
-        await trio.to_thread.run_sync(write_weights, self.weights_path, w)
-        self.weights = w
+        # The object is in the store before it is applied: the version is durable as the base
+        # plus the chain. Only where the chain cannot reach it (no base yet, or a keyframe
+        # jumped over patches this node never held) is the state written whole.
+        self.weights = Weights(state, m.version, m.target_hash, self.swarm_id)
+        if self.durable.base is None or m.is_keyframe:
+            self._base_due = True
+        if self._base_due:
+            await self._write_base()
         seconds = time.perf_counter() - t0
+        if self.sink is not None:
+            await self.sink.write(self.weights, m.codec.get("layout"), changed, m.created_at)
         self.applied.append({"version": m.version, "kind": "keyframe" if m.is_keyframe else "patch",
                              "bytes": m.total_bytes, "apply_s": round(seconds, 3),
                              **self._timeline.pop(key, {}), "published_at": m.created_at, "applied_at": time.time()})
@@ -161,13 +194,57 @@ class Applier:
                  "keyframe" if m.is_keyframe else "patch", f"{m.total_bytes:,}", seconds, m.target_hash[:16])
         self._version_changed.set()
         self._version_changed = trio.Event()
+        self._compact_if_due()
         self._retire(m.version)
+
+    def _compact_if_due(self) -> None:
+        w = self.weights
+        if (w is None or self._base_due or self._compacting or self.durable.base is None
+                or not self.durable.due(w.version)):
+            return
+        self._compacting = True
+        self._nursery.start_soon(self._compact, w.version, w.state_hash)
+
+    async def _write_base(self) -> None:
+        """Write the live state as the base, unless a compaction is writing it now (then
+        after it). A failure (a full disk) is logged and retried after the next version:
+        the stored chain still holds every version since the last base."""
+        if self._compacting:
+            return
+        w = self.weights
+        try:
+            # On the apply path on purpose: the state must not change while it is written.
+            await trio.to_thread.run_sync(self.durable.write_base, w)
+            self._base_due = False
+        except OSError as e:
+            log.error("could not write the base at version %d (%s); the stored chain keeps every version "
+                      "since version %s, retrying after the next version", w.version, one_line(e),
+                      None if self.durable.base is None else self.durable.base.version)
+
+    async def _compact(self, version: int, target_hash: str) -> None:
+        """Fold the patches since the base into a new base, below everything else's priority;
+        the store keeps the chain (`_retire` asks `durable.keep_from`) until this is done."""
+        try:
+            await run_low_priority(lambda: self.durable.compact(version, target_hash, self.apply_threads),
+                                   COMPACT_NICE, name="patchswarm-compact")
+        except (PatchswarmError, OSError) as e:
+            log.error("compaction to version %d failed (%s); the base stays at version %s and the chain is kept",
+                      version, one_line(e), self.durable.base.version if self.durable.base else None)
+        finally:
+            self._compacting = False
+        if self._base_due and self.weights is not None:
+            await self._write_base()
+        if self.version is not None:
+            self._retire(self.version)
+        self._compact_if_due()  # versions applied meanwhile may make the next one due
 
     def _retire(self, version: int) -> None:
         """Drop what can never be needed again: objects older than the kept window."""
         for key in [k for k in self._timeline if k[0] <= version]:
             del self._timeline[key]
-        floor = version - self.keep_versions
+        # Kept: the window late peers may still ask for, and every patch since the base (a
+        # restart replays them, a compaction folds them).
+        floor = min(version - self.keep_versions, self.durable.keep_from())
         for key in self.store.keys():
             if key[0] < floor and not self.fetcher.picker.is_fetching(key):
                 self.store.drop(key)

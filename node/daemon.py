@@ -49,7 +49,9 @@ from patchswarm.node.relay import Inflows
 from patchswarm.node.spool import TrajectorySpool
 from patchswarm.node.store import ObjectStore
 from patchswarm.node.uploader import TrajectoryUploader
-from patchswarm.node.weights import WEIGHTS_NAME
+from patchswarm.node.engines import make_engine
+from patchswarm.node.modelsink import ModelSink
+from patchswarm.node.persistence import COMPACT_EVERY, DurableState
 
 log = logging.getLogger("patchswarm.node")
 
@@ -75,6 +77,11 @@ class NodeConfig:
     wan_gateways: int | None = WAN_GATEWAYS
     wan_rates: dict[str, float] | None = None  # region -> WAN rate, the same on every member (the chains' order)
     advertise: str | None = None  # the address told to the tracker and peers; None: the bound listen address
+    compact_every: int = COMPACT_EVERY  # versions between full writes of the state (node/persistence.py)
+    model_dir: Path | None = None  # the current version as a model directory (node/modelsink.py)
+    engine: str | None = None  # sglang | vllm
+    engine_url: str | None = None
+    on_version: str | None = None  # a command run per version
 
 
 class Node:
@@ -90,7 +97,7 @@ class Node:
         self.region = cfg.region
         self.swarm_id = self.creds.swarm_id()
         self.data_dir = Path(cfg.data_dir)
-        self.weights_path = self.data_dir / WEIGHTS_NAME
+        self.engine = make_engine(cfg.engine, cfg.engine_url, cfg.on_version)  # a usage error before anything starts
         self.listen_addr = cfg.listen
         self.started_at = time.time()
         self.book = VersionBook(self.swarm_id, self.creds.trainer_public_key())
@@ -127,12 +134,15 @@ class Node:
         self.peers.store = self.store
         self.fetcher = Fetcher(self.id, self.region, self.picker, self.peers, self.inflows, self.store, self.book,
                                on_complete=lambda key: self.applier.completed(key))
-        self.applier = Applier(self.book, self.store, self.fetcher, self.weights_path, self.swarm_id,
-                               keep_versions=self.cfg.keep_versions, apply_nice=self.cfg.apply_nice,
-                               apply_threads=self.cfg.apply_threads)
-        self.applier.weights = await trio.to_thread.run_sync(self.applier.load_weights)
         for line in self.store.load(self.book, None):
             log.warning("dropped from the object store: %s", line)
+        # The current version is the base file plus the stored patches after it, replayed and
+        # verified: a version is durable once its object is (chunks first, manifest last).
+        durable = DurableState(self.data_dir, self.store, self.swarm_id, self.cfg.compact_every)
+        self.applier = Applier(self.book, self.store, self.fetcher, durable,
+                               keep_versions=self.cfg.keep_versions, apply_nice=self.cfg.apply_nice,
+                               apply_threads=self.cfg.apply_threads, sink=self._model_sink())
+        self.applier.weights = await trio.to_thread.run_sync(self.applier.load_weights)
         self.spool = await TrajectorySpool.open(self.data_dir / "spool", self.id, self.region,
                                                 max_bytes=self.cfg.spool_bytes)
         for problem in self.spool.problems:
@@ -143,6 +153,11 @@ class Node:
         finally:
             with trio.CancelScope(shield=True):
                 await self.spool.aclose()
+
+    def _model_sink(self) -> ModelSink | None:
+        if self.engine is None and self.cfg.model_dir is None:
+            return None
+        return ModelSink(self.cfg.model_dir or self.data_dir / "model", self.engine, self.cfg.apply_nice)
 
     async def _run(self, task_status) -> None:
         local = LocalRequests(self.status, self.applier.wait_version, lambda: self.version, self.spool)
@@ -155,6 +170,9 @@ class Node:
                      self.data_dir / "node.sock")
             nursery.start_soon(self.tracker.run)
             nursery.start_soon(self.dialer.run)
+            if self.applier.sink is not None:
+                nursery.start_soon(self.applier.sink.run)
+                await self.applier.hand_off_loaded()
             nursery.start_soon(self.applier.run)
             nursery.start_soon(self.uploader.run)
             task_status.started(self)
@@ -243,7 +261,9 @@ class Node:
             "swarm_id": self.swarm_id,
             "version": self.version,
             "state_hash": None if a.weights is None else a.weights.state_hash,
-            "weights_path": str(self.weights_path),
+            "base_path": str(a.base_path),  # the base file; the current version is it plus the stored chain
+            **a.durable.status(),
+            **({} if a.sink is None else a.sink.status()),
             "latest_version": self.book.latest_version,
             "listen": self.listen_addr,
             "tracker_connected": self.tracker.connected,

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from patchswarm.node import basefile
+from patchswarm.node import basefile, failpoints
 from patchswarm.node.store import ObjectStore
 from patchswarm.node.weights import META_HASH, META_SWARM, META_VERSION, WEIGHTS_NAME, Weights, read_weights
 from patchswarm.protocol.errors import InvalidInput, PatchswarmError, UsageError
@@ -69,30 +69,29 @@ class DurableState:
         `book` holds the stored objects' manifests (ObjectStore.load filled it). An object
         that fails to apply ends the replay at the version before it (and is dropped, so
         the swarm fetches it again)."""
-        w = None
-        if self.path.exists():
-            w = read_weights(self.path)  # verifies the tensors against the hash it names
-            if w is not None and w.swarm_id != self.swarm_id:
-                raise UsageError(f"{self.path}: holds weights of swarm {w.swarm_id}, this member is in {self.swarm_id}")
-            if w is not None:
-                self.base = Base(w.version, w.state_hash)
-        stored = {k for k in self.store.keys() if self.store.complete(k)}
-        plan = [k for k in book.plan(None if w is None else w.version, None if w is None else w.state_hash)
-                if k in stored]
-        for key in plan:
-            m = self.store.manifest(key)
-            state = {} if key[1] or w is None else w.state
-            try:
-                # With undo: a failure leaves the state at the version before (restarts are rare).
-                apply(state, patch_of(m, self.store.chunks(key)), threads=threads, undo=True)
-            except PatchswarmError as e:
-                log.error("replaying %s failed (%s); resuming at %s", describe(key), e,
-                          "no version" if w is None else f"version {w.version}")
-                self.store.drop(key)
-                book.discard(key)
-                break
-            w = Weights(state, m.version, m.target_hash, self.swarm_id)
-        return w
+        self._remove_temporaries()
+        try:
+            w = read_base(self.path, self.swarm_id)
+        except InvalidInput as e:
+            # The chain after it cannot be replayed either: start from what a keyframe gives.
+            log.warning("ignoring the base file %s: %s", self.path, e)
+            w = None
+        if w is not None:
+            self.base = Base(w.version, w.state_hash)
+
+        def failed(key: ObjKey) -> None:
+            self.store.drop(key)
+            book.discard(key)
+
+        return replay(w, book, self.store, threads=threads, on_failure=failed)
+
+    def _remove_temporaries(self) -> None:
+        """A write of the base that a crash interrupted leaves a state-sized temporary
+        (node/basefile.py's names); only the member holding the data dir calls load."""
+        for pattern in (f"{WEIGHTS_NAME}.tmp-*", f"{WEIGHTS_NAME}.compact-*"):
+            for f in self.path.parent.glob(pattern):
+                log.info("removing %s, left by an interrupted write of the base", f.name)
+                f.unlink(missing_ok=True)
 
     # ------------------------------------------------------------ what must stay
 
@@ -135,7 +134,7 @@ class DurableState:
         t0 = time.perf_counter()
         patches = (patch_of(self.store.manifest(k), self.store.chunks(k)) for k in keys)
         n = basefile.compact(self.path, patches, self.path, metadata(version, state_hash, self.swarm_id), state_hash,
-                             threads=threads)
+                             threads=threads, on_object=lambda i: i == 1 and failpoints.hit("compact.applied"))
         self.base = Base(version, state_hash)
         self.compactions += 1
         self.bytes_written += n
@@ -147,6 +146,50 @@ class DurableState:
         return {"base_version": None if self.base is None else self.base.version,
                 "compactions": self.compactions, "bytes_written": self.bytes_written,
                 "compact_every": self.compact_every}
+
+
+def read_base(path: Path, swarm_id: str) -> Weights | None:
+    """The base file's verified state, or None where there is none."""
+    if not path.exists():
+        return None
+    w = read_weights(path)  # verifies the tensors against the hash it names
+    if w is not None and w.swarm_id != swarm_id:
+        raise UsageError(f"{path}: holds weights of swarm {w.swarm_id}, this member is in {swarm_id}")
+    return w
+
+
+def replay(w: Weights | None, book: VersionBook, store: ObjectStore, *, threads: int | None = None,
+           on_failure=None) -> Weights | None:
+    """`w` (the base, or None) carried forward through the complete stored objects `book`
+    plans from it, each applied with every check the codec has; an object that fails
+    ends the replay at the version before it (`on_failure(key)` is told)."""
+    stored = {k for k in store.keys() if store.complete(k)}
+    plan = [k for k in book.plan(None if w is None else w.version, None if w is None else w.state_hash)
+            if k in stored]
+    for key in plan:
+        m = store.manifest(key)
+        state = {} if key[1] or w is None else w.state
+        try:
+            # With undo: a failure leaves the state at the version before (restarts are rare).
+            apply(state, patch_of(m, store.chunks(key)), threads=threads, undo=True)
+        except PatchswarmError as e:
+            log.error("replaying %s failed (%s); resuming at %s", describe(key), e,
+                      "no version" if w is None else f"version {w.version}")
+            if on_failure is not None:
+                on_failure(key)
+            break
+        w = Weights(state, m.version, m.target_hash, book.swarm_id)
+    return w
+
+
+def read_current(data_dir: Path, swarm_id: str, trainer_key) -> Weights | None:
+    """Offline and read-only: the latest verified version a member's data dir holds (its
+    base file plus the stored objects after it), for tools and tests. It deletes nothing
+    and needs no lock; a running member keeps its own view (`DurableState.load`)."""
+    data_dir = Path(data_dir)
+    book = VersionBook(swarm_id, trainer_key)
+    store = ObjectStore.read_only(data_dir / "objects", book)
+    return replay(read_base(data_dir / WEIGHTS_NAME, swarm_id), book, store)
 
 
 def state_bytes(state: dict[str, torch.Tensor]) -> int:

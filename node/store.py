@@ -46,8 +46,21 @@ class ObjectStore:
         self._have: dict[ObjKey, set[int]] = {}
         self._manifests: dict[ObjKey, Manifest] = {}
 
+    @classmethod
+    def read_only(cls, root: str | os.PathLike, book: VersionBook) -> "ObjectStore":
+        """The verified objects under `root` as they are, for tools and tests: nothing is
+        created or deleted (a running member may own the folder)."""
+        store = cls.__new__(cls)
+        store.root, store._have, store._manifests = Path(root), {}, {}
+        if store.root.is_dir():
+            store._scan(book, None, delete=False)
+        return store
+
     def load(self, book: VersionBook, current_version: int | None) -> list[str]:
         """Re-read what survived a restart into `book`; returns one line per thing dropped."""
+        return self._scan(book, current_version, delete=True)
+
+    def _scan(self, book: VersionBook, current_version: int | None, delete: bool) -> list[str]:
         dropped = []
         for d in sorted(self.root.iterdir()):
             m = _DIR.match(d.name)
@@ -58,24 +71,31 @@ class ObjectStore:
                 _, manifest = book.offer((d / MANIFEST_NAME).read_bytes(), current_version)
             except (OSError, InvalidInput) as e:
                 dropped.append(f"{d.name}: {e}")
-                shutil.rmtree(d, ignore_errors=True)
+                if delete:
+                    shutil.rmtree(d, ignore_errors=True)
                 continue
             self._manifests[key] = manifest
             have = self._have.setdefault(key, set())
             for f in d.iterdir():
                 if _TEMPORARY.match(f.name):
-                    f.unlink(missing_ok=True)  # an interrupted write
+                    if delete:
+                        f.unlink(missing_ok=True)  # an interrupted write
                     continue
                 c = _CHUNK.match(f.name)
                 if not c:
                     continue  # the manifest, or a file that is not the store's to judge
                 i = int(c.group(1))
-                data = f.read_bytes()
+                try:
+                    data = f.read_bytes()
+                except OSError as e:
+                    dropped.append(f"{d.name}/{f.name}: {e}")
+                    continue
                 if i < len(manifest.chunks) and (len(data), hashlib.sha256(data).digest()) == manifest.chunks[i]:
                     have.add(i)
                 else:
                     dropped.append(f"{d.name}/{f.name}: does not match its manifest")
-                    f.unlink(missing_ok=True)
+                    if delete:
+                        f.unlink(missing_ok=True)
         return dropped
 
     def put_manifest(self, key: ObjKey, manifest: Manifest, envelope: bytes) -> None:

@@ -416,3 +416,16 @@ def apply(state: State, patch: Patch, progress: Progress = None, threads: int | 
             if saved is not None:
                 restore(state, saved)
         raise
+
+
+def touched_tensors(patch: Patch) -> set[str]:
+    """The names of the tensors `patch` writes or removes: its full and removed tensors and
+    every tensor a delta segment names (a keyframe: all of them). One parse of its chunks,
+    no decode: for a hand-off that rewrites only what changed."""
+    if patch.kind == "keyframe":
+        return {t.name for t in patch.tensors}
+    names = set(patch.full) | set(patch.removed)
+    for chunk in patch.chunks:
+        segs, _, _ = _named_segments(chunk, patch.tensors)
+        names.update(n for seg in segs for n, _, _ in seg.pieces)
+    return names

@@ -35,6 +35,8 @@ class Proc:
     popen: subprocess.Popen | None = None
     data_dir: Path | None = None
     addr: str | None = None
+    creds: Path | None = None
+    env: dict[str, str] = dataclasses.field(default_factory=dict)  # added to the environment at each start
 
     @property
     def socket(self) -> Path:
@@ -78,7 +80,7 @@ class SwarmLab:
         return out
 
     def _start(self, p: Proc) -> Proc:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **p.env}
         log = open(p.log, "ab")
         p.popen = subprocess.Popen([sys.executable, "-m", "patchswarm.node.cli", *map(str, p.args)], cwd=ROOT,
                                    stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -118,18 +120,18 @@ class SwarmLab:
                 "--data-dir", data, "--listen", "127.0.0.1:0", "--region", region, *extra]
         if watch is not None:
             args += ["--watch", watch]
-        p = Proc(name, args, self.root / f"{name}.log", data_dir=data)
+        p = Proc(name, args, self.root / f"{name}.log", data_dir=data, creds=creds)
         self._start(p)
         p.addr = self.wait_log(p, LISTENING).group(1)
         return p
 
     def start_node(self, name: str, region: str = "r0", extra: list[str] = (), creds: Path | None = None,
-                   wait: bool = True) -> Proc:
+                   wait: bool = True, env: dict[str, str] | None = None) -> Proc:
         creds = creds or self.creds(name, "node")
         data = self.root / name
         p = Proc(name, ["node", "--tracker", self.tracker_addr, "--creds", creds, "--data-dir", data,
                         "--listen", "127.0.0.1:0", "--region", region, *extra], self.root / f"{name}.log",
-                 data_dir=data)
+                 data_dir=data, creds=creds, env=env or {})
         self._start(p)
         if wait:
             p.addr = self.wait_log(p, LISTENING).group(1)
@@ -225,4 +227,13 @@ def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 
 def load_weights(p: Proc) -> dict[str, torch.Tensor]:
-    return load_file(str(p.data_dir / "weights.safetensors"))
+    """The latest version a member's data dir holds, read as a restart would (its base file
+    plus the stored patches after it, each verified), without touching the files."""
+    from patchswarm.node.net.trust import Credentials
+    from patchswarm.node.persistence import read_current
+
+    c = Credentials.load(p.creds)
+    w = read_current(p.data_dir, c.swarm_id(), c.trainer_public_key())
+    if w is None:
+        raise AssertionError(f"{p.name}: no version in {p.data_dir}")
+    return w.state

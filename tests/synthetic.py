@@ -148,7 +148,15 @@ def rl_checkpoints(
 def served_pairs(
     size: str = "small", lr: float = 1e-6, steps: int = 3, seed: int = 0, dtype: str = "bf16"
 ) -> list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]]:
-    """Consecutive (base, target) served states from `rl_checkpoints`."""
+    """Consecutive (base, target) served states from `rl_checkpoints`. `dtype` is a served
+    dtype (every floating tensor cast to it) or "fp8-block" (2-D weights as e4m3 with fp32
+    128x128 block scales, the rest bf16: protocol/served.py; a pre-quantized checkpoint
+    published as-is has the same bits)."""
+    if dtype == "fp8-block":
+        from patchswarm.protocol.served import serve_state
+
+        states = [serve_state(s, "fp8-block") for s in rl_checkpoints(size, lr, steps, seed)]
+        return list(zip(states[:-1], states[1:]))
     tdtype = SERVED_DTYPES[dtype]
     states = [served(s, tdtype) for s in rl_checkpoints(size, lr, steps, seed)]
     return list(zip(states[:-1], states[1:]))

@@ -79,7 +79,8 @@ def test_short_demo_learns_and_moves_every_version_and_trajectory(tmp_path):
     assert sorted({n["region"] for n in summary["nodes"]}) == ["r1", "r2"]
     import msgpack
 
-    from patchswarm.node.weights import read_weights
+    from patchswarm.node.net.trust import Credentials
+    from patchswarm.node.persistence import read_current
     from patchswarm.protocol.manifest import decode_manifest
 
     # What the origin published last (its durable record is its base plus these objects).
@@ -87,7 +88,8 @@ def test_short_demo_learns_and_moves_every_version_and_trajectory(tmp_path):
     published = decode_manifest(msgpack.unpackb(envelope)[0])
     for n in summary["nodes"]:
         assert set(range(final + 1)) <= set(n["applied"]) and n["version"] == final, n
-        w = read_weights(out / n["node_id"] / "weights.safetensors")  # checks the tensors hash to what it says
+        c = Credentials.load(out / "creds" / n["node_id"])
+        w = read_current(out / n["node_id"], c.swarm_id(), c.trainer_public_key())  # base + chain, each verified
         assert w.version == final and w.state_hash == published.target_hash
         assert {k: (t.dtype, tuple(t.shape)) for k, t in w.state.items()} == {
             name: (torch.bfloat16, tuple(shape)) for name, dtype, shape in published.tensors}

@@ -1,5 +1,7 @@
-"""The node daemon's apply step, in process: it applies without undo records, so a
-failure found after the first write must leave the node on what its weights file holds."""
+"""The node daemon's apply step, in process: a version costs the disk its patch (the object
+is stored; the base file is not rewritten), and it applies without undo records, so a
+failure found after the first write must leave the node on what is durable (the base file
+plus the stored chain)."""
 
 import torch
 import trio
@@ -9,6 +11,7 @@ from patchswarm.node.applier import Applier
 from patchswarm.node.fetcher import Fetcher
 from patchswarm.node.net.ratelimit import TokenBucket
 from patchswarm.node.peers import PeerSet
+from patchswarm.node.persistence import DurableState
 from patchswarm.node.relay import Inflows
 from patchswarm.node.store import ObjectStore
 from patchswarm.node.weights import WEIGHTS_NAME, Weights, read_weights, write_weights
@@ -49,25 +52,40 @@ def _ready(tmp_path, base, target) -> Applier:
     picker, inflows = PiecePicker("n1", "r0", "r0"), Inflows()
     fetcher = Fetcher("n1", "r0", picker, PeerSet("n1", store, TokenBucket(None), _noop, inflows=inflows), inflows,
                       store, book, on_complete=lambda key: None)
-    applier = Applier(book, store, fetcher, tmp_path / WEIGHTS_NAME, SWARM, keep_versions=4, apply_nice=0,
+    applier = Applier(book, store, fetcher, DurableState(tmp_path, store, SWARM), keep_versions=4, apply_nice=0,
                       apply_threads=None)
-    write_weights(applier.weights_path, Weights({k: v.clone() for k, v in base.items()}, 0, p.base_hash, SWARM))
+    write_weights(applier.base_path, Weights({k: v.clone() for k, v in base.items()}, 0, p.base_hash, SWARM))
     applier.weights = applier.load_weights()
     return applier
 
 
-def test_apply_writes_the_new_version(tmp_path):
+def test_apply_changes_the_state_and_leaves_the_base_file_alone(tmp_path):
     base, target = _pair()
     applier = _ready(tmp_path, base, target)
+    before = applier.base_path.stat().st_mtime_ns
     trio.run(applier.apply, KEY)
     assert applier.version == 1 and KEY not in applier.unusable
-    on_disk = read_weights(applier.weights_path)
     for name in target:
         assert torch.equal(_bits(applier.weights.state[name]), _bits(target[name]))
+    # Durable as the base plus the stored patch: no state-sized write for a patch.
+    assert applier.base_path.stat().st_mtime_ns == before
+    assert read_weights(applier.base_path).version == 0
+    assert applier.durable.bytes_written == 0 and applier.store.complete(KEY)
+
+
+def test_the_first_version_a_node_applies_is_written_as_its_base(tmp_path):
+    base, target = _pair()
+    applier = _ready(tmp_path, base, target)
+    applier.base_path.unlink()
+    applier.durable.base = None  # as on a node whose first version this is
+    trio.run(applier.apply, KEY)
+    on_disk = read_weights(applier.base_path)
+    assert on_disk.version == 1 and applier.durable.base.version == 1
+    for name in target:
         assert torch.equal(_bits(on_disk.state[name]), _bits(target[name]))
 
 
-def test_a_failed_apply_reloads_the_version_the_weights_file_holds(tmp_path):
+def test_a_failed_apply_reloads_the_durable_version(tmp_path):
     base, target = _pair()
     applier = _ready(tmp_path, base, target)
     # A bit flipped in memory where the patch writes nothing: every chunk fits and is

@@ -87,7 +87,7 @@ def test_every_node_gets_every_version_bit_exactly_and_mostly_from_peers(tmp_pat
 
         # `patchswarm status`, as people and scripts use it.
         js = json.loads(lab._cli("status", "--data-dir", late.data_dir, "--json"))
-        assert {"node_id", "region", "version", "state_hash", "weights_path", "latest_version", "peers",
+        assert {"node_id", "region", "version", "state_hash", "base_path", "latest_version", "peers",
                 "bytes_in", "bytes_out", "chunks_rejected", "spool"} <= set(js)
         assert js["node_id"] == "late" and js["version"] == 5 and js["latest_version"] == 5
         assert set(js["bytes_in"]) == {"origin", "same_region", "other_region"}

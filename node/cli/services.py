@@ -31,6 +31,13 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def positive_int(text: str) -> int:
+    value = non_negative_int(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, found {text!r}")
+    return value
+
+
 def parse_rate(text: str | None) -> float | None:
     """Bytes per second: a number with an optional k/M/G suffix (powers of 10), or 'none'."""
     if text is None or text.lower() in ("none", "0", ""):
@@ -64,6 +71,7 @@ def _origin_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-bytes", type=int, help="target size of a swarm chunk (default 1 MiB)")
     p.add_argument("--segment-elements", type=int,
                    help="elements per patch segment, the unit chunks are made of (default 2**20)")
+    _compact_argument(p)
     add_member_arguments(p, "127.0.0.1:0")
     add_advertise_argument(p)
 
@@ -86,7 +94,7 @@ def cmd_origin(args: argparse.Namespace) -> int:
     from patchswarm.node.net.metrics import OriginMetrics
 
     o = Origin(OriginConfig(args.tracker, args.creds, args.key, args.data_dir, args.listen, args.region,
-                            args.upload_limit, **sizes, advertise=args.advertise))
+                            args.upload_limit, **sizes, advertise=args.advertise, compact_every=args.compact_every))
 
     async def start(task_status):
         import trio
@@ -145,8 +153,29 @@ def _node_args(p: argparse.ArgumentParser) -> None:
                    help="each region's WAN link rate (Mbit/s, each way); the same on every member: each chunk "
                         "crosses the regions from the fastest link to the slowest (default: not known, "
                         "a per-chunk order)")
+    _compact_argument(p)
+    h = p.add_argument_group("hand-off to the inference engine (none by default)")
+    h.add_argument("--model-dir", metavar="D", type=Path,
+                   help="keep the current version as a Hugging Face model directory D/current (versioned, switched "
+                        "atomically; unchanged shards are not rewritten); default D_DATA/model when an engine "
+                        "or --on-version is given")
+    h.add_argument("--engine", choices=["sglang", "vllm"],
+                   help="tell this engine of each version: sglang (POST /update_weights_from_disk) or vllm "
+                        "(POST /collective_rpc reload_weights; serve it from the model directory's current link)")
+    h.add_argument("--engine-url", metavar="URL", help="the engine's HTTP address, e.g. http://127.0.0.1:30000")
+    h.add_argument("--on-version", metavar="CMD",
+                   help="run CMD (a shell command) for each version, with PATCHSWARM_VERSION, PATCHSWARM_MODEL_DIR "
+                        "and PATCHSWARM_STATE_HASH in its environment; exit 0 is success")
     add_member_arguments(p, "127.0.0.1:0")
     add_advertise_argument(p)
+
+
+def _compact_argument(p: argparse.ArgumentParser) -> None:
+    from patchswarm.node.persistence import COMPACT_EVERY
+
+    p.add_argument("--compact-every", type=positive_int, default=COMPACT_EVERY, metavar="N",
+                   help=f"versions between full writes of the state (the base; node/persistence.py); in between "
+                        f"each version costs the disk its patch (default {COMPACT_EVERY})")
 
 
 @command("node", "run a node daemon: fetch, verify and apply versions; serve peers", _node_args)
@@ -157,8 +186,9 @@ def cmd_node(args: argparse.Namespace) -> int:
     n = Node(NodeConfig(args.tracker, args.creds, args.data_dir, args.listen, args.region,
                         args.upload_limit, args.download_limit, args.no_peers, spool_bytes=args.spool_bytes,
                         apply_nice=args.apply_nice, apply_threads=args.apply_threads or None,
-                        wan_gateways=args.wan_gateways or None, wan_rates=args.wan_rates,
-                        advertise=args.advertise))
+                        wan_gateways=args.wan_gateways or None, wan_rates=args.wan_rates, advertise=args.advertise,
+                        compact_every=args.compact_every, model_dir=args.model_dir, engine=args.engine,
+                        engine_url=args.engine_url, on_version=args.on_version))
 
     async def start(task_status):
         import trio
@@ -252,7 +282,19 @@ def print_status(st: dict) -> None:
     behind = "" if latest is None or st["version"] is None or latest <= st["version"] else f" (latest {latest})"
     t.add_row("version", f"{'-' if st['version'] is None else st['version']}{behind}")
     t.add_row("state hash", str(st.get("state_hash") or "-"))
-    t.add_row("weights", st["weights_path"])
+    base = st.get("base_version")
+    t.add_row("durable", f"base {st['base_path']} at version {'-' if base is None else base}, "
+                         f"the stored patches after it; {st.get('compactions', 0)} compactions")
+    if st.get("model_dir"):
+        err = st.get("model_dir_error")
+        t.add_row("model dir", f"{st['model_dir']} (version {st.get('model_dir_version')})"
+                               + (f"; last write failed: {err}" if err else ""))
+    engine = st.get("engine")
+    if engine:
+        lat = engine.get("publish_to_engine_s")
+        t.add_row("engine", f"{engine['name']} at version {engine.get('version')}"
+                            + ("" if lat is None else f", publish->engine {lat:.2f} s")
+                            + (f"; last error: {engine['last_error']}" if engine.get("last_error") else ""))
     t.add_row("tracker", "connected" if st.get("tracker_connected") else "not connected")
     b = st["bytes_in"]
     t.add_row("bytes in", f"origin {_mb(b['origin'])}, same region {_mb(b['same_region'])}, "

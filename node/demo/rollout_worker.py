@@ -4,8 +4,8 @@
                                        [--until-version V]
 
 Owns the worker loop: wait for the node to hold a version newer than the last
-one rolled out, read that version's served weights from `weights_path`
-(checked against the node's state hash, so the trajectories carry the version
+one rolled out, read that version's served weights from the node's model
+directory (`model_dir`, the node's directory hand-off; checked against the node's state hash, so the trajectories carry the version
 that really produced them), sample `--batch` rollouts, submit them in one
 `submit_many` (one fsync at the node), repeat. Must not talk to the swarm
 itself or train: the node moves weights and trajectories, the trainer learns.
@@ -55,7 +55,12 @@ def load_weights(path: str | Path, expected_hash: str | None) -> dict[str, torch
     """The served state at `path`; raises InvalidInput if its state hash is not
     `expected_hash` (the node replaced the file with a newer version meanwhile)."""
     try:
-        state = load_file(str(path))
+        if Path(path).is_dir():
+            from patchswarm.node.checkpoint import load_state  # a model directory: shards and index
+
+            state = load_state(path)[0]
+        else:
+            state = load_file(str(path))
     except Exception as e:  # safetensors raises its own error types and OSError
         raise InvalidInput(f"{path}: expected a readable safetensors file ({type(e).__name__}: {e})") from None
     if expected_hash is not None:
@@ -110,12 +115,12 @@ def run_worker(client, *, seed: int, batch: int, max_versions: int, idle_timeout
         weights = None
         for _ in range(LOAD_TRIES):
             try:
-                weights = load_weights(st["weights_path"], st["state_hash"])
+                weights = load_weights(st["model_dir"], st["state_hash"])
                 break
             except InvalidInput:
                 st = client.status()  # the file moved on to a newer version: tag with that one
         if weights is None:
-            raise InvalidInput(f"{st['weights_path']}: no consistent read in {LOAD_TRIES} tries")
+            raise InvalidInput(f"{st['model_dir']}: no consistent read in {LOAD_TRIES} tries")
         version = int(st["version"])
         if until_version is not None and version > until_version:
             return WorkerSummary(done, sent, f"version {version} is past the final version {until_version}")

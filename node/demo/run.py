@@ -245,6 +245,7 @@ class NodeProc:
     region: str
     child: Child
     data_dir: Path
+    creds: Path
     addr: str | None = None
 
     @property
@@ -303,8 +304,8 @@ class DemoRun:
             region = self.cfg.region_of(i)
             child = self.children.start(name, "patchswarm.node.cli", [
                 "node", "--tracker", self.tracker_addr, "--creds", creds[name], "--data-dir", data,
-                "--listen", "127.0.0.1:0", "--region", region])
-            self.nodes.append(NodeProc(name, region, child, data))
+                "--listen", "127.0.0.1:0", "--region", region, "--model-dir", data / "model"])
+            self.nodes.append(NodeProc(name, region, child, data, creds[name]))
 
     def _start_workers(self) -> None:
         """One worker per node, each once its node is listening (its local socket answers by then)."""
@@ -457,7 +458,8 @@ class DemoRun:
     def _check_bits(self, statuses: list[dict]) -> Check:
 
         from patchswarm.node.trainer.origin import served_copy
-        from patchswarm.node.weights import read_weights
+        from patchswarm.node.net.trust import Credentials
+        from patchswarm.node.persistence import read_current
         from patchswarm.protocol.statehash import state_hash
 
         served = served_copy(self.final_state)  # what the last publish served
@@ -465,7 +467,8 @@ class DemoRun:
         bad = []
         for n, s in zip(self.nodes, statuses):
             try:
-                w = read_weights(n.data_dir / "weights.safetensors", verify=True)
+                c = Credentials.load(n.creds)  # read as a restart would: the base plus the stored chain
+                w = read_current(n.data_dir, c.swarm_id(), c.trainer_public_key())
             except PatchswarmError as e:
                 bad.append(f"{n.name}: {e}")
                 continue
@@ -473,7 +476,7 @@ class DemoRun:
                 bad.append(f"{n.name}: holds version {None if w is None else w.version}, expected {self.final_version}")
             elif w.state_hash != want_hash or not same_bits(w.state, served):
                 bad.append(f"{n.name}: version {w.version} differs from the published state")
-        detail = (f"{len(self.nodes)} weights files equal the published version {self.final_version} "
+        detail = (f"{len(self.nodes)} nodes' durable states equal the published version {self.final_version} "
                   f"bit for bit (state hash {want_hash[:12]}…)") if not bad else "; ".join(bad)
         return Check("bit-exact weights", not bad, detail)
 

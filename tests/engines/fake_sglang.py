@@ -1,6 +1,6 @@
 """A stand-in for an SGLang server's weight-update endpoint, for tests: really loads what it is given.
 
-    python tests/engines/fake_sglang.py --port-file F --log L [--refuse N] [--down-first S]
+    python tests/engines/fake_sglang.py --port-file F --log L [--refuse N] [--port P]
 
 Serves `POST /update_weights_from_disk` with SGLang's request and response shape
 (model_path, weight_version, ... -> {"success", "message", "num_paused_requests"};
@@ -47,6 +47,7 @@ def main() -> None:
     ap.add_argument("--port-file", required=True)
     ap.add_argument("--log", required=True)
     ap.add_argument("--refuse", type=int, default=0)
+    ap.add_argument("--port", type=int, default=0, help="listen on this port (default: any free one)")
     args = ap.parse_args()
     refused = [0]
 
@@ -82,7 +83,7 @@ def main() -> None:
             self._answer(200, {"success": True, "message": "Succeeded to update model weights.",
                                "num_paused_requests": 0})
 
-    server = HTTPServer(("127.0.0.1", 0), Handler)
+    server = HTTPServer(("127.0.0.1", args.port), Handler)
     Path(args.port_file).write_text(str(server.server_address[1]))
     try:
         server.serve_forever()

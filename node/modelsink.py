@@ -1,0 +1,96 @@
+"""After each applied version: the model directory an engine loads, and the engine told of it.
+
+Owns the node's configured hand-offs (issue 20): where `--model-dir`, an
+engine (`--engine sglang|vllm`) or `--on-version` is configured, each
+applied version is written as a Hugging Face model directory
+(node/modeldir.py: versioned directories, an atomically switched `current`
+link, unchanged shards hard-linked) and offered to the engine's `Handoff`
+(node/engines.py: in order, newest pending wins, retried with backoff).
+
+The write is the one cost of this hand-off that grows with the model (a
+disk-loading engine needs the shards on disk); it is separate from the
+node's own durability (node/persistence.py), and skipped entirely when no
+hand-off is configured. It runs between two applies (the state must not
+change while it is written) below the serving loop's priority; a failure
+(a full disk) is logged and counted, and the next version tries again.
+Must not apply, fetch or decide what is current.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import trio
+
+from patchswarm.protocol.served import split_side_files
+
+from patchswarm.node.engines import Engine, Handoff, Offer
+from patchswarm.node.lowprio import run_low_priority
+from patchswarm.node.modeldir import ModelDir
+from patchswarm.node.net.transport import one_line
+from patchswarm.node.weights import META_HASH, META_SWARM, META_VERSION, Weights
+
+log = logging.getLogger("patchswarm.node")
+
+
+class ModelSink:
+    def __init__(self, root: Path, engine: Engine | None, nice: int):
+        self.dir = ModelDir(root)
+        self.handoff = None if engine is None else Handoff(engine, hold=self.dir.hold, release=self.dir.release)
+        self.nice = nice
+        self.version: int | None = self.dir.current_version()
+        self.bytes_written = 0
+        self.last_write_s: float | None = None
+        self.last_error: str | None = None
+
+    async def run(self) -> None:
+        if self.handoff is None:
+            await trio.sleep_forever()
+        await self.handoff.run()
+
+    async def write(self, w: Weights, layout: dict[str, str] | None, changed: set[str] | None,
+                    published_at: float | None) -> None:
+        """Write version `w` (the caller keeps its state unchanged until this returns) and
+        offer it to the engine. `changed`: the tensors that differ from the version before
+        (None: unknown, all are written)."""
+        if self.version is not None and w.version <= self.version:
+            if w.version == self.version:  # already there (a restart that found it written)
+                self.offer_current(w.state_hash, published_at)
+            return
+        if self.version != w.version - 1:
+            changed = None  # the directory's current version is not this one's base
+        tensors, files = split_side_files(w.state)
+        meta = {META_VERSION: str(w.version), META_HASH: w.state_hash, META_SWARM: w.swarm_id}
+        t0 = time.perf_counter()
+        try:
+            n = await run_low_priority(lambda: self.dir.write(w.version, tensors, layout, files, meta, changed),
+                                       self.nice, name="patchswarm-modeldir")
+        except OSError as e:
+            self.last_error = f"version {w.version}: {one_line(e)}"
+            log.error("could not write version %d to the model directory %s (%s); the engine stays at %s",
+                      w.version, self.dir.root, one_line(e), self.version)
+            return
+        self.last_write_s = round(time.perf_counter() - t0, 3)
+        self.last_error = None
+        self.bytes_written += n
+        self.version = w.version
+        log.info("model directory %s at version %d (%s bytes written in %.2f s)", self.dir.current, w.version,
+                 f"{n:,}", self.last_write_s)
+        self.offer_current(w.state_hash, published_at)
+
+    def offer_current(self, state_hash: str, published_at: float | None) -> None:
+        if self.handoff is not None and self.version is not None:
+            self.handoff.offer(Offer(self.version, self.dir.path(self.version), state_hash, published_at))
+
+    def status(self) -> dict:
+        out = {"model_dir": str(self.dir.current), "model_dir_version": self.version,
+               "model_dir_bytes_written": self.bytes_written, "model_dir_write_s": self.last_write_s,
+               "model_dir_error": self.last_error}
+        if self.handoff is not None:
+            h = self.handoff.status()
+            out["engine"] = {"name": h["engine"], "version": h["engine_version"], "pending": h["pending_version"],
+                             "last_error": h["last_error"], "publish_to_engine_s": h["publish_to_engine_s"],
+                             "attempts": h["attempts"], "superseded": h["superseded"]}
+        return out
