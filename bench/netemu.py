@@ -14,8 +14,9 @@ Layout (R regions, N nodes per region, origin and tracker in `origin_region`):
 
 - node/origin/tracker links: `lan_mbit` each way (tbf on eth0 = host upload,
   tbf on h<k> = host download);
-- region WAN links: `wan_mbit` each way (tbf on wan<r> in the router = bytes
-  INTO region r, tbf on `up` = bytes OUT of region r).
+- region WAN links: `wan_mbit` each way, or each region's own rate
+  (`region_mbit`) (tbf on wan<r> in the router = bytes INTO region r, tbf on
+  `wan` in the region = bytes OUT of region r).
 
 Bytes into region r are the router's `wan<r>` tx counter, bytes out its rx
 counter (the kernel's per-interface counters, the same numbers as
@@ -75,8 +76,12 @@ class WanSpec:
     # than its RTO from the initial window, and swarm connections idle between
     # pieces. Every system in one run sees the same hosts.
     idle_restart: bool = True
+    # Each region's WAN link, Mbit/s each way, in region order; empty: `wan_mbit` for every region.
+    region_mbit: tuple[float, ...] = ()
 
     def __post_init__(self):
+        if self.region_mbit and (len(self.region_mbit) != self.regions or min(self.region_mbit) <= 0):
+            raise ValueError(f"region_mbit: expected {self.regions} rates > 0, found {self.region_mbit}")
         if not 1 <= self.regions <= 250:
             raise ValueError(f"regions: expected 1..250, found {self.regions}")
         if not 0 <= self.nodes_per_region < _ORIGIN_HOST:
@@ -100,18 +105,27 @@ class WanSpec:
     def nodes(self) -> int:
         return self.regions * self.nodes_per_region
 
-    def lower_bound_s(self, payload_bytes: int) -> float:
-        """Fastest any system can put `payload_bytes` on every node (link rates, no headers).
+    def region_wan_mbit(self, region: int) -> float:
+        """Region `region`'s WAN link rate, Mbit/s each way."""
+        return self.region_mbit[region] if self.region_mbit else self.wan_mbit
 
-        The slowest of: payload ÷ origin uplink; payload ÷ a node's downlink;
-        and, when some other region has nodes, payload ÷ that region's WAN
-        ingress and payload ÷ the origin region's WAN egress (every byte must
-        leave the origin's region at least once; remote regions may share).
-        """
+    def region_bound_s(self, payload_bytes: int, region: int) -> float:
+        """Fastest any system can put `payload_bytes` on every node of `region`:
+        payload ÷ the slowest of a node's downlink, the origin's uplink and,
+        outside the origin's region, the region's WAN ingress and the origin
+        region's WAN egress (every byte leaves it at least once)."""
         rates = [self.lan_bytes_per_s]
-        if self.nodes_per_region and self.regions > 1:
-            rates.append(self.wan_bytes_per_s)
+        if region != self.origin_region:
+            rates += [self.region_wan_mbit(region) * 1e6 / 8, self.region_wan_mbit(self.origin_region) * 1e6 / 8]
         return payload_bytes / min(rates)
+
+    def lower_bound_s(self, payload_bytes: int) -> float:
+        """Fastest any system can put `payload_bytes` on every node (link rates, no headers):
+        the largest `region_bound_s` over the regions with nodes. (Remote regions may
+        share the origin region's egress: each byte must leave it only once.)"""
+        if not self.nodes_per_region:
+            return payload_bytes / self.lan_bytes_per_s
+        return max(self.region_bound_s(payload_bytes, r) for r in range(self.regions))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,8 +264,8 @@ class Topology:
             _ip(["-n", self.router_ns, "addr", "add", f"{_addr(r, _ROUTER_HOST)}/24", "dev", f"wan{r}"])
             _ip(["-n", self.router_ns, "link", "set", "dev", f"wan{r}", "up"])
             _ip(["-n", ns, "link", "set", "dev", "wan", "master", "br0", "up"])
-            _shape(self.router_ns, f"wan{r}", s.wan_mbit * 1e6, s.wan_delay_ms)
-            _shape(ns, "wan", s.wan_mbit * 1e6, s.wan_delay_ms)
+            _shape(self.router_ns, f"wan{r}", s.region_wan_mbit(r) * 1e6, s.wan_delay_ms)
+            _shape(ns, "wan", s.region_wan_mbit(r) * 1e6, s.wan_delay_ms)
         for h in self.hosts:
             port = f"h{h.ip.rsplit('.', 1)[1]}"
             rns = self.region_ns[h.region]

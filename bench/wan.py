@@ -11,9 +11,18 @@ bytes into each region ÷ patch, origin bytes out ÷ patch; then the scaling
 rows (nodes per region at fixed WAN). A system that cannot run here (not
 built, not installed) is listed as skipped with the reason.
 
+Two conditions real fleets have (issue 26): `--region-mbit 100,50,20` gives
+each region its own WAN rate (patchswarm nodes are told them with
+`--wan-rates`; the system `patchswarm-blind` runs the plan without them), and
+the system `patchswarm-faults` SIGKILLs one gateway of each remote region
+`--kill-at` s after the announcement and restarts one at `--restart-at`. Both
+add a per-region table (each region's time against its own bound, its longest
+stall), and with faults each never-killed node's time against `patchswarm`'s.
+
 Run (root): `python bench/wan.py [--regions 3] [--nodes 4] [--wan-mbit 100]
-[--lan-mbit 1000] [--systems libtorrent,patchswarm,star] [--scaling 2,4,8]`;
-`python bench/wan.py --cleanup` removes namespaces a killed run left (psw-*).
+[--region-mbit R0,R1,..] [--lan-mbit 1000] [--systems libtorrent,patchswarm,star]
+[--scaling 2,4,8]`; `python bench/wan.py --cleanup` removes namespaces a killed
+run left (psw-*).
 Importing this module does no work.
 """
 
@@ -34,10 +43,10 @@ if str(_ROOT) not in sys.path:
 
 from bench import netemu  # noqa: E402
 from bench.wan_libtorrent import DEFAULT_PIECE_BYTES, LibtorrentRunner  # noqa: E402
-from bench.wan_patchswarm import PatchswarmRunner  # noqa: E402
+from bench.wan_patchswarm import Faults, PatchswarmRunner  # noqa: E402
 from bench.wan_runner import Payload, RunFailed, Runner, RunResult, SystemUnavailable, make_payload  # noqa: E402
 
-SYSTEMS = ("libtorrent", "patchswarm", "star")
+SYSTEMS = ("libtorrent", "patchswarm", "star", "patchswarm-blind", "patchswarm-faults")
 TARGETS = "targets (issue 4): time <= 1.3 x bound; WAN in <= 1.15 x patch; origin out <= 1.5 x patch; >= 2x faster than libtorrent"
 
 
@@ -45,11 +54,42 @@ def make_runner(name: str, args: argparse.Namespace) -> Runner:
     if name == "libtorrent":
         return LibtorrentRunner(piece_bytes=args.piece_kib * 1024, unchoke_slots=args.unchoke_slots,
                                 log_dir=args.logs)
-    if name in ("patchswarm", "star"):
+    if name in ("patchswarm", "star", "patchswarm-blind", "patchswarm-faults"):
+        faults = Faults(args.kill_at, args.restart_at) if name == "patchswarm-faults" else None
         return PatchswarmRunner(no_peers=name == "star", verbose=args.verbose, log_dir=args.logs,
                                 chunk_bytes=None if args.chunk_kib is None else args.chunk_kib * 1024,
-                                node_args=shlex.split(args.node_args))
+                                node_args=shlex.split(args.node_args), tell_rates=name != "patchswarm-blind",
+                                faults=faults)
     raise ValueError(f"system: expected one of {SYSTEMS}, found {name!r}")
+
+
+def format_regions(rows: list[RunResult]) -> str:
+    """Per region: when its last node held everything, against that region's own bound."""
+    head = ["system", "region", "WAN Mbit/s", "time s", "bound s", "time/bound", "max stall s", "WAN in/P"]
+    lines = []
+    for r in rows:
+        for g in range(r.spec.regions):
+            t = r.region_s(g)
+            if t is None:
+                continue
+            stall = max((v for n, v in r.stall_s.items() if n.startswith(f"n{g}.")), default=None)
+            lines.append([r.system, f"r{g}{' (origin)' if g == r.spec.origin_region else ''}",
+                          f"{r.spec.region_wan_mbit(g):g}", f"{t:.2f}", f"{r.region_bound_s(g):.2f}",
+                          f"{t / r.region_bound_s(g):.2f}", "-" if stall is None else f"{stall:.2f}",
+                          f"{r.wan_in_over_patch[g]:.3f}"])
+    widths = [max(len(h), *(len(l[i]) for l in lines)) if lines else len(h) for i, h in enumerate(head)]
+    fmt = "  ".join(f"{{:>{w}}}" for w in widths)
+    return "\n".join([fmt.format(*head), *(fmt.format(*l) for l in lines)])
+
+
+def fault_comparison(clean: RunResult, faulty: RunResult) -> str:
+    """Each node that was never killed: its time with the faults against without."""
+    ratios = {n: t / clean.per_node_s[n] for n, t in faulty.per_node_s.items() if n in clean.per_node_s}
+    worst = max(ratios, key=ratios.get)
+    return (f"faults vs none, nodes never killed: slowest {faulty.seconds:.2f} s vs {clean.seconds:.2f} s; "
+            f"per node worst {ratios[worst]:.2f}x ({worst}), median {sorted(ratios.values())[len(ratios) // 2]:.2f}x; "
+            f"longest stall {max(faulty.stall_s.values(), default=0):.2f} s "
+            f"(without faults {max(clean.stall_s.values(), default=0):.2f} s)")
 
 
 def run_one(spec: netemu.WanSpec, runner, payload: Payload, limit_s: float, check_links: bool) -> RunResult:
@@ -65,10 +105,11 @@ def _print_link_check(topo: netemu.Topology) -> None:
     remote = [h for h in topo.nodes if h.region != topo.spec.origin_region]
     if not remote:
         return
-    nbytes = int(topo.spec.wan_bytes_per_s * 1.0)
+    nbytes = int(topo.spec.region_wan_mbit(remote[0].region) * 1e6 / 8)
     rate = netemu.tcp_throughput(topo, topo.origin, remote[0], nbytes)
     print(f"link check: one TCP flow origin -> {remote[0].name} (other region): "
-          f"{rate * 8 / 1e6:.1f} Mbit/s of payload over a {topo.spec.wan_mbit:g} Mbit/s WAN link", flush=True)
+          f"{rate * 8 / 1e6:.1f} Mbit/s of payload over a {topo.spec.region_wan_mbit(remote[0].region):g} Mbit/s "
+          f"WAN link", flush=True)
 
 
 def median_run(runs: list[RunResult]) -> RunResult:
@@ -99,6 +140,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--wan-mbit", type=float, default=100.0, help="each region's WAN link, each way")
     ap.add_argument("--lan-mbit", type=float, default=1000.0, help="each host's link, each way")
     ap.add_argument("--wan-delay-ms", type=float, default=0.0, help="one-way delay per WAN link (needs sch_netem)")
+    ap.add_argument("--region-mbit", default="", metavar="R0,R1,...",
+                    help="each region's own WAN rate, Mbit/s each way (instead of --wan-mbit); patchswarm nodes "
+                         "are told them (--wan-rates); add patchswarm-blind to --systems for the rate-blind plan")
+    ap.add_argument("--kill-at", type=float, default=1.0,
+                    help="patchswarm-faults: SIGKILL one gateway per remote region this many s after the announcement")
+    ap.add_argument("--restart-at", type=float, default=3.0,
+                    help="patchswarm-faults: restart the first remote region's killed gateway then (< 0: never)")
     ap.add_argument("--no-idle-restart", action="store_true",
                     help="hosts tuned as WAN data movers (net.ipv4.tcp_slow_start_after_idle=0), for every system")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
@@ -134,12 +182,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     systems = [s for s in args.systems.split(",") if s]
     runners = {s: make_runner(s, args) for s in systems}
-    spec = netemu.WanSpec(args.regions, args.nodes, args.wan_mbit, args.lan_mbit, args.wan_delay_ms,
-                          idle_restart=not args.no_idle_restart)
+    if args.restart_at is not None and args.restart_at < 0:
+        args.restart_at = None
+    region_mbit = tuple(float(x) for x in args.region_mbit.split(",") if x)
+    spec = netemu.WanSpec(args.regions, args.nodes, max(region_mbit, default=args.wan_mbit), args.lan_mbit,
+                          args.wan_delay_ms, idle_restart=not args.no_idle_restart, region_mbit=region_mbit)
     t = time.monotonic()
     payload = make_payload(args.model, args.lr, args.seed)
     print(f"payload: patch of {payload.label}: {payload.patch_bytes:,} bytes ({time.monotonic() - t:.1f} s to load/make)")
-    print(f"topology: {spec.regions} regions x {spec.nodes_per_region} nodes, WAN {spec.wan_mbit:g} Mbit/s "
+    wan_text = ("/".join(f"{x:g}" for x in spec.region_mbit) if spec.region_mbit else f"{spec.wan_mbit:g}")
+    print(f"topology: {spec.regions} regions x {spec.nodes_per_region} nodes, WAN {wan_text} Mbit/s "
           f"each way per region, LAN {spec.lan_mbit:g} Mbit/s, WAN delay {spec.wan_delay_ms:g} ms; TCP "
           f"{'kernel default (slow start after idle)' if spec.idle_restart else 'tcp_slow_start_after_idle=0 on every host'}",
           flush=True)
@@ -190,7 +242,15 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
     print()
-    print(format_table([r for r in rows if r.spec.nodes_per_region == args.nodes], spec.regions))
+    main_rows = [r for r in rows if r.spec.nodes_per_region == args.nodes]
+    print(format_table(main_rows, spec.regions))
+    if spec.region_mbit or "patchswarm-faults" in runners:
+        print("\nper region: when its last node held everything, against its own bound")
+        print(format_regions(main_rows))
+    clean = next((r for r in main_rows if r.system == runners["patchswarm"].name), None) if "patchswarm" in runners else None
+    faulty = next((r for r in main_rows if "kill@" in r.system), None)
+    if clean is not None and faulty is not None:
+        notes.append((faulty.system, fault_comparison(clean, faulty)))
     scaling = [int(n) for n in args.scaling.split(",") if n]
     if scaling:
         order = {name: i for i, name in enumerate(systems)}

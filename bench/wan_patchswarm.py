@@ -24,10 +24,12 @@ reported apart.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -39,6 +41,7 @@ from bench.wan_runner import Payload, RunFailed, RunResult, SystemUnavailable, k
 
 TRACKER_PORT, ORIGIN_PORT, NODE_PORT = 7700, 7701, 7702
 POLL_S = 0.2   # status polls: the times come from the nodes' own timeline, so this only paces the bench
+FAST_POLL_S = 0.05  # while fetching with faults scheduled: the polls also run them
 # Peak RSS of one daemon, measured: ~750 MB for a 52.6 MB checkpoint (torch ~200 MB + copies of the
 # state while applying). Runs that would not fit in MemAvailable are skipped instead of OOM-killing the box.
 DAEMON_BASE_BYTES, DAEMON_BYTES_PER_CHECKPOINT_BYTE = 250e6, 10
@@ -68,17 +71,41 @@ def unavailable_reason() -> str | None:
     return None
 
 
+@dataclasses.dataclass(frozen=True)
+class Faults:
+    """Gateways that die mid-transfer: `kill_at` s after the version is announced
+    (the first node learned of it), SIGKILL the first gateway (by the plan's
+    weight) of version 1 in each region other than the origin's; `restart_at`
+    s after the announcement (None: never), start the one of the first remote
+    region again on its data dir, as a supervisor would."""
+
+    kill_at: float
+    restart_at: float | None = None
+
+    def label(self) -> str:
+        return f"kill@{self.kill_at:g}s" + ("" if self.restart_at is None else f",restart@{self.restart_at:g}s")
+
+
 class PatchswarmRunner:
-    """patchswarm (or, with `no_peers`, the star: every node from the origin only)."""
+    """patchswarm (or, with `no_peers`, the star: every node from the origin only).
+
+    On a topology with per-region WAN rates every node is told them
+    (`--wan-rates`) unless `tell_rates` is False (the rate-blind plan, for
+    comparison). With `faults`, gateways are killed (and one restarted) during
+    the fetch; the times are then over the nodes never killed."""
 
     def __init__(self, no_peers: bool = False, verbose: bool = False, log_dir: Path | None = None,
-                 chunk_bytes: int | None = None, node_args: tuple[str, ...] = ()):
+                 chunk_bytes: int | None = None, node_args: tuple[str, ...] = (), tell_rates: bool = True,
+                 faults: Faults | None = None):
         self.no_peers = no_peers
+        self.tell_rates = tell_rates
+        self.faults = faults
         self.node_args = tuple(node_args)  # extra `patchswarm node` flags, for side-by-side trials
         # The origin's swarm chunk size (None: its default); segments of as many elements, so a
         # chunk holds about one segment of a patch (a patch codes well under a byte per element).
         self.chunk_bytes = chunk_bytes
-        self.name = "star" if no_peers else "patchswarm"
+        self.name = ("star" if no_peers else "patchswarm") + ("" if tell_rates else " rate-blind") \
+            + ("" if faults is None else f" {faults.label()}")
         self.verbose = verbose
         self.log_dir = log_dir      # copy each process's log under log_dir/<system>-<R>x<N>/
 
@@ -130,15 +157,21 @@ class PatchswarmRunner:
             *([] if self.chunk_bytes is None else ["--chunk-bytes", str(self.chunk_bytes),
                                                    "--segment-elements", str(self.chunk_bytes)])])
         sockets = {}
+        rates = []
+        if topo.spec.region_mbit and self.tell_rates:
+            rates = ["--wan-rates", ",".join(f"{_region(r)}={topo.spec.region_wan_mbit(r):g}"
+                                             for r in range(topo.spec.regions))]
+        self._argv: dict[str, list[str]] = {}
         for h in topo.nodes:
             data = work / "data" / h.name
             data.mkdir(parents=True)
             _place(v0, data / "weights.safetensors")
             sockets[h.name] = data / "node.sock"
-            self._spawn(topo, h, logs, [
+            self._argv[h.name] = [
                 exe, "node", "--tracker", tracker_addr, "--creds", str(creds / h.name), "--data-dir", str(data),
                 "--listen", f"{h.ip}:{NODE_PORT}", "--region", _region(h.region),
-                *(["--no-peers"] if self.no_peers else []), *self.node_args, *verbose])
+                *(["--no-peers"] if self.no_peers else []), *rates, *self.node_args, *verbose]
+            self._spawn(topo, h, logs, self._argv[h.name])
         clients = {name: NodeClient(path) for name, path in sockets.items()}
         try:
             # Untimed: every node at the pre-placed version 0, the origin has published the same
@@ -150,10 +183,12 @@ class PatchswarmRunner:
             before = topo.counters()
             t_drop = time.time()
             _drop(payload.target, watch / "v001.safetensors")
-            cpu = _watch_fetch(clients, 1, self._pids, deadline, NodeUnavailable)
-            _wait_versions(clients, 1, deadline, NodeUnavailable)
+            polled = {n: c for n, c in clients.items()}  # killed nodes leave it; a restarted one is back
+            schedule = self._fault_schedule(topo, logs, polled) if self.faults else None
+            cpu = _watch_fetch(polled, 1, self._pids, deadline, NodeUnavailable, schedule)
+            _wait_versions(polled, 1, deadline, NodeUnavailable)
             moved = topo.counters() - before
-            end_status = {n: c.status() for n, c in clients.items()}
+            end_status = {n: c.status() for n, c in polled.items()}
         finally:
             for c in clients.values():
                 c.close()
@@ -165,7 +200,11 @@ class PatchswarmRunner:
         if wrong:
             raise RunFailed(f"state hash differs from version 1's on {wrong[:6]}: expected {expected}, "
                             f"found {end_status[wrong[0]].get('state_hash')}")
-        v1 = {n: _timeline(st, 1) for n, st in end_status.items()}
+        killed = set(self._killed) if self.faults else set()
+        # A restarted node may have learned of the version from its store, not an announcement.
+        v1 = {n: _timeline(st, 1) for n, st in end_status.items() if n not in killed}
+        back = {n: next((a for a in st.get("applied", []) if a.get("version") == 1), {}) for n, st in end_status.items()
+                if n in killed}
         t_announce = min(e["announced_at"] for e in v1.values())
         per_node = {n: e["complete_at"] - t_announce for n, e in v1.items()}
         applied_s = max(e["applied_at"] for e in v1.values()) - t_announce
@@ -180,8 +219,51 @@ class PatchswarmRunner:
                  f"CPU while fetching (first node learns of v1 -> every node holds it, as polled): "
                  f"{cpu.wall_s:.2f} s wall; the swarm's processes used {cpu.swarm_s:.2f} CPU-s, everything on "
                  f"the machine {cpu.busy_s:.2f} of the {cpu.cores} cores' {cpu.cores * cpu.wall_s:.2f} CPU-s"]
+        stalls = {n: st["longest_wait_s"]["v1 patch"] for n, st in end_status.items()
+                  if n not in killed and "v1 patch" in st.get("longest_wait_s", {})}
+        if self.faults:
+            back = {n: f"{e['complete_at'] - t_announce:.2f} s" if "complete_at" in e else "?" for n, e in back.items()}
+            notes.append(f"{self.faults.label()}: killed {sorted(killed)}; restarted and complete: {back or 'none'}; "
+                         f"times, stalls and bounds over the {len(per_node)} nodes never killed")
+        if stalls:
+            notes.append("stall = the longest a node went without a chunk arriving while it lacked chunks "
+                         "(from learning of the version; the node's own clock, status 'longest_wait_s')")
         return RunResult(self.name, topo.spec, payload.patch_bytes, max(per_node.values()), per_node, moved, notes,
-                         applied_s=applied_s)
+                         applied_s=applied_s, stall_s=stalls)
+
+    def _fault_schedule(self, topo: Topology, logs: Path, polled: dict):
+        """The fault events as a function of seconds since the announcement: each call runs those due."""
+        from patchswarm.node.client import NodeClient
+        from patchswarm.protocol.picker import WAN_GATEWAYS
+        from patchswarm.protocol.responsibility import gateways, gateway_weight
+
+        victims = []
+        for r in range(topo.spec.regions):
+            if r == topo.spec.origin_region:
+                continue
+            names = [h.name for h in topo.nodes_in(r)]
+            gws = gateways((1, False), names, WAN_GATEWAYS)
+            if gws:
+                victims.append(max(gws, key=lambda m: (gateway_weight(m, (1, False)), m)))
+        self._killed = victims
+        hosts = {h.name: h for h in topo.nodes}
+        f = self.faults
+        events = [(f.kill_at, "kill", v) for v in victims]
+        if f.restart_at is not None and victims:
+            events.append((f.restart_at, "restart", victims[0]))
+
+        def run_due(since: float) -> None:
+            while events and events[0][0] <= since:
+                _, what, name = events.pop(0)
+                if what == "kill":
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(self._pids[name], signal.SIGKILL)
+                    polled.pop(name, None)
+                else:
+                    self._spawn(topo, hosts[name], logs, self._argv[name], log_name=f"{name}.restarted")
+                    polled[name] = NodeClient(Path(self._argv[name][self._argv[name].index("--data-dir") + 1])
+                                              / "node.sock")
+        return run_due
 
     def _wanted_connections(self, topo: Topology) -> int:
         """How many peers (origin included) a node holds at least once the swarm has settled:
@@ -193,18 +275,26 @@ class PatchswarmRunner:
         n, others = topo.spec.nodes_per_region, topo.spec.regions - 1
         return min(n - 1, SAME_REGION_PEERS) + others * min(n, OTHER_REGION_PEERS) + 1
 
-    def _spawn(self, topo: Topology, host: Host, logs: Path, argv: list[str]) -> subprocess.Popen:
-        with open(logs / f"{host.name}.log", "wb") as err:
+    def _spawn(self, topo: Topology, host: Host, logs: Path, argv: list[str],
+               log_name: str | None = None) -> subprocess.Popen:
+        with open(logs / f"{log_name or host.name}.log", "wb") as err:
             proc = topo.spawn(host, argv, stdin=subprocess.DEVNULL, stdout=err, stderr=subprocess.STDOUT)
         self._pids[host.name] = proc.pid    # `ip netns exec` execs the command: the same pid
         return proc
 
 
-def _poll_until(clients: dict, done, what: str, deadline: float, unavailable: type, seen=None) -> None:
-    """Poll every node's status until `done(status)` holds for each; `seen(status)` sees every status read."""
-    left = set(clients)
+def _poll_until(clients: dict, done, what: str, deadline: float, unavailable: type, seen=None, tick=None,
+                poll_s: float = POLL_S) -> None:
+    """Poll every node's status until `done(status)` holds for each; `seen(status)` sees every status read,
+    `tick()` runs before each round. A name that leaves `clients` (a node killed) is no longer waited for."""
+    left, finished = set(clients), set()
     while left:
+        if tick is not None:
+            tick()
         for name in sorted(left):
+            if name not in clients:
+                left.discard(name)
+                continue
             try:
                 st = clients[name].status()
             except unavailable:
@@ -213,11 +303,13 @@ def _poll_until(clients: dict, done, what: str, deadline: float, unavailable: ty
                 seen(st)
             if done(st):
                 left.discard(name)
+                finished.add(name)
+        left |= {n for n in clients if n not in finished}  # a restarted node is waited for again
         if left:
             if time.monotonic() > deadline:
                 raise RunFailed(f"{len(left)} of {len(clients)} nodes did not {what} within the time limit: "
                                 f"{sorted(left)[:6]}")
-            time.sleep(POLL_S)
+            time.sleep(poll_s)
 
 
 def _wait_versions(clients: dict, version: int, deadline: float, unavailable: type) -> None:
@@ -235,30 +327,44 @@ class _FetchCpu:
 
 
 def _watch_fetch(clients: dict, version: int, pids: dict[str, int], deadline: float,
-                 unavailable: type) -> _FetchCpu:
-    """Poll until every node holds every chunk of `version`; CPU used from its announcement until then."""
+                 unavailable: type, schedule=None) -> _FetchCpu:
+    """Poll until every node holds every chunk of `version`; CPU used from its announcement until then.
+    `schedule(seconds since the announcement)` runs fault events (polled faster, to be on time)."""
     started = []
 
     def seen(st: dict) -> None:
         if not started and _at_least(st.get("latest_version"), version):
             started.append((time.monotonic(), _process_cpu_s(pids), _machine_busy_s()))
 
+    def tick() -> None:
+        if schedule is not None and started:
+            schedule(time.monotonic() - started[0][0])
+
     def fetched(st: dict) -> bool:
         fetching = st.get("fetching") or {}
         return _at_least(st.get("version"), version) or bool(
             _at_least(st.get("latest_version"), version) and fetching and not any(fetching.values()))
 
-    _poll_until(clients, fetched, f"fetch version {version}", deadline, unavailable, seen)
+    _poll_until(clients, fetched, f"fetch version {version}", deadline, unavailable, seen, tick,
+                poll_s=FAST_POLL_S if schedule is not None else POLL_S)
     t0, cpu0, busy0 = started[0] if started else (time.monotonic(), _process_cpu_s(pids), _machine_busy_s())
     cpu = _process_cpu_s(pids)
-    per_host = {n: round(cpu[n] - cpu0.get(n, 0.0), 2) for n in cpu}
+    # A node restarted meanwhile is a new process: all of its CPU time is in the window.
+    per_host = {n: round(cpu[n] - (cpu0.get(n, 0.0) if pids[n] == cpu0.pids.get(n) else 0.0), 2) for n in cpu}
     return _FetchCpu(time.monotonic() - t0, sum(per_host.values()), _machine_busy_s() - busy0,
                      os.cpu_count() or 1, per_host)
 
 
-def _process_cpu_s(pids: dict[str, int]) -> dict[str, float]:
+class _CpuTimes(dict):
+    """name -> CPU seconds, with the pid each was read from (`pids`)."""
+
+    pids: dict[str, int]
+
+
+def _process_cpu_s(pids: dict[str, int]) -> _CpuTimes:
     """User + system CPU seconds of each process (all its threads) so far, by name."""
-    out = {}
+    out = _CpuTimes()
+    out.pids = dict(pids)
     for name, pid in pids.items():
         try:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()

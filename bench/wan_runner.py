@@ -93,6 +93,15 @@ class RunResult:
     moved: Counters                     # byte counters over the timed window
     notes: list[str] = dataclasses.field(default_factory=list)
     applied_s: float | None = None      # -> the last node runs the new version (systems that apply)
+    stall_s: dict[str, float] = dataclasses.field(default_factory=dict)  # host -> longest time without progress
+
+    def region_s(self, region: int) -> float | None:
+        """When the last node of `region` held everything (None: no node of it is counted)."""
+        times = [t for name, t in self.per_node_s.items() if name.startswith(f"n{region}.")]
+        return max(times) if times else None
+
+    def region_bound_s(self, region: int) -> float:
+        return self.spec.region_bound_s(self.patch_bytes, region)
 
     @property
     def bound_s(self) -> float:

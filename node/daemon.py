@@ -78,6 +78,7 @@ class NodeConfig:
     apply_nice: int = APPLY_NICE
     apply_threads: int | None = None  # None: as many as the cores (protocol/parallel.py)
     wan_gateways: int | None = WAN_GATEWAYS
+    wan_rates: dict[str, float] | None = None  # region -> WAN rate, the same on every member (the chains' order)
     advertise: str | None = None  # the address told to the tracker and peers; None: the bound listen address
     transport: str = "tcp"  # to other nodes: tcp | webrtc | auto (node/dialer.py); webrtc and auto answer offers
     no_listen: bool = False  # accept nothing inbound (behind NAT): advertise no address
@@ -113,7 +114,7 @@ class Node:
         seed = cfg.seed if cfg.seed is not None else int.from_bytes(rank(self.id, "seed")[:4], "big")
         # The origin's region comes with the first peer list; facts about peers are taken before.
         self.picker = PiecePicker(self.id, self.region, None, seed=seed, wan_gateways=cfg.wan_gateways,
-                                  request_timeout=REQUEST_TIMEOUT)
+                                  request_timeout=REQUEST_TIMEOUT, wan_rates=cfg.wan_rates)
         self.peers = PeerSet(self.id, None, self.upload, self._on_message,  # store set in run()
                              on_open=self._on_peer_open, on_close=self._on_peer_close, inflows=self.inflows)
         self.tracker = TrackerLink(cfg.tracker, self.creds, self._hello, self._on_tracker_message,
@@ -295,6 +296,7 @@ class Node:
             "peers_dropped": dict(self.peers.dropped),  # and connections refused, by kind (node/peers.py)
             "manifests_rejected": a.manifests_rejected,
             "fetching": f.status(),
+            "longest_wait_s": f.waits(),
             # Objects that failed to apply (verified chunks, yet the patch did not fit): the
             # node routes around them; a person should know the origin published one.
             "unusable": [describe(k) for k in sorted(a.unusable)],

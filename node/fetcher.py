@@ -41,6 +41,7 @@ log = logging.getLogger("patchswarm.node")
 
 REQUEST_TIMEOUT = 30.0  # a requested chunk not delivered by then is asked of someone else
 POLL_S = 1.0  # the fetch loop looks again at least this often
+KEEP_WAITS = 8  # objects whose longest wait for a chunk is kept for the status
 
 
 class Fetcher:
@@ -61,6 +62,10 @@ class Fetcher:
         self._told: dict[ObjKey, dict[int, set[Session]]] = {}
         self._wakeup = Wakeup()
         self._nursery: trio.Nursery | None = None
+        # Per object: when a chunk of it last arrived (or it was added), and the longest
+        # time it went without one while chunks were missing (the last few objects kept).
+        self._last_chunk_at: dict[ObjKey, float] = {}
+        self.longest_wait: dict[ObjKey, float] = {}
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Send what the picker answers, as facts come in, until cancelled."""
@@ -103,6 +108,10 @@ class Fetcher:
             coordinated = not key[1] or self.book.get((key[0], False)) is None
             self.picker.add_object(key, len(m.chunks), have=self.store.have(key), priority=key[0], now=now,
                                    coordinated=coordinated)
+            self._last_chunk_at[key] = now
+            self.longest_wait[key] = 0.0
+            while len(self.longest_wait) > KEEP_WAITS:
+                del self.longest_wait[next(iter(self.longest_wait))]
         for key in set(self.picker.fetching()) - set(plan):
             self.stop(key)
         self._wakeup.set()
@@ -113,10 +122,16 @@ class Fetcher:
             self._cancel(r)
         self.inflows.drop_object(key)
         self._told.pop(key, None)
+        self._last_chunk_at.pop(key, None)
 
     def status(self) -> dict[str, int]:
         """Chunks still missing, per object being fetched."""
         return {describe(k): self.picker.missing(k) for k in self.picker.fetching()}
+
+    def waits(self) -> dict[str, float]:
+        """Per object fetched lately: the longest it went without a chunk arriving while chunks were
+        missing (from its start), in seconds: how long the node sat without progress."""
+        return {describe(k): round(v, 3) for k, v in self.longest_wait.items()}
 
     # ------------------------------------------------------------ facts from peers
 
@@ -187,6 +202,10 @@ class Fetcher:
                         c, describe(key), s.id)
             raise PeerDropped("sent a chunk that does not match its manifest")
         self.store.put_chunk(key, c, data)
+        now = trio.current_time()
+        if key in self._last_chunk_at:
+            self.longest_wait[key] = max(self.longest_wait.get(key, 0.0), now - self._last_chunk_at[key])
+            self._last_chunk_at[key] = now
         self.inflows.finish(flow, ok=True)  # its followers send the last part; new requests read the store
         source = "origin" if s.role == "origin" else "same_region" if s.region == self.region else "other_region"
         self.bytes_in[source] += len(data)

@@ -16,7 +16,9 @@ bytes (the daemon verifies them) or use randomness other than the
 
 Where chunk c of object key may come from, for this node `me` in region R:
 
-Patch objects (the WAN plan of protocol/responsibility.py):
+Patch objects (the WAN plan of protocol/responsibility.py; `wan_rates`, the
+WAN link rate of each region, the same on every member, orders each chunk's
+chain of regions from the fastest link to the slowest):
   1. a connected node peer in R that has c (never across the WAN when a
      neighbour has it);
   2. else, if me owns c in R's `balanced_owners` (rendezvous hashing over
@@ -33,7 +35,8 @@ Patch objects (the WAN plan of protocol/responsibility.py):
      region first, then the origin; at most `pipeline` chunks per idle round,
      rarest first. A slow WAN that still moves chunks never triggers it; a
      responsible node that went silent does.
-     Members leaving re-plan at once (`set_members`), with no delay.
+     Members leaving re-plan at once (`set_members`, or a same-region
+     member's session closing: `peer_left`), with no delay.
 Keyframe objects (late joiners, rare): no responsibility; node peers of R,
 else node peers of other regions, else the origin. A keyframe every member
 fetches (the swarm's first version) is added with `coordinated=True` and
@@ -54,9 +57,17 @@ never crosses the WAN: a duplicate there would spend the scarce link the plan
 exists to save.
 
 A request unanswered after `request_timeout` seconds (None: never) is
-returned once by `expired(now)`: that peer is never asked for that chunk
-again, and the chunk is asked of another holder (the request's answer is
-the picker's to wait for, so its deadline is too).
+returned once by `expired(now)`, and the chunk is asked of another holder
+(the request's answer is the picker's to wait for, so its deadline is too).
+A peer that failed a chunk (refused it, sent it bad, or late) is not asked
+for it again until its word on the chunk changes: it announces the chunk
+again after a refusal, or whole after arriving. Then it is a source again
+at once: a relay that broke (its own source died) never keeps a neighbour
+from being asked once it holds the chunk.
+
+A same-region node whose session closes is out of the region's plan at
+once (its chunks go to the other gateways), though the tracker lists it
+until its heartbeat times out; it is back in when it connects again.
 
 Cost: facts update per-chunk indexes incrementally (holder sets, rarity
 buckets of the requestable chunks, the requestable chunks of each peer), so
@@ -66,9 +77,10 @@ serve, never at all chunks × all peers.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Mapping
 
 from .errors import ProtocolError, UsageError
 from .piecestate import ObjectState, PeerState, PendingFacts
@@ -109,7 +121,8 @@ class PiecePicker:
 
     def __init__(self, me: str, region: str, origin_region: str | None, *, seed: int = 0,
                  pipeline: int = 4, takeover_after: float = 2.0, wan_pipeline: int = WAN_PIPELINE,
-                 wan_gateways: int | None = WAN_GATEWAYS, request_timeout: float | None = None):
+                 wan_gateways: int | None = WAN_GATEWAYS, request_timeout: float | None = None,
+                 wan_rates: Mapping[str, float] | None = None):
         if type(pipeline) is not int or pipeline < 1:
             raise UsageError(f"pipeline: expected an int >= 1, found {pipeline!r}")
         if type(wan_pipeline) is not int or wan_pipeline < 1:
@@ -120,6 +133,10 @@ class PiecePicker:
             raise UsageError(f"takeover_after: expected seconds >= 0, found {takeover_after!r}")
         if request_timeout is not None and not request_timeout > 0:
             raise UsageError(f"request_timeout: expected None or seconds > 0, found {request_timeout!r}")
+        bad = [(r, v) for r, v in (wan_rates or {}).items()
+               if type(r) is not str or isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf]
+        if bad:
+            raise UsageError(f"wan_rates: expected region -> rate > 0, found {bad[:3]}")
         self.me = me
         self.region = region
         self.pipeline = pipeline
@@ -128,7 +145,7 @@ class PiecePicker:
         self.request_timeout = request_timeout
         self.takeover_after = float(takeover_after)
         self._rng = random.Random(seed)
-        self._tiers = SourceTiers(me, region, origin_region, wan_gateways)
+        self._tiers = SourceTiers(me, region, origin_region, wan_gateways, wan_rates)
         self._peers: dict[str, PeerState] = {}
         self._objects: dict[ObjKey, ObjectState] = {}
         self._order: list[ObjectState] = []  # by (priority, key)
@@ -152,7 +169,9 @@ class PiecePicker:
         if members.get(self.me, self.region) != self.region:
             raise UsageError(f"members: expected {self.me!r} in region {self.region!r}, "
                              f"found {members[self.me]!r}")
-        regions_changed = self._tiers.set_members(members)
+        self._replan(self._tiers.set_members(members))
+
+    def _replan(self, regions_changed: bool) -> None:
         for obj in self._objects.values():
             if obj.is_patch:
                 tier_of = self._tiers.tier_of(obj)
@@ -224,10 +243,13 @@ class PiecePicker:
         if peer == self.me:
             raise UsageError(f"peer_joined: {peer!r} is this node")
         self._peers[peer] = PeerState(kind, region)
+        if kind == NODE and self._tiers.member_back(peer):
+            self._replan(False)
 
     def peer_left(self, peer: str) -> None:
         """The connection to `peer` is gone: its requests in flight are released
-        and it is no longer a holder. Unknown peers are ignored."""
+        and it is no longer a holder; a member of my region is out of the
+        plan until it connects again. Unknown peers are ignored."""
         self._pending.peer_left(peer)
         info = self._peers.get(peer)
         if info is None:
@@ -237,6 +259,10 @@ class PiecePicker:
         for obj in self._objects.values():
             obj.forget_holder(peer, self._tiers.tier_of(obj), self._peers)
         del self._peers[peer]
+        if info.kind == NODE and self._tiers.member_down(peer):
+            # A gateway that died takes its share with it: the region re-plans now,
+            # not when the tracker's heartbeat timeout drops it.
+            self._replan(False)
 
     def peer_has(self, peer: str, key: ObjKey, chunks: Iterable[int], *, whole: bool = True) -> None:
         """`peer` holds `chunks` of `key` (a Have bitfield's indices or one
@@ -287,7 +313,8 @@ class PiecePicker:
 
     def chunk_failed(self, key: ObjKey, chunk: int, peer: str) -> None:
         """`peer` sent bad data for the chunk, or did not send it in time:
-        release the request; that peer is never asked for that chunk again."""
+        release the request; that peer is not asked for that chunk again
+        until its word on it changes (see the module doc)."""
         obj = self._objects.get(key)
         if obj is None:
             return
@@ -296,8 +323,8 @@ class PiecePicker:
 
     def chunk_refused(self, key: ObjKey, chunk: int, peer: str) -> None:
         """`peer` answered a request for the chunk with a Reject: it no longer
-        says it has the chunk (until it announces it again), and, as with
-        `chunk_failed`, it is never asked for it again."""
+        says it has the chunk, and is not asked for it again until it
+        announces it again (Incoming or HaveOne: it got the chunk anew)."""
         obj = self._objects.get(key)
         if obj is None:
             self._pending.withdraw(peer, key, chunk)
@@ -308,9 +335,9 @@ class PiecePicker:
 
     def expired(self, now: float) -> list[Request]:
         """The requests sent `request_timeout` seconds or more before `now`
-        and not answered: each is released and its peer is never asked for
-        that chunk again (`requests()` asks another holder). The caller
-        cancels them."""
+        and not answered: each is released and its peer is not asked for
+        that chunk again until it announces it whole (`requests()` asks
+        another holder). The caller cancels them."""
         if self.request_timeout is None or not self._n_inflight:
             return []
         deadline = now - self.request_timeout

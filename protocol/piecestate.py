@@ -6,8 +6,9 @@ piece state apart from the request policy of protocol/picker.py). Owns:
 - `ObjectState`: one object being fetched. Its missing chunks; for each, who
   announced it (`holders`: a Have or HaveOne says held whole, an Incoming
   says arriving, served as it arrives) and who withdrew it since (a Reject);
-  the requests in flight, to whom; the peers that failed it (never asked for
-  it again). Beside those facts, the indexes the request policy walks, kept
+  the requests in flight, to whom; the peers that failed it (not asked for
+  it again until their word on it changes: a refusal followed by a new
+  announcement, or arriving followed by whole). Beside those facts, the indexes the request policy walks, kept
   up to date as facts come in: each chunk's sources (its holders at the best
   tier the policy gave) and the ready chunks (a source, nothing in flight) in
   rarity buckets and per peer.
@@ -126,15 +127,20 @@ class ObjectState:
         """`peer` said it holds missing chunk c whole (Have, HaveOne), and has not refused it since."""
         return self.announced(peer, c) and peer not in self.arriving_only.get(c, ())
 
-    def reannounce(self, peer: str, c: int, whole: bool) -> None:
-        """A holder of c announces it again: a refusal is over; whole replaces arriving."""
+    def reannounce(self, peer: str, c: int, whole: bool) -> bool:
+        """A holder of c announces it again: a refusal is over; whole replaces
+        arriving. True if its word changed (it was withdrawn, or arriving and is
+        whole now): news that a failed request's answer may be different now."""
         gone = self.withdrawn.get(c)
         if gone is not None and peer in gone:
             _drop(self.withdrawn, c, peer)
             if not whole:
                 self.arriving_only.setdefault(c, set()).add(peer)
-        elif whole:
+            return True
+        if whole and peer in self.arriving_only.get(c, ()):
             _drop(self.arriving_only, c, peer)
+            return True
+        return False
 
     def add_holders(self, peer: str, chunks: Iterable[int], whole: bool, fixed: int | None,
                     tier_at: Callable[[int], int], in_region: bool) -> None:
@@ -152,20 +158,26 @@ class ObjectState:
             if hs is None:
                 continue
             if peer in hs:
-                if self.withdrawn or self.arriving_only:
-                    self.reannounce(peer, c, whole)
-                continue
-            if not whole:
-                self.arriving_only.setdefault(c, set()).add(peer)
-            ready = c in sources and c not in inflight
-            if ready:  # rarity goes up by one: move its bucket
-                discard_compacting(buckets, self.dead_buckets, len(hs), rank[c])
-                buckets.setdefault(len(hs) + 1, set()).add(rank[c])
-            hs.add(peer)
-            if in_region:
-                self.progress += 1
-            if failed and peer in failed.get(c, ()):
-                continue
+                if not ((self.withdrawn or self.arriving_only) and self.reannounce(peer, c, whole)):
+                    continue
+                # Its word changed since a request to it failed (its relay broke, then it
+                # got the chunk anew): the failure is over and it is a source again at
+                # once, not after a takeover delay or a new connection.
+                if failed:
+                    _drop(failed, c, peer)
+                ready = c in sources and c not in inflight
+            else:
+                if not whole:
+                    self.arriving_only.setdefault(c, set()).add(peer)
+                ready = c in sources and c not in inflight
+                if ready:  # rarity goes up by one: move its bucket
+                    discard_compacting(buckets, self.dead_buckets, len(hs), rank[c])
+                    buckets.setdefault(len(hs) + 1, set()).add(rank[c])
+                hs.add(peer)
+                if in_region:
+                    self.progress += 1
+                if failed and peer in failed.get(c, ()):
+                    continue
             if fixed is not None:
                 t = fixed
             elif mine[c]:

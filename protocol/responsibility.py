@@ -11,9 +11,10 @@ uplink about once in total:
   its fair share of the chunks that come from one source, so the last chunk a
   region pulls is not queued behind a gateway that drew more than its share.
 - `region_order`: the chain along which a chunk crosses the WAN: the origin's
-  region first, then the others in a per-chunk rendezvous order, so remote
-  regions split the pulling from the origin's region and then exchange with
-  each other.
+  region first, then the others from the fastest WAN link to the slowest
+  (`rate_classes`, when the swarm's WAN rates are known), regions of one rate
+  in a per-chunk rendezvous order, so remote regions of one rate split the
+  pulling from the region before them and then exchange with each other.
 - `upstream_regions`: for one region, the region it pulls a chunk from (the
   one just before it in the chain) and whether the origin itself is a source.
 - `ResponsibilityMap`: `responsible` for every chunk of one object, kept up to
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
-from typing import Hashable, Iterable, Sequence
+from typing import Hashable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -133,21 +134,54 @@ def balanced_owners(key: ObjKey, n_chunks: int, gateways: Iterable[str],
     return owners
 
 
-def region_order(key: ObjKey, chunk: int, regions: Iterable[str], origin_region: str) -> list[str]:
+RATE_TIE = 0.95  # WAN rates within 5 % of a class's fastest are one class (the same speed)
+
+
+def rate_classes(regions: Iterable[str], rates: Mapping[str, float] | None) -> dict[str, int]:
+    """Each region's rate class: 0 for the fastest WAN links, then 1, 2, ...
+    by descending rate (`rates`: region -> its WAN link's rate, each way, in
+    any one unit). A class starts at the fastest region not yet in one and
+    takes every region at least `RATE_TIE` of its rate. Regions with no rate
+    share the last class: fed last and relaying to nobody, an unknown link can
+    slow only its own region. Without rates every region is of class 0."""
+    regions = set(regions)
+    if not rates:
+        return {r: 0 for r in regions}
+    known = sorted((r for r in regions if rates.get(r, 0) > 0), key=lambda r: (-rates[r], r))
+    out, cls, top = {}, -1, None
+    for r in known:
+        if top is None or rates[r] < RATE_TIE * top:
+            cls, top = cls + 1, rates[r]
+        out[r] = cls
+    for r in regions - set(known):
+        out[r] = cls + 1
+    return out
+
+
+def region_order(key: ObjKey, chunk: int, regions: Iterable[str], origin_region: str,
+                 rates: Mapping[str, float] | None = None) -> list[str]:
     """The order in which regions bring `chunk` across the WAN: `origin_region`
     first (whether or not it is among `regions`), then the other regions by
-    descending `region_weight`. Duplicates in `regions` are ignored."""
+    `rate_classes` (fastest first), within a class by descending
+    `region_weight`. Duplicates in `regions` are ignored.
+
+    Fastest first: a region pulls each chunk from the region just before it,
+    so every region's upstream receives at least as fast as it does and never
+    holds it back; a slower region relays only to slower ones, over its own
+    uplink, which no faster region's transfer uses. With one rate everywhere
+    this is the plain per-chunk rendezvous chain."""
     others = {r for r in regions if r != origin_region}
-    ranked = sorted(others, key=lambda r: (region_weight(r, key, chunk), r), reverse=True)
+    cls = rate_classes(others, rates)
+    ranked = sorted(others, key=lambda r: (-cls[r], region_weight(r, key, chunk), r), reverse=True)
     return [origin_region, *ranked]
 
 
 def upstream_regions(key: ObjKey, chunk: int, region: str, member_regions: Iterable[str],
-                     origin_region: str) -> tuple[list[str], bool]:
+                     origin_region: str, rates: Mapping[str, float] | None = None) -> tuple[list[str], bool]:
     """Where `region` pulls `chunk` from across the WAN.
 
     `member_regions` are the regions that have at least one live member;
-    `region` is counted among them. Returns (the region just before `region`
+    `region` is counted among them; `rates` as in `region_order`. Returns (the region just before `region`
     in `region_order`, as a list of at most one; whether the origin itself is
     a source).
 
@@ -164,7 +198,7 @@ def upstream_regions(key: ObjKey, chunk: int, region: str, member_regions: Itera
     out of the order, so a region never waits on an empty one.
     """
     present = set(member_regions)
-    order = region_order(key, chunk, present | {region}, origin_region)
+    order = region_order(key, chunk, present | {region}, origin_region, rates)
     at = order.index(region)
     origin_serves = at == 0 or (at == 1 and origin_region not in present)
     return order[at - 1:at] if at else [], origin_serves

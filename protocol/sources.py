@@ -12,6 +12,8 @@ about peers' chunks (protocol/piecestate.py) or pick (protocol/picker.py).
 
 from __future__ import annotations
 
+from typing import Mapping
+
 from .piecestate import NOT_A_SOURCE, ObjectState, PeerState
 from .responsibility import ResponsibilityMap, upstream_regions
 
@@ -24,23 +26,48 @@ ORIGIN_TIER = 1 << 20  # after the upstream region's node peers
 
 
 class SourceTiers:
-    def __init__(self, me: str, region: str, origin_region: str | None, wan_gateways: int | None):
+    def __init__(self, me: str, region: str, origin_region: str | None, wan_gateways: int | None,
+                 wan_rates: Mapping[str, float] | None = None):
         self.me = me
         self.region = region
         self.origin_region = origin_region
         self.wan_gateways = wan_gateways
+        self.wan_rates = dict(wan_rates) if wan_rates else None  # region -> WAN rate: the chains' order
         self.members: dict[str, str] = {me: region}
         self.region_members: set[str] = {me}
         self.member_regions: frozenset[str] = frozenset({region})
+        # Members of my region whose session closed and did not come back: out of
+        # the plan though the tracker still lists them (until its heartbeat timeout).
+        self.down: set[str] = set()
 
     def set_members(self, members: dict[str, str]) -> bool:
         """The live nodes (id -> region, me included); True if the set of regions changed."""
         self.members = {**members, self.me: self.region}
-        self.region_members = {m for m, r in self.members.items() if r == self.region}
+        self.down &= self.members.keys()
+        self._region_members()
         regions = frozenset(self.members.values())
         changed = regions != self.member_regions
         self.member_regions = regions
         return changed
+
+    def member_down(self, node: str) -> bool:
+        """`node`'s session closed: True if that takes a member of my region out of the plan."""
+        if self.members.get(node) != self.region or node == self.me or node in self.down:
+            return False
+        self.down.add(node)
+        self._region_members()
+        return True
+
+    def member_back(self, node: str) -> bool:
+        """`node` connected again: True if that puts a member of my region back in the plan."""
+        if node not in self.down:
+            return False
+        self.down.discard(node)
+        self._region_members()
+        return True
+
+    def _region_members(self) -> None:
+        self.region_members = {m for m, r in self.members.items() if r == self.region and m not in self.down}
 
     def plan(self, obj: ObjectState) -> None:
         """Give a new patch object its responsibility: which chunks me brings into the region."""
@@ -108,8 +135,8 @@ class SourceTiers:
     def _upstream(self, obj: ObjectState, c: int) -> tuple[dict[str, int], bool]:
         plan = obj.upstream.get(c)
         if plan is None:
-            regions, origin_serves = upstream_regions(obj.key, c, self.region,
-                                                      self.member_regions, self.origin_region)
+            regions, origin_serves = upstream_regions(obj.key, c, self.region, self.member_regions,
+                                                      self.origin_region, self.wan_rates)
             plan = {r: OTHER_REGION + i for i, r in enumerate(regions)}, origin_serves
             obj.upstream[c] = plan
         return plan

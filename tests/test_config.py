@@ -193,3 +193,18 @@ def test_env_lists_and_switches():
     no_peers = next(a for a in p._actions if a.dest == "no_peers")
     assert [config.convert(no_peers, w, from_env=True) for w in ("1", "true", "ON", "0", "no", "")] == \
            [True, True, True, False, False, False]
+
+
+def test_wan_rates_from_the_file_and_the_command_line(tmp_path, capsys):
+    f = write(tmp_path, """
+        service = "node"
+        wan-rates = "us-east=100, eu-west=50,ap-south=20"
+    """)
+    args = parse([*NODE, "--config", str(f)], environ={})
+    assert args.wan_rates == {"us-east": 100.0, "eu-west": 50.0, "ap-south": 20.0}
+    assert parse(NODE, environ={}).wan_rates is None
+    assert parse([*NODE, "--wan-rates", "r0=1e3"], environ={}).wan_rates == {"r0": 1000.0}
+    for bad in ("r0", "r0=0", "r0=fast", "=5"):
+        with pytest.raises(SystemExit):
+            parse([*NODE, "--wan-rates", bad], environ={})
+        assert "REGION=MBIT" in capsys.readouterr().err

@@ -85,3 +85,31 @@ def test_a_request_that_times_out_is_cancelled_and_asked_of_another_holder(tmp_p
             n.cancel_scope.cancel()
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_a_neighbour_whose_relay_broke_is_asked_again_the_moment_it_has_the_chunk(tmp_path):
+    """Issue 26: a relay refused mid-stream (its own source died) must not keep the node
+    from asking it once it holds the chunk; before, only the 2 s takeover or a new
+    connection did."""
+    fetcher = _fetcher(tmp_path)
+
+    async def main():
+        async with trio.open_nursery() as n:
+            await n.start(fetcher.run)
+            s = Session(RecordingStream(), "a", "node", "r1", "x:1", outbound=True)
+            s.tasks = n
+            fetcher.peers.sessions["a"] = s
+            fetcher.peer_joined(s)
+            fetcher.on_announce(s, wire.Incoming(KEY[0], KEY[1], 0))  # a relays it as it arrives
+            await trio.testing.wait_all_tasks_blocked()
+            assert len(_sent(s, wire.Request)) == 1
+            fetcher.on_reject(s, wire.Reject(KEY[0], KEY[1], 0, "stream aborted"))
+            await trio.sleep(1.0)
+            assert len(_sent(s, wire.Request)) == 1  # refused, and nothing new said
+            fetcher.on_announce(s, wire.HaveOne(KEY[0], KEY[1], 0))  # it got the chunk anew
+            await trio.testing.wait_all_tasks_blocked()
+            first, again = _sent(s, wire.Request)
+            assert again - first == 1.0  # at once, on the announcement
+            n.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))

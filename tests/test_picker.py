@@ -83,6 +83,33 @@ def test_only_the_gateway_crosses_the_wan_and_a_new_one_takes_over_when_it_leave
     assert {r.chunk for r in reqs} == set(range(n)) and {r.peer for r in reqs} == {OR}
 
 
+@pytest.mark.parametrize("bad", [{"r1": 0}, {"r1": -5}, {"r1": float("inf")}, {"r1": float("nan")},
+                                 {"r1": "50"}, {"r1": True}, {1: 50}])
+def test_wan_rates_must_be_positive_numbers(bad):
+    with pytest.raises(UsageError, match="wan_rates"):
+        PiecePicker("a", "r0", "r0", wan_rates=bad)
+
+
+def test_with_wan_rates_the_fast_region_never_pulls_through_the_slow_one():
+    """Issue 26: about half of the 50 Mbit/s region's chunks came through the 20 Mbit/s one."""
+    rates = {"r0": 100, "r1": 50, "r2": 20}
+    n = 32
+    fast = make("a1", THREE, n=n, pipeline=n, wan_pipeline=n, origin=False)
+    rated = PiecePicker("a1", "r1", "r0", pipeline=n, wan_pipeline=n, wan_gateways=None, wan_rates=rates)
+    rated.set_members(THREE)
+    for p in (fast, rated):
+        if p is rated:
+            for other in sorted(set(THREE) - {"a1"}):
+                p.peer_joined(other, NODE, THREE[other])
+            p.add_object(KEY, n, now=0.0)
+        p.peer_has("a0", KEY, range(n))
+        p.peer_has("a2", KEY, range(n))
+    unrated_peers = Counter(r.peer for r in fast.requests(0.0))
+    rated_peers = Counter(r.peer for r in rated.requests(0.0))
+    assert unrated_peers["a2"] > 0  # the rendezvous chain sends some through r2
+    assert set(rated_peers) == {"a0"} and rated.responsible_for(KEY) == rated_peers["a0"]
+
+
 def test_wan_gateways_must_be_positive():
     for bad in (0, -1, 1.5, "2"):
         with pytest.raises(UsageError, match="wan_gateways"):
@@ -393,7 +420,7 @@ def test_seeds_start_different_nodes_on_different_chunks():
     assert len(starts) >= 5
 
 
-def test_chunk_failed_never_asks_that_peer_again():
+def test_chunk_failed_is_not_asked_again_for_the_same_word():
     members = {"me": "r1", "a": "r1", "b": "r1"}
     p = make("me", members, origin_region="r0", n=1, origin=False, pipeline=1)
     p.peer_has("a", KEY, [0])
@@ -403,7 +430,7 @@ def test_chunk_failed_never_asks_that_peer_again():
     p.peer_has("b", KEY, [0])
     assert p.requests(0.0) == [Request("b", KEY, 0)]
     p.chunk_failed(KEY, 0, "b")
-    p.peer_has("a", KEY, [0])  # a repeats itself: still not asked
+    p.peer_has("a", KEY, [0])  # a repeats the same word: nothing new, not asked
     assert p.requests(0.0) == []
     assert p.missing(KEY) == 1 and not p.complete(KEY)
 
@@ -563,15 +590,71 @@ def test_announced_and_holds_whole_table(said, expect, added_first):
     assert (p.announced("a", KEY, 1), p.holds_whole("a", KEY, 1)) == (False, False)
 
 
-def test_a_refusing_peer_is_not_asked_again_for_that_chunk():
+def test_a_refusing_peer_is_asked_again_as_soon_as_it_announces_the_chunk_again():
     p = PiecePicker("me", "r0", "r0")
     p.peer_joined("a", NODE, "r0")
     p.add_object(KEY, 2, now=0.0)
     p.peer_has("a", KEY, [0, 1])
     assert asked(p.requests(0.0)) == {("a", 0), ("a", 1)}
     p.chunk_refused(KEY, 0, "a")
-    p.peer_has("a", KEY, [0])  # says it again (got it meanwhile): still not asked for it
-    assert p.requests(1.0) == [] and p.in_flight() == 1
+    assert p.requests(0.5) == [] and p.in_flight() == 1  # refused, and nothing new said
+    p.peer_has("a", KEY, [0])  # says it again (got it meanwhile): asked at once
+    assert p.requests(0.5) == [Request("a", KEY, 0)]
+
+
+@pytest.mark.parametrize("again", ["whole", "arriving"])
+def test_a_broken_relay_does_not_keep_a_neighbour_from_being_asked(again):
+    """The stall of issue 26: a neighbour relays a chunk it is receiving from its
+    region's gateway; the gateway dies, so the neighbour refuses the chunk
+    mid-stream; it later gets the chunk anew (Incoming, then HaveOne). The node
+    must ask it in the very next step, not after the 2 s takeover delay."""
+    members = {"me": "r1", "gw": "r1", "nb": "r1", "x": "r0"}
+    c = find_chunk(lambda c: c not in owned("me", members, 8, k=None), 8)  # me waits for its region
+    p = make("me", members, n=8, pipeline=1, origin=False, takeover_after=2.0)
+    p.peer_has("nb", KEY, [c], whole=False)  # nb's first part arrived: it relays as it comes
+    assert (("nb", c)) in asked(p.requests(0.0))
+    t = 0.1
+    p.chunk_refused(KEY, c, "nb")  # nb's own source (the gateway) died: "stream aborted"
+    p.peer_left("gw")
+    assert ("nb", c) not in asked(p.requests(t))
+    t += 0.3
+    p.peer_has("nb", KEY, [c], whole=again == "whole")  # nb got it anew
+    assert ("nb", c) in asked(p.requests(t))  # one step, no 2 s fallback
+    assert t < 2.0
+
+
+def test_a_request_that_expired_is_asked_again_once_the_peer_holds_it_whole():
+    members = {"me": "r1", "nb": "r1"}
+    p = PiecePicker("me", "r1", "r0", request_timeout=1.0)
+    p.set_members(members)
+    p.peer_joined("nb", NODE, "r1")
+    p.add_object(KEY, 1, now=0.0)
+    p.peer_has("nb", KEY, [0], whole=False)
+    assert p.requests(0.0) == [Request("nb", KEY, 0)]
+    assert p.expired(1.0) == [Request("nb", KEY, 0)]
+    p.peer_has("nb", KEY, [0], whole=False)  # the same word again: nothing new
+    assert p.requests(1.0) == []
+    p.peer_has("nb", KEY, [0])  # whole now
+    assert p.requests(1.1) == [Request("nb", KEY, 0)]
+
+
+def test_a_gateway_whose_session_closes_leaves_the_plan_at_once_and_comes_back_on_reconnect():
+    """The tracker lists a killed gateway until its heartbeat times out (10 s):
+    its share moves when its session closes, not then."""
+    members = {"a": "r1", "b": "r1", "x": "r0"}
+    n = 24
+    p = make("b", members, n=n, pipeline=n, wan_pipeline=n, origin=False, connect=["a", "x"])
+    p.peer_has("x", KEY, range(n))
+    mine, theirs = owned("b", members, n), owned("a", members, n)
+    assert theirs and {r.chunk for r in p.requests(0.0)} == mine
+    p.peer_left("a")  # killed; the tracker still lists it
+    again = p.requests(0.01)
+    assert {r.chunk for r in again} == theirs and {r.peer for r in again} == {"x"}
+    assert p.responsible_for(KEY) == n
+    p.set_members(members)  # the tracker's next list, still with a: a stays out
+    assert p.responsible_for(KEY) == n
+    p.peer_joined("a", NODE, "r1")  # restarted and connected: back in the plan
+    assert p.responsible_for(KEY) == len(mine)
 
 
 def test_what_peers_said_survives_an_object_leaving_the_plan_and_coming_back():

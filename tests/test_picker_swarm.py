@@ -31,7 +31,7 @@ class Swarm:
     picker contract on every request."""
 
     def __init__(self, layout, origin_region, n_chunks, *, links=None, pipeline=4,
-                 takeover_after=2.0, dt=1e-3, seed=0):
+                 takeover_after=2.0, dt=1e-3, seed=0, wan_rates=None):
         self.layout = dict(layout)
         self.region_of = {**layout, OR: origin_region}
         self.n, self.pipeline, self.dt = n_chunks, pipeline, dt
@@ -45,7 +45,7 @@ class Swarm:
         self.pickers = {}
         for i, node in enumerate(sorted(layout)):
             p = PiecePicker(node, layout[node], origin_region, seed=seed * 1000 + i,
-                            pipeline=pipeline, takeover_after=takeover_after)
+                            pipeline=pipeline, takeover_after=takeover_after, wan_rates=wan_rates)
             p.set_members(self.layout)
             for other in sorted(self.links[node]):
                 p.peer_joined(other, ORIGIN if other == OR else NODE, self.region_of[other])
@@ -72,6 +72,14 @@ class Swarm:
                 self.pickers[other].peer_left(node)
         for p in self.pickers.values():
             p.set_members(self.layout)
+
+    def kill(self, node):
+        """`node` dies: its sessions close, but the tracker lists it until its heartbeat times out."""
+        del self.pickers[node]
+        for other in self.links.pop(node):
+            self.links[other].discard(node)
+            if other in self.pickers:
+                self.pickers[other].peer_left(node)
 
     def step(self):
         self.steps += 1
@@ -156,6 +164,23 @@ def test_swarm_completes_with_each_chunk_crossing_each_boundary_once(layout, ori
     assert_healthy(swarm, origin_region)
 
 
+@pytest.mark.parametrize("rates, exits", [
+    # region -> chunks it sends out across the WAN (the origin's region: to the others)
+    ({"r0": 100, "r1": 50, "r2": 20}, {"r0": 48, "r1": 48, "r2": 0}),  # the slow r2 relays to nobody
+    ({"r0": 100, "r1": 20, "r2": 50}, {"r0": 48, "r1": 0, "r2": 48}),
+    (None, None),  # one rate: r1 and r2 split the pulling and relay to each other
+])
+def test_swarm_with_unequal_wan_rates_chains_fastest_first(rates, exits):
+    swarm = Swarm(layout_of(4, 4, 4), "r0", n_chunks=48, wan_rates=rates).run()
+    assert swarm.t < 2.0
+    assert_healthy(swarm, "r0")
+    out = {r: sum(n for (region, _), n in swarm.wan_exits.items() if region == r) for r in ("r0", "r1", "r2")}
+    if exits is not None:
+        assert out == exits
+    else:
+        assert out["r0"] == 48 and 0 < out["r1"] < 48 and out["r1"] + out["r2"] == 48
+
+
 def test_swarm_survives_a_responsible_node_leaving_mid_version():
     layout = layout_of(4, 4, 4)
     swarm = Swarm(layout, "r0", n_chunks=64)
@@ -169,6 +194,20 @@ def test_swarm_survives_a_responsible_node_leaving_mid_version():
     swarm.run()
     assert swarm.t < 2.0  # re-planned at once, not by takeover
     assert max(swarm.wan_entries.values()) <= 2
+    assert swarm.origin_sent == 64
+
+
+def test_swarm_survives_a_gateway_in_each_remote_region_dying_before_the_tracker_knows():
+    layout = layout_of(4, 4, 4)
+    swarm = Swarm(layout, "r0", n_chunks=64)
+    for _ in range(4):
+        swarm.step()
+    for region in ("r1", "r2"):
+        here = [n for n in sorted(swarm.pickers) if layout[n] == region]
+        swarm.kill(max(here, key=lambda n: len(swarm.have[n])))  # the busiest gateway
+    assert not swarm.done()
+    swarm.run()
+    assert swarm.t < 2.0  # re-planned when the sessions closed, not by takeover
     assert swarm.origin_sent == 64
 
 

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 
 from patchswarm.protocol.errors import UsageError
 from patchswarm.protocol.responsibility import (
-    ResponsibilityMap, balanced_owners, gateways, region_order, responsible, upstream_regions,
+    ResponsibilityMap, balanced_owners, gateways, rate_classes, region_order, responsible, upstream_regions,
 )
 
 KEY = (7, False)  # a patch
@@ -78,6 +78,53 @@ def test_upstream_regions_second_region_pulls_from_first():
         assert upstream_regions(KEY, c, second, {"r1", "r2"}, "r0") == ([first], False)
         assert upstream_regions(KEY, c, first, {"r1", "r2"}, "r0") == (["r0"], True)
         assert upstream_regions(KEY, c, second, {"r0", "r1", "r2"}, "r0") == ([first], False)
+
+
+@pytest.mark.parametrize("rates, expect", [
+    (None, {"r1": 0, "r2": 0, "r3": 0}),  # no rates: one class, the rendezvous chain
+    ({}, {"r1": 0, "r2": 0, "r3": 0}),
+    ({"r1": 50, "r2": 20, "r3": 100}, {"r3": 0, "r1": 1, "r2": 2}),
+    ({"r1": 100, "r2": 100, "r3": 20}, {"r1": 0, "r2": 0, "r3": 1}),  # equal rates share a class
+    ({"r1": 100, "r2": 96, "r3": 94}, {"r1": 0, "r2": 0, "r3": 1}),  # within 5 % of the class's fastest
+    ({"r1": 50, "r2": 20}, {"r1": 0, "r2": 1, "r3": 2}),  # unknown rate: last, relays to nobody
+    ({"r1": 50, "r2": 20, "r3": 0}, {"r1": 0, "r2": 1, "r3": 2}),  # a zero is no rate
+])
+def test_rate_classes_table(rates, expect):
+    assert rate_classes(["r1", "r2", "r3"], rates) == expect
+
+
+# The fleet: the origin in r0 (100 Mbit/s), r1 at 50, r2 at 20. Each row: rates,
+# then per region the regions it pulls chunks from (one per chunk; each of them for some).
+@pytest.mark.parametrize("rates, upstream", [
+    ({"r0": 100, "r1": 50, "r2": 20}, {"r1": {"r0"}, "r2": {"r1"}}),  # r1 fed directly; r2 via r1
+    ({"r0": 100, "r1": 20, "r2": 50}, {"r2": {"r0"}, "r1": {"r2"}}),
+    ({"r0": 20, "r1": 50, "r2": 100}, {"r2": {"r0"}, "r1": {"r2"}}),  # the origin's link is not ranked
+    ({"r1": 50, "r2": 20}, {"r1": {"r0"}, "r2": {"r1"}}),  # the origin's region's rate need not be known
+    # r1 and r3 at one rate split the pulling from r0 per chunk and relay to each other;
+    # the slow r2 takes from whichever of them is last in the chunk's chain, never from r0
+    ({"r0": 100, "r1": 100, "r2": 20, "r3": 100}, {"r1": {"r0", "r3"}, "r3": {"r0", "r1"}, "r2": {"r1", "r3"}}),
+])
+def test_unequal_rates_chain_fastest_first(rates, upstream):
+    regions = set(upstream) | {"r0"}
+    seen = {r: set() for r in upstream}
+    for c in range(64):
+        order = region_order(KEY, c, regions, "r0", rates)
+        assert order[0] == "r0" and sorted(order) == sorted(regions)
+        # Every region's upstream receives at least as fast as it does: nobody waits on
+        # a slower link, and each chunk enters each region once, along one chain.
+        known = [rates[r] for r in order[1:]]
+        assert known == sorted(known, reverse=True)
+        for region in upstream:
+            got, origin_serves = upstream_regions(KEY, c, region, regions, "r0", rates)
+            assert len(got) == 1 and not origin_serves
+            seen[region].add(got[0])
+    assert seen == upstream
+
+
+def test_equal_rates_give_the_rendezvous_chain():
+    for c in range(40):
+        plain = region_order(KEY, c, ["r1", "r2", "r3"], "r0")
+        assert region_order(KEY, c, ["r1", "r2", "r3"], "r0", {"r0": 100, "r1": 100, "r2": 100, "r3": 100}) == plain
 
 
 @settings(max_examples=100, deadline=None)

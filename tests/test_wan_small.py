@@ -96,6 +96,17 @@ def test_lower_bound_is_the_slowest_link():
     assert slow_lan.lower_bound_s(6_250_000) == pytest.approx(1.0)
 
 
+def test_per_region_rates_give_per_region_bounds():
+    spec = netemu.WanSpec(regions=3, nodes_per_region=4, lan_mbit=1000, region_mbit=(100, 50, 20))
+    p = 12_500_000  # 1 s at 100 Mbit/s
+    assert [spec.region_bound_s(p, r) for r in range(3)] == pytest.approx([0.1, 2.0, 5.0])
+    assert spec.lower_bound_s(p) == pytest.approx(5.0)  # the slowest region's
+    slow_origin = netemu.WanSpec(regions=2, nodes_per_region=1, region_mbit=(20, 100))
+    assert slow_origin.region_bound_s(p, 1) == pytest.approx(5.0)  # every byte leaves region 0
+    with pytest.raises(ValueError, match="region_mbit"):
+        netemu.WanSpec(regions=3, region_mbit=(100, 50))
+
+
 @needs_netns
 def test_libtorrent_baseline_delivers_and_the_counters_see_it(payload):
     pytest.importorskip("libtorrent", reason="libtorrent (dev extra) is not installed")

@@ -109,6 +109,23 @@ def cmd_origin(args: argparse.Namespace) -> int:
     return run_service(f"origin {o.id}", start, args, OriginMetrics())
 
 
+def parse_region_rates(text: str | None) -> dict[str, float] | None:
+    """REGION=MBIT[,REGION=MBIT...]: each region's WAN link rate, Mbit/s; '' or 'none': not known."""
+    if text is None or text.strip().lower() in ("", "none"):
+        return None
+    out = {}
+    for item in text.split(","):
+        region, eq, rate = item.strip().partition("=")
+        try:
+            value = float(rate)
+        except ValueError:
+            value = None
+        if not eq or not region or value is None or not 0 < value < float("inf"):
+            raise argparse.ArgumentTypeError(f"expected REGION=MBIT[,REGION=MBIT...] with rates > 0, found {item!r}")
+        out[region] = value
+    return out
+
+
 def _node_args(p: argparse.ArgumentParser) -> None:
     from patchswarm.node.lowprio import APPLY_NICE
     from patchswarm.protocol.picker import WAN_GATEWAYS
@@ -132,6 +149,10 @@ def _node_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--wan-gateways", type=non_negative_int, default=WAN_GATEWAYS, metavar="K",
                    help=f"members per region that bring each version across the WAN (default {WAN_GATEWAYS}; "
                         f"0: every member)")
+    p.add_argument("--wan-rates", type=parse_region_rates, metavar="REGION=MBIT,...",
+                   help="each region's WAN link rate (Mbit/s, each way); the same on every member: each chunk "
+                        "crosses the regions from the fastest link to the slowest (default: not known, "
+                        "a per-chunk order)")
     _compact_argument(p)
     h = p.add_argument_group("hand-off to the inference engine (none by default)")
     h.add_argument("--model-dir", metavar="D", type=Path,
@@ -195,7 +216,7 @@ def cmd_node(args: argparse.Namespace) -> int:
     n = Node(NodeConfig(args.tracker, args.creds, args.data_dir, args.listen, args.region,
                         args.upload_limit, args.download_limit, args.no_peers, spool_bytes=args.spool_bytes,
                         apply_nice=args.apply_nice, apply_threads=args.apply_threads or None,
-                        wan_gateways=args.wan_gateways or None, advertise=args.advertise,
+                        wan_gateways=args.wan_gateways or None, wan_rates=args.wan_rates, advertise=args.advertise,
                         compact_every=args.compact_every, model_dir=args.model_dir, engine=args.engine,
                         engine_url=args.engine_url, on_version=args.on_version,
                         sparse_handoff=args.sparse_handoff, transport=args.transport, no_listen=args.no_listen,
