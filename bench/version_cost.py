@@ -15,7 +15,11 @@ changes its bits), or `--dense` of them in the dense variant. Per version:
   hash, persist: the node's `applied` record), and its disk writes;
 - publish -> applied on every node (the checkpoint renamed into the watched
   folder -> the last node's applied time, one clock);
-- RSS: each process's VmRSS after the versions and VmHWM (its peak).
+- RSS: each process's VmRSS after the versions and VmHWM (its peak);
+- with `--handoff`, one more node keeps a model directory and tells a
+  command engine (`--on-version true`) of each version: the directory's
+  write time and bytes, and publish -> engine told (issue 20's directory
+  hand-off).
 
 Prints one table per size, then each column's growth from the smallest to
 the largest size as a log-log slope (1.0: linear in the model; 0: flat) and
@@ -23,7 +27,7 @@ the targets as ratios from the same run. A size costs about 3x its bytes
 of memory in this process and 1x in each member; check `free -g` first.
 
     .venv/bin/python bench/version_cost.py [--sizes 0.5,1,2] [--versions 4] [--nodes 2]
-        [--changed 0.0066] [--dense 0.3] [--work DIR]
+        [--changed 0.0066] [--dense 0.3] [--handoff] [--work DIR]
 """
 
 from __future__ import annotations
@@ -175,7 +179,7 @@ def run_size(gib: float, args, work: Path) -> dict:
     work.mkdir(parents=True)
     swarm = work / "swarm"
     trust.init_swarm(swarm)
-    names = ["tracker", "origin"] + [f"n{i}" for i in range(args.nodes)]
+    names = ["tracker", "origin"] + [f"n{i}" for i in range(args.nodes)] + (["h"] if args.handoff else [])
     for n in names:
         trust.issue(swarm, n, "tracker" if n == "tracker" else "origin" if n == "origin" else "node", work / "creds" / n)
     watch = work / "watch"
@@ -198,7 +202,12 @@ def run_size(gib: float, args, work: Path) -> dict:
                                  work / f"n{i}", "--region", "r1"], work)
             members.append(n)
             nodes.append(n)
-        for n in nodes:
+        handoff = None
+        if args.handoff:  # the directory hand-off, with an engine that answers at once
+            handoff = Member("h", ["node", "--tracker", taddr, "--creds", work / "creds/h", "--data-dir", work / "h",
+                                   "--region", "r1", "--on-version", "true"], work)
+            members.append(handoff)
+        for n in nodes + ([handoff] if handoff else []):
             n.wait_listening()
         g = torch.Generator().manual_seed(1)
         rows = []
@@ -223,6 +232,12 @@ def run_size(gib: float, args, work: Path) -> dict:
             for n in nodes:
                 with NodeClient(n.data / "node.sock") as c:
                     statuses.append(c.status())
+            if handoff is not None:
+                with NodeClient(handoff.data / "node.sock", connect_timeout=30) as c:
+                    c.wait_version(v, TIMEOUT_S)
+                    deadline = time.monotonic() + TIMEOUT_S
+                    while (hs := c.status())["engine"]["version"] != v and time.monotonic() < deadline:
+                        time.sleep(0.05)
             recs = [next((a for a in s["applied"] if a["version"] == v), None) for s in statuses]
             if None in recs:
                 raise SystemExit(f"version {v}: a node has no applied record for it: "
@@ -246,6 +261,11 @@ def run_size(gib: float, args, work: Path) -> dict:
                 "node_written_B": node_w,
                 "publish_to_applied_s": max(r["applied_at"] for r in recs) - t_publish,
             })
+            if handoff is not None:
+                rows[-1].update({"dir_write_s": hs["model_dir_write_s"],
+                                 "dir_written_B": after["h"] - before["h"],
+                                 "publish_to_engine_s": time.time() - t_publish if hs["engine"]["version"] == v
+                                 else None})
             for old in sorted(watch.iterdir())[:-1]:  # keep the disk to two checkpoints
                 shutil.rmtree(old, ignore_errors=True)
             print(f"  {gib:g} GiB v{v}: {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
@@ -271,7 +291,7 @@ def summary(res: dict) -> dict:
     patches = [r for r in res["rows"] if r["kind"] == "patch"]
     s = {k: _mean([r[k] for r in patches]) for k in
          ("patch_B", "compare_s", "origin_publish_s", "origin_written_B", "node_fetch_s", "node_apply_s",
-          "node_written_B", "publish_to_applied_s")}
+          "node_written_B", "publish_to_applied_s", "dir_write_s", "dir_written_B", "publish_to_engine_s")}
     s.update({"state_GB": res["state_bytes"] / 1e9, "node_rss_x": res["node_rss"] / res["state_bytes"],
               "node_peak_x": res["node_hwm"] / res["state_bytes"],
               "origin_rss_x": res["origin_rss"] / res["state_bytes"],
@@ -291,7 +311,9 @@ COLUMNS = [("state_GB", "state GB", "{:.2f}"), ("patch_B", "patch MB", "{:.2f}",
            ("node_apply_s", "apply s", "{:.2f}"), ("node_written_B", "node wr MB", "{:.1f}", 1e-6),
            ("publish_to_applied_s", "pub->all s", "{:.2f}"), ("node_peak_x", "node peak/state", "{:.2f}"),
            ("origin_rss_x", "orig rss/state", "{:.2f}"), ("origin_peak_x", "orig peak/state", "{:.2f}"),
-           ("keyframe_publish_s", "kf pub s", "{:.1f}"), ("keyframe_apply_s", "kf apply s", "{:.1f}")]
+           ("keyframe_publish_s", "kf pub s", "{:.1f}"), ("keyframe_apply_s", "kf apply s", "{:.1f}"),
+           ("dir_write_s", "dir write s", "{:.2f}"), ("dir_written_B", "dir wr MB", "{:.0f}", 1e-6),
+           ("publish_to_engine_s", "pub->engine s", "{:.2f}")]
 
 
 def report(results: list[dict]) -> None:
@@ -320,6 +342,11 @@ def report(results: list[dict]) -> None:
               f"node disk writes = {written:.1f}x patch (<= 2); publish->all applied = {pub:.2f}x "
               f"(3 x compare + fetch) (<= 1); node peak {s['node_peak_x']:.2f}x state (<= 1.25); "
               f"origin RSS {s['origin_rss_x']:.2f}x state (<= 1.3 beyond the caller's tensors: none here)")
+        if s.get("publish_to_engine_s") is not None:
+            bound = 1.5 * s["publish_to_applied_s"] + (s["dir_write_s"] or 0)
+            print(f"           directory hand-off: publish->engine {s['publish_to_engine_s']:.2f} s = "
+                  f"{s['publish_to_engine_s'] / bound:.2f}x (1.5 x publish->applied + one write of the state) "
+                  f"(<= 1); {s['dir_written_B'] / 1e6:.0f} MB written per version")
         if "dense_patch_B" in s:
             print(f"           dense variant: patch {s['dense_patch_B'] / 1e6:.1f} MB, apply {s['dense_apply_s']:.2f} s, "
                   f"compare {s['dense_compare_s']:.2f} s")
@@ -333,6 +360,9 @@ def main() -> None:
     ap.add_argument("--changed", type=float, default=0.0066, help="fraction of elements changed per version")
     ap.add_argument("--dense", type=float, default=0.0,
                     help="if > 0, the last version changes this fraction instead (the dense variant)")
+    ap.add_argument("--handoff", action="store_true",
+                    help="one more node with the directory hand-off (--on-version true: an engine that answers "
+                         "at once): its write time, bytes and publish->engine")
     ap.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temporary one)")
     args = ap.parse_args()
     root = Path(args.work or tempfile.mkdtemp(prefix="version-cost-"))

@@ -147,7 +147,7 @@ def test_workers_roll_out_each_version_through_a_real_node(tmp_path):
     workers = []
     with SwarmLab(tmp_path) as lab:
         lab.start_tracker()
-        node = lab.start_node("n1", region="r1")
+        node = lab.start_node("n1", region="r1", extra=["--sparse-handoff"])  # the workers follow by changes
         sock = str(node.socket)
         workers = [_worker("--socket", sock, "--seed", "3", "--batch", "8", "--until-version", "1"),
                    _worker("--socket", sock, "--seed", "4", "--batch", "8")]
