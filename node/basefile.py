@@ -35,6 +35,7 @@ from typing import Callable, Iterable
 
 import torch
 
+from patchswarm.node.checkpoint import fsync_path
 from patchswarm.protocol.errors import InvalidInput, StateHashMismatch, UsageError
 from patchswarm.protocol.patch import Patch, apply
 from patchswarm.protocol.statehash import state_hash
@@ -128,14 +129,6 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
-def _fsync(path: str | os.PathLike) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write(path: str | os.PathLike, state: dict[str, torch.Tensor], metadata: dict[str, str],
           durable: bool = True, mode: int = 0o600) -> int:
     """Write `state` to `path` atomically, streaming from the tensors' memory; returns the bytes written.
@@ -157,7 +150,7 @@ def write(path: str | os.PathLike, state: dict[str, torch.Tensor], metadata: dic
         os.chmod(tmp, mode)
         os.replace(tmp, p)
         if durable:
-            _fsync(p.parent)
+            fsync_path(p.parent)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -260,7 +253,7 @@ def compact(base: str | os.PathLike, objects: Iterable[Patch], out: str | os.Pat
                 fd = -1
                 os.chmod(tmp, 0o600)
                 os.replace(tmp, out)
-                _fsync(out.parent)
+                fsync_path(out.parent)
                 return written + len(header)
         else:
             final_state = mapped.state

@@ -221,16 +221,17 @@ def _save_file_atomic(tensors: State, p: Path, metadata: dict[str, str], durable
         save_file(tensors, tmp, metadata=metadata)  # may recreate the file: chmod after
         os.chmod(tmp, 0o666 & ~_umask())
         if durable:
-            _fsync_path(tmp)
+            fsync_path(tmp)
         os.replace(tmp, p)
         if durable:
-            _fsync_path(p.parent)
+            fsync_path(p.parent)
     except BaseException:
         _unlink_quietly(tmp)
         raise
 
 
-def _fsync_path(path: str | os.PathLike) -> None:
+def fsync_path(path: str | os.PathLike) -> None:
+    """fsync a file or a directory by its path (a directory: so a rename in it is durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from patchswarm.node import basefile
-from patchswarm.node.checkpoint import INDEX_NAME, write_side_files
+from patchswarm.node.checkpoint import INDEX_NAME, fsync_path, write_side_files
 from patchswarm.protocol.errors import UsageError
 
 SINGLE_FILE = "model.safetensors"
@@ -100,10 +100,10 @@ class ModelDir:
             write_side_files(tmp, files)
             written += sum(len(d) for d in files.values())
             for f in tmp.iterdir():
-                _fsync(f)
-            _fsync(tmp)
+                fsync_path(f)
+            fsync_path(tmp)
             os.rename(tmp, final)
-            _fsync(final.parent)
+            fsync_path(final.parent)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -112,7 +112,7 @@ class ModelDir:
         link_tmp.unlink(missing_ok=True)
         os.symlink(Path(VERSIONS) / version_name(version), link_tmp)
         os.replace(link_tmp, self.current)
-        _fsync(self.root)
+        fsync_path(self.root)
         self.prune()
         return written
 
@@ -150,11 +150,3 @@ def _shards_of(state: dict[str, torch.Tensor], layout: dict[str, str] | None) ->
     for name in state:
         out.setdefault(layout[name], set()).add(name)
     return out
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
