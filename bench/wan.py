@@ -15,12 +15,24 @@ Two conditions real fleets have (issue 26): `--region-mbit 100,50,20` gives
 each region its own WAN rate (patchswarm nodes are told them with
 `--wan-rates`; the system `patchswarm-blind` runs the plan without them), and
 the system `patchswarm-faults` SIGKILLs one gateway of each remote region
-`--kill-at` s after the announcement and restarts one at `--restart-at`. Both
-add a per-region table (each region's time against its own bound, its longest
-stall), and with faults each never-killed node's time against `patchswarm`'s.
+`--kill-at` s after the announcement and restarts one at `--restart-at`;
+`libtorrent-faults` does the same to the leechers of the same names (SIGKILL at
+`--kill-at` s after `go`, the first restarted on its save dir at
+`--restart-at`). Both add a per-region table (each region's time against its
+own bound, its longest stall), and with faults each never-killed node's time
+against the same system's run without them.
+
+"max stall s" is, per node, the longest it went without progress while it
+lacked part of the patch, from the start of its fetch, on its own clock:
+patchswarm, the longest gap between the node learning of the version (its
+fetch of the patch starting) or a chunk arriving verified and the next chunk
+doing so (the daemon's status `longest_wait_s`; a chunk is ~0.9 MB);
+libtorrent, the longest gap between `go` or a piece passing its hash check
+and the next piece doing so (piece_finished_alert timestamps; a piece is
+--piece-kib, 64 KiB). A region's value is its worst node's.
 
 Run (root): `python bench/wan.py [--regions 3] [--nodes 4] [--wan-mbit 100]
-[--region-mbit R0,R1,..] [--lan-mbit 1000] [--systems libtorrent,patchswarm,star]
+[--region-mbit R0,R1,..] [--lan-mbit 1000] [--systems libtorrent,patchswarm,star,...]
 [--scaling 2,4,8]`; `python bench/wan.py --cleanup` removes namespaces a killed
 run left (psw-*).
 Importing this module does no work.
@@ -43,19 +55,19 @@ if str(_ROOT) not in sys.path:
 
 from bench import netemu  # noqa: E402
 from bench.wan_libtorrent import DEFAULT_PIECE_BYTES, LibtorrentRunner  # noqa: E402
-from bench.wan_patchswarm import Faults, PatchswarmRunner  # noqa: E402
-from bench.wan_runner import Payload, RunFailed, Runner, RunResult, SystemUnavailable, make_payload  # noqa: E402
+from bench.wan_patchswarm import PatchswarmRunner, first_gateways  # noqa: E402
+from bench.wan_runner import Faults, Payload, RunFailed, Runner, RunResult, SystemUnavailable, make_payload  # noqa: E402
 
-SYSTEMS = ("libtorrent", "patchswarm", "star", "patchswarm-blind", "patchswarm-faults")
+SYSTEMS = ("libtorrent", "patchswarm", "star", "patchswarm-blind", "patchswarm-faults", "libtorrent-faults")
 TARGETS = "targets (issue 4): time <= 1.3 x bound; WAN in <= 1.15 x patch; origin out <= 1.5 x patch; >= 2x faster than libtorrent"
 
 
 def make_runner(name: str, args: argparse.Namespace) -> Runner:
-    if name == "libtorrent":
+    faults = Faults(args.kill_at, args.restart_at) if name.endswith("-faults") else None
+    if name in ("libtorrent", "libtorrent-faults"):
         return LibtorrentRunner(piece_bytes=args.piece_kib * 1024, unchoke_slots=args.unchoke_slots,
-                                log_dir=args.logs)
+                                log_dir=args.logs, faults=faults, victims=first_gateways)
     if name in ("patchswarm", "star", "patchswarm-blind", "patchswarm-faults"):
-        faults = Faults(args.kill_at, args.restart_at) if name == "patchswarm-faults" else None
         return PatchswarmRunner(no_peers=name == "star", verbose=args.verbose, log_dir=args.logs,
                                 chunk_bytes=None if args.chunk_kib is None else args.chunk_kib * 1024,
                                 node_args=shlex.split(args.node_args), tell_rates=name != "patchswarm-blind",
@@ -83,7 +95,7 @@ def format_regions(rows: list[RunResult]) -> str:
 
 
 def fault_comparison(clean: RunResult, faulty: RunResult) -> str:
-    """Each node that was never killed: its time with the faults against without."""
+    """Each node that was never killed: its time with the faults against without (the same system)."""
     ratios = {n: t / clean.per_node_s[n] for n, t in faulty.per_node_s.items() if n in clean.per_node_s}
     worst = max(ratios, key=ratios.get)
     return (f"faults vs none, nodes never killed: slowest {faulty.seconds:.2f} s vs {clean.seconds:.2f} s; "
@@ -144,9 +156,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="each region's own WAN rate, Mbit/s each way (instead of --wan-mbit); patchswarm nodes "
                          "are told them (--wan-rates); add patchswarm-blind to --systems for the rate-blind plan")
     ap.add_argument("--kill-at", type=float, default=1.0,
-                    help="patchswarm-faults: SIGKILL one gateway per remote region this many s after the announcement")
+                    help="*-faults: SIGKILL one gateway per remote region (libtorrent: the leecher of the same "
+                         "name) this many s after the announcement (libtorrent: after `go`)")
     ap.add_argument("--restart-at", type=float, default=3.0,
-                    help="patchswarm-faults: restart the first remote region's killed gateway then (< 0: never)")
+                    help="*-faults: restart the first remote region's killed node then (< 0: never)")
     ap.add_argument("--no-idle-restart", action="store_true",
                     help="hosts tuned as WAN data movers (net.ipv4.tcp_slow_start_after_idle=0), for every system")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
@@ -181,9 +194,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"removed {len(gone)} namespaces" + (f": {' '.join(gone)}" if gone else ""))
         return 0
     systems = [s for s in args.systems.split(",") if s]
-    runners = {s: make_runner(s, args) for s in systems}
     if args.restart_at is not None and args.restart_at < 0:
         args.restart_at = None
+    runners = {s: make_runner(s, args) for s in systems}
     region_mbit = tuple(float(x) for x in args.region_mbit.split(",") if x)
     spec = netemu.WanSpec(args.regions, args.nodes, max(region_mbit, default=args.wan_mbit), args.lan_mbit,
                           args.wan_delay_ms, idle_restart=not args.no_idle_restart, region_mbit=region_mbit)
@@ -244,13 +257,13 @@ def main(argv: list[str] | None = None) -> int:
     print()
     main_rows = [r for r in rows if r.spec.nodes_per_region == args.nodes]
     print(format_table(main_rows, spec.regions))
-    if spec.region_mbit or "patchswarm-faults" in runners:
+    if spec.region_mbit or any(s.endswith("-faults") for s in runners):
         print("\nper region: when its last node held everything, against its own bound")
         print(format_regions(main_rows))
-    clean = next((r for r in main_rows if r.system == runners["patchswarm"].name), None) if "patchswarm" in runners else None
-    faulty = next((r for r in main_rows if "kill@" in r.system), None)
-    if clean is not None and faulty is not None:
-        notes.append((faulty.system, fault_comparison(clean, faulty)))
+    for faulty in (r for r in main_rows if " kill@" in r.system):
+        clean = next((r for r in main_rows if r.system == faulty.system.split(" kill@")[0]), None)
+        if clean is not None:
+            notes.append((faulty.system, fault_comparison(clean, faulty)))
     scaling = [int(n) for n in args.scaling.split(",") if n]
     if scaling:
         order = {name: i for i, name in enumerate(systems)}

@@ -4,8 +4,11 @@ Owns: the libtorrent session settings of the baseline (what we changed from
 libtorrent's defaults, and why, is `SETTINGS_CHANGED`), adding the one torrent,
 introducing peers with `connect_peer` (no tracker, DHT, LSD or PEX needed) and
 reporting on stdout, one event per line:
-    ready              listening, torrent added (leechers: paused until `go`)
-    done <monotonic>   every piece downloaded and hash-checked (leechers)
+    ready                     listening, torrent added (leechers: paused until `go`)
+    done <monotonic> <stall>  every piece downloaded and hash-checked (leechers); stall: the
+                              longest gap, in seconds, between `go` or a piece passing its hash
+                              check and the next one (libtorrent's own alert timestamps), i.e.
+                              the longest the leecher went without progress while it lacked pieces
 Reads commands on stdin: `go` (start), `quit` (stop seeding, exit).
 Must not import anything but the standard library and libtorrent (it starts
 once per node, so it must start fast), and must not run past --limit-s.
@@ -34,7 +37,8 @@ SETTINGS_CHANGED = {
     "enable_outgoing_utp": (False, "TCP only: uTP's LEDBAT backs off on the tbf queueing delay"),
     "enable_incoming_utp": (False, "TCP only (as above)"),
     "rate_limit_ip_overhead": (False, "no libtorrent limit is set, so nothing to count overhead against"),
-    "alert_mask": (None, "status + error alerts, to see torrent_finished at once"),
+    "alert_mask": (None, "status + error + piece progress alerts: torrent_finished at once, "
+                         "piece_finished for the stall"),
 }
 # Unchanged on purpose: upload_rate_limit = download_rate_limit = 0 (unlimited): tc is the only limit.
 # Changed outside the settings pack: the peer-class filter (every address in the global class,
@@ -43,7 +47,8 @@ SETTINGS_CHANGED = {
 
 def session_settings(ip: str, unchoke_slots: int) -> dict:
     s = {name: value for name, (value, _) in SETTINGS_CHANGED.items() if value is not None}
-    s["alert_mask"] = int(lt.alert.category_t.status_notification | lt.alert.category_t.error_notification)
+    c = lt.alert.category_t
+    s["alert_mask"] = int(c.status_notification | c.error_notification | c.piece_progress_notification)
     s["listen_interfaces"] = f"{ip}:{PORT}"
     s["upload_rate_limit"] = 0
     s["download_rate_limit"] = 0
@@ -85,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if _read_command(deadline) != "go":
         return 1
+    gaps = PieceGaps(time.time())   # the alerts' timestamps are wall-clock (system_clock)
     handle.resume()
     if a.role == "leech":
         for p in filter(None, a.peers.split(",")):
@@ -93,13 +99,29 @@ def main(argv: list[str] | None = None) -> int:
     done = a.role == "seed"
     while time.monotonic() < deadline:
         ses.wait_for_alert(20)
-        finished = any(isinstance(al, lt.torrent_finished_alert) for al in ses.pop_alerts())
+        finished = False
+        for al in ses.pop_alerts():
+            finished |= isinstance(al, lt.torrent_finished_alert)
+            if isinstance(al, lt.piece_finished_alert):
+                gaps.piece_at(al.timestamp().timestamp())
         if not done and (finished or handle.status().is_seeding):
-            print(f"done {time.monotonic():.6f}", flush=True)
+            print(f"done {time.monotonic():.6f} {gaps.longest:.3f}", flush=True)
             done = True
         if _stdin_ready(0) and sys.stdin.readline().strip() in ("quit", ""):
             return 0
     return 0 if done else 2
+
+
+class PieceGaps:
+    """The longest time between the start and a piece passing its hash check, or between two such pieces."""
+
+    def __init__(self, start: float):
+        self.last = start
+        self.longest = 0.0
+
+    def piece_at(self, t: float) -> None:
+        self.longest = max(self.longest, t - self.last)
+        self.last = max(self.last, t)
 
 
 def _wait_listening(ses, deadline: float) -> None:

@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 from bench.netemu import Host, Topology, wait_listening
-from bench.wan_runner import Payload, RunFailed, RunResult, SystemUnavailable, keep_logs, log_tails
+from bench.wan_runner import Faults, Payload, RunFailed, RunResult, SystemUnavailable, keep_logs, log_tails
 
 TRACKER_PORT, ORIGIN_PORT, NODE_PORT = 7700, 7701, 7702
 POLL_S = 0.2   # status polls: the times come from the nodes' own timeline, so this only paces the bench
@@ -69,21 +69,6 @@ def unavailable_reason() -> str | None:
     except ImportError as e:
         return f"patchswarm.node.client.NodeClient is missing ({e})"
     return None
-
-
-@dataclasses.dataclass(frozen=True)
-class Faults:
-    """Gateways that die mid-transfer: `kill_at` s after the version is announced
-    (the first node learned of it), SIGKILL the first gateway (by the plan's
-    weight) of version 1 in each region other than the origin's; `restart_at`
-    s after the announcement (None: never), start the one of the first remote
-    region again on its data dir, as a supervisor would."""
-
-    kill_at: float
-    restart_at: float | None = None
-
-    def label(self) -> str:
-        return f"kill@{self.kill_at:g}s" + ("" if self.restart_at is None else f",restart@{self.restart_at:g}s")
 
 
 class PatchswarmRunner:
@@ -234,23 +219,11 @@ class PatchswarmRunner:
     def _fault_schedule(self, topo: Topology, logs: Path, polled: dict):
         """The fault events as a function of seconds since the announcement: each call runs those due."""
         from patchswarm.node.client import NodeClient
-        from patchswarm.protocol.picker import WAN_GATEWAYS
-        from patchswarm.protocol.responsibility import gateways, gateway_weight
 
-        victims = []
-        for r in range(topo.spec.regions):
-            if r == topo.spec.origin_region:
-                continue
-            names = [h.name for h in topo.nodes_in(r)]
-            gws = gateways((1, False), names, WAN_GATEWAYS)
-            if gws:
-                victims.append(max(gws, key=lambda m: (gateway_weight(m, (1, False)), m)))
+        victims = first_gateways(topo)
         self._killed = victims
         hosts = {h.name: h for h in topo.nodes}
-        f = self.faults
-        events = [(f.kill_at, "kill", v) for v in victims]
-        if f.restart_at is not None and victims:
-            events.append((f.restart_at, "restart", victims[0]))
+        events = self.faults.events(victims)
 
         def run_due(since: float) -> None:
             while events and events[0][0] <= since:
@@ -281,6 +254,23 @@ class PatchswarmRunner:
             proc = topo.spawn(host, argv, stdin=subprocess.DEVNULL, stdout=err, stderr=subprocess.STDOUT)
         self._pids[host.name] = proc.pid    # `ip netns exec` execs the command: the same pid
         return proc
+
+
+def first_gateways(topo: Topology) -> list[str]:
+    """The fault victims: in each region other than the origin's, the first gateway (by the
+    plan's weight) of version 1's patch, the node that takes the most of it across the WAN.
+    Node ids are the host names, so the same names serve any system on the topology."""
+    from patchswarm.protocol.picker import WAN_GATEWAYS
+    from patchswarm.protocol.responsibility import gateway_weight, gateways
+
+    victims = []
+    for r in range(topo.spec.regions):
+        if r == topo.spec.origin_region:
+            continue
+        gws = gateways((1, False), [h.name for h in topo.nodes_in(r)], WAN_GATEWAYS)
+        if gws:
+            victims.append(max(gws, key=lambda m: (gateway_weight(m, (1, False)), m)))
+    return victims
 
 
 def _poll_until(clients: dict, done, what: str, deadline: float, unavailable: type, seen=None, tick=None,

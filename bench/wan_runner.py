@@ -3,7 +3,8 @@
 Owns: the payload (two consecutive served bf16 checkpoints of a generated model
 and the real patch between them, cached on disk by parameters), the result of
 one run (`RunResult`: times, bytes moved, ratios against the patch and the
-lower bound), the runner interface every system implements, the exception
+lower bound), the fault schedule (`Faults`: which nodes die and come back
+when, whatever the system), the runner interface every system implements, the exception
 that says a system cannot run here, and reading line events from the
 processes a runner starts. Must not build networks (bench/netemu.py) or know
 any one system (bench/wan_libtorrent.py, bench/wan_patchswarm.py).
@@ -120,6 +121,27 @@ class RunResult:
         return self.moved.host_tx["origin"] / self.patch_bytes
 
 
+@dataclasses.dataclass(frozen=True)
+class Faults:
+    """Nodes that die mid-transfer: `kill_at` s after the clock starts, SIGKILL each
+    victim (the runner is given them: one per region other than the origin's);
+    `restart_at` s after it (None: never), start the first victim again on its data,
+    as a supervisor would."""
+
+    kill_at: float
+    restart_at: float | None = None
+
+    def label(self) -> str:
+        return f"kill@{self.kill_at:g}s" + ("" if self.restart_at is None else f",restart@{self.restart_at:g}s")
+
+    def events(self, victims: list[str]) -> list[tuple[float, str, str]]:
+        """(seconds from the start, "kill" | "restart", node name), in time order."""
+        out = [(self.kill_at, "kill", v) for v in victims]
+        if self.restart_at is not None and victims:
+            out.append((self.restart_at, "restart", victims[0]))
+        return sorted(out, key=lambda e: e[0])
+
+
 class Runner(Protocol):
     """A system under test. `run` starts its processes with `topo.spawn` (so they die with it)."""
 
@@ -137,8 +159,19 @@ class LineEvents:
 
     def __init__(self, procs: dict[str, subprocess.Popen]):
         self._by_fd = {p.stdout.fileno(): name for name, p in procs.items()}
-        self._procs = procs
+        self._procs = dict(procs)
         self._partial = {name: b"" for name in procs}
+
+    def drop(self, name: str) -> None:
+        """Stop reading `name` (a process killed on purpose): its exit is no error, its unread lines are gone."""
+        self._by_fd = {fd: n for fd, n in self._by_fd.items() if n != name}
+        self._partial[name] = b""
+
+    def add(self, name: str, proc: subprocess.Popen) -> None:
+        """Read `proc` as `name` from now on (a process started again under a dropped name)."""
+        self.drop(name)
+        self._by_fd[proc.stdout.fileno()] = name
+        self._procs[name] = proc
 
     def next(self, deadline: float) -> tuple[str, str] | None:
         """The next (name, line); None at the deadline. A child that exits is an error."""

@@ -137,3 +137,40 @@ def test_patchswarm_crosses_the_wan_about_once(payload):
     # origin sent it about once: its region's nodes forward it, the remote one fetches from them.
     assert payload.patch_bytes <= r.moved.wan_in[1] <= 1.3 * payload.patch_bytes, r.moved
     assert r.moved.host_tx["origin"] <= 1.5 * payload.patch_bytes, r.moved
+
+
+def test_fault_schedule_kills_every_victim_then_restarts_the_first():
+    from bench.wan_runner import Faults
+
+    assert Faults(1.0, 3.0).events(["n1.2", "n2.0"]) == [(1.0, "kill", "n1.2"), (1.0, "kill", "n2.0"),
+                                                         (3.0, "restart", "n1.2")]
+    assert Faults(1.0).events(["n1.2"]) == [(1.0, "kill", "n1.2")]
+    assert Faults(0.5, 0.2).events(["a"]) == [(0.2, "restart", "a"), (0.5, "kill", "a")]  # as given, in time order
+
+
+def test_libtorrent_stall_is_the_longest_gap_between_pieces_from_the_start():
+    pytest.importorskip("libtorrent", reason="libtorrent (dev extra) is not installed")
+    from bench.wan_libtorrent_peer import PieceGaps
+
+    g = PieceGaps(10.0)
+    for t in (10.4, 10.5, 11.2, 11.1, 11.3):   # alerts of one batch may be out of order
+        g.piece_at(t)
+    assert g.longest == pytest.approx(0.7)
+    assert PieceGaps(5.0).longest == 0.0
+
+
+@needs_netns
+def test_libtorrent_with_a_leecher_killed_and_restarted_delivers_to_the_others(payload):
+    pytest.importorskip("libtorrent", reason="libtorrent (dev extra) is not installed")
+    from bench.wan_libtorrent import LibtorrentRunner
+    from bench.wan_runner import Faults
+
+    slow = netemu.WanSpec(regions=2, nodes_per_region=2, wan_mbit=2.0, lan_mbit=LAN_MBIT)  # the patch: ~0.5 s
+    with netemu.Topology(slow) as topo:
+        r = LibtorrentRunner(faults=Faults(0.1, 0.3), victims=lambda t: [t.nodes_in(1)[0].name]).run(
+            topo, payload, limit_s=60)
+        victim = topo.nodes_in(1)[0].name
+    assert set(r.per_node_s) == {h.name for h in topo.nodes} - {victim}   # times over the leechers never killed
+    assert set(r.stall_s) == set(r.per_node_s)
+    assert all(0 <= s <= r.seconds for s in r.stall_s.values())
+    assert any(f"restarted and complete: {{'{victim}'" in n for n in r.notes), r.notes
