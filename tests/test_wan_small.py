@@ -174,3 +174,23 @@ def test_libtorrent_with_a_leecher_killed_and_restarted_delivers_to_the_others(p
     assert set(r.stall_s) == set(r.per_node_s)
     assert all(0 <= s <= r.seconds for s in r.stall_s.values())
     assert any(f"restarted and complete: {{'{victim}'" in n for n in r.notes), r.notes
+
+
+def test_asked_report_finds_a_node_that_asked_nobody_while_lacking_chunks():
+    from bench.wan_asked import read_log
+
+    def at(s: float, text: str) -> str:
+        return f"2026-12-04T18:00:{s:06.3f}+00:00 node n1.2 {text}"
+
+    lines = [at(0.0, "INFO version 1 announced: patch, 3 chunks, 9 bytes"),
+             at(0.1, "DEBUG request chunk 0 of v1 patch from n1.1"),
+             at(0.5, "DEBUG chunk 0 of v1 patch from n1.1 (node, region r1), 3 B, 0.4 s after the request"),
+             at(1.5, "DEBUG request chunk 1 of v1 patch from n1.3"),     # 1.0 s with nothing asked
+             at(1.6, "DEBUG request chunk 2 of v1 patch from n1.3"),
+             at(1.7, "DEBUG chunk 1 of v1 patch from n1.3 (node, region r1), 3 B, 0.2 s after the request"),
+             at(3.7, "DEBUG chunk 2 of v1 patch from n1.3 (node, region r1), 3 B, 2.1 s after the request"),
+             at(9.0, "DEBUG request chunk 0 of v2 patch from n1.3")]
+    held, n, unasked, gap = read_log(lines)
+    assert (held, n) == (3, 3)
+    assert unasked == pytest.approx(1.0)    # the stall of issue 26: lacking chunks, asking nobody
+    assert gap == pytest.approx(2.0)        # waiting on a request in flight: a gap, not unasked
