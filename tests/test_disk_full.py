@@ -14,25 +14,21 @@ Each needs root to mount the tmpfs, and is skipped with the reason otherwise.
 
 from __future__ import annotations
 
-import hashlib
-import time
-
 import pytest
 import torch
 import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from patchswarm.node.client import NodeError
 from patchswarm.node.spool import TrajectorySpool
 from patchswarm.node.store import ObjectStore
 from patchswarm.node.trainer.trajstore import TrajectoryReader, TrajectoryStore
-from patchswarm.protocol import localapi
 from patchswarm.protocol.errors import DiskFull
 from patchswarm.protocol.manifest import sign_manifest
 from patchswarm.protocol.patch import diff
 from patchswarm.protocol.publication import manifest_of
 from patchswarm.protocol.trajectory import Record
 
+import diskfaults
 import smalldisk
 from smalldisk import SmallDisk, leftovers
 
@@ -124,3 +120,16 @@ def test_origin_store_commit_on_a_full_disk_is_not_acked_and_the_resend_is_store
         seqs = [r.seq for r in TrajectoryReader(disk.path / "trajectories").iter_records()]
         assert leftovers(disk.path) == []
     assert seqs == [1, 2, 3] and summary["duplicates_dropped"] == 0
+
+
+# ================================================================ real processes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario", sorted(diskfaults.SCENARIOS))
+def test_a_full_disk_is_survived_bit_exact_with_nothing_lost_or_left_behind(tmp_path, scenario):
+    """Before: the node or origin died with a traceback (spool, trajectory store), dropped the
+    peer that sent a good chunk, left temporaries, or skipped a checkpoint for good."""
+    out = diskfaults.SCENARIOS[scenario](tmp_path)
+    assert out.survived, out
+    assert (out.lost, out.duplicated, out.leftovers) == (0, 0, []), out
