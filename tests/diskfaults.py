@@ -46,7 +46,7 @@ class Outcome:
 
 
 def checkpoints() -> tuple[dict[str, torch.Tensor], ...]:
-    return rl_checkpoints("tiny", 1e-5, 2)
+    return rl_checkpoints("tiny", 1e-5, 3)
 
 
 def _poll(what: str, check, timeout: float = WAIT_S, every: float = 0.2):
@@ -154,6 +154,33 @@ def node_base_write(root: Path, trial: int = 0) -> Outcome:
     return out
 
 
+def node_compaction(root: Path, trial: int = 0) -> Outcome:
+    """The node's disk holds the next patches but not a compaction's copy of the base."""
+    out, states = Outcome("node disk full during a compaction (base rewrite)"), checkpoints()
+    expected = [served(s, torch.bfloat16) for s in states]
+    state_bytes = sum(t.numel() * t.element_size() for t in expected[0].values())
+    watch = root / "watch"
+    with SmallDisk(root / "n", DISK_BYTES) as disk, SwarmLab(root) as lab:
+        lab.start_tracker()
+        origin = lab.start_origin(watch=watch, extra=ORIGIN_ARGS)
+        node = lab.start_node("n", extra=["--compact-every", "2"])
+        write_checkpoint(watch, "step0000.safetensors", states[0])
+        lab.wait_version([node], 0, timeout=WAIT_S)
+        _poll("the first base", lambda: node.status()["base_version"] == 0)
+        disk.fill(leave=state_bytes // 2)  # patches fit, a second copy of the state does not
+        for v in (1, 2):
+            write_checkpoint(watch, f"step{v:04d}.safetensors", states[v])
+        lab.wait_log(node, r"disk full: could not write the compacted base at version 2", timeout=WAIT_S)
+        lab.wait_version([node], 2, timeout=WAIT_S)
+        st = node.status()
+        assert st["disk_full"] and st["base_version"] == 0, st
+        disk.free()
+        _poll("the compaction once space returned", lambda: node.status()["base_version"] == 2)
+        write_checkpoint(watch, "step0003.safetensors", states[3])
+        _finish(out, lab, [node], origin, expected, 3, [disk.path])
+    return out
+
+
 def node_spool_appends(root: Path, trial: int = 0) -> Outcome:
     """The node's disk is full while a rollout worker submits trajectories."""
     out, states = Outcome("node disk full during trajectory spool appends"), checkpoints()
@@ -232,6 +259,7 @@ def origin_trajectory_commits(root: Path, trial: int = 0) -> Outcome:
 SCENARIOS = {
     "node-chunks": node_chunk_writes,
     "node-base": node_base_write,
+    "node-compaction": node_compaction,
     "node-spool": node_spool_appends,
     "origin-publish": origin_publish_chunk_writes,
     "origin-trajectories": origin_trajectory_commits,
