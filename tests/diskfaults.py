@@ -13,6 +13,7 @@ is bounded. Needs root (mount); callers check `smalldisk.available()` first.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import time
 from pathlib import Path
@@ -69,7 +70,7 @@ def _payloads(trial: int) -> list[bytes]:
     return [bytes([trial % 251, i]) * (RECORD_BYTES // 2) for i in range(RECORDS)]
 
 
-def _submit_all(node, payloads: list[bytes], retry_until: float | None = None) -> tuple[int, list[bytes]]:
+def _submit_all(node, payloads: list[bytes]) -> tuple[int, list[bytes]]:
     """Submit each payload as a rollout worker would; returns (disk_full refusals, payloads refused)."""
     refused, left = 0, []
     with node.client() as c:
@@ -92,15 +93,50 @@ def _count(sent: list[bytes], stored: list[bytes]) -> tuple[int, int]:
     return lost, dup
 
 
-def _finish(out: Outcome, lab, nodes, origin, expected, version: int, disk_dirs: list[Path]) -> Outcome:
-    lab.wait_version(nodes, version, timeout=WAIT_S)
-    bad = [p.name for p in [*nodes, origin] if not same_bits(load_weights(p), expected[version])]
-    out.lost += len(bad)
-    out.leftovers = [f"{d.name}/{f}" for d in disk_dirs for f in leftovers(d)]
-    alive = all(p.alive() for p in lab.procs)
-    out.survived = alive and not bad
-    out.detail += f"; not bit-exact: {bad}" if bad else ""
-    return out
+@dataclasses.dataclass
+class Run:
+    """One scenario's swarm: a tracker, an origin watching `watch`, node `n`, one member on `disk`."""
+    out: Outcome
+    states: tuple
+    expected: list
+    watch: Path
+    disk: SmallDisk
+    lab: SwarmLab
+    origin: object = None
+    node: object = None
+
+    def publish(self, *versions: int) -> None:
+        for v in versions:
+            write_checkpoint(self.watch, f"step{v:04d}.safetensors", self.states[v])
+
+    def finish(self, version: int) -> Outcome:
+        """Publish `version`, wait for it, and fill in what the run ended with."""
+        out, lab = self.out, self.lab
+        self.publish(version)
+        lab.wait_version([self.node], version, timeout=WAIT_S)
+        bad = [p.name for p in (self.node, self.origin) if not same_bits(load_weights(p), self.expected[version])]
+        out.lost += len(bad)
+        out.leftovers = [f"{self.disk.path.name}/{f}" for f in leftovers(self.disk.path)]
+        out.survived = all(p.alive() for p in lab.procs) and not bad
+        out.detail += f"; not bit-exact: {bad}" if bad else ""
+        return out
+
+
+@contextlib.contextmanager
+def _swarm(root: Path, fault: str, on: str, node_extra=(), first_version: bool = True):
+    """`on`: whose data dir ("n" or "origin") is the small disk. `first_version`: version 0
+    reaches the node before the scenario starts."""
+    states = checkpoints()
+    expected = [served(s, torch.bfloat16) for s in states]
+    with SmallDisk(root / on, DISK_BYTES) as disk, SwarmLab(root) as lab:
+        run = Run(Outcome(fault), states, expected, root / "watch", disk, lab)
+        lab.start_tracker()
+        run.origin = lab.start_origin(watch=run.watch, extra=ORIGIN_ARGS)
+        run.node = lab.start_node("n", extra=list(node_extra))
+        if first_version:
+            run.publish(0)
+            lab.wait_version([run.node], 0, timeout=WAIT_S)
+        yield run
 
 
 # ================================================================ scenarios
@@ -108,152 +144,102 @@ def _finish(out: Outcome, lab, nodes, origin, expected, version: int, disk_dirs:
 
 def node_chunk_writes(root: Path, trial: int = 0) -> Outcome:
     """The node's disk is full when the first version's chunks arrive."""
-    out, states = Outcome("node disk full during chunk writes"), checkpoints()
-    expected = [served(s, torch.bfloat16) for s in states]
-    watch = root / "watch"
-    with SmallDisk(root / "n", DISK_BYTES) as disk, SwarmLab(root) as lab:
-        lab.start_tracker()
-        origin = lab.start_origin(watch=watch, extra=ORIGIN_ARGS)
-        node = lab.start_node("n")
-        disk.fill(leave=8192)
-        write_checkpoint(watch, "step0000.safetensors", states[0])
-        lab.wait_log(node, r"disk full: could not write (chunk|the manifest)", timeout=WAIT_S)
-        st = node.status()
+    with _swarm(root, "node disk full during chunk writes", "n", first_version=False) as run:
+        run.disk.fill(leave=8192)
+        run.publish(0)
+        run.lab.wait_log(run.node, r"disk full: could not write (chunk|the manifest)", timeout=WAIT_S)
+        st = run.node.status()
         assert st["disk_full"] and st["version"] is None, st
         assert any(p["role"] == "origin" for p in st["peers"]), f"the origin stays a peer: {st['peers']}"
-        disk.free()
-        lab.wait_version([node], 0, timeout=WAIT_S)
-        write_checkpoint(watch, "step0001.safetensors", states[1])
-        _finish(out, lab, [node], origin, expected, 1, [disk.path])
-        assert not node.status()["disk_full"]
-    return out
+        run.disk.free()
+        run.lab.wait_version([run.node], 0, timeout=WAIT_S)
+        run.finish(1)
+        assert not run.node.status()["disk_full"]
+    return run.out
 
 
 def node_base_write(root: Path, trial: int = 0) -> Outcome:
     """The node's disk holds the first version's chunks but not its base (the state written whole)."""
-    out, states = Outcome("node disk full during the weights (base) write"), checkpoints()
-    expected = [served(s, torch.bfloat16) for s in states]
-    state_bytes = sum(t.numel() * t.element_size() for t in expected[0].values())
-    watch = root / "watch"
-    with SmallDisk(root / "n", DISK_BYTES) as disk, SwarmLab(root) as lab:
-        lab.start_tracker()
-        origin = lab.start_origin(watch=watch, extra=ORIGIN_ARGS)
-        node = lab.start_node("n")
-        disk.fill(leave=state_bytes * 3 // 2)  # the keyframe's chunks fit, a second copy does not
-        write_checkpoint(watch, "step0000.safetensors", states[0])
-        lab.wait_log(node, r"disk full: could not write the base at version 0", timeout=WAIT_S)
-        lab.wait_version([node], 0, timeout=WAIT_S)  # applied: durable as its keyframe object meanwhile
-        st = node.status()
+    with _swarm(root, "node disk full during the weights (base) write", "n", first_version=False) as run:
+        state_bytes = sum(t.numel() * t.element_size() for t in run.expected[0].values())
+        run.disk.fill(leave=state_bytes * 3 // 2)  # the keyframe's chunks fit, a second copy does not
+        run.publish(0)
+        run.lab.wait_log(run.node, r"disk full: could not write the base at version 0", timeout=WAIT_S)
+        run.lab.wait_version([run.node], 0, timeout=WAIT_S)  # applied: durable as its keyframe object meanwhile
+        st = run.node.status()
         assert st["disk_full"] and st["base_version"] is None, st
-        assert leftovers(disk.path) == [], "the failed base write removed its temporary"
-        disk.free()
-        _poll("the base written once space returned", lambda: node.status()["base_version"] == 0)
-        write_checkpoint(watch, "step0001.safetensors", states[1])
-        write_checkpoint(watch, "step0002.safetensors", states[2])
-        _finish(out, lab, [node], origin, expected, 2, [disk.path])
-    return out
+        assert leftovers(run.disk.path) == [], "the failed base write removed its temporary"
+        run.disk.free()
+        _poll("the base written once space returned", lambda: run.node.status()["base_version"] == 0)
+        run.publish(1)
+        run.finish(2)
+    return run.out
 
 
 def node_compaction(root: Path, trial: int = 0) -> Outcome:
     """The node's disk holds the next patches but not a compaction's copy of the base."""
-    out, states = Outcome("node disk full during a compaction (base rewrite)"), checkpoints()
-    expected = [served(s, torch.bfloat16) for s in states]
-    state_bytes = sum(t.numel() * t.element_size() for t in expected[0].values())
-    watch = root / "watch"
-    with SmallDisk(root / "n", DISK_BYTES) as disk, SwarmLab(root) as lab:
-        lab.start_tracker()
-        origin = lab.start_origin(watch=watch, extra=ORIGIN_ARGS)
-        node = lab.start_node("n", extra=["--compact-every", "2"])
-        write_checkpoint(watch, "step0000.safetensors", states[0])
-        lab.wait_version([node], 0, timeout=WAIT_S)
-        _poll("the first base", lambda: node.status()["base_version"] == 0)
-        disk.fill(leave=state_bytes // 2)  # patches fit, a second copy of the state does not
-        for v in (1, 2):
-            write_checkpoint(watch, f"step{v:04d}.safetensors", states[v])
-        lab.wait_log(node, r"disk full: could not write the compacted base at version 2", timeout=WAIT_S)
-        lab.wait_version([node], 2, timeout=WAIT_S)
-        st = node.status()
+    with _swarm(root, "node disk full during a compaction (base rewrite)", "n",
+                node_extra=["--compact-every", "2"]) as run:
+        _poll("the first base", lambda: run.node.status()["base_version"] == 0)
+        state_bytes = sum(t.numel() * t.element_size() for t in run.expected[0].values())
+        run.disk.fill(leave=state_bytes // 2)  # patches fit, a second copy of the state does not
+        run.publish(1, 2)
+        run.lab.wait_log(run.node, r"disk full: could not write the compacted base at version 2", timeout=WAIT_S)
+        run.lab.wait_version([run.node], 2, timeout=WAIT_S)
+        st = run.node.status()
         assert st["disk_full"] and st["base_version"] == 0, st
-        disk.free()
-        _poll("the compaction once space returned", lambda: node.status()["base_version"] == 2)
-        write_checkpoint(watch, "step0003.safetensors", states[3])
-        _finish(out, lab, [node], origin, expected, 3, [disk.path])
-    return out
+        run.disk.free()
+        _poll("the compaction once space returned", lambda: run.node.status()["base_version"] == 2)
+        run.finish(3)
+    return run.out
 
 
 def node_spool_appends(root: Path, trial: int = 0) -> Outcome:
     """The node's disk is full while a rollout worker submits trajectories."""
-    out, states = Outcome("node disk full during trajectory spool appends"), checkpoints()
-    expected = [served(s, torch.bfloat16) for s in states]
-    watch = root / "watch"
     sent = _payloads(trial)
-    with SmallDisk(root / "n", DISK_BYTES) as disk, SwarmLab(root) as lab:
-        lab.start_tracker()
-        origin = lab.start_origin(watch=watch, extra=ORIGIN_ARGS)
-        node = lab.start_node("n")
-        write_checkpoint(watch, "step0000.safetensors", states[0])
-        lab.wait_version([node], 0, timeout=WAIT_S)
-        disk.fill(leave=0)
-        refused, left = _submit_all(node, sent)
+    with _swarm(root, "node disk full during trajectory spool appends", "n") as run:
+        run.disk.fill(leave=0)
+        refused, left = _submit_all(run.node, sent)
         assert refused == len(sent), f"a full disk refuses every submit ({refused} of {len(sent)})"
-        assert node.status()["spool"]["disk_full"]
-        disk.free()
-        refused, left = _submit_all(node, left)  # the worker's retry
+        assert run.node.status()["spool"]["disk_full"]
+        run.disk.free()
+        refused, left = _submit_all(run.node, left)  # the worker's retry
         assert not left, f"{refused} refused after space returned"
-        _poll("every trajectory at the origin", lambda: len(_records(origin)) >= len(sent))
-        _poll("the node's spool drained", lambda: node.status()["spool"]["records"] == 0)
-        out.lost, out.duplicated = _count(sent, _records(origin))
-        write_checkpoint(watch, "step0001.safetensors", states[1])
-        _finish(out, lab, [node], origin, expected, 1, [disk.path])
-    return out
+        _poll("every trajectory at the origin", lambda: len(_records(run.origin)) >= len(sent))
+        _poll("the node's spool drained", lambda: run.node.status()["spool"]["records"] == 0)
+        run.out.lost, run.out.duplicated = _count(sent, _records(run.origin))
+        run.finish(1)
+    return run.out
 
 
 def origin_publish_chunk_writes(root: Path, trial: int = 0) -> Outcome:
     """The origin's disk is full while it writes a new version's chunks (--watch)."""
-    out, states = Outcome("origin disk full during a publish's chunk writes"), checkpoints()
-    expected = [served(s, torch.bfloat16) for s in states]
-    watch = root / "watch"
-    with SmallDisk(root / "origin", DISK_BYTES) as disk, SwarmLab(root) as lab:
-        lab.start_tracker()
-        origin = lab.start_origin(watch=watch, extra=ORIGIN_ARGS)
-        node = lab.start_node("n")
-        write_checkpoint(watch, "step0000.safetensors", states[0])
-        lab.wait_version([node], 0, timeout=WAIT_S)
-        disk.fill(leave=0)
-        write_checkpoint(watch, "step0001.safetensors", states[1])
-        lab.wait_log(origin, r"disk full: could not write the objects of version 1", timeout=WAIT_S)
+    with _swarm(root, "origin disk full during a publish's chunk writes", "origin") as run:
+        run.disk.fill(leave=0)
+        run.publish(1)
+        run.lab.wait_log(run.origin, r"disk full: could not write the objects of version 1", timeout=WAIT_S)
         time.sleep(1.0)
-        assert node.status()["latest_version"] == 0, "a version the origin could not write is never announced"
-        assert origin.alive()
-        disk.free()
-        write_checkpoint(watch, "step0002.safetensors", states[2])
-        _finish(out, lab, [node], origin, expected, 2, [disk.path])
-    return out
+        assert run.node.status()["latest_version"] == 0, "a version the origin could not write is never announced"
+        assert run.origin.alive()
+        run.disk.free()
+        run.finish(2)
+    return run.out
 
 
 def origin_trajectory_commits(root: Path, trial: int = 0) -> Outcome:
     """The origin's disk is full when the node's trajectories arrive."""
-    out, states = Outcome("origin disk full during trajectory commits"), checkpoints()
-    expected = [served(s, torch.bfloat16) for s in states]
-    watch = root / "watch"
     sent = _payloads(trial)
-    with SmallDisk(root / "origin", DISK_BYTES) as disk, SwarmLab(root) as lab:
-        lab.start_tracker()
-        origin = lab.start_origin(watch=watch, extra=ORIGIN_ARGS)
-        node = lab.start_node("n")
-        write_checkpoint(watch, "step0000.safetensors", states[0])
-        lab.wait_version([node], 0, timeout=WAIT_S)
-        disk.fill(leave=0)
-        refused, _ = _submit_all(node, sent)
+    with _swarm(root, "origin disk full during trajectory commits", "origin") as run:
+        run.disk.fill(leave=0)
+        refused, _ = _submit_all(run.node, sent)
         assert refused == 0
-        lab.wait_log(origin, r"disk full: could not write \d+ trajectory records", timeout=WAIT_S)
-        assert node.status()["spool"]["records"] > 0, "nothing the origin could not store is acked"
-        disk.free()
-        _poll("the node's spool drained", lambda: node.status()["spool"]["records"] == 0)
-        out.lost, out.duplicated = _count(sent, _records(origin))
-        write_checkpoint(watch, "step0001.safetensors", states[1])
-        _finish(out, lab, [node], origin, expected, 1, [disk.path])
-    return out
+        run.lab.wait_log(run.origin, r"disk full: could not write \d+ trajectory records", timeout=WAIT_S)
+        assert run.node.status()["spool"]["records"] > 0, "nothing the origin could not store is acked"
+        run.disk.free()
+        _poll("the node's spool drained", lambda: run.node.status()["spool"]["records"] == 0)
+        run.out.lost, run.out.duplicated = _count(sent, _records(run.origin))
+        run.finish(1)
+    return run.out
 
 
 SCENARIOS = {
