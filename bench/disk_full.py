@@ -46,8 +46,8 @@ def main(argv=None) -> int:
             with tempfile.TemporaryDirectory(prefix=f"disk-full-{name}-") as d:
                 try:
                     out = fn(Path(d), trial)
-                except AssertionError as e:  # a check inside the run: not survived
-                    out = diskfaults.Outcome(name, detail=str(e).splitlines()[0][:200])
+                except Exception as e:  # a check inside the run failed, or the run itself: not survived
+                    out = diskfaults.Outcome(name, detail=f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
                 fault = out.fault if out.fault != name else fault
                 ok = out.survived and not out.lost and not out.duplicated and not out.leftovers
                 survived += ok
