@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import torch  # noqa: E402
 
-from swarmlab import (Proc, Submitter, SwarmLab, dump, exactly_once, load_weights, same_bits,  # noqa: E402
+from swarmlab import (Proc, Submitter, SwarmLab, dump, exactly_once, load_weights, same_bits, summary,  # noqa: E402
                       wait_spools_empty, write_checkpoint)
 from synthetic import rl_checkpoints, served  # noqa: E402
 
@@ -58,7 +58,7 @@ FAULTS = {"apply": "node SIGKILL mid-apply", "upload": "node SIGKILL mid-upload"
 # Small chunks: a tiny model's patch still spans several, so a kill after the first lands mid-apply.
 ORIGIN_ARGS = ["--chunk-bytes", "2048", "--segment-elements", "1024"]
 HOLD_S = 30.0  # a hold only has to outlast the kill; the origin's is shorter (it holds again on restart)
-PUBLISH_HOLD_S = 4.0
+PUBLISH_HOLD_S = 6.0
 TIMEOUT_S = 120.0
 
 
@@ -214,9 +214,10 @@ def node_mid_upload(root: Path, trials: int, hold: float) -> Outcome:
         try:
             wait_spools_empty(lab, [node], timeout=TIMEOUT_S)
             counts = exactly_once(dump(origin), [worker])
+            resent = summary(origin)["duplicates_dropped"]  # > 0: the kills made the node send again
         except AssertionError as e:
             out.failures.append(f"end: {str(e)[:2000]}")
-            counts = {"acked_missing": len(worker.acked), "stored_twice": 0, "stray": 0}
+            counts, resent = {"acked_missing": len(worker.acked), "stored_twice": 0, "stray": 0}, None
         left = leftovers(node, kills[-1].at) + leftovers(origin, kills[-1].at) if kills else []
     out.lost = counts["acked_missing"] + counts["stored_twice"]
     out.leftovers = len(left)
@@ -224,7 +225,8 @@ def node_mid_upload(root: Path, trials: int, hold: float) -> Outcome:
         out.failures.append(f"records nobody submitted: {counts['stray']}; leftovers {left}")
     # Survival is judged once, at the end: while the holds are armed the spool cannot drain.
     out.survived = len(kills) if not out.lost and not out.failures else 0
-    print(f"  upload: {len(worker.acked)} records acked, {len(worker.unacked)} unacked; {counts}", file=sys.stderr)
+    print(f"  upload: {len(worker.acked)} records acked, {len(worker.unacked)} unacked; {counts}; "
+          f"{resent} resent records dropped by the origin as duplicates", file=sys.stderr)
     return out
 
 

@@ -4,7 +4,7 @@
 starts `python -m patchswarm.node.cli tracker|origin|node` with logs in files, finds
 their addresses in their logs, and stops every process it started (SIGTERM,
 then SIGKILL) when closed. Every wait is bounded in time. For trajectories:
-`Submitter` (a rollout worker), `dump` (the origin's store), `exactly_once`.
+`Submitter` (a rollout worker), `dump` and `summary` (the origin's store), `exactly_once`.
 """
 
 from __future__ import annotations
@@ -245,12 +245,21 @@ def load_weights(p: Proc) -> dict[str, torch.Tensor]:
     return w.state
 
 
-def dump(origin) -> list[dict]:
-    """Every trajectory record in the origin's store, in arrival order (`trajectories --dump`)."""
-    r = subprocess.run([sys.executable, "-m", "patchswarm.node.cli", "trajectories", "--data-dir", origin.data_dir, "--dump"],
+def _trajectories(origin, flag: str) -> str:
+    r = subprocess.run([sys.executable, "-m", "patchswarm.node.cli", "trajectories", "--data-dir", origin.data_dir, flag],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    return [json.loads(line) for line in r.stdout.splitlines()]
+    return r.stdout
+
+
+def dump(origin) -> list[dict]:
+    """Every trajectory record in the origin's store, in arrival order (`trajectories --dump`)."""
+    return [json.loads(line) for line in _trajectories(origin, "--dump").splitlines()]
+
+
+def summary(origin) -> dict:
+    """The origin's store in numbers (`trajectories --json`): records, by_node, duplicates_dropped..."""
+    return json.loads(_trajectories(origin, "--json"))
 
 
 def wait_spools_empty(lab: SwarmLab, nodes, timeout: float = 120.0) -> None:

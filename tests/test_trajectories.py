@@ -9,26 +9,16 @@ from __future__ import annotations
 
 import pytest
 import base64
-import json
 import random
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 from patchswarm.node.client import NodeClient
-from swarmlab import ROOT, SwarmLab, Submitter, dump, wait_spools_empty
+from swarmlab import SwarmLab, Submitter, dump, summary, wait_spools_empty
 
 pytestmark = pytest.mark.slow  # real processes
-
-
-def summary(origin) -> dict:
-    r = subprocess.run([sys.executable, "-m", "patchswarm.node.cli", "trajectories", "--data-dir", origin.data_dir, "--json"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout)
 
 
 def test_every_acknowledged_record_arrives_exactly_once_through_kills(tmp_path):
