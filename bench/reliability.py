@@ -137,6 +137,12 @@ def _say(out: Outcome, v: int, what: str) -> None:
     print(f"  {out.scenario} trial {v}: {what}", file=sys.stderr, flush=True)
 
 
+def _tally(out: Outcome, v: int, landed: bool, problems: list[str]) -> None:
+    out.landed += landed
+    out.survived += not problems
+    _say(out, v, f"{'landed' if landed else 'NOT landed'}; {', '.join(problems) or 'bit-exact, clean'}")
+
+
 def _check_weights(out: Outcome, members: list[Proc], expected: dict, kill_at: float) -> list[str]:
     """Bit-exact and clean; counts a member not bit-exact as data lost."""
     problems = []
@@ -151,18 +157,29 @@ def _check_weights(out: Outcome, members: list[Proc], expected: dict, kill_at: f
     return problems
 
 
+def _at_version_0(lab: SwarmLab, watch: Path, ckpts, nodes: list[str], tracker_port: int = 0):
+    """A tracker, an origin watching `watch` and `nodes`, every node at version 0 (a keyframe)."""
+    tracker = lab.start_tracker(port=tracker_port)
+    origin = lab.start_origin(watch=watch, extra=ORIGIN_ARGS)
+    members = [lab.start_node(name) for name in nodes]
+    write_checkpoint(watch, "step0000.safetensors", ckpts[0])
+    lab.wait_version(members, 0, timeout=TIMEOUT_S)
+    return tracker, origin, members
+
+
+def _arm(lab: SwarmLab, p: Proc, env: dict[str, str]) -> None:
+    """Restart `p` (SIGTERM: not a trial) with failpoints armed from then on."""
+    p.env = env
+    lab.kill(p, signal.SIGTERM)
+    lab.restart(p)
+
+
 def node_mid_apply(root: Path, trials: int, hold: float, ckpts) -> Outcome:
     out = Outcome("apply")
     watch = root / "watch"
     with SwarmLab(root) as lab:
-        lab.start_tracker()
-        lab.start_origin(watch=watch, extra=ORIGIN_ARGS)
-        node = lab.start_node("n")
-        write_checkpoint(watch, "step0000.safetensors", ckpts[0])
-        lab.wait_version([node], 0, timeout=TIMEOUT_S)
-        node.env = failpoints(apply_written=hold)  # armed from the first restart on
-        lab.kill(node, signal.SIGTERM)  # not a trial
-        lab.restart(node)
+        _, _, (node,) = _at_version_0(lab, watch, ckpts, ["n"])
+        _arm(lab, node, failpoints(apply_written=hold))  # not at version 0: a keyframe's apply holds too
 
         def trial(v: int) -> None:
             offset = len(node.text())
@@ -171,9 +188,7 @@ def node_mid_apply(root: Path, trials: int, hold: float, ckpts) -> Outcome:
             lab.restart(node)  # holds still armed: a restart replays the stored patch, it does not hold
             lab.wait_version([node], v, timeout=TIMEOUT_S)
             problems = _check_weights(out, [node], served(ckpts[v], torch.bfloat16), k.at)
-            out.landed += k.landed
-            out.survived += not problems
-            _say(out, v, f"{'landed' if k.landed else 'NOT landed'}; {', '.join(problems) or 'bit-exact, clean'}")
+            _tally(out, v, k.landed, problems)
 
         for v in range(1, trials + 1):
             if not _trial(out, v, lambda: trial(v)):
@@ -234,14 +249,8 @@ def origin_mid_publish(root: Path, trials: int, hold: float, ckpts) -> Outcome:
     out = Outcome("publish")
     watch = root / "watch"
     with SwarmLab(root) as lab:
-        lab.start_tracker()
-        origin = lab.start_origin(watch=watch, extra=ORIGIN_ARGS)
-        origin.env = failpoints(publish_written=hold)  # armed from the first restart on
-        nodes = [lab.start_node(f"n{i}") for i in range(2)]
-        write_checkpoint(watch, "step0000.safetensors", ckpts[0])
-        lab.wait_version(nodes, 0, timeout=TIMEOUT_S)
-        lab.kill(origin, signal.SIGTERM)  # not a trial: the restart arms the failpoint
-        lab.restart(origin)
+        _, origin, nodes = _at_version_0(lab, watch, ckpts, ["n0", "n1"])
+        _arm(lab, origin, failpoints(publish_written=hold))
 
         def heard_of(v: int) -> list[str]:
             return [p.name for p in nodes if (p.status()["latest_version"] or 0) >= v]
@@ -257,9 +266,7 @@ def origin_mid_publish(root: Path, trials: int, hold: float, ckpts) -> Outcome:
             if early:
                 out.lost += 1  # a version heard of before it was whole: a half-announcement
                 problems.append(f"{early} heard of version {v} before the restart")
-            out.landed += k.landed
-            out.survived += not problems
-            _say(out, v, f"{'landed' if k.landed else 'NOT landed'}; {', '.join(problems) or 'bit-exact, clean'}")
+            _tally(out, v, k.landed, problems)
 
         for v in range(1, trials + 1):
             if not _trial(out, v, lambda: trial(v)):
@@ -278,11 +285,7 @@ def tracker_at_random(root: Path, trials: int, ckpts, seed: int) -> Outcome:
     rng = random.Random(seed)
     watch = root / "watch"
     with SwarmLab(root) as lab:
-        tracker = lab.start_tracker(port=_free_port())  # restarts listen on the same port
-        lab.start_origin(watch=watch, extra=ORIGIN_ARGS)
-        nodes = [lab.start_node(f"n{i}") for i in range(2)]
-        write_checkpoint(watch, "step0000.safetensors", ckpts[0])
-        lab.wait_version(nodes, 0, timeout=TIMEOUT_S)
+        tracker, _, nodes = _at_version_0(lab, watch, ckpts, ["n0", "n1"], _free_port())  # restarts: same port
 
         def trial(v: int) -> None:
             write_checkpoint(watch, f"step{v:04d}.safetensors", ckpts[v])
@@ -294,9 +297,7 @@ def tracker_at_random(root: Path, trials: int, ckpts, seed: int) -> Outcome:
             lab.restart(tracker)
             lab.wait_version(nodes, v, timeout=TIMEOUT_S)
             problems = _check_weights(out, nodes, served(ckpts[v], torch.bfloat16), at)
-            out.landed += landed
-            out.survived += not problems
-            _say(out, v, ", ".join(problems) or "bit-exact, clean")
+            _tally(out, v, landed, problems)
 
         for v in range(1, trials + 1):
             if not _trial(out, v, lambda: trial(v)):
