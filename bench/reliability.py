@@ -106,9 +106,19 @@ def kill_at_failpoint(lab: SwarmLab, p: Proc, point: str, hold: float, after: in
     return Kill(at, at - stamped < hold and not done)
 
 
-def leftovers(p: Proc, before: float) -> list[str]:
+def leftovers(p: Proc, before: float, settle: float = 2.0) -> list[str]:
     """What an interrupted write left in `p`'s data dir: temporaries last written before
-    `before` (the kill), and object folders without a manifest (call with nothing in flight)."""
+    `before` (the kill), and object folders without a manifest (call with nothing in flight),
+    still there `settle` s later: a folder the member is deleting right now (a compaction
+    drops the patches it folded) is not left over."""
+    found = _unfinished(p, before)
+    if found:
+        time.sleep(settle)
+        found = [f for f in _unfinished(p, before) if f in found]
+    return found
+
+
+def _unfinished(p: Proc, before: float) -> list[str]:
     out = []
     for f in p.data_dir.rglob("*"):
         try:
@@ -116,7 +126,7 @@ def leftovers(p: Proc, before: float) -> list[str]:
                 out.append(str(f.relative_to(p.data_dir)))
             elif f.parent.name == "objects" and f.is_dir() and not (f / "manifest").exists():
                 out.append(str(f.relative_to(p.data_dir)) + "/ (no manifest)")
-        except FileNotFoundError:  # a live member renamed it meanwhile
+        except FileNotFoundError:  # a live member renamed or deleted it meanwhile
             pass
     return out
 
