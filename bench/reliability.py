@@ -82,10 +82,9 @@ class Outcome:
         return not self.lost and not self.leftovers and not self.failures and self.survived == self.trials
 
 
-def failpoints(**points: float) -> dict[str, str]:
-    """The environment that arms node/failpoints.py: `failpoints(apply_written=30)`."""
-    spec = ",".join(f"{name.replace('_', '.')}=sleep:{s:g}" for name, s in points.items())
-    return {"PATCHSWARM_FAILPOINTS": spec}
+def failpoint(name: str, hold: float) -> dict[str, str]:
+    """The environment that arms one point of node/failpoints.py for `hold` s."""
+    return {"PATCHSWARM_FAILPOINTS": f"{name}=sleep:{hold:g}"}
 
 
 @dataclasses.dataclass
@@ -193,7 +192,7 @@ def node_mid_apply(root: Path, trials: int, hold: float, ckpts) -> Outcome:
     watch = root / "watch"
     with SwarmLab(root) as lab:
         _, _, (node,) = _at_version_0(lab, watch, ckpts, ["n"])
-        _arm(lab, node, failpoints(apply_written=hold))  # not at version 0: a keyframe's apply holds too
+        _arm(lab, node, failpoint("apply.written", hold))  # not at version 0: a keyframe's apply holds too
 
         def trial(v: int) -> None:
             offset = len(node.text())
@@ -217,7 +216,7 @@ def node_mid_upload(root: Path, trials: int, hold: float) -> Outcome:
     with SwarmLab(root) as lab:
         lab.start_tracker()
         origin = lab.start_origin()
-        node = lab.start_node("n", env=failpoints(**{points[0].replace(".", "_"): hold}))
+        node = lab.start_node("n", env=failpoint(points[0], hold))
         stop = threading.Event()
         worker = Submitter(node, stop, random.Random(1))
         worker.start()
@@ -229,7 +228,7 @@ def node_mid_upload(root: Path, trials: int, hold: float) -> Outcome:
             kills.append(k)
             out.landed += k.landed
             # The next trial's failpoint; none after the last, so the spool drains.
-            node.env = failpoints(**{points[(i + 1) % 2].replace(".", "_"): hold}) if i + 1 < trials else {}
+            node.env = failpoint(points[(i + 1) % 2], hold) if i + 1 < trials else {}
             offset = len(node.text())
             lab.restart(node)
             _say(out, i + 1, f"{points[i % 2]} {'landed' if k.landed else 'NOT landed'}; {len(worker.acked)} acked so far")
@@ -264,7 +263,7 @@ def origin_mid_publish(root: Path, trials: int, hold: float, ckpts) -> Outcome:
     watch = root / "watch"
     with SwarmLab(root) as lab:
         _, origin, nodes = _at_version_0(lab, watch, ckpts, ["n0", "n1"])
-        _arm(lab, origin, failpoints(publish_written=hold))
+        _arm(lab, origin, failpoint("publish.written", hold))
 
         def heard_of(v: int) -> list[str]:
             return [p.name for p in nodes if (p.status()["latest_version"] or 0) >= v]
