@@ -143,6 +143,9 @@ class Applier:
             self._nursery = nursery  # for compactions, which outlive one apply
             self._compact_if_due()  # a restart may resume with a long chain after the base
             while True:
+                if self._base_due and self.weights is not None and self.store.disk.may_retry():
+                    await self._write_base()  # one that failed (a full disk), again once the backoff allows
+                self._compact_if_due()
                 if self.fetcher.picker.origin_region is not None:
                     current_hash = None if self.weights is None else self.weights.state_hash
                     plan = [k for k in self.book.plan(self.version, current_hash) if k not in self.unusable]
@@ -208,7 +211,7 @@ class Applier:
     def _compact_if_due(self) -> None:
         w = self.weights
         if (w is None or self._base_due or self._compacting or self.durable.base is None
-                or not self.durable.due(w.version)):
+                or not self.durable.due(w.version) or not self.store.disk.may_retry()):
             return
         self._compacting = True
         self._nursery.start_soon(self._compact, w.version, w.state_hash)
@@ -224,10 +227,10 @@ class Applier:
             # On the apply path on purpose: the state must not change while it is written.
             await trio.to_thread.run_sync(self.durable.write_base, w)
             self._base_due = False
-        except OSError as e:
-            log.error("could not write the base at version %d (%s); the stored chain keeps every version "
-                      "since version %s, retrying after the next version", w.version, one_line(e),
-                      None if self.durable.base is None else self.durable.base.version)
+            self.store.disk.succeeded()
+        except OSError as e:  # node/diskspace.py logs it; `run` tries again
+            self.store.disk.failed(f"the base at version {w.version} (the stored objects keep every version "
+                                   f"since {'the first' if self.durable.base is None else self.durable.base.version})", e)
 
     async def _compact(self, version: int, target_hash: str) -> None:
         """Fold the patches since the base into a new base, below everything else's priority;
@@ -235,9 +238,14 @@ class Applier:
         try:
             await run_low_priority(lambda: self.durable.compact(version, target_hash, self.apply_threads),
                                    COMPACT_NICE, name="patchswarm-compact")
-        except (PatchswarmError, OSError) as e:
+        except OSError as e:  # node/diskspace.py logs it; `_compact_if_due` tries again
+            self.store.disk.failed(f"the compacted base at version {version} (the base stays at version "
+                                   f"{self.durable.base.version} and the chain is kept)", e)
+        except PatchswarmError as e:
             log.error("compaction to version %d failed (%s); the base stays at version %s and the chain is kept",
                       version, one_line(e), self.durable.base.version if self.durable.base else None)
+        else:
+            self.store.disk.succeeded()
         finally:
             self._compacting = False
         if self._base_due and self.weights is not None:
