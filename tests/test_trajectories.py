@@ -32,7 +32,9 @@ def test_every_acknowledged_record_arrives_exactly_once_through_kills(tmp_path):
         for w in workers:
             w.start()
         victims = [origin, *nodes]
-        kills = [origin, *(rng.choice(victims) for _ in range(7))]  # the origin at least once
+        # The origin at least once. Four kills at random moments: the kills that land exactly
+        # between the origin's commit and the node's ack are bench/reliability.py's (20 of them).
+        kills = [origin, *(rng.choice(victims) for _ in range(3))]
         rng.shuffle(kills)
         for victim in kills:
             time.sleep(rng.uniform(0.5, 2.0))
