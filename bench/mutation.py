@@ -48,10 +48,12 @@ ROOT = Path(__file__).resolve().parents[1]
 # module (protocol/<name>.py) -> the fast tests that exercise it
 MODULE_TESTS: dict[str, list[str]] = {
     "versions": ["tests/test_versions.py"],
-    "manifest": ["tests/test_versions.py", "tests/test_revocation.py", "tests/test_store.py"],
-    "trajectory": ["tests/test_trajectory_storage.py", "tests/test_uploader.py"],
+    "manifest": ["tests/test_versions.py", "tests/test_revocation.py", "tests/test_store.py", "tests/test_trust.py"],
+    "trajectory": ["tests/test_trajectory_storage.py", "tests/test_trajectory_bounds.py", "tests/test_uploader.py"],
     "wire": ["tests/test_wire.py"],
     "picker": ["tests/test_picker.py", "tests/test_picker_swarm.py", "tests/test_fetcher.py"],
+    # the picker's piece state: no tests of its own, the picker's tests drive it
+    "piecestate": ["tests/test_picker.py", "tests/test_picker_swarm.py", "tests/test_fetcher.py"],
     "responsibility": ["tests/test_responsibility.py", "tests/test_picker.py"],
     "patchformat": ["tests/test_codec.py"],
     "patchencode": ["tests/test_codec.py", "tests/test_streaming_encode.py"],

@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from patchswarm.node.net import trust
 from patchswarm.node.net.tlsstream import TLSSocketStream
 from patchswarm.protocol.errors import CorruptData, InvalidInput, SignatureError, UsageError
-from patchswarm.protocol.manifest import (Manifest, chunk_ok, decode_manifest, encode_manifest,
-                               sign_manifest, verify_manifest)
+from patchswarm.protocol.manifest import (MAX_CHUNKS, Manifest, ObjKey, chunk_ok, decode_manifest, describe,
+                                          encode_manifest, sign_manifest, verify_manifest)
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = Ed25519PrivateKey.generate()
@@ -150,6 +150,43 @@ def test_manifest_fields_are_checked():
         manifest(chunks=[(3, b"short")])
     with pytest.raises(UsageError):
         manifest(codec={1: "x"})
+
+
+@pytest.mark.parametrize("field, value", [
+    ("tensors", [["w", "bf16", [4, -1]]]),  # a negative dimension
+    ("tensors", [["w", "bf16", [4, 2.0]]]),  # a dimension that is not an int
+    ("chunks", [(-1, bytes(32))]),  # a negative size
+    ("chunks", [(1, "a" * 32)]),  # a digest of the right length that is not bytes
+    ("codec", {"n": -(2**63) - 1}),  # ints msgpack cannot carry
+    ("codec", {"n": 2**64}),
+])
+def test_manifest_entries_out_of_range_are_refused(field, value):
+    with pytest.raises(UsageError, match=f"manifest {field}"):
+        manifest(**{field: value})
+
+
+def test_manifest_bounds_are_inclusive():
+    m = manifest(tensors=[["w", "bf16", [0, 4]]], chunks=[(0, bytes(32))], codec={"lo": -(2**63), "hi": 2**64 - 1})
+    assert decode_manifest(encode_manifest(m)) == m
+
+
+def test_chunk_count_is_bounded_by_max_chunks():
+    entry = (0, bytes(32))
+    assert len(manifest(chunks=[entry] * MAX_CHUNKS).chunks) == MAX_CHUNKS
+    with pytest.raises(UsageError, match=f"at most {MAX_CHUNKS}, found {MAX_CHUNKS + 1}"):
+        manifest(chunks=[entry] * (MAX_CHUNKS + 1))
+
+
+def test_malformed_envelope_and_magic_are_named():
+    body = msgpack.packb(["wrong magic"] + [0] * 9)
+    with pytest.raises(CorruptData, match="found 'wrong magic'"):
+        verify_manifest(msgpack.packb([body, KEY.sign(body)]), KEY.public_key())
+    with pytest.raises(CorruptData, match="at most 2 elements"):
+        verify_manifest(msgpack.packb([body, KEY.sign(body), b""]), KEY.public_key())
+
+
+def test_describe_names_version_and_kind():
+    assert (describe(ObjKey(3, False)), describe(ObjKey(4, True))) == ("v3 patch", "v4 keyframe")
 
 
 def test_chunk_ok():
