@@ -52,8 +52,9 @@ MODULE_TESTS: dict[str, list[str]] = {
     "trajectory": ["tests/test_trajectory_storage.py", "tests/test_trajectory_bounds.py", "tests/test_uploader.py"],
     "wire": ["tests/test_wire.py"],
     "picker": ["tests/test_picker.py", "tests/test_picker_swarm.py", "tests/test_fetcher.py"],
-    # the picker's piece state: no tests of its own, the picker's tests drive it
-    "piecestate": ["tests/test_picker.py", "tests/test_picker_swarm.py", "tests/test_fetcher.py"],
+    # the picker's piece state: the picker's tests drive it through the policy
+    "piecestate": ["tests/test_piecestate.py", "tests/test_picker.py", "tests/test_picker_swarm.py",
+                   "tests/test_fetcher.py"],
     "responsibility": ["tests/test_responsibility.py", "tests/test_picker.py"],
     "patchformat": ["tests/test_codec.py"],
     "patchencode": ["tests/test_codec.py", "tests/test_streaming_encode.py"],
