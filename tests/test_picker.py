@@ -90,6 +90,12 @@ def test_wan_rates_must_be_positive_numbers(bad):
         PiecePicker("a", "r0", "r0", wan_rates=bad)
 
 
+def test_wan_rates_message_names_the_first_three_bad_rates():
+    with pytest.raises(UsageError) as raised:
+        PiecePicker("a", "r0", "r0", wan_rates={f"r{i}": 0 for i in range(5)})
+    assert "('r2', 0)]" in str(raised.value) and "r3" not in str(raised.value)
+
+
 def test_with_wan_rates_the_fast_region_never_pulls_through_the_slow_one():
     """Issue 26: about half of the 50 Mbit/s region's chunks came through the 20 Mbit/s one."""
     rates = {"r0": 100, "r1": 50, "r2": 20}
@@ -399,6 +405,19 @@ def test_fewest_in_flight_peer_gets_the_request():
     assert Counter(r.peer for r in reqs) == {"a": 4, "b": 4}
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_a_chunk_two_hold_goes_to_the_one_with_fewer_in_flight(seed):
+    # b holds every chunk, a only the one both hold: rarest first gives b the other three, so
+    # the shared chunk goes to a (4 slots free against b's 1), whatever the tie-break seed;
+    # then the endgame asks b for a second copy.
+    p = make("me", {"me": "r1", "a": "r1", "b": "r1"}, origin_region="r0", n=4, origin=False, seed=seed)
+    p.peer_has("b", KEY, range(4))
+    p.peer_has("a", KEY, [3])
+    reqs = p.requests(0.0)
+    assert asked(reqs[:3]) == {("b", 0), ("b", 1), ("b", 2)}
+    assert [(r.peer, r.chunk) for r in reqs[3:]] == [("a", 3), ("b", 3)]
+
+
 def test_rarest_first():
     members = {"me": "r1", "a": "r1", "b": "r1", "c": "r1"}
     p = make("me", members, origin_region="r0", n=6, origin=False, pipeline=1)
@@ -494,6 +513,8 @@ def test_complete_object_and_late_facts():
     (lambda p: p.peer_joined("x", "seeder", "r0"), UsageError),
     (lambda p: p.add_object(KEY, 3, now=0.0), UsageError),
     (lambda p: p.add_object((1, 0), 3, now=0.0), UsageError),
+    (lambda p: p.add_object((1, False, 0), 3, now=0.0), UsageError),
+    (lambda p: p.peer_joined("".join(["m", "e"]), NODE, "r0"), UsageError),  # me, as a str read off the wire
     (lambda p: p.add_object((2, False), 3, have=[3], now=0.0), UsageError),
     (lambda p: p.chunk_received(KEY, -1, OR), UsageError),
     (lambda p: p.missing((99, False)), UsageError),
