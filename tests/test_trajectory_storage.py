@@ -125,6 +125,15 @@ def test_damage_in_a_length_field_resyncs_at_the_next_entry():
     assert (p.kind, p.offset, p.end, p.tail) == ("corrupt", spans[1][0], spans[2][0], False)
 
 
+def test_a_torn_tail_says_how_far_its_entry_runs_past_the_end():
+    seg, spans = segment_of([rec(0, b"a" * 50), rec(1, b"b" * 50)])
+    scan = scan_records(seg[:-3])
+    assert [v.seq for _, v in scan.entries] == [0]
+    [p] = scan.problems
+    assert (p.kind, p.offset, p.tail) == ("torn", spans[1][0], True)
+    assert p.detail.endswith("runs 3 bytes past the end")
+
+
 def test_future_segment_version_is_refused_not_repaired():
     import zlib
     head = b"PSTRJSEG" + (2).to_bytes(4, "little")
@@ -191,6 +200,21 @@ def test_batch_limits_and_bomb_header():
         decode_batch(bomb)
 
 
+def test_a_batch_of_max_batch_bytes_round_trips_and_one_byte_more_is_refused():
+    def batch(size):  # two records, the second with a payload of `size` bytes
+        return [rec(0, b"\0" * (MAX_BATCH_BYTES // 2)), rec(1, b"\0" * size)]
+
+    def raw_bytes(recs):  # the array header (one byte for two), then each record's body
+        return 1 + sum(len(encode_record(r)) for r in recs)
+
+    probe = 1 << 20  # as large as the answer: the same bin header size
+    size = MAX_BATCH_BYTES - (raw_bytes(batch(probe)) - probe)
+    assert raw_bytes(batch(size)) == MAX_BATCH_BYTES
+    assert decode_batch(encode_batch(batch(size))) == batch(size)
+    with pytest.raises(UsageError, match=f"expected at most {MAX_BATCH_BYTES} bytes, found {MAX_BATCH_BYTES + 1}"):
+        encode_batch(batch(size + 1))
+
+
 def test_compressible_batches_shrink():
     recs = [rec(i, b"observation " * 80) for i in range(200)]
     assert len(encode_batch(recs)) < sum(len(r.payload) for r in recs) / 5
@@ -232,6 +256,16 @@ def test_seq_ranges_behave_like_a_set(ops):
     assert all((x in ranges) == (x in model) for x in range(-1, 215))
     rs = ranges.ranges()
     assert all(rs[i][1] < rs[i + 1][0] for i in range(len(rs) - 1))  # disjoint and not adjacent
+
+
+def test_seq_ranges_start_from_given_ranges_and_refuse_bad_ones():
+    ranges = SeqRanges([(5, 7), (0, 3), (3, 4)])
+    assert ranges.ranges() == [(0, 4), (5, 7)] and len(ranges) == 6
+    for a, b in [(5, 3), (-1, 2), (1.0, 2)]:
+        with pytest.raises(UsageError, match="expected 0 <= a <= b ints"):
+            ranges.add_range(a, b)
+    with pytest.raises(UsageError):
+        SeqRanges([(2, 1)])
 
 
 # ================================================================ spool
