@@ -3,6 +3,7 @@
 import random
 
 import hypothesis.strategies as st
+import msgpack
 import numpy as np
 import pytest
 import torch
@@ -14,7 +15,7 @@ from patchswarm.protocol.patch import Patch, apply, decode_chunk, diff, keyframe
 from patchswarm.protocol.statehash import state_hash
 
 from patchswarm.protocol.dtypes import BY_TORCH
-from patchswarm.protocol.patchformat import parse_chunk
+from patchswarm.protocol.patchformat import MAX_FULL_SEGMENT_BYTES, TensorSpec, parse_chunk
 
 DTYPES = list(BY_TORCH)  # every dtype the codec supports, so a new one is covered at once
 INT_OF = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -163,6 +164,74 @@ def test_each_dtype_with_specials_over_many_chunks_and_segments(dtype):
     state = {}
     apply(state, Patch.from_bytes(keyframe(target, chunk_bytes=300).to_bytes()))
     same(state, target)
+
+
+def test_a_class_without_changes_round_trips():
+    # Small weights and large ones, only the large ones changed: the window gives the small
+    # ones a class of their own, which carries no changes (its row is [0]).
+    g = torch.Generator().manual_seed(0)
+    w = torch.cat([torch.rand(8192, generator=g) * 1e-4, 1 + torch.rand(8192, generator=g)]).to(torch.bfloat16)
+    base, target = {"w": w}, {"w": w.clone()}
+    target["w"][8192::7] *= 1.01
+    p = Patch.from_bytes(diff(base, target).to_bytes())
+    rows = [row for c in p.chunks for seg in parse_chunk(c)[0] for row in seg.rows]
+    assert [0] in rows and any(row[0] for row in rows)
+    state = clone(base)
+    apply(state, p)
+    same(state, target)
+
+
+def test_a_patch_of_many_small_tensors_round_trips():
+    # more rows than the tensor table's allowance for its compressed size alone (64)
+    base = {f"layers.{i}.norm.bias": torch.zeros(3) for i in range(200)}
+    target = {k: v + 1 for k, v in base.items()}
+    p = Patch.from_bytes(diff(base, target).to_bytes())
+    assert len(p.tensors) == 200
+    state = clone(base)
+    apply(state, p)
+    same(state, target)
+
+
+@pytest.mark.parametrize("start, ok", [((1 << 63) - 2, True), (1 << 63, False)])
+def test_chunk_positions_are_bounded_by_int64(start, ok):
+    chunk = msgpack.unpackb(diff({"w": torch.zeros(8)}, {"w": torch.ones(8)}).chunks[0])
+    chunk["s"][0]["p"] = [[0, start, start + 1]]
+    data = msgpack.packb(chunk)
+    if ok:
+        assert parse_chunk(data)[0][0].pieces == [(0, start, start + 1)]
+    else:
+        with pytest.raises(CorruptData, match="a piece"):
+            parse_chunk(data)
+
+
+def test_a_full_segment_over_its_limit_is_refused_and_named():
+    chunk = msgpack.unpackb(keyframe({"w": torch.zeros(8, dtype=torch.bfloat16)}).chunks[0])
+    assert chunk["s"][0]["k"] == "f"
+    n = MAX_FULL_SEGMENT_BYTES // 2 + 1  # bf16 elements
+    chunk["s"][0]["p"] = [[0, 0, n]]
+    with pytest.raises(CorruptData, match=f"bytes of elements, found {2 * n}$"):
+        parse_chunk(msgpack.packb(chunk))
+
+
+@pytest.mark.parametrize("dim, ok", [((1 << 48) - 1, True), (1 << 48, False)])
+def test_table_dimensions_are_bounded(dim, ok):
+    p = diff({"w": torch.zeros(8)}, {"w": torch.ones(8)})
+    p.tensors = [TensorSpec("w", "fp32", (dim,))]
+    if ok:
+        assert Patch.from_bytes(p.to_bytes()).tensors[0].shape == (dim,)
+    else:
+        with pytest.raises(CorruptData, match="a dimension"):
+            Patch.from_bytes(p.to_bytes())
+
+
+def test_stats_count_every_stream_and_table_byte(real_pair):
+    p = diff(*real_pair, chunk_bytes=256, segment_elements=4096)
+    delta = [seg for c in p.chunks for seg in parse_chunk(c)[0] if seg.kind == "d"]
+    s = p.stats()
+    assert s["position_bytes"] + s["value_bytes"] == (sum(len(x) for seg in delta for x in seg.streams)
+                                                      + sum(len(row[-1]) for seg in delta for row in seg.rows if row[0]))
+    full = sum(t.numel for t in p.tensors if t.name in set(p.full))
+    assert 0 < s["value_bytes"] and s["changed"] == sum(row[0] for seg in delta for row in seg.rows) + full
 
 
 def test_special_values_round_trip():
