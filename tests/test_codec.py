@@ -7,7 +7,7 @@ import msgpack
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 
 from patchswarm.protocol import contexts, deltacode, ricecode, statehash
 from patchswarm.protocol.errors import AlreadyApplied, BaseMismatch, CorruptData, PatchswarmError, StateHashMismatch
@@ -15,6 +15,7 @@ from patchswarm.protocol.patch import Patch, apply, decode_chunk, diff, keyframe
 from patchswarm.protocol.statehash import state_hash
 
 from patchswarm.protocol.dtypes import BY_TORCH
+from patchswarm.protocol.patchencode import _plan_segments
 from patchswarm.protocol.patchformat import MAX_FULL_SEGMENT_BYTES, TensorSpec, parse_chunk
 
 DTYPES = list(BY_TORCH)  # every dtype the codec supports, so a new one is covered at once
@@ -222,6 +223,24 @@ def test_table_dimensions_are_bounded(dim, ok):
     else:
         with pytest.raises(CorruptData, match="a dimension"):
             Patch.from_bytes(p.to_bytes())
+
+
+@given(st.lists(st.tuples(st.integers(0, 30), st.sampled_from([torch.float32, torch.bfloat16])), max_size=12),
+       st.integers(1, 12))
+@example([(6, torch.float32), (5, torch.float32), (5, torch.float32), (1, torch.float32)], 10)
+def test_segments_hold_whole_pieces_of_one_dtype_up_to_their_size(tensors, max_elements):
+    state = {f"t{i:02}": torch.empty(n, dtype=dt) for i, (n, dt) in enumerate(tensors)}
+    segments = _plan_segments(state, sorted(state), max_elements)
+    pieces = [p for seg in segments for p in seg]
+    # every element once, in order; a piece within one tensor
+    assert pieces == sorted(pieces) and all(0 <= a < b <= state[name].numel() for name, a, b in pieces)
+    assert {name: sum(b - a for n, a, b in pieces if n == name) for name in state} == {
+        name: t.numel() for name, t in state.items()}
+    for seg, after in zip(segments, segments[1:] + [None]):
+        assert len({state[name].dtype for name, _, _ in seg}) == 1
+        assert sum(b - a for _, a, b in seg) <= max_elements
+        if after is not None and state[after[0][0]].dtype == state[seg[0][0]].dtype:  # filled before the next
+            assert sum(b - a for _, a, b in seg) + after[0][2] - after[0][1] > max_elements
 
 
 def test_stats_count_every_stream_and_table_byte(real_pair):
