@@ -7,7 +7,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from patchswarm.protocol.piecestate import MAX_UNKNOWN_INDICES, ObjectState, PendingFacts
+from patchswarm.protocol.piecestate import MAX_UNKNOWN_INDICES, ObjectState, PeerState, PendingFacts
 
 KEY = (3, False)
 
@@ -44,6 +44,36 @@ def test_unknown_single_chunks_are_bounded_per_peer():
     pending = PendingFacts()
     pending.add_unknown("a", KEY, None, range(MAX_UNKNOWN_INDICES + 5), whole=True)
     assert len(pending.take(KEY, 1 << 20)["a"][0]) == MAX_UNKNOWN_INDICES
+
+
+@pytest.mark.parametrize("kept", ["known", "unknown"])
+def test_only_facts_below_the_floor_are_dropped(kept):
+    pending = PendingFacts()
+    pending.forget_below(5)
+    for version in (4, 5, 6):
+        if kept == "known":
+            pending.add("a", (version, False), [0], whole=True)
+        else:
+            pending.add_unknown("a", (version, False), None, [0], whole=True)
+    assert [pending.take((v, False), 1) for v in (4, 5, 6)] == [{}, {"a": ({0}, set())}, {"a": ({0}, set())}]
+
+
+def test_an_announcement_repeating_a_chunk_still_adds_the_others():
+    obj = ObjectState(KEY, 8, set(), priority=0, added_at=0.0, rng=random.Random(1), coordinated=False)
+    obj.add_holders("a", [0], whole=True, fixed=0, tier_at=None, in_region=True)
+    obj.add_holders("a", [0, 1], whole=True, fixed=0, tier_at=None, in_region=True)
+    assert obj.sources == {0: {"a"}, 1: {"a"}} and obj.ready_of == {"a": {0, 1}}
+
+
+def test_a_failed_holder_back_after_leaving_is_no_source_of_that_chunk_only():
+    peers = {"a": PeerState("node", "r1")}
+    obj = ObjectState(KEY, 8, set(), priority=0, added_at=0.0, rng=random.Random(1), coordinated=False)
+    obj.add_holders("a", [0], whole=True, fixed=0, tier_at=None, in_region=True)
+    obj.failed[0] = {"a"}  # a request to it for chunk 0 failed (as the picker records it)
+    obj.forget_holder("a", lambda c, info: 0, peers)
+    obj.add_holders("a", [0, 1], whole=True, fixed=0, tier_at=None, in_region=True)
+    assert obj.holders[0] == obj.holders[1] == {"a"}
+    assert obj.sources == {1: {"a"}}
 
 
 @pytest.mark.parametrize("kept", ["known", "unknown"])

@@ -157,6 +157,10 @@ def test_manifest_fields_are_checked():
     ("tensors", [["w", "bf16", [4, 2.0]]]),  # a dimension that is not an int
     ("chunks", [(-1, bytes(32))]),  # a negative size
     ("chunks", [(1, "a" * 32)]),  # a digest of the right length that is not bytes
+    ("chunks", [(1, bytes(33))]),  # a digest too long
+    ("tensors", [["w", 5, [4]]]),  # a dtype that is not a str
+    ("base_hash", ""),
+    ("base_hash", 5),
     ("codec", {"n": -(2**63) - 1}),  # ints msgpack cannot carry
     ("codec", {"n": 2**64}),
 ])
