@@ -28,8 +28,8 @@ never evaluated and such a mutant cannot change behaviour.
 
 `--max-mutants N` takes a seeded sample of N mutants per module, the same ones for the
 same seed and source (the rest are recorded as skipped): on a 2-core machine a mutant
-costs one pytest start (torch import) plus the module's tests, seconds each. Survivors go to --out (default bench/.mutation/).
-Must not be imported by the package or the tests.
+costs one pytest start (torch import) plus the module's tests, seconds each. Survivors
+go to --out (default bench/.mutation/). Must not be imported by the package or the tests.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from patchswarm.protocol.patch import Patch, apply, decode_chunk, diff, keyframe
 from patchswarm.protocol.statehash import state_hash
 
 from patchswarm.protocol.dtypes import BY_TORCH
-from patchswarm.protocol.patchencode import _plan_segments
+from patchswarm.protocol.patchencode import _plan_segments, keyframe_chunks
 from patchswarm.protocol.patchformat import MAX_FULL_SEGMENT_BYTES, TensorSpec, parse_chunk
 
 DTYPES = list(BY_TORCH)  # every dtype the codec supports, so a new one is covered at once
@@ -241,6 +241,13 @@ def test_segments_hold_whole_pieces_of_one_dtype_up_to_their_size(tensors, max_e
         assert sum(b - a for _, a, b in seg) <= max_elements
         if after is not None and state[after[0][0]].dtype == state[seg[0][0]].dtype:  # filled before the next
             assert sum(b - a for _, a, b in seg) + after[0][2] - after[0][1] > max_elements
+
+
+def test_keyframe_progress_counts_segments_up_to_the_total():
+    state = {"a": torch.ones(4), "b": torch.ones(4, dtype=torch.bfloat16), "c": torch.ones(4, dtype=torch.float16)}
+    calls = []
+    chunks = list(keyframe_chunks(state, threads=1, progress=lambda done, total: calls.append((done, total))))
+    assert chunks and calls == [(1, 3), (2, 3), (3, 3)]  # one segment per dtype
 
 
 def test_stats_count_every_stream_and_table_byte(real_pair):

@@ -365,6 +365,27 @@ def test_endgame_duplicates_in_region_and_cancels():
     assert p.requests(0.0) == []  # every copy allowed is out
 
 
+def test_endgame_waits_until_every_missing_chunk_is_in_flight():
+    p = make("me", {"a": "r1", "b": "r1", "me": "r1"}, origin_region="r0", n=2, origin=False)
+    p.peer_has("a", KEY, [0])
+    p.peer_has("b", KEY, [0])  # chunk 1: nobody has it yet
+    assert [r.chunk for r in p.requests(0.0)] == [0]
+
+
+def test_the_peer_that_delivered_gets_no_cancel_whatever_str_object_names_it():
+    p = make("me", {"node-a": "r1", "node-b": "r1", "me": "r1"}, origin_region="r0", n=1, origin=False)
+    p.peer_has("node-a", KEY, [0])
+    p.peer_has("node-b", KEY, [0])
+    assert asked(p.requests(0.0)) == {("node-a", 0), ("node-b", 0)}  # a first copy and the endgame's second
+    assert p.chunk_received(KEY, 0, "".join(["node", "-a"])) == [Request("node-b", KEY, 0)]
+
+
+def test_a_bad_announcement_names_its_first_five_bad_indices():
+    p = make("me", {"me": "r0"})
+    with pytest.raises(ProtocolError, match=r"found \[16, 17, 18, 19, 20\]$"):
+        p.peer_has(OR, KEY, range(16, 30))
+
+
 def test_endgame_never_crosses_the_wan():
     c = _remote_chunk("a1", "r1")
     p = make("a1", THREE, n=REMOTE_N, pipeline=4)
