@@ -753,6 +753,19 @@ def test_takeover_takes_at_most_pipeline_per_idle_round():
     assert len(p.requests(1.0)) == 3
 
 
+def test_an_idle_round_takes_over_at_most_pipeline_chunks_over_all_objects():
+    # Two objects, every chunk stuck (the origin's region is mine, the origin not connected), and
+    # two other regions' nodes hold them all, with 6 free slots between them: still 3 a round.
+    members = {"a1": "r1", "b1": "r1", "x2": "r2", "x3": "r3"}
+    p = make("b1", members, n=40, origin_region="r1", takeover_after=1.0, pipeline=3, wan_pipeline=3, origin=False)
+    p.add_object((8, False), 40, now=0.0)
+    for key in (KEY, (8, False)):
+        for peer in ("x2", "x3"):
+            p.peer_has(peer, key, range(40))
+    assert p.requests(0.0) == []
+    assert len(p.requests(1.0)) == 3
+
+
 # --- one picker under random facts --------------------------------------------
 
 PEERS = {"o": (ORIGIN, "r0"), "x1": (NODE, "r1"), "y1": (NODE, "r1"), "x0": (NODE, "r0"),
