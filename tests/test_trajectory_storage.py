@@ -19,9 +19,10 @@ from hypothesis import strategies as st
 from patchswarm.node.spool import TrajectorySpool
 from patchswarm.node.trainer.trajstore import SegmentLog, TrajectoryReader, TrajectoryStore, list_segments, segment_path
 from patchswarm.protocol.errors import CorruptData, ProtocolError, SpoolFull, StorageFailed, UnsupportedFormat, UsageError
-from patchswarm.protocol.trajectory import (MAX_BATCH_BYTES, SEGMENT_HEADER_BYTES, DuplicatesNote, ReceivedRecord, Record,
-                                 SeqRanges, decode_batch, decode_payload, decode_record, encode_batch, encode_entry,
-                                 encode_payload, encode_record, scan_records, scan_segment, segment_header)
+from patchswarm.protocol.trajectory import (MAX_BATCH_BYTES, MAX_ID_CHARS, MAX_META_BYTES, SEGMENT_HEADER_BYTES,
+                                 DuplicatesNote, ReceivedRecord, Record, SeqRanges, bin_header, decode_batch,
+                                 decode_payload, decode_record, encode_batch, encode_entry, encode_payload, encode_record,
+                                 scan_records, scan_segment, seq_ranges, segment_header)
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -215,6 +216,17 @@ def test_a_batch_of_max_batch_bytes_round_trips_and_one_byte_more_is_refused():
         encode_batch(batch(size + 1))
 
 
+def test_ids_of_the_longest_utf8_round_trip():
+    r = Record("\U0001F600" * MAX_ID_CHARS, "\u00e9" * MAX_ID_CHARS, 1, 1, 0.0, b"", None)
+    assert decode_record(encode_record(r)) == r
+
+
+@pytest.mark.parametrize("n", [0, 255, 256, 65535, 65536, 1 << 20])
+def test_bin_header_is_msgpacks_own(n):
+    header = bin_header(n)
+    assert msgpack.packb(bytes(n), use_bin_type=True) == header + bytes(n)
+
+
 def test_compressible_batches_shrink():
     recs = [rec(i, b"observation " * 80) for i in range(200)]
     assert len(encode_batch(recs)) < sum(len(r.payload) for r in recs) / 5
@@ -236,7 +248,7 @@ def test_payload_rule_round_trips_objects_and_passes_bytes():
 def test_invalid_records_are_refused_at_encode():
     with pytest.raises(UsageError, match="payload: expected bytes"):
         encode_record(Record("n", "r", 1, 1, 0.0, "text", None))
-    with pytest.raises(UsageError, match="seq"):
+    with pytest.raises(UsageError, match="record.seq: expected a non-negative int below 2\\*\\*64, found int -1$"):
         encode_record(Record("n", "r", -1, 1, 0.0, b"", None))
     with pytest.raises(UsageError, match="msgpack-able"):
         encode_record(Record("n", "r", 1, 1, 0.0, b"", {"x": object()}))
@@ -256,6 +268,10 @@ def test_seq_ranges_behave_like_a_set(ops):
     assert all((x in ranges) == (x in model) for x in range(-1, 215))
     rs = ranges.ranges()
     assert all(rs[i][1] < rs[i + 1][0] for i in range(len(rs) - 1))  # disjoint and not adjacent
+
+
+def test_seq_ranges_of_seqs_merge_runs():
+    assert seq_ranges([7, 1, 2, 5, 6, 2]) == [(1, 3), (5, 8)]
 
 
 def test_seq_ranges_start_from_given_ranges_and_refuse_bad_ones():
