@@ -216,6 +216,20 @@ def test_a_batch_of_max_batch_bytes_round_trips_and_one_byte_more_is_refused():
         encode_batch(batch(size + 1))
 
 
+@pytest.mark.parametrize("received", [False, True])
+def test_meta_is_bounded_by_its_packed_size_alike_at_encode_and_decode(received):
+    def record(packed):  # {"m": bin16}: a fixmap byte, the key's two, the bin header's three
+        r = rec(1, meta={"m": bytes(packed - 6)})
+        return r.received(2.0) if received else r
+
+    assert decode_record(encode_record(record(MAX_META_BYTES))) == record(MAX_META_BYTES)
+    with pytest.raises(UsageError, match=f"at most {MAX_META_BYTES} packed bytes, found {MAX_META_BYTES + 1}$"):
+        encode_record(record(MAX_META_BYTES + 1))
+    if not received:  # a batch the origin would refuse whole must not be made
+        with pytest.raises(UsageError, match="packed bytes"):
+            encode_batch([record(MAX_META_BYTES + 1)])
+
+
 def test_ids_of_the_longest_utf8_round_trip():
     r = Record("\U0001F600" * MAX_ID_CHARS, "\u00e9" * MAX_ID_CHARS, 1, 1, 0.0, b"", None)
     assert decode_record(encode_record(r)) == r
