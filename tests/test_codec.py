@@ -250,6 +250,28 @@ def test_keyframe_progress_counts_segments_up_to_the_total():
     assert chunks and calls == [(1, 3), (2, 3), (3, 3)]  # one segment per dtype
 
 
+def test_a_one_class_row_of_another_size_is_refused_and_named():
+    base, target = {"w": torch.zeros(8)}, {"w": torch.ones(8)}
+    target["w"][3] = 0
+    p = diff(base, target)
+    chunk = msgpack.unpackb(p.chunks[0])
+    assert chunk["s"][0]["w"][1] == 1 and chunk["s"][0]["c"][0][:2] == [7, 8]  # one class: 7 changes of 8
+    chunk["s"][0]["c"][0][1] = 7
+    p.chunks[0] = msgpack.packb(chunk)
+    with pytest.raises(CorruptData, match="expected the segment's 8 elements, found 7$"):
+        apply(base, p)
+    assert torch.equal(base["w"], torch.zeros(8))
+
+
+def test_apply_without_the_compiled_kernel_gives_the_same_bits(real_pair, monkeypatch):
+    base, target = real_pair
+    p = Patch.from_bytes(diff(base, target).to_bytes())
+    monkeypatch.setattr(contexts, "KERNEL", None)  # the numpy path, as where _kernels did not build
+    state = clone(base)
+    apply(state, p)
+    same(state, target)
+
+
 def test_stats_count_every_stream_and_table_byte(real_pair):
     p = diff(*real_pair, chunk_bytes=256, segment_elements=4096)
     delta = [seg for c in p.chunks for seg in parse_chunk(c)[0] if seg.kind == "d"]
