@@ -4,6 +4,7 @@ import functools
 import hashlib
 import ssl
 import stat
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -63,6 +64,26 @@ def test_encoding_is_canonical():
     obj[8] = {"b": 1, "a": 2}
     with pytest.raises(CorruptData):
         decode_manifest(msgpack.packb(obj, use_bin_type=True))
+
+
+def test_a_narrower_encoding_of_the_same_manifest_is_refused():
+    body = encode_manifest(manifest(created_at=0.5))
+    assert body[-9:] == b"\xcb" + struct.pack(">d", 0.5)  # msgpack's float64, last
+    with pytest.raises(CorruptData, match="canonical"):
+        decode_manifest(body[:-9] + b"\xca" + struct.pack(">f", 0.5))  # the same value as float32
+
+
+def test_manifest_arrays_of_another_length_are_named():
+    obj = msgpack.unpackb(encode_manifest(manifest()))
+    for other in (obj[:-1], obj + [0]):
+        with pytest.raises(CorruptData, match="expected an array of 10"):
+            decode_manifest(msgpack.packb(other, use_bin_type=True))
+
+
+@pytest.mark.parametrize("base_version, base_hash", [(None, "sha256:" + "ab" * 32), (1, None)])
+def test_base_version_and_base_hash_come_together(base_version, base_hash):
+    with pytest.raises(UsageError, match="base_version/base_hash"):
+        manifest(base_version=base_version, base_hash=base_hash)
 
 
 def test_every_tampered_byte_is_caught():
