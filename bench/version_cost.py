@@ -23,11 +23,13 @@ changes its bits), or `--dense` of them in the dense variant. Per version:
 
 Prints one table per size, then each column's growth from the smallest to
 the largest size as a log-log slope (1.0: linear in the model; 0: flat) and
-the targets as ratios from the same run. A size costs about 3x its bytes
-of memory in this process and 1x in each member; check `free -g` first.
+the targets as ratios from the same run. A size costs about 1x its bytes
+of memory in this process (plus its largest tensor) and 1x in each member;
+check `free -g` first.
 
     .venv/bin/python bench/version_cost.py [--sizes 0.5,1,2] [--versions 4] [--nodes 2]
-        [--changed 0.0066] [--dense 0.3] [--handoff] [--work DIR]
+        [--changed 0.0066] [--dense 0.3] [--handoff] [--work DIR] [--json FILE]
+    .venv/bin/python bench/version_cost.py --from-json FILE   # the report of a saved run
 """
 
 from __future__ import annotations
@@ -100,12 +102,15 @@ def llama_shaped(gib: float, seed: int = 0) -> tuple[dict[str, torch.Tensor], di
     return state, {n: f"model-{s:05d}-of-{total:05d}.safetensors" for n, s in layout.items()}
 
 
-def step(state: dict[str, torch.Tensor], fraction: float, g: torch.Generator) -> int:
+def step(state: dict[str, torch.Tensor], fraction: float, g: torch.Generator) -> tuple[int, float]:
     """Change about `fraction` of the elements in place as an fp32 update rounded to bf16
     would: the chosen elements move by ~3 % (several bf16 ulps), the rest stay. Returns
-    the number of elements whose bits changed."""
-    changed = 0
+    the number of elements whose bits changed, and the yardstick: the time of a torch.ne
+    over both versions' bit views, tensor by tensor (best of 2 each), so this process
+    holds one tensor's previous version at a time, not a second state."""
+    changed, compare = 0, 0.0
     for t in state.values():
+        before = t.clone()
         flat = t.view(-1)
         k = max(1, int(flat.numel() * fraction))
         idx = torch.randint(0, flat.numel(), (k,), generator=g)
@@ -113,18 +118,14 @@ def step(state: dict[str, torch.Tensor], fraction: float, g: torch.Generator) ->
         upd = flat[idx].float() * (1 + 0.03 * torch.randn(k, generator=g)) + 1e-4 * torch.randn(k, generator=g)
         flat[idx] = upd.to(torch.bfloat16)
         changed += int((flat[idx].view(torch.int16) != old).sum())
-    return changed
-
-
-def compare_s(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    """The yardstick: a torch.ne over both versions' bit views (best of 2)."""
-    best = math.inf
-    for _ in range(2):
-        t0 = time.perf_counter()
-        for n in a:
-            torch.ne(a[n].view(torch.int16), b[n].view(torch.int16)).sum()
-        best = min(best, time.perf_counter() - t0)
-    return best
+        best = math.inf
+        for _ in range(2):
+            t0 = time.perf_counter()
+            torch.ne(before.view(torch.int16), t.view(torch.int16)).sum()
+            best = min(best, time.perf_counter() - t0)
+        compare += best
+        del before
+    return changed, compare
 
 
 # ------------------------------------------------------------------ processes
@@ -211,15 +212,9 @@ def run_size(gib: float, args, work: Path) -> dict:
             n.wait_listening()
         g = torch.Generator().manual_seed(1)
         rows = []
-        prev = None
         for v in range(args.versions + 1):
             dense = args.dense if (args.dense and v == args.versions) else None
-            changed = 0
-            if v > 0:
-                prev = {k: t.clone() for k, t in state.items()}
-                changed = step(state, dense or args.changed, g)
-            cmp_s = compare_s(prev, state) if prev is not None else None
-            prev = None  # only the yardstick needs it
+            changed, cmp_s = step(state, dense or args.changed, g) if v > 0 else (0, None)
             before = {m.name: m.io_written() for m in members}
             tmp = watch / f".v{v:04d}.partial"
             save_state(state, tmp, layout)
@@ -289,7 +284,7 @@ def _mean(xs):
 
 def summary(res: dict) -> dict:
     patches = [r for r in res["rows"] if r["kind"] == "patch"]
-    s = {k: _mean([r[k] for r in patches]) for k in
+    s = {k: _mean([r.get(k) for r in patches]) for k in
          ("patch_B", "compare_s", "origin_publish_s", "origin_written_B", "node_fetch_s", "node_apply_s",
           "node_written_B", "publish_to_applied_s", "dir_write_s", "dir_written_B", "publish_to_engine_s")}
     s.update({"state_GB": res["state_bytes"] / 1e9, "node_rss_x": res["node_rss"] / res["state_bytes"],
@@ -364,15 +359,28 @@ def main() -> None:
                     help="one more node with the directory hand-off (--on-version true: an engine that answers "
                          "at once): its write time, bytes and publish->engine")
     ap.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temporary one)")
+    ap.add_argument("--json", type=Path, default=None,
+                    help="also write every size's measurements here as each size finishes")
+    ap.add_argument("--from-json", type=Path, default=None,
+                    help="print the report of an earlier run's --json file instead of running")
     args = ap.parse_args()
+    if args.from_json:
+        saved = json.loads(args.from_json.read_text())
+        print(saved["header"])
+        report(saved["results"])
+        return
     root = Path(args.work or tempfile.mkdtemp(prefix="version-cost-"))
     results = []
+    header = (f"{args.nodes} nodes, {args.versions} patch versions of {args.changed:.2%} changed"
+              + (f", dense variant {args.dense:.0%}" if args.dense else ""))
     for gib in [float(x) for x in args.sizes.split(",")]:
         print(f"size {gib:g} GiB ...", file=sys.stderr, flush=True)
         results.append(run_size(gib, args, root / f"{gib:g}GiB"))
+        if args.json:  # a long run's measurements survive whatever happens after them
+            args.json.write_text(json.dumps({"header": f"{time.strftime('%Y-%m-%d %H:%M')}  {header}",
+                                             "results": results}))
     print(f"\n{time.strftime('%Y-%m-%d %H:%M')}  load average {os.getloadavg()[0]:.1f}, {os.cpu_count()} cores; "
-          f"{args.nodes} nodes, {args.versions} patch versions of {args.changed:.2%} changed"
-          + (f", dense variant {args.dense:.0%}" if args.dense else ""))
+          f"{header}")
     report(results)
 
 

@@ -31,7 +31,7 @@ from patchswarm.protocol.patchdecode import touched_tensors
 from patchswarm.protocol.publication import ObjKey, describe, patch_of
 from patchswarm.protocol.versions import NEW, VersionBook
 
-from patchswarm.node import failpoints
+from patchswarm.node import diskspace, failpoints
 from patchswarm.node.changelog import DIRNAME as CHANGES_DIR, Changelog
 from patchswarm.node.fetcher import Fetcher
 from patchswarm.node.lowprio import run_low_priority
@@ -73,6 +73,8 @@ class Applier:
         self._wakeup = Wakeup()
         self._version_changed = trio.Event()
         self._compacting = False
+        self._sink_layout: dict[str, str] | None = None  # the current version's, for a model directory write again
+        self._sink_published_at: float | None = None
         self._base_due = False  # a base write failed or waited for a compaction: retried after the next apply
         self._nursery: trio.Nursery | None = None
 
@@ -95,8 +97,9 @@ class Applier:
             return
         key = next((k for k in [(self.version, False), (self.version, True)] if self.store.manifest(k)), None)
         m = None if key is None else self.store.manifest(key)
-        await self.sink.write(self.weights, None if m is None else m.codec.get("layout"), None,
-                              None if m is None else m.created_at)
+        if m is not None:
+            self._sink_layout, self._sink_published_at = m.codec.get("layout"), m.created_at
+        await self.sink.write(self.weights, self._sink_layout, None, self._sink_published_at)
 
     def wake(self) -> None:
         self._wakeup.set()
@@ -143,6 +146,9 @@ class Applier:
             self._nursery = nursery  # for compactions, which outlive one apply
             self._compact_if_due()  # a restart may resume with a long chain after the base
             while True:
+                if self._base_due and self.weights is not None and self.store.disk.may_retry():
+                    await self._write_base()  # one that failed (a full disk), again once the backoff allows
+                self._compact_if_due()
                 if self.fetcher.picker.origin_region is not None:
                     current_hash = None if self.weights is None else self.weights.state_hash
                     plan = [k for k in self.book.plan(self.version, current_hash) if k not in self.unusable]
@@ -150,6 +156,9 @@ class Applier:
                     if plan and self.store.complete(plan[0]):
                         await self.apply(plan[0])
                         continue
+                if self.sink is not None and self.weights is not None and self.sink.disk.failing \
+                        and self.sink.disk.may_retry():  # the model directory behind after a full disk
+                    await self.sink.write(self.weights, self._sink_layout, None, self._sink_published_at)
                 await self._wakeup.wait(POLL_S)
 
     async def apply(self, key: ObjKey) -> None:
@@ -177,10 +186,20 @@ class Applier:
         except PatchswarmError as e:
             self.unusable.add(key)
             log.error("could not apply %s: %s; looking for another path", describe(key), e)
-            if self.weights is not None:  # the state may be partly patched: back to what is durable
-                self.weights = await trio.to_thread.run_sync(self.load_weights)
-                log.info("reloaded the base and the stored chain: %s",
-                         "no usable weights" if self.weights is None else f"version {self.weights.version}")
+            await self._back_to_durable()
+            return
+        except OSError as e:
+            if not diskspace.ours(e):
+                raise
+            # The change file (--sparse-handoff) could not be written, part-way through the apply.
+            # The object is in the store, so the version is durable: reloading replays it. Its
+            # changes are not recorded, as after a restart's replay: a follower crossing this
+            # version reads the base whole (NodeClient.follow).
+            self.store.disk.failed(f"the change file of version {m.version} (followers of the sparse "
+                                   f"hand-off read the base whole across it)", e)
+            await self._back_to_durable()
+            self._version_changed.set()
+            self._version_changed = trio.Event()
             return
         finally:
             self.fetcher.stop(key)
@@ -194,7 +213,8 @@ class Applier:
             await self._write_base()
         seconds = time.perf_counter() - t0
         if self.sink is not None:
-            await self.sink.write(self.weights, m.codec.get("layout"), changed, m.created_at)
+            self._sink_layout, self._sink_published_at = m.codec.get("layout"), m.created_at
+            await self.sink.write(self.weights, self._sink_layout, changed, m.created_at)
         self.applied.append({"version": m.version, "kind": "keyframe" if m.is_keyframe else "patch",
                              "bytes": m.total_bytes, "apply_s": round(seconds, 3),
                              **self._timeline.pop(key, {}), "published_at": m.created_at, "applied_at": time.time()})
@@ -205,10 +225,17 @@ class Applier:
         self._compact_if_due()
         self._retire(m.version)
 
+    async def _back_to_durable(self) -> None:
+        """After an apply that stopped part-way (the state may be partly patched): the base and the stored chain."""
+        if self.weights is not None:
+            self.weights = await trio.to_thread.run_sync(self.load_weights)
+            log.info("reloaded the base and the stored chain: %s",
+                     "no usable weights" if self.weights is None else f"version {self.weights.version}")
+
     def _compact_if_due(self) -> None:
         w = self.weights
         if (w is None or self._base_due or self._compacting or self.durable.base is None
-                or not self.durable.due(w.version)):
+                or not self.durable.due(w.version) or not self.store.disk.may_retry()):
             return
         self._compacting = True
         self._nursery.start_soon(self._compact, w.version, w.state_hash)
@@ -224,10 +251,10 @@ class Applier:
             # On the apply path on purpose: the state must not change while it is written.
             await trio.to_thread.run_sync(self.durable.write_base, w)
             self._base_due = False
-        except OSError as e:
-            log.error("could not write the base at version %d (%s); the stored chain keeps every version "
-                      "since version %s, retrying after the next version", w.version, one_line(e),
-                      None if self.durable.base is None else self.durable.base.version)
+            self.store.disk.succeeded()
+        except OSError as e:  # node/diskspace.py logs it; `run` tries again
+            self.store.disk.failed(f"the base at version {w.version} (the stored objects keep every version "
+                                   f"since {'the first' if self.durable.base is None else self.durable.base.version})", e)
 
     async def _compact(self, version: int, target_hash: str) -> None:
         """Fold the patches since the base into a new base, below everything else's priority;
@@ -235,9 +262,14 @@ class Applier:
         try:
             await run_low_priority(lambda: self.durable.compact(version, target_hash, self.apply_threads),
                                    COMPACT_NICE, name="patchswarm-compact")
-        except (PatchswarmError, OSError) as e:
+        except OSError as e:  # node/diskspace.py logs it; `_compact_if_due` tries again
+            self.store.disk.failed(f"the compacted base at version {version} (the base stays at version "
+                                   f"{self.durable.base.version} and the chain is kept)", e)
+        except PatchswarmError as e:
             log.error("compaction to version %d failed (%s); the base stays at version %s and the chain is kept",
                       version, one_line(e), self.durable.base.version if self.durable.base else None)
+        else:
+            self.store.disk.succeeded()
         finally:
             self._compacting = False
         if self._base_due and self.weights is not None:

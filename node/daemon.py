@@ -300,6 +300,7 @@ class Node:
             # Objects that failed to apply (verified chunks, yet the patch did not fit): the
             # node routes around them; a person should know the origin published one.
             "unusable": [describe(k) for k in sorted(a.unusable)],
+            **self.store.disk.status(),  # our disk failing writes (node/diskspace.py); the spool's: in "spool"
             "applied": list(a.applied),
             "spool": self.uploader.status(),
             "uptime_s": round(time.time() - self.started_at, 1),

@@ -100,9 +100,14 @@ class Fetcher:
         for key in plan:
             if self.picker.is_fetching(key):
                 continue
+            if not self.store.disk.may_retry():
+                continue  # our disk failed a write lately: fetched once the backoff allows a retry
             m = self.book.get(key)
             if self.store.manifest(key) is None:
-                self.store.put_manifest(key, m, self.book.envelope(key))
+                try:
+                    self.store.put_manifest(key, m, self.book.envelope(key))
+                except OSError:
+                    continue  # our disk (the store told store.disk, which logs); the next want retries
             # A keyframe with no patch beside it (the first version) is what every member
             # bootstraps from: fetch it under the WAN plan like a patch.
             coordinated = not key[1] or self.book.get((key[0], False)) is None
@@ -201,7 +206,14 @@ class Fetcher:
             log.warning("rejected chunk %d of %s from peer %s: does not match the manifest's SHA-256; dropping the peer",
                         c, describe(key), s.id)
             raise PeerDropped("sent a chunk that does not match its manifest")
-        self.store.put_chunk(key, c, data)
+        try:
+            self.store.put_chunk(key, c, data)
+        except OSError:
+            # Our disk, not the peer's fault (the chunk verified): the peer stays, the object
+            # leaves the picker, and `want` adds it again once store.disk allows a retry.
+            self.inflows.finish(flow, ok=False)
+            self.stop(key)
+            return
         now = trio.current_time()
         if key in self._last_chunk_at:
             self.longest_wait[key] = max(self.longest_wait.get(key, 0.0), now - self._last_chunk_at[key])

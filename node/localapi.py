@@ -33,7 +33,7 @@ from typing import AsyncIterator, Awaitable, BinaryIO, Callable
 import trio
 
 from patchswarm.protocol import localapi
-from patchswarm.protocol.errors import ProtocolError, SpoolFull, UsageError
+from patchswarm.protocol.errors import DiskFull, ProtocolError, SpoolFull, StorageFailed, UsageError
 from patchswarm.protocol.wire import CLOSED, NEED_DATA, FrameBuffer
 
 from patchswarm.node.changelog import Changelog
@@ -80,6 +80,10 @@ class LocalRequests:
                 seqs = await self._spool.append([tuple(r) for r in req["records"]], req["timeout"])
             except SpoolFull as e:
                 return localapi.error(localapi.FULL, str(e))
+            except DiskFull as e:  # nothing acknowledged: the worker keeps its records and retries
+                return localapi.error(localapi.DISK_FULL, str(e))
+            except StorageFailed as e:  # the spool is broken until a restart; the node serves on
+                return localapi.error(localapi.STORAGE, str(e))
             except UsageError as e:
                 return localapi.error(localapi.BAD_REQUEST, str(e))
             return localapi.ok(seqs=seqs)

@@ -25,9 +25,11 @@ from typing import NamedTuple
 
 import trio
 
-from patchswarm.protocol.errors import StorageFailed, UsageError
+from patchswarm.protocol.errors import DiskFull, StorageFailed, UsageError
 from patchswarm.protocol.trajectory import (ENTRY_HEADER_BYTES, MAX_ENTRY_BYTES, ScanProblem, body_length,
                                             entry_header, segment_header)
+
+from patchswarm.node.diskspace import free_bytes, full
 
 log = logging.getLogger("patchswarm.seglog")
 
@@ -174,16 +176,26 @@ class SegmentLog:
     one whose caller gave up may still land). The lead is handed only to members
     whose callers still wait; with none, the current leader writes the rest.
     FIFO order means a caller returns only after everything queued before it is
-    durable too (the store relies on that for duplicates). After any I/O error
+    durable too (the store relies on that for duplicates). After an I/O error
     the log is broken for good (after a failed fsync the page cache cannot be
     trusted): every commit raises StorageFailed until the owner is reopened.
+
+    A full disk is the exception: a write that finds no room (ENOSPC, EDQUOT)
+    before its fdatasync is cut off the file again (ftruncate to the committed
+    end; a segment file it had just created is removed), so nothing of it stays
+    and what was durable before is untouched. That round and every commit still
+    queued behind it raise DiskFull (queued ones may rest on the failed ones:
+    the store's duplicates), `on_failed(tags)` is told first, synchronously,
+    and the next commit tries the disk again.
     """
 
-    def __init__(self, directory: Path, next_number: int, segment_bytes: int, group_bytes: int, on_durable):
+    def __init__(self, directory: Path, next_number: int, segment_bytes: int, group_bytes: int, on_durable,
+                 on_failed=None):
         self.directory = directory
         self.segment_bytes = segment_bytes
         self.group_bytes = group_bytes
         self._on_durable = on_durable
+        self._on_failed = on_failed
         self._next_number = next_number
         self.active: int | None = None  # segment number being appended to
         self.active_end = 0  # committed bytes of the active segment
@@ -256,6 +268,16 @@ class SegmentLog:
             if self._broken is not None:
                 raise self._broken
             number, fd, start = await in_worker_thread(self._write, rotate, bodies)
+        except DiskFull as e:  # nothing of it was kept: fail it and all queued behind it, stay usable
+            log.debug("%s", e)  # the owner reports it (node/diskspace.py: bounded)
+            group.extend(self._queue)
+            self._queue.clear()
+            if self._on_failed is not None:
+                self._on_failed([m.tag for m in group])
+            for m in group:
+                m.error, m.done = e, True
+                m.wake()
+            return
         except Exception as e:  # OSError above all; anything else is as fatal for durability
             if self._broken is None:
                 self._broken = StorageFailed(f"segment log in {self.directory}: expected a durable write of "
@@ -299,19 +321,42 @@ class SegmentLog:
         if rotate:
             number = self._next_number
             path = segment_path(self.directory, number)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             try:
-                start = pwrite_all(fd, [segment_header()], 0)
-                pwrite_all(fd, pieces, start)
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            except OSError as e:
+                if not full(e):
+                    raise
+                raise self._disk_full(e, pieces) from None
+            try:
+                start = self._write_or_cut(fd, [segment_header()], 0, 0)
+                self._write_or_cut(fd, pieces, start, start)
                 os.fdatasync(fd)
                 fsync_dir(self.directory)  # the new name must survive a crash with its data
             except BaseException:
                 os.close(fd)
+                path.unlink(missing_ok=True)  # it holds nothing anyone was told is durable
                 raise
             return number, fd, start
-        pwrite_all(self._fd, pieces, self.active_end)
+        self._write_or_cut(self._fd, pieces, self.active_end, self.active_end)
         os.fdatasync(self._fd)
         return self.active, self._fd, self.active_end
+
+    def _write_or_cut(self, fd: int, pieces: list, offset: int, committed_end: int) -> int:
+        """Write `pieces` at `offset`; on a full disk, cut the file back to `committed_end`
+        and raise DiskFull (the log stays usable: nothing past the committed end was kept)."""
+        try:
+            return pwrite_all(fd, pieces, offset)
+        except OSError as e:
+            if not full(e):
+                raise
+            os.ftruncate(fd, committed_end)  # a failure here is an I/O error: the log breaks
+            raise self._disk_full(e, pieces) from None
+
+    def _disk_full(self, e: OSError, pieces: list) -> DiskFull:
+        free = free_bytes(self.directory)
+        return DiskFull(f"segment log in {self.directory}: expected room for {sum(map(len, pieces)):,} bytes, found "
+                        f"the disk full ({e.strerror}; {'unknown' if free is None else f'{free:,}'} bytes free); "
+                        f"nothing of it was kept or acknowledged; the next commit tries again")
 
     async def aclose(self) -> None:
         """Write what is still queued, then close the active file."""

@@ -5,7 +5,10 @@ Owns one directory: `NNNNNNNNNNNN.seg` segment files of `Record` entries
 group commit), `state` (which node this spool belongs to and the seq
 high-water mark reserved so far), `acks` (log of acknowledged seq ranges) and
 `LOCK`. Must not: talk to the network, decide batching policy for the wire,
-or drop a record: a full spool makes `append` wait, then fail with SpoolFull.
+or drop a record: a full spool makes `append` wait, then fail with SpoolFull;
+a full disk makes it fail at once with DiskFull, nothing acknowledged, nothing
+of it left in the files (node/seglog.py cuts the write off), and the next
+append tries the disk again (`disk`, node/diskspace.py, says so in status).
 
 Seqs: unique per node for ever. The spool hands out seqs below `seq_reserved`,
 persisted in `state` before use (in steps of SEQ_RESERVE); a restart resumes at
@@ -39,6 +42,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import errno
 import logging
 import os
 import time
@@ -48,12 +52,13 @@ from pathlib import Path
 import msgpack
 import trio
 
-from patchswarm.protocol.errors import CorruptData, SpoolFull, UsageError
+from patchswarm.protocol.errors import CorruptData, DiskFull, SpoolFull, UsageError
 from patchswarm.protocol.trajectory import (ENTRY_HEADER_BYTES, MAX_BATCH_BYTES, MAX_ID_CHARS, MAX_META_BYTES,
                                  MAX_PAYLOAD_BYTES, AckedRanges, Record, SpoolState, decode_record,
                                  encode_entry, encode_record, record_parts, scan_records, segment_header,
                                  seq_ranges)
 
+from patchswarm.node.diskspace import DiskCondition, full
 from patchswarm.node.seglog import DirectoryLock, FileProblem, SegmentLog, fsync_dir, list_segments, segment_path
 
 log = logging.getLogger("patchswarm.spool")
@@ -91,28 +96,30 @@ class _Segment:
 # ================================================================ files (worker thread)
 
 
+def _replace_file(directory: Path, name: str, data: bytes) -> None:
+    """Replace `name` atomically and durably; a failed write (a full disk) leaves no temporary."""
+    tmp = directory / (name + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, directory / name)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(directory)
+
+
 def _write_state(directory: Path, state: SpoolState) -> None:
     """Replace `state` atomically and durably."""
-    tmp = directory / (STATE_NAME + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(segment_header() + encode_entry(encode_record(state)))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, directory / STATE_NAME)
-    fsync_dir(directory)
+    _replace_file(directory, STATE_NAME, segment_header() + encode_entry(encode_record(state)))
 
 
 def _write_acks(directory: Path, ranges: list) -> None:
     """Replace `acks` atomically with one entry holding `ranges`."""
-    tmp = directory / (ACKS_NAME + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(segment_header())
-        if ranges:
-            f.write(encode_entry(encode_record(AckedRanges(ranges))))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, directory / ACKS_NAME)
-    fsync_dir(directory)
+    _replace_file(directory, ACKS_NAME,
+                  segment_header() + (encode_entry(encode_record(AckedRanges(ranges))) if ranges else b""))
 
 
 def _read_values(path: Path, problems: list, kind):
@@ -269,6 +276,7 @@ class TrajectorySpool:
         self._hot_total = 0
         self.read_from_disk = 0  # records the uploader had to read back from the files
         self.log = SegmentLog(directory, next_number, segment_bytes, group_bytes, self._landed)
+        self.disk = DiskCondition(directory)
 
     @classmethod
     async def open(cls, directory, node_id: str, region: str, *, max_bytes: int = DEFAULT_MAX_BYTES,
@@ -316,14 +324,26 @@ class TrajectorySpool:
         try:
             n = len(prepared)
             while self._next_seq + n > self._seq_reserved:
-                await self._reserve_seqs(n)
+                try:
+                    await self._reserve_seqs(n)
+                except OSError as e:
+                    if not full(e):
+                        raise
+                    self.disk.failed(f"the spool's seq reservation in {self.directory}", e)
+                    raise DiskFull(f"trajectory spool {self.directory}: expected room to reserve seqs, found the "
+                                   f"disk full ({e.strerror}); nothing was written") from None
             # No checkpoint from here to the commit's enqueue: seq order is file order.
             first = self._next_seq
             self._next_seq += n
             now = float(self._clock())
             records = [Record(self.node_id, self.region, first + i, v, now, p, m) for i, (p, v, m) in enumerate(prepared)]
             seqs = list(range(first, first + n))
-            await self.log.commit([record_parts(r) for r in records], (seqs, records))
+            try:
+                await self.log.commit([record_parts(r) for r in records], (seqs, records))
+            except DiskFull as e:
+                self.disk.failed(f"{n} trajectory records ({need:,} bytes) to the spool", e)
+                raise
+            self.disk.succeeded()
         finally:
             self._being_written -= need
             self._wake_space()
@@ -567,15 +587,27 @@ class TrajectorySpool:
         async with self._ack_lock:
             compact = self._acks_bytes > ACK_LOG_COMPACT_BYTES
             ranges = _acked_ranges(self._segs) if compact else seq_ranges(newly)
-            if compact or done:
-                await trio.to_thread.run_sync(self._persist_ack, ranges, compact, [s.path for s in done])
-            else:  # the usual case: a small write to the page cache, no fdatasync (module docstring)
-                self._write_ack_entry(ranges)
+            try:
+                if compact or done:
+                    await trio.to_thread.run_sync(self._persist_ack, ranges, compact, [s.path for s in done])
+                else:  # the usual case: a small write to the page cache, no fdatasync (module docstring)
+                    self._write_ack_entry(ranges)
+            except OSError as e:
+                if not full(e):
+                    raise
+                # Harmless to lose (module docstring): after a restart those records go again
+                # and the origin drops them as duplicates.
+                self.disk.failed(f"an ack entry to {self.directory / ACKS_NAME}", e)
         return len(newly)
 
     def _write_ack_entry(self, ranges: list) -> None:
         entry = encode_entry(encode_record(AckedRanges(ranges)))
-        os.write(self._acks_fd, entry)
+        try:
+            if os.write(self._acks_fd, entry) != len(entry):
+                raise OSError(errno.ENOSPC, "short write")
+        except OSError:
+            os.ftruncate(self._acks_fd, self._acks_bytes)  # no torn entry for the next ones to follow
+            raise
         self._acks_bytes += len(entry)
 
     def _persist_ack(self, ranges: list, compact: bool, unlink: list) -> None:
@@ -615,6 +647,8 @@ class TrajectorySpool:
             "read_from_disk": self.read_from_disk,
             "max_bytes": self.max_bytes,
             "problems": len(self.problems),
+            "disk_full": self.disk.failing,
+            "disk_write_failures": self.disk.failures,
         }
 
     async def aclose(self) -> None:

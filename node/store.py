@@ -5,8 +5,11 @@ Owns the layout under `DATA_DIR/objects/`: one directory per object
 envelope as received) and `NNNNNN.chunk` files. A file is written under a
 temporary name (`.NAME.PID.tmp`) and renamed, so a file that exists is whole;
 on start every chunk is checked against its manifest's SHA-256 again (a crash
-or a disk error costs a refetch, never a bad apply). Must not decide what to
-fetch or keep: callers say what to drop.
+or a disk error costs a refetch, never a bad apply). A write that fails (a full
+disk) removes its temporary, is reported to `disk` (node/diskspace.py: the one
+record of our disk failing) and raises its OSError to the caller, which drops
+that write and tries again later. Must not decide what to fetch or keep:
+callers say what to drop.
 
 What start-up may delete, the one rule: what this store wrote and can show is
 unusable. That is a temporary of an interrupted write, a chunk file that does
@@ -29,6 +32,8 @@ from patchswarm.protocol.manifest import Manifest
 from patchswarm.protocol.publication import ObjKey
 from patchswarm.protocol.versions import VersionBook
 
+from patchswarm.node.diskspace import DiskCondition
+
 log = logging.getLogger("patchswarm.store")
 _DIR = re.compile(r"^v(\d{10})-(patch|keyframe)$")
 _CHUNK = re.compile(r"^(\d{6})\.chunk$")
@@ -46,6 +51,7 @@ class ObjectStore:
         self.root.mkdir(parents=True, exist_ok=True)
         self._have: dict[ObjKey, set[int]] = {}
         self._manifests: dict[ObjKey, Manifest] = {}
+        self.disk = DiskCondition(self.root)
 
     @classmethod
     def read_only(cls, root: str | os.PathLike, book: VersionBook) -> "ObjectStore":
@@ -53,6 +59,7 @@ class ObjectStore:
         created or deleted (a running member may own the folder)."""
         store = cls.__new__(cls)
         store.root, store._have, store._manifests = Path(root), {}, {}
+        store.disk = DiskCondition(store.root)
         if store.root.is_dir():
             store._scan(book, None, delete=False)
         return store
@@ -101,8 +108,13 @@ class ObjectStore:
 
     def put_manifest(self, key: ObjKey, manifest: Manifest, envelope: bytes) -> None:
         d = self.root / _dirname(key)
-        d.mkdir(exist_ok=True)
-        _write_atomic(d / MANIFEST_NAME, envelope)
+        try:
+            d.mkdir(exist_ok=True)
+            _write_atomic(d / MANIFEST_NAME, envelope)
+        except OSError as e:
+            self.disk.failed(f"the manifest of {d.name}", e)
+            raise
+        self.disk.succeeded()
         self._manifests[key] = manifest
         self._have.setdefault(key, set())
 
@@ -130,8 +142,14 @@ class ObjectStore:
         self._have[key] = set(range(len(manifest.chunks)))
 
     def put_chunk(self, key: ObjKey, index: int, data: bytes) -> None:
-        """Store a chunk the caller has verified against the manifest."""
-        _write_atomic(self.root / _dirname(key) / f"{index:06d}.chunk", data)
+        """Store a chunk the caller has verified against the manifest (an OSError: not stored,
+        nothing left behind; `disk` was told)."""
+        try:
+            _write_atomic(self.root / _dirname(key) / f"{index:06d}.chunk", data)
+        except OSError as e:
+            self.disk.failed(f"chunk {index} of {_dirname(key)} ({len(data):,} bytes)", e)
+            raise
+        self.disk.succeeded()
         self._have[key].add(index)
 
     def get_chunk(self, key: ObjKey, index: int) -> bytes | None:
@@ -192,10 +210,15 @@ class StoredChunks(Sequence):
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
+    """`path` holds `data` whole, or is as it was (a failed write leaves no temporary)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 class ObjectWriter:

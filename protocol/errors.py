@@ -86,3 +86,8 @@ class SpoolFull(PatchswarmError):
 
 class StorageFailed(PatchswarmError):
     """A durable write or fsync failed: the spool or store refuses appends until it is reopened."""
+
+
+class DiskFull(StorageFailed):
+    """Our own disk had no room (ENOSPC, EDQUOT) for a write: nothing of it was kept, nothing
+    was acknowledged, and the same write may succeed once space is freed."""

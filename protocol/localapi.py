@@ -38,6 +38,8 @@ CHANGES_PART_BYTES = 1 << 20  # change stream bytes per reply frame
 TIMEOUT = "timeout"
 BAD_REQUEST = "bad_request"
 FULL = "spool_full"
+DISK_FULL = "disk_full"  # the node's disk could not take the records: nothing was acknowledged; retry later
+STORAGE = "storage_failed"  # the node's spool failed a durable write: nothing was acknowledged
 UNAVAILABLE = "unavailable"
 BOOTSTRAP = "bootstrap"
 

@@ -582,6 +582,25 @@ class SeqRanges:
             return True
         return self.add_range(seq, seq + 1) == 1
 
+    def discard(self, seq: int) -> bool:
+        """Remove one seq (its write failed after `add`); False if it was not there."""
+        i = bisect.bisect_right(self._starts, seq) - 1
+        if i < 0 or seq >= self._ends[i]:
+            return False
+        a, b = self._starts[i], self._ends[i]
+        if b - a == 1:
+            del self._starts[i], self._ends[i]
+        elif seq == a:
+            self._starts[i] = seq + 1
+        elif seq == b - 1:
+            self._ends[i] = seq
+        else:  # split [a, b) into [a, seq) and [seq + 1, b)
+            self._ends[i] = seq
+            self._starts.insert(i + 1, seq + 1)
+            self._ends.insert(i + 1, b)
+        self._count -= 1
+        return True
+
     def add_range(self, a: int, b: int) -> int:
         """Add [a, b); returns how many were new."""
         if not (type(a) is int and type(b) is int and 0 <= a <= b):

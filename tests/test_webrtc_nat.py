@@ -75,7 +75,7 @@ def wait_connected(nodes, timeout: float) -> None:
             time.sleep(0.2)
 
 
-def run_case(tmp_path, checkpoints, turnserver, symmetric: bool) -> dict:
+def run_case(tmp_path, checkpoints, turnserver, symmetric: bool, connect_s: float = 120) -> dict:
     topo = NatTopology("psw-rtc", 2, symmetric)
     coturn = None
     try:
@@ -90,7 +90,7 @@ def run_case(tmp_path, checkpoints, turnserver, symmetric: bool) -> dict:
                 extra = ["--no-listen", "--transport", "webrtc", "--ice-host", addr, "--stun", f"{PUBLIC}:3478",
                          "--turn", f"turn:{PUBLIC}:3478", "--turn-user", TURN_USER, "--turn-password", TURN_PASSWORD]
                 nodes.append(lab.start_node(name, "r0", extra=extra, wait=False, prefix=topo.exec(ns)))
-            wait_connected(nodes, timeout=120)  # before any version, so the two have something to exchange
+            wait_connected(nodes, timeout=connect_s)  # before any version, so the two have something to exchange
             for v in range(len(checkpoints)):
                 write_checkpoint(watch, f"step{v:04d}.safetensors", checkpoints[v])
                 lab.wait_version(nodes, v, timeout=240)
@@ -118,8 +118,12 @@ def test_behind_port_preserving_nat_nodes_exchange_directly(tmp_path, checkpoint
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "not working yet (2026-12-04): behind symmetric NAT no candidate pair through coturn succeeds; "
-    "coturn 4.6.1 answers each of aioice 0.13's ChannelBinds after the first with 400 Bad Request, so "
-    "only the channel to the peer's unreachable host address exists"))
+    "not working yet (2026-12-04): behind symmetric NAT no candidate pair through coturn succeeds. "
+    "Two bare aiortc peers in these namespaces show why it is not the node: each allocation binds a "
+    "channel to each of the peer's host, srflx and relay addresses (all answered success), and coturn "
+    "4.6.1 -V then logs 'wrote to peer -1 bytes' / '0 bytes' for every ChannelData of the checks (peer "
+    "usage sp=0): no check leaves the relay. Cause not found yet"))
 def test_behind_symmetric_nat_nodes_fall_back_to_turn(tmp_path, checkpoints, turnserver):
-    _check(run_case(tmp_path, checkpoints, turnserver, symmetric=True), "relayed")
+    # 60 s to connect, not 120: through a relay on loopback it takes seconds when it works, and
+    # while it does not, this is how long the expected failure costs every run of the suite.
+    _check(run_case(tmp_path, checkpoints, turnserver, symmetric=True, connect_s=60), "relayed")

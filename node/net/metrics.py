@@ -38,6 +38,18 @@ def _gauge(name: str, doc: str, value: float | None, labels: dict[str, str] | No
     yield g
 
 
+def _disk(st: dict) -> Iterable[Metric]:
+    """Our disk failing writes (node/diskspace.py): the same keys in a node's and the origin's status."""
+    if "disk_full" not in st:
+        return
+    full = st["disk_full"] or (st.get("spool") or {}).get("disk_full") or st.get("trajectory_disk_full")
+    yield from _gauge("patchswarm_disk_full", "1 while a write to the data dir failed on the disk and none "
+                      "succeeded since (it is retried)", int(bool(full)))
+    yield from _counter("patchswarm_disk_write_failures", "writes to the data dir that failed on the disk",
+                        st.get("disk_write_failures"))
+    yield from _gauge("patchswarm_disk_free_bytes", "bytes free on the data dir's file system", st.get("disk_free_bytes"))
+
+
 def _counter(name: str, doc: str, value: float | None) -> Iterable[Metric]:
     if value is None:
         return
@@ -146,6 +158,7 @@ class NodeMetrics(StatusMetrics):
             yield from _gauge("patchswarm_chunks_missing", "chunks still to fetch for the versions wanted",
                               sum(st["fetching"].values()))
         yield from _links(st)
+        yield from _disk(st)
         spool = st.get("spool")
         if spool:
             yield from _gauge("patchswarm_spool_records", "trajectories spooled and not yet acknowledged by the origin",
@@ -214,6 +227,7 @@ class OriginMetrics(StatusMetrics):
             b.add_metric(["out", "store"], st["bytes_out"])
             yield b
         yield from _links(st)
+        yield from _disk(st)
         t = st.get("trajectories")
         if t:
             yield from _counter("patchswarm_trajectories_received", "trajectory records stored", t.get("records"))

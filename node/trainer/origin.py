@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import re
 import threading
 import time
@@ -29,7 +30,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from patchswarm.protocol import wire
-from patchswarm.protocol.errors import CorruptData, InvalidInput, PatchswarmError, StorageFailed, UsageError
+from patchswarm.protocol.errors import CorruptData, DiskFull, InvalidInput, PatchswarmError, StorageFailed, UsageError
 from patchswarm.protocol.manifest import sign_manifest
 from patchswarm.protocol.patch import Patch, TensorSpec
 from patchswarm.protocol.patchencode import TargetSpec, diff_in_place, keyframe_chunks
@@ -40,6 +41,7 @@ from patchswarm.protocol.statehash import state_hash
 from patchswarm.protocol.trajectory import ReceivedRecord, decode_batch
 from patchswarm.protocol.versions import VersionBook
 
+from patchswarm.node.diskspace import ours
 from patchswarm.node.peers import PeerDropped, PeerSet, Session
 from patchswarm.node.net.ratelimit import TokenBucket
 from patchswarm.node.store import ObjectStore
@@ -209,12 +211,22 @@ class Origin:
         raise PeerDropped(f"sent {type(msg).__name__}, which the origin does not take")
 
     async def _store_and_ack(self, s: Session, records) -> None:
-        try:
-            seqs = await self.trajectory_store.append(records)
-        except StorageFailed as e:
-            log.error("trajectory store failed (%s); closing %s's connection so it resends later", e, s.id)
-            s.close(f"trajectory store failed ({e})")
-            return
+        while True:
+            try:
+                seqs = await self.trajectory_store.append(records)
+                break
+            except DiskFull:
+                # Our disk, not the node's fault: not acked, kept (the node's upload window
+                # bounds what waits here) and tried again once the backoff allows; a node that
+                # goes meanwhile resends after reconnecting instead.
+                if s.closed:
+                    return
+                await trio.sleep(max(0.1, self.trajectory_store.disk.retry_in()))
+                continue
+            except StorageFailed as e:
+                log.error("trajectory store failed (%s); closing %s's connection so it resends later", e, s.id)
+                s.close(f"trajectory store failed ({e})")
+                return
         if not s.closed:
             try:
                 await s.send(wire.TrajectoriesAck(seqs))
@@ -258,12 +270,16 @@ class Origin:
             # serving chunks to nodes goes on meanwhile.
             try:
                 new, stats, objects = await trio.to_thread.run_sync(self._encode, state_dict, served, version)
-            except BaseException:
+            except BaseException as e:
                 # The served state is changed tensor by tensor as the patch is made: after a
                 # failure part of it may be the new version's. Back to what is durable.
-                if self.served is not None:
-                    with trio.CancelScope(shield=True):
+                with trio.CancelScope(shield=True):
+                    for key in [(version, False), (version, True)]:
+                        self.store.drop(key)  # what it wrote of them: never adopted, never announced
+                    if self.served is not None:
                         self.served = await trio.to_thread.run_sync(self.durable.load, self.book)
+                if ours(e):
+                    self.store.disk.failed(f"the objects of version {version}", e)
                 raise
             for key, m, envelope in objects:
                 self.store.adopt(key, m)
@@ -271,8 +287,13 @@ class Origin:
             # The objects are durable before anyone hears of the version: after a crash the
             # origin continues from the base plus them.
             self.served = new
-            if self.durable.base is None:
-                await trio.to_thread.run_sync(self.durable.write_base, new)  # once: the first version
+            if self.durable.base is None:  # once: the first version (its keyframe holds it meanwhile)
+                try:
+                    await trio.to_thread.run_sync(self.durable.write_base, new)
+                except OSError as e:
+                    self.store.disk.failed(f"the base at version {version} (tried again at the next publish)", e)
+            else:
+                self.store.disk.succeeded()
             self.history.append(stats)
             for key, m, envelope in objects:
                 n = len(m.chunks)
@@ -382,14 +403,17 @@ class Origin:
                 try:
                     version = await self.publish(entry, served)
                 except (PatchswarmError, OSError) as e:
+                    if ours(e):
+                        break  # our disk (publish told store.disk, which logs): the same checkpoint again later
                     log.warning("skipping %s: %s", entry, e)
-                    done.add(entry.name)
-                    ledger.write_text(json.dumps(sorted(done)))
-                    continue
-                log.info("published %s as version %d", entry.name, version)
+                else:
+                    log.info("published %s as version %d", entry.name, version)
                 done.add(entry.name)
-                ledger.write_text(json.dumps(sorted(done)))
-            await trio.sleep(WATCH_SECONDS)
+                try:
+                    _write_ledger(ledger, done)
+                except OSError as e:  # rewritten whole after the next publish
+                    self.store.disk.failed(f"the watch ledger {ledger}", e)
+            await trio.sleep(max(WATCH_SECONDS, self.store.disk.retry_in()))
 
     # ------------------------------------------------------------ stats
 
@@ -406,6 +430,8 @@ class Origin:
             "bytes_out": self.peers.bytes_out,
             "versions": [dataclasses.asdict(v) for v in self.history],
             "trajectories": self.trajectory_store.summary(self.version),
+            **self.store.disk.status(),  # our disk failing writes (node/diskspace.py)
+            "trajectory_disk_full": self.trajectory_store.disk.failing,
         }
 
 
@@ -439,6 +465,17 @@ class TrajectoryFeed:
                     break
                 await self._origin.trajectory_store.wait_for_records(self._cursor)
         return out
+
+
+def _write_ledger(path: Path, done: set[str]) -> None:
+    """The checkpoints published so far, replaced whole (a failed write leaves the old one)."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(json.dumps(sorted(done)))
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 _TEMP = re.compile(r"(^\.)|(\.tmp)|(\.partial$)|(~$)")

@@ -9,6 +9,10 @@ and without truncating anything; `TrajectoryCursor` walks records in arrival
 order for the trainer. Must not: decide anything about the wire, retention or
 the trainer's policy beyond the staleness filter it is given.
 
+Full disk: a commit that finds no room raises DiskFull with nothing of it in
+the files and its seqs out of the dedup index, so it is not acknowledged and
+the node's resend is stored as new (`disk` reports it, bounded).
+
 Crash safety: records are acknowledged only after fdatasync (and, for a new
 segment file, an fsync of the directory). On open the writer truncates a torn
 tail of the last segment, reports damaged entries elsewhere (keeping the
@@ -35,11 +39,12 @@ from typing import NamedTuple
 
 import trio
 
-from patchswarm.protocol.errors import UsageError
+from patchswarm.protocol.errors import DiskFull, UsageError
 from patchswarm.protocol.trajectory import (SEGMENT_HEADER_BYTES, DuplicatesNote, ReceivedRecord, Record, ScanProblem,
                                             SeqRanges, check_segment_header, encode_record, received_parts,
                                             scan_records)
 
+from patchswarm.node.diskspace import DiskCondition
 from patchswarm.node.seglog import (DEFAULT_GROUP_BYTES, DEFAULT_SEGMENT_BYTES, READ_CHUNK, DirectoryLock, FileProblem,
                                     SegmentLog, fsync_dir, list_segments, read_span, segment_path)
 
@@ -276,7 +281,8 @@ class TrajectoryStore:
         self._clock = clock
         self._new_data = trio.Event()
         next_number = (rec.numbers[-1] + 1) if rec.numbers else 1
-        self.log = SegmentLog(directory, next_number, segment_bytes, group_bytes, self._landed)
+        self.log = SegmentLog(directory, next_number, segment_bytes, group_bytes, self._landed, self._not_written)
+        self.disk = DiskCondition(directory)
 
     @classmethod
     async def open(cls, directory, *, segment_bytes: int = DEFAULT_SEGMENT_BYTES,
@@ -320,8 +326,22 @@ class TrajectoryStore:
         # A batch of only duplicates still commits (its note): returning after a
         # commit queued behind the one that wrote the originals is what makes
         # them durable before we acknowledge.
-        await self.log.commit(bodies, values)
+        try:
+            await self.log.commit(bodies, values)
+        except DiskFull as e:  # `_not_written` took its seqs out of the index: the node's resend is new
+            self.disk.failed(f"{len(values)} trajectory records", e)
+            raise
+        self.disk.succeeded()
         return [r.seq for r in records]
+
+    def _not_written(self, tags: list) -> None:
+        """SegmentLog callback, before anyone hears of the failure: the records of commits that
+        found the disk full were never written, so they leave the dedup index (else the
+        node's resend would be dropped as a duplicate, and acked: lost)."""
+        for values in tags:
+            for v in values:
+                if type(v) is Record:
+                    self._index[v.node_id].discard(v.seq)
 
     def _landed(self, number: int, landed: list) -> None:
         for values, _, _ in landed:
