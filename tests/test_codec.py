@@ -715,6 +715,16 @@ def test_undo_keeps_old_ranges_for_dense_pieces_and_int32_positions_for_sparse(r
     assert all(old.size == pos.stop - pos.start for pos, old in ranges)
 
 
+def test_undo_keeps_a_dense_piece_as_the_range_from_its_first_write():
+    base = {"w": torch.zeros(1000, dtype=torch.bfloat16)}
+    target = {"w": base["w"].clone()}
+    target["w"][100:] = 1.0  # every element from 100 on
+    p = diff(base, target)
+    state = clone(base)
+    [(name, pos, old, _)] = decode_chunk(state, p.chunks[0], p.tensors).undo_record(state).writes
+    assert (name, pos, old.size) == ("w", slice(100, 1000), 900)
+
+
 def test_a_failure_after_earlier_batches_were_written_undoes_them(real_pair, one_chunk_batches):
     base, target = _dense_and_sparse_pair(real_pair)
     p = diff(base, target, chunk_bytes=256, segment_elements=4096)
