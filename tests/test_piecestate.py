@@ -13,10 +13,10 @@ KEY = (3, False)
 
 
 def test_waiting_counts_missing_chunks_neither_ready_nor_in_flight():
-    obj = ObjectState(KEY, 8, {7}, priority=0, added_at=0.0, rng=random.Random(1), coordinated=False)
-    assert obj.waiting() == 7
+    obj = ObjectState(KEY, 9, {8}, priority=0, added_at=0.0, rng=random.Random(1), coordinated=False)
+    assert obj.waiting() == 8
     obj.add_holders("a", [0, 1, 2], whole=True, fixed=0, tier_at=None, in_region=True)
-    assert (obj.n_ready, obj.waiting()) == (3, 4)
+    assert (obj.n_ready, obj.waiting()) == (3, 5)
 
 
 def bits_of(bitfield: bytes, n_chunks: int) -> set[int]:
@@ -44,6 +44,19 @@ def test_unknown_single_chunks_are_bounded_per_peer():
     pending = PendingFacts()
     pending.add_unknown("a", KEY, None, range(MAX_UNKNOWN_INDICES + 5), whole=True)
     assert len(pending.take(KEY, 1 << 20)["a"][0]) == MAX_UNKNOWN_INDICES
+
+
+def test_a_holder_that_left_starts_afresh_when_it_comes_back():
+    peers = {"a": PeerState("node", "r1")}
+    obj = ObjectState(KEY, 8, set(), priority=0, added_at=0.0, rng=random.Random(1), coordinated=False)
+    obj.add_holders("a", [0], whole=False, fixed=0, tier_at=None, in_region=True)  # arriving
+    obj.add_holders("a", [1], whole=True, fixed=0, tier_at=None, in_region=True)
+    obj.withdraw("a", 1)
+    assert not obj.holds_whole("a", 0) and not obj.announced("a", 1)
+    obj.forget_holder("a", lambda c, info: 0, peers)
+    obj.add_holders("a", [0, 1], whole=True, fixed=0, tier_at=None, in_region=True)
+    assert obj.holds_whole("a", 0) and obj.holds_whole("a", 1)
+    assert obj.facts() == {"a": ({0, 1}, set())}
 
 
 @pytest.mark.parametrize("kept", ["known", "unknown"])
