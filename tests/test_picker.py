@@ -329,6 +329,16 @@ def test_requests_across_the_wan_stack_on_one_connection():
     assert Counter(r.peer for r in local.requests(0.0)) == {"d1": 4, "e1": 4}
 
 
+def test_the_wan_budget_holds_for_a_region_named_by_equal_strs():
+    p = PiecePicker("me", "r1", "r1", wan_pipeline=1)
+    for peer in ("x", "y"):  # each region name its own str object, as read off the wire
+        p.peer_joined(peer, NODE, "".join(["r", "2"]))
+    p.add_object(KF, 4, now=0.0)
+    for peer in ("x", "y"):
+        p.peer_has(peer, KF, range(4))
+    assert len(p.requests(0.0)) == 1
+
+
 def test_a_relay_from_another_region_is_not_held_up_by_the_origins_link():
     members = {"a1": "r1", "a2": "r2"}
     # chunks a2 must bring from the origin's region, and ones it must relay from r1
