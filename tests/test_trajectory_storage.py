@@ -135,6 +135,13 @@ def test_a_torn_tail_says_how_far_its_entry_runs_past_the_end():
     assert p.detail.endswith("runs 3 bytes past the end")
 
 
+def test_the_framing_carries_bodies_of_one_byte_and_refuses_empty_ones():
+    scan = scan_segment(segment_header() + encode_entry(b"\x07") + encode_entry(b"\x90"))
+    assert [bytes(e.body) for e in scan.entries] == [b"\x07", b"\x90"] and scan.problems == []
+    with pytest.raises(UsageError, match="found 0"):
+        encode_entry(b"")
+
+
 def test_future_segment_version_is_refused_not_repaired():
     import zlib
     head = b"PSTRJSEG" + (2).to_bytes(4, "little")
