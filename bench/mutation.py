@@ -26,10 +26,10 @@ Mutants inside annotations (`int | None` made `int >> None`) are left out and co
 apart: every module here has `from __future__ import annotations`, so an annotation is
 never evaluated and such a mutant cannot change behaviour.
 
-`--max-mutants N` takes a seeded sample of N mutants per module (the rest are recorded as
-skipped): on a 2-core machine a mutant costs one pytest start (torch import) plus the
-module's tests, seconds each. Survivors go to --out (default bench/.mutation/).
-Must not be imported by the package or the tests.
+`--max-mutants N` takes a seeded sample of N mutants per module, the same ones for the
+same seed and source (the rest are recorded as skipped): on a 2-core machine a mutant
+costs one pytest start (torch import) plus the module's tests, seconds each. Survivors
+go to --out (default bench/.mutation/). Must not be imported by the package or the tests.
 """
 
 from __future__ import annotations
@@ -48,10 +48,13 @@ ROOT = Path(__file__).resolve().parents[1]
 # module (protocol/<name>.py) -> the fast tests that exercise it
 MODULE_TESTS: dict[str, list[str]] = {
     "versions": ["tests/test_versions.py"],
-    "manifest": ["tests/test_versions.py", "tests/test_revocation.py", "tests/test_store.py"],
-    "trajectory": ["tests/test_trajectory_storage.py", "tests/test_uploader.py"],
+    "manifest": ["tests/test_versions.py", "tests/test_revocation.py", "tests/test_store.py", "tests/test_trust.py"],
+    "trajectory": ["tests/test_trajectory_storage.py", "tests/test_trajectory_bounds.py", "tests/test_uploader.py"],
     "wire": ["tests/test_wire.py"],
     "picker": ["tests/test_picker.py", "tests/test_picker_swarm.py", "tests/test_fetcher.py"],
+    # the picker's piece state: the picker's tests drive it through the policy
+    "piecestate": ["tests/test_piecestate.py", "tests/test_picker.py", "tests/test_picker_swarm.py",
+                   "tests/test_fetcher.py"],
     "responsibility": ["tests/test_responsibility.py", "tests/test_picker.py"],
     "patchformat": ["tests/test_codec.py"],
     "patchencode": ["tests/test_codec.py", "tests/test_streaming_encode.py"],
@@ -96,7 +99,10 @@ def sample(session: Path, module_path: Path, max_mutants: int | None, seed: int)
     assert "from __future__ import annotations" in source, f"{module_path}: annotations are evaluated here"
     spans = annotation_spans(source)
     with use_db(str(session), mode=WorkDB.Mode.open) as db:
-        items = sorted(db.pending_work_items, key=lambda item: item.job_id)
+        # by where each mutant is: job ids are random per `init`, and sorted by them one
+        # seed drew another sample on every run
+        items = sorted(db.pending_work_items, key=lambda item: (
+            tuple(item.mutations[0].start_pos), item.mutations[0].operator_name, item.mutations[0].occurrence))
         inert = [i.job_id for i in items
                  if any(a <= tuple(i.mutations[0].start_pos) < b for a, b in spans)]
         db.set_multiple_results(inert, WorkResult(worker_outcome=WorkerOutcome.SKIPPED, output=ANNOTATION))

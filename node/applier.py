@@ -31,7 +31,7 @@ from patchswarm.protocol.patchdecode import touched_tensors
 from patchswarm.protocol.publication import ObjKey, describe, patch_of
 from patchswarm.protocol.versions import NEW, VersionBook
 
-from patchswarm.node import failpoints
+from patchswarm.node import diskspace, failpoints
 from patchswarm.node.changelog import DIRNAME as CHANGES_DIR, Changelog
 from patchswarm.node.fetcher import Fetcher
 from patchswarm.node.lowprio import run_low_priority
@@ -73,6 +73,8 @@ class Applier:
         self._wakeup = Wakeup()
         self._version_changed = trio.Event()
         self._compacting = False
+        self._sink_layout: dict[str, str] | None = None  # the current version's, for a model directory write again
+        self._sink_published_at: float | None = None
         self._base_due = False  # a base write failed or waited for a compaction: retried after the next apply
         self._nursery: trio.Nursery | None = None
 
@@ -95,8 +97,9 @@ class Applier:
             return
         key = next((k for k in [(self.version, False), (self.version, True)] if self.store.manifest(k)), None)
         m = None if key is None else self.store.manifest(key)
-        await self.sink.write(self.weights, None if m is None else m.codec.get("layout"), None,
-                              None if m is None else m.created_at)
+        if m is not None:
+            self._sink_layout, self._sink_published_at = m.codec.get("layout"), m.created_at
+        await self.sink.write(self.weights, self._sink_layout, None, self._sink_published_at)
 
     def wake(self) -> None:
         self._wakeup.set()
@@ -153,6 +156,9 @@ class Applier:
                     if plan and self.store.complete(plan[0]):
                         await self.apply(plan[0])
                         continue
+                if self.sink is not None and self.weights is not None and self.sink.disk.failing \
+                        and self.sink.disk.may_retry():  # the model directory behind after a full disk
+                    await self.sink.write(self.weights, self._sink_layout, None, self._sink_published_at)
                 await self._wakeup.wait(POLL_S)
 
     async def apply(self, key: ObjKey) -> None:
@@ -180,10 +186,20 @@ class Applier:
         except PatchswarmError as e:
             self.unusable.add(key)
             log.error("could not apply %s: %s; looking for another path", describe(key), e)
-            if self.weights is not None:  # the state may be partly patched: back to what is durable
-                self.weights = await trio.to_thread.run_sync(self.load_weights)
-                log.info("reloaded the base and the stored chain: %s",
-                         "no usable weights" if self.weights is None else f"version {self.weights.version}")
+            await self._back_to_durable()
+            return
+        except OSError as e:
+            if not diskspace.ours(e):
+                raise
+            # The change file (--sparse-handoff) could not be written, part-way through the apply.
+            # The object is in the store, so the version is durable: reloading replays it. Its
+            # changes are not recorded, as after a restart's replay: a follower crossing this
+            # version reads the base whole (NodeClient.follow).
+            self.store.disk.failed(f"the change file of version {m.version} (followers of the sparse "
+                                   f"hand-off read the base whole across it)", e)
+            await self._back_to_durable()
+            self._version_changed.set()
+            self._version_changed = trio.Event()
             return
         finally:
             self.fetcher.stop(key)
@@ -197,7 +213,8 @@ class Applier:
             await self._write_base()
         seconds = time.perf_counter() - t0
         if self.sink is not None:
-            await self.sink.write(self.weights, m.codec.get("layout"), changed, m.created_at)
+            self._sink_layout, self._sink_published_at = m.codec.get("layout"), m.created_at
+            await self.sink.write(self.weights, self._sink_layout, changed, m.created_at)
         self.applied.append({"version": m.version, "kind": "keyframe" if m.is_keyframe else "patch",
                              "bytes": m.total_bytes, "apply_s": round(seconds, 3),
                              **self._timeline.pop(key, {}), "published_at": m.created_at, "applied_at": time.time()})
@@ -207,6 +224,13 @@ class Applier:
         self._version_changed = trio.Event()
         self._compact_if_due()
         self._retire(m.version)
+
+    async def _back_to_durable(self) -> None:
+        """After an apply that stopped part-way (the state may be partly patched): the base and the stored chain."""
+        if self.weights is not None:
+            self.weights = await trio.to_thread.run_sync(self.load_weights)
+            log.info("reloaded the base and the stored chain: %s",
+                     "no usable weights" if self.weights is None else f"version {self.weights.version}")
 
     def _compact_if_due(self) -> None:
         w = self.weights

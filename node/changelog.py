@@ -76,7 +76,8 @@ class Changelog:
                 f.flush()
                 os.fdatasync(f.fileno())
             except BaseException:
-                f.close()
+                with contextlib.suppress(OSError):  # a full disk fails the close's flush too
+                    f.close()
                 tmp.unlink(missing_ok=True)
                 raise
         os.replace(tmp, final)

@@ -6,9 +6,10 @@ so a test that reads the log knows the process is inside that step when it
 sends SIGKILL, and can show in the log that the kill landed there. Without
 the variable (production), `hit` is one dictionary lookup.
 
-Only for blocking code on worker threads (an apply, a base write, a
-compaction); the event loop never sleeps here. Must not change what any
-step does, only when.
+`hit` is for blocking code on worker threads (an apply, a base write, a
+compaction, the origin's encode); `hold` is the same for trio code (an
+upload, an ack) and sleeps only the calling task, never the event loop.
+Must not change what any step does, only when.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 import logging
 import os
 import time
+
+import trio
 
 from patchswarm.protocol.errors import UsageError
 
@@ -45,3 +48,11 @@ def hit(name: str) -> None:
     if seconds is not None:
         log.warning("failpoint %s: holding %g s", name, seconds)
         time.sleep(seconds)
+
+
+async def hold(name: str) -> None:
+    """`hit` for a trio task: the same line, then a trio sleep (the loop and other tasks go on)."""
+    seconds = _points.get(name)
+    if seconds is not None:
+        log.warning("failpoint %s: holding %g s", name, seconds)
+        await trio.sleep(seconds)

@@ -70,9 +70,23 @@ class ModelDir:
         a shard of only unchanged tensors, present in the current version with the same
         tensors, is hard-linked instead of written."""
         final = self.path(version)
-        if final.exists():
-            raise UsageError(f"model dir: version {version} is already written at {final}")
         shards = _shards_of(state, layout)
+        written = 0
+        if not final.exists():  # else: whole already (renamed only once complete), and a full disk stopped
+            written = self._write_version(version, final, state, shards, layout, files, metadata, changed)
+        self._shards[version] = shards
+        link_tmp = self.root / (CURRENT + ".tmp")
+        link_tmp.unlink(missing_ok=True)
+        os.symlink(Path(VERSIONS) / version_name(version), link_tmp)
+        os.replace(link_tmp, self.current)
+        fsync_path(self.root)
+        self.prune()
+        return written
+
+    def _write_version(self, version: int, final: Path, state: dict[str, torch.Tensor], shards: dict,
+                       layout: dict[str, str] | None, files: dict[str, bytes], metadata: dict[str, str],
+                       changed: set[str] | None) -> int:
+        """The version's directory, written under a temporary name and renamed to `final` once whole."""
         prev_version = self.current_version()
         prev = self.path(prev_version) if prev_version is not None else None
         prev_shards = self._shards.get(prev_version) if prev_version is not None else None
@@ -107,13 +121,6 @@ class ModelDir:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        self._shards[version] = shards
-        link_tmp = self.root / (CURRENT + ".tmp")
-        link_tmp.unlink(missing_ok=True)
-        os.symlink(Path(VERSIONS) / version_name(version), link_tmp)
-        os.replace(link_tmp, self.current)
-        fsync_path(self.root)
-        self.prune()
         return written
 
     def hold(self, version: int) -> None:

@@ -26,6 +26,8 @@ import trio
 
 from patchswarm.protocol.served import split_side_files
 
+from patchswarm.node.diskspace import DiskCondition
+from patchswarm.node import diskspace
 from patchswarm.node.engines import Engine, Handoff, Offer
 from patchswarm.node.lowprio import run_low_priority
 from patchswarm.node.modeldir import ModelDir
@@ -44,6 +46,7 @@ class ModelSink:
         self.bytes_written = 0
         self.last_write_s: float | None = None
         self.last_error: str | None = None
+        self.disk = DiskCondition(root)  # the model directory may be on a disk of its own
 
     async def run(self) -> None:
         if self.handoff is None:
@@ -69,9 +72,14 @@ class ModelSink:
                                        self.nice, name="patchswarm-modeldir")
         except OSError as e:
             self.last_error = f"version {w.version}: {one_line(e)}"
-            log.error("could not write version %d to the model directory %s (%s); the engine stays at %s",
-                      w.version, self.dir.root, one_line(e), self.version)
+            if diskspace.ours(e):  # logged there; the applier writes the version again after the backoff
+                self.disk.failed(f"version {w.version} to the model directory (the engine stays at "
+                                 f"{self.version})", e)
+            else:
+                log.error("could not write version %d to the model directory %s (%s); the engine stays at %s",
+                          w.version, self.dir.root, one_line(e), self.version)
             return
+        self.disk.succeeded()
         self.last_write_s = round(time.perf_counter() - t0, 3)
         self.last_error = None
         self.bytes_written += n

@@ -20,6 +20,7 @@ import trio
 from patchswarm.protocol import wire
 from patchswarm.protocol.trajectory import encode_batch
 
+from patchswarm.node import failpoints
 from patchswarm.node.net.transport import CONNECTION_ERRORS, one_line
 from patchswarm.node.peers import Session
 from patchswarm.node.spool import TrajectorySpool
@@ -75,6 +76,7 @@ class TrajectoryUploader:
                 if s is not None:
                     s.close(f"could not send trajectories ({one_line(e)})")
                 continue
+            await failpoints.hold("upload.sent")  # a kill here: sent, maybe stored, surely not acked
             now = last_sent = trio.current_time()
             self._sent.append((now, len(data)))
             while self._sent and self._sent[0][0] < now - RATE_WINDOW_S:
@@ -89,6 +91,7 @@ class TrajectoryUploader:
 
     async def acked(self, seqs) -> None:
         """The origin stored a batch durably: its records leave the spool."""
+        await failpoints.hold("upload.acked")  # a kill here: stored at the origin, still in the spool
         self.in_flight = max(0, self.in_flight - 1)
         self._wakeup.set()
         await self.spool.ack(seqs)

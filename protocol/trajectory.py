@@ -225,16 +225,18 @@ def _parts(rec: Record, received_at: float | None) -> tuple[bytes, bytes, bytes]
     _check_fields(rec.node_id, rec.region, rec.seq, rec.policy_version, rec.submitted_at, rec.payload,
                   rec.meta, UsageError)
     received = received_at is not None
-    try:  # [1:] drops each packed list's own fixarray header
+    try:  # [1:] drops the packed list's own fixarray header
         head = msgpack.packb([KIND_RECEIVED if received else KIND_RECORD, rec.node_id, rec.region, rec.seq,
                               rec.policy_version, rec.submitted_at])[1:]
-        tail = msgpack.packb([rec.meta, received_at] if received else [rec.meta])[1:]
+        meta = msgpack.packb(rec.meta)
+        at = msgpack.packb(received_at) if received else b""
     except (TypeError, ValueError, OverflowError) as e:
         raise UsageError(f"record.meta: expected msgpack-able values, found {type(e).__name__}: {e}") from None
-    if len(tail) > MAX_META_BYTES + 16:
-        raise UsageError(f"record.meta: expected at most {MAX_META_BYTES} packed bytes, found {len(tail)}")
+    # the decoder's bound, on the meta alone: what passes here decodes
+    if len(meta) > MAX_META_BYTES:
+        raise UsageError(f"record.meta: expected at most {MAX_META_BYTES} packed bytes, found {len(meta)}")
     count = _BODY_LEN[KIND_RECEIVED if received else KIND_RECORD]
-    return bytes([0x90 | count]) + head + bin_header(len(rec.payload)), rec.payload, tail
+    return bytes([0x90 | count]) + head + bin_header(len(rec.payload)), rec.payload, meta + at
 
 
 def body_length(body) -> int:

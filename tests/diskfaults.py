@@ -242,11 +242,52 @@ def origin_trajectory_commits(root: Path, trial: int = 0) -> Outcome:
     return run.out
 
 
+def node_change_file_writes(root: Path, trial: int = 0) -> Outcome:
+    """The disk under the node's change files (--sparse-handoff) is full when a patch is applied:
+    the apply stops part-way, and the node goes back to its durable state, which replays the
+    stored patch (the version without a change file, as after a restart); the next version is
+    recorded once space returns."""
+    with _swarm(root, "node disk full during change-file writes (--sparse-handoff)", "n/changes",
+                node_extra=["--sparse-handoff"]) as run:
+        run.disk.fill(leave=0)
+        run.publish(1)
+        run.lab.wait_log(run.node, r"disk full: could not write the change file of version 1", timeout=WAIT_S)
+        run.lab.wait_version([run.node], 1, timeout=WAIT_S)
+        assert run.node.status()["disk_full"]
+        assert leftovers(run.disk.path) == [], "the failed change file removed its temporary"
+        run.disk.free()
+        run.finish(2)
+        assert (run.disk.path / "0000000002.chg").exists(), sorted(p.name for p in run.disk.path.iterdir())
+    return run.out
+
+
+def node_model_dir_writes(root: Path, trial: int = 0) -> Outcome:
+    """The disk under the node's model directory (--model-dir) is full when a version arrives:
+    the engine's directory stays at the version before, and catches up once space returns."""
+    md = root / "md"
+    with _swarm(root, "node disk full during model-directory writes (--model-dir)", "md",
+                node_extra=["--model-dir", str(md)]) as run:
+        _poll("version 0 in the model directory", lambda: run.node.status()["model_dir_version"] == 0)
+        run.disk.fill(leave=0)
+        run.publish(1)
+        run.lab.wait_log(run.node, r"disk full: could not write version 1 to the model directory", timeout=WAIT_S)
+        run.lab.wait_version([run.node], 1, timeout=WAIT_S)  # the node itself moves on
+        assert run.node.status()["model_dir_version"] == 0
+        run.disk.free()
+        _poll("version 1 in the model directory once space returned",
+              lambda: run.node.status()["model_dir_version"] == 1)
+        run.finish(2)
+        _poll("version 2 in the model directory", lambda: run.node.status()["model_dir_version"] == 2)
+    return run.out
+
+
 SCENARIOS = {
     "node-chunks": node_chunk_writes,
     "node-base": node_base_write,
     "node-compaction": node_compaction,
     "node-spool": node_spool_appends,
+    "node-changes": node_change_file_writes,
+    "node-model-dir": node_model_dir_writes,
     "origin-publish": origin_publish_chunk_writes,
     "origin-trajectories": origin_trajectory_commits,
 }

@@ -3,24 +3,29 @@
 `SwarmLab(tmp_path)` makes a swarm (CA, trainer key), issues credentials,
 starts `python -m patchswarm.node.cli tracker|origin|node` with logs in files, finds
 their addresses in their logs, and stops every process it started (SIGTERM,
-then SIGKILL) when closed. Every wait is bounded in time.
+then SIGKILL) when closed. Every wait is bounded in time. For trajectories:
+`Submitter` (a rollout worker), `dump` and `summary` (the origin's store), `exactly_once`.
 """
 
 from __future__ import annotations
 
+import base64
 import dataclasses
+import json
 import os
+import random
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from patchswarm.node.client import NodeClient, NodeUnavailable
+from patchswarm.node.client import NodeClient, NodeError, NodeUnavailable
 
 ROOT = Path(__file__).resolve().parents[1]
 LISTENING = re.compile(r"listening on ([^\s,;\"]+)")  # text or JSON log lines
@@ -238,3 +243,83 @@ def load_weights(p: Proc) -> dict[str, torch.Tensor]:
     if w is None:
         raise AssertionError(f"{p.name}: no version in {p.data_dir}")
     return w.state
+
+
+def _trajectories(origin, flag: str) -> str:
+    r = subprocess.run([sys.executable, "-m", "patchswarm.node.cli", "trajectories", "--data-dir", origin.data_dir, flag],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def dump(origin) -> list[dict]:
+    """Every trajectory record in the origin's store, in arrival order (`trajectories --dump`)."""
+    return [json.loads(line) for line in _trajectories(origin, "--dump").splitlines()]
+
+
+def summary(origin) -> dict:
+    """The origin's store in numbers (`trajectories --json`): records, by_node, duplicates_dropped..."""
+    return json.loads(_trajectories(origin, "--json"))
+
+
+def wait_spools_empty(lab: SwarmLab, nodes, timeout: float = 120.0) -> None:
+    """Until every node's spool is empty: all it took in is acked by the origin."""
+    deadline = time.monotonic() + timeout
+    for p in nodes:
+        while True:
+            try:
+                spool = p.status()["spool"]
+                if spool["records"] == 0:
+                    break
+            except NodeError:
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{p.name}'s spool did not drain: {lab._status_or_none(p)}\n{p.text()[-2000:]}")
+            time.sleep(0.2)
+
+
+class Submitter(threading.Thread):
+    """A rollout worker: submits numbered records to one node until told to stop; notes which were acked."""
+
+    def __init__(self, node, stop: threading.Event, rng: random.Random):
+        super().__init__(daemon=True)
+        self.node, self.stop, self.rng = node, stop, rng
+        self.acked: dict[bytes, int] = {}  # payload -> seq
+        self.unacked: set[bytes] = set()
+        self.n = 0
+
+    def payload(self) -> bytes:
+        self.n += 1
+        head = f"{self.node.name}/{self.n}/".encode()
+        return head + self.rng.randbytes(self.rng.randrange(16, 3000))
+
+    def run(self) -> None:
+        client = None
+        while not self.stop.is_set():
+            batch = [self.payload() for _ in range(self.rng.randrange(1, 8))]
+            try:
+                client = client or NodeClient(self.node.socket)
+                seqs = client.submit_many([(p, 3, {"n": self.n}) for p in batch], timeout=10)
+                self.acked.update(zip(batch, seqs))
+            except NodeError:
+                self.unacked.update(batch)  # the node died mid-call: maybe stored, maybe not
+                if client is not None:
+                    client.close()
+                client = None
+                time.sleep(0.1)
+
+
+def exactly_once(records: list[dict], workers: list[Submitter]) -> dict[str, int]:
+    """What went wrong between what `workers` submitted and the origin's `records` (dump):
+    acked records missing, extra copies of any record (by payload or by node and seq),
+    and records nobody submitted. All must be 0."""
+    acked = {p for w in workers for p in w.acked}
+    unacked = set().union(*(w.unacked for w in workers))
+    seen: dict[bytes, int] = {}
+    for r in records:
+        payload = base64.b64decode(r["payload_b64"])
+        seen[payload] = seen.get(payload, 0) + 1
+    keys = {(r["node_id"], r["seq"]) for r in records}
+    return {"acked_missing": sum(1 for p in acked if p not in seen),
+            "stored_twice": len(records) - min(len(seen), len(keys)),  # extra copies, by payload or by key
+            "stray": sum(1 for p in seen if p not in acked and p not in unacked)}

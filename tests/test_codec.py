@@ -3,10 +3,11 @@
 import random
 
 import hypothesis.strategies as st
+import msgpack
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 
 from patchswarm.protocol import contexts, deltacode, ricecode, statehash
 from patchswarm.protocol.errors import AlreadyApplied, BaseMismatch, CorruptData, PatchswarmError, StateHashMismatch
@@ -14,7 +15,8 @@ from patchswarm.protocol.patch import Patch, apply, decode_chunk, diff, keyframe
 from patchswarm.protocol.statehash import state_hash
 
 from patchswarm.protocol.dtypes import BY_TORCH
-from patchswarm.protocol.patchformat import parse_chunk
+from patchswarm.protocol.patchencode import _plan_segments, keyframe_chunks
+from patchswarm.protocol.patchformat import MAX_FULL_SEGMENT_BYTES, TensorSpec, parse_chunk
 
 DTYPES = list(BY_TORCH)  # every dtype the codec supports, so a new one is covered at once
 INT_OF = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -163,6 +165,121 @@ def test_each_dtype_with_specials_over_many_chunks_and_segments(dtype):
     state = {}
     apply(state, Patch.from_bytes(keyframe(target, chunk_bytes=300).to_bytes()))
     same(state, target)
+
+
+def test_a_class_without_changes_round_trips():
+    # Small weights and large ones, only the large ones changed: the window gives the small
+    # ones a class of their own, which carries no changes (its row is [0]).
+    g = torch.Generator().manual_seed(0)
+    w = torch.cat([torch.rand(8192, generator=g) * 1e-4, 1 + torch.rand(8192, generator=g)]).to(torch.bfloat16)
+    base, target = {"w": w}, {"w": w.clone()}
+    target["w"][8192::7] *= 1.01
+    p = Patch.from_bytes(diff(base, target).to_bytes())
+    rows = [row for c in p.chunks for seg in parse_chunk(c)[0] for row in seg.rows]
+    assert [0] in rows and any(row[0] for row in rows)
+    state = clone(base)
+    apply(state, p)
+    same(state, target)
+
+
+def test_a_patch_of_many_small_tensors_round_trips():
+    # more rows than the tensor table's allowance for its compressed size alone (64)
+    base = {f"layers.{i}.norm.bias": torch.zeros(3) for i in range(200)}
+    target = {k: v + 1 for k, v in base.items()}
+    p = Patch.from_bytes(diff(base, target).to_bytes())
+    assert len(p.tensors) == 200
+    state = clone(base)
+    apply(state, p)
+    same(state, target)
+
+
+@pytest.mark.parametrize("start, ok", [((1 << 63) - 2, True), (1 << 63, False)])
+def test_chunk_positions_are_bounded_by_int64(start, ok):
+    chunk = msgpack.unpackb(diff({"w": torch.zeros(8)}, {"w": torch.ones(8)}).chunks[0])
+    chunk["s"][0]["p"] = [[0, start, start + 1]]
+    data = msgpack.packb(chunk)
+    if ok:
+        assert parse_chunk(data)[0][0].pieces == [(0, start, start + 1)]
+    else:
+        with pytest.raises(CorruptData, match="a piece"):
+            parse_chunk(data)
+
+
+def test_a_full_segment_over_its_limit_is_refused_and_named():
+    chunk = msgpack.unpackb(keyframe({"w": torch.zeros(8, dtype=torch.bfloat16)}).chunks[0])
+    assert chunk["s"][0]["k"] == "f"
+    n = MAX_FULL_SEGMENT_BYTES // 2 + 1  # bf16 elements
+    chunk["s"][0]["p"] = [[0, 0, n]]
+    with pytest.raises(CorruptData, match=f"bytes of elements, found {2 * n}$"):
+        parse_chunk(msgpack.packb(chunk))
+
+
+@pytest.mark.parametrize("dim, ok", [((1 << 48) - 1, True), (1 << 48, False)])
+def test_table_dimensions_are_bounded(dim, ok):
+    p = diff({"w": torch.zeros(8)}, {"w": torch.ones(8)})
+    p.tensors = [TensorSpec("w", "fp32", (dim,))]
+    if ok:
+        assert Patch.from_bytes(p.to_bytes()).tensors[0].shape == (dim,)
+    else:
+        with pytest.raises(CorruptData, match="a dimension"):
+            Patch.from_bytes(p.to_bytes())
+
+
+@given(st.lists(st.tuples(st.integers(0, 30), st.sampled_from([torch.float32, torch.bfloat16])), max_size=12),
+       st.integers(1, 12))
+@example([(6, torch.float32), (5, torch.float32), (5, torch.float32), (1, torch.float32)], 10)
+def test_segments_hold_whole_pieces_of_one_dtype_up_to_their_size(tensors, max_elements):
+    state = {f"t{i:02}": torch.empty(n, dtype=dt) for i, (n, dt) in enumerate(tensors)}
+    segments = _plan_segments(state, sorted(state), max_elements)
+    pieces = [p for seg in segments for p in seg]
+    # every element once, in order; a piece within one tensor
+    assert pieces == sorted(pieces) and all(0 <= a < b <= state[name].numel() for name, a, b in pieces)
+    assert {name: sum(b - a for n, a, b in pieces if n == name) for name in state} == {
+        name: t.numel() for name, t in state.items()}
+    for seg, after in zip(segments, segments[1:] + [None]):
+        assert len({state[name].dtype for name, _, _ in seg}) == 1
+        assert sum(b - a for _, a, b in seg) <= max_elements
+        if after is not None and state[after[0][0]].dtype == state[seg[0][0]].dtype:  # filled before the next
+            assert sum(b - a for _, a, b in seg) + after[0][2] - after[0][1] > max_elements
+
+
+def test_keyframe_progress_counts_segments_up_to_the_total():
+    state = {"a": torch.ones(4), "b": torch.ones(4, dtype=torch.bfloat16), "c": torch.ones(4, dtype=torch.float16)}
+    calls = []
+    chunks = list(keyframe_chunks(state, threads=1, progress=lambda done, total: calls.append((done, total))))
+    assert chunks and calls == [(1, 3), (2, 3), (3, 3)]  # one segment per dtype
+
+
+def test_a_one_class_row_of_another_size_is_refused_and_named():
+    base, target = {"w": torch.zeros(8)}, {"w": torch.ones(8)}
+    target["w"][3] = 0
+    p = diff(base, target)
+    chunk = msgpack.unpackb(p.chunks[0])
+    assert chunk["s"][0]["w"][1] == 1 and chunk["s"][0]["c"][0][:2] == [7, 8]  # one class: 7 changes of 8
+    chunk["s"][0]["c"][0][1] = 7
+    p.chunks[0] = msgpack.packb(chunk)
+    with pytest.raises(CorruptData, match="expected the segment's 8 elements, found 7$"):
+        apply(base, p)
+    assert torch.equal(base["w"], torch.zeros(8))
+
+
+def test_apply_without_the_compiled_kernel_gives_the_same_bits(real_pair, monkeypatch):
+    base, target = real_pair
+    p = Patch.from_bytes(diff(base, target).to_bytes())
+    monkeypatch.setattr(contexts, "KERNEL", None)  # the numpy path, as where _kernels did not build
+    state = clone(base)
+    apply(state, p)
+    same(state, target)
+
+
+def test_stats_count_every_stream_and_table_byte(real_pair):
+    p = diff(*real_pair, chunk_bytes=256, segment_elements=4096)
+    delta = [seg for c in p.chunks for seg in parse_chunk(c)[0] if seg.kind == "d"]
+    s = p.stats()
+    assert s["position_bytes"] + s["value_bytes"] == (sum(len(x) for seg in delta for x in seg.streams)
+                                                      + sum(len(row[-1]) for seg in delta for row in seg.rows if row[0]))
+    full = sum(t.numel for t in p.tensors if t.name in set(p.full))
+    assert 0 < s["value_bytes"] and s["changed"] == sum(row[0] for seg in delta for row in seg.rows) + full
 
 
 def test_special_values_round_trip():
@@ -596,6 +713,16 @@ def test_undo_keeps_old_ranges_for_dense_pieces_and_int32_positions_for_sparse(r
     assert positions and all(pos.dtype == np.int32 and pos.size == old.size for pos, old in positions)
     ranges = [(pos, old) for pos, old in kept.values() if isinstance(pos, slice)]
     assert all(old.size == pos.stop - pos.start for pos, old in ranges)
+
+
+def test_undo_keeps_a_dense_piece_as_the_range_from_its_first_write():
+    base = {"w": torch.zeros(1000, dtype=torch.bfloat16)}
+    target = {"w": base["w"].clone()}
+    target["w"][100:] = 1.0  # every element from 100 on
+    p = diff(base, target)
+    state = clone(base)
+    [(name, pos, old, _)] = decode_chunk(state, p.chunks[0], p.tensors).undo_record(state).writes
+    assert (name, pos, old.size) == ("w", slice(100, 1000), 900)
 
 
 def test_a_failure_after_earlier_batches_were_written_undoes_them(real_pair, one_chunk_batches):

@@ -90,6 +90,12 @@ def test_wan_rates_must_be_positive_numbers(bad):
         PiecePicker("a", "r0", "r0", wan_rates=bad)
 
 
+def test_wan_rates_message_names_the_first_three_bad_rates():
+    with pytest.raises(UsageError) as raised:
+        PiecePicker("a", "r0", "r0", wan_rates={f"r{i}": 0 for i in range(5)})
+    assert "('r2', 0)]" in str(raised.value) and "r3" not in str(raised.value)
+
+
 def test_with_wan_rates_the_fast_region_never_pulls_through_the_slow_one():
     """Issue 26: about half of the 50 Mbit/s region's chunks came through the 20 Mbit/s one."""
     rates = {"r0": 100, "r1": 50, "r2": 20}
@@ -323,6 +329,16 @@ def test_requests_across_the_wan_stack_on_one_connection():
     assert Counter(r.peer for r in local.requests(0.0)) == {"d1": 4, "e1": 4}
 
 
+def test_the_wan_budget_holds_for_a_region_named_by_equal_strs():
+    p = PiecePicker("me", "r1", "r1", wan_pipeline=1)
+    for peer in ("x", "y"):  # each region name its own str object, as read off the wire
+        p.peer_joined(peer, NODE, "".join(["r", "2"]))
+    p.add_object(KF, 4, now=0.0)
+    for peer in ("x", "y"):
+        p.peer_has(peer, KF, range(4))
+    assert len(p.requests(0.0)) == 1
+
+
 def test_a_relay_from_another_region_is_not_held_up_by_the_origins_link():
     members = {"a1": "r1", "a2": "r2"}
     # chunks a2 must bring from the origin's region, and ones it must relay from r1
@@ -357,6 +373,27 @@ def test_endgame_duplicates_in_region_and_cancels():
     assert p.chunk_received(KEY, first.chunk, first.peer) == [other]
     assert p.in_flight() == 2
     assert p.requests(0.0) == []  # every copy allowed is out
+
+
+def test_endgame_waits_until_every_missing_chunk_is_in_flight():
+    p = make("me", {"a": "r1", "b": "r1", "me": "r1"}, origin_region="r0", n=2, origin=False)
+    p.peer_has("a", KEY, [0])
+    p.peer_has("b", KEY, [0])  # chunk 1: nobody has it yet
+    assert [r.chunk for r in p.requests(0.0)] == [0]
+
+
+def test_the_peer_that_delivered_gets_no_cancel_whatever_str_object_names_it():
+    p = make("me", {"node-a": "r1", "node-b": "r1", "me": "r1"}, origin_region="r0", n=1, origin=False)
+    p.peer_has("node-a", KEY, [0])
+    p.peer_has("node-b", KEY, [0])
+    assert asked(p.requests(0.0)) == {("node-a", 0), ("node-b", 0)}  # a first copy and the endgame's second
+    assert p.chunk_received(KEY, 0, "".join(["node", "-a"])) == [Request("node-b", KEY, 0)]
+
+
+def test_a_bad_announcement_names_its_first_five_bad_indices():
+    p = make("me", {"me": "r0"})
+    with pytest.raises(ProtocolError, match=r"found \[16, 17, 18, 19, 20\]$"):
+        p.peer_has(OR, KEY, range(16, 30))
 
 
 def test_endgame_never_crosses_the_wan():
@@ -397,6 +434,19 @@ def test_fewest_in_flight_peer_gets_the_request():
     p.peer_has("b", KEY, range(8))
     reqs = p.requests(0.0)
     assert Counter(r.peer for r in reqs) == {"a": 4, "b": 4}
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_chunk_two_hold_goes_to_the_one_with_fewer_in_flight(seed):
+    # b holds every chunk, a only the one both hold: rarest first gives b the other three, so
+    # the shared chunk goes to a (4 slots free against b's 1), whatever the tie-break seed;
+    # then the endgame asks b for a second copy.
+    p = make("me", {"me": "r1", "a": "r1", "b": "r1"}, origin_region="r0", n=4, origin=False, seed=seed)
+    p.peer_has("b", KEY, range(4))
+    p.peer_has("a", KEY, [3])
+    reqs = p.requests(0.0)
+    assert asked(reqs[:3]) == {("b", 0), ("b", 1), ("b", 2)}
+    assert [(r.peer, r.chunk) for r in reqs[3:]] == [("a", 3), ("b", 3)]
 
 
 def test_rarest_first():
@@ -494,6 +544,8 @@ def test_complete_object_and_late_facts():
     (lambda p: p.peer_joined("x", "seeder", "r0"), UsageError),
     (lambda p: p.add_object(KEY, 3, now=0.0), UsageError),
     (lambda p: p.add_object((1, 0), 3, now=0.0), UsageError),
+    (lambda p: p.add_object((1, False, 0), 3, now=0.0), UsageError),
+    (lambda p: p.peer_joined("".join(["m", "e"]), NODE, "r0"), UsageError),  # me, as a str read off the wire
     (lambda p: p.add_object((2, False), 3, have=[3], now=0.0), UsageError),
     (lambda p: p.chunk_received(KEY, -1, OR), UsageError),
     (lambda p: p.missing((99, False)), UsageError),
@@ -708,6 +760,19 @@ def test_takeover_takes_at_most_pipeline_per_idle_round():
     assert len(first) == 3 and {r.chunk for r in first} <= stuck
     assert p.requests(1.0) == []  # not idle while those are out
     _received_all(p, first)
+    assert len(p.requests(1.0)) == 3
+
+
+def test_an_idle_round_takes_over_at_most_pipeline_chunks_over_all_objects():
+    # Two objects, every chunk stuck (the origin's region is mine, the origin not connected), and
+    # two other regions' nodes hold them all, with 6 free slots between them: still 3 a round.
+    members = {"a1": "r1", "b1": "r1", "x2": "r2", "x3": "r3"}
+    p = make("b1", members, n=40, origin_region="r1", takeover_after=1.0, pipeline=3, wan_pipeline=3, origin=False)
+    p.add_object((8, False), 40, now=0.0)
+    for key in (KEY, (8, False)):
+        for peer in ("x2", "x3"):
+            p.peer_has(peer, key, range(40))
+    assert p.requests(0.0) == []
     assert len(p.requests(1.0)) == 3
 
 

@@ -19,9 +19,10 @@ from hypothesis import strategies as st
 from patchswarm.node.spool import TrajectorySpool
 from patchswarm.node.trainer.trajstore import SegmentLog, TrajectoryReader, TrajectoryStore, list_segments, segment_path
 from patchswarm.protocol.errors import CorruptData, ProtocolError, SpoolFull, StorageFailed, UnsupportedFormat, UsageError
-from patchswarm.protocol.trajectory import (MAX_BATCH_BYTES, SEGMENT_HEADER_BYTES, DuplicatesNote, ReceivedRecord, Record,
-                                 SeqRanges, decode_batch, decode_payload, decode_record, encode_batch, encode_entry,
-                                 encode_payload, encode_record, scan_records, scan_segment, segment_header)
+from patchswarm.protocol.trajectory import (MAX_BATCH_BYTES, MAX_ID_CHARS, MAX_META_BYTES, SEGMENT_HEADER_BYTES,
+                                 DuplicatesNote, ReceivedRecord, Record, SeqRanges, bin_header, decode_batch,
+                                 decode_payload, decode_record, encode_batch, encode_entry, encode_payload, encode_record,
+                                 scan_records, scan_segment, seq_ranges, segment_header)
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -125,6 +126,22 @@ def test_damage_in_a_length_field_resyncs_at_the_next_entry():
     assert (p.kind, p.offset, p.end, p.tail) == ("corrupt", spans[1][0], spans[2][0], False)
 
 
+def test_a_torn_tail_says_how_far_its_entry_runs_past_the_end():
+    seg, spans = segment_of([rec(0, b"a" * 50), rec(1, b"b" * 50)])
+    scan = scan_records(seg[:-3])
+    assert [v.seq for _, v in scan.entries] == [0]
+    [p] = scan.problems
+    assert (p.kind, p.offset, p.tail) == ("torn", spans[1][0], True)
+    assert p.detail.endswith("runs 3 bytes past the end")
+
+
+def test_the_framing_carries_bodies_of_one_byte_and_refuses_empty_ones():
+    scan = scan_segment(segment_header() + encode_entry(b"\x07") + encode_entry(b"\x90"))
+    assert [bytes(e.body) for e in scan.entries] == [b"\x07", b"\x90"] and scan.problems == []
+    with pytest.raises(UsageError, match="found 0"):
+        encode_entry(b"")
+
+
 def test_future_segment_version_is_refused_not_repaired():
     import zlib
     head = b"PSTRJSEG" + (2).to_bytes(4, "little")
@@ -191,6 +208,46 @@ def test_batch_limits_and_bomb_header():
         decode_batch(bomb)
 
 
+def test_a_batch_of_max_batch_bytes_round_trips_and_one_byte_more_is_refused():
+    def batch(size):  # two records, the second with a payload of `size` bytes
+        return [rec(0, b"\0" * (MAX_BATCH_BYTES // 2)), rec(1, b"\0" * size)]
+
+    def raw_bytes(recs):  # the array header (one byte for two), then each record's body
+        return 1 + sum(len(encode_record(r)) for r in recs)
+
+    probe = 1 << 20  # as large as the answer: the same bin header size
+    size = MAX_BATCH_BYTES - (raw_bytes(batch(probe)) - probe)
+    assert raw_bytes(batch(size)) == MAX_BATCH_BYTES
+    assert decode_batch(encode_batch(batch(size))) == batch(size)
+    with pytest.raises(UsageError, match=f"expected at most {MAX_BATCH_BYTES} bytes, found {MAX_BATCH_BYTES + 1}"):
+        encode_batch(batch(size + 1))
+
+
+@pytest.mark.parametrize("received", [False, True])
+def test_meta_is_bounded_by_its_packed_size_alike_at_encode_and_decode(received):
+    def record(packed):  # {"m": bin16}: a fixmap byte, the key's two, the bin header's three
+        r = rec(1, meta={"m": bytes(packed - 6)})
+        return r.received(2.0) if received else r
+
+    assert decode_record(encode_record(record(MAX_META_BYTES))) == record(MAX_META_BYTES)
+    with pytest.raises(UsageError, match=f"at most {MAX_META_BYTES} packed bytes, found {MAX_META_BYTES + 1}$"):
+        encode_record(record(MAX_META_BYTES + 1))
+    if not received:  # a batch the origin would refuse whole must not be made
+        with pytest.raises(UsageError, match="packed bytes"):
+            encode_batch([record(MAX_META_BYTES + 1)])
+
+
+def test_ids_of_the_longest_utf8_round_trip():
+    r = Record("\U0001F600" * MAX_ID_CHARS, "\u00e9" * MAX_ID_CHARS, 1, 1, 0.0, b"", None)
+    assert decode_record(encode_record(r)) == r
+
+
+@pytest.mark.parametrize("n", [0, 255, 256, 65535, 65536, 1 << 20])
+def test_bin_header_is_msgpacks_own(n):
+    header = bin_header(n)
+    assert msgpack.packb(bytes(n), use_bin_type=True) == header + bytes(n)
+
+
 def test_compressible_batches_shrink():
     recs = [rec(i, b"observation " * 80) for i in range(200)]
     assert len(encode_batch(recs)) < sum(len(r.payload) for r in recs) / 5
@@ -212,7 +269,7 @@ def test_payload_rule_round_trips_objects_and_passes_bytes():
 def test_invalid_records_are_refused_at_encode():
     with pytest.raises(UsageError, match="payload: expected bytes"):
         encode_record(Record("n", "r", 1, 1, 0.0, "text", None))
-    with pytest.raises(UsageError, match="seq"):
+    with pytest.raises(UsageError, match="record.seq: expected a non-negative int below 2\\*\\*64, found int -1$"):
         encode_record(Record("n", "r", -1, 1, 0.0, b"", None))
     with pytest.raises(UsageError, match="msgpack-able"):
         encode_record(Record("n", "r", 1, 1, 0.0, b"", {"x": object()}))
@@ -235,6 +292,20 @@ def test_seq_ranges_behave_like_a_set(ops):
     assert all((x in ranges) == (x in model) for x in range(-1, 215))
     rs = ranges.ranges()
     assert all(rs[i][1] < rs[i + 1][0] for i in range(len(rs) - 1))  # disjoint and not adjacent
+
+
+def test_seq_ranges_of_seqs_merge_runs():
+    assert seq_ranges([7, 1, 2, 5, 6, 2]) == [(1, 3), (5, 8)]
+
+
+def test_seq_ranges_start_from_given_ranges_and_refuse_bad_ones():
+    ranges = SeqRanges([(5, 7), (0, 3), (3, 4)])
+    assert ranges.ranges() == [(0, 4), (5, 7)] and len(ranges) == 6
+    for a, b in [(5, 3), (-1, 2), (1.0, 2)]:
+        with pytest.raises(UsageError, match="expected 0 <= a <= b ints"):
+            ranges.add_range(a, b)
+    with pytest.raises(UsageError):
+        SeqRanges([(2, 1)])
 
 
 # ================================================================ spool

@@ -4,6 +4,7 @@ import functools
 import hashlib
 import ssl
 import stat
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -18,8 +19,8 @@ from hypothesis import strategies as st
 from patchswarm.node.net import trust
 from patchswarm.node.net.tlsstream import TLSSocketStream
 from patchswarm.protocol.errors import CorruptData, InvalidInput, SignatureError, UsageError
-from patchswarm.protocol.manifest import (Manifest, chunk_ok, decode_manifest, encode_manifest,
-                               sign_manifest, verify_manifest)
+from patchswarm.protocol.manifest import (MAX_CHUNKS, Manifest, ObjKey, chunk_ok, decode_manifest, describe,
+                                          encode_manifest, sign_manifest, verify_manifest)
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = Ed25519PrivateKey.generate()
@@ -63,6 +64,26 @@ def test_encoding_is_canonical():
     obj[8] = {"b": 1, "a": 2}
     with pytest.raises(CorruptData):
         decode_manifest(msgpack.packb(obj, use_bin_type=True))
+
+
+def test_a_narrower_encoding_of_the_same_manifest_is_refused():
+    body = encode_manifest(manifest(created_at=0.5))
+    assert body[-9:] == b"\xcb" + struct.pack(">d", 0.5)  # msgpack's float64, last
+    with pytest.raises(CorruptData, match="canonical"):
+        decode_manifest(body[:-9] + b"\xca" + struct.pack(">f", 0.5))  # the same value as float32
+
+
+def test_manifest_arrays_of_another_length_are_named():
+    obj = msgpack.unpackb(encode_manifest(manifest()))
+    for other in (obj[:-1], obj + [0]):
+        with pytest.raises(CorruptData, match="expected an array of 10"):
+            decode_manifest(msgpack.packb(other, use_bin_type=True))
+
+
+@pytest.mark.parametrize("base_version, base_hash", [(None, "sha256:" + "ab" * 32), (1, None)])
+def test_base_version_and_base_hash_come_together(base_version, base_hash):
+    with pytest.raises(UsageError, match="base_version/base_hash"):
+        manifest(base_version=base_version, base_hash=base_hash)
 
 
 def test_every_tampered_byte_is_caught():
@@ -150,6 +171,47 @@ def test_manifest_fields_are_checked():
         manifest(chunks=[(3, b"short")])
     with pytest.raises(UsageError):
         manifest(codec={1: "x"})
+
+
+@pytest.mark.parametrize("field, value", [
+    ("tensors", [["w", "bf16", [4, -1]]]),  # a negative dimension
+    ("tensors", [["w", "bf16", [4, 2.0]]]),  # a dimension that is not an int
+    ("chunks", [(-1, bytes(32))]),  # a negative size
+    ("chunks", [(1, "a" * 32)]),  # a digest of the right length that is not bytes
+    ("chunks", [(1, bytes(33))]),  # a digest too long
+    ("tensors", [["w", 5, [4]]]),  # a dtype that is not a str
+    ("base_hash", ""),
+    ("base_hash", 5),
+    ("codec", {"n": -(2**63) - 1}),  # ints msgpack cannot carry
+    ("codec", {"n": 2**64}),
+])
+def test_manifest_entries_out_of_range_are_refused(field, value):
+    with pytest.raises(UsageError, match=f"manifest {field}"):
+        manifest(**{field: value})
+
+
+def test_manifest_bounds_are_inclusive():
+    m = manifest(tensors=[["w", "bf16", [0, 4]]], chunks=[(0, bytes(32))], codec={"lo": -(2**63), "hi": 2**64 - 1})
+    assert decode_manifest(encode_manifest(m)) == m
+
+
+def test_chunk_count_is_bounded_by_max_chunks():
+    entry = (0, bytes(32))
+    assert len(manifest(chunks=[entry] * MAX_CHUNKS).chunks) == MAX_CHUNKS
+    with pytest.raises(UsageError, match=f"at most {MAX_CHUNKS}, found {MAX_CHUNKS + 1}"):
+        manifest(chunks=[entry] * (MAX_CHUNKS + 1))
+
+
+def test_malformed_envelope_and_magic_are_named():
+    body = msgpack.packb(["wrong magic"] + [0] * 9)
+    with pytest.raises(CorruptData, match="found 'wrong magic'"):
+        verify_manifest(msgpack.packb([body, KEY.sign(body)]), KEY.public_key())
+    with pytest.raises(CorruptData, match="at most 2 elements"):
+        verify_manifest(msgpack.packb([body, KEY.sign(body), b""]), KEY.public_key())
+
+
+def test_describe_names_version_and_kind():
+    assert (describe(ObjKey(3, False)), describe(ObjKey(4, True))) == ("v3 patch", "v4 keyframe")
 
 
 def test_chunk_ok():

@@ -41,6 +41,7 @@ from patchswarm.protocol.statehash import state_hash
 from patchswarm.protocol.trajectory import ReceivedRecord, decode_batch
 from patchswarm.protocol.versions import VersionBook
 
+from patchswarm.node import failpoints
 from patchswarm.node.diskspace import ours
 from patchswarm.node.peers import PeerDropped, PeerSet, Session
 from patchswarm.node.net.ratelimit import TokenBucket
@@ -348,6 +349,7 @@ class Origin:
 
     def _seal(self, key: ObjKey, patch: Patch, writer) -> tuple:
         """Sign the manifest of an object whose chunks `writer` wrote, and write it last."""
+        failpoints.hit("publish.written")  # a kill here: chunks on disk, no manifest, nothing announced
         m = manifest_of(patch, swarm_id=self.swarm_id, version=key[0], created_at=time.time(),
                         chunk_table=writer.table)
         envelope = sign_manifest(m, self.key)
