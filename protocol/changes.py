@@ -339,8 +339,10 @@ def _piece(meta, payload: memoryview) -> Piece:
     if start is None:
         positions = np.frombuffer(payload, dtype=pdt, count=count)
         off = count * pdt.itemsize
-        # Ascending and in range: one vectorized check instead of trusting the sender.
-        if positions[0] < 0 or positions[-1] >= numel or (count > 1 and not (np.diff(positions) > 0).all()):
+        # Ascending and in range: one vectorized check instead of trusting the sender. Compared
+        # pairwise, not by np.diff: a difference of two int32 positions can wrap (100 and
+        # -2147483549 differ by more than int32 holds and would pass as ascending).
+        if positions[0] < 0 or positions[-1] >= numel or (count > 1 and not (positions[1:] > positions[:-1]).all()):
             raise _bad("piece positions", f"ascending in [0, {numel})", f"{positions[:4]}…")
     bits = np.frombuffer(payload, dtype=_np_bits(info), count=count, offset=off)
     return Piece(spec.name, spec.dtype, spec.shape, start, positions, bits)

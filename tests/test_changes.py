@@ -232,3 +232,13 @@ def test_decoder_raises_only_its_own_errors(data):
     stream[data.draw(st.integers(0, len(stream) - 1))] ^= data.draw(st.integers(1, 255))
     with pytest.raises(InvalidInput):
         iter_events(bytes(stream))
+
+
+def test_positions_whose_difference_wraps_int32_are_refused():
+    """A damaged piece whose positions are [100, -2147483549]: their np.diff wraps to a positive int32,
+    so a check by differences let it pass (found by the fuzz test above); compared pairwise it is refused."""
+    numel = 1 << 20
+    positions = np.array([100, -2147483549], dtype=np.int32)
+    payload = memoryview(positions.tobytes() + np.zeros(2, dtype=np.uint16).tobytes())
+    with pytest.raises(InvalidInput, match="piece positions"):
+        changes._piece(["w", "bf16", [numel], None, 2], payload)
