@@ -73,8 +73,6 @@ class Applier:
         self._wakeup = Wakeup()
         self._version_changed = trio.Event()
         self._compacting = False
-        self._sink_layout: dict[str, str] | None = None  # the current version's, for a model directory write again
-        self._sink_published_at: float | None = None
         self._base_due = False  # a base write failed or waited for a compaction: retried after the next apply
         self._nursery: trio.Nursery | None = None
 
@@ -95,11 +93,15 @@ class Applier:
         """At start: the configured hand-offs catch up with the version the node resumed at."""
         if self.sink is None or self.weights is None:
             return
+        await self._write_sink(None)
+
+    async def _write_sink(self, changed: set[str] | None) -> None:
+        """Hand the current version to the model directory, with its manifest's layout and
+        publish time (the current version's object stays in the store: it is in the chain)."""
         key = next((k for k in [(self.version, False), (self.version, True)] if self.store.manifest(k)), None)
         m = None if key is None else self.store.manifest(key)
-        if m is not None:
-            self._sink_layout, self._sink_published_at = m.codec.get("layout"), m.created_at
-        await self.sink.write(self.weights, self._sink_layout, None, self._sink_published_at)
+        await self.sink.write(self.weights, None if m is None else m.codec.get("layout"), changed,
+                              None if m is None else m.created_at)
 
     def wake(self) -> None:
         self._wakeup.set()
@@ -158,7 +160,7 @@ class Applier:
                         continue
                 if self.sink is not None and self.weights is not None and self.sink.disk.failing \
                         and self.sink.disk.may_retry():  # the model directory behind after a full disk
-                    await self.sink.write(self.weights, self._sink_layout, None, self._sink_published_at)
+                    await self._write_sink(None)
                 await self._wakeup.wait(POLL_S)
 
     async def apply(self, key: ObjKey) -> None:
@@ -198,8 +200,7 @@ class Applier:
             self.store.disk.failed(f"the change file of version {m.version} (followers of the sparse "
                                    f"hand-off read the base whole across it)", e)
             await self._back_to_durable()
-            self._version_changed.set()
-            self._version_changed = trio.Event()
+            self._version_changed_now()
             return
         finally:
             self.fetcher.stop(key)
@@ -213,17 +214,20 @@ class Applier:
             await self._write_base()
         seconds = time.perf_counter() - t0
         if self.sink is not None:
-            self._sink_layout, self._sink_published_at = m.codec.get("layout"), m.created_at
-            await self.sink.write(self.weights, self._sink_layout, changed, m.created_at)
+            await self._write_sink(changed)
         self.applied.append({"version": m.version, "kind": "keyframe" if m.is_keyframe else "patch",
                              "bytes": m.total_bytes, "apply_s": round(seconds, 3),
                              **self._timeline.pop(key, {}), "published_at": m.created_at, "applied_at": time.time()})
         log.info("applied version %d (%s, %s bytes) in %.2f s; state hash %s…", m.version,
                  "keyframe" if m.is_keyframe else "patch", f"{m.total_bytes:,}", seconds, m.target_hash[:16])
-        self._version_changed.set()
-        self._version_changed = trio.Event()
+        self._version_changed_now()
         self._compact_if_due()
         self._retire(m.version)
+
+    def _version_changed_now(self) -> None:
+        """Wake everyone waiting on a version (wait_version), and arm the event for the next one."""
+        self._version_changed.set()
+        self._version_changed = trio.Event()
 
     async def _back_to_durable(self) -> None:
         """After an apply that stopped part-way (the state may be partly patched): the base and the stored chain."""

@@ -73,7 +73,7 @@ class ModelDir:
         shards = _shards_of(state, layout)
         written = 0
         if not final.exists():  # else: whole already (renamed only once complete), and a full disk stopped
-            written = self._write_version(version, final, state, shards, layout, files, metadata, changed)
+            written = self._write_version(version, state, shards, layout, files, metadata, changed)
         self._shards[version] = shards
         link_tmp = self.root / (CURRENT + ".tmp")
         link_tmp.unlink(missing_ok=True)
@@ -83,10 +83,11 @@ class ModelDir:
         self.prune()
         return written
 
-    def _write_version(self, version: int, final: Path, state: dict[str, torch.Tensor], shards: dict,
+    def _write_version(self, version: int, state: dict[str, torch.Tensor], shards: dict,
                        layout: dict[str, str] | None, files: dict[str, bytes], metadata: dict[str, str],
                        changed: set[str] | None) -> int:
-        """The version's directory, written under a temporary name and renamed to `final` once whole."""
+        """The version's directory, written under a temporary name and renamed into place once whole."""
+        final = self.path(version)
         prev_version = self.current_version()
         prev = self.path(prev_version) if prev_version is not None else None
         prev_shards = self._shards.get(prev_version) if prev_version is not None else None

@@ -26,7 +26,6 @@ import trio
 
 from patchswarm.protocol.served import split_side_files
 
-from patchswarm.node.diskspace import DiskCondition
 from patchswarm.node import diskspace
 from patchswarm.node.engines import Engine, Handoff, Offer
 from patchswarm.node.lowprio import run_low_priority
@@ -46,7 +45,7 @@ class ModelSink:
         self.bytes_written = 0
         self.last_write_s: float | None = None
         self.last_error: str | None = None
-        self.disk = DiskCondition(root)  # the model directory may be on a disk of its own
+        self.disk = diskspace.DiskCondition(root)  # the model directory may be on a disk of its own
 
     async def run(self) -> None:
         if self.handoff is None:
