@@ -116,7 +116,10 @@ def test_engine_and_command_get_each_version_in_order_from_a_model_directory(tmp
             # One call per version, in order, each loading exactly the published state.
             assert [c["version"] for c in calls] == ["0", "1", "2"]
             assert [c["state_hash"] for c in calls] == hashes
-            st = a.status()
+            # The engine has the call; the node records its answer a moment later.
+            deadline = time.monotonic() + 30
+            while (st := a.status())["engine"]["version"] != 2 and time.monotonic() < deadline:
+                time.sleep(0.1)
             assert st["engine"]["version"] == 2 and st["engine"]["last_error"] is None
             assert st["engine"]["attempts"] == 4 and st["engine"]["publish_to_engine_s"] is not None
             current = Path(st["model_dir"])
