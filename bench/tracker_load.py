@@ -330,9 +330,22 @@ def generate_main(args) -> None:
                 result["joins"] += 1
             next_at += rng.expovariate(rate)
 
+    async def collect() -> None:
+        """A generator holds thousands of sessions too: it collects garbage on the tracker's
+        schedule (tracker/collector.py), so that its own full collections do not delay the
+        joins and notices it times."""
+        from patchswarm.tracker.collector import CollectorSchedule
+
+        collector = CollectorSchedule()
+        collector.start(trio.current_time())
+        while True:
+            await trio.sleep_until(collector.due(trio.current_time()))
+            collector.tick(trio.current_time())
+
     async def main():
         stdin = trio.wrap_file(sys.stdin)
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(collect)
             await ramp(nursery)
             print(json.dumps({"ready": len(active)}), flush=True)
             line = await stdin.readline()
