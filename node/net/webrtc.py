@@ -52,6 +52,10 @@ CLOSE_SECONDS = 2.0
 # UDP socket buffers asked for (the kernel caps them at net.core.rmem_max / wmem_max):
 # SCTP's window in flight must fit the receiver's buffer, or bursts are dropped there.
 SOCKET_BUFFER = 4 << 20
+# ...but the SCTP window announced stays at most this: whatever is in flight queues in
+# the receiver's socket ahead of ICE's consent checks (RFC 7675), which aioice gives
+# 0.5 s and six tries before it closes the connection; ~450 packets drain in ~70 ms.
+RECEIVE_WINDOW_MAX = 512 << 10
 LABEL = "patchswarm"
 CHANNEL_ID = 0  # negotiated out of band (both ends create it), so no DCEP round trip
 _FINGERPRINT = re.compile(r"^a=fingerprint:(\S+) ([0-9A-Fa-f:]+)\s*$", re.MULTILINE)
@@ -197,11 +201,11 @@ def receive_window() -> int:
 
     The kernel charges each ~1.2 KB datagram its buffer's full size, up to ~4 KB
     on loopback, so a quarter of the receive buffer obtained is what surely fits;
-    at most aiortc's own 1 MiB. Measured once per process on a throwaway socket."""
+    at most RECEIVE_WINDOW_MAX. Measured once per process on a throwaway socket."""
     global _RECEIVE_WINDOW
     if _RECEIVE_WINDOW is None:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            _RECEIVE_WINDOW = min(1 << 20, _set_buffers(probe) // 4)
+            _RECEIVE_WINDOW = min(RECEIVE_WINDOW_MAX, _set_buffers(probe) // 4)
     return _RECEIVE_WINDOW
 
 
