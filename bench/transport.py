@@ -13,7 +13,13 @@ alternating `--repeat` times, and the table shows the best run of each.
 messages of 16-256 KiB through MessageStream: MB/s received. `--profile`
 prints where the asyncio thread's time goes in a WebRTC run.
 
-    .venv/bin/python bench/transport.py --webrtc [--mib 32] [--repeat 2] [--profile]
+    .venv/bin/python bench/transport.py --webrtc [--mib 32] [--repeat 2] [--lanes 2] [--profile WebRTC]
+
+Variants: "WebRTC stock" (aiortc as released), "WebRTC" (node/net/sctpfast.py's
+speed-ups); both ends in one process, or each end in its own process
+("2 processes"), or `--lanes` peer connections at once, each end of each in
+its own process. Besides MB/s: MB per CPU second (the whole process; with
+processes, the busiest end's), which a shared machine's load distorts less.
 """
 
 from __future__ import annotations
@@ -220,9 +226,8 @@ def _rtc_processes(lanes: int, size: int, total: int, fast: bool) -> tuple[float
     bytes of all of them over the time from the first start to the last finish; and MB
     per CPU second of the busiest end (what one pair moves where each end has a core)."""
     def argv(role: str) -> list[str]:
-        return [sys.executable, __file__, "--rtc-child", role, "--size", str(size), "--mib", str(total >> 20),
-                "--stock"] if not fast else [sys.executable, __file__, "--rtc-child", role, "--size", str(size),
-                                             "--mib", str(total >> 20)]
+        return ([sys.executable, __file__, "--rtc-child", role, "--size", str(size), "--mib", str(total >> 20)]
+                + ([] if fast else ["--stock"]))
 
     procs: list[subprocess.Popen] = []
     try:

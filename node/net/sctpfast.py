@@ -57,10 +57,12 @@ log = logging.getLogger("patchswarm.webrtc")
 # aiortc versions (major.minor) whose RTCSctpTransport and InboundStream internals
 # these replacements were read against and tested with (tests/test_sctpfast.py).
 SUPPORTED = ("1.16",)
+# What the replacements read, write or wrap on the association object.
 _NEEDS = ("_transmit", "_t3_expired", "_t3_start", "_t3_handle", "_send_chunk", "_forward_tsn_chunk",
           "_fast_recovery_exit", "_flight_size", "_flight_size_increase", "_outbound_queue", "_sent_queue",
-          "_receive_chunk", "_receive_sack_chunk", "_cwnd", "_advertised_rwnd", "_mark_received", "_get_inbound_stream", "_inbound_streams", "_last_received_tsn",
-          "_sack_misordered", "_sack_duplicates")
+          "_receive_chunk", "_receive_sack_chunk", "_cwnd", "_advertised_rwnd", "_mark_received",
+          "_get_inbound_stream", "_inbound_streams", "_last_received_tsn", "_sack_misordered",
+          "_sack_duplicates")
 _TSN_MODULO = 2 ** 32
 
 
@@ -89,6 +91,9 @@ def speed_up(sctp, receive_window: int | None = None) -> bool:
             log.warning("aiortc %s is not one the SCTP speed-ups were checked against (%s): stock SCTP",
                         _aiortc_version(), ", ".join(SUPPORTED))
         return False
+    from aiortc.rtcsctptransport import USERDATA_MAX_LENGTH, InitAckChunk, InitChunk
+    from aiortc.utils import uint32_gt
+
     stock_mark_received = sctp._mark_received
 
     def _mark_received(tsn: int) -> bool:
@@ -98,7 +103,7 @@ def speed_up(sctp, receive_window: int | None = None) -> bool:
             # filters come to exactly this.
             sctp._last_received_tsn = tsn
             if sctp._sack_duplicates:
-                sctp._sack_duplicates = [x for x in sctp._sack_duplicates if _uint32_gt(x, tsn)]
+                sctp._sack_duplicates = [x for x in sctp._sack_duplicates if uint32_gt(x, tsn)]
             return False
         return stock_mark_received(tsn)
 
@@ -107,8 +112,6 @@ def speed_up(sctp, receive_window: int | None = None) -> bool:
         if stream is None:
             stream = sctp._inbound_streams[stream_id] = _inbound_stream_class()()
         return stream
-
-    from aiortc.rtcsctptransport import USERDATA_MAX_LENGTH, InitAckChunk, InitChunk
 
     stock_receive_chunk = sctp._receive_chunk
     stock_receive_sack = sctp._receive_sack_chunk
@@ -181,12 +184,6 @@ def _aiortc_version() -> str:
         return "(not installed)"
 
 
-def _uint32_gt(a: int, b: int) -> bool:
-    """a after b in serial number arithmetic (RFC 1982), as aiortc.utils.uint32_gt."""
-    half = 1 << 31
-    return (a < b and b - a > half) or (a > b and a - b < half)
-
-
 _FastInboundStream = None
 
 
@@ -196,6 +193,7 @@ def _inbound_stream_class():
     if _FastInboundStream is not None:
         return _FastInboundStream
     from aiortc.rtcsctptransport import SCTP_DATA_LAST_FRAG, InboundStream
+    from aiortc.utils import uint32_gt
 
     class FastInboundStream(InboundStream):
         def __init__(self) -> None:
@@ -203,7 +201,7 @@ def _inbound_stream_class():
             self._nothing_to_pop = False
 
         def add_chunk(self, chunk) -> None:
-            at_tail = not self.reassembly or _uint32_gt(chunk.tsn, self.reassembly[-1].tsn)
+            at_tail = not self.reassembly or uint32_gt(chunk.tsn, self.reassembly[-1].tsn)
             super().add_chunk(chunk)
             # Fragments of a message have consecutive TSNs: one that comes after every
             # chunk held, without the last-fragment flag, leaves its own message short of
