@@ -13,7 +13,13 @@ alternating `--repeat` times, and the table shows the best run of each.
 messages of 16-256 KiB through MessageStream: MB/s received. `--profile`
 prints where the asyncio thread's time goes in a WebRTC run.
 
-    .venv/bin/python bench/transport.py --webrtc [--mib 32] [--repeat 2] [--profile]
+    .venv/bin/python bench/transport.py --webrtc [--mib 32] [--repeat 2] [--lanes 2] [--profile WebRTC]
+
+Variants: "WebRTC stock" (aiortc as released), "WebRTC" (node/net/sctpfast.py's
+speed-ups); both ends in one process, or each end in its own process
+("2 processes"), or `--lanes` peer connections at once, each end of each in
+its own process. Besides MB/s: MB per CPU second (the whole process; with
+processes, the busiest end's), which a shared machine's load distorts less.
 """
 
 from __future__ import annotations
@@ -135,15 +141,16 @@ async def _tls_pair(creds_root: Path):
     return a, b, None
 
 
-async def _webrtc_pair(rtc):
-    pa, pb = rtc.peer(), rtc.peer()
+async def _webrtc_pair(rtc, fast_sctp: bool = True):
+    pa, pb = rtc.peer(fast_sctp), rtc.peer(fast_sctp)
     await pa.accept_answer(await pb.local_answer(await pa.local_offer()))
     with trio.fail_after(30):
         return await pa.open(), await pb.open(), (pa, pb)
 
 
-async def _throughput(kind: str, creds_root: Path, size: int, total: int) -> float:
-    """MB/s of `total` bytes of Pieces of `size` bytes, one way, through MessageStream."""
+async def _throughput(kind: str, creds_root: Path, size: int, total: int) -> tuple[float, float]:
+    """MB/s of `total` bytes of Pieces of `size` bytes, one way, through MessageStream,
+    and MB per CPU second of the process (both ends, every thread)."""
     from patchswarm.node.net.webrtc import IceConfig, RTCLoop
 
     async def run(a, b) -> float:
@@ -160,36 +167,125 @@ async def _throughput(kind: str, creds_root: Path, size: int, total: int) -> flo
             async with trio.open_nursery() as n:
                 n.start_soon(sender)
                 assert isinstance(await recv.receive(), wire.Hello)
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 for _ in range(count):
                     msg = await recv.receive()
                     assert isinstance(msg, wire.Piece) and len(msg.data) == size
-                wall = time.perf_counter() - t0
+                wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         await send.aclose()
         await recv.aclose()
-        return count * size / 1e6 / wall
+        return count * size / 1e6 / wall, count * size / 1e6 / cpu
 
     if kind == "TCP+TLS":
         a, b, _ = await _tls_pair(creds_root)
         return await run(a, b)
     async with RTCLoop(IceConfig(host_addresses=("127.0.0.1",))) as rtc:
-        a, b, _ = await _webrtc_pair(rtc)
+        a, b, _ = await _webrtc_pair(rtc, fast_sctp=kind != "WebRTC stock")
         return await run(a, b)
 
 
-def webrtc_table(creds_root: Path, mib: int, repeat: int, profile: bool) -> None:
-    kinds = ["TCP+TLS", "WebRTC"]
+async def _rtc_child(role: str, size: int, total: int, fast: bool) -> dict:
+    """One end of one peer connection in this process; the SDP through stdin/stdout."""
+    from patchswarm.node.net.webrtc import IceConfig, RTCLoop
+
+    async def line() -> str:
+        return json.loads(await trio.to_thread.run_sync(sys.stdin.readline))["sdp"]
+
+    async with RTCLoop(IceConfig(host_addresses=("127.0.0.1",))) as rtc:
+        peer = rtc.peer(fast)
+        if role == "send":
+            print(json.dumps({"sdp": await peer.local_offer()}), flush=True)
+            await peer.accept_answer(await line())
+        else:
+            print(json.dumps({"sdp": await peer.local_answer(await line())}), flush=True)
+        with trio.fail_after(30):
+            ms = transport.MessageStream(await peer.open(), "x", "node")
+        count, out = max(1, total // size), {}
+        with trio.fail_after(CHILD_TIMEOUT_S * 5):
+            if role == "send":
+                data = os.urandom(size)
+                c0 = time.process_time()
+                await ms.send(wire.Hello("x", "r0", "node", "", []))
+                for i in range(count):
+                    await ms.send(wire.Piece(1, False, i, 0, size, data))
+                await ms.receive()  # None once the receiver has everything and closed
+                out["cpu"] = time.process_time() - c0
+            else:
+                assert isinstance(await ms.receive(), wire.Hello)
+                out["t0"], c0 = time.time(), time.process_time()
+                for _ in range(count):
+                    msg = await ms.receive()
+                    assert isinstance(msg, wire.Piece) and len(msg.data) == size
+                out.update(t1=time.time(), bytes=count * size, cpu=time.process_time() - c0)
+        await ms.aclose()
+        return out
+
+
+def _rtc_processes(lanes: int, size: int, total: int, fast: bool) -> tuple[float, float]:
+    """MB/s of `lanes` peer connections at once, each end in its own process: received
+    bytes of all of them over the time from the first start to the last finish; and MB
+    per CPU second of the busiest end (what one pair moves where each end has a core)."""
+    def argv(role: str) -> list[str]:
+        return ([sys.executable, __file__, "--rtc-child", role, "--size", str(size), "--mib", str(total >> 20)]
+                + ([] if fast else ["--stock"]))
+
+    procs: list[subprocess.Popen] = []
+    try:
+        senders = [subprocess.Popen(argv("send"), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                   for _ in range(lanes)]
+        procs += senders
+        receivers = [subprocess.Popen(argv("receive"), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                     for _ in range(lanes)]
+        procs += receivers
+        for s, r in zip(senders, receivers):
+            r.stdin.write(s.stdout.readline())
+            r.stdin.flush()
+            s.stdin.write(r.stdout.readline())
+            s.stdin.flush()
+        results = [json.loads(r.communicate(timeout=CHILD_TIMEOUT_S * 5)[0].strip().splitlines()[-1]) for r in receivers]
+        sent = [json.loads(s.communicate(timeout=CHILD_TIMEOUT_S)[0].strip().splitlines()[-1]) for s in senders]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if any(p.returncode for p in procs):
+        raise SystemExit(f"WebRTC child failed: {[p.returncode for p in procs]}")
+    wall = max(r["t1"] for r in results) - min(r["t0"] for r in results)
+    busiest = max(max(r["cpu"], s["cpu"]) / r["bytes"] for r, s in zip(results, sent))
+    return sum(r["bytes"] for r in results) / 1e6 / wall, 1 / busiest / 1e6
+
+
+def webrtc_table(creds_root: Path, mib: int, repeat: int, profile: bool, lanes: int) -> None:
+    # (name, how): in one process (both ends on one asyncio thread), or each end in its
+    # own process, one or `lanes` peer connections at once.
+    kinds = ["TCP+TLS", "WebRTC stock", "WebRTC", "WebRTC stock, 2 processes", "WebRTC, 2 processes",
+             f"WebRTC, {lanes} pairs in {2 * lanes} processes"]
     best: dict[tuple[str, int], float] = {}
+    best_cpu: dict[tuple[str, int], float] = {}
     for i in range(repeat):
         for kib in SIZES_KIB:
             for kind in kinds:
-                mbs = trio.run(_throughput, kind, creds_root, kib << 10, mib << 20)
-                print(f"  run {i}: {kind}, {kib} KiB messages: {mbs:.1f} MB/s", flush=True)
+                if "processes" in kind:
+                    n = lanes if "pairs" in kind else 1
+                    mbs, per_cpu = _rtc_processes(n, kib << 10, mib << 20, fast="stock" not in kind)
+                else:
+                    mbs, per_cpu = trio.run(_throughput, kind, creds_root, kib << 10, mib << 20)
+                print(f"  run {i}: {kind}, {kib} KiB messages: {mbs:.1f} MB/s, {per_cpu:.1f} MB per CPU s",
+                      flush=True)
                 best[kind, kib] = max(best.get((kind, kib), 0.0), mbs)
-    print(f"\n{'transport':>28}  " + "  ".join(f"{k:>4} KiB MB/s" for k in SIZES_KIB))
-    for kind in kinds:
-        print(f"{kind:>28}  " + "  ".join(f"{best[kind, k]:>13.1f}" for k in SIZES_KIB))
-    print(f"\n({mib} MiB one way per cell, one pair in one process on loopback, best of {repeat})")
+                best_cpu[kind, kib] = max(best_cpu.get((kind, kib), 0.0), per_cpu)
+    if repeat:
+        print(f"\n{'transport':>28}  " + "  ".join(f"{k:>4} KiB MB/s" for k in SIZES_KIB))
+        for kind in kinds:
+            print(f"{kind:>28}  " + "  ".join(f"{best[kind, k]:>13.1f}" for k in SIZES_KIB))
+        print(f"\n{'MB per CPU second':>28}  " + "  ".join(f"{k:>4} KiB      " for k in SIZES_KIB))
+        for kind in kinds:
+            print(f"{kind:>28}  " + "  ".join(f"{best_cpu[kind, k]:>13.1f}" for k in SIZES_KIB))
+        print("(in one process: the whole process's CPU, both ends; in processes: the busiest end's,"
+              " so what one pair moves where each end has a core of its own)")
+        print(f"\n({mib} MiB one way per cell and pair, on loopback, best of {repeat}; without '2 processes',"
+              " both ends in one process)")
     if profile:
         import cProfile
         import pstats
@@ -205,11 +301,11 @@ def webrtc_table(creds_root: Path, mib: int, repeat: int, profile: bool) -> None
                 prof.disable()
         asyncio.BaseEventLoop.run_forever = profiled
         try:
-            trio.run(_throughput, "WebRTC", creds_root, 64 << 10, mib << 20)
+            trio.run(_throughput, profile, creds_root, 64 << 10, mib << 20)  # (MB/s, MB per CPU s)
         finally:
             asyncio.BaseEventLoop.run_forever = real_run_forever
-        print("\nWhere the asyncio thread's time goes (WebRTC, 64 KiB messages), by own time:")
-        pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+        print(f"\nWhere the asyncio thread's time goes ({profile}, 64 KiB messages), by own time:")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
 
 def main() -> int:
@@ -217,14 +313,21 @@ def main() -> int:
     ap.add_argument("--mib", type=int, default=256, help="1 MiB pieces per run")
     ap.add_argument("--repeat", type=int, default=3, help="runs per stream class (best kept)")
     ap.add_argument("--webrtc", action="store_true", help="WebRTC data channels against TCP+TLS, 16-256 KiB messages")
-    ap.add_argument("--profile", action="store_true", help="with --webrtc: where the WebRTC CPU goes")
+    ap.add_argument("--profile", choices=("WebRTC", "WebRTC stock"), help="with --webrtc: where that variant's CPU goes")
+    ap.add_argument("--lanes", type=int, default=2, help="with --webrtc: peer connections at once in the last row")
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--rtc-child", choices=("send", "receive"), help=argparse.SUPPRESS)
+    ap.add_argument("--size", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--stock", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--kind", choices=STREAMS, help=argparse.SUPPRESS)
     ap.add_argument("--creds", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.mib < 1 or args.repeat < 1:
-        ap.error("--mib and --repeat: expected at least 1")
+    if args.mib < 1 or args.repeat < (0 if args.profile else 1):
+        ap.error("--mib and --repeat: expected at least 1 (--repeat 0 with --profile: the profile alone)")
+    if args.rtc_child:
+        print(json.dumps(trio.run(_rtc_child, args.rtc_child, args.size, args.mib << 20, not args.stock)), flush=True)
+        return 0
     if args.child:
         print(json.dumps(trio.run(_child, args.child, args.kind, Path(args.creds), args.port, args.mib)), flush=True)
         return 0
@@ -234,7 +337,7 @@ def main() -> int:
         for name, role in (("origin1", "origin"), ("node1", "node")):
             trust.issue(root / "swarm", name, role, root / name)
         if args.webrtc:
-            webrtc_table(root, args.mib, args.repeat, args.profile)
+            webrtc_table(root, args.mib, args.repeat, args.profile, args.lanes)
             return 0
         best: dict[str, dict] = {}
         for i in range(args.repeat):

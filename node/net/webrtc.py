@@ -34,10 +34,13 @@ import collections
 import dataclasses
 import logging
 import re
+import socket
 import threading
 from typing import Callable
 
 import trio
+
+from . import sctpfast
 
 log = logging.getLogger("patchswarm.webrtc")
 
@@ -46,6 +49,14 @@ HIGH_WATER = 1 << 20  # send_all waits while more than this is queued in the cha
 LOW_WATER = 256 << 10  # ...until it has fallen to this (bufferedamountlow)
 RECEIVE_LIMIT = 1 << 20  # most bytes one receive_some hands back
 CLOSE_SECONDS = 2.0
+# UDP socket buffers asked for (the kernel caps them at net.core.rmem_max / wmem_max):
+# SCTP's window in flight must fit the receiver's buffer, or bursts are dropped there.
+SOCKET_BUFFER = 4 << 20
+# ...but the SCTP window announced stays at most this: whatever is in flight queues in
+# the receiver's socket ahead of ICE's consent checks (RFC 7675), which aioice gives
+# 0.5 s and six tries before it closes the connection; ~450 packets drain in ~70 ms.
+# (With 1 MiB, a test run on a starved receiver saw its connection close, most likely so.)
+RECEIVE_WINDOW_MAX = 512 << 10
 LABEL = "patchswarm"
 CHANNEL_ID = 0  # negotiated out of band (both ends create it), so no DCEP round trip
 _FINGERPRINT = re.compile(r"^a=fingerprint:(\S+) ([0-9A-Fa-f:]+)\s*$", re.MULTILINE)
@@ -137,9 +148,10 @@ class RTCLoop:
         """Call `fn(*args)` in the loop's thread, soon; returns at once."""
         self.loop.call_soon_threadsafe(fn, *args)
 
-    def peer(self) -> "RTCPeer":
-        """A new peer connection (not yet offered or answered)."""
-        return RTCPeer(self)
+    def peer(self, fast_sctp: bool = True) -> "RTCPeer":
+        """A new peer connection (not yet offered or answered). `fast_sctp`: with
+        node/net/sctpfast.py's speed-ups of aiortc's SCTP (False: stock aiortc)."""
+        return RTCPeer(self, fast_sctp)
 
 
 def _call_trio(token: trio.lowlevel.TrioToken, fn: Callable, *args) -> None:
@@ -172,6 +184,32 @@ def _use_host_addresses(addresses: tuple[str, ...] | None) -> None:
             a for a in chosen if (":" in a and use_ipv6) or (":" not in a and use_ipv4)]
 
 
+def _set_buffers(sock) -> int:
+    """Ask for SOCKET_BUFFER both ways; the receive buffer obtained (as the kernel counts it)."""
+    for opt in (socket.SO_RCVBUF, socket.SO_SNDBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
+        except OSError:
+            pass
+    return sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+
+
+_RECEIVE_WINDOW: int | None = None
+
+
+def receive_window() -> int:
+    """The SCTP receive window to announce: what a UDP socket of this host can hold.
+
+    The kernel charges each ~1.2 KB datagram its buffer's full size, up to ~4 KB
+    on loopback, so a quarter of the receive buffer obtained is what surely fits;
+    at most RECEIVE_WINDOW_MAX. Measured once per process on a throwaway socket."""
+    global _RECEIVE_WINDOW
+    if _RECEIVE_WINDOW is None:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            _RECEIVE_WINDOW = min(RECEIVE_WINDOW_MAX, _set_buffers(probe) // 4)
+    return _RECEIVE_WINDOW
+
+
 class RTCPeer:
     """One peer connection with one data channel, as seen from trio.
 
@@ -179,8 +217,9 @@ class RTCPeer:
     `local_answer(offer_sdp)`. Then `await open()` gives the stream; `aclose()`
     (or closing the stream) ends the connection."""
 
-    def __init__(self, rtc: RTCLoop):
+    def __init__(self, rtc: RTCLoop, fast_sctp: bool = True):
         self.rtc = rtc
+        self.fast_sctp = fast_sctp
         self.stream = DataChannelStream(self)
         self.local_sdp: str | None = None
         self.remote_sdp: str | None = None
@@ -261,6 +300,8 @@ class RTCPeer:
 
     def _add_channel(self) -> None:
         ch = self._pc.createDataChannel(LABEL, ordered=True, negotiated=True, id=CHANNEL_ID)
+        if self.fast_sctp:  # the SCTP transport exists now, and its association has not started
+            sctpfast.speed_up(self._pc.sctp, receive_window=receive_window())
         ch.bufferedAmountLowThreshold = LOW_WATER
         self._channel = ch
         stream, token = self.stream, self.rtc._token
@@ -296,6 +337,7 @@ class RTCPeer:
         self._new_pc()
         self._add_channel()
         await self._pc.setLocalDescription(await self._pc.createOffer())
+        self._grow_socket_buffers()
         return self._pc.localDescription.sdp  # aiortc gathers every candidate before this returns
 
     async def _accept_in_loop(self, sdp: str) -> None:
@@ -308,7 +350,22 @@ class RTCPeer:
         await self._pc.setRemoteDescription(RTCSessionDescription(sdp=sdp, type="offer"))
         self._add_channel()  # after the offer made the SCTP transport, before anything can arrive
         await self._pc.setLocalDescription(await self._pc.createAnswer())
+        self._grow_socket_buffers()
         return self._pc.localDescription.sdp
+
+    def _grow_socket_buffers(self) -> None:
+        """Ask for SOCKET_BUFFER on each UDP socket ICE gathered (aiortc and aioice
+        leave the kernel's default, ~208 KiB: ~90 packets)."""
+        if not self.fast_sctp:
+            return
+        try:
+            protocols = self._pc.sctp.transport.transport.iceGatherer._connection._protocols
+        except AttributeError:
+            return
+        for protocol in protocols:
+            sock = getattr(getattr(protocol, "transport", None), "get_extra_info", lambda _: None)("socket")
+            if sock is not None and sock.type == socket.SOCK_DGRAM:
+                _set_buffers(sock)
 
     async def _wait_open_in_loop(self) -> None:
         await asyncio.shield(self._opened)

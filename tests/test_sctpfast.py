@@ -1,0 +1,199 @@
+"""node/net/sctpfast.py: aiortc's SCTP sped up must do what stock aiortc does.
+
+Reassembly and received-TSN bookkeeping against aiortc's own code on random
+arrival orders (hypothesis); then real peer connections on loopback: a
+sped-up peer against a stock one both ways, and both sped up, with the
+packets each receives reordered and some dropped, every byte arriving
+bit-exactly and in order."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("aiortc")
+
+from aiortc import rtcsctptransport as sctpmod  # noqa: E402
+
+from patchswarm.node.net import sctpfast  # noqa: E402
+from patchswarm.node.net.transport import MessageStream  # noqa: E402
+from patchswarm.node.net.webrtc import IceConfig, RTCLoop  # noqa: E402
+from patchswarm.protocol import wire  # noqa: E402
+
+LOOPBACK = IceConfig(host_addresses=("127.0.0.1",))
+pytestmark = pytest.mark.skipif(not sctpfast.supported(), reason="aiortc version not one sctpfast was checked against")
+
+
+def _chunks(sizes: list[int], first_tsn: int, unordered: set[int]) -> list:
+    """DATA chunks of messages with `sizes` fragments each, on stream 0, TSNs from first_tsn."""
+    out, tsn = [], first_tsn
+    for seq, n in enumerate(sizes):
+        for i in range(n):
+            c = sctpmod.DataChunk()
+            c.flags = (sctpmod.SCTP_DATA_FIRST_FRAG if i == 0 else 0) | (sctpmod.SCTP_DATA_LAST_FRAG if i == n - 1 else 0)
+            if seq in unordered:
+                c.flags |= sctpmod.SCTP_DATA_UNORDERED
+            c.tsn, c.stream_id, c.stream_seq, c.protocol = tsn, 0, 0 if seq in unordered else seq, 53
+            c.user_data = bytes([seq % 256, i % 256])
+            out.append(c)
+            tsn = (tsn + 1) % 2 ** 32
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(sizes=st.lists(st.integers(1, 6), min_size=1, max_size=8),
+       first_tsn=st.sampled_from([0, 7, 2 ** 32 - 5]),  # 2**32 - 5: TSNs wrap inside the run
+       unordered=st.sets(st.integers(0, 7), max_size=3),
+       seed=st.integers(0, 2 ** 16), local_swaps=st.booleans())
+def test_reassembly_delivers_what_aiortc_delivers_in_any_arrival_order(sizes, first_tsn, unordered, seed, local_swaps):
+    # Only ordered messages reach a stream's sequence numbers: renumber them 0, 1, 2...
+    chunks, seqs = _chunks(sizes, first_tsn, unordered), {}
+    for c in chunks:
+        if not c.flags & sctpmod.SCTP_DATA_UNORDERED:
+            c.stream_seq = seqs.setdefault(c.user_data[0], len(seqs))
+    rng = random.Random(seed)
+    order = list(chunks)
+    if local_swaps:  # what a network does: neighbours swapped
+        for i in range(len(order) - 1):
+            if rng.random() < 0.3:
+                order[i], order[i + 1] = order[i + 1], order[i]
+    else:
+        rng.shuffle(order)
+    stock, fast = sctpmod.InboundStream(), sctpfast._inbound_stream_class()()
+    for c in order:
+        stock.add_chunk(c)
+        fast.add_chunk(c)
+        assert list(fast.pop_messages()) == list(stock.pop_messages())
+        assert [x.tsn for x in fast.reassembly] == [x.tsn for x in stock.reassembly]
+        assert fast.sequence_number == stock.sequence_number
+
+
+def _transport():
+    from aiortc import RTCCertificate, RTCDtlsTransport, RTCIceGatherer, RTCIceTransport
+    return sctpmod.RTCSctpTransport(RTCDtlsTransport(RTCIceTransport(RTCIceGatherer()),
+                                                     [RTCCertificate.generateCertificate()]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(start=st.sampled_from([100, 2 ** 32 - 3]),  # 2**32 - 3: TSNs wrap inside the run
+       steps=st.lists(st.one_of(st.none(), st.integers(-3, 8)), min_size=1, max_size=40))
+def test_received_tsns_are_booked_as_aiortc_books_them(start, steps):
+    async def main():
+        stock, fast = _transport(), _transport()
+        assert sctpfast.speed_up(fast)
+        for t in (stock, fast):
+            t._last_received_tsn = start
+        for step in steps:  # None: the next TSN in order; else ahead (a gap) or behind (a duplicate)
+            base = stock._last_received_tsn
+            tsn = (base + (1 if step is None else step)) % 2 ** 32
+            assert fast._mark_received(tsn) == stock._mark_received(tsn)
+            assert fast._last_received_tsn == stock._last_received_tsn
+            assert fast._sack_misordered == stock._sack_misordered
+            assert fast._sack_duplicates == stock._sack_duplicates
+
+    asyncio.run(main())
+
+
+def test_unsupported_aiortc_is_left_stock(monkeypatch):
+    async def main():
+        t = _transport()
+        monkeypatch.setattr(sctpfast, "SUPPORTED", ("0.1",))
+        assert not sctpfast.supported() and not sctpfast.speed_up(t, receive_window=1 << 16)
+        assert not {"_transmit", "_mark_received", "_receive_sack_chunk"} & set(vars(t))
+        assert t._advertised_rwnd == 1 << 20  # aiortc's own
+
+    asyncio.run(main())
+
+
+def _disorder(sctp, rng: random.Random, drop: float, seen: dict) -> None:
+    """Reorder the packets `sctp` receives (held a few at a time, shuffled) and drop
+    some: what a WAN path may do, on loopback. Counts into `seen`."""
+    real, held = sctp._handle_data, []
+    loop = asyncio.get_running_loop()
+    held_order: list[bytes] = []
+
+    async def flush() -> None:
+        batch = held[:]
+        held.clear()
+        rng.shuffle(batch)
+        seen["reordered"] += batch != sorted(batch, key=held_order.index)
+        for data in batch:
+            await real(data)
+
+    async def handle(data: bytes) -> None:
+        if rng.random() < drop:
+            seen["dropped"] += 1
+            return
+        held.append(data)
+        held_order.append(data)
+        del held_order[:-64]
+        if len(held) == 1:
+            loop.call_later(0.002, lambda: asyncio.ensure_future(flush()))
+        elif len(held) >= 5:
+            await flush()
+
+    sctp._handle_data = handle
+
+
+async def _send_and_check(fast_a: bool, fast_b: bool, disorder: bool, total: int) -> None:
+    rng = random.Random(f"{fast_a}{fast_b}{disorder}")
+    msgs, size = [], 0
+    while size < total:  # sizes around a packet's payload (1,172 B) and a channel message (64 KiB)
+        n = rng.choice([1, 1172, 1173, 16 << 10, 65536, 200_001])
+        msgs.append(wire.Piece(len(msgs), False, len(msgs), 0, n, rng.randbytes(n)))
+        size += n
+    async with RTCLoop(LOOPBACK) as rtc:
+        a, b = rtc.peer(fast_a), rtc.peer(fast_b)
+        await a.accept_answer(await b.local_answer(await a.local_offer()))
+        with trio.fail_after(20):
+            sa, sb = await a.open(), await b.open()
+        seen = {"dropped": 0, "reordered": 0}
+        if disorder:
+            for peer in (a, b):
+                await rtc.run(_disorder_in_loop(peer, rng, 0.01, seen))
+        ma, mb = MessageStream(sa, "b", "node"), MessageStream(sb, "a", "node")
+        got_b, got_a = [], []
+
+        async def send(ms, out):
+            await ms.send(wire.Hello("x", "r", "node", "", []))
+            for m in out:
+                await ms.send(m)
+
+        async def receive(ms, into, n):
+            assert isinstance(await ms.receive(), wire.Hello)
+            while len(into) < n:
+                into.append(await ms.receive())
+
+        with trio.fail_after(180):
+            async with trio.open_nursery() as n:
+                n.start_soon(send, ma, msgs)
+                n.start_soon(send, mb, msgs[::-1])
+                n.start_soon(receive, mb, got_b, len(msgs))
+                n.start_soon(receive, ma, got_a, len(msgs))
+        assert got_b == msgs and got_a == msgs[::-1]  # every byte, in order, both ways
+        if disorder:
+            assert seen["dropped"] and seen["reordered"], seen
+        await ma.aclose()
+        await mb.aclose()
+
+
+async def _disorder_in_loop(peer, rng, drop, seen) -> None:
+    _disorder(peer._pc.sctp, rng, drop, seen)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fast_a,fast_b", [(True, False), (False, True), (True, True)],
+                         ids=["fast-to-stock", "stock-to-fast", "fast-to-fast"])
+def test_a_sped_up_peer_and_a_stock_peer_exchange_bit_exactly(fast_a, fast_b):
+    trio.run(_send_and_check, fast_a, fast_b, False, 4 << 20)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fast_a,fast_b", [(True, False), (True, True)], ids=["fast-with-stock", "fast-to-fast"])
+def test_reordered_and_lossy_packets_still_arrive_bit_exactly_in_order(fast_a, fast_b):
+    trio.run(_send_and_check, fast_a, fast_b, True, 1 << 20)
