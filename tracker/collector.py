@@ -64,6 +64,10 @@ class CollectorSchedule:
                 young0, young1, _ = _takeover["thresholds"]
                 gc.set_threshold(young0, young1, NO_AUTOMATIC_FULL)
             _takeover["schedules"] += 1
+        # What exists now (imports, configuration) lives as long as the process: collected
+        # once and frozen, it is the baseline the frozen heap's growth is measured from.
+        gc.collect()
+        gc.freeze()
         self._last_freeze = self._last_full = now
         self._frozen_after_full = gc.get_freeze_count()
 
