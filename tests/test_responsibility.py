@@ -88,9 +88,26 @@ def test_upstream_regions_second_region_pulls_from_first():
     ({"r1": 100, "r2": 96, "r3": 94}, {"r1": 0, "r2": 0, "r3": 1}),  # within 5 % of the class's fastest
     ({"r1": 50, "r2": 20}, {"r1": 0, "r2": 1, "r3": 2}),  # unknown rate: last, relays to nobody
     ({"r1": 50, "r2": 20, "r3": 0}, {"r1": 0, "r2": 1, "r3": 2}),  # a zero is no rate
+    ({"r1": 50}, {"r1": 0, "r2": 1, "r3": 1}),  # one known class: the unknown ones after it
+    ({"r1": 100, "r2": 96}, {"r1": 0, "r2": 0, "r3": 1}),
+    ({"r9": 50}, {"r1": 0, "r2": 0, "r3": 0}),  # rates only for regions not here: one class, 0
 ])
 def test_rate_classes_table(rates, expect):
     assert rate_classes(["r1", "r2", "r3"], rates) == expect
+
+
+def test_set_members_names_only_chunks_whose_owner_changed_when_names_are_new_strs():
+    """Member ids arrive off the wire as new str objects each time: a chunk whose owner
+    is the same member (an equal str) did not change owner."""
+    def fresh(name):
+        return "".join(list(name))  # equal, not the same object
+
+    rmap = ResponsibilityMap(KEY, 60, ["a", "b", "c"])
+    before = [rmap.owner(c) for c in range(60)]
+    changed = rmap.set_members([fresh(m) for m in ("a", "b", "c", "d")])
+    after = [rmap.owner(c) for c in range(60)]
+    assert changed == [c for c in range(60) if before[c] != after[c]]
+    assert 0 < len(changed) < 60  # "d" takes its share; most chunks keep their owner
 
 
 # The issue's fleet: the origin in r0 (100 Mbit/s), r1 at 50, r2 at 20. Each row: rates,
