@@ -262,6 +262,15 @@ def test_a_codec_map_with_a_non_str_key_does_not_decode(key, match):
         decode_manifest(body)
 
 
+def test_chunk_ok_refuses_every_other_content_of_the_right_size():
+    """Wrong bytes of the right size: refused whether their digest sorts below or above."""
+    m = manifest()
+    wrong = [bytes([i]) * len(CHUNKS[2]) for i in range(64)]
+    digests = [hashlib.sha256(w).digest() for w in wrong]
+    assert min(digests) < m.chunks[2][1] < max(digests)
+    assert not any(chunk_ok(m, 2, w) for w in wrong)
+
+
 def test_chunk_ok_refuses_indices_past_either_end():
     m = manifest()
     assert not chunk_ok(m, -1, CHUNKS[-1]) and not chunk_ok(m, len(CHUNKS) + 1, b"")
