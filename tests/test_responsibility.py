@@ -91,9 +91,38 @@ def test_upstream_regions_second_region_pulls_from_first():
     ({"r1": 50}, {"r1": 0, "r2": 1, "r3": 1}),  # one known class: the unknown ones after it
     ({"r1": 100, "r2": 96}, {"r1": 0, "r2": 0, "r3": 1}),
     ({"r9": 50}, {"r1": 0, "r2": 0, "r3": 0}),  # rates only for regions not here: one class, 0
+    ({"r1": 50.5, "r2": 20.25}, {"r1": 0, "r2": 1, "r3": 2}),  # rates as floats
+    ({"r1": 0.5, "r2": 0.25, "r3": 0.125}, {"r1": 0, "r2": 1, "r3": 2}),  # in a unit where they are below 1
+    ({"r1": 100, "r2": 95, "r3": 94.9}, {"r1": 0, "r2": 0, "r3": 1}),  # exactly RATE_TIE of the fastest: same class
 ])
 def test_rate_classes_table(rates, expect):
     assert rate_classes(["r1", "r2", "r3"], rates) == expect
+
+
+@pytest.mark.parametrize("n", [29, 31])
+def test_classes_must_be_one_per_chunk(n):
+    with pytest.raises(UsageError, match=f"one per chunk \\(30\\), found {n}"):
+        balanced_owners(KEY, 30, ["a", "b"], [0] * n)
+    with pytest.raises(UsageError, match=f"one per chunk \\(30\\), found {n}"):
+        ResponsibilityMap(KEY, 30, ["a", "b"], classes=[0] * n)
+    rmap = ResponsibilityMap(KEY, 30, ["a", "b"])
+    with pytest.raises(UsageError, match=f"one per chunk \\(30\\), found {n}"):
+        rmap.set_members(["a", "b"], [0] * n)
+
+
+@pytest.mark.parametrize("old, new", [
+    ([1] * 15 + [0] * 15, [0] * 30),  # new classes that sort below the old ones
+    ([0] * 30, [1] * 15 + [0] * 15),  # and above
+    ([0, 1, 2] * 10, [2, 1, 0] * 10),
+])
+def test_set_members_with_new_classes_owns_as_a_fresh_map_would(old, new):
+    members = ["a", "b", "c"]
+    rmap = ResponsibilityMap(KEY, 30, members, classes=old)
+    before = [rmap.owner(c) for c in range(30)]
+    changed = rmap.set_members(members, new)
+    fresh = ResponsibilityMap(KEY, 30, members, classes=new)
+    assert [rmap.owner(c) for c in range(30)] == [fresh.owner(c) for c in range(30)]
+    assert changed == [c for c in range(30) if before[c] != fresh.owner(c)]
 
 
 def test_set_members_names_only_chunks_whose_owner_changed_when_names_are_new_strs():
