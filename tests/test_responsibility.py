@@ -99,6 +99,21 @@ def test_rate_classes_table(rates, expect):
     assert rate_classes(["r1", "r2", "r3"], rates) == expect
 
 
+@pytest.mark.parametrize("origin", ["r0", "r9", "".join(["r", "2"])])
+def test_region_order_names_every_region_once_after_the_origin(origin):
+    """The origin's region sorting below or above the others, or named by an equal but
+    distinct str (as read off the wire) among them: each region once, the origin first."""
+    regions = ["r1", "r2", "r3"]
+    for c in range(40):
+        order = region_order(KEY, c, regions, origin)
+        assert order[0] == origin and sorted(order) == sorted({origin, *regions})
+
+
+def test_region_order_follows_three_rate_classes_for_every_chunk():
+    rates = {"r1": 100, "r2": 50, "r3": 10}
+    assert all(region_order(KEY, c, ["r3", "r2", "r1"], "r0", rates) == ["r0", "r1", "r2", "r3"] for c in range(40))
+
+
 @pytest.mark.parametrize("n", [29, 31])
 def test_classes_must_be_one_per_chunk(n):
     with pytest.raises(UsageError, match=f"one per chunk \\(30\\), found {n}"):
