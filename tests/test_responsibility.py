@@ -125,6 +125,30 @@ def test_classes_must_be_one_per_chunk(n):
         rmap.set_members(["a", "b"], [0] * n)
 
 
+def test_a_refused_set_members_leaves_the_map_as_it_was():
+    rmap = ResponsibilityMap(KEY, 30, ["a", "b"], classes=[0] * 30)
+    before = [rmap.owner(c) for c in range(30)]
+    for n in (29, 31):
+        with pytest.raises(UsageError):
+            rmap.set_members(["a", "b", "c"], [1] * n)
+        assert [rmap.owner(c) for c in range(30)] == before
+    rmap.set_members(["a", "b", "c"])  # and it goes on working with its classes
+    fresh = ResponsibilityMap(KEY, 30, ["a", "b", "c"], classes=[0] * 30)
+    assert [rmap.owner(c) for c in range(30)] == [fresh.owner(c) for c in range(30)]
+
+
+def test_shares_stay_balanced_past_the_small_ints():
+    """A version of 3000 chunks over 2 and 3 gateways (loads and caps above 256: ints
+    compared by value, not identity)."""
+    n = 3000
+    for gws in (["a", "b"], ["a", "b", "c"]):
+        owners = balanced_owners(KEY, n, gws, [0] * n)
+        assert max(Counter(owners).values()) == -(-n // len(gws))
+        rmap = ResponsibilityMap(KEY, n, gws, classes=[0] * n)
+        assert [rmap.owner(c) for c in range(n)] == owners
+        assert rmap.set_members(gws, [1] * n) == []  # another class name, the same split
+
+
 @pytest.mark.parametrize("old, new", [
     ([1] * 15 + [0] * 15, [0] * 30),  # new classes that sort below the old ones
     ([0] * 30, [1] * 15 + [0] * 15),  # and above
