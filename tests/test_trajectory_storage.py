@@ -317,49 +317,6 @@ def test_discarding_a_lone_seq_leaves_no_empty_range(others, lone):
     assert lone not in ranges and not ranges.discard(lone)
 
 
-@pytest.mark.parametrize("cut", range(SEGMENT_HEADER_BYTES))
-def test_a_torn_segment_header_is_a_tail_from_offset_0(cut):
-    p = check_segment_header(segment_header()[:cut])
-    assert (p.kind, p.offset, p.end, p.tail) == ("torn", 0, cut, True)
-    assert p.detail == f"a header of {cut} of {SEGMENT_HEADER_BYTES} bytes"
-
-
-def test_a_long_bad_value_is_cut_in_the_message():
-    long_id = "x" * (MAX_ID_CHARS + 1)
-    with pytest.raises(UsageError, match=re.escape(f"found str {repr(long_id)[:57]}...") + "$"):
-        encode_record(Record(long_id, "r", 1, 1, 0.0, b"", None))
-
-
-@given(st.lists(st.tuples(st.integers(0, 200), st.integers(-1, 8))))
-def test_seq_ranges_behave_like_a_set(ops):
-    model, ranges = set(), SeqRanges()
-    for a, k in ops:
-        if k == 0:
-            assert ranges.add(a) == (a not in model)
-            model.add(a)
-        elif k < 0:  # a write that failed after its seq was added (origin's full disk)
-            assert ranges.discard(a) == (a in model)
-            model.discard(a)
-        else:
-            assert ranges.add_range(a, a + k) == len(set(range(a, a + k)) - model)
-            model.update(range(a, a + k))
-    assert len(ranges) == len(model)
-    assert all((x in ranges) == (x in model) for x in range(-1, 215))
-    rs = ranges.ranges()
-    assert all(rs[i][1] < rs[i + 1][0] for i in range(len(rs) - 1))  # disjoint and not adjacent
-    assert rs == seq_ranges(model)  # and no empty range left behind
-
-
-@pytest.mark.parametrize("start, lone", [(0, 0), (0, 5), (3, 9), (1 << 40, (1 << 40) + 7)])
-def test_discarding_a_lone_seq_leaves_no_empty_range(start, lone):
-    ranges = SeqRanges([(start, start + 2)])
-    ranges.add(lone + 2) if lone + 2 > start + 2 else None
-    ranges.add(lone + 9)
-    assert ranges.discard(lone + 9)
-    assert ranges.ranges() == seq_ranges([start, start + 1, *([lone + 2] if lone + 2 > start + 2 else [])])
-    assert lone + 9 not in ranges and not ranges.discard(lone + 9)
-
-
 def test_seq_ranges_of_seqs_merge_runs():
     assert seq_ranges([7, 1, 2, 5, 6, 2]) == [(1, 3), (5, 8)]
 
