@@ -9,6 +9,7 @@ mutant, or a missing test). Run from the repository root with the bench extra in
     pip install -e '.[bench]'
     python bench/mutation.py                                  # every module, every mutant (hours)
     python bench/mutation.py --modules versions,wire --max-mutants 40
+    python bench/mutation.py --modules versions,wire --rerun-survivors   # after adding tests
 
 Why cosmic-ray (not mutmut or pytest-gremlins): it applies each mutant to the real file in
 place and runs an arbitrary test command, so it needs nothing of the package layout. Here
@@ -25,6 +26,12 @@ Ctrl-C (never kill -9), then check `git status`.
 Mutants inside annotations (`int | None` made `int >> None`) are left out and counted
 apart: every module here has `from __future__ import annotations`, so an annotation is
 never evaluated and such a mutant cannot change behaviour.
+
+After tests were added, `--rerun-survivors` runs only the survivors of the sessions in
+--out again (a killed mutant stays killed: tests are only added), so the bench itself
+confirms each kill. Survivors judged equivalent (no test of behaviour can tell them from
+the original) are listed in bench/mutation-equivalents.txt with a reason each; the table
+prints the kill rate both ways: of every mutant run, and of the killable ones.
 
 `--max-mutants N` takes a seeded sample of N mutants per module, the same ones for the
 same seed and source (the rest are recorded as skipped): on a 2-core machine a mutant
@@ -112,11 +119,40 @@ def sample(session: Path, module_path: Path, max_mutants: int | None, seed: int)
         return len(inert), len(keep)
 
 
-def tally(session: Path) -> tuple[dict[str, int], list[str]]:
+def mutant_key(mutation) -> str:
+    """`<file>:<line> <operator> #<occurrence>`: how EQUIVALENTS names a mutant (for this source)."""
+    return f"{Path(mutation.module_path).name}:{mutation.start_pos[0]} {mutation.operator_name} #{mutation.occurrence}"
+
+
+def read_equivalents(path: Path) -> dict[str, str]:
+    """mutant key -> why it cannot change behaviour, from `path` (one per line: key, ` -- `, reason)."""
+    if not path.exists():
+        return {}
+    entries = {}
+    for line in path.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            key, sep, reason = line.partition(" -- ")
+            assert sep and reason.strip(), f"{path}: expected 'KEY -- REASON', found {line!r}"
+            entries[key.strip()] = reason.strip()
+    return entries
+
+
+def rerun_survivors(session: Path) -> int:
+    """Forget the results of the survivors so the next `exec` runs them again (with the tests as
+    they are now); killed mutants stay killed: tests were only added. How many will re-run."""
+    from cosmic_ray.work_db import WorkDB, WorkResultStorage, use_db
+    from cosmic_ray.work_item import TestOutcome
+
+    with use_db(str(session), mode=WorkDB.Mode.open) as db, db._session_maker.begin() as s:
+        return s.query(WorkResultStorage).filter(WorkResultStorage.test_outcome == TestOutcome.SURVIVED).delete()
+
+
+def tally(session: Path, equivalents: dict[str, str]) -> tuple[dict[str, int], list[str]]:
     from cosmic_ray.work_db import WorkDB, use_db
     from cosmic_ray.work_item import TestOutcome, WorkerOutcome
 
-    counts = {"killed": 0, "survived": 0, "incompetent": 0, "annotation": 0, "skipped": 0, "total": 0}
+    counts = {"killed": 0, "survived": 0, "equivalent": 0, "incompetent": 0, "annotation": 0, "skipped": 0,
+              "total": 0}
     survivors = []
     with use_db(str(session), mode=WorkDB.Mode.open) as db:
         for item, result in db.completed_work_items:
@@ -125,8 +161,10 @@ def tally(session: Path) -> tuple[dict[str, int], list[str]]:
                 counts["annotation" if result.output == ANNOTATION else "skipped"] += 1
             elif result.test_outcome == TestOutcome.SURVIVED:
                 counts["survived"] += 1
-                m = item.mutations[0]
-                survivors.append(f"--- {m.module_path}:{m.start_pos[0]} {m.operator_name} #{m.occurrence}\n{result.diff}")
+                key = mutant_key(item.mutations[0])
+                why = equivalents.get(key)
+                counts["equivalent"] += why is not None
+                survivors.append(f"--- {key}" + (f"  [equivalent: {why}]" if why else "") + f"\n{result.diff}")
             elif result.test_outcome == TestOutcome.KILLED:
                 counts["killed"] += 1
             else:
@@ -134,17 +172,20 @@ def tally(session: Path) -> tuple[dict[str, int], list[str]]:
     return counts, survivors
 
 
-def run_module(module: str, out: Path, max_mutants: int | None, seed: int, timeout: float, keep: bool) -> dict:
+def run_module(module: str, out: Path, max_mutants: int | None, seed: int, timeout: float, keep: bool,
+               rerun: bool, equivalents: dict[str, str]) -> dict:
     cfg, session = out / f"{module}.toml", out / f"{module}.sqlite"
     cfg.write_text(config_text(module, timeout))
-    if not (keep and session.exists()):
+    if rerun and session.exists():
+        print(f"{module}: {rerun_survivors(session)} survivors to run again", flush=True)
+    elif not (keep and session.exists()):
         session.unlink(missing_ok=True)
         subprocess.run([sys.executable, "-m", "cosmic_ray.cli", "init", str(cfg), str(session)], cwd=ROOT, check=True)
         inert, sampled = sample(session, ROOT / "protocol" / f"{module}.py", max_mutants, seed)
-        print(f"{module}: {sampled} mutants to run ({inert} in annotations left out)", flush=True)
+        print(f"{module}: {sampled} mutants to run ({inert} in annotations left out), seed {seed}", flush=True)
     t0 = time.monotonic()
     subprocess.run([sys.executable, "-m", "cosmic_ray.cli", "exec", str(cfg), str(session)], cwd=ROOT, check=True)
-    counts, survivors = tally(session)
+    counts, survivors = tally(session, equivalents)
     counts["seconds"] = round(time.monotonic() - t0)
     (out / f"{module}-survivors.txt").write_text("\n".join(survivors))
     return counts
@@ -159,25 +200,38 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per mutant's test run (a timeout kills)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / ".mutation")
     ap.add_argument("--keep", action="store_true", help="continue the sessions already in --out")
+    ap.add_argument("--rerun-survivors", action="store_true",
+                    help="in the sessions already in --out, run the survivors again (after tests were added)")
+    ap.add_argument("--equivalents", type=Path, default=ROOT / "bench" / "mutation-equivalents.txt",
+                    help="survivors judged equivalent, one a line: KEY -- REASON (KEY as the survivor list prints it)")
     args = ap.parse_args()
     modules = [m for m in args.modules.split(",") if m]
     unknown = [m for m in modules if m not in MODULE_TESTS]
     if unknown:
         ap.error(f"unknown modules {unknown}: expected some of {sorted(MODULE_TESTS)}")
     args.out.mkdir(parents=True, exist_ok=True)
-    rows = {m: run_module(m, args.out, args.max_mutants, args.seed, args.timeout, args.keep) for m in modules}
+    equivalents = read_equivalents(args.equivalents)
+    rows = {m: run_module(m, args.out, args.max_mutants, args.seed, args.timeout, args.keep, args.rerun_survivors,
+                          equivalents) for m in modules}
 
-    print(f"\n{'module':<16}{'killed':>8}{'survived':>10}{'incompetent':>13}{'annotation':>12}{'skipped':>9}"
-          f"{'killed %':>10}{'s':>7}")
+    # killed %: of every mutant run (an equivalent survivor counts against it);
+    # of killable: the equivalent survivors (--equivalents) left out
+    def pct(part: int, whole: int) -> str:
+        return f"{100 * part / whole:.1f}" if whole else "-"
+
+    print(f"\n{'module':<16}{'killed':>8}{'survived':>10}{'equivalent':>12}{'incompetent':>13}{'annotation':>12}"
+          f"{'skipped':>9}{'killed %':>10}{'of killable %':>15}{'s':>7}")
     for m, c in rows.items():
         ran = c["killed"] + c["survived"]
-        pct = f"{100 * c['killed'] / ran:.1f}" if ran else "-"
-        print(f"{m:<16}{c['killed']:>8}{c['survived']:>10}{c['incompetent']:>13}{c['annotation']:>12}{c['skipped']:>9}"
-              f"{pct:>10}{c['seconds']:>7}")
+        print(f"{m:<16}{c['killed']:>8}{c['survived']:>10}{c['equivalent']:>12}{c['incompetent']:>13}"
+              f"{c['annotation']:>12}{c['skipped']:>9}{pct(c['killed'], ran):>10}"
+              f"{pct(c['killed'], ran - c['equivalent']):>15}{c['seconds']:>7}")
     killed = sum(c["killed"] for c in rows.values())
     ran = killed + sum(c["survived"] for c in rows.values())
+    equivalent = sum(c["equivalent"] for c in rows.values())
     if ran:
-        print(f"{'all':<16}{killed:>8}{ran - killed:>10}{'':>13}{'':>9}{100 * killed / ran:>10.1f}")
+        print(f"{'all':<16}{killed:>8}{ran - killed:>10}{equivalent:>12}{'':>13}{'':>12}{'':>9}"
+              f"{pct(killed, ran):>10}{pct(killed, ran - equivalent):>15}")
     for m in modules:
         text = (args.out / f"{m}-survivors.txt").read_text()
         if text:

@@ -15,7 +15,7 @@ from patchswarm.protocol.patch import Patch, apply, decode_chunk, diff, keyframe
 from patchswarm.protocol.statehash import state_hash
 
 from patchswarm.protocol.dtypes import BY_TORCH
-from patchswarm.protocol.patchencode import _plan_segments, keyframe_chunks
+from patchswarm.protocol.patchencode import ChunkPacker, _plan_segments, keyframe_chunks
 from patchswarm.protocol.patchformat import MAX_FULL_SEGMENT_BYTES, TensorSpec, parse_chunk
 
 DTYPES = list(BY_TORCH)  # every dtype the codec supports, so a new one is covered at once
@@ -280,6 +280,65 @@ def test_stats_count_every_stream_and_table_byte(real_pair):
                                                       + sum(len(row[-1]) for seg in delta for row in seg.rows if row[0]))
     full = sum(t.numel for t in p.tensors if t.name in set(p.full))
     assert 0 < s["value_bytes"] and s["changed"] == sum(row[0] for seg in delta for row in seg.rows) + full
+
+
+def test_full_bytes_count_the_full_segments_planes_and_nothing_else(real_pair):
+    base, target = real_pair
+    sparse = diff(base, target)
+    kf = keyframe(target, chunk_bytes=1 << 16)
+    planes = sum(len(pl[1]) for c in kf.chunks for seg in parse_chunk(c)[0] if seg.kind == "f" for pl in seg.planes)
+    assert kf.stats()["full_bytes"] == planes > 0
+    assert not any(seg.kind == "f" for c in sparse.chunks for seg in parse_chunk(c)[0])
+    assert sparse.stats()["full_bytes"] == 0
+
+
+def test_apply_counts_chunks_then_the_hash_up_to_one_total(real_pair):
+    base, target = real_pair
+    p = diff(base, target, chunk_bytes=256, segment_elements=4096)
+    calls = []
+    apply(clone(base), p, progress=lambda done, total: calls.append((done, total)))
+    total = len(p.chunks) + 1
+    assert {t for _, t in calls} == {total} and calls[-1] == (total, total)
+    assert [d for d, _ in calls] == sorted(d for d, _ in calls) and len(calls) == total
+
+
+def test_apply_to_a_state_holding_a_non_contiguous_tensor(real_pair):
+    base, target = real_pair
+    name = next(n for n, t in base.items() if t.dim() == 2 and t.shape[0] != t.shape[1])
+    p = diff(base, target)
+    state = clone(base)
+    state[name] = state[name].t().contiguous().t()  # the same values, transposed strides
+    assert not state[name].is_contiguous()
+    apply(state, p)
+    same(state, target)
+
+
+def test_a_small_keyframe_of_several_segments_is_one_chunk():
+    state = {"a": torch.arange(100, dtype=torch.bfloat16), "b": torch.arange(50, dtype=torch.float32),
+             "c": torch.arange(30, dtype=torch.int8)}
+    kf = keyframe(state)
+    assert sum(len(parse_chunk(c)[0]) for c in kf.chunks) == 3 and len(kf.chunks) == 1
+    assert len(diff(clone(state), {**state, "a": state["a"] + 1}).chunks) == 1
+
+
+@pytest.mark.parametrize("over", [-1, 0, 1])
+def test_the_packer_closes_a_chunk_only_when_the_next_segment_would_pass_chunk_bytes(over):
+    segs = [{"x": bytes(100)}, {"x": bytes(200)}]
+    sizes = [len(msgpack.packb(seg, use_bin_type=True)) for seg in segs]
+    packer = ChunkPacker(sum(sizes) - over)
+    none = [np.zeros(1, np.uint8)]
+    assert packer.add(segs[0], none, none) == []
+    closed = packer.add(segs[1], none, none)
+    rest = packer.finish()
+    assert len(closed) == (1 if over > 0 else 0) and len(closed) + len(rest) == (2 if over > 0 else 1)
+    assert [seg for c in closed + rest for seg in msgpack.unpackb(c)["s"]] == segs
+
+
+def test_diff_without_the_compiled_kernel_makes_the_same_patch(real_pair, monkeypatch):
+    base, target = real_pair
+    with_kernel = diff(base, target, chunk_bytes=256, segment_elements=4096).to_bytes()
+    monkeypatch.setattr(contexts, "KERNEL", None)  # the numpy twins, as where _kernels did not build
+    assert diff(base, target, chunk_bytes=256, segment_elements=4096).to_bytes() == with_kernel
 
 
 def test_special_values_round_trip():

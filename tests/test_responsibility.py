@@ -88,9 +88,94 @@ def test_upstream_regions_second_region_pulls_from_first():
     ({"r1": 100, "r2": 96, "r3": 94}, {"r1": 0, "r2": 0, "r3": 1}),  # within 5 % of the class's fastest
     ({"r1": 50, "r2": 20}, {"r1": 0, "r2": 1, "r3": 2}),  # unknown rate: last, relays to nobody
     ({"r1": 50, "r2": 20, "r3": 0}, {"r1": 0, "r2": 1, "r3": 2}),  # a zero is no rate
+    ({"r1": 50}, {"r1": 0, "r2": 1, "r3": 1}),  # one known class: the unknown ones after it
+    ({"r1": 100, "r2": 96}, {"r1": 0, "r2": 0, "r3": 1}),
+    ({"r9": 50}, {"r1": 0, "r2": 0, "r3": 0}),  # rates only for regions not here: one class, 0
+    ({"r1": 50.5, "r2": 20.25}, {"r1": 0, "r2": 1, "r3": 2}),  # rates as floats
+    ({"r1": 0.5, "r2": 0.25, "r3": 0.125}, {"r1": 0, "r2": 1, "r3": 2}),  # in a unit where they are below 1
+    ({"r1": 100, "r2": 95, "r3": 94.9}, {"r1": 0, "r2": 0, "r3": 1}),  # exactly RATE_TIE of the fastest: same class
 ])
 def test_rate_classes_table(rates, expect):
     assert rate_classes(["r1", "r2", "r3"], rates) == expect
+
+
+@pytest.mark.parametrize("origin", ["r0", "r9", "".join(["r", "2"])])
+def test_region_order_names_every_region_once_after_the_origin(origin):
+    """The origin's region sorting below or above the others, or named by an equal but
+    distinct str (as read off the wire) among them: each region once, the origin first."""
+    regions = ["r1", "r2", "r3"]
+    for c in range(40):
+        order = region_order(KEY, c, regions, origin)
+        assert order[0] == origin and sorted(order) == sorted({origin, *regions})
+
+
+def test_region_order_follows_three_rate_classes_for_every_chunk():
+    rates = {"r1": 100, "r2": 50, "r3": 10}
+    assert all(region_order(KEY, c, ["r3", "r2", "r1"], "r0", rates) == ["r0", "r1", "r2", "r3"] for c in range(40))
+
+
+@pytest.mark.parametrize("n", [29, 31])
+def test_classes_must_be_one_per_chunk(n):
+    with pytest.raises(UsageError, match=f"one per chunk \\(30\\), found {n}"):
+        balanced_owners(KEY, 30, ["a", "b"], [0] * n)
+    with pytest.raises(UsageError, match=f"one per chunk \\(30\\), found {n}"):
+        ResponsibilityMap(KEY, 30, ["a", "b"], classes=[0] * n)
+    rmap = ResponsibilityMap(KEY, 30, ["a", "b"])
+    with pytest.raises(UsageError, match=f"one per chunk \\(30\\), found {n}"):
+        rmap.set_members(["a", "b"], [0] * n)
+
+
+def test_a_refused_set_members_leaves_the_map_as_it_was():
+    rmap = ResponsibilityMap(KEY, 30, ["a", "b"], classes=[0] * 30)
+    before = [rmap.owner(c) for c in range(30)]
+    for n in (29, 31):
+        with pytest.raises(UsageError):
+            rmap.set_members(["a", "b", "c"], [1] * n)
+        assert [rmap.owner(c) for c in range(30)] == before
+    rmap.set_members(["a", "b", "c"])  # and it goes on working with its classes
+    fresh = ResponsibilityMap(KEY, 30, ["a", "b", "c"], classes=[0] * 30)
+    assert [rmap.owner(c) for c in range(30)] == [fresh.owner(c) for c in range(30)]
+
+
+def test_shares_stay_balanced_past_the_small_ints():
+    """A version of 3000 chunks over 2 and 3 gateways (loads and caps above 256: ints
+    compared by value, not identity)."""
+    n = 3000
+    for gws in (["a", "b"], ["a", "b", "c"]):
+        owners = balanced_owners(KEY, n, gws, [0] * n)
+        assert max(Counter(owners).values()) == -(-n // len(gws))
+        rmap = ResponsibilityMap(KEY, n, gws, classes=[0] * n)
+        assert [rmap.owner(c) for c in range(n)] == owners
+        assert rmap.set_members(gws, [1] * n) == []  # another class name, the same split
+
+
+@pytest.mark.parametrize("old, new", [
+    ([1] * 15 + [0] * 15, [0] * 30),  # new classes that sort below the old ones
+    ([0] * 30, [1] * 15 + [0] * 15),  # and above
+    ([0, 1, 2] * 10, [2, 1, 0] * 10),
+])
+def test_set_members_with_new_classes_owns_as_a_fresh_map_would(old, new):
+    members = ["a", "b", "c"]
+    rmap = ResponsibilityMap(KEY, 30, members, classes=old)
+    before = [rmap.owner(c) for c in range(30)]
+    changed = rmap.set_members(members, new)
+    fresh = ResponsibilityMap(KEY, 30, members, classes=new)
+    assert [rmap.owner(c) for c in range(30)] == [fresh.owner(c) for c in range(30)]
+    assert changed == [c for c in range(30) if before[c] != fresh.owner(c)]
+
+
+def test_set_members_names_only_chunks_whose_owner_changed_when_names_are_new_strs():
+    """Member ids arrive off the wire as new str objects each time: a chunk whose owner
+    is the same member (an equal str) did not change owner."""
+    def fresh(name):
+        return "".join(list(name))  # equal, not the same object
+
+    rmap = ResponsibilityMap(KEY, 60, ["a", "b", "c"])
+    before = [rmap.owner(c) for c in range(60)]
+    changed = rmap.set_members([fresh(m) for m in ("a", "b", "c", "d")])
+    after = [rmap.owner(c) for c in range(60)]
+    assert changed == [c for c in range(60) if before[c] != after[c]]
+    assert 0 < len(changed) < 60  # "d" takes its share; most chunks keep their owner
 
 
 # The issue's fleet: the origin in r0 (100 Mbit/s), r1 at 50, r2 at 20. Each row: rates,

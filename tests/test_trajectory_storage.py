@@ -4,6 +4,7 @@ the origin store on real files, readers in other processes, kill -9 recovery."""
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from patchswarm.node.trainer.trajstore import SegmentLog, TrajectoryReader, Traj
 from patchswarm.protocol.errors import CorruptData, ProtocolError, SpoolFull, StorageFailed, UnsupportedFormat, UsageError
 from patchswarm.protocol.trajectory import (MAX_BATCH_BYTES, MAX_ID_CHARS, MAX_META_BYTES, SEGMENT_HEADER_BYTES,
                                  DuplicatesNote, ReceivedRecord, Record, SeqRanges, bin_header, decode_batch,
-                                 decode_payload, decode_record, encode_batch, encode_entry, encode_payload, encode_record,
+                                 check_segment_header, decode_payload, decode_record, encode_batch, encode_entry, encode_payload, encode_record,
                                  scan_records, scan_segment, seq_ranges, segment_header)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -275,6 +276,19 @@ def test_invalid_records_are_refused_at_encode():
         encode_record(Record("n", "r", 1, 1, 0.0, b"", {"x": object()}))
 
 
+@pytest.mark.parametrize("cut", range(SEGMENT_HEADER_BYTES))
+def test_a_torn_segment_header_is_a_tail_from_offset_0(cut):
+    p = check_segment_header(segment_header()[:cut])
+    assert (p.kind, p.offset, p.end, p.tail) == ("torn", 0, cut, True)
+    assert p.detail == f"a header of {cut} of {SEGMENT_HEADER_BYTES} bytes"
+
+
+def test_a_long_bad_value_is_cut_in_the_message():
+    long_id = "x" * (MAX_ID_CHARS + 1)
+    with pytest.raises(UsageError, match=re.escape(f"found str {repr(long_id)[:57]}...") + "$"):
+        encode_record(Record(long_id, "r", 1, 1, 0.0, b"", None))
+
+
 @given(st.lists(st.tuples(st.integers(0, 200), st.integers(-1, 8))))
 def test_seq_ranges_behave_like_a_set(ops):
     model, ranges = set(), SeqRanges()
@@ -292,6 +306,15 @@ def test_seq_ranges_behave_like_a_set(ops):
     assert all((x in ranges) == (x in model) for x in range(-1, 215))
     rs = ranges.ranges()
     assert all(rs[i][1] < rs[i + 1][0] for i in range(len(rs) - 1))  # disjoint and not adjacent
+    assert rs == seq_ranges(model)  # and no empty range left behind
+
+
+@pytest.mark.parametrize("others, lone", [([], 0), ([], 5), ([(0, 2)], 9), ([(7, 9)], 3), ([], 1 << 40)])
+def test_discarding_a_lone_seq_leaves_no_empty_range(others, lone):
+    ranges = SeqRanges(others)
+    assert ranges.add(lone) and ranges.discard(lone)
+    assert ranges.ranges() == others and len(ranges) == sum(b - a for a, b in others)
+    assert lone not in ranges and not ranges.discard(lone)
 
 
 def test_seq_ranges_of_seqs_merge_runs():

@@ -1,5 +1,6 @@
 """Swarm trust: signed manifests and the version gate, the swarm CA and member certificates, mutual TLS 1.3."""
 
+import dataclasses
 import functools
 import hashlib
 import ssl
@@ -21,6 +22,8 @@ from patchswarm.node.net.tlsstream import TLSSocketStream
 from patchswarm.protocol.errors import CorruptData, InvalidInput, SignatureError, UsageError
 from patchswarm.protocol.manifest import (MAX_CHUNKS, Manifest, ObjKey, chunk_ok, decode_manifest, describe,
                                           encode_manifest, sign_manifest, verify_manifest)
+from patchswarm.protocol.patch import CHUNK_BYTES
+from patchswarm.protocol.wire import HaveOne, encode
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = Ed25519PrivateKey.generate()
@@ -200,6 +203,87 @@ def test_chunk_count_is_bounded_by_max_chunks():
     assert len(manifest(chunks=[entry] * MAX_CHUNKS).chunks) == MAX_CHUNKS
     with pytest.raises(UsageError, match=f"at most {MAX_CHUNKS}, found {MAX_CHUNKS + 1}"):
         manifest(chunks=[entry] * (MAX_CHUNKS + 1))
+
+
+def test_a_2_tib_version_in_the_codecs_chunks_fits_one_manifest():
+    """The design's capacity (a 500 GB checkpoint's keyframe is ~250k chunks): 2 TiB of the
+    codec's CHUNK_BYTES chunks in one manifest, and every chunk index a wire message may name."""
+    n = (2 << 40) // CHUNK_BYTES
+    assert len(manifest(chunks=[(CHUNK_BYTES, bytes(32))] * n).chunks) == n
+    assert encode(HaveOne(version=2, keyframe=True, chunk=n - 1))  # UsageError past MAX_CHUNKS
+    with pytest.raises(UsageError, match="manifest chunks"):  # and no more: the wire's bounds follow from it
+        manifest(chunks=[(CHUNK_BYTES, bytes(32))] * (n + 1))
+
+
+@pytest.mark.parametrize("fields, named", [
+    ({"swarm_id": ""}, "swarm_id"), ({"swarm_id": 5}, "swarm_id"),
+    ({"version": -1}, "version"), ({"version": "2"}, "version"), ({"version": 2.0}, "version"),
+    ({"base_version": -1}, "base_version"), ({"base_version": 2}, "base_version"), ({"base_version": 3}, "base_version"),
+    ({"target_hash": ""}, "target_hash"), ({"target_hash": 5}, "target_hash"),
+    ({"tensors": [["w", "bf16"]]}, "tensors entry"), ({"tensors": [["w", "bf16", [4], "x"]]}, "tensors entry"),
+    ({"tensors": [[5, "bf16", [4]]]}, "tensors entry"), ({"tensors": ["w"]}, "tensors entry"),
+    ({"tensors": [["w", "bf16", [-1]]]}, "tensors entry"), ({"tensors": [["w", "bf16", [4.0]]]}, "tensors entry"),
+    ({"created_at": True}, "created_at"), ({"created_at": float("nan")}, "created_at"),
+    ({"created_at": float("inf")}, "created_at"), ({"created_at": "1"}, "created_at"),
+    ({"codec": {"x": 2**65}}, "codec: int"), ({"codec": {"x": -(2**63) - 1}}, "codec: int"),
+])
+def test_each_bad_field_is_refused_and_named(fields, named):
+    with pytest.raises(UsageError, match=f"manifest {named}"):
+        manifest(**fields)
+
+
+def test_a_manifest_cannot_be_changed_once_checked():
+    m = manifest()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        m.version = 3
+    assert m == manifest()
+
+
+@pytest.mark.parametrize("sig_len", [0, 63, 65, 128])
+def test_a_signature_of_another_length_is_refused_with_its_length(sig_len):
+    body = encode_manifest(manifest())
+    sig = (KEY.sign(body) * 2)[:sig_len]
+    with pytest.raises(SignatureError, match=f"expected 64 bytes, found {sig_len}$"):
+        verify_manifest(msgpack.packb([body, sig], use_bin_type=True), KEY.public_key())
+
+
+@pytest.mark.parametrize("items", [0, 1])
+def test_an_envelope_of_fewer_than_two_elements_is_refused(items):
+    body = encode_manifest(manifest())
+    with pytest.raises(CorruptData, match="expected \\[manifest: bin, signature: bin\\]$"):
+        verify_manifest(msgpack.packb([body, KEY.sign(body)][:items], use_bin_type=True), KEY.public_key())
+
+
+@pytest.mark.parametrize("key, match", [(b"k", "codec: expected str keys"), (7, "not msgpack")])
+def test_a_codec_map_with_a_non_str_key_does_not_decode(key, match):
+    body = msgpack.packb(msgpack.unpackb(encode_manifest(manifest(codec={})))[:-2] + [{key: 1}, 1700000000.25],
+                         use_bin_type=True)
+    with pytest.raises(CorruptData, match=match):
+        decode_manifest(body)
+
+
+def test_chunk_ok_refuses_every_other_content_of_the_right_size():
+    """Wrong bytes of the right size: refused whether their digest sorts below or above."""
+    m = manifest()
+    wrong = [bytes([i]) * len(CHUNKS[2]) for i in range(64)]
+    digests = [hashlib.sha256(w).digest() for w in wrong]
+    assert min(digests) < m.chunks[2][1] < max(digests)
+    assert not any(chunk_ok(m, 2, w) for w in wrong)
+
+
+def test_chunk_ok_refuses_indices_past_either_end():
+    m = manifest()
+    assert not chunk_ok(m, -1, CHUNKS[-1]) and not chunk_ok(m, len(CHUNKS) + 1, b"")
+    assert chunk_ok(m, len(CHUNKS) - 1, CHUNKS[-1])
+
+
+@pytest.mark.parametrize("entry", [
+    (1, bytes(32), 0), [1, bytes(32), b""],  # three elements: a size, a digest, and more
+    (1,), [], 7, "ab", None, b"ab",
+])
+def test_a_chunk_entry_is_a_size_and_digest_pair(entry):
+    with pytest.raises(UsageError, match="chunks entry"):
+        manifest(chunks=[(0, bytes(32)), entry])
 
 
 def test_malformed_envelope_and_magic_are_named():

@@ -27,10 +27,11 @@ def h(version: int, variant: str = "") -> str:
 
 
 def envelope(version: int, keyframe: bool = False, size: int = 100, base: str | None = None,
-             target: str | None = None, swarm: str = SWARM, key=KEY, created_at: float = 0.0) -> bytes:
+             target: str | None = None, swarm: str = SWARM, key=KEY, created_at: float = 0.0,
+             base_version: int | None = None) -> bytes:
     m = Manifest(
         swarm_id=swarm, version=version,
-        base_version=None if keyframe else version - 1,
+        base_version=None if keyframe else (version - 1 if base_version is None else base_version),
         base_hash=None if keyframe else (base or h(version - 1)),
         target_hash=target or h(version), tensors=[["w", "bf16", [4]]],
         chunks=[(size, hashlib.sha256(b"%d" % version).digest())], codec={"format": 2}, created_at=created_at)
@@ -59,9 +60,22 @@ def test_new_then_known_then_conflicting():
     assert b.keys() == [(3, False)]
 
 
+@pytest.mark.parametrize("first, second", [(0.0, 1.0), (1.0, 0.0), (0.0, 1e9), (1e9, 0.0)])
+def test_a_conflicting_manifest_is_refused_whichever_came_first(first, second):
+    """Two validly signed manifests of one object, offered in either order (so the held
+    envelope's bytes sort below or above the new one's): the second is refused."""
+    b = VersionBook(SWARM, KEY.public_key())
+    assert b.offer(envelope(3, created_at=first))[0] == NEW
+    with pytest.raises(ConflictingManifest):
+        b.offer(envelope(3, created_at=second))
+    assert b.envelope((3, False)) == envelope(3, created_at=first)
+
+
 @pytest.mark.parametrize("bad, error, match", [
     (envelope(3, key=Ed25519PrivateKey.generate()), SignatureError, "does not verify"),
     (envelope(3, swarm="another-swarm"), InvalidInput, "expected swarm 'sw-test', found 'another-swarm'"),
+    (envelope(3, swarm="zz-swarm"), InvalidInput, "found 'zz-swarm'"),  # an id that sorts above ours
+    (envelope(3, swarm="sw-test "), InvalidInput, "found 'sw-test '"),
     (b"not a manifest", InvalidInput, "manifest"),
 ])
 def test_untrusted_manifests_are_refused(bad, error, match):
@@ -106,6 +120,10 @@ def test_forget_below_and_discard():
     ([(1, 0), (2, 0), (3, 0), (3, 1), (4, 0)], 2, [(3, 0), (3, 1), (4, 0)]),
     ([(1, 0), (2, 0), (3, 1), (4, 0), (5, 0)], 1, [(3, 1), (4, 0), (5, 0)]),  # the chain after the keyframe stays
     ([(1, 0), (2, 0), (3, 0)], 0, []),
+    ([(1, 0), (2, 0), (3, 0)], 1, [(3, 0)]),  # no keyframe: the last max_patches patches
+    ([(1, 0), (2, 0), (3, 0)], -1, []),  # a negative count keeps none, as 0 does
+    ([(1, 0), (2, 0), (2, 1), (3, 0), (4, 0), (4, 1), (5, 0)], 0, [(4, 1), (5, 0)]),  # the latest keyframe only
+    ([(1, 1), (2, 0), (3, 1), (3, 0)], 0, [(3, 1)]),  # a patch of the keyframe's version is not after it
 ])
 def test_retained(held, max_patches, kept):
     b = book(*(envelope(v, keyframe=bool(k)) for v, k in held))
@@ -147,6 +165,14 @@ PLANS = [
      [(0, K, 1000), (2, P, 10)], (None, ""), [(0, K)]),
     ("a keyframe at or below the node's version is no path",
      [(3, K, 10), (4, P, 10)], (3, "other"), []),
+    ("... nor one below it, however cheap",
+     [(2, K, 1), (3, P, 1), (4, P, 1)], (3, "other"), []),
+    ("a node on the chain is not sent back to an older keyframe",
+     [(2, K, 1), (3, P, 1), (4, P, 100)], (3, ""), [(4, P)]),
+    ("versions past the small ints: the chain",
+     [(1000, P, 10), (1001, P, 10), (1002, P, 10), (1002, K, 1000)], (999, ""), [(1000, P), (1001, P), (1002, P)]),
+    ("versions past the small ints: a late joiner",
+     [(1000, K, 1000), (1001, P, 10), (1002, P, 10)], (None, ""), [(1000, K), (1001, P), (1002, P)]),
 ]
 
 
@@ -156,6 +182,19 @@ def test_plan(name, objects, at, expected):
     version, variant = at
     current_hash = None if version is None else h(version, variant)
     assert b.plan(version, current_hash) == expected
+
+
+@pytest.mark.parametrize("base_version", [0, 1])
+def test_a_patch_whose_base_version_is_not_the_previous_version_breaks_the_chain(base_version):
+    """Version 3's patch names an older base version (its base hash is version 2's target): it
+    does not follow version 2, so the chain stops there."""
+    objects = [envelope(2), envelope(3, base_version=base_version, base=h(2))]
+    assert book(*objects).plan(1, h(1)) == [(2, P)]
+
+
+def test_a_hash_without_a_version_plans_as_a_fresh_node():
+    b = book(envelope(1, keyframe=True, size=1000), envelope(2))
+    assert b.plan(None, h(1)) == b.plan(None, None) == [(1, K), (2, P)]
 
 
 def test_a_patch_whose_base_is_not_the_previous_target_breaks_the_chain():

@@ -231,6 +231,67 @@ def test_send_respects_max_frame():
         conn.send(big)
 
 
+@pytest.mark.parametrize("slack", [0, 1, 3, 4, 5])
+def test_send_takes_a_frame_up_to_max_frame_exactly(slack):
+    big = Piece(version=1, keyframe=False, chunk=0, offset=0, total=200, data=bytes(200))
+    body = len(wire.encode(big)) - wire.HEADER_BYTES
+    fits = Connection(max_frame=body + slack)
+    fits.send(HELLO)
+    assert fits.send(big) == wire.encode(big)
+    over = Connection(max_frame=body - 1 - slack)
+    over.send(HELLO)
+    with pytest.raises(UsageError, match=f"at most {body - 1 - slack} bytes, found {body}$"):
+        over.send(big)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.binary(max_size=300), max_size=6), st.lists(st.integers(1, 64), min_size=1, max_size=8))
+def test_framed_bodies_come_back_whole_however_the_stream_is_cut(bodies, cuts):
+    """wire.frame (the local API's framing) read back by FrameBuffer, the stream fed in pieces."""
+    raw = b"".join(wire.frame(b) for b in bodies)
+    assert len(raw) == sum(wire.HEADER_BYTES + len(b) for b in bodies)
+    frames, got, pos, i = wire.FrameBuffer(), [], 0, 0
+    while pos < len(raw):
+        step = cuts[i % len(cuts)]
+        frames.receive_data(raw[pos:pos + step])
+        pos, i = pos + step, i + 1
+        while (body := frames.next_body()) is not NEED_DATA:
+            got.append(body)
+    frames.receive_data(b"")
+    assert got == bodies and frames.next_body() is wire.CLOSED
+
+
+def test_frame_refuses_a_body_over_max_frame():
+    assert wire.frame(bytes(10), max_frame=10)[wire.HEADER_BYTES:] == bytes(10)
+    with pytest.raises(UsageError):
+        wire.frame(bytes(11), max_frame=10)
+
+
+@pytest.mark.parametrize("version, latest, kept", [
+    (5, None, True), (10 ** 9, None, True),  # nothing known yet: any may be on its way
+    (10, 10, True), (7, 10, True), (6, 10, False), (0, 10, False),  # behind: 4, the bound excluded
+    (26, 10, True), (27, 10, False), (10 ** 6, 10, False),  # ahead: 16, the bound included
+    (0, 0, True), (16, 0, True), (17, 0, False),
+])
+def test_announcements_of_unknown_versions_are_kept_only_near_the_latest(version, latest, kept):
+    assert wire.UNKNOWN_VERSIONS_BEHIND == 4 and wire.UNKNOWN_VERSIONS_AHEAD == 16
+    assert wire.unknown_kept(version, latest) is kept
+
+
+@pytest.mark.parametrize("value, ok", [((1 << 64) - 1, True), (1 << 64, False), (1 << 70, False)])
+def test_an_int_field_is_bounded_by_msgpacks_widest_uint(value, ok):
+    """Above 2**64 - 1 msgpack cannot carry an int: refused as the message's field, not
+    an OverflowError from deep in the packer."""
+    msg = Heartbeat(versions=[1, value])
+    if ok:
+        conn = Connection()
+        conn.receive_data(session([msg]))
+        assert drain(conn)[0] == [HELLO, msg]
+    else:
+        with pytest.raises(UsageError, match="Heartbeat.versions"):
+            wire.encode(msg)
+
+
 @pytest.mark.parametrize("cut", [1, 3, 4, 10])
 def test_truncated_frame_at_eof(cut):
     raw = session([])
