@@ -18,6 +18,12 @@ Layout (R regions, N nodes per region, origin and tracker in `origin_region`):
   (`region_mbit`) (tbf on wan<r> in the router = bytes INTO region r, tbf on
   `wan` in the region = bytes OUT of region r).
 
+A region in `nat_regions` sits behind NAT, as a cloud's private subnet behind
+its NAT gateway: the router masquerades what leaves it (port-preserving, so
+hole punching works) and lets nothing in that its hosts did not start (new
+connections and datagrams into the region, or to the router's own addresses,
+are dropped; nftables). Its hosts keep their addresses inside the region.
+
 Bytes into region r are the router's `wan<r>` tx counter, bytes out its rx
 counter (the kernel's per-interface counters, the same numbers as
 /sys/class/net/IF/statistics, read over netlink with `ip -j -s`): link-layer
@@ -78,8 +84,13 @@ class WanSpec:
     idle_restart: bool = True
     # Each region's WAN link, Mbit/s each way, in region order; empty: `wan_mbit` for every region.
     region_mbit: tuple[float, ...] = ()
+    # Regions behind NAT (nothing from outside reaches their hosts unless they started it).
+    nat_regions: tuple[int, ...] = ()
 
     def __post_init__(self):
+        if any(not 0 <= r < self.regions or r == self.origin_region for r in self.nat_regions):
+            raise ValueError(f"nat_regions: expected regions in 0..{self.regions - 1} other than the origin's "
+                             f"({self.origin_region}), found {self.nat_regions}")
         if self.region_mbit and (len(self.region_mbit) != self.regions or min(self.region_mbit) <= 0):
             raise ValueError(f"region_mbit: expected {self.regions} rates > 0, found {self.region_mbit}")
         if not 1 <= self.regions <= 250:
@@ -266,6 +277,8 @@ class Topology:
             _ip(["-n", ns, "link", "set", "dev", "wan", "master", "br0", "up"])
             _shape(self.router_ns, f"wan{r}", s.region_wan_mbit(r) * 1e6, s.wan_delay_ms)
             _shape(ns, "wan", s.region_wan_mbit(r) * 1e6, s.wan_delay_ms)
+            if r in s.nat_regions:
+                _run(["ip", "netns", "exec", self.router_ns, "nft", "-f", "-"], input=_nat_rules(r))
         for h in self.hosts:
             port = f"h{h.ip.rsplit('.', 1)[1]}"
             rns = self.region_ns[h.region]
@@ -462,11 +475,32 @@ def _shape(netns: str, dev: str, rate_bit: float, delay_ms: float) -> None:
             raise TopologyError(f"WAN delay needs sch_netem, which this kernel lacks ({e}); run with delay 0") from None
 
 
-def _run(argv: list[str]) -> str:
+def _nat_rules(region: int) -> str:
+    """nftables rules for the router: region `region` behind NAT (masquerade out, nothing new in)."""
+    return f"""
+table ip nat{region} {{
+  chain postrouting {{
+    type nat hook postrouting priority srcnat;
+    ip saddr {_addr(region, 0)}/24 oifname != "wan{region}" masquerade
+  }}
+  chain forward {{
+    type filter hook forward priority 0; policy accept;
+    oifname "wan{region}" ct state established,related accept
+    oifname "wan{region}" drop
+  }}
+  chain input {{
+    type filter hook input priority 0; policy accept;
+    iifname != "wan{region}" ct state new drop
+  }}
+}}
+"""
+
+
+def _run(argv: list[str], input: str | None = None) -> str:
     try:
-        out = subprocess.run(argv, capture_output=True, text=True, timeout=_IP_TIMEOUT_S)
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=_IP_TIMEOUT_S, input=input)
     except FileNotFoundError as e:
-        raise NamespaceUnavailable(f"{argv[0]}: not installed (iproute2 is needed)") from e
+        raise NamespaceUnavailable(f"{argv[0]}: not installed (iproute2 and, for NAT, nftables are needed)") from e
     if out.returncode != 0:
         raise TopologyError(f"{' '.join(argv)}: exit {out.returncode}: {out.stderr.strip()}")
     return out.stdout

@@ -22,6 +22,14 @@ the system `patchswarm-faults` SIGKILLs one gateway of each remote region
 own bound, its longest stall), and with faults each never-killed node's time
 against the same system's run without them.
 
+Hosts behind NAT (issue 22): the system `patchswarm-nat` runs patchswarm on the
+same topology with one remote region (`--nat-region`, default the last) behind
+NAT (`netemu.WanSpec.nat_regions`: masquerade out, nothing new in); its nodes
+run `--no-listen`, every node `--transport auto`, so they are reached over
+WebRTC data channels signalled through the tracker (host candidates; peer-
+reflexive through the NAT) and dial the others over TCP. Run beside
+`patchswarm`, a table gives each region's time against the all-TCP run's.
+
 "max stall s" is, per node, the longest it went without progress while it
 lacked part of the patch, from the start of its fetch, on its own clock:
 patchswarm, the longest gap between the node learning of the version (its
@@ -58,7 +66,9 @@ from bench.wan_libtorrent import DEFAULT_PIECE_BYTES, LibtorrentRunner  # noqa: 
 from bench.wan_patchswarm import PatchswarmRunner, first_gateways  # noqa: E402
 from bench.wan_runner import Faults, Payload, RunFailed, Runner, RunResult, SystemUnavailable, make_payload  # noqa: E402
 
-SYSTEMS = ("libtorrent", "patchswarm", "star", "patchswarm-blind", "patchswarm-faults", "libtorrent-faults")
+SYSTEMS = ("libtorrent", "patchswarm", "star", "patchswarm-blind", "patchswarm-faults", "libtorrent-faults",
+           "patchswarm-nat")
+DEFAULT_SYSTEMS = SYSTEMS[:-1]  # the NAT variant runs when asked for (its WebRTC CPU is the 2-core box's limit)
 TARGETS = "targets (issue 4): time <= 1.3 x bound; WAN in <= 1.15 x patch; origin out <= 1.5 x patch; >= 2x faster than libtorrent"
 
 
@@ -67,11 +77,12 @@ def make_runner(name: str, args: argparse.Namespace) -> Runner:
     if name in ("libtorrent", "libtorrent-faults"):
         return LibtorrentRunner(piece_bytes=args.piece_kib * 1024, unchoke_slots=args.unchoke_slots,
                                 log_dir=args.logs, faults=faults, victims=first_gateways)
-    if name in ("patchswarm", "star", "patchswarm-blind", "patchswarm-faults"):
+    if name in ("patchswarm", "star", "patchswarm-blind", "patchswarm-faults", "patchswarm-nat"):
+        nat = args.regions - 1 if args.nat_region is None else args.nat_region
         return PatchswarmRunner(no_peers=name == "star", verbose=args.verbose, log_dir=args.logs,
                                 chunk_bytes=None if args.chunk_kib is None else args.chunk_kib * 1024,
                                 node_args=shlex.split(args.node_args), tell_rates=name != "patchswarm-blind",
-                                faults=faults)
+                                faults=faults, nat_regions=(nat,) if name == "patchswarm-nat" else ())
     raise ValueError(f"system: expected one of {SYSTEMS}, found {name!r}")
 
 
@@ -90,6 +101,22 @@ def format_regions(rows: list[RunResult]) -> str:
                           f"{t / r.region_bound_s(g):.2f}", "-" if stall is None else f"{stall:.2f}",
                           f"{r.wan_in_over_patch[g]:.3f}"])
     widths = [max(len(h), *(len(l[i]) for l in lines)) if lines else len(h) for i, h in enumerate(head)]
+    fmt = "  ".join(f"{{:>{w}}}" for w in widths)
+    return "\n".join([fmt.format(*head), *(fmt.format(*l) for l in lines)])
+
+
+def nat_comparison(tcp: RunResult, nat: RunResult) -> str:
+    """Each region's time with one region behind NAT against the same topology all on TCP."""
+    head = ["region", "all-TCP s", "NAT run s", "ratio"]
+    lines = []
+    for g in range(tcp.spec.regions):
+        a, b = tcp.region_s(g), nat.region_s(g)
+        if a is None or b is None:
+            continue
+        tag = " (origin)" if g == tcp.spec.origin_region else " (NAT)" if g in nat.spec.nat_regions else ""
+        lines.append([f"r{g}{tag}", f"{a:.2f}", f"{b:.2f}", f"{b / a:.2f}"])
+    lines.append(["all", f"{tcp.seconds:.2f}", f"{nat.seconds:.2f}", f"{nat.seconds / tcp.seconds:.2f}"])
+    widths = [max(len(h), *(len(l[i]) for l in lines)) for i, h in enumerate(head)]
     fmt = "  ".join(f"{{:>{w}}}" for w in widths)
     return "\n".join([fmt.format(*head), *(fmt.format(*l) for l in lines)])
 
@@ -162,7 +189,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="*-faults: restart the first remote region's killed node then (< 0: never)")
     ap.add_argument("--no-idle-restart", action="store_true",
                     help="hosts tuned as WAN data movers (net.ipv4.tcp_slow_start_after_idle=0), for every system")
-    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help=f"any of {','.join(SYSTEMS)}")
+    ap.add_argument("--nat-region", type=int, help="patchswarm-nat: the region behind NAT (default: the last)")
     ap.add_argument("--scaling", default="2,4,8", help="nodes per region for the scaling rows ('' for none)")
     ap.add_argument("--model", default="medium", help="tests/synthetic.py model size for the payload")
     ap.add_argument("--lr", type=float, default=1e-2, help="RL step learning rate (sets the patch size)")
@@ -221,8 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     check_links = True
     try:
         for n in sizes:
-            s = dataclasses.replace(spec, nodes_per_region=n)
             for name, runner in runners.items():
+                s = dataclasses.replace(spec, nodes_per_region=n, nat_regions=getattr(runner, "nat_regions", ()))
                 tries: list[RunResult] = []
                 for _ in range(args.repeat):
                     try:
@@ -260,6 +288,12 @@ def main(argv: list[str] | None = None) -> int:
     if spec.region_mbit or any(s.endswith("-faults") for s in runners):
         print("\nper region: when its last node held everything, against its own bound")
         print(format_regions(main_rows))
+    tcp = next((r for r in main_rows if r.system == "patchswarm"), None)
+    for nat in (r for r in main_rows if r.spec.nat_regions):
+        if tcp is not None:
+            print(f"\n{nat.system} against patchswarm all on TCP: each region's time (announced -> its last "
+                  f"node holds everything)")
+            print(nat_comparison(tcp, nat))
     for faulty in (r for r in main_rows if " kill@" in r.system):
         clean = next((r for r in main_rows if r.system == faulty.system.split(" kill@")[0]), None)
         if clean is not None:

@@ -81,8 +81,11 @@ class PatchswarmRunner:
 
     def __init__(self, no_peers: bool = False, verbose: bool = False, log_dir: Path | None = None,
                  chunk_bytes: int | None = None, node_args: tuple[str, ...] = (), tell_rates: bool = True,
-                 faults: Faults | None = None):
+                 faults: Faults | None = None, nat_regions: tuple[int, ...] = ()):
         self.no_peers = no_peers
+        # Regions whose nodes sit behind NAT (the topology's `nat_regions`): they run --no-listen,
+        # and every node --transport auto, so the others reach them over WebRTC signalled by the tracker.
+        self.nat_regions = tuple(nat_regions)
         self.tell_rates = tell_rates
         self.faults = faults
         self.node_args = tuple(node_args)  # extra `patchswarm node` flags, for side-by-side trials
@@ -90,7 +93,8 @@ class PatchswarmRunner:
         # chunk holds about one segment of a patch (a patch codes well under a byte per element).
         self.chunk_bytes = chunk_bytes
         self.name = ("star" if no_peers else "patchswarm") + ("" if tell_rates else " rate-blind") \
-            + ("" if faults is None else f" {faults.label()}")
+            + ("" if faults is None else f" {faults.label()}") \
+            + ("" if not nat_regions else " NAT " + ",".join(f"r{r}" for r in nat_regions))
         self.verbose = verbose
         self.log_dir = log_dir      # copy each process's log under log_dir/<system>-<R>x<N>/
 
@@ -147,6 +151,9 @@ class PatchswarmRunner:
             rates = ["--wan-rates", ",".join(f"{_region(r)}={topo.spec.region_wan_mbit(r):g}"
                                              for r in range(topo.spec.regions))]
         self._argv: dict[str, list[str]] = {}
+        if tuple(topo.spec.nat_regions) != self.nat_regions:
+            raise RunFailed(f"expected a topology with regions {self.nat_regions} behind NAT, "
+                            f"found {topo.spec.nat_regions}")
         for h in topo.nodes:
             data = work / "data" / h.name
             data.mkdir(parents=True)
@@ -154,7 +161,8 @@ class PatchswarmRunner:
             sockets[h.name] = data / "node.sock"
             self._argv[h.name] = [
                 exe, "node", "--tracker", tracker_addr, "--creds", str(creds / h.name), "--data-dir", str(data),
-                "--listen", f"{h.ip}:{NODE_PORT}", "--region", _region(h.region),
+                *(["--no-listen"] if h.region in self.nat_regions else ["--listen", f"{h.ip}:{NODE_PORT}"]),
+                *(["--transport", "auto"] if self.nat_regions else []), "--region", _region(h.region),
                 *(["--no-peers"] if self.no_peers else []), *rates, *self.node_args, *verbose]
             self._spawn(topo, h, logs, self._argv[h.name])
         clients = {name: NodeClient(path) for name, path in sockets.items()}
@@ -210,6 +218,8 @@ class PatchswarmRunner:
             back = {n: f"{e['complete_at'] - t_announce:.2f} s" if "complete_at" in e else "?" for n, e in back.items()}
             notes.append(f"{self.faults.label()}: killed {sorted(killed)}; restarted and complete: {back or 'none'}; "
                          f"times, stalls and bounds over the {len(per_node)} nodes never killed")
+        if self.nat_regions:
+            notes.append(_transport_note(start_status, end_status, payload.patch_bytes))
         if stalls:
             notes.append("stall = the longest a node went without a chunk arriving while it lacked chunks "
                          "(from learning of the version; the node's own clock, status 'longest_wait_s')")
@@ -439,6 +449,22 @@ def _bytes_in_note(start: dict, end: dict, patch_bytes: int) -> str:
         sums[key] = sum(end[n].get("bytes_in", {}).get(key, 0) - start[n].get("bytes_in", {}).get(key, 0)
                         for n in end)
     return "node chunk bytes in / patch: " + ", ".join(f"{k} {v / patch_bytes:.2f}" for k, v in sums.items())
+
+
+def _transport_note(start: dict, end: dict, patch_bytes: int) -> str:
+    """What the nodes took in for version 1 over each transport (and WebRTC path), in patches."""
+    def by_way(statuses: dict) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for st in statuses.values():
+            for q in st.get("peers", []):
+                way = q.get("transport", "tcp") + (f" {q['path']}" if q.get("path") else "")
+                out[way] = out.get(way, 0) + q.get("bytes_in", 0)
+        return out
+    # Connections open at the start are still open at the end (their counters grow), and any
+    # opened later start at zero: the difference is what moved for version 1 either way.
+    before, after = by_way(start), by_way(end)
+    return "node chunk bytes in by transport / patch: " + ", ".join(
+        f"{w} {(n - before.get(w, 0)) / patch_bytes:.2f}" for w, n in sorted(after.items()))
 
 
 def _state_hash(path: Path) -> str:

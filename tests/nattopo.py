@@ -3,6 +3,12 @@
 `NatTopology(prefix, hosts, symmetric)` builds, as root, with `ip` and `nft`:
 
     ns PUB: bridge, 10.99.0.1/24          (tracker, origin, coturn bind here)
+            default route to a gateway nobody answers for (a static neighbour
+            entry): as on any host on the internet, a datagram to an address
+            that is nowhere, such as a NATed peer's private host candidate,
+            leaves and is lost instead of failing with ENETUNREACH. coturn
+            (4.6) closes a TURN allocation on the first relay send that fails,
+            and ICE makes it send to every candidate the peer names.
       ns R<i>: 10.99.0.1<i>/24 on the bridge, 192.168.<i>.1/24 inside;
                nftables masquerade out of the public side, inbound only for
                connections made from inside ("random": a new port for every
@@ -26,6 +32,7 @@ import shutil
 import subprocess
 
 PUBLIC = "10.99.0.1"
+NOWHERE = "10.99.0.254"  # the public network's gateway: frames to it are flooded and dropped
 
 
 def _run(*args: str, input: str | None = None) -> None:
@@ -79,6 +86,8 @@ class NatTopology:
         _run("ip", "-n", pub, "link", "add", "name", "pubbr", "type", "bridge")
         _run("ip", "-n", pub, "addr", "add", f"{PUBLIC}/24", "dev", "pubbr")
         _run("ip", "-n", pub, "link", "set", "pubbr", "up")
+        _run("ip", "-n", pub, "neigh", "add", NOWHERE, "lladdr", "02:00:00:00:00:fe", "dev", "pubbr", "nud", "permanent")
+        _run("ip", "-n", pub, "route", "add", "default", "via", NOWHERE)
         for i in range(1, hosts + 1):
             r, h = self._ns(f"{self.tag}-r{i}"), self._ns(f"{self.tag}-h{i}")
             # public side of the router: a veth whose other end is on the bridge

@@ -9,6 +9,8 @@ under a minute.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from bench import netemu
@@ -107,6 +109,31 @@ def test_per_region_rates_give_per_region_bounds():
         netemu.WanSpec(regions=3, region_mbit=(100, 50))
 
 
+def test_nat_regions_exclude_the_origins():
+    assert netemu.WanSpec(regions=3, nat_regions=(2,)).nat_regions == (2,)
+    with pytest.raises(ValueError, match="nat_regions"):
+        netemu.WanSpec(regions=3, nat_regions=(0,))   # the origin's region
+    with pytest.raises(ValueError, match="nat_regions"):
+        netemu.WanSpec(regions=3, nat_regions=(3,))
+
+
+_LISTEN = "import socket, sys, time; s = socket.socket(); s.bind((sys.argv[1], 5301)); s.listen(8); time.sleep(60)"
+
+
+@needs_netns
+def test_a_region_behind_nat_lets_out_what_its_hosts_start_and_nothing_in():
+    import sys
+
+    with netemu.Topology(netemu.WanSpec(regions=2, nodes_per_region=1, nat_regions=(1,))) as topo:
+        public, natted = topo.nodes_in(0)[0], topo.nodes_in(1)[0]
+        for h in (public, natted):
+            topo.spawn(h, [sys.executable, "-c", _LISTEN, h.ip])
+        netemu.wait_listening(topo, natted, public.ip, 5301, 10)     # out of the NAT: fine
+        netemu.wait_listening(topo, topo.nodes_in(1)[0], natted.ip, 5301, 10)  # its own listener is up
+        with pytest.raises(netemu.TopologyError, match="nothing listens"):
+            netemu.wait_listening(topo, public, natted.ip, 5301, 3)  # into it: dropped
+
+
 @needs_netns
 def test_libtorrent_baseline_delivers_and_the_counters_see_it(payload):
     pytest.importorskip("libtorrent", reason="libtorrent (dev extra) is not installed")
@@ -137,6 +164,21 @@ def test_patchswarm_crosses_the_wan_about_once(payload):
     # origin sent it about once: its region's nodes forward it, the remote one fetches from them.
     assert payload.patch_bytes <= r.moved.wan_in[1] <= 1.3 * payload.patch_bytes, r.moved
     assert r.moved.host_tx["origin"] <= 1.5 * payload.patch_bytes, r.moved
+
+
+@needs_netns
+def test_patchswarm_with_a_region_behind_nat_delivers_over_webrtc(payload):
+    pytest.importorskip("aiortc")
+    from bench.wan_patchswarm import PatchswarmRunner
+
+    spec = dataclasses.replace(SMALL, nat_regions=(1,))
+    with netemu.Topology(spec) as topo:
+        r = PatchswarmRunner(chunk_bytes=16 << 10, nat_regions=(1,)).run(topo, payload, limit_s=120)
+    assert set(r.per_node_s) == {h.name for h in topo.nodes}      # every node reached version 1 (hash checked)
+    ways = next(n for n in r.notes if n.startswith("node chunk bytes in by transport"))
+    # The two NATed nodes reach each other, and the others reach them, only over WebRTC.
+    assert "webrtc direct" in ways, ways
+    assert float(ways.split("webrtc direct ")[1].split(",")[0]) > 0, ways
 
 
 def test_fault_schedule_kills_every_victim_then_restarts_the_first():
