@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from patchswarm.node import basefile, failpoints
+from patchswarm.node.compaction import COMPACT_EVERY
 from patchswarm.node.store import ObjectStore
 from patchswarm.node.weights import META_HASH, META_SWARM, META_VERSION, WEIGHTS_NAME, Weights, read_weights
 from patchswarm.protocol.errors import InvalidInput, PatchswarmError, UsageError
@@ -35,8 +36,6 @@ from patchswarm.protocol.publication import describe, patch_of
 from patchswarm.protocol.versions import VersionBook
 
 log = logging.getLogger("patchswarm.persistence")
-
-COMPACT_EVERY = 16  # versions between full writes: amortized, at most state/16 written per version
 
 
 @dataclasses.dataclass

@@ -164,3 +164,14 @@ def test_node_count_flags_reject_negatives(flag):
     r = cli("node", "--tracker", "127.0.0.1:1", "--creds", "x", "--data-dir", "y", "--region", "r", flag, "-1",
             check=False)
     assert r.returncode == 2 and flag in r.stderr and "-1" in r.stderr
+
+
+def test_commands_without_weights_do_not_load_torch():
+    """Every command builds the whole parser; a default read from a torch module (the node's
+    --compact-every from node/persistence.py) cost `swarm init`, `swarm issue` and the tracker
+    ~1.5 s of CPU each at start-up."""
+    code = ("import sys; from patchswarm.node.cli import build_parser; build_parser(); "
+            "import patchswarm.node.cli.swarm, patchswarm.tracker.cli, patchswarm.tracker.server; "
+            "print(sorted(m for m in ('torch', 'aiortc') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert r.stdout.strip() == "[]", r.stdout

@@ -201,7 +201,7 @@ def _ice_config(args: argparse.Namespace):
 
 
 def _compact_argument(p: argparse.ArgumentParser) -> None:
-    from patchswarm.node.persistence import COMPACT_EVERY
+    from patchswarm.node.compaction import COMPACT_EVERY
 
     p.add_argument("--compact-every", type=positive_int, default=COMPACT_EVERY, metavar="N",
                    help=f"versions between full writes of the state (the base; node/persistence.py); in between "
