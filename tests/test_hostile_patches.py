@@ -122,6 +122,10 @@ def test_full_tensors_must_be_covered_by_their_segments_before_the_state_hash_re
     twice = _keyframe_of("w", (8,), [(0, 4, four), (2, 6, four), (6, 8, [[0, b"\0" * 2], [0, b"\0" * 2]])])
     with pytest.raises(CorruptData, match="an overlap at 2"):
         apply({}, Patch.from_bytes(twice))
+    two = [[0, b"\0" * 2], [0, b"\0" * 2]]
+    hole = _keyframe_of("w", (8,), [(0, 4, four), (6, 8, two), (4, 5, [[0, b"\0"], [0, b"\0"]])])  # [5, 6) missing
+    with pytest.raises(CorruptData, match="a gap at 5"):
+        apply({}, Patch.from_bytes(hole))
 
 
 def test_a_full_segment_may_only_write_the_patch_s_full_tensors():
@@ -137,3 +141,27 @@ def test_a_full_segment_may_only_write_the_patch_s_full_tensors():
     with pytest.raises(CorruptData, match="full list"):
         apply(state, Patch.from_bytes(data))
     assert torch.equal(state["w"], torch.ones(4, dtype=torch.bfloat16))
+
+
+def test_a_table_of_more_rows_than_its_compressed_bytes_allow_is_refused_before_its_rows_are_read():
+    """Rows that compress between 16x and 512x: inside the content bound (TABLE_MAX_RATIO),
+    over the row bound (TABLE_ROWS_PER_BYTE per compressed byte, plus 64)."""
+    import random
+
+    import msgpack
+    import zstandard
+
+    from hostile_patches import _container
+    from patchswarm.protocol import patchformat
+    from patchswarm.protocol.errors import CorruptData
+    from patchswarm.protocol.patch import Patch
+
+    n = 20_000
+    rng = random.Random(7)
+    noise = bytes(rng.randrange(97, 123) for _ in range(1500)).decode()  # letters: ~0.6 compressed B each
+    raw = msgpack.packb([[noise, "bf16", [1]]] + [["w", "bf16", [1]]] * n, use_bin_type=True)
+    c = len(zstandard.ZstdCompressor(level=3).compress(raw))
+    assert n > patchformat.TABLE_ROWS_PER_BYTE * c + 64 and len(raw) <= patchformat.TABLE_MAX_RATIO * c, c
+    with pytest.raises(CorruptData, match=r"a list of \[name, dtype, shape\]"):
+        Patch.from_bytes(_container([], [], [], table_raw=raw))
+
