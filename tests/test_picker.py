@@ -654,6 +654,24 @@ def test_a_refusing_peer_is_asked_again_as_soon_as_it_announces_the_chunk_again(
     assert p.requests(0.5) == [Request("a", KEY, 0)]
 
 
+def test_a_lost_request_is_released_without_blame_and_the_peer_asked_again():
+    """`request_lost` (a resumed chunk that did not verify: its first bytes came from
+    another peer) releases the request and leaves the peer a source, unlike a failure."""
+    p = PiecePicker("me", "r0", "r0")
+    p.peer_joined("a", NODE, "r0")
+    p.add_object(KEY, 2, now=0.0)
+    p.peer_has("a", KEY, [0, 1])
+    assert asked(p.requests(0.0)) == {("a", 0), ("a", 1)}
+    p.request_lost(KEY, 0, "a")
+    assert p.in_flight() == 1 and p.requests(0.1) == [Request("a", KEY, 0)]
+    p.request_lost(KEY, 1, "b")  # not in flight to that peer: nothing changes
+    p.chunk_received(KEY, 1, "a")
+    p.request_lost(KEY, 1, "a")  # held already: nothing changes
+    assert p.in_flight() == 1 and p.missing(KEY) == 1
+    p.chunk_failed(KEY, 0, "a")  # a failure, by contrast, is not asked again
+    assert p.requests(0.2) == [] and p.in_flight() == 0
+
+
 @pytest.mark.parametrize("again", ["whole", "arriving"])
 def test_a_broken_relay_does_not_keep_a_neighbour_from_being_asked(again):
     """The stall of issue 26: a neighbour relays a chunk it is receiving from its
