@@ -190,6 +190,11 @@ class PeerSet:
                     if have:
                         n = len(self.store.manifest(key).chunks)
                         await s.send(wire.Have(key[0], key[1], wire.bitfield_from_indices(have, n)))
+                if self.inflows is not None:
+                    # What arrives now, too: a member that (re)joins mid-version pulls it from
+                    # here instead of fetching it across the WAN a second time (issue 26).
+                    for key, chunk in self.inflows.arriving():
+                        await s.send(wire.Incoming(key[0], key[1], chunk))
                 if self._on_open is not None:
                     await self._on_open(s)
                 nursery.start_soon(self._serve, s)

@@ -122,6 +122,10 @@ class Inflows:
         self._open(peer, key, chunk, asm)
         return asm.received
 
+    def arriving(self) -> list[tuple[ObjKey, int]]:
+        """The chunks with a live flow, in order: what a peer that connects now is told is coming."""
+        return sorted(self._by_chunk)
+
     def source(self, key: ObjKey, chunk: int) -> Inflow | None:
         """The live flow of that chunk furthest along, to follow; None if none."""
         flows = self._by_chunk.get((key, chunk))

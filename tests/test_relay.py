@@ -46,6 +46,7 @@ class Relay:
             n.start_soon(exchange_hello, mine, wire.Hello("relay", "r1", "node", "x:1", []))
             n.start_soon(exchange_hello, theirs, wire.Hello(name, "r2", "node", "x:2", []))
         nursery.start_soon(self.peers.run, mine, False)
+        await trio.testing.wait_all_tasks_blocked()  # the session is open (and said what it has)
         if self.requester is None:
             self.requester = theirs
         return theirs
@@ -320,3 +321,28 @@ def test_inflows_keep_a_broken_flows_bytes_and_resume_from_them(tmp_path):
     assert flows.partial(KEY, 0) == 0 and flows.partial(KEY, PARTIALS_KEPT) == PARTIALS_KEPT + 1
     flows.drop_object(KEY)
     assert flows.partial(KEY, PARTIALS_KEPT) == 0
+
+
+def test_a_peer_that_connects_while_a_chunk_arrives_is_told_it_is_coming(tmp_path):
+    """Issue 26: a gateway restarted mid-version takes its share back; told only what is held,
+    it would fetch across the WAN a chunk its region is receiving at that moment."""
+    data = os.urandom(2 * PART_BYTES)
+    r = Relay(tmp_path, [data, data])
+
+    async def scenario(nursery):
+        r.feed(1, 0, PART_BYTES)
+        late = await r.connect(nursery, "late")
+        got = []
+        while True:
+            await trio.testing.wait_all_tasks_blocked()
+            with trio.move_on_after(0.05):
+                got.append(await late.receive())
+                continue
+            break
+        assert [m for m in got if isinstance(m, wire.Incoming)] == [wire.Incoming(KEY[0], KEY[1], 1)]
+        await late.send(wire.Request(KEY[0], KEY[1], 1))
+        await trio.testing.wait_all_tasks_blocked()
+        first = await late.receive()
+        assert (first.chunk, first.offset, first.data) == (1, 0, data[:PART_BYTES])
+
+    r.run(scenario)
