@@ -186,7 +186,7 @@ class Fetcher:
     async def on_piece(self, s: Session, msg: wire.Piece) -> None:
         key, c = (msg.version, msg.keyframe), msg.chunk
         if not self.picker.is_fetching(key) or c in self.store.have(key):
-            self.inflows.discard(s.id, key, c)
+            self.inflows.discard(s.id, key, c, keep=False)
             return  # an endgame duplicate, or an object we stopped wanting
         m = self.store.manifest(key)
         if c >= len(m.chunks):
@@ -242,7 +242,7 @@ class Fetcher:
         # Who hears of it is decided before the picker forgets the chunk's holders.
         hear = self._audience(s, key, c, tell_have, self._told.get(key, {}).pop(c, ()))
         for dup in self.picker.chunk_received(key, c, s.id):
-            self._cancel(dup)
+            self._cancel(dup, keep=False)
         self.peers.broadcast(wire.HaveOne(key[0], key[1], c), to=hear)
         if self.store.complete(key):
             self._on_complete(key)
@@ -262,9 +262,10 @@ class Fetcher:
                                  announced=picker.announced(p.id, key, c), whole=picker.holds_whole(p.id, key, c),
                                  told=p in told))]
 
-    def _cancel(self, r: Request) -> None:
-        """Withdraw a request: the peer drops it, and the parts that still come are ignored."""
-        self.inflows.discard(r.peer, r.key, r.chunk)
+    def _cancel(self, r: Request, keep: bool = True) -> None:
+        """Withdraw a request: the peer drops it, and the parts that still come are ignored
+        (what came is kept to resume from unless `keep` is False: the chunk is held)."""
+        self.inflows.discard(r.peer, r.key, r.chunk, keep=keep)
         self._nursery.start_soon(self._send_to, r.peer, wire.Cancel(r.key[0], r.key[1], r.chunk))
 
     async def _send_to(self, peer: str, msg) -> None:

@@ -139,11 +139,12 @@ class Inflows:
             self._partials.pop((flow.key, flow.chunk), None)
         self._end(flow, failed=not ok)
 
-    def discard(self, peer: str, key: ObjKey, chunk: int) -> None:
-        """This node stopped that flow (cancel, reject, timeout): followers look elsewhere."""
+    def discard(self, peer: str, key: ObjKey, chunk: int, keep: bool = True) -> None:
+        """This node stopped that flow (cancel, reject, timeout): followers look elsewhere.
+        `keep=False`: the chunk is held already, so its bytes are not kept to resume from."""
         flow = self._flows.get((peer, key, chunk))
         if flow is not None:
-            self._end(flow, failed=True)
+            self._end(flow, failed=True, keep=keep)
 
     def drop_peer(self, peer: str) -> None:
         for flow in [f for k, f in self._flows.items() if k[0] == peer]:
@@ -155,7 +156,7 @@ class Inflows:
         for k in [k for k in self._partials if k[0] == key]:
             del self._partials[k]
 
-    def _end(self, flow: Inflow, failed: bool) -> None:
+    def _end(self, flow: Inflow, failed: bool, keep: bool = True) -> None:
         if self._flows.get((flow.peer, flow.key, flow.chunk)) is flow:
             del self._flows[(flow.peer, flow.key, flow.chunk)]
             others = self._by_chunk[(flow.key, flow.chunk)]
@@ -163,7 +164,7 @@ class Inflows:
             if not others:
                 del self._by_chunk[(flow.key, flow.chunk)]
             asm = flow.asm
-            if failed and 0 < asm.received < asm.total:
+            if failed and keep and 0 < asm.received < asm.total:
                 self._keep(flow.key, flow.chunk, asm)
         flow.failed = failed
         flow.notify()

@@ -321,6 +321,9 @@ def test_inflows_keep_a_broken_flows_bytes_and_resume_from_them(tmp_path):
     assert flows.partial(KEY, 0) == 0 and flows.partial(KEY, PARTIALS_KEPT) == PARTIALS_KEPT + 1
     flows.drop_object(KEY)
     assert flows.partial(KEY, PARTIALS_KEPT) == 0
+    flows.receive("p", KEY, 0, len(data), 0, len(data), data[:10])
+    flows.discard("p", KEY, 0, keep=False)  # an endgame copy cancelled: the chunk came whole
+    assert flows.partial(KEY, 0) == 0
 
 
 def test_a_peer_that_connects_while_a_chunk_arrives_is_told_it_is_coming(tmp_path):
