@@ -63,6 +63,11 @@ class Inflow:
             wake()
 
 
+def _moving(flow: Inflow) -> bool:
+    """Bytes came from the flow's own peer (a resumed flow's kept ones do not count)."""
+    return not (flow.fresh and flow.start)
+
+
 class Inflows:
     def __init__(self) -> None:
         self._flows: dict[tuple[str, ObjKey, int], Inflow] = {}
@@ -123,12 +128,15 @@ class Inflows:
         return asm.received
 
     def arriving(self) -> list[tuple[ObjKey, int]]:
-        """The chunks with a live flow, in order: what a peer that connects now is told is coming."""
-        return sorted(self._by_chunk)
+        """The chunks with a live flow to follow, in order: what a peer that connects now is told is coming."""
+        return sorted(k for k, flows in self._by_chunk.items() if any(map(_moving, flows)))
 
     def source(self, key: ObjKey, chunk: int) -> Inflow | None:
-        """The live flow of that chunk furthest along, to follow; None if none."""
-        flows = self._by_chunk.get((key, chunk))
+        """The live flow of that chunk furthest along, to follow; None if none. A resumed
+        flow counts once a part of the rest has come: until then its peer may be the very
+        asker, waiting on bytes this node has not got (two holders of a prefix asking each
+        other for the rest would each wait on the other until the request timeout)."""
+        flows = [f for f in self._by_chunk.get((key, chunk), ()) if _moving(f)]
         return max(flows, key=lambda f: f.asm.received) if flows else None
 
     def finish(self, flow: Inflow, ok: bool) -> None:

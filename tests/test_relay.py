@@ -302,13 +302,16 @@ def test_inflows_keep_a_broken_flows_bytes_and_resume_from_them(tmp_path):
     assert flows.partial(KEY, 0) == 300  # the most of it, whichever flow failed last
     assert flows.resume("r", KEY, 0) == 300 and flows.partial(KEY, 0) == 0
     assert flows.resume("s", KEY, 0) == 0  # taken once
-    flow = flows.source(KEY, 0)
-    assert flow.peer == "r" and flow.start == 300  # served onward from its kept bytes at once
+    # Not followed until a part of the rest comes: r may be waiting on this very node.
+    assert flows.source(KEY, 0) is None and flows.arriving() == []
     with pytest.raises(ProtocolError, match="expected the part at offset 300"):
         flows.receive("r", KEY, 0, len(data), 0, len(data), data[:10])  # a reply must continue it
     assert flows.resume("r", KEY, 0) == 300  # the protocol error kept the bytes again
-    got, first = flows.receive("r", KEY, 0, len(data), 300, len(data), data[300:])
-    assert first and got.asm.complete and bytes(got.asm.data()) == data
+    got, first = flows.receive("r", KEY, 0, len(data), 300, len(data), data[300:400])
+    assert first and flows.source(KEY, 0) is got and flows.arriving() == [(KEY, 0)]
+    assert got.start == 300 and got.asm.forwardable == 400  # served onward, its kept bytes first
+    got, _ = flows.receive("r", KEY, 0, len(data), 400, len(data), data[400:])
+    assert got.asm.complete and bytes(got.asm.data()) == data
     flows.finish(got, ok=True)
     assert flows.partial(KEY, 0) == 0 and len(flows) == 0
     # A whole chunk that failed its check is not kept; neither are more than PARTIALS_KEPT.
@@ -347,5 +350,22 @@ def test_a_peer_that_connects_while_a_chunk_arrives_is_told_it_is_coming(tmp_pat
         await trio.testing.wait_all_tasks_blocked()
         first = await late.receive()
         assert (first.chunk, first.offset, first.data) == (1, 0, data[:PART_BYTES])
+
+    r.run(scenario)
+
+
+def test_two_holders_of_a_prefix_never_wait_on_each_other(tmp_path):
+    """The relay resumed the chunk from the requester, which asks the relay for the rest in
+    turn: refused at once (before, each waited on the other until the 30 s request timeout)."""
+    data = os.urandom(2 * PART_BYTES)
+    r = Relay(tmp_path, [data])
+
+    async def scenario():
+        r.feed(0, 0, PART_BYTES)
+        r.inflows.drop_peer(UPSTREAM)  # the relay's source died part-way
+        assert r.inflows.resume("req", KEY, 0) == PART_BYTES  # it asks the requester for the rest
+        await r.requester.send(wire.RequestRest(KEY[0], KEY[1], 0, PART_BYTES // 2))
+        got = await r.pieces_until_quiet()
+        assert [(type(m).__name__, m.chunk) for m in got] == [("Reject", 0)]
 
     r.run(scenario)
