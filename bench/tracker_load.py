@@ -111,6 +111,24 @@ def _proc_status() -> dict:
     return out
 
 
+def _gc_clock():
+    """Seconds this process has spent in the cyclic garbage collector so far (a callable):
+    a tracker holding 10,000 sessions keeps millions of objects, and each full collection
+    walks all of them."""
+    import gc
+
+    spent, started = [0.0], [0.0]
+
+    def callback(phase, info):
+        if phase == "start":
+            started[0] = time.thread_time()
+        else:
+            spent[0] += time.thread_time() - started[0]
+
+    gc.callbacks.append(callback)
+    return lambda: spent[0]
+
+
 def serve_main(args) -> None:
     import trio
 
@@ -130,6 +148,7 @@ def serve_main(args) -> None:
 
         transport.MessageStream.send = counting_send
     status_file = open(args.status, "a", buffering=1)
+    gc_time = _gc_clock()
 
     async def main():
         t = Tracker(Path(args.creds) / "tracker", "127.0.0.1:0")
@@ -140,7 +159,7 @@ def serve_main(args) -> None:
                 sent = dict(t.sent) if args.impl == "new" else dict(pushed)
                 status_file.write(json.dumps({
                     "addr": t.listen_addr, "t": time.monotonic(), "cpu": ru.ru_utime + ru.ru_stime,
-                    "members": len(t.members), "sent": sent, **_proc_status(),
+                    "members": len(t.members), "sent": sent, **_proc_status(), "gc": gc_time(),
                     "changes": t.core.changes if args.impl == "new" else None,
                     "drops": dict(t.core.drops) if args.impl == "new" else {}}) + "\n")
                 await trio.sleep(0.5)
@@ -311,9 +330,22 @@ def generate_main(args) -> None:
                 result["joins"] += 1
             next_at += rng.expovariate(rate)
 
+    async def collect() -> None:
+        """A generator holds thousands of sessions too: it collects garbage on the tracker's
+        schedule (tracker/collector.py), so that its own full collections do not delay the
+        joins and notices it times."""
+        from patchswarm.tracker.collector import CollectorSchedule
+
+        collector = CollectorSchedule()
+        collector.start(trio.current_time())
+        while True:
+            await trio.sleep_until(collector.due(trio.current_time()))
+            collector.tick(trio.current_time())
+
     async def main():
         stdin = trio.wrap_file(sys.stdin)
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(collect)
             await ramp(nursery)
             print(json.dumps({"ready": len(active)}), flush=True)
             line = await stdin.readline()
@@ -499,6 +531,7 @@ def run_one(args, impl: str, n: int, regions: int, creds: Path) -> dict:
         row["members_end"] = s1["members"] - 1
         row["cpu_pct"] = 100 * (s1["cpu"] - s0["cpu"]) / dt
         row["cpu_us_per_member_s"] = 1e6 * (s1["cpu"] - s0["cpu"]) / dt / max(1, row["reached"])
+        row["gc_pct"] = 100 * (s1.get("gc", 0) - s0.get("gc", 0)) / dt
         row["changes"] = changes
         if s1.get("changes") is not None:  # the tracker's own count: ramp stragglers' joins are changes too
             changes = s1["changes"] - s0["changes"]
@@ -544,7 +577,7 @@ def _f(x, fmt: str) -> str:
 
 
 def format_table(rows: list[dict]) -> str:
-    head = ("impl    members regions  reached  cpu%  µs/member·s  bytes/change  join→list p50/max s  "
+    head = ("impl    members regions  reached  cpu%  gc%  µs/member·s  bytes/change  join→list p50/max s  "
             "notice p50/last/worst s  reach  RSS/peak MB  lost")
     lines = [head]
     for r in rows:
@@ -552,7 +585,8 @@ def format_table(rows: list[dict]) -> str:
             lines.append(f"{r['impl']:6s} {r['n']:8d} {r['regions']:7d}  {r['error']}")
             continue
         lines.append(
-            f"{r['impl']:6s} {r['n']:8d} {r['regions']:7d} {r['reached']:8d} {_f(r['cpu_pct'], '5.1f')} {_f(r['cpu_us_per_member_s'], '12.1f')} "
+            f"{r['impl']:6s} {r['n']:8d} {r['regions']:7d} {r['reached']:8d} {_f(r['cpu_pct'], '5.1f')} {_f(r.get('gc_pct'), '4.1f')} "
+            f"{_f(r['cpu_us_per_member_s'], '12.1f')} "
             f"{_f(r['bytes_per_change'], '13,.0f')}  {_f(r['join_p50'], '8.3f')}/{_f(r['join_max'], '<8.3f')}   "
             f"{_f(r['notice_p50'], '6.3f')}/{_f(r['notice_last'], '.3f')}/{_f(r['notice_worst'], '<6.3f')}  "
             f"{r['notice_reached']:6d} {_f((r['rss'] or 0) / 2**20, '5.0f')}/{_f((r['hwm'] or 0) / 2**20, '<5.0f')} "

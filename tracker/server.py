@@ -27,6 +27,7 @@ from patchswarm.protocol.errors import InvalidInput, ProtocolError, UsageError
 
 from patchswarm.node.net.transport import CONNECTION_ERRORS, MessageStream, apply_revocations, format_addr, serve
 from patchswarm.node.net.trust import Credentials
+from patchswarm.tracker.collector import CollectorSchedule
 from patchswarm.tracker.core import BAD_MESSAGE, BEHIND, HEARTBEAT_TIMEOUT, LEFT, Close, Send, TrackerCore
 
 log = logging.getLogger("patchswarm.tracker")
@@ -110,6 +111,7 @@ class Tracker:
         self._tick_at = float("inf")
         self.revocations_file = revocations
         self._revocations_seen: tuple[int, int] | None = None  # (mtime_ns, size) last read
+        self.collector = CollectorSchedule()
 
     @property
     def book(self):
@@ -117,6 +119,13 @@ class Tracker:
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         _raise_fd_limit()
+        self.collector.start(trio.current_time())
+        try:
+            await self._run(task_status)
+        finally:
+            self.collector.stop()
+
+    async def _run(self, task_status) -> None:
         async with trio.open_nursery() as nursery:
             self.listen_addr = await nursery.start(self._serve)
             log.info("tracker for swarm %s listening on %s", self.book.swarm_id, self.listen_addr)
@@ -217,7 +226,8 @@ class Tracker:
         while True:
             self._watch_senders(trio.current_time())
             self._do(self.core.tick(trio.current_time()))
-            self._tick_at = self.core.next_tick(trio.current_time())
+            self.collector.tick(trio.current_time())
+            self._tick_at = min(self.core.next_tick(trio.current_time()), self.collector.due(trio.current_time()))
             with trio.move_on_at(self._tick_at):
                 await self._wake.wait()
             self._wake = trio.Event()
@@ -274,7 +284,8 @@ class Tracker:
         return self.core.signals_dropped
 
     def status(self) -> dict:
-        return {**self.core.status(), "listen": self.listen_addr, "bytes_sent": dict(self.sent)}
+        return {**self.core.status(), "listen": self.listen_addr, "bytes_sent": dict(self.sent),
+                "gc": self.collector.status()}
 
 
 def _raise_fd_limit() -> None:
