@@ -4,8 +4,10 @@ Owns `Fetcher`: it executes the piece picker's answers (protocol/picker.py
 decides which chunk to ask of whom, and when a request has run out of time;
 it is also the node's one record of who holds which chunk and of the
 requests in flight, so the facts peers announce go straight to it), sends
-Request and Cancel, takes each Piece in (node/relay.py reassembles it, and
-lets sessions serve it onward while it arrives), checks every whole chunk
+Request (RequestRest for a chunk whose transfer broke part-way: only the
+bytes still missing, from the next holder) and Cancel, takes each Piece in
+(node/relay.py reassembles it, and lets sessions serve it onward while it
+arrives), checks every whole chunk
 against its signed manifest before the object store takes it, and tells
 peers of it: `Incoming` at its first part, `HaveOne` once verified, to the
 peers protocol/announce.py names. The relay state is kept here: which
@@ -82,9 +84,14 @@ class Fetcher:
                 for r in self.picker.requests(now):
                     if r.peer not in self.peers.sessions:
                         continue
+                    # Bytes kept from a transfer of this chunk that broke: ask only for the rest.
+                    offset = self.inflows.resume(r.peer, r.key, r.chunk)
                     if debug:  # with the arrival lines: who brought which chunk across the WAN, and when
-                        log.debug("request chunk %d of %s from %s", r.chunk, describe(r.key), r.peer)
-                    nursery.start_soon(self._send_to, r.peer, wire.Request(r.key[0], r.key[1], r.chunk))
+                        log.debug("request chunk %d of %s from %s%s", r.chunk, describe(r.key), r.peer,
+                                  f" from byte {offset:,}" if offset else "")
+                    msg = (wire.RequestRest(r.key[0], r.key[1], r.chunk, offset) if offset
+                           else wire.Request(r.key[0], r.key[1], r.chunk))
+                    nursery.start_soon(self._send_to, r.peer, msg)
                 wake = self.picker.next_wakeup(now)
                 await self._wakeup.wait(POLL_S if wake is None else min(POLL_S, wake - now))
 
@@ -179,7 +186,7 @@ class Fetcher:
     async def on_piece(self, s: Session, msg: wire.Piece) -> None:
         key, c = (msg.version, msg.keyframe), msg.chunk
         if not self.picker.is_fetching(key) or c in self.store.have(key):
-            self.inflows.discard(s.id, key, c)
+            self.inflows.discard(s.id, key, c, keep=False)
             return  # an endgame duplicate, or an object we stopped wanting
         m = self.store.manifest(key)
         if c >= len(m.chunks):
@@ -199,6 +206,16 @@ class Fetcher:
                       s.region, f"{msg.total:,}", "unasked" if asked_at is None
                       else f"{trio.current_time() - asked_at:.3f} s after the request")
         data = flow.asm.data()
+        if not chunk_ok(m, c, data) and flow.start:
+            # Resumed: its first bytes came from a peer whose transfer broke, so the fault may
+            # be that peer's. Nobody is blamed; the chunk is asked again, whole (nothing is kept).
+            self.inflows.finish(flow, ok=False)
+            self.chunks_rejected += 1
+            self.picker.request_lost(key, c, s.id)
+            log.warning("chunk %d of %s, resumed from byte %d with peer %s, does not match the manifest's "
+                        "SHA-256; asking for it whole", c, describe(key), flow.start, s.id)
+            self._wakeup.set()
+            return
         if not chunk_ok(m, c, data):
             self.inflows.finish(flow, ok=False)
             self.chunks_rejected += 1
@@ -220,12 +237,12 @@ class Fetcher:
             self._last_chunk_at[key] = now
         self.inflows.finish(flow, ok=True)  # its followers send the last part; new requests read the store
         source = "origin" if s.role == "origin" else "same_region" if s.region == self.region else "other_region"
-        self.bytes_in[source] += len(data)
-        s.piece_bytes_in += len(data)
+        self.bytes_in[source] += len(data) - flow.start  # a resumed chunk's first bytes came before
+        s.piece_bytes_in += len(data) - flow.start
         # Who hears of it is decided before the picker forgets the chunk's holders.
         hear = self._audience(s, key, c, tell_have, self._told.get(key, {}).pop(c, ()))
         for dup in self.picker.chunk_received(key, c, s.id):
-            self._cancel(dup)
+            self._cancel(dup, keep=False)
         self.peers.broadcast(wire.HaveOne(key[0], key[1], c), to=hear)
         if self.store.complete(key):
             self._on_complete(key)
@@ -245,9 +262,10 @@ class Fetcher:
                                  announced=picker.announced(p.id, key, c), whole=picker.holds_whole(p.id, key, c),
                                  told=p in told))]
 
-    def _cancel(self, r: Request) -> None:
-        """Withdraw a request: the peer drops it, and the parts that still come are ignored."""
-        self.inflows.discard(r.peer, r.key, r.chunk)
+    def _cancel(self, r: Request, keep: bool = True) -> None:
+        """Withdraw a request: the peer drops it, and the parts that still come are ignored
+        (what came is kept to resume from unless `keep` is False: the chunk is held)."""
+        self.inflows.discard(r.peer, r.key, r.chunk, keep=keep)
         self._nursery.start_soon(self._send_to, r.peer, wire.Cancel(r.key[0], r.key[1], r.chunk))
 
     async def _send_to(self, peer: str, msg) -> None:

@@ -9,7 +9,9 @@ through the shared upload rate limit, from the `ObjectStore`, or, for a chunk
 still arriving, from its `Inflow` (node/relay.py) as its parts come in. A
 session sends the first part it can in queue order, so a whole chunk goes out
 at once while a chunk that is still arriving takes the link only when it has
-bytes. A Cancel removes a request, sent in part or not. Everything else a peer
+bytes. A RequestRest is answered like a Request, from its offset on (the asker kept
+the bytes before it from a transfer that broke). A Cancel removes a request,
+sent in part or not. Everything else a peer
 says goes to the owner's `on_message`, as it came: what a peer holds is
 recorded by whoever fetches (protocol/picker.py, through node/fetcher.py),
 not here. Must not decide what to fetch or whom to tell what.
@@ -119,7 +121,8 @@ class Outflow:
 
     key: ObjKey
     chunk: int
-    sent: int = 0  # while queued, > 0 once any part went out (an answer ends with its last part)
+    sent: int = 0  # bytes of the chunk answered (from `start`; an answer ends with its last part)
+    start: int = 0  # where the answer begins: the offset of a RequestRest
     data: bytes | None = None
     flow: Inflow | None = None
 
@@ -187,6 +190,11 @@ class PeerSet:
                     if have:
                         n = len(self.store.manifest(key).chunks)
                         await s.send(wire.Have(key[0], key[1], wire.bitfield_from_indices(have, n)))
+                if self.inflows is not None:
+                    # What arrives now, too: a member that (re)joins mid-version pulls it from
+                    # here instead of fetching it across the WAN a second time (issue 26).
+                    for key, chunk in self.inflows.arriving():
+                        await s.send(wire.Incoming(key[0], key[1], chunk))
                 if self._on_open is not None:
                     await self._on_open(s)
                 nursery.start_soon(self._serve, s)
@@ -227,7 +235,7 @@ class PeerSet:
             msg = await s.ms.receive()
             if msg is None:
                 return "closed"
-            if isinstance(msg, wire.Request):
+            if isinstance(msg, (wire.Request, wire.RequestRest)):
                 self._queue_request(s, msg)
             elif isinstance(msg, wire.Cancel):
                 key = (msg.version, msg.keyframe)
@@ -241,16 +249,29 @@ class PeerSet:
                 await self._on_message(s, msg)
         return "closed"
 
-    def _queue_request(self, s: Session, msg: wire.Request) -> None:
+    def _queue_request(self, s: Session, msg: wire.Request | wire.RequestRest) -> None:
         limit = self.budgets.max_queued_requests
         if len(s.serve_queue) + len(s.rejects) >= limit:
             raise BudgetExceeded(REQUESTS_QUEUED, f"more than {limit} requests waiting for an answer")
         key = (msg.version, msg.keyframe)
-        if msg.chunk in self.store.have(key) or self.inflows is not None and self.inflows.source(key, msg.chunk):
-            s.serve_queue.append(Outflow(key, msg.chunk))
-        else:  # answered at once, never walking the queue: a flood of these costs O(1) each
+        offset = msg.offset if isinstance(msg, wire.RequestRest) else 0
+        if not (msg.chunk in self.store.have(key) or self.inflows is not None and self.inflows.source(key, msg.chunk)):
+            # answered at once, never walking the queue: a flood of these costs O(1) each
             s.rejects.append(wire.Reject(msg.version, msg.keyframe, msg.chunk, "not held"))
+        elif offset and not offset < self._chunk_size(key, msg.chunk):
+            s.rejects.append(wire.Reject(msg.version, msg.keyframe, msg.chunk,
+                                         f"offset {offset} is not within the chunk"))
+        else:
+            s.serve_queue.append(Outflow(key, msg.chunk, sent=offset, start=offset))
         s.wake()
+
+    def _chunk_size(self, key: ObjKey, chunk: int) -> int:
+        """The size of a chunk held or arriving here (0 if this node cannot tell)."""
+        m = self.store.manifest(key)
+        if m is not None and chunk < len(m.chunks):
+            return m.chunks[chunk][0]
+        flow = self.inflows.source(key, chunk) if self.inflows is not None else None
+        return 0 if flow is None else flow.asm.total
 
     def _count_announcement(self, s: Session) -> None:
         now = trio.current_time()
@@ -293,7 +314,8 @@ class PeerSet:
             if o.data is None and o.flow is None or o.flow is not None and o.flow.failed:
                 if not self._resolve(s, o):
                     self._drop_outflow(s, o)
-                    return wire.Reject(o.key[0], o.key[1], o.chunk, "stream aborted" if o.sent else "not held"), False
+                    return wire.Reject(o.key[0], o.key[1], o.chunk,
+                                       "stream aborted" if o.sent > o.start else "not held"), False
             if o.data is not None:
                 total, limit = len(o.data), len(o.data)
             else:

@@ -321,6 +321,17 @@ class PiecePicker:
         self._check_chunk(obj, chunk, "chunk_failed")
         self._fail(obj, chunk, peer)
 
+    def request_lost(self, key: ObjKey, chunk: int, peer: str) -> None:
+        """The answer to a request was unusable through no fault known of `peer`
+        (a resumed chunk that did not verify: its first bytes came from another
+        peer): the request is released, and `peer` may be asked again."""
+        obj = self._objects.get(key)
+        if obj is None:
+            return
+        self._check_chunk(obj, chunk, "request_lost")
+        if chunk in obj.missing and peer in obj.inflight.get(chunk, ()):
+            self._release(obj, chunk, peer)
+
     def chunk_refused(self, key: ObjKey, chunk: int, peer: str) -> None:
         """`peer` answered a request for the chunk with a Reject: it no longer
         says it has the chunk, and is not asked for it again until it

@@ -118,6 +118,19 @@ class Request:
 
 
 @dataclass(frozen=True)
+class RequestRest:
+    """A Request for the chunk from byte `offset` on, answered with Pieces from
+    `offset` (or a Reject): the asker holds bytes [0, offset) from a peer whose
+    stream broke (it died, or its own source did), so only the rest crosses the
+    link again. `offset` is below the chunk's size; a Cancel withdraws it."""
+
+    version: int
+    keyframe: bool
+    chunk: int
+    offset: int
+
+
+@dataclass(frozen=True)
 class Piece:
     """Bytes [offset, offset + len(data)) of a chunk of `total` bytes: one part
     of the answer to a Request (protocol/assembly.py). A chunk's parts go in
@@ -244,7 +257,7 @@ class Error:
 
 MESSAGE_TYPES = {
     cls.__name__: cls
-    for cls in (Hello, Have, HaveOne, Incoming, Request, Piece, Cancel, Reject, Announce,
+    for cls in (Hello, Have, HaveOne, Incoming, Request, RequestRest, Piece, Cancel, Reject, Announce,
                 PeerList, VersionNotice, Heartbeat, Trajectories, TrajectoriesAck, Revocations, Bye, Error, PeerDelta,
                 Signal)
 }
@@ -270,7 +283,7 @@ _LIMITS = {
     ("Reject", "reason"): MAX_TEXT_BYTES,
     ("Bye", "reason"): MAX_TEXT_BYTES,
     ("Error", "message"): MAX_TEXT_BYTES,
-    **{(name, "chunk"): MAX_CHUNKS - 1 for name in ("HaveOne", "Request", "Piece", "Incoming", "Cancel", "Reject")},
+    **{(name, "chunk"): MAX_CHUNKS - 1 for name in ("HaveOne", "Request", "RequestRest", "Piece", "Incoming", "Cancel", "Reject")},
 }
 _DEFAULTS = {"str": MAX_NAME_BYTES, "bytes": _LENGTH_LIMIT, "int": MAX_INT}
 

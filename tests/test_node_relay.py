@@ -160,3 +160,43 @@ def test_a_reject_past_the_objects_end_drops_the_peer(tmp_path):
             n.cancel_scope.cancel()
 
     trio.run(main)
+
+
+@pytest.mark.parametrize("prefix_ok", [True, False])
+def test_a_chunk_whose_transfer_broke_is_asked_of_the_next_holder_from_where_it_broke(tmp_path, prefix_ok):
+    """Issue 26: the bytes that came before the sender died are kept, and only the rest is
+    asked of the next holder (RequestRest), so they do not cross the WAN twice. If the
+    resumed chunk fails its check, the fault may be the dead sender's: the next holder is
+    not dropped, and the chunk is asked of it again whole."""
+    fetcher, chunks = _fetcher(tmp_path)
+    data = chunks[0]
+    half = len(data) // 2
+
+    async def main():
+        async with trio.open_nursery() as n:
+            await n.start(fetcher.run)
+            up = _session(fetcher, n, "up", region="r0")
+            fetcher.on_announce(up, wire.HaveOne(1, False, 0))
+            await trio.testing.wait_all_tasks_blocked()
+            assert wire.Request(1, False, 0) in _sent(up, wire.Request)
+            first = data[:half] if prefix_ok else bytes(half)
+            await fetcher.on_piece(up, wire.Piece(1, False, 0, 0, len(data), first))
+            fetcher.peer_left(up)  # it died mid-chunk
+            del fetcher.peers.sessions["up"]
+            nxt = _session(fetcher, n, "next", region="r0")
+            fetcher.on_announce(nxt, wire.HaveOne(1, False, 0))
+            await trio.testing.wait_all_tasks_blocked()
+            assert [m for m in _sent(nxt, wire.RequestRest) if m.chunk == 0] == [wire.RequestRest(1, False, 0, half)]
+            assert not [m for m in _sent(nxt, wire.Request) if m.chunk == 0]
+            await fetcher.on_piece(nxt, wire.Piece(1, False, 0, half, len(data), data[half:]))
+            await trio.testing.wait_all_tasks_blocked()
+            if prefix_ok:
+                assert 0 in fetcher.store.have(KEY) and fetcher.store.get_chunk(KEY, 0) == data
+                assert fetcher.bytes_in["other_region"] == len(data) - half  # what the next holder sent
+            else:
+                assert 0 not in fetcher.store.have(KEY) and fetcher.chunks_rejected == 1
+                assert "next" in fetcher.peers.sessions and fetcher.inflows.partial(KEY, 0) == 0
+                assert [m for m in _sent(nxt, wire.Request) if m.chunk == 0] == [wire.Request(1, False, 0)]
+            n.cancel_scope.cancel()
+
+    trio.run(main)

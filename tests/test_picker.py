@@ -664,16 +664,35 @@ def test_announced_and_holds_whole_table(said, expect, added_first):
     assert (p.announced("a", KEY, 1), p.holds_whole("a", KEY, 1)) == (False, False)
 
 
-def test_a_refusing_peer_is_asked_again_as_soon_as_it_announces_the_chunk_again():
+def _both_chunks_asked_of_one_neighbour() -> PiecePicker:
     p = PiecePicker("me", "r0", "r0")
     p.peer_joined("a", NODE, "r0")
     p.add_object(KEY, 2, now=0.0)
     p.peer_has("a", KEY, [0, 1])
     assert asked(p.requests(0.0)) == {("a", 0), ("a", 1)}
+    return p
+
+
+def test_a_refusing_peer_is_asked_again_as_soon_as_it_announces_the_chunk_again():
+    p = _both_chunks_asked_of_one_neighbour()
     p.chunk_refused(KEY, 0, "a")
     assert p.requests(0.5) == [] and p.in_flight() == 1  # refused, and nothing new said
     p.peer_has("a", KEY, [0])  # says it again (got it meanwhile): asked at once
     assert p.requests(0.5) == [Request("a", KEY, 0)]
+
+
+def test_a_lost_request_is_released_without_blame_and_the_peer_asked_again():
+    """`request_lost` (a resumed chunk that did not verify: its first bytes came from
+    another peer) releases the request and leaves the peer a source, unlike a failure."""
+    p = _both_chunks_asked_of_one_neighbour()
+    p.request_lost(KEY, 0, "a")
+    assert p.in_flight() == 1 and p.requests(0.1) == [Request("a", KEY, 0)]
+    p.request_lost(KEY, 1, "b")  # not in flight to that peer: nothing changes
+    p.chunk_received(KEY, 1, "a")
+    p.request_lost(KEY, 1, "a")  # held already: nothing changes
+    assert p.in_flight() == 1 and p.missing(KEY) == 1
+    p.chunk_failed(KEY, 0, "a")  # a failure, by contrast, is not asked again
+    assert p.requests(0.2) == [] and p.in_flight() == 0
 
 
 @pytest.mark.parametrize("again", ["whole", "arriving"])

@@ -7,16 +7,18 @@ hand, part by part, as the daemon does when pieces arrive from upstream.
 
 import os
 
+import pytest
 import trio
 import trio.testing
 
 from patchswarm.node.peers import PeerSet
 from patchswarm.node.net.ratelimit import TokenBucket
-from patchswarm.node.relay import Inflows
+from patchswarm.node.relay import PARTIALS_KEPT, Inflows
 from patchswarm.node.store import ObjectStore
 from patchswarm.node.net.transport import MessageStream, exchange_hello
 from patchswarm.protocol import wire
 from patchswarm.protocol.assembly import PART_BYTES
+from patchswarm.protocol.errors import ProtocolError
 
 KEY = (1, False)
 UPSTREAM = "up"
@@ -44,6 +46,7 @@ class Relay:
             n.start_soon(exchange_hello, mine, wire.Hello("relay", "r1", "node", "x:1", []))
             n.start_soon(exchange_hello, theirs, wire.Hello(name, "r2", "node", "x:2", []))
         nursery.start_soon(self.peers.run, mine, False)
+        await trio.testing.wait_all_tasks_blocked()  # the session is open (and said what it has)
         if self.requester is None:
             self.requester = theirs
         return theirs
@@ -252,5 +255,117 @@ def test_an_empty_chunk_is_answered_with_one_empty_part(tmp_path):
         got = [m for m in await r.pieces_until_quiet() if isinstance(m, wire.Piece)]
         assert [(m.chunk, m.offset, m.total, m.data) for m in got] == [(0, 0, 0, b"")]
         assert not r.peers.sessions["req"].serve_queue
+
+    r.run(scenario)
+
+
+def test_a_request_for_the_rest_is_answered_from_its_offset_held_or_arriving(tmp_path):
+    """Issue 26: a peer whose transfer of a chunk broke asks the next holder for the rest
+    only (RequestRest), so what crossed the link already does not cross it again."""
+    held, arriving = os.urandom(2 * PART_BYTES + 9), os.urandom(2 * PART_BYTES)
+    r = Relay(tmp_path, [held, arriving])
+    r.store.put_manifest(KEY, _manifest(r.chunks), b"envelope")
+    r.store.put_chunk(KEY, 0, held)
+
+    async def scenario():
+        await r.requester.send(wire.RequestRest(KEY[0], KEY[1], 0, PART_BYTES + 3))
+        got = await r.pieces_until_quiet()
+        assert _parts(got, 0) == [(PART_BYTES + 3, PART_BYTES), (2 * PART_BYTES + 3, 6)]
+        assert b"".join(m.data for m in got if isinstance(m, wire.Piece)) == held[PART_BYTES + 3:]
+        flow = r.feed(1, 0, 10)
+        await r.requester.send(wire.RequestRest(KEY[0], KEY[1], 1, 20))  # beyond what arrived: waits
+        assert await r.pieces_until_quiet() == []
+        r.feed(1, 10, PART_BYTES)
+        got = await r.pieces_until_quiet()
+        assert _parts(got, 1) == [(20, PART_BYTES - 20)]
+        r.feed(1, PART_BYTES, len(arriving))
+        r.inflows.finish(flow, ok=True)
+        got += await r.pieces_until_quiet()
+        assert b"".join(m.data for m in got if isinstance(m, wire.Piece)) == arriving[20:]
+        # An offset at or past the chunk's end is refused, and never queued.
+        await r.requester.send(wire.RequestRest(KEY[0], KEY[1], 0, len(held)))
+        got = await r.pieces_until_quiet()
+        assert [(m.chunk, m.reason) for m in got if isinstance(m, wire.Reject)] == [(0, f"offset {len(held)} is not within the chunk")]
+        assert not r.peers.sessions["req"].serve_queue
+
+    r.run(scenario)
+
+
+def test_inflows_keep_a_broken_flows_bytes_and_resume_from_them(tmp_path):
+    flows = Inflows()
+    data = os.urandom(1000)
+    flows.receive("p", KEY, 0, len(data), 0, len(data), data[:300])
+    flows.receive("q", KEY, 0, len(data), 0, len(data), data[:100])
+    assert flows.partial(KEY, 0) == 0  # nothing kept while the flows live
+    flows.drop_peer("q")
+    flows.drop_peer("p")
+    assert flows.partial(KEY, 0) == 300  # the most of it, whichever flow failed last
+    assert flows.resume("r", KEY, 0) == 300 and flows.partial(KEY, 0) == 0
+    assert flows.resume("s", KEY, 0) == 0  # taken once
+    # Not followed until a part of the rest comes: r may be waiting on this very node.
+    assert flows.source(KEY, 0) is None and flows.arriving() == []
+    with pytest.raises(ProtocolError, match="expected the part at offset 300"):
+        flows.receive("r", KEY, 0, len(data), 0, len(data), data[:10])  # a reply must continue it
+    assert flows.resume("r", KEY, 0) == 300  # the protocol error kept the bytes again
+    got, first = flows.receive("r", KEY, 0, len(data), 300, len(data), data[300:400])
+    assert first and flows.source(KEY, 0) is got and flows.arriving() == [(KEY, 0)]
+    assert got.start == 300 and got.asm.forwardable == 400  # served onward, its kept bytes first
+    got, _ = flows.receive("r", KEY, 0, len(data), 400, len(data), data[400:])
+    assert got.asm.complete and bytes(got.asm.data()) == data
+    flows.finish(got, ok=True)
+    assert flows.partial(KEY, 0) == 0 and len(flows) == 0
+    # A whole chunk that failed its check is not kept; neither are more than PARTIALS_KEPT.
+    bad, _ = flows.receive("p", KEY, 1, len(data), 0, len(data), data)
+    flows.finish(bad, ok=False)
+    assert flows.partial(KEY, 1) == 0
+    for c in range(PARTIALS_KEPT + 1):
+        flows.receive("p", KEY, c, len(data), 0, len(data), data[:c + 1])
+    flows.drop_peer("p")
+    assert flows.partial(KEY, 0) == 0 and flows.partial(KEY, PARTIALS_KEPT) == PARTIALS_KEPT + 1
+    flows.drop_object(KEY)
+    assert flows.partial(KEY, PARTIALS_KEPT) == 0
+    flows.receive("p", KEY, 0, len(data), 0, len(data), data[:10])
+    flows.discard("p", KEY, 0, keep=False)  # an endgame copy cancelled: the chunk came whole
+    assert flows.partial(KEY, 0) == 0
+
+
+def test_a_peer_that_connects_while_a_chunk_arrives_is_told_it_is_coming(tmp_path):
+    """Issue 26: a gateway restarted mid-version takes its share back; told only what is held,
+    it would fetch across the WAN a chunk its region is receiving at that moment."""
+    data = os.urandom(2 * PART_BYTES)
+    r = Relay(tmp_path, [data, data])
+
+    async def scenario(nursery):
+        r.feed(1, 0, PART_BYTES)
+        late = await r.connect(nursery, "late")
+        got = []
+        while True:
+            await trio.testing.wait_all_tasks_blocked()
+            with trio.move_on_after(0.05):
+                got.append(await late.receive())
+                continue
+            break
+        assert [m for m in got if isinstance(m, wire.Incoming)] == [wire.Incoming(KEY[0], KEY[1], 1)]
+        await late.send(wire.Request(KEY[0], KEY[1], 1))
+        await trio.testing.wait_all_tasks_blocked()
+        first = await late.receive()
+        assert (first.chunk, first.offset, first.data) == (1, 0, data[:PART_BYTES])
+
+    r.run(scenario)
+
+
+def test_two_holders_of_a_prefix_never_wait_on_each_other(tmp_path):
+    """The relay resumed the chunk from the requester, which asks the relay for the rest in
+    turn: refused at once (before, each waited on the other until the 30 s request timeout)."""
+    data = os.urandom(2 * PART_BYTES)
+    r = Relay(tmp_path, [data])
+
+    async def scenario():
+        r.feed(0, 0, PART_BYTES)
+        r.inflows.drop_peer(UPSTREAM)  # the relay's source died part-way
+        assert r.inflows.resume("req", KEY, 0) == PART_BYTES  # it asks the requester for the rest
+        await r.requester.send(wire.RequestRest(KEY[0], KEY[1], 0, PART_BYTES // 2))
+        got = await r.pieces_until_quiet()
+        assert [(type(m).__name__, m.chunk) for m in got] == [("Reject", 0)]
 
     r.run(scenario)

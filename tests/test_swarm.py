@@ -160,6 +160,30 @@ def test_node_killed_mid_download_restarts_and_converges(tmp_path, checkpoints):
         del origin
 
 
+def test_a_chunk_whose_sender_dies_part_way_is_finished_from_the_next_holder_not_fetched_again(tmp_path, checkpoints):
+    """Issue 26: a node whose source is killed in the middle of a chunk keeps the bytes that
+    arrived and asks the next holder for the rest only (RequestRest); its log names the byte
+    it resumed from, and the version lands bit-exactly."""
+    watch = tmp_path / "watch"
+    with SwarmLab(tmp_path) as lab:
+        lab.start_tracker()
+        lab.start_origin(region="r0", watch=watch, extra=["--chunk-bytes", str(1 << 20)])
+        # src sends at 1 MB/s: a 1 MiB chunk takes about a second, so a kill half a second
+        # after one chunk arrives whole lands half-way through the next (sent one after another).
+        src = lab.start_node("src", region="r0", extra=["--upload-limit", "1M"])
+        publish(lab, watch, checkpoints, 0)
+        lab.wait_version([src], 0)
+        late = lab.start_node("late", region="r1", extra=["-v"])  # r0's member src is its upstream
+        lab.wait_log(late, r"DEBUG chunk \d+ of v0 keyframe from src ", timeout=120)
+        time.sleep(0.5)
+        lab.kill(src, signal.SIGKILL)
+        (st,) = lab.wait_version([late], 0)
+        assert same_bits(load_weights(late), served_bf16(checkpoints[0]))
+        resumed = re.findall(r"request chunk (\d+) of v0 keyframe from (\S+) from byte ([\d,]+)", late.text())
+        assert resumed and all(int(b.replace(",", "")) > 0 for _, _, b in resumed), late.text()[-3000:]
+        assert st["chunks_rejected"] == 0 and "Traceback" not in late.text()
+
+
 def test_upload_and_download_limits_hold_between_real_processes(tmp_path, checkpoints):
     """The origin at --upload-limit 1M, then a node at --download-limit 1M: each moves its
     bytes no faster than the limit allows (bytes past the quarter-second burst at the rate).

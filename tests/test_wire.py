@@ -12,7 +12,7 @@ from patchswarm.protocol.errors import FrameTooLarge, ProtocolError, UsageError
 from patchswarm.protocol.manifest import MAX_CHUNKS
 from patchswarm.protocol.wire import (
     CLOSED, NEED_DATA, Announce, Bye, Cancel, Connection, Error, Have, HaveOne, Heartbeat,
-    Hello, Incoming, Piece, PeerDelta, PeerList, Reject, Request, Revocations, Signal, Trajectories,
+    Hello, Incoming, Piece, PeerDelta, PeerList, Reject, Request, RequestRest, Revocations, Signal, Trajectories,
     TrajectoriesAck,
     VersionNotice,
     bitfield_from_indices, indices_from_bitfield,
@@ -33,6 +33,7 @@ messages = st.one_of(
     st.builds(Have, version=uint, keyframe=st.booleans(), chunks=blob),
     st.builds(HaveOne, version=uint, keyframe=st.booleans(), chunk=chunk),
     st.builds(Request, version=uint, keyframe=st.booleans(), chunk=chunk),
+    st.builds(RequestRest, version=uint, keyframe=st.booleans(), chunk=chunk, offset=uint),
     st.builds(Piece, version=uint, keyframe=st.booleans(), chunk=chunk, offset=uint, total=uint, data=blob),
     st.builds(Incoming, version=uint, keyframe=st.booleans(), chunk=chunk),
     st.builds(Cancel, version=uint, keyframe=st.booleans(), chunk=chunk),
@@ -78,7 +79,7 @@ def session(msgs):
 
 def test_every_type_is_covered():
     assert set(wire.MESSAGE_TYPES) == {
-        "Hello", "Have", "HaveOne", "Incoming", "Request", "Piece", "Cancel", "Reject", "Announce",
+        "Hello", "Have", "HaveOne", "Incoming", "Request", "RequestRest", "Piece", "Cancel", "Reject", "Announce",
         "PeerList", "VersionNotice", "Heartbeat", "Trajectories", "TrajectoriesAck", "Revocations", "Bye",
         "Error", "PeerDelta", "Signal"}
 
@@ -575,6 +576,7 @@ def long_text(n):
     (Have(version=1, keyframe=False, chunks=bytes(wire.MAX_BITFIELD_BYTES + 1)), "Have.chunks"),
     (HaveOne(version=1, keyframe=False, chunk=MAX_CHUNKS), "HaveOne.chunk"),
     (Request(version=1, keyframe=True, chunk=MAX_CHUNKS), "Request.chunk"),
+    (RequestRest(version=1, keyframe=True, chunk=MAX_CHUNKS, offset=1), "RequestRest.chunk"),
     (PeerList(peers=[{"id": "a", "region": "r", "addr": "x:1", "role": "node"}] * (wire.MAX_PEERS + 1)), "PeerList.peers"),
     (PeerList(peers=[{"id": long_text(wire.MAX_NAME_BYTES + 1), "region": "r", "addr": "x:1", "role": "node"}]), "PeerList.peers"),
     (TrajectoriesAck(seqs=list(range(wire.MAX_ACK_SEQS + 1))), "TrajectoriesAck.seqs"),
