@@ -165,3 +165,20 @@ def test_a_table_of_more_rows_than_its_compressed_bytes_allow_is_refused_before_
     with pytest.raises(CorruptData, match=r"a list of \[name, dtype, shape\]"):
         Patch.from_bytes(_container([], [], [], table_raw=raw))
 
+
+
+def test_a_delta_segment_over_the_element_limit_is_refused_as_it_is_parsed():
+    """MAX_SEGMENT_ELEMENTS (2**30) bounds what one segment makes the decoder allocate;
+    one element more is refused before any of it is decoded."""
+    from hostile_patches import HOLES, ONE_GAP, _chunk, _delta, _row
+    from patchswarm.protocol.errors import CorruptData
+    from patchswarm.protocol.patchformat import parse_chunk
+
+    for size, ok in [((1 << 30), True), ((1 << 30) + 1, False)]:
+        chunk = _chunk([_delta([[0, 0, size]], [0, 1], [_row(size - 1, size, HOLES)], ONE_GAP)])
+        if ok:
+            segs, _, _ = parse_chunk(chunk)
+            assert segs[0].size == size
+        else:
+            with pytest.raises(CorruptData, match=r"segment: expected at most 1073741824 elements"):
+                parse_chunk(chunk)
