@@ -112,21 +112,27 @@ def _proc_status() -> dict:
 
 
 def _gc_clock():
-    """Seconds this process has spent in the cyclic garbage collector so far (a callable):
+    """(Seconds this process has spent in the cyclic garbage collector so far, the longest
+    single collection since the last call in wall seconds), from a callable:
     a tracker holding 10,000 sessions keeps millions of objects, and each full collection
     walks all of them."""
     import gc
 
-    spent, started = [0.0], [0.0]
+    spent, started, longest = [0.0], [0.0, 0.0], [0.0]
 
     def callback(phase, info):
         if phase == "start":
-            started[0] = time.thread_time()
+            started[:] = [time.thread_time(), time.monotonic()]
         else:
             spent[0] += time.thread_time() - started[0]
+            longest[0] = max(longest[0], time.monotonic() - started[1])
+
+    def read():
+        out, longest[0] = (spent[0], longest[0]), 0.0
+        return out
 
     gc.callbacks.append(callback)
-    return lambda: spent[0]
+    return read
 
 
 def serve_main(args) -> None:
@@ -159,7 +165,7 @@ def serve_main(args) -> None:
                 sent = dict(t.sent) if args.impl == "new" else dict(pushed)
                 status_file.write(json.dumps({
                     "addr": t.listen_addr, "t": time.monotonic(), "cpu": ru.ru_utime + ru.ru_stime,
-                    "members": len(t.members), "sent": sent, **_proc_status(), "gc": gc_time(),
+                    "members": len(t.members), "sent": sent, **_proc_status(), **dict(zip(("gc", "gc_pause"), gc_time())),
                     "changes": t.core.changes if args.impl == "new" else None,
                     "drops": dict(t.core.drops) if args.impl == "new" else {}}) + "\n")
                 await trio.sleep(0.5)
@@ -457,6 +463,10 @@ class Child:
         self.log.close()
 
 
+def _statuses(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
 def _last_status(path: Path) -> dict | None:
     lines = path.read_text().splitlines() if path.exists() else []
     return json.loads(lines[-1]) if lines else None
@@ -532,6 +542,8 @@ def run_one(args, impl: str, n: int, regions: int, creds: Path) -> dict:
         row["cpu_pct"] = 100 * (s1["cpu"] - s0["cpu"]) / dt
         row["cpu_us_per_member_s"] = 1e6 * (s1["cpu"] - s0["cpu"]) / dt / max(1, row["reached"])
         row["gc_pct"] = 100 * (s1.get("gc", 0) - s0.get("gc", 0)) / dt
+        row["gc_pause"] = max((x.get("gc_pause", 0.0) for x in _statuses(status) if s0["t"] < x["t"] <= s1["t"]),
+                              default=None)  # the longest single collection in the window
         row["changes"] = changes
         if s1.get("changes") is not None:  # the tracker's own count: ramp stragglers' joins are changes too
             changes = s1["changes"] - s0["changes"]
@@ -578,7 +590,7 @@ def _f(x, fmt: str) -> str:
 
 def format_table(rows: list[dict]) -> str:
     head = ("impl    members regions  reached  cpu%  gc%  µs/member·s  bytes/change  join→list p50/max s  "
-            "notice p50/last/worst s  reach  RSS/peak MB  lost")
+            "notice p50/last/worst s  reach  RSS/peak MB  lost  gc max s")
     lines = [head]
     for r in rows:
         if "error" in r:
@@ -590,7 +602,7 @@ def format_table(rows: list[dict]) -> str:
             f"{_f(r['bytes_per_change'], '13,.0f')}  {_f(r['join_p50'], '8.3f')}/{_f(r['join_max'], '<8.3f')}   "
             f"{_f(r['notice_p50'], '6.3f')}/{_f(r['notice_last'], '.3f')}/{_f(r['notice_worst'], '<6.3f')}  "
             f"{r['notice_reached']:6d} {_f((r['rss'] or 0) / 2**20, '5.0f')}/{_f((r['hwm'] or 0) / 2**20, '<5.0f')} "
-            f"{r['lost']:5d}")
+            f"{r['lost']:5d}  {_f(r.get('gc_pause'), '7.3f')}")
     return "\n".join(lines)
 
 
