@@ -24,6 +24,7 @@ from patchswarm.node.net import sctpfast  # noqa: E402
 from patchswarm.node.net.transport import MessageStream  # noqa: E402
 from patchswarm.node.net.webrtc import IceConfig, RTCLoop  # noqa: E402
 from patchswarm.protocol import wire  # noqa: E402
+from test_webrtc import exchange  # noqa: E402
 
 LOOPBACK = IceConfig(host_addresses=("127.0.0.1",))
 pytestmark = pytest.mark.skipif(not sctpfast.supported(), reason="aiortc version not one sctpfast was checked against")
@@ -157,24 +158,7 @@ async def _send_and_check(fast_a: bool, fast_b: bool, disorder: bool, total: int
             for peer in (a, b):
                 await rtc.run(_disorder_in_loop(peer, rng, 0.01, seen))
         ma, mb = MessageStream(sa, "b", "node"), MessageStream(sb, "a", "node")
-        got_b, got_a = [], []
-
-        async def send(ms, out):
-            await ms.send(wire.Hello("x", "r", "node", "", []))
-            for m in out:
-                await ms.send(m)
-
-        async def receive(ms, into, n):
-            assert isinstance(await ms.receive(), wire.Hello)
-            while len(into) < n:
-                into.append(await ms.receive())
-
-        with trio.fail_after(180):
-            async with trio.open_nursery() as n:
-                n.start_soon(send, ma, msgs)
-                n.start_soon(send, mb, msgs[::-1])
-                n.start_soon(receive, mb, got_b, len(msgs))
-                n.start_soon(receive, ma, got_a, len(msgs))
+        got_b, got_a = await exchange(ma, mb, msgs, msgs[::-1], seconds=180)
         assert got_b == msgs and got_a == msgs[::-1]  # every byte, in order, both ways
         if disorder:
             assert seen["dropped"] and seen["reordered"], seen

@@ -62,6 +62,29 @@ def _pieces(rng: random.Random, n: int) -> list[wire.Piece]:
 
 
 @pytest.mark.slow
+async def exchange(ma: MessageStream, mb: MessageStream, to_b: list, to_a: list, seconds: float) -> tuple[list, list]:
+    """A Hello and then `to_b` from ma to mb, and `to_a` the other way, at once; what each end received."""
+    got_b, got_a = [], []
+
+    async def send(ms, msgs):
+        await ms.send(wire.Hello("x", "r", "node", "", []))
+        for m in msgs:
+            await ms.send(m)
+
+    async def receive(ms, into, n):
+        assert isinstance(await ms.receive(), wire.Hello)
+        while len(into) < n:
+            into.append(await ms.receive())
+
+    with trio.fail_after(seconds):
+        async with trio.open_nursery() as n:
+            n.start_soon(send, ma, to_b)
+            n.start_soon(send, mb, to_a)
+            n.start_soon(receive, mb, got_b, len(to_b))
+            n.start_soon(receive, ma, got_a, len(to_a))
+    return got_b, got_a
+
+
 def test_loopback_pair_exchanges_1000_messages_both_ways_bit_exactly():
     rng = random.Random(22)
     to_b, to_a = _pieces(rng, 1000), _pieces(rng, 1000)
@@ -70,25 +93,8 @@ def test_loopback_pair_exchanges_1000_messages_both_ways_bit_exactly():
         async with RTCLoop(LOOPBACK) as rtc:
             a, b, sa, sb = await pair(rtc)
             ma, mb = MessageStream(sa, "b", "node"), MessageStream(sb, "a", "node")
-            got = {"a": [], "b": []}
-
-            async def send(ms, msgs):
-                await ms.send(wire.Hello("x", "r", "node", "", []))
-                for m in msgs:
-                    await ms.send(m)
-
-            async def receive(ms, into, n):
-                assert isinstance(await ms.receive(), wire.Hello)
-                while len(into) < n:
-                    into.append(await ms.receive())
-
-            with trio.fail_after(240):
-                async with trio.open_nursery() as n:
-                    n.start_soon(send, ma, to_b)
-                    n.start_soon(send, mb, to_a)
-                    n.start_soon(receive, ma, got["a"], len(to_a))
-                    n.start_soon(receive, mb, got["b"], len(to_b))
-            assert got["b"] == to_b and got["a"] == to_a
+            got_b, got_a = await exchange(ma, mb, to_b, to_a, seconds=240)
+            assert got_b == to_b and got_a == to_a
             assert a.path() == b.path() == "direct"
             await ma.aclose()
             with trio.fail_after(10):
