@@ -66,6 +66,20 @@ MODULE_TESTS: dict[str, list[str]] = {
     "patchformat": ["tests/test_codec.py"],
     "patchencode": ["tests/test_codec.py", "tests/test_streaming_encode.py"],
     "patchdecode": ["tests/test_codec.py", "tests/test_streaming_encode.py"],
+    # the codec's internals (protocol/patch.py only re-exports, no mutants): the kernel tests
+    # first (they compare the compiled passes with the numpy reference, which only they and
+    # tests that clear KERNEL run), then the round trips and the hostile inputs
+    "deltacode": ["tests/test_kernels.py", "tests/test_codec.py", "tests/test_hostile_patches.py"],
+    "ricecode": ["tests/test_kernels.py", "tests/test_codec.py", "tests/test_hostile_patches.py"],
+    "contexts": ["tests/test_kernels.py", "tests/test_codec.py", "tests/test_hostile_patches.py"],
+    "planes": ["tests/test_codec.py", "tests/test_hostile_patches.py"],
+    "dtypes": ["tests/test_kernels.py", "tests/test_changes.py", "tests/test_codec.py", "tests/test_hostile_patches.py"],
+    # the patch's change stream (apply's recorder) and the bounded msgpack reader under the
+    # patch table, manifests, wire messages and trajectories
+    "changes": ["tests/test_changes.py", "tests/test_changelog.py"],
+    "packreader": ["tests/test_packreader.py", "tests/test_wire.py", "tests/test_trust.py"],
+    # a chunk in parts on the wire (wire.Piece)
+    "assembly": ["tests/test_assembly.py", "tests/test_relay.py", "tests/test_peers.py"],
 }
 
 
