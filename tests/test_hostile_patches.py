@@ -166,6 +166,40 @@ def test_a_table_of_more_rows_than_its_compressed_bytes_allow_is_refused_before_
         Patch.from_bytes(_container([], [], [], table_raw=raw))
 
 
+def test_a_table_exactly_at_the_row_bound_is_read_and_one_row_more_is_refused():
+    """The row bound is 16 rows per compressed byte plus 64, exactly: a table of that many
+    rows is read row by row, one of a row more is refused before any row is read. The bound
+    is part of the format (a reader stricter than another refuses patches it reads), so it
+    is written here as a number, not read from patchformat.TABLE_ROWS_PER_BYTE. Rows that
+    dense must repeat (unique names cost more than 1/16 byte each), so the table at the
+    bound is then refused for its repeated names: the check that comes after the rows."""
+    rows_per_byte = 16
+    import msgpack
+    import zstandard
+
+    from hostile_patches import _container
+    from patchswarm.protocol import patchformat
+    from patchswarm.protocol.errors import CorruptData
+    from patchswarm.protocol.patch import Patch
+
+    def table_over_bound_by(extra: int) -> bytes:
+        """Raw rows whose count is 16 * (their compressed bytes) + 64 + extra."""
+        n = 1000
+        for _ in range(20):  # the compressed size barely moves with n: a fixed point in a few steps
+            raw = msgpack.packb([["w", "bf16", [1]]] * n, use_bin_type=True)
+            c = len(zstandard.ZstdCompressor(level=3).compress(raw))
+            if n == rows_per_byte * c + 64 + extra:
+                assert len(raw) <= patchformat.TABLE_MAX_RATIO * c  # inside the content bound
+                return raw
+            n = rows_per_byte * c + 64 + extra
+        raise AssertionError(f"no table of {extra} rows over the bound found near {n} rows")
+
+    with pytest.raises(CorruptData, match="tensor table: expected unique names in order"):
+        Patch.from_bytes(_container([], [], [], table_raw=table_over_bound_by(0)))
+    with pytest.raises(CorruptData, match=r"a list of \[name, dtype, shape\]"):
+        Patch.from_bytes(_container([], [], [], table_raw=table_over_bound_by(1)))
+
+
 
 def test_a_delta_segment_over_the_element_limit_is_refused_as_it_is_parsed():
     """MAX_SEGMENT_ELEMENTS (2**30) bounds what one segment makes the decoder allocate;
