@@ -69,7 +69,7 @@ MODULE_TESTS: dict[str, list[str]] = {
     # the codec's internals (protocol/patch.py only re-exports, no mutants): the kernel tests
     # first (they compare the compiled passes with the numpy reference, which only they and
     # tests that clear KERNEL run), then the round trips and the hostile inputs
-    "deltacode": ["tests/test_kernels.py", "tests/test_codec.py", "tests/test_hostile_patches.py"],
+    "deltacode": ["tests/test_deltacode.py", "tests/test_kernels.py", "tests/test_codec.py", "tests/test_hostile_patches.py"],
     "ricecode": ["tests/test_kernels.py", "tests/test_codec.py", "tests/test_hostile_patches.py"],
     "contexts": ["tests/test_kernels.py", "tests/test_codec.py", "tests/test_hostile_patches.py"],
     "planes": ["tests/test_codec.py", "tests/test_hostile_patches.py"],
