@@ -70,7 +70,7 @@ MODULE_TESTS: dict[str, list[str]] = {
     # first (they compare the compiled passes with the numpy reference, which only they and
     # tests that clear KERNEL run), then the round trips and the hostile inputs
     "deltacode": ["tests/test_deltacode.py", "tests/test_kernels.py", "tests/test_codec.py", "tests/test_hostile_patches.py"],
-    "ricecode": ["tests/test_kernels.py", "tests/test_codec.py", "tests/test_hostile_patches.py"],
+    "ricecode": ["tests/test_ricecode.py", "tests/test_kernels.py", "tests/test_codec.py", "tests/test_hostile_patches.py"],
     "contexts": ["tests/test_kernels.py", "tests/test_codec.py", "tests/test_hostile_patches.py"],
     "planes": ["tests/test_codec.py", "tests/test_hostile_patches.py"],
     "dtypes": ["tests/test_kernels.py", "tests/test_changes.py", "tests/test_codec.py", "tests/test_hostile_patches.py"],
