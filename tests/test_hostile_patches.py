@@ -111,6 +111,30 @@ def test_a_full_tensor_that_cannot_be_allocated_is_a_clean_error_and_leaves_the_
     assert list(state) == ["old"] and torch.equal(state["old"], torch.ones(3))
 
 
+def test_a_zstd_frame_declaring_more_than_the_format_can_expand_is_refused_before_it_is_decoded():
+    """A zstd block holds at most 128 KiB in at least 4 bytes, so no frame expands past 32,768
+    times its bytes (planes.ZSTD_MAX_RATIO, written here as the format's number): a frame whose
+    header declares that much gets past the size check (and is then found undecodable: it holds
+    16 MiB), one declaring a byte more is refused for its size, whatever the caller's limit."""
+    import struct
+
+    import zstandard
+
+    from patchswarm.protocol import planes
+    from patchswarm.protocol.errors import CorruptData
+
+    frame = bytearray(zstandard.ZstdCompressor(level=1).compress(b"\0" * (16 << 20)))
+    assert frame[4] == 0x80  # frame header: a 4-byte content size after the window byte
+    at_bound = 32_768 * len(frame)
+    for declared, message in [(at_bound, "undecodable zstd frame"),
+                              (at_bound + 1, f"expected at most {at_bound} bytes of content from a frame of "
+                                             f"{len(frame)}, found a frame that declares {at_bound + 1}")]:
+        frame[6:10] = struct.pack("<I", declared)
+        assert zstandard.frame_content_size(bytes(frame)) == declared
+        with pytest.raises(CorruptData, match=f"^plane: {message}"):
+            planes.decompress(bytes(frame), 1 << 40, "plane")
+
+
 def test_full_tensors_must_be_covered_by_their_segments_before_the_state_hash_reads_them():
     from patchswarm.protocol.errors import CorruptData
     from patchswarm.protocol.patch import Patch, apply
