@@ -73,7 +73,7 @@ MODULE_TESTS: dict[str, list[str]] = {
     "ricecode": ["tests/test_ricecode.py", "tests/test_kernels.py", "tests/test_codec.py", "tests/test_hostile_patches.py"],
     "contexts": ["tests/test_kernels.py", "tests/test_codec.py", "tests/test_hostile_patches.py"],
     "planes": ["tests/test_codec.py", "tests/test_hostile_patches.py"],
-    "dtypes": ["tests/test_kernels.py", "tests/test_changes.py", "tests/test_codec.py", "tests/test_hostile_patches.py"],
+    "dtypes": ["tests/test_dtypes.py", "tests/test_kernels.py", "tests/test_changes.py", "tests/test_codec.py", "tests/test_hostile_patches.py"],
     # the patch's change stream (apply's recorder) and the bounded msgpack reader under the
     # patch table, manifests, wire messages and trajectories
     "changes": ["tests/test_changes.py", "tests/test_changelog.py"],
