@@ -45,3 +45,11 @@ def test_ordered_range_is_the_range_over_every_bit_pattern(name):
         bits = bits.astype(info.np_int, casting="unsafe")
     ordered = to_ordered(bits, info)
     assert ordered_range(info) == (int(ordered.min()), int(ordered.max()))
+
+
+@pytest.mark.parametrize("name", FLOATS)
+def test_mantissa_bits_are_the_float_formats(name):
+    """The context key is magnitude >> mantissa_bits: the exponent field exactly, so one class
+    per binade (torch's eps is 2 ** -mantissa width)."""
+    info = BY_NAME[name]
+    assert 2.0 ** -info.mantissa_bits == torch.finfo(info.torch_dtype).eps
