@@ -125,3 +125,51 @@ def test_uint_tuples_read_any_int_and_array_form(rows):
     with pytest.raises(CorruptData, match="another length"):
         r = reader(msgpack.packb([[1, 2]]))
         r.uint_tuples(r.array_len(1), 3, 10, "a piece")
+
+
+@pytest.mark.parametrize("data, read", [
+    (b"\xcb" + b"\x00" * 7, lambda r: r.float()),  # a float64 one byte short
+    (b"\xca" + b"\x00" * 3, lambda r: r.float()),
+    (b"\xce\x00\x01\x00", lambda r: r.int()),  # a uint32 one byte short
+    (b"\xce\x00\x01\x00", lambda r: r.uint()),
+])
+def test_a_value_one_byte_short_is_refused_at_the_end_of_the_data_and_of_a_window(data, read):
+    """A reader over a window (`end` before the data's end: a field inside a larger message)
+    must not read the bytes after it."""
+    with pytest.raises(CorruptData, match="the end of the data"):
+        read(reader(data))
+    with pytest.raises(CorruptData, match="the end of the data"):
+        read(PackReader(data + b"\x00" * 8, CorruptData, "test", end=len(data)))
+
+
+def test_piece_tuples_that_start_at_the_end_of_the_data_are_refused_far_into_it():
+    """Past byte 256 positions are ints that are not one object each (a check by identity
+    would read past the end)."""
+    data = b"\x00" * 300
+    for r in (PackReader(data, CorruptData, "test", start=300),  # end: len(data), another int object
+              PackReader(data, CorruptData, "test", start=299, end=len(data) - 1)):
+        with pytest.raises(CorruptData, match="the end of the data"):
+            r.uint_tuples(1, 3, 1 << 40, "a piece")
+
+
+def test_a_map_of_more_than_fifteen_entries_is_skipped_whole():
+    """map16: 2 values an entry (the property test's maps are fixmaps)."""
+    value = {f"k{i}": i for i in range(20)}
+    data = msgpack.packb([value, 7], use_bin_type=True)
+    r = reader(data)
+    assert r.array_len(2) == 2
+    assert r.skip(1000) == 41
+    assert r.uint() == 7
+    r.expect_end()
+    assert reader(msgpack.packb(value)).any(1000) == value
+
+
+def test_number_reads_ints_over_their_whole_range():
+    for v in (0, 7, 200, 2**32, 2**64 - 1, -1, -(2**63)):
+        assert reader(msgpack.packb(v)).number() == v
+
+
+@pytest.mark.parametrize("value, kind", [([0, 0], "array"), ({"": 0}, "map"), (None, "nil"), (True, "bool"), ("ab", "str")])
+def test_bin_refuses_other_kinds_whose_next_bytes_could_be_a_length(value, kind):
+    with pytest.raises(CorruptData, match=f"expected bytes, found {kind}"):
+        reader(msgpack.packb(value, use_bin_type=True) + b"\x00" * 4).bin(1 << 20)
