@@ -173,3 +173,18 @@ def test_number_reads_ints_over_their_whole_range():
 def test_bin_refuses_other_kinds_whose_next_bytes_could_be_a_length(value, kind):
     with pytest.raises(CorruptData, match=f"expected bytes, found {kind}"):
         reader(msgpack.packb(value, use_bin_type=True) + b"\x00" * 4).bin(1 << 20)
+
+
+def test_a_length_past_the_bytes_left_names_both():
+    for data, read in [(b"\xc4\x05ab", lambda r: r.bin(100)), (b"\xd9\x05ab", lambda r: r.str(100))]:
+        with pytest.raises(CorruptData, match="found a length of 5 with 2 bytes left at byte 2$"):
+            read(reader(data))
+
+
+def test_at_end_is_whether_any_byte_is_left():
+    r = reader(msgpack.packb([1]))
+    assert not r.at_end()
+    r.skip(10)
+    assert r.at_end()
+    assert PackReader(b"\x01\x02", CorruptData, "test", end=1).at_end() is False
+    assert PackReader(b"\x01\x02", CorruptData, "test", start=1, end=1).at_end() is True
