@@ -242,3 +242,20 @@ def test_positions_whose_difference_wraps_int32_are_refused():
     payload = memoryview(positions.tobytes() + np.zeros(2, dtype=np.uint16).tobytes())
     with pytest.raises(InvalidInput, match="piece positions"):
         changes._piece(["w", "bf16", [numel], None, 2], payload)
+
+
+@pytest.mark.parametrize("v", [changes.FORMAT_VERSION, changes.FORMAT_VERSION - 1, changes.FORMAT_VERSION + 1, None, "1"])
+def test_a_header_of_another_format_version_is_refused(v):
+    """Older versions too: a reader knows one format, not a range below it."""
+    from patchswarm.protocol.errors import UnsupportedFormat
+
+    meta = {"base_version": None, "base_hash": None, "target_version": 1, "target_hash": "h1", "keyframe": True}
+    if v is not None:
+        meta["v"] = v
+    data = b"".join(bytes(x) for x in changes._frame(b"H", meta))
+    _, crc = changes.frame_prefix(data[:changes.PREFIX_BYTES])
+    if v == changes.FORMAT_VERSION:
+        assert changes.decode_frame(data[changes.PREFIX_BYTES:], crc) == VersionHeader(None, None, 1, "h1", True)
+    else:
+        with pytest.raises(UnsupportedFormat, match=f"expected format version {changes.FORMAT_VERSION}, found {v!r}$"):
+            changes.decode_frame(data[changes.PREFIX_BYTES:], crc)
