@@ -259,3 +259,62 @@ def test_a_header_of_another_format_version_is_refused(v):
     else:
         with pytest.raises(UnsupportedFormat, match=f"expected format version {changes.FORMAT_VERSION}, found {v!r}$"):
             changes.decode_frame(data[changes.PREFIX_BYTES:], crc)
+
+
+@pytest.mark.parametrize("shape", [(10_000,), (100, 100)])
+@pytest.mark.parametrize("as_range", [True, False])
+def test_pieces_fill_their_frames_and_a_split_range_writes_every_element(shape, as_range):
+    """Every piece but the last carries at least 3/4 of max_frame_bytes of bits (the meta's room
+    is kept small whatever the shape), and a range split over pieces has each piece's count."""
+    numel = int(np.prod(shape))
+    base = {"a": torch.zeros(shape, dtype=torch.float32)}
+    out = []
+    enc = ChangeEncoder(VersionHeader(0, "h0", 1, "h1"), [TensorSpec("a", "fp32", shape)],
+                        lambda b: out.extend(bytes(x) for x in b), max_frame_bytes=4096)
+    enc.header()
+    bits = np.arange(numel, dtype=np.int32) + 0x3F800000  # 1.0 and the floats just above it
+    enc("a", slice(0, numel) if as_range else np.arange(numel, dtype=np.int64), bits)
+    enc.end()
+    stream = b"".join(out)
+    pieces = [e for e in iter_events(stream) if isinstance(e, Piece)]
+    per = 4 if as_range else 8  # bits, or a position and bits
+    assert all(len(p.bits) * per >= 3 * 4096 // 4 for p in pieces[:-1]), [len(p.bits) for p in pieces]
+    assert sum(len(p.bits) for p in pieces) == numel
+    apply_changes(base, stream)
+    assert np.array_equal(base["a"].view(torch.int32).numpy().reshape(-1), bits)
+
+
+def test_a_piece_for_a_tensor_missing_or_of_another_shape_names_what_the_tensors_have():
+    from patchswarm.protocol.changes import write_piece
+
+    p = Piece("a", "bf16", (4,), 0, None, np.zeros(4, dtype=np.int16))
+    with pytest.raises(BaseMismatch, match=r"tensor 'a': the changes expect bf16\[4\], the tensors have none$"):
+        write_piece({}, p)
+    with pytest.raises(BaseMismatch, match=r"the changes expect bf16\[4\], the tensors have bf16\[2, 2\]$"):
+        write_piece({"a": torch.zeros(2, 2, dtype=torch.bfloat16)}, p)
+
+
+@pytest.mark.parametrize("positions", [[5, 10], [-1, 3], [-1, 10], [3, 3]])
+def test_piece_positions_outside_the_tensor_or_not_ascending_are_refused(positions):
+    """Either end out of range alone is enough (a position past the end would reach index_copy_)."""
+    body = b"".join(bytes(x) for x in changes._frame(b"P", ["a", "fp32", [10], None, 2],
+                                                     np.array(positions, dtype=np.int32), np.zeros(2, dtype=np.int32)))
+    _, crc = changes.frame_prefix(body[:changes.PREFIX_BYTES])
+    with pytest.raises(CorruptData, match=r"piece positions: expected ascending in \[0, 10\)"):
+        changes.decode_frame(body[changes.PREFIX_BYTES:], crc)
+
+
+def test_structure_lists_fill_their_frames():
+    """A keyframe of many tensors declares them in S frames of up to max_frame_bytes, each but
+    the last at least 3/4 full, not a frame per tensor."""
+    specs = [TensorSpec(f"layer.{i}.weight", "bf16", (64, 64)) for i in range(300)]
+    out = []
+    enc = ChangeEncoder(VersionHeader(None, None, 1, "h1", keyframe=True), specs, out.append,
+                        full=[s.name for s in specs], max_frame_bytes=4096)
+    enc.header()
+    frames = [b"".join(bytes(x) for x in f) for f in out[1:]]
+    assert all(f[changes.PREFIX_BYTES:changes.PREFIX_BYTES + 1] == b"S" for f in frames)
+    assert all(len(f) >= 3 * 4096 // 4 for f in frames[:-1]), [len(f) for f in frames]
+    declared = [s for f in frames for s in changes.decode_frame(f[changes.PREFIX_BYTES:],
+                                                                 changes.frame_prefix(f[:changes.PREFIX_BYTES])[1]).full]
+    assert declared == specs
