@@ -188,3 +188,11 @@ def test_at_end_is_whether_any_byte_is_left():
     assert r.at_end()
     assert PackReader(b"\x01\x02", CorruptData, "test", end=1).at_end() is False
     assert PackReader(b"\x01\x02", CorruptData, "test", start=1, end=1).at_end() is True
+
+
+def test_uints_take_zero_and_small_values_in_any_int_form():
+    """Other writers may pack 0 as a uint64 or an int8 (msgpack allows any form that holds it)."""
+    data = b"\xcf" + b"\x00" * 8 + b"\xd0\x00" + b"\xd1\x00\x05" + b"\xcd\x01\x00"
+    assert reader(data).uints(4, 1000) == [0, 0, 5, 256]
+    with pytest.raises(CorruptData, match=r"in \[0, 1000\], found -1"):
+        reader(b"\xd0\xff").uints(1, 1000)
