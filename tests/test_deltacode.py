@@ -49,6 +49,20 @@ def test_small_steps_with_some_of_one_size_above_cost_a_bit_a_value_for_their_ma
     assert np.array_equal(decoded(row, streams)[1], deltas)
 
 
+def test_wide_steps_take_the_ranked_code_within_a_few_percent_of_their_entropy():
+    """RANKED: magnitudes spread evenly over 1..999 cost ~log2(999) bits a value; RUNS would add
+    a gap per value (almost every one is above 1) on top of the same ranked code."""
+    rng = np.random.default_rng(6)
+    m, n = 4000, 100_000
+    ranks = np.sort(rng.choice(n, m, replace=False))
+    deltas = rng.integers(1, 1000, m) * np.where(rng.random(m) < 0.5, -1, 1)
+    row, streams = encode_one(ranks, n, deltas)
+    assert row[deltacode.VMODE] == deltacode.RANKED
+    magnitude_bytes = sum(len(s) for s in streams[3:])
+    assert magnitude_bytes <= 1.03 * m * np.log2(999) / 8, magnitude_bytes
+    assert np.array_equal(decoded(row, streams)[1], deltas)
+
+
 def test_wrong_sign_bytes_are_refused_and_counted():
     row, streams = encode_one(np.arange(10), 100, np.ones(10))
     assert len(streams[2]) == 2 and len(streams[3]) == 0

@@ -196,3 +196,11 @@ def test_uints_take_zero_and_small_values_in_any_int_form():
     assert reader(data).uints(4, 1000) == [0, 0, 5, 256]
     with pytest.raises(CorruptData, match=r"in \[0, 1000\], found -1"):
         reader(b"\xd0\xff").uints(1, 1000)
+
+
+@pytest.mark.parametrize("data", [b"\x9f\x01\x02", b"\x8f\x01\x02\x03", b"\x93\x01\x02"])
+def test_a_short_container_header_with_too_few_bytes_after_it_is_refused(data):
+    """The fix forms too (the fast path): each element takes at least a byte, each entry two."""
+    read = (lambda r: r.map_len(100)) if data[0] >> 4 == 0x8 else (lambda r: r.array_len(100))
+    with pytest.raises(CorruptData, match="bytes left"):
+        read(reader(data))
