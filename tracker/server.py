@@ -226,7 +226,7 @@ class Tracker:
         while True:
             self._watch_senders(trio.current_time())
             self._do(self.core.tick(trio.current_time()))
-            self.collector.tick(trio.current_time())
+            self.collector.tick(trio.current_time(), len(self.members))
             self._tick_at = min(self.core.next_tick(trio.current_time()), self.collector.due(trio.current_time()))
             with trio.move_on_at(self._tick_at):
                 await self._wake.wait()
