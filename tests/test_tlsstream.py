@@ -158,3 +158,27 @@ def test_message_stream_frames_over_it(creds):
 
     got = trio.run(main)
     assert [m.data for m in got] == pieces and [m.chunk for m in got] == [0, 1, 2, 3]
+
+
+def test_connect_dials_from_the_local_address_it_is_given(creds):
+    """A host with several addresses picks the one to dial from (the tracker bench gives each
+    simulated member its own, as a fleet has)."""
+    async def main():
+        seen = []
+        with trio.fail_after(30):
+            async with trio.open_nursery() as n:
+                async def handler(ms):
+                    seen.append(ms.stream.getpeername()[0])
+                    await ms.aclose()
+
+                addr = await n.start(transport.serve, "127.0.0.1:0", creds["origin1"], {"node"},
+                                     lambda: wire.Hello("origin1", "", "origin", "", []), handler)
+                for source in ("127.0.0.7", None):
+                    ms = await transport.connect(addr, creds["node1"], {"origin"},
+                                                 wire.Hello("node1", "r0", "node", "", []), local_address=source)
+                    assert await ms.receive() is None
+                    await ms.aclose()
+                n.cancel_scope.cancel()
+        return seen
+
+    assert trio.run(main) == ["127.0.0.7", "127.0.0.1"]

@@ -234,14 +234,16 @@ async def exchange_hello(ms: MessageStream, hello: wire.Hello) -> wire.Hello:
 async def connect(addr: str, creds: Credentials, allowed_roles: set[str] | frozenset[str],
                   hello: wire.Hello, *, expect_name: str | None = None,
                   ssl_context: ssl.SSLContext | None = None,
-                  on_receive: Callable[[int], Awaitable[None]] | None = None) -> MessageStream:
+                  on_receive: Callable[[int], Awaitable[None]] | None = None,
+                  local_address: str | None = None) -> MessageStream:
     """Dial `addr`, authenticate both ways, exchange Hellos; the caller closes the stream.
 
     With `expect_name`, the peer's certificate must carry that name (InvalidInput
-    otherwise); a peer with this member's own name is always refused."""
+    otherwise); a peer with this member's own name is always refused. `local_address`:
+    the IP to dial from (a host with several)."""
     host, port = parse_addr(addr)
     with trio.fail_after(HANDSHAKE_SECONDS):
-        tcp = await trio.open_tcp_stream(host, port)
+        tcp = await trio.open_tcp_stream(host, port, local_address=local_address)
     stream = TLSSocketStream.wrap(tcp, ssl_context or client_context(creds), server_side=False)
     ms = None
     try:
