@@ -22,7 +22,9 @@ member-second; bytes of peer lists and deltas pushed per membership change
 (a join or a leave, each joiner's own full list included; counted by the
 tracker for `new`, so joins still arriving from the ramp count, and by the
 generators for `main`); join -> first
-peer list (TCP connect to PeerList received, joins during the window); version
+peer list (TCP connect to PeerList received, joins during the window), and
+the tracker's part of it (its TCP accept to the list written or queued, from
+its status); version
 notice fan-out (announce sent to VersionNotice or VersionHint received: median
 member, last member, the worst version; the load's members do not pass
 manifests on, so this is the tracker's part) and the tracker's bytes of notices
@@ -177,6 +179,7 @@ def serve_main(args) -> None:
         t = Tracker(Path(args.creds) / "tracker", "127.0.0.1:0")
         async with trio.open_nursery() as nursery:
             await nursery.start(t.run)
+            joins_seen = -1.0
             while True:
                 if complete[0] and getattr(t, "collector", None):
                     complete[0] = False
@@ -189,7 +192,9 @@ def serve_main(args) -> None:
                     "changes": t.core.changes if args.impl == "new" else None,
                     "drops": dict(t.core.drops) if args.impl == "new" else {},
                     "fulls": getattr(getattr(t, "collector", None), "fulls", 0),
+                    "joins": [w for at, w in getattr(t, "joins", ()) if at > joins_seen],
                     "last_full": getattr(getattr(t, "collector", None), "last_full", None)}) + "\n")
+                joins_seen = max([joins_seen, *(at for at, _ in getattr(t, "joins", ()))])
                 await trio.sleep(0.5)
 
     if os.environ.get("TRACKER_LOAD_PROFILE"):  # cProfile the window (SIGUSR1) into this file (at SIGTERM)
@@ -579,6 +584,9 @@ def run_one(args, impl: str, n: int, regions: int, creds: Path) -> dict:
         row["join_p50"] = statistics.median(lat) if lat else None
         row["join_max"] = lat[-1] if lat else None
         row["joins_measured"] = len(lat)
+        own = sorted(w for x in _statuses(status) if s0["t"] < x["t"] <= s1["t"] for w in x.get("joins", ()))
+        row["tracker_join_p50"] = statistics.median(own) if own else None
+        row["tracker_join_max"] = own[-1] if own else None
         row["failed_joins"] = sum(r["failed_joins"] for r in results)
         row["lost"] = sum(r["lost"] for r in results)
         for key in ("lost_why", "failed_why"):
@@ -630,7 +638,7 @@ def _complete(full: dict | None) -> str:
 
 def format_table(rows: list[dict]) -> str:
     head = ("impl    members regions  reached  cpu%  gc%  µs/member·s  bytes/change  join→list p50/max s  "
-            "notice p50/last/worst s  reach  notice MB/version  RSS/peak MB  lost  gc max s  complete s (cpu) / objects")
+            "tracker's part p50/max s  notice p50/last/worst s  reach  notice MB/version  RSS/peak MB  lost  gc max s  complete s (cpu) / objects")
     lines = [head]
     for r in rows:
         if "error" in r:
@@ -640,6 +648,7 @@ def format_table(rows: list[dict]) -> str:
             f"{r['impl']:6s} {r['n']:8d} {r['regions']:7d} {r['reached']:8d} {_f(r['cpu_pct'], '5.1f')} {_f(r.get('gc_pct'), '4.1f')} "
             f"{_f(r['cpu_us_per_member_s'], '12.1f')} "
             f"{_f(r['bytes_per_change'], '13,.0f')}  {_f(r['join_p50'], '8.3f')}/{_f(r['join_max'], '<8.3f')}   "
+            f"{_f(r.get('tracker_join_p50'), '13.3f')}/{_f(r.get('tracker_join_max'), '<9.3f')} "
             f"{_f(r['notice_p50'], '6.3f')}/{_f(r['notice_last'], '.3f')}/{_f(r['notice_worst'], '<6.3f')}  "
             f"{r['notice_reached']:6d}  {_f(r.get('notice_bytes_per_version') and r['notice_bytes_per_version'] / 1e6, '17.3f')} "
             f"{_f((r['rss'] or 0) / 2**20, '5.0f')}/{_f((r['hwm'] or 0) / 2**20, '<5.0f')} "

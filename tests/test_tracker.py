@@ -493,6 +493,8 @@ def test_over_tls_a_member_learns_of_a_new_same_region_peer_by_delta(tmp_path):
                     assert isinstance(msg, wire.PeerDelta), msg
                     held = apply_delta(held, msg)
                 assert held["b"] == {"id": "b", "region": "r1", "addr": f"127.0.0.1:{7000 + ord('b')}", "role": "node"}
+                joins = tracker.status()["recent_joins"]  # from TCP accept to the peer list, the tracker's part
+                assert joins["count"] == 3 and 0 < joins["p50_s"] <= joins["max_s"] < 30
                 for ms in members.values():
                     await ms.aclose()
                 nursery.cancel_scope.cancel()

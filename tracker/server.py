@@ -35,6 +35,7 @@ log = logging.getLogger("patchswarm.tracker")
 SEND_QUEUE = 512  # frames queued for one member before it counts as fallen behind
 SEND_TIMEOUT = 10.0  # a member whose write has not completed for this long has fallen behind
 BATCH_BYTES = 256 << 10  # queued frames joined into one write, up to about this much
+JOINS_KEPT = 1024  # recent joins whose latency status reports
 
 
 class _Session:
@@ -125,6 +126,9 @@ class Tracker:
         self.revocations_file = revocations
         self._revocations_seen: tuple[int, int] | None = None  # (mtime_ns, size) last read
         self.collector = CollectorSchedule()
+        # (when, seconds from TCP accept to the peer list written or queued) of recent joins:
+        # the tracker's own part of a join's latency, apart from the member's and the network's
+        self.joins: collections.deque[tuple[float, float]] = collections.deque(maxlen=JOINS_KEPT)
 
     @property
     def book(self):
@@ -181,6 +185,9 @@ class Tracker:
                 if self.creds.revocations.envelope is not None:  # first, so a member knows whom to refuse
                     s.push("Revocations", wire.encode(wire.Revocations(self.creds.revocations.envelope)))
                 self._do(self.core.connected(s, hello, self._advertised(ms, hello.listen), trio.current_time()))
+                if s.why is None and ms.accepted_at is not None:
+                    now = trio.current_time()
+                    self.joins.append((now, now - ms.accepted_at))
                 if s.why is None:
                     log.info("%s %s joined (region %s, %s, versions %s)", ms.peer_role, ms.peer_name,
                              hello.region, ms.hello.listen, hello.versions or "none")
@@ -297,8 +304,11 @@ class Tracker:
         return self.core.signals_dropped
 
     def status(self) -> dict:
+        waits = sorted(w for _, w in self.joins)
         return {**self.core.status(), "listen": self.listen_addr, "bytes_sent": dict(self.sent),
-                "gc": self.collector.status()}
+                "gc": self.collector.status(),
+                "recent_joins": {"count": len(waits), "p50_s": round(waits[len(waits) // 2], 4) if waits else None,
+                                 "max_s": round(waits[-1], 4) if waits else None}}
 
 
 def _raise_fd_limit() -> None:
