@@ -8,14 +8,13 @@ where namespaces, nftables or coturn cannot be had."""
 
 from __future__ import annotations
 
-import subprocess
 import time
 
 import pytest
 import torch
 
 from aptinstall import ensure_command
-from nattopo import PUBLIC, NatTopology, skip_reason
+from nattopo import PUBLIC, TURN_PASSWORD, TURN_USER, NatTopology, skip_reason, start_coturn
 from synthetic import rl_checkpoints, served
 from swarmlab import SwarmLab, load_weights, same_bits, write_checkpoint
 
@@ -23,7 +22,6 @@ pytest.importorskip("aiortc")
 pytestmark = pytest.mark.slow  # namespaces, real processes
 
 ORIGIN_ARGS = ["--chunk-bytes", "32768", "--segment-elements", "65536"]
-TURN_USER, TURN_PASSWORD = "patchswarm", "turn-secret"
 
 
 @pytest.fixture(scope="module")
@@ -38,25 +36,6 @@ def turnserver():
         pytest.skip(why)
     ensure_command("nft", "nftables")
     return ensure_command("turnserver", "coturn")
-
-
-def start_coturn(turnserver: str, topo: NatTopology, workdir) -> subprocess.Popen:
-    log = open(workdir / "coturn.log", "wb")
-    p = subprocess.Popen([*topo.exec(topo.pub), turnserver, "-n", "--listening-ip", PUBLIC, "--relay-ip", PUBLIC,
-                          "--listening-port", "3478", "--min-port", "49152", "--max-port", "49352",
-                          "--lt-cred-mech", "--user", f"{TURN_USER}:{TURN_PASSWORD}", "--realm", "patchswarm",
-                          "--userdb", str(workdir / "turndb"), "--pidfile", str(workdir / "turn.pid"),
-                          "--no-tls", "--no-dtls", "--no-cli", "--fingerprint", "--simple-log",
-                          "--log-file", "stdout"], stdout=log, stderr=subprocess.STDOUT)
-    log.close()
-    deadline = time.monotonic() + 20
-    while f"{PUBLIC}:3478" not in subprocess.run([*topo.exec(topo.pub), "ss", "-lnu"], capture_output=True,
-                                                 text=True, timeout=10).stdout:
-        if p.poll() is not None or time.monotonic() > deadline:
-            p.kill()
-            raise AssertionError(f"coturn did not start:\n{(workdir / 'coturn.log').read_text(errors='replace')[-2000:]}")
-        time.sleep(0.1)
-    return p
 
 
 def wait_connected(nodes, timeout: float) -> None:
