@@ -398,8 +398,8 @@ def nat_table(creds_root: Path, mib: int, repeat: int, lanes: int, sizes_kib: tu
     relay_cpu: dict[int, float] = {}
     pairs: dict[str, set[str]] = {k: set() for k in kinds}
 
-    def record(kind: str, kib: int, mbs: float, per_cpu: float, extra: str = "") -> None:
-        print(f"  {kind}, {kib} KiB messages: {mbs:.1f} MB/s, {per_cpu:.1f} MB per CPU s{extra}", flush=True)
+    def record(kind: str, kib: int, mbs: float, per_cpu: float) -> None:
+        print(f"  {kind}, {kib} KiB messages: {mbs:.1f} MB/s, {per_cpu:.1f} MB per CPU s", flush=True)
         best[kind, kib] = max(best.get((kind, kib), 0.0), mbs)
         best_cpu[kind, kib] = max(best_cpu.get((kind, kib), 0.0), per_cpu)
 
