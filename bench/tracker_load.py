@@ -22,9 +22,13 @@ member-second; bytes of peer lists and deltas pushed per membership change
 (a join or a leave, each joiner's own full list included; counted by the
 tracker for `new`, so joins still arriving from the ramp count, and by the
 generators for `main`); join -> first
-peer list (TCP connect to PeerList received, joins during the window); version
-notice fan-out (announce sent to VersionNotice received: median member, last
-member, the worst version); tracker RSS at the end and its peak; the
+peer list (TCP connect to PeerList received, joins during the window), and
+the tracker's part of it (its TCP accept to the list written or queued, from
+its status); version
+notice fan-out (announce sent to VersionNotice or VersionHint received: median
+member, last member, the worst version; the load's members do not pass
+manifests on, so this is the tracker's part) and the tracker's bytes of notices
+and hints per version; tracker RSS at the end and its peak; the
 longest single collection of the garbage collector inside the window (wall);
 and one complete collection asked of the tracker after the window (wall and
 CPU seconds, objects it kept): the pause that grows with the fleet, which the
@@ -175,6 +179,7 @@ def serve_main(args) -> None:
         t = Tracker(Path(args.creds) / "tracker", "127.0.0.1:0")
         async with trio.open_nursery() as nursery:
             await nursery.start(t.run)
+            joins_seen = -1.0
             while True:
                 if complete[0] and getattr(t, "collector", None):
                     complete[0] = False
@@ -187,7 +192,9 @@ def serve_main(args) -> None:
                     "changes": t.core.changes if args.impl == "new" else None,
                     "drops": dict(t.core.drops) if args.impl == "new" else {},
                     "fulls": getattr(getattr(t, "collector", None), "fulls", 0),
+                    "joins": [w for at, w in getattr(t, "joins", ()) if at > joins_seen],
                     "last_full": getattr(getattr(t, "collector", None), "last_full", None)}) + "\n")
+                joins_seen = max([joins_seen, *(at for at, _ in getattr(t, "joins", ()))])
                 await trio.sleep(0.5)
 
     if os.environ.get("TRACKER_LOAD_PROFILE"):  # cProfile the window (SIGUSR1) into this file (at SIGTERM)
@@ -212,7 +219,7 @@ def _peek(body: bytes) -> tuple[str, object]:
     u.read_map_header()
     u.unpack()
     kind = u.unpack()
-    if kind == "VersionNotice":
+    if kind in ("VersionNotice", "VersionHint"):
         u.unpack()
         return kind, u.unpack()
     return kind, None
@@ -287,7 +294,7 @@ def generate_main(args) -> None:
                                 if measuring[0]:
                                     result["peer_msgs"] += 1
                                     result["peer_bytes"] += len(body) + 4
-                            elif kind == "VersionNotice" and measuring[0] and got_list:
+                            elif kind in ("VersionNotice", "VersionHint") and measuring[0] and got_list:
                                 # with the time this member got its list: a member that joined after
                                 # the announcement was handed the notice as a retained manifest
                                 result["notices"].setdefault(str(version), []).append((now, joined_at[i]))
@@ -577,6 +584,9 @@ def run_one(args, impl: str, n: int, regions: int, creds: Path) -> dict:
         row["join_p50"] = statistics.median(lat) if lat else None
         row["join_max"] = lat[-1] if lat else None
         row["joins_measured"] = len(lat)
+        own = sorted(w for x in _statuses(status) if s0["t"] < x["t"] <= s1["t"] for w in x.get("joins", ()))
+        row["tracker_join_p50"] = statistics.median(own) if own else None
+        row["tracker_join_max"] = own[-1] if own else None
         row["failed_joins"] = sum(r["failed_joins"] for r in results)
         row["lost"] = sum(r["lost"] for r in results)
         for key in ("lost_why", "failed_why"):
@@ -592,6 +602,9 @@ def run_one(args, impl: str, n: int, regions: int, creds: Path) -> dict:
                 got = sorted(x - t for r in results for x, joined in r["notices"].get(v, []) if joined < t)
                 if got:
                     fan.append((statistics.median(got), got[-1], len(got)))
+        versions = len(origin_result["result"]["sent"]) if origin_result else 0
+        notice_bytes = sum(s1["sent"].get(k, 0) - s0["sent"].get(k, 0) for k in ("VersionNotice", "VersionHint"))
+        row["notice_bytes_per_version"] = notice_bytes / versions if versions else None
         row["notice_p50"] = statistics.median(f[0] for f in fan) if fan else None
         row["notice_last"] = statistics.median(f[1] for f in fan) if fan else None
         row["notice_worst"] = max(f[1] for f in fan) if fan else None
@@ -625,7 +638,7 @@ def _complete(full: dict | None) -> str:
 
 def format_table(rows: list[dict]) -> str:
     head = ("impl    members regions  reached  cpu%  gc%  µs/member·s  bytes/change  join→list p50/max s  "
-            "notice p50/last/worst s  reach  RSS/peak MB  lost  gc max s  complete s (cpu) / objects")
+            "tracker's part p50/max s  notice p50/last/worst s  reach  notice MB/version  RSS/peak MB  lost  gc max s  complete s (cpu) / objects")
     lines = [head]
     for r in rows:
         if "error" in r:
@@ -635,8 +648,10 @@ def format_table(rows: list[dict]) -> str:
             f"{r['impl']:6s} {r['n']:8d} {r['regions']:7d} {r['reached']:8d} {_f(r['cpu_pct'], '5.1f')} {_f(r.get('gc_pct'), '4.1f')} "
             f"{_f(r['cpu_us_per_member_s'], '12.1f')} "
             f"{_f(r['bytes_per_change'], '13,.0f')}  {_f(r['join_p50'], '8.3f')}/{_f(r['join_max'], '<8.3f')}   "
+            f"{_f(r.get('tracker_join_p50'), '13.3f')}/{_f(r.get('tracker_join_max'), '<9.3f')} "
             f"{_f(r['notice_p50'], '6.3f')}/{_f(r['notice_last'], '.3f')}/{_f(r['notice_worst'], '<6.3f')}  "
-            f"{r['notice_reached']:6d} {_f((r['rss'] or 0) / 2**20, '5.0f')}/{_f((r['hwm'] or 0) / 2**20, '<5.0f')} "
+            f"{r['notice_reached']:6d}  {_f(r.get('notice_bytes_per_version') and r['notice_bytes_per_version'] / 1e6, '17.3f')} "
+            f"{_f((r['rss'] or 0) / 2**20, '5.0f')}/{_f((r['hwm'] or 0) / 2**20, '<5.0f')} "
             f"{r['lost']:5d}  {_f(r.get('gc_pause'), '7.3f')}  {_complete(r.get('full'))}")
     return "\n".join(lines)
 

@@ -115,6 +115,7 @@ class MessageStream:
         if creds is not None:
             _LIVE.add(self)
         self.hello: wire.Hello | None = None
+        self.accepted_at: float | None = None  # trio.current_time() when `serve` accepted the connection
         self.counters = Counters()
         self._conn = wire.Connection(max_frame=max_frame)
         self._send_lock = trio.StrictFIFOLock()
@@ -296,6 +297,7 @@ async def serve(listen: str, creds: Credentials, allowed_roles: set[str] | froze
 
     async def one(tcp: trio.SocketStream) -> None:
         nonlocal before_hello
+        accepted_at = trio.current_time()
         try:
             host = tcp.socket.getpeername()[0]
         except OSError:  # reset before we got to it
@@ -317,6 +319,7 @@ async def serve(listen: str, creds: Credentials, allowed_roles: set[str] | froze
             try:
                 name, role, serial = await _handshake(stream, allowed_roles, None, creds)
                 ms = MessageStream(stream, name, role, on_receive=on_receive, peer_serial=serial, creds=creds)
+                ms.accepted_at = accepted_at
                 await exchange_hello(ms, hello())
             except (*CONNECTION_ERRORS, InvalidInput) as e:
                 refuse("refused", _reason(e))
