@@ -22,11 +22,21 @@ member-second; bytes of peer lists and deltas pushed per membership change
 (a join or a leave, each joiner's own full list included; counted by the
 tracker for `new`, so joins still arriving from the ramp count, and by the
 generators for `main`); join -> first
-peer list (TCP connect to PeerList received, joins during the window); version
-notice fan-out (announce sent to VersionNotice received: median member, last
-member, the worst version); tracker RSS at the end and its peak.
+peer list (TCP connect to PeerList received, joins during the window), and
+the tracker's part of it (its TCP accept to the list written or queued, from
+its status); version
+notice fan-out (announce sent to VersionNotice or VersionHint received: median
+member, last member, the worst version; the load's members do not pass
+manifests on, so this is the tracker's part) and the tracker's bytes of notices
+and hints per version; tracker RSS at the end and its peak; the
+longest single collection of the garbage collector inside the window (wall);
+and one complete collection asked of the tracker after the window (wall and
+CPU seconds, objects it kept): the pause that grows with the fleet, which the
+tracker's schedule runs rarely (tracker/collector.py). Each simulated member
+dials from its own loopback address, as fleet hosts each have their own.
 All processes share this machine: the load average is printed with the
-table, and the tracker's CPU is its own (getrusage), not wall time.
+table, and the tracker's CPU is its own (getrusage), not wall time. `--pin`
+gives the tracker a core of its own and the load processes the others.
 
     .venv/bin/python bench/tracker_load.py [--members 1000,3000,10000,3000x24] [--impl new,main]
         [--regions 8] [--window 60] [--churn 0.01] [--heartbeat 2] [--generators 4]
@@ -57,6 +67,12 @@ TARGETS = ("targets (issue 24): <= 50 % of one core at 10k, 1 %/min churn, 2 s h
 
 def _name(i: int) -> str:
     return f"m{i:05d}"
+
+
+def _source(i: int) -> str:
+    """Member i's own loopback address to dial from: in a fleet every host has its own, and the
+    tracker budgets connections before Hello per source address."""
+    return f"127.3.{i // 250}.{i % 250 + 1}"
 
 
 # ------------------------------------------------------------------ credentials
@@ -156,23 +172,33 @@ def serve_main(args) -> None:
     status_file = open(args.status, "a", buffering=1)
     gc_time = _gc_clock()
 
+    complete = [False]  # SIGUSR2: one complete collection, timed (the pause that grows with the fleet)
+    signal.signal(signal.SIGUSR2, lambda *_: complete.__setitem__(0, True))
+
     async def main():
         t = Tracker(Path(args.creds) / "tracker", "127.0.0.1:0")
         async with trio.open_nursery() as nursery:
             await nursery.start(t.run)
+            joins_seen = -1.0
             while True:
+                if complete[0] and getattr(t, "collector", None):
+                    complete[0] = False
+                    t.collector.collect_all(trio.current_time(), len(t.members))
                 ru = resource.getrusage(resource.RUSAGE_SELF)
                 sent = dict(t.sent) if args.impl == "new" else dict(pushed)
                 status_file.write(json.dumps({
                     "addr": t.listen_addr, "t": time.monotonic(), "cpu": ru.ru_utime + ru.ru_stime,
                     "members": len(t.members), "sent": sent, **_proc_status(), **dict(zip(("gc", "gc_pause"), gc_time())),
                     "changes": t.core.changes if args.impl == "new" else None,
-                    "drops": dict(t.core.drops) if args.impl == "new" else {}}) + "\n")
+                    "drops": dict(t.core.drops) if args.impl == "new" else {},
+                    "fulls": getattr(getattr(t, "collector", None), "fulls", 0),
+                    "joins": [w for at, w in getattr(t, "joins", ()) if at > joins_seen],
+                    "last_full": getattr(getattr(t, "collector", None), "last_full", None)}) + "\n")
+                joins_seen = max([joins_seen, *(at for at, _ in getattr(t, "joins", ()))])
                 await trio.sleep(0.5)
 
     if os.environ.get("TRACKER_LOAD_PROFILE"):  # cProfile the window (SIGUSR1) into this file (at SIGTERM)
         import cProfile
-        import signal
 
         prof = cProfile.Profile()
         signal.signal(signal.SIGUSR1, lambda *_: prof.enable())
@@ -193,7 +219,7 @@ def _peek(body: bytes) -> tuple[str, object]:
     u.read_map_header()
     u.unpack()
     kind = u.unpack()
-    if kind == "VersionNotice":
+    if kind in ("VersionNotice", "VersionHint"):
         u.unpack()
         return kind, u.unpack()
     return kind, None
@@ -238,7 +264,7 @@ def generate_main(args) -> None:
             async with handshakes:
                 t0 = time.monotonic()
                 ms = await connect(args.tracker, trust.Credentials.load(Path(args.creds) / name), {"tracker"}, hello,
-                                   ssl_context=context(i))
+                                   ssl_context=context(i), local_address=_source(i))
         except (*CONNECTION_ERRORS, PatchswarmError) as e:
             result["failed_joins"] += 1
             why = type(e).__name__
@@ -268,7 +294,7 @@ def generate_main(args) -> None:
                                 if measuring[0]:
                                     result["peer_msgs"] += 1
                                     result["peer_bytes"] += len(body) + 4
-                            elif kind == "VersionNotice" and measuring[0] and got_list:
+                            elif kind in ("VersionNotice", "VersionHint") and measuring[0] and got_list:
                                 # with the time this member got its list: a member that joined after
                                 # the announcement was handed the notice as a retained manifest
                                 result["notices"].setdefault(str(version), []).append((now, joined_at[i]))
@@ -346,7 +372,7 @@ def generate_main(args) -> None:
         collector.start(trio.current_time())
         while True:
             await trio.sleep_until(collector.due(trio.current_time()))
-            collector.tick(trio.current_time())
+            collector.tick(trio.current_time(), len(active))
 
     async def main():
         stdin = trio.wrap_file(sys.stdin)
@@ -434,10 +460,12 @@ def announce_main(args) -> None:
 
 
 class Child:
-    def __init__(self, argv: list[str], log: Path):
+    def __init__(self, argv: list[str], log: Path, cpus: set[int] | None = None):
         self.log = open(log, "ab")
         self.p = subprocess.Popen([sys.executable, __file__, *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   stderr=self.log, cwd=ROOT, text=True, bufsize=1)
+        if cpus:
+            os.sched_setaffinity(self.p.pid, cpus)
 
     def read(self, timeout: float) -> dict | None:
         ready, _, _ = select.select([self.p.stdout], [], [], timeout)
@@ -492,8 +520,11 @@ def run_one(args, impl: str, n: int, regions: int, creds: Path) -> dict:
     status = work / "status.jsonl"
     status.unlink(missing_ok=True)
     row = {"impl": impl, "n": n, "regions": regions}
+    # --pin: the tracker alone on the first core, as on a host of its own; the load on the rest
+    cores = sorted(os.sched_getaffinity(0))
+    tracker_cpus, load_cpus = ({cores[0]}, set(cores[1:])) if args.pin and len(cores) > 1 else (None, None)
     tracker = Child(["--serve", "--impl", impl, "--creds", str(creds), "--status", str(status),
-                     "--baseline-rev", args.baseline_rev], work / "tracker.log")
+                     "--baseline-rev", args.baseline_rev], work / "tracker.log", tracker_cpus)
     children = [tracker]
     try:
         s = _wait_status(status, lambda s: True, 30)
@@ -510,12 +541,12 @@ def run_one(args, impl: str, n: int, regions: int, creds: Path) -> dict:
                                "--active", str(active), "--regions", str(regions),
                                "--ramp-rate", str(args.ramp_rate / args.generators),
                                "--heartbeat", str(args.heartbeat), "--churn", str(args.churn)],
-                              work / f"gen{g}.log"))
+                              work / f"gen{g}.log", load_cpus))
             start += pool
         children += gens
         origin = Child(["--announce", "--tracker", addr, "--creds", str(creds), "--swarm", str(Path(args.work) / "swarm"),
                         "--announce-every", str(args.announce_every), "--manifest-chunks", str(args.manifest_chunks)],
-                       work / "origin.log")
+                       work / "origin.log", load_cpus)
         children.append(origin)
         t_ramp = time.monotonic()
         ramp_limit = n / args.ramp_rate * 3 + 150
@@ -553,6 +584,9 @@ def run_one(args, impl: str, n: int, regions: int, creds: Path) -> dict:
         row["join_p50"] = statistics.median(lat) if lat else None
         row["join_max"] = lat[-1] if lat else None
         row["joins_measured"] = len(lat)
+        own = sorted(w for x in _statuses(status) if s0["t"] < x["t"] <= s1["t"] for w in x.get("joins", ()))
+        row["tracker_join_p50"] = statistics.median(own) if own else None
+        row["tracker_join_max"] = own[-1] if own else None
         row["failed_joins"] = sum(r["failed_joins"] for r in results)
         row["lost"] = sum(r["lost"] for r in results)
         for key in ("lost_why", "failed_why"):
@@ -568,10 +602,17 @@ def run_one(args, impl: str, n: int, regions: int, creds: Path) -> dict:
                 got = sorted(x - t for r in results for x, joined in r["notices"].get(v, []) if joined < t)
                 if got:
                     fan.append((statistics.median(got), got[-1], len(got)))
+        versions = len(origin_result["result"]["sent"]) if origin_result else 0
+        notice_bytes = sum(s1["sent"].get(k, 0) - s0["sent"].get(k, 0) for k in ("VersionNotice", "VersionHint"))
+        row["notice_bytes_per_version"] = notice_bytes / versions if versions else None
         row["notice_p50"] = statistics.median(f[0] for f in fan) if fan else None
         row["notice_last"] = statistics.median(f[1] for f in fan) if fan else None
         row["notice_worst"] = max(f[1] for f in fan) if fan else None
         row["notice_reached"] = min(f[2] for f in fan) if fan else 0
+        if impl == "new":  # after the window, so that its pause is in no latency above
+            os.kill(tracker.p.pid, signal.SIGUSR2)
+            done = _wait_status(status, lambda s: s["fulls"] > s1["fulls"], 60)
+            row["full"] = done.get("last_full") if done else None
         row["rss"] = s1.get("VmRSS")
         row["hwm"] = s1.get("VmHWM")
         row["drops"] = s1.get("drops")
@@ -588,9 +629,16 @@ def _f(x, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
 
+def _complete(full: dict | None) -> str:
+    """The complete collection asked for after the window: wall (CPU) seconds / objects kept."""
+    if not full:
+        return "-"
+    return f"{full['pause_s']:.3f} ({full['cpu_s']:.3f}) / {full['objects']:,}"
+
+
 def format_table(rows: list[dict]) -> str:
     head = ("impl    members regions  reached  cpu%  gc%  µs/member·s  bytes/change  join→list p50/max s  "
-            "notice p50/last/worst s  reach  RSS/peak MB  lost  gc max s")
+            "tracker's part p50/max s  notice p50/last/worst s  reach  notice MB/version  RSS/peak MB  lost  gc max s  complete s (cpu) / objects")
     lines = [head]
     for r in rows:
         if "error" in r:
@@ -600,9 +648,11 @@ def format_table(rows: list[dict]) -> str:
             f"{r['impl']:6s} {r['n']:8d} {r['regions']:7d} {r['reached']:8d} {_f(r['cpu_pct'], '5.1f')} {_f(r.get('gc_pct'), '4.1f')} "
             f"{_f(r['cpu_us_per_member_s'], '12.1f')} "
             f"{_f(r['bytes_per_change'], '13,.0f')}  {_f(r['join_p50'], '8.3f')}/{_f(r['join_max'], '<8.3f')}   "
+            f"{_f(r.get('tracker_join_p50'), '13.3f')}/{_f(r.get('tracker_join_max'), '<9.3f')} "
             f"{_f(r['notice_p50'], '6.3f')}/{_f(r['notice_last'], '.3f')}/{_f(r['notice_worst'], '<6.3f')}  "
-            f"{r['notice_reached']:6d} {_f((r['rss'] or 0) / 2**20, '5.0f')}/{_f((r['hwm'] or 0) / 2**20, '<5.0f')} "
-            f"{r['lost']:5d}  {_f(r.get('gc_pause'), '7.3f')}")
+            f"{r['notice_reached']:6d}  {_f(r.get('notice_bytes_per_version') and r['notice_bytes_per_version'] / 1e6, '17.3f')} "
+            f"{_f((r['rss'] or 0) / 2**20, '5.0f')}/{_f((r['hwm'] or 0) / 2**20, '<5.0f')} "
+            f"{r['lost']:5d}  {_f(r.get('gc_pause'), '7.3f')}  {_complete(r.get('full'))}")
     return "\n".join(lines)
 
 
@@ -620,6 +670,8 @@ def main() -> None:
     ap.add_argument("--ramp-rate", type=float, default=200.0, help="joins per second until N are in")
     ap.add_argument("--announce-every", type=float, default=15.0)
     ap.add_argument("--manifest-chunks", type=int, default=1000)
+    ap.add_argument("--pin", action="store_true",
+                    help="the tracker alone on the first core, generators and origin on the others")
     ap.add_argument("--work", default="/tmp/patchswarm-tracker-load")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--generate", action="store_true", help=argparse.SUPPRESS)
@@ -646,7 +698,8 @@ def main() -> None:
                          text=True).stdout.strip()
     print(f"{time.strftime('%Y-%m-%d %H:%M')}  {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}; "
           f"{args.regions} regions unless NxR, churn {args.churn:.0%}/min, heartbeat {args.heartbeat:g} s, window "
-          f"{args.window:g} s, {args.generators} generators; main = {rev}", flush=True)
+          f"{args.window:g} s, {args.generators} generators{', tracker pinned to a core of its own' if args.pin else ''}; "
+          f"main = {rev}", flush=True)
     rows = []
     for n, regions in runs:
         for impl in impls:

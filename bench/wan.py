@@ -204,7 +204,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--unchoke-slots", type=int, default=8, help="libtorrent unchoke slots (-1: everyone)")
     ap.add_argument("--json", type=Path, help="also write the rows here")
     ap.add_argument("--cleanup", action="store_true", help="remove leftover psw-* namespaces and exit")
-    ap.add_argument("--logs", type=Path, help="keep every process's log under LOGS/<system>-<R>x<N>/")
+    ap.add_argument("--logs", type=Path,
+                    help="keep every process's log under LOGS/<system>-<R>x<N>-<K>/, a folder per run (K = 1, 2, ...: "
+                         "the first not there yet)")
     ap.add_argument("-v", "--verbose", action="store_true", help="daemons log at debug level")
     return ap.parse_args(argv)
 
@@ -259,15 +261,15 @@ def main(argv: list[str] | None = None) -> int:
                         skipped[f"{name} {s.regions}x{n}"] = str(e)
                         break
                     except (RunFailed, netemu.TopologyError) as e:
-                        print(f"{name} {s.regions}x{n}: FAILED: {e}", flush=True)
+                        print(f"{name} {s.regions}x{n}: FAILED: {e}{_logs_note(runner)}", flush=True)
+                        continue
                     finally:
                         check_links = False
-                    if tries:
-                        t = tries[-1]
-                        applied = "" if t.applied_s is None else f", applied {t.applied_s:.2f} s"
-                        print(f"  {name} {s.regions}x{n}: fetch {t.seconds:.2f} s (bound {t.bound_s:.2f} s){applied}; "
-                              f"WAN in/P {' '.join(f'{w:.2f}' for w in t.wan_in_over_patch)}, "
-                              f"origin out/P {t.origin_out_over_patch:.2f}", flush=True)
+                    t = tries[-1]
+                    applied = "" if t.applied_s is None else f", applied {t.applied_s:.2f} s"
+                    print(f"  {name} {s.regions}x{n}: fetch {t.seconds:.2f} s (bound {t.bound_s:.2f} s){applied}; "
+                          f"WAN in/P {' '.join(f'{w:.2f}' for w in t.wan_in_over_patch)}, "
+                          f"origin out/P {t.origin_out_over_patch:.2f}{_logs_note(runner)}", flush=True)
                 if tries:
                     r = median_run(tries)
                     rows.append(r)
@@ -319,6 +321,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps([_row_json(r) for r in rows], indent=1) + "\n")
     return 0 if rows or not systems else 1
+
+
+def _logs_note(runner) -> str:
+    """Where the run just ended kept its logs (`--logs`), for its line."""
+    kept = getattr(runner, "last_logs", None)
+    return "" if kept is None else f"; logs {kept}"
 
 
 def _interrupt(signum, frame) -> None:

@@ -13,7 +13,8 @@ arrivals (the "stall"). Approximate by construction: a request cancelled
 anyone, so the first figure is a lower bound, and a node re-asking at once
 (as it should) shows 0.
 
-Run: `python bench/wan_asked.py LOGS/'patchswarm kill@1s,restart@3s-3x4' [--version 1]`.
+Run: `python bench/wan_asked.py LOGS/'patchswarm kill@1s,restart@3s-3x4-1' [--version 1]` (a folder per
+run: -1, -2, ...; `bench/wan.py` prints each run's).
 Reads files only; importing this module does no work.
 """
 

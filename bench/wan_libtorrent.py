@@ -52,7 +52,8 @@ class LibtorrentRunner:
                  victims: Callable[[Topology], list[str]] | None = None):
         self.piece_bytes = piece_bytes
         self.unchoke_slots = unchoke_slots
-        self.log_dir = log_dir      # copy each peer's stderr under log_dir/libtorrent-<R>x<N>/
+        self.log_dir = log_dir      # copy each peer's stderr under log_dir/<system>-<R>x<N>-<run>/
+        self.last_logs: Path | None = None  # where the last run's logs were kept
         if faults is not None and victims is None:
             raise ValueError("faults: expected the victims (a function of the topology), found None")
         self.faults, self.victims = faults, victims
@@ -73,7 +74,8 @@ class LibtorrentRunner:
         try:
             return self._run(topo, payload, limit_s, work)
         finally:
-            keep_logs(self.log_dir, work / "logs", f"{self.name}-{topo.spec.regions}x{topo.spec.nodes_per_region}")
+            self.last_logs = keep_logs(self.log_dir, work / "logs",
+                                       f"{self.name}-{topo.spec.regions}x{topo.spec.nodes_per_region}")
             shutil.rmtree(work, ignore_errors=True)
 
     def _run(self, topo: Topology, payload: Payload, limit_s: float, work: Path) -> RunResult:

@@ -96,7 +96,8 @@ class PatchswarmRunner:
             + ("" if faults is None else f" {faults.label()}") \
             + ("" if not nat_regions else " NAT " + ",".join(f"r{r}" for r in nat_regions))
         self.verbose = verbose
-        self.log_dir = log_dir      # copy each process's log under log_dir/<system>-<R>x<N>/
+        self.log_dir = log_dir      # copy each process's log under log_dir/<system>-<R>x<N>-<run>/
+        self.last_logs: Path | None = None  # where the last run's logs were kept
 
     def available(self) -> str | None:
         return unavailable_reason()
@@ -112,7 +113,8 @@ class PatchswarmRunner:
         except RunFailed as e:
             raise RunFailed(f"{self.name}: {e}{log_tails(work / 'logs')}") from None
         finally:
-            keep_logs(self.log_dir, work / "logs", f"{self.name}-{topo.spec.regions}x{topo.spec.nodes_per_region}")
+            self.last_logs = keep_logs(self.log_dir, work / "logs",
+                                       f"{self.name}-{topo.spec.regions}x{topo.spec.nodes_per_region}")
             shutil.rmtree(work, ignore_errors=True)
 
     def _run(self, topo: Topology, payload: Payload, limit_s: float, work: Path) -> RunResult:

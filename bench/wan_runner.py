@@ -13,6 +13,7 @@ any one system (bench/wan_libtorrent.py, bench/wan_patchswarm.py).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import select
@@ -219,10 +220,18 @@ def log_tails(logs: Path, lines: int = 3) -> str:
     return "".join(out)
 
 
-def keep_logs(dest_root: Path | None, logs: Path, run_name: str) -> None:
-    """Copy a run's `*.log` files to dest_root/run_name (replacing an older copy); no-op without dest_root."""
+def keep_logs(dest_root: Path | None, logs: Path, run_name: str) -> Path | None:
+    """Copy a run's log folder to dest_root/run_name-K, K = 1, 2, ... the first
+    folder not there yet, so no run's logs replace another's (runs of one
+    system, of an earlier invocation); return it. No-op (None) without dest_root."""
     if dest_root is None or not logs.exists():
-        return
-    dest = Path(dest_root) / run_name
-    shutil.rmtree(dest, ignore_errors=True)
-    shutil.copytree(logs, dest)
+        return None
+    Path(dest_root).mkdir(parents=True, exist_ok=True)
+    for k in itertools.count(1):
+        dest = Path(dest_root) / f"{run_name}-{k}"
+        try:
+            dest.mkdir()  # claims the name: no other run copies into it
+        except FileExistsError:
+            continue
+        shutil.copytree(logs, dest, dirs_exist_ok=True)
+        return dest

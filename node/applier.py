@@ -116,23 +116,25 @@ class Applier:
 
     # ------------------------------------------------------------ manifests in
 
-    def offer(self, envelope: bytes, source: str) -> None:
-        """A signed manifest from the tracker or a peer (`source`, for the log)."""
+    def offer(self, envelope: bytes, source: str) -> bool:
+        """A signed manifest from the tracker or a peer (`source`, for the log); True when it
+        was new to this node and accepted."""
         try:
             status, m = self.book.offer(envelope, self.version)
         except StaleVersion as e:
             self.manifests_stale += 1
             log.debug("ignored a manifest from %s: %s", source, e)
-            return
+            return False
         except (SignatureError, CorruptData, ConflictingManifest, InvalidInput) as e:
             self.manifests_rejected += 1
             log.warning("rejected a manifest from %s: %s", source, e)
-            return
+            return False
         if status == NEW:
             self._timeline[(m.version, m.is_keyframe)] = {"announced_at": time.time()}
             log.info("version %d announced: %s, %d chunks, %s bytes", m.version,
                      "keyframe" if m.is_keyframe else "patch", len(m.chunks), f"{m.total_bytes:,}")
             self._wakeup.set()
+        return status == NEW
 
     def completed(self, key: ObjKey) -> None:
         """Every chunk of `key` is held (the fetcher says so)."""

@@ -5,6 +5,8 @@ the trajectory spool, the weights file), one nursery for every task, and the
 parts that each do one job, connected here:
 
 - `TrackerLink` (node/net/trackerlink.py): membership and version notices;
+- `ManifestRelay` (node/manifestrelay.py): manifests passed on to peers, and
+  asked of the tracker after a hint no peer answered;
 - `Dialer` (node/dialer.py): whom to connect to, and dialing them;
 - `PeerSet` (node/peers.py): the sessions, and serving chunks on them;
 - `Fetcher` (node/fetcher.py): executing the piece picker's answers
@@ -44,6 +46,7 @@ from patchswarm.node.lowprio import APPLY_NICE
 from patchswarm.node.net.ratelimit import TokenBucket
 from patchswarm.node.net.rtcsignal import RTCSignaller
 from patchswarm.node.net.trackerlink import TrackerLink
+from patchswarm.node.manifestrelay import ManifestRelay
 from patchswarm.node.net.transport import serve, transport_of
 from patchswarm.node.net.trust import Credentials
 from patchswarm.node.net.webrtc import IceConfig
@@ -126,6 +129,7 @@ class Node:
         self.store: ObjectStore | None = None
         self.fetcher: Fetcher | None = None
         self.applier: Applier | None = None
+        self.manifests: ManifestRelay | None = None
         self.spool: TrajectorySpool | None = None
         self.uploader: TrajectoryUploader | None = None
         self._lock_fd: int | None = None
@@ -152,6 +156,7 @@ class Node:
                                keep_versions=self.cfg.keep_versions, apply_nice=self.cfg.apply_nice,
                                apply_threads=self.cfg.apply_threads, sink=self._model_sink(),
                                record_changes=self.cfg.sparse_handoff)
+        self.manifests = ManifestRelay(self.applier.offer, self._has_manifest, self.peers, self.tracker.send)
         self.applier.weights = await trio.to_thread.run_sync(self.applier.load_weights)
         self.spool = await TrajectorySpool.open(self.data_dir / "spool", self.id, self.region,
                                                 max_bytes=self.cfg.spool_bytes)
@@ -182,6 +187,7 @@ class Node:
                      self.listen_addr or "no address (--no-listen)",
                      "no version yet" if self.version is None else f"version {self.version}",
                      self.data_dir / "node.sock")
+            nursery.start_soon(self.manifests.run)
             nursery.start_soon(self.tracker.run)
             nursery.start_soon(self.dialer.run)
             if self.applier.sink is not None:
@@ -212,7 +218,9 @@ class Node:
         elif isinstance(msg, wire.PeerDelta):
             self._on_peer_list(list(apply_delta(self.dialer.members, msg).values()))
         elif isinstance(msg, wire.VersionNotice):
-            self.applier.offer(msg.manifest, "tracker")
+            self.manifests.notice(msg, None)
+        elif isinstance(msg, wire.VersionHint):
+            self.manifests.hinted(msg)
         elif isinstance(msg, wire.Signal) and self.rtc is not None:
             await self.rtc.on_signal(msg)
 
@@ -240,6 +248,10 @@ class Node:
     async def _accepted(self, ms) -> None:
         await self.peers.run(ms, outbound=False)
 
+    def _has_manifest(self, key) -> bool:
+        """A manifest for `key` is held, or the object is older than the applied version."""
+        return self.book.get(key) is not None or (self.version is not None and key[0] <= self.version)
+
     def _origin_session(self) -> Session | None:
         return next((s for s in self.peers.sessions.values() if s.role == "origin" and not s.closed), None)
 
@@ -261,7 +273,7 @@ class Node:
         elif isinstance(msg, wire.Reject):
             self.fetcher.on_reject(s, msg)
         elif isinstance(msg, wire.VersionNotice):
-            self.applier.offer(msg.manifest, f"peer {s.id}")
+            self.manifests.notice(msg, s)
         elif isinstance(msg, wire.TrajectoriesAck) and s.role == "origin":
             await self.uploader.acked(msg.seqs)
         elif isinstance(msg, wire.Error):
@@ -295,6 +307,7 @@ class Node:
             "chunks_rejected": f.chunks_rejected,
             "peers_dropped": dict(self.peers.dropped),  # and connections refused, by kind (node/peers.py)
             "manifests_rejected": a.manifests_rejected,
+            **self.manifests.status(),
             "fetching": f.status(),
             "longest_wait_s": f.waits(),
             # Objects that failed to apply (verified chunks, yet the patch did not fit): the

@@ -134,6 +134,8 @@ class Fetcher:
             self._cancel(r)
         self.inflows.drop_object(key)
         self._told.pop(key, None)
+        for p in self.peers.sessions.values():
+            p.refused -= {r for r in p.refused if r[0] == key}
         self._last_chunk_at.pop(key, None)
 
     def status(self) -> dict[str, int]:
@@ -196,7 +198,7 @@ class Fetcher:
             return  # the rest of a flow this node cancelled
         if first and not flow.asm.complete:
             # Neighbours (and the next region's gateway) may follow it from here on.
-            told = self.peers.broadcast(wire.Incoming(key[0], key[1], c), to=self._audience(s, key, c, tell_incoming))
+            told = self._tell(wire.Incoming(key[0], key[1], c), self._audience(s, key, c, tell_incoming))
             self._told.setdefault(key, {}).setdefault(c, set()).update(told)
         if not flow.asm.complete:
             return
@@ -243,7 +245,7 @@ class Fetcher:
         hear = self._audience(s, key, c, tell_have, self._told.get(key, {}).pop(c, ()))
         for dup in self.picker.chunk_received(key, c, s.id):
             self._cancel(dup, keep=False)
-        self.peers.broadcast(wire.HaveOne(key[0], key[1], c), to=hear)
+        self._tell(wire.HaveOne(key[0], key[1], c), hear)
         if self.store.complete(key):
             self._on_complete(key)
         self._wakeup.set()
@@ -260,7 +262,14 @@ class Fetcher:
         return [p for p in self.peers.sessions.values()
                 if rule(Listener(sender=p.id == sender.id, origin=p.role == "origin", same_region=p.region == self.region,
                                  announced=picker.announced(p.id, key, c), whole=picker.holds_whole(p.id, key, c),
-                                 told=p in told))]
+                                 told=p in told, refused=(key, c) in p.refused))]
+
+    def _tell(self, msg: wire.Incoming | wire.HaveOne, to: list[Session]) -> set[Session]:
+        """Announce a chunk to `to`: those refused it before count this member a holder again."""
+        told = self.peers.broadcast(msg, to=to)
+        for p in told:
+            p.refused.discard(((msg.version, msg.keyframe), msg.chunk))
+        return told
 
     def _cancel(self, r: Request, keep: bool = True) -> None:
         """Withdraw a request: the peer drops it, and the parts that still come are ignored

@@ -51,6 +51,7 @@ SEND_TIMEOUT = 60.0  # a peer that takes no bytes for this long is dropped
 REQUESTS_QUEUED = "requests queued"  # budgets' names, for counters and logs
 ANNOUNCEMENTS = "announcements per minute"
 REJECTS_PER_WRITE = 256  # Rejects of requests for chunks not held, sent together
+REFUSED_KEPT = 4096  # per session: the chunks it was refused, until it is told of them again
 _ANNOUNCEMENTS = (wire.Have, wire.HaveOne, wire.Incoming, wire.VersionNotice, wire.Announce)
 
 
@@ -88,6 +89,9 @@ class Session:
     closed: bool = False
     close_reason: str | None = None  # why it ended, for the log; the first reason given stands
     tasks: trio.Nursery | None = None  # the session's own tasks (serving, broadcast copies)
+    # (object, chunk) this member sent a Reject for, of an object whose manifest it holds, until
+    # node/fetcher.py tells the peer of the chunk again (protocol/announce.py: `refused`).
+    refused: set = dataclasses.field(default_factory=set)
 
     def close(self, reason: str) -> None:
         """End the session: nothing more goes out on it, its tasks stop, and
@@ -100,6 +104,14 @@ class Session:
         self.close_reason = reason
         if self.tasks is not None:
             self.tasks.cancel_scope.cancel()
+
+    def refuse(self, key: ObjKey, chunk: int, why: str, known: bool = True) -> wire.Reject:
+        """A Reject of the peer's request for the chunk; of an object this member knows
+        (`known`: it may hold the chunk later), remembered so that the peer hears of the
+        chunk again once it is here (at most REFUSED_KEPT remembered)."""
+        if known and len(self.refused) < REFUSED_KEPT:
+            self.refused.add((key, chunk))
+        return wire.Reject(key[0], key[1], chunk, why)
 
     def wake(self) -> None:
         """Something to serve may have become sendable (a request, a part arrived)."""
@@ -257,7 +269,7 @@ class PeerSet:
         offset = msg.offset if isinstance(msg, wire.RequestRest) else 0
         if not (msg.chunk in self.store.have(key) or self.inflows is not None and self.inflows.source(key, msg.chunk)):
             # answered at once, never walking the queue: a flood of these costs O(1) each
-            s.rejects.append(wire.Reject(msg.version, msg.keyframe, msg.chunk, "not held"))
+            s.rejects.append(s.refuse(key, msg.chunk, "not held", known=self.store.manifest(key) is not None))
         elif offset and not offset < self._chunk_size(key, msg.chunk):
             s.rejects.append(wire.Reject(msg.version, msg.keyframe, msg.chunk,
                                          f"offset {offset} is not within the chunk"))
@@ -314,8 +326,7 @@ class PeerSet:
             if o.data is None and o.flow is None or o.flow is not None and o.flow.failed:
                 if not self._resolve(s, o):
                     self._drop_outflow(s, o)
-                    return wire.Reject(o.key[0], o.key[1], o.chunk,
-                                       "stream aborted" if o.sent > o.start else "not held"), False
+                    return s.refuse(o.key, o.chunk, "stream aborted" if o.sent > o.start else "not held"), False
             if o.data is not None:
                 total, limit = len(o.data), len(o.data)
             else:

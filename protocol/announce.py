@@ -11,6 +11,14 @@ this session was told) and sends each message to the peers the rule names.
   `Incoming` for it on this session (one that reconnected meanwhile has a new
   session, which was not) that does not hold it whole; one still receiving
   it gets it, as its own flow may fail.
+- A peer this member refused the chunk to (a Reject: not held, or its relay
+  broke) since it last told it of the chunk hears of it again, both ways,
+  whatever it announced or was told: the Reject made it stop counting this
+  member a holder (protocol/picker.py asks a refuser again only once it
+  announces the chunk anew). *Why:* with gateways killed mid-relay (issue 26),
+  the holders of a broken chunk's first bytes refused each other the rest;
+  the one that then fetched it whole told none of them, having sent each an
+  `Incoming` before, and they waited 2 s for takeover (bench/RESULTS.md).
 - Neither goes to the peer the chunk comes from, nor to the origin, which
   holds every chunk. Regions do not matter: takeover in a stalled region
   fetches from holders anywhere, so every region hears.
@@ -34,13 +42,14 @@ class Listener:
     announced: bool = False  # said it holds the chunk or is receiving it (and did not refuse it since)
     whole: bool = False  # said it holds the chunk whole (Have, HaveOne); implies announced
     told: bool = False  # this session was sent Incoming for the chunk
+    refused: bool = False  # this member sent it a Reject for the chunk since it last told it of the chunk
 
 
 def tell_incoming(peer: Listener) -> bool:
     """Send `Incoming` for the chunk to `peer` (its first part arrived)?"""
-    return not (peer.sender or peer.origin or peer.announced)
+    return not (peer.sender or peer.origin or peer.whole or peer.announced and not peer.refused)
 
 
 def tell_have(peer: Listener) -> bool:
     """Send `HaveOne` for the chunk to `peer` (it is held and verified)?"""
-    return not (peer.sender or peer.origin or peer.told or peer.whole)
+    return not (peer.sender or peer.origin or peer.whole or peer.told and not peer.refused)

@@ -10,6 +10,9 @@ uplink about once in total:
 - `balanced_owners`: the same, with bounded loads: no gateway takes more than
   its fair share of the chunks that come from one source, so the last chunk a
   region pulls is not queued behind a gateway that drew more than its share.
+- `gateways` / `gateway_limit`: the members of a region that bring an object
+  into it at all: at most k per region (a new set per object), every member
+  in the origin's region, where pulling from the origin crosses no WAN link.
 - `region_order`: the chain along which a chunk crosses the WAN: the origin's
   region first, then the others from the fastest WAN link to the slowest
   (`rate_classes`, when the swarm's WAN rates are known), regions of one rate
@@ -69,6 +72,25 @@ def gateways(key: ObjKey, region_members: Iterable[str], k: int | None) -> set[s
     if k is None or len(members) <= k:
         return members
     return set(sorted(members, key=lambda m: (gateway_weight(m, key), m), reverse=True)[:k])
+
+
+def gateway_limit(region: str, origin_region: str | None, max_gateways: int | None) -> int | None:
+    """How many members of `region` may bring an object into it (`gateways`'
+    k): all of them (None) in the origin's region, `max_gateways` elsewhere.
+
+    The cap exists for the WAN: every gateway keeps chunks in flight across
+    its region's link, so fewer gateways mean fewer chunks sharing it. In the
+    origin's region a gateway pulls from the origin over the region's own
+    LAN, so more of them put no flow on any WAN link; what they change is
+    whose uplink carries the region's fan-out. With 2 gateways each one's
+    uplink carried its half of the patch to every other member plus the
+    region's copy to the next regions (issue 26: the origin's region took
+    1.80x its own bound at a 200 Mbit/s LAN); with every member a gateway
+    each takes an even share from the origin (`balanced_owners`), so the
+    origin still sends each chunk into its region once, and every uplink
+    carries a share. A region the origin serves across the WAN (the origin's
+    own region has no live member) keeps the cap."""
+    return None if region == origin_region else max_gateways
 
 
 def responsible(key: ObjKey, chunk: int, region_members: Iterable[str]) -> str | None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Mapping
 
 from .piecestate import NOT_A_SOURCE, ObjectState, PeerState
-from .responsibility import ResponsibilityMap, upstream_regions
+from .responsibility import ResponsibilityMap, gateway_limit, upstream_regions
 
 ORIGIN = "origin"  # peer kind: the seeder on the trainer, holds every announced chunk
 NODE = "node"  # peer kind: another node daemon
@@ -71,7 +71,8 @@ class SourceTiers:
 
     def plan(self, obj: ObjectState) -> None:
         """Give a new patch object its responsibility: which chunks me brings into the region."""
-        obj.duty = ResponsibilityMap(obj.key, obj.n_chunks, self.region_members, max_gateways=self.wan_gateways,
+        obj.duty = ResponsibilityMap(obj.key, obj.n_chunks, self.region_members,
+                                     max_gateways=gateway_limit(self.region, self.origin_region, self.wan_gateways),
                                      classes=self._source_classes(obj))
         for c in range(obj.n_chunks):
             obj.mine[c] = obj.duty.owner(c) == self.me

@@ -198,6 +198,26 @@ class VersionNotice:
 
 
 @dataclass(frozen=True)
+class VersionHint:
+    """Tracker -> node: an object was announced. Its signed manifest reaches most
+    members from their peers (a node passes on every manifest it accepts) or from
+    the tracker on a ManifestRequest: the tracker sends whole VersionNotices to a
+    few members per region only, so its bytes per version grow with the fleet,
+    not with the fleet times the manifest."""
+
+    version: int
+    keyframe: bool
+
+
+@dataclass(frozen=True)
+class ManifestRequest:
+    """Node -> tracker: the VersionNotice of this hinted object, which no peer passed on in time."""
+
+    version: int
+    keyframe: bool
+
+
+@dataclass(frozen=True)
 class Heartbeat:
     versions: list[int]  # as in Hello: the sender's current verified version, [] if none
 
@@ -258,7 +278,7 @@ class Error:
 MESSAGE_TYPES = {
     cls.__name__: cls
     for cls in (Hello, Have, HaveOne, Incoming, Request, RequestRest, Piece, Cancel, Reject, Announce,
-                PeerList, VersionNotice, Heartbeat, Trajectories, TrajectoriesAck, Revocations, Bye, Error, PeerDelta,
+                PeerList, VersionNotice, VersionHint, ManifestRequest, Heartbeat, Trajectories, TrajectoriesAck, Revocations, Bye, Error, PeerDelta,
                 Signal)
 }
 _PEER_FIELDS = {"id": MAX_NAME_BYTES, "region": MAX_NAME_BYTES, "addr": MAX_ADDR_BYTES, "role": MAX_NAME_BYTES}

@@ -23,6 +23,9 @@ and deletes every namespace it made on `close()` (deleting a namespace deletes
 its links). Names carry the prefix and the test's pid, so parallel runs and
 other users' namespaces are never touched. `skip_reason()` says why it cannot
 be built here (not root, no `ip`/`nft`, namespaces refused), for pytest.skip.
+`start_coturn(turnserver, topo, workdir)` runs a coturn on the public network
+(STUN and TURN at PUBLIC:3478, long-term credentials TURN_USER/TURN_PASSWORD);
+the caller terminates it. Used by tests/test_webrtc_nat.py and bench/transport.py --nat.
 """
 
 from __future__ import annotations
@@ -30,9 +33,13 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import time
+from pathlib import Path
 
 PUBLIC = "10.99.0.1"
 NOWHERE = "10.99.0.254"  # the public network's gateway: frames to it are flooded and dropped
+TURN_PORT = 3478
+TURN_USER, TURN_PASSWORD = "patchswarm", "turn-secret"
 
 
 def _run(*args: str, input: str | None = None) -> None:
@@ -137,3 +144,24 @@ table ip filter {{
   }}
 }}
 """
+
+
+def start_coturn(turnserver: str, topo: NatTopology, workdir: Path) -> subprocess.Popen:
+    """coturn in `topo`'s public namespace, once it listens; its log in workdir/coturn.log."""
+    log = open(workdir / "coturn.log", "wb")
+    p = subprocess.Popen([*topo.exec(topo.pub), turnserver, "-n", "--listening-ip", PUBLIC, "--relay-ip", PUBLIC,
+                          "--listening-port", str(TURN_PORT), "--min-port", "49152", "--max-port", "49352",
+                          "--lt-cred-mech", "--user", f"{TURN_USER}:{TURN_PASSWORD}", "--realm", "patchswarm",
+                          "--userdb", str(workdir / "turndb"), "--pidfile", str(workdir / "turn.pid"),
+                          "--no-tls", "--no-dtls", "--no-cli", "--fingerprint", "--simple-log",
+                          "--log-file", "stdout"], stdout=log, stderr=subprocess.STDOUT)
+    log.close()
+    deadline = time.monotonic() + 20
+    while f"{PUBLIC}:{TURN_PORT}" not in subprocess.run([*topo.exec(topo.pub), "ss", "-lnu"], capture_output=True,
+                                                        text=True, timeout=10).stdout:
+        if p.poll() is not None or time.monotonic() > deadline:
+            p.kill()
+            p.wait()
+            raise RuntimeError(f"coturn did not start:\n{(workdir / 'coturn.log').read_text(errors='replace')[-2000:]}")
+        time.sleep(0.1)
+    return p

@@ -18,8 +18,11 @@ NOTHING = Listener()  # a node of my region that said nothing of the chunk
     (Listener(announced=True, whole=True), False),  # holds it whole
     (Listener(announced=True, same_region=False), False),  # is receiving it (said Incoming)
     (Listener(announced=False), True),  # said it, then refused it (a Reject): as one that never had it
+    # Issue 26: I refused it the chunk (my relay broke), so it no longer counts me a holder.
+    (Listener(announced=True, refused=True), True),
+    (Listener(announced=True, whole=True, refused=True), False),  # refused, then got it whole elsewhere
 ], ids=["sender", "origin", "origin elsewhere", "same region", "other region", "holds it whole",
-        "receiving it", "refused it"])
+        "receiving it", "refused it", "receiving it, I refused it", "I refused it, it holds it whole"])
 def test_incoming_goes_to_peers_that_said_nothing_of_the_chunk(peer, told):
     assert tell_incoming(peer) is told
 
@@ -37,8 +40,13 @@ def test_incoming_goes_to_peers_that_said_nothing_of_the_chunk(peer, told):
     (Listener(announced=True), True),  # still receiving it: its own flow may fail
     (Listener(announced=True, told=True), False),
     (Listener(announced=False), True),  # refused it
+    # Issue 26: told it was coming, then refused it (my relay broke): it waits on takeover unless told.
+    (Listener(told=True, refused=True), True),
+    (Listener(announced=True, told=True, refused=True), True),
+    (Listener(announced=True, whole=True, told=True, refused=True), False),
 ], ids=["sender", "origin", "told", "told elsewhere", "connected late", "other region, not told",
         "reconnected", "holds it whole", "told, holds it whole", "receiving it", "receiving it, told",
-        "refused it"])
+        "refused it", "told, then I refused it", "receiving it, told, then I refused it",
+        "I refused it, it holds it whole"])
 def test_haveone_goes_to_peers_not_told_that_do_not_hold_it_whole(peer, told):
     assert tell_have(peer) is told

@@ -4,6 +4,8 @@ says has timed out is cancelled, and the chunk is asked of another holder.
 The peers are sessions whose message streams only record what they are sent."""
 
 import dataclasses
+import hashlib
+import os
 
 import trio
 import trio.testing
@@ -11,10 +13,12 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from patchswarm.node.fetcher import Fetcher
 from patchswarm.node.net.ratelimit import TokenBucket
+from patchswarm.node.net.transport import MessageStream, exchange_hello
 from patchswarm.node.peers import PeerSet, Session
 from patchswarm.node.relay import Inflows
 from patchswarm.node.store import ObjectStore
 from patchswarm.protocol import wire
+from patchswarm.protocol.assembly import PART_BYTES
 from patchswarm.protocol.manifest import Manifest
 from patchswarm.protocol.picker import PiecePicker
 from patchswarm.protocol.versions import VersionBook
@@ -113,3 +117,62 @@ def test_a_neighbour_whose_relay_broke_is_asked_again_the_moment_it_has_the_chun
             n.cancel_scope.cancel()
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_a_peer_refused_a_chunk_hears_once_it_is_held_though_it_was_told_it_was_coming(tmp_path):
+    """Issue 26 (bench/RESULTS.md, 2026-12-05): a relay whose source died refused its
+    followers the rest of the chunk; told `Incoming` before, they were not told `HaveOne`
+    once it fetched the chunk whole, never asked it again, and waited 2 s for takeover."""
+    data = os.urandom(2 * PART_BYTES)
+    store = ObjectStore(tmp_path / "objects")
+    m = Manifest(swarm_id="sw", version=1, base_version=0, base_hash="blake3:" + "00" * 32,
+                 target_hash="blake3:" + "11" * 32, tensors=[], chunks=[(len(data), hashlib.sha256(data).digest())],
+                 codec={"format": 1}, created_at=0.0)
+    store.put_manifest(KEY, m, b"(envelope)")
+    picker = PiecePicker("me", "r1", "r1", seed=3, request_timeout=TIMEOUT)
+    picker.add_object(KEY, 1, now=0.0)
+    inflows = Inflows()
+
+    async def on_open(s):
+        fetcher.peer_joined(s)
+
+    peers = PeerSet("me", store, TokenBucket(None), _noop, on_open=on_open, inflows=inflows)
+    book = VersionBook("sw", Ed25519PrivateKey.generate().public_key())
+    fetcher = Fetcher("me", "r1", picker, peers, inflows, store, book, on_complete=lambda key: None)
+
+    async def heard(stream) -> list:
+        out = []
+        while True:
+            await trio.testing.wait_all_tasks_blocked()
+            with trio.move_on_after(0.05):
+                out.append(await stream.receive())
+                continue
+            return out
+
+    async def main():
+        async with trio.open_nursery() as n:
+            await n.start(fetcher.run)
+            up = _session(fetcher, n, "up")  # holds the chunk: asked for it
+            a, b = trio.testing.memory_stream_pair()
+            mine, follower = MessageStream(a, "b", "node"), MessageStream(b, "me", "node")
+            async with trio.open_nursery() as hello:
+                hello.start_soon(exchange_hello, mine, wire.Hello("me", "r1", "node", "x:1", []))
+                hello.start_soon(exchange_hello, follower, wire.Hello("b", "r1", "node", "x:2", []))
+            n.start_soon(peers.run, mine, False)
+            await trio.testing.wait_all_tasks_blocked()
+            await fetcher.on_piece(up, wire.Piece(KEY[0], KEY[1], 0, 0, len(data), data[:PART_BYTES]))
+            assert await heard(follower) == [wire.Incoming(KEY[0], KEY[1], 0)]
+            del peers.sessions["up"]  # its source dies part-way: the bytes are kept
+            fetcher.peer_left(up)
+            await follower.send(wire.RequestRest(KEY[0], KEY[1], 0, PART_BYTES))
+            assert [type(x).__name__ for x in await heard(follower)] == ["Reject"]  # nothing moving here
+            again = _session(fetcher, n, "again")  # another holder: asked for the rest
+            await trio.testing.wait_all_tasks_blocked()
+            [ask] = [x for _, x in again.ms.sent if isinstance(x, wire.RequestRest)]
+            assert ask.offset == PART_BYTES
+            await fetcher.on_piece(again, wire.Piece(KEY[0], KEY[1], 0, PART_BYTES, len(data), data[PART_BYTES:]))
+            assert store.have(KEY) == {0}
+            assert await heard(follower) == [wire.HaveOne(KEY[0], KEY[1], 0)]  # it may ask here again
+            n.cancel_scope.cancel()
+
+    trio.run(main)

@@ -65,10 +65,12 @@ def asked(reqs):
 
 
 def test_only_the_gateway_crosses_the_wan_and_a_new_one_takes_over_when_it_leaves():
+    # The origin's region (r9) has no members: r0 pulls from the origin across the WAN.
     region = {"a": "r0", "b": "r0", "c": "r0"}
     [gw] = gateways(KEY, region, 1)
     n = 12
-    pickers = {m: make(m, region, n=n, pipeline=n, wan_gateways=1) for m in region}
+    pickers = {m: make(m, region, n=n, pipeline=n, wan_pipeline=n, wan_gateways=1, origin_region="r9")
+               for m in region}
     assert {r.chunk for r in pickers[gw].requests(0.0)} == set(range(n))  # every chunk, from the origin
     assert pickers[gw].responsible_for(KEY) == n
     for m in set(region) - {gw}:
@@ -81,6 +83,27 @@ def test_only_the_gateway_crosses_the_wan_and_a_new_one_takes_over_when_it_leave
     p.set_members(rest)
     reqs = p.requests(0.1)
     assert {r.chunk for r in reqs} == set(range(n)) and {r.peer for r in reqs} == {OR}
+
+
+def test_in_the_origins_region_every_member_takes_its_share_from_the_origin():
+    """Issue 26: with 2 gateways there, their uplinks carried the region's whole
+    fan-out and its WAN copy, and the region took 1.80x its own bound."""
+    members = {"a": "r0", "b": "r0", "c": "r0", "d": "r0", "x": "r1", "y": "r1", "z": "r1"}
+    n = 32
+    asked_origin = {}
+    for m in ("a", "b", "c", "d"):
+        p = make(m, members, n=n, pipeline=n, wan_gateways=2)
+        reqs = p.requests(0.0)
+        assert {r.peer for r in reqs} == {OR} and p.responsible_for(KEY) == len(reqs) == n // 4
+        asked_origin[m] = {r.chunk for r in reqs}
+    # Each chunk from the origin once, spread over the region's uplinks.
+    assert sorted(c for cs in asked_origin.values() for c in cs) == list(range(n))
+    # A remote region keeps the cap: 2 gateways cross the WAN.
+    remote = {m: make(m, members, n=n, pipeline=n, wan_pipeline=n, wan_gateways=2, origin=False) for m in "xyz"}
+    for p in remote.values():
+        for m in ("a", "b", "c", "d"):
+            p.peer_has(m, KEY, range(n))
+    assert sum(1 for p in remote.values() if p.requests(0.0)) == 2
 
 
 @pytest.mark.parametrize("bad", [{"r1": 0}, {"r1": -5}, {"r1": float("inf")}, {"r1": float("nan")},

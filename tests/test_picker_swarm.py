@@ -59,6 +59,7 @@ class Swarm:
         self.wan_entries = Counter()  # (region, chunk) -> deliveries that crossed into it
         self.wan_exits = Counter()  # (region, chunk) -> deliveries that crossed out of it
         self.origin_sent = 0
+        self.origin_sent_to = Counter()  # node -> chunks the origin sent it
 
     def done(self):
         return all(p.complete(KEY) for p in self.pickers.values())
@@ -102,6 +103,7 @@ class Swarm:
             for cancel in self.pickers[node].chunk_received(KEY, r.chunk, r.peer):
                 cancelled.add((node, cancel))
             self.origin_sent += r.peer == OR
+            self.origin_sent_to[node] += r.peer == OR
             if self.region_of[r.peer] != self.region_of[node]:
                 self.wan_entries[self.region_of[node], r.chunk] += 1
                 self.wan_exits[self.region_of[r.peer], r.chunk] += 1
@@ -162,6 +164,15 @@ def test_swarm_completes_with_each_chunk_crossing_each_boundary_once(layout, ori
     assert swarm.done()
     assert swarm.t < 2.0  # no takeover was needed
     assert_healthy(swarm, origin_region)
+
+
+@pytest.mark.parametrize("rates", [None, {"r0": 100, "r1": 50, "r2": 20}])
+def test_swarm_origin_sends_each_chunk_once_spread_over_its_whole_region(rates):
+    """Issue 26: with 2 gateways in the origin's region, their 2 uplinks carried
+    the region's fan-out and its WAN copy; now every member takes an even share."""
+    swarm = Swarm(layout_of(4, 4, 4), "r0", n_chunks=48, wan_rates=rates).run()
+    assert_healthy(swarm, "r0")  # the origin still sends each chunk once
+    assert +swarm.origin_sent_to == {f"n0.{i}": 12 for i in range(4)}
 
 
 @pytest.mark.parametrize("rates, exits", [

@@ -18,7 +18,8 @@ from hypothesis import given, settings
 
 from patchswarm.protocol.errors import UsageError
 from patchswarm.protocol.responsibility import (
-    ResponsibilityMap, balanced_owners, gateways, rate_classes, region_order, responsible, upstream_regions,
+    ResponsibilityMap, balanced_owners, gateway_limit, gateways, rate_classes, region_order, responsible,
+    upstream_regions,
 )
 
 KEY = (7, False)  # a patch
@@ -287,6 +288,27 @@ def test_gateways_are_the_top_k_by_weight_and_move_between_objects():
     assert gateways(KEY, [], 2) == set()
     # Successive versions do not all load the same member's WAN link.
     assert len({frozenset(gateways((v, False), members, 1)) for v in range(30)}) > 3
+
+
+@pytest.mark.parametrize("region, origin_region, k, expect", [
+    # (my region, the origin's region, the swarm's cap, the cap in my region)
+    ("r0", "r0", 2, None),  # the origin's region: every member pulls from the origin over its LAN
+    ("r0", "r0", None, None),
+    ("r0", "r0", 1, None),
+    ("r1", "r0", 2, 2),  # a remote region crosses the WAN: capped
+    ("r1", "r0", None, None),
+    ("r1", "r9", 2, 2),  # the origin's region has no members: the first region pulls across the WAN, capped
+    ("r1", None, 2, 2),  # the origin's region not yet known
+])
+def test_gateway_limit_table(region, origin_region, k, expect):
+    """Issue 26: the origin's region, 1.80x its own bound with 2 gateways at a 200 Mbit/s LAN."""
+    assert gateway_limit(region, origin_region, k) == expect
+
+
+def test_every_member_of_the_origins_region_takes_an_even_share_from_the_origin():
+    members = [f"n{i}" for i in range(4)]
+    owners = balanced_owners(KEY, 48, gateways(KEY, members, gateway_limit("r0", "r0", 2)))
+    assert Counter(owners) == {m: 12 for m in members}  # each chunk once, spread over every uplink
 
 
 @settings(max_examples=60, deadline=None)

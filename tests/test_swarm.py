@@ -456,3 +456,28 @@ def test_a_revoked_member_is_dropped_by_everyone_and_cannot_rejoin(tmp_path, che
         assert "stolen" not in {p["id"] for p in good.status()["peers"]}
         # The list survives a restart of a member that heard it.
         assert (good.data_dir / "revocations").read_bytes() == revocations.read_bytes()
+
+
+def test_manifests_reach_hinted_nodes_from_peers_or_on_request_and_every_version_applies(tmp_path, checkpoints):
+    """With one notice seed per region (`--notice-seeds 1`), the tracker sends each manifest whole
+    to one node and a hint to the others: the rest learn it from peers, and a node with no peers
+    (`--no-peers --no-listen`) asks the tracker for it. The seeds are chosen by hash of the node's
+    name and the object: with these names "star" is the seed of version 2 only, so it must ask
+    for versions 0, 1 and 3."""
+    watch = tmp_path / "watch"
+    with SwarmLab(tmp_path) as lab:
+        lab.start_tracker(extra=["--notice-seeds", "1"])
+        lab.start_origin(region="r0", watch=watch, extra=ORIGIN_ARGS)
+        nodes = [lab.start_node(f"n{i}", region="r0") for i in range(4)]
+        star = lab.start_node("star", region="r0", extra=["--no-peers", "--no-listen"])
+        for v in range(4):
+            publish(lab, watch, checkpoints, v)
+            for p, st in zip([*nodes, star], lab.wait_version([*nodes, star], v, timeout=120)):
+                assert st["version"] == v
+                assert same_bits(load_weights(p), served_bf16(checkpoints[v])), f"{p.name} differs from version {v}"
+        st = {p.name: p.status() for p in [*nodes, star]}
+        assert st["star"]["manifests_requested"] >= 3 and st["star"]["manifests_passed_on"] == 0
+        assert sum(s["manifests_passed_on"] for s in st.values()) >= 4  # each object passed on from its seed
+        assert all(s["manifests_rejected"] == 0 and s["hints_waiting"] == 0 for s in st.values())
+        for p in [*nodes, star]:
+            assert "Traceback" not in p.text(), p.name

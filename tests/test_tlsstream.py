@@ -158,3 +158,113 @@ def test_message_stream_frames_over_it(creds):
 
     got = trio.run(main)
     assert [m.data for m in got] == pieces and [m.chunk for m in got] == [0, 1, 2, 3]
+
+
+def test_connect_dials_from_the_local_address_it_is_given(creds):
+    """A host with several addresses picks the one to dial from (the tracker bench gives each
+    simulated member its own, as a fleet has)."""
+    async def main():
+        seen = []
+        with trio.fail_after(30):
+            async with trio.open_nursery() as n:
+                async def handler(ms):
+                    seen.append(ms.stream.getpeername()[0])
+                    await ms.aclose()
+
+                addr = await n.start(transport.serve, "127.0.0.1:0", creds["origin1"], {"node"},
+                                     lambda: wire.Hello("origin1", "", "origin", "", []), handler)
+                for source in ("127.0.0.7", None):
+                    ms = await transport.connect(addr, creds["node1"], {"origin"},
+                                                 wire.Hello("node1", "r0", "node", "", []), local_address=source)
+                    assert await ms.receive() is None
+                    await ms.aclose()
+                n.cancel_scope.cancel()
+        return seen
+
+    assert trio.run(main) == ["127.0.0.7", "127.0.0.1"]
+
+
+
+def test_send_nowait_writes_whole_messages_until_the_socket_is_full_then_send_all_retries_the_same(creds):
+    """The tracker writes notices with send_nowait: each goes out whole or not at all, and after
+    a False the same bytes through send_all complete the write OpenSSL may hold half done, so the
+    receiver sees every message once, in order."""
+    messages = [hashlib.sha256(b"%d" % i).digest() * 256 for i in range(4000)]  # 8 KiB each
+
+    async def main():
+        with trio.fail_after(60):
+            async with trio.open_nursery() as n:
+                server, client = await _pair(n, creds)
+                sent, refused = 0, None
+                for m in messages:  # nobody reads: the socket buffers fill
+                    if not server.send_nowait(m):
+                        refused = m
+                        break
+                    sent += 1
+                assert refused is not None and sent > 0
+                got = []
+
+                async def read_all():
+                    got.append((await _read_exactly(client, 8192 * (sent + 2)))[0])
+
+                n.start_soon(read_all)
+                await server.send_all(refused)  # the write to retry
+                await server.send_all(b"\x01" * 8192)
+                with trio.fail_after(30):
+                    while not got:
+                        await trio.sleep(0.01)
+                assert got[0] == b"".join(messages[:sent + 1]) + b"\x01" * 8192
+                n.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_send_nowait_declines_while_a_send_is_in_progress_or_after_close(creds):
+    async def main():
+        with trio.fail_after(30):
+            async with trio.open_nursery() as n:
+                server, client = await _pair(n, creds)
+                assert server.send_nowait(b"hello")
+                assert await client.receive_some() == b"hello"
+                big = os.urandom(64 << 20)
+                n.start_soon(server.send_all, big)  # nobody reads: it waits for the socket
+                await trio.sleep(0.5)
+                assert not server.send_nowait(b"x")  # it would land inside the big write
+                assert (await _read_exactly(client, len(big)))[0] == big
+                await trio.sleep(0.1)
+                await server.aclose()
+                assert not server.send_nowait(b"x")
+                n.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_tracker_pushes_to_a_member_that_stops_reading_arrive_whole_and_in_order_once_it_reads(creds):
+    """tracker/server.py writes a frame at once when the member's socket takes it and queues it
+    otherwise; the frame OpenSSL refused is written again by itself before anything batched."""
+    import collections
+    import types
+
+    from patchswarm.tracker.server import _Session
+
+    frames = [hashlib.sha256(b"%d" % i).digest() * 128 for i in range(6000)]  # 4 KiB each
+
+    async def main():
+        with trio.fail_after(60):
+            async with trio.open_nursery() as n:
+                server, client = await _pair(n, creds)
+                tracker = types.SimpleNamespace(sent=collections.Counter(), busy={})
+                session = _Session(types.SimpleNamespace(stream=server, counters=types.SimpleNamespace(sent=0)), tracker)
+                n.start_soon(session.send_loop)
+                pushed = 0
+                for f in frames:  # nobody reads: direct writes until the socket is full, then the queue
+                    if not session.push("PeerDelta", f):
+                        break
+                    pushed += 1
+                assert session.queue and pushed < len(frames)
+                got = (await _read_exactly(client, 4096 * pushed))[0]
+                assert got == b"".join(frames[:pushed])
+                assert tracker.sent["PeerDelta"] == 4096 * pushed
+                n.cancel_scope.cancel()
+
+    trio.run(main)

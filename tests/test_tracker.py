@@ -20,6 +20,7 @@ from patchswarm.node.net import trust
 from patchswarm.node.net.transport import MessageStream, connect, exchange_hello
 from patchswarm.protocol import wire
 from patchswarm.protocol.manifest import Manifest, sign_manifest, verify_manifest
+from patchswarm.protocol.errors import UsageError
 from patchswarm.protocol.peersets import apply_delta
 from patchswarm.tracker import server
 from patchswarm.tracker.core import (BAD_MESSAGE, BEHIND, OVER_ANNOUNCES, OVER_JOINS, REPLACED, SILENT, Close,
@@ -123,6 +124,63 @@ def test_a_joining_node_gets_its_peers_then_the_retained_manifests_in_order():
     assert run.notices(b) == [(0, True), (1, False), (2, False)]
     assert run.notices(a) == [(0, True), (1, False), (2, False)]
     assert origin not in run.got or not run.notices(origin)  # the origin is not sent its own manifests
+
+
+def hints(run, conn) -> list[tuple[int, bool]]:
+    return [(m.version, m.keyframe) for m in run.got.get(conn, []) if isinstance(m, wire.VersionHint)]
+
+
+def test_a_version_goes_whole_to_a_few_nodes_per_region_and_as_a_hint_to_the_rest():
+    run = Run(notice_seeds=3)
+    origin = run.join("origin", "origin", "r0")
+    small = [run.join(f"s{i}", region="small") for i in range(3)]  # no larger than the seeds: all whole
+    big = [run.join(f"b{i:02d}", region="big") for i in range(40)]
+    run.send(origin, wire.Announce(envelope(0, True)))
+    run.send(origin, wire.Announce(envelope(1)))
+    for key in [(0, True), (1, False)]:
+        assert all(key in run.notices(c) and key not in hints(run, c) for c in small)
+        whole = [c for c in big if key in run.notices(c)]
+        hinted = [c for c in big if key in hints(run, c)]
+        assert len(whole) == 3 and len(hinted) == 37 and not set(whole) & set(hinted)
+    seeds = {v: {c for c in big if (v, kf) in run.notices(c)} for v, kf in [(0, True), (1, False)]}
+    assert seeds[0] != seeds[1]  # the seeding is spread over the region, object by object
+    assert not run.notices(origin) and not hints(run, origin)
+
+
+def test_a_hinted_node_that_asks_gets_the_manifest_once_and_only_a_retained_one():
+    run = Run(notice_seeds=1)
+    origin = run.join("origin", "origin", "r0")
+    nodes = [run.join(f"n{i}") for i in range(5)]
+    run.send(origin, wire.Announce(envelope(0, True)))
+    seed = next(c for c in nodes if run.notices(c))
+    asker = next(c for c in nodes if not run.notices(c))
+    assert hints(run, asker) == [(0, True)]
+    run.send(asker, wire.ManifestRequest(0, True))
+    assert run.notices(asker) == [(0, True)]
+    for _ in range(3):  # asking again costs the tracker nothing
+        run.send(asker, wire.ManifestRequest(0, True))
+        run.send(seed, wire.ManifestRequest(0, True))  # a seed was sent it already
+    run.send(asker, wire.ManifestRequest(7, False))  # never announced
+    assert run.notices(asker) == [(0, True)] and run.notices(seed) == [(0, True)]
+    assert run.core.status()["manifests_requested"] == 1
+    assert run.closed == {}
+
+
+def test_a_node_joining_later_gets_every_retained_manifest_whole():
+    run = Run(notice_seeds=1)
+    origin = run.join("origin", "origin", "r0")
+    for i in range(4):
+        run.join(f"n{i}")
+    run.send(origin, wire.Announce(envelope(0, True)))
+    late = run.join("late")
+    assert run.notices(late) == [(0, True)] and not hints(run, late)
+    run.send(late, wire.ManifestRequest(0, True))
+    assert run.notices(late) == [(0, True)]
+
+
+def test_notice_seeds_must_be_positive():
+    with pytest.raises(UsageError, match="at least 1 notice seed"):
+        Run(notice_seeds=0)
 
 
 def test_a_silent_member_is_dropped_and_the_others_told():
@@ -435,6 +493,8 @@ def test_over_tls_a_member_learns_of_a_new_same_region_peer_by_delta(tmp_path):
                     assert isinstance(msg, wire.PeerDelta), msg
                     held = apply_delta(held, msg)
                 assert held["b"] == {"id": "b", "region": "r1", "addr": f"127.0.0.1:{7000 + ord('b')}", "role": "node"}
+                joins = tracker.status()["recent_joins"]  # from TCP accept to the peer list, the tracker's part
+                assert joins["count"] == 3 and 0 < joins["p50_s"] <= joins["max_s"] < 30
                 for ms in members.values():
                     await ms.aclose()
                 nursery.cancel_scope.cancel()

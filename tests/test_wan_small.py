@@ -190,6 +190,21 @@ def test_fault_schedule_kills_every_victim_then_restarts_the_first():
     assert Faults(0.5, 0.2).events(["a"]) == [(0.2, "restart", "a"), (0.5, "kill", "a")]  # as given, in time order
 
 
+def test_kept_logs_take_a_folder_per_run_and_never_replace_one(tmp_path):
+    """Issue 26 (f): the second run of a system overwrote the first's logs, so a slow run's cause was lost."""
+    from bench.wan_runner import keep_logs
+
+    kept = []
+    for run in ("first", "second"):
+        logs = tmp_path / f"work-{run}"
+        logs.mkdir()
+        (logs / "n1.1.log").write_text(run)
+        kept.append(keep_logs(tmp_path / "out", logs, "patchswarm-3x4"))
+    assert [k.name for k in kept] == ["patchswarm-3x4-1", "patchswarm-3x4-2"]
+    assert [(k / "n1.1.log").read_text() for k in kept] == ["first", "second"]
+    assert keep_logs(None, tmp_path / "work-first", "x") is None
+
+
 def test_libtorrent_stall_is_the_longest_gap_between_pieces_from_the_start():
     pytest.importorskip("libtorrent", reason="libtorrent (dev extra) is not installed")
     from bench.wan_libtorrent_peer import PieceGaps

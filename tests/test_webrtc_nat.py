@@ -8,14 +8,17 @@ where namespaces, nftables or coturn cannot be had."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from aptinstall import ensure_command
-from nattopo import PUBLIC, NatTopology, skip_reason
+from nattopo import PUBLIC, TURN_PASSWORD, TURN_USER, NatTopology, skip_reason, start_coturn
 from synthetic import rl_checkpoints, served
 from swarmlab import SwarmLab, load_weights, same_bits, write_checkpoint
 
@@ -23,7 +26,6 @@ pytest.importorskip("aiortc")
 pytestmark = pytest.mark.slow  # namespaces, real processes
 
 ORIGIN_ARGS = ["--chunk-bytes", "32768", "--segment-elements", "65536"]
-TURN_USER, TURN_PASSWORD = "patchswarm", "turn-secret"
 
 
 @pytest.fixture(scope="module")
@@ -38,25 +40,6 @@ def turnserver():
         pytest.skip(why)
     ensure_command("nft", "nftables")
     return ensure_command("turnserver", "coturn")
-
-
-def start_coturn(turnserver: str, topo: NatTopology, workdir) -> subprocess.Popen:
-    log = open(workdir / "coturn.log", "wb")
-    p = subprocess.Popen([*topo.exec(topo.pub), turnserver, "-n", "--listening-ip", PUBLIC, "--relay-ip", PUBLIC,
-                          "--listening-port", "3478", "--min-port", "49152", "--max-port", "49352",
-                          "--lt-cred-mech", "--user", f"{TURN_USER}:{TURN_PASSWORD}", "--realm", "patchswarm",
-                          "--userdb", str(workdir / "turndb"), "--pidfile", str(workdir / "turn.pid"),
-                          "--no-tls", "--no-dtls", "--no-cli", "--fingerprint", "--simple-log",
-                          "--log-file", "stdout"], stdout=log, stderr=subprocess.STDOUT)
-    log.close()
-    deadline = time.monotonic() + 20
-    while f"{PUBLIC}:3478" not in subprocess.run([*topo.exec(topo.pub), "ss", "-lnu"], capture_output=True,
-                                                 text=True, timeout=10).stdout:
-        if p.poll() is not None or time.monotonic() > deadline:
-            p.kill()
-            raise AssertionError(f"coturn did not start:\n{(workdir / 'coturn.log').read_text(errors='replace')[-2000:]}")
-        time.sleep(0.1)
-    return p
 
 
 def wait_connected(nodes, timeout: float) -> None:
@@ -122,3 +105,48 @@ def test_behind_symmetric_nat_nodes_fall_back_to_turn(tmp_path, checkpoints, tur
     # host address included: the public network routes that address somewhere (tests/nattopo.py),
     # as the internet does, or coturn closes the allocation on the failed send.
     _check(run_case(tmp_path, checkpoints, turnserver, symmetric=True, connect_s=60), "relayed")
+
+
+BENCH = Path(__file__).resolve().parent.parent / "bench" / "transport.py"
+
+
+def _namespaces_of(pid: int) -> list[str]:
+    tag = f"psw-bt{pid % 100000}-"  # tests/nattopo.py names them prefix + pid
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
+    return [line.split()[0] for line in out.splitlines() if line.startswith(tag)]
+
+
+def test_transport_bench_nat_mode_runs_each_path_and_removes_its_namespaces(turnserver):
+    # bench/transport.py --nat at its smallest: every row moves its bytes, each WebRTC row over
+    # the path it names (the bench also checks ICE's chosen pair), and nothing of the topology is left.
+    bench = subprocess.Popen([sys.executable, str(BENCH), "--nat", "--mib", "1", "--repeat", "1", "--sizes", "16",
+                              "--lanes", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = bench.communicate(timeout=600)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
+    assert bench.returncode == 0, out[-2000:] + err[-3000:]
+    for row in ("TCP+TLS, loopback", "TCP+TLS, NATed to public", "WebRTC, loopback", "WebRTC direct, NAT to NAT",
+                "WebRTC relayed, symmetric NATs"):
+        assert f"  {row}, 16 KiB messages: " in out, out
+    line = out.split("candidate pairs ICE chose (local-remote, at the receiver): ", 1)[1].splitlines()[0]
+    pairs = dict(item.split(": ") for item in line.split("; "))
+    assert "relay" not in pairs["WebRTC direct, NAT to NAT"] and "relay" in pairs["WebRTC relayed, symmetric NATs"], line
+    assert _namespaces_of(bench.pid) == []
+
+
+def test_transport_bench_nat_mode_removes_its_namespaces_when_stopped(turnserver):
+    bench = subprocess.Popen([sys.executable, str(BENCH), "--nat", "--mib", "1", "--sizes", "16"],
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert bench.stdout.readline().startswith("run 0"), "the bench did not build its topology"
+        assert _namespaces_of(bench.pid)
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(timeout=60) == 143
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
+    assert _namespaces_of(bench.pid) == []

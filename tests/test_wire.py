@@ -44,6 +44,8 @@ messages = st.one_of(
     st.builds(PeerList, peers=st.lists(peer, max_size=4)),
     st.builds(PeerDelta, add=st.lists(peer, max_size=4), remove=st.lists(text, max_size=4)),
     st.builds(VersionNotice, version=uint, manifest=blob),
+    st.builds(wire.VersionHint, version=uint, keyframe=st.booleans()),
+    st.builds(wire.ManifestRequest, version=uint, keyframe=st.booleans()),
     st.builds(Heartbeat, versions=st.lists(uint, max_size=2)),
     st.builds(Revocations, envelope=blob),
     st.builds(Signal, peer=text.filter(bool), kind=st.sampled_from(wire.SIGNAL_KINDS), session=uint, sdp=text,
@@ -81,7 +83,7 @@ def test_every_type_is_covered():
     assert set(wire.MESSAGE_TYPES) == {
         "Hello", "Have", "HaveOne", "Incoming", "Request", "RequestRest", "Piece", "Cancel", "Reject", "Announce",
         "PeerList", "VersionNotice", "Heartbeat", "Trajectories", "TrajectoriesAck", "Revocations", "Bye",
-        "Error", "PeerDelta", "Signal"}
+        "Error", "PeerDelta", "Signal", "VersionHint", "ManifestRequest"}
 
 
 @given(messages)

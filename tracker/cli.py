@@ -19,6 +19,9 @@ def _tracker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--revocations", metavar="FILE", type=Path,
                    help="the swarm's signed revocation list (SWARM/revocations, from `swarm revoke` or "
                         "`swarm issue --rotate`): reread when it changes and handed to every member")
+    p.add_argument("--notice-seeds", metavar="N", type=int, default=None,
+                   help="nodes per region sent each manifest whole; the others get a hint and the manifest "
+                        "from a peer (default 8)")
 
 
 def cmd_tracker(args: argparse.Namespace) -> int:
@@ -29,7 +32,8 @@ def cmd_tracker(args: argparse.Namespace) -> int:
     from patchswarm.tracker.page import page_html, swarm_view
     from patchswarm.tracker.server import Tracker
 
-    t = Tracker(args.creds, args.listen, revocations=args.revocations)
+    options = {} if args.notice_seeds is None else {"notice_seeds": args.notice_seeds}
+    t = Tracker(args.creds, args.listen, revocations=args.revocations, **options)
 
     async def start(task_status=trio.TASK_STATUS_IGNORED):
         async with trio.open_nursery() as n:

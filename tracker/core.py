@@ -14,9 +14,11 @@ What it decides:
   joins, deltas afterwards, coalesced for `delta_delay` so a burst of joins
   costs each affected member one message;
 - the manifests: only the origin announces; each is verified (trainer
-  signature, swarm, forward only) and sent to every node once; the latest
-  keyframe's chain and recent patches are kept (`retained`) for members that
-  join later;
+  signature, swarm, forward only); `notice_seeds` nodes per region get it
+  whole (VersionNotice), every other node a VersionHint, and gets it from a
+  peer (nodes pass on what they accept) or, asking, from the tracker, once
+  per object; the latest keyframe's chain and recent patches are kept
+  (`retained`) and sent whole to members that join later;
 - budgets per member id and minute (issue 21): joins and announcements.
   A member over a budget is closed and counted; while its budget is empty it
   is refused at once, so a member reconnecting in a loop costs the others
@@ -29,13 +31,15 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import heapq
 import logging
+import zlib
 from typing import Hashable
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from patchswarm.protocol import wire
-from patchswarm.protocol.errors import InvalidInput, StaleVersion
+from patchswarm.protocol.errors import InvalidInput, StaleVersion, UsageError
 from patchswarm.protocol.peersets import NODE, ORIGIN, PeerSets
 from patchswarm.protocol.picker import WAN_GATEWAYS
 from patchswarm.protocol.manifest import describe
@@ -56,6 +60,12 @@ JOIN_BUDGET = (10, 10.0)
 # The origin re-announces everything it retains after each reconnect (up to a
 # keyframe plus RETAIN_PATCHES patches), and about two objects per version.
 ANNOUNCE_BUDGET = (2 * RETAIN_PATCHES + 16, 120.0)
+# Nodes per region that get each manifest whole from the tracker; the rest get a 38-byte
+# VersionHint and the manifest from a peer. At 10,000 members and a 1,000-chunk patch
+# (40 KB of manifest) whole notices cost the tracker 403 MB of TLS writes per version and
+# 0.87 s to reach the last member (bench/tracker_load.py); with seeds, 8 per region plus
+# 38 bytes a member. A region no larger than this gets whole notices only.
+NOTICE_SEEDS = 8
 
 # Why a member was closed: the keys of `TrackerCore.drops`.
 SILENT, REPLACED, OVER_JOINS, OVER_ANNOUNCES, BAD_MESSAGE, BEHIND, LEFT = (
@@ -94,6 +104,7 @@ class Member:
     joined_at: float
     last_seen: float
     versions: list[int]
+    manifests: set | None = None  # objects whose whole notice it was sent (None: none yet, one object fewer per member)
 
     def entry(self) -> dict:
         return {"id": self.id, "region": self.region, "addr": self.addr, "role": self.role}
@@ -133,10 +144,13 @@ class TrackerCore:
                  heartbeat_timeout: float = HEARTBEAT_TIMEOUT, retain_patches: int = RETAIN_PATCHES,
                  delta_delay: float = DELTA_DELAY, join_budget: tuple[int, float] = JOIN_BUDGET,
                  announce_budget: tuple[int, float] = ANNOUNCE_BUDGET, wan_gateways: int | None = WAN_GATEWAYS,
-                 seed: int = 0):
+                 notice_seeds: int = NOTICE_SEEDS, seed: int = 0):
+        if notice_seeds < 1:
+            raise UsageError(f"expected at least 1 notice seed per region, found {notice_seeds}")
         self.book = VersionBook(swarm_id, trainer_key)
         self.heartbeat_timeout = heartbeat_timeout
         self.retain_patches = retain_patches
+        self.notice_seeds = notice_seeds
         self.delta_delay = delta_delay
         self.peers = PeerSets(gateways=wan_gateways or 0, seed=seed)
         self.members: dict[str, Member] = {}
@@ -148,6 +162,7 @@ class TrackerCore:
         self._delta_due: float | None = None
         self._last_prune = 0.0
         self.manifests_rejected = 0
+        self.manifests_requested = 0  # whole notices sent on ManifestRequest
         self.signals_relayed = 0  # WebRTC offers and answers forwarded between members
         self.signals_dropped = 0  # ... addressed to no member
         self.drops: collections.Counter[str] = collections.Counter()
@@ -182,6 +197,8 @@ class TrackerCore:
             out.append(Send.of([conn], wire.PeerList(self.peers.full(mid))))
         if role == NODE:
             out += [dataclasses.replace(self._notices[k], to=(conn,)) for k in sorted(self._notices)]
+            if self._notices:
+                m.manifests = set(self._notices)
         return out
 
     def received(self, conn: Hashable, msg, now: float) -> list:
@@ -197,6 +214,8 @@ class TrackerCore:
             return self._announce(m, msg.manifest, now)
         if isinstance(msg, wire.Signal):
             return self._relay_signal(m, msg)
+        if isinstance(msg, wire.ManifestRequest):
+            return self._send_manifest(m, (msg.version, msg.keyframe))
         if isinstance(msg, wire.Bye):
             return self._drop(m, now, LEFT, f"said bye ({msg.reason})")
         if isinstance(msg, wire.Error):
@@ -279,15 +298,49 @@ class TrackerCore:
             self.book.discard(key)  # an old object re-announced after a restart, which nobody needs any more
             return []
         log.info("%s announced (%d chunks, %s bytes)", describe(key), len(man.chunks), f"{man.total_bytes:,}")
-        notice = Send.of(self._conns(NODE), wire.VersionNotice(man.version, bytes(envelope)))
+        notice = Send.of((), wire.VersionNotice(man.version, bytes(envelope)))
         self._notices[key] = notice
         self._prune()
-        out = [notice]
+        seeds, hinted = self._seeds(key)
+        for s in seeds:
+            s.manifests = (s.manifests or set()) | {key}
+        out = [dataclasses.replace(notice, to=tuple(s.conn for s in seeds))]
+        if hinted:
+            out.append(Send.of([h.conn for h in hinted], wire.VersionHint(man.version, man.is_keyframe)))
         if man.version == self.book.latest_version and (not man.is_keyframe or self.book.get((man.version, False)) is None):
             # Its gateways now carry chunks across the WAN: they learn each other's addresses at once.
             self.peers.set_object(key)
             out += self._flush()
         return out
+
+    def _seeds(self, key) -> tuple[list[Member], list[Member]]:
+        """The nodes that get `key`'s manifest whole (`notice_seeds` per region, spread over
+        the region's members object by object) and the nodes that get a hint."""
+        regions: dict[str, list[Member]] = collections.defaultdict(list)
+        for m in self.members.values():
+            if m.role == NODE:
+                regions[m.region].append(m)
+        seeds, hinted = [], []
+        tag = f"{key[0]}/{int(key[1])}/".encode()
+        for nodes in regions.values():
+            if len(nodes) <= self.notice_seeds:
+                seeds += nodes
+                continue
+            chosen = heapq.nsmallest(self.notice_seeds, nodes, key=lambda m: zlib.crc32(tag + m.id.encode()))
+            seeds += chosen
+            picked = set(map(id, chosen))
+            hinted += [m for m in nodes if id(m) not in picked]
+        return seeds, hinted
+
+    def _send_manifest(self, m: Member, key) -> list:
+        """A node asks for a hinted object's manifest: sent once per member and object, and
+        only for objects still retained, so asking again costs the tracker nothing."""
+        notice = self._notices.get(key)
+        if m.role != NODE or notice is None or (m.manifests is not None and key in m.manifests):
+            return []
+        m.manifests = (m.manifests or set()) | {key}
+        self.manifests_requested += 1
+        return [dataclasses.replace(notice, to=(m.conn,))]
 
     def _prune(self) -> None:
         keep = self.book.retained(self.retain_patches)
@@ -326,9 +379,6 @@ class TrackerCore:
                 out.append(Send.of(conns, delta))
         return out
 
-    def _conns(self, role: str) -> list[Hashable]:
-        return [m.conn for m in self.members.values() if m.role == role]
-
     # ------------------------------------------------------------ status
 
     def status(self) -> dict:
@@ -337,6 +387,7 @@ class TrackerCore:
             "latest_version": self.book.latest_version,
             "members": [{**m.entry(), "versions": m.versions} for m in self.members.values()],
             "manifests_rejected": self.manifests_rejected,
+            "manifests_requested": self.manifests_requested,
             "signals_relayed": self.signals_relayed,
             "signals_dropped": self.signals_dropped,
             "drops": dict(self.drops),

@@ -154,6 +154,26 @@ class TLSSocketStream(trio.abc.Stream):
         finally:
             self._sending = False
 
+    def send_nowait(self, data) -> bool:
+        """Write `data` (at most one send slice) now if the socket takes it: True if it went
+        out, False if not. After False the caller sends it with `send_all`, and that must be the
+        next write on this stream, with the same bytes: OpenSSL may hold a record of it half
+        written and takes only that write again. For small messages to many streams (the
+        tracker's notices to every member): no task wake-up per stream."""
+        if (self._sending or not self._handshake_done or self._closed or self._broken is not None
+                or len(data) > _SEND_SLICE):
+            return False
+        try:
+            self._ssl.send(data)  # whole or not at all: partial writes are not enabled
+        except ssl.SSLWantWriteError:
+            return False
+        except ssl.SSLWantReadError:
+            return False  # not after the handshake with TLS 1.3; send_all knows what to do
+        except (ssl.SSLError, OSError) as e:
+            self._broken = e  # the next send_all raises BrokenResourceError
+            return False
+        return True
+
     async def wait_send_all_might_not_block(self) -> None:
         self._check_usable()
         await trio.lowlevel.wait_writable(self._ssl)

@@ -115,6 +115,7 @@ class MessageStream:
         if creds is not None:
             _LIVE.add(self)
         self.hello: wire.Hello | None = None
+        self.accepted_at: float | None = None  # trio.current_time() when `serve` accepted the connection
         self.counters = Counters()
         self._conn = wire.Connection(max_frame=max_frame)
         self._send_lock = trio.StrictFIFOLock()
@@ -234,14 +235,16 @@ async def exchange_hello(ms: MessageStream, hello: wire.Hello) -> wire.Hello:
 async def connect(addr: str, creds: Credentials, allowed_roles: set[str] | frozenset[str],
                   hello: wire.Hello, *, expect_name: str | None = None,
                   ssl_context: ssl.SSLContext | None = None,
-                  on_receive: Callable[[int], Awaitable[None]] | None = None) -> MessageStream:
+                  on_receive: Callable[[int], Awaitable[None]] | None = None,
+                  local_address: str | None = None) -> MessageStream:
     """Dial `addr`, authenticate both ways, exchange Hellos; the caller closes the stream.
 
     With `expect_name`, the peer's certificate must carry that name (InvalidInput
-    otherwise); a peer with this member's own name is always refused."""
+    otherwise); a peer with this member's own name is always refused. `local_address`:
+    the IP to dial from (a host with several)."""
     host, port = parse_addr(addr)
     with trio.fail_after(HANDSHAKE_SECONDS):
-        tcp = await trio.open_tcp_stream(host, port)
+        tcp = await trio.open_tcp_stream(host, port, local_address=local_address)
     stream = TLSSocketStream.wrap(tcp, ssl_context or client_context(creds), server_side=False)
     ms = None
     try:
@@ -294,6 +297,7 @@ async def serve(listen: str, creds: Credentials, allowed_roles: set[str] | froze
 
     async def one(tcp: trio.SocketStream) -> None:
         nonlocal before_hello
+        accepted_at = trio.current_time()
         try:
             host = tcp.socket.getpeername()[0]
         except OSError:  # reset before we got to it
@@ -315,6 +319,7 @@ async def serve(listen: str, creds: Credentials, allowed_roles: set[str] | froze
             try:
                 name, role, serial = await _handshake(stream, allowed_roles, None, creds)
                 ms = MessageStream(stream, name, role, on_receive=on_receive, peer_serial=serial, creds=creds)
+                ms.accepted_at = accepted_at
                 await exchange_hello(ms, hello())
             except (*CONNECTION_ERRORS, InvalidInput) as e:
                 refuse("refused", _reason(e))

@@ -1,0 +1,97 @@
+"""node/manifestrelay.py: a hinted manifest is asked of the tracker only when no peer passed it on in time."""
+
+from __future__ import annotations
+
+import hashlib
+
+import trio
+import trio.testing
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from patchswarm.node.manifestrelay import MAX_HINTS_WAITING, ManifestRelay
+from patchswarm.node.net.ratelimit import TokenBucket
+from patchswarm.node.peers import PeerSet
+from patchswarm.protocol import wire
+from patchswarm.protocol.manifest import Manifest, sign_manifest
+from patchswarm.protocol.versions import NEW, VersionBook
+
+KEY = Ed25519PrivateKey.generate()
+SWARM = "s" * 16
+
+
+def envelope(version: int) -> bytes:
+    h = "blake3:" + hashlib.sha256(b"%d" % version).hexdigest()
+    return sign_manifest(Manifest(swarm_id=SWARM, version=version, base_version=None, base_hash=None, target_hash=h,
+                                  tensors=[["w", "bf16", [4]]], chunks=[(100, hashlib.sha256(b"x").digest())],
+                                  codec={"format": 2}, created_at=0.0), KEY)
+
+
+def relay(asked: list):
+    book = VersionBook(SWARM, KEY.public_key())
+
+    def offer(env: bytes, source: str) -> bool:
+        return book.offer(env, None)[0] == NEW
+
+    async def ask(msg) -> bool:
+        asked.append((trio.current_time(), msg))
+        return True
+
+    peers = PeerSet("me", None, TokenBucket(None), lambda s, m: None)
+    return ManifestRelay(offer, lambda key: book.get(key) is not None, peers, ask, wait=1.0)
+
+
+def run(body):
+    async def main():
+        async with trio.open_nursery() as n:
+            await body(n)
+            n.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_a_hint_no_peer_answers_is_asked_of_the_tracker_once_after_the_wait():
+    asked = []
+
+    async def body(n):
+        r = relay(asked)
+        n.start_soon(r.run)
+        t0 = trio.current_time()
+        r.hinted(wire.VersionHint(3, True))
+        r.hinted(wire.VersionHint(3, True))  # the same hint again: one wait, one request
+        await trio.sleep(5)
+        assert [(round(t - t0, 3), m) for t, m in asked] == [(1.0, wire.ManifestRequest(3, True))]
+        assert r.status() == {"manifests_passed_on": 0, "manifests_requested": 1, "hints_waiting": 0}
+
+    run(body)
+
+
+def test_a_manifest_that_arrives_in_time_or_is_held_already_is_not_asked_for():
+    asked = []
+
+    async def body(n):
+        r = relay(asked)
+        n.start_soon(r.run)
+        r.notice(wire.VersionNotice(1, envelope(1)), None)
+        r.hinted(wire.VersionHint(1, True))  # held already
+        r.hinted(wire.VersionHint(2, True))
+        await trio.sleep(0.5)
+        r.notice(wire.VersionNotice(2, envelope(2)), None)  # as from a peer, within the wait
+        await trio.sleep(5)
+        assert asked == []
+
+    run(body)
+
+
+def test_hints_waiting_are_bounded():
+    asked = []
+
+    async def body(n):
+        r = relay(asked)
+        for v in range(MAX_HINTS_WAITING + 10):
+            r.hinted(wire.VersionHint(v, False))
+        assert r.status()["hints_waiting"] == MAX_HINTS_WAITING
+        n.start_soon(r.run)
+        await trio.sleep(5)
+        assert len(asked) == MAX_HINTS_WAITING
+
+    run(body)
