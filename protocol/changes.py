@@ -283,6 +283,8 @@ def decode_frame(body: bytes | memoryview, crc: int) -> Event:
         raise _bad("kind", f"one of {[k.decode() for k in KINDS]}", kind)
     if mlen > len(body) - _BODY.size:
         raise _bad("meta length", f"at most {len(body) - _BODY.size}", mlen)
+    if kind in (b"P", b"E") and mlen > MAX_META_BYTES:  # a header's or structure's lists may be longer
+        raise _bad("meta length", f"at most {MAX_META_BYTES} in a {kind.decode()} frame", mlen)
     try:
         meta = msgpack.unpackb(body[_BODY.size:_BODY.size + mlen], raw=False, strict_map_key=True)
     except Exception as e:  # msgpack raises several unrelated types for bad input

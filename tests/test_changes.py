@@ -207,6 +207,35 @@ def test_a_frame_longer_than_the_limit_is_refused_before_it_is_buffered():
     assert s.next_event() is NEED_DATA
 
 
+def test_a_piece_or_end_whose_meta_is_over_its_limit_is_refused_before_it_is_unpacked():
+    import struct
+    import zlib
+
+    import msgpack
+
+    from patchswarm.protocol.changes import MAX_META_BYTES, decode_frame
+
+    def body(kind: bytes, meta) -> bytes:
+        packed = msgpack.packb(meta)
+        return struct.pack("<cI", kind, len(packed)) + packed
+
+    long_name = "x" * (MAX_META_BYTES - 100)  # packs to just under the limit, then over it with more
+    for kind, meta in [(b"P", [long_name, "u8", [4], 0, 1]), (b"E", {"pieces": 0, "elements": 0, "pad": long_name})]:
+        fits = body(kind, meta)
+        over = body(kind, meta[:0] + [long_name + "y" * 200, "u8", [4], 0, 1] if kind == b"P" else
+                    {**meta, "pad": long_name + "y" * 200})
+        assert len(fits) - 5 <= MAX_META_BYTES < len(over) - 5
+        with pytest.raises(CorruptData, match=f"at most {MAX_META_BYTES} in a"):
+            decode_frame(over, zlib.crc32(over))
+        try:
+            decode_frame(fits, zlib.crc32(fits))
+        except CorruptData as e:  # refused for what is in it (a name too long), not for its size
+            assert f"at most {MAX_META_BYTES} in a" not in str(e)
+    header = body(b"S", {"removed": [], "full": [[f"t{i:06d}", "u8", [1]] for i in range(8000)]})
+    assert len(header) - 5 > MAX_META_BYTES  # a structure frame of a model with many tensors is not bounded by it
+    assert decode_frame(header, zlib.crc32(header)).full[-1].name == "t007999"
+
+
 def test_changes_that_do_not_fit_the_tensors_are_refused():
     with pytest.raises(BaseMismatch):
         apply_changes({"a": torch.zeros(100, dtype=torch.float16), "b": torch.zeros(5, dtype=torch.uint8)},
