@@ -170,3 +170,16 @@ def test_tracker_relays_only_to_members_and_stamps_the_sender(swarm):
             n.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_an_offer_asks_for_the_relay_only_when_it_names_a_relay_candidate():
+    from patchswarm.node.net.webrtc import offers_relay
+
+    host = "a=candidate:1 1 udp 2130706431 192.168.1.2 5000 typ host"
+    srflx = "a=candidate:2 1 udp 1694498815 203.0.113.7 6000 typ srflx raddr 192.168.1.2 rport 5000"
+    relay = "a=candidate:3 1 udp 16777215 203.0.113.9 7000 typ relay raddr 203.0.113.7 rport 6000"
+    assert not offers_relay("\r\n".join(["v=0", host, srflx]))
+    assert offers_relay("\r\n".join(["v=0", host, srflx, relay]))
+    assert not offers_relay("v=0\r\ns=typ relay\r\n")  # only candidate lines count
+    assert not IceConfig(stun="s:1", turn="turn:t:2").servers(relay=False)[1:]  # TURN left out
+    assert len(IceConfig(stun="s:1", turn="turn:t:2").servers()) == 2

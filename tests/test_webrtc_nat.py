@@ -79,7 +79,7 @@ def run_case(tmp_path, checkpoints, turnserver, symmetric: bool, connect_s: floa
                 lab.wait_version(nodes, v, timeout=240)
                 for p in nodes:
                     assert same_bits(load_weights(p), served(checkpoints[v], torch.bfloat16)), f"{p.name} at {v}"
-            return {p.name: p.status() for p in nodes}
+            return {p.name: {**p.status(), "log": p.text()} for p in nodes}
     finally:
         if coturn is not None:
             coturn.terminate()
@@ -96,15 +96,22 @@ def _check(st: dict, path: str) -> None:
     assert sum(s["bytes_in"]["same_region"] for s in st.values()) > 0
 
 
+FALLBACK = "no direct WebRTC path"  # node/net/rtcsignal.py: the first offer, without relay candidates, failed
+
+
 def test_behind_port_preserving_nat_nodes_exchange_directly(tmp_path, checkpoints, turnserver):
-    _check(run_case(tmp_path, checkpoints, turnserver, symmetric=False), "direct")
+    st = run_case(tmp_path, checkpoints, turnserver, symmetric=False)
+    _check(st, "direct")
+    assert not any(FALLBACK in s["log"] for s in st.values())  # TURN configured, and not needed
 
 
 def test_behind_symmetric_nat_nodes_fall_back_to_turn(tmp_path, checkpoints, turnserver):
     # Each node's ICE checks from its relay go to every candidate the other names, its private
     # host address included: the public network routes that address somewhere (tests/nattopo.py),
     # as the internet does, or coturn closes the allocation on the failed send.
-    _check(run_case(tmp_path, checkpoints, turnserver, symmetric=True, connect_s=60), "relayed")
+    st = run_case(tmp_path, checkpoints, turnserver, symmetric=True, connect_s=60)
+    _check(st, "relayed")
+    assert any(FALLBACK in s["log"] for s in st.values())  # direct first, then the relay
 
 
 BENCH = Path(__file__).resolve().parent.parent / "bench" / "transport.py"

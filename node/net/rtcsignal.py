@@ -34,11 +34,16 @@ from patchswarm.protocol.errors import InvalidInput, PatchswarmError
 
 from patchswarm.node.net.transport import CONNECTION_ERRORS, MessageStream, exchange_hello, one_line
 from patchswarm.node.net.trust import Credentials, member_certificate, sign_statement, verify_statement
-from patchswarm.node.net.webrtc import IceConfig, RTCLoop, RTCPeer, sdp_fingerprints
+from patchswarm.node.net.webrtc import IceConfig, RTCLoop, RTCPeer, offers_relay, sdp_fingerprints
 
 log = logging.getLogger("patchswarm.webrtc")
 
 CONNECT_SECONDS = 30.0  # an offer to an open channel with Hellos done: signalling, ICE, DTLS, SCTP
+# With a TURN server configured, a first offer without relay candidates gets this long: aioice
+# nominates the first pair whose check succeeds, so offered together a check through the relay
+# can win over a direct pair still waiting for the other side's NAT mapping (seen in
+# bench/transport.py --nat). Peers behind symmetric NAT pay it once per connection.
+DIRECT_SECONDS = 8.0
 MAX_ANSWERING = 16  # offers being answered at once; more are refused (each costs a peer connection)
 
 
@@ -85,16 +90,28 @@ class RTCSignaller:
     async def connect(self, peer_id: str, role: str) -> MessageStream:
         """An authenticated session with member `peer_id` over a data channel.
 
+        With a TURN server configured, a first offer gathers no relay candidates
+        (DIRECT_SECONDS); only if it does not connect is a second one made with them.
         Raises as `transport.connect` does: a connection error (no tracker, no
         answer, ICE or DTLS failed, within CONNECT_SECONDS) or InvalidInput /
         ProtocolError (the answer or the Hello does not hold)."""
+        if self._rtc is None:
+            raise trio.BrokenResourceError("WebRTC is not running")
+        if self.ice.turn:  # direct first, the relay only where no direct path opens
+            try:
+                return await self._dial(peer_id, role, relay=False, seconds=DIRECT_SECONDS)
+            except CONNECTION_ERRORS as e:
+                log.info("no direct WebRTC path to %s (%s): trying through the TURN relay", peer_id, one_line(e))
+        return await self._dial(peer_id, role, relay=True, seconds=CONNECT_SECONDS)
+
+    async def _dial(self, peer_id: str, role: str, relay: bool, seconds: float) -> MessageStream:
         rtc = self._rtc
         if rtc is None:
             raise trio.BrokenResourceError("WebRTC is not running")
-        peer = rtc.peer()
+        peer = rtc.peer(relay=relay)
         session = secrets.randbits(63)
         try:
-            with trio.fail_after(CONNECT_SECONDS):
+            with trio.fail_after(seconds):
                 offer = await peer.local_offer()
                 waiting = self._offered[session] = _Offered(peer_id)
                 if not await self._send(self._signal(peer_id, "offer", session, offer)):
@@ -140,8 +157,9 @@ class RTCSignaller:
                 name, role, serial = self._check(msg, "offer", self.allowed_roles)
             except InvalidInput:
                 return
-            peer = self._rtc.peer()
-            with trio.fail_after(CONNECT_SECONDS):
+            relay = offers_relay(msg.sdp)  # an offer without relay candidates asks for a direct path
+            peer = self._rtc.peer(relay=relay)
+            with trio.fail_after(CONNECT_SECONDS if relay else DIRECT_SECONDS + 2.0):
                 answer = await peer.local_answer(msg.sdp)
                 if not await self._send(self._signal(msg.peer, "answer", msg.session, answer)):
                     raise trio.BrokenResourceError("no tracker connection to answer through")

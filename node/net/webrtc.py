@@ -84,12 +84,13 @@ class IceConfig:
     # Local addresses for host candidates; None: every interface but 127.0.0.1 (aioice's choice).
     host_addresses: tuple[str, ...] | None = None
 
-    def servers(self) -> list:
+    def servers(self, relay: bool = True) -> list:
+        """aiortc's ICE servers; without TURN when not `relay`."""
         from aiortc import RTCIceServer
         out = []
         if self.stun:
             out.append(RTCIceServer(urls=f"stun:{self.stun}"))
-        if self.turn:
+        if self.turn and relay:
             url = self.turn if self.turn.startswith(("turn:", "turns:")) else f"turn:{self.turn}"
             out.append(RTCIceServer(urls=url, username=self.turn_user, credential=self.turn_password))
         return out  # [] and not None: None means aiortc's default public STUN server
@@ -148,10 +149,11 @@ class RTCLoop:
         """Call `fn(*args)` in the loop's thread, soon; returns at once."""
         self.loop.call_soon_threadsafe(fn, *args)
 
-    def peer(self, fast_sctp: bool = True) -> "RTCPeer":
+    def peer(self, fast_sctp: bool = True, relay: bool = True) -> "RTCPeer":
         """A new peer connection (not yet offered or answered). `fast_sctp`: with
-        node/net/sctpfast.py's speed-ups of aiortc's SCTP (False: stock aiortc)."""
-        return RTCPeer(self, fast_sctp)
+        node/net/sctpfast.py's speed-ups of aiortc's SCTP (False: stock aiortc);
+        `relay`: gather relay candidates through the TURN server, if one is configured."""
+        return RTCPeer(self, fast_sctp, relay)
 
 
 def _call_trio(token: trio.lowlevel.TrioToken, fn: Callable, *args) -> None:
@@ -210,6 +212,11 @@ def receive_window() -> int:
     return _RECEIVE_WINDOW
 
 
+def offers_relay(sdp: str) -> bool:
+    """Whether an SDP names a relay candidate: an offer without one asks for a direct path."""
+    return any(line.startswith("a=candidate:") and " typ relay" in line for line in sdp.splitlines())
+
+
 class RTCPeer:
     """One peer connection with one data channel, as seen from trio.
 
@@ -217,9 +224,10 @@ class RTCPeer:
     `local_answer(offer_sdp)`. Then `await open()` gives the stream; `aclose()`
     (or closing the stream) ends the connection."""
 
-    def __init__(self, rtc: RTCLoop, fast_sctp: bool = True):
+    def __init__(self, rtc: RTCLoop, fast_sctp: bool = True, relay: bool = True):
         self.rtc = rtc
         self.fast_sctp = fast_sctp
+        self.relay = relay
         self.stream = DataChannelStream(self)
         self.local_sdp: str | None = None
         self.remote_sdp: str | None = None
@@ -287,7 +295,7 @@ class RTCPeer:
     def _new_pc(self):
         from aiortc import RTCConfiguration, RTCPeerConnection
 
-        self._pc = RTCPeerConnection(RTCConfiguration(iceServers=self.rtc.ice.servers()))
+        self._pc = RTCPeerConnection(RTCConfiguration(iceServers=self.rtc.ice.servers(self.relay)))
         self._opened = asyncio.get_running_loop().create_future()
         # Read a failure here, so asyncio does not log it as never retrieved when nobody waits.
         self._opened.add_done_callback(lambda f: f.cancelled() or f.exception())
