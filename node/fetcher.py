@@ -208,19 +208,17 @@ class Fetcher:
                       s.region, f"{msg.total:,}", "unasked" if asked_at is None
                       else f"{trio.current_time() - asked_at:.3f} s after the request")
         data = flow.asm.data()
-        if not chunk_ok(m, c, data) and flow.start:
-            # Resumed: its first bytes came from a peer whose transfer broke, so the fault may
-            # be that peer's. Nobody is blamed; the chunk is asked again, whole (nothing is kept).
+        if not chunk_ok(m, c, data):  # one SHA-256 of the chunk, on the path of every chunk
             self.inflows.finish(flow, ok=False)
             self.chunks_rejected += 1
-            self.picker.request_lost(key, c, s.id)
-            log.warning("chunk %d of %s, resumed from byte %d with peer %s, does not match the manifest's "
-                        "SHA-256; asking for it whole", c, describe(key), flow.start, s.id)
-            self._wakeup.set()
-            return
-        if not chunk_ok(m, c, data):
-            self.inflows.finish(flow, ok=False)
-            self.chunks_rejected += 1
+            if flow.start:
+                # Resumed: its first bytes came from a peer whose transfer broke, so the fault may
+                # be that peer's. Nobody is blamed; the chunk is asked again, whole (nothing is kept).
+                self.picker.request_lost(key, c, s.id)
+                log.warning("chunk %d of %s, resumed from byte %d with peer %s, does not match the manifest's "
+                            "SHA-256; asking for it whole", c, describe(key), flow.start, s.id)
+                self._wakeup.set()
+                return
             self.picker.chunk_failed(key, c, s.id)
             log.warning("rejected chunk %d of %s from peer %s: does not match the manifest's SHA-256; dropping the peer",
                         c, describe(key), s.id)
