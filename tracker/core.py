@@ -62,9 +62,9 @@ JOIN_BUDGET = (10, 10.0)
 ANNOUNCE_BUDGET = (2 * RETAIN_PATCHES + 16, 120.0)
 # Nodes per region that get each manifest whole from the tracker; the rest get a 38-byte
 # VersionHint and the manifest from a peer. At 10,000 members and a 1,000-chunk patch
-# (40 KB of manifest) whole notices cost the tracker 403 MB of TLS writes per version and
-# 0.87 s to reach the last member (bench/tracker_load.py); with seeds, 8 per region plus
-# 38 bytes a member. A region no larger than this gets whole notices only.
+# (40,300 bytes of manifest) whole notices cost the tracker 10,000 x 40,300 B = 403 MB of TLS
+# writes per version, and reached the last member in 0.87 s (bench/tracker_load.py); with
+# seeds, 8 per region plus 38 bytes a member: 4.6-4.8 MB measured. A region no larger than this gets whole notices only.
 NOTICE_SEEDS = 8
 
 # Why a member was closed: the keys of `TrackerCore.drops`.
