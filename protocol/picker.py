@@ -95,6 +95,8 @@ import random
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
+import numpy as np
+
 from .errors import ProtocolError, UsageError
 from .piecestate import ObjectState, PeerState, PendingFacts
 from .responsibility import ObjKey
@@ -232,6 +234,13 @@ class PiecePicker:
                           (not key[1]) if coordinated is None else bool(coordinated))
         if obj.is_patch:
             self._tiers.plan(obj)
+            if self.origin_pipeline is not None and self.region == self.origin_region:
+                # Walk chunks by this member's plan weight, so that others know in which
+                # order it asks the origin for its share (`pick_share` takes from its end).
+                order = np.argsort(obj.duty.weights(self.me), kind="stable")[::-1]
+                obj.rank = [0] * n_chunks
+                for r, c in enumerate(order.tolist()):
+                    obj.rank[c], obj.chunk_of[r] = r, c
         self._objects[key] = obj
         self._order.append(obj)
         self._order.sort(key=lambda o: (o.priority, o.key))
@@ -586,15 +595,18 @@ class _Round:
             self.out.append(self.picker._send(obj, c, p, self.now))
 
     def pick_share(self, obj: ObjectState) -> None:
-        """In the origin's region, a member with an origin slot free and nothing of its
-        own share left to ask of the origin takes one chunk of another member's share
-        that no member of the region has announced: of the member with the most such
-        chunks (at least 2, so that its next request is not the one taken), the last
-        in this node's rank order. The origin still sends each chunk once (a collision
-        with the owner's request is cancelled by the one that hears the other's
-        Incoming first: node/fetcher.py), and its uplink ends serving as many members
-        as have work, not the one whose share happened to come slowest."""
-        origins = [p for p in self.origin_free if p in self.free]
+        """In the origin's region, a member with nothing in flight to the origin and
+        nothing of its own share left to ask of it takes one chunk of another member's
+        share that no member of the region has announced and that member cannot have
+        asked for yet: members ask for their shares in the order of their plan weights
+        (`add_object`), at most `origin_pipeline` at a time, so of its unannounced
+        chunks all but the first `origin_pipeline` are free to take. From the member
+        with the most such chunks, the one of highest weight for this member (so that
+        members taking over at once take different ones). The origin still sends each
+        chunk about once (a late collision is cancelled by the one that hears the
+        other's Incoming first: node/fetcher.py), and its uplink ends serving as many
+        members as have work, not the one whose share happened to come slowest."""
+        origins = [p for p in self.origin_free if p in self.free and not self.peers[p].inflight]
         if not origins:
             return
         if any(obj.ready(c) and obj.tier.get(c) == ORIGIN_TIER for c in obj.missing):
@@ -612,10 +624,18 @@ class _Round:
             waiting.setdefault(owner, []).append(c)
         if not waiting:
             return
-        owner = max(sorted(waiting), key=lambda m: len(waiting[m]))
-        if len(waiting[owner]) < 2:
+        # Each member asks for its share in order of its plan weight (`add_object`), at most
+        # `origin_pipeline` at a time: its first that many unannounced chunks may be asked
+        # for already; the rest, its tail, are not. The tail of the member with the most.
+        tails = {}
+        for m, cs in waiting.items():
+            w = obj.duty.weights(m)
+            tails[m] = sorted(cs, key=lambda c: -int(w[c]))[self.picker.origin_pipeline:]
+        owner = max(sorted(tails), key=lambda m: len(tails[m]))
+        if not tails[owner]:
             return
-        c = max(waiting[owner], key=lambda c: obj.rank[c])
+        mine = obj.duty.weights(self.picker.me)
+        c = max(tails[owner], key=lambda c: int(mine[c]))  # members taking over at once pick apart
         p = self._least_busy([q for q in origins if q in obj.holders[c]])
         self._take_slot(p)
         self.out.append(self.picker._send(obj, c, p, self.now))

@@ -254,6 +254,11 @@ class ResponsibilityMap:
     def members(self) -> frozenset[str]:
         return frozenset(self._members)
 
+    def weights(self, member: str) -> np.ndarray:
+        """`member_weight` of `member` for every chunk, as ordered uint64s (cached for gateways)."""
+        w = self._weights.get(member)
+        return w if w is not None else _weights(member, self.key, self.n_chunks)
+
     def owner(self, chunk: int) -> str | None:
         """The member responsible for `chunk`, None while there are no members."""
         return self._owner[chunk]
