@@ -57,13 +57,14 @@ never crosses the WAN: a duplicate there would spend the scarce link the plan
 exists to save.
 
 In the origin's region, with `origin_pipeline` (the daemon's): at most that many
-requests per member in flight to the origin, and a member that has asked for all
-of its own share takes over one chunk at a time of the share of the member with
-the most chunks nobody in the region has announced yet (`pick_share`): the
-shares are static (`balanced_owners`), the members' flows from the origin are
-not equally fast, and without it the origin's last second served only the
-slowest member's rest, through that member's downlink, and that member's
-uplink then relayed it to all others (issue 26). With `endgame_after` (the
+requests per member in flight to the origin, each member asks for its share in
+the order of its plan weights, and a member with nothing in flight to the
+origin and none of its own share left takes over one chunk at a time of the
+tail of another's share: the chunks its owner cannot have asked for yet
+(`pick_share`). The shares are static (`balanced_owners`), the members' flows
+from the origin are not equally fast, and without it the origin's last 0.2-0.5 s
+served only the slowest member's rest, through that member's downlink, and
+that member's uplink then relayed it to all others (issue 26). With `endgame_after` (the
 daemon's), a second copy is asked for only of a request that has been in
 flight that long: where the LAN is the limit, an immediate copy took the links
 the last chunks needed (1.2-2.1 MB more into each member of the origin's
