@@ -327,3 +327,70 @@ async def _count_in_loop(sctp, seen) -> None:
         await real_send(chunk)
 
     sctp._handle_data, sctp._send_chunk = handle, send_chunk
+
+
+def _in_flight(t, count: int, first_tsn: int = 1000) -> None:
+    """`count` full DATA chunks sent and unacknowledged, the window exactly full."""
+    for tsn in range(first_tsn, first_tsn + count):
+        c = sctpmod.DataChunk()
+        c.tsn, c.user_data = tsn, bytes(sctpmod.USERDATA_MAX_LENGTH)
+        c._abandoned = c._acked = c._retransmit = False
+        c._in_flight, c._book_size, c._expiry, c._max_retransmits = True, len(c.user_data), None, None
+        c._misses, c._sent_count, c._sent_time = 0, 1, 0.0
+        t._sent_queue.append(c)
+    t._flight_size = t._cwnd = count * sctpmod.USERDATA_MAX_LENGTH
+    t._last_sacked_tsn = t._advanced_peer_ack_tsn = first_tsn - 1  # (aiortc's start values are random)
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["stock", "sped-up"])
+def test_slow_start_grows_by_what_a_stretched_sack_acknowledges(fast):
+    async def main():
+        t = _transport()
+        sent = []
+
+        async def send_chunk(chunk) -> None:
+            sent.append(chunk)
+
+        t._send_chunk = send_chunk
+        if fast:
+            assert sctpfast.speed_up(t)
+        mtu = sctpmod.USERDATA_MAX_LENGTH
+        _in_flight(t, 8)
+        t._ssthresh = 1 << 20  # slow start
+        sack = sctpmod.SackChunk()
+        sack.cumulative_tsn, sack.advertised_rwnd = 1007, 1 << 20  # the 8 packets, one SACK
+        await t._receive_sack_chunk(sack)
+        # aiortc: one packet's growth per SACK; sped up: the 8 acknowledged, as 8 SACKs would give.
+        assert t._cwnd == 8 * mtu + (8 * mtu if fast else mtu)
+        assert sent == []  # nothing queued to send
+        t._t3_cancel()
+
+    asyncio.run(main())
+
+
+def test_stretched_growth_stays_within_the_peer_window_and_out_of_recovery():
+    async def main():
+        mtu = sctpmod.USERDATA_MAX_LENGTH
+        t, _ = _spied(sack_every=sctpfast.SACK_EVERY)  # its INIT ACK is recorded, not sent
+        init = sctpmod.InitChunk()
+        init.advertised_rwnd, init.outbound_streams, init.inbound_streams, init.initial_tsn = 12 * mtu, 65535, 65535, 0
+        init.initiate_tag, init.params = 1, []
+        await t._receive_chunk(init)  # the sped-up handler records the peer's window from INIT
+        _in_flight(t, 8)
+        t._ssthresh = 1 << 20
+        sack = sctpmod.SackChunk()
+        sack.cumulative_tsn, sack.advertised_rwnd = 1007, 1 << 20
+        await t._receive_sack_chunk(sack)
+        assert t._cwnd == 12 * mtu  # the peer announced 12 packets' room
+        t._t3_cancel()
+
+        t, _ = _spied(sack_every=sctpfast.SACK_EVERY)
+        _in_flight(t, 8)
+        t._ssthresh, t._fast_recovery_exit = 1 << 20, 2000  # in fast recovery aiortc does not grow
+        sack = sctpmod.SackChunk()
+        sack.cumulative_tsn, sack.advertised_rwnd = 1007, 1 << 20
+        await t._receive_sack_chunk(sack)
+        assert t._cwnd == 8 * mtu
+        t._t3_cancel()
+
+    asyncio.run(main())

@@ -57,6 +57,9 @@ WebRTC data channels"):
   SHOULD acknowledge at least every second packet; this stretches that to a
   burst, as Linux's TCP does with coalesced segments, because both ends of
   our associations are ours and the sender's window is capped by a_rwnd.
+  The sender side matches it: its burst limit (MAX_BURST) lets it refill
+  what one such SACK frees, and in slow start it grows cwnd by what a SACK
+  acknowledges (up to SACK_EVERY packets), not by one packet per SACK.
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ _NEEDS = ("_transmit", "_t3_expired", "_t3_start", "_t3_handle", "_send_chunk", 
           "_fast_recovery_exit", "_flight_size", "_flight_size_increase", "_outbound_queue", "_sent_queue",
           "_receive_chunk", "_receive_sack_chunk", "_cwnd", "_advertised_rwnd", "_mark_received",
           "_get_inbound_stream", "_inbound_streams", "_last_received_tsn", "_sack_misordered",
-          "_sack_duplicates", "_send_sack", "_sack_needed", "transport")
+          "_sack_duplicates", "_send_sack", "_sack_needed", "transport", "_last_sacked_tsn")
 _TSN_MODULO = 2 ** 32
 # Packets a sped-up receiver may take before it must acknowledge, when more are queued.
 SACK_EVERY = 8
@@ -146,7 +149,15 @@ def speed_up(sctp, receive_window: int | None = None, sack_every: int = SACK_EVE
     stock_t3_expired = sctp._t3_expired
     marks_possible = [False]  # a chunk in the sent queue may be marked for retransmission
 
+    growth = [0]  # slow-start growth a stretched SACK earned, taken before its transmit
+
     async def _transmit() -> None:
+        if growth[0]:
+            if sctp._fast_recovery_exit is None:
+                sctp._cwnd += growth[0]
+                if peer_window[0] is not None:
+                    sctp._cwnd = min(sctp._cwnd, peer_window[0])
+            growth[0] = 0
         if marks_possible[0]:
             await stock_transmit()
             marks_possible[0] = any(c._retransmit for c in sctp._sent_queue)
@@ -181,9 +192,28 @@ def speed_up(sctp, receive_window: int | None = None, sack_every: int = SACK_EVE
         # transmits by capping it on the way in, and again after it grew.
         if peer_window[0] is not None and sctp._cwnd > peer_window[0]:
             sctp._cwnd = peer_window[0]
+        growth[0] = _stretch_growth(chunk)
         await stock_receive_sack(chunk)
+        growth[0] = 0
         if peer_window[0] is not None and sctp._cwnd > peer_window[0]:
             sctp._cwnd = peer_window[0]
+
+    def _stretch_growth(chunk) -> int:
+        # In slow start aiortc grows cwnd by at most one packet per SACK (RFC 9260 7.2.1),
+        # so a SACK that answers a run of packets would slow slow start down by the run's
+        # length. Count what it acknowledges cumulatively, up to SACK_EVERY packets, as
+        # Linux's TCP counts stretch ACKs: the growth beyond aiortc's one packet, applied
+        # where aiortc would grow (slow start, window full, no recovery, no gap).
+        if (chunk.gaps or sctp._fast_recovery_exit is not None or sctp._cwnd > sctp._ssthresh
+                or sctp._flight_size < sctp._cwnd or not uint32_gt(chunk.cumulative_tsn, sctp._last_sacked_tsn)):
+            return 0
+        acked = 0
+        for c in sctp._sent_queue:
+            if uint32_gt(c.tsn, chunk.cumulative_tsn):
+                break
+            if not c._acked:
+                acked += c._book_size
+        return max(0, min(acked, SACK_EVERY * USERDATA_MAX_LENGTH) - USERDATA_MAX_LENGTH)
 
     stock_send_sack = sctp._send_sack
     deferred = [0, False]  # packets not acknowledged yet, a flush scheduled
