@@ -62,3 +62,21 @@ def test_route_picks_tcp_or_webrtc(transport, has_rtc, addr, role, tcp_failures,
                transport=transport)
     d._tcp_failures["n2"] = tcp_failures
     assert d.route({"id": "n2", "region": "r0", "addr": addr, "role": role}) == expected
+
+
+@pytest.mark.parametrize("me,mine,theirs,first", [
+    ("n1", "10.0.0.1:7000", "10.0.0.2:7000", True),  # both reachable: the smaller id
+    ("n3", "10.0.0.1:7000", "10.0.0.2:7000", False),
+    ("n1", "", "", True),  # neither: the smaller id (over WebRTC)
+    ("n3", "", "", False),
+    ("n3", "", "10.0.0.2:7000", True),  # behind NAT: it dials the reachable one over TCP
+    ("n1", "10.0.0.1:7000", "", False),  # and the reachable one waits for that, not WebRTC
+])
+def test_who_dials_first(me, mine, theirs, first):
+    from patchswarm.protocol import wire
+    d = Dialer(me, "r0", creds=None, peers=None, hello=lambda: wire.Hello(me, "r0", "node", mine, []),
+               download=None, rtc=object(), transport="auto")
+    peer = {"id": "n2", "region": "r1", "addr": theirs, "role": "node"}
+    assert d.dials_first(peer) is first
+    if first and mine == "" and theirs:
+        assert d.route(peer) == "tcp"
