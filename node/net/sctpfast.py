@@ -102,11 +102,12 @@ def supported() -> bool:
 _warned = False
 
 
-def speed_up(sctp, receive_window: int | None = None, sack_every: int = SACK_EVERY) -> bool:
+def speed_up(sctp, receive_window: int | None = None, sack_every: int | None = None) -> bool:
     """Install the faster paths on one RTCSctpTransport (before its association
     starts). `receive_window`: bytes to announce as a_rwnd (None: aiortc's 1 MiB);
     `sack_every`: packets one SACK may answer when more are queued (1: one per
-    packet, as stock). True if installed; False, and stock behaviour, otherwise."""
+    packet, as stock; None: SACK_EVERY). True if installed; False, and stock
+    behaviour, otherwise."""
     global _warned
     if not supported() or not all(hasattr(sctp, name) for name in _NEEDS):
         if not _warned:
@@ -114,6 +115,8 @@ def speed_up(sctp, receive_window: int | None = None, sack_every: int = SACK_EVE
             log.warning("aiortc %s is not one the SCTP speed-ups were checked against (%s): stock SCTP",
                         _aiortc_version(), ", ".join(SUPPORTED))
         return False
+    if sack_every is None:
+        sack_every = SACK_EVERY
     from aiortc.rtcsctptransport import USERDATA_MAX_LENGTH, InitAckChunk, InitChunk
     from aiortc.utils import uint32_gt
 

@@ -27,9 +27,10 @@ import asyncio
 BATCH = 64
 
 
-def read_in_batches(transport, batch: int = BATCH) -> bool:
+def read_in_batches(transport, batch: int | None = None) -> bool:
     """Make `transport` (a selector loop's datagram transport) read up to `batch`
-    datagrams per readiness event. True if installed."""
+    (None: BATCH) datagrams per readiness event. True if installed."""
+    batch = BATCH if batch is None else batch
     loop = getattr(transport, "_loop", None)
     sock = getattr(transport, "_sock", None)
     protocol = getattr(transport, "_protocol", None)
