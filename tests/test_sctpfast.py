@@ -141,6 +141,15 @@ def _disorder(sctp, rng: random.Random, drop: float, seen: dict) -> None:
     sctp._handle_data = handle
 
 
+async def _open_pair(rtc, fast_a: bool, fast_b: bool):
+    """Two peers of `rtc` connected on loopback, and their open streams."""
+    a, b = rtc.peer(fast_a), rtc.peer(fast_b)
+    await a.accept_answer(await b.local_answer(await a.local_offer()))
+    with trio.fail_after(20):
+        sa, sb = await a.open(), await b.open()
+    return a, b, sa, sb
+
+
 async def _send_and_check(fast_a: bool, fast_b: bool, disorder: bool, total: int) -> None:
     rng = random.Random(f"{fast_a}{fast_b}{disorder}")
     msgs, size = [], 0
@@ -149,10 +158,7 @@ async def _send_and_check(fast_a: bool, fast_b: bool, disorder: bool, total: int
         msgs.append(wire.Piece(len(msgs), False, len(msgs), 0, n, rng.randbytes(n)))
         size += n
     async with RTCLoop(LOOPBACK) as rtc:
-        a, b = rtc.peer(fast_a), rtc.peer(fast_b)
-        await a.accept_answer(await b.local_answer(await a.local_offer()))
-        with trio.fail_after(20):
-            sa, sb = await a.open(), await b.open()
+        a, b, sa, sb = await _open_pair(rtc, fast_a, fast_b)
         seen = {"dropped": 0, "reordered": 0}
         if disorder:
             for peer in (a, b):
@@ -295,10 +301,7 @@ def test_a_sped_up_receiver_sends_fewer_sacks_than_packets():
         counts = {}
         for fast in (False, True):
             async with RTCLoop(LOOPBACK) as rtc:
-                a, b = rtc.peer(True), rtc.peer(fast)
-                await a.accept_answer(await b.local_answer(await a.local_offer()))
-                with trio.fail_after(20):
-                    sa, sb = await a.open(), await b.open()
+                a, b, sa, sb = await _open_pair(rtc, True, fast)
                 seen = {"data": 0, "sack": 0}
                 await rtc.run(_count_in_loop(b._pc.sctp, seen))
                 ma, mb = MessageStream(sa, "b", "node"), MessageStream(sb, "a", "node")
