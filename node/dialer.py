@@ -69,10 +69,24 @@ class Dialer:
         self.rtc = rtc
         self.transport = transport  # tcp | webrtc | auto
         self._tcp_failures: dict[str, int] = {}  # id -> TCP dials in a row that failed
+        # Set when the tracker could not connect to our address (wire.Unreachable): peers list
+        # us with none, so we dial as a member without one does. Until we join again.
+        self.unreachable: str | None = None
+        self._second: set[str] = set()  # peers whose dial we wait for, as the second dialer
 
     def set_members(self, members: dict[str, dict]) -> None:
         self.members = {i: p for i, p in members.items() if i != self.me}
         self._wakeup.set()
+
+    def set_unreachable(self, why: str | None) -> None:
+        """What the tracker said of our address ("ADDR: why"), or None for a new tracker
+        session. Once unreachable, waiting for reachable peers to dial us is moot: dial now."""
+        self.unreachable = why
+        if why is not None:
+            for pid in self._second:
+                self._dial_after.pop(pid, None)
+            self._second.clear()
+            self._wakeup.set()
 
     def wake(self) -> None:
         """A connection ended: see whom to dial."""
@@ -107,7 +121,7 @@ class Dialer:
         Where exactly one of the two accepts connections (has an address), the other: it
         reaches that one over TCP, through its NAT, where the reverse would take a WebRTC
         data channel (several times the CPU per byte, node/README.md). Else the smaller id."""
-        mine, theirs = bool(self.hello().listen), bool(p["addr"])
+        mine, theirs = bool(self.hello().listen) and self.unreachable is None, bool(p["addr"])
         if mine != theirs:
             return theirs
         return self.me < p["id"]
@@ -125,7 +139,9 @@ class Dialer:
                     # connection came, so pairs rarely open two connections.
                     if p["role"] == "node" and not self.dials_first(p) and pid not in self._dial_after:
                         self._dial_after[pid] = now + SECOND_DIALER_WAIT
+                        self._second.add(pid)
                         continue
+                    self._second.discard(pid)
                     self._dialing.add(pid)
                     nursery.start_soon(self._dial, p)
                 await self._wakeup.wait(POLL_S)
