@@ -34,6 +34,12 @@ the relayed row also reports MB per CPU second of coturn. Namespaces, nftables
 rules and coturn are removed at the end, on failure and on SIGTERM too.
 
     .venv/bin/python bench/transport.py --nat [--mib 8] [--repeat 1] [--lanes 2]
+
+`--tuning`: the receive-path tunings one by one (node/net/udpreads.py's batched
+reads, sctpfast.py's one SACK per queued run and the sender's burst limit), one
+pair on loopback, each end in its own process.
+
+    .venv/bin/python bench/transport.py --tuning [--mib 32] [--repeat 2]
 """
 
 from __future__ import annotations
@@ -223,9 +229,12 @@ async def _throughput(kind: str, creds_root: Path, size: int, total: int) -> tup
 OPEN_TIMEOUT_S = 60  # ICE through a relay behind symmetric NAT tries every pair first
 
 
-async def _rtc_child(role: str, size: int, total: int, fast: bool, ice_argv: list[str]) -> dict:
+async def _rtc_child(role: str, size: int, total: int, fast: bool, ice_argv: list[str], channels: int = 0) -> dict:
     """One end of one peer connection in this process; the SDP through stdin/stdout.
-    `ice_argv`: host address, STUN and TURN for IceConfig (`_ice_argv`)."""
+    `ice_argv`: host address, STUN and TURN for IceConfig (`_ice_argv`). `channels`: 0,
+    Piece messages through MessageStream on the peer's channel; N, raw `send`s of
+    `size` bytes dealt over N more data channels of the same peer connection
+    (`_raw_in_loop`), the MessageStream only to say when to start."""
     from patchswarm.node.net.webrtc import IceConfig, RTCLoop
 
     async def line() -> str:
@@ -247,7 +256,20 @@ async def _rtc_child(role: str, size: int, total: int, fast: bool, ice_argv: lis
         count, out = max(1, total // size), {
             "pair": f"{pair.local_candidate.type}-{pair.remote_candidate.type}" if pair else "unknown"}
         with trio.fail_after(CHILD_TIMEOUT_S * 5):
-            if role == "send":
+            if channels:
+                if role == "receive":
+                    ready = await rtc.run(_raw_channels(peer, channels))  # handlers on before the sender starts
+                    c0, k0 = time.process_time(), _system_s()
+                    await ms.send(wire.Hello("x", "r0", "node", "", []))
+                    out.update(await rtc.run(_raw_in_loop(ready, role, size, count)))
+                    out.update(bytes=count * size, cpu=time.process_time() - c0, sys=_system_s() - k0)
+                else:
+                    ready = await rtc.run(_raw_channels(peer, channels))
+                    assert isinstance(await ms.receive(), wire.Hello)
+                    c0, k0 = time.process_time(), _system_s()
+                    await rtc.run(_raw_in_loop(ready, role, size, count))
+                    out.update(cpu=time.process_time() - c0, sys=_system_s() - k0)
+            elif role == "send":
                 data = os.urandom(size)
                 c0, k0 = time.process_time(), _system_s()
                 await ms.send(wire.Hello("x", "r0", "node", "", []))
@@ -266,6 +288,57 @@ async def _rtc_child(role: str, size: int, total: int, fast: bool, ice_argv: lis
         return out
 
 
+async def _raw_channels(peer, n: int) -> list:
+    """In the loop: n more negotiated data channels on `peer`'s connection (ids 2, 4, ...),
+    open, each receiving into a shared count."""
+    import asyncio
+    from patchswarm.node.net.webrtc import LOW_WATER
+    chans = [peer._pc.createDataChannel(f"raw{i}", ordered=True, negotiated=True, id=2 + 2 * i) for i in range(n)]
+    for ch in chans:
+        ch.bufferedAmountLowThreshold = LOW_WATER
+        if ch.readyState != "open":
+            opened = asyncio.Event()
+            ch.once("open", opened.set)
+            await asyncio.wait_for(opened.wait(), OPEN_TIMEOUT_S)
+    state = {"got": 0, "t0": None, "done": asyncio.get_running_loop().create_future()}
+
+    def arrived(message) -> None:
+        if state["t0"] is None:
+            state["t0"] = time.time()
+        state["got"] += len(message)
+        if state["got"] >= state["want"] and not state["done"].done():
+            state["done"].set_result(time.time())
+
+    for ch in chans:
+        ch.on("message", arrived)
+    return [chans, state]
+
+
+async def _raw_in_loop(ready: list, role: str, size: int, count: int) -> dict:
+    """In the loop: the sender deals `count` messages of `size` bytes round-robin over the
+    channels (each waiting for bufferedamountlow above HIGH_WATER) and waits for the
+    receiver's one-byte answer; the receiver waits for every byte, then answers."""
+    import asyncio
+    from patchswarm.node.net.webrtc import HIGH_WATER
+    chans, state = ready
+    if role == "receive":
+        state["want"] = count * size
+        t1 = await asyncio.wait_for(state["done"], CHILD_TIMEOUT_S * 4)
+        chans[0].send(b"!")
+        return {"t0": state["t0"], "t1": t1}
+    state["want"] = 1
+    data = os.urandom(size)
+    for i in range(count):
+        ch = chans[i % len(chans)]
+        if ch.bufferedAmount > HIGH_WATER:
+            low = asyncio.Event()
+            ch.once("bufferedamountlow", low.set)
+            await asyncio.wait_for(low.wait(), CHILD_TIMEOUT_S)
+        ch.send(data)
+    await asyncio.wait_for(state["done"], CHILD_TIMEOUT_S * 4)
+    return {}
+
+
 @dataclasses.dataclass(frozen=True)
 class End:
     """Where one end of a pair runs: a command prefix (a network namespace, or none)
@@ -275,17 +348,19 @@ class End:
     ice: tuple[str, ...] = ()
 
 
-def _rtc_processes(lanes: int, size: int, total: int, fast: bool, send: End = End(),
-                   receive: End = End()) -> tuple[float, float, set[str], tuple[float, float], tuple[float, float]]:
+def _rtc_processes(lanes: int, size: int, total: int, fast: bool, send: End = End(), receive: End = End(),
+                   tune: str = "", channels: int = 0) -> tuple[float, float, set[str], tuple[float, float], tuple[float, float]]:
     """MB/s of `lanes` peer connections at once, each end in its own process: received
     bytes of all of them over the time from the first start to the last finish; MB
     per CPU second of the busiest end (what one pair moves where each end has a core);
     the candidate pairs ICE chose, as seen by the receivers; and MB per CPU second of
     the busiest sender and of the busiest receiver; the kernel's share (system time) of
-    all senders' CPU and of all receivers'."""
+    all senders' CPU and of all receivers'. `tune`: "SACK_EVERY,MAX_BURST,BATCH" for
+    both ends (`_tune`), "" for the defaults; `channels`: see `_rtc_child`."""
     def argv(role: str, end: End) -> list[str]:
         return ([*end.prefix, sys.executable, __file__, "--rtc-child", role, "--size", str(size),
-                 "--mib", str(total >> 20), "--ice", json.dumps(list(end.ice))] + ([] if fast else ["--stock"]))
+                 "--mib", str(total >> 20), "--ice", json.dumps(list(end.ice))] + ([] if fast else ["--stock"])
+                + (["--tune", tune] if tune else []) + (["--rtc-channels", str(channels)] if channels else []))
 
     procs: list[subprocess.Popen] = []
     try:
@@ -315,6 +390,39 @@ def _rtc_processes(lanes: int, size: int, total: int, fast: bool, send: End = En
             min(r["bytes"] / r["cpu"] for r in results) / 1e6)
     kernel = tuple(sum(e["sys"] for e in side) / sum(e["cpu"] for e in side) for side in (sent, results))
     return sum(r["bytes"] for r in results) / 1e6 / wall, 1 / busiest / 1e6, {r["pair"] for r in results}, ends, kernel
+
+
+# --tuning rows: (what, "SACK_EVERY,MAX_BURST,BATCH"), node/README.md "Throughput" (3).
+TUNINGS = (
+    ("one read per turn, a SACK per packet", "1,4,1"),
+    ("batched reads, a SACK per packet", "1,4,64"),
+    ("batched reads, a SACK per <= 2", "2,4,64"),
+    ("batched reads, a SACK per <= 4", "4,4,64"),
+    ("batched reads, a SACK per <= 8", "8,4,64"),
+    ("... and bursts of 12 (the default)", "8,12,64"),
+)
+
+
+def _tune(spec: str) -> None:
+    """In a WebRTC child: set sctpfast's SACK_EVERY and MAX_BURST and udpreads' BATCH."""
+    from patchswarm.node.net import sctpfast, udpreads
+    sctpfast.SACK_EVERY, sctpfast.MAX_BURST, udpreads.BATCH = (int(x) for x in spec.split(","))
+
+
+def tuning_table(mib: int, repeat: int) -> None:
+    """The receive-side tunings of node/net/udpreads.py and sctpfast.py one by one: one
+    pair on loopback, each end in its own process, 64 KiB messages, best of `repeat`."""
+    best: dict[str, tuple[float, float]] = {}
+    for i in range(repeat):
+        for what, spec in TUNINGS:
+            mbs, per_cpu, *_ = _rtc_processes(1, 64 << 10, mib << 20, fast=True, tune=spec)
+            print(f"  run {i}: {what} ({spec}): {mbs:.1f} MB/s, {per_cpu:.1f} MB per CPU s", flush=True)
+            old = best.get(what, (0.0, 0.0))
+            best[what] = (max(old[0], mbs), max(old[1], per_cpu))
+    print(f"\n{'WebRTC, one pair in 2 processes':>40}  SACK_EVERY,MAX_BURST,BATCH    MB/s  MB per CPU s")
+    for what, spec in TUNINGS:
+        print(f"{what:>40}  {spec:>26}  {best[what][0]:>6.1f}  {best[what][1]:>12.1f}")
+    print(f"({mib} MiB one way per row, 64 KiB messages, on loopback, best of {repeat}; MB per CPU s of the busiest end)")
 
 
 def webrtc_table(creds_root: Path, mib: int, repeat: int, profile: bool, lanes: int) -> None:
@@ -394,7 +502,15 @@ def _nat_network(symmetric: bool, turnserver: str, workdir: Path):
         topo.close()
 
 
-def nat_table(creds_root: Path, mib: int, repeat: int, lanes: int, sizes_kib: tuple[int, ...]) -> None:
+def _cell(table: dict, kind: str, kib: int, fmt: str) -> str:
+    """One cell of a printed table: `fmt` of the value (a tuple fills several fields), "-" where none."""
+    value = table.get((kind, kib))
+    if value is None:
+        return f"{'-':>13}"
+    return f"{fmt.format(*value) if isinstance(value, tuple) else fmt.format(value):>13}"
+
+
+def nat_table(creds_root: Path, mib: int, repeat: int, lanes: int, sizes_kib: tuple[int, ...], channels: int = 2) -> None:
     """The pair through tests/nattopo.py's NAT topology against the same pair on loopback;
     each end in its own process. See the module's docstring."""
     why = nattopo.skip_reason()
@@ -404,8 +520,10 @@ def nat_table(creds_root: Path, mib: int, repeat: int, lanes: int, sizes_kib: tu
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the finally blocks remove the namespaces
     stun, turn = f"{nattopo.PUBLIC}:{nattopo.TURN_PORT}", f"turn:{nattopo.PUBLIC}:{nattopo.TURN_PORT}"
     lanes_row = f"WebRTC direct, {lanes} pairs" if lanes > 1 else None
+    # Raw channel sends (no MessageStream), on 1 and on `channels` data channels of one connection.
+    raw_rows = ["direct, raw sends, 1 channel", f"direct, raw sends, {channels} channels"] if channels > 1 else []
     kinds = [k for k in ("TCP+TLS, loopback", "TCP+TLS, NATed to public", "WebRTC, loopback",
-                         "WebRTC direct, NAT to NAT", lanes_row, "WebRTC relayed, symmetric NATs") if k]
+                         "WebRTC direct, NAT to NAT", lanes_row, *raw_rows, "WebRTC relayed, symmetric NATs") if k]
     best: dict[tuple[str, int], float] = {}
     best_cpu: dict[tuple[str, int], float] = {}
     relay_cpu: dict[int, float] = {}
@@ -429,8 +547,10 @@ def nat_table(creds_root: Path, mib: int, repeat: int, lanes: int, sizes_kib: tu
         record(kind, kib, mb / recv["wall_s"], mb / max(send["cpu_s"], recv["cpu_s"]),
                (mb / send["cpu_s"], mb / recv["cpu_s"]), (send["sys_s"] / send["cpu_s"], recv["sys_s"] / recv["cpu_s"]))
 
-    def rtc(kind: str, kib: int, n: int, send: End = End(), receive: End = End(), relayed: bool = False) -> None:
-        mbs, per_cpu, chosen, send_recv, sys_share = _rtc_processes(n, kib << 10, mib << 20, True, send, receive)
+    def rtc(kind: str, kib: int, n: int, send: End = End(), receive: End = End(), relayed: bool = False,
+            raw_channels: int = 0) -> None:
+        mbs, per_cpu, chosen, send_recv, sys_share = _rtc_processes(n, kib << 10, mib << 20, True, send, receive,
+                                                                    channels=raw_channels)
         pairs[kind] |= chosen
         if any(("relay" in p) != relayed for p in chosen):
             raise SystemExit(f"{kind}: ICE chose {chosen}, expected {'a relayed' if relayed else 'a direct'} path")
@@ -459,21 +579,23 @@ def nat_table(creds_root: Path, mib: int, repeat: int, lanes: int, sizes_kib: tu
                         rtc(kinds[3], kib, 1, a, b)
                         if lanes_row:
                             rtc(lanes_row, kib, lanes, a, b)
+                        if raw_rows and kib <= 64:  # a channel message is at most 64 KiB (RFC 8841)
+                            rtc(raw_rows[0], kib, 1, a, b, raw_channels=1)
+                            rtc(raw_rows[1], kib, 1, a, b, raw_channels=channels)
     header = "  ".join(f"{k:>4} KiB     " for k in sizes_kib)
     print(f"\n{'MB/s received':>32}  {header}")
     for kind in kinds:
-        print(f"{kind:>32}  " + "  ".join(f"{best[kind, k]:>13.1f}" for k in sizes_kib))
+        print(f"{kind:>32}  " + "  ".join(_cell(best, kind, k, "{:.1f}") for k in sizes_kib))
     print(f"\n{'MB per CPU s of the busiest end':>32}  {header}")
     for kind in kinds:
-        print(f"{kind:>32}  " + "  ".join(f"{best_cpu[kind, k]:>13.1f}" for k in sizes_kib))
+        print(f"{kind:>32}  " + "  ".join(_cell(best_cpu, kind, k, "{:.1f}") for k in sizes_kib))
     print(f"{'coturn, relayed row':>32}  " + "  ".join(f"{relay_cpu[k]:>13.1f}" for k in sizes_kib))
     print(f"\n{'MB per CPU s, sender / receiver':>32}  {header}")
     for kind in kinds:
-        print(f"{kind:>32}  " + "  ".join(f"{'%.0f / %.0f' % ends[kind, k]:>13}" for k in sizes_kib))
+        print(f"{kind:>32}  " + "  ".join(_cell(ends, kind, k, "{:.0f} / {:.0f}") for k in sizes_kib))
     print(f"\n{'in the kernel, sender / receiver':>32}  {header}")
     for kind in kinds:
-        print(f"{kind:>32}  " + "  ".join(f"{'%2.0f%% / %2.0f%%' % tuple(100 * x for x in kernel[kind, k]):>13}"
-                                          for k in sizes_kib))
+        print(f"{kind:>32}  " + "  ".join(_cell(kernel, kind, k, "{:2.0%} / {:2.0%}") for k in sizes_kib))
     print("(system time over CPU time of each end: the kernel's share, where the network path's work is counted;"
           " sampled per clock tick, so meaningless for ends that used well under a second, as TCP's do)")
     print("\ncandidate pairs ICE chose (local-remote, at the receiver): "
@@ -492,6 +614,12 @@ def main() -> int:
     ap.add_argument("--nat", action="store_true",
                     help="the pair through a NAT topology (root: namespaces, nftables, coturn) against loopback")
     ap.add_argument("--sizes", default=",".join(map(str, SIZES_KIB)), help="with --nat: message sizes in KiB")
+    ap.add_argument("--tuning", action="store_true",
+                    help="WebRTC: batched reads and fewer SACKs one by one (node/net/udpreads.py, sctpfast.py)")
+    ap.add_argument("--tune", help=argparse.SUPPRESS)
+    ap.add_argument("--channels", type=int, default=2,
+                    help="with --nat: data channels on one peer connection in the raw-send row")
+    ap.add_argument("--rtc-channels", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--rtc-child", choices=("send", "receive"), help=argparse.SUPPRESS)
     ap.add_argument("--size", type=int, default=PIECE, help=argparse.SUPPRESS)
@@ -505,12 +633,17 @@ def main() -> int:
     if args.mib < 1 or args.repeat < (0 if args.profile else 1):
         ap.error("--mib and --repeat: expected at least 1 (--repeat 0 with --profile: the profile alone)")
     if args.rtc_child:
+        if args.tune:
+            _tune(args.tune)
         print(json.dumps(trio.run(_rtc_child, args.rtc_child, args.size, args.mib << 20, not args.stock,
-                                  json.loads(args.ice))), flush=True)
+                                  json.loads(args.ice), args.rtc_channels)), flush=True)
         return 0
     if args.child:
         print(json.dumps(trio.run(_child, args.child, args.kind, Path(args.creds), args.host, args.port, args.size,
                                   args.mib << 20)), flush=True)
+        return 0
+    if args.tuning:
+        tuning_table(args.mib, args.repeat)
         return 0
     with tempfile.TemporaryDirectory(prefix="psw-transport-") as tmp:
         root = Path(tmp)
@@ -521,7 +654,8 @@ def main() -> int:
             webrtc_table(root, args.mib, args.repeat, args.profile, args.lanes)
             return 0
         if args.nat:
-            nat_table(root, args.mib, args.repeat, args.lanes, tuple(int(k) for k in args.sizes.split(",")))
+            nat_table(root, args.mib, args.repeat, args.lanes, tuple(int(k) for k in args.sizes.split(",")),
+                      args.channels)
             return 0
         best: dict[str, dict] = {}
         for i in range(args.repeat):

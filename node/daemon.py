@@ -214,7 +214,8 @@ class Node:
     # ------------------------------------------------------------ tracker
 
     async def _on_tracker_message(self, msg) -> None:
-        if isinstance(msg, wire.PeerList):
+        if isinstance(msg, wire.PeerList):  # a session's first: what an earlier one said of us is old
+            self.dialer.set_unreachable(None)
             self._on_peer_list(msg.peers)
         elif isinstance(msg, wire.PeerDelta):
             self._on_peer_list(list(apply_delta(self.dialer.members, msg).values()))
@@ -224,6 +225,12 @@ class Node:
             self.manifests.hinted(msg)
         elif isinstance(msg, wire.Signal) and self.rtc is not None:
             await self.rtc.on_signal(msg)
+        elif isinstance(msg, wire.Unreachable):
+            log.warning("the tracker could not connect to %s (%s): peers are told this node accepts no "
+                        "connections; it dials them%s", msg.addr, msg.reason,
+                        ", and nodes that accept none reach it over WebRTC" if self.rtc is not None else
+                        " (nodes that accept none cannot reach it: --transport auto lets them, over WebRTC)")
+            self.dialer.set_unreachable(f"{msg.addr}: {msg.reason}")
 
     def _on_peer_list(self, peers: list[dict]) -> None:
         self.dialer.set_members({p["id"]: p for p in peers})
@@ -242,11 +249,16 @@ class Node:
     # ------------------------------------------------------------ peers
 
     async def _serve_peers(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        await serve(self.cfg.listen, self.creds, {"node"}, self._hello, self._accepted,
+        # The tracker dials in once to check this node is reachable (--probe-reachability).
+        await serve(self.cfg.listen, self.creds, {"node", "tracker"}, self._hello, self._accepted,
                     on_refused=lambda why: log.warning("refused a connection: %s", why),
                     on_receive=self.download.take, refused=self.peers.dropped, task_status=task_status)
 
     async def _accepted(self, ms) -> None:
+        if ms.peer_role == "tracker":  # its reachability probe: the handshake was the check
+            log.debug("the tracker checked this node is reachable")
+            await ms.aclose()
+            return
         await self.peers.run(ms, outbound=False)
 
     def _has_manifest(self, key) -> bool:
@@ -298,6 +310,8 @@ class Node:
             "latest_version": self.book.latest_version,
             "listen": self.listen_addr,
             "tracker_connected": self.tracker.connected,
+            # The tracker could not connect to the address this node joined with (its probe): "ADDR: why".
+            "unreachable": self.dialer.unreachable,
             "peers": sorted(({"id": s.id, "region": s.region, "role": s.role,
                               "bytes_in": s.piece_bytes_in, "bytes_out": s.piece_bytes_out, **transport_of(s.ms)}
                              for s in self.peers.sessions.values()), key=lambda p: p["id"]),

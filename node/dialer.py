@@ -7,9 +7,11 @@ the choice is stable and spread), how to reach each (`route`: TCP+TLS, or a
 WebRTC data channel through node/net/rtcsignal.py for a member that accepts
 nothing inbound, with --transport webrtc, or with auto after failed TCP dials),
 the dial loop, the backoff after a failed
-dial, and the rule for two members that want each other: the smaller id
-dials first, the other only if no connection came a little later, so a pair
-rarely opens two connections (node/peers.py keeps one if it does). A dialed
+dial, and the rule for two members that want each other: the one that can
+reach the other over TCP when only one can (a member with no address dials
+one that has one), else the smaller id, dials first; the other only if no
+connection came a little later, so a pair rarely opens two connections
+(node/peers.py keeps one if it does). A dialed
 connection runs as a session of the `PeerSet`. Must not accept connections
 (the daemon serves) or say anything on a session.
 """
@@ -67,10 +69,24 @@ class Dialer:
         self.rtc = rtc
         self.transport = transport  # tcp | webrtc | auto
         self._tcp_failures: dict[str, int] = {}  # id -> TCP dials in a row that failed
+        # Set when the tracker could not connect to our address (wire.Unreachable): peers list
+        # us with none, so we dial as a member without one does. Until we join again.
+        self.unreachable: str | None = None
+        self._second: set[str] = set()  # peers whose dial we wait for, as the second dialer
 
     def set_members(self, members: dict[str, dict]) -> None:
         self.members = {i: p for i, p in members.items() if i != self.me}
         self._wakeup.set()
+
+    def set_unreachable(self, why: str | None) -> None:
+        """What the tracker said of our address ("ADDR: why"), or None for a new tracker
+        session. Once unreachable, waiting for reachable peers to dial us is moot: dial now."""
+        self.unreachable = why
+        if why is not None:
+            for pid in self._second:
+                self._dial_after.pop(pid, None)
+            self._second.clear()
+            self._wakeup.set()
 
     def wake(self) -> None:
         """A connection ended: see whom to dial."""
@@ -100,6 +116,16 @@ class Dialer:
             return "webrtc"
         return "tcp" if p["addr"] else None
 
+    def dials_first(self, p: dict) -> bool:
+        """Of this node and node `p`, which both want each other, whether this one dials first.
+        Where exactly one of the two accepts connections (has an address), the other: it
+        reaches that one over TCP, through its NAT, where the reverse would take a WebRTC
+        data channel (several times the CPU per byte, node/README.md). Else the smaller id."""
+        mine, theirs = bool(self.hello().listen) and self.unreachable is None, bool(p["addr"])
+        if mine != theirs:
+            return theirs
+        return self.me < p["id"]
+
     async def run(self) -> None:
         """Dial whoever is wanted and not connected, until cancelled."""
         async with trio.open_nursery() as nursery:
@@ -109,11 +135,13 @@ class Dialer:
                     if (self.peers.connected(pid) or pid in self._dialing or self._dial_after.get(pid, 0) > now
                             or self.route(p) is None):
                         continue
-                    # Both ends want each other: the smaller id dials first, the other a little later
-                    # if no connection came, so pairs rarely open two connections.
-                    if p["role"] == "node" and self.me > pid and pid not in self._dial_after:
+                    # Both ends want each other: one dials first, the other a little later if no
+                    # connection came, so pairs rarely open two connections.
+                    if p["role"] == "node" and not self.dials_first(p) and pid not in self._dial_after:
                         self._dial_after[pid] = now + SECOND_DIALER_WAIT
+                        self._second.add(pid)
                         continue
+                    self._second.discard(pid)
                     self._dialing.add(pid)
                     nursery.start_soon(self._dial, p)
                 await self._wakeup.wait(POLL_S)

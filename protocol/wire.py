@@ -218,6 +218,16 @@ class ManifestRequest:
 
 
 @dataclass(frozen=True)
+class Unreachable:
+    """Tracker -> node: it could not connect to `addr`, the address the node joined with
+    (tracker --probe-reachability), because of `reason`; peers now list the node with
+    no address, so it dials them, and nodes that accept nothing reach it over WebRTC."""
+
+    addr: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class Heartbeat:
     versions: list[int]  # as in Hello: the sender's current verified version, [] if none
 
@@ -278,7 +288,7 @@ class Error:
 MESSAGE_TYPES = {
     cls.__name__: cls
     for cls in (Hello, Have, HaveOne, Incoming, Request, RequestRest, Piece, Cancel, Reject, Announce,
-                PeerList, VersionNotice, VersionHint, ManifestRequest, Heartbeat, Trajectories, TrajectoriesAck, Revocations, Bye, Error, PeerDelta,
+                PeerList, VersionNotice, VersionHint, ManifestRequest, Unreachable, Heartbeat, Trajectories, TrajectoriesAck, Revocations, Bye, Error, PeerDelta,
                 Signal)
 }
 _PEER_FIELDS = {"id": MAX_NAME_BYTES, "region": MAX_NAME_BYTES, "addr": MAX_ADDR_BYTES, "role": MAX_NAME_BYTES}
@@ -288,6 +298,8 @@ _PEER_FIELDS = {"id": MAX_NAME_BYTES, "region": MAX_NAME_BYTES, "addr": MAX_ADDR
 # fields take MAX_NAME_BYTES, bytes fields the frame limit, ints MAX_INT.
 _LIMITS = {
     ("Hello", "listen"): MAX_ADDR_BYTES,
+    ("Unreachable", "addr"): MAX_ADDR_BYTES,
+    ("Unreachable", "reason"): MAX_TEXT_BYTES,
     ("Hello", "versions"): MAX_VERSIONS_LISTED,
     ("Heartbeat", "versions"): MAX_VERSIONS_LISTED,
     ("Have", "chunks"): MAX_BITFIELD_BYTES,

@@ -3,6 +3,7 @@ SAME_REGION_PEERS nodes of its region and OTHER_REGION_PEERS of each other regio
 hash of both ids (stable, and different from node to node); only the origin for the star."""
 
 import pytest
+import trio
 
 from patchswarm.node.dialer import OTHER_REGION_PEERS, SAME_REGION_PEERS, Dialer
 
@@ -62,3 +63,46 @@ def test_route_picks_tcp_or_webrtc(transport, has_rtc, addr, role, tcp_failures,
                transport=transport)
     d._tcp_failures["n2"] = tcp_failures
     assert d.route({"id": "n2", "region": "r0", "addr": addr, "role": role}) == expected
+
+
+@pytest.mark.parametrize("me,mine,theirs,first", [
+    ("n1", "10.0.0.1:7000", "10.0.0.2:7000", True),  # both reachable: the smaller id
+    ("n3", "10.0.0.1:7000", "10.0.0.2:7000", False),
+    ("n1", "", "", True),  # neither: the smaller id (over WebRTC)
+    ("n3", "", "", False),
+    ("n3", "", "10.0.0.2:7000", True),  # behind NAT: it dials the reachable one over TCP
+    ("n1", "10.0.0.1:7000", "", False),  # and the reachable one waits for that, not WebRTC
+])
+def test_who_dials_first(me, mine, theirs, first):
+    from patchswarm.protocol import wire
+    d = Dialer(me, "r0", creds=None, peers=None, hello=lambda: wire.Hello(me, "r0", "node", mine, []),
+               download=None, rtc=object(), transport="auto")
+    peer = {"id": "n2", "region": "r1", "addr": theirs, "role": "node"}
+    assert d.dials_first(peer) is first
+    if first and mine == "" and theirs:
+        assert d.route(peer) == "tcp"
+
+
+def test_a_node_the_tracker_could_not_reach_dials_as_one_without_an_address():
+    from patchswarm.protocol import wire
+    d = Dialer("n3", "r0", creds=None, peers=None, hello=lambda: wire.Hello("n3", "r0", "node", "10.0.0.3:7000", []),
+               download=None, rtc=object(), transport="auto")
+    reachable = {"id": "n2", "region": "r0", "addr": "10.0.0.2:7000", "role": "node"}
+    assert not d.dials_first(reachable)  # the larger id waits...
+    d.unreachable = "10.0.0.3:7000: no answer in 5 s"
+    assert d.dials_first(reachable) and d.route(reachable) == "tcp"  # ...unless peers cannot dial it
+
+
+def test_told_it_is_unreachable_a_node_stops_waiting_to_be_dialed():
+    from patchswarm.protocol import wire
+
+    async def main():
+        d = Dialer("n3", "r0", creds=None, peers=None, hello=lambda: wire.Hello("n3", "r0", "node", "10.0.0.3:7000", []),
+                   download=None, rtc=object(), transport="auto")
+        d._second.add("n2")
+        d._dial_after["n2"] = trio.current_time() + 2.0  # waiting for n2 (the smaller id) to dial
+        d._dial_after["n1"] = trio.current_time() + 8.0  # a backoff after failed dials: stays
+        d.set_unreachable("10.0.0.3:7000: refused")
+        assert "n2" not in d._dial_after and "n1" in d._dial_after and not d._second
+
+    trio.run(main)

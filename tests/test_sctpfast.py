@@ -141,6 +141,15 @@ def _disorder(sctp, rng: random.Random, drop: float, seen: dict) -> None:
     sctp._handle_data = handle
 
 
+async def _open_pair(rtc, fast_a: bool, fast_b: bool):
+    """Two peers of `rtc` connected on loopback, and their open streams."""
+    a, b = rtc.peer(fast_a), rtc.peer(fast_b)
+    await a.accept_answer(await b.local_answer(await a.local_offer()))
+    with trio.fail_after(20):
+        sa, sb = await a.open(), await b.open()
+    return a, b, sa, sb
+
+
 async def _send_and_check(fast_a: bool, fast_b: bool, disorder: bool, total: int) -> None:
     rng = random.Random(f"{fast_a}{fast_b}{disorder}")
     msgs, size = [], 0
@@ -149,10 +158,7 @@ async def _send_and_check(fast_a: bool, fast_b: bool, disorder: bool, total: int
         msgs.append(wire.Piece(len(msgs), False, len(msgs), 0, n, rng.randbytes(n)))
         size += n
     async with RTCLoop(LOOPBACK) as rtc:
-        a, b = rtc.peer(fast_a), rtc.peer(fast_b)
-        await a.accept_answer(await b.local_answer(await a.local_offer()))
-        with trio.fail_after(20):
-            sa, sb = await a.open(), await b.open()
+        a, b, sa, sb = await _open_pair(rtc, fast_a, fast_b)
         seen = {"dropped": 0, "reordered": 0}
         if disorder:
             for peer in (a, b):
@@ -181,3 +187,213 @@ def test_a_sped_up_peer_and_a_stock_peer_exchange_bit_exactly(fast_a, fast_b):
 @pytest.mark.parametrize("fast_a,fast_b", [(True, False), (True, True)], ids=["fast-with-stock", "fast-to-fast"])
 def test_reordered_and_lossy_packets_still_arrive_bit_exactly_in_order(fast_a, fast_b):
     trio.run(_send_and_check, fast_a, fast_b, True, 1 << 20)
+
+
+def _spied(sack_every: int):
+    """A sped-up transport whose sent chunks are recorded instead of sent."""
+    t = _transport()
+    sent: list = []
+
+    async def send_chunk(chunk) -> None:
+        sent.append(chunk)
+
+    t._send_chunk = send_chunk
+    assert sctpfast.speed_up(t, sack_every=sack_every)
+    t._last_received_tsn = 41
+    return t, sent
+
+
+def _queued(t, n: int) -> None:
+    """n datagrams waiting in the ICE connection's queue, as after a batched read."""
+    queue = t.transport.transport._connection._queue
+    while not queue.empty():
+        queue.get_nowait()
+    for _ in range(n):
+        queue.put_nowait((b"\x17", 1))
+
+
+def test_one_sack_answers_a_queued_run_of_packets():
+    async def main():
+        t, sent = _spied(sack_every=4)
+        for left in (5, 4, 3):  # three packets handled, more queued behind each
+            _queued(t, left)
+            t._sack_needed = True
+            await t._send_sack()
+        assert sent == []
+        _queued(t, 2)
+        t._sack_needed = True
+        await t._send_sack()  # the 4th packet: at most sack_every before a SACK
+        assert [type(c).__name__ for c in sent] == ["SackChunk"]
+        for left in (1, 0):
+            _queued(t, left)
+            t._sack_needed = True
+            await t._send_sack()
+        assert len(sent) == 2  # the last of the run (nothing queued) is acknowledged at once
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert len(sent) == 2  # and the flush scheduled for the deferred ones finds nothing owed
+
+    asyncio.run(main())
+
+
+def test_gaps_and_duplicates_are_acknowledged_at_once():
+    async def main():
+        for field, value in (("_sack_misordered", {45}), ("_sack_duplicates", [40])):
+            t, sent = _spied(sack_every=8)
+            _queued(t, 5)
+            setattr(t, field, value)
+            t._sack_needed = True
+            await t._send_sack()
+            assert len(sent) == 1, field  # RFC 9260 6.7: a gap or duplicate is reported at once
+
+    asyncio.run(main())
+
+
+def test_a_deferred_sack_is_sent_on_the_next_turn_when_the_run_ends_without_data():
+    async def main():
+        t, sent = _spied(sack_every=8)
+        _queued(t, 1)  # what is queued turns out not to be a DATA packet: no _send_sack follows
+        t._sack_needed = True
+        await t._send_sack()
+        assert sent == []
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert [type(c).__name__ for c in sent] == ["SackChunk"] and not t._sack_needed
+
+    asyncio.run(main())
+
+
+def test_one_sack_per_packet_when_asked():
+    async def main():
+        t, sent = _spied(sack_every=1)
+        for left in (3, 2, 1):
+            _queued(t, left)
+            t._sack_needed = True
+            await t._send_sack()
+        assert len(sent) == 3
+
+    asyncio.run(main())
+
+
+def test_a_sped_up_sender_refills_what_one_sack_frees():
+    async def main():
+        t, sent = _spied(sack_every=sctpfast.SACK_EVERY)
+        for tsn in range(40):
+            c = sctpmod.DataChunk()
+            c.tsn, c.user_data = tsn, bytes(sctpmod.USERDATA_MAX_LENGTH)
+            # what aiortc's _send sets on each chunk it queues
+            c._abandoned = c._acked = c._in_flight = c._retransmit = False
+            c._book_size, c._expiry, c._max_retransmits = len(c.user_data), None, None
+            c._misses, c._sent_count, c._sent_time = 0, 0, None
+            t._outbound_queue.append(c)
+        t._cwnd = 100 * sctpmod.USERDATA_MAX_LENGTH  # the window is open; the burst rule decides
+        await t._transmit()
+        # One SACK of a sped-up receiver frees up to SACK_EVERY packets: all go back in flight.
+        assert len(sent) == sctpfast.MAX_BURST >= sctpfast.SACK_EVERY
+        t._t3_cancel()
+
+    asyncio.run(main())
+
+
+@pytest.mark.slow
+def test_a_sped_up_receiver_sends_fewer_sacks_than_packets():
+    async def main():
+        counts = {}
+        for fast in (False, True):
+            async with RTCLoop(LOOPBACK) as rtc:
+                a, b, sa, sb = await _open_pair(rtc, True, fast)
+                seen = {"data": 0, "sack": 0}
+                await rtc.run(_count_in_loop(b._pc.sctp, seen))
+                ma, mb = MessageStream(sa, "b", "node"), MessageStream(sb, "a", "node")
+                msgs = [wire.Piece(i, False, i, 0, 65536, bytes([i]) * 65536) for i in range(64)]
+                got, _ = await exchange(ma, mb, msgs, [], seconds=60)
+                assert got == msgs
+                counts[fast] = dict(seen)
+                await ma.aclose()
+                await mb.aclose()
+        stock, fast = counts[False], counts[True]
+        assert stock["sack"] >= 0.9 * stock["data"], stock  # aiortc: one per packet
+        assert fast["sack"] <= 0.6 * fast["data"], fast  # bursts answered by one SACK
+
+    trio.run(main)
+
+
+async def _count_in_loop(sctp, seen) -> None:
+    real_handle, real_send = sctp._handle_data, sctp._send_chunk
+
+    async def handle(data: bytes) -> None:
+        seen["data"] += 1
+        await real_handle(data)
+
+    async def send_chunk(chunk) -> None:
+        seen["sack"] += isinstance(chunk, sctpmod.SackChunk)
+        await real_send(chunk)
+
+    sctp._handle_data, sctp._send_chunk = handle, send_chunk
+
+
+def _in_flight(t, count: int, first_tsn: int = 1000) -> None:
+    """`count` full DATA chunks sent and unacknowledged, the window exactly full."""
+    for tsn in range(first_tsn, first_tsn + count):
+        c = sctpmod.DataChunk()
+        c.tsn, c.user_data = tsn, bytes(sctpmod.USERDATA_MAX_LENGTH)
+        c._abandoned = c._acked = c._retransmit = False
+        c._in_flight, c._book_size, c._expiry, c._max_retransmits = True, len(c.user_data), None, None
+        c._misses, c._sent_count, c._sent_time = 0, 1, 0.0
+        t._sent_queue.append(c)
+    t._flight_size = t._cwnd = count * sctpmod.USERDATA_MAX_LENGTH
+    t._last_sacked_tsn = t._advanced_peer_ack_tsn = first_tsn - 1  # (aiortc's start values are random)
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["stock", "sped-up"])
+def test_slow_start_grows_by_what_a_stretched_sack_acknowledges(fast):
+    async def main():
+        t = _transport()
+        sent = []
+
+        async def send_chunk(chunk) -> None:
+            sent.append(chunk)
+
+        t._send_chunk = send_chunk
+        if fast:
+            assert sctpfast.speed_up(t)
+        mtu = sctpmod.USERDATA_MAX_LENGTH
+        _in_flight(t, 8)
+        t._ssthresh = 1 << 20  # slow start
+        sack = sctpmod.SackChunk()
+        sack.cumulative_tsn, sack.advertised_rwnd = 1007, 1 << 20  # the 8 packets, one SACK
+        await t._receive_sack_chunk(sack)
+        # aiortc: one packet's growth per SACK; sped up: the 8 acknowledged, as 8 SACKs would give.
+        assert t._cwnd == 8 * mtu + (8 * mtu if fast else mtu)
+        assert sent == []  # nothing queued to send
+        t._t3_cancel()
+
+    asyncio.run(main())
+
+
+def test_stretched_growth_stays_within_the_peer_window_and_out_of_recovery():
+    async def main():
+        mtu = sctpmod.USERDATA_MAX_LENGTH
+        t, _ = _spied(sack_every=sctpfast.SACK_EVERY)  # its INIT ACK is recorded, not sent
+        init = sctpmod.InitChunk()
+        init.advertised_rwnd, init.outbound_streams, init.inbound_streams, init.initial_tsn = 12 * mtu, 65535, 65535, 0
+        init.initiate_tag, init.params = 1, []
+        await t._receive_chunk(init)  # the sped-up handler records the peer's window from INIT
+        _in_flight(t, 8)
+        t._ssthresh = 1 << 20
+        sack = sctpmod.SackChunk()
+        sack.cumulative_tsn, sack.advertised_rwnd = 1007, 1 << 20
+        await t._receive_sack_chunk(sack)
+        assert t._cwnd == 12 * mtu  # the peer announced 12 packets' room
+        t._t3_cancel()
+
+        t, _ = _spied(sack_every=sctpfast.SACK_EVERY)
+        _in_flight(t, 8)
+        t._ssthresh, t._fast_recovery_exit = 1 << 20, 2000  # in fast recovery aiortc does not grow
+        sack = sctpmod.SackChunk()
+        sack.cumulative_tsn, sack.advertised_rwnd = 1007, 1 << 20
+        await t._receive_sack_chunk(sack)
+        assert t._cwnd == 8 * mtu
+        t._t3_cancel()
+
+    asyncio.run(main())

@@ -9,7 +9,9 @@ that stops reading dropped without delaying the others.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import socket
 
 import pytest
 import trio
@@ -17,7 +19,7 @@ import trio.testing
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from patchswarm.node.net import trust
-from patchswarm.node.net.transport import MessageStream, connect, exchange_hello
+from patchswarm.node.net.transport import MessageStream, connect, exchange_hello, serve
 from patchswarm.protocol import wire
 from patchswarm.protocol.manifest import Manifest, sign_manifest, verify_manifest
 from patchswarm.protocol.errors import UsageError
@@ -467,14 +469,19 @@ def test_a_member_whose_queue_overflows_is_dropped(tmp_path, monkeypatch):
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0.01))
 
 
-def test_over_tls_a_member_learns_of_a_new_same_region_peer_by_delta(tmp_path):
-    """The real service on loopback: b joins after a; a is sent b's entry, b's list holds a."""
-    swarm = tmp_path / "swarm"
-    trust.init_swarm(swarm)
+def _swarm_of(tmp_path) -> dict:
+    """A swarm under tmp_path with a tracker and nodes a, b, c: name -> Credentials."""
+    trust.init_swarm(tmp_path / "swarm")
     creds = {}
     for name, role in [("tracker", "tracker"), ("a", "node"), ("b", "node"), ("c", "node")]:
-        trust.issue(swarm, name, role, tmp_path / name)
+        trust.issue(tmp_path / "swarm", name, role, tmp_path / name)
         creds[name] = trust.Credentials.load(tmp_path / name)
+    return creds
+
+
+def test_over_tls_a_member_learns_of_a_new_same_region_peer_by_delta(tmp_path):
+    """The real service on loopback: b joins after a; a is sent b's entry, b's list holds a."""
+    creds = _swarm_of(tmp_path)
 
     async def main():
         tracker = server.Tracker(tmp_path / "tracker", "127.0.0.1:0")
@@ -497,6 +504,81 @@ def test_over_tls_a_member_learns_of_a_new_same_region_peer_by_delta(tmp_path):
                 assert joins["count"] == 3 and 0 < joins["p50_s"] <= joins["max_s"] < 30
                 for ms in members.values():
                     await ms.aclose()
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_an_unreachable_node_is_listed_without_an_address_and_told_why():
+    run = Run()
+    a, b = run.join("a", region="r1"), run.join("b", region="r1")
+    run.tick(0.2)
+    assert run.peers(a)["b"]["addr"] == "b:7000"
+    run.do(run.core.unreachable(b, "b:7000", "connection refused", 1.0))
+    run.tick(1.2)
+    assert run.peers(a)["b"]["addr"] == ""  # peers stop dialing it; it dials them
+    assert [m for m in run.got[b] if isinstance(m, wire.Unreachable)] == [wire.Unreachable("b:7000", "connection refused")]
+    c = run.join("c", region="r1", at=2.0)
+    assert {p["id"]: p["addr"] for p in run.got[c][0].peers}["b"] == ""  # a joiner's full list too
+    # A probe that ends after the member left, or joined again (a new session, perhaps a new address):
+    assert run.core.unreachable(b, "b:7000", "late", 3.0) == []  # already listed without one
+    b2 = run.join("b", region="r1", at=4.0)
+    assert run.core.unreachable(b, "b:7000", "from the old session", 4.1) == []
+    run.tick(4.3)
+    assert run.peers(a)["b"]["addr"] == "b:7000" and b2 in run.got
+
+
+def test_the_tracker_probes_node_addresses_when_asked(tmp_path):
+    """The real service on loopback with --probe-reachability: a node that listens where it says
+    keeps its address; one that names an address nobody answers on is listed without one and
+    told why; nodes are not probed without the flag."""
+    creds = _swarm_of(tmp_path)
+
+    async def main():
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                # a: a real node listener (its TLS and Hello, role checks as a daemon's)
+                probes = []
+
+                async def accepted(ms):
+                    probes.append(ms.peer_role)
+                    await ms.aclose()
+
+                a_addr = await nursery.start(functools.partial(
+                    serve, "127.0.0.1:0", creds["a"], {"node", "tracker"},
+                    lambda: wire.Hello("a", "r1", "node", "", []), accepted))
+                with socket.socket() as s:  # b: an address with nobody listening on it
+                    s.bind(("127.0.0.1", 0))
+                    b_addr = f"127.0.0.1:{s.getsockname()[1]}"
+                for probe in (True, False):
+                    tracker = server.Tracker(tmp_path / "tracker", "127.0.0.1:0", probe=probe)
+                    await nursery.start(tracker.run)
+                    members = {name: await connect(tracker.listen_addr, creds[name], {"tracker"},
+                                                   wire.Hello(name, "r1", "node", addr, []))
+                               for name, addr in [("a", a_addr), ("b", b_addr), ("c", "127.0.0.1:1")]}
+                    held = {p["id"]: p for p in (await members["c"].receive()).peers}
+                    said = None
+                    while probe and said is None:  # b is told
+                        msg = await members["b"].receive()
+                        said = msg if isinstance(msg, wire.Unreachable) else None
+                    while probe and held["b"]["addr"]:  # and c, its peer, hears it has no address
+                        msg = await members["c"].receive()
+                        if isinstance(msg, wire.PeerDelta):
+                            held = apply_delta(held, msg)
+                    if probe:
+                        assert held["a"]["addr"] == a_addr and held["b"]["addr"] == ""
+                        assert said.addr == b_addr and said.reason
+                        for _ in range(100):
+                            if tracker.status()["probed"].get("unreachable") == 2:
+                                break
+                            await trio.sleep(0.05)
+                        assert tracker.status()["probed"] == {"reachable": 1, "unreachable": 2}  # c: 127.0.0.1:1
+                        assert probes == ["tracker"]
+                    else:
+                        await trio.sleep(0.5)
+                        assert tracker.status()["probed"] is None and probes == ["tracker"]  # not again
+                    for ms in members.values():
+                        await ms.aclose()
                 nursery.cancel_scope.cancel()
 
     trio.run(main)

@@ -46,6 +46,7 @@ messages = st.one_of(
     st.builds(VersionNotice, version=uint, manifest=blob),
     st.builds(wire.VersionHint, version=uint, keyframe=st.booleans()),
     st.builds(wire.ManifestRequest, version=uint, keyframe=st.booleans()),
+    st.builds(wire.Unreachable, addr=text, reason=text),
     st.builds(Heartbeat, versions=st.lists(uint, max_size=2)),
     st.builds(Revocations, envelope=blob),
     st.builds(Signal, peer=text.filter(bool), kind=st.sampled_from(wire.SIGNAL_KINDS), session=uint, sdp=text,
@@ -83,7 +84,7 @@ def test_every_type_is_covered():
     assert set(wire.MESSAGE_TYPES) == {
         "Hello", "Have", "HaveOne", "Incoming", "Request", "RequestRest", "Piece", "Cancel", "Reject", "Announce",
         "PeerList", "VersionNotice", "Heartbeat", "Trajectories", "TrajectoriesAck", "Revocations", "Bye",
-        "Error", "PeerDelta", "Signal", "VersionHint", "ManifestRequest"}
+        "Error", "PeerDelta", "Signal", "VersionHint", "ManifestRequest", "Unreachable"}
 
 
 @given(messages)
@@ -584,6 +585,8 @@ def long_text(n):
     (TrajectoriesAck(seqs=list(range(wire.MAX_ACK_SEQS + 1))), "TrajectoriesAck.seqs"),
     (Heartbeat(versions=list(range(wire.MAX_VERSIONS_LISTED + 1))), "Heartbeat.versions"),
     (Error(message=long_text(wire.MAX_TEXT_BYTES + 1)), "Error.message"),
+    (wire.Unreachable(addr=long_text(wire.MAX_ADDR_BYTES + 1), reason="x"), "Unreachable.addr"),
+    (wire.Unreachable(addr="x:1", reason=long_text(wire.MAX_TEXT_BYTES + 1)), "Unreachable.reason"),
     (Trajectories(batch=bytes(wire.MAX_BATCH_WIRE_BYTES + 1)), "Trajectories.batch"),
 ])
 def test_every_field_is_bounded_by_what_its_message_may_carry(msg, needle):

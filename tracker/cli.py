@@ -22,6 +22,10 @@ def _tracker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--notice-seeds", metavar="N", type=int, default=None,
                    help="nodes per region sent each manifest whole; the others get a hint and the manifest "
                         "from a peer (default 8)")
+    p.add_argument("--probe-reachability", action="store_true",
+                   help="dial each node's address once when it joins; a node that cannot be reached there "
+                        "(behind NAT) is listed without an address and told so, so peers do not dial it and "
+                        "it dials them (nodes with --transport auto meet such nodes over WebRTC)")
 
 
 def cmd_tracker(args: argparse.Namespace) -> int:
@@ -33,7 +37,7 @@ def cmd_tracker(args: argparse.Namespace) -> int:
     from patchswarm.tracker.server import Tracker
 
     options = {} if args.notice_seeds is None else {"notice_seeds": args.notice_seeds}
-    t = Tracker(args.creds, args.listen, revocations=args.revocations, **options)
+    t = Tracker(args.creds, args.listen, revocations=args.revocations, probe=args.probe_reachability, **options)
 
     async def start(task_status=trio.TASK_STATUS_IGNORED):
         async with trio.open_nursery() as n:

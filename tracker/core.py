@@ -72,6 +72,9 @@ SILENT, REPLACED, OVER_JOINS, OVER_ANNOUNCES, BAD_MESSAGE, BEHIND, LEFT = (
     "silent", "replaced", "over join budget", "over announce budget", "bad message", "fell behind", "left")
 
 
+MAX_REASON_CHARS = 200  # of an Unreachable's reason (an exception's one line)
+
+
 @dataclasses.dataclass(frozen=True)
 class Send:
     """Send `frame` (the encoding of `msg`) on each connection in `to`."""
@@ -200,6 +203,18 @@ class TrackerCore:
             if self._notices:
                 m.manifests = set(self._notices)
         return out
+
+    def unreachable(self, conn: Hashable, addr: str, why: str, now: float) -> list:
+        """The tracker could not connect to the member on `conn` at `addr`, the address it
+        joined with (tracker/server.py probes it): list it with none, so peers do not dial
+        an address that leads nowhere (it dials those that have one; two that have none
+        meet over WebRTC), and tell it why. Nothing if it has left or joined again since."""
+        m = self._by_conn.get(conn)
+        if m is None or m.addr != addr or not addr:
+            return []
+        m.addr = ""
+        self._changed(self.peers.join(m.id, m.role, m.region, ""), now)
+        return [Send.of([conn], wire.Unreachable(addr, why[:MAX_REASON_CHARS]))]
 
     def received(self, conn: Hashable, msg, now: float) -> list:
         m = self._by_conn.get(conn)

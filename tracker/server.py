@@ -11,6 +11,13 @@ reaches SEND_QUEUE frames, or whose write has not completed for
 SEND_TIMEOUT, is dropped (it takes a fresh full peer set when it
 reconnects); it never delays anyone else's pushes. Soft state only: after a
 restart members reconnect, the origin re-announces, and work continues.
+
+With `probe=True` (`--probe-reachability`) the tracker dials each node that
+joins with an address, once, as a client (TLS, Hellos, the node's name
+checked), and closes at once; a node it cannot reach in PROBE_SECONDS is
+listed with no address (`TrackerCore.unreachable`), so peers stop dialing an
+address that leads nowhere (it dials them; two that accept nothing meet over
+WebRTC), and is told why.
 """
 
 from __future__ import annotations
@@ -23,9 +30,10 @@ from pathlib import Path
 import trio
 
 from patchswarm.protocol import wire
-from patchswarm.protocol.errors import InvalidInput, ProtocolError, UsageError
+from patchswarm.protocol.errors import InvalidInput, PatchswarmError, ProtocolError, UsageError
 
-from patchswarm.node.net.transport import CONNECTION_ERRORS, MessageStream, apply_revocations, format_addr, serve
+from patchswarm.node.net.transport import (CONNECTION_ERRORS, MessageStream, apply_revocations, connect, format_addr,
+                                           one_line, serve)
 from patchswarm.node.net.trust import Credentials
 from patchswarm.tracker.collector import CollectorSchedule
 from patchswarm.tracker.core import BAD_MESSAGE, BEHIND, HEARTBEAT_TIMEOUT, LEFT, Close, Send, TrackerCore
@@ -108,10 +116,15 @@ class _Session:
             busy.pop(self, None)
 
 
+PROBE_SECONDS = 5.0  # a probe of a node's address: TCP, TLS and Hellos within this, or unreachable
+PROBE_CONCURRENCY = 32  # probes open at once (a fleet joining at once is probed in turn)
+
+
 class Tracker:
     def __init__(self, creds: str | Path, listen: str, heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
-                 revocations: Path | None = None, **options):
-        """`options` go to `TrackerCore` (budgets, delays, retention)."""
+                 revocations: Path | None = None, probe: bool = False, **options):
+        """`options` go to `TrackerCore` (budgets, delays, retention); `probe`: dial each node's
+        address once when it joins, and list it without one if that fails."""
         self.creds = Credentials.load(creds)
         if self.creds.role != "tracker":
             raise UsageError(f"{creds}: expected credentials with role tracker, found {self.creds.role!r}")
@@ -129,6 +142,9 @@ class Tracker:
         # (when, seconds from TCP accept to the peer list written or queued) of recent joins:
         # the tracker's own part of a join's latency, apart from the member's and the network's
         self.joins: collections.deque[tuple[float, float]] = collections.deque(maxlen=JOINS_KEPT)
+        self.probe = probe
+        self._probes = trio.CapacityLimiter(PROBE_CONCURRENCY)
+        self.probed: collections.Counter[str] = collections.Counter()  # "reachable" / "unreachable"
 
     @property
     def book(self):
@@ -191,12 +207,33 @@ class Tracker:
                 if s.why is None:
                     log.info("%s %s joined (region %s, %s, versions %s)", ms.peer_role, ms.peer_name,
                              hello.region, ms.hello.listen, hello.versions or "none")
+                    addr = self._advertised(ms, hello.listen)
+                    if self.probe and hello.role == "node" and addr:
+                        nursery.start_soon(self._probe, s, addr)  # ends with the session
                     await self._read(s)
                 nursery.cancel_scope.cancel()
         finally:
             self._do(self.core.closed(s, trio.current_time()))
             self._poke()
             log.info("%s %s %s", ms.peer_role, ms.peer_name, s.why or "left")
+
+    async def _probe(self, s: _Session, addr: str) -> None:
+        """Dial node `s` at `addr` as a client would; list it with no address if that fails."""
+        name = s.ms.peer_name
+        async with self._probes:
+            try:
+                with trio.fail_after(PROBE_SECONDS):
+                    ms = await connect(addr, self.creds, {"node"}, self._hello(), expect_name=name)
+                await ms.aclose()
+                self.probed["reachable"] += 1
+                return
+            except trio.TooSlowError:
+                why = f"no answer in {PROBE_SECONDS:.0f} s"
+            except (*CONNECTION_ERRORS, PatchswarmError) as e:
+                why = one_line(e)
+        self.probed["unreachable"] += 1
+        log.info("node %s is not reachable at %s (%s): listed without an address", name, addr, why)
+        self._do(self.core.unreachable(s, addr, why, trio.current_time()))
 
     async def _read(self, s: _Session) -> None:
         try:
@@ -306,6 +343,7 @@ class Tracker:
     def status(self) -> dict:
         waits = sorted(w for _, w in self.joins)
         return {**self.core.status(), "listen": self.listen_addr, "bytes_sent": dict(self.sent),
+                "probed": dict(self.probed) if self.probe else None,
                 "gc": self.collector.status(),
                 "recent_joins": {"count": len(waits), "p50_s": round(waits[len(waits) // 2], 4) if waits else None,
                                  "max_s": round(waits[-1], 4) if waits else None}}

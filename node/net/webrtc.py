@@ -40,7 +40,7 @@ from typing import Callable
 
 import trio
 
-from . import sctpfast
+from . import sctpfast, udpreads
 
 log = logging.getLogger("patchswarm.webrtc")
 
@@ -345,7 +345,7 @@ class RTCPeer:
         self._new_pc()
         self._add_channel()
         await self._pc.setLocalDescription(await self._pc.createOffer())
-        self._grow_socket_buffers()
+        self._tune_sockets()
         return self._pc.localDescription.sdp  # aiortc gathers every candidate before this returns
 
     async def _accept_in_loop(self, sdp: str) -> None:
@@ -358,12 +358,13 @@ class RTCPeer:
         await self._pc.setRemoteDescription(RTCSessionDescription(sdp=sdp, type="offer"))
         self._add_channel()  # after the offer made the SCTP transport, before anything can arrive
         await self._pc.setLocalDescription(await self._pc.createAnswer())
-        self._grow_socket_buffers()
+        self._tune_sockets()
         return self._pc.localDescription.sdp
 
-    def _grow_socket_buffers(self) -> None:
-        """Ask for SOCKET_BUFFER on each UDP socket ICE gathered (aiortc and aioice
-        leave the kernel's default, ~208 KiB: ~90 packets)."""
+    def _tune_sockets(self) -> None:
+        """On each UDP socket ICE gathered: ask for SOCKET_BUFFER (aiortc and aioice
+        leave the kernel's default, ~208 KiB: ~90 packets), and read datagrams in
+        batches (node/net/udpreads.py; a TURN allocation's socket to its server too)."""
         if not self.fast_sctp:
             return
         try:
@@ -371,9 +372,15 @@ class RTCPeer:
         except AttributeError:
             return
         for protocol in protocols:
-            sock = getattr(getattr(protocol, "transport", None), "get_extra_info", lambda _: None)("socket")
+            transport = getattr(protocol, "transport", None)
+            # A relayed candidate's transport wraps the UDP socket to the TURN server.
+            inner = getattr(transport, "_TurnTransport__inner_protocol", None)
+            if inner is not None:
+                transport = getattr(inner, "transport", None)
+            sock = getattr(transport, "get_extra_info", lambda _: None)("socket")
             if sock is not None and sock.type == socket.SOCK_DGRAM:
                 _set_buffers(sock)
+                udpreads.read_in_batches(transport)
 
     async def _wait_open_in_loop(self) -> None:
         await asyncio.shield(self._opened)
