@@ -34,7 +34,7 @@ import trio
 from patchswarm.protocol import wire
 from patchswarm.protocol.errors import UsageError
 from patchswarm.protocol.peersets import apply_delta
-from patchswarm.protocol.picker import WAN_GATEWAYS, PiecePicker
+from patchswarm.protocol.picker import ENDGAME_AFTER, ORIGIN_PIPELINE, WAN_GATEWAYS, PiecePicker
 from patchswarm.protocol.publication import describe
 from patchswarm.protocol.versions import VersionBook
 
@@ -117,7 +117,8 @@ class Node:
         seed = cfg.seed if cfg.seed is not None else int.from_bytes(rank(self.id, "seed")[:4], "big")
         # The origin's region comes with the first peer list; facts about peers are taken before.
         self.picker = PiecePicker(self.id, self.region, None, seed=seed, wan_gateways=cfg.wan_gateways,
-                                  request_timeout=REQUEST_TIMEOUT, wan_rates=cfg.wan_rates)
+                                  request_timeout=REQUEST_TIMEOUT, wan_rates=cfg.wan_rates,
+                                  origin_pipeline=ORIGIN_PIPELINE, endgame_after=ENDGAME_AFTER)
         self.peers = PeerSet(self.id, None, self.upload, self._on_message,  # store set in run()
                              on_open=self._on_peer_open, on_close=self._on_peer_close, inflows=self.inflows)
         self.tracker = TrackerLink(cfg.tracker, self.creds, self._hello, self._on_tracker_message,

@@ -169,11 +169,26 @@ class Fetcher:
         whole = not isinstance(msg, wire.Incoming)
         if chunks is not None:
             self.picker.peer_has(s.id, key, chunks, whole=whole)
+            if not isinstance(msg, wire.Have) and s.role != "origin" and s.region == self.region:
+                self._drop_origin_copy(key, msg.chunk)
         elif unknown_kept(key[0], self.book.latest_version):  # its manifest may be on its way (the origin
             # announces as it tells the tracker): kept as it came, bounded, until the manifest is here
             bitfield = msg.chunks if isinstance(msg, wire.Have) else None
             self.picker.peer_has_unknown(s.id, key, bitfield, () if bitfield is not None else (msg.chunk,), whole=whole)
         self._wakeup.set()
+
+    def _drop_origin_copy(self, key: ObjKey, c: int) -> None:
+        """A member of my region has chunk c or is receiving it: a request for it to the
+        origin of which no byte has come is cancelled (the origin sends each chunk once;
+        the picker then asks the member). Two members of the origin's region ask the
+        origin for one chunk only when one took over part of the other's share
+        (protocol/picker.py, `pick_share`); the one that hears first keeps it."""
+        for o in [o for o in self.peers.sessions.values() if o.role == "origin"]:
+            if self.picker.sent_at(o.id, key, c) is not None and not self.inflows.receiving(o.id, key, c):
+                log.debug("chunk %d of %s is coming to my region from a member: the origin's copy is cancelled",
+                          c, describe(key))
+                self.picker.request_lost(key, c, o.id)
+                self._cancel(Request(o.id, key, c), keep=False)
 
     def on_reject(self, s: Session, msg: wire.Reject) -> None:
         """The peer will not send a chunk asked of it (or stopped mid-chunk: its own source failed)."""

@@ -109,6 +109,10 @@ class Inflows:
         self._by_chunk.setdefault((key, chunk), []).append(flow)
         return flow
 
+    def receiving(self, peer: str, key: ObjKey, chunk: int) -> bool:
+        """A flow of that chunk from `peer` is open (a part came, or a resumed one is asked for)."""
+        return (peer, key, chunk) in self._flows
+
     def partial(self, key: ObjKey, chunk: int) -> int:
         """Bytes of the chunk kept from a flow that failed part-way (0: none)."""
         asm = self._partials.get((key, chunk))

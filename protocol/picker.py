@@ -56,6 +56,20 @@ flight, a same-region node peer with a free slot is asked for a second copy
 never crosses the WAN: a duplicate there would spend the scarce link the plan
 exists to save.
 
+In the origin's region, with `origin_pipeline` (the daemon's): at most that many
+requests per member in flight to the origin, each member asks for its share in
+the order of its plan weights, and a member with nothing in flight to the
+origin and none of its own share left takes over one chunk at a time of the
+tail of another's share: the chunks its owner cannot have asked for yet
+(`pick_share`). The shares are static (`balanced_owners`), the members' flows
+from the origin are not equally fast, and without it the origin's last 0.2-0.5 s
+served only the slowest member's rest, through that member's downlink, and
+that member's uplink then relayed it to all others (issue 26). With `endgame_after` (the
+daemon's), a second copy is asked for only of a request that has been in
+flight that long: where the LAN is the limit, an immediate copy took the links
+the last chunks needed (1.2-2.1 MB more into each member of the origin's
+region at 100 Mbit/s, measured).
+
 A request unanswered after `request_timeout` seconds (None: never) is
 returned once by `expired(now)`, and the chunk is asked of another holder
 (the request's answer is the picker's to wait for, so its deadline is too).
@@ -82,10 +96,12 @@ import random
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
+import numpy as np
+
 from .errors import ProtocolError, UsageError
 from .piecestate import ObjectState, PeerState, PendingFacts
 from .responsibility import ObjKey
-from .sources import NODE, ORIGIN, SAME_REGION, SourceTiers
+from .sources import NODE, ORIGIN, ORIGIN_TIER, SAME_REGION, SourceTiers
 
 PEER_KINDS = (ORIGIN, NODE)
 MAX_COPIES = 2  # endgame: copies of one chunk in flight at once
@@ -99,8 +115,16 @@ WAN_PIPELINE = 2
 # Every gateway keeps WAN_PIPELINE chunks in flight per upstream region, so
 # this also bounds how many chunks share one WAN link at once.
 WAN_GATEWAYS: int | None = 2
+# In the origin's region, requests in flight per member to the origin (the daemon's
+# `origin_pipeline`): one arriving and one queued behind it, so the origin's link to
+# the member never idles, and what a member has asked for and not started is one
+# chunk, which another member taking over part of its share (`pick_share`) leaves alone.
+ORIGIN_PIPELINE = 2
+# The daemon's `endgame_after`: a second copy of a chunk is asked for only once its
+# request has been in flight this long (seconds; 0: at once).
+ENDGAME_AFTER = 0.5
 
-__all__ = ["MAX_COPIES", "NODE", "ORIGIN", "PEER_KINDS", "WAN_GATEWAYS", "WAN_PIPELINE", "PiecePicker", "Request"]
+__all__ = ["MAX_COPIES", "NODE", "ORIGIN", "ORIGIN_PIPELINE", "ENDGAME_AFTER", "PEER_KINDS", "WAN_GATEWAYS", "WAN_PIPELINE", "PiecePicker", "Request"]
 
 
 @dataclass(frozen=True, order=True)
@@ -122,13 +146,18 @@ class PiecePicker:
     def __init__(self, me: str, region: str, origin_region: str | None, *, seed: int = 0,
                  pipeline: int = 4, takeover_after: float = 2.0, wan_pipeline: int = WAN_PIPELINE,
                  wan_gateways: int | None = WAN_GATEWAYS, request_timeout: float | None = None,
-                 wan_rates: Mapping[str, float] | None = None):
+                 wan_rates: Mapping[str, float] | None = None, origin_pipeline: int | None = None,
+                 endgame_after: float = 0.0):
         if type(pipeline) is not int or pipeline < 1:
             raise UsageError(f"pipeline: expected an int >= 1, found {pipeline!r}")
         if type(wan_pipeline) is not int or wan_pipeline < 1:
             raise UsageError(f"wan_pipeline: expected an int >= 1, found {wan_pipeline!r}")
         if wan_gateways is not None and (type(wan_gateways) is not int or wan_gateways < 1):
             raise UsageError(f"wan_gateways: expected None or an int >= 1, found {wan_gateways!r}")
+        if origin_pipeline is not None and (type(origin_pipeline) is not int or origin_pipeline < 1):
+            raise UsageError(f"origin_pipeline: expected None or an int >= 1, found {origin_pipeline!r}")
+        if not endgame_after >= 0:
+            raise UsageError(f"endgame_after: expected seconds >= 0, found {endgame_after!r}")
         if not takeover_after >= 0:
             raise UsageError(f"takeover_after: expected seconds >= 0, found {takeover_after!r}")
         if request_timeout is not None and not request_timeout > 0:
@@ -142,6 +171,8 @@ class PiecePicker:
         self.pipeline = pipeline
         self.wan_pipeline = wan_pipeline
         self.wan_gateways = wan_gateways
+        self.origin_pipeline = origin_pipeline
+        self.endgame_after = float(endgame_after)
         self.request_timeout = request_timeout
         self.takeover_after = float(takeover_after)
         self._rng = random.Random(seed)
@@ -204,6 +235,13 @@ class PiecePicker:
                           (not key[1]) if coordinated is None else bool(coordinated))
         if obj.is_patch:
             self._tiers.plan(obj)
+            if self.origin_pipeline is not None and self.region == self.origin_region:
+                # Walk chunks by this member's plan weight, so that others know in which
+                # order it asks the origin for its share (`pick_share` takes from its end).
+                order = np.argsort(obj.duty.weights(self.me), kind="stable")[::-1]
+                obj.rank = [0] * n_chunks
+                for r, c in enumerate(order.tolist()):
+                    obj.rank[c], obj.chunk_of[r] = r, c
         self._objects[key] = obj
         self._order.append(obj)
         self._order.sort(key=lambda o: (o.priority, o.key))
@@ -371,6 +409,8 @@ class PiecePicker:
                 break
             if obj.n_ready:
                 round_.pick_ready(obj)
+            if round_.origin_free and obj.is_patch and obj.waiting():
+                round_.pick_share(obj)
             if round_.free and obj.missing and len(obj.inflight) == len(obj.missing):
                 round_.pick_endgame(obj)
         if not round_.out and self._n_inflight == 0 and round_.free:
@@ -389,6 +429,11 @@ class PiecePicker:
         `expired()` a request."""
         due = [obj.progress_at + self.takeover_after for obj in self._order
                if obj.is_patch and obj.waiting() and obj.progress_at + self.takeover_after > now]
+        if self.endgame_after:
+            for obj in self._order:
+                if obj.missing and len(obj.inflight) == len(obj.missing):
+                    due += [t for t in (self._first_sent(obj, c) + self.endgame_after
+                                        for c, ps in obj.inflight.items() if len(ps) < MAX_COPIES) if t > now]
         if self.request_timeout is not None and self._n_inflight:
             due.append(min(sent for info in self._peers.values() for sent in info.inflight.values())
                        + self.request_timeout)
@@ -448,6 +493,10 @@ class PiecePicker:
 
     # --- bookkeeping ---------------------------------------------------------
 
+    def _first_sent(self, obj: ObjectState, c: int) -> float:
+        """When the oldest request in flight for chunk c was sent."""
+        return min(self._peers[p].inflight[(obj.key, c)] for p in obj.inflight[c])
+
     def _check_chunk(self, obj: ObjectState, chunk: int, what: str) -> None:
         if not (type(chunk) is int and 0 <= chunk < obj.n_chunks):
             raise UsageError(f"{what}: expected a chunk index of {obj.key} in "
@@ -503,6 +552,18 @@ class _Round:
         self.wan_budget = budget
         self.free = {p: picker.pipeline - len(info.inflight) for p, info in self.peers.items()
                      if len(info.inflight) < picker.pipeline and (info.region == self.region or budget[info.region] > 0)}
+        # In the origin's region with `origin_pipeline`: the origin's peers here, each with at most that
+        # many requests in flight, and shares taken over from busier members (`pick_share`).
+        self.origin_free: list[str] = []
+        if picker.origin_pipeline is not None and self.region == picker.origin_region:
+            for p, info in self.peers.items():
+                if info.kind == ORIGIN and info.region == self.region and p in self.free:
+                    room = picker.origin_pipeline - len(info.inflight)
+                    if room > 0:
+                        self.free[p] = min(self.free[p], room)
+                        self.origin_free.append(p)
+                    else:
+                        del self.free[p]
         self.out: list[Request] = []
 
     def pick_ready(self, obj: ObjectState) -> None:
@@ -534,6 +595,52 @@ class _Round:
         for c, p in picks:
             self.out.append(self.picker._send(obj, c, p, self.now))
 
+    def pick_share(self, obj: ObjectState) -> None:
+        """In the origin's region, a member with nothing in flight to the origin and
+        nothing of its own share left to ask of it takes one chunk of another member's
+        share that no member of the region has announced and that member cannot have
+        asked for yet: members ask for their shares in the order of their plan weights
+        (`add_object`), at most `origin_pipeline` at a time, so of its unannounced
+        chunks all but the first `origin_pipeline` are free to take. From the member
+        with the most such chunks, the one of highest weight for this member (so that
+        members taking over at once take different ones). The origin still sends each
+        chunk about once (a late collision is cancelled by the one that hears the
+        other's Incoming first: node/fetcher.py), and its uplink ends serving as many
+        members as have work, not the one whose share happened to come slowest."""
+        origins = [p for p in self.origin_free if p in self.free and not self.peers[p].inflight]
+        if not origins:
+            return
+        if any(obj.ready(c) and obj.tier.get(c) == ORIGIN_TIER for c in obj.missing):
+            return  # my own share still has chunks to ask for
+        waiting: dict[str, list[int]] = {}
+        for c in obj.missing:
+            if c in obj.inflight or c in obj.sources or obj.mine[c]:
+                continue
+            owner = obj.duty.owner(c) if obj.duty is not None else None
+            hs = obj.holders[c]
+            if owner is None or not any(p in hs for p in origins) or any(p in obj.failed.get(c, ()) for p in origins):
+                continue
+            if any(self.peers[h].kind == NODE and self.peers[h].region == self.region for h in hs if h in self.peers):
+                continue
+            waiting.setdefault(owner, []).append(c)
+        if not waiting:
+            return
+        # Each member asks for its share in order of its plan weight (`add_object`), at most
+        # `origin_pipeline` at a time: its first that many unannounced chunks may be asked
+        # for already; the rest, its tail, are not. The tail of the member with the most.
+        tails = {}
+        for m, cs in waiting.items():
+            w = obj.duty.weights(m)
+            tails[m] = sorted(cs, key=lambda c: -int(w[c]))[self.picker.origin_pipeline:]
+        owner = max(sorted(tails), key=lambda m: len(tails[m]))
+        if not tails[owner]:
+            return
+        mine = obj.duty.weights(self.picker.me)
+        c = max(tails[owner], key=lambda c: int(mine[c]))  # members taking over at once pick apart
+        p = self._least_busy([q for q in origins if q in obj.holders[c]])
+        self._take_slot(p)
+        self.out.append(self.picker._send(obj, c, p, self.now))
+
     @staticmethod
     def _by_rarity(obj: ObjectState):
         chunk_of = obj.chunk_of
@@ -546,7 +653,11 @@ class _Round:
         nearby = [p for p in free if self.peers[p].kind == NODE and self.peers[p].region == self.region]
         if not nearby:
             return
-        short = sorted((c for c, ps in obj.inflight.items() if len(ps) < MAX_COPIES),
+        # A second copy only of a request in flight `endgame_after` s or more: where the LAN is
+        # the limit, copies of chunks still moving take the very links the last chunks need.
+        late = self.now - self.picker.endgame_after
+        short = sorted((c for c, ps in obj.inflight.items() if len(ps) < MAX_COPIES
+                        and (not self.picker.endgame_after or self.picker._first_sent(obj, c) <= late)),
                        key=lambda c: (len(obj.holders[c]), obj.rank[c]))
         for c in short:
             asked, bad, hs = obj.inflight[c], obj.failed.get(c, ()), obj.holders[c]

@@ -21,7 +21,9 @@ uplink about once in total:
 - `upstream_regions`: for one region, the region it pulls a chunk from (the
   one just before it in the chain) and whether the origin itself is a source.
 - `ResponsibilityMap`: `responsible` for every chunk of one object, kept up to
-  date incrementally as members come and go.
+  date incrementally as members come and go; `weights` gives a member's weight
+  of every chunk (the order in which a member of the origin's region asks the
+  origin for its share, protocol/picker.py).
 
 Weights are SHA-256 digests of text, never Python's `hash()`, so every process
 computes the same plan. This module must not know about connections, time,
@@ -253,6 +255,11 @@ class ResponsibilityMap:
     @property
     def members(self) -> frozenset[str]:
         return frozenset(self._members)
+
+    def weights(self, member: str) -> np.ndarray:
+        """`member_weight` of `member` for every chunk, as ordered uint64s (cached for gateways)."""
+        w = self._weights.get(member)
+        return w if w is not None else _weights(member, self.key, self.n_chunks)
 
     def owner(self, chunk: int) -> str | None:
         """The member responsible for `chunk`, None while there are no members."""

@@ -7,6 +7,7 @@ import dataclasses
 import hashlib
 import os
 
+import pytest
 import trio
 import trio.testing
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -176,3 +177,42 @@ def test_a_peer_refused_a_chunk_hears_once_it_is_held_though_it_was_told_it_was_
             n.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def _member_brings_it(fetcher, nursery) -> Session:
+    """A member "a" of my region connects and says chunk 0 is arriving at it."""
+    s = Session(RecordingStream(), "a", "node", "r1", "x:1", outbound=True)
+    s.tasks = nursery
+    fetcher.peers.sessions["a"] = s
+    fetcher.peer_joined(s)
+    fetcher.on_announce(s, wire.Incoming(KEY[0], KEY[1], 0))
+    return s
+
+
+@pytest.mark.parametrize("origin_bytes_came", [False, True])
+def test_a_request_to_the_origin_is_cancelled_when_a_region_member_brings_the_chunk(tmp_path, origin_bytes_came):
+    """Issue 26 (bench/RESULTS.md, 2026-12-05): in the origin's region a member that has
+    asked for all of its share takes over chunks of another's (protocol/picker.py,
+    `pick_share`); where both asked the origin for one chunk, the one that hears the
+    other's Incoming before a byte of its own came cancels its request, so the origin
+    does not send the chunk twice, and takes it from the member instead. Once the
+    origin's bytes flow, they are not thrown away."""
+    fetcher = _fetcher(tmp_path)
+
+    async def main():
+        async with trio.open_nursery() as n:
+            await n.start(fetcher.run)
+            origin = _session(fetcher, n, "origin", role="origin")
+            await trio.testing.wait_all_tasks_blocked()
+            assert len(_sent(origin, wire.Request)) == 1
+            if origin_bytes_came:
+                fetcher.inflows.receive("origin", KEY, 0, 10, 0, 10, b"01234")  # the first part
+            s = _member_brings_it(fetcher, n)
+            await trio.testing.wait_all_tasks_blocked()
+            if origin_bytes_came:
+                assert not _sent(origin, wire.Cancel)
+            else:
+                assert len(_sent(origin, wire.Cancel)) == 1 and len(_sent(s, wire.Request)) == 1
+            n.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))

@@ -1001,3 +1001,145 @@ def test_slow_but_moving_region_is_not_taken_over():
     assert p.requests(t + 1.9) == []  # quiet for less than 2 s: still no takeover
     taken = p.requests(t + 2.1)  # a1 stalled: take over its remaining share, pipeline at a time
     assert taken and asked(taken) <= {("a0", c) for c in theirs[4:]}
+
+
+# --- the origin's region: shares taken over, requests to the origin, late endgame (issue 26) ---
+
+R0 = {"a": "r0", "b": "r0", "c": "r0", "d": "r0"}
+
+
+def _origin_region(me="a", n=16, origin_pipeline=2, pipeline=4, **kw):
+    p = PiecePicker(me, "r0", "r0", seed=1, pipeline=pipeline, wan_gateways=2, origin_pipeline=origin_pipeline, **kw)
+    p.set_members(R0)
+    for other in sorted(set(R0) - {me}):
+        p.peer_joined(other, NODE, "r0")
+    p.peer_joined(OR, ORIGIN, "r0")
+    p.add_object(KEY, n, now=0.0)
+    p.peer_has(OR, KEY, range(n))
+    return p
+
+
+def _receive_own_share(p, me, n):
+    for c in sorted(owned(me, R0, n)):
+        for r in p.requests(0.0):
+            p.chunk_received(r.key, r.chunk, r.peer)
+    assert not owned(me, R0, n) - {c for c in range(n) if c not in p._objects[KEY].missing}
+
+
+def test_in_the_origins_region_at_most_origin_pipeline_requests_go_to_the_origin():
+    """One arriving and one queued behind it: what a member has asked for and not started
+    is one chunk (before: 4, the picker's pipeline, so a share taken over collided)."""
+    p = _origin_region(origin_pipeline=2, pipeline=4)
+    reqs = p.requests(0.0)
+    assert len(reqs) == 2 and {r.peer for r in reqs} == {OR} and {r.chunk for r in reqs} <= owned("a", R0, 16)
+    unset = _origin_region(origin_pipeline=None, pipeline=4)
+    assert len(unset.requests(0.0)) == 4  # without it, the picker's pipeline
+
+
+def test_a_member_done_with_its_share_takes_over_one_of_the_busiest_members_share():
+    """Issue 26 (bench/RESULTS.md, 2026-12-05): the shares are static and the members' flows
+    from the origin are not equally fast; the origin's last 0.2-0.5 s served only the slowest
+    member's rest, through its downlink, while the others' uplinks idled."""
+    n = 16
+    p = _origin_region(n=n)
+    _receive_own_share(p, "a", n)
+    # b has had half its share whole (announced), c and d nothing yet.
+    b_share = sorted(owned("b", R0, n))
+    p.peer_has("b", KEY, b_share[: len(b_share) // 2])
+    taken = []
+    for _ in range(3):  # one chunk per round, up to the origin's slots
+        taken += [r for r in p.requests(0.0) if r.peer == OR]
+    assert len(taken) == 1  # one at a time: only with nothing in flight to the origin
+    for r in taken:
+        owner = next(m for m in "bcd" if r.chunk in owned(m, R0, n))
+        assert owner in "cd"  # not b, which is further along
+    # Without origin_pipeline the plan's shares stand: a waits for its neighbours.
+    fixed = _origin_region(n=n, origin_pipeline=None)
+    _receive_own_share(fixed, "a", n)
+    assert fixed.requests(0.0) == []
+
+
+def test_no_share_is_taken_over_while_ones_own_has_chunks_to_ask_for():
+    p = _origin_region(n=16, origin_pipeline=2, pipeline=4)
+    first = p.requests(0.0)
+    p.chunk_received(KEY, first[0].chunk, OR)
+    again = p.requests(0.0)
+    assert again and all(r.chunk in owned("a", R0, 16) for r in first + again)
+
+
+def test_a_chunk_a_member_announced_is_never_taken_from_the_origin():
+    n = 16
+    p = _origin_region(n=n)
+    _receive_own_share(p, "a", n)
+    for m in "bcd":  # every other member is receiving its whole share
+        p.peer_has(m, KEY, owned(m, R0, n), whole=False)
+    assert all(r.peer != OR for r in p.requests(0.0))
+
+
+def test_a_share_with_one_chunk_left_is_left_to_its_owner():
+    """Its owner's next request, queued at the origin, is that chunk: taking it would
+    make the origin send it twice."""
+    n = 16
+    p = _origin_region(n=n)
+    _receive_own_share(p, "a", n)
+    for m in "bcd":
+        rest = sorted(owned(m, R0, n))
+        p.peer_has(m, KEY, rest[:-1])  # all but one chunk of each share whole
+    assert all(r.peer != OR for r in p.requests(0.0))
+
+
+def test_outside_the_origins_region_no_share_is_taken_over():
+    members = {**R0, "x": "r1", "y": "r1"}
+    p = PiecePicker("x", "r1", "r0", seed=1, pipeline=4, wan_gateways=2, origin_pipeline=2)
+    p.set_members(members)
+    for other in ("a", "b", "y"):
+        p.peer_joined(other, NODE, members[other])
+    p.peer_joined(OR, ORIGIN, "r0")
+    p.add_object(KEY, 16, now=0.0)
+    p.peer_has(OR, KEY, range(16))
+    mine = owned("x", members, 16, k=2)
+    assert {r.chunk for r in p.requests(0.0)} <= mine  # the WAN plan's share only, never another's
+
+
+def test_endgame_waits_endgame_after_seconds_before_a_second_copy():
+    """Where the LAN is the limit, an immediate second copy took the links the last chunks
+    needed: 1.2-2.1 MB more into each member of the origin's region at 100 Mbit/s."""
+    members = {"a": "r1", "b": "r1", "me": "r1"}
+    p = PiecePicker("me", "r1", "r0", pipeline=2, wan_gateways=None, endgame_after=0.5)
+    p.set_members(members)
+    for m in ("a", "b"):
+        p.peer_joined(m, NODE, "r1")
+    p.add_object(KEY, 2, now=0.0)
+    p.peer_has("a", KEY, [0, 1])
+    p.peer_has("b", KEY, [0, 1])
+    first = p.requests(0.0)
+    assert len(first) == 2 and len({r.chunk for r in first}) == 2  # one copy of each
+    assert p.requests(0.3) == [] and p.next_wakeup(0.3) == 0.5
+    second = p.requests(0.5)
+    assert Counter(r.chunk for r in first + second) == {0: MAX_COPIES, 1: MAX_COPIES}
+
+
+@pytest.mark.parametrize("bad", [{"origin_pipeline": 0}, {"origin_pipeline": 1.5}, {"endgame_after": -1},
+                                 {"endgame_after": float("nan")}])
+def test_origin_pipeline_and_endgame_after_are_checked(bad):
+    with pytest.raises(UsageError, match=next(iter(bad))):
+        PiecePicker("a", "r0", "r0", **bad)
+
+
+def test_a_member_asks_the_origin_in_plan_weight_order_and_its_next_chunks_are_never_taken_over():
+    """The collision the order prevents: at a 1 Gbit/s LAN, with shares taken over in a
+    per-node random order, the origin sent 1.29-1.52x the patch (bench/RESULTS.md,
+    2026-12-05): the member that took over a chunk its owner had asked for got it whole
+    before either heard of the other."""
+    from patchswarm.protocol.responsibility import member_weight
+
+    n = 16
+    owner = _origin_region(me="b", n=n)
+    by_weight = sorted(owned("b", R0, n), key=lambda c: member_weight("b", KEY, c), reverse=True)
+    assert [r.chunk for r in owner.requests(0.0)] == by_weight[:2]
+    p = _origin_region(n=n)
+    _receive_own_share(p, "a", n)
+    for m in "cd":  # c and d have all of their shares whole: only b's can be taken over
+        p.peer_has(m, KEY, owned(m, R0, n))
+    taken = [r.chunk for r in p.requests(0.0) if r.peer == OR]
+    assert len(taken) == 1 and taken[0] in by_weight[2:]
