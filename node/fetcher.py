@@ -256,7 +256,7 @@ class Fetcher:
         s.piece_bytes_in += len(data) - flow.start
         # Who hears of it is decided before the picker forgets the chunk's holders.
         hear = self._audience(s, key, c, tell_have, self._told.get(key, {}).pop(c, ()))
-        for dup in self.picker.chunk_received(key, c, s.id):
+        for dup in self.picker.chunk_received(key, c, s.id, trio.current_time()):
             self._cancel(dup, keep=False)
         self._tell(wire.HaveOne(key[0], key[1], c), hear)
         if self.store.complete(key):
