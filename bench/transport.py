@@ -583,19 +583,17 @@ def nat_table(creds_root: Path, mib: int, repeat: int, lanes: int, sizes_kib: tu
                             rtc(raw_rows[0], kib, 1, a, b, raw_channels=1)
                             rtc(raw_rows[1], kib, 1, a, b, raw_channels=channels)
     header = "  ".join(f"{k:>4} KiB     " for k in sizes_kib)
-    print(f"\n{'MB/s received':>32}  {header}")
-    for kind in kinds:
-        print(f"{kind:>32}  " + "  ".join(_cell(best, kind, k, "{:.1f}") for k in sizes_kib))
-    print(f"\n{'MB per CPU s of the busiest end':>32}  {header}")
-    for kind in kinds:
-        print(f"{kind:>32}  " + "  ".join(_cell(best_cpu, kind, k, "{:.1f}") for k in sizes_kib))
+
+    def table(title: str, cells: dict, fmt: str) -> None:
+        print(f"\n{title:>32}  {header}")
+        for kind in kinds:
+            print(f"{kind:>32}  " + "  ".join(_cell(cells, kind, k, fmt) for k in sizes_kib))
+
+    table("MB/s received", best, "{:.1f}")
+    table("MB per CPU s of the busiest end", best_cpu, "{:.1f}")
     print(f"{'coturn, relayed row':>32}  " + "  ".join(f"{relay_cpu[k]:>13.1f}" for k in sizes_kib))
-    print(f"\n{'MB per CPU s, sender / receiver':>32}  {header}")
-    for kind in kinds:
-        print(f"{kind:>32}  " + "  ".join(_cell(ends, kind, k, "{:.0f} / {:.0f}") for k in sizes_kib))
-    print(f"\n{'in the kernel, sender / receiver':>32}  {header}")
-    for kind in kinds:
-        print(f"{kind:>32}  " + "  ".join(_cell(kernel, kind, k, "{:2.0%} / {:2.0%}") for k in sizes_kib))
+    table("MB per CPU s, sender / receiver", ends, "{:.0f} / {:.0f}")
+    table("in the kernel, sender / receiver", kernel, "{:2.0%} / {:2.0%}")
     print("(system time over CPU time of each end: the kernel's share, where the network path's work is counted;"
           " sampled per clock tick, so meaningless for ends that used well under a second, as TCP's do)")
     print("\ncandidate pairs ICE chose (local-remote, at the receiver): "

@@ -200,14 +200,14 @@ class Tracker:
                 nursery.start_soon(s.send_loop)
                 if self.creds.revocations.envelope is not None:  # first, so a member knows whom to refuse
                     s.push("Revocations", wire.encode(wire.Revocations(self.creds.revocations.envelope)))
-                self._do(self.core.connected(s, hello, self._advertised(ms, hello.listen), trio.current_time()))
+                addr = self._advertised(ms, hello.listen)
+                self._do(self.core.connected(s, hello, addr, trio.current_time()))
                 if s.why is None and ms.accepted_at is not None:
                     now = trio.current_time()
                     self.joins.append((now, now - ms.accepted_at))
                 if s.why is None:
                     log.info("%s %s joined (region %s, %s, versions %s)", ms.peer_role, ms.peer_name,
                              hello.region, ms.hello.listen, hello.versions or "none")
-                    addr = self._advertised(ms, hello.listen)
                     if self.probe and hello.role == "node" and addr:
                         nursery.start_soon(self._probe, s, addr)  # ends with the session
                     await self._read(s)
