@@ -21,9 +21,14 @@ from __future__ import annotations
 from .errors import ProtocolError, UsageError
 
 # Bytes of a chunk per Piece message. A relay forwards a part once it is whole,
-# so each hop adds a part's time on its link; each message costs the sender and
-# the receiver a fixed amount of interpreter time.
-PART_BYTES = 128 << 10
+# so each hop adds a part's time on its link (a chunk's first part before anyone
+# may relay it, its last one, held until the chunk verifies, after); each message
+# costs the sender and the receiver a fixed amount of interpreter time. 64 KiB:
+# 5 ms at 100 Mbit/s, 21 ms on the quarter of it a member of the origin's region
+# gets while four share the origin; against 128 KiB it took the origin's region
+# at a 100 Mbit/s LAN from 1.37x to 1.22x its bound (3 regions x 4, issue 26;
+# bench/RESULTS.md, 2026-12-05), at 1 Gbit/s no slower on this 2-core machine.
+PART_BYTES = 64 << 10
 
 
 class ChunkAssembly:

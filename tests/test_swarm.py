@@ -105,7 +105,7 @@ def test_every_node_gets_every_version_bit_exactly_and_mostly_from_peers(tmp_pat
 
 
 def test_chunks_are_relayed_while_they_still_arrive(tmp_path, checkpoints):
-    """1 MiB chunks (128 KiB parts) into nodes held to 3 MB/s each: a chunk takes a third of
+    """1 MiB chunks (64 KiB parts) into nodes held to 3 MB/s each: a chunk takes a third of
     a second to arrive, so neighbours that hear Incoming follow it, and the version lands
     bit-exactly everywhere."""
     watch = tmp_path / "watch"
