@@ -280,6 +280,10 @@ def main(argv: list[str] | None = None) -> int:
                     if len(tries) > 1:
                         notes.append((row_name, f"median of {len(tries)} runs; times "
                                       + ", ".join(f"{t.seconds:.2f}" for t in tries) + " s"))
+                        if s.regions > 1:  # the region rows are the median run's: each region's spread
+                            notes += [(row_name, f"r{g} per run: " + ", ".join(
+                                f"{t.region_s(g):.2f}" for t in tries if t.region_s(g) is not None) + " s")
+                                for g in range(s.regions)]
     except KeyboardInterrupt:
         print("interrupted; namespaces and processes torn down", file=sys.stderr)
         return 130
