@@ -268,11 +268,11 @@ class Node:
     def _origin_session(self) -> Session | None:
         return next((s for s in self.peers.sessions.values() if s.role == "origin" and not s.closed), None)
 
-    async def _on_peer_open(self, s: Session) -> None:
+    def _on_peer_open(self, s: Session) -> None:
         log.info("peer %s (%s, region %s) connected (%s)", s.id, s.role, s.region, "out" if s.outbound else "in")
         self.fetcher.peer_joined(s)
 
-    async def _on_peer_close(self, s: Session) -> None:
+    def _on_peer_close(self, s: Session) -> None:
         if s.role == "origin":
             self.uploader.origin_lost()
         self.fetcher.peer_left(s)

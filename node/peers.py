@@ -140,7 +140,10 @@ class Outflow:
 
 
 OnMessage = Callable[[Session, object], Awaitable[None]]
-OnSession = Callable[[Session], Awaitable[None]]
+# Called in the same step as the session enters or leaves `sessions` (plain functions, no
+# checkpoint between): whoever keeps its own record of connected peers (the daemon's picker)
+# never sees a peer open twice, even when it reconnects while its old connection closes.
+OnSession = Callable[[Session], None]
 
 
 class PeerSet:
@@ -184,10 +187,10 @@ class PeerSet:
             # peer gone while its new session is live.
             existing.close("replaced by the connection both ends keep")
             del self.sessions[existing.id]
+            if self._on_close is not None:
+                self._on_close(existing)
             with trio.CancelScope(shield=True):
                 await existing.ms.aclose()
-                if self._on_close is not None:
-                    await self._on_close(existing)
             if ms.peer_name in self.sessions:  # a third connection won meanwhile
                 await ms.aclose()
                 return
@@ -208,7 +211,7 @@ class PeerSet:
                     for key, chunk in self.inflows.arriving():
                         await s.send(wire.Incoming(key[0], key[1], chunk))
                 if self._on_open is not None:
-                    await self._on_open(s)
+                    self._on_open(s)
                 nursery.start_soon(self._serve, s)
                 reason = await self._receive(s)
                 nursery.cancel_scope.cancel()
@@ -235,10 +238,10 @@ class PeerSet:
             registered = self.sessions.get(s.id) is s
             if registered:
                 del self.sessions[s.id]
+                if self._on_close is not None:
+                    self._on_close(s)
             with trio.CancelScope(shield=True):
                 await ms.aclose()
-                if registered and self._on_close is not None:
-                    await self._on_close(s)
         level = logging.INFO if reason in _QUIET_ENDS else logging.WARNING
         log.log(level, "peer %s (%s, %s) left: %s", s.id, s.role, s.region, reason)
 

@@ -134,7 +134,7 @@ def test_a_peer_refused_a_chunk_hears_once_it_is_held_though_it_was_told_it_was_
     picker.add_object(KEY, 1, now=0.0)
     inflows = Inflows()
 
-    async def on_open(s):
+    def on_open(s):
         fetcher.peer_joined(s)
 
     peers = PeerSet("me", store, TokenBucket(None), _noop, on_open=on_open, inflows=inflows)

@@ -16,6 +16,7 @@ from patchswarm.node.store import ObjectStore
 from patchswarm.node.net.transport import MessageStream
 from patchswarm.protocol import wire
 from patchswarm.protocol.assembly import PART_BYTES
+from patchswarm.protocol.picker import NODE, PiecePicker
 
 
 def _stream(stream, peer: str) -> MessageStream:
@@ -38,10 +39,10 @@ def test_replaced_session_reports_close_before_the_new_open(tmp_path):
     def tag(s) -> int:
         return ids.setdefault(id(s), len(ids))
 
-    async def on_open(s):
+    def on_open(s):
         events.append(("open", tag(s)))
 
-    async def on_close(s):
+    def on_close(s):
         events.append(("close", tag(s)))
 
     async def main():
@@ -69,10 +70,10 @@ def test_replaced_session_reports_close_before_the_new_open(tmp_path):
 def test_a_duplicate_that_loses_is_closed_and_reports_nothing(tmp_path):
     events = []
 
-    async def on_open(s):
+    def on_open(s):
         events.append(("open", s.outbound))
 
-    async def on_close(s):
+    def on_close(s):
         events.append(("close", s.outbound))
 
     async def main():
@@ -100,7 +101,7 @@ def test_the_owner_closes_a_session_with_a_reason(tmp_path, caplog):
     and the log says why."""
     closed = []
 
-    async def on_close(s):
+    def on_close(s):
         closed.append(s.close_reason)
 
     async def main():
@@ -129,7 +130,7 @@ def test_a_peer_that_takes_no_bytes_for_send_timeout_is_dropped(tmp_path):
     reported gone, instead of holding its serve task and the upload limit for ever."""
     closed = []
 
-    async def on_close(s):
+    def on_close(s):
         closed.append((s.id, s.close_reason, trio.current_time()))
 
     async def main():
@@ -151,3 +152,63 @@ def test_a_peer_that_takes_no_bytes_for_send_timeout_is_dropped(tmp_path):
     [(peer, reason, when)] = closed
     assert peer == "req" and reason == f"took no bytes for {SEND_TIMEOUT:.0f} s"
     assert when - start == pytest.approx(SEND_TIMEOUT, abs=1.0)
+
+
+class _SlowClose(trio.abc.Stream):
+    """A stream whose close takes a while (a TLS close_notify to a peer that reads slowly:
+    MessageStream.aclose gives it up to a second)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    async def send_all(self, data):
+        await self.inner.send_all(data)
+
+    async def wait_send_all_might_not_block(self):
+        await self.inner.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes=None):
+        return await self.inner.receive_some(max_bytes)
+
+    async def aclose(self):
+        with trio.CancelScope(shield=True):
+            await trio.sleep(0.2)
+        await self.inner.aclose()
+
+
+def test_a_peer_that_reconnects_while_its_old_connection_closes_is_reported_gone_first(tmp_path):
+    """The session owner's record of connected peers (the daemon's picker, here a real one)
+    must see the old session gone before the new one opens. Before: the closed session left
+    `sessions` and was reported gone only after its connection had closed, so a peer that
+    reconnected within that time was reported open while still recorded, and the picker's
+    UsageError ("already connected") ended the node (a WAN bench run, 2026-12-05)."""
+    picker = PiecePicker("b", "r0", "r0")
+    events = []
+
+    def on_open(s):
+        events.append(("open", s.outbound))
+        picker.peer_joined(s.id, NODE, s.region)
+
+    def on_close(s):
+        events.append(("close", s.outbound))
+        picker.peer_left(s.id)
+
+    async def main():
+        peers = PeerSet("b", ObjectStore(tmp_path / "store"), TokenBucket(None), _noop,
+                        on_open=on_open, on_close=on_close)
+        old_local, old_remote = trio.testing.memory_stream_pair()
+        new_local, new_remote = trio.testing.memory_stream_pair()
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(peers.run, _stream(_SlowClose(old_local), "a"), False)
+                await trio.testing.wait_all_tasks_blocked()
+                await old_remote.aclose()  # the peer's process died; its old connection is closing
+                await trio.testing.wait_all_tasks_blocked()
+                nursery.start_soon(peers.run, _stream(new_local, "a"), True)  # and it is back
+                await trio.testing.wait_all_tasks_blocked()
+                assert events == [("open", False), ("close", False), ("open", True)]
+                assert peers.connected("a") and picker.in_flight("a") == 0
+                await new_remote.aclose()
+        assert events[-1] == ("close", True) and not peers.connected("a")
+
+    trio.run(main)

@@ -188,7 +188,7 @@ class Origin:
                     lambda ms: self.peers.run(ms, outbound=False),
                     on_refused=lambda why: log.warning("refused a connection: %s", why), task_status=task_status)
 
-    async def _on_open(self, s: Session) -> None:
+    def _on_open(self, s: Session) -> None:
         log.info("node %s (region %s) connected", s.id, s.region)
 
     async def _on_message(self, s: Session, msg) -> None:
