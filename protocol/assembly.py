@@ -25,9 +25,10 @@ from .errors import ProtocolError, UsageError
 # may relay it, its last one, held until the chunk verifies, after); each message
 # costs the sender and the receiver a fixed amount of interpreter time. 64 KiB:
 # 5 ms at 100 Mbit/s, 21 ms on the quarter of it a member of the origin's region
-# gets while four share the origin; against 128 KiB it took the origin's region
-# at a 100 Mbit/s LAN from 1.37x to 1.22x its bound (3 regions x 4, issue 26;
-# bench/RESULTS.md, 2026-12-05), at 1 Gbit/s no slower on this 2-core machine.
+# gets while four share the origin. Against 128 KiB, side by side (issue 26,
+# bench/RESULTS.md, 2026-12-05): the origin's region alone at a 100 Mbit/s LAN
+# 2.10 s against 2.16 (means of 6 runs), in 3 regions x 4 at 100/50/20 Mbit/s
+# 2.29 against 2.40 s and the 50 Mbit/s region 4.08 against 4.20 s.
 PART_BYTES = 64 << 10
 
 
