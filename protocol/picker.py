@@ -245,9 +245,8 @@ class PiecePicker:
                 # Walk chunks by this member's plan weight, so that others know in which
                 # order it asks the origin for its share (`pick_share` takes from its end).
                 order = np.argsort(obj.duty.weights(self.me), kind="stable")[::-1]
-                obj.rank = [0] * n_chunks
-                for r, c in enumerate(order.tolist()):
-                    obj.rank[c], obj.chunk_of[r] = r, c
+                obj.chunk_of = order.tolist()  # rank -> chunk
+                obj.rank = np.argsort(order, kind="stable").tolist()  # its inverse: chunk -> rank
         self._objects[key] = obj
         self._order.append(obj)
         self._order.sort(key=lambda o: (o.priority, o.key))

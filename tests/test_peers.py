@@ -29,6 +29,27 @@ async def _noop(s, msg) -> None:
     pass
 
 
+def _peers_b(tmp_path, on_open=None, on_close=None) -> PeerSet:
+    """Member "b"'s PeerSet over an empty store, reporting sessions to the callbacks given."""
+    return PeerSet("b", ObjectStore(tmp_path / "store"), TokenBucket(None), _noop, on_open=on_open, on_close=on_close)
+
+
+def _recording(events: list, label, picker: PiecePicker | None = None):
+    """on_open / on_close that append ("open" | "close", label(session)) to `events` and,
+    with a picker, tell it the peer joined or left (as the daemon does)."""
+    def on_open(s):
+        events.append(("open", label(s)))
+        if picker is not None:
+            picker.peer_joined(s.id, NODE, s.region)
+
+    def on_close(s):
+        events.append(("close", label(s)))
+        if picker is not None:
+            picker.peer_left(s.id)
+
+    return on_open, on_close
+
+
 def test_replaced_session_reports_close_before_the_new_open(tmp_path):
     """Both ends dialed at once; 'b' first registered its own outbound session, then the
     rule (keep the connection dialed by the smaller id, 'a') replaces it. The old
@@ -39,15 +60,8 @@ def test_replaced_session_reports_close_before_the_new_open(tmp_path):
     def tag(s) -> int:
         return ids.setdefault(id(s), len(ids))
 
-    def on_open(s):
-        events.append(("open", tag(s)))
-
-    def on_close(s):
-        events.append(("close", tag(s)))
-
     async def main():
-        peers = PeerSet("b", ObjectStore(tmp_path / "store"), TokenBucket(None), _noop,
-                        on_open=on_open, on_close=on_close)
+        peers = _peers_b(tmp_path, *_recording(events, tag))
         out_local, out_remote = trio.testing.memory_stream_pair()
         in_local, in_remote = trio.testing.memory_stream_pair()
         with trio.fail_after(10):
@@ -70,15 +84,8 @@ def test_replaced_session_reports_close_before_the_new_open(tmp_path):
 def test_a_duplicate_that_loses_is_closed_and_reports_nothing(tmp_path):
     events = []
 
-    def on_open(s):
-        events.append(("open", s.outbound))
-
-    def on_close(s):
-        events.append(("close", s.outbound))
-
     async def main():
-        peers = PeerSet("b", ObjectStore(tmp_path / "store"), TokenBucket(None), _noop,
-                        on_open=on_open, on_close=on_close)
+        peers = _peers_b(tmp_path, *_recording(events, lambda s: s.outbound))
         in_local, in_remote = trio.testing.memory_stream_pair()
         out_local, out_remote = trio.testing.memory_stream_pair()
         with trio.fail_after(10):
@@ -105,7 +112,7 @@ def test_the_owner_closes_a_session_with_a_reason(tmp_path, caplog):
         closed.append(s.close_reason)
 
     async def main():
-        peers = PeerSet("b", ObjectStore(tmp_path / "store"), TokenBucket(None), _noop, on_close=on_close)
+        peers = _peers_b(tmp_path, on_close=on_close)
         local, remote = trio.testing.memory_stream_pair()
         with trio.fail_after(10):
             async with trio.open_nursery() as nursery:
@@ -185,17 +192,8 @@ def test_a_peer_that_reconnects_while_its_old_connection_closes_is_reported_gone
     picker = PiecePicker("b", "r0", "r0")
     events = []
 
-    def on_open(s):
-        events.append(("open", s.outbound))
-        picker.peer_joined(s.id, NODE, s.region)
-
-    def on_close(s):
-        events.append(("close", s.outbound))
-        picker.peer_left(s.id)
-
     async def main():
-        peers = PeerSet("b", ObjectStore(tmp_path / "store"), TokenBucket(None), _noop,
-                        on_open=on_open, on_close=on_close)
+        peers = _peers_b(tmp_path, *_recording(events, lambda s: s.outbound, picker))
         old_local, old_remote = trio.testing.memory_stream_pair()
         new_local, new_remote = trio.testing.memory_stream_pair()
         with trio.fail_after(10):
