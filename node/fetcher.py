@@ -4,8 +4,9 @@ Owns `Fetcher`: it executes the piece picker's answers (protocol/picker.py
 decides which chunk to ask of whom, and when a request has run out of time;
 it is also the node's one record of who holds which chunk and of the
 requests in flight, so the facts peers announce go straight to it), sends
-Request (RequestRest for a chunk whose transfer broke part-way: only the
-bytes still missing, from the next holder) and Cancel, takes each Piece in
+Request (RequestRest for a chunk whose transfer broke part-way, or that the
+picker moved from a relaying member to the origin: only the bytes still
+missing, from the next holder) and Cancel, takes each Piece in
 (node/relay.py reassembles it, and lets sessions serve it onward while it
 arrives), checks every whole chunk
 against its signed manifest before the object store takes it, and tells
@@ -81,7 +82,12 @@ class Fetcher:
                                 r.peer, r.chunk, describe(r.key), self.picker.request_timeout)
                     self._cancel(r)
                 debug = log.isEnabledFor(logging.DEBUG)
-                for r in self.picker.requests(now):
+                requests = self.picker.requests(now)
+                for r in self.picker.withdrawn():  # moved to the origin: what came is kept for the rest
+                    if debug:
+                        log.debug("chunk %d of %s: the rest from the origin, not %s", r.chunk, describe(r.key), r.peer)
+                    self._cancel(r)
+                for r in requests:
                     if r.peer not in self.peers.sessions:
                         continue
                     # Bytes kept from a transfer of this chunk that broke: ask only for the rest.

@@ -64,7 +64,12 @@ tail of another's share: the chunks its owner cannot have asked for yet
 (`pick_share`). The shares are static (`balanced_owners`), the members' flows
 from the origin are not equally fast, and without it the origin's last 0.2-0.5 s
 served only the slowest member's rest, through that member's downlink, and
-that member's uplink then relayed it to all others (issue 26). With `endgame_after` (the
+that member's uplink then relayed it to all others (issue 26). Once every chunk a member
+lacks is at a member of the region, whole or arriving (the origin has nothing left to start
+for the region and sends only its last chunks), the member of highest plan weight among those
+that lack a chunk another member is fanning out moves the rest of it to the origin
+(`pick_rest`): the request to the fanning member is withdrawn (`withdrawn`) and the origin
+asked from the byte held. With `endgame_after` (the
 daemon's), a second copy is asked for only of a request that has been in
 flight that long: where the LAN is the limit, an immediate copy took the links
 the last chunks needed (1.2-2.1 MB more into each member of the origin's
@@ -128,6 +133,12 @@ ENDGAME_AFTER = 0.5
 # ms on a LAN), so the owner rarely asks the origin for a chunk already taken. At 1 Gbit/s a
 # chunk takes ~10 ms and taking over made the origin send 1.04-1.14 x the patch (bench/RESULTS.md).
 TAKEOVER_MIN_CHUNK_S = 0.05
+# `pick_rest` moves the rest of a chunk to the origin only while a chunk from the origin takes at
+# least this long (s, request to verified): what a move saves grows with a chunk's time on the LAN,
+# what it costs (a round trip, the origin's bytes and CPU) does not. In the WAN bench's logs a chunk
+# from the origin took 0.14-0.80 s at a 100 Mbit/s LAN (1 of 104 under 0.15 s) and 0.01-0.11 s at
+# 1 Gbit/s, where the fan-out of a chunk is short and this 2-core machine's CPU is the limit.
+REST_MIN_CHUNK_S = 0.15
 
 __all__ = ["MAX_COPIES", "NODE", "ORIGIN", "ORIGIN_PIPELINE", "ENDGAME_AFTER", "PEER_KINDS", "WAN_GATEWAYS", "WAN_PIPELINE", "PiecePicker", "Request"]
 
@@ -188,6 +199,7 @@ class PiecePicker:
         self._order: list[ObjectState] = []  # by (priority, key)
         self._pending = PendingFacts()
         self._n_inflight = 0
+        self._withdrawn: list[Request] = []  # requests replaced by one to the origin (`pick_rest`)
 
     @property
     def origin_region(self) -> str | None:
@@ -422,6 +434,8 @@ class PiecePicker:
                 round_.pick_share(obj)
             if round_.free and obj.missing and len(obj.inflight) == len(obj.missing):
                 round_.pick_endgame(obj)
+            if round_.origin_free and obj.is_patch and obj.missing and len(obj.inflight) == len(obj.missing):
+                round_.pick_rest(obj)
         if not round_.out and self._n_inflight == 0 and round_.free:
             # Idle: take over stuck chunks, at most `pipeline` per idle round so
             # that many idle nodes of one region do not flood the WAN at once.
@@ -431,6 +445,13 @@ class PiecePicker:
                 if len(round_.out) >= self.pipeline or not round_.free:
                     break
         return round_.out
+
+    def withdrawn(self) -> list[Request]:
+        """The requests `requests()` replaced by one to the origin since the last call
+        (`pick_rest`), each released here: the caller cancels them, keeping the bytes
+        that came so that the origin is asked only for the rest."""
+        out, self._withdrawn = self._withdrawn, []
+        return out
 
     def next_wakeup(self, now: float) -> float | None:
         """The earliest time after `now` at which `requests()` could return
@@ -649,6 +670,55 @@ class _Round:
         p = self._least_busy([q for q in origins if q in obj.holders[c]])
         self._take_slot(p)
         self.out.append(self.picker._send(obj, c, p, self.now))
+
+    def pick_rest(self, obj: ObjectState) -> None:
+        """In the origin's region, once every chunk this member lacks is at a member here,
+        whole or arriving (the origin has nothing left to start for the region: it sends
+        its last chunks, then idles), and this member has nothing in flight to the origin:
+        the rest of one chunk it is getting from a member that fans it out to two or more,
+        from the origin instead. That member's uplink carries one copy less; the origin's,
+        about to idle, carries it. Of the members that lack the chunk only the one of
+        highest plan weight for it moves (each member computes the same), so the relay
+        keeps the others; only where a chunk from the origin takes `REST_MIN_CHUNK_S` or
+        more. The request it replaces is withdrawn (`withdrawn`): the caller cancels it
+        and asks the origin from the byte it has (wire.RequestRest). Without it the
+        region's last 0.1-0.2 s was one or two members' uplinks fanning the origin's last
+        chunks out to three others each while the origin idled (bench/RESULTS.md, issue
+        26). Waiting until the source holds the chunk whole moved nothing: a member hears
+        that over the source's connection, behind the parts the source queued to it, so
+        about when its own copy is complete."""
+        origins = [p for p in self.origin_free if p in self.free and not self.peers[p].inflight]
+        if not origins or (self.picker.origin_chunk_s or 0.0) < REST_MIN_CHUNK_S or obj.duty is None:
+            return
+        peers, me = self.peers, self.picker.me
+        nearby = [q for q, info in peers.items() if info.kind == NODE and info.region == self.region]
+        best = None
+        for c in obj.missing:
+            if not any(obj.announced(q, c) for q in nearby):
+                return  # the origin has yet to send it to the region: its uplink is busy
+            asked = obj.inflight.get(c, ())
+            if len(asked) != 1 or not obj.announced(next(iter(asked)), c) or any(o in obj.failed.get(c, ()) for o in origins):
+                continue
+            source = next(iter(asked))
+            lacking = [me] + [q for q in nearby if q != source and not obj.holds_whole(q, c)]
+            if len(lacking) < 2:
+                continue  # the source serves me alone
+            if max(lacking, key=lambda m: (int(obj.duty.weights(m)[c]), m)) != me:
+                continue  # another member that lacks it moves
+            if best is None or (len(lacking), -obj.rank[c]) > (best[0], -obj.rank[best[1]]):
+                best = (len(lacking), c, source)
+        if best is None:
+            return
+        _, c, source = best
+        self.picker._release(obj, c, source)  # not a failure: the source stays one
+        old = Request(source, obj.key, c)
+        if old in self.out:
+            self.out.remove(old)  # asked this very round: never sent
+        else:
+            self.picker._withdrawn.append(old)
+        o = self._least_busy(origins)
+        self._take_slot(o)
+        self.out.append(self.picker._send(obj, c, o, self.now))
 
     @staticmethod
     def _by_rarity(obj: ObjectState):

@@ -40,13 +40,13 @@ async def _noop(s, msg) -> None:
     pass
 
 
-def _fetcher(tmp_path) -> Fetcher:
+def _fetcher(tmp_path, **picker_kw) -> Fetcher:
     store = ObjectStore(tmp_path / "objects")
     m = Manifest(swarm_id="sw", version=1, base_version=0, base_hash="blake3:" + "00" * 32,
                  target_hash="blake3:" + "11" * 32, tensors=[], chunks=[(10, bytes(32))], codec={"format": 1},
                  created_at=0.0)
     store.put_manifest(KEY, m, b"(envelope)")
-    picker = PiecePicker("me", "r1", "r1", seed=3, request_timeout=TIMEOUT)
+    picker = PiecePicker("me", "r1", "r1", seed=3, request_timeout=TIMEOUT, **picker_kw)
     picker.add_object(KEY, 1, now=0.0)
     inflows = Inflows()
     peers = PeerSet("me", store, TokenBucket(None), _noop, inflows=inflows)
@@ -179,11 +179,11 @@ def test_a_peer_refused_a_chunk_hears_once_it_is_held_though_it_was_told_it_was_
     trio.run(main)
 
 
-def _member_brings_it(fetcher, nursery) -> Session:
-    """A member "a" of my region connects and says chunk 0 is arriving at it."""
-    s = Session(RecordingStream(), "a", "node", "r1", "x:1", outbound=True)
+def _member_brings_it(fetcher, nursery, peer: str = "a") -> Session:
+    """A member of my region connects and says chunk 0 is arriving at it."""
+    s = Session(RecordingStream(), peer, "node", "r1", "x:1", outbound=True)
     s.tasks = nursery
-    fetcher.peers.sessions["a"] = s
+    fetcher.peers.sessions[peer] = s
     fetcher.peer_joined(s)
     fetcher.on_announce(s, wire.Incoming(KEY[0], KEY[1], 0))
     return s
@@ -213,6 +213,39 @@ def test_a_request_to_the_origin_is_cancelled_when_a_region_member_brings_the_ch
                 assert not _sent(origin, wire.Cancel)
             else:
                 assert len(_sent(origin, wire.Cancel)) == 1 and len(_sent(s, wire.Request)) == 1
+            n.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_a_relayed_chunk_s_rest_moved_to_the_origin_is_asked_from_the_bytes_held(tmp_path):
+    """Issue 26: in the origin's region, once no chunk is left for the origin to start, the
+    member of highest weight among those that lack a chunk another member is fanning out
+    takes the rest from the origin (protocol/picker.py, `pick_rest`): its request to the
+    relaying member is cancelled and the origin is asked from the byte it has. Names chosen
+    so that n0 owns the chunk and me outweighs n1. Nothing moves until a chunk from the origin
+    has been timed (REST_MIN_CHUNK_S), so me asks n0 first."""
+    fetcher = _fetcher(tmp_path, origin_pipeline=2, endgame_after=0.5)
+    fetcher.picker.set_members({"me": "r1", "n0": "r1", "n1": "r1"})
+
+    async def main():
+        async with trio.open_nursery() as n:
+            await n.start(fetcher.run)
+            origin = _session(fetcher, n, "origin", role="origin")
+            n1 = Session(RecordingStream(), "n1", "node", "r1", "x:2", outbound=True)
+            n1.tasks = n
+            fetcher.peers.sessions["n1"] = n1
+            fetcher.peer_joined(n1)
+            n0 = _member_brings_it(fetcher, n, "n0")  # n0 receives it from the origin, relays it to me
+            await trio.testing.wait_all_tasks_blocked()
+            assert len(_sent(n0, wire.Request)) == 1 and not _sent(origin, wire.Request)
+            fetcher.inflows.receive("n0", KEY, 0, 10, 0, 10, b"01234")  # half of it came
+            fetcher.picker.origin_chunk_s = 0.3  # as if a chunk from the origin had taken 300 ms
+            fetcher.on_announce(n0, wire.HaveOne(KEY[0], KEY[1], 0))  # a fact: the picker is asked again
+            await trio.testing.wait_all_tasks_blocked()
+            assert len(_sent(n0, wire.Cancel)) == 1
+            [rest] = [m for _, m in origin.ms.sent if isinstance(m, (wire.Request, wire.RequestRest))]
+            assert rest == wire.RequestRest(KEY[0], KEY[1], 0, 5)
             n.cancel_scope.cancel()
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))

@@ -15,8 +15,8 @@ import pytest
 from hypothesis import example, given, settings
 
 from patchswarm.protocol.errors import ProtocolError, UsageError
-from patchswarm.protocol.picker import MAX_COPIES, NODE, ORIGIN, PiecePicker, Request
-from patchswarm.protocol.responsibility import balanced_owners, gateways, region_order, upstream_regions
+from patchswarm.protocol.picker import ENDGAME_AFTER, MAX_COPIES, NODE, ORIGIN_PIPELINE, ORIGIN, PiecePicker, Request
+from patchswarm.protocol.responsibility import balanced_owners, gateways, member_weight, region_order, upstream_regions
 
 KEY = (7, False)  # a patch
 KF = (7, True)  # a keyframe
@@ -859,7 +859,7 @@ def test_an_idle_round_takes_over_pipeline_chunks_when_the_first_object_has_fewe
 # --- one picker under random facts --------------------------------------------
 
 PEERS = {"o": (ORIGIN, "r0"), "x1": (NODE, "r1"), "y1": (NODE, "r1"), "x0": (NODE, "r0"),
-         "x2": (NODE, "r2"), "z1": (NODE, "r1")}
+         "y0": (NODE, "r0"), "x2": (NODE, "r2"), "z1": (NODE, "r1")}
 OBJECTS = {KEY: 12, (8, False): 5, KF: 6}
 fact = st.one_of(
     st.tuples(st.just("join"), st.sampled_from(sorted(PEERS))),
@@ -869,7 +869,7 @@ fact = st.one_of(
     st.tuples(st.just("recv"), st.integers(0, 50)),
     st.tuples(st.just("fail"), st.integers(0, 50)),
     st.tuples(st.just("refuse"), st.integers(0, 50)),
-    st.tuples(st.just("members"), st.sets(st.sampled_from(["x1", "y1", "x0", "x2", "z1"]))),
+    st.tuples(st.just("members"), st.sets(st.sampled_from(["x1", "y1", "x0", "y0", "x2", "z1"]))),
     st.tuples(st.just("requests"), st.floats(0, 5)),
     st.tuples(st.just("expire"), st.floats(0, 5)),
 )
@@ -877,12 +877,16 @@ TIMEOUT = 2.0
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(fact, max_size=60), st.integers(1, 3), st.integers(0, 99))
+@given(st.lists(fact, max_size=60), st.integers(1, 3), st.integers(0, 99), st.sampled_from(["r1", "r0"]))
 # A refused chunk announced again (arriving) may be asked again: the model once kept it failed for good
 @example(facts=[("join", "o"), ("has", "o", KEY, [0], False), ("requests", 0.0), ("refuse", 0),
-                ("has", "o", KEY, [0], False), ("requests", 0.0)], pipeline=1, seed=0)
-def test_property_random_facts_keep_the_contract(facts, pipeline, seed):
-    p = PiecePicker("me", "r1", "r0", seed=seed, pipeline=pipeline, takeover_after=1.0, request_timeout=TIMEOUT)
+                ("has", "o", KEY, [0], False), ("requests", 0.0)], pipeline=1, seed=0, region="r1")
+def test_property_random_facts_keep_the_contract(facts, pipeline, seed, region):
+    """In r0, the origin's region, with the daemon's `origin_pipeline`: requests the picker
+    withdraws (moved to the origin, `pick_rest`) leave the model's requests in flight."""
+    in_origin_region = {"origin_pipeline": ORIGIN_PIPELINE, "endgame_after": ENDGAME_AFTER} if region == "r0" else {}
+    p = PiecePicker("me", region, "r0", seed=seed, pipeline=pipeline, takeover_after=1.0, request_timeout=TIMEOUT,
+                    **in_origin_region)
     for key, n in OBJECTS.items():
         p.add_object(key, n, priority=key[0], now=0.0)
     joined, holds, mine, sent = set(), {}, {k: set() for k in OBJECTS}, {}  # sent: request -> when
@@ -913,7 +917,7 @@ def test_property_random_facts_keep_the_contract(facts, pipeline, seed):
         elif f[0] in ("recv", "fail", "refuse") and sent:
             r = sorted(sent)[f[1] % len(sent)]
             if f[0] == "recv":
-                cancels = p.chunk_received(r.key, r.chunk, r.peer)
+                cancels = p.chunk_received(r.key, r.chunk, r.peer, clock)
                 copies = {o for o in sent if (o.key, o.chunk) == (r.key, r.chunk)}
                 assert set(cancels) == copies - {r}
                 for o in copies:
@@ -928,10 +932,14 @@ def test_property_random_facts_keep_the_contract(facts, pipeline, seed):
                 del sent[r]
                 failed.add((r.peer, r.key, r.chunk))
         elif f[0] == "members":
-            p.set_members({m: PEERS[m][1] for m in f[1]} | {"me": "r1"})
+            p.set_members({m: PEERS[m][1] for m in f[1]} | {"me": region})
         elif f[0] == "requests":
             clock = max(clock, f[1])
-            for r in p.requests(clock):
+            asked = p.requests(clock)
+            for r in p.withdrawn():  # moved to the origin: the request was in flight, now it is not
+                assert r in sent and r.peer != "o" and r not in asked
+                del sent[r]
+            for r in asked:
                 assert r.peer in joined
                 assert r.chunk in holds.get((r.peer, r.key), ()), f"{r.peer} lacks {r}"
                 assert r.chunk not in mine[r.key] and r not in sent
@@ -1093,6 +1101,66 @@ def test_a_share_with_one_chunk_left_is_left_to_its_owner():
         rest = sorted(owned(m, R0, n))
         p.peer_has(m, KEY, rest[:-1])  # all but one chunk of each share whole
     assert all(r.peer != OR for r in p.requests(0.0))
+
+
+def _fanning_out(n=16, chunk_s=0.3, whole=True, **kw):
+    """Member a holds its share; every other chunk is at its owner, whole or arriving (the
+    origin has sent the region all of it, or is sending its last): a's first round, which
+    asks the owners for all of them."""
+    p = _origin_region(n=n, pipeline=8, endgame_after=ENDGAME_AFTER, **kw)
+    _receive_own_share(p, "a", n, chunk_s=chunk_s)
+    for m in "bcd":
+        p.peer_has(m, KEY, owned(m, R0, n), whole=whole)
+    return p, p.requests(0.0)
+
+
+def _moves(chunk, lacking):
+    """a is the member of highest plan weight among it and `lacking` (the others that lack the chunk)."""
+    return max(["a", *lacking], key=lambda m: member_weight(m, KEY, chunk)) == "a"
+
+
+@pytest.mark.parametrize("whole", [True, False])
+def test_once_the_origin_is_sending_its_last_a_fanned_out_chunk_s_rest_comes_from_it(whole):
+    """Issue 26 (bench/RESULTS.md, 2026-12-05): the region's last 0.1-0.2 s was one or two
+    members' uplinks fanning out the origin's last chunks to three others while the origin
+    idled. Once no chunk is left for the origin to start, the member of highest weight
+    among those that lack a chunk takes its rest from the origin; the source keeps the
+    other copies."""
+    n = 16
+    p, first = _fanning_out(n, whole=whole)
+    source = {r.chunk: r.peer for r in first if r.peer != OR}
+    [moved] = [r for r in first if r.peer == OR]  # one at a time (the origin's slot), in the same round:
+    assert moved.chunk not in source and p.withdrawn() == []  # its request to the source never went out
+    source[moved.chunk] = next(m for m in "bcd" if moved.chunk in owned(m, R0, n))
+    assert set(source) == p._objects[KEY].missing | {moved.chunk}
+    expected = {c for c, src in source.items() if _moves(c, set("bcd") - {src})}
+    assert moved.chunk in expected and len(expected) >= 2  # the hashes of this table: a moves two
+    assert p.requests(0.1) == []  # nothing more while that rest is in flight
+    p.chunk_received(KEY, moved.chunk, OR, now=0.3)
+    [again] = p.requests(0.3)
+    assert again.peer == OR and again.chunk in expected - {moved.chunk}
+    assert p.withdrawn() == [Request(source[again.chunk], KEY, again.chunk)] and p.withdrawn() == []
+
+
+def test_no_rest_from_the_origin_while_it_still_sends_or_where_the_source_serves_one():
+    n = 16
+    # One chunk of each other share not announced yet: the origin has yet to send it (and
+    # its owner has asked for it: a share's last chunk is left to its owner).
+    busy = _origin_region(n=n, pipeline=8)
+    _receive_own_share(busy, "a", n, chunk_s=0.3)
+    for m in "bcd":
+        busy.peer_has(m, KEY, sorted(owned(m, R0, n))[:-1])
+    assert all(r.peer != OR for r in busy.requests(0.0) + busy.requests(0.0)) and busy.withdrawn() == []
+    # Every other member holds everything whole: each source serves a alone.
+    alone = _origin_region(n=n)
+    _receive_own_share(alone, "a", n, chunk_s=0.3)
+    for m in "bcd":
+        alone.peer_has(m, KEY, set(range(n)) - owned("a", R0, n))
+    assert all(r.peer != OR for r in alone.requests(0.0)) and all(r.peer != OR for r in alone.requests(0.0))
+    # Chunks from the origin that come fast (a 1 Gbit/s LAN: 0.02-0.10 s), even where shares are
+    # taken over (0.1 s): nothing moves. Nor without origin_pipeline.
+    for p, _ in (_fanning_out(n, chunk_s=0.1), _fanning_out(n, origin_pipeline=None)):
+        assert all(r.peer != OR for r in p.requests(0.0)) and p.withdrawn() == []
 
 
 def test_outside_the_origins_region_no_share_is_taken_over():
