@@ -189,7 +189,7 @@ class PiecePicker:
         self.wan_gateways = wan_gateways
         self.origin_pipeline = origin_pipeline
         self.endgame_after = float(endgame_after)
-        self.origin_chunk_s: float | None = None  # the last chunk from the origin: request to verified
+        self.origin_chunk_s: float | None = None  # the last chunk from the origin, request to verified (not a rest)
         self.request_timeout = request_timeout
         self.takeover_after = float(takeover_after)
         self._rng = random.Random(seed)
@@ -200,6 +200,7 @@ class PiecePicker:
         self._pending = PendingFacts()
         self._n_inflight = 0
         self._withdrawn: list[Request] = []  # requests replaced by one to the origin (`pick_rest`)
+        self._rests: set[tuple[ObjKey, int]] = set()  # chunks whose rest was asked of the origin: not timed
 
     @property
     def origin_region(self) -> str | None:
@@ -276,6 +277,7 @@ class PiecePicker:
         if obj is None:
             return []
         self._order.remove(obj)
+        self._rests = {r for r in self._rests if r[0] != key}
         cancels = []
         for c, peers in obj.inflight.items():
             for p in peers:
@@ -357,7 +359,9 @@ class PiecePicker:
         if chunk not in obj.missing:
             return []
         info = self._peers.get(peer)
-        if now is not None and info is not None and info.kind == ORIGIN and (key, chunk) in info.inflight:
+        rest = (key, chunk) in self._rests  # a part of a chunk: its time says little of the link
+        self._rests.discard((key, chunk))
+        if now is not None and info is not None and info.kind == ORIGIN and (key, chunk) in info.inflight and not rest:
             self.origin_chunk_s = now - info.inflight[(key, chunk)]
         if obj.ready(chunk):
             obj.unindex(chunk)
@@ -719,6 +723,7 @@ class _Round:
         o = self._least_busy(origins)
         self._take_slot(o)
         self.out.append(self.picker._send(obj, c, o, self.now))
+        self.picker._rests.add((obj.key, c))
 
     @staticmethod
     def _by_rarity(obj: ObjectState):
