@@ -15,7 +15,7 @@ import pytest
 from hypothesis import example, given, settings
 
 from patchswarm.protocol.errors import ProtocolError, UsageError
-from patchswarm.protocol.picker import ENDGAME_AFTER, MAX_COPIES, NODE, ORIGIN_PIPELINE, ORIGIN, PiecePicker, Request
+from patchswarm.protocol.picker import ENDGAME_AFTER, MAX_COPIES, NODE, ORIGIN, ORIGIN_PIPELINE, PiecePicker, Request
 from patchswarm.protocol.responsibility import balanced_owners, gateways, member_weight, region_order, upstream_regions
 
 KEY = (7, False)  # a patch
