@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
@@ -49,6 +50,9 @@ def main() -> None:
     ap.add_argument("--refuse", type=int, default=0)
     ap.add_argument("--port", type=int, default=0, help="listen on this port (default: any free one)")
     args = ap.parse_args()
+    # Tests stop it with SIGINT; a process started in the background of a non-interactive
+    # shell (CI) inherits SIGINT ignored, and then the test waited 10 s before killing it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     refused = [0]
 
     class Handler(BaseHTTPRequestHandler):
