@@ -111,12 +111,17 @@ def test_unsupported_aiortc_is_left_stock(monkeypatch):
     asyncio.run(main())
 
 
-def _disorder(sctp, rng: random.Random, drop: float, seen: dict) -> None:
+def _disorder(sctp, rng: random.Random, drop: float, seen: dict):
     """Reorder the packets `sctp` receives (held a few at a time, shuffled) and drop
-    some: what a WAN path may do, on loopback. Counts into `seen`."""
+    some: what a WAN path may do, on loopback. Counts into `seen`. Returns `undo`, to
+    run in the loop before the peers close: it puts the real handler back and delivers
+    what is held (a flush task made as the loop closed never ran, and its coroutine was
+    reported never awaited)."""
     real, held = sctp._handle_data, []
     loop = asyncio.get_running_loop()
     held_order: list[bytes] = []
+    flushes: set[asyncio.Task] = set()
+    on = [True]
 
     async def flush() -> None:
         batch = held[:]
@@ -134,11 +139,25 @@ def _disorder(sctp, rng: random.Random, drop: float, seen: dict) -> None:
         held_order.append(data)
         del held_order[:-64]
         if len(held) == 1:
-            loop.call_later(0.002, lambda: asyncio.ensure_future(flush()))
+            loop.call_later(0.002, flush_later)
         elif len(held) >= 5:
             await flush()
 
+    def flush_later() -> None:
+        if on[0]:
+            task = loop.create_task(flush())
+            flushes.add(task)
+            task.add_done_callback(flushes.discard)
+
+    async def undo() -> None:
+        on[0] = False
+        sctp._handle_data = real
+        await flush()
+        while flushes:
+            await asyncio.gather(*flushes)
+
     sctp._handle_data = handle
+    return undo
 
 
 async def _open_pair(rtc, fast_a: bool, fast_b: bool):
@@ -160,20 +179,20 @@ async def _send_and_check(fast_a: bool, fast_b: bool, disorder: bool, total: int
     async with RTCLoop(LOOPBACK) as rtc:
         a, b, sa, sb = await _open_pair(rtc, fast_a, fast_b)
         seen = {"dropped": 0, "reordered": 0}
-        if disorder:
-            for peer in (a, b):
-                await rtc.run(_disorder_in_loop(peer, rng, 0.01, seen))
+        undos = [await rtc.run(_disorder_in_loop(peer, rng, 0.01, seen)) for peer in (a, b)] if disorder else []
         ma, mb = MessageStream(sa, "b", "node"), MessageStream(sb, "a", "node")
         got_b, got_a = await exchange(ma, mb, msgs, msgs[::-1], seconds=180)
         assert got_b == msgs and got_a == msgs[::-1]  # every byte, in order, both ways
         if disorder:
             assert seen["dropped"] and seen["reordered"], seen
+        for undo in undos:
+            await rtc.run(undo())
         await ma.aclose()
         await mb.aclose()
 
 
-async def _disorder_in_loop(peer, rng, drop, seen) -> None:
-    _disorder(peer._pc.sctp, rng, drop, seen)
+async def _disorder_in_loop(peer, rng, drop, seen):
+    return _disorder(peer._pc.sctp, rng, drop, seen)
 
 
 @pytest.mark.slow
