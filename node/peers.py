@@ -186,9 +186,7 @@ class PeerSet:
             # stays quiet, so a late close of the old connection cannot report the
             # peer gone while its new session is live.
             existing.close("replaced by the connection both ends keep")
-            del self.sessions[existing.id]
-            if self._on_close is not None:
-                self._on_close(existing)
+            self._forget(existing)
             with trio.CancelScope(shield=True):
                 await existing.ms.aclose()
             if ms.peer_name in self.sessions:  # a third connection won meanwhile
@@ -235,15 +233,18 @@ class PeerSet:
         finally:
             s.close(reason)
             reason = s.close_reason
-            registered = self.sessions.get(s.id) is s
-            if registered:
-                del self.sessions[s.id]
-                if self._on_close is not None:
-                    self._on_close(s)
+            if self.sessions.get(s.id) is s:
+                self._forget(s)
             with trio.CancelScope(shield=True):
                 await ms.aclose()
         level = logging.INFO if reason in _QUIET_ENDS else logging.WARNING
         log.log(level, "peer %s (%s, %s) left: %s", s.id, s.role, s.region, reason)
+
+    def _forget(self, s: Session) -> None:
+        """Unregister a session and report it gone in one step (`OnSession`)."""
+        del self.sessions[s.id]
+        if self._on_close is not None:
+            self._on_close(s)
 
     async def _receive(self, s: Session) -> str:
         while not s.closed:

@@ -641,8 +641,8 @@ class _Round:
         chunk about once (a late collision is cancelled by the one that hears the
         other's Incoming first: node/fetcher.py), and its uplink ends serving as many
         members as have work, not the one whose share happened to come slowest."""
-        origins = [p for p in self.origin_free if p in self.free and not self.peers[p].inflight]
-        if not origins or (self.picker.origin_chunk_s or 0.0) < TAKEOVER_MIN_CHUNK_S:
+        origins = self._idle_origins(TAKEOVER_MIN_CHUNK_S)
+        if not origins:
             return
         if any(obj.ready(c) and obj.tier.get(c) == ORIGIN_TIER for c in obj.missing):
             return  # my own share still has chunks to ask for
@@ -691,8 +691,8 @@ class _Round:
         26). Waiting until the source holds the chunk whole moved nothing: a member hears
         that over the source's connection, behind the parts the source queued to it, so
         about when its own copy is complete."""
-        origins = [p for p in self.origin_free if p in self.free and not self.peers[p].inflight]
-        if not origins or (self.picker.origin_chunk_s or 0.0) < REST_MIN_CHUNK_S or obj.duty is None:
+        origins = self._idle_origins(REST_MIN_CHUNK_S)
+        if not origins or obj.duty is None:
             return
         peers, me = self.peers, self.picker.me
         nearby = [q for q, info in peers.items() if info.kind == NODE and info.region == self.region]
@@ -724,6 +724,13 @@ class _Round:
         self._take_slot(o)
         self.out.append(self.picker._send(obj, c, o, self.now))
         self.picker._rests.add((obj.key, c))
+
+    def _idle_origins(self, min_chunk_s: float) -> list[str]:
+        """The origin's peers here with a free slot and nothing of mine in flight, where the
+        last chunk from the origin took `min_chunk_s` or more (else none)."""
+        if (self.picker.origin_chunk_s or 0.0) < min_chunk_s:
+            return []
+        return [p for p in self.origin_free if p in self.free and not self.peers[p].inflight]
 
     @staticmethod
     def _by_rarity(obj: ObjectState):

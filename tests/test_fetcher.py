@@ -54,12 +54,15 @@ def _fetcher(tmp_path, **picker_kw) -> Fetcher:
     return Fetcher("me", "r1", picker, peers, inflows, store, book, on_complete=lambda key: None)
 
 
-def _session(fetcher, nursery, peer: str, role: str = "node") -> Session:
+def _session(fetcher, nursery, peer: str, role: str = "node", says=wire.HaveOne) -> Session:
+    """A peer of my region connects and says `says` of chunk 0 (HaveOne: it holds it;
+    Incoming: it is arriving at it; None: nothing)."""
     s = Session(RecordingStream(), peer, role, "r1", "x:1", outbound=True)
     s.tasks = nursery
     fetcher.peers.sessions[peer] = s
     fetcher.peer_joined(s)
-    fetcher.on_announce(s, wire.HaveOne(KEY[0], KEY[1], 0))
+    if says is not None:
+        fetcher.on_announce(s, says(KEY[0], KEY[1], 0))
     return s
 
 
@@ -101,11 +104,7 @@ def test_a_neighbour_whose_relay_broke_is_asked_again_the_moment_it_has_the_chun
     async def main():
         async with trio.open_nursery() as n:
             await n.start(fetcher.run)
-            s = Session(RecordingStream(), "a", "node", "r1", "x:1", outbound=True)
-            s.tasks = n
-            fetcher.peers.sessions["a"] = s
-            fetcher.peer_joined(s)
-            fetcher.on_announce(s, wire.Incoming(KEY[0], KEY[1], 0))  # a relays it as it arrives
+            s = _session(fetcher, n, "a", says=wire.Incoming)  # a relays it as it arrives
             await trio.testing.wait_all_tasks_blocked()
             assert len(_sent(s, wire.Request)) == 1
             fetcher.on_reject(s, wire.Reject(KEY[0], KEY[1], 0, "stream aborted"))
@@ -181,12 +180,7 @@ def test_a_peer_refused_a_chunk_hears_once_it_is_held_though_it_was_told_it_was_
 
 def _member_brings_it(fetcher, nursery, peer: str = "a") -> Session:
     """A member of my region connects and says chunk 0 is arriving at it."""
-    s = Session(RecordingStream(), peer, "node", "r1", "x:1", outbound=True)
-    s.tasks = nursery
-    fetcher.peers.sessions[peer] = s
-    fetcher.peer_joined(s)
-    fetcher.on_announce(s, wire.Incoming(KEY[0], KEY[1], 0))
-    return s
+    return _session(fetcher, nursery, peer, says=wire.Incoming)
 
 
 @pytest.mark.parametrize("origin_bytes_came", [False, True])
@@ -232,10 +226,7 @@ def test_a_relayed_chunk_s_rest_moved_to_the_origin_is_asked_from_the_bytes_held
         async with trio.open_nursery() as n:
             await n.start(fetcher.run)
             origin = _session(fetcher, n, "origin", role="origin")
-            n1 = Session(RecordingStream(), "n1", "node", "r1", "x:2", outbound=True)
-            n1.tasks = n
-            fetcher.peers.sessions["n1"] = n1
-            fetcher.peer_joined(n1)
+            _session(fetcher, n, "n1", says=None)  # lacks it too
             n0 = _member_brings_it(fetcher, n, "n0")  # n0 receives it from the origin, relays it to me
             await trio.testing.wait_all_tasks_blocked()
             assert len(_sent(n0, wire.Request)) == 1 and not _sent(origin, wire.Request)
