@@ -88,7 +88,7 @@ def make_runner(name: str, args: argparse.Namespace) -> Runner:
 
 def format_regions(rows: list[RunResult]) -> str:
     """Per region: when its last node held everything, against that region's own bound."""
-    head = ["system", "region", "WAN Mbit/s", "time s", "bound s", "time/bound", "max stall s", "WAN in/P"]
+    head = ["system", "region", "WAN Mbit/s", "time s", "bound s", "time/bound", "max stall s", "WAN in/P", "CPU busy"]
     lines = []
     for r in rows:
         for g in range(r.spec.regions):
@@ -99,10 +99,14 @@ def format_regions(rows: list[RunResult]) -> str:
             lines.append([r.system, f"r{g}{' (origin)' if g == r.spec.origin_region else ''}",
                           f"{r.spec.region_wan_mbit(g):g}", f"{t:.2f}", f"{r.region_bound_s(g):.2f}",
                           f"{t / r.region_bound_s(g):.2f}", "-" if stall is None else f"{stall:.2f}",
-                          f"{r.wan_in_over_patch[g]:.3f}"])
+                          f"{r.wan_in_over_patch[g]:.3f}", _share(r.busy_share(t))])
     widths = [max(len(h), *(len(l[i]) for l in lines)) if lines else len(h) for i, h in enumerate(head)]
     fmt = "  ".join(f"{{:>{w}}}" for w in widths)
     return "\n".join([fmt.format(*head), *(fmt.format(*l) for l in lines)])
+
+
+def _share(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.0f} %"
 
 
 def nat_comparison(tcp: RunResult, nat: RunResult) -> str:

@@ -226,7 +226,7 @@ class PatchswarmRunner:
             notes.append("stall = the longest a node went without a chunk arriving while it lacked chunks "
                          "(from learning of the version; the node's own clock, status 'longest_wait_s')")
         return RunResult(self.name, topo.spec, payload.patch_bytes, max(per_node.values()), per_node, moved, notes,
-                         applied_s=applied_s, stall_s=stalls)
+                         applied_s=applied_s, stall_s=stalls, busy=cpu.busy_since(t_announce), cores=cpu.cores)
 
     def _fault_schedule(self, topo: Topology, logs: Path, polled: dict):
         """The fault events as a function of seconds since the announcement: each call runs those due."""
@@ -326,15 +326,28 @@ class _FetchCpu:
     busy_s: float                # CPU seconds of the whole machine (every process, not only ours)
     cores: int
     per_host_s: dict[str, float]  # the swarm's CPU seconds by host name
+    samples: list[tuple[float, float]]  # (wall clock, the machine's busy CPU-s since boot) at each status read
+
+    def busy_since(self, t0: float) -> list[tuple[float, float]]:
+        """The samples after wall-clock time `t0` as (seconds since t0, busy CPU-s since t0),
+        the busy count at t0 interpolated between the samples around it."""
+        before = [x for x in self.samples if x[0] <= t0]
+        after = [x for x in self.samples if x[0] > t0]
+        if not before or not after:
+            return []
+        (ta, ba), (tb, bb) = before[-1], after[0]
+        b0 = ba + (bb - ba) * (t0 - ta) / (tb - ta)
+        return [(t - t0, b - b0) for t, b in after]
 
 
 def _watch_fetch(clients: dict, version: int, pids: dict[str, int], deadline: float,
                  unavailable: type, schedule=None) -> _FetchCpu:
     """Poll until every node holds every chunk of `version`; CPU used from its announcement until then.
     `schedule(seconds since the announcement)` runs fault events (polled faster, to be on time)."""
-    started = []
+    started, samples = [], []
 
     def seen(st: dict) -> None:
+        samples.append((time.time(), _machine_busy_s()))
         if not started and _at_least(st.get("latest_version"), version):
             started.append((time.monotonic(), _process_cpu_s(pids), _machine_busy_s()))
 
@@ -354,7 +367,7 @@ def _watch_fetch(clients: dict, version: int, pids: dict[str, int], deadline: fl
     # A node restarted meanwhile is a new process: all of its CPU time is in the window.
     per_host = {n: round(cpu[n] - (cpu0.get(n, 0.0) if pids[n] == cpu0.pids.get(n) else 0.0), 2) for n in cpu}
     return _FetchCpu(time.monotonic() - t0, sum(per_host.values()), _machine_busy_s() - busy0,
-                     os.cpu_count() or 1, per_host)
+                     os.cpu_count() or 1, per_host, samples)
 
 
 class _CpuTimes(dict):

@@ -164,6 +164,24 @@ def test_patchswarm_crosses_the_wan_about_once(payload):
     # origin sent it about once: its region's nodes forward it, the remote one fetches from them.
     assert payload.patch_bytes <= r.moved.wan_in[1] <= 1.3 * payload.patch_bytes, r.moved
     assert r.moved.host_tx["origin"] <= 1.5 * payload.patch_bytes, r.moved
+    # The machine's CPU was sampled through the fetch: each region's window has a busy share.
+    assert all(0 < r.busy_share(r.region_s(g)) <= 1.0 for g in range(SMALL.regions)), r.busy[:5]
+
+
+def test_busy_share_reads_the_machine_samples_from_the_announcement():
+    from bench.wan_patchswarm import _FetchCpu
+    from bench.wan_runner import RunResult
+
+    # Samples at wall 9, 11, 12, 14 s; busy CPU-s since boot 100, 102, 104, 107 (2 cores).
+    cpu = _FetchCpu(5.0, 1.0, 7.0, 2, {}, [(9.0, 100.0), (11.0, 102.0), (12.0, 104.0), (14.0, 107.0)])
+    since = cpu.busy_since(10.0)          # the announcement between two samples: busy 101 there
+    assert [x for pair in since for x in pair] == pytest.approx([1.0, 1.0, 2.0, 3.0, 4.0, 6.0])
+    assert cpu.busy_since(8.0) == [] and cpu.busy_since(15.0) == []   # nothing before or after it
+    r = RunResult("x", SMALL, 1, 4.0, {}, None, busy=since, cores=2)
+    assert r.busy_share(3.0) == pytest.approx(4.5 / (2 * 3.0))    # between the samples at 2 and 4 s
+    assert r.busy_share(4.0) == pytest.approx(6.0 / 8.0)
+    assert r.busy_share(0.5) == pytest.approx(0.5)              # from the announcement to the first sample
+    assert r.busy_share(4.5) is None
 
 
 @needs_netns
