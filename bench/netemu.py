@@ -59,6 +59,9 @@ _IP_TIMEOUT_S = 30.0
 _instances = itertools.count()
 
 
+NICE = 10  # WanSpec.nice_regions' processes: CPU weight ~1/10 of a nice-0 process's
+
+
 class NamespaceUnavailable(RuntimeError):
     """This process cannot build namespaces here (not root, no iproute2, no permission)."""
 
@@ -86,8 +89,13 @@ class WanSpec:
     region_mbit: tuple[float, ...] = ()
     # Regions behind NAT (nothing from outside reaches their hosts unless they started it).
     nat_regions: tuple[int, ...] = ()
+    # Regions whose hosts' processes run at nice 10: they take the shared cores only after the
+    # others, as if those others had cores of their own (a diagnosis, not a network property).
+    nice_regions: tuple[int, ...] = ()
 
     def __post_init__(self):
+        if any(not 0 <= r < self.regions for r in self.nice_regions):
+            raise ValueError(f"nice_regions: expected regions in 0..{self.regions - 1}, found {self.nice_regions}")
         if any(not 0 <= r < self.regions or r == self.origin_region for r in self.nat_regions):
             raise ValueError(f"nat_regions: expected regions in 0..{self.regions - 1} other than the origin's "
                              f"({self.origin_region}), found {self.nat_regions}")
@@ -316,7 +324,8 @@ class Topology:
         """
         if self._stack is None:
             raise RuntimeError("spawn: the topology is not up (use it inside `with`)")
-        proc = subprocess.Popen(["ip", "netns", "exec", host.netns, *argv], process_group=0, **popen_kwargs)
+        nice = ["nice", "-n", str(NICE)] if host.region in self.spec.nice_regions else []
+        proc = subprocess.Popen(["ip", "netns", "exec", host.netns, *nice, *argv], process_group=0, **popen_kwargs)
         self._procs.append(proc)
         return proc
 

@@ -186,6 +186,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--region-mbit", default="", metavar="R0,R1,...",
                     help="each region's own WAN rate, Mbit/s each way (instead of --wan-mbit); patchswarm nodes "
                          "are told them (--wan-rates); add patchswarm-blind to --systems for the rate-blind plan")
+    ap.add_argument("--nice-regions", default="", metavar="R,...",
+                    help="these regions' processes run at nice 10, so the others go first for the shared cores")
     ap.add_argument("--kill-at", type=float, default=1.0,
                     help="*-faults: SIGKILL one gateway per remote region (libtorrent: the leecher of the same "
                          "name) this many s after the announcement (libtorrent: after `go`)")
@@ -233,15 +235,17 @@ def main(argv: list[str] | None = None) -> int:
     runners = {s: make_runner(s, args) for s in systems}
     region_mbit = tuple(float(x) for x in args.region_mbit.split(",") if x)
     spec = netemu.WanSpec(args.regions, args.nodes, max(region_mbit, default=args.wan_mbit), args.lan_mbit,
-                          args.wan_delay_ms, idle_restart=not args.no_idle_restart, region_mbit=region_mbit)
+                          args.wan_delay_ms, idle_restart=not args.no_idle_restart, region_mbit=region_mbit,
+                          nice_regions=tuple(int(x) for x in args.nice_regions.split(",") if x))
     t = time.monotonic()
     payload = make_payload(args.model, args.lr, args.seed)
     print(f"payload: patch of {payload.label}: {payload.patch_bytes:,} bytes ({time.monotonic() - t:.1f} s to load/make)")
     wan_text = ("/".join(f"{x:g}" for x in spec.region_mbit) if spec.region_mbit else f"{spec.wan_mbit:g}")
     print(f"topology: {spec.regions} regions x {spec.nodes_per_region} nodes, WAN {wan_text} Mbit/s "
           f"each way per region, LAN {spec.lan_mbit:g} Mbit/s, WAN delay {spec.wan_delay_ms:g} ms; TCP "
-          f"{'kernel default (slow start after idle)' if spec.idle_restart else 'tcp_slow_start_after_idle=0 on every host'}",
-          flush=True)
+          f"{'kernel default (slow start after idle)' if spec.idle_restart else 'tcp_slow_start_after_idle=0 on every host'}"
+          + (f"; processes of regions {','.join(map(str, spec.nice_regions))} at nice {netemu.NICE}"
+             if spec.nice_regions else ""), flush=True)
 
     sizes = [args.nodes] + [int(n) for n in args.scaling.split(",") if n and int(n) != args.nodes]
     rows: list[RunResult] = []

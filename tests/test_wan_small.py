@@ -80,6 +80,20 @@ def test_hosts_keep_or_drop_tcp_slow_start_after_idle(idle_restart):
 
 
 @needs_netns
+def test_processes_of_nice_regions_run_at_nice_10_and_the_others_at_ours():
+    import os
+    import subprocess
+
+    show = ["python3", "-c", "import os; print(os.nice(0))"]
+    with netemu.Topology(netemu.WanSpec(regions=2, nodes_per_region=1, nice_regions=(1,))) as topo:
+        procs = {h.region: topo.spawn(h, show, stdout=subprocess.PIPE, text=True) for h in topo.nodes}
+        seen = {r: int(p.communicate(timeout=10)[0]) for r, p in procs.items()}
+    assert seen == {0: os.nice(0), 1: os.nice(0) + netemu.NICE}
+    with pytest.raises(ValueError, match="nice_regions"):
+        netemu.WanSpec(regions=2, nice_regions=(2,))
+
+
+@needs_netns
 def test_cleanup_removes_leftovers_by_prefix():
     topo = netemu.Topology(netemu.WanSpec(regions=1, nodes_per_region=1), prefix="psw-leftover-")
     topo.__enter__()                 # never closed: what a SIGKILLed run leaves
