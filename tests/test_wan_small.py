@@ -13,6 +13,7 @@ import dataclasses
 
 import pytest
 
+from aptinstall import ensure_command
 from bench import netemu
 
 pytestmark = pytest.mark.slow  # real processes
@@ -134,8 +135,14 @@ def test_nat_regions_exclude_the_origins():
 _LISTEN = "import socket, sys, time; s = socket.socket(); s.bind((sys.argv[1], 5301)); s.listen(8); time.sleep(60)"
 
 
+@pytest.fixture
+def nft():
+    """The masquerade of a region behind NAT needs nftables: installed if missing."""
+    return ensure_command("nft", "nftables")
+
+
 @needs_netns
-def test_a_region_behind_nat_lets_out_what_its_hosts_start_and_nothing_in():
+def test_a_region_behind_nat_lets_out_what_its_hosts_start_and_nothing_in(nft):
     import sys
 
     with netemu.Topology(netemu.WanSpec(regions=2, nodes_per_region=1, nat_regions=(1,))) as topo:
@@ -199,7 +206,7 @@ def test_busy_share_reads_the_machine_samples_from_the_announcement():
 
 
 @needs_netns
-def test_patchswarm_with_a_region_behind_nat_delivers_over_webrtc(payload):
+def test_patchswarm_with_a_region_behind_nat_delivers_over_webrtc(payload, nft):
     pytest.importorskip("aiortc")
     from bench.wan_patchswarm import PatchswarmRunner
 

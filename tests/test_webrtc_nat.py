@@ -35,10 +35,10 @@ def checkpoints():
 
 @pytest.fixture(scope="module")
 def turnserver():
+    ensure_command("nft", "nftables")  # before the probe, which needs it: a fresh machine lacks it
     why = skip_reason()
     if why:
         pytest.skip(why)
-    ensure_command("nft", "nftables")
     return ensure_command("turnserver", "coturn")
 
 
