@@ -39,6 +39,13 @@ libtorrent, the longest gap between `go` or a piece passing its hash check
 and the next piece doing so (piece_finished_alert timestamps; a piece is
 --piece-kib, 64 KiB). A region's value is its worst node's.
 
+"CPU busy" (patchswarm) is how busy the machine's cores were from the
+announcement until the region's last node held everything (every process,
+sampled at each status read): where it nears 100 %, the shared cores may be the
+region's limit. `--nice-regions 1,2` runs those regions' processes at nice 10,
+so the others go first for the cores, as if they had their own: what the
+sharing costs a region.
+
 Run (root): `python bench/wan.py [--regions 3] [--nodes 4] [--wan-mbit 100]
 [--region-mbit R0,R1,..] [--lan-mbit 1000] [--systems libtorrent,patchswarm,star,...]
 [--scaling 2,4,8]`; `python bench/wan.py --cleanup` removes namespaces a killed
