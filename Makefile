@@ -20,8 +20,9 @@ $(STAMP): pyproject.toml setup.py protocol/_kernels.c | $(BIN)/python
 demo: $(STAMP)
 	$(BIN)/patchswarm demo
 
+# A worker per core: the real-process tests mostly wait, so two cores run two at once.
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n auto
 
 bench: $(STAMP)
 	$(BIN)/python bench/codec.py --size small --pairs 2
