@@ -226,7 +226,7 @@ class PatchswarmRunner:
             notes.append("stall = the longest a node went without a chunk arriving while it lacked chunks "
                          "(from learning of the version; the node's own clock, status 'longest_wait_s')")
         return RunResult(self.name, topo.spec, payload.patch_bytes, max(per_node.values()), per_node, moved, notes,
-                         applied_s=applied_s, stall_s=stalls, busy=cpu.busy_since(t_announce), cores=cpu.cores)
+                         applied_s=applied_s, stall_s=stalls, busy=[(t - t_announce, b) for t, b in cpu.samples], cores=cpu.cores)
 
     def _fault_schedule(self, topo: Topology, logs: Path, polled: dict):
         """The fault events as a function of seconds since the announcement: each call runs those due."""
@@ -327,17 +327,6 @@ class _FetchCpu:
     cores: int
     per_host_s: dict[str, float]  # the swarm's CPU seconds by host name
     samples: list[tuple[float, float]]  # (wall clock, the machine's busy CPU-s since boot) at each status read
-
-    def busy_since(self, t0: float) -> list[tuple[float, float]]:
-        """The samples after wall-clock time `t0` as (seconds since t0, busy CPU-s since t0),
-        the busy count at t0 interpolated between the samples around it."""
-        before = [x for x in self.samples if x[0] <= t0]
-        after = [x for x in self.samples if x[0] > t0]
-        if not before or not after:
-            return []
-        (ta, ba), (tb, bb) = before[-1], after[0]
-        b0 = ba + (bb - ba) * (t0 - ta) / (tb - ta)
-        return [(t - t0, b - b0) for t, b in after]
 
 
 def _watch_fetch(clients: dict, version: int, pids: dict[str, int], deadline: float,

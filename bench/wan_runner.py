@@ -24,6 +24,8 @@ import sys
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
+
 from bench.netemu import Counters, Topology, WanSpec
 
 PAYLOAD_CACHE = Path("/tmp/patchswarm-wan-payload")
@@ -96,18 +98,19 @@ class RunResult:
     notes: list[str] = dataclasses.field(default_factory=list)
     applied_s: float | None = None      # -> the last node runs the new version (systems that apply)
     stall_s: dict[str, float] = dataclasses.field(default_factory=dict)  # host -> longest time without progress
-    # (seconds since the announcement, CPU-s the whole machine was busy since then), as sampled
+    # (seconds since the announcement, the machine's busy CPU-s since boot), as sampled
     busy: list[tuple[float, float]] = dataclasses.field(default_factory=list)
     cores: int = 1
 
     def busy_share(self, until_s: float) -> float | None:
         """How busy the machine's cores were from the announcement until `until_s` (0..1), the
-        busy count interpolated between the samples around it (None: no sample that late)."""
-        points = [(0.0, 0.0), *self.busy]
-        for (ta, ba), (tb, bb) in zip(points, points[1:]):
-            if ta < until_s <= tb:
-                return (ba + (bb - ba) * (until_s - ta) / (tb - ta)) / (self.cores * until_s)
-        return None
+        busy count interpolated between the samples around each end (None: no sample
+        before the announcement or none after `until_s`)."""
+        if not self.busy or not self.busy[0][0] <= 0 < until_s <= self.busy[-1][0]:
+            return None
+        t, b = zip(*self.busy)
+        start, end = np.interp([0.0, until_s], t, b)
+        return float(end - start) / (self.cores * until_s)
 
     def region_s(self, region: int) -> float | None:
         """When the last node of `region` held everything (None: no node of it is counted)."""

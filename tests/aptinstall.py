@@ -53,10 +53,7 @@ def ensure_command(command: str, package: str) -> str:
 
 @contextlib.contextmanager
 def _one_installer():
-    """Hold the suite's apt lock (waits for another worker's install to end)."""
+    """Hold the suite's apt lock (waits for another worker's install to end; closing releases it)."""
     with open(LOCK, "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+        yield

@@ -190,19 +190,20 @@ def test_patchswarm_crosses_the_wan_about_once(payload):
 
 
 def test_busy_share_reads_the_machine_samples_from_the_announcement():
-    from bench.wan_patchswarm import _FetchCpu
     from bench.wan_runner import RunResult
 
     # Samples at wall 9, 11, 12, 14 s; busy CPU-s since boot 100, 102, 104, 107 (2 cores).
-    cpu = _FetchCpu(5.0, 1.0, 7.0, 2, {}, [(9.0, 100.0), (11.0, 102.0), (12.0, 104.0), (14.0, 107.0)])
-    since = cpu.busy_since(10.0)          # the announcement between two samples: busy 101 there
-    assert [x for pair in since for x in pair] == pytest.approx([1.0, 1.0, 2.0, 3.0, 4.0, 6.0])
-    assert cpu.busy_since(8.0) == [] and cpu.busy_since(15.0) == []   # nothing before or after it
-    r = RunResult("x", SMALL, 1, 4.0, {}, None, busy=since, cores=2)
+    samples = [(9.0, 100.0), (11.0, 102.0), (12.0, 104.0), (14.0, 107.0)]
+
+    def announced_at(t0: float) -> RunResult:
+        return RunResult("x", SMALL, 1, 4.0, {}, None, busy=[(t - t0, b) for t, b in samples], cores=2)
+
+    r = announced_at(10.0)                 # between two samples: busy 101 there
     assert r.busy_share(3.0) == pytest.approx(4.5 / (2 * 3.0))    # between the samples at 2 and 4 s
     assert r.busy_share(4.0) == pytest.approx(6.0 / 8.0)
     assert r.busy_share(0.5) == pytest.approx(0.5)              # from the announcement to the first sample
     assert r.busy_share(4.5) is None
+    assert announced_at(8.0).busy_share(1.5) is None and announced_at(15.0).busy_share(0.5) is None  # no sample before / after
 
 
 @needs_netns
