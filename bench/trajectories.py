@@ -67,12 +67,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import procstat  # noqa: E402
+
 SIZES = {"1KiB": 1 << 10, "16KiB": 16 << 10, "1MiB": 1 << 20}
 NODES = 4
 POLICY_VERSION = 1
 POLL_SECONDS = 0.05  # how often the drain is checked: the end time is late by at most this
 POOL_BYTES = 256 << 10  # distinct payloads per worker: more than lz4's 64 KiB window apart
-_TICK = os.sysconf("SC_CLK_TCK")
 
 
 # ================================================================ the rollout worker (a child process)
@@ -134,21 +135,9 @@ def worker_main(socket_path: str, worker: int, threads: int) -> None:
 # ================================================================ measuring
 
 
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process (all its threads), in seconds."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except FileNotFoundError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / _TICK
-
-
-def machine_busy_seconds() -> float:
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    idle = v[3] + v[4]  # idle + iowait
-    return (sum(v[:8]) - idle) / _TICK
+def _cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (all its threads), in seconds; 0 once it is gone."""
+    return procstat.process_cpu_seconds(pid) or 0.0
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -232,10 +221,10 @@ class Fleet:
         return sum(c.status()["spool"]["records"] for c in self._status_clients)
 
     def cpu(self) -> dict[str, float]:
-        return {"nodes": sum(cpu_seconds(n.popen.pid) for n in self.nodes),
-                "origin": cpu_seconds(self.origin.popen.pid),
-                "workers": sum(cpu_seconds(p.pid) for _, p in self.workers),
-                "machine": machine_busy_seconds()}
+        return {"nodes": sum(_cpu_seconds(n.popen.pid) for n in self.nodes),
+                "origin": _cpu_seconds(self.origin.popen.pid),
+                "workers": sum(_cpu_seconds(p.pid) for _, p in self.workers),
+                "machine": procstat.machine_busy_seconds()}
 
     def row(self, size: int, seconds: float, per_call: int, drain_timeout: float) -> dict:
         before = self.store.update()
@@ -407,7 +396,7 @@ def run_uploaders(args, sizes) -> None:
                             p.stdin.flush()
                         while time.time() < start:
                             time.sleep(0.001)
-                        cpu0, busy0, t0, load0 = cpu_seconds(origin.popen.pid), machine_busy_seconds(), time.time(), \
+                        cpu0, busy0, t0, load0 = _cpu_seconds(origin.popen.pid), procstat.machine_busy_seconds(), time.time(), \
                             os.getloadavg()[0]
                         acked, lat, errors = collections.Counter(), [], []
                         for p in procs:
@@ -416,8 +405,8 @@ def run_uploaders(args, sizes) -> None:
                             lat.extend(r["lat"])
                             errors.extend(r["errors"])
                         wall = time.time() - t0
-                        cpu = cpu_seconds(origin.popen.pid) - cpu0
-                        busy = machine_busy_seconds() - busy0
+                        cpu = _cpu_seconds(origin.popen.pid) - cpu0
+                        busy = procstat.machine_busy_seconds() - busy0
                         gained = store.update() - before
                         total = sum(acked.values())
                         ok = dict(gained) == dict(acked) and not errors

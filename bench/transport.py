@@ -69,6 +69,7 @@ from patchswarm.node.net import transport, trust  # noqa: E402
 from patchswarm.node.net.tlsstream import TLSSocketStream  # noqa: E402
 from patchswarm.protocol import wire  # noqa: E402
 import nattopo  # noqa: E402
+from bench import procstat  # noqa: E402
 from nattopo import TURN_PASSWORD, TURN_USER  # noqa: E402
 
 STREAMS = ("trio.SSLStream", "TLSSocketStream")
@@ -477,12 +478,6 @@ def webrtc_table(creds_root: Path, mib: int, repeat: int, profile: bool, lanes: 
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
 
-def _cpu_s(pid: int) -> float:
-    """CPU seconds (user and system, every thread) process `pid` has used so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 @contextlib.contextmanager
 def _nat_network(symmetric: bool, turnserver: str, workdir: Path):
     """tests/nattopo.py's topology with two private hosts, and coturn on its public network;
@@ -568,10 +563,10 @@ def nat_table(creds_root: Path, mib: int, repeat: int, lanes: int, sizes_kib: tu
                         print(f"run {i}, {kib} KiB messages, {'symmetric' if symmetric else 'port-preserving'} NATs:",
                               flush=True)
                         if symmetric:
-                            c0 = _cpu_s(coturn.pid)
+                            c0 = procstat.process_cpu_seconds(coturn.pid)
                             rtc(kinds[-1], kib, 1, a, b, relayed=True)
                             moved = max(1, (mib << 20) // (kib << 10)) * (kib << 10)
-                            relay_cpu[kib] = max(relay_cpu.get(kib, 0.0), moved / 1e6 / max(_cpu_s(coturn.pid) - c0, 1e-3))
+                            relay_cpu[kib] = max(relay_cpu.get(kib, 0.0), moved / 1e6 / max(procstat.process_cpu_seconds(coturn.pid) - c0, 1e-3))
                             continue
                         tcp(kinds[0], kib)
                         tcp(kinds[1], kib, host=nattopo.PUBLIC, send_ns=tuple(topo.exec(topo.pub)), receive_ns=a.prefix)

@@ -36,6 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import procstat
 from bench.netemu import Host, Topology, wait_listening
 from bench.wan_runner import Faults, Payload, RunFailed, RunResult, SystemUnavailable, keep_logs, log_tails
 
@@ -336,9 +337,9 @@ def _watch_fetch(clients: dict, version: int, pids: dict[str, int], deadline: fl
     started, samples = [], []
 
     def seen(st: dict) -> None:
-        samples.append((time.time(), _machine_busy_s()))
+        samples.append((time.time(), procstat.machine_busy_seconds()))
         if not started and _at_least(st.get("latest_version"), version):
-            started.append((time.monotonic(), _process_cpu_s(pids), _machine_busy_s()))
+            started.append((time.monotonic(), _process_cpu_s(pids), procstat.machine_busy_seconds()))
 
     def tick() -> None:
         if schedule is not None and started:
@@ -351,11 +352,11 @@ def _watch_fetch(clients: dict, version: int, pids: dict[str, int], deadline: fl
 
     _poll_until(clients, fetched, f"fetch version {version}", deadline, unavailable, seen, tick,
                 poll_s=FAST_POLL_S if schedule is not None else POLL_S)
-    t0, cpu0, busy0 = started[0] if started else (time.monotonic(), _process_cpu_s(pids), _machine_busy_s())
+    t0, cpu0, busy0 = started[0] if started else (time.monotonic(), _process_cpu_s(pids), procstat.machine_busy_seconds())
     cpu = _process_cpu_s(pids)
     # A node restarted meanwhile is a new process: all of its CPU time is in the window.
     per_host = {n: round(cpu[n] - (cpu0.get(n, 0.0) if pids[n] == cpu0.pids.get(n) else 0.0), 2) for n in cpu}
-    return _FetchCpu(time.monotonic() - t0, sum(per_host.values()), _machine_busy_s() - busy0,
+    return _FetchCpu(time.monotonic() - t0, sum(per_host.values()), procstat.machine_busy_seconds() - busy0,
                      os.cpu_count() or 1, per_host, samples)
 
 
@@ -370,20 +371,10 @@ def _process_cpu_s(pids: dict[str, int]) -> _CpuTimes:
     out = _CpuTimes()
     out.pids = dict(pids)
     for name, pid in pids.items():
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        out[name] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+        seconds = procstat.process_cpu_seconds(pid)
+        if seconds is not None:
+            out[name] = seconds
     return out
-
-
-def _machine_busy_s() -> float:
-    """CPU seconds every core of the machine spent not idle, since boot."""
-    with open("/proc/stat") as f:
-        cpu = [int(x) for x in f.readline().split()[1:]]
-    idle = cpu[3] + cpu[4]                         # idle, iowait
-    return (sum(cpu[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 def _wait_published(origin_dir: Path, name: str, deadline: float) -> None:
