@@ -29,11 +29,13 @@ class ModelSpec:
 
     @classmethod
     def of_size(cls, params: str) -> "ModelSpec":
-        """`tiny` (~0.3M, unit tests), `small` (~3.4M, default), `medium` (~25M, bench)."""
+        """`tiny` (~0.1M, unit tests), `small` (~3.3M, default), `medium` (~26M, bench),
+        `large` (~58M: a bench patch ~2x medium's, where per-version fixed costs weigh less)."""
         sizes = {
             "tiny": cls(vocab=64, d_model=64, layers=2, heads=2, ff=256, seq=12),
             "small": cls(),
             "medium": cls(vocab=1024, d_model=512, layers=8, heads=8, ff=2048, seq=24),
+            "large": cls(vocab=1024, d_model=768, layers=8, heads=12, ff=3072, seq=24),
         }
         try:
             return sizes[params]
