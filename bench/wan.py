@@ -42,7 +42,8 @@ and the next piece doing so (piece_finished_alert timestamps; a piece is
 "CPU busy" (patchswarm) is how busy the machine's cores were from the
 announcement until the region's last node held everything (every process,
 sampled at each status read): where it nears 100 %, the shared cores may be the
-region's limit. `--nice-regions 1,2` runs those regions' processes at nice 10,
+region's limit. In brackets, the part of it in the kernel (system, irq,
+softirq): mostly the emulated links' packet work, which no nice value moves. `--nice-regions 1,2` runs those regions' processes at nice 10,
 so the others go first for the cores, as if they had their own: what the
 sharing costs a region.
 
@@ -95,7 +96,7 @@ def make_runner(name: str, args: argparse.Namespace) -> Runner:
 
 def format_regions(rows: list[RunResult]) -> str:
     """Per region: when its last node held everything, against that region's own bound."""
-    head = ["system", "region", "WAN Mbit/s", "time s", "bound s", "time/bound", "max stall s", "WAN in/P", "CPU busy"]
+    head = ["system", "region", "WAN Mbit/s", "time s", "bound s", "time/bound", "max stall s", "WAN in/P", "CPU busy (kernel)"]
     lines = []
     for r in rows:
         for g in range(r.spec.regions):
@@ -106,14 +107,16 @@ def format_regions(rows: list[RunResult]) -> str:
             lines.append([r.system, f"r{g}{' (origin)' if g == r.spec.origin_region else ''}",
                           f"{r.spec.region_wan_mbit(g):g}", f"{t:.2f}", f"{r.region_bound_s(g):.2f}",
                           f"{t / r.region_bound_s(g):.2f}", "-" if stall is None else f"{stall:.2f}",
-                          f"{r.wan_in_over_patch[g]:.3f}", _share(r.busy_share(t))])
+                          f"{r.wan_in_over_patch[g]:.3f}", _busy(r, t)])
     widths = [max(len(h), *(len(l[i]) for l in lines)) if lines else len(h) for i, h in enumerate(head)]
     fmt = "  ".join(f"{{:>{w}}}" for w in widths)
     return "\n".join([fmt.format(*head), *(fmt.format(*l) for l in lines)])
 
 
-def _share(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:.0f} %"
+def _busy(r: RunResult, until_s: float) -> str:
+    """The machine's CPU busy in a region's window, and (in brackets) busy in the kernel."""
+    busy, kernel = r.busy_share(until_s), r.busy_share(until_s, kernel=True)
+    return "-" if busy is None else f"{100 * busy:.0f} % ({100 * kernel:.0f} %)"
 
 
 def nat_comparison(tcp: RunResult, nat: RunResult) -> str:

@@ -227,7 +227,7 @@ class PatchswarmRunner:
             notes.append("stall = the longest a node went without a chunk arriving while it lacked chunks "
                          "(from learning of the version; the node's own clock, status 'longest_wait_s')")
         return RunResult(self.name, topo.spec, payload.patch_bytes, max(per_node.values()), per_node, moved, notes,
-                         applied_s=applied_s, stall_s=stalls, busy=[(t - t_announce, b) for t, b in cpu.samples], cores=cpu.cores)
+                         applied_s=applied_s, stall_s=stalls, busy=[(t - t_announce, b, k) for t, b, k in cpu.samples], cores=cpu.cores)
 
     def _fault_schedule(self, topo: Topology, logs: Path, polled: dict):
         """The fault events as a function of seconds since the announcement: each call runs those due."""
@@ -327,7 +327,8 @@ class _FetchCpu:
     busy_s: float                # CPU seconds of the whole machine (every process, not only ours)
     cores: int
     per_host_s: dict[str, float]  # the swarm's CPU seconds by host name
-    samples: list[tuple[float, float]]  # (wall clock, the machine's busy CPU-s since boot) at each status read
+    # (wall clock, the machine's busy CPU-s since boot, of them the kernel's) at each status read
+    samples: list[tuple[float, float, float]]
 
 
 def _watch_fetch(clients: dict, version: int, pids: dict[str, int], deadline: float,
@@ -337,7 +338,7 @@ def _watch_fetch(clients: dict, version: int, pids: dict[str, int], deadline: fl
     started, samples = [], []
 
     def seen(st: dict) -> None:
-        samples.append((time.time(), procstat.machine_busy_seconds()))
+        samples.append((time.time(), *procstat.machine_cpu_seconds()))
         if not started and _at_least(st.get("latest_version"), version):
             started.append((time.monotonic(), _process_cpu_s(pids), procstat.machine_busy_seconds()))
 

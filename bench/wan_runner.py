@@ -98,18 +98,19 @@ class RunResult:
     notes: list[str] = dataclasses.field(default_factory=list)
     applied_s: float | None = None      # -> the last node runs the new version (systems that apply)
     stall_s: dict[str, float] = dataclasses.field(default_factory=dict)  # host -> longest time without progress
-    # (seconds since the announcement, the machine's busy CPU-s since boot), as sampled
-    busy: list[tuple[float, float]] = dataclasses.field(default_factory=list)
+    # (seconds since the announcement, the machine's busy CPU-s since boot, of them the
+    # kernel's: system, irq, softirq), as sampled
+    busy: list[tuple[float, float, float]] = dataclasses.field(default_factory=list)
     cores: int = 1
 
-    def busy_share(self, until_s: float) -> float | None:
-        """How busy the machine's cores were from the announcement until `until_s` (0..1), the
-        busy count interpolated between the samples around each end (None: no sample
-        before the announcement or none after `until_s`)."""
+    def busy_share(self, until_s: float, kernel: bool = False) -> float | None:
+        """How busy the machine's cores were from the announcement until `until_s` (0..1; with
+        `kernel`, busy in the kernel), the CPU-s interpolated between the samples around each
+        end (None: no sample before the announcement or none after `until_s`)."""
         if not self.busy or not self.busy[0][0] <= 0 < until_s <= self.busy[-1][0]:
             return None
-        t, b = zip(*self.busy)
-        start, end = np.interp([0.0, until_s], t, b)
+        t, busy, in_kernel = zip(*self.busy)
+        start, end = np.interp([0.0, until_s], t, in_kernel if kernel else busy)
         return float(end - start) / (self.cores * until_s)
 
     def region_s(self, region: int) -> float | None:

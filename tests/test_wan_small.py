@@ -10,6 +10,7 @@ under a minute.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 
@@ -185,25 +186,47 @@ def test_patchswarm_crosses_the_wan_about_once(payload):
     # origin sent it about once: its region's nodes forward it, the remote one fetches from them.
     assert payload.patch_bytes <= r.moved.wan_in[1] <= 1.3 * payload.patch_bytes, r.moved
     assert r.moved.host_tx["origin"] <= 1.5 * payload.patch_bytes, r.moved
-    # The machine's CPU was sampled through the fetch: each region's window has a busy share.
-    assert all(0 < r.busy_share(r.region_s(g)) <= 1.0 for g in range(SMALL.regions)), r.busy[:5]
+    # The machine's CPU was sampled through the fetch: each region's window has a busy share,
+    # up to the kernel's tick (whole jiffies per core) over that short a window.
+    for g in range(SMALL.regions):
+        window = r.region_s(g)
+        share, in_kernel = r.busy_share(window), r.busy_share(window, kernel=True)
+        assert 0 < share <= 1.0 + 2 / (os.sysconf("SC_CLK_TCK") * window), (g, window, share, r.busy[:5])
+        assert 0 <= in_kernel <= share, (g, share, in_kernel)
 
 
 def test_busy_share_reads_the_machine_samples_from_the_announcement():
     from bench.wan_runner import RunResult
 
-    # Samples at wall 9, 11, 12, 14 s; busy CPU-s since boot 100, 102, 104, 107 (2 cores).
-    samples = [(9.0, 100.0), (11.0, 102.0), (12.0, 104.0), (14.0, 107.0)]
+    # Samples at wall 9, 11, 12, 14 s; busy CPU-s since boot 100, 102, 104, 107, of them in the
+    # kernel 50, 51, 51, 53 (2 cores).
+    samples = [(9.0, 100.0, 50.0), (11.0, 102.0, 51.0), (12.0, 104.0, 51.0), (14.0, 107.0, 53.0)]
 
     def announced_at(t0: float) -> RunResult:
-        return RunResult("x", SMALL, 1, 4.0, {}, None, busy=[(t - t0, b) for t, b in samples], cores=2)
+        return RunResult("x", SMALL, 1, 4.0, {}, None, busy=[(t - t0, b, k) for t, b, k in samples], cores=2)
 
-    r = announced_at(10.0)                 # between two samples: busy 101 there
+    r = announced_at(10.0)                 # between two samples: busy 101 there, 50.5 in the kernel
     assert r.busy_share(3.0) == pytest.approx(4.5 / (2 * 3.0))    # between the samples at 2 and 4 s
+    assert r.busy_share(3.0, kernel=True) == pytest.approx(1.5 / (2 * 3.0))
     assert r.busy_share(4.0) == pytest.approx(6.0 / 8.0)
+    assert r.busy_share(4.0, kernel=True) == pytest.approx(2.5 / 8.0)
     assert r.busy_share(0.5) == pytest.approx(0.5)              # from the announcement to the first sample
-    assert r.busy_share(4.5) is None
+    assert r.busy_share(4.5) is None and r.busy_share(4.5, kernel=True) is None
     assert announced_at(8.0).busy_share(1.5) is None and announced_at(15.0).busy_share(0.5) is None  # no sample before / after
+
+
+def test_the_region_table_gives_the_kernels_part_of_the_cpu_busy_in_brackets():
+    from bench.netemu import Counters
+    from bench.wan import format_regions
+    from bench.wan_runner import RunResult
+
+    moved = Counters(wan_in=(0, 1), wan_out=(1, 0), host_tx={}, host_rx={})
+    r = RunResult("patchswarm", SMALL, 1, 2.0, {"n0.1": 1.0, "n1.1": 2.0}, moved, cores=2,
+                  busy=[(-1.0, 0.0, 0.0), (2.0, 4.8, 1.2)])
+    lines = format_regions([r]).splitlines()
+    assert lines[0].split()[-3:] == ["CPU", "busy", "(kernel)"]
+    # r0's window, 1 s: 1.6 CPU-s busy of 2 cores, 0.4 in the kernel
+    assert lines[1].endswith("80 % (20 %)") and lines[2].endswith("80 % (20 %)"), lines
 
 
 @needs_netns
