@@ -43,9 +43,9 @@ and the next piece doing so (piece_finished_alert timestamps; a piece is
 announcement until the region's last node held everything (every process,
 sampled at each status read): where it nears 100 %, the shared cores may be the
 region's limit. In brackets, the part of it in the kernel (system, irq,
-softirq): mostly the emulated links' packet work, which no nice value moves. `--nice-regions 1,2` runs those regions' processes at nice 10,
-so the others go first for the cores, as if they had their own: what the
-sharing costs a region.
+softirq): mostly the emulated links' packet work, which no nice value moves.
+`--nice-regions 1,2` runs those regions' processes at nice 10, so the others go
+first for the cores, as if they had their own: what the sharing costs a region.
 
 Run (root): `python bench/wan.py [--regions 3] [--nodes 4] [--wan-mbit 100]
 [--region-mbit R0,R1,..] [--lan-mbit 1000] [--systems libtorrent,patchswarm,star,...]
