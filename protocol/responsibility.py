@@ -7,8 +7,8 @@ uplink about once in total:
 - `responsible`: within one region, the member that fetches a chunk across the
   WAN (rendezvous / highest-random-weight hashing, so a member leaving moves
   only its own share and a member joining takes only what it wins).
-- `balanced_owners`: the same, with bounded loads: no gateway takes more than
-  its fair share of the chunks that come from one source, so the last chunk a
+- `balanced_owners`: the same, with bounded loads: the gateways' shares of the
+  chunks that come from one source differ by one at most, so the last chunk a
   region pulls is not queued behind a gateway that drew more than its share.
 - `gateways` / `gateway_limit`: the members of a region that bring an object
   into it at all: at most k per region (a new set per object), every member
@@ -124,10 +124,14 @@ def balanced_owners(key: ObjKey, n_chunks: int, gateways: Iterable[str],
 
     Chunks of one class (where they come from: the origin, a region; None for
     one class) are taken in ascending order, and each goes to the gateway of
-    highest weight that holds fewer than ceil(class size / gateways) of that
-    class. Plain rendezvous leaves shares binomial: 13 chunks over 2 gateways
-    split 9/4 often enough, and the region then waits on the gateway with 9
-    (measured: README, design, WAN plan). `weights` caches `_weights` per member."""
+    highest weight still under its share of that class: every gateway takes
+    floor(class size / gateways) or one more, and only (class size mod
+    gateways) of them one more, so no two shares differ by more than one.
+    Plain rendezvous leaves shares binomial: 13 chunks over 2 gateways split
+    9/4 often enough, and the region then waits on the gateway with 9
+    (measured: README, design, WAN plan). A cap of ceil(size / gateways) alone
+    left the last gateway the remainder: 26 chunks over 4 gave 7/7/7/5 in the
+    origin's region, 9 over 4 gave 3/3/3/0. `weights` caches `_weights` per member."""
     members = sorted(set(gateways))
     if not members:
         return [None] * n_chunks
@@ -147,11 +151,14 @@ def balanced_owners(key: ObjKey, n_chunks: int, gateways: Iterable[str],
     sizes = collections.Counter(classes)
     k = len(members)
     loads = {cls: [0] * k for cls in sizes}
+    above = collections.Counter()  # per class: gateways holding floor(size / k) + 1 already
     owners: list[str | None] = [None] * n_chunks
     for c, cls in enumerate(classes):
-        cap, load = -(-sizes[cls] // k), loads[cls]
+        base, extra = divmod(sizes[cls], k)
+        load = loads[cls]
         for g in prefs[c].tolist():
-            if load[g] < cap:
+            if load[g] < base or load[g] == base and above[cls] < extra:
+                above[cls] += load[g] == base
                 load[g] += 1
                 owners[c] = members[g]
                 break

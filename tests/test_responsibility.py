@@ -226,16 +226,31 @@ def test_balanced_owners_bounds_each_gateways_share_of_each_class(gws, n, classe
     assert set(owners) <= gws
     cls = classes or [None] * n
     plain = [responsible(KEY, c, gws) for c in range(n)]
-    overflow = 0
+    plain_even = True
     for k in set(cls):
         chunks = [c for c in range(n) if cls[c] == k]
-        cap = -(-len(chunks) // len(gws))
-        assert max(Counter(owners[c] for c in chunks).values()) <= cap
-        overflow += sum(max(0, v - cap) for v in Counter(plain[c] for c in chunks).values())
-    if not overflow:  # no gateway drew more than its share: plain rendezvous
+        base, extra = divmod(len(chunks), len(gws))
+        # Every gateway's share of the class is floor(size / gateways) or one more, and as
+        # many are one more as the division leaves over: shares differ by one at most.
+        shares = sorted((Counter(owners[c] for c in chunks).get(g, 0) for g in gws), reverse=True)
+        assert shares == [base + 1] * extra + [base] * (len(gws) - extra), (shares, len(chunks))
+        drawn = sorted((Counter(plain[c] for c in chunks).get(g, 0) for g in gws), reverse=True)
+        plain_even &= drawn == shares
+    if plain_even:  # plain rendezvous drew even shares already: it stands
         assert owners == plain
     else:
         assert owners != plain
+
+
+@pytest.mark.parametrize("n, k, shares", [(26, 4, [7, 7, 6, 6]), (9, 4, [3, 2, 2, 2]), (100, 16, [7] * 4 + [6] * 12),
+                                          (3, 4, [1, 1, 1, 0]), (13, 2, [7, 6]), (24, 4, [6] * 4)])
+def test_balanced_owners_leaves_no_gateway_the_remainder(n, k, shares):
+    # A cap of ceil(n / k) alone gave 7/7/7/5 for 26 chunks over 4 gateways (the bench's patch in
+    # the origin's region) and 3/3/3/0 for 9: the last gateway took what the others left.
+    gws = [f"n0.{i}" for i in range(1, k + 1)]
+    for v in range(20):
+        owners = balanced_owners((v, False), n, gws)
+        assert sorted((Counter(owners).get(g, 0) for g in gws), reverse=True) == shares, v
 
 
 def test_balanced_owners_evens_out_a_lopsided_rendezvous_split():
