@@ -92,9 +92,9 @@ class Fetcher:
                         continue
                     # Bytes kept from a transfer of this chunk that broke: ask only for the rest.
                     offset = self.inflows.resume(r.peer, r.key, r.chunk)
-                    if debug:  # with the arrival lines: who brought which chunk across the WAN, and when
-                        log.debug("request chunk %d of %s from %s%s", r.chunk, describe(r.key), r.peer,
-                                  f" from byte {offset:,}" if offset else "")
+                    if debug:  # with the arrival lines: who brought which chunk across the WAN, when and why
+                        log.debug("request chunk %d of %s from %s%s (%s)", r.chunk, describe(r.key), r.peer,
+                                  f" from byte {offset:,}" if offset else "", r.why or "?")
                     msg = (wire.RequestRest(r.key[0], r.key[1], r.chunk, offset) if offset
                            else wire.Request(r.key[0], r.key[1], r.chunk))
                     nursery.start_soon(self._send_to, r.peer, msg)

@@ -98,7 +98,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 import numpy as np
@@ -151,6 +151,16 @@ class Request:
     peer: str
     key: ObjKey
     chunk: int
+    # Which rule asked, for the fetcher's debug log: not part of the request's identity.
+    why: str = field(default="", compare=False)
+
+
+# `Request.why`: the rule that made a request.
+PLANNED = "planned"        # from a holder the plan allows (same region, or my gateway's upstream)
+SHARE = "taken over"       # another member's share, from the origin (`pick_share`)
+REST = "rest"              # the rest of a fanned-out chunk, from the origin (`pick_rest`)
+ENDGAME = "second copy"    # an endgame copy of a request in flight (`pick_endgame`)
+STALLED = "no progress"    # from any holder after `takeover_after` without progress (`pick_takeover`)
 
 
 class PiecePicker:
@@ -551,13 +561,13 @@ class PiecePicker:
         if peer in obj.sources.get(chunk, ()):
             obj.refresh(chunk, self._tiers.tier_of(obj), self._peers)
 
-    def _send(self, obj: ObjectState, c: int, p: str, now: float) -> Request:
+    def _send(self, obj: ObjectState, c: int, p: str, now: float, why: str) -> Request:
         if obj.ready(c):
             obj.unindex(c)
         obj.inflight.setdefault(c, set()).add(p)
         self._peers[p].inflight[(obj.key, c)] = now
         self._n_inflight += 1
-        return Request(p, obj.key, c)
+        return Request(p, obj.key, c, why)
 
     def _release(self, obj: ObjectState, c: int, p: str) -> None:
         asked = obj.inflight[c]
@@ -627,7 +637,7 @@ class _Round:
                 if not useful:
                     break
         for c, p in picks:
-            self.out.append(self.picker._send(obj, c, p, self.now))
+            self.out.append(self.picker._send(obj, c, p, self.now, PLANNED))
 
     def pick_share(self, obj: ObjectState) -> None:
         """In the origin's region, a member with nothing in flight to the origin and
@@ -673,7 +683,7 @@ class _Round:
         c = max(tails[owner], key=lambda c: int(mine[c]))  # members taking over at once pick apart
         p = self._least_busy([q for q in origins if q in obj.holders[c]])
         self._take_slot(p)
-        self.out.append(self.picker._send(obj, c, p, self.now))
+        self.out.append(self.picker._send(obj, c, p, self.now, SHARE))
 
     def pick_rest(self, obj: ObjectState) -> None:
         """In the origin's region, once every chunk this member lacks is at a member here,
@@ -722,7 +732,7 @@ class _Round:
             self.picker._withdrawn.append(old)
         o = self._least_busy(origins)
         self._take_slot(o)
-        self.out.append(self.picker._send(obj, c, o, self.now))
+        self.out.append(self.picker._send(obj, c, o, self.now, REST))
         self.picker._rests.add((obj.key, c))
 
     def _idle_origins(self, min_chunk_s: float) -> list[str]:
@@ -757,7 +767,7 @@ class _Round:
             if eligible:
                 p = self._least_busy(eligible)
                 self._take_slot(p)
-                self.out.append(self.picker._send(obj, c, p, self.now))
+                self.out.append(self.picker._send(obj, c, p, self.now, ENDGAME))
                 if not free:
                     return
 
@@ -772,7 +782,7 @@ class _Round:
             if eligible:
                 p = self._least_busy(eligible)
                 self._take_slot(p)
-                self.out.append(self.picker._send(obj, c, p, self.now))
+                self.out.append(self.picker._send(obj, c, p, self.now, STALLED))
                 obj.taken.add(c)
                 budget -= 1
                 if not free or not budget:

@@ -4,6 +4,7 @@ says has timed out is cancelled, and the chunk is asked of another holder.
 The peers are sessions whose message streams only record what they are sent."""
 
 import dataclasses
+import logging
 import hashlib
 import os
 
@@ -212,7 +213,7 @@ def test_a_request_to_the_origin_is_cancelled_when_a_region_member_brings_the_ch
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
-def test_a_relayed_chunk_s_rest_moved_to_the_origin_is_asked_from_the_bytes_held(tmp_path):
+def test_a_relayed_chunk_s_rest_moved_to_the_origin_is_asked_from_the_bytes_held(tmp_path, caplog):
     """Issue 26: in the origin's region, once no chunk is left for the origin to start, the
     member of highest weight among those that lack a chunk another member is fanning out
     takes the rest from the origin (protocol/picker.py, `pick_rest`): its request to the
@@ -239,4 +240,8 @@ def test_a_relayed_chunk_s_rest_moved_to_the_origin_is_asked_from_the_bytes_held
             assert rest == wire.RequestRest(KEY[0], KEY[1], 0, 5)
             n.cancel_scope.cancel()
 
+    caplog.set_level(logging.DEBUG, logger="patchswarm")
+    # The debug log says which rule asked: the first request planned, the second a rest.
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    asked = [r.getMessage() for r in caplog.records if r.getMessage().startswith("request chunk 0")]
+    assert asked[0].endswith("from n0 (planned)") and asked[-1].endswith("from origin from byte 5 (rest)"), asked

@@ -15,7 +15,8 @@ import pytest
 from hypothesis import example, given, settings
 
 from patchswarm.protocol.errors import ProtocolError, UsageError
-from patchswarm.protocol.picker import ENDGAME_AFTER, MAX_COPIES, NODE, ORIGIN, ORIGIN_PIPELINE, PiecePicker, Request
+from patchswarm.protocol.picker import (ENDGAME, ENDGAME_AFTER, MAX_COPIES, NODE, ORIGIN, ORIGIN_PIPELINE, PLANNED, REST,
+                                       SHARE, STALLED, PiecePicker, Request)
 from patchswarm.protocol.responsibility import balanced_owners, gateways, member_weight, region_order, upstream_regions
 
 KEY = (7, False)  # a patch
@@ -837,7 +838,8 @@ def test_an_idle_round_takes_over_at_most_pipeline_chunks_over_all_objects():
         for peer in ("x2", "x3"):
             p.peer_has(peer, key, range(40))
     assert p.requests(0.0) == []
-    assert len(p.requests(1.0)) == 3
+    taken = p.requests(1.0)
+    assert len(taken) == 3 and {r.why for r in taken} == {STALLED}
 
 
 @pytest.mark.parametrize("pipeline, first_n", [(2, 1), (3, 1), (3, 2), (4, 1), (4, 3)])
@@ -1062,6 +1064,7 @@ def test_a_member_done_with_its_share_takes_over_one_of_the_busiest_members_shar
     for r in taken:
         owner = next(m for m in "bcd" if r.chunk in owned(m, R0, n))
         assert owner in "cd"  # not b, which is further along
+        assert r.why == SHARE  # what the fetcher's debug line says of it
     # Where a chunk from the origin comes fast against how late members hear of each other
     # (TAKEOVER_MIN_CHUNK_S; at 1 Gbit/s taking over cost the origin 4-14 % more bytes): no take-over.
     fast = _origin_region(n=n)
@@ -1130,6 +1133,7 @@ def test_once_the_origin_is_sending_its_last_a_fanned_out_chunk_s_rest_comes_fro
     p, first = _fanning_out(n, whole=whole)
     source = {r.chunk: r.peer for r in first if r.peer != OR}
     [moved] = [r for r in first if r.peer == OR]  # one at a time (the origin's slot), in the same round:
+    assert moved.why == REST and {r.why for r in first if r.peer != OR} == {PLANNED}
     assert moved.chunk not in source and p.withdrawn() == []  # its request to the source never went out
     source[moved.chunk] = next(m for m in "bcd" if moved.chunk in owned(m, R0, n))
     assert set(source) == p._objects[KEY].missing | {moved.chunk}
@@ -1192,6 +1196,8 @@ def test_endgame_waits_endgame_after_seconds_before_a_second_copy():
     assert p.requests(0.3) == [] and p.next_wakeup(0.3) == 0.5
     second = p.requests(0.5)
     assert Counter(r.chunk for r in first + second) == {0: MAX_COPIES, 1: MAX_COPIES}
+    assert {r.why for r in first} == {PLANNED} and {r.why for r in second} == {ENDGAME}
+    assert Request("a", KEY, 0, ENDGAME) == Request("a", KEY, 0)  # the rule is not the request's identity
 
 
 @pytest.mark.parametrize("bad", [{"origin_pipeline": 0}, {"origin_pipeline": 1.5}, {"endgame_after": -1},
