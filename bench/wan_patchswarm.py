@@ -340,7 +340,7 @@ def _watch_fetch(clients: dict, version: int, pids: dict[str, int], deadline: fl
     def seen(st: dict) -> None:
         samples.append((time.time(), *procstat.machine_cpu_seconds()))
         if not started and _at_least(st.get("latest_version"), version):
-            started.append((time.monotonic(), _process_cpu_s(pids), procstat.machine_busy_seconds()))
+            started.append((time.monotonic(), _process_cpu_s(pids), samples[-1][1]))  # the sample just read
 
     def tick() -> None:
         if schedule is not None and started:
