@@ -314,3 +314,26 @@ def test_swarm_members_that_disagree_on_wan_rates_stall_until_takeover(rates_of,
     assert sum(n - 1 for n in swarm.wan_entries.values()) == extra_entries
     assert sum(n for (r, _), n in swarm.wan_exits.items() if r == "r0") == r0_exits
     assert swarm.origin_sent == 48
+
+
+@pytest.mark.parametrize("rates_of, told_after", [
+    ({f"n1.{i}": SWAPPED for i in range(4)}, 3),  # 4 takeover rounds when never told
+    (_no_rates(*(f"n{r}.{i}" for r in range(3) for i in range(2))), 3),
+    ({n: None for n in layout_of(4, 4, 4)}, 0),  # nobody had rates: the tracker's came first
+    ({n: None for n in layout_of(4, 4, 4)}, 5),  # ... or after the fetch began
+])
+def test_swarm_told_the_trackers_wan_rates_mid_version_replans_without_takeover(rates_of, told_after):
+    """Every member takes the tracker's rates (`set_wan_rates`) while fetching: the
+    chains agree again at once, and the version completes without waiting for takeover."""
+    swarm = Swarm(layout_of(4, 4, 4), "r0", n_chunks=48, wan_rates=RATES, rates_of=rates_of)
+    for _ in range(told_after):
+        swarm.step()
+    assert not swarm.done()
+    for p in swarm.pickers.values():
+        p.set_wan_rates(RATES)
+    swarm.run()
+    assert swarm.t < 2.0  # no takeover round
+    assert swarm.origin_sent == 48
+    assert max(swarm.wan_entries.values()) == 1  # no chunk into a region twice (r0 sent 48-53 out)
+    if told_after == 0:
+        assert_healthy(swarm, "r0")
