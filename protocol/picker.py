@@ -98,7 +98,6 @@ serve, never at all chunks × all peers.
 
 from __future__ import annotations
 
-import math
 import random
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
@@ -107,7 +106,7 @@ import numpy as np
 
 from .errors import ProtocolError, UsageError
 from .piecestate import ObjectState, PeerState, PendingFacts
-from .responsibility import ObjKey
+from .responsibility import ObjKey, check_wan_rates
 from .sources import NODE, ORIGIN, ORIGIN_TIER, SAME_REGION, SourceTiers
 
 PEER_KINDS = (ORIGIN, NODE)
@@ -165,13 +164,6 @@ ENDGAME = "second copy"    # an endgame copy of a request in flight (`pick_endga
 STALLED = "no progress"    # from any holder after `takeover_after` without progress (`pick_takeover`)
 
 
-def _check_rates(wan_rates: Mapping[str, float] | None) -> None:
-    bad = [(r, v) for r, v in (wan_rates or {}).items()
-           if type(r) is not str or isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf]
-    if bad:
-        raise UsageError(f"wan_rates: expected region -> rate > 0, found {bad[:3]}")
-
-
 class PiecePicker:
     """Which chunk to request next from which peer, for one node (see module doc).
 
@@ -197,7 +189,7 @@ class PiecePicker:
             raise UsageError(f"takeover_after: expected seconds >= 0, found {takeover_after!r}")
         if request_timeout is not None and not request_timeout > 0:
             raise UsageError(f"request_timeout: expected None or seconds > 0, found {request_timeout!r}")
-        _check_rates(wan_rates)
+        check_wan_rates(wan_rates)
         self.me = me
         self.region = region
         self.pipeline = pipeline
@@ -248,8 +240,7 @@ class PiecePicker:
         planned again at once, as when a region comes or goes, and the missing
         chunks whose sources moved are asked of their new sources. Requests in
         flight stay (their answers still count). True if the rates changed."""
-        _check_rates(wan_rates)
-        rates = dict(wan_rates) if wan_rates else None
+        rates = check_wan_rates(wan_rates)
         if rates == self._tiers.wan_rates:
             return False
         self._tiers.wan_rates = rates
