@@ -36,6 +36,7 @@ from patchswarm.protocol.errors import UsageError
 from patchswarm.protocol.peersets import apply_delta
 from patchswarm.protocol.picker import ENDGAME_AFTER, ORIGIN_PIPELINE, WAN_GATEWAYS, PiecePicker
 from patchswarm.protocol.publication import describe
+from patchswarm.protocol.responsibility import swarm_wan_rates
 from patchswarm.protocol.versions import VersionBook
 
 from patchswarm.node.applier import Applier
@@ -45,6 +46,7 @@ from patchswarm.node.localapi import LocalRequests, serve_local
 from patchswarm.node.lowprio import APPLY_NICE
 from patchswarm.node.net.ratelimit import TokenBucket
 from patchswarm.node.net.rtcsignal import RTCSignaller
+from patchswarm.node.net.service import format_wan_rates
 from patchswarm.node.net.trackerlink import TrackerLink
 from patchswarm.node.manifestrelay import ManifestRelay
 from patchswarm.node.net.transport import serve, transport_of
@@ -81,7 +83,7 @@ class NodeConfig:
     apply_nice: int = APPLY_NICE
     apply_threads: int | None = None  # None: as many as the cores (protocol/parallel.py)
     wan_gateways: int | None = WAN_GATEWAYS
-    wan_rates: dict[str, float] | None = None  # region -> WAN rate, the same on every member (the chains' order)
+    wan_rates: dict[str, float] | None = None  # region -> WAN rate (the chains' order), where the tracker gives none
     advertise: str | None = None  # the address told to the tracker and peers; None: the bound listen address
     transport: str = "tcp"  # to other nodes: tcp | webrtc | auto (node/dialer.py); webrtc and auto answer offers
     no_listen: bool = False  # accept nothing inbound (behind NAT): advertise no address
@@ -119,6 +121,7 @@ class Node:
         self.picker = PiecePicker(self.id, self.region, None, seed=seed, wan_gateways=cfg.wan_gateways,
                                   request_timeout=REQUEST_TIMEOUT, wan_rates=cfg.wan_rates,
                                   origin_pipeline=ORIGIN_PIPELINE, endgame_after=ENDGAME_AFTER)
+        self._rates_warned: dict[str, float] | None = None  # the tracker's rates last warned of
         self.peers = PeerSet(self.id, None, self.upload, self._on_message,  # store set in run()
                              on_open=self._on_peer_open, on_close=self._on_peer_close, inflows=self.inflows)
         self.tracker = TrackerLink(cfg.tracker, self.creds, self._hello, self._on_tracker_message,
@@ -216,6 +219,7 @@ class Node:
     async def _on_tracker_message(self, msg) -> None:
         if isinstance(msg, wire.PeerList):  # a session's first: what an earlier one said of us is old
             self.dialer.set_unreachable(None)
+            self._on_wan_rates(msg.wan_rates)
             self._on_peer_list(msg.peers)
         elif isinstance(msg, wire.PeerDelta):
             self._on_peer_list(list(apply_delta(self.dialer.members, msg).values()))
@@ -231,6 +235,20 @@ class Node:
                         ", and nodes that accept none reach it over WebRTC" if self.rtc is not None else
                         " (nodes that accept none cannot reach it: --transport auto lets them, over WebRTC)")
             self.dialer.set_unreachable(f"{msg.addr}: {msg.reason}")
+
+    def _on_wan_rates(self, from_tracker: dict[str, float] | None) -> None:
+        """Each session's PeerList says the swarm's WAN rates (None: the tracker gives none, or is
+        of the previous version): plan with the tracker's, else with this node's own
+        --wan-rates; the picker re-plans what it is fetching when they change."""
+        rates, differ = swarm_wan_rates(from_tracker, self.cfg.wan_rates)
+        if differ and self._rates_warned != from_tracker:
+            self._rates_warned = dict(from_tracker)
+            log.warning("this node's --wan-rates %s differ from the tracker's %s: planning with the tracker's, "
+                        "as every member does (give the node the tracker's, or none)",
+                        format_wan_rates(self.cfg.wan_rates), format_wan_rates(from_tracker))
+        if self.picker.set_wan_rates(rates):
+            log.info("WAN rates now %s (%s)", format_wan_rates(rates) if rates else "none",
+                     "the tracker's" if from_tracker else "this node's --wan-rates" if rates else "regions equal")
 
     def _on_peer_list(self, peers: list[dict]) -> None:
         self.dialer.set_members({p["id"]: p for p in peers})

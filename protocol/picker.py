@@ -17,8 +17,9 @@ bytes (the daemon verifies them) or use randomness other than the
 Where chunk c of object key may come from, for this node `me` in region R:
 
 Patch objects (the WAN plan of protocol/responsibility.py; `wan_rates`, the
-WAN link rate of each region, the same on every member, orders each chunk's
-chain of regions from the fastest link to the slowest):
+WAN link rate of each region, the same on every member (the tracker's,
+`set_wan_rates`), orders each chunk's chain of regions from the fastest link
+to the slowest):
   1. a connected node peer in R that has c (never across the WAN when a
      neighbour has it);
   2. else, if me owns c in R's `balanced_owners` (rendezvous hashing over
@@ -36,7 +37,8 @@ chain of regions from the fastest link to the slowest):
      rarest first. A slow WAN that still moves chunks never triggers it; a
      responsible node that went silent does.
      Members leaving re-plan at once (`set_members`, or a same-region
-     member's session closing: `peer_left`), with no delay.
+     member's session closing: `peer_left`), with no delay; so do new WAN
+     rates (`set_wan_rates`: the tracker's, which every member is told).
 Keyframe objects (late joiners, rare): no responsibility; node peers of R,
 else node peers of other regions, else the origin. A keyframe every member
 fetches (the swarm's first version) is added with `coordinated=True` and
@@ -96,7 +98,6 @@ serve, never at all chunks × all peers.
 
 from __future__ import annotations
 
-import math
 import random
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
@@ -105,7 +106,7 @@ import numpy as np
 
 from .errors import ProtocolError, UsageError
 from .piecestate import ObjectState, PeerState, PendingFacts
-from .responsibility import ObjKey
+from .responsibility import ObjKey, check_wan_rates
 from .sources import NODE, ORIGIN, ORIGIN_TIER, SAME_REGION, SourceTiers
 
 PEER_KINDS = (ORIGIN, NODE)
@@ -188,10 +189,7 @@ class PiecePicker:
             raise UsageError(f"takeover_after: expected seconds >= 0, found {takeover_after!r}")
         if request_timeout is not None and not request_timeout > 0:
             raise UsageError(f"request_timeout: expected None or seconds > 0, found {request_timeout!r}")
-        bad = [(r, v) for r, v in (wan_rates or {}).items()
-               if type(r) is not str or isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf]
-        if bad:
-            raise UsageError(f"wan_rates: expected region -> rate > 0, found {bad[:3]}")
+        check_wan_rates(wan_rates)
         self.me = me
         self.region = region
         self.pipeline = pipeline
@@ -230,6 +228,24 @@ class PiecePicker:
             raise UsageError(f"members: expected {self.me!r} in region {self.region!r}, "
                              f"found {members[self.me]!r}")
         self._replan(self._tiers.set_members(members))
+
+    @property
+    def wan_rates(self) -> dict[str, float] | None:
+        """The WAN rates the chains are planned on (None: not known, every region equal)."""
+        return self._tiers.wan_rates
+
+    def set_wan_rates(self, wan_rates: Mapping[str, float] | None) -> bool:
+        """The swarm's WAN rates changed (the tracker's arrived, or replaced the ones
+        this node was started with): every patch object's chains and shares are
+        planned again at once, as when a region comes or goes, and the missing
+        chunks whose sources moved are asked of their new sources. Requests in
+        flight stay (their answers still count). True if the rates changed."""
+        rates = check_wan_rates(wan_rates)
+        if rates == self._tiers.wan_rates:
+            return False
+        self._tiers.wan_rates = rates
+        self._replan(True)
+        return True
 
     def _replan(self, regions_changed: bool) -> None:
         for obj in self._objects.values():

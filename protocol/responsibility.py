@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import math
 from typing import Hashable, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -163,6 +164,29 @@ def balanced_owners(key: ObjKey, n_chunks: int, gateways: Iterable[str],
                 owners[c] = members[g]
                 break
     return owners
+
+
+def check_wan_rates(rates: Mapping[str, float] | None) -> dict[str, float] | None:
+    """`rates` as a plain dict (None for none or empty); UsageError unless each is region -> rate > 0."""
+    bad = [(r, v) for r, v in (rates or {}).items()
+           if type(r) is not str or isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf]
+    if bad:
+        raise UsageError(f"wan_rates: expected region -> rate > 0, found {bad[:3]}")
+    return dict(rates) if rates else None
+
+
+def swarm_wan_rates(from_tracker: Mapping[str, float] | None,
+                    own: Mapping[str, float] | None) -> tuple[dict[str, float] | None, bool]:
+    """The WAN rates a member plans its chains with, and whether its own differ from them.
+
+    The tracker's when it gives any: one value for the whole swarm, since members that
+    plan other chains leave chunks to nobody (a takeover round each) and pull some twice
+    (tests/test_picker_swarm.py -k disagree). The member's own configuration only where
+    the tracker gives none (a tracker of the previous version, or one started without)."""
+    tracker, mine = check_wan_rates(from_tracker), check_wan_rates(own)
+    if tracker is None:
+        return mine, False
+    return tracker, mine is not None and mine != tracker
 
 
 RATE_TIE = 0.95  # WAN rates within 5 % of a class's fastest are one class (the same speed)

@@ -10,6 +10,14 @@ Whose fault: bad bytes from the peer raise `ProtocolError` (after which the
 connection is broken for good); the local caller misusing the API (sending an
 invalid message, sending before Hello or after Bye) raises `UsageError`.
 
+Optional fields (a field with a default, None): added to a message after
+its first version. `encode` leaves one out while it is None, so the frame is
+the one a member of the previous version reads; `decode_body` takes a frame
+without it as None. A member of the previous version refuses a field it does
+not know, so a sender includes one only where the receiver's connection
+selected the wire revision that added it (`WIRE_REVISION`, offered in TLS
+ALPN by node/net/trust.py). Revision 2 added PeerList.wan_rates.
+
 Limits (named constants below, like h11's): every frame before the peer's
 Hello is at most MAX_HELLO_FRAME_BYTES (its header alone is refused beyond
 that, before any body is buffered); after it, `max_frame`. A body is read
@@ -52,6 +60,11 @@ MAX_ADDR_BYTES = 512  # a listen address, "[host]:port"
 MAX_TEXT_BYTES = 4 << 10  # the text of a Reject, Bye or Error
 MAX_VERSIONS_LISTED = 64  # Hello and Heartbeat versions (a node sends its current one)
 MAX_PEERS = 1 << 14  # members in one PeerList
+MAX_WAN_REGIONS = 1 << 10  # regions in a PeerList's wan_rates
+# The wire revision this code speaks, offered and selected in TLS ALPN (node/net/trust.py):
+# a connection that selected it reads the optional fields below. Members of the previous
+# version offer no ALPN protocol and select none; they are sent no optional field.
+WIRE_REVISION = "patchswarm/2"
 MAX_ACK_SEQS = MAX_BATCH_RECORDS  # a TrajectoriesAck acknowledges one batch
 MAX_BITFIELD_BYTES = (MAX_CHUNKS + 7) // 8  # a Have's bitfield
 MAX_INT = (1 << 64) - 1  # msgpack's widest unsigned int
@@ -178,7 +191,14 @@ class Announce:
 
 @dataclass(frozen=True)
 class PeerList:
+    """Tracker -> member: its peer set, the first message of a session (PeerDeltas follow).
+
+    `wan_rates` (revision 2, optional): the swarm's WAN rate of each region (Mbit/s, the
+    tracker's --wan-rates), which every member plans its chains with; None: the tracker
+    gives none, and a member plans with its own configuration."""
+
     peers: list[dict]  # each exactly {"id": str, "region": str, "addr": str, "role": str}
+    wan_rates: dict[str, float] | None = None  # region -> rate > 0
 
 
 @dataclass(frozen=True)
@@ -304,6 +324,7 @@ _LIMITS = {
     ("Heartbeat", "versions"): MAX_VERSIONS_LISTED,
     ("Have", "chunks"): MAX_BITFIELD_BYTES,
     ("PeerList", "peers"): MAX_PEERS,
+    ("PeerList", "wan_rates"): MAX_WAN_REGIONS,
     ("PeerDelta", "add"): MAX_PEERS,
     ("PeerDelta", "remove"): MAX_PEERS,
     ("Signal", "peer"): MEMBER_NAME_MAX,
@@ -320,6 +341,11 @@ _LIMITS = {
 _DEFAULTS = {"str": MAX_NAME_BYTES, "bytes": _LENGTH_LIMIT, "int": MAX_INT}
 
 
+def _optional(cls) -> frozenset[str]:
+    """The fields a frame of `cls` may leave out (those with a default: added after its first version)."""
+    return frozenset(f.name for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING)
+
+
 def _schema(cls) -> tuple[tuple[str, str, int | None], ...]:
     """(field, annotation, limit) of each field of a message type."""
     return tuple((f.name, f.type, _LIMITS.get((cls.__name__, f.name), _DEFAULTS.get(f.type)))
@@ -327,6 +353,7 @@ def _schema(cls) -> tuple[tuple[str, str, int | None], ...]:
 
 
 _SCHEMAS = {name: _schema(cls) for name, cls in MESSAGE_TYPES.items()}
+_OPTIONAL = {name: _optional(cls) for name, cls in MESSAGE_TYPES.items()}
 _ONE_OF_TYPES = f'"t" to be one of {sorted(MESSAGE_TYPES)}'
 # message -> field -> (what errors call it, annotation, limit): `decode_body`'s table
 _FIELDS_OF = {name: {f: (f"{name}.{f}", kind, limit) for f, kind, limit in schema} for name, schema in _SCHEMAS.items()}
@@ -350,6 +377,15 @@ def _utf8_within(v, limit: int) -> bool:
         return False
 
 
+def _is_rate(v) -> bool:
+    return type(v) in (int, float) and 0 < v < float("inf")
+
+
+def _check_rates(v, limit: int) -> bool:
+    return v is None or (type(v) is dict and len(v) <= limit and all(
+        _utf8_within(k, MAX_NAME_BYTES) and k and _is_rate(rate) for k, rate in v.items()))
+
+
 def _check_peer(p) -> bool:
     return type(p) is dict and p.keys() == _PEER_FIELDS.keys() and all(
         _utf8_within(p[k], limit) for k, limit in _PEER_FIELDS.items())
@@ -368,6 +404,7 @@ _CHECKS = {
     "list[str]": (lambda v, limit: type(v) is list and len(v) <= limit
                   and all(_utf8_within(x, MAX_NAME_BYTES) for x in v),
                   "list of at most {} member ids"),
+    "dict[str, float] | None": (_check_rates, "None or a map of at most {} regions to rates > 0"),
 }
 
 
@@ -410,6 +447,9 @@ def encode(msg) -> bytes:
         raise UsageError(f"expected a wire message, found {_found(msg)}")
     values = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}
     _validate(name, values, UsageError)
+    for field in _OPTIONAL[name]:
+        if values[field] is None:  # left out: the frame a member of the previous version reads
+            del values[field]
     body = msgpack.packb({"t": name, **values}, use_bin_type=True)
     return len(body).to_bytes(HEADER_BYTES, "big") + body
 
@@ -427,6 +467,19 @@ def _read_peer(r: PackReader) -> dict:
     return peer
 
 
+def _read_rates(r: PackReader, limit: int) -> dict[str, float]:
+    rates: dict[str, float] = {}
+    for _ in range(r.map_len(limit, f"a map of at most {limit} regions to rates")):
+        region = r.str(MAX_NAME_BYTES, "a region")
+        if not region or region in rates:
+            raise r.fail("a map of distinct, non-empty regions to rates", f"region {region!r}")
+        rate = r.number("a rate > 0")
+        if not _is_rate(rate):
+            raise r.fail("a rate > 0", f"{rate!r} for region {region!r}")
+        rates[region] = rate
+    return rates
+
+
 def _read_field(r: PackReader, kind: str, limit: int | None):
     if kind == "int":
         return r.uint(limit, "non-negative int")
@@ -436,6 +489,8 @@ def _read_field(r: PackReader, kind: str, limit: int | None):
         return r.bin(limit, "bytes")
     if kind == "str":
         return r.str(limit, "str")
+    if kind == "dict[str, float] | None":
+        return _read_rates(r, limit)
     n = r.array_len(limit, "list")
     if kind == "list[int]":
         return r.uints(n, MAX_INT, "non-negative ints")
@@ -471,8 +526,8 @@ def decode_body(body: bytes, only: type | None = None):
         values[key] = _read_field(r, spec[1], spec[2])
     else:
         key = None
-    if key is not None or len(values) != len(schema):
-        missing = sorted(schema.keys() - values.keys() - {key})
+    if key is not None or not schema.keys() - _OPTIONAL[name] <= values.keys():
+        missing = sorted(schema.keys() - values.keys() - {key} - _OPTIONAL[name])
         extra = [key] if key is not None and key not in schema else []
         again = f", {key!r} twice" if key in values else ""
         raise ProtocolError(f"{name}: expected fields {sorted(schema)}, missing {missing}, unexpected {extra}{again}")

@@ -140,6 +140,55 @@ def test_with_wan_rates_the_fast_region_never_pulls_through_the_slow_one():
     assert set(rated_peers) == {"a0"} and rated.responsible_for(KEY) == rated_peers["a0"]
 
 
+def test_wan_rates_that_arrive_mid_version_replan_every_chunk_at_once():
+    """The tracker's rates reach a node that began fetching without them: its missing
+    chunks are planned again at once, so it pulls as a node started with them does;
+    a request already in flight stays and its answer counts."""
+    rates = {"r0": 100, "r1": 50, "r2": 20}
+    n = 32
+    late = make("a1", THREE, n=n, pipeline=n, wan_pipeline=1, origin=False)
+    late.peer_has("a0", KEY, range(n))
+    late.peer_has("a2", KEY, range(n))
+    first = late.requests(0.0)
+    assert len(first) == 2  # one to each upstream region of the rendezvous chains
+    assert {r.peer for r in first} == {"a0", "a2"}
+    assert late.set_wan_rates(rates) and late.wan_rates == rates
+    assert late.in_flight() == 2  # kept, not cancelled
+    assert late.requests(0.0) == []  # a0's one WAN slot is taken; r2 is no longer upstream
+    via_r2 = next(r for r in first if r.peer == "a2")
+    late.chunk_received(KEY, via_r2.chunk, "a2")  # the old plan's chunk still counts
+    via_r0 = next(r for r in first if r.peer == "a0")
+    late.chunk_received(KEY, via_r0.chunk, "a0")
+    fresh = PiecePicker("a1", "r1", "r0", pipeline=n, wan_pipeline=n, wan_gateways=None, wan_rates=rates)
+    fresh.set_members(THREE)
+    for other in sorted(set(THREE) - {"a1"}):
+        fresh.peer_joined(other, NODE, THREE[other])
+    fresh.add_object(KEY, n, now=0.0)
+    fresh.peer_has("a0", KEY, range(n))
+    fresh.peer_has("a2", KEY, range(n))
+    planned = fresh.requests(0.0)
+    assert {r.peer for r in planned} == {"a0"}
+    share = {r.chunk for r in planned}
+    rest = set()
+    while reqs := late.requests(0.0):
+        assert {r.peer for r in reqs} == {"a0"}  # never through the slow r2 again
+        for r in reqs:
+            late.chunk_received(KEY, r.chunk, r.peer)
+            rest.add(r.chunk)
+    assert rest == share - {via_r2.chunk, via_r0.chunk}  # the share of a node started with the rates
+
+
+def test_set_wan_rates_says_whether_the_plan_changed_and_checks_the_rates():
+    p = make("a1", THREE, n=8)
+    assert not p.set_wan_rates(None) and not p.set_wan_rates({})
+    assert p.set_wan_rates({"r1": 50, "r2": 20})
+    assert not p.set_wan_rates({"r2": 20, "r1": 50.0})
+    with pytest.raises(UsageError, match=r"wan_rates: expected region -> rate > 0, found \[\('r2', -1\)\]"):
+        p.set_wan_rates({"r1": 50, "r2": -1})
+    assert p.wan_rates == {"r1": 50, "r2": 20}  # a refused change leaves the plan as it was
+    assert p.set_wan_rates(None) and p.wan_rates is None
+
+
 def test_wan_gateways_must_be_positive():
     for bad in (0, -1, 1.5, "2"):
         with pytest.raises(UsageError, match="wan_gateways"):

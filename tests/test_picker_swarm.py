@@ -31,7 +31,7 @@ class Swarm:
     picker contract on every request."""
 
     def __init__(self, layout, origin_region, n_chunks, *, links=None, pipeline=4,
-                 takeover_after=2.0, dt=1e-3, seed=0, wan_rates=None):
+                 takeover_after=2.0, dt=1e-3, seed=0, wan_rates=None, rates_of=None):
         self.layout = dict(layout)
         self.region_of = {**layout, OR: origin_region}
         self.n, self.pipeline, self.dt = n_chunks, pipeline, dt
@@ -45,7 +45,8 @@ class Swarm:
         self.pickers = {}
         for i, node in enumerate(sorted(layout)):
             p = PiecePicker(node, layout[node], origin_region, seed=seed * 1000 + i,
-                            pipeline=pipeline, takeover_after=takeover_after, wan_rates=wan_rates)
+                            pipeline=pipeline, takeover_after=takeover_after,
+                            wan_rates=(rates_of or {}).get(node, wan_rates))
             p.set_members(self.layout)
             for other in sorted(self.links[node]):
                 p.peer_joined(other, ORIGIN if other == OR else NODE, self.region_of[other])
@@ -279,3 +280,60 @@ def test_property_full_mesh_crosses_each_boundary_once(shape, leave_after, data)
     else:  # what the leaver alone held comes in once more, at most
         assert max(swarm.wan_requests.values(), default=0) <= 2
         assert swarm.origin_sent <= 2 * n
+
+
+RATES = {"r0": 100, "r1": 50, "r2": 20}
+SWAPPED = {"r0": 100, "r1": 20, "r2": 50}  # r1's and r2's rates the other way round
+
+
+def _no_rates(*nodes):
+    return {n: None for n in nodes}
+
+
+@pytest.mark.parametrize("rates_of, stall_s, extra_entries, r0_exits", [
+    # members whose --wan-rates differ from everyone's RATES -> (takeover rounds of 2 s before the
+    # version completes, chunk copies that entered a region a second or third time, chunks the
+    # origin's region sent across the WAN; 48 when all agree)
+    ({}, 0, 0, 48),
+    (_no_rates("n1.0"), 1, 0, 48),  # one member of the middle region restarted with an old config
+    ({"n1.0": SWAPPED}, 1, 0, 48),
+    (_no_rates("n2.0"), 0, 0, 48),  # the last region pulls from the one before it either way
+    (_no_rates(*(f"n2.{i}" for i in range(4))), 0, 0, 67),  # ... but the slow region pulls from r0
+    (_no_rates(*(f"n1.{i}" for i in range(4))), 1, 0, 48),
+    (_no_rates(*(f"n{r}.{i}" for r in range(3) for i in range(2))), 2, 0, 49),  # half the fleet
+    ({f"n1.{i}": SWAPPED for i in range(4)}, 4, 7, 52),  # r1 and r2 each wait on the other
+])
+def test_swarm_members_that_disagree_on_wan_rates_stall_until_takeover(rates_of, stall_s, extra_entries, r0_exits):
+    """What a `--wan-rates` drift costs (the README's Limitations): members that plan other
+    chains own other chunks, so some chunks have no owner in a region and wait for takeover
+    (`takeover_after`, 2 s, after the region's last progress), some are pulled from a region
+    that waits on this one, and a few cross into a region twice. Nothing is lost."""
+    swarm = Swarm(layout_of(4, 4, 4), "r0", n_chunks=48, wan_rates=RATES, rates_of=rates_of).run(max_steps=20000)
+    assert swarm.done()
+    assert stall_s * 2.0 <= swarm.t < stall_s * 2.0 + 0.05
+    assert sum(n - 1 for n in swarm.wan_entries.values()) == extra_entries
+    assert sum(n for (r, _), n in swarm.wan_exits.items() if r == "r0") == r0_exits
+    assert swarm.origin_sent == 48
+
+
+@pytest.mark.parametrize("rates_of, told_after", [
+    ({f"n1.{i}": SWAPPED for i in range(4)}, 3),  # 4 takeover rounds when never told
+    (_no_rates(*(f"n{r}.{i}" for r in range(3) for i in range(2))), 3),
+    ({n: None for n in layout_of(4, 4, 4)}, 0),  # nobody had rates: the tracker's came first
+    ({n: None for n in layout_of(4, 4, 4)}, 5),  # ... or after the fetch began
+])
+def test_swarm_told_the_trackers_wan_rates_mid_version_replans_without_takeover(rates_of, told_after):
+    """Every member takes the tracker's rates (`set_wan_rates`) while fetching: the
+    chains agree again at once, and the version completes without waiting for takeover."""
+    swarm = Swarm(layout_of(4, 4, 4), "r0", n_chunks=48, wan_rates=RATES, rates_of=rates_of)
+    for _ in range(told_after):
+        swarm.step()
+    assert not swarm.done()
+    for p in swarm.pickers.values():
+        p.set_wan_rates(RATES)
+    swarm.run()
+    assert swarm.t < 2.0  # no takeover round
+    assert swarm.origin_sent == 48
+    assert max(swarm.wan_entries.values()) == 1  # no chunk into a region twice (r0 sent 48-53 out)
+    if told_after == 0:
+        assert_healthy(swarm, "r0")

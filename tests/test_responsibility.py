@@ -18,8 +18,8 @@ from hypothesis import given, settings
 
 from patchswarm.protocol.errors import UsageError
 from patchswarm.protocol.responsibility import (
-    ResponsibilityMap, balanced_owners, gateway_limit, gateways, rate_classes, region_order, responsible,
-    upstream_regions,
+    ResponsibilityMap, balanced_owners, check_wan_rates, gateway_limit, gateways, rate_classes, region_order,
+    responsible, swarm_wan_rates, upstream_regions,
 )
 
 KEY = (7, False)  # a patch
@@ -340,3 +340,22 @@ def test_responsibility_map_with_gateways_tracks_membership(history, k):
         assert [rmap.owner(c) for c in range(40)] == now
         assert changed == [c for c in range(40) if before[c] != now[c]]
         before = now
+
+
+@pytest.mark.parametrize("tracker, own, expect", [
+    ({"r0": 100, "r1": 50}, None, ({"r0": 100, "r1": 50}, False)),  # the tracker's, to every member
+    ({"r0": 100, "r1": 50}, {"r0": 100, "r1": 50.0}, ({"r0": 100, "r1": 50}, False)),
+    ({"r0": 100, "r1": 50}, {"r0": 100, "r1": 20}, ({"r0": 100, "r1": 50}, True)),  # the tracker's win; warn
+    ({"r0": 100, "r1": 50}, {"r0": 100}, ({"r0": 100, "r1": 50}, True)),
+    (None, {"r0": 100, "r1": 20}, ({"r0": 100, "r1": 20}, False)),  # no rates from the tracker: the node's own
+    ({}, {"r0": 100}, ({"r0": 100}, False)),
+    (None, None, (None, False)),
+])
+def test_a_member_plans_with_the_trackers_wan_rates_and_its_own_only_where_the_tracker_gives_none(tracker, own, expect):
+    assert swarm_wan_rates(tracker, own) == expect
+
+
+def test_wan_rates_are_checked_wherever_they_come_from():
+    with pytest.raises(UsageError, match=r"wan_rates: expected region -> rate > 0, found \[\('r1', -1\)\]"):
+        swarm_wan_rates({"r1": -1}, None)
+    assert check_wan_rates({}) is None and check_wan_rates({"r0": 5}) == {"r0": 5}

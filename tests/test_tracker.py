@@ -13,12 +13,13 @@ import functools
 import hashlib
 import socket
 
+import msgpack
 import pytest
 import trio
 import trio.testing
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from patchswarm.node.net import trust
+from patchswarm.node.net import transport, trust
 from patchswarm.node.net.transport import MessageStream, connect, exchange_hello, serve
 from patchswarm.protocol import wire
 from patchswarm.protocol.manifest import Manifest, sign_manifest, verify_manifest
@@ -579,6 +580,84 @@ def test_the_tracker_probes_node_addresses_when_asked(tmp_path):
                         assert tracker.status()["probed"] is None and probes == ["tracker"]  # not again
                     for ms in members.values():
                         await ms.aclose()
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+# --- the swarm's WAN rates (tracker --wan-rates) -----------------------------------
+
+RATES = {"r0": 100.0, "r1": 50.0, "r2": 20.0}
+
+
+def test_every_member_that_reads_the_field_is_told_the_swarms_wan_rates_and_an_older_one_its_old_frame():
+    run = Run(wan_rates=RATES)
+    new = Conn("a")
+    run.do(run.core.connected(new, hello("a"), "a:7000", 0.0, wire_revision=wire.WIRE_REVISION))
+    origin = Conn("origin")
+    run.do(run.core.connected(origin, hello("origin", "origin"), "origin:7000", 0.0, wire_revision=wire.WIRE_REVISION))
+    old = Conn("b")  # a member of the previous version: its connection chose no wire revision
+    to_old = run.do(run.core.connected(old, hello("b", region="r1"), "b:7000", 0.0))
+    assert run.got[new][0].wan_rates == RATES and run.got[origin][0].wan_rates == RATES
+    assert run.got[old][0] == wire.PeerList(run.got[old][0].peers)  # no rates ...
+    frame = next(a.frame for a in to_old if isinstance(a, Send) and old in a.to)
+    assert list(msgpack.unpackb(frame[4:])) == ["t", "peers"]  # ... and the frame it has always read
+    assert run.core.status()["wan_rates"] == RATES
+    reconnect = Conn("a")  # every session's PeerList says them again
+    run.do(run.core.connected(reconnect, hello("a"), "a:7000", 1.0, wire_revision=wire.WIRE_REVISION))
+    assert run.got[reconnect][0].wan_rates == RATES
+
+
+def test_a_tracker_without_wan_rates_tells_no_member_any():
+    run = Run()
+    a = Conn("a")
+    run.do(run.core.connected(a, hello("a"), "a:7000", 0.0, wire_revision=wire.WIRE_REVISION))
+    assert run.got[a][0].wan_rates is None and run.core.status()["wan_rates"] is None
+
+
+@pytest.mark.parametrize("bad", [{"r0": -5}, {"r0": 0}, {"r0": float("nan")}, {"r0": "fast"}])
+def test_the_trackers_wan_rates_are_checked_when_it_starts(bad):
+    with pytest.raises(UsageError, match=r"wan_rates: expected region -> rate > 0, found \[\('r0'"):
+        TrackerCore(SWARM, KEY.public_key(), wan_rates=bad)
+
+
+def test_over_tls_members_of_this_version_get_the_rates_and_members_or_trackers_of_the_previous_one_interoperate(
+        tmp_path, monkeypatch):
+    """The real service on loopback. A member of this version offers the wire revision in ALPN and
+    is told the rates; one of the previous version offers none (a context without ALPN) and gets
+    the PeerList it always got; a tracker of the previous version selects none, so a member of
+    this version joins it as before and is told no rates."""
+    creds = _swarm_of(tmp_path)
+
+    def previous_version(ctx):
+        ctx.set_alpn_protocols([])  # what a context of the previous version offered: nothing
+        return ctx
+
+    async def first_list(tracker, name, ssl_context=None):
+        ms = await connect(tracker.listen_addr, creds[name], {"tracker"},
+                           wire.Hello(name, "r1", "node", f"127.0.0.1:{7000 + ord(name)}", []), ssl_context=ssl_context)
+        msg = await ms.receive()
+        assert isinstance(msg, wire.PeerList)
+        return ms, msg
+
+    async def main():
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                tracker = server.Tracker(tmp_path / "tracker", "127.0.0.1:0", wan_rates=RATES)
+                await nursery.start(tracker.run)
+                a, said = await first_list(tracker, "a")
+                assert a.wire_revision == wire.WIRE_REVISION and said.wan_rates == RATES
+                b, said = await first_list(tracker, "b", previous_version(trust.client_context(creds["b"])))
+                assert b.wire_revision is None and said.wan_rates is None
+                for ms in (a, b):
+                    await ms.aclose()
+                # A tracker of the previous version: its TLS context offers no ALPN protocol.
+                monkeypatch.setattr(transport, "server_context", lambda c: previous_version(trust.server_context(c)))
+                old = server.Tracker(tmp_path / "tracker", "127.0.0.1:0", wan_rates=RATES)
+                await nursery.start(old.run)
+                c, said = await first_list(old, "c")
+                assert c.wire_revision is None and said.wan_rates is None
+                await c.aclose()
                 nursery.cancel_scope.cancel()
 
     trio.run(main)

@@ -42,6 +42,9 @@ messages = st.one_of(
     st.builds(TrajectoriesAck, seqs=st.lists(uint, max_size=5)),
     st.builds(Announce, manifest=blob),
     st.builds(PeerList, peers=st.lists(peer, max_size=4)),
+    st.builds(PeerList, peers=st.lists(peer, max_size=4),
+              wan_rates=st.none() | st.dictionaries(text.filter(bool), st.integers(1, 10**6) | st.floats(
+                  min_value=1e-3, max_value=1e9, allow_nan=False, allow_infinity=False), max_size=4)),
     st.builds(PeerDelta, add=st.lists(peer, max_size=4), remove=st.lists(text, max_size=4)),
     st.builds(VersionNotice, version=uint, manifest=blob),
     st.builds(wire.VersionHint, version=uint, keyframe=st.booleans()),
@@ -583,6 +586,13 @@ def long_text(n):
     (PeerList(peers=[{"id": "a", "region": "r", "addr": "x:1", "role": "node"}] * (wire.MAX_PEERS + 1)), "PeerList.peers"),
     (PeerList(peers=[{"id": long_text(wire.MAX_NAME_BYTES + 1), "region": "r", "addr": "x:1", "role": "node"}]), "PeerList.peers"),
     (TrajectoriesAck(seqs=list(range(wire.MAX_ACK_SEQS + 1))), "TrajectoriesAck.seqs"),
+    (PeerList(peers=[], wan_rates={f"r{i}": 1 for i in range(wire.MAX_WAN_REGIONS + 1)}), "PeerList.wan_rates"),
+    (PeerList(peers=[], wan_rates={"r0": 100, "r1": -5}), "PeerList.wan_rates"),
+    (PeerList(peers=[], wan_rates={"r0": 0.0}), "PeerList.wan_rates"),
+    (PeerList(peers=[], wan_rates={"r0": float("inf")}), "PeerList.wan_rates"),
+    (PeerList(peers=[], wan_rates={"r0": "fast"}), "PeerList.wan_rates"),
+    (PeerList(peers=[], wan_rates={"": 5}), "PeerList.wan_rates"),
+    (PeerList(peers=[], wan_rates={long_text(wire.MAX_NAME_BYTES + 1): 5}), "PeerList.wan_rates"),
     (Heartbeat(versions=list(range(wire.MAX_VERSIONS_LISTED + 1))), "Heartbeat.versions"),
     (Error(message=long_text(wire.MAX_TEXT_BYTES + 1)), "Error.message"),
     (wire.Unreachable(addr=long_text(wire.MAX_ADDR_BYTES + 1), reason="x"), "Unreachable.addr"),
@@ -650,3 +660,40 @@ def test_nested_structures_in_any_field_end_in_protocol_error_within_a_budget(na
     prefix = wire.encode(HELLO) if after_hello else b""
     peak = traced_peak(lambda: feed_and_drain(Connection(), prefix + data))
     assert peak < 4 * len(data) + (256 << 10)
+
+
+# --- optional fields: a member of the previous version ----------------------------
+
+PEER = {"id": "n1", "region": "eu", "addr": "10.0.0.1:7000", "role": "node"}
+
+
+def test_an_optional_field_left_at_none_is_the_previous_versions_frame():
+    """A PeerList without rates is byte for byte what a tracker of the previous version sent,
+    so a member of that version (which refuses fields it does not know) reads it."""
+    old = frame({"t": "PeerList", "peers": [PEER]})
+    assert wire.encode(PeerList(peers=[PEER])) == old
+    assert wire.decode_body(old[4:]) == PeerList(peers=[PEER], wan_rates=None)  # absent: no rates
+
+
+def test_a_peer_list_with_wan_rates_round_trips_and_a_field_unknown_to_the_reader_is_refused():
+    msg = PeerList(peers=[PEER], wan_rates={"eu": 100, "us": 2.5})
+    data = wire.encode(msg)
+    assert wire.decode_body(data[4:]) == msg
+    with pytest.raises(ProtocolError, match=r"unexpected \['rates'\]"):  # what a reader does with a field it does not know
+        wire.decode_body(frame({"t": "PeerList", "peers": [PEER], "rates": {"eu": 1}})[4:])
+    with pytest.raises(ProtocolError, match=r"missing \['peers'\]"):  # only the optional field may be absent
+        wire.decode_body(frame({"t": "PeerList", "wan_rates": {"eu": 1}})[4:])
+
+
+@pytest.mark.parametrize("rates, found", [
+    ({"eu": -1}, "-1 for region 'eu'"),
+    ({"eu": 0}, "0 for region 'eu'"),
+    ({"eu": float("nan")}, "nan for region 'eu'"),
+    ({"": 1}, "region ''"),
+    ({"eu": "100"}, "str"),
+    ([["eu", 1]], "array"),
+])
+def test_bad_wan_rates_from_the_tracker_say_what_was_expected_and_found(rates, found):
+    with pytest.raises(ProtocolError, match="PeerList.wan_rates") as raised:
+        wire.decode_body(frame({"t": "PeerList", "peers": [], "wan_rates": rates})[4:])
+    assert found in str(raised.value) and "expected" in str(raised.value)

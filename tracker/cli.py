@@ -11,7 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
-from patchswarm.node.net.service import add_member_arguments, run_service
+from patchswarm.node.net.service import add_member_arguments, parse_region_rates, run_service
 
 
 def _tracker_args(p: argparse.ArgumentParser) -> None:
@@ -22,6 +22,10 @@ def _tracker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--notice-seeds", metavar="N", type=int, default=None,
                    help="nodes per region sent each manifest whole; the others get a hint and the manifest "
                         "from a peer (default 8)")
+    p.add_argument("--wan-rates", type=parse_region_rates, metavar="REGION=MBIT,...",
+                   help="each region's WAN link rate (Mbit/s, each way), told to every member: each chunk "
+                        "crosses the regions from the fastest link to the slowest, on one plan for the whole "
+                        "swarm; a node's own --wan-rates count only where the tracker gives none (default: none)")
     p.add_argument("--probe-reachability", action="store_true",
                    help="dial each node's address once when it joins; a node that cannot be reached there "
                         "(behind NAT) is listed without an address and told so, so peers do not dial it and "
@@ -37,6 +41,8 @@ def cmd_tracker(args: argparse.Namespace) -> int:
     from patchswarm.tracker.server import Tracker
 
     options = {} if args.notice_seeds is None else {"notice_seeds": args.notice_seeds}
+    if args.wan_rates is not None:
+        options["wan_rates"] = args.wan_rates
     t = Tracker(args.creds, args.listen, revocations=args.revocations, probe=args.probe_reachability, **options)
 
     async def start(task_status=trio.TASK_STATUS_IGNORED):

@@ -42,6 +42,7 @@ from patchswarm.protocol import wire
 from patchswarm.protocol.errors import InvalidInput, StaleVersion, UsageError
 from patchswarm.protocol.peersets import NODE, ORIGIN, PeerSets
 from patchswarm.protocol.picker import WAN_GATEWAYS
+from patchswarm.protocol.responsibility import check_wan_rates
 from patchswarm.protocol.manifest import describe
 from patchswarm.protocol.versions import NEW, VersionBook
 
@@ -147,9 +148,12 @@ class TrackerCore:
                  heartbeat_timeout: float = HEARTBEAT_TIMEOUT, retain_patches: int = RETAIN_PATCHES,
                  delta_delay: float = DELTA_DELAY, join_budget: tuple[int, float] = JOIN_BUDGET,
                  announce_budget: tuple[int, float] = ANNOUNCE_BUDGET, wan_gateways: int | None = WAN_GATEWAYS,
-                 notice_seeds: int = NOTICE_SEEDS, seed: int = 0):
+                 notice_seeds: int = NOTICE_SEEDS, seed: int = 0, wan_rates: dict[str, float] | None = None):
         if notice_seeds < 1:
             raise UsageError(f"expected at least 1 notice seed per region, found {notice_seeds}")
+        # The swarm's WAN rate of each region (--wan-rates), told to every member in its PeerList,
+        # so all plan the same chains; None: members plan with their own configuration.
+        self.wan_rates = check_wan_rates(wan_rates)
         self.book = VersionBook(swarm_id, trainer_key)
         self.heartbeat_timeout = heartbeat_timeout
         self.retain_patches = retain_patches
@@ -173,9 +177,12 @@ class TrackerCore:
 
     # ------------------------------------------------------------ events
 
-    def connected(self, conn: Hashable, hello: wire.Hello, addr: str, now: float) -> list:
+    def connected(self, conn: Hashable, hello: wire.Hello, addr: str, now: float, *,
+                  wire_revision: str | None = None) -> list:
         """A member authenticated as `hello.node_id` / `hello.role` (its certificate
-        says so) and listens at `addr`. Returns its peer set and the retained
+        says so) and listens at `addr`. Returns its peer set (with the swarm's WAN
+        rates where its connection chose `wire.WIRE_REVISION`, which reads them; a
+        member of the previous version would refuse the field) and the retained
         manifests, or a Close when it is over its join budget."""
         mid, role = hello.node_id, hello.role
         out: list = []
@@ -197,7 +204,8 @@ class TrackerCore:
         self._by_seen.move_to_end(mid)
         if role in (NODE, ORIGIN):
             self._changed(self.peers.join(mid, role, m.region, addr), now)
-            out.append(Send.of([conn], wire.PeerList(self.peers.full(mid))))
+            rates = self.wan_rates if wire_revision == wire.WIRE_REVISION else None
+            out.append(Send.of([conn], wire.PeerList(self.peers.full(mid), rates)))
         if role == NODE:
             out += [dataclasses.replace(self._notices[k], to=(conn,)) for k in sorted(self._notices)]
             if self._notices:
@@ -407,4 +415,5 @@ class TrackerCore:
             "signals_dropped": self.signals_dropped,
             "drops": dict(self.drops),
             "changes": self.changes,
+            "wan_rates": self.wan_rates,
         }

@@ -34,6 +34,7 @@ from patchswarm.protocol.errors import InvalidInput, PatchswarmError, ProtocolEr
 
 from patchswarm.node.net.transport import (CONNECTION_ERRORS, MessageStream, apply_revocations, connect, format_addr,
                                            one_line, serve)
+from patchswarm.node.net.service import format_wan_rates
 from patchswarm.node.net.trust import Credentials
 from patchswarm.tracker.collector import CollectorSchedule
 from patchswarm.tracker.core import BAD_MESSAGE, BEHIND, HEARTBEAT_TIMEOUT, LEFT, Close, Send, TrackerCore
@@ -161,7 +162,9 @@ class Tracker:
     async def _run(self, task_status) -> None:
         async with trio.open_nursery() as nursery:
             self.listen_addr = await nursery.start(self._serve)
-            log.info("tracker for swarm %s listening on %s", self.book.swarm_id, self.listen_addr)
+            log.info("tracker for swarm %s listening on %s; WAN rates for every member: %s", self.book.swarm_id,
+                     self.listen_addr, format_wan_rates(self.core.wan_rates) if self.core.wan_rates else
+                     "none (each member plans with its own --wan-rates)")
             nursery.start_soon(self._tick_loop)
             if self.revocations_file is not None:
                 self._reload_revocations()
@@ -201,7 +204,7 @@ class Tracker:
                 if self.creds.revocations.envelope is not None:  # first, so a member knows whom to refuse
                     s.push("Revocations", wire.encode(wire.Revocations(self.creds.revocations.envelope)))
                 addr = self._advertised(ms, hello.listen)
-                self._do(self.core.connected(s, hello, addr, trio.current_time()))
+                self._do(self.core.connected(s, hello, addr, trio.current_time(), wire_revision=ms.wire_revision))
                 if s.why is None and ms.accepted_at is not None:
                     now = trio.current_time()
                     self.joins.append((now, now - ms.accepted_at))

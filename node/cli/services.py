@@ -17,7 +17,7 @@ from pathlib import Path
 from patchswarm.node.cli import command
 from patchswarm.node.net.logs import event
 from patchswarm.node.net.service import (add_advertise_argument, add_member_arguments, address, loopback_warning,
-                                        run_service)
+                                        parse_region_rates, run_service)
 from patchswarm.protocol.errors import UsageError
 
 
@@ -107,23 +107,6 @@ def cmd_origin(args: argparse.Namespace) -> int:
             task_status.started(o.stats)
 
     return run_service(f"origin {o.id}", start, args, OriginMetrics())
-
-
-def parse_region_rates(text: str | None) -> dict[str, float] | None:
-    """REGION=MBIT[,REGION=MBIT...]: each region's WAN link rate, Mbit/s; '' or 'none': not known."""
-    if text is None or text.strip().lower() in ("", "none"):
-        return None
-    out = {}
-    for item in text.split(","):
-        region, eq, rate = item.strip().partition("=")
-        try:
-            value = float(rate)
-        except ValueError:
-            value = None
-        if not eq or not region or value is None or not 0 < value < float("inf"):
-            raise argparse.ArgumentTypeError(f"expected REGION=MBIT[,REGION=MBIT...] with rates > 0, found {item!r}")
-        out[region] = value
-    return out
 
 
 def _node_args(p: argparse.ArgumentParser) -> None:

@@ -43,6 +43,33 @@ def address(text: str) -> str:
     return text
 
 
+def parse_region_rates(text: str | None) -> dict[str, float] | None:
+    """An argparse type (the node's and the tracker's --wan-rates): REGION=MBIT[,REGION=MBIT...],
+    each region's WAN link rate in Mbit/s, each region once; '' or 'none': not known."""
+    if text is None or text.strip().lower() in ("", "none"):
+        return None
+    out = {}
+    for item in text.split(","):
+        region, eq, rate = item.strip().partition("=")
+        region = region.strip()
+        try:
+            value = float(rate)
+        except ValueError:
+            value = None
+        if not eq or not region or value is None or not 0 < value < float("inf"):
+            raise argparse.ArgumentTypeError(f"expected REGION=MBIT[,REGION=MBIT...] with rates > 0, found {item!r}")
+        if region in out:
+            raise argparse.ArgumentTypeError(f"expected each region once in REGION=MBIT[,REGION=MBIT...], "
+                                             f"found {region!r} twice")
+        out[region] = value
+    return out
+
+
+def format_wan_rates(rates: dict[str, float]) -> str:
+    """`rates` as --wan-rates takes them (REGION=MBIT,...), regions in name order."""
+    return ",".join(f"{r}={v:g}" for r, v in sorted(rates.items()))
+
+
 def add_service_arguments(p: argparse.ArgumentParser) -> None:
     """Arguments of every long-running service (the tracker's too)."""
     add_config_argument(p)

@@ -59,6 +59,10 @@ class TLSSocketStream(trio.abc.Stream):
     def getpeername(self):
         return self._ssl.getpeername()
 
+    def selected_alpn_protocol(self) -> str | None:
+        """The wire revision both sides offered in ALPN (None: the peer offered none)."""
+        return self._ssl.selected_alpn_protocol()
+
     async def do_handshake(self) -> None:
         """Run the TLS handshake (certificates verified by the context); idempotent."""
         self._check_usable()

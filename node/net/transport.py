@@ -116,6 +116,10 @@ class MessageStream:
             _LIVE.add(self)
         self.hello: wire.Hello | None = None
         self.accepted_at: float | None = None  # trio.current_time() when `serve` accepted the connection
+        # The wire revision the TLS handshake chose in ALPN (protocol/wire.py WIRE_REVISION: the peer
+        # reads the optional fields); None from a member of the previous version, and on other streams.
+        selected = getattr(stream, "selected_alpn_protocol", None)
+        self.wire_revision: str | None = selected() if selected is not None else None
         self.counters = Counters()
         self._conn = wire.Connection(max_frame=max_frame)
         self._send_lock = trio.StrictFIFOLock()

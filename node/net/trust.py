@@ -41,6 +41,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from patchswarm.protocol import wire
 from patchswarm.protocol.errors import InvalidInput, UsageError
 from patchswarm.protocol.revocation import RevocationBook, RevocationList, serial_hex, sign_list, verify_list
 
@@ -361,6 +362,9 @@ def _context(purpose: int, creds: Credentials) -> ssl.SSLContext:
     ctx.verify_mode = ssl.CERT_REQUIRED
     ctx.load_cert_chain(str(creds.cert), str(creds.key))
     ctx.load_verify_locations(cafile=str(creds.ca))
+    # The wire revision (protocol/wire.py): a peer that selects it reads the optional fields;
+    # a member of the previous version offers no ALPN protocol, and so selects none.
+    ctx.set_alpn_protocols([wire.WIRE_REVISION])
     return ctx
 
 
