@@ -12,7 +12,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from .errors import UnsupportedFormat
+from .errors import UnsupportedFormat, UsageError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +75,22 @@ def info_named(name: str) -> DtypeInfo:
         return BY_NAME[name]
     except (KeyError, TypeError):
         raise UnsupportedFormat(f"dtype name: expected one of {sorted(BY_NAME)}, found {name!r}") from None
+
+
+def check_tensor(t: torch.Tensor, what: str) -> DtypeInfo:
+    """The dtype of `t` (named `what` in errors) if the codec and the state hash can read its
+    bits: a dense tensor in CPU memory of a dtype above. UnsupportedFormat otherwise (sparse,
+    nested, complex, quantized...), UsageError for one that is not in CPU memory (meta, an
+    accelerator's: the caller moves it), before anything reads it."""
+    if t.is_nested or t.layout != torch.strided:
+        found = "a nested tensor" if t.is_nested else f"layout {t.layout}"
+        raise UnsupportedFormat(f"{what}: expected a dense (strided) tensor, found {found}")
+    if t.device.type != "cpu":
+        raise UsageError(f"{what}: expected a CPU tensor, found device {t.device}")
+    info = BY_TORCH.get(t.dtype)
+    if info is None:
+        raise UnsupportedFormat(f"{what}: dtype: expected one of {sorted(BY_NAME)}, found {t.dtype}")
+    return info
 
 
 def int_view(t: torch.Tensor) -> np.ndarray:
