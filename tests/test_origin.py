@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import trio
 
 import torch
@@ -16,6 +17,7 @@ from patchswarm.node.net import trust
 from patchswarm.node.trainer.origin import SyncOrigin
 from synthetic import rl_checkpoints, served
 from patchswarm.node.weights import WEIGHTS_NAME, read_weights
+from patchswarm.protocol.errors import UnsupportedFormat, UsageError
 from patchswarm.protocol.patch import apply
 from patchswarm.protocol.publication import patch_of
 from patchswarm.protocol.statehash import state_hash
@@ -125,6 +127,24 @@ def test_publish_copies_the_trainers_tensors(tmp_path):
         step = o.origin.served.state["step"].clone()
     assert history[1]["changed"] > 0
     assert int(step) == 8 and step.dtype == torch.int64
+
+
+def test_a_state_that_cannot_be_served_publishes_nothing_and_the_next_version_follows(tmp_path):
+    """Refused at the origin by name (tests/test_source.py has the rules), not by every node:
+    a tensor named like safetensors' metadata would have broken each weights file."""
+    states = rl_checkpoints("tiny", 1e-5, 2)
+    with make_origin(tmp_path) as o:
+        o.publish(states[0])
+        with pytest.raises(UsageError, match="'__metadata__'.*reserved"):
+            o.publish({**states[1], "__metadata__": torch.zeros(1)})
+        with pytest.raises(UnsupportedFormat, match="'s'.*sparse"):
+            o.publish({**states[1], "s": torch.zeros(2).to_sparse()})
+        assert o.origin.store.manifest((1, False)) is None
+        assert o.publish(states[1]) == 1
+        patch = patch_of(o.origin.store.manifest((1, False)), o.origin.store.chunks((1, False)))
+    base = served(states[0], torch.bfloat16)
+    apply(base, patch)
+    assert state_hash(base) == state_hash(served(states[1], torch.bfloat16))
 
 
 def test_watch_publishes_complete_checkpoints_once_across_a_restart(tmp_path):

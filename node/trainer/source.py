@@ -20,8 +20,8 @@ from safetensors import safe_open
 from patchswarm.node import basefile
 from patchswarm.node.checkpoint import INDEX_NAME, SUFFIX, _read_index, read_side_files
 from patchswarm.protocol.errors import InvalidInput, UsageError
-from patchswarm.protocol.served import (FILE_PREFIX, SCALE_SUFFIX, check_format, file_tensor, file_tensor_name,
-                                        serve_tensor, served_table)
+from patchswarm.protocol.served import (FILE_PREFIX, SCALE_SUFFIX, check_format, check_source_tensor, file_tensor,
+                                        file_tensor_name, serve_tensor, served_table)
 
 Table = dict[str, tuple[torch.dtype, tuple[int, ...]]]
 
@@ -52,6 +52,8 @@ class Source:
         if not isinstance(state_dict, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
                                                        for k, v in state_dict.items()):
             raise UsageError("publish: expected a dict[str, torch.Tensor] (a model's state_dict) or a checkpoint path")
+        for name, t in state_dict.items():
+            check_source_tensor(name, t)
         table = {n: (t.dtype, tuple(t.shape)) for n, t in state_dict.items()}
         return cls(fmt, table, state_dict.__getitem__, None, files or {})
 

@@ -1,0 +1,87 @@
+"""The origin's input (node/trainer/source.py): what a trainer's state_dict or a checkpoint on
+disk may hold, and that anything else is refused by name before a tensor is made.
+
+The served state is published to every node, written to safetensors weights files and
+streamed to engines; a tensor that cannot make the whole trip must stop at the origin, not
+at the nodes (where every node would fail the same version).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from patchswarm.node.trainer.origin import served_copy
+from patchswarm.node.trainer.source import Source
+from patchswarm.protocol.errors import PatchswarmError, UnsupportedFormat, UsageError
+from patchswarm.protocol.served import FORMATS
+
+UNSERVABLE = {
+    "sparse COO": (lambda: torch.randn(4, 4).to_sparse(), UnsupportedFormat, "layout torch.sparse_coo"),
+    "sparse CSR": (lambda: torch.randn(4, 4).to_sparse_csr(), UnsupportedFormat, "layout torch.sparse_csr"),
+    "nested": (lambda: torch.nested.nested_tensor([torch.randn(2), torch.randn(3)]), UnsupportedFormat,
+               "a nested tensor"),
+    "meta": (lambda: torch.empty(4, 4, device="meta"), UsageError, "meta device"),
+    "complex": (lambda: torch.randn(3, dtype=torch.complex64), UnsupportedFormat, "torch.complex64"),
+    "uint16": (lambda: torch.arange(3).to(torch.uint16), UnsupportedFormat, "torch.uint16"),
+    "qint8": (lambda: torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8), UnsupportedFormat,
+              "torch.qint8"),
+}
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # torch: CSR and nested are beta, qint8 deprecated
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("kind", sorted(UNSERVABLE))
+def test_a_tensor_that_cannot_be_served_is_refused_by_name_before_any_is_made(kind, fmt):
+    make, error, found = UNSERVABLE[kind]
+    made = []
+
+    class Watched(dict):
+        def __getitem__(self, name):
+            made.append(name)
+            return super().__getitem__(name)
+
+    state = Watched({"a.weight": torch.randn(4, 4), "odd.weight": make()})
+    with pytest.raises(error, match="expected") as e:
+        src = Source.from_state(state, fmt)
+        for name in sorted(src.table):
+            src.produce(name)
+    assert "'odd.weight'" in str(e.value) and found in str(e.value), str(e.value)
+    assert made == [], "refused before any tensor was read"
+
+
+def test_fp64_is_cast_by_the_cast_formats_and_refused_as_is():
+    state = {"w": torch.randn(3, dtype=torch.float64)}
+    assert served_copy(state, "bf16")["w"].dtype == torch.bfloat16
+    with pytest.raises(UnsupportedFormat, match="'w' served as-is is torch.float64"):
+        Source.from_state(state, "as-is")
+
+
+@pytest.mark.parametrize("name, why", [
+    ("", "1..4096 bytes"),  # the change stream to engines carries no empty name
+    ("x" * 4097, "found 4097 bytes"),  # a patch carries at most 4096
+    ("é" * 2049, "found 4098 bytes"),
+    ("\ud800", "UTF-8 cannot encode"),
+    ("__metadata__", "reserved"),  # safetensors' header key: no weights file could hold it
+    ("patchswarm.file:config.json", "reserved"),  # where side files travel
+])
+def test_a_name_that_cannot_travel_is_refused(name, why):
+    with pytest.raises(UsageError, match=why):
+        Source.from_state({name: torch.zeros(2), "ok": torch.zeros(2)}, "as-is")
+
+
+def test_a_tensor_of_more_dimensions_than_the_change_stream_carries_is_refused():
+    served_copy({"w": torch.zeros([1] * 16)}, "as-is")
+    with pytest.raises(UsageError, match="at most 16 dimensions"):
+        Source.from_state({"w": torch.zeros([1] * 17)}, "as-is")
+
+
+@pytest.mark.parametrize("name", ["a.b.c", "a/b/c", "ünïcødé.权重", "x" * 4096, " ", "é" * 2048])
+def test_names_that_travel_are_kept(name):
+    assert list(served_copy({name: torch.ones(2)}, "bf16")) == [name]
+
+
+def test_a_refused_state_is_a_patchswarm_error_through_every_entry():
+    for call in (lambda: served_copy({"": torch.zeros(1)}), lambda: served_copy({"s": torch.zeros(2).to_sparse()})):
+        with pytest.raises(PatchswarmError):
+            call()
