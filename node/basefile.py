@@ -36,7 +36,7 @@ from typing import Callable, Iterable
 import torch
 
 from patchswarm.node.checkpoint import fsync_path
-from patchswarm.protocol.errors import InvalidInput, StateHashMismatch, UsageError
+from patchswarm.protocol.errors import InvalidInput, StateHashMismatch, UnsupportedFormat, UsageError
 from patchswarm.protocol.patch import Patch, apply
 from patchswarm.protocol.statehash import state_hash
 
@@ -109,6 +109,9 @@ def read_header(path: str | os.PathLike) -> tuple[int, list[Entry], dict[str, st
     meta = obj.pop("__metadata__", None) or {}
     entries = []
     for name, d in obj.items():
+        if isinstance(d, dict) and isinstance(d.get("dtype"), str) and d["dtype"] not in _TORCH_DTYPE:
+            raise UnsupportedFormat(f"{path}: tensor {name!r}: dtype: expected one of {sorted(_TORCH_DTYPE)}, "
+                                    f"found {d['dtype']!r}")
         try:
             dtype = _TORCH_DTYPE[d["dtype"]]
             begin, end = (int(x) for x in d["data_offsets"])
