@@ -16,7 +16,10 @@ tensor at a time (the origin streams, it never holds two served copies):
   fp8 * scale_inv; everything else floating becomes bf16.
 
 Scale tensors are recognised by name: `<weight>_scale_inv` (DeepSeek-V3),
-`<prefix>.weight_scale` and `<prefix>.input_scale` (compressed-tensors).
+`<prefix>.weight_scale` and `<prefix>.input_scale` (compressed-tensors),
+`.weight_scale_2` (ModelOpt NVFP4), `.output_scale` (Quark) and the attention's
+fp8 KV-cache scales `.k_scale`, `.v_scale`, `.q_scale`, `.prob_scale` (vLLM,
+compressed-tensors, ModelOpt, Quark) and `.kv_scale` (TGI).
 
 What may be served at all is checked here too, before a tensor is made
 (`check_source_tensor`, `check_served_spec`): a tensor that could not make the
@@ -43,7 +46,8 @@ AMAX_FLOOR = 1e-4  # an all-zero block gets a finite scale (DeepGEMM clamps the 
 SCALE_SUFFIX = "_scale_inv"
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _CAST = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-_SCALE_ENDINGS = (SCALE_SUFFIX, ".weight_scale", ".input_scale")
+_SCALE_ENDINGS = (SCALE_SUFFIX, ".weight_scale", ".input_scale", ".weight_scale_2", ".output_scale",
+                  ".k_scale", ".v_scale", ".q_scale", ".kv_scale", ".prob_scale")
 _NOT_QUANTIZED = ("embed", "lm_head")  # DeepSeek-V3 and compressed-tensors keep these in bf16
 
 
