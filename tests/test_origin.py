@@ -187,12 +187,15 @@ def test_watch_publishes_complete_checkpoints_once_across_a_restart(tmp_path):
     save_file(states[1], ckpt / "b.safetensors.tmp")  # still being written: not in place
     save_file(states[1], ckpt / ".c.safetensors")  # hidden: a writer's temporary
     (ckpt / "d.safetensors").write_bytes(b"not a safetensors file")
+    header = b'{"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}'  # and 4 bytes no tensor covers
+    (ckpt / "d2.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(8))
     save_file(states[2], ckpt / "e.safetensors")
-    # one pass in name order: a (0), d skipped, e (1); b.tmp and .c passed over before e
+    # one pass in name order: a (0), d and d2 skipped, e (1); b.tmp and .c passed over before e
     assert trio.run(watch_until, "e.safetensors") == 1
-    assert watched() == {"a.safetensors", "d.safetensors", "e.safetensors"}
+    assert watched() == {"a.safetensors", "d.safetensors", "d2.safetensors", "e.safetensors"}
 
     (ckpt / "b.safetensors.tmp").rename(ckpt / "b.safetensors")  # now in place
     save_file(states[3], ckpt / "f.safetensors")
     assert trio.run(watch_until, "f.safetensors") == 3  # b (2), f (3); a and e not again
-    assert watched() == {"a.safetensors", "b.safetensors", "d.safetensors", "e.safetensors", "f.safetensors"}
+    assert watched() == {"a.safetensors", "b.safetensors", "d.safetensors", "d2.safetensors", "e.safetensors",
+                         "f.safetensors"}

@@ -8,12 +8,15 @@ at the nodes (where every node would fail the same version).
 
 from __future__ import annotations
 
+import json
+import struct
+
 import pytest
 import torch
 
 from patchswarm.node.trainer.origin import served_copy
 from patchswarm.node.trainer.source import Source
-from patchswarm.protocol.errors import PatchswarmError, UnsupportedFormat, UsageError
+from patchswarm.protocol.errors import InvalidInput, PatchswarmError, UnsupportedFormat, UsageError
 from patchswarm.protocol.served import FORMATS
 
 UNSERVABLE = {
@@ -85,3 +88,18 @@ def test_a_refused_state_is_a_patchswarm_error_through_every_entry():
     for call in (lambda: served_copy({"": torch.zeros(1)}), lambda: served_copy({"s": torch.zeros(2).to_sparse()})):
         with pytest.raises(PatchswarmError):
             call()
+
+
+@pytest.mark.parametrize("entries, size", [
+    ({"a": ("F32", [2], [0, 8]), "b": ("F32", [2], [4, 12])}, 12),  # overlapping tensors
+    ({"a": ("F32", [1], [0, 4]), "b": ("F32", [1], [8, 12])}, 12),  # a hole between them
+    ({"a": ("F32", [1], [0, 4])}, 8),  # bytes no tensor covers
+])
+def test_a_checkpoint_safetensors_refuses_is_invalid_input_before_any_tensor_is_made(tmp_path, entries, size):
+    """Its header parses, but safetensors will not read it: an InvalidInput naming the file (the
+    origin's watch skips it), not a SafetensorError that stops the origin."""
+    header = json.dumps({n: {"dtype": d, "shape": s, "data_offsets": o} for n, (d, s, o) in entries.items()}).encode()
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(size))
+    with pytest.raises(InvalidInput, match=f"{path}: not a readable safetensors file"):
+        Source.from_path(path, "bf16")
