@@ -34,7 +34,7 @@ from typing import Iterator
 import torch
 
 from .changes import MAX_DIMS as CHANGE_MAX_DIMS
-from .dtypes import BY_NAME, BY_TORCH
+from .dtypes import BY_NAME, BY_TORCH, check_plain
 from .errors import InvalidInput, UnsupportedFormat, UsageError
 from .patchformat import MAX_NAME_BYTES
 
@@ -57,12 +57,13 @@ RESERVED_NAMES = frozenset({"__metadata__"})
 
 
 def check_source_tensor(name: str, t: torch.Tensor) -> None:
-    """Raise unless `t` is a tensor the served state can be made of: dense, with data (any
-    device: it is copied to the CPU). UnsupportedFormat for sparse or nested ones, UsageError
+    """Raise unless `t` is a tensor the served state can be made of: dense, plain, with data
+    (any device: it is copied to the CPU). UnsupportedFormat for sparse, nested or DTensor ones, UsageError
     for a meta tensor, before any work."""
     if t.is_nested or t.layout != torch.strided:
         found = "a nested tensor" if t.is_nested else f"layout {t.layout}"
         raise UnsupportedFormat(f"served state: tensor {name!r}: expected a dense (strided) tensor, found {found}")
+    check_plain(t, f"served state: tensor {name!r}")
     if t.device.type == "meta":
         raise UsageError(f"served state: tensor {name!r}: expected a tensor with data, found one on the meta device")
 

@@ -228,6 +228,7 @@ def test_table_dimensions_are_bounded(dim, ok):
 
 # Tensors the codec cannot read, and what the error must say about each.
 UNREADABLE = {
+    "DTensor-like": (lambda: __import__("test_source").Sharded(torch.randn(3)), "a Sharded"),
     "sparse COO": (lambda: torch.randn(4, 4).to_sparse(), "layout torch.sparse_coo"),
     "sparse CSR": (lambda: torch.randn(4, 4).to_sparse_csr(), "layout torch.sparse_csr"),
     "nested": (lambda: torch.nested.nested_tensor([torch.randn(2), torch.randn(3)]), "a nested tensor"),

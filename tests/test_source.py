@@ -13,13 +13,33 @@ import struct
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
 
 from patchswarm.node.trainer.origin import served_copy
 from patchswarm.node.trainer.source import Source
 from patchswarm.protocol.errors import InvalidInput, PatchswarmError, UnsupportedFormat, UsageError
 from patchswarm.protocol.served import FORMATS
 
+class Sharded(torch.Tensor):
+    """A tensor whose data is not its own, as DTensor (FSDP2's state_dict) is: every operation
+    on it gives a Sharded again, so its bits cannot be read as a plain tensor's."""
+
+    @staticmethod
+    def __new__(cls, inner):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device)
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        unwrap = lambda x: x.inner if isinstance(x, Sharded) else x  # noqa: E731
+        out = func(*pytree.tree_map(unwrap, args), **pytree.tree_map(unwrap, kwargs or {}))
+        return pytree.tree_map(lambda x: Sharded(x) if isinstance(x, torch.Tensor) else x, out)
+
+
 UNSERVABLE = {
+    "DTensor-like": (lambda: Sharded(torch.randn(4, 4)), UnsupportedFormat, "a Sharded"),
     "sparse COO": (lambda: torch.randn(4, 4).to_sparse(), UnsupportedFormat, "layout torch.sparse_coo"),
     "sparse CSR": (lambda: torch.randn(4, 4).to_sparse_csr(), UnsupportedFormat, "layout torch.sparse_csr"),
     "nested": (lambda: torch.nested.nested_tensor([torch.randn(2), torch.randn(3)]), UnsupportedFormat,
