@@ -14,9 +14,15 @@ import struct
 import pytest
 import torch
 import torch.utils._pytree as pytree
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from patchswarm.node.trainer.origin import served_copy
 from patchswarm.node.trainer.source import Source
+from patchswarm.node.weights import Weights, read_weights, write_weights
+from patchswarm.protocol.changes import ChangeEncoder, apply_changes
+from patchswarm.protocol.patch import Patch, apply, keyframe
+from patchswarm.protocol.statehash import state_hash
 from patchswarm.protocol.errors import InvalidInput, PatchswarmError, UnsupportedFormat, UsageError
 from patchswarm.protocol.served import FORMATS
 
@@ -123,3 +129,29 @@ def test_a_checkpoint_safetensors_refuses_is_invalid_input_before_any_tensor_is_
     path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(size))
     with pytest.raises(InvalidInput, match=f"{path}: not a readable safetensors file"):
         Source.from_path(path, "bf16")
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(name=st.one_of(st.text(max_size=40), st.text(min_size=1020, max_size=1100),
+                      st.sampled_from(["", "__metadata__", "patchswarm.file:x", "\ud800", "a\x00b", "é" * 2049])),
+       dims=st.integers(0, 18))
+def test_what_the_origin_takes_travels_the_whole_way(tmp_path, name, dims):
+    """Any name and rank: refused at the origin, or carried bit for bit by a patch, a node's
+    weights file and the change stream to an engine."""
+    t = torch.arange(2, dtype=torch.float32).reshape([2] + [1] * max(0, dims - 1)) if dims else torch.tensor(1.5)
+    try:
+        served = served_copy({name: t, "b": torch.ones(3)}, "bf16")
+    except UsageError:
+        return
+    patch = Patch.from_bytes(keyframe(served).to_bytes())
+    node: dict = {}
+    frames: list = []
+    enc = ChangeEncoder.for_patch(patch, None, 0, lambda bufs: frames.extend(bytes(b) for b in bufs))
+    enc.header()
+    apply(node, patch, recorder=enc)
+    enc.end()
+    engine: dict = {}
+    apply_changes(engine, b"".join(frames))
+    write_weights(tmp_path / "w.safetensors", Weights(node, 0, patch.target_hash, "s"))
+    for got in (node, engine, read_weights(tmp_path / "w.safetensors").state):
+        assert state_hash(got) == patch.target_hash == state_hash(served)
