@@ -147,6 +147,25 @@ def test_a_state_that_cannot_be_served_publishes_nothing_and_the_next_version_fo
     assert state_hash(base) == state_hash(served(states[1], torch.bfloat16))
 
 
+def test_a_manifest_no_wire_frame_carries_is_refused_before_anything_is_announced(tmp_path, monkeypatch):
+    """A checkpoint of very many tensors and chunks (a 1 TB fp8 MoE: 140k tensors, 400k chunks
+    make a 31 MiB keyframe manifest) needs a manifest larger than one wire frame: no
+    tracker or peer could take its Announce. Refused when it is signed, with what to change,
+    before the version is adopted; then the same version number is published again."""
+    from patchswarm.protocol import wire
+
+    states = rl_checkpoints("tiny", 1e-5, 2)
+    with make_origin(tmp_path) as o:
+        o.publish(states[0])
+        size = len(wire.encode(wire.Announce(o.origin.book.envelope((0, True)))))
+        monkeypatch.setattr(wire, "MAX_FRAME_BYTES", size // 4)
+        with pytest.raises(UsageError, match=r"v1 patch: a signed manifest of [\d,]+ bytes; one wire frame carries"):
+            o.publish(states[1])
+        assert o.origin.version == 0 and o.origin.store.manifest((1, False)) is None
+        monkeypatch.undo()
+        assert o.publish(states[1]) == 1
+
+
 def test_watch_publishes_complete_checkpoints_once_across_a_restart(tmp_path):
     """`--watch`: a checkpoint is published once it is in place (a temporary or hidden name is
     not in place yet), an unreadable one is skipped without stopping the watch, and what was
