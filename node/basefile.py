@@ -35,8 +35,8 @@ from typing import Callable, Iterable
 
 import torch
 
-from patchswarm.node.checkpoint import fsync_path
-from patchswarm.protocol.errors import InvalidInput, StateHashMismatch, UsageError
+from patchswarm.node.checkpoint import check_tensor_name, fsync_path
+from patchswarm.protocol.errors import InvalidInput, StateHashMismatch, UnsupportedFormat, UsageError
 from patchswarm.protocol.patch import Patch, apply
 from patchswarm.protocol.statehash import state_hash
 
@@ -72,6 +72,7 @@ def plan(table: Iterable[tuple[str, torch.dtype, tuple[int, ...]]]) -> list[Entr
     rows = sorted(table, key=lambda r: (-torch.empty(0, dtype=r[1]).element_size(), r[0]))
     out, at = [], 0
     for name, dtype, shape in rows:
+        check_tensor_name(name)
         if dtype not in _ST_DTYPE:
             raise UsageError(f"base file: dtype {dtype} of {name!r} has no safetensors name")
         size = _nbytes(dtype, shape)
@@ -109,6 +110,9 @@ def read_header(path: str | os.PathLike) -> tuple[int, list[Entry], dict[str, st
     meta = obj.pop("__metadata__", None) or {}
     entries = []
     for name, d in obj.items():
+        if isinstance(d, dict) and isinstance(d.get("dtype"), str) and d["dtype"] not in _TORCH_DTYPE:
+            raise UnsupportedFormat(f"{path}: tensor {name!r}: dtype: expected one of {sorted(_TORCH_DTYPE)}, "
+                                    f"found {d['dtype']!r}")
         try:
             dtype = _TORCH_DTYPE[d["dtype"]]
             begin, end = (int(x) for x in d["data_offsets"])

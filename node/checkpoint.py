@@ -25,7 +25,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from patchswarm.protocol.errors import InvalidInput, UsageError
-from patchswarm.protocol.served import MAX_SIDE_FILE_BYTES, check_side_file_name
+from patchswarm.protocol.served import MAX_SIDE_FILE_BYTES, RESERVED_NAMES, check_side_file_name
 
 State = dict[str, torch.Tensor]
 Layout = dict[str, str] | None
@@ -197,12 +197,21 @@ def save_state(state: State, path: str | os.PathLike, layout: Layout = None,
         raise
 
 
+def check_tensor_name(name: str) -> None:
+    """UsageError for a name no safetensors file can hold: its header keeps the file's
+    metadata under RESERVED_NAMES ('__metadata__'); a tensor of that name made a file that
+    no reader takes."""
+    if name in RESERVED_NAMES:
+        raise UsageError(f"state: tensor {name!r}: expected a name other than safetensors' metadata key")
+
+
 def _savable(state: State) -> State:
     """Contiguous CPU tensors, none sharing storage (safetensors refuses shared memory)."""
     out, seen = {}, set()
     for name, t in state.items():
         if not isinstance(name, str) or not isinstance(t, torch.Tensor):
             raise UsageError(f"state: expected dict[str, torch.Tensor], found entry {name!r}: {type(t).__name__}")
+        check_tensor_name(name)
         t = t.detach().cpu().contiguous()
         if t.numel() > 0:
             key = t.untyped_storage().data_ptr()

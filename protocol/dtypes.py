@@ -12,7 +12,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from .errors import UnsupportedFormat
+from .errors import UnsupportedFormat, UsageError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +75,33 @@ def info_named(name: str) -> DtypeInfo:
         return BY_NAME[name]
     except (KeyError, TypeError):
         raise UnsupportedFormat(f"dtype name: expected one of {sorted(BY_NAME)}, found {name!r}") from None
+
+
+def check_plain(t: torch.Tensor, what: str) -> None:
+    """UnsupportedFormat unless `t`'s bits are its own: a torch.Tensor, or a subclass whose
+    operations give plain tensors. A DTensor (FSDP2's state_dict) is neither: each rank holds
+    a shard, and only a collective on every rank gathers it."""
+    if type(t) is torch.Tensor or type(t.detach()).__torch_dispatch__ is torch.Tensor.__torch_dispatch__:
+        return
+    raise UnsupportedFormat(f"{what}: expected a plain tensor, found a {type(t).__name__} whose data is not its "
+                            f"own (gather it first: DTensor.full_tensor(), or a full state_dict)")
+
+
+def check_tensor(t: torch.Tensor, what: str) -> DtypeInfo:
+    """The dtype of `t` (named `what` in errors) if the codec and the state hash can read its
+    bits: a dense tensor in CPU memory of a dtype above. UnsupportedFormat otherwise (sparse,
+    nested, complex, quantized...), UsageError for one that is not in CPU memory (meta, an
+    accelerator's: the caller moves it), before anything reads it."""
+    if t.is_nested or t.layout != torch.strided:
+        found = "a nested tensor" if t.is_nested else f"layout {t.layout}"
+        raise UnsupportedFormat(f"{what}: expected a dense (strided) tensor, found {found}")
+    check_plain(t, what)
+    if t.device.type != "cpu":
+        raise UsageError(f"{what}: expected a CPU tensor, found device {t.device}")
+    info = BY_TORCH.get(t.dtype)
+    if info is None:
+        raise UnsupportedFormat(f"{what}: dtype: expected one of {sorted(BY_NAME)}, found {t.dtype}")
+    return info
 
 
 def int_view(t: torch.Tensor) -> np.ndarray:

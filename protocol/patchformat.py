@@ -31,7 +31,7 @@ import torch
 import zstandard
 
 from . import contexts, deltacode, planes
-from .dtypes import DtypeInfo, info_named, info_of, int_view
+from .dtypes import DtypeInfo, check_tensor, info_named, info_of, int_view
 from .errors import CorruptData, UnsupportedFormat, UsageError
 from .packreader import PackReader
 from .statehash import is_state_hash
@@ -240,9 +240,15 @@ def check_state(state, what: str) -> None:
     for k, v in state.items():
         if not isinstance(k, str) or not isinstance(v, torch.Tensor):
             raise UsageError(f"{what}: expected dict[str, torch.Tensor], found entry {k!r}: {type(v).__name__}")
-        if v.device.type != "cpu":
-            raise UsageError(f"{what}[{k!r}]: expected a CPU tensor, found device {v.device}")
-        info_of(v.dtype)
+        check_tensor(v, f"{what}[{k!r}]")
+        try:
+            size = len(k.encode())
+        except UnicodeEncodeError:
+            size = -1
+        if not 0 <= size <= MAX_NAME_BYTES:
+            raise UsageError(f"{what}: tensor name: expected UTF-8 of at most {MAX_NAME_BYTES} bytes (what a patch "
+                             f"carries), found {'a string UTF-8 cannot encode' if size < 0 else f'{size} bytes'}: "
+                             f"{k[:60]!r}")
 
 
 def _flat_bits(t: torch.Tensor) -> np.ndarray:

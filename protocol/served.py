@@ -16,7 +16,15 @@ tensor at a time (the origin streams, it never holds two served copies):
   fp8 * scale_inv; everything else floating becomes bf16.
 
 Scale tensors are recognised by name: `<weight>_scale_inv` (DeepSeek-V3),
-`<prefix>.weight_scale` and `<prefix>.input_scale` (compressed-tensors).
+`<prefix>.weight_scale` and `<prefix>.input_scale` (compressed-tensors),
+`.weight_scale_2` (ModelOpt NVFP4), `.output_scale` (Quark) and the attention's
+fp8 KV-cache scales `.k_scale`, `.v_scale`, `.q_scale`, `.prob_scale` (vLLM,
+compressed-tensors, ModelOpt, Quark) and `.kv_scale` (TGI).
+
+What may be served at all is checked here too, before a tensor is made
+(`check_source_tensor`, `check_served_spec`): a tensor that could not make the
+whole trip (patch, nodes' weights files, the change stream to engines) is
+refused at the origin, by name, not by every node.
 """
 
 from __future__ import annotations
@@ -25,7 +33,10 @@ from typing import Iterator
 
 import torch
 
-from .errors import InvalidInput, UsageError
+from .changes import MAX_DIMS as CHANGE_MAX_DIMS
+from .dtypes import BY_NAME, BY_TORCH, check_plain
+from .errors import InvalidInput, UnsupportedFormat, UsageError
+from .patchformat import MAX_NAME_BYTES
 
 FORMATS = ("as-is", "bf16", "fp16", "fp32", "fp8-block")
 DEFAULT_FORMAT = "bf16"
@@ -35,8 +46,49 @@ AMAX_FLOOR = 1e-4  # an all-zero block gets a finite scale (DeepGEMM clamps the 
 SCALE_SUFFIX = "_scale_inv"
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _CAST = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-_SCALE_ENDINGS = (SCALE_SUFFIX, ".weight_scale", ".input_scale")
+_SCALE_ENDINGS = (SCALE_SUFFIX, ".weight_scale", ".input_scale", ".weight_scale_2", ".output_scale",
+                  ".k_scale", ".v_scale", ".q_scale", ".kv_scale", ".prob_scale")
 _NOT_QUANTIZED = ("embed", "lm_head")  # DeepSeek-V3 and compressed-tensors keep these in bf16
+
+
+# safetensors' header key for the file's metadata: a tensor of this name breaks every
+# weights file that holds it (the origin's base, each node's).
+RESERVED_NAMES = frozenset({"__metadata__"})
+
+
+def check_source_tensor(name: str, t: torch.Tensor) -> None:
+    """Raise unless `t` is a tensor the served state can be made of: dense, plain, with data
+    (any device: it is copied to the CPU). UnsupportedFormat for sparse, nested or DTensor ones, UsageError
+    for a meta tensor, before any work."""
+    if t.is_nested or t.layout != torch.strided:
+        found = "a nested tensor" if t.is_nested else f"layout {t.layout}"
+        raise UnsupportedFormat(f"served state: tensor {name!r}: expected a dense (strided) tensor, found {found}")
+    check_plain(t, f"served state: tensor {name!r}")
+    if t.device.type == "meta":
+        raise UsageError(f"served state: tensor {name!r}: expected a tensor with data, found one on the meta device")
+
+
+def check_served_spec(name: str, dtype: torch.dtype, shape: tuple[int, ...], fmt: str) -> None:
+    """Raise unless a served tensor of this name, dtype and shape can travel the whole way:
+    in a patch, in a node's safetensors weights file and in the change stream to an engine
+    (protocol/changes.py: names of 1..MAX_NAME_BYTES UTF-8 bytes, at most its MAX_DIMS
+    dimensions). The origin checks its whole table before it makes a tensor."""
+    try:
+        size = len(name.encode())
+    except UnicodeEncodeError:
+        size = -1
+    if not 0 < size <= MAX_NAME_BYTES:
+        raise UsageError(f"served state: tensor name: expected 1..{MAX_NAME_BYTES} bytes of UTF-8, found "
+                         f"{'a string UTF-8 cannot encode' if size < 0 else f'{size} bytes'}: {name[:60]!r}")
+    if name in RESERVED_NAMES or name.startswith(FILE_PREFIX):
+        raise UsageError(f"served state: tensor name {name[:60]!r}: expected a name that is not reserved "
+                         f"({', '.join(sorted(RESERVED_NAMES))}, or starting {FILE_PREFIX!r}: side files)")
+    if dtype not in BY_TORCH:
+        raise UnsupportedFormat(f"served state: tensor {name!r} served {fmt} is {dtype}; expected one of "
+                                f"{sorted(BY_NAME)} (a cast format serves other floats as its dtype)")
+    if len(shape) > CHANGE_MAX_DIMS:
+        raise UsageError(f"served state: tensor {name!r}: expected at most {CHANGE_MAX_DIMS} dimensions, "
+                         f"found shape {list(shape)}")
 
 
 def check_format(fmt: str) -> str:
@@ -108,6 +160,7 @@ def serve_tensor(name: str, tensor: torch.Tensor, fmt: str) -> Iterator[tuple[st
     quantized weight (itself and its scale). Detached, contiguous, on the CPU, owned."""
     if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
         raise UsageError(f"served state: expected str -> torch.Tensor, found {name!r}: {type(tensor).__name__}")
+    check_source_tensor(name, tensor)
     source = tensor.detach()
     t = source.to("cpu")
     if fmt == "fp8-block" and quantizes(name, t.dtype, t.shape):
@@ -125,11 +178,12 @@ def served_table(table: dict[str, tuple[torch.dtype, tuple[int, ...]]],
                  fmt: str) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """The served state's names, dtypes and shapes from the trainer's, before any tensor is
     made (the origin plans a version with it); UsageError where `fmt` would write a name
-    the state already has."""
+    the state already has, or a served tensor fails `check_served_spec`."""
     check_format(fmt)
     out: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     for name, (dtype, shape) in table.items():
         for served_name, sdtype, sshape in served_specs(name, dtype, shape, fmt):
+            check_served_spec(served_name, sdtype, sshape, fmt)
             if served_name in out or (served_name != name and served_name in table):
                 raise UsageError(f"served state: {fmt} would write {served_name!r}, which the state already has")
             out[served_name] = (sdtype, sshape)
@@ -142,6 +196,8 @@ def serve_state(state: dict, fmt: str) -> dict[str, torch.Tensor]:
     check_format(fmt)
     if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
         raise UsageError("served state: expected a dict[str, torch.Tensor] (a state_dict)")
+    for name, t in state.items():
+        check_source_tensor(name, t)
     served_table({n: (t.dtype, tuple(t.shape)) for n, t in state.items()}, fmt)  # collisions, before any work
     out: dict[str, torch.Tensor] = {}
     for name, t in state.items():

@@ -28,7 +28,7 @@ import msgpack
 import torch
 
 from . import parallel
-from .dtypes import info_of
+from .dtypes import check_tensor, info_of
 
 PREFIX = "blake3:"
 BLOCK_BYTES = 4 << 20
@@ -66,6 +66,7 @@ def _blocks(state: dict[str, torch.Tensor]) -> tuple[list[str], list[int], list[
     owner: list[int] = []
     blocks: list[memoryview] = []
     for i, name in enumerate(names):
+        check_tensor(state[name], f"state[{name!r}]")
         mv = tensor_bytes(state[name])
         for off in range(0, max(1, len(mv)), BLOCK_BYTES):
             owner.append(i)
@@ -121,6 +122,7 @@ def hash_bytes(states: list[dict[str, torch.Tensor]]) -> int:
 def tensor_digest(t: torch.Tensor, threads: int | None = None) -> bytes:
     """One tensor's digest as `state_hash` computes it (for callers that hash a state
     tensor by tensor, e.g. while they build it; `combine` makes the state hash)."""
+    check_tensor(t, "tensor")
     mv = tensor_bytes(t)
     blocks = [mv[off: off + BLOCK_BYTES] for off in range(0, max(1, len(mv)), BLOCK_BYTES)]
     tasks = [functools.partial(_digest_block, b) for b in blocks]

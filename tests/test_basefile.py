@@ -3,14 +3,17 @@ compacted forward by applying verified patches in place on a copy of it."""
 
 from __future__ import annotations
 
+import json
 import os
+import struct
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from patchswarm.node import basefile
-from patchswarm.protocol.errors import BaseMismatch, StateHashMismatch, UsageError
+from patchswarm.node.trainer.source import Source
+from patchswarm.protocol.errors import BaseMismatch, StateHashMismatch, UnsupportedFormat, UsageError
 from patchswarm.protocol.patch import diff, keyframe
 from patchswarm.protocol.statehash import state_hash
 
@@ -104,3 +107,16 @@ def test_a_wrong_chain_or_hash_leaves_the_base_and_no_temporaries(tmp_path):
         basefile.compact(base, [keyframe(chain[1])], base, meta(1, "x"), p1.target_hash)
     assert base.read_bytes() == before
     assert [x.name for x in tmp_path.iterdir()] == ["base.safetensors"]
+
+
+@pytest.mark.parametrize("dtype", ["U16", "U32", "U64", "F8_E8M0", "C64", "F4"])
+def test_a_dtype_safetensors_has_and_we_do_not_is_named_not_called_malformed(tmp_path, dtype):
+    """An origin publishing from a checkpoint (node/trainer/source.py) reads its headers here."""
+    header = json.dumps({"ok": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+                         "odd.weight": {"dtype": dtype, "shape": [2], "data_offsets": [4, 12]}}).encode()
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(12))
+    with pytest.raises(UnsupportedFormat, match=f"tensor 'odd.weight': dtype: expected one of .*BF16.*, found '{dtype}'"):
+        basefile.read_header(path)
+    with pytest.raises(UnsupportedFormat, match=f"found '{dtype}'"):
+        Source.from_path(path, "bf16")

@@ -173,3 +173,18 @@ def test_write_bytes_atomic(tmp_path):
     write_bytes_atomic(p, b"two")
     assert p.read_bytes() == b"two"
     assert [q.name for q in tmp_path.iterdir()] == ["x.patch"]
+
+
+@pytest.mark.parametrize("layout", [None, {"__metadata__": "a.safetensors", "x": "a.safetensors"}])
+def test_a_tensor_named_like_the_metadata_key_is_refused_before_a_byte_is_written(tmp_path, layout):
+    """safetensors keeps a file's metadata under '__metadata__': a tensor of that name made a
+    file no reader takes (the node's durable weights then fail at its restart)."""
+    from patchswarm.node import basefile
+
+    state = {"__metadata__": torch.ones(2), "x": torch.zeros(1)}
+    out = tmp_path / ("w.safetensors" if layout is None else "d")
+    with pytest.raises(UsageError, match="'__metadata__'.*safetensors"):
+        save_state(state, out, layout)
+    with pytest.raises(UsageError, match="'__metadata__'.*safetensors"):
+        basefile.write(tmp_path / "b.safetensors", state, {"k": "v"})
+    assert sorted(os.listdir(tmp_path)) == []

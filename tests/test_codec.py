@@ -10,7 +10,8 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 
 from patchswarm.protocol import contexts, deltacode, ricecode, statehash
-from patchswarm.protocol.errors import AlreadyApplied, BaseMismatch, CorruptData, PatchswarmError, StateHashMismatch
+from patchswarm.protocol.errors import (AlreadyApplied, BaseMismatch, CorruptData, PatchswarmError, StateHashMismatch,
+                                        UsageError)
 from patchswarm.protocol.patch import Patch, apply, decode_chunk, diff, keyframe, prepare
 from patchswarm.protocol.statehash import state_hash
 
@@ -223,6 +224,50 @@ def test_table_dimensions_are_bounded(dim, ok):
     else:
         with pytest.raises(CorruptData, match="a dimension"):
             Patch.from_bytes(p.to_bytes())
+
+
+# Tensors the codec cannot read, and what the error must say about each.
+UNREADABLE = {
+    "DTensor-like": (lambda: __import__("test_source").Sharded(torch.randn(3)), "a Sharded"),
+    "sparse COO": (lambda: torch.randn(4, 4).to_sparse(), "layout torch.sparse_coo"),
+    "sparse CSR": (lambda: torch.randn(4, 4).to_sparse_csr(), "layout torch.sparse_csr"),
+    "nested": (lambda: torch.nested.nested_tensor([torch.randn(2), torch.randn(3)]), "a nested tensor"),
+    "meta": (lambda: torch.empty(3, device="meta"), "device meta"),
+    "complex": (lambda: torch.randn(3, dtype=torch.complex64), "torch.complex64"),
+    "fp64": (lambda: torch.randn(3, dtype=torch.float64), "torch.float64"),
+    "qint8": (lambda: torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8), "torch.qint8"),
+}
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # torch: CSR and nested are beta, qint8 deprecated
+@pytest.mark.parametrize("kind", sorted(UNREADABLE))
+def test_a_tensor_the_codec_cannot_read_is_refused_by_name(kind):
+    """Every entry point says which tensor and what it is, never a crash inside torch or numpy."""
+    make, found = UNREADABLE[kind]
+    odd, ok = {"odd.weight": make()}, {"ok": torch.ones(3)}
+    for call in (lambda: keyframe({**ok, **odd}), lambda: diff(ok, {**ok, **odd}), lambda: diff({**ok, **odd}, ok),
+                 lambda: apply({**ok, **odd}, diff(ok, {"ok": torch.zeros(3)})), lambda: state_hash({**ok, **odd})):
+        with pytest.raises(PatchswarmError, match="expected") as e:
+            call()
+        assert found in str(e.value) and "'odd.weight'" in str(e.value), str(e.value)
+    with pytest.raises(PatchswarmError, match=f"^tensor: .*expected .*{found}"):
+        statehash.tensor_digest(odd["odd.weight"])
+
+
+@pytest.mark.parametrize("name, ok", [("x" * 4096, True), ("é" * 2048, True), ("x" * 4097, False),
+                                      ("é" * 2049, False), ("\ud800", False), ("", True), ("a/b.ü 权", True)])
+def test_names_are_checked_when_a_patch_is_made_not_when_it_is_read(name, ok):
+    """A patch is made only of names it can carry: UTF-8, at most MAX_NAME_BYTES."""
+    a, b = {name: torch.zeros(3)}, {name: torch.ones(3)}
+    if ok:
+        for p in (diff(a, b), keyframe(b)):
+            state = {} if p.kind == "keyframe" else {name: torch.zeros(3)}
+            apply(state, Patch.from_bytes(p.to_bytes()))
+            assert torch.equal(state[name], b[name])
+    else:
+        for call in (lambda: diff(a, b), lambda: keyframe(b), lambda: diff(a, {})):
+            with pytest.raises(UsageError, match="tensor name: expected"):
+                call()
 
 
 @given(st.lists(st.tuples(st.integers(0, 30), st.sampled_from([torch.float32, torch.bfloat16])), max_size=12),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import trio
 
 import torch
@@ -16,6 +17,7 @@ from patchswarm.node.net import trust
 from patchswarm.node.trainer.origin import SyncOrigin
 from synthetic import rl_checkpoints, served
 from patchswarm.node.weights import WEIGHTS_NAME, read_weights
+from patchswarm.protocol.errors import UnsupportedFormat, UsageError
 from patchswarm.protocol.patch import apply
 from patchswarm.protocol.publication import patch_of
 from patchswarm.protocol.statehash import state_hash
@@ -127,6 +129,43 @@ def test_publish_copies_the_trainers_tensors(tmp_path):
     assert int(step) == 8 and step.dtype == torch.int64
 
 
+def test_a_state_that_cannot_be_served_publishes_nothing_and_the_next_version_follows(tmp_path):
+    """Refused at the origin by name (tests/test_source.py has the rules), not by every node:
+    a tensor named like safetensors' metadata would have broken each weights file."""
+    states = rl_checkpoints("tiny", 1e-5, 2)
+    with make_origin(tmp_path) as o:
+        o.publish(states[0])
+        with pytest.raises(UsageError, match="'__metadata__'.*reserved"):
+            o.publish({**states[1], "__metadata__": torch.zeros(1)})
+        with pytest.raises(UnsupportedFormat, match="'s'.*sparse"):
+            o.publish({**states[1], "s": torch.zeros(2).to_sparse()})
+        assert o.origin.store.manifest((1, False)) is None
+        assert o.publish(states[1]) == 1
+        patch = patch_of(o.origin.store.manifest((1, False)), o.origin.store.chunks((1, False)))
+    base = served(states[0], torch.bfloat16)
+    apply(base, patch)
+    assert state_hash(base) == state_hash(served(states[1], torch.bfloat16))
+
+
+def test_a_manifest_no_wire_frame_carries_is_refused_before_anything_is_announced(tmp_path, monkeypatch):
+    """A checkpoint of very many tensors and chunks (a 1 TB fp8 MoE: 140k tensors, 400k chunks
+    make a 31 MiB keyframe manifest) needs a manifest larger than one wire frame: no
+    tracker or peer could take its Announce. Refused when it is signed, with what to change,
+    before the version is adopted; then the same version number is published again."""
+    from patchswarm.protocol import wire
+
+    states = rl_checkpoints("tiny", 1e-5, 2)
+    with make_origin(tmp_path) as o:
+        o.publish(states[0])
+        size = len(wire.encode(wire.Announce(o.origin.book.envelope((0, True)))))
+        monkeypatch.setattr(wire, "MAX_FRAME_BYTES", size // 4)
+        with pytest.raises(UsageError, match=r"v1 patch: a signed manifest of [\d,]+ bytes; one wire frame carries"):
+            o.publish(states[1])
+        assert o.origin.version == 0 and o.origin.store.manifest((1, False)) is None
+        monkeypatch.undo()
+        assert o.publish(states[1]) == 1
+
+
 def test_watch_publishes_complete_checkpoints_once_across_a_restart(tmp_path):
     """`--watch`: a checkpoint is published once it is in place (a temporary or hidden name is
     not in place yet), an unreadable one is skipped without stopping the watch, and what was
@@ -167,12 +206,15 @@ def test_watch_publishes_complete_checkpoints_once_across_a_restart(tmp_path):
     save_file(states[1], ckpt / "b.safetensors.tmp")  # still being written: not in place
     save_file(states[1], ckpt / ".c.safetensors")  # hidden: a writer's temporary
     (ckpt / "d.safetensors").write_bytes(b"not a safetensors file")
+    header = b'{"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}'  # and 4 bytes no tensor covers
+    (ckpt / "d2.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(8))
     save_file(states[2], ckpt / "e.safetensors")
-    # one pass in name order: a (0), d skipped, e (1); b.tmp and .c passed over before e
+    # one pass in name order: a (0), d and d2 skipped, e (1); b.tmp and .c passed over before e
     assert trio.run(watch_until, "e.safetensors") == 1
-    assert watched() == {"a.safetensors", "d.safetensors", "e.safetensors"}
+    assert watched() == {"a.safetensors", "d.safetensors", "d2.safetensors", "e.safetensors"}
 
     (ckpt / "b.safetensors.tmp").rename(ckpt / "b.safetensors")  # now in place
     save_file(states[3], ckpt / "f.safetensors")
     assert trio.run(watch_until, "f.safetensors") == 3  # b (2), f (3); a and e not again
-    assert watched() == {"a.safetensors", "b.safetensors", "d.safetensors", "e.safetensors", "f.safetensors"}
+    assert watched() == {"a.safetensors", "b.safetensors", "d.safetensors", "d2.safetensors", "e.safetensors",
+                         "f.safetensors"}

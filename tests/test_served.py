@@ -62,6 +62,24 @@ def test_compressed_tensors_scale_names_are_kept_too():
     assert all(bits(served[k]) == bits(state[k]) and served[k].dtype == state[k].dtype for k in state)
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp16", "fp32", "fp8-block"])
+@pytest.mark.parametrize("name", [
+    "model.layers.0.self_attn.k_scale", "model.layers.0.self_attn.v_scale",  # vLLM / compressed-tensors fp8 KV cache
+    "model.layers.0.self_attn.k_proj.k_scale", "model.layers.0.self_attn.v_proj.v_scale",  # ModelOpt
+    "model.layers.0.self_attn.q_scale", "model.layers.0.self_attn.prob_scale",  # Quark fp8 attention
+    "model.layers.0.self_attn.kv_scale",  # TGI
+    "model.layers.0.mlp.down_proj.weight_scale_2",  # ModelOpt NVFP4: second-level scale
+    "model.layers.0.mlp.down_proj.output_scale",  # Quark
+])
+def test_kv_cache_and_second_level_scales_keep_their_bits(name, fmt):
+    """A pre-quantized checkpoint's fp32 scales are part of its quantization: served in bf16
+    they were rounded (k_scale 0.0123 became 0.01233), silently changing what the engine
+    computes from the unchanged fp8 weights."""
+    state = {**fp8_checkpoint(), name: torch.tensor([0.0123456789], dtype=torch.float32)}
+    served = serve_state(state, fmt)
+    assert served[name].dtype == torch.float32 and bits(served[name]) == bits(state[name])
+
+
 def reference_block_quantize(w: torch.Tensor):
     """DeepGEMM's per_block_cast_to_fp8, written out block by block (the loop is the spec)."""
     m, n = w.shape

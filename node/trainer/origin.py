@@ -353,6 +353,11 @@ class Origin:
         m = manifest_of(patch, swarm_id=self.swarm_id, version=key[0], created_at=time.time(),
                         chunk_table=writer.table)
         envelope = sign_manifest(m, self.key)
+        size = len(wire.encode(wire.Announce(envelope)))
+        if size > wire.MAX_FRAME_BYTES:  # no tracker or peer would take it: refused before it is adopted
+            raise UsageError(f"{describe(key)}: a signed manifest of {size:,} bytes; one wire frame carries "
+                             f"{wire.MAX_FRAME_BYTES:,} ({len(patch.tensors):,} tensors, {len(m.chunks):,} chunks: "
+                             f"a larger chunk_bytes than {self.cfg.chunk_bytes:,} makes fewer chunks)")
         writer.finish(envelope)
         return key, m, envelope
 

@@ -15,15 +15,23 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from patchswarm.node import basefile
 from patchswarm.node.checkpoint import INDEX_NAME, SUFFIX, _read_index, read_side_files
 from patchswarm.protocol.errors import InvalidInput, UsageError
-from patchswarm.protocol.served import (FILE_PREFIX, SCALE_SUFFIX, check_format, file_tensor, file_tensor_name,
-                                        serve_tensor, served_table)
+from patchswarm.protocol.served import (FILE_PREFIX, SCALE_SUFFIX, check_format, check_source_tensor, file_tensor,
+                                        file_tensor_name, serve_tensor, served_table)
 
 Table = dict[str, tuple[torch.dtype, tuple[int, ...]]]
+
+
+def _open(path: Path):
+    """safe_open(path), with what safetensors refuses as InvalidInput (the origin's watch skips it)."""
+    try:
+        return safe_open(str(path), framework="pt")
+    except SafetensorError as e:
+        raise InvalidInput(f"{path}: not a readable safetensors file ({e})") from None
 
 
 class Source:
@@ -52,6 +60,8 @@ class Source:
         if not isinstance(state_dict, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
                                                        for k, v in state_dict.items()):
             raise UsageError("publish: expected a dict[str, torch.Tensor] (a model's state_dict) or a checkpoint path")
+        for name, t in state_dict.items():
+            check_source_tensor(name, t)
         table = {n: (t.dtype, tuple(t.shape)) for n, t in state_dict.items()}
         return cls(fmt, table, state_dict.__getitem__, None, files or {})
 
@@ -86,6 +96,8 @@ class Source:
             if not f.is_file():
                 raise InvalidInput(f"{p}: the index names shard {shard!r}, which does not exist")
             _, entries, _ = basefile.read_header(f)
+            with _open(f):  # what safetensors refuses (holes, overlaps): refused before any work
+                pass
             for e in entries:
                 if e.name in table:
                     raise InvalidInput(f"{p}: tensor {e.name!r} is in both {where[e.name].name} and {f.name}")
@@ -96,8 +108,11 @@ class Source:
             raise InvalidInput(f"{p}: {INDEX_NAME} does not match the shards' contents")
 
         def read(name: str) -> torch.Tensor:
-            with safe_open(str(where[name]), framework="pt") as f:
-                return f.get_tensor(name)
+            with _open(where[name]) as f:
+                try:
+                    return f.get_tensor(name)
+                except SafetensorError as e:
+                    raise InvalidInput(f"{where[name]}: tensor {name!r}: not readable ({e})") from None
 
         return cls(fmt, table, read, layout, side)
 

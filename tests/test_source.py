@@ -1,0 +1,157 @@
+"""The origin's input (node/trainer/source.py): what a trainer's state_dict or a checkpoint on
+disk may hold, and that anything else is refused by name before a tensor is made.
+
+The served state is published to every node, written to safetensors weights files and
+streamed to engines; a tensor that cannot make the whole trip must stop at the origin, not
+at the nodes (where every node would fail the same version).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from patchswarm.node.trainer.origin import served_copy
+from patchswarm.node.trainer.source import Source
+from patchswarm.node.weights import Weights, read_weights, write_weights
+from patchswarm.protocol.changes import ChangeEncoder, apply_changes
+from patchswarm.protocol.patch import Patch, apply, keyframe
+from patchswarm.protocol.statehash import state_hash
+from patchswarm.protocol.errors import InvalidInput, PatchswarmError, UnsupportedFormat, UsageError
+from patchswarm.protocol.served import FORMATS
+
+class Sharded(torch.Tensor):
+    """A tensor whose data is not its own, as DTensor (FSDP2's state_dict) is: every operation
+    on it gives a Sharded again, so its bits cannot be read as a plain tensor's."""
+
+    @staticmethod
+    def __new__(cls, inner):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device)
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        unwrap = lambda x: x.inner if isinstance(x, Sharded) else x  # noqa: E731
+        out = func(*pytree.tree_map(unwrap, args), **pytree.tree_map(unwrap, kwargs or {}))
+        return pytree.tree_map(lambda x: Sharded(x) if isinstance(x, torch.Tensor) else x, out)
+
+
+UNSERVABLE = {
+    "DTensor-like": (lambda: Sharded(torch.randn(4, 4)), UnsupportedFormat, "a Sharded"),
+    "sparse COO": (lambda: torch.randn(4, 4).to_sparse(), UnsupportedFormat, "layout torch.sparse_coo"),
+    "sparse CSR": (lambda: torch.randn(4, 4).to_sparse_csr(), UnsupportedFormat, "layout torch.sparse_csr"),
+    "nested": (lambda: torch.nested.nested_tensor([torch.randn(2), torch.randn(3)]), UnsupportedFormat,
+               "a nested tensor"),
+    "meta": (lambda: torch.empty(4, 4, device="meta"), UsageError, "meta device"),
+    "complex": (lambda: torch.randn(3, dtype=torch.complex64), UnsupportedFormat, "torch.complex64"),
+    "uint16": (lambda: torch.arange(3).to(torch.uint16), UnsupportedFormat, "torch.uint16"),
+    "qint8": (lambda: torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8), UnsupportedFormat,
+              "torch.qint8"),
+}
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # torch: CSR and nested are beta, qint8 deprecated
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("kind", sorted(UNSERVABLE))
+def test_a_tensor_that_cannot_be_served_is_refused_by_name_before_any_is_made(kind, fmt):
+    make, error, found = UNSERVABLE[kind]
+    made = []
+
+    class Watched(dict):
+        def __getitem__(self, name):
+            made.append(name)
+            return super().__getitem__(name)
+
+    state = Watched({"a.weight": torch.randn(4, 4), "odd.weight": make()})
+    with pytest.raises(error, match="expected") as e:
+        src = Source.from_state(state, fmt)
+        for name in sorted(src.table):
+            src.produce(name)
+    assert "'odd.weight'" in str(e.value) and found in str(e.value), str(e.value)
+    assert made == [], "refused before any tensor was read"
+
+
+def test_fp64_is_cast_by_the_cast_formats_and_refused_as_is():
+    state = {"w": torch.randn(3, dtype=torch.float64)}
+    assert served_copy(state, "bf16")["w"].dtype == torch.bfloat16
+    with pytest.raises(UnsupportedFormat, match="'w' served as-is is torch.float64"):
+        Source.from_state(state, "as-is")
+
+
+@pytest.mark.parametrize("name, why", [
+    ("", "1..4096 bytes"),  # the change stream to engines carries no empty name
+    ("x" * 4097, "found 4097 bytes"),  # a patch carries at most 4096
+    ("é" * 2049, "found 4098 bytes"),
+    ("\ud800", "UTF-8 cannot encode"),
+    ("__metadata__", "reserved"),  # safetensors' header key: no weights file could hold it
+    ("patchswarm.file:config.json", "reserved"),  # where side files travel
+])
+def test_a_name_that_cannot_travel_is_refused(name, why):
+    with pytest.raises(UsageError, match=why):
+        Source.from_state({name: torch.zeros(2), "ok": torch.zeros(2)}, "as-is")
+
+
+def test_a_tensor_of_more_dimensions_than_the_change_stream_carries_is_refused():
+    served_copy({"w": torch.zeros([1] * 16)}, "as-is")
+    with pytest.raises(UsageError, match="at most 16 dimensions"):
+        Source.from_state({"w": torch.zeros([1] * 17)}, "as-is")
+
+
+@pytest.mark.parametrize("name", ["a.b.c", "a/b/c", "ünïcødé.权重", "x" * 4096, " ", "é" * 2048])
+def test_names_that_travel_are_kept(name):
+    assert list(served_copy({name: torch.ones(2)}, "bf16")) == [name]
+
+
+def test_a_refused_state_is_a_patchswarm_error_through_every_entry():
+    for call in (lambda: served_copy({"": torch.zeros(1)}), lambda: served_copy({"s": torch.zeros(2).to_sparse()})):
+        with pytest.raises(PatchswarmError):
+            call()
+
+
+@pytest.mark.parametrize("entries, size", [
+    ({"a": ("F32", [2], [0, 8]), "b": ("F32", [2], [4, 12])}, 12),  # overlapping tensors
+    ({"a": ("F32", [1], [0, 4]), "b": ("F32", [1], [8, 12])}, 12),  # a hole between them
+    ({"a": ("F32", [1], [0, 4])}, 8),  # bytes no tensor covers
+])
+def test_a_checkpoint_safetensors_refuses_is_invalid_input_before_any_tensor_is_made(tmp_path, entries, size):
+    """Its header parses, but safetensors will not read it: an InvalidInput naming the file (the
+    origin's watch skips it), not a SafetensorError that stops the origin."""
+    header = json.dumps({n: {"dtype": d, "shape": s, "data_offsets": o} for n, (d, s, o) in entries.items()}).encode()
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(size))
+    with pytest.raises(InvalidInput, match=f"{path}: not a readable safetensors file"):
+        Source.from_path(path, "bf16")
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(name=st.one_of(st.text(max_size=40), st.text(min_size=1020, max_size=1100),
+                      st.sampled_from(["", "__metadata__", "patchswarm.file:x", "\ud800", "a\x00b", "é" * 2049])),
+       dims=st.integers(0, 18))
+def test_what_the_origin_takes_travels_the_whole_way(tmp_path, name, dims):
+    """Any name and rank: refused at the origin, or carried bit for bit by a patch, a node's
+    weights file and the change stream to an engine."""
+    t = torch.arange(2, dtype=torch.float32).reshape([2] + [1] * max(0, dims - 1)) if dims else torch.tensor(1.5)
+    try:
+        served = served_copy({name: t, "b": torch.ones(3)}, "bf16")
+    except UsageError:
+        return
+    patch = Patch.from_bytes(keyframe(served).to_bytes())
+    node: dict = {}
+    frames: list = []
+    enc = ChangeEncoder.for_patch(patch, None, 0, lambda bufs: frames.extend(bytes(b) for b in bufs))
+    enc.header()
+    apply(node, patch, recorder=enc)
+    enc.end()
+    engine: dict = {}
+    apply_changes(engine, b"".join(frames))
+    write_weights(tmp_path / "w.safetensors", Weights(node, 0, patch.target_hash, "s"))
+    for got in (node, engine, read_weights(tmp_path / "w.safetensors").state):
+        assert state_hash(got) == patch.target_hash == state_hash(served)
