@@ -19,7 +19,7 @@ from synthetic import rl_checkpoints, served
 from patchswarm.node.weights import WEIGHTS_NAME, read_weights
 from patchswarm.protocol.errors import UnsupportedFormat, UsageError
 from patchswarm.protocol.patch import apply
-from patchswarm.protocol.publication import patch_of
+from patchswarm.protocol.publication import object_chunk_bytes, patch_of
 from patchswarm.protocol.statehash import state_hash
 
 
@@ -66,6 +66,32 @@ def test_restart_continues_the_version_chain_from_disk(tmp_path):
     base = served(states[1], torch.bfloat16)
     apply(base, patch)  # the new patch is against what was published before the restart
     assert state_hash(base) == state_hash(served(states[2], torch.bfloat16))
+
+
+def test_chunks_grow_with_the_state_so_a_manifest_lists_at_most_max_object_chunks(tmp_path):
+    """The origin cuts an object into at most about `max_object_chunks` chunks, doubling
+    `chunk_bytes` as the served state needs (at 1 MiB a ~500 GB keyframe would be ~480,000
+    chunks, a manifest no wire frame carries); what it cuts still applies bit-exactly."""
+    states = rl_checkpoints("tiny", 1e-2, 2)  # dense: the patch is most of a keyframe
+    full = sum(t.numel() * t.element_size() for t in served(states[0], torch.bfloat16).values())
+    counts = {}
+    for cap in (None, 4):
+        kw = {"chunk_bytes": 16 << 10, "segment_elements": 1 << 12} | ({} if cap is None else {"max_object_chunks": cap})
+        with make_origin(tmp_path / f"cap{cap}", **kw) as o:
+            o.publish(states[0])
+            o.publish(states[1])
+            store = o.origin.store
+            keyframe, patch_m = store.manifest((0, True)), store.manifest((1, False))
+            patch = patch_of(patch_m, store.chunks((1, False)))
+        counts[cap] = (len(keyframe.chunks), len(patch_m.chunks))
+        if cap is not None:
+            # 16 KiB doubled until 4 chunks hold the state; a chunk packs whole segments
+            assert object_chunk_bytes(16 << 10, full, 4) * 4 >= full > object_chunk_bytes(16 << 10, full, 4) * 2
+            assert max(counts[cap]) <= cap + 1, counts
+        base = served(states[0], torch.bfloat16)
+        apply(base, patch)
+        assert state_hash(base) == state_hash(served(states[1], torch.bfloat16))
+    assert counts[None][1] > 2 * counts[4][1], counts  # the default cap left the patch's small chunks alone
 
 
 def test_interrupted_publish_is_dropped_and_published_again(tmp_path):

@@ -35,7 +35,7 @@ from patchswarm.protocol.manifest import sign_manifest
 from patchswarm.protocol.patch import Patch, TensorSpec
 from patchswarm.protocol.patchencode import TargetSpec, diff_in_place, keyframe_chunks
 from patchswarm.protocol.peersets import apply_delta
-from patchswarm.protocol.publication import ObjKey, describe, manifest_of
+from patchswarm.protocol.publication import MAX_OBJECT_CHUNKS, ObjKey, describe, manifest_of, object_chunk_bytes
 from patchswarm.protocol.served import (DEFAULT_FORMAT, check_format)
 from patchswarm.protocol.statehash import state_hash
 from patchswarm.protocol.trajectory import ReceivedRecord, decode_batch
@@ -72,7 +72,8 @@ class OriginConfig:
     listen: str
     region: str = "default"
     upload_limit: float | None = None
-    chunk_bytes: int = ORIGIN_CHUNK_BYTES
+    chunk_bytes: int = ORIGIN_CHUNK_BYTES  # at least; larger for a state over max_object_chunks of them
+    max_object_chunks: int = MAX_OBJECT_CHUNKS
     segment_elements: int = ORIGIN_SEGMENT_ELEMENTS
     compact_every: int = COMPACT_EVERY
     advertise: str | None = None  # the address told to the tracker and nodes; None: the bound listen address
@@ -321,6 +322,9 @@ class Origin:
         prev = self.served
         objects = []
         patch_bytes = keyframe_bytes = changed = None
+        # Chunks grow with the model, so that a manifest's chunk table fits one wire frame.
+        state_bytes = sum(s.numel() * s.dtype.itemsize for s in specs.values())
+        chunk_bytes = object_chunk_bytes(self.cfg.chunk_bytes, state_bytes, self.cfg.max_object_chunks)
         if prev is None:
             state = {n: src.produce(n) for n in sorted(specs)}
             target_hash = state_hash(state)
@@ -328,14 +332,14 @@ class Origin:
             writer = self.store.writer((version, False))
             counts: dict = {}
             p = diff_in_place(prev.state, specs, src.produce, prev.state_hash, layout=src.layout,
-                              chunk_bytes=self.cfg.chunk_bytes, segment_elements=self.cfg.segment_elements,
+                              chunk_bytes=chunk_bytes, segment_elements=self.cfg.segment_elements,
                               on_chunk=writer.add, counts=counts)
             state, target_hash, changed = prev.state, p.target_hash, counts["changed"]
             objects.append(self._seal((version, False), p, writer))
             patch_bytes = objects[-1][1].total_bytes
         if prev is None or self._keyframe_due(patch_bytes):
             writer = self.store.writer((version, True))
-            for chunk in keyframe_chunks(state, self.cfg.chunk_bytes):
+            for chunk in keyframe_chunks(state, chunk_bytes):
                 writer.add(chunk)
             names = sorted(state)
             k = Patch(kind="keyframe", base_hash=None, target_hash=target_hash,
@@ -350,14 +354,19 @@ class Origin:
     def _seal(self, key: ObjKey, patch: Patch, writer) -> tuple:
         """Sign the manifest of an object whose chunks `writer` wrote, and write it last."""
         failpoints.hit("publish.written")  # a kill here: chunks on disk, no manifest, nothing announced
-        m = manifest_of(patch, swarm_id=self.swarm_id, version=key[0], created_at=time.time(),
-                        chunk_table=writer.table)
-        envelope = sign_manifest(m, self.key)
-        size = len(wire.encode(wire.Announce(envelope)))
-        if size > wire.MAX_FRAME_BYTES:  # no tracker or peer would take it: refused before it is adopted
+        created_at = time.time()
+        for compact in (False, True):  # the compact form only where the plain one cannot travel
+            m = manifest_of(patch, swarm_id=self.swarm_id, version=key[0], created_at=created_at,
+                            chunk_table=writer.table, compact=compact)
+            envelope = sign_manifest(m, self.key)
+            size = len(wire.encode(wire.Announce(envelope)))
+            if size <= wire.MAX_FRAME_BYTES:
+                break
+        else:  # no tracker or peer would take it: refused before it is adopted
             raise UsageError(f"{describe(key)}: a signed manifest of {size:,} bytes; one wire frame carries "
-                             f"{wire.MAX_FRAME_BYTES:,} ({len(patch.tensors):,} tensors, {len(m.chunks):,} chunks: "
-                             f"a larger chunk_bytes than {self.cfg.chunk_bytes:,} makes fewer chunks)")
+                             f"{wire.MAX_FRAME_BYTES:,} ({len(patch.tensors):,} tensors, {len(m.chunks):,} chunks of "
+                             f"up to {max((z for z, _ in m.chunks), default=0):,} bytes: fewer chunks, i.e. a smaller "
+                             f"max_object_chunks than {self.cfg.max_object_chunks:,}, or fewer tensors)")
         writer.finish(envelope)
         return key, m, envelope
 
