@@ -12,8 +12,8 @@ rows (nodes per region at fixed WAN). A system that cannot run here (not
 built, not installed) is listed as skipped with the reason.
 
 Two conditions real fleets have (issue 26): `--region-mbit 100,50,20` gives
-each region its own WAN rate (patchswarm nodes are told them with
-`--wan-rates`; the system `patchswarm-blind` runs the plan without them), and
+each region its own WAN rate (the tracker tells every patchswarm member
+them, its `--wan-rates`; the system `patchswarm-blind` runs the plan without them), and
 the system `patchswarm-faults` SIGKILLs one gateway of each remote region
 `--kill-at` s after the announcement and restarts one at `--restart-at`;
 `libtorrent-faults` does the same to the leechers of the same names (SIGKILL at
@@ -194,8 +194,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--lan-mbit", type=float, default=1000.0, help="each host's link, each way")
     ap.add_argument("--wan-delay-ms", type=float, default=0.0, help="one-way delay per WAN link (needs sch_netem)")
     ap.add_argument("--region-mbit", default="", metavar="R0,R1,...",
-                    help="each region's own WAN rate, Mbit/s each way (instead of --wan-mbit); patchswarm nodes "
-                         "are told them (--wan-rates); add patchswarm-blind to --systems for the rate-blind plan")
+                    help="each region's own WAN rate, Mbit/s each way (instead of --wan-mbit); the patchswarm "
+                         "tracker tells every member them (--wan-rates); add patchswarm-blind to --systems for the rate-blind plan")
     ap.add_argument("--nice-regions", default="", metavar="R,...",
                     help="these regions' processes run at nice 10, so the others go first for the shared cores")
     ap.add_argument("--kill-at", type=float, default=1.0,

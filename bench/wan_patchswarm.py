@@ -75,9 +75,9 @@ def unavailable_reason() -> str | None:
 class PatchswarmRunner:
     """patchswarm (or, with `no_peers`, the star: every node from the origin only).
 
-    On a topology with per-region WAN rates every node is told them
-    (`--wan-rates`) unless `tell_rates` is False (the rate-blind plan, for
-    comparison). With `faults`, gateways are killed (and one restarted) during
+    On a topology with per-region WAN rates the tracker tells every member
+    them (its `--wan-rates`) unless `tell_rates` is False (the rate-blind plan,
+    for comparison). With `faults`, gateways are killed (and one restarted) during
     the fetch; the times are then over the nodes never killed."""
 
     def __init__(self, no_peers: bool = False, verbose: bool = False, log_dir: Path | None = None,
@@ -137,8 +137,12 @@ class PatchswarmRunner:
 
         tracker_addr = f"{topo.tracker.ip}:{TRACKER_PORT}"
         verbose = ["-v"] if self.verbose else []
+        rates = []  # the tracker tells every member (as a deployment does: one value for the swarm)
+        if topo.spec.region_mbit and self.tell_rates:
+            rates = ["--wan-rates", ",".join(f"{_region(r)}={topo.spec.region_wan_mbit(r):g}"
+                                             for r in range(topo.spec.regions))]
         self._spawn(topo, topo.tracker, logs, [exe, "tracker", "--listen", tracker_addr,
-                                               "--creds", str(creds / "tracker"), *verbose])
+                                               "--creds", str(creds / "tracker"), *rates, *verbose])
         wait_listening(topo, topo.origin, topo.tracker.ip, TRACKER_PORT, deadline - time.monotonic())
         origin_dir = work / "origin"
         self._spawn(topo, topo.origin, logs, [
@@ -149,10 +153,6 @@ class PatchswarmRunner:
             *([] if self.chunk_bytes is None else ["--chunk-bytes", str(self.chunk_bytes),
                                                    "--segment-elements", str(self.chunk_bytes)])])
         sockets = {}
-        rates = []
-        if topo.spec.region_mbit and self.tell_rates:
-            rates = ["--wan-rates", ",".join(f"{_region(r)}={topo.spec.region_wan_mbit(r):g}"
-                                             for r in range(topo.spec.regions))]
         self._argv: dict[str, list[str]] = {}
         if tuple(topo.spec.nat_regions) != self.nat_regions:
             raise RunFailed(f"expected a topology with regions {self.nat_regions} behind NAT, "
@@ -166,7 +166,7 @@ class PatchswarmRunner:
                 exe, "node", "--tracker", tracker_addr, "--creds", str(creds / h.name), "--data-dir", str(data),
                 *(["--no-listen"] if h.region in self.nat_regions else ["--listen", f"{h.ip}:{NODE_PORT}"]),
                 *(["--transport", "auto"] if self.nat_regions else []), "--region", _region(h.region),
-                *(["--no-peers"] if self.no_peers else []), *rates, *self.node_args, *verbose]
+                *(["--no-peers"] if self.no_peers else []), *self.node_args, *verbose]
             self._spawn(topo, h, logs, self._argv[h.name])
         clients = {name: NodeClient(path) for name, path in sockets.items()}
         try:
