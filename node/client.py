@@ -162,6 +162,9 @@ class NodeClient:
         except (OSError, ProtocolError) as e:
             self.close()
             raise NodeUnavailable("unavailable", f"node at {self.path}: {type(e).__name__}: {e}") from None
+        except BaseException:  # e.g. KeyboardInterrupt: this call's reply would be read as the next one's
+            self.close()
+            raise
 
     def status(self) -> dict:
         return self._call([localapi.encode(localapi.status_request())], 5.0)["status"]
@@ -304,6 +307,9 @@ class AsyncNodeClient:
             except (OSError, trio.BrokenResourceError, trio.TooSlowError, ProtocolError) as e:
                 await self.aclose()
                 raise NodeUnavailable("unavailable", f"node at {self.path}: {type(e).__name__}: {e}") from None
+            except BaseException:  # cancelled: this call's reply would be read as the next one's
+                await self.aclose()
+                raise
 
     async def status(self) -> dict:
         return (await self._call([localapi.encode(localapi.status_request())], 5.0))["status"]
@@ -321,6 +327,6 @@ class AsyncNodeClient:
         return (await self._call(localapi.submit_frame_parts(recs, timeout), timeout))["seqs"]
 
     async def aclose(self) -> None:
-        if self._stream is not None:
-            await trio.aclose_forcefully(self._stream)
-            self._stream = None
+        stream, self._stream = self._stream, None  # first: closing checkpoints, and may raise Cancelled
+        if stream is not None:
+            await trio.aclose_forcefully(stream)

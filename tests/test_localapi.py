@@ -26,6 +26,9 @@ payloads = st.binary(max_size=40) | st.integers(0, 3).map(lambda k: bytes(locala
 async def echo(req: dict) -> dict:
     """A daemon stand-in: submit answers the payload sizes, status the number of calls so far."""
     echo.calls += 1
+    if req["op"] == "wait_version":  # never reached: the reply comes when the timeout runs out
+        await trio.sleep(req["timeout"])
+        return localapi.error(localapi.TIMEOUT, "not reached")
     if req["op"] == "submit":
         if req["records"][0][1] == 99:
             return localapi.error(localapi.FULL, "the spool is full")
@@ -156,6 +159,39 @@ def test_bad_requests_get_an_error_and_bad_frames_cost_only_their_connection(tmp
         s.close()
         with NodeClient(path) as c:  # the others are still served
             assert await trio.to_thread.run_sync(c.submit, b"ok", 1) == 2
+
+    serving(tmp_path, body)
+
+
+def test_a_call_cut_short_leaves_no_reply_behind_for_the_next_one(tmp_path, monkeypatch):
+    """A call that ends early (a trio cancel scope around an async call, an exception such as
+    KeyboardInterrupt between the send and the reply in a blocking one) must not leave its
+    reply in flight: the next call on the same client read it as its own answer (a status
+    call got the cut-short submit's seqs, a submit the cut-short wait's timeout error)."""
+
+    async def body(path):
+        c = AsyncNodeClient(path)
+        with trio.move_on_after(0.05):
+            await c.wait_version(1, 0.3)
+        await trio.sleep(0.4)  # the node has answered the cut-short wait by now
+        assert await c.submit(b"abc", 1) == 3
+        await c.aclose()
+
+        send = patchswarm.node.client._send_parts
+
+        def send_then_interrupt(s, parts):
+            send(s, parts)
+            raise KeyboardInterrupt
+
+        def blocking():
+            with NodeClient(path) as b:
+                monkeypatch.setattr(patchswarm.node.client, "_send_parts", send_then_interrupt)
+                with pytest.raises(KeyboardInterrupt):
+                    b.submit(b"abcd", 1)
+                monkeypatch.setattr(patchswarm.node.client, "_send_parts", send)
+                return b.submit(b"abcde", 1)
+
+        assert await trio.to_thread.run_sync(blocking) == 5
 
     serving(tmp_path, body)
 
