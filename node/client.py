@@ -143,7 +143,10 @@ class NodeClient:
         s = self._connect()
         try:
             self._set_timeout(s, timeout + 10.0)
-            _send_parts(s, frame)
+            try:
+                _send_parts(s, frame)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the node closed; what it sent before (a refusal) is still there to read
             while True:
                 body = self._frames.next_body()
                 if body is CLOSED:
@@ -295,8 +298,11 @@ class AsyncNodeClient:
                 self._frames = FrameBuffer(localapi.MAX_FRAME_BYTES)
             try:
                 with trio.fail_after(timeout + 10.0):
-                    for part in frame:
-                        await self._stream.send_all(part)
+                    try:
+                        for part in frame:
+                            await self._stream.send_all(part)
+                    except trio.BrokenResourceError:
+                        pass  # the node closed; what it sent before (a refusal) is still there to read
                     while True:
                         body = self._frames.next_body()
                         if body is CLOSED:

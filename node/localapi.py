@@ -15,9 +15,15 @@ small request at a time and waits for the answer, so the next request is never
 there when the loop looks. SocketStream first tries the read (a failing
 syscall and an exception), then waits, and yields to the scheduler again after
 every send; going straight to the wait and sending without a yield cut the
-node's CPU per one-record submit (bench/trajectories.py). Each connection
-reads into one reusable buffer: a fresh `recv(1 MiB)` costs an mmap and munmap
-per call (11 us measured), more than the rest of a small request's read.
+node's CPU per one-record submit (bench/trajectories.py). Connections read
+into one reusable buffer, shared (each read is copied into the connection's
+FrameBuffer before the next checkpoint): a fresh `recv(1 MiB)` costs an mmap
+and munmap per call (11 us measured), more than the rest of a small request's
+read, and a buffer per connection cost 256 KiB per idle client.
+
+At most `max_connections` at once (each holds a file descriptor, which the
+node's peers and files need too): past it, a new connection gets one
+`too_many_connections` error and is closed, and the node serves on.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import contextlib
 import errno
 import logging
 import os
+import resource
 import socket as _socket
 from pathlib import Path
 from typing import AsyncIterator, Awaitable, BinaryIO, Callable
@@ -41,7 +48,8 @@ from patchswarm.node.spool import TrajectorySpool
 
 log = logging.getLogger("patchswarm.localapi")
 Handler = Callable[[dict], Awaitable[dict]]
-RECEIVE_BYTES = 256 << 10  # per connection; a larger frame takes several reads
+RECEIVE_BYTES = 256 << 10  # per read; a larger frame takes several reads
+MAX_CONNECTIONS = 1024  # and at most a quarter of the process's file descriptor limit
 _GONE = (errno.ECONNRESET, errno.EPIPE, errno.ENOTCONN, errno.EBADF)
 
 
@@ -119,8 +127,28 @@ async def _stream_files(files: list[BinaryIO], last: dict) -> AsyncIterator[dict
             f.close()
 
 
-async def serve_local(path: Path, handle: Handler, task_status=trio.TASK_STATUS_IGNORED) -> None:
+def _connection_limit() -> int:
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return MAX_CONNECTIONS if soft == resource.RLIM_INFINITY else max(1, min(MAX_CONNECTIONS, soft // 4))
+
+
+async def serve_local(path: Path, handle: Handler, task_status=trio.TASK_STATUS_IGNORED, *,
+                      max_connections: int | None = None) -> None:
     path = Path(path)
+    limit = _connection_limit() if max_connections is None else max_connections
+    refusal = localapi.encode(localapi.error(
+        localapi.TOO_MANY_CONNECTIONS, f"local socket {path}: expected at most {limit} connections at once, found "
+                                       f"{limit} open; close idle clients or retry later"))
+    buf = bytearray(RECEIVE_BYTES)
+    open_connections = 0
+
+    async def serve_connection(conn: _socket.socket) -> None:
+        nonlocal open_connections
+        try:
+            await _serve_connection(conn, handle, buf)
+        finally:
+            open_connections -= 1
+
     path.unlink(missing_ok=True)  # the caller holds the data dir's lock: any file here is stale
     sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM | _socket.SOCK_NONBLOCK | _socket.SOCK_CLOEXEC)
     try:
@@ -144,17 +172,23 @@ async def serve_local(path: Path, handle: Handler, task_status=trio.TASK_STATUS_
                     await trio.sleep(0.1)
                     continue
                 conn.setblocking(False)
-                nursery.start_soon(_serve_connection, conn, handle)
+                if open_connections >= limit:
+                    with conn:
+                        with contextlib.suppress(OSError):  # a small frame into an empty buffer
+                            conn.send(refusal)
+                    continue
+                open_connections += 1
+                nursery.start_soon(serve_connection, conn)
     finally:
         trio.lowlevel.notify_closing(sock)
         sock.close()
         path.unlink(missing_ok=True)
 
 
-async def _serve_connection(conn: _socket.socket, handle: Handler) -> None:
-    """Answer one client's requests in order until it closes the connection."""
+async def _serve_connection(conn: _socket.socket, handle: Handler, buf: bytearray) -> None:
+    """Answer one client's requests in order until it closes the connection. `buf`
+    is shared: each read is copied out of it before the next checkpoint."""
     frames = FrameBuffer(localapi.MAX_FRAME_BYTES)
-    buf = bytearray(RECEIVE_BYTES)
     view = memoryview(buf)
     try:
         waited = True

@@ -4,7 +4,9 @@ One definition of these bytes, used by the daemon (node/localapi.py) and the
 client (node/client.py). Frames are the peer protocol's (4-byte length, then a
 msgpack map; `protocol.wire.FrameBuffer`). A request is a map with "op"; the
 reply is `{"ok": true, ...}` or `{"ok": false, "error": str, "code": str}`.
-One request at a time per connection, answered in order.
+One request at a time per connection, answered in order. A node at its
+connection limit sends one error (code "too_many_connections") unasked and
+closes: a client reads it as the reply to its first request.
 
 Ops:
 - status                                   -> {"status": {...}}
@@ -41,6 +43,7 @@ FULL = "spool_full"
 DISK_FULL = "disk_full"  # the node's disk could not take the records: nothing was acknowledged; retry later
 STORAGE = "storage_failed"  # the node's spool failed a durable write: nothing was acknowledged
 UNAVAILABLE = "unavailable"
+TOO_MANY_CONNECTIONS = "too_many_connections"  # sent unasked, then the node closes: retry later
 BOOTSTRAP = "bootstrap"
 
 
