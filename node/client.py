@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import socket
+import stat
 import struct
 from pathlib import Path
 from typing import Callable
@@ -90,6 +91,26 @@ def _fed(client: "NodeClient", more: Callable[[dict], bool], reply: dict) -> boo
         raise
 
 
+def _unavailable(path: Path, e: BaseException, connect_timeout: float) -> NodeUnavailable:
+    """Connecting to `path` failed with `e`: what was expected there, and what was found."""
+    if isinstance(e, FileNotFoundError):
+        found = "no such file (is the node running, on this data dir?)"
+    elif isinstance(e, PermissionError):
+        found = "no permission to connect (the node makes it mode 0600: run as the node's user)"
+    elif isinstance(e, (socket.timeout, TimeoutError, trio.TooSlowError)):
+        found = f"no answer to connect within {connect_timeout:g} s (the node is not accepting)"
+    elif isinstance(e, ConnectionRefusedError):
+        try:
+            is_socket = stat.S_ISSOCK(path.stat().st_mode)
+        except OSError:
+            is_socket = False
+        found = ("a socket file no process listens on (a node that stopped without removing it, "
+                 "or one still loading its state)" if is_socket else "a file that is not a socket")
+    else:
+        found = f"{type(e).__name__}: {e.strerror or e}" if isinstance(e, OSError) else f"{type(e).__name__}: {e}"
+    return NodeUnavailable("unavailable", f"no node answers at {path}: expected a node's socket, found {found}")
+
+
 def _result(reply: dict) -> dict:
     if reply.get("ok") is True:
         return reply
@@ -116,9 +137,9 @@ class NodeClient:
             s.settimeout(self._connect_timeout)
             try:
                 s.connect(str(self.path))
-            except (FileNotFoundError, ConnectionRefusedError, socket.timeout) as e:
+            except OSError as e:  # no file, no listener, no permission, a path too long, a timeout
                 s.close()
-                raise NodeUnavailable("unavailable", f"no node answers at {self.path} ({type(e).__name__})") from None
+                raise _unavailable(self.path, e, self._connect_timeout) from None
             s.settimeout(None)
             self._sock, self._timeout = s, None
             self._frames = FrameBuffer(localapi.MAX_FRAME_BYTES)
@@ -294,7 +315,7 @@ class AsyncNodeClient:
                     with trio.fail_after(5):
                         self._stream = await trio.open_unix_socket(str(self.path))
                 except (OSError, trio.TooSlowError) as e:
-                    raise NodeUnavailable("unavailable", f"no node answers at {self.path} ({type(e).__name__})") from None
+                    raise _unavailable(self.path, e, 5.0) from None
                 self._frames = FrameBuffer(localapi.MAX_FRAME_BYTES)
             try:
                 with trio.fail_after(timeout + 10.0):

@@ -267,6 +267,39 @@ def test_a_node_that_never_answers_runs_the_client_out_of_time(tmp_path):
                 c._call([localapi.encode(localapi.status_request())], -9.8)
 
 
+def test_a_client_that_finds_no_node_says_what_it_expected_and_found(tmp_path, monkeypatch):
+    """Both clients raise NodeUnavailable naming the path and what is there. Before, a socket
+    without permission and a path too long for AF_UNIX escaped as bare OSErrors without the
+    path ("[Errno 13] Permission denied"), and the rest named only an exception class."""
+    stale = tmp_path / "stale.sock"
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(stale))  # closed without unlinking: a node killed -9 leaves this
+    (tmp_path / "plain").write_text("x")
+    long = tmp_path / ("d" * 120) / "node.sock"
+    cases = {tmp_path / "missing.sock": "found no such file", stale: "found a socket file no process listens on",
+             tmp_path / "plain": "found a file that is not a socket", long: "path too long"}
+
+    def expect(call, path, found):
+        with pytest.raises(patchswarm.node.client.NodeUnavailable) as e:
+            call()
+        assert str(e.value).startswith(f"no node answers at {path}: expected a node's socket, ")
+        assert found in str(e.value), str(e.value)
+
+    for path, found in cases.items():
+        expect(NodeClient(path).status, path, found)
+
+        async def via_async():
+            await AsyncNodeClient(path).status()
+        expect(lambda: trio.run(via_async), path, found)
+
+    class Denied(socket.socket):
+        def connect(self, address):
+            raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(patchswarm.node.client.socket, "socket", Denied)
+    expect(NodeClient(stale).status, stale, "found no permission to connect")
+
+
 def test_local_requests_answer_status_wait_and_submit(tmp_path):
     """What each op does (node/localapi.py LocalRequests), over a real spool, on trio's mock clock."""
     from patchswarm.node.localapi import LocalRequests
