@@ -43,6 +43,7 @@ _ASYNC_RECEIVE_BYTES = 64 << 10
 _IOV_MAX = 1024
 SOCKET_NAME = "node.sock"
 DEFAULT_SUBMIT_TIMEOUT = 60.0
+_LONGEST_TIMEOUT = float(1 << 31)  # s (68 years): the kernel's socket timeout takes no more
 
 
 class NodeError(PatchswarmError):
@@ -150,6 +151,7 @@ class NodeClient:
         set only when the value changes. A Python timeout (settimeout) costs an
         ioctl per call and a poll before every send and receive: five syscalls per
         request where two do. Runs out as BlockingIOError."""
+        seconds = min(seconds, _LONGEST_TIMEOUT)  # wait_version(v, 1e300): "never", not struct.error
         if seconds != self._timeout:
             tv = struct.pack("ll", int(seconds), int(seconds % 1 * 1e6))
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)

@@ -28,8 +28,8 @@ payloads = st.binary(max_size=40) | st.integers(0, 3).map(lambda k: bytes(locala
 async def echo(req: dict) -> dict:
     """A daemon stand-in: submit answers the payload sizes, status the number of calls so far."""
     echo.calls += 1
-    if req["op"] == "wait_version":  # never reached: the reply comes when the timeout runs out
-        await trio.sleep(req["timeout"])
+    if req["op"] == "wait_version":  # never reached: the reply comes when the timeout (at most 0.3 s) runs out
+        await trio.sleep(min(req["timeout"], 0.3))
         return localapi.error(localapi.TIMEOUT, "not reached")
     if req["op"] == "submit":
         if req["records"][0][1] == 99:
@@ -251,6 +251,30 @@ def test_connections_past_the_limit_are_refused_with_a_reason_and_the_others_ser
         await c.aclose()
 
     serving(tmp_path, body, max_connections=3)
+
+
+def test_a_wait_with_a_timeout_too_long_for_the_kernel_is_still_a_wait(tmp_path):
+    """wait_version(v, 1e300) (a caller's "forever") in the blocking client raised
+    struct.error from packing the kernel's socket timeout, and left the request unsent."""
+
+    async def body(path):
+        def blocking():
+            with NodeClient(path) as c:
+                with pytest.raises(NodeError) as e:
+                    c.wait_version(1, 1e300)
+                return e.value.code
+
+        async def waiting():
+            c = AsyncNodeClient(path)
+            with pytest.raises(NodeError) as e:
+                await c.wait_version(1, 1e300)
+            await c.aclose()
+            return e.value.code
+
+        assert await trio.to_thread.run_sync(blocking) == localapi.TIMEOUT
+        assert await waiting() == localapi.TIMEOUT
+
+    serving(tmp_path, body)
 
 
 def test_a_node_that_never_answers_runs_the_client_out_of_time(tmp_path):
