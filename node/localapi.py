@@ -23,7 +23,8 @@ read, and a buffer per connection cost 256 KiB per idle client.
 
 At most `max_connections` at once (each holds a file descriptor, which the
 node's peers and files need too): past it, a new connection gets one
-`too_many_connections` error and is closed, and the node serves on.
+`too_many_connections` error and is closed, and the node serves on. A
+wait_version whose client closes the connection ends then, not at its timeout.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import errno
 import logging
 import os
 import resource
+import select
 import socket as _socket
 from pathlib import Path
 from typing import AsyncIterator, Awaitable, BinaryIO, Callable
@@ -51,6 +53,7 @@ Handler = Callable[[dict], Awaitable[dict]]
 RECEIVE_BYTES = 256 << 10  # per read; a larger frame takes several reads
 MAX_CONNECTIONS = 1024  # and at most a quarter of the process's file descriptor limit
 _GONE = (errno.ECONNRESET, errno.EPIPE, errno.ENOTCONN, errno.EBADF)
+_ENDED_WITH_CLIENT = frozenset({"wait_version"})  # ops dropped when their client leaves (they change nothing)
 
 
 class StreamedReply:
@@ -209,9 +212,16 @@ async def _serve_connection(conn: _socket.socket, handle: Handler, buf: bytearra
                 await trio.lowlevel.checkpoint()
             waited = False
             try:
-                reply = await handle(localapi.check_request(localapi.decode(body)))
+                req = localapi.check_request(localapi.decode(body))
             except ProtocolError as e:
                 reply = localapi.error(localapi.BAD_REQUEST, str(e))
+            else:
+                if req["op"] in _ENDED_WITH_CLIENT:
+                    reply = await _unless_client_leaves(conn, handle, req)
+                    if reply is None:
+                        return
+                else:
+                    reply = await handle(req)
             if isinstance(reply, StreamedReply):
                 async with contextlib.aclosing(reply.parts) as parts:
                     async for part in parts:
@@ -226,6 +236,26 @@ async def _serve_connection(conn: _socket.socket, handle: Handler, buf: bytearra
     finally:
         trio.lowlevel.notify_closing(conn)
         conn.close()
+
+
+async def _unless_client_leaves(conn: _socket.socket, handle: Handler, req: dict):
+    """`await handle(req)`, or None once the client has closed the connection (both
+    directions: a client that shut down only its sending side still reads the answer).
+    For waits that change nothing: a worker killed during wait_version(v, 3600) would
+    otherwise hold its task and file descriptor for the hour."""
+    reply = None
+    async with trio.open_nursery() as nursery:
+        async def watch() -> None:
+            await trio.lowlevel.wait_readable(conn)  # data (a pipelined request), EOF or a hangup
+            p = select.poll()
+            p.register(conn, select.POLLIN)
+            if any(ev & (select.POLLHUP | select.POLLERR) for _, ev in p.poll(0)):
+                nursery.cancel_scope.cancel()
+
+        nursery.start_soon(watch)
+        reply = await handle(req)
+        nursery.cancel_scope.cancel()
+    return reply
 
 
 async def _send_all(conn: _socket.socket, data: bytes) -> None:

@@ -277,6 +277,51 @@ def test_a_wait_with_a_timeout_too_long_for_the_kernel_is_still_a_wait(tmp_path)
     serving(tmp_path, body)
 
 
+def test_a_waiter_that_leaves_ends_its_wait_and_frees_its_connection(tmp_path):
+    """A client that closes while its wait_version runs (a rollout worker killed) ends that
+    wait: before, the node kept the wait, its task and its file descriptor until the
+    timeout ran out (an hour for wait_version(v, 3600)), and with a connection limit such
+    waiters would crowd out live clients. A client that only shuts down its sending side
+    still gets its answer."""
+    path = tmp_path / "node.sock"
+    waits = []
+
+    async def handle(req):
+        if req["op"] != "wait_version":
+            return localapi.ok(status={})
+        ended = trio.Event()
+        waits.append(ended)
+        try:
+            await trio.sleep(req["timeout"])
+        finally:
+            ended.set()
+        return localapi.error(localapi.TIMEOUT, "not reached")
+
+    def ask(timeout: float) -> socket.socket:
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(str(path))
+        s.sendall(localapi.encode(localapi.wait_version_request(1, timeout)))
+        return s
+
+    async def main():
+        async with trio.open_nursery() as n:
+            await n.start(functools.partial(serve_local, path, handle, max_connections=1))
+            ask(30.0).close()
+            await trio.sleep(0.1)
+            with trio.fail_after(2):
+                await waits[0].wait()
+            with NodeClient(path) as c:  # its connection is free again: the limit of one is not reached
+                assert await trio.to_thread.run_sync(c.status) == {}
+            half = ask(0.2)
+            half.shutdown(socket.SHUT_WR)
+            reply = await trio.to_thread.run_sync(half.recv, 1 << 16)
+            half.close()
+            assert msgpack.unpackb(reply[4:])["code"] == localapi.TIMEOUT
+            n.cancel_scope.cancel()
+
+    trio.run(main)
+
+
 def test_a_node_that_never_answers_runs_the_client_out_of_time(tmp_path):
     """The blocking client bounds each read with the kernel's socket timeout (set to
     the call's timeout + 10 s; a negative call timeout here makes that 0.2 s)."""
