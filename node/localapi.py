@@ -24,7 +24,8 @@ read, and a buffer per connection cost 256 KiB per idle client.
 At most `max_connections` at once (each holds a file descriptor, which the
 node's peers and files need too): past it, a new connection gets one
 `too_many_connections` error and is closed, and the node serves on. A
-wait_version whose client closes the connection ends then, not at its timeout.
+wait_version whose client closes the connection ends then, not at its timeout;
+a frame begun and not finished within FRAME_WAIT_S closes its connection.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from patchswarm.node.spool import TrajectorySpool
 log = logging.getLogger("patchswarm.localapi")
 Handler = Callable[[dict], Awaitable[dict]]
 RECEIVE_BYTES = 256 << 10  # per read; a larger frame takes several reads
+FRAME_WAIT_S = 60.0  # for the rest of a frame once it has begun (a client idle between requests waits freely)
 MAX_CONNECTIONS = 1024  # and at most a quarter of the process's file descriptor limit
 _GONE = (errno.ECONNRESET, errno.EPIPE, errno.ENOTCONN, errno.EBADF)
 _ENDED_WITH_CLIENT = frozenset({"wait_version"})  # ops dropped when their client leaves (they change nothing)
@@ -200,7 +202,15 @@ async def _serve_connection(conn: _socket.socket, handle: Handler, buf: bytearra
             if body is CLOSED:
                 return
             if body is NEED_DATA:
-                await trio.lowlevel.wait_readable(conn)
+                if frames.buffered:  # in the middle of a frame: the rest comes soon or never
+                    with trio.move_on_after(FRAME_WAIT_S) as cut:
+                        await trio.lowlevel.wait_readable(conn)
+                    if cut.cancelled_caught:
+                        log.warning("local client: expected the rest of a frame within %g s, found %d bytes of it "
+                                    "and nothing more; closing", FRAME_WAIT_S, frames.buffered)
+                        return
+                else:
+                    await trio.lowlevel.wait_readable(conn)
                 waited = True
                 try:
                     n = conn.recv_into(buf)

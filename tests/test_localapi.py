@@ -322,6 +322,32 @@ def test_a_waiter_that_leaves_ends_its_wait_and_frees_its_connection(tmp_path):
     trio.run(main)
 
 
+def test_a_frame_left_half_sent_costs_its_connection_after_a_while(tmp_path, monkeypatch):
+    """A client that stops in the middle of a frame (a header claiming 200 MiB, then a few bytes)
+    held its connection, and what it had sent, for ever; now the node waits FRAME_WAIT_S for
+    the rest, then closes. A connection idle between requests stays open."""
+    monkeypatch.setattr(patchswarm.node.localapi, "FRAME_WAIT_S", 0.2)
+
+    async def body(path):
+        def stalled_and_idle():
+            with socket.socket(socket.AF_UNIX) as s, socket.socket(socket.AF_UNIX) as idle:
+                idle.connect(str(path))
+                s.connect(str(path))
+                s.sendall((200 << 20).to_bytes(4, "big") + b"x" * 1000)
+                s.settimeout(5)
+                t0 = time.monotonic()
+                assert s.recv(16) == b""
+                waited = time.monotonic() - t0
+                idle.sendall(localapi.encode(localapi.status_request()))
+                idle.settimeout(5)
+                return waited, msgpack.unpackb(idle.recv(1 << 16)[4:])["ok"]
+
+        waited, ok = await trio.to_thread.run_sync(stalled_and_idle)
+        assert 0.1 < waited < 2 and ok is True
+
+    serving(tmp_path, body)
+
+
 def test_a_node_that_never_answers_runs_the_client_out_of_time(tmp_path):
     """The blocking client bounds each read with the kernel's socket timeout (set to
     the call's timeout + 10 s; a negative call timeout here makes that 0.2 s)."""
