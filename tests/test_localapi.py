@@ -312,6 +312,7 @@ def test_a_waiter_that_leaves_ends_its_wait_and_frees_its_connection(tmp_path):
                 await waits[0].wait()
             with NodeClient(path) as c:  # its connection is free again: the limit of one is not reached
                 assert await trio.to_thread.run_sync(c.status) == {}
+            await trio.sleep(0.1)  # the node sees that one close
             half = ask(0.2)
             half.shutdown(socket.SHUT_WR)
             reply = await trio.to_thread.run_sync(half.recv, 1 << 16)
