@@ -34,7 +34,7 @@ from patchswarm.protocol.statehash import state_hash
 from patchswarm.protocol.trajectory import encode_payload
 from patchswarm.protocol.wire import CLOSED, NEED_DATA, FrameBuffer
 
-from patchswarm.node.localapi import RECEIVE_BYTES
+from patchswarm.node.localapi import RECEIVE_BYTES, unix_address
 from patchswarm.node.weights import META_HASH, META_VERSION
 
 # receive_some allocates its buffer per call: below glibc's mmap threshold (128 KiB) that is cheap.
@@ -137,7 +137,8 @@ class NodeClient:
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             s.settimeout(self._connect_timeout)
             try:
-                s.connect(str(self.path))
+                with unix_address(self.path) as address:
+                    s.connect(address)
             except OSError as e:  # no file, no listener, no permission, a path too long, a timeout
                 s.close()
                 raise _unavailable(self.path, e, self._connect_timeout) from None
@@ -314,8 +315,8 @@ class AsyncNodeClient:
         async with self._lock:
             if self._stream is None:
                 try:
-                    with trio.fail_after(5):
-                        self._stream = await trio.open_unix_socket(str(self.path))
+                    with trio.fail_after(5), unix_address(self.path) as address:
+                        self._stream = await trio.open_unix_socket(address)
                 except (OSError, trio.TooSlowError) as e:
                     raise _unavailable(self.path, e, 5.0) from None
                 self._frames = FrameBuffer(localapi.MAX_FRAME_BYTES)

@@ -53,6 +53,7 @@ log = logging.getLogger("patchswarm.localapi")
 Handler = Callable[[dict], Awaitable[dict]]
 RECEIVE_BYTES = 256 << 10  # per read; a larger frame takes several reads
 FRAME_WAIT_S = 60.0  # for the rest of a frame once it has begun (a client idle between requests waits freely)
+SUN_PATH_BYTES = 107  # sockaddr_un's path, less its terminating NUL
 MAX_CONNECTIONS = 1024  # and at most a quarter of the process's file descriptor limit
 _GONE = (errno.ECONNRESET, errno.EPIPE, errno.ENOTCONN, errno.EBADF)
 _ENDED_WITH_CLIENT = frozenset({"wait_version"})  # ops dropped when their client leaves (they change nothing)
@@ -132,6 +133,22 @@ async def _stream_files(files: list[BinaryIO], last: dict) -> AsyncIterator[dict
             f.close()
 
 
+@contextlib.contextmanager
+def unix_address(path: Path):
+    """`path` as an AF_UNIX address to bind or connect: itself when it fits sockaddr_un
+    (107 bytes), else through an open handle on its directory (/proc/self/fd/N/NAME), so
+    a data dir of any length works (a pod's volume path alone can pass 100 bytes)."""
+    path = Path(path)
+    if len(os.fsencode(path)) <= SUN_PATH_BYTES:
+        yield str(path)
+        return
+    fd = os.open(path.parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        yield f"/proc/self/fd/{fd}/{path.name}"
+    finally:
+        os.close(fd)
+
+
 def _connection_limit() -> int:
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     return MAX_CONNECTIONS if soft == resource.RLIM_INFINITY else max(1, min(MAX_CONNECTIONS, soft // 4))
@@ -159,7 +176,8 @@ async def serve_local(path: Path, handle: Handler, task_status=trio.TASK_STATUS_
     try:
         old = os.umask(0o177)  # the socket is created 0600: no window where others could connect
         try:
-            sock.bind(str(path))
+            with unix_address(path) as address:
+                sock.bind(address)
         finally:
             os.umask(old)
         os.chmod(path, 0o600)

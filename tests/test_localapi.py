@@ -349,6 +349,23 @@ def test_a_frame_left_half_sent_costs_its_connection_after_a_while(tmp_path, mon
     serving(tmp_path, body)
 
 
+def test_a_socket_path_longer_than_af_unix_takes_is_served_and_reached(tmp_path):
+    """sockaddr_un holds 107 bytes of path: a data dir deeper than that made the node fail to
+    start ("AF_UNIX path too long", without the path) and clients fail to connect."""
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+
+    async def body(path):
+        assert len(str(path)) > 107
+        with NodeClient(path) as c:
+            assert await trio.to_thread.run_sync(c.submit, b"abc", 1) == 3
+        c = AsyncNodeClient(path)
+        assert await c.submit(b"abcd", 1) == 4
+        await c.aclose()
+
+    serving(deep, body)
+
+
 def test_a_node_that_never_answers_runs_the_client_out_of_time(tmp_path):
     """The blocking client bounds each read with the kernel's socket timeout (set to
     the call's timeout + 10 s; a negative call timeout here makes that 0.2 s)."""
@@ -365,15 +382,15 @@ def test_a_node_that_never_answers_runs_the_client_out_of_time(tmp_path):
 
 def test_a_client_that_finds_no_node_says_what_it_expected_and_found(tmp_path, monkeypatch):
     """Both clients raise NodeUnavailable naming the path and what is there. Before, a socket
-    without permission and a path too long for AF_UNIX escaped as bare OSErrors without the
-    path ("[Errno 13] Permission denied"), and the rest named only an exception class."""
+    without permission escaped as a bare OSError without the path ("[Errno 13] Permission
+    denied"), and the rest named only an exception class."""
     stale = tmp_path / "stale.sock"
     with socket.socket(socket.AF_UNIX) as s:
         s.bind(str(stale))  # closed without unlinking: a node killed -9 leaves this
     (tmp_path / "plain").write_text("x")
     long = tmp_path / ("d" * 120) / "node.sock"
     cases = {tmp_path / "missing.sock": "found no such file", stale: "found a socket file no process listens on",
-             tmp_path / "plain": "found a file that is not a socket", long: "path too long"}
+             tmp_path / "plain": "found a file that is not a socket", long: "found no such file"}
 
     def expect(call, path, found):
         with pytest.raises(patchswarm.node.client.NodeUnavailable) as e:
