@@ -189,6 +189,10 @@ class NodeClient:
         except (OSError, ProtocolError) as e:
             self.close()
             raise NodeUnavailable("unavailable", f"node at {self.path}: {type(e).__name__}: {e}") from None
+        except NodeError as e:  # an error reply ends the exchange; the connection serves on unless it is gone
+            if isinstance(e, NodeUnavailable) or e.code == localapi.TOO_MANY_CONNECTIONS:
+                self.close()
+            raise
         except BaseException:  # e.g. KeyboardInterrupt: this call's reply would be read as the next one's
             self.close()
             raise

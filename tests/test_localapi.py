@@ -85,8 +85,10 @@ def test_many_requests_on_one_connection_and_a_frame_larger_than_a_read(tmp_path
             got = [c.submit(b"x" * i, 1) for i in range(50)]
             got.append(c.submit(big, 1))
             got.append(c.submit_many([(b"ab", 1, None), (b"abc", 2, {"k": 1})]))
+            sock = c._sock
             with pytest.raises(NodeError) as e:
                 c.submit(b"z", 99)
+            assert c._sock is sock  # an error reply ends the exchange cleanly: no reconnect
             after = c.submit(b"still served", 1)
         return got, e.value.code, after
 
