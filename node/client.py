@@ -307,43 +307,61 @@ class NodeClient:
 
 
 class AsyncNodeClient:
-    """The same calls for trio code: `await client.submit(...)`."""
+    """The same calls for trio code: `await client.submit(...)`; `async with` closes it.
+    Calls from several tasks run side by side, each on a connection of its own (kept
+    for the next call): a task in wait_version does not hold up another's submit."""
+
+    KEEP_IDLE = 4  # connections kept open between calls
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        self._stream: trio.SocketStream | None = None
-        self._frames = FrameBuffer(localapi.MAX_FRAME_BYTES)
-        self._lock = trio.Lock()
+        self._idle: list[tuple[trio.SocketStream, FrameBuffer]] = []
+        self._open: set[trio.SocketStream] = set()
+
+    async def _connection(self) -> tuple[trio.SocketStream, FrameBuffer]:
+        if self._idle:
+            return self._idle.pop()
+        try:
+            with trio.fail_after(5), unix_address(self.path) as address:
+                stream = await trio.open_unix_socket(address)
+        except (OSError, trio.TooSlowError) as e:
+            raise _unavailable(self.path, e, 5.0) from None
+        self._open.add(stream)
+        return stream, FrameBuffer(localapi.MAX_FRAME_BYTES)
+
+    async def _discard(self, stream: trio.SocketStream) -> None:
+        self._open.discard(stream)
+        await trio.aclose_forcefully(stream)
 
     async def _call(self, frame: list, timeout: float) -> dict:
-        async with self._lock:
-            if self._stream is None:
+        stream, frames = await self._connection()
+        try:
+            with trio.fail_after(timeout + 10.0):
                 try:
-                    with trio.fail_after(5), unix_address(self.path) as address:
-                        self._stream = await trio.open_unix_socket(address)
-                except (OSError, trio.TooSlowError) as e:
-                    raise _unavailable(self.path, e, 5.0) from None
-                self._frames = FrameBuffer(localapi.MAX_FRAME_BYTES)
-            try:
-                with trio.fail_after(timeout + 10.0):
-                    try:
-                        for part in frame:
-                            await self._stream.send_all(part)
-                    except trio.BrokenResourceError:
-                        pass  # the node closed; what it sent before (a refusal) is still there to read
-                    while True:
-                        body = self._frames.next_body()
-                        if body is CLOSED:
-                            raise NodeUnavailable("unavailable", f"node at {self.path} closed the connection")
-                        if body is not NEED_DATA:
-                            return _result(localapi.decode(body))
-                        self._frames.receive_data(await self._stream.receive_some(_ASYNC_RECEIVE_BYTES))
-            except (OSError, trio.BrokenResourceError, trio.TooSlowError, ProtocolError) as e:
-                await self.aclose()
-                raise NodeUnavailable("unavailable", f"node at {self.path}: {type(e).__name__}: {e}") from None
-            except BaseException:  # cancelled: this call's reply would be read as the next one's
-                await self.aclose()
-                raise
+                    for part in frame:
+                        await stream.send_all(part)
+                except trio.BrokenResourceError:
+                    pass  # the node closed; what it sent before (a refusal) is still there to read
+                while True:
+                    body = frames.next_body()
+                    if body is CLOSED:
+                        raise NodeUnavailable("unavailable", f"node at {self.path} closed the connection")
+                    if body is not NEED_DATA:
+                        reply = localapi.decode(body)
+                        break
+                    frames.receive_data(await stream.receive_some(_ASYNC_RECEIVE_BYTES))
+        except (OSError, trio.BrokenResourceError, trio.TooSlowError, ProtocolError) as e:
+            await self._discard(stream)
+            raise NodeUnavailable("unavailable", f"node at {self.path}: {type(e).__name__}: {e}") from None
+        except BaseException:  # cancelled: this call's reply would be read as the next one's
+            await self._discard(stream)
+            raise
+        if (stream in self._open and len(self._idle) < self.KEEP_IDLE
+                and reply.get("code") != localapi.TOO_MANY_CONNECTIONS):  # refused: the node closed it
+            self._idle.append((stream, frames))
+        else:
+            await self._discard(stream)
+        return _result(reply)
 
     async def status(self) -> dict:
         return (await self._call([localapi.encode(localapi.status_request())], 5.0))["status"]
@@ -361,6 +379,14 @@ class AsyncNodeClient:
         return (await self._call(localapi.submit_frame_parts(recs, timeout), timeout))["seqs"]
 
     async def aclose(self) -> None:
-        stream, self._stream = self._stream, None  # first: closing checkpoints, and may raise Cancelled
-        if stream is not None:
-            await trio.aclose_forcefully(stream)
+        """Close every connection, those of calls in progress too (they fail)."""
+        streams, self._open, self._idle = list(self._open), set(), []
+        with trio.CancelScope(shield=True):  # all of them, in a cancelled scope too
+            for stream in streams:
+                await trio.aclose_forcefully(stream)
+
+    async def __aenter__(self) -> "AsyncNodeClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()

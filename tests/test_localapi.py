@@ -368,6 +368,33 @@ def test_a_socket_path_longer_than_af_unix_takes_is_served_and_reached(tmp_path)
     serving(deep, body)
 
 
+def test_async_calls_from_several_tasks_do_not_wait_for_each_other(tmp_path):
+    """One AsyncNodeClient shared by a task in wait_version and a task that submits: the
+    submit used to queue behind the wait (one connection, one lock) for as long as the wait
+    ran, up to its timeout. Now each call in progress has its own connection, and a few
+    are kept for the next calls. `async with` closes them all."""
+
+    async def body(path):
+        done = []
+        async with AsyncNodeClient(path) as c:
+            async def wait():
+                with pytest.raises(NodeError):
+                    await c.wait_version(1, 0.3)
+                done.append("wait")
+
+            async with trio.open_nursery() as n:
+                n.start_soon(wait)
+                await trio.sleep(0.05)
+                assert await c.submit(b"abc", 1) == 3
+                done.append("submit")
+            assert done == ["submit", "wait"]
+            assert await c.submit(b"abcd", 1) == 4
+            assert len(c._open) == 2  # kept for the next calls
+        assert not c._open
+
+    serving(tmp_path, body)
+
+
 def test_a_node_that_never_answers_runs_the_client_out_of_time(tmp_path):
     """The blocking client bounds each read with the kernel's socket timeout (set to
     the call's timeout + 10 s; a negative call timeout here makes that 0.2 s)."""
