@@ -120,7 +120,11 @@ def submit_frame_parts(records: list, timeout: float) -> list:
             raise UsageError(f"submit: expected msgpack-able meta values, found {type(e).__name__}: {e}") from None
     cur += packer.pack("timeout") + packer.pack(float(timeout))
     parts.append(bytes(cur))
-    parts[0] = frame_header(sum(map(len, parts)), MAX_FRAME_BYTES) + parts[0]
+    size = sum(map(len, parts))
+    if size > MAX_FRAME_BYTES:
+        raise UsageError(f"submit of {len(records)} records: expected at most {MAX_FRAME_BYTES} bytes in one request, "
+                         f"found {size}; split them over several calls")
+    parts[0] = frame_header(size, MAX_FRAME_BYTES) + parts[0]
     return parts
 
 

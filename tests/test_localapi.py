@@ -75,6 +75,9 @@ def test_submit_frame_parts_refuse_what_msgpack_cannot_carry():
         localapi.submit_frame_parts([(b"p", 1, {"k": 2**64})], 5)
     with pytest.raises(UsageError, match="records"):
         localapi.submit_frame_parts([(b"p", -1, None)], 5)
+    big = bytes(localapi.MAX_FRAME_BYTES // 3)  # three fit no frame: the message says so, not "a frame"
+    with pytest.raises(UsageError, match="submit of 3 records: expected at most .* in one request, found .*; split"):
+        localapi.submit_frame_parts([(big, 1, None)] * 3, 5)
 
 
 def test_many_requests_on_one_connection_and_a_frame_larger_than_a_read(tmp_path):
