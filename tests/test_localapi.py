@@ -445,6 +445,47 @@ def test_a_client_that_finds_no_node_says_what_it_expected_and_found(tmp_path, m
     expect(NodeClient(stale).status, stale, "found no permission to connect")
 
 
+def test_a_spool_write_error_fails_the_submit_and_the_node_serves_on(tmp_path, monkeypatch):
+    """An I/O error other than a full disk while the spool reserves seqs (EIO, a read-only
+    file system) escaped the submit as an OSError and ended serve_local, i.e. the whole node:
+    one rollout worker's submit took down weights, peers and the other workers. Now the
+    submit fails with storage_failed, nothing acknowledged, and the node answers the rest."""
+    import errno
+
+    import patchswarm.node.spool as spool_module
+    from patchswarm.node.localapi import LocalRequests
+    from patchswarm.node.spool import TrajectorySpool
+
+    monkeypatch.setattr(spool_module, "SEQ_RESERVE", 1)  # the second append reserves again
+    path = tmp_path / "node.sock"
+
+    async def main():
+        async with await TrajectorySpool.open(tmp_path / "spool", "n1", "r1") as spool:
+            handle = LocalRequests(lambda: {"version": 1}, None, lambda: 1, spool)
+            async with trio.open_nursery() as n:
+                await n.start(serve_local, path, handle)
+
+                def blocking():
+                    with NodeClient(path) as c:
+                        first = c.submit(b"a", 1)
+
+                        def failing(*args):
+                            raise OSError(errno.EIO, "Input/output error")
+
+                        monkeypatch.setattr(spool_module, "_write_state", failing)
+                        with pytest.raises(NodeError) as e:
+                            c.submit(b"b", 1)
+                        return first, e.value, c.status()
+
+                first, err, st = await trio.to_thread.run_sync(blocking)
+                assert first == 0 and st == {"version": 1}
+                assert err.code == localapi.STORAGE and "Input/output error" in str(err)
+                assert spool.stats()["records"] == 1
+                n.cancel_scope.cancel()
+
+    trio.run(main)
+
+
 def test_local_requests_answer_status_wait_and_submit(tmp_path):
     """What each op does (node/localapi.py LocalRequests), over a real spool, on trio's mock clock."""
     from patchswarm.node.localapi import LocalRequests
