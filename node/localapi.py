@@ -26,6 +26,8 @@ node's peers and files need too): past it, a new connection gets one
 `too_many_connections` error and is closed, and the node serves on. A
 wait_version whose client closes the connection ends then, not at its timeout;
 a frame begun and not finished within FRAME_WAIT_S closes its connection.
+A request the node fails on (a fault of its own) gets `internal_error`, or
+a closed connection mid-stream; the node serves on.
 """
 
 from __future__ import annotations
@@ -244,15 +246,26 @@ async def _serve_connection(conn: _socket.socket, handle: Handler, buf: bytearra
             except ProtocolError as e:
                 reply = localapi.error(localapi.BAD_REQUEST, str(e))
             else:
-                if req["op"] in _ENDED_WITH_CLIENT:
-                    reply = await _unless_client_leaves(conn, handle, req)
-                    if reply is None:
-                        return
-                else:
-                    reply = await handle(req)
+                try:
+                    if req["op"] in _ENDED_WITH_CLIENT:
+                        reply = await _unless_client_leaves(conn, handle, req)
+                        if reply is None:
+                            return
+                    else:
+                        reply = await handle(req)
+                except Exception as e:  # the node's fault, not the client's: this request fails, not the node
+                    log.exception("local socket: %s failed", req["op"])
+                    reply = localapi.error(localapi.INTERNAL, f"{req['op']}: the node failed: {_fault(e)}")
             if isinstance(reply, StreamedReply):
                 async with contextlib.aclosing(reply.parts) as parts:
-                    async for part in parts:
+                    while True:
+                        try:
+                            part = await parts.__anext__()
+                        except StopAsyncIteration:
+                            break
+                        except Exception:  # part of the reply is out: closing is all that is left to say
+                            log.exception("local socket: a streamed reply failed")
+                            return
                         await _send_all(conn, localapi.encode(part))
             else:
                 await _send_all(conn, localapi.encode(reply))
@@ -264,6 +277,12 @@ async def _serve_connection(conn: _socket.socket, handle: Handler, buf: bytearra
     finally:
         trio.lowlevel.notify_closing(conn)
         conn.close()
+
+
+def _fault(e: BaseException) -> str:
+    while isinstance(e, BaseExceptionGroup) and len(e.exceptions) == 1:  # from a nursery
+        e = e.exceptions[0]
+    return f"{type(e).__name__}: {e}"
 
 
 async def _unless_client_leaves(conn: _socket.socket, handle: Handler, req: dict):

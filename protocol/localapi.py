@@ -43,6 +43,7 @@ FULL = "spool_full"
 DISK_FULL = "disk_full"  # the node's disk could not take the records: nothing was acknowledged; retry later
 STORAGE = "storage_failed"  # the node's spool failed a durable write: nothing was acknowledged
 UNAVAILABLE = "unavailable"
+INTERNAL = "internal_error"  # the node failed answering (its log says why); it serves on
 TOO_MANY_CONNECTIONS = "too_many_connections"  # sent unasked, then the node closes: retry later
 BOOTSTRAP = "bootstrap"
 

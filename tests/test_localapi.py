@@ -486,6 +486,46 @@ def test_a_spool_write_error_fails_the_submit_and_the_node_serves_on(tmp_path, m
     trio.run(main)
 
 
+def test_a_request_the_node_fails_on_costs_that_request_not_the_node(tmp_path):
+    """A fault of the node's while answering (a bug in a handler, EIO reading a change file
+    mid-stream) escaped _serve_connection and ended serve_local, i.e. the node. Now the
+    client gets internal_error (or, mid-stream, a closed connection) and the node serves on."""
+    from patchswarm.node.localapi import StreamedReply
+
+    path = tmp_path / "node.sock"
+
+    async def parts():
+        yield localapi.ok(chg=b"x")
+        raise OSError(5, "Input/output error")
+
+    async def handle(req):
+        if req["op"] == "status":
+            raise RuntimeError("boom")
+        if req["op"] == "changes":
+            return StreamedReply(parts())
+        return localapi.ok(seqs=[len(r[0]) for r in req["records"]])
+
+    async def main():
+        async with trio.open_nursery() as n:
+            await n.start(serve_local, path, handle)
+
+            def blocking():
+                with NodeClient(path) as c:
+                    with pytest.raises(NodeError) as e:
+                        c.status()
+                    after = c.submit(b"abc", 1)
+                    with pytest.raises(patchswarm.node.client.NodeUnavailable, match="closed the connection"):
+                        c._call([localapi.encode(localapi.changes_request(0, None))], 5.0, lambda r: "chg" in r)
+                    return e.value, after, c.submit(b"abcd", 1)
+
+            err, after, again = await trio.to_thread.run_sync(blocking)
+            assert err.code == localapi.INTERNAL and "RuntimeError: boom" in str(err)
+            assert (after, again) == (3, 4)
+            n.cancel_scope.cancel()
+
+    trio.run(main)
+
+
 def test_local_requests_answer_status_wait_and_submit(tmp_path):
     """What each op does (node/localapi.py LocalRequests), over a real spool, on trio's mock clock."""
     from patchswarm.node.localapi import LocalRequests
