@@ -10,7 +10,9 @@ sparse hand-off: the changes since a version written into the caller's
 tensors in place (any device; protocol/changes.py), with a bootstrap from the
 node's base file when the node no longer holds them.
 Errors the node reports raise `NodeError` (with `.code`); a missing socket
-raises `NodeUnavailable`.
+raises `NodeUnavailable`. A connection kept from a node that has since closed
+it (a restart) is replaced and the call sent again when the request did not go
+out (the send failed: no node saw it, so this is safe for a submit too).
 """
 
 from __future__ import annotations
@@ -44,6 +46,10 @@ _IOV_MAX = 1024
 SOCKET_NAME = "node.sock"
 DEFAULT_SUBMIT_TIMEOUT = 60.0
 _LONGEST_TIMEOUT = float(1 << 31)  # s (68 years): the kernel's socket timeout takes no more
+
+
+class _Undelivered(Exception):
+    """The node had closed a kept connection before the request went out."""
 
 
 class NodeError(PatchswarmError):
@@ -164,16 +170,20 @@ class NodeClient:
         `more`, a streamed reply: each frame goes to `more` until it returns False; that
         frame is the reply. If `more` raises, the connection is closed (the rest of the
         stream is not read)."""
+        reused = self._sock is not None
         s = self._connect()
+        undelivered = False
         try:
             self._set_timeout(s, timeout + 10.0)
             try:
                 _send_parts(s, frame)
             except (BrokenPipeError, ConnectionResetError):
-                pass  # the node closed; what it sent before (a refusal) is still there to read
+                undelivered = True  # the node closed; what it sent before (a refusal) is still there to read
             while True:
                 body = self._frames.next_body()
                 if body is CLOSED:
+                    if undelivered and reused:
+                        raise _Undelivered
                     raise NodeUnavailable("unavailable", f"node at {self.path} closed the connection")
                 if body is not NEED_DATA:
                     reply = _result(localapi.decode(body))
@@ -182,6 +192,9 @@ class NodeClient:
                     continue
                 n = s.recv_into(self._buf)
                 self._frames.receive_data(memoryview(self._buf)[:n])
+        except _Undelivered:  # a connection kept from a node since gone: no node saw the request
+            self.close()
+            return self._call(frame, timeout, more)  # on a new connection, so at most once
         except BlockingIOError:  # the socket timeout ran out
             self.close()
             raise NodeUnavailable("unavailable", f"node at {self.path}: expected an answer within "
@@ -318,38 +331,45 @@ class AsyncNodeClient:
         self._idle: list[tuple[trio.SocketStream, FrameBuffer]] = []
         self._open: set[trio.SocketStream] = set()
 
-    async def _connection(self) -> tuple[trio.SocketStream, FrameBuffer]:
+    async def _connection(self) -> tuple[trio.SocketStream, FrameBuffer, bool]:
+        """(stream, its frames, whether it was kept from an earlier call)."""
         if self._idle:
-            return self._idle.pop()
+            return *self._idle.pop(), True
         try:
             with trio.fail_after(5), unix_address(self.path) as address:
                 stream = await trio.open_unix_socket(address)
         except (OSError, trio.TooSlowError) as e:
             raise _unavailable(self.path, e, 5.0) from None
         self._open.add(stream)
-        return stream, FrameBuffer(localapi.MAX_FRAME_BYTES)
+        return stream, FrameBuffer(localapi.MAX_FRAME_BYTES), False
 
     async def _discard(self, stream: trio.SocketStream) -> None:
         self._open.discard(stream)
         await trio.aclose_forcefully(stream)
 
     async def _call(self, frame: list, timeout: float) -> dict:
-        stream, frames = await self._connection()
+        stream, frames, reused = await self._connection()
+        undelivered = False
         try:
             with trio.fail_after(timeout + 10.0):
                 try:
                     for part in frame:
                         await stream.send_all(part)
                 except trio.BrokenResourceError:
-                    pass  # the node closed; what it sent before (a refusal) is still there to read
+                    undelivered = True  # the node closed; what it sent before (a refusal) is still there to read
                 while True:
                     body = frames.next_body()
                     if body is CLOSED:
+                        if undelivered and reused:
+                            raise _Undelivered
                         raise NodeUnavailable("unavailable", f"node at {self.path} closed the connection")
                     if body is not NEED_DATA:
                         reply = localapi.decode(body)
                         break
                     frames.receive_data(await stream.receive_some(_ASYNC_RECEIVE_BYTES))
+        except _Undelivered:  # a connection kept from a node since gone: no node saw the request
+            await self._discard(stream)
+            return await self._call(frame, timeout)  # each kept connection fails so at most once
         except (OSError, trio.BrokenResourceError, trio.TooSlowError, ProtocolError) as e:
             await self._discard(stream)
             raise NodeUnavailable("unavailable", f"node at {self.path}: {type(e).__name__}: {e}") from None

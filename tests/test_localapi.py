@@ -398,6 +398,27 @@ def test_async_calls_from_several_tasks_do_not_wait_for_each_other(tmp_path):
     serving(tmp_path, body)
 
 
+def test_a_client_kept_across_a_node_restart_reconnects(tmp_path):
+    """A connection kept from before the node restarted: the next call found it closed and
+    failed ("closed the connection"), though the new node was up. When the node closed it
+    before the request went out (the send fails: nothing reached any node, so retrying is
+    safe for a submit too), the call now goes again on a new connection."""
+    path = tmp_path / "node.sock"
+
+    async def main():
+        sync, async_ = NodeClient(path), AsyncNodeClient(path)
+        for _ in range(2):  # the first node, then its replacement
+            async with trio.open_nursery() as n:
+                await n.start(serve_local, path, echo)
+                assert await trio.to_thread.run_sync(sync.submit, b"abc", 1) == 3
+                assert await async_.submit(b"abcd", 1) == 4
+                n.cancel_scope.cancel()
+        sync.close()
+        await async_.aclose()
+
+    trio.run(main)
+
+
 def test_a_node_that_never_answers_runs_the_client_out_of_time(tmp_path):
     """The blocking client bounds each read with the kernel's socket timeout (set to
     the call's timeout + 10 s; a negative call timeout here makes that 0.2 s)."""
