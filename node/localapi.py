@@ -104,7 +104,7 @@ class LocalRequests:
                 return localapi.error(localapi.BAD_REQUEST, str(e))
             return localapi.ok(seqs=seqs)
         if op == "changes":
-            return await self._changes(req["from_version"], req["from_hash"])
+            return await self._changes(req["from_version"], req.get("from_hash"))  # left out: nil
         return localapi.error(localapi.UNAVAILABLE, f"{op}: not available on this node")
 
     async def _changes(self, after: int, after_hash: str | None) -> dict | StreamedReply:

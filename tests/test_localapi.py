@@ -585,5 +585,8 @@ def test_local_requests_answer_status_wait_and_submit(tmp_path):
             bad = await handle({"op": "submit", "records": [["not bytes", 4, None]], "timeout": 1.0})
             assert bad["code"] == localapi.BAD_REQUEST
             assert (await handle({"op": "publish"}))["code"] == localapi.UNAVAILABLE
+            # from_hash is "str | nil": left out, it is nil (a KeyError here ended the node)
+            assert (await handle(localapi.check_request({"op": "changes", "from_version": 0})))["code"] == \
+                localapi.UNAVAILABLE
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
