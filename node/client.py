@@ -10,13 +10,16 @@ sparse hand-off: the changes since a version written into the caller's
 tensors in place (any device; protocol/changes.py), with a bootstrap from the
 node's base file when the node no longer holds them.
 Errors the node reports raise `NodeError` (with `.code`); a missing socket
-raises `NodeUnavailable`.
+raises `NodeUnavailable`. A connection kept from a node that has since closed
+it (a restart) is replaced and the call sent again when the request did not go
+out (the send failed: no node saw it, so this is safe for a submit too).
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import stat
 import struct
 from pathlib import Path
 from typing import Callable
@@ -33,7 +36,7 @@ from patchswarm.protocol.statehash import state_hash
 from patchswarm.protocol.trajectory import encode_payload
 from patchswarm.protocol.wire import CLOSED, NEED_DATA, FrameBuffer
 
-from patchswarm.node.localapi import RECEIVE_BYTES
+from patchswarm.node.localapi import RECEIVE_BYTES, unix_address
 from patchswarm.node.weights import META_HASH, META_VERSION
 
 # receive_some allocates its buffer per call: below glibc's mmap threshold (128 KiB) that is cheap.
@@ -42,6 +45,11 @@ _ASYNC_RECEIVE_BYTES = 64 << 10
 _IOV_MAX = 1024
 SOCKET_NAME = "node.sock"
 DEFAULT_SUBMIT_TIMEOUT = 60.0
+_LONGEST_TIMEOUT = float(1 << 31)  # s (68 years): the kernel's socket timeout takes no more
+
+
+class _Undelivered(Exception):
+    """The node had closed a kept connection before the request went out."""
 
 
 class NodeError(PatchswarmError):
@@ -90,6 +98,26 @@ def _fed(client: "NodeClient", more: Callable[[dict], bool], reply: dict) -> boo
         raise
 
 
+def _unavailable(path: Path, e: BaseException, connect_timeout: float) -> NodeUnavailable:
+    """Connecting to `path` failed with `e`: what was expected there, and what was found."""
+    if isinstance(e, FileNotFoundError):
+        found = "no such file (is the node running, on this data dir?)"
+    elif isinstance(e, PermissionError):
+        found = "no permission to connect (the node makes it mode 0600: run as the node's user)"
+    elif isinstance(e, (socket.timeout, TimeoutError, trio.TooSlowError)):
+        found = f"no answer to connect within {connect_timeout:g} s (the node is not accepting)"
+    elif isinstance(e, ConnectionRefusedError):
+        try:
+            is_socket = stat.S_ISSOCK(path.stat().st_mode)
+        except OSError:
+            is_socket = False
+        found = ("a socket file no process listens on (a node that stopped without removing it, "
+                 "or one still loading its state)" if is_socket else "a file that is not a socket")
+    else:
+        found = f"{type(e).__name__}: {e.strerror or e}" if isinstance(e, OSError) else f"{type(e).__name__}: {e}"
+    return NodeUnavailable("unavailable", f"no node answers at {path}: expected a node's socket, found {found}")
+
+
 def _result(reply: dict) -> dict:
     if reply.get("ok") is True:
         return reply
@@ -115,10 +143,11 @@ class NodeClient:
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             s.settimeout(self._connect_timeout)
             try:
-                s.connect(str(self.path))
-            except (FileNotFoundError, ConnectionRefusedError, socket.timeout) as e:
+                with unix_address(self.path) as address:
+                    s.connect(address)
+            except OSError as e:  # no file, no listener, no permission, a path too long, a timeout
                 s.close()
-                raise NodeUnavailable("unavailable", f"no node answers at {self.path} ({type(e).__name__})") from None
+                raise _unavailable(self.path, e, self._connect_timeout) from None
             s.settimeout(None)
             self._sock, self._timeout = s, None
             self._frames = FrameBuffer(localapi.MAX_FRAME_BYTES)
@@ -129,6 +158,7 @@ class NodeClient:
         set only when the value changes. A Python timeout (settimeout) costs an
         ioctl per call and a poll before every send and receive: five syscalls per
         request where two do. Runs out as BlockingIOError."""
+        seconds = min(seconds, _LONGEST_TIMEOUT)  # wait_version(v, 1e300): "never", not struct.error
         if seconds != self._timeout:
             tv = struct.pack("ll", int(seconds), int(seconds % 1 * 1e6))
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
@@ -140,13 +170,20 @@ class NodeClient:
         `more`, a streamed reply: each frame goes to `more` until it returns False; that
         frame is the reply. If `more` raises, the connection is closed (the rest of the
         stream is not read)."""
+        reused = self._sock is not None
         s = self._connect()
+        undelivered = False
         try:
             self._set_timeout(s, timeout + 10.0)
-            _send_parts(s, frame)
+            try:
+                _send_parts(s, frame)
+            except (BrokenPipeError, ConnectionResetError):
+                undelivered = True  # the node closed; what it sent before (a refusal) is still there to read
             while True:
                 body = self._frames.next_body()
                 if body is CLOSED:
+                    if undelivered and reused:
+                        raise _Undelivered
                     raise NodeUnavailable("unavailable", f"node at {self.path} closed the connection")
                 if body is not NEED_DATA:
                     reply = _result(localapi.decode(body))
@@ -155,6 +192,9 @@ class NodeClient:
                     continue
                 n = s.recv_into(self._buf)
                 self._frames.receive_data(memoryview(self._buf)[:n])
+        except _Undelivered:  # a connection kept from a node since gone: no node saw the request
+            self.close()
+            return self._call(frame, timeout, more)  # on a new connection, so at most once
         except BlockingIOError:  # the socket timeout ran out
             self.close()
             raise NodeUnavailable("unavailable", f"node at {self.path}: expected an answer within "
@@ -162,6 +202,13 @@ class NodeClient:
         except (OSError, ProtocolError) as e:
             self.close()
             raise NodeUnavailable("unavailable", f"node at {self.path}: {type(e).__name__}: {e}") from None
+        except NodeError as e:  # an error reply ends the exchange; the connection serves on unless it is gone
+            if isinstance(e, NodeUnavailable) or e.code == localapi.TOO_MANY_CONNECTIONS:
+                self.close()
+            raise
+        except BaseException:  # e.g. KeyboardInterrupt: this call's reply would be read as the next one's
+            self.close()
+            raise
 
     def status(self) -> dict:
         return self._call([localapi.encode(localapi.status_request())], 5.0)["status"]
@@ -273,37 +320,68 @@ class NodeClient:
 
 
 class AsyncNodeClient:
-    """The same calls for trio code: `await client.submit(...)`."""
+    """The same calls for trio code: `await client.submit(...)`; `async with` closes it.
+    Calls from several tasks run side by side, each on a connection of its own (kept
+    for the next call): a task in wait_version does not hold up another's submit."""
+
+    KEEP_IDLE = 4  # connections kept open between calls
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        self._stream: trio.SocketStream | None = None
-        self._frames = FrameBuffer(localapi.MAX_FRAME_BYTES)
-        self._lock = trio.Lock()
+        self._idle: list[tuple[trio.SocketStream, FrameBuffer]] = []
+        self._open: set[trio.SocketStream] = set()
+
+    async def _connection(self) -> tuple[trio.SocketStream, FrameBuffer, bool]:
+        """(stream, its frames, whether it was kept from an earlier call)."""
+        if self._idle:
+            return *self._idle.pop(), True
+        try:
+            with trio.fail_after(5), unix_address(self.path) as address:
+                stream = await trio.open_unix_socket(address)
+        except (OSError, trio.TooSlowError) as e:
+            raise _unavailable(self.path, e, 5.0) from None
+        self._open.add(stream)
+        return stream, FrameBuffer(localapi.MAX_FRAME_BYTES), False
+
+    async def _discard(self, stream: trio.SocketStream) -> None:
+        self._open.discard(stream)
+        await trio.aclose_forcefully(stream)
 
     async def _call(self, frame: list, timeout: float) -> dict:
-        async with self._lock:
-            if self._stream is None:
+        stream, frames, reused = await self._connection()
+        undelivered = False
+        try:
+            with trio.fail_after(timeout + 10.0):
                 try:
-                    with trio.fail_after(5):
-                        self._stream = await trio.open_unix_socket(str(self.path))
-                except (OSError, trio.TooSlowError) as e:
-                    raise NodeUnavailable("unavailable", f"no node answers at {self.path} ({type(e).__name__})") from None
-                self._frames = FrameBuffer(localapi.MAX_FRAME_BYTES)
-            try:
-                with trio.fail_after(timeout + 10.0):
                     for part in frame:
-                        await self._stream.send_all(part)
-                    while True:
-                        body = self._frames.next_body()
-                        if body is CLOSED:
-                            raise NodeUnavailable("unavailable", f"node at {self.path} closed the connection")
-                        if body is not NEED_DATA:
-                            return _result(localapi.decode(body))
-                        self._frames.receive_data(await self._stream.receive_some(_ASYNC_RECEIVE_BYTES))
-            except (OSError, trio.BrokenResourceError, trio.TooSlowError, ProtocolError) as e:
-                await self.aclose()
-                raise NodeUnavailable("unavailable", f"node at {self.path}: {type(e).__name__}: {e}") from None
+                        await stream.send_all(part)
+                except trio.BrokenResourceError:
+                    undelivered = True  # the node closed; what it sent before (a refusal) is still there to read
+                while True:
+                    body = frames.next_body()
+                    if body is CLOSED:
+                        if undelivered and reused:
+                            raise _Undelivered
+                        raise NodeUnavailable("unavailable", f"node at {self.path} closed the connection")
+                    if body is not NEED_DATA:
+                        reply = localapi.decode(body)
+                        break
+                    frames.receive_data(await stream.receive_some(_ASYNC_RECEIVE_BYTES))
+        except _Undelivered:  # a connection kept from a node since gone: no node saw the request
+            await self._discard(stream)
+            return await self._call(frame, timeout)  # each kept connection fails so at most once
+        except (OSError, trio.BrokenResourceError, trio.TooSlowError, ProtocolError) as e:
+            await self._discard(stream)
+            raise NodeUnavailable("unavailable", f"node at {self.path}: {type(e).__name__}: {e}") from None
+        except BaseException:  # cancelled: this call's reply would be read as the next one's
+            await self._discard(stream)
+            raise
+        if (stream in self._open and len(self._idle) < self.KEEP_IDLE
+                and reply.get("code") != localapi.TOO_MANY_CONNECTIONS):  # refused: the node closed it
+            self._idle.append((stream, frames))
+        else:
+            await self._discard(stream)
+        return _result(reply)
 
     async def status(self) -> dict:
         return (await self._call([localapi.encode(localapi.status_request())], 5.0))["status"]
@@ -321,6 +399,14 @@ class AsyncNodeClient:
         return (await self._call(localapi.submit_frame_parts(recs, timeout), timeout))["seqs"]
 
     async def aclose(self) -> None:
-        if self._stream is not None:
-            await trio.aclose_forcefully(self._stream)
-            self._stream = None
+        """Close every connection, those of calls in progress too (they fail)."""
+        streams, self._open, self._idle = list(self._open), set(), []
+        with trio.CancelScope(shield=True):  # all of them, in a cancelled scope too
+            for stream in streams:
+                await trio.aclose_forcefully(stream)
+
+    async def __aenter__(self) -> "AsyncNodeClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()

@@ -15,9 +15,19 @@ small request at a time and waits for the answer, so the next request is never
 there when the loop looks. SocketStream first tries the read (a failing
 syscall and an exception), then waits, and yields to the scheduler again after
 every send; going straight to the wait and sending without a yield cut the
-node's CPU per one-record submit (bench/trajectories.py). Each connection
-reads into one reusable buffer: a fresh `recv(1 MiB)` costs an mmap and munmap
-per call (11 us measured), more than the rest of a small request's read.
+node's CPU per one-record submit (bench/trajectories.py). Connections read
+into one reusable buffer, shared (each read is copied into the connection's
+FrameBuffer before the next checkpoint): a fresh `recv(1 MiB)` costs an mmap
+and munmap per call (11 us measured), more than the rest of a small request's
+read, and a buffer per connection cost 256 KiB per idle client.
+
+At most `max_connections` at once (each holds a file descriptor, which the
+node's peers and files need too): past it, a new connection gets one
+`too_many_connections` error and is closed, and the node serves on. A
+wait_version whose client closes the connection ends then, not at its timeout;
+a frame begun and not finished within FRAME_WAIT_S closes its connection.
+A request the node fails on (a fault of its own) gets `internal_error`, or
+a closed connection mid-stream; the node serves on.
 """
 
 from __future__ import annotations
@@ -26,6 +36,8 @@ import contextlib
 import errno
 import logging
 import os
+import resource
+import select
 import socket as _socket
 from pathlib import Path
 from typing import AsyncIterator, Awaitable, BinaryIO, Callable
@@ -41,8 +53,12 @@ from patchswarm.node.spool import TrajectorySpool
 
 log = logging.getLogger("patchswarm.localapi")
 Handler = Callable[[dict], Awaitable[dict]]
-RECEIVE_BYTES = 256 << 10  # per connection; a larger frame takes several reads
+RECEIVE_BYTES = 256 << 10  # per read; a larger frame takes several reads
+FRAME_WAIT_S = 60.0  # for the rest of a frame once it has begun (a client idle between requests waits freely)
+SUN_PATH_BYTES = 107  # sockaddr_un's path, less its terminating NUL
+MAX_CONNECTIONS = 1024  # and at most a quarter of the process's file descriptor limit
 _GONE = (errno.ECONNRESET, errno.EPIPE, errno.ENOTCONN, errno.EBADF)
+_ENDED_WITH_CLIENT = frozenset({"wait_version"})  # ops dropped when their client leaves (they change nothing)
 
 
 class StreamedReply:
@@ -88,7 +104,7 @@ class LocalRequests:
                 return localapi.error(localapi.BAD_REQUEST, str(e))
             return localapi.ok(seqs=seqs)
         if op == "changes":
-            return await self._changes(req["from_version"], req["from_hash"])
+            return await self._changes(req["from_version"], req.get("from_hash"))  # left out: nil
         return localapi.error(localapi.UNAVAILABLE, f"{op}: not available on this node")
 
     async def _changes(self, after: int, after_hash: str | None) -> dict | StreamedReply:
@@ -119,14 +135,51 @@ async def _stream_files(files: list[BinaryIO], last: dict) -> AsyncIterator[dict
             f.close()
 
 
-async def serve_local(path: Path, handle: Handler, task_status=trio.TASK_STATUS_IGNORED) -> None:
+@contextlib.contextmanager
+def unix_address(path: Path):
+    """`path` as an AF_UNIX address to bind or connect: itself when it fits sockaddr_un
+    (107 bytes), else through an open handle on its directory (/proc/self/fd/N/NAME), so
+    a data dir of any length works (a pod's volume path alone can pass 100 bytes)."""
     path = Path(path)
+    if len(os.fsencode(path)) <= SUN_PATH_BYTES:
+        yield str(path)
+        return
+    fd = os.open(path.parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        yield f"/proc/self/fd/{fd}/{path.name}"
+    finally:
+        os.close(fd)
+
+
+def _connection_limit() -> int:
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return MAX_CONNECTIONS if soft == resource.RLIM_INFINITY else max(1, min(MAX_CONNECTIONS, soft // 4))
+
+
+async def serve_local(path: Path, handle: Handler, task_status=trio.TASK_STATUS_IGNORED, *,
+                      max_connections: int | None = None) -> None:
+    path = Path(path)
+    limit = _connection_limit() if max_connections is None else max_connections
+    refusal = localapi.encode(localapi.error(
+        localapi.TOO_MANY_CONNECTIONS, f"local socket {path}: expected at most {limit} connections at once, found "
+                                       f"{limit} open; close idle clients or retry later"))
+    buf = bytearray(RECEIVE_BYTES)
+    open_connections = 0
+
+    async def serve_connection(conn: _socket.socket) -> None:
+        nonlocal open_connections
+        try:
+            await _serve_connection(conn, handle, buf)
+        finally:
+            open_connections -= 1
+
     path.unlink(missing_ok=True)  # the caller holds the data dir's lock: any file here is stale
     sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM | _socket.SOCK_NONBLOCK | _socket.SOCK_CLOEXEC)
     try:
         old = os.umask(0o177)  # the socket is created 0600: no window where others could connect
         try:
-            sock.bind(str(path))
+            with unix_address(path) as address:
+                sock.bind(address)
         finally:
             os.umask(old)
         os.chmod(path, 0o600)
@@ -144,17 +197,23 @@ async def serve_local(path: Path, handle: Handler, task_status=trio.TASK_STATUS_
                     await trio.sleep(0.1)
                     continue
                 conn.setblocking(False)
-                nursery.start_soon(_serve_connection, conn, handle)
+                if open_connections >= limit:
+                    with conn:
+                        with contextlib.suppress(OSError):  # a small frame into an empty buffer
+                            conn.send(refusal)
+                    continue
+                open_connections += 1
+                nursery.start_soon(serve_connection, conn)
     finally:
         trio.lowlevel.notify_closing(sock)
         sock.close()
         path.unlink(missing_ok=True)
 
 
-async def _serve_connection(conn: _socket.socket, handle: Handler) -> None:
-    """Answer one client's requests in order until it closes the connection."""
+async def _serve_connection(conn: _socket.socket, handle: Handler, buf: bytearray) -> None:
+    """Answer one client's requests in order until it closes the connection. `buf`
+    is shared: each read is copied out of it before the next checkpoint."""
     frames = FrameBuffer(localapi.MAX_FRAME_BYTES)
-    buf = bytearray(RECEIVE_BYTES)
     view = memoryview(buf)
     try:
         waited = True
@@ -163,7 +222,15 @@ async def _serve_connection(conn: _socket.socket, handle: Handler) -> None:
             if body is CLOSED:
                 return
             if body is NEED_DATA:
-                await trio.lowlevel.wait_readable(conn)
+                if frames.buffered:  # in the middle of a frame: the rest comes soon or never
+                    with trio.move_on_after(FRAME_WAIT_S) as cut:
+                        await trio.lowlevel.wait_readable(conn)
+                    if cut.cancelled_caught:
+                        log.warning("local client: expected the rest of a frame within %g s, found %d bytes of it "
+                                    "and nothing more; closing", FRAME_WAIT_S, frames.buffered)
+                        return
+                else:
+                    await trio.lowlevel.wait_readable(conn)
                 waited = True
                 try:
                     n = conn.recv_into(buf)
@@ -175,12 +242,30 @@ async def _serve_connection(conn: _socket.socket, handle: Handler) -> None:
                 await trio.lowlevel.checkpoint()
             waited = False
             try:
-                reply = await handle(localapi.check_request(localapi.decode(body)))
+                req = localapi.check_request(localapi.decode(body))
             except ProtocolError as e:
                 reply = localapi.error(localapi.BAD_REQUEST, str(e))
+            else:
+                try:
+                    if req["op"] in _ENDED_WITH_CLIENT:
+                        reply = await _unless_client_leaves(conn, handle, req)
+                        if reply is None:
+                            return
+                    else:
+                        reply = await handle(req)
+                except Exception as e:  # the node's fault, not the client's: this request fails, not the node
+                    log.exception("local socket: %s failed", req["op"])
+                    reply = localapi.error(localapi.INTERNAL, f"{req['op']}: the node failed: {_fault(e)}")
             if isinstance(reply, StreamedReply):
                 async with contextlib.aclosing(reply.parts) as parts:
-                    async for part in parts:
+                    while True:
+                        try:
+                            part = await parts.__anext__()
+                        except StopAsyncIteration:
+                            break
+                        except Exception:  # part of the reply is out: closing is all that is left to say
+                            log.exception("local socket: a streamed reply failed")
+                            return
                         await _send_all(conn, localapi.encode(part))
             else:
                 await _send_all(conn, localapi.encode(reply))
@@ -192,6 +277,32 @@ async def _serve_connection(conn: _socket.socket, handle: Handler) -> None:
     finally:
         trio.lowlevel.notify_closing(conn)
         conn.close()
+
+
+def _fault(e: BaseException) -> str:
+    while isinstance(e, BaseExceptionGroup) and len(e.exceptions) == 1:  # from a nursery
+        e = e.exceptions[0]
+    return f"{type(e).__name__}: {e}"
+
+
+async def _unless_client_leaves(conn: _socket.socket, handle: Handler, req: dict):
+    """`await handle(req)`, or None once the client has closed the connection (both
+    directions: a client that shut down only its sending side still reads the answer).
+    For waits that change nothing: a worker killed during wait_version(v, 3600) would
+    otherwise hold its task and file descriptor for the hour."""
+    reply = None
+    async with trio.open_nursery() as nursery:
+        async def watch() -> None:
+            await trio.lowlevel.wait_readable(conn)  # data (a pipelined request), EOF or a hangup
+            p = select.poll()
+            p.register(conn, select.POLLIN)
+            if any(ev & (select.POLLHUP | select.POLLERR) for _, ev in p.poll(0)):
+                nursery.cancel_scope.cancel()
+
+        nursery.start_soon(watch)
+        reply = await handle(req)
+        nursery.cancel_scope.cancel()
+    return reply
 
 
 async def _send_all(conn: _socket.socket, data: bytes) -> None:

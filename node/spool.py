@@ -52,7 +52,7 @@ from pathlib import Path
 import msgpack
 import trio
 
-from patchswarm.protocol.errors import CorruptData, DiskFull, SpoolFull, UsageError
+from patchswarm.protocol.errors import CorruptData, DiskFull, SpoolFull, StorageFailed, UsageError
 from patchswarm.protocol.trajectory import (ENTRY_HEADER_BYTES, MAX_BATCH_BYTES, MAX_ID_CHARS, MAX_META_BYTES,
                                  MAX_PAYLOAD_BYTES, AckedRanges, Record, SpoolState, decode_record,
                                  encode_entry, encode_record, record_parts, scan_records, segment_header,
@@ -302,7 +302,8 @@ class TrajectorySpool:
     async def append(self, items, timeout: float) -> list[int]:
         """Spool (payload bytes, policy_version, meta) items; returns their seqs once
         they are fsynced. Waits up to `timeout` seconds for space, then raises
-        SpoolFull having written nothing. Payloads must be bytes: turn objects
+        SpoolFull having written nothing; a write that fails (DiskFull, or StorageFailed
+        for any other error) acknowledges nothing. Payloads must be bytes: turn objects
         into bytes + meta with protocol.trajectory.encode_payload first."""
         prepared, need = [], 0
         for item in items:
@@ -327,8 +328,11 @@ class TrajectorySpool:
                 try:
                     await self._reserve_seqs(n)
                 except OSError as e:
-                    if not full(e):
-                        raise
+                    if not full(e):  # e.g. EIO, a read-only file system: a submit must not end the node
+                        log.error("spool %s: seq reservation failed: %s", self.directory, e)
+                        raise StorageFailed(f"trajectory spool {self.directory}: expected a durable write of its "
+                                            f"state (seq reservation), found {type(e).__name__}: {e}; nothing was "
+                                            f"written") from None
                     self.disk.failed(f"the spool's seq reservation in {self.directory}", e)
                     raise DiskFull(f"trajectory spool {self.directory}: expected room to reserve seqs, found the "
                                    f"disk full ({e.strerror}); nothing was written") from None

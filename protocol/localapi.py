@@ -4,7 +4,9 @@ One definition of these bytes, used by the daemon (node/localapi.py) and the
 client (node/client.py). Frames are the peer protocol's (4-byte length, then a
 msgpack map; `protocol.wire.FrameBuffer`). A request is a map with "op"; the
 reply is `{"ok": true, ...}` or `{"ok": false, "error": str, "code": str}`.
-One request at a time per connection, answered in order.
+One request at a time per connection, answered in order. A node at its
+connection limit sends one error (code "too_many_connections") unasked and
+closes: a client reads it as the reply to its first request.
 
 Ops:
 - status                                   -> {"status": {...}}
@@ -41,6 +43,8 @@ FULL = "spool_full"
 DISK_FULL = "disk_full"  # the node's disk could not take the records: nothing was acknowledged; retry later
 STORAGE = "storage_failed"  # the node's spool failed a durable write: nothing was acknowledged
 UNAVAILABLE = "unavailable"
+INTERNAL = "internal_error"  # the node failed answering (its log says why); it serves on
+TOO_MANY_CONNECTIONS = "too_many_connections"  # sent unasked, then the node closes: retry later
 BOOTSTRAP = "bootstrap"
 
 
@@ -117,7 +121,11 @@ def submit_frame_parts(records: list, timeout: float) -> list:
             raise UsageError(f"submit: expected msgpack-able meta values, found {type(e).__name__}: {e}") from None
     cur += packer.pack("timeout") + packer.pack(float(timeout))
     parts.append(bytes(cur))
-    parts[0] = frame_header(sum(map(len, parts)), MAX_FRAME_BYTES) + parts[0]
+    size = sum(map(len, parts))
+    if size > MAX_FRAME_BYTES:
+        raise UsageError(f"submit of {len(records)} records: expected at most {MAX_FRAME_BYTES} bytes in one request, "
+                         f"found {size}; split them over several calls")
+    parts[0] = frame_header(size, MAX_FRAME_BYTES) + parts[0]
     return parts
 
 

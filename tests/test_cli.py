@@ -175,3 +175,19 @@ def test_commands_without_weights_do_not_load_torch():
             "print(sorted(m for m in ('torch', 'aiortc') if m in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
     assert r.stdout.strip() == "[]", r.stdout
+
+
+def test_status_without_a_node_is_one_line_naming_the_path_and_what_was_found(tmp_path):
+    """`patchswarm status` (and `--json`, whose stdout must stay empty or valid JSON) against no
+    socket and a stale socket file: exit 1, one line that says what it expected and found."""
+    import socket
+
+    stale = tmp_path / "node.sock"
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(stale))
+    for args, found in [(("--socket", tmp_path / "none.sock"), "found no such file"),
+                        (("--data-dir", tmp_path), "found a socket file no process listens on"),
+                        (("--data-dir", tmp_path, "--json"), "found a socket file no process listens on")]:
+        r = cli("status", *args, check=False)
+        assert_one_line_error(r)
+        assert r.stdout == "" and "expected a node's socket" in r.stderr and found in r.stderr, r.stderr

@@ -2,10 +2,12 @@
 requests answered in order on one connection, frames larger than a read, bad frames, clients
 that vanish, the socket file's mode and removal."""
 
+import functools
 import os
 import socket
 import stat
 import struct
+import time
 
 import msgpack
 import pytest
@@ -26,6 +28,9 @@ payloads = st.binary(max_size=40) | st.integers(0, 3).map(lambda k: bytes(locala
 async def echo(req: dict) -> dict:
     """A daemon stand-in: submit answers the payload sizes, status the number of calls so far."""
     echo.calls += 1
+    if req["op"] == "wait_version":  # never reached: the reply comes when the timeout (at most 0.3 s) runs out
+        await trio.sleep(min(req["timeout"], 0.3))
+        return localapi.error(localapi.TIMEOUT, "not reached")
     if req["op"] == "submit":
         if req["records"][0][1] == 99:
             return localapi.error(localapi.FULL, "the spool is full")
@@ -36,13 +41,13 @@ async def echo(req: dict) -> dict:
 echo.calls = 0
 
 
-def serving(tmp_path, body):
+def serving(tmp_path, body, **options):
     """Run `await body(path)` (it may use blocking clients through to_thread) while serving."""
     path = tmp_path / "node.sock"
 
     async def main():
         async with trio.open_nursery() as n:
-            await n.start(serve_local, path, echo)
+            await n.start(functools.partial(serve_local, path, echo, **options))
             mode = stat.S_IMODE(os.stat(path).st_mode)
             try:
                 await body(path)
@@ -70,6 +75,9 @@ def test_submit_frame_parts_refuse_what_msgpack_cannot_carry():
         localapi.submit_frame_parts([(b"p", 1, {"k": 2**64})], 5)
     with pytest.raises(UsageError, match="records"):
         localapi.submit_frame_parts([(b"p", -1, None)], 5)
+    big = bytes(localapi.MAX_FRAME_BYTES // 3)  # three fit no frame: the message says so, not "a frame"
+    with pytest.raises(UsageError, match="submit of 3 records: expected at most .* in one request, found .*; split"):
+        localapi.submit_frame_parts([(big, 1, None)] * 3, 5)
 
 
 def test_many_requests_on_one_connection_and_a_frame_larger_than_a_read(tmp_path):
@@ -80,8 +88,10 @@ def test_many_requests_on_one_connection_and_a_frame_larger_than_a_read(tmp_path
             got = [c.submit(b"x" * i, 1) for i in range(50)]
             got.append(c.submit(big, 1))
             got.append(c.submit_many([(b"ab", 1, None), (b"abc", 2, {"k": 1})]))
+            sock = c._sock
             with pytest.raises(NodeError) as e:
                 c.submit(b"z", 99)
+            assert c._sock is sock  # an error reply ends the exchange cleanly: no reconnect
             after = c.submit(b"still served", 1)
         return got, e.value.code, after
 
@@ -160,6 +170,255 @@ def test_bad_requests_get_an_error_and_bad_frames_cost_only_their_connection(tmp
     serving(tmp_path, body)
 
 
+def test_a_call_cut_short_leaves_no_reply_behind_for_the_next_one(tmp_path, monkeypatch):
+    """A call that ends early (a trio cancel scope around an async call, an exception such as
+    KeyboardInterrupt between the send and the reply in a blocking one) must not leave its
+    reply in flight: the next call on the same client read it as its own answer (a status
+    call got the cut-short submit's seqs, a submit the cut-short wait's timeout error)."""
+
+    async def body(path):
+        c = AsyncNodeClient(path)
+        with trio.move_on_after(0.05):
+            await c.wait_version(1, 0.3)
+        await trio.sleep(0.4)  # the node has answered the cut-short wait by now
+        assert await c.submit(b"abc", 1) == 3
+        await c.aclose()
+
+        send = patchswarm.node.client._send_parts
+
+        def send_then_interrupt(s, parts):
+            send(s, parts)
+            raise KeyboardInterrupt
+
+        def blocking():
+            with NodeClient(path) as b:
+                monkeypatch.setattr(patchswarm.node.client, "_send_parts", send_then_interrupt)
+                with pytest.raises(KeyboardInterrupt):
+                    b.submit(b"abcd", 1)
+                monkeypatch.setattr(patchswarm.node.client, "_send_parts", send)
+                return b.submit(b"abcde", 1)
+
+        assert await trio.to_thread.run_sync(blocking) == 5
+
+    serving(tmp_path, body)
+
+
+def test_connections_past_the_limit_are_refused_with_a_reason_and_the_others_served(tmp_path):
+    """Each connection holds a file descriptor (the node's peers and files need theirs): past
+    `max_connections` a new one gets an error reply saying so and is closed, whether the
+    client's request went out before the node closed or not. Before, every connection was
+    kept, with 256 KiB of receive buffer each (900 idle ones: 540 MB RSS, 308 MB with the shared buffer)."""
+
+    async def body(path):
+        def blocking():
+            held = [NodeClient(path) for _ in range(3)]
+            for c in held:
+                c.status()
+            out = []
+            for late in (False, True):  # the request goes out before the node closes, or after
+                with NodeClient(path) as extra:
+                    if late:
+                        extra._connect()
+                        time.sleep(0.2)
+                    with pytest.raises(NodeError) as e:
+                        extra.status()
+                    out.append((e.value.code, str(e.value)))
+            held.pop().close()
+            time.sleep(0.2)
+            with NodeClient(path) as extra:
+                out.append(extra.status()["calls"] > 0)
+            for c in held:
+                out.append(c.submit(b"ab", 1))
+                c.close()
+            return out
+
+        got = await trio.to_thread.run_sync(blocking)
+        for code, message in got[:2]:
+            assert code == localapi.TOO_MANY_CONNECTIONS
+            assert "at most 3 connections" in message
+        assert got[2:] == [True, 2, 2]
+
+        def hold():
+            held = [NodeClient(path) for _ in range(3)]
+            for c in held:
+                c.status()
+            return held
+
+        held = await trio.to_thread.run_sync(hold)
+        c = AsyncNodeClient(path)
+        with pytest.raises(NodeError) as e:
+            await c.status()
+        assert e.value.code == localapi.TOO_MANY_CONNECTIONS
+        for h in held:
+            h.close()
+        await trio.sleep(0.2)
+        assert (await c.status())["calls"] > 0
+        await c.aclose()
+
+    serving(tmp_path, body, max_connections=3)
+
+
+def test_a_wait_with_a_timeout_too_long_for_the_kernel_is_still_a_wait(tmp_path):
+    """wait_version(v, 1e300) (a caller's "forever") in the blocking client raised
+    struct.error from packing the kernel's socket timeout, and left the request unsent."""
+
+    async def body(path):
+        def blocking():
+            with NodeClient(path) as c:
+                with pytest.raises(NodeError) as e:
+                    c.wait_version(1, 1e300)
+                return e.value.code
+
+        async def waiting():
+            c = AsyncNodeClient(path)
+            with pytest.raises(NodeError) as e:
+                await c.wait_version(1, 1e300)
+            await c.aclose()
+            return e.value.code
+
+        assert await trio.to_thread.run_sync(blocking) == localapi.TIMEOUT
+        assert await waiting() == localapi.TIMEOUT
+
+    serving(tmp_path, body)
+
+
+def test_a_waiter_that_leaves_ends_its_wait_and_frees_its_connection(tmp_path):
+    """A client that closes while its wait_version runs (a rollout worker killed) ends that
+    wait: before, the node kept the wait, its task and its file descriptor until the
+    timeout ran out (an hour for wait_version(v, 3600)), and with a connection limit such
+    waiters would crowd out live clients. A client that only shuts down its sending side
+    still gets its answer."""
+    path = tmp_path / "node.sock"
+    waits = []
+
+    async def handle(req):
+        if req["op"] != "wait_version":
+            return localapi.ok(status={})
+        ended = trio.Event()
+        waits.append(ended)
+        try:
+            await trio.sleep(req["timeout"])
+        finally:
+            ended.set()
+        return localapi.error(localapi.TIMEOUT, "not reached")
+
+    def ask(timeout: float) -> socket.socket:
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(str(path))
+        s.sendall(localapi.encode(localapi.wait_version_request(1, timeout)))
+        return s
+
+    async def main():
+        async with trio.open_nursery() as n:
+            await n.start(functools.partial(serve_local, path, handle, max_connections=1))
+            ask(30.0).close()
+            await trio.sleep(0.1)
+            with trio.fail_after(2):
+                await waits[0].wait()
+            with NodeClient(path) as c:  # its connection is free again: the limit of one is not reached
+                assert await trio.to_thread.run_sync(c.status) == {}
+            await trio.sleep(0.1)  # the node sees that one close
+            half = ask(0.2)
+            half.shutdown(socket.SHUT_WR)
+            reply = await trio.to_thread.run_sync(half.recv, 1 << 16)
+            half.close()
+            assert msgpack.unpackb(reply[4:])["code"] == localapi.TIMEOUT
+            n.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_a_frame_left_half_sent_costs_its_connection_after_a_while(tmp_path, monkeypatch):
+    """A client that stops in the middle of a frame (a header claiming 200 MiB, then a few bytes)
+    held its connection, and what it had sent, for ever; now the node waits FRAME_WAIT_S for
+    the rest, then closes. A connection idle between requests stays open."""
+    monkeypatch.setattr(patchswarm.node.localapi, "FRAME_WAIT_S", 0.2)
+
+    async def body(path):
+        def stalled_and_idle():
+            with socket.socket(socket.AF_UNIX) as s, socket.socket(socket.AF_UNIX) as idle:
+                idle.connect(str(path))
+                s.connect(str(path))
+                s.sendall((200 << 20).to_bytes(4, "big") + b"x" * 1000)
+                s.settimeout(5)
+                t0 = time.monotonic()
+                assert s.recv(16) == b""
+                waited = time.monotonic() - t0
+                idle.sendall(localapi.encode(localapi.status_request()))
+                idle.settimeout(5)
+                return waited, msgpack.unpackb(idle.recv(1 << 16)[4:])["ok"]
+
+        waited, ok = await trio.to_thread.run_sync(stalled_and_idle)
+        assert 0.1 < waited < 2 and ok is True
+
+    serving(tmp_path, body)
+
+
+def test_a_socket_path_longer_than_af_unix_takes_is_served_and_reached(tmp_path):
+    """sockaddr_un holds 107 bytes of path: a data dir deeper than that made the node fail to
+    start ("AF_UNIX path too long", without the path) and clients fail to connect."""
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+
+    async def body(path):
+        assert len(str(path)) > 107
+        with NodeClient(path) as c:
+            assert await trio.to_thread.run_sync(c.submit, b"abc", 1) == 3
+        c = AsyncNodeClient(path)
+        assert await c.submit(b"abcd", 1) == 4
+        await c.aclose()
+
+    serving(deep, body)
+
+
+def test_async_calls_from_several_tasks_do_not_wait_for_each_other(tmp_path):
+    """One AsyncNodeClient shared by a task in wait_version and a task that submits: the
+    submit used to queue behind the wait (one connection, one lock) for as long as the wait
+    ran, up to its timeout. Now each call in progress has its own connection, and a few
+    are kept for the next calls. `async with` closes them all."""
+
+    async def body(path):
+        done = []
+        async with AsyncNodeClient(path) as c:
+            async def wait():
+                with pytest.raises(NodeError):
+                    await c.wait_version(1, 0.3)
+                done.append("wait")
+
+            async with trio.open_nursery() as n:
+                n.start_soon(wait)
+                await trio.sleep(0.05)
+                assert await c.submit(b"abc", 1) == 3
+                done.append("submit")
+            assert done == ["submit", "wait"]
+            assert await c.submit(b"abcd", 1) == 4
+            assert len(c._open) == 2  # kept for the next calls
+        assert not c._open
+
+    serving(tmp_path, body)
+
+
+def test_a_client_kept_across_a_node_restart_reconnects(tmp_path):
+    """A connection kept from before the node restarted: the next call found it closed and
+    failed ("closed the connection"), though the new node was up. When the node closed it
+    before the request went out (the send fails: nothing reached any node, so retrying is
+    safe for a submit too), the call now goes again on a new connection."""
+    path = tmp_path / "node.sock"
+
+    async def main():
+        sync, async_ = NodeClient(path), AsyncNodeClient(path)
+        for _ in range(2):  # the first node, then its replacement
+            async with trio.open_nursery() as n:
+                await n.start(serve_local, path, echo)
+                assert await trio.to_thread.run_sync(sync.submit, b"abc", 1) == 3
+                assert await async_.submit(b"abcd", 1) == 4
+                n.cancel_scope.cancel()
+        sync.close()
+        await async_.aclose()
+
+    trio.run(main)
+
+
 def test_a_node_that_never_answers_runs_the_client_out_of_time(tmp_path):
     """The blocking client bounds each read with the kernel's socket timeout (set to
     the call's timeout + 10 s; a negative call timeout here makes that 0.2 s)."""
@@ -172,6 +431,120 @@ def test_a_node_that_never_answers_runs_the_client_out_of_time(tmp_path):
                 c._call([localapi.encode(localapi.status_request())], -9.8)
             with pytest.raises(patchswarm.node.client.NodeUnavailable):  # reconnects, and times out again
                 c._call([localapi.encode(localapi.status_request())], -9.8)
+
+
+def test_a_client_that_finds_no_node_says_what_it_expected_and_found(tmp_path, monkeypatch):
+    """Both clients raise NodeUnavailable naming the path and what is there. Before, a socket
+    without permission escaped as a bare OSError without the path ("[Errno 13] Permission
+    denied"), and the rest named only an exception class."""
+    stale = tmp_path / "stale.sock"
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(stale))  # closed without unlinking: a node killed -9 leaves this
+    (tmp_path / "plain").write_text("x")
+    long = tmp_path / ("d" * 120) / "node.sock"
+    cases = {tmp_path / "missing.sock": "found no such file", stale: "found a socket file no process listens on",
+             tmp_path / "plain": "found a file that is not a socket", long: "found no such file"}
+
+    def expect(call, path, found):
+        with pytest.raises(patchswarm.node.client.NodeUnavailable) as e:
+            call()
+        assert str(e.value).startswith(f"no node answers at {path}: expected a node's socket, ")
+        assert found in str(e.value), str(e.value)
+
+    for path, found in cases.items():
+        expect(NodeClient(path).status, path, found)
+
+        async def via_async():
+            await AsyncNodeClient(path).status()
+        expect(lambda: trio.run(via_async), path, found)
+
+    class Denied(socket.socket):
+        def connect(self, address):
+            raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(patchswarm.node.client.socket, "socket", Denied)
+    expect(NodeClient(stale).status, stale, "found no permission to connect")
+
+
+def test_a_spool_write_error_fails_the_submit_and_the_node_serves_on(tmp_path, monkeypatch):
+    """An I/O error other than a full disk while the spool reserves seqs (EIO, a read-only
+    file system) escaped the submit as an OSError and ended serve_local, i.e. the whole node:
+    one rollout worker's submit took down weights, peers and the other workers. Now the
+    submit fails with storage_failed, nothing acknowledged, and the node answers the rest."""
+    import errno
+
+    import patchswarm.node.spool as spool_module
+    from patchswarm.node.localapi import LocalRequests
+    from patchswarm.node.spool import TrajectorySpool
+
+    monkeypatch.setattr(spool_module, "SEQ_RESERVE", 1)  # the second append reserves again
+    path = tmp_path / "node.sock"
+
+    async def main():
+        async with await TrajectorySpool.open(tmp_path / "spool", "n1", "r1") as spool:
+            handle = LocalRequests(lambda: {"version": 1}, None, lambda: 1, spool)
+            async with trio.open_nursery() as n:
+                await n.start(serve_local, path, handle)
+
+                def blocking():
+                    with NodeClient(path) as c:
+                        first = c.submit(b"a", 1)
+
+                        def failing(*args):
+                            raise OSError(errno.EIO, "Input/output error")
+
+                        monkeypatch.setattr(spool_module, "_write_state", failing)
+                        with pytest.raises(NodeError) as e:
+                            c.submit(b"b", 1)
+                        return first, e.value, c.status()
+
+                first, err, st = await trio.to_thread.run_sync(blocking)
+                assert first == 0 and st == {"version": 1}
+                assert err.code == localapi.STORAGE and "Input/output error" in str(err)
+                assert spool.stats()["records"] == 1
+                n.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_a_request_the_node_fails_on_costs_that_request_not_the_node(tmp_path):
+    """A fault of the node's while answering (a bug in a handler, EIO reading a change file
+    mid-stream) escaped _serve_connection and ended serve_local, i.e. the node. Now the
+    client gets internal_error (or, mid-stream, a closed connection) and the node serves on."""
+    from patchswarm.node.localapi import StreamedReply
+
+    path = tmp_path / "node.sock"
+
+    async def parts():
+        yield localapi.ok(chg=b"x")
+        raise OSError(5, "Input/output error")
+
+    async def handle(req):
+        if req["op"] == "status":
+            raise RuntimeError("boom")
+        if req["op"] == "changes":
+            return StreamedReply(parts())
+        return localapi.ok(seqs=[len(r[0]) for r in req["records"]])
+
+    async def main():
+        async with trio.open_nursery() as n:
+            await n.start(serve_local, path, handle)
+
+            def blocking():
+                with NodeClient(path) as c:
+                    with pytest.raises(NodeError) as e:
+                        c.status()
+                    after = c.submit(b"abc", 1)
+                    with pytest.raises(patchswarm.node.client.NodeUnavailable, match="closed the connection"):
+                        c._call([localapi.encode(localapi.changes_request(0, None))], 5.0, lambda r: "chg" in r)
+                    return e.value, after, c.submit(b"abcd", 1)
+
+            err, after, again = await trio.to_thread.run_sync(blocking)
+            assert err.code == localapi.INTERNAL and "RuntimeError: boom" in str(err)
+            assert (after, again) == (3, 4)
+            n.cancel_scope.cancel()
+
+    trio.run(main)
 
 
 def test_local_requests_answer_status_wait_and_submit(tmp_path):
@@ -212,5 +585,8 @@ def test_local_requests_answer_status_wait_and_submit(tmp_path):
             bad = await handle({"op": "submit", "records": [["not bytes", 4, None]], "timeout": 1.0})
             assert bad["code"] == localapi.BAD_REQUEST
             assert (await handle({"op": "publish"}))["code"] == localapi.UNAVAILABLE
+            # from_hash is "str | nil": left out, it is nil (a KeyError here ended the node)
+            assert (await handle(localapi.check_request({"op": "changes", "from_version": 0})))["code"] == \
+                localapi.UNAVAILABLE
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
