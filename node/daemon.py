@@ -328,6 +328,9 @@ class Node:
             "latest_version": self.book.latest_version,
             "listen": self.listen_addr,
             "tracker_connected": self.tracker.connected,
+            # The WAN rates (Mbit/s) this node plans each chunk's chain of regions with: the tracker's,
+            # else its own --wan-rates; None: every region alike.
+            "wan_rates": self.picker.wan_rates,
             # The tracker could not connect to the address this node joined with (its probe): "ADDR: why".
             "unreachable": self.dialer.unreachable,
             "peers": sorted(({"id": s.id, "region": s.region, "role": s.role,

@@ -31,6 +31,10 @@ def test_nodes_plan_with_the_trackers_wan_rates_and_one_configured_otherwise_say
         lab.wait_log(drifted, r"WAN rates now r0=100,r1=50,r2=20 \(the tracker's\)")
         assert "differ from the tracker's" not in quiet.text()
         assert drifted.text().count("differ from the tracker's") == 1
+        assert quiet.status()["wan_rates"] == drifted.status()["wan_rates"] == {"r0": 100, "r1": 50, "r2": 20}
+        shown = subprocess.run([sys.executable, "-m", "patchswarm.node.cli", "status", "--socket", str(quiet.socket)],
+                               cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert shown.returncode == 0 and "r0=100,r1=50,r2=20 Mbit/s" in shown.stdout, shown.stdout + shown.stderr
 
 
 @pytest.mark.parametrize("rates, found", [

@@ -17,7 +17,7 @@ from pathlib import Path
 from patchswarm.node.cli import command
 from patchswarm.node.net.logs import event
 from patchswarm.node.net.service import (add_advertise_argument, add_member_arguments, address, loopback_warning,
-                                        parse_region_rates, run_service)
+                                        format_wan_rates, parse_region_rates, run_service)
 from patchswarm.protocol.errors import UsageError
 
 
@@ -312,6 +312,8 @@ def print_status(st: dict) -> None:
                             + ("" if lat is None else f", publish->engine {lat:.2f} s")
                             + (f"; last error: {engine['last_error']}" if engine.get("last_error") else ""))
     t.add_row("tracker", "connected" if st.get("tracker_connected") else "not connected")
+    if st.get("wan_rates"):
+        t.add_row("WAN rates", format_wan_rates(st["wan_rates"]) + " Mbit/s (each chunk's regions, fastest first)")
     b = st["bytes_in"]
     t.add_row("bytes in", f"origin {_mb(b['origin'])}, same region {_mb(b['same_region'])}, "
                           f"other regions {_mb(b['other_region'])}")
