@@ -244,3 +244,81 @@ def test_watch_publishes_complete_checkpoints_once_across_a_restart(tmp_path):
     assert trio.run(watch_until, "f.safetensors") == 3  # b (2), f (3); a and e not again
     assert watched() == {"a.safetensors", "b.safetensors", "d.safetensors", "d2.safetensors", "e.safetensors",
                          "f.safetensors"}
+
+
+# ================================================================ trajectory intake and the feed
+
+
+def _intake_setup(tmp_path):
+    from patchswarm.node.trainer.origin import OriginConfig
+
+    swarm = tmp_path / "swarm"
+    trust.init_swarm(swarm)
+    trust.issue(swarm, "origin", "origin", tmp_path / "creds")
+    trust.issue(swarm, "n1", "node", tmp_path / "n1")
+    return OriginConfig(tracker="127.0.0.1:9", creds=tmp_path / "creds", key=swarm / "trainer.key",
+                        data_dir=tmp_path / "data", listen="127.0.0.1:0")
+
+
+async def _dial_as(tmp_path, name: str, addr: str):
+    from patchswarm.node.net.transport import connect
+    from patchswarm.node.net.trust import Credentials
+    from patchswarm.protocol import wire
+
+    return await connect(addr, Credentials.load(tmp_path / name), {"origin"},
+                         wire.Hello(name, "r1", "node", "127.0.0.1:1", []), expect_name="origin")
+
+
+def test_a_node_that_never_waits_for_acks_gets_backpressure_not_origin_memory(tmp_path):
+    """Before: every Trajectories message started its own store task at once, so a node that
+    sent batches without waiting for acks (the uploader keeps 4 in flight; a buggy or hostile
+    member need not) made the origin hold every batch it sent, decoded, until the disk took
+    it: 200 batches, 200 tasks. Now the origin reads a node's next batch only while fewer
+    than INTAKE_BATCHES_PER_NODE of its batches wait for the store: the rest waits in the
+    node's socket. Every batch is still stored once and acked."""
+    from patchswarm.node.trainer.origin import INTAKE_BATCHES_PER_NODE, Origin
+    from patchswarm.protocol import wire
+    from patchswarm.protocol.trajectory import Record, encode_batch
+
+    cfg = _intake_setup(tmp_path)
+    sent = 3 * INTAKE_BATCHES_PER_NODE + 5
+    peak = []
+
+    async def main():
+        o = Origin(cfg)
+        with trio.fail_after(30):
+            async with trio.open_nursery() as n:
+                await n.start(o.run)
+                gate, pending = trio.Event(), [0]
+                append = o.trajectory_store.append
+
+                async def held_append(records):
+                    pending[0] += 1
+                    peak.append(pending[0])
+                    await gate.wait()
+                    try:
+                        return await append(records)
+                    finally:
+                        pending[0] -= 1
+
+                o.trajectory_store.append = held_append
+                ms = await _dial_as(tmp_path, "n1", o.listen_addr)
+                for b in range(sent):
+                    batch = [Record("n1", "r1", b * 10 + i, 0, 1.0, b"x" * 100) for i in range(10)]
+                    await ms.send(wire.Trajectories(encode_batch(batch)))
+                await trio.sleep(0.5)  # the origin reads what it will
+                held = max(peak)
+                gate.set()
+                acked = []
+                while len(acked) < sent:
+                    msg = await ms.receive()
+                    if isinstance(msg, wire.TrajectoriesAck):
+                        acked.append(sorted(msg.seqs))
+                await ms.aclose()
+                n.cancel_scope.cancel()
+        return held, acked, o.trajectory_store.summary()
+
+    held, acked, summary = trio.run(main)
+    assert held <= INTAKE_BATCHES_PER_NODE
+    assert sorted(s for a in acked for s in a) == list(range(sent * 10))
+    assert summary["records"] == sent * 10 and summary["duplicates_dropped"] == 0

@@ -61,6 +61,10 @@ RETAIN_PATCHES = 64  # patches kept besides the latest keyframe's chain, for nod
 ORIGIN_CHUNK_BYTES = 1 << 20  # swarm pieces: small enough that a few MB spread over many peers at once
 ORIGIN_SEGMENT_ELEMENTS = 1 << 20  # a chunk holds whole segments; smaller segments, finer pieces
 WATCH_SECONDS = 0.5
+# A node's trajectory batches read off its connection and not yet stored: the uploader keeps
+# 4 in flight (node/uploader.py); past this the origin stops reading that node's connection,
+# so a node that does not wait for acks fills its own socket, not the origin's memory.
+INTAKE_BATCHES_PER_NODE = 4
 
 
 @dataclasses.dataclass
@@ -140,6 +144,7 @@ class Origin:
         self._publish_lock = trio.Lock()
         self._nursery: trio.Nursery | None = None
         self._members: list[dict] = []
+        self._intake: dict[str, trio.Semaphore] = {}  # node id -> its batches being stored
 
     @property
     def version(self) -> int | None:
@@ -202,8 +207,14 @@ class Origin:
             if wrong is not None:
                 raise PeerDropped(f"sent trajectories in the name of node {wrong!r}")
             # Stored and acked in its own task: batches from one node commit together with
-            # other nodes' batches (one fsync), and the connection keeps reading meanwhile.
-            self._nursery.start_soon(self._store_and_ack, s, records)
+            # other nodes' batches (one fsync), and the connection keeps reading meanwhile,
+            # up to INTAKE_BATCHES_PER_NODE of them (shared by the node's connections: a
+            # reconnect does not start a fresh allowance while its old batches still wait).
+            slots = self._intake.get(s.id)
+            if slots is None:
+                slots = self._intake[s.id] = trio.Semaphore(INTAKE_BATCHES_PER_NODE)
+            await slots.acquire()
+            self._nursery.start_soon(self._store_and_ack, s, records, slots)
             return
         if isinstance(msg, (wire.Have, wire.HaveOne, wire.Incoming, wire.Heartbeat)):
             return
@@ -212,7 +223,13 @@ class Origin:
             return
         raise PeerDropped(f"sent {type(msg).__name__}, which the origin does not take")
 
-    async def _store_and_ack(self, s: Session, records) -> None:
+    async def _store_and_ack(self, s: Session, records, slots: trio.Semaphore) -> None:
+        try:
+            await self._store_and_ack_held(s, records)
+        finally:
+            slots.release()
+
+    async def _store_and_ack_held(self, s: Session, records) -> None:
         while True:
             try:
                 seqs = await self.trajectory_store.append(records)
