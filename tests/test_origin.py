@@ -322,3 +322,68 @@ def test_a_node_that_never_waits_for_acks_gets_backpressure_not_origin_memory(tm
     assert held <= INTAKE_BATCHES_PER_NODE
     assert sorted(s for a in acked for s in a) == list(range(sent * 10))
     assert summary["records"] == sent * 10 and summary["duplicates_dropped"] == 0
+
+
+def test_the_feed_takes_odd_arguments_by_name_and_none_waits_without_limit(tmp_path):
+    """Before: get_batch(-1) and get_batch(2.5) returned [] and 3 records, timeout=-1, nan
+    and None raised trio's ValueError or a TypeError from deep inside, and
+    max_staleness="2" or -1 was taken (a TypeError at the first read once a version was
+    out; -1 counted every record stale). Now: n is an int >= 0 (0: [] at once), timeout
+    a number >= 0 or None (no limit, as queue.Queue.get), inf too; max_staleness and
+    min_version ints >= 0 or None; anything else a UsageError saying what was found."""
+    import math
+    import threading
+
+    from patchswarm.protocol.trajectory import Record
+
+    with make_origin(tmp_path) as o:
+        trio.from_thread.run(o.origin.trajectory_store.append,
+                             [Record("n1", "r1", i, 0, 1.0, b"x") for i in range(3)], trio_token=o._token)
+        feed = o.trajectories()
+        for n, timeout in ((-1, 1), (2.5, 1), (True, 1), ("3", 1), (3, -1), (3, math.nan), (3, "1")):
+            with pytest.raises(UsageError, match="get_batch"):
+                feed.get_batch(n, timeout=timeout)
+        for kw in ({"max_staleness": -1}, {"max_staleness": "2"}, {"max_staleness": 1.5}, {"min_version": -3}):
+            with pytest.raises(UsageError, match=next(iter(kw))):
+                o.trajectories(**kw)
+        t0 = time.monotonic()
+        assert feed.get_batch(0, timeout=30) == [] and time.monotonic() - t0 < 5
+        assert len(feed.get_batch(2, timeout=0)) == 2
+        for timeout, n, seq, want in ((None, 2, 3, [2, 3]), (math.inf, 1, 4, [4])):  # both wait for n
+            got = []
+            waiter = threading.Thread(target=lambda: got.append(feed.get_batch(n, timeout=timeout)))
+            waiter.start()
+            time.sleep(0.3)
+            assert waiter.is_alive()
+            trio.from_thread.run(o.origin.trajectory_store.append, [Record("n1", "r1", seq, 0, 1.0, b"x")],
+                                 trio_token=o._token)
+            waiter.join(10)
+            assert [r.seq for r in got[0]] == want
+
+
+def test_a_feed_after_close_or_during_it_raises_a_usage_error(tmp_path):
+    """Before: a get_batch waiting while another thread closed the origin raised
+    trio.Cancelled in the trainer's thread (a BaseException no `except Exception` catches),
+    and every call after close raised trio.RunFinishedError. Now both are a UsageError
+    saying the origin is closed."""
+    import threading
+
+    with make_origin(tmp_path) as o:
+        feed = o.trajectories()
+        errors = []
+
+        def wait():
+            try:
+                feed.get_batch(10, timeout=30)
+            except BaseException as e:  # what the trainer's thread sees
+                errors.append(e)
+
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        time.sleep(0.3)
+    waiter.join(10)
+    assert not waiter.is_alive()
+    assert [type(e) for e in errors] == [UsageError] and "closed" in str(errors[0])
+    for call in (lambda: feed.get_batch(1, timeout=0), o.trajectories, o.stats, lambda: o.publish({})):
+        with pytest.raises(UsageError, match="closed"):
+            call()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import re
 import threading
@@ -488,16 +489,27 @@ class TrajectoryFeed:
     def below_min(self) -> int:
         return self._cursor.below_min
 
-    async def get_batch(self, n: int, timeout: float) -> list[ReceivedRecord]:
-        """Up to `n` records: returns once `n` are in, or when `timeout` runs out with what there is."""
+    async def get_batch(self, n: int, timeout: float | None) -> list[ReceivedRecord]:
+        """Up to `n` records: returns once `n` are in, or when `timeout` seconds run out
+        with what there is (0: what is there now; None or inf: no limit)."""
+        check_batch_args(n, timeout)
         out: list[ReceivedRecord] = []
-        with trio.move_on_after(timeout):
+        with trio.move_on_after(math.inf if timeout is None else timeout):
             while True:
                 out += self._cursor.read(n - len(out), current_version=self._origin.version)
                 if len(out) >= n:
                     break
                 await self._origin.trajectory_store.wait_for_records(self._cursor)
         return out
+
+
+def check_batch_args(n, timeout) -> None:
+    """UsageError unless `n` is an int >= 0 and `timeout` None or a number >= 0."""
+    if type(n) is not int or n < 0:
+        raise UsageError(f"get_batch: expected n, an int >= 0, found {type(n).__name__} {n!r}")
+    if timeout is not None and (type(timeout) not in (int, float) or not timeout >= 0):  # NaN fails >= too
+        raise UsageError(f"get_batch: expected a timeout of None or seconds >= 0, found "
+                         f"{type(timeout).__name__} {timeout!r}")
 
 
 def _write_ledger(path: Path, done: set[str]) -> None:
@@ -568,19 +580,32 @@ class SyncOrigin:
             self._error = e
             self._started.set()
 
-    def _call(self, fn, *args):
+    def _call(self, fn, *args, sync: bool = False):
+        """`fn(*args)` on the origin's trio thread. UsageError once the origin has stopped
+        or been closed, also for a call that was waiting when it closed (that call's task
+        was cancelled: trio.Cancelled must not reach the caller's thread)."""
         if self._error is not None:
             raise UsageError(f"origin stopped: {self._error}")
-        return trio.from_thread.run(fn, *args, trio_token=self._token)
+        token = self._token
+        if self._thread is None or token is None:
+            raise UsageError(f"{fn.__name__}: the origin is closed (or was never started)")
+        try:
+            if sync:
+                return trio.from_thread.run_sync(fn, *args, trio_token=token)
+            return trio.from_thread.run(fn, *args, trio_token=token)
+        except (trio.RunFinishedError, trio.Cancelled):
+            if self._error is not None:
+                raise UsageError(f"origin stopped: {self._error}") from None
+            raise UsageError(f"{fn.__name__}: the origin was closed") from None
 
     def publish(self, state_dict: dict | str | Path, served: str = DEFAULT_FORMAT) -> int:
         return self._call(self.origin.publish, state_dict, served)
 
     def stats(self) -> dict:
-        return trio.from_thread.run_sync(self.origin.stats, trio_token=self._token)
+        return self._call(self.origin.stats, sync=True)
 
     def trajectories(self, min_version: int | None = None, max_staleness: int | None = None) -> "SyncTrajectoryFeed":
-        feed = trio.from_thread.run_sync(self.origin.trajectories, min_version, max_staleness, trio_token=self._token)
+        feed = self._call(self.origin.trajectories, min_version, max_staleness, sync=True)
         return SyncTrajectoryFeed(self, feed)
 
     @property
@@ -597,6 +622,7 @@ class SyncOrigin:
                 pass
         self._thread.join(timeout=30)
         self._thread = None
+        self._token = None
 
 
 class SyncTrajectoryFeed:
@@ -614,5 +640,6 @@ class SyncTrajectoryFeed:
     def below_min(self) -> int:
         return self._feed.below_min
 
-    def get_batch(self, n: int, timeout: float) -> list[ReceivedRecord]:
+    def get_batch(self, n: int, timeout: float | None) -> list[ReceivedRecord]:
+        check_batch_args(n, timeout)
         return self._owner._call(self._feed.get_batch, n, timeout)

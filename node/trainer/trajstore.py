@@ -118,6 +118,9 @@ class TrajectoryCursor:
     """
 
     def __init__(self, source, start=None, *, min_version=None, max_staleness=None):
+        for name, v in (("min_version", min_version), ("max_staleness", max_staleness)):
+            if v is not None and not (type(v) is int and v >= 0):
+                raise UsageError(f"{name}: expected None or an int >= 0, found {type(v).__name__} {v!r}")
         self._source = source
         self.position: tuple[int, int] = tuple(start) if start else (0, SEGMENT_HEADER_BYTES)
         self.min_version = min_version
