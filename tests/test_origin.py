@@ -387,3 +387,52 @@ def test_a_feed_after_close_or_during_it_raises_a_usage_error(tmp_path):
     for call in (lambda: feed.get_batch(1, timeout=0), o.trajectories, o.stats, lambda: o.publish({})):
         with pytest.raises(UsageError, match="closed"):
             call()
+
+
+def test_a_restarted_trainer_resumes_its_feed_where_it_stopped_and_reads_each_record_once(tmp_path):
+    """Before: a feed always began at the first record ever stored, and its position was
+    not to be had, so a trainer restarted with the origin read every record it had already
+    trained on again (the store's exactly-once ended at the trainer). Now `feed.position`
+    is a plain value to save with the trainer's checkpoint, and
+    `origin.trajectories(start=position)` goes on from there, across origin restarts."""
+    from patchswarm.protocol.trajectory import Record
+
+    def add(o, seqs):
+        trio.from_thread.run(o.origin.trajectory_store.append, [Record("n1", "r1", i, 0, 1.0, b"x") for i in seqs],
+                             trio_token=o._token)
+
+    with make_origin(tmp_path) as o:
+        add(o, range(5))
+        feed = o.trajectories()
+        assert [r.seq for r in feed.get_batch(3, timeout=0)] == [0, 1, 2]
+        saved = feed.position
+    with make_origin(tmp_path) as o:
+        add(o, range(3, 8))  # a node's resend of 3 and 4 after the restart, and new ones
+        feed = o.trajectories(start=saved)
+        assert [r.seq for r in feed.get_batch(100, timeout=0)] == [3, 4, 5, 6, 7]
+        assert [r.seq for r in o.trajectories().get_batch(100, timeout=0)] == list(range(8))  # from the start
+        for bad in ((1,), ("1", 16), (1, -5), (-1, 16), 7):
+            with pytest.raises(UsageError, match="start"):
+                o.trajectories(start=bad)
+
+
+def test_a_get_batch_cancelled_from_outside_delivers_nothing_and_moves_no_position(tmp_path):
+    """The records a cancelled get_batch had read never reach the caller: the feed's
+    position stays where it was, so a saved position loses none of them."""
+    from patchswarm.node.trainer.origin import Origin
+    from patchswarm.protocol.trajectory import Record
+
+    cfg = _intake_setup(tmp_path)
+
+    async def main():
+        o = Origin(cfg)
+        async with trio.open_nursery() as n:
+            await n.start(o.run)
+            await o.trajectory_store.append([Record("n1", "r1", i, 0, 1.0, b"x") for i in range(3)])
+            feed = o.trajectories()
+            with trio.move_on_after(0.2):
+                await feed.get_batch(10, timeout=30)  # reads 3, waits for 7 more; cancelled
+            assert [r.seq for r in await feed.get_batch(10, timeout=0)] == [0, 1, 2]
+            n.cancel_scope.cancel()
+
+    trio.run(main)

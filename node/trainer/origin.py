@@ -254,9 +254,11 @@ class Origin:
                 # The node resends after reconnecting; the store drops the duplicates.
                 s.close(f"could not send a TrajectoriesAck ({type(e).__name__})")
 
-    def trajectories(self, min_version: int | None = None, max_staleness: int | None = None) -> "TrajectoryFeed":
-        """Trajectories in arrival order, from the first one stored; see TrajectoryFeed."""
-        return TrajectoryFeed(self, self.trajectory_store.cursor(min_version=min_version,
+    def trajectories(self, min_version: int | None = None, max_staleness: int | None = None,
+                     start: tuple[int, int] | None = None) -> "TrajectoryFeed":
+        """Trajectories in arrival order, from the first one stored, or from `start`: a
+        feed's `position` saved earlier (it holds across restarts); see TrajectoryFeed."""
+        return TrajectoryFeed(self, self.trajectory_store.cursor(start, min_version=min_version,
                                                                  max_staleness=max_staleness))
 
     # ------------------------------------------------------------ tracker
@@ -486,6 +488,12 @@ class TrajectoryFeed:
         return self._cursor.stale
 
     @property
+    def position(self) -> tuple[int, int]:
+        """Where the next record will be read from: save it with the trainer's checkpoint
+        and pass it as `trajectories(start=...)` to go on without reading a record twice."""
+        return self._cursor.position
+
+    @property
     def below_min(self) -> int:
         return self._cursor.below_min
 
@@ -494,12 +502,17 @@ class TrajectoryFeed:
         with what there is (0: what is there now; None or inf: no limit)."""
         check_batch_args(n, timeout)
         out: list[ReceivedRecord] = []
-        with trio.move_on_after(math.inf if timeout is None else timeout):
-            while True:
-                out += self._cursor.read(n - len(out), current_version=self._origin.version)
-                if len(out) >= n:
-                    break
-                await self._origin.trajectory_store.wait_for_records(self._cursor)
+        before = self._cursor.position
+        try:
+            with trio.move_on_after(math.inf if timeout is None else timeout):
+                while True:
+                    out += self._cursor.read(n - len(out), current_version=self._origin.version)
+                    if len(out) >= n:
+                        break
+                    await self._origin.trajectory_store.wait_for_records(self._cursor)
+        except BaseException:  # cancelled from outside (the origin closing): nothing was delivered
+            self._cursor.position = before
+            raise
         return out
 
 
@@ -604,8 +617,9 @@ class SyncOrigin:
     def stats(self) -> dict:
         return self._call(self.origin.stats, sync=True)
 
-    def trajectories(self, min_version: int | None = None, max_staleness: int | None = None) -> "SyncTrajectoryFeed":
-        feed = self._call(self.origin.trajectories, min_version, max_staleness, sync=True)
+    def trajectories(self, min_version: int | None = None, max_staleness: int | None = None,
+                     start: tuple[int, int] | None = None) -> "SyncTrajectoryFeed":
+        feed = self._call(self.origin.trajectories, min_version, max_staleness, start, sync=True)
         return SyncTrajectoryFeed(self, feed)
 
     @property
@@ -639,6 +653,10 @@ class SyncTrajectoryFeed:
     @property
     def below_min(self) -> int:
         return self._feed.below_min
+
+    @property
+    def position(self) -> tuple[int, int]:
+        return self._feed.position
 
     def get_batch(self, n: int, timeout: float | None) -> list[ReceivedRecord]:
         check_batch_args(n, timeout)

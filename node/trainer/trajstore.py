@@ -121,6 +121,11 @@ class TrajectoryCursor:
         for name, v in (("min_version", min_version), ("max_staleness", max_staleness)):
             if v is not None and not (type(v) is int and v >= 0):
                 raise UsageError(f"{name}: expected None or an int >= 0, found {type(v).__name__} {v!r}")
+        if start is not None and not (isinstance(start, (tuple, list)) and len(start) == 2
+                                      and all(type(v) is int for v in start)
+                                      and start[0] >= 0 and start[1] >= SEGMENT_HEADER_BYTES):
+            raise UsageError(f"start: expected None or a cursor's position (segment >= 0, offset >= "
+                             f"{SEGMENT_HEADER_BYTES}), found {type(start).__name__} {start!r}")
         self._source = source
         self.position: tuple[int, int] = tuple(start) if start else (0, SEGMENT_HEADER_BYTES)
         self.min_version = min_version
