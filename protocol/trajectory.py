@@ -569,6 +569,10 @@ class SeqRanges:
     def ranges(self) -> list[tuple[int, int]]:
         return list(zip(self._starts, self._ends))
 
+    def range_count(self) -> int:
+        """How many ranges (one more than the gaps): what the set's memory and an insert's cost grow with."""
+        return len(self._starts)
+
     def add(self, seq: int) -> bool:
         """Add one seq; False if it was already there."""
         ends = self._ends

@@ -436,3 +436,46 @@ def test_a_get_batch_cancelled_from_outside_delivers_nothing_and_moves_no_positi
             n.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_a_batch_the_store_refuses_drops_the_node_with_a_line_and_the_origin_stays_up(tmp_path, monkeypatch, caplog):
+    """A batch over the store's budget (here: seqs leaving too many gaps) is not acked;
+    the node is dropped with one line saying why, and the origin goes on: the node's
+    next connection is taken, and its well-formed batches are stored."""
+    from patchswarm.node.trainer import trajstore
+    from patchswarm.node.trainer.origin import Origin
+    from patchswarm.protocol import wire
+    from patchswarm.protocol.trajectory import Record, encode_batch
+
+    monkeypatch.setattr(trajstore, "MAX_SEQ_RANGES_PER_NODE", 4)
+    cfg = _intake_setup(tmp_path)
+
+    def batch(seqs):
+        return wire.Trajectories(encode_batch([Record("n1", "r1", s, 0, 1.0, b"x") for s in seqs]))
+
+    async def first_reply(ms):
+        with trio.fail_after(10):
+            try:
+                return await ms.receive()
+            except (wire.ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                return None
+
+    async def main():
+        o = Origin(cfg)
+        async with trio.open_nursery() as n:
+            await n.start(o.run)
+            ms = await _dial_as(tmp_path, "n1", o.listen_addr)
+            await ms.send(batch(range(0, 20, 2)))  # 10 ranges
+            assert await first_reply(ms) is None  # closed, no ack
+            await ms.aclose()
+            ms = await _dial_as(tmp_path, "n1", o.listen_addr)
+            await ms.send(batch(range(100)))
+            reply = await first_reply(ms)
+            await ms.aclose()
+            n.cancel_scope.cancel()
+        return reply, [r.seq for r in o.trajectory_store.iter_records()]
+
+    reply, stored = trio.run(main)
+    assert isinstance(reply, wire.TrajectoriesAck) and sorted(reply.seqs) == list(range(100))
+    assert stored == list(range(100))
+    assert any("n1" in r.getMessage() and "ranges" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")

@@ -718,6 +718,35 @@ def test_store_dedups_and_counts_duplicates_durably(tmp_path):
     assert TrajectoryReader(tmp_path).summary()["duplicates_dropped"] == 7
 
 
+def test_a_node_whose_seqs_leave_too_many_gaps_is_refused_before_its_index_costs_the_origin(tmp_path, monkeypatch):
+    """Before: every gap in a node's seqs was a range in its dedup index, without bound,
+    and a new seq below the others is a list insert that moves every range after it: a
+    member that stored 800,000 records two apart, then sent 65,536 seqs below them,
+    stalled the origin's event loop 32 s per batch (measured; quadratic). Now a batch
+    that would leave a node more than MAX_SEQ_RANGES_PER_NODE ranges is refused
+    whole (BudgetExceeded, the index as before it), and everything else still goes in."""
+    from patchswarm.node.trainer import trajstore
+    from patchswarm.protocol.errors import BudgetExceeded
+
+    monkeypatch.setattr(trajstore, "MAX_SEQ_RANGES_PER_NODE", 8)
+
+    async def main():
+        st = await TrajectoryStore.open(tmp_path)
+        assert await st.append([rec(2 * i) for i in range(7)]) == [2 * i for i in range(7)]  # 7 ranges
+        assert await st.append([rec(100 + i) for i in range(50)])  # one more, dense: 8
+        with pytest.raises(BudgetExceeded, match="n1.*ranges") as e:
+            await st.append([rec(1), rec(500), rec(1000)])  # 1 joins two ranges (7); 500, 1000 make 9
+        assert e.value.budget == "seq ranges per node"
+        assert await st.append([rec(1), rec(3), rec(150), rec(150)]) == [1, 3, 150, 150]  # joins, a duplicate
+        assert await st.append([rec(1000, node="n2")])  # other nodes are not held to n1's gaps
+        got = sorted((r.node_id, r.seq) for r in st.iter_records())
+        await st.aclose()
+        return got
+
+    got = run(main)
+    assert ("n1", 500) not in got and ("n1", 1000) not in got and ("n1", 1) in got and ("n2", 1000) in got
+
+
 def test_a_reopened_store_drops_seqs_it_stored_before_the_restart(tmp_path):
     """A node resends what the origin stored but never acknowledged (it restarted): the
     dedup index is rebuilt from the segments on open, so nothing is stored twice."""

@@ -31,7 +31,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from patchswarm.protocol import wire
-from patchswarm.protocol.errors import CorruptData, DiskFull, InvalidInput, PatchswarmError, StorageFailed, UsageError
+from patchswarm.protocol.errors import BudgetExceeded, CorruptData, DiskFull, InvalidInput, PatchswarmError, StorageFailed, UsageError
 from patchswarm.protocol.manifest import sign_manifest
 from patchswarm.protocol.patch import Patch, TensorSpec
 from patchswarm.protocol.patchencode import TargetSpec, diff_in_place, keyframe_chunks
@@ -246,6 +246,10 @@ class Origin:
             except StorageFailed as e:
                 log.error("trajectory store failed (%s); closing %s's connection so it resends later", e, s.id)
                 s.close(f"trajectory store failed ({e})")
+                return
+            except BudgetExceeded as e:  # the node's fault: refused, not acked, the node dropped
+                self.peers.dropped[e.budget] += 1
+                s.close(f"over budget: {e}")
                 return
         if not s.closed:
             try:

@@ -39,7 +39,7 @@ from typing import NamedTuple
 
 import trio
 
-from patchswarm.protocol.errors import DiskFull, UsageError
+from patchswarm.protocol.errors import BudgetExceeded, DiskFull, UsageError
 from patchswarm.protocol.trajectory import (SEGMENT_HEADER_BYTES, DuplicatesNote, ReceivedRecord, Record, ScanProblem,
                                             SeqRanges, check_segment_header, encode_record, received_parts,
                                             scan_records)
@@ -49,6 +49,13 @@ from patchswarm.node.seglog import (DEFAULT_GROUP_BYTES, DEFAULT_SEGMENT_BYTES, 
                                     SegmentLog, fsync_dir, list_segments, read_span, segment_path)
 
 log = logging.getLogger("patchswarm.trajstore")
+
+# Ranges in one node's dedup index. An honest node's seqs are dense with a gap per restart
+# (node/spool.py) or per spool write that found its disk full; each range costs memory, and a
+# new seq below others moves every range after it (a list insert): unbounded, a member could
+# stall the origin for seconds per batch. A batch that would go past this is refused whole.
+MAX_SEQ_RANGES_PER_NODE = 1 << 16
+SEQ_RANGES_BUDGET = "seq ranges per node"  # BudgetExceeded.budget
 
 
 # ================================================================ summaries
@@ -325,6 +332,12 @@ class TrajectoryStore:
             if seen.add(r.seq):
                 bodies.append(body)
                 values.append(r)  # what the tally counts (node, version, payload size)
+                if seen.range_count() > MAX_SEQ_RANGES_PER_NODE:
+                    for v in values:  # nothing of the batch stays: the index is as before it
+                        index[v.node_id].discard(v.seq)
+                    raise BudgetExceeded(SEQ_RANGES_BUDGET, f"node {r.node_id!r}: expected its seqs to leave at "
+                                         f"most {MAX_SEQ_RANGES_PER_NODE} ranges in the dedup index, found a batch "
+                                         f"of {len(records)} that leaves more (seq {r.seq}); nothing of it was stored")
             else:
                 dups += 1
         if dups:
