@@ -479,3 +479,38 @@ def test_a_batch_the_store_refuses_drops_the_node_with_a_line_and_the_origin_sta
     assert isinstance(reply, wire.TrajectoriesAck) and sorted(reply.seqs) == list(range(100))
     assert stored == list(range(100))
     assert any("n1" in r.getMessage() and "ranges" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+
+
+def test_an_async_feed_waiting_without_limit_hears_that_the_origin_stopped(tmp_path):
+    """Before: a get_batch(timeout=None) from a task beside the origin (the async API) waited
+    for ever once the origin stopped: nothing would ever wake it. Now it raises UsageError
+    when the store closes, and so does a get_batch that starts after."""
+    from patchswarm.node.trainer.origin import Origin
+    from patchswarm.protocol.errors import UsageError as Usage
+
+    cfg = _intake_setup(tmp_path)
+    errors = []
+
+    async def main():
+        o = Origin(cfg)
+        with trio.fail_after(20):
+            async with trio.open_nursery() as outer:
+                async with trio.open_nursery() as n:
+                    await n.start(o.run)
+                    feed = o.trajectories()
+
+                    async def consume():
+                        try:
+                            await feed.get_batch(10, timeout=None)
+                        except Usage as e:
+                            errors.append(e)
+
+                    outer.start_soon(consume)
+                    await trio.sleep(0.2)
+                    n.cancel_scope.cancel()  # the origin stops; the consumer lives on
+                await trio.sleep(0.2)
+                with pytest.raises(Usage, match="closed"):
+                    await feed.get_batch(1, timeout=None)
+
+    trio.run(main)
+    assert len(errors) == 1 and "closed" in str(errors[0])

@@ -295,6 +295,7 @@ class TrajectoryStore:
         self._index = rec.index
         self._clock = clock
         self._new_data = trio.Event()
+        self._closed = False
         next_number = (rec.numbers[-1] + 1) if rec.numbers else 1
         self.log = SegmentLog(directory, next_number, segment_bytes, group_bytes, self._landed, self._not_written)
         self.disk = DiskCondition(directory)
@@ -393,8 +394,11 @@ class TrajectoryStore:
         return TrajectoryCursor(self, start, min_version=min_version, max_staleness=max_staleness)
 
     async def wait_for_records(self, cursor: TrajectoryCursor) -> None:
-        """Return once something was committed beyond what `cursor` last saw."""
+        """Return once something was committed beyond what `cursor` last saw
+        (UsageError once the store is closed: nothing more will be)."""
         while True:
+            if self._closed:
+                raise UsageError(f"trajectory store in {self.directory} is closed: no more records will arrive")
             seg, end = cursor.seen
             if self._numbers and (self._numbers[-1] > seg or self._ends.get(seg, 0) > end):
                 return
@@ -413,8 +417,12 @@ class TrajectoryStore:
         return _dump(self.cursor(), out)
 
     async def aclose(self) -> None:
-        await self.log.aclose()
-        self._lock.release()
+        try:
+            await self.log.aclose()
+        finally:
+            self._lock.release()
+            self._closed = True
+            self._new_data.set()  # waiters see it closed
 
     async def __aenter__(self):
         return self
