@@ -201,7 +201,8 @@ class Origin:
     async def _on_message(self, s: Session, msg) -> None:
         if isinstance(msg, wire.Trajectories):
             try:
-                records = decode_batch(msg.batch)
+                # Meta stays the bytes it came in (PackedMeta): the store only writes it out again.
+                records = decode_batch(msg.batch, packed_meta=True)
             except CorruptData as e:
                 raise PeerDropped(f"sent an undecodable trajectory batch: {e}") from None
             wrong = next((r.node_id for r in records if r.node_id != s.id), None)
