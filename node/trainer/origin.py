@@ -201,8 +201,10 @@ class Origin:
     async def _on_message(self, s: Session, msg) -> None:
         if isinstance(msg, wire.Trajectories):
             try:
-                # Meta stays the bytes it came in (PackedMeta): the store only writes it out again.
-                records = decode_batch(msg.batch, packed_meta=True)
+                # In a worker thread: checking a batch of 12 MiB costs up to seconds (meta maps
+                # of empty containers), which the loop must not stand still for. Meta stays the
+                # bytes it came in (PackedMeta): the store only writes it out again.
+                records = await trio.to_thread.run_sync(decode_batch, msg.batch, True)
             except CorruptData as e:
                 raise PeerDropped(f"sent an undecodable trajectory batch: {e}") from None
             wrong = next((r.node_id for r in records if r.node_id != s.id), None)
