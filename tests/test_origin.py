@@ -324,6 +324,67 @@ def test_a_node_that_never_waits_for_acks_gets_backpressure_not_origin_memory(tm
     assert summary["records"] == sent * 10 and summary["duplicates_dropped"] == 0
 
 
+def test_batches_waiting_for_the_store_are_bounded_across_all_nodes(tmp_path, monkeypatch):
+    """Before: the per-node bound held each node to 4 batches, but nothing held the sum:
+    a slow disk with N nodes uploading held N x 4 decoded batches (4 MiB each from the
+    uploader, up to 12 MiB raw from anyone). Now at most INTAKE_BATCHES_TOTAL wait, and
+    a batch is decoded only once it has a slot: the rest wait, as bytes, in the nodes'
+    sockets. Here the total is set below the per-node bound and two nodes upload."""
+    from patchswarm.node.trainer import origin as origin_mod
+    from patchswarm.protocol import wire
+    from patchswarm.protocol.trajectory import Record, encode_batch
+
+    monkeypatch.setattr(origin_mod, "INTAKE_BATCHES_TOTAL", 3)
+    cfg = _intake_setup(tmp_path)
+    trust.issue(tmp_path / "swarm", "n2", "node", tmp_path / "n2")
+    peak, decoded = [], [0]
+    decode = origin_mod.decode_batch
+
+    def counting_decode(*args):
+        decoded[0] += 1
+        return decode(*args)
+
+    monkeypatch.setattr(origin_mod, "decode_batch", counting_decode)
+
+    async def main():
+        o = origin_mod.Origin(cfg)
+        with trio.fail_after(30):
+            async with trio.open_nursery() as n:
+                await n.start(o.run)
+                gate, pending = trio.Event(), [0]
+                append = o.trajectory_store.append
+
+                async def held_append(records):
+                    pending[0] += 1
+                    peak.append(pending[0])
+                    await gate.wait()
+                    try:
+                        return await append(records)
+                    finally:
+                        pending[0] -= 1
+
+                o.trajectory_store.append = held_append
+                streams = [await _dial_as(tmp_path, name, o.listen_addr) for name in ("n1", "n2")]
+                for ms in streams:
+                    for b in range(4):
+                        await ms.send(wire.Trajectories(encode_batch(
+                            [Record("n1" if ms is streams[0] else "n2", "r1", b, 0, 1.0, b"x")])))
+                await trio.sleep(0.5)
+                held, decoded_then = max(peak), decoded[0]
+                gate.set()
+                for ms in streams:
+                    acks = 0
+                    while acks < 4:
+                        acks += isinstance(await ms.receive(), wire.TrajectoriesAck)
+                    await ms.aclose()
+                n.cancel_scope.cancel()
+        return held, decoded_then, o.trajectory_store.summary()["records"]
+
+    held, decoded_then, records = trio.run(main)
+    assert held <= 3 and decoded_then <= 3
+    assert records == 8
+
+
 def test_the_feed_takes_odd_arguments_by_name_and_none_waits_without_limit(tmp_path):
     """Before: get_batch(-1) and get_batch(2.5) returned [] and 3 records, timeout=-1, nan
     and None raised trio's ValueError or a TypeError from deep inside, and

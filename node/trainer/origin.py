@@ -66,6 +66,9 @@ WATCH_SECONDS = 0.5
 # 4 in flight (node/uploader.py); past this the origin stops reading that node's connection,
 # so a node that does not wait for acks fills its own socket, not the origin's memory.
 INTAKE_BATCHES_PER_NODE = 4
+# ... and of all nodes together: what intake holds whatever the number of nodes (with the
+# uploader's 4 MiB batches, 256 MiB; a commit groups up to 16 MiB, so the disk never waits).
+INTAKE_BATCHES_TOTAL = 64
 
 
 @dataclasses.dataclass
@@ -146,6 +149,7 @@ class Origin:
         self._nursery: trio.Nursery | None = None
         self._members: list[dict] = []
         self._intake: dict[str, trio.Semaphore] = {}  # node id -> its batches being stored
+        self._intake_total = trio.Semaphore(INTAKE_BATCHES_TOTAL)
 
     @property
     def version(self) -> int | None:
@@ -200,25 +204,7 @@ class Origin:
 
     async def _on_message(self, s: Session, msg) -> None:
         if isinstance(msg, wire.Trajectories):
-            try:
-                # In a worker thread: checking a batch of 12 MiB costs up to seconds (meta maps
-                # of empty containers), which the loop must not stand still for. Meta stays the
-                # bytes it came in (PackedMeta): the store only writes it out again.
-                records = await trio.to_thread.run_sync(decode_batch, msg.batch, True)
-            except CorruptData as e:
-                raise PeerDropped(f"sent an undecodable trajectory batch: {e}") from None
-            wrong = next((r.node_id for r in records if r.node_id != s.id), None)
-            if wrong is not None:
-                raise PeerDropped(f"sent trajectories in the name of node {wrong!r}")
-            # Stored and acked in its own task: batches from one node commit together with
-            # other nodes' batches (one fsync), and the connection keeps reading meanwhile,
-            # up to INTAKE_BATCHES_PER_NODE of them (shared by the node's connections: a
-            # reconnect does not start a fresh allowance while its old batches still wait).
-            slots = self._intake.get(s.id)
-            if slots is None:
-                slots = self._intake[s.id] = trio.Semaphore(INTAKE_BATCHES_PER_NODE)
-            await slots.acquire()
-            self._nursery.start_soon(self._store_and_ack, s, records, slots)
+            await self._take_trajectories(s, msg.batch)
             return
         if isinstance(msg, (wire.Have, wire.HaveOne, wire.Incoming, wire.Heartbeat)):
             return
@@ -227,11 +213,44 @@ class Origin:
             return
         raise PeerDropped(f"sent {type(msg).__name__}, which the origin does not take")
 
-    async def _store_and_ack(self, s: Session, records, slots: trio.Semaphore) -> None:
+    async def _take_trajectories(self, s: Session, batch: bytes) -> None:
+        """Decode a batch and start its store-and-ack task, once it has a slot: one of the
+        node's INTAKE_BATCHES_PER_NODE (shared by its connections: a reconnect starts no
+        fresh allowance while its old batches wait) and one of INTAKE_BATCHES_TOTAL. Until
+        then this connection is not read: the node's next batches wait in its socket."""
+        slots = self._intake.get(s.id)
+        if slots is None:
+            slots = self._intake[s.id] = trio.Semaphore(INTAKE_BATCHES_PER_NODE)
+        held: list[trio.Semaphore] = []
+        try:
+            for sem in (slots, self._intake_total):
+                await sem.acquire()
+                held.append(sem)
+            try:
+                # In a worker thread: checking a batch of 12 MiB costs up to seconds (meta maps
+                # of empty containers), which the loop must not stand still for. Meta stays the
+                # bytes it came in (PackedMeta): the store only writes it out again.
+                records = await trio.to_thread.run_sync(decode_batch, batch, True)
+            except CorruptData as e:
+                raise PeerDropped(f"sent an undecodable trajectory batch: {e}") from None
+            wrong = next((r.node_id for r in records if r.node_id != s.id), None)
+            if wrong is not None:
+                raise PeerDropped(f"sent trajectories in the name of node {wrong!r}")
+            # Stored and acked in its own task, which releases the slots: batches from one
+            # node commit together with other nodes' batches (one fsync), and the
+            # connection keeps reading meanwhile.
+            self._nursery.start_soon(self._store_and_ack, s, records, held)
+            held = []
+        finally:
+            for sem in held:
+                sem.release()
+
+    async def _store_and_ack(self, s: Session, records, slots: list[trio.Semaphore]) -> None:
         try:
             await self._store_and_ack_held(s, records)
         finally:
-            slots.release()
+            for sem in slots:
+                sem.release()
 
     async def _store_and_ack_held(self, s: Session, records) -> None:
         while True:
