@@ -246,39 +246,45 @@ class Origin:
                 sem.release()
 
     async def _store_and_ack(self, s: Session, records, slots: list[trio.Semaphore]) -> None:
+        """Store a batch and ack it. The global slot goes back once the records are stored
+        (their memory with it), the node's only once the ack is sent: a node that does not
+        read its acks holds its own slots (until SEND_TIMEOUT drops it), no one else's."""
+        node_slot, total_slot = slots
         try:
-            await self._store_and_ack_held(s, records)
+            try:
+                seqs = await self._store(s, records)
+            finally:
+                del records
+                total_slot.release()
+            if seqs is not None and not s.closed:
+                try:
+                    await s.send(wire.TrajectoriesAck(seqs))
+                except CONNECTION_ERRORS as e:
+                    # The node resends after reconnecting; the store drops the duplicates.
+                    s.close(f"could not send a TrajectoriesAck ({type(e).__name__})")
         finally:
-            for sem in slots:
-                sem.release()
+            node_slot.release()
 
-    async def _store_and_ack_held(self, s: Session, records) -> None:
+    async def _store(self, s: Session, records) -> list[int] | None:
+        """The seqs to ack once `records` are durable; None if they are not to be acked."""
         while True:
             try:
-                seqs = await self.trajectory_store.append(records)
-                break
+                return await self.trajectory_store.append(records)
             except DiskFull:
                 # Our disk, not the node's fault: not acked, kept (the node's upload window
                 # bounds what waits here) and tried again once the backoff allows; a node that
                 # goes meanwhile resends after reconnecting instead.
                 if s.closed:
-                    return
+                    return None
                 await trio.sleep(max(0.1, self.trajectory_store.disk.retry_in()))
-                continue
             except StorageFailed as e:
                 log.error("trajectory store failed (%s); closing %s's connection so it resends later", e, s.id)
                 s.close(f"trajectory store failed ({e})")
-                return
+                return None
             except BudgetExceeded as e:  # the node's fault: refused, not acked, the node dropped
                 self.peers.dropped[e.budget] += 1
                 s.close(f"over budget: {e}")
-                return
-        if not s.closed:
-            try:
-                await s.send(wire.TrajectoriesAck(seqs))
-            except CONNECTION_ERRORS as e:
-                # The node resends after reconnecting; the store drops the duplicates.
-                s.close(f"could not send a TrajectoriesAck ({type(e).__name__})")
+                return None
 
     def trajectories(self, min_version: int | None = None, max_staleness: int | None = None,
                      start: tuple[int, int] | None = None) -> "TrajectoryFeed":
