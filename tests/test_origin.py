@@ -622,3 +622,27 @@ def test_a_heavy_batch_is_decoded_beside_the_event_loop_not_on_it(tmp_path):
 
     worst, o = trio.run(main)
     assert worst < max(0.1, decode_s / 3), (worst, decode_s)
+
+
+def test_one_feed_serves_one_get_batch_at_a_time(tmp_path):
+    """Two get_batch calls on one feed at once shared its cursor: a cancelled one put the
+    position back over records the other had delivered, which then came again. Now the
+    second call raises UsageError (two feeds are two cursors, and each may be used)."""
+    from patchswarm.node.trainer.origin import Origin
+    from patchswarm.protocol.errors import UsageError as Usage
+
+    cfg = _intake_setup(tmp_path)
+
+    async def main():
+        o = Origin(cfg)
+        async with trio.open_nursery() as n:
+            await n.start(o.run)
+            feed = o.trajectories()
+            n.start_soon(feed.get_batch, 5, 30)
+            await trio.sleep(0.1)
+            with pytest.raises(Usage, match="another get_batch"):
+                await feed.get_batch(1, timeout=0)
+            assert await o.trajectories().get_batch(1, timeout=0) == []  # another feed is fine
+            n.cancel_scope.cancel()
+
+    trio.run(main)

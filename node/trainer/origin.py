@@ -514,6 +514,7 @@ class TrajectoryFeed:
     def __init__(self, origin: Origin, cursor: TrajectoryCursor):
         self._origin = origin
         self._cursor = cursor
+        self._busy = False
 
     @property
     def stale(self) -> int:
@@ -533,6 +534,9 @@ class TrajectoryFeed:
         """Up to `n` records: returns once `n` are in, or when `timeout` seconds run out
         with what there is (0: what is there now; None or inf: no limit)."""
         check_batch_args(n, timeout)
+        if self._busy:  # two calls would share the cursor (and a cancelled one rewind the other's)
+            raise UsageError("get_batch: another get_batch on this feed is still waiting; use one feed per consumer")
+        self._busy = True
         out: list[ReceivedRecord] = []
         before = self._cursor.position
         try:
@@ -545,6 +549,8 @@ class TrajectoryFeed:
         except BaseException:  # cancelled from outside (the origin closing): nothing was delivered
             self._cursor.position = before
             raise
+        finally:
+            self._busy = False
         return out
 
 
