@@ -428,13 +428,15 @@ def _resync(data: bytes, start: int, n: int):
         start = i + 1
 
 
-def scan_entries(data: bytes, start: int = SEGMENT_HEADER_BYTES, end: int | None = None) -> SegmentScan:
-    """Every intact entry in data[start:end] (offsets are into `data`); see the module docstring."""
+def scan_entries(data: bytes, start: int = SEGMENT_HEADER_BYTES, end: int | None = None,
+                 limit: int | None = None) -> SegmentScan:
+    """Every intact entry in data[start:end] (offsets are into `data`); see the module docstring.
+    `limit`: stop after that many entries (`good_end` is then just past the last of them)."""
     n = len(data) if end is None else end
     entries, problems = [], []
     mv = memoryview(data)
     pos = good_end = start
-    while pos < n:
+    while pos < n and (limit is None or len(entries) < limit):
         e, why = _intact_end(data, pos, n)
         if e is not None:
             entries.append(Entry(pos, e, mv[pos + ENTRY_HEADER_BYTES:e]))
@@ -480,11 +482,12 @@ def scan_segment(data: bytes) -> SegmentScan:
     return scan
 
 
-def scan_records(data: bytes, start: int | None = None, end: int | None = None) -> SegmentScan:
-    """Like scan_segment (start None) or scan_entries (start given), with each
-    entry decoded: entries are (Entry, value). An intact entry whose body is not a
+def scan_records(data: bytes, start: int | None = None, end: int | None = None,
+                 limit: int | None = None) -> SegmentScan:
+    """Like scan_segment (start None) or scan_entries (start given, and `limit`), with
+    each entry decoded: entries are (Entry, value). An intact entry whose body is not a
     record (a writer bug, not damage) is reported as an "invalid" problem."""
-    scan = scan_segment(data) if start is None else scan_entries(data, start, end)
+    scan = scan_segment(data) if start is None else scan_entries(data, start, end, limit)
     out, problems = [], list(scan.problems)
     for e in scan.entries:
         try:

@@ -194,14 +194,17 @@ class TrajectoryCursor:
 
     def _read_span(self, seg, off, end, finished, out, max_records, current_version) -> bool:
         """Consume entries from [off, end); False if no progress was possible."""
+        # Frame and decode only about the entries still wanted (a few more, for stale ones
+        # and notes): the rest of the chunk stays cached for the next read.
+        limit = max(max_records - len(out), 16)
         base, data = self._chunk(seg, off, end, whole=False)
-        scan = scan_records(data, start=off - base)
+        scan = scan_records(data, start=off - base, limit=limit)
         capped = base + len(data) < end
         tail = next((p for p in scan.problems if p.tail), None)
         if capped and tail is not None and scan.good_end == off - base:
             # no entry in a capped read: look at everything that is readable
             base, data = self._chunk(seg, off, end, whole=True)
-            scan, capped = scan_records(data, start=0), False
+            scan, capped = scan_records(data, start=0, limit=limit), False
             tail = next((p for p in scan.problems if p.tail), None)
         pos = off - base
         for entry, value in scan.entries:
