@@ -16,6 +16,7 @@ for a plain training loop (the only thread, behind that one interface).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -542,7 +543,14 @@ class TrajectoryFeed:
         try:
             with trio.move_on_after(math.inf if timeout is None else timeout):
                 while True:
-                    out += self._cursor.read(n - len(out), current_version=self._origin.version)
+                    # In a worker thread: reading and decoding records is ~1 ms per MB, which
+                    # the loop (every node's intake, chunk serving) must not stand still for.
+                    # Only this call touches the cursor (`_busy`); the store's segment list
+                    # and ends, which it reads, change by single assignments and appends.
+                    # Shielded: a timeout of 0 still reads what is there (bounded by the disk).
+                    with trio.CancelScope(shield=True):
+                        out += await trio.to_thread.run_sync(
+                            functools.partial(self._cursor.read, n - len(out), current_version=self._origin.version))
                     if len(out) >= n:
                         break
                     await self._origin.trajectory_store.wait_for_records(self._cursor)
