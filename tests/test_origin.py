@@ -545,12 +545,15 @@ def test_a_batch_the_store_refuses_drops_the_node_with_a_line_and_the_origin_sta
 def test_an_async_feed_waiting_without_limit_hears_that_the_origin_stopped(tmp_path):
     """Before: a get_batch(timeout=None) from a task beside the origin (the async API) waited
     for ever once the origin stopped: nothing would ever wake it. Now it raises UsageError
-    when the store closes, and so does a get_batch that starts after."""
+    when the store closes, and so does a get_batch that starts after (and a feed asked of
+    an origin not started yet, an AttributeError before)."""
     from patchswarm.node.trainer.origin import Origin
     from patchswarm.protocol.errors import UsageError as Usage
 
     cfg = _intake_setup(tmp_path)
     errors = []
+    with pytest.raises(Usage, match="not started"):  # before: AttributeError on None
+        Origin(cfg).trajectories()
 
     async def main():
         o = Origin(cfg)

@@ -291,6 +291,9 @@ class Origin:
                      start: tuple[int, int] | None = None) -> "TrajectoryFeed":
         """Trajectories in arrival order, from the first one stored, or from `start`: a
         feed's `position` saved earlier (it holds across restarts); see TrajectoryFeed."""
+        if self.trajectory_store is None:
+            raise UsageError("trajectories: expected a running origin (await nursery.start(origin.run)), "
+                             "found one not started")
         return TrajectoryFeed(self, self.trajectory_store.cursor(start, min_version=min_version,
                                                                  max_staleness=max_staleness))
 
