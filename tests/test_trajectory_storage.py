@@ -739,6 +739,10 @@ def test_a_node_whose_seqs_leave_too_many_gaps_is_refused_before_its_index_costs
         assert e.value.budget == "seq ranges per node"
         assert await st.append([rec(1), rec(3), rec(150), rec(150)]) == [1, 3, 150, 150]  # joins, a duplicate
         assert await st.append([rec(1000, node="n2")])  # other nodes are not held to n1's gaps
+        monkeypatch.setattr(trajstore, "MAX_SEQ_RANGES_PER_NODE", 2)  # n1 holds 6: more than allowed now
+        assert await st.append([rec(150 + i) for i in range(10)])  # seqs that add no range still go in
+        with pytest.raises(BudgetExceeded):
+            await st.append([rec(3000)])
         got = sorted((r.node_id, r.seq) for r in st.iter_records())
         await st.aclose()
         return got

@@ -333,10 +333,12 @@ class TrajectoryStore:
             seen = index.get(r.node_id)
             if seen is None:
                 seen = index[r.node_id] = SeqRanges()
+            ranges = seen.range_count()
             if seen.add(r.seq):
                 bodies.append(body)
                 values.append(r)  # what the tally counts (node, version, payload size)
-                if seen.range_count() > MAX_SEQ_RANGES_PER_NODE:
+                # past the bound, and by a new range (a store from before the bound may hold more)
+                if seen.range_count() > max(ranges, MAX_SEQ_RANGES_PER_NODE):
                     for v in values:  # nothing of the batch stays: the index is as before it
                         index[v.node_id].discard(v.seq)
                     raise BudgetExceeded(SEQ_RANGES_BUDGET, f"node {r.node_id!r}: expected its seqs to leave at "
