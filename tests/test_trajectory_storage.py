@@ -888,7 +888,7 @@ def test_cursor_filters_count_skips_and_resume(tmp_path):
             n.start_soon(trainer)
             await trio.sleep(0.05)
             assert not woke
-            await st.append([rec(20, version=6)])
+            await st.append([rec(20, version=5)])
         resumed = [r.seq for r in st.cursor(pos).read(100)]
         summary = st.summary(current_version=5, max_staleness=2)
         await st.aclose()
@@ -898,7 +898,26 @@ def test_cursor_filters_count_skips_and_resume(tmp_path):
     assert [r.policy_version for r in got] == [3, 4, 5, 5]
     assert counts == (1, 2)  # v1 below min; two v2 records older than the staleness bound
     assert [r.seq for r in woke] == [20] and resumed == [20]
-    assert summary["stale"] == 3 and summary["by_version"] == {1: 1, 2: 2, 3: 1, 4: 1, 5: 2, 6: 1}
+    assert summary["stale"] == 3 and summary["by_version"] == {1: 1, 2: 2, 3: 1, 4: 1, 5: 3}
+
+
+def test_records_of_a_version_not_yet_published_are_counted_not_fed_as_fresh(tmp_path):
+    """Before: with max_staleness, a record claiming version 2**64-1 (or any above the
+    origin's) passed the filter as the freshest of data (current - version < 0), for
+    ever: a buggy or hostile submitter, or spooled records from before an origin's data
+    dir was reset, fed the trainer as on-policy. Now they are skipped and counted in
+    `ahead`, like stale ones; without max_staleness every record is still given."""
+    async def main():
+        st = await TrajectoryStore.open(tmp_path)
+        await st.append([rec(i, version=v) for i, v in enumerate([5, 6, 2**64 - 1, 4, 3])])
+        cur = st.cursor(max_staleness=1)
+        got = [r.seq for r in cur.read(100, current_version=5)]
+        every = [r.seq for r in st.cursor().read(100, current_version=5)]
+        await st.aclose()
+        return got, (cur.ahead, cur.stale), every
+
+    got, counts, every = run(main)
+    assert got == [0, 3] and counts == (2, 1) and every == [0, 1, 2, 3, 4]
 
 
 READER = r"""

@@ -512,7 +512,8 @@ class TrajectoryFeed:
 
     Records below `min_version`, or more than `max_staleness` versions behind
     the origin's current version when read, are skipped and counted in
-    `stale` / `below_min`, never silently dropped.
+    `stale` / `below_min`, never silently dropped; with `max_staleness`, so are
+    records of a version above the origin's (`ahead`: none such was published).
     """
 
     def __init__(self, origin: Origin, cursor: TrajectoryCursor):
@@ -533,6 +534,11 @@ class TrajectoryFeed:
     @property
     def below_min(self) -> int:
         return self._cursor.below_min
+
+    @property
+    def ahead(self) -> int:
+        """Records skipped (with max_staleness) for a policy version above the origin's."""
+        return self._cursor.ahead
 
     async def get_batch(self, n: int, timeout: float | None) -> list[ReceivedRecord]:
         """Up to `n` records: returns once `n` are in, or when `timeout` seconds run out
@@ -702,6 +708,10 @@ class SyncTrajectoryFeed:
     @property
     def below_min(self) -> int:
         return self._feed.below_min
+
+    @property
+    def ahead(self) -> int:
+        return self._feed.ahead
 
     @property
     def position(self) -> tuple[int, int]:

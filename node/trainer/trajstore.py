@@ -120,7 +120,9 @@ class TrajectoryCursor:
     `read(max_records, current_version=...)` returns the next records it can
     read now and advances; records below `min_version`, or older than
     `max_staleness` versions behind `current_version`, are skipped and counted
-    in `below_min` / `stale` (never silently). Damage met on the way is skipped
+    in `below_min` / `stale` (never silently); with `max_staleness`, so are records
+    claiming a version above `current_version` (`ahead`: none was published, so
+    they come from a buggy or hostile submitter, or an origin whose data dir was reset). Damage met on the way is skipped
     and appended to `problems`. `position` is a plain tuple: save it to resume.
     """
 
@@ -139,6 +141,7 @@ class TrajectoryCursor:
         self.max_staleness = max_staleness
         self.stale = 0
         self.below_min = 0
+        self.ahead = 0
         self.duplicates_seen = 0  # sum of DuplicatesNote counts passed
         self.problems: list[FileProblem] = []
         self.seen: tuple[int, int] = (-1, -1)  # (segment, readable end) when the last read ran dry
@@ -220,6 +223,9 @@ class TrajectoryCursor:
                 continue
             if self.min_version is not None and value.policy_version < self.min_version:
                 self.below_min += 1
+            elif (self.max_staleness is not None and current_version is not None
+                  and value.policy_version > current_version):
+                self.ahead += 1  # no such version was published: not on-policy data, whoever sent it
             elif (self.max_staleness is not None and current_version is not None
                   and current_version - value.policy_version > self.max_staleness):
                 self.stale += 1
