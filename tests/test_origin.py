@@ -489,11 +489,14 @@ def test_a_get_batch_cancelled_from_outside_delivers_nothing_and_moves_no_positi
         o = Origin(cfg)
         async with trio.open_nursery() as n:
             await n.start(o.run)
+            await o.publish({"w": torch.zeros(4)})  # version 0
             await o.trajectory_store.append([Record("n1", "r1", i, 0, 1.0, b"x") for i in range(3)])
-            feed = o.trajectories()
+            await o.trajectory_store.append([Record("n1", "r1", 9, 7, 1.0, b"x")])  # of a version not published
+            feed = o.trajectories(max_staleness=1)
             with trio.move_on_after(0.2):
                 await feed.get_batch(10, timeout=30)  # reads 3, waits for 7 more; cancelled
-            assert [r.seq for r in await feed.get_batch(10, timeout=0)] == [0, 1, 2]
+            assert feed.ahead == 0  # what it skipped is counted when it is read again
+            assert [r.seq for r in await feed.get_batch(10, timeout=0)] == [0, 1, 2] and feed.ahead == 1
             n.cancel_scope.cancel()
 
     trio.run(main)

@@ -548,7 +548,8 @@ class TrajectoryFeed:
             raise UsageError("get_batch: another get_batch on this feed is still waiting; use one feed per consumer")
         self._busy = True
         out: list[ReceivedRecord] = []
-        before = self._cursor.position
+        c = self._cursor
+        before = (c.position, c.stale, c.below_min, c.ahead, c.duplicates_seen)
         try:
             with trio.move_on_after(math.inf if timeout is None else timeout):
                 while True:
@@ -564,7 +565,7 @@ class TrajectoryFeed:
                         break
                     await self._origin.trajectory_store.wait_for_records(self._cursor)
         except BaseException:  # cancelled from outside (the origin closing): nothing was delivered
-            self._cursor.position = before
+            c.position, c.stale, c.below_min, c.ahead, c.duplicates_seen = before  # read again next time
             raise
         finally:
             self._busy = False
