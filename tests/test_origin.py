@@ -595,7 +595,7 @@ def test_a_heavy_batch_is_decoded_beside_the_event_loop_not_on_it(tmp_path):
 
     cfg = _intake_setup(tmp_path)
     meta = {"a": [[] for _ in range(64000)]}
-    data = encode_batch([Record("n1", "r1", i, 0, 1.0, b"", meta) for i in range(40)])
+    data = encode_batch([Record("n1", "r1", i, 0, 1.0, b"", meta) for i in range(16)])
     t0 = time.perf_counter()
     decode_batch(data)
     decode_s = time.perf_counter() - t0
