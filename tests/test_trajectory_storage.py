@@ -870,6 +870,32 @@ def test_a_small_read_decodes_about_what_it_returns(tmp_path, monkeypatch):
     assert none == [] and stale == 2000  # a read past only stale records still goes to the end
 
 
+def test_the_tally_of_versions_is_bounded_whatever_versions_records_claim(tmp_path, monkeypatch):
+    """Before: the store's summary kept a count per distinct policy version, for every
+    version any record claimed: a member sending each record with a version of its own
+    (any of 2**64) grew the origin's memory by ~100 bytes per 40-byte record, and every
+    status call sorted them all. Now at most MAX_TALLIED_VERSIONS versions are counted
+    one by one (honest runs publish fewer); records of any further version are counted
+    in `untallied_versions`, alike in the store and a reader, across a reopen."""
+    from patchswarm.node.trainer import trajstore
+
+    monkeypatch.setattr(trajstore, "MAX_TALLIED_VERSIONS", 3)
+
+    async def main():
+        st = await TrajectoryStore.open(tmp_path)
+        await st.append([rec(i, version=v) for i, v in enumerate([1, 2, 2, 3, 2**64 - 1, 9, 1, 10**9])])
+        live = st.summary()
+        await st.aclose()
+        st = await TrajectoryStore.open(tmp_path)
+        again = st.summary()
+        await st.aclose()
+        return live, again
+
+    live, again = run(main)
+    for s in (live, again, TrajectoryReader(tmp_path).summary()):
+        assert s["records"] == 8 and s["by_version"] == {1: 2, 2: 2, 3: 1} and s["untallied_versions"] == 3
+
+
 def test_cursor_filters_count_skips_and_resume(tmp_path):
     async def main():
         st = await TrajectoryStore.open(tmp_path)

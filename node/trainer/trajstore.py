@@ -56,6 +56,9 @@ log = logging.getLogger("patchswarm.trajstore")
 # stall the origin for seconds per batch. A batch that would go past this is refused whole.
 MAX_SEQ_RANGES_PER_NODE = 1 << 16
 SEQ_RANGES_BUDGET = "seq ranges per node"  # BudgetExceeded.budget
+# Policy versions counted one by one in a summary (an honest run publishes fewer); records of
+# further versions, which only a buggy or hostile submitter invents, are counted together.
+MAX_TALLIED_VERSIONS = 1 << 20
 
 
 # ================================================================ summaries
@@ -70,6 +73,7 @@ class _Tally:
         self.payload_bytes = 0
         self.by_node: collections.Counter = collections.Counter()
         self.by_version: collections.Counter = collections.Counter()
+        self.untallied_versions = 0  # records of versions past MAX_TALLIED_VERSIONS distinct ones
 
     def add(self, value) -> None:
         if type(value) is DuplicatesNote:
@@ -78,7 +82,11 @@ class _Tally:
         self.records += 1
         self.payload_bytes += len(value.payload)
         self.by_node[value.node_id] += 1
-        self.by_version[value.policy_version] += 1
+        v = value.policy_version
+        if v in self.by_version or len(self.by_version) < MAX_TALLIED_VERSIONS:
+            self.by_version[v] += 1
+        else:
+            self.untallied_versions += 1
 
     def summary(self, current_version, max_staleness, segments: int, problems) -> dict:
         stale = 0
@@ -90,6 +98,7 @@ class _Tally:
             "stale": stale,
             "by_node": dict(sorted(self.by_node.items())),
             "by_version": dict(sorted(self.by_version.items())),
+            "untallied_versions": self.untallied_versions,
             "payload_bytes": self.payload_bytes,
             "segments": segments,
             "problems": [str(p) for p in problems],
