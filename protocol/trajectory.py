@@ -121,6 +121,13 @@ class ReceivedRecord(Record):
     received_at: float = field(kw_only=True)
 
 
+class PackedMeta(bytes):
+    """A record's meta map kept as the msgpack bytes it arrived in, already checked to
+    decode within the bounds (`decode_batch(..., packed_meta=True)`): a writer stores
+    these bytes as they are. Why: the origin only passes meta on to its store, and a
+    meta of 64 KiB of empty containers is ~4.5 MB of Python objects, per record."""
+
+
 @dataclass(frozen=True)
 class DuplicatesNote:
     """Store entry: this many records of one append were duplicates and were dropped."""
@@ -157,7 +164,8 @@ def _check_fields(node_id, region, seq, policy_version, submitted_at, payload, m
     if (type(node_id) is str and 0 < len(node_id) <= MAX_ID_CHARS and type(region) is str
             and 0 < len(region) <= MAX_ID_CHARS and type(seq) is int and 0 <= seq < _U64
             and type(policy_version) is int and 0 <= policy_version < _U64 and type(submitted_at) is float
-            and type(payload) is bytes and len(payload) <= MAX_PAYLOAD_BYTES and (meta is None or type(meta) is dict)):
+            and type(payload) is bytes and len(payload) <= MAX_PAYLOAD_BYTES
+            and (meta is None or type(meta) is dict or type(meta) is PackedMeta)):
         return
     for name, v in (("node_id", node_id), ("region", region)):
         if type(v) is not str or not 0 < len(v) <= MAX_ID_CHARS:
@@ -171,7 +179,7 @@ def _check_fields(node_id, region, seq, policy_version, submitted_at, payload, m
         raise exc(f"record.payload: expected bytes, found {_found(payload)}")
     if len(payload) > MAX_PAYLOAD_BYTES:
         raise exc(f"record.payload: expected at most {MAX_PAYLOAD_BYTES} bytes, found {len(payload)}")
-    if meta is not None and type(meta) is not dict:
+    if meta is not None and type(meta) not in (dict, PackedMeta):
         raise exc(f"record.meta: expected a dict or None, found {_found(meta)}")
 
 
@@ -228,7 +236,7 @@ def _parts(rec: Record, received_at: float | None) -> tuple[bytes, bytes, bytes]
     try:  # [1:] drops the packed list's own fixarray header
         head = msgpack.packb([KIND_RECEIVED if received else KIND_RECORD, rec.node_id, rec.region, rec.seq,
                               rec.policy_version, rec.submitted_at])[1:]
-        meta = msgpack.packb(rec.meta)
+        meta = bytes(rec.meta) if type(rec.meta) is PackedMeta else msgpack.packb(rec.meta)
         at = msgpack.packb(received_at) if received else b""
     except (TypeError, ValueError, OverflowError) as e:
         raise UsageError(f"record.meta: expected msgpack-able values, found {type(e).__name__}: {e}") from None
@@ -253,9 +261,10 @@ def _unpack(body, what: str):
         raise CorruptData(f"{what}: expected msgpack, found undecodable bytes ({type(e).__name__}: {e})") from None
 
 
-def _read_value(r: PackReader, allowed=_ALL_KINDS):
+def _read_value(r: PackReader, allowed=_ALL_KINDS, packed_meta: bool = False):
     """One entry body's value, read along its kind's schema: strings, payload and meta
-    are bounded (a meta map by MAX_META_BYTES and MAX_META_DEPTH) before they are built."""
+    are bounded (a meta map by MAX_META_BYTES and MAX_META_DEPTH) before they are built.
+    `packed_meta`: a meta map is checked (built once, then let go) and kept as PackedMeta."""
     start = r.pos
     n = r.array_len(_MAX_BODY_LEN, "an array starting with a kind")
     kind = r.int(expected="a kind") if n else None
@@ -284,7 +293,10 @@ def _read_value(r: PackReader, allowed=_ALL_KINDS):
     payload = r.bin(MAX_PAYLOAD_BYTES, "a payload")
     meta = None
     if not r.nil():
+        start = r.pos
         meta = r.any(MAX_META_BYTES, MAX_META_DEPTH, "a meta map or nil", max_bytes=MAX_META_BYTES, kind="map")
+        if packed_meta:
+            meta = PackedMeta(r.data[start:r.pos])
     _check_fields(node_id, region, seq, version, submitted_at, payload, meta, CorruptData)
     if kind == KIND_RECORD:
         return Record(node_id, region, seq, version, submitted_at, payload, meta)
@@ -327,6 +339,8 @@ def encode_payload(obj, meta: dict | None = None) -> tuple[bytes, dict | None]:
 
 def decode_payload(payload: bytes, meta: dict | None):
     """The object `encode_payload` was given (CorruptData if the packed payload is bad)."""
+    if type(meta) is PackedMeta:
+        meta = _unpack(meta, "record meta")
     if meta and meta.get(PAYLOAD_FORMAT_KEY) == PAYLOAD_MSGPACK:
         return _unpack(payload, "msgpack payload")
     return payload
@@ -414,13 +428,15 @@ def _resync(data: bytes, start: int, n: int):
         start = i + 1
 
 
-def scan_entries(data: bytes, start: int = SEGMENT_HEADER_BYTES, end: int | None = None) -> SegmentScan:
-    """Every intact entry in data[start:end] (offsets are into `data`); see the module docstring."""
+def scan_entries(data: bytes, start: int = SEGMENT_HEADER_BYTES, end: int | None = None,
+                 limit: int | None = None) -> SegmentScan:
+    """Every intact entry in data[start:end] (offsets are into `data`); see the module docstring.
+    `limit`: stop after that many entries (`good_end` is then just past the last of them)."""
     n = len(data) if end is None else end
     entries, problems = [], []
     mv = memoryview(data)
     pos = good_end = start
-    while pos < n:
+    while pos < n and (limit is None or len(entries) < limit):
         e, why = _intact_end(data, pos, n)
         if e is not None:
             entries.append(Entry(pos, e, mv[pos + ENTRY_HEADER_BYTES:e]))
@@ -466,11 +482,12 @@ def scan_segment(data: bytes) -> SegmentScan:
     return scan
 
 
-def scan_records(data: bytes, start: int | None = None, end: int | None = None) -> SegmentScan:
-    """Like scan_segment (start None) or scan_entries (start given), with each
-    entry decoded: entries are (Entry, value). An intact entry whose body is not a
+def scan_records(data: bytes, start: int | None = None, end: int | None = None,
+                 limit: int | None = None) -> SegmentScan:
+    """Like scan_segment (start None) or scan_entries (start given, and `limit`), with
+    each entry decoded: entries are (Entry, value). An intact entry whose body is not a
     record (a writer bug, not damage) is reported as an "invalid" problem."""
-    scan = scan_segment(data) if start is None else scan_entries(data, start, end)
+    scan = scan_segment(data) if start is None else scan_entries(data, start, end, limit)
     out, problems = [], list(scan.problems)
     for e in scan.entries:
         try:
@@ -505,8 +522,10 @@ def encode_batch(records) -> bytes:
     return _BATCH_HEADER.pack(BATCH_MAGIC, BATCH_VERSION, flags, len(raw), zlib.crc32(raw)) + packed
 
 
-def decode_batch(data: bytes) -> list[Record]:
-    """The records of one batch (CorruptData for anything malformed)."""
+def decode_batch(data: bytes, packed_meta: bool = False) -> list[Record]:
+    """The records of one batch (CorruptData for anything malformed). `packed_meta`:
+    each meta is checked and kept as the PackedMeta bytes it came in (for a writer
+    that only stores them: memory in proportion to the batch's bytes)."""
     data = bytes(data)
     if len(data) < _BATCH_HEADER.size:
         raise CorruptData(f"batch: expected at least {_BATCH_HEADER.size} header bytes, found {len(data)}")
@@ -538,7 +557,7 @@ def decode_batch(data: bytes) -> list[Record]:
     records = []
     for i in range(r.array_len(MAX_BATCH_RECORDS, "an array of records")):
         r.what = f"batch record {i}"
-        records.append(_read_value(r, (KIND_RECORD,)))
+        records.append(_read_value(r, (KIND_RECORD,), packed_meta))
     r.what = "batch"
     r.expect_end()
     return records
@@ -568,6 +587,10 @@ class SeqRanges:
 
     def ranges(self) -> list[tuple[int, int]]:
         return list(zip(self._starts, self._ends))
+
+    def range_count(self) -> int:
+        """How many ranges (one more than the gaps): what the set's memory and an insert's cost grow with."""
+        return len(self._starts)
 
     def add(self, seq: int) -> bool:
         """Add one seq; False if it was already there."""

@@ -718,6 +718,39 @@ def test_store_dedups_and_counts_duplicates_durably(tmp_path):
     assert TrajectoryReader(tmp_path).summary()["duplicates_dropped"] == 7
 
 
+def test_a_node_whose_seqs_leave_too_many_gaps_is_refused_before_its_index_costs_the_origin(tmp_path, monkeypatch):
+    """Before: every gap in a node's seqs was a range in its dedup index, without bound,
+    and a new seq below the others is a list insert that moves every range after it: a
+    member that stored 800,000 records two apart, then sent 65,536 seqs below them,
+    stalled the origin's event loop 32 s per batch (measured; quadratic). Now a batch
+    that would leave a node more than MAX_SEQ_RANGES_PER_NODE ranges is refused
+    whole (BudgetExceeded, the index as before it), and everything else still goes in."""
+    from patchswarm.node.trainer import trajstore
+    from patchswarm.protocol.errors import BudgetExceeded
+
+    monkeypatch.setattr(trajstore, "MAX_SEQ_RANGES_PER_NODE", 8)
+
+    async def main():
+        st = await TrajectoryStore.open(tmp_path)
+        assert await st.append([rec(2 * i) for i in range(7)]) == [2 * i for i in range(7)]  # 7 ranges
+        assert await st.append([rec(100 + i) for i in range(50)])  # one more, dense: 8
+        with pytest.raises(BudgetExceeded, match="n1.*ranges") as e:
+            await st.append([rec(1), rec(500), rec(1000)])  # 1 joins two ranges (7); 500, 1000 make 9
+        assert e.value.budget == "seq ranges per node"
+        assert await st.append([rec(1), rec(3), rec(150), rec(150)]) == [1, 3, 150, 150]  # joins, a duplicate
+        assert await st.append([rec(1000, node="n2")])  # other nodes are not held to n1's gaps
+        monkeypatch.setattr(trajstore, "MAX_SEQ_RANGES_PER_NODE", 2)  # n1 holds 6: more than allowed now
+        assert await st.append([rec(150 + i) for i in range(10)])  # seqs that add no range still go in
+        with pytest.raises(BudgetExceeded):
+            await st.append([rec(3000)])
+        got = sorted((r.node_id, r.seq) for r in st.iter_records())
+        await st.aclose()
+        return got
+
+    got = run(main)
+    assert ("n1", 500) not in got and ("n1", 1000) not in got and ("n1", 1) in got and ("n2", 1000) in got
+
+
 def test_a_reopened_store_drops_seqs_it_stored_before_the_restart(tmp_path):
     """A node resends what the origin stored but never acknowledged (it restarted): the
     dedup index is rebuilt from the segments on open, so nothing is stored twice."""
@@ -801,6 +834,68 @@ def test_store_torn_tail_and_corrupt_middle(tmp_path):
     assert TrajectoryReader(tmp_path).summary()["records"] == 12
 
 
+def test_a_small_read_decodes_about_what_it_returns(tmp_path, monkeypatch):
+    """Before: every cursor read decoded every entry of the up to 16 MiB it had read and
+    kept the few asked for: get_batch(1) over 1 KiB records cost 174 ms (measured), all on
+    the origin's event loop, and a trainer taking small batches got ~6 of them a second.
+    Now a read frames and decodes entries only up to the records still wanted (skipped
+    stale ones and notes aside), and the next read goes on from the bytes it has."""
+    from patchswarm.node.trainer import trajstore
+
+    decoded = [0]
+    real = trajstore.scan_records
+
+    def counting(*args, **kw):
+        scan = real(*args, **kw)
+        decoded[0] += len(scan.entries)
+        return scan
+
+    monkeypatch.setattr(trajstore, "scan_records", counting)
+
+    async def main():
+        st = await TrajectoryStore.open(tmp_path)
+        await st.append([rec(i, b"x" * 1024) for i in range(2000)])
+        cur = st.cursor()
+        got = [r.seq for _ in range(20) for r in cur.read(1)]
+        one = decoded[0]
+        rest = [r.seq for r in cur.read(5000)]
+        stale = st.cursor(max_staleness=0)
+        none = stale.read(10, current_version=5)
+        await st.aclose()
+        return got, one, rest, none, stale.stale
+
+    got, one, rest, none, stale = run(main)
+    assert got == list(range(20)) and rest == list(range(20, 2000))
+    assert one <= 20 * 16  # at least 16 a read, for runs of stale records
+    assert none == [] and stale == 2000  # a read past only stale records still goes to the end
+
+
+def test_the_tally_of_versions_is_bounded_whatever_versions_records_claim(tmp_path, monkeypatch):
+    """Before: the store's summary kept a count per distinct policy version, for every
+    version any record claimed: a member sending each record with a version of its own
+    (any of 2**64) grew the origin's memory by ~100 bytes per 40-byte record, and every
+    status call sorted them all. Now at most MAX_TALLIED_VERSIONS versions are counted
+    one by one (honest runs publish fewer); records of any further version are counted
+    in `untallied_versions`, alike in the store and a reader, across a reopen."""
+    from patchswarm.node.trainer import trajstore
+
+    monkeypatch.setattr(trajstore, "MAX_TALLIED_VERSIONS", 3)
+
+    async def main():
+        st = await TrajectoryStore.open(tmp_path)
+        await st.append([rec(i, version=v) for i, v in enumerate([1, 2, 2, 3, 2**64 - 1, 9, 1, 10**9])])
+        live = st.summary()
+        await st.aclose()
+        st = await TrajectoryStore.open(tmp_path)
+        again = st.summary()
+        await st.aclose()
+        return live, again
+
+    live, again = run(main)
+    for s in (live, again, TrajectoryReader(tmp_path).summary()):
+        assert s["records"] == 8 and s["by_version"] == {1: 2, 2: 2, 3: 1} and s["untallied_versions"] == 3
+
+
 def test_cursor_filters_count_skips_and_resume(tmp_path):
     async def main():
         st = await TrajectoryStore.open(tmp_path)
@@ -819,7 +914,7 @@ def test_cursor_filters_count_skips_and_resume(tmp_path):
             n.start_soon(trainer)
             await trio.sleep(0.05)
             assert not woke
-            await st.append([rec(20, version=6)])
+            await st.append([rec(20, version=5)])
         resumed = [r.seq for r in st.cursor(pos).read(100)]
         summary = st.summary(current_version=5, max_staleness=2)
         await st.aclose()
@@ -829,7 +924,26 @@ def test_cursor_filters_count_skips_and_resume(tmp_path):
     assert [r.policy_version for r in got] == [3, 4, 5, 5]
     assert counts == (1, 2)  # v1 below min; two v2 records older than the staleness bound
     assert [r.seq for r in woke] == [20] and resumed == [20]
-    assert summary["stale"] == 3 and summary["by_version"] == {1: 1, 2: 2, 3: 1, 4: 1, 5: 2, 6: 1}
+    assert summary["stale"] == 3 and summary["by_version"] == {1: 1, 2: 2, 3: 1, 4: 1, 5: 3}
+
+
+def test_records_of_a_version_not_yet_published_are_counted_not_fed_as_fresh(tmp_path):
+    """Before: with max_staleness, a record claiming version 2**64-1 (or any above the
+    origin's) passed the filter as the freshest of data (current - version < 0), for
+    ever: a buggy or hostile submitter, or spooled records from before an origin's data
+    dir was reset, fed the trainer as on-policy. Now they are skipped and counted in
+    `ahead`, like stale ones; without max_staleness every record is still given."""
+    async def main():
+        st = await TrajectoryStore.open(tmp_path)
+        await st.append([rec(i, version=v) for i, v in enumerate([5, 6, 2**64 - 1, 4, 3])])
+        cur = st.cursor(max_staleness=1)
+        got = [r.seq for r in cur.read(100, current_version=5)]
+        every = [r.seq for r in st.cursor().read(100, current_version=5)]
+        await st.aclose()
+        return got, (cur.ahead, cur.stale), every
+
+    got, counts, every = run(main)
+    assert got == [0, 3] and counts == (2, 1) and every == [0, 1, 2, 3, 4]
 
 
 READER = r"""

@@ -277,6 +277,8 @@ def cmd_trajectories(args: argparse.Namespace) -> int:
     t.add_row("stale", stale)
     t.add_row("by node", ", ".join(f"{k}: {v:,}" for k, v in summary["by_node"].items()) or "-")
     t.add_row("by version", ", ".join(f"v{k}: {v:,}" for k, v in summary["by_version"].items()) or "-")
+    if summary.get("untallied_versions"):
+        t.add_row("of further versions", f"{summary['untallied_versions']:,} (not counted one by one)")
     if summary["problems"]:
         t.add_row("problems", "; ".join(summary["problems"]))
     Console().print(t)

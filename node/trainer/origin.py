@@ -16,8 +16,10 @@ for a plain training loop (the only thread, behind that one interface).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
+import math
 import os
 import re
 import threading
@@ -30,7 +32,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from patchswarm.protocol import wire
-from patchswarm.protocol.errors import CorruptData, DiskFull, InvalidInput, PatchswarmError, StorageFailed, UsageError
+from patchswarm.protocol.errors import BudgetExceeded, CorruptData, DiskFull, InvalidInput, PatchswarmError, StorageFailed, UsageError
 from patchswarm.protocol.manifest import sign_manifest
 from patchswarm.protocol.patch import Patch, TensorSpec
 from patchswarm.protocol.patchencode import TargetSpec, diff_in_place, keyframe_chunks
@@ -61,6 +63,13 @@ RETAIN_PATCHES = 64  # patches kept besides the latest keyframe's chain, for nod
 ORIGIN_CHUNK_BYTES = 1 << 20  # swarm pieces: small enough that a few MB spread over many peers at once
 ORIGIN_SEGMENT_ELEMENTS = 1 << 20  # a chunk holds whole segments; smaller segments, finer pieces
 WATCH_SECONDS = 0.5
+# A node's trajectory batches read off its connection and not yet stored: the uploader keeps
+# 4 in flight (node/uploader.py); past this the origin stops reading that node's connection,
+# so a node that does not wait for acks fills its own socket, not the origin's memory.
+INTAKE_BATCHES_PER_NODE = 4
+# ... and of all nodes together: what intake holds whatever the number of nodes (with the
+# uploader's 4 MiB batches, 256 MiB; a commit groups up to 16 MiB, so the disk never waits).
+INTAKE_BATCHES_TOTAL = 64
 
 
 @dataclasses.dataclass
@@ -140,6 +149,8 @@ class Origin:
         self._publish_lock = trio.Lock()
         self._nursery: trio.Nursery | None = None
         self._members: list[dict] = []
+        self._intake: dict[str, trio.Semaphore] = {}  # node id -> its batches being stored
+        self._intake_total = trio.Semaphore(INTAKE_BATCHES_TOTAL)
 
     @property
     def version(self) -> int | None:
@@ -194,16 +205,7 @@ class Origin:
 
     async def _on_message(self, s: Session, msg) -> None:
         if isinstance(msg, wire.Trajectories):
-            try:
-                records = decode_batch(msg.batch)
-            except CorruptData as e:
-                raise PeerDropped(f"sent an undecodable trajectory batch: {e}") from None
-            wrong = next((r.node_id for r in records if r.node_id != s.id), None)
-            if wrong is not None:
-                raise PeerDropped(f"sent trajectories in the name of node {wrong!r}")
-            # Stored and acked in its own task: batches from one node commit together with
-            # other nodes' batches (one fsync), and the connection keeps reading meanwhile.
-            self._nursery.start_soon(self._store_and_ack, s, records)
+            await self._take_trajectories(s, msg.batch)
             return
         if isinstance(msg, (wire.Have, wire.HaveOne, wire.Incoming, wire.Heartbeat)):
             return
@@ -212,33 +214,87 @@ class Origin:
             return
         raise PeerDropped(f"sent {type(msg).__name__}, which the origin does not take")
 
-    async def _store_and_ack(self, s: Session, records) -> None:
+    async def _take_trajectories(self, s: Session, batch: bytes) -> None:
+        """Decode a batch and start its store-and-ack task, once it has a slot: one of the
+        node's INTAKE_BATCHES_PER_NODE (shared by its connections: a reconnect starts no
+        fresh allowance while its old batches wait) and one of INTAKE_BATCHES_TOTAL. Until
+        then this connection is not read: the node's next batches wait in its socket."""
+        slots = self._intake.get(s.id)
+        if slots is None:
+            slots = self._intake[s.id] = trio.Semaphore(INTAKE_BATCHES_PER_NODE)
+        held: list[trio.Semaphore] = []
+        try:
+            for sem in (slots, self._intake_total):
+                await sem.acquire()
+                held.append(sem)
+            try:
+                # In a worker thread: checking a batch of 12 MiB costs up to seconds (meta maps
+                # of empty containers), which the loop must not stand still for. Meta stays the
+                # bytes it came in (PackedMeta): the store only writes it out again.
+                records = await trio.to_thread.run_sync(decode_batch, batch, True)
+            except CorruptData as e:
+                raise PeerDropped(f"sent an undecodable trajectory batch: {e}") from None
+            wrong = next((r.node_id for r in records if r.node_id != s.id), None)
+            if wrong is not None:
+                raise PeerDropped(f"sent trajectories in the name of node {wrong!r}")
+            # Stored and acked in its own task, which releases the slots: batches from one
+            # node commit together with other nodes' batches (one fsync), and the
+            # connection keeps reading meanwhile.
+            self._nursery.start_soon(self._store_and_ack, s, records, held)
+            held = []
+        finally:
+            for sem in held:
+                sem.release()
+
+    async def _store_and_ack(self, s: Session, records, slots: list[trio.Semaphore]) -> None:
+        """Store a batch and ack it. The global slot goes back once the records are stored
+        (their memory with it), the node's only once the ack is sent: a node that does not
+        read its acks holds its own slots (until SEND_TIMEOUT drops it), no one else's."""
+        node_slot, total_slot = slots
+        try:
+            try:
+                seqs = await self._store(s, records)
+            finally:
+                del records
+                total_slot.release()
+            if seqs is not None and not s.closed:
+                try:
+                    await s.send(wire.TrajectoriesAck(seqs))
+                except CONNECTION_ERRORS as e:
+                    # The node resends after reconnecting; the store drops the duplicates.
+                    s.close(f"could not send a TrajectoriesAck ({type(e).__name__})")
+        finally:
+            node_slot.release()
+
+    async def _store(self, s: Session, records) -> list[int] | None:
+        """The seqs to ack once `records` are durable; None if they are not to be acked."""
         while True:
             try:
-                seqs = await self.trajectory_store.append(records)
-                break
+                return await self.trajectory_store.append(records)
             except DiskFull:
                 # Our disk, not the node's fault: not acked, kept (the node's upload window
                 # bounds what waits here) and tried again once the backoff allows; a node that
                 # goes meanwhile resends after reconnecting instead.
                 if s.closed:
-                    return
+                    return None
                 await trio.sleep(max(0.1, self.trajectory_store.disk.retry_in()))
-                continue
             except StorageFailed as e:
                 log.error("trajectory store failed (%s); closing %s's connection so it resends later", e, s.id)
                 s.close(f"trajectory store failed ({e})")
-                return
-        if not s.closed:
-            try:
-                await s.send(wire.TrajectoriesAck(seqs))
-            except CONNECTION_ERRORS as e:
-                # The node resends after reconnecting; the store drops the duplicates.
-                s.close(f"could not send a TrajectoriesAck ({type(e).__name__})")
+                return None
+            except BudgetExceeded as e:  # the node's fault: refused, not acked, the node dropped
+                self.peers.dropped[e.budget] += 1
+                s.close(f"over budget: {e}")
+                return None
 
-    def trajectories(self, min_version: int | None = None, max_staleness: int | None = None) -> "TrajectoryFeed":
-        """Trajectories in arrival order, from the first one stored; see TrajectoryFeed."""
-        return TrajectoryFeed(self, self.trajectory_store.cursor(min_version=min_version,
+    def trajectories(self, min_version: int | None = None, max_staleness: int | None = None,
+                     start: tuple[int, int] | None = None) -> "TrajectoryFeed":
+        """Trajectories in arrival order, from the first one stored, or from `start`: a
+        feed's `position` saved earlier (it holds across restarts); see TrajectoryFeed."""
+        if self.trajectory_store is None:
+            raise UsageError("trajectories: expected a running origin (await nursery.start(origin.run)), "
+                             "found one not started")
+        return TrajectoryFeed(self, self.trajectory_store.cursor(start, min_version=min_version,
                                                                  max_staleness=max_staleness))
 
     # ------------------------------------------------------------ tracker
@@ -456,31 +512,73 @@ class TrajectoryFeed:
 
     Records below `min_version`, or more than `max_staleness` versions behind
     the origin's current version when read, are skipped and counted in
-    `stale` / `below_min`, never silently dropped.
+    `stale` / `below_min`, never silently dropped; with `max_staleness`, so are
+    records of a version above the origin's (`ahead`: none such was published).
     """
 
     def __init__(self, origin: Origin, cursor: TrajectoryCursor):
         self._origin = origin
         self._cursor = cursor
+        self._busy = False
 
     @property
     def stale(self) -> int:
         return self._cursor.stale
 
     @property
+    def position(self) -> tuple[int, int]:
+        """Where the next record will be read from: save it with the trainer's checkpoint
+        and pass it as `trajectories(start=...)` to go on without reading a record twice."""
+        return self._cursor.position
+
+    @property
     def below_min(self) -> int:
         return self._cursor.below_min
 
-    async def get_batch(self, n: int, timeout: float) -> list[ReceivedRecord]:
-        """Up to `n` records: returns once `n` are in, or when `timeout` runs out with what there is."""
+    @property
+    def ahead(self) -> int:
+        """Records skipped (with max_staleness) for a policy version above the origin's."""
+        return self._cursor.ahead
+
+    async def get_batch(self, n: int, timeout: float | None) -> list[ReceivedRecord]:
+        """Up to `n` records: returns once `n` are in, or when `timeout` seconds run out
+        with what there is (0: what is there now; None or inf: no limit)."""
+        check_batch_args(n, timeout)
+        if self._busy:  # two calls would share the cursor (and a cancelled one rewind the other's)
+            raise UsageError("get_batch: another get_batch on this feed is still waiting; use one feed per consumer")
+        self._busy = True
         out: list[ReceivedRecord] = []
-        with trio.move_on_after(timeout):
-            while True:
-                out += self._cursor.read(n - len(out), current_version=self._origin.version)
-                if len(out) >= n:
-                    break
-                await self._origin.trajectory_store.wait_for_records(self._cursor)
+        c = self._cursor
+        before = (c.position, c.stale, c.below_min, c.ahead, c.duplicates_seen)
+        try:
+            with trio.move_on_after(math.inf if timeout is None else timeout):
+                while True:
+                    # In a worker thread: reading and decoding records is ~1 ms per MB, which
+                    # the loop (every node's intake, chunk serving) must not stand still for.
+                    # Only this call touches the cursor (`_busy`); the store's segment list
+                    # and ends, which it reads, change by single assignments and appends.
+                    # Shielded: a timeout of 0 still reads what is there (bounded by the disk).
+                    with trio.CancelScope(shield=True):
+                        out += await trio.to_thread.run_sync(
+                            functools.partial(self._cursor.read, n - len(out), current_version=self._origin.version))
+                    if len(out) >= n:
+                        break
+                    await self._origin.trajectory_store.wait_for_records(self._cursor)
+        except BaseException:  # cancelled from outside (the origin closing): nothing was delivered
+            c.position, c.stale, c.below_min, c.ahead, c.duplicates_seen = before  # read again next time
+            raise
+        finally:
+            self._busy = False
         return out
+
+
+def check_batch_args(n, timeout) -> None:
+    """UsageError unless `n` is an int >= 0 and `timeout` None or a number >= 0."""
+    if type(n) is not int or n < 0:
+        raise UsageError(f"get_batch: expected n, an int >= 0, found {type(n).__name__} {n!r}")
+    if timeout is not None and (type(timeout) not in (int, float) or not timeout >= 0):  # NaN fails >= too
+        raise UsageError(f"get_batch: expected a timeout of None or seconds >= 0, found "
+                         f"{type(timeout).__name__} {timeout!r}")
 
 
 def _write_ledger(path: Path, done: set[str]) -> None:
@@ -551,19 +649,33 @@ class SyncOrigin:
             self._error = e
             self._started.set()
 
-    def _call(self, fn, *args):
+    def _call(self, fn, *args, sync: bool = False):
+        """`fn(*args)` on the origin's trio thread. UsageError once the origin has stopped
+        or been closed, also for a call that was waiting when it closed (that call's task
+        was cancelled: trio.Cancelled must not reach the caller's thread)."""
         if self._error is not None:
             raise UsageError(f"origin stopped: {self._error}")
-        return trio.from_thread.run(fn, *args, trio_token=self._token)
+        token = self._token
+        if self._thread is None or token is None:
+            raise UsageError(f"{fn.__name__}: the origin is closed (or was never started)")
+        try:
+            if sync:
+                return trio.from_thread.run_sync(fn, *args, trio_token=token)
+            return trio.from_thread.run(fn, *args, trio_token=token)
+        except (trio.RunFinishedError, trio.Cancelled):
+            if self._error is not None:
+                raise UsageError(f"origin stopped: {self._error}") from None
+            raise UsageError(f"{fn.__name__}: the origin was closed") from None
 
     def publish(self, state_dict: dict | str | Path, served: str = DEFAULT_FORMAT) -> int:
         return self._call(self.origin.publish, state_dict, served)
 
     def stats(self) -> dict:
-        return trio.from_thread.run_sync(self.origin.stats, trio_token=self._token)
+        return self._call(self.origin.stats, sync=True)
 
-    def trajectories(self, min_version: int | None = None, max_staleness: int | None = None) -> "SyncTrajectoryFeed":
-        feed = trio.from_thread.run_sync(self.origin.trajectories, min_version, max_staleness, trio_token=self._token)
+    def trajectories(self, min_version: int | None = None, max_staleness: int | None = None,
+                     start: tuple[int, int] | None = None) -> "SyncTrajectoryFeed":
+        feed = self._call(self.origin.trajectories, min_version, max_staleness, start, sync=True)
         return SyncTrajectoryFeed(self, feed)
 
     @property
@@ -580,6 +692,7 @@ class SyncOrigin:
                 pass
         self._thread.join(timeout=30)
         self._thread = None
+        self._token = None
 
 
 class SyncTrajectoryFeed:
@@ -597,5 +710,14 @@ class SyncTrajectoryFeed:
     def below_min(self) -> int:
         return self._feed.below_min
 
-    def get_batch(self, n: int, timeout: float) -> list[ReceivedRecord]:
+    @property
+    def ahead(self) -> int:
+        return self._feed.ahead
+
+    @property
+    def position(self) -> tuple[int, int]:
+        return self._feed.position
+
+    def get_batch(self, n: int, timeout: float | None) -> list[ReceivedRecord]:
+        check_batch_args(n, timeout)
         return self._owner._call(self._feed.get_batch, n, timeout)

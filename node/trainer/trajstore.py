@@ -39,7 +39,7 @@ from typing import NamedTuple
 
 import trio
 
-from patchswarm.protocol.errors import DiskFull, UsageError
+from patchswarm.protocol.errors import BudgetExceeded, DiskFull, UsageError
 from patchswarm.protocol.trajectory import (SEGMENT_HEADER_BYTES, DuplicatesNote, ReceivedRecord, Record, ScanProblem,
                                             SeqRanges, check_segment_header, encode_record, received_parts,
                                             scan_records)
@@ -49,6 +49,16 @@ from patchswarm.node.seglog import (DEFAULT_GROUP_BYTES, DEFAULT_SEGMENT_BYTES, 
                                     SegmentLog, fsync_dir, list_segments, read_span, segment_path)
 
 log = logging.getLogger("patchswarm.trajstore")
+
+# Ranges in one node's dedup index. An honest node's seqs are dense with a gap per restart
+# (node/spool.py) or per spool write that found its disk full; each range costs memory, and a
+# new seq below others moves every range after it (a list insert): unbounded, a member could
+# stall the origin for seconds per batch. A batch that would go past this is refused whole.
+MAX_SEQ_RANGES_PER_NODE = 1 << 16
+SEQ_RANGES_BUDGET = "seq ranges per node"  # BudgetExceeded.budget
+# Policy versions counted one by one in a summary (an honest run publishes fewer); records of
+# further versions, which only a buggy or hostile submitter invents, are counted together.
+MAX_TALLIED_VERSIONS = 1 << 20
 
 
 # ================================================================ summaries
@@ -63,6 +73,7 @@ class _Tally:
         self.payload_bytes = 0
         self.by_node: collections.Counter = collections.Counter()
         self.by_version: collections.Counter = collections.Counter()
+        self.untallied_versions = 0  # records of versions past MAX_TALLIED_VERSIONS distinct ones
 
     def add(self, value) -> None:
         if type(value) is DuplicatesNote:
@@ -71,7 +82,11 @@ class _Tally:
         self.records += 1
         self.payload_bytes += len(value.payload)
         self.by_node[value.node_id] += 1
-        self.by_version[value.policy_version] += 1
+        v = value.policy_version
+        if v in self.by_version or len(self.by_version) < MAX_TALLIED_VERSIONS:
+            self.by_version[v] += 1
+        else:
+            self.untallied_versions += 1
 
     def summary(self, current_version, max_staleness, segments: int, problems) -> dict:
         stale = 0
@@ -83,6 +98,7 @@ class _Tally:
             "stale": stale,
             "by_node": dict(sorted(self.by_node.items())),
             "by_version": dict(sorted(self.by_version.items())),
+            "untallied_versions": self.untallied_versions,
             "payload_bytes": self.payload_bytes,
             "segments": segments,
             "problems": [str(p) for p in problems],
@@ -113,17 +129,28 @@ class TrajectoryCursor:
     `read(max_records, current_version=...)` returns the next records it can
     read now and advances; records below `min_version`, or older than
     `max_staleness` versions behind `current_version`, are skipped and counted
-    in `below_min` / `stale` (never silently). Damage met on the way is skipped
+    in `below_min` / `stale` (never silently); with `max_staleness`, so are records
+    claiming a version above `current_version` (`ahead`: none was published, so
+    they come from a buggy or hostile submitter, or an origin whose data dir was reset). Damage met on the way is skipped
     and appended to `problems`. `position` is a plain tuple: save it to resume.
     """
 
     def __init__(self, source, start=None, *, min_version=None, max_staleness=None):
+        for name, v in (("min_version", min_version), ("max_staleness", max_staleness)):
+            if v is not None and not (type(v) is int and v >= 0):
+                raise UsageError(f"{name}: expected None or an int >= 0, found {type(v).__name__} {v!r}")
+        if start is not None and not (isinstance(start, (tuple, list)) and len(start) == 2
+                                      and all(type(v) is int for v in start)
+                                      and start[0] >= 0 and start[1] >= SEGMENT_HEADER_BYTES):
+            raise UsageError(f"start: expected None or a cursor's position (segment >= 0, offset >= "
+                             f"{SEGMENT_HEADER_BYTES}), found {type(start).__name__} {start!r}")
         self._source = source
         self.position: tuple[int, int] = tuple(start) if start else (0, SEGMENT_HEADER_BYTES)
         self.min_version = min_version
         self.max_staleness = max_staleness
         self.stale = 0
         self.below_min = 0
+        self.ahead = 0
         self.duplicates_seen = 0  # sum of DuplicatesNote counts passed
         self.problems: list[FileProblem] = []
         self.seen: tuple[int, int] = (-1, -1)  # (segment, readable end) when the last read ran dry
@@ -179,14 +206,17 @@ class TrajectoryCursor:
 
     def _read_span(self, seg, off, end, finished, out, max_records, current_version) -> bool:
         """Consume entries from [off, end); False if no progress was possible."""
+        # Frame and decode only about the entries still wanted (a few more, for stale ones
+        # and notes): the rest of the chunk stays cached for the next read.
+        limit = max(max_records - len(out), 16)
         base, data = self._chunk(seg, off, end, whole=False)
-        scan = scan_records(data, start=off - base)
+        scan = scan_records(data, start=off - base, limit=limit)
         capped = base + len(data) < end
         tail = next((p for p in scan.problems if p.tail), None)
         if capped and tail is not None and scan.good_end == off - base:
             # no entry in a capped read: look at everything that is readable
             base, data = self._chunk(seg, off, end, whole=True)
-            scan, capped = scan_records(data, start=0), False
+            scan, capped = scan_records(data, start=0, limit=limit), False
             tail = next((p for p in scan.problems if p.tail), None)
         pos = off - base
         for entry, value in scan.entries:
@@ -202,6 +232,9 @@ class TrajectoryCursor:
                 continue
             if self.min_version is not None and value.policy_version < self.min_version:
                 self.below_min += 1
+            elif (self.max_staleness is not None and current_version is not None
+                  and value.policy_version > current_version):
+                self.ahead += 1  # no such version was published: not on-policy data, whoever sent it
             elif (self.max_staleness is not None and current_version is not None
                   and current_version - value.policy_version > self.max_staleness):
                 self.stale += 1
@@ -280,6 +313,7 @@ class TrajectoryStore:
         self._index = rec.index
         self._clock = clock
         self._new_data = trio.Event()
+        self._closed = False
         next_number = (rec.numbers[-1] + 1) if rec.numbers else 1
         self.log = SegmentLog(directory, next_number, segment_bytes, group_bytes, self._landed, self._not_written)
         self.disk = DiskCondition(directory)
@@ -314,9 +348,17 @@ class TrajectoryStore:
             seen = index.get(r.node_id)
             if seen is None:
                 seen = index[r.node_id] = SeqRanges()
+            ranges = seen.range_count()
             if seen.add(r.seq):
                 bodies.append(body)
                 values.append(r)  # what the tally counts (node, version, payload size)
+                # past the bound, and by a new range (a store from before the bound may hold more)
+                if seen.range_count() > max(ranges, MAX_SEQ_RANGES_PER_NODE):
+                    for v in values:  # nothing of the batch stays: the index is as before it
+                        index[v.node_id].discard(v.seq)
+                    raise BudgetExceeded(SEQ_RANGES_BUDGET, f"node {r.node_id!r}: expected its seqs to leave at "
+                                         f"most {MAX_SEQ_RANGES_PER_NODE} ranges in the dedup index, found a batch "
+                                         f"of {len(records)} that leaves more (seq {r.seq}); nothing of it was stored")
             else:
                 dups += 1
         if dups:
@@ -372,8 +414,11 @@ class TrajectoryStore:
         return TrajectoryCursor(self, start, min_version=min_version, max_staleness=max_staleness)
 
     async def wait_for_records(self, cursor: TrajectoryCursor) -> None:
-        """Return once something was committed beyond what `cursor` last saw."""
+        """Return once something was committed beyond what `cursor` last saw
+        (UsageError once the store is closed: nothing more will be)."""
         while True:
+            if self._closed:
+                raise UsageError(f"trajectory store in {self.directory} is closed: no more records will arrive")
             seg, end = cursor.seen
             if self._numbers and (self._numbers[-1] > seg or self._ends.get(seg, 0) > end):
                 return
@@ -392,8 +437,12 @@ class TrajectoryStore:
         return _dump(self.cursor(), out)
 
     async def aclose(self) -> None:
-        await self.log.aclose()
-        self._lock.release()
+        try:
+            await self.log.aclose()
+        finally:
+            self._lock.release()
+            self._closed = True
+            self._new_data.set()  # waiters see it closed
 
     async def __aenter__(self):
         return self
