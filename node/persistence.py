@@ -162,10 +162,14 @@ def replay(w: Weights | None, book: VersionBook, store: ObjectStore, *, threads:
     """`w` (the base, or None) carried forward through the complete stored objects `book`
     plans from it, each applied with every check the codec has; an object that fails
     ends the replay at the version before it (`on_failure(key)` is told)."""
-    stored = {k for k in store.keys() if store.complete(k)}
-    plan = [k for k in book.plan(None if w is None else w.version, None if w is None else w.state_hash)
-            if k in stored]
+    plan = book.plan(None if w is None else w.version, None if w is None else w.state_hash)
     for key in plan:
+        if not store.complete(key):
+            # The chain stops here until the swarm brings the rest of this object; the
+            # objects after it stay (applied onto the version before, they fail, and were dropped).
+            log.info("replay stops before %s (not complete in the store); resuming at %s", describe(key),
+                     "no version" if w is None else f"version {w.version}")
+            break
         m = store.manifest(key)
         state = {} if key[1] or w is None else w.state
         try:

@@ -1,0 +1,86 @@
+"""A node's start-up on damaged or unexpected on-disk state: the base file plus the stored chain.
+
+Each test builds a real data dir (a base file at version 0 and signed patches 1..3
+in the object store), damages it, and runs what the daemon runs at start-up
+(`ObjectStore.load`, then `DurableState.load`): the node must resume at a
+verified version, keep what it can still use, and drop only what it cannot verify.
+"""
+
+import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from patchswarm.node.persistence import DurableState
+from patchswarm.node.store import ObjectStore
+from patchswarm.node.weights import WEIGHTS_NAME, Weights, read_weights, write_weights
+from patchswarm.protocol.manifest import sign_manifest
+from patchswarm.protocol.patch import diff
+from patchswarm.protocol.publication import manifest_of
+from patchswarm.protocol.statehash import state_hash
+from patchswarm.protocol.versions import VersionBook
+
+SWARM = "sw"
+VERSIONS = 3
+
+
+def _states() -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(5)
+    s = {"w": torch.randn(96, 96, generator=g).to(torch.bfloat16)}
+    out = [s]
+    for v in range(VERSIONS):
+        s = {k: t.clone() for k, t in s.items()}
+        s["w"].view(-1).view(torch.int16)[v::5] += 1
+        out.append(s)
+    return out
+
+
+def _data_dir(tmp_path):
+    """(data dir, trainer key, states): a base at version 0 and patches 1..VERSIONS stored."""
+    trainer = Ed25519PrivateKey.generate()
+    states = _states()
+    store = ObjectStore(tmp_path / "objects")
+    for v in range(1, VERSIONS + 1):
+        p = diff(states[v - 1], states[v], chunk_bytes=1_000, segment_elements=1 << 11)
+        assert len(p.chunks) > 1
+        m = manifest_of(p, swarm_id=SWARM, version=v, created_at=0.0)
+        store.write_object((v, False), sign_manifest(m, trainer), p.chunks)
+    write_weights(tmp_path / WEIGHTS_NAME, Weights(states[0], 0, state_hash(states[0]), SWARM))
+    return tmp_path, trainer, states
+
+
+def _start(data_dir, trainer):
+    """What the daemon does at start-up: (store, durable, weights, dropped lines)."""
+    book = VersionBook(SWARM, trainer.public_key())
+    store = ObjectStore(data_dir / "objects")
+    dropped = store.load(book, None)
+    durable = DurableState(data_dir, store, SWARM)
+    return store, durable, durable.load(book), dropped
+
+
+def _same(a, b) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k].view(torch.int16), b[k].view(torch.int16)) for k in a)
+
+
+def test_an_undamaged_data_dir_resumes_at_its_last_version(tmp_path):
+    d, trainer, states = _data_dir(tmp_path)
+    store, durable, w, dropped = _start(d, trainer)
+    assert dropped == [] and w.version == VERSIONS and _same(w.state, states[VERSIONS])
+
+
+def test_a_damaged_chunk_stops_the_replay_before_its_object_and_keeps_the_objects_after_it(tmp_path):
+    """The defect: replay filtered the plan down to complete objects, so with a chunk of v2
+    dropped it applied v3 straight onto v1; the codec caught it, and the replay then
+    deleted v3, a complete verified object the node could still use."""
+    d, trainer, states = _data_dir(tmp_path)
+    chunk = d / "objects" / "v0000000002-patch" / "000001.chunk"
+    chunk.write_bytes(chunk.read_bytes()[:-1])  # truncated
+    store, durable, w, dropped = _start(d, trainer)
+    assert len(dropped) == 1 and "000001.chunk" in dropped[0]
+    assert w.version == 1 and _same(w.state, states[1])
+    assert store.complete((3, False)), "v3 is verified and needed once v2's chunk is fetched again"
+    assert (d / "objects" / "v0000000003-patch" / "manifest").exists()
+    # Once the chunk is back, the next start replays the whole chain.
+    p = diff(states[1], states[2], chunk_bytes=1_000, segment_elements=1 << 11)
+    chunk.write_bytes(p.chunks[1])
+    store, durable, w, dropped = _start(d, trainer)
+    assert dropped == [] and w.version == VERSIONS and _same(w.state, states[VERSIONS])
+
