@@ -13,8 +13,8 @@ callers say what to drop.
 
 What start-up may delete, the one rule: what this store wrote and can show is
 unusable. That is a temporary of an interrupted write, a chunk file that does
-not match its manifest, and an object folder whose manifest is missing or does
-not verify (nothing in it can be checked). Any other file is left where it is.
+not match its manifest, and an object folder whose manifest is missing, does
+not verify, or is that of another object (nothing in it can be checked). Any other file is left where it is.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from patchswarm.protocol.errors import InvalidInput
-from patchswarm.protocol.manifest import Manifest
+from patchswarm.protocol.manifest import Manifest, describe, key_of
 from patchswarm.protocol.publication import ObjKey
-from patchswarm.protocol.versions import VersionBook
+from patchswarm.protocol.versions import NEW, VersionBook
 
 from patchswarm.node.diskspace import DiskCondition
 
@@ -76,7 +76,13 @@ class ObjectStore:
                 continue
             key = (int(m.group(1)), m.group(2) == "keyframe")
             try:
-                _, manifest = book.offer((d / MANIFEST_NAME).read_bytes(), current_version)
+                status, manifest = book.offer((d / MANIFEST_NAME).read_bytes(), current_version)
+                if key_of(manifest) != key:
+                    # Served under this name, its chunks would fail the SHA-256 peers hold for it.
+                    if status == NEW:
+                        book.discard(key_of(manifest))
+                    raise InvalidInput(f"expected the manifest of {describe(key)}, found that of "
+                                       f"{describe(key_of(manifest))}")
             except (OSError, InvalidInput) as e:
                 dropped.append(f"{d.name}: {e}")
                 if delete:

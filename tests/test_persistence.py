@@ -84,3 +84,25 @@ def test_a_damaged_chunk_stops_the_replay_before_its_object_and_keeps_the_object
     store, durable, w, dropped = _start(d, trainer)
     assert dropped == [] and w.version == VERSIONS and _same(w.state, states[VERSIONS])
 
+
+def test_a_manifest_in_another_objects_folder_is_not_served_under_that_folders_name(tmp_path):
+    """The defect: the store keyed an object by its folder's name, not by its signed manifest,
+    so a v2 manifest under v0000000009-patch was served to peers as v9 (chunks that fail
+    v9's SHA-256 from an honest node) and v2 counted as absent."""
+    d, trainer, states = _data_dir(tmp_path)
+    (d / "objects" / "v0000000002-patch").rename(d / "objects" / "v0000000009-patch")
+    store, durable, w, dropped = _start(d, trainer)
+    assert (9, False) not in store.keys() and store.manifest((9, False)) is None
+    assert any("v0000000009-patch" in line and "found that of v2 patch" in line for line in dropped), dropped
+    assert w.version == 1 and _same(w.state, states[1])
+    assert store.complete((3, False))
+
+
+def test_a_copy_of_another_objects_manifest_does_not_hide_that_object(tmp_path):
+    d, trainer, states = _data_dir(tmp_path)
+    objects = d / "objects"
+    (objects / "v0000000002-patch" / "manifest").write_bytes((objects / "v0000000003-patch" / "manifest").read_bytes())
+    store, durable, w, dropped = _start(d, trainer)
+    assert len(dropped) == 1 and "expected the manifest of v2 patch, found that of v3 patch" in dropped[0]
+    assert store.complete((3, False)) and store.manifest((2, False)) is None
+    assert w.version == 1 and _same(w.state, states[1])
