@@ -71,6 +71,8 @@ class DurableState:
         self._remove_temporaries()
         try:
             w = read_base(self.path, self.swarm_id)
+            if w is not None:
+                check_base(self.path, w, book)
         except InvalidInput as e:
             # The chain after it cannot be replayed either: start from what a keyframe gives.
             log.warning("ignoring the base file %s: %s", self.path, e)
@@ -155,6 +157,18 @@ def read_base(path: Path, swarm_id: str) -> Weights | None:
     if w is not None and w.swarm_id != swarm_id:
         raise UsageError(f"{path}: holds weights of swarm {w.swarm_id}, this member is in {swarm_id}")
     return w
+
+
+def check_base(path: Path, w: Weights, book: VersionBook) -> None:
+    """Raise InvalidInput where a signed manifest says the state at the base's version is
+    another one: the base file hashes to what its own metadata says, not what the trainer
+    published (restored from elsewhere, or a swarm restarted under the same id)."""
+    for key in ((w.version, True), (w.version, False), (w.version + 1, False)):
+        m = book.get(key)
+        expected = None if m is None else m.target_hash if key[0] == w.version else m.base_hash
+        if expected is not None and expected != w.state_hash:
+            raise InvalidInput(f"{path}: expected the state at version {w.version} that the signed {describe(key)} "
+                               f"names ({expected[:23]}…), found {w.state_hash[:23]}…")
 
 
 def replay(w: Weights | None, book: VersionBook, store: ObjectStore, *, threads: int | None = None,

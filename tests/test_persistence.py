@@ -106,3 +106,23 @@ def test_a_copy_of_another_objects_manifest_does_not_hide_that_object(tmp_path):
     assert len(dropped) == 1 and "expected the manifest of v2 patch, found that of v3 patch" in dropped[0]
     assert store.complete((3, False)) and store.manifest((2, False)) is None
     assert w.version == 1 and _same(w.state, states[1])
+
+
+def test_a_base_file_whose_state_is_not_the_signed_chains_is_not_resumed_from(tmp_path, caplog):
+    """The defect: a base file that hashes to what its own metadata says, but whose state is not
+    the one the signed manifests name at its version (the v1 patch's base hash), was taken as
+    version 0: the node served a state no trainer published, could not replay the stored chain,
+    and stayed there until the next keyframe."""
+    d, trainer, states = _data_dir(tmp_path)
+    other = {k: t.clone() for k, t in states[0].items()}
+    other["w"].view(-1).view(torch.int16)[7] += 1
+    write_weights(d / WEIGHTS_NAME, Weights(other, 0, state_hash(other), SWARM))
+    store, durable, w, dropped = _start(d, trainer)
+    assert w is None and durable.base is None, "no verified version: fetch a keyframe"
+    assert all(store.complete((v, False)) for v in range(1, VERSIONS + 1)), "the chain stays"
+    lines = [r.getMessage() for r in caplog.records if "base file" in r.getMessage()]
+    assert len(lines) == 1 and "v1 patch" in lines[0] and state_hash(other)[:20] in lines[0], lines
+    # The matching base: the stored chain replays to the last version.
+    write_weights(d / WEIGHTS_NAME, Weights(states[0], 0, state_hash(states[0]), SWARM))
+    store, durable, w, dropped = _start(d, trainer)
+    assert w.version == VERSIONS and _same(w.state, states[VERSIONS])
