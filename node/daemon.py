@@ -151,11 +151,12 @@ class Node:
         self.peers.store = self.store
         self.fetcher = Fetcher(self.id, self.region, self.picker, self.peers, self.inflows, self.store, self.book,
                                on_complete=lambda key: self.applier.completed(key))
-        for line in self.store.load(self.book, None):
-            log.warning("dropped from the object store: %s", line)
         # The current version is the base file plus the stored patches after it, replayed and
         # verified: a version is durable once its object is (chunks first, manifest last).
         durable = DurableState(self.data_dir, self.store, self.swarm_id, self.cfg.compact_every)
+        durable.check_swarm()  # first: the store drops what does not verify, another swarm's objects too
+        for line in self.store.load(self.book, None):
+            log.warning("dropped from the object store: %s", line)
         self.applier = Applier(self.book, self.store, self.fetcher, durable,
                                keep_versions=self.cfg.keep_versions, apply_nice=self.cfg.apply_nice,
                                apply_threads=self.cfg.apply_threads, sink=self._model_sink(),

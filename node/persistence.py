@@ -28,7 +28,8 @@ import torch
 from patchswarm.node import basefile, failpoints
 from patchswarm.node.compaction import COMPACT_EVERY
 from patchswarm.node.store import ObjectStore
-from patchswarm.node.weights import META_HASH, META_SWARM, META_VERSION, WEIGHTS_NAME, Weights, read_weights
+from patchswarm.node.weights import (META_HASH, META_SWARM, META_VERSION, WEIGHTS_NAME, Weights, read_metadata,
+                                     read_weights)
 from patchswarm.protocol.errors import InvalidInput, PatchswarmError, UsageError
 from patchswarm.protocol.manifest import ObjKey
 from patchswarm.protocol.patch import apply
@@ -85,6 +86,20 @@ class DurableState:
             book.discard(key)
 
         return replay(w, book, self.store, threads=threads, on_failure=failed)
+
+    def check_swarm(self) -> None:
+        """Refuse (UsageError) a data dir whose base file says it belongs to another swarm; call
+        it before the store loads, which would drop that swarm's objects as unverifiable. A
+        base whose metadata does not read is left to `load` (ignored there, with a warning)."""
+        if not self.path.exists():
+            return
+        try:
+            found = read_metadata(self.path).get(META_SWARM)
+        except InvalidInput:
+            return
+        if found is not None and found != self.swarm_id:
+            raise UsageError(f"{self.path}: expected weights of swarm {self.swarm_id}, found swarm {found} "
+                             f"(another swarm's data dir, or credentials of another swarm); nothing was changed")
 
     def _remove_temporaries(self) -> None:
         """A write of the base that a crash interrupted leaves a state-sized temporary

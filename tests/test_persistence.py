@@ -126,3 +126,25 @@ def test_a_base_file_whose_state_is_not_the_signed_chains_is_not_resumed_from(tm
     write_weights(d / WEIGHTS_NAME, Weights(states[0], 0, state_hash(states[0]), SWARM))
     store, durable, w, dropped = _start(d, trainer)
     assert w.version == VERSIONS and _same(w.state, states[VERSIONS])
+
+
+def test_a_node_refuses_another_swarms_data_dir_before_it_deletes_anything(tmp_path):
+    """The defect: start-up loaded the object store first, which deletes every object folder
+    whose manifest does not verify (all of them, under another swarm's key), and only then
+    read the base file and refused it as another swarm's: a wrong --data-dir or --creds
+    destroyed the other swarm's stored chain before the node said no."""
+    import pytest
+    import trio
+
+    from patchswarm.node.daemon import Node, NodeConfig
+    from patchswarm.node.net.trust import init_swarm, issue
+    from patchswarm.protocol.errors import UsageError
+
+    d, trainer, states = _data_dir(tmp_path / "data")
+    init_swarm(tmp_path / "swarm")
+    issue(tmp_path / "swarm", "n1", "node", tmp_path / "creds")
+    before = sorted(p.relative_to(d) for p in (d / "objects").rglob("*"))
+    node = Node(NodeConfig("127.0.0.1:9", tmp_path / "creds", d, "127.0.0.1:0", "r0"))
+    with pytest.raises(UsageError, match=f"{WEIGHTS_NAME}: expected weights of swarm {node.swarm_id}, found swarm {SWARM}"):
+        trio.run(node.run)
+    assert sorted(p.relative_to(d) for p in (d / "objects").rglob("*")) == before
