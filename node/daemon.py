@@ -60,6 +60,8 @@ from patchswarm.node.uploader import TrajectoryUploader
 from patchswarm.node.engines import make_engine
 from patchswarm.node.modelsink import ModelSink
 from patchswarm.node.persistence import COMPACT_EVERY, DurableState
+from patchswarm.node.changelog import DIRNAME as CHANGES_DIR
+from patchswarm.node.weights import WEIGHTS_NAME
 
 log = logging.getLogger("patchswarm.node")
 
@@ -146,6 +148,7 @@ class Node:
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._check_layout()
         self._lock_data_dir()
         self.store = ObjectStore(self.data_dir / "objects")
         self.peers.store = self.store
@@ -201,6 +204,16 @@ class Node:
             nursery.start_soon(self.applier.run)
             nursery.start_soon(self.uploader.run)
             task_status.started(self)
+
+    def _check_layout(self) -> None:
+        """A file where the data dir has a folder, or the reverse, is refused with its name
+        (else: a bare `File exists`, or base writes failing as if our disk were)."""
+        for name, folder in (("lock", False), (WEIGHTS_NAME, False), ("objects", True), ("spool", True),
+                             (CHANGES_DIR, True)):
+            p = self.data_dir / name
+            if p.exists() and p.is_dir() != folder:
+                raise UsageError(f"{p}: expected {'a directory' if folder else 'a file'}, found "
+                                 f"{'a directory' if p.is_dir() else 'a file'}; move it away to start")
 
     def _lock_data_dir(self) -> None:
         fd = os.open(self.data_dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)

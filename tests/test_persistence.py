@@ -6,12 +6,17 @@ in the object store), damages it, and runs what the daemon runs at start-up
 verified version, keep what it can still use, and drop only what it cannot verify.
 """
 
+import pytest
 import torch
+import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from patchswarm.node.daemon import Node, NodeConfig
+from patchswarm.node.net.trust import init_swarm, issue
 from patchswarm.node.persistence import DurableState
 from patchswarm.node.store import ObjectStore
 from patchswarm.node.weights import WEIGHTS_NAME, Weights, read_weights, write_weights
+from patchswarm.protocol.errors import UsageError
 from patchswarm.protocol.manifest import sign_manifest
 from patchswarm.protocol.patch import diff
 from patchswarm.protocol.publication import manifest_of
@@ -133,18 +138,39 @@ def test_a_node_refuses_another_swarms_data_dir_before_it_deletes_anything(tmp_p
     whose manifest does not verify (all of them, under another swarm's key), and only then
     read the base file and refused it as another swarm's: a wrong --data-dir or --creds
     destroyed the other swarm's stored chain before the node said no."""
-    import pytest
-    import trio
-
-    from patchswarm.node.daemon import Node, NodeConfig
-    from patchswarm.node.net.trust import init_swarm, issue
-    from patchswarm.protocol.errors import UsageError
-
     d, trainer, states = _data_dir(tmp_path / "data")
-    init_swarm(tmp_path / "swarm")
-    issue(tmp_path / "swarm", "n1", "node", tmp_path / "creds")
     before = sorted(p.relative_to(d) for p in (d / "objects").rglob("*"))
-    node = Node(NodeConfig("127.0.0.1:9", tmp_path / "creds", d, "127.0.0.1:0", "r0"))
+    node = _node(tmp_path, d)
     with pytest.raises(UsageError, match=f"{WEIGHTS_NAME}: expected weights of swarm {node.swarm_id}, found swarm {SWARM}"):
-        trio.run(node.run)
+        _run(node)
     assert sorted(p.relative_to(d) for p in (d / "objects").rglob("*")) == before
+
+
+def _node(tmp_path, data_dir, **cfg) -> Node:
+    """A node of a swarm of its own (credentials issued here), on `data_dir`; its tracker
+    address is a closed port: these tests end at start-up."""
+    if not (tmp_path / "creds").exists():
+        init_swarm(tmp_path / "swarm")
+        issue(tmp_path / "swarm", "n1", "node", tmp_path / "creds")
+    return Node(NodeConfig("127.0.0.1:9", tmp_path / "creds", data_dir, "127.0.0.1:0", "r0", **cfg))
+
+
+def _run(node: Node) -> None:
+    async def main():
+        with trio.fail_after(30):  # a node that starts runs until cancelled: these must refuse
+            await node.run()
+    trio.run(main)
+
+
+@pytest.mark.parametrize("name,make", [("objects", "file"), ("spool", "file"), ("changes", "file"),
+                                       (WEIGHTS_NAME, "dir"), ("lock", "dir")])
+def test_a_file_where_a_folder_belongs_or_the_reverse_is_named_at_start_up(tmp_path, name, make):
+    """Before: `[Errno 17] File exists: D/objects` (what was expected unsaid), and a folder
+    named weights.safetensors was ignored as an unreadable base while every later base
+    write failed on it, reported as our disk failing."""
+    d = tmp_path / "data"
+    d.mkdir()
+    (d / name).mkdir() if make == "dir" else (d / name).write_bytes(b"x")
+    expected = "a file, found a directory" if make == "dir" else "a directory, found a file"
+    with pytest.raises(UsageError, match=f"{name}: expected {expected}"):
+        _run(_node(tmp_path, d, sparse_handoff=True))
