@@ -54,7 +54,7 @@ from pathlib import Path
 import msgpack
 import trio
 
-from patchswarm.protocol.errors import CorruptData, DiskFull, SpoolFull, StorageFailed, UsageError
+from patchswarm.protocol.errors import CorruptData, DiskFull, SpoolFull, StorageFailed, UnsupportedFormat, UsageError
 from patchswarm.protocol.trajectory import (ENTRY_HEADER_BYTES, MAX_BATCH_BYTES, MAX_ID_CHARS, MAX_META_BYTES,
                                  MAX_PAYLOAD_BYTES, AckedRanges, Record, SpoolState, decode_record,
                                  encode_entry, encode_record, record_parts, scan_records, segment_header,
@@ -129,9 +129,17 @@ def _read_values(path: Path, problems: list, kind):
         data = path.read_bytes()
     except FileNotFoundError:
         return None
-    scan = scan_records(data)
+    scan = _scan(path, data)
     problems.extend(FileProblem(str(path), p) for p in scan.problems)
     return [v for _, v in scan.entries if type(v) is kind]
+
+
+def _scan(path: Path, data: bytes):
+    """scan_records, with a newer format refused by the file's name (never repaired)."""
+    try:
+        return scan_records(data)
+    except UnsupportedFormat as e:
+        raise UnsupportedFormat(f"{path}: {e}") from None
 
 
 def _recover(directory: Path, node_id: str, region: str, clock=time.time):
@@ -148,7 +156,7 @@ def _recover(directory: Path, node_id: str, region: str, clock=time.time):
     for i, n in enumerate(numbers):
         path = segment_path(directory, n)
         data = path.read_bytes()
-        scan = scan_records(data)
+        scan = _scan(path, data)
         problems.extend(FileProblem(str(path), p) for p in scan.problems)
         seg = _Segment(n, path)
         for entry, value in scan.entries:

@@ -550,6 +550,30 @@ def test_a_drained_spool_whose_state_file_is_lost_never_reuses_a_seq(tmp_path, d
     assert run(fresh) == 0
 
 
+@pytest.mark.parametrize("name", ["000000000001.seg", "state", "acks"])
+def test_a_spool_file_of_a_newer_format_is_refused_by_name(tmp_path, name):
+    """Before: `segment format: expected version 1, found 2`, and which of the spool's files
+    said so was left for the operator to find."""
+    import zlib
+
+    async def used():
+        sp = await TrajectorySpool.open(tmp_path, "n1", "r1")
+        await sp.append([(b"rec", 1)], timeout=5)
+        await sp.aclose()
+
+    run(used)
+    head = b"PSTRJSEG" + (2).to_bytes(4, "little")
+    path = tmp_path / name
+    path.write_bytes(head + zlib.crc32(head).to_bytes(4, "little") + path.read_bytes()[16:])
+
+    async def reopen():
+        await TrajectorySpool.open(tmp_path, "n1", "r1")
+
+    with pytest.raises(UnsupportedFormat, match=f"{path}: segment format: expected version 1, found 2"):
+        run(reopen)
+    assert path.read_bytes().startswith(head), "refused, not repaired"
+
+
 def test_spool_refuses_another_node_and_a_second_writer(tmp_path):
     async def main():
         sp = await TrajectorySpool.open(tmp_path, "n1", "r1")
