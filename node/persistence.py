@@ -88,11 +88,18 @@ class DurableState:
         return replay(w, book, self.store, threads=threads, on_failure=failed)
 
     def check_swarm(self) -> None:
-        """Refuse (UsageError) a data dir whose base file says it belongs to another swarm; call
-        it before the store loads, which would drop that swarm's objects as unverifiable. A
-        base whose metadata does not read is left to `load` (ignored there, with a warning)."""
+        """Refuse (UsageError) a data dir whose base file says it belongs to another swarm, or
+        that this member may not read; call it before the store loads, which would drop that
+        swarm's objects as unverifiable. A base whose metadata does not read (damage) is left
+        to `load` (ignored there, with a warning)."""
         if not self.path.exists():
             return
+        try:
+            with open(self.path, "rb"):
+                pass
+        except PermissionError as e:  # not damage: the file may be good, and must not be replaced
+            raise UsageError(f"{self.path}: expected a file this member can read, found {e.strerror}; fix its "
+                             f"owner or mode to start") from None
         try:
             found = read_metadata(self.path).get(META_SWARM)
         except InvalidInput:

@@ -6,6 +6,8 @@ in the object store), damages it, and runs what the daemon runs at start-up
 verified version, keep what it can still use, and drop only what it cannot verify.
 """
 
+from pathlib import Path
+
 import pytest
 import torch
 import trio
@@ -174,3 +176,26 @@ def test_a_file_where_a_folder_belongs_or_the_reverse_is_named_at_start_up(tmp_p
     expected = "a file, found a directory" if make == "dir" else "a directory, found a file"
     with pytest.raises(UsageError, match=f"{name}: expected {expected}"):
         _run(_node(tmp_path, d, sparse_handoff=True))
+
+
+def test_a_base_file_the_node_may_not_read_is_refused_not_replaced(tmp_path, monkeypatch):
+    """The defect: a base file that could not be opened (EACCES: chowned to another user) was
+    'ignored' like a damaged one; the node fell back to a keyframe (fetched whole where none
+    was stored) and its next base write replaced the file, a good state it could use once
+    its permissions are fixed. Now start-up refuses with the file and the error."""
+    import builtins
+
+    from patchswarm.node import persistence
+
+    d, trainer, states = _data_dir(tmp_path / "data")
+    base = d / WEIGHTS_NAME
+
+    def deny(path, *args, **kwargs):
+        if Path(path) == base:
+            raise PermissionError(13, "Permission denied", str(path))
+        return builtins.open(path, *args, **kwargs)
+
+    monkeypatch.setattr(persistence, "open", deny, raising=False)
+    store = ObjectStore(d / "objects")
+    with pytest.raises(UsageError, match=f"{WEIGHTS_NAME}: expected a file this member can read, found Permission denied"):
+        DurableState(d, store, SWARM).check_swarm()
