@@ -201,8 +201,6 @@ def _recover(directory: Path, node_id: str, region: str, clock=time.time):
     reserved = next_seq + SEQ_RESERVE
     _write_state(directory, SpoolState(node_id, region, reserved))
     _write_acks(directory, _acked_ranges(live))  # compacted; also drops a torn tail
-    for p in problems:
-        log.warning("spool: %s", p)
     return live, problems, next_seq, reserved, (numbers[-1] + 1 if numbers else 1)
 
 
@@ -264,7 +262,7 @@ class TrajectorySpool:
         self.node_id, self.region = node_id, region
         self._id_bytes = (node_id.encode(), region.encode())
         self.max_bytes = max_bytes
-        self.problems: list[FileProblem] = problems  # damage found on open
+        self.problems: list[FileProblem] = problems  # damage found on open; the caller logs it (once)
         self._lock = lock
         self._clock = clock
         self._segs: list[_Segment] = segments
