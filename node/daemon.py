@@ -60,6 +60,8 @@ from patchswarm.node.uploader import TrajectoryUploader
 from patchswarm.node.engines import make_engine
 from patchswarm.node.modelsink import ModelSink
 from patchswarm.node.persistence import COMPACT_EVERY, DurableState
+from patchswarm.node.changelog import DIRNAME as CHANGES_DIR
+from patchswarm.node.weights import WEIGHTS_NAME
 
 log = logging.getLogger("patchswarm.node")
 
@@ -146,16 +148,18 @@ class Node:
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._check_layout()
         self._lock_data_dir()
         self.store = ObjectStore(self.data_dir / "objects")
         self.peers.store = self.store
         self.fetcher = Fetcher(self.id, self.region, self.picker, self.peers, self.inflows, self.store, self.book,
                                on_complete=lambda key: self.applier.completed(key))
-        for line in self.store.load(self.book, None):
-            log.warning("dropped from the object store: %s", line)
         # The current version is the base file plus the stored patches after it, replayed and
         # verified: a version is durable once its object is (chunks first, manifest last).
         durable = DurableState(self.data_dir, self.store, self.swarm_id, self.cfg.compact_every)
+        durable.check_swarm()  # first: the store drops what does not verify, another swarm's objects too
+        for line in self.store.load(self.book, None):
+            log.warning("dropped from the object store: %s", line)
         self.applier = Applier(self.book, self.store, self.fetcher, durable,
                                keep_versions=self.cfg.keep_versions, apply_nice=self.cfg.apply_nice,
                                apply_threads=self.cfg.apply_threads, sink=self._model_sink(),
@@ -200,6 +204,16 @@ class Node:
             nursery.start_soon(self.applier.run)
             nursery.start_soon(self.uploader.run)
             task_status.started(self)
+
+    def _check_layout(self) -> None:
+        """A file where the data dir has a folder, or the reverse, is refused with its name
+        (else: a bare `File exists`, or base writes failing as if our disk were)."""
+        for name, folder in (("lock", False), (WEIGHTS_NAME, False), ("objects", True), ("spool", True),
+                             (CHANGES_DIR, True)):
+            p = self.data_dir / name
+            if p.exists() and p.is_dir() != folder:
+                raise UsageError(f"{p}: expected {'a directory' if folder else 'a file'}, found "
+                                 f"{'a directory' if p.is_dir() else 'a file'}; move it away to start")
 
     def _lock_data_dir(self) -> None:
         fd = os.open(self.data_dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)

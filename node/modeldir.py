@@ -25,7 +25,7 @@ import torch
 
 from patchswarm.node import basefile
 from patchswarm.node.checkpoint import INDEX_NAME, fsync_path, write_side_files
-from patchswarm.protocol.errors import UsageError
+from patchswarm.protocol.errors import InvalidInput, UsageError
 
 SINGLE_FILE = "model.safetensors"
 CURRENT = "current"
@@ -61,6 +61,30 @@ class ModelDir:
 
     def path(self, version: int) -> Path:
         return self.root / VERSIONS / version_name(version)
+
+    def recorded(self, version: int) -> dict[str, str]:
+        """The metadata written with `version` (its index's, or its single file's); {} where
+        it does not read (the caller then writes the version again)."""
+        d = self.path(version)
+        try:
+            if (d / INDEX_NAME).exists():
+                meta = json.loads((d / INDEX_NAME).read_text()).get("metadata", {})
+            else:
+                meta = basefile.read_header(d / SINGLE_FILE)[2]
+        except (OSError, ValueError, InvalidInput, AttributeError):
+            return {}
+        return {k: v for k, v in meta.items() if isinstance(v, str)} if isinstance(meta, dict) else {}
+
+    def set_aside(self, version: int) -> None:
+        """Remove `version`'s directory, which holds another state than its name says (left by
+        another swarm or an earlier data dir), so that it is written again."""
+        d = self.path(version)
+        aside = d.with_name(f".{d.name}.stale")  # removed at the next start if this is cut short
+        shutil.rmtree(aside, ignore_errors=True)
+        if d.exists():
+            os.rename(d, aside)
+            shutil.rmtree(aside, ignore_errors=True)
+        self._shards.pop(version, None)
 
     def write(self, version: int, state: dict[str, torch.Tensor], layout: dict[str, str] | None,
               files: dict[str, bytes], metadata: dict[str, str], changed: set[str] | None = None) -> int:

@@ -58,9 +58,19 @@ class ModelSink:
         offer it to the engine. `changed`: the tensors that differ from the version before
         (None: unknown, all are written)."""
         if self.version is not None and w.version <= self.version:
-            if w.version == self.version:  # already there (a restart that found it written)
-                self.offer_current(w.state_hash, published_at)
-            return
+            recorded = self.dir.recorded(self.version)
+            mine = recorded.get(META_SWARM) == w.swarm_id and (
+                w.version < self.version or recorded.get(META_HASH) == w.state_hash)
+            if mine:
+                if w.version == self.version:  # already there (a restart that found it written)
+                    self.offer_current(w.state_hash, published_at)
+                return
+            log.warning("model directory %s: version %d there is of swarm %s with state hash %s, expected %s; "
+                        "writing version %d again", self.dir.root, self.version, recorded.get(META_SWARM),
+                        recorded.get(META_HASH), f"swarm {w.swarm_id}" + (
+                            f" and {w.state_hash}" if w.version == self.version else ""), w.version)
+            self.dir.set_aside(self.version)
+            self.version = None
         if self.version != w.version - 1:
             changed = None  # the directory's current version is not this one's base
         tensors, files = split_side_files(w.state)

@@ -28,7 +28,8 @@ import torch
 from patchswarm.node import basefile, failpoints
 from patchswarm.node.compaction import COMPACT_EVERY
 from patchswarm.node.store import ObjectStore
-from patchswarm.node.weights import META_HASH, META_SWARM, META_VERSION, WEIGHTS_NAME, Weights, read_weights
+from patchswarm.node.weights import (META_HASH, META_SWARM, META_VERSION, WEIGHTS_NAME, Weights, read_metadata,
+                                     read_weights)
 from patchswarm.protocol.errors import InvalidInput, PatchswarmError, UsageError
 from patchswarm.protocol.manifest import ObjKey
 from patchswarm.protocol.patch import apply
@@ -71,6 +72,8 @@ class DurableState:
         self._remove_temporaries()
         try:
             w = read_base(self.path, self.swarm_id)
+            if w is not None:
+                check_base(self.path, w, book)
         except InvalidInput as e:
             # The chain after it cannot be replayed either: start from what a keyframe gives.
             log.warning("ignoring the base file %s: %s", self.path, e)
@@ -83,6 +86,27 @@ class DurableState:
             book.discard(key)
 
         return replay(w, book, self.store, threads=threads, on_failure=failed)
+
+    def check_swarm(self) -> None:
+        """Refuse (UsageError) a data dir whose base file says it belongs to another swarm, or
+        that this member may not read; call it before the store loads, which would drop that
+        swarm's objects as unverifiable. A base whose metadata does not read (damage) is left
+        to `load` (ignored there, with a warning)."""
+        if not self.path.exists():
+            return
+        try:
+            with open(self.path, "rb"):
+                pass
+        except PermissionError as e:  # not damage: the file may be good, and must not be replaced
+            raise UsageError(f"{self.path}: expected a file this member can read, found {e.strerror}; fix its "
+                             f"owner or mode to start") from None
+        try:
+            found = read_metadata(self.path).get(META_SWARM)
+        except InvalidInput:
+            return
+        if found is not None and found != self.swarm_id:
+            raise UsageError(f"{self.path}: expected weights of swarm {self.swarm_id}, found swarm {found} "
+                             f"(another swarm's data dir, or credentials of another swarm); nothing was changed")
 
     def _remove_temporaries(self) -> None:
         """A write of the base that a crash interrupted leaves a state-sized temporary
@@ -157,15 +181,31 @@ def read_base(path: Path, swarm_id: str) -> Weights | None:
     return w
 
 
+def check_base(path: Path, w: Weights, book: VersionBook) -> None:
+    """Raise InvalidInput where a signed manifest says the state at the base's version is
+    another one: the base file hashes to what its own metadata says, not what the trainer
+    published (restored from elsewhere, or a swarm restarted under the same id)."""
+    for key in ((w.version, True), (w.version, False), (w.version + 1, False)):
+        m = book.get(key)
+        expected = None if m is None else m.target_hash if key[0] == w.version else m.base_hash
+        if expected is not None and expected != w.state_hash:
+            raise InvalidInput(f"{path}: expected the state at version {w.version} that the signed {describe(key)} "
+                               f"names ({expected[:23]}…), found {w.state_hash[:23]}…")
+
+
 def replay(w: Weights | None, book: VersionBook, store: ObjectStore, *, threads: int | None = None,
            on_failure=None) -> Weights | None:
     """`w` (the base, or None) carried forward through the complete stored objects `book`
     plans from it, each applied with every check the codec has; an object that fails
     ends the replay at the version before it (`on_failure(key)` is told)."""
-    stored = {k for k in store.keys() if store.complete(k)}
-    plan = [k for k in book.plan(None if w is None else w.version, None if w is None else w.state_hash)
-            if k in stored]
+    plan = book.plan(None if w is None else w.version, None if w is None else w.state_hash)
     for key in plan:
+        if not store.complete(key):
+            # The chain stops here until the swarm brings the rest of this object; the
+            # objects after it stay (applied onto the version before, they fail, and were dropped).
+            log.info("replay stops before %s (not complete in the store); resuming at %s", describe(key),
+                     "no version" if w is None else f"version {w.version}")
+            break
         m = store.manifest(key)
         state = {} if key[1] or w is None else w.state
         try:

@@ -13,7 +13,9 @@ append tries the disk again (`disk`, node/diskspace.py, says so in status).
 Seqs: unique per node for ever. The spool hands out seqs below `seq_reserved`,
 persisted in `state` before use (in steps of SEQ_RESERVE); a restart resumes at
 the reserved mark, so deleting acknowledged segments can never let a seq be
-reused. The price is a gap in the numbering per restart.
+reused. The price is a gap in the numbering per restart. A used spool whose
+`state` is missing or unreadable resumes at the clock's microseconds (or above
+the highest seq on disk, if higher): reservations never get near it.
 
 Upload: a cursor design. `await next_batch()` (or the non-blocking
 `pending()`) returns durable, unacknowledged records with seq >= the cursor,
@@ -52,7 +54,7 @@ from pathlib import Path
 import msgpack
 import trio
 
-from patchswarm.protocol.errors import CorruptData, DiskFull, SpoolFull, StorageFailed, UsageError
+from patchswarm.protocol.errors import CorruptData, DiskFull, SpoolFull, StorageFailed, UnsupportedFormat, UsageError
 from patchswarm.protocol.trajectory import (ENTRY_HEADER_BYTES, MAX_BATCH_BYTES, MAX_ID_CHARS, MAX_META_BYTES,
                                  MAX_PAYLOAD_BYTES, AckedRanges, Record, SpoolState, decode_record,
                                  encode_entry, encode_record, record_parts, scan_records, segment_header,
@@ -127,14 +129,23 @@ def _read_values(path: Path, problems: list, kind):
         data = path.read_bytes()
     except FileNotFoundError:
         return None
-    scan = scan_records(data)
+    scan = _scan(path, data)
     problems.extend(FileProblem(str(path), p) for p in scan.problems)
     return [v for _, v in scan.entries if type(v) is kind]
 
 
-def _recover(directory: Path, node_id: str, region: str):
+def _scan(path: Path, data: bytes):
+    """scan_records, with a newer format refused by the file's name (never repaired)."""
+    try:
+        return scan_records(data)
+    except UnsupportedFormat as e:
+        raise UnsupportedFormat(f"{path}: {e}") from None
+
+
+def _recover(directory: Path, node_id: str, region: str, clock=time.time):
     """Worker thread: rebuild the index from the files; returns what open() needs."""
     problems: list[FileProblem] = []
+    used = any((directory / name).exists() for name in (STATE_NAME, ACKS_NAME))  # else a new spool
     states = _read_values(directory / STATE_NAME, problems, SpoolState)
     state = states[-1] if states else None
     if state is not None and (state.node_id, state.region) != (node_id, region):
@@ -145,7 +156,7 @@ def _recover(directory: Path, node_id: str, region: str):
     for i, n in enumerate(numbers):
         path = segment_path(directory, n)
         data = path.read_bytes()
-        scan = scan_records(data)
+        scan = _scan(path, data)
         problems.extend(FileProblem(str(path), p) for p in scan.problems)
         seg = _Segment(n, path)
         for entry, value in scan.entries:
@@ -179,14 +190,17 @@ def _recover(directory: Path, node_id: str, region: str):
     for s in segments:
         if s.n_acked == len(s.seqs):
             s.path.unlink()  # made durable by _write_state's directory fsync below
-    if state is None and (segments or acked):
-        log.warning("spool %s: no readable state file; resuming seqs after the highest one on disk", directory)
     next_seq = max(state.seq_reserved if state else 0, max_seq + 1)
+    if state is None and (used or numbers):
+        # `state` was the only record of the seqs handed out (acknowledged segments are
+        # deleted): a seq at or below one the origin stored would be dropped there as a
+        # duplicate. Reservations move seqs about 2^20 per restart, far slower than the clock.
+        next_seq = max(next_seq, int(clock() * 1e6))
+        log.warning("spool %s: no readable state file; resuming seqs at %d (the clock in microseconds, above "
+                    "any handed out before)", directory, next_seq)
     reserved = next_seq + SEQ_RESERVE
     _write_state(directory, SpoolState(node_id, region, reserved))
     _write_acks(directory, _acked_ranges(live))  # compacted; also drops a torn tail
-    for p in problems:
-        log.warning("spool: %s", p)
     return live, problems, next_seq, reserved, (numbers[-1] + 1 if numbers else 1)
 
 
@@ -248,7 +262,7 @@ class TrajectorySpool:
         self.node_id, self.region = node_id, region
         self._id_bytes = (node_id.encode(), region.encode())
         self.max_bytes = max_bytes
-        self.problems: list[FileProblem] = problems  # damage found on open
+        self.problems: list[FileProblem] = problems  # damage found on open; the caller logs it (once)
         self._lock = lock
         self._clock = clock
         self._segs: list[_Segment] = segments
@@ -291,7 +305,7 @@ class TrajectorySpool:
         directory.mkdir(parents=True, exist_ok=True)
         lock = DirectoryLock(directory)
         try:
-            recovered = await trio.to_thread.run_sync(_recover, directory, node_id, region)
+            recovered = await trio.to_thread.run_sync(_recover, directory, node_id, region, clock)
         except BaseException:
             lock.release()
             raise

@@ -13,8 +13,10 @@ callers say what to drop.
 
 What start-up may delete, the one rule: what this store wrote and can show is
 unusable. That is a temporary of an interrupted write, a chunk file that does
-not match its manifest, and an object folder whose manifest is missing or does
-not verify (nothing in it can be checked). Any other file is left where it is.
+not match its manifest, and an object folder whose manifest is missing, does
+not verify, or is that of another object (nothing in it can be checked). A
+file that cannot be read now (EACCES, EIO) is no such proof: it is reported
+and left in place, its object not loaded (fetched again if needed). Any other file is left where it is.
 """
 
 from __future__ import annotations
@@ -28,9 +30,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from patchswarm.protocol.errors import InvalidInput
-from patchswarm.protocol.manifest import Manifest
+from patchswarm.protocol.manifest import Manifest, describe, key_of
 from patchswarm.protocol.publication import ObjKey
-from patchswarm.protocol.versions import VersionBook
+from patchswarm.protocol.versions import NEW, VersionBook
 
 from patchswarm.node.diskspace import DiskCondition
 
@@ -76,15 +78,37 @@ class ObjectStore:
                 continue
             key = (int(m.group(1)), m.group(2) == "keyframe")
             try:
-                _, manifest = book.offer((d / MANIFEST_NAME).read_bytes(), current_version)
-            except (OSError, InvalidInput) as e:
+                envelope = (d / MANIFEST_NAME).read_bytes()
+            except FileNotFoundError:
+                envelope = None
+            except OSError as e:  # EACCES, EIO: no proof that the object is unusable
+                dropped.append(f"{d.name}: {e}; not loaded, left in place")
+                continue
+            try:
+                if envelope is None:
+                    raise InvalidInput(f"expected a {MANIFEST_NAME} file, found none (an interrupted write)")
+                status, manifest = book.offer(envelope, current_version)
+                if key_of(manifest) != key:
+                    # Served under this name, its chunks would fail the SHA-256 peers hold for it.
+                    if status == NEW:
+                        book.discard(key_of(manifest))
+                    raise InvalidInput(f"expected the manifest of {describe(key)}, found that of "
+                                       f"{describe(key_of(manifest))}")
+            except InvalidInput as e:
                 dropped.append(f"{d.name}: {e}")
                 if delete:
                     shutil.rmtree(d, ignore_errors=True)
                 continue
+            try:
+                files = list(d.iterdir())
+            except OSError as e:
+                if status == NEW:
+                    book.discard(key)
+                dropped.append(f"{d.name}: {e}; not loaded, left in place")
+                continue
             self._manifests[key] = manifest
             have = self._have.setdefault(key, set())
-            for f in d.iterdir():
+            for f in files:
                 if _TEMPORARY.match(f.name):
                     if delete:
                         f.unlink(missing_ok=True)  # an interrupted write

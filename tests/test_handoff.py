@@ -59,6 +59,40 @@ def test_versions_switch_atomically_and_unchanged_shards_are_linked(tmp_path):
     assert sorted(p.name for p in (tmp_path / "md" / "versions").iterdir()) == ["v0000000001"]
 
 
+
+@pytest.mark.parametrize("layout", [LAYOUT, None])
+def test_a_model_dir_left_by_another_state_is_written_again_not_offered(tmp_path, layout):
+    """The defect: at start the sink took the model directory's `current` version on trust. One
+    left by another swarm (or another life of this node's data dir) at version 3 made a node
+    at version 3 offer those files to the engine as its own state, and a node below 3 write
+    nothing until it passed 3. Now the version's recorded swarm and state hash are compared."""
+    from patchswarm.node.modelsink import ModelSink
+    from patchswarm.node.weights import Weights
+
+    def weights(v, s, swarm):
+        return Weights(s, v, state_hash(s), swarm)
+
+    def held(root, version):
+        d = root / "versions" / f"v{version:010d}"
+        return {k: v for f in d.glob("*.safetensors") for k, v in load_file(str(f)).items()}
+
+    root = tmp_path / "md"
+    old = state(3)
+    trio.run(ModelSink(root, None, 0).write, weights(3, old, "old-swarm"), layout, None, None)
+    new = state(30)
+    sink = ModelSink(root, None, 0)  # a restart
+    trio.run(sink.write, weights(3, new, "sw"), layout, None, None)
+    assert sink.version == 3 and torch.equal(held(root, 3)["b"], new["b"])
+    sink = ModelSink(root, None, 0)  # the same state again: nothing to write
+    before = sink.bytes_written
+    trio.run(sink.write, weights(3, new, "sw"), layout, None, None)
+    assert sink.bytes_written == before and sink.version == 3
+    sink = ModelSink(root, None, 0)  # another swarm's newer version: the node's older one goes in
+    trio.run(sink.write, weights(1, state(1), "other"), layout, None, None)
+    assert sink.version == 1 and ModelDir(root).current_version() == 1
+    assert torch.equal(held(root, 1)["b"], state(1)["b"])
+
+
 def test_a_held_version_survives_until_released_and_crash_leftovers_go(tmp_path):
     md = ModelDir(tmp_path / "md")
     md.write(0, state(0), None, {}, {})

@@ -85,3 +85,52 @@ def test_an_objects_chunks_are_read_when_reached_not_all_at_once(tmp_path):
     (tmp_path / "v0000000001-patch" / "000001.chunk").unlink()  # read lazily: the loss shows when reached
     with pytest.raises(InvalidInput, match="chunk 1 is gone"):
         seq[1]
+
+
+def test_a_manifest_that_cannot_be_read_now_is_left_in_place(tmp_path, monkeypatch):
+    """The defect: any OSError reading a manifest (EACCES, EIO) deleted the whole object
+    folder, chunks and all, as if the manifest were missing: an error of the moment is no
+    proof that what the store wrote is unusable. Now the folder is skipped and left as it is."""
+    import pathlib
+
+    trainer = Ed25519PrivateKey.generate()
+    m, envelope, chunks = _object(trainer)
+    ObjectStore(tmp_path).write_object((1, False), envelope, chunks)
+    manifest = tmp_path / "v0000000001-patch" / "manifest"
+    real = pathlib.Path.read_bytes
+
+    def read_bytes(self):
+        if self == manifest:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self)
+
+    monkeypatch.setattr(pathlib.Path, "read_bytes", read_bytes)
+    store, dropped = _reopen(tmp_path, trainer)
+    assert store.keys() == [] and len(dropped) == 1 and "Permission denied" in dropped[0] and "left" in dropped[0]
+    assert manifest.exists() and len(list(manifest.parent.glob("*.chunk"))) == len(chunks)
+    monkeypatch.setattr(pathlib.Path, "read_bytes", real)
+    store, dropped = _reopen(tmp_path, trainer)
+    assert dropped == [] and store.complete((1, False))
+
+
+def test_an_object_folder_that_cannot_be_listed_is_reported_not_a_crash(tmp_path, monkeypatch):
+    import pathlib
+
+    trainer = Ed25519PrivateKey.generate()
+    m, envelope, chunks = _object(trainer)
+    ObjectStore(tmp_path).write_object((1, False), envelope, chunks)
+    folder = tmp_path / "v0000000001-patch"
+    real = pathlib.Path.iterdir
+
+    def iterdir(self):
+        if self == folder:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self)
+
+    monkeypatch.setattr(pathlib.Path, "iterdir", iterdir)
+    book = VersionBook(SWARM, trainer.public_key())
+    store = ObjectStore(tmp_path)
+    dropped = store.load(book, None)
+    assert store.keys() == [] and book.keys() == [] and "left in place" in dropped[0]
+    monkeypatch.setattr(pathlib.Path, "iterdir", real)
+    assert len(list(folder.glob("*.chunk"))) == len(chunks)

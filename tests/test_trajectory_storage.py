@@ -508,6 +508,75 @@ def test_full_spool_waits_then_fails_clearly_and_drops_nothing(tmp_path):
         run(huge)
 
 
+@pytest.mark.parametrize("damage", [b"", b"\xff\x00 not a state", None])
+def test_a_drained_spool_whose_state_file_is_lost_never_reuses_a_seq(tmp_path, damage, caplog):
+    """The defect: with every segment acknowledged and deleted, `state` is the only record of
+    the seqs handed out; truncated, garbage or missing, the spool started again at seq 0, and
+    the origin dropped the new records as duplicates of ones it had stored (acknowledged to the
+    worker, then lost). Now a spool that was used before resumes above the clock's microseconds,
+    with one warning."""
+    async def used():
+        sp = await TrajectorySpool.open(tmp_path, "n1", "r1")
+        seqs = await sp.append([(b"rec%d" % i, 1) for i in range(5)], timeout=5)
+        await sp.ack([r.seq for r in sp.pending()])
+        await sp.aclose()
+        sp = await TrajectorySpool.open(tmp_path, "n1", "r1")  # a restart: the acknowledged segment goes
+        await sp.aclose()
+        return seqs
+
+    async def after():
+        sp = await TrajectorySpool.open(tmp_path, "n1", "r1", clock=lambda: 1_000.0)
+        [s] = await sp.append([(b"new", 2)], timeout=5)
+        await sp.aclose()
+        return s
+
+    seqs = run(used)
+    assert list_segments(tmp_path) == []
+    if damage is None:
+        (tmp_path / "state").unlink()
+    else:
+        (tmp_path / "state").write_bytes(damage)
+    new = run(after)
+    assert new > max(seqs) and new >= 1_000 * 10**6, new
+    warned = [r.getMessage() for r in caplog.records if "no readable state" in r.getMessage()]
+    assert len(warned) == 1 and str(new) in warned[0], warned
+    # The damage itself is in `problems`, which the daemon logs once each: the spool does
+    # not log it a second time (before: two lines per problem, three for this one).
+    assert not [r for r in caplog.records if r.name == "patchswarm.spool" and "no readable state" not in r.getMessage()]
+
+    async def fresh():  # a new spool still starts at 0
+        sp = await TrajectorySpool.open(tmp_path / "new", "n1", "r1", clock=lambda: 1_000.0)
+        [s] = await sp.append([(b"first", 0)], timeout=5)
+        await sp.aclose()
+        return s
+
+    assert run(fresh) == 0
+
+
+@pytest.mark.parametrize("name", ["000000000001.seg", "state", "acks"])
+def test_a_spool_file_of_a_newer_format_is_refused_by_name(tmp_path, name):
+    """Before: `segment format: expected version 1, found 2`, and which of the spool's files
+    said so was left for the operator to find."""
+    import zlib
+
+    async def used():
+        sp = await TrajectorySpool.open(tmp_path, "n1", "r1")
+        await sp.append([(b"rec", 1)], timeout=5)
+        await sp.aclose()
+
+    run(used)
+    head = b"PSTRJSEG" + (2).to_bytes(4, "little")
+    path = tmp_path / name
+    path.write_bytes(head + zlib.crc32(head).to_bytes(4, "little") + path.read_bytes()[16:])
+
+    async def reopen():
+        await TrajectorySpool.open(tmp_path, "n1", "r1")
+
+    with pytest.raises(UnsupportedFormat, match=f"{path}: segment format: expected version 1, found 2"):
+        run(reopen)
+    assert path.read_bytes().startswith(head), "refused, not repaired"
+
+
 def test_spool_refuses_another_node_and_a_second_writer(tmp_path):
     async def main():
         sp = await TrajectorySpool.open(tmp_path, "n1", "r1")
