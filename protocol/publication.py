@@ -32,7 +32,8 @@ def object_chunk_bytes(chunk_bytes: int, state_bytes: int, max_chunks: int = MAX
     the state's size (every element of a random fp8 tensor changed: 1.03x), so neither is
     cut into many more than `max_chunks`. The size is the origin's choice alone (a manifest
     lists each chunk's size): states up to `max_chunks` MiB keep 1 MiB chunks."""
-    for name, v, low in (("chunk_bytes", chunk_bytes, 1), ("state_bytes", state_bytes, 0), ("max_chunks", max_chunks, 1)):
+    for name, v, low in (("chunk_bytes", chunk_bytes, 1), ("state_bytes", state_bytes, 0),
+                         ("max_chunks", max_chunks, 1)):
         if type(v) is not int or v < low:
             raise UsageError(f"object_chunk_bytes: expected {name} an int >= {low}, found {v!r}")
     size = chunk_bytes

@@ -76,7 +76,9 @@ def test_chunks_grow_with_the_state_so_a_manifest_lists_at_most_max_object_chunk
     full = sum(t.numel() * t.element_size() for t in served(states[0], torch.bfloat16).values())
     counts = {}
     for cap in (None, 4):
-        kw = {"chunk_bytes": 16 << 10, "segment_elements": 1 << 12} | ({} if cap is None else {"max_object_chunks": cap})
+        kw = {"chunk_bytes": 16 << 10, "segment_elements": 1 << 12}
+        if cap is not None:
+            kw["max_object_chunks"] = cap
         with make_origin(tmp_path / f"cap{cap}", **kw) as o:
             o.publish(states[0])
             o.publish(states[1])

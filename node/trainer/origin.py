@@ -32,7 +32,8 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from patchswarm.protocol import wire
-from patchswarm.protocol.errors import BudgetExceeded, CorruptData, DiskFull, InvalidInput, PatchswarmError, StorageFailed, UsageError
+from patchswarm.protocol.errors import (BudgetExceeded, CorruptData, DiskFull, InvalidInput, PatchswarmError,
+                                        StorageFailed, UsageError)
 from patchswarm.protocol.manifest import sign_manifest
 from patchswarm.protocol.patch import Patch, TensorSpec
 from patchswarm.protocol.patchencode import TargetSpec, diff_in_place, keyframe_chunks
