@@ -251,6 +251,24 @@ def test_watch_publishes_complete_checkpoints_once_across_a_restart(tmp_path):
 # ================================================================ trajectory intake and the feed
 
 
+def _hold_appends(o, peak: list[int]) -> trio.Event:
+    """Make `o`'s trajectory store hold every append until the returned event is set; `peak`
+    gets the number of appends waiting, each time one starts."""
+    gate, pending, append = trio.Event(), [0], o.trajectory_store.append
+
+    async def held_append(records):
+        pending[0] += 1
+        peak.append(pending[0])
+        await gate.wait()
+        try:
+            return await append(records)
+        finally:
+            pending[0] -= 1
+
+    o.trajectory_store.append = held_append
+    return gate
+
+
 def _intake_setup(tmp_path):
     from patchswarm.node.trainer.origin import OriginConfig
 
@@ -291,19 +309,7 @@ def test_a_node_that_never_waits_for_acks_gets_backpressure_not_origin_memory(tm
         with trio.fail_after(30):
             async with trio.open_nursery() as n:
                 await n.start(o.run)
-                gate, pending = trio.Event(), [0]
-                append = o.trajectory_store.append
-
-                async def held_append(records):
-                    pending[0] += 1
-                    peak.append(pending[0])
-                    await gate.wait()
-                    try:
-                        return await append(records)
-                    finally:
-                        pending[0] -= 1
-
-                o.trajectory_store.append = held_append
+                gate = _hold_appends(o, peak)
                 ms = await _dial_as(tmp_path, "n1", o.listen_addr)
                 for b in range(sent):
                     batch = [Record("n1", "r1", b * 10 + i, 0, 1.0, b"x" * 100) for i in range(10)]
@@ -353,19 +359,7 @@ def test_batches_waiting_for_the_store_are_bounded_across_all_nodes(tmp_path, mo
         with trio.fail_after(30):
             async with trio.open_nursery() as n:
                 await n.start(o.run)
-                gate, pending = trio.Event(), [0]
-                append = o.trajectory_store.append
-
-                async def held_append(records):
-                    pending[0] += 1
-                    peak.append(pending[0])
-                    await gate.wait()
-                    try:
-                        return await append(records)
-                    finally:
-                        pending[0] -= 1
-
-                o.trajectory_store.append = held_append
+                gate = _hold_appends(o, peak)
                 streams = [await _dial_as(tmp_path, name, o.listen_addr) for name in ("n1", "n2")]
                 for ms in streams:
                     for b in range(4):
