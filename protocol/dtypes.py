@@ -87,15 +87,20 @@ def check_plain(t: torch.Tensor, what: str) -> None:
                             f"own (gather it first: DTensor.full_tensor(), or a full state_dict)")
 
 
+def check_dense(t: torch.Tensor, what: str) -> None:
+    """UnsupportedFormat unless `t` is dense (strided, not nested) and plain (`check_plain`)."""
+    if t.is_nested or t.layout != torch.strided:
+        found = "a nested tensor" if t.is_nested else f"layout {t.layout}"
+        raise UnsupportedFormat(f"{what}: expected a dense (strided) tensor, found {found}")
+    check_plain(t, what)
+
+
 def check_tensor(t: torch.Tensor, what: str) -> DtypeInfo:
     """The dtype of `t` (named `what` in errors) if the codec and the state hash can read its
     bits: a dense tensor in CPU memory of a dtype above. UnsupportedFormat otherwise (sparse,
     nested, complex, quantized...), UsageError for one that is not in CPU memory (meta, an
     accelerator's: the caller moves it), before anything reads it."""
-    if t.is_nested or t.layout != torch.strided:
-        found = "a nested tensor" if t.is_nested else f"layout {t.layout}"
-        raise UnsupportedFormat(f"{what}: expected a dense (strided) tensor, found {found}")
-    check_plain(t, what)
+    check_dense(t, what)
     if t.device.type != "cpu":
         raise UsageError(f"{what}: expected a CPU tensor, found device {t.device}")
     info = BY_TORCH.get(t.dtype)

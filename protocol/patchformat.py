@@ -234,6 +234,14 @@ def chunk_digest(parts: Iterable[np.ndarray]) -> bytes:
         h.update(np.ascontiguousarray(p).astype(p.dtype.newbyteorder("<"), copy=False))  # no copy on little-endian
     return h.digest()[:DIGEST_BYTES]
 
+def name_bytes(name: str) -> int:
+    """The UTF-8 size of a tensor name; -1 for a string UTF-8 cannot encode (a lone surrogate)."""
+    try:
+        return len(name.encode())
+    except UnicodeEncodeError:
+        return -1
+
+
 def check_state(state, what: str) -> None:
     if not isinstance(state, dict):
         raise UsageError(f"{what}: expected dict[str, torch.Tensor], found {type(state).__name__}")
@@ -241,10 +249,7 @@ def check_state(state, what: str) -> None:
         if not isinstance(k, str) or not isinstance(v, torch.Tensor):
             raise UsageError(f"{what}: expected dict[str, torch.Tensor], found entry {k!r}: {type(v).__name__}")
         check_tensor(v, f"{what}[{k!r}]")
-        try:
-            size = len(k.encode())
-        except UnicodeEncodeError:
-            size = -1
+        size = name_bytes(k)
         if not 0 <= size <= MAX_NAME_BYTES:
             raise UsageError(f"{what}: tensor name: expected UTF-8 of at most {MAX_NAME_BYTES} bytes (what a patch "
                              f"carries), found {'a string UTF-8 cannot encode' if size < 0 else f'{size} bytes'}: "

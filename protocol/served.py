@@ -34,9 +34,9 @@ from typing import Iterator
 import torch
 
 from .changes import MAX_DIMS as CHANGE_MAX_DIMS
-from .dtypes import BY_NAME, BY_TORCH, check_plain
+from .dtypes import BY_NAME, BY_TORCH, check_dense
 from .errors import InvalidInput, UnsupportedFormat, UsageError
-from .patchformat import MAX_NAME_BYTES
+from .patchformat import MAX_NAME_BYTES, name_bytes
 
 FORMATS = ("as-is", "bf16", "fp16", "fp32", "fp8-block")
 DEFAULT_FORMAT = "bf16"
@@ -60,10 +60,7 @@ def check_source_tensor(name: str, t: torch.Tensor) -> None:
     """Raise unless `t` is a tensor the served state can be made of: dense, plain, with data
     (any device: it is copied to the CPU). UnsupportedFormat for sparse, nested or DTensor ones, UsageError
     for a meta tensor, before any work."""
-    if t.is_nested or t.layout != torch.strided:
-        found = "a nested tensor" if t.is_nested else f"layout {t.layout}"
-        raise UnsupportedFormat(f"served state: tensor {name!r}: expected a dense (strided) tensor, found {found}")
-    check_plain(t, f"served state: tensor {name!r}")
+    check_dense(t, f"served state: tensor {name!r}")
     if t.device.type == "meta":
         raise UsageError(f"served state: tensor {name!r}: expected a tensor with data, found one on the meta device")
 
@@ -73,10 +70,7 @@ def check_served_spec(name: str, dtype: torch.dtype, shape: tuple[int, ...], fmt
     in a patch, in a node's safetensors weights file and in the change stream to an engine
     (protocol/changes.py: names of 1..MAX_NAME_BYTES UTF-8 bytes, at most its MAX_DIMS
     dimensions). The origin checks its whole table before it makes a tensor."""
-    try:
-        size = len(name.encode())
-    except UnicodeEncodeError:
-        size = -1
+    size = name_bytes(name)
     if not 0 < size <= MAX_NAME_BYTES:
         raise UsageError(f"served state: tensor name: expected 1..{MAX_NAME_BYTES} bytes of UTF-8, found "
                          f"{'a string UTF-8 cannot encode' if size < 0 else f'{size} bytes'}: {name[:60]!r}")
