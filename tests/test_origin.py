@@ -251,6 +251,17 @@ def test_watch_publishes_complete_checkpoints_once_across_a_restart(tmp_path):
 # ================================================================ trajectory intake and the feed
 
 
+async def _loop_gaps(done: trio.Event, gaps: list[float], period: float) -> None:
+    """Until `done`: sleep `period` at a time and append each turn's wall time to `gaps`, so a
+    long stand-still of the event loop shows as one large gap."""
+    last = time.perf_counter()
+    while not done.is_set():
+        await trio.sleep(period)
+        now = time.perf_counter()
+        gaps.append(now - last)
+        last = now
+
+
 def _hold_appends(o, peak: list[int]) -> trio.Event:
     """Make `o`'s trajectory store hold every append until the returned event is set; `peak`
     gets the number of appends waiting, each time one starts."""
@@ -604,16 +615,7 @@ def test_a_heavy_batch_is_decoded_beside_the_event_loop_not_on_it(tmp_path):
                 await n.start(o.run)
                 ms = await _dial_as(tmp_path, "n1", o.listen_addr)
                 done = trio.Event()
-
-                async def tick():
-                    last = time.perf_counter()
-                    while not done.is_set():
-                        await trio.sleep(0.01)
-                        now = time.perf_counter()
-                        gaps.append(now - last)
-                        last = now
-
-                n.start_soon(tick)
+                n.start_soon(_loop_gaps, done, gaps, 0.01)
                 await ms.send(wire.Trajectories(data))
                 while not isinstance(await ms.receive(), wire.TrajectoriesAck):
                     pass
@@ -672,16 +674,7 @@ def test_get_batch_reads_the_store_beside_the_event_loop(tmp_path):
             assert len(o.trajectory_store.cursor().read(64)) == 64
             direct = time.perf_counter() - t0
             done = trio.Event()
-
-            async def tick():
-                last = time.perf_counter()
-                while not done.is_set():
-                    await trio.sleep(0.002)
-                    now = time.perf_counter()
-                    gaps.append(now - last)
-                    last = now
-
-            n.start_soon(tick)
+            n.start_soon(_loop_gaps, done, gaps, 0.002)
             await trio.sleep(0.05)
             got = await o.trajectories().get_batch(64, timeout=30)
             await trio.sleep(0.05)  # the ticker records the gap, if there was one
