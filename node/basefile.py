@@ -37,7 +37,8 @@ import torch
 
 from patchswarm.node.checkpoint import check_tensor_name, fsync_path
 from patchswarm.protocol.errors import InvalidInput, StateHashMismatch, UnsupportedFormat, UsageError
-from patchswarm.protocol.patch import Patch, apply
+from patchswarm.protocol.dtypes import info_of
+from patchswarm.protocol.patch import Patch, TensorSpec, apply
 from patchswarm.protocol.statehash import state_hash
 
 HEADER_ALIGN = 4096
@@ -124,6 +125,12 @@ def read_header(path: str | os.PathLike) -> tuple[int, list[Entry], dict[str, st
         entries.append(Entry(name, dtype, shape, begin, end))
     entries.sort(key=lambda e: e.begin)
     return 8 + n, entries, {str(k): str(v) for k, v in meta.items()}
+
+
+def table(path: str | os.PathLike) -> list[TensorSpec]:
+    """The tensor table of the base file at `path` (from its header), in name order."""
+    _, entries, _ = read_header(path)
+    return sorted((TensorSpec(e.name, info_of(e.dtype).name, tuple(e.shape)) for e in entries), key=lambda t: t.name)
 
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:

@@ -33,7 +33,7 @@ from patchswarm.node.weights import (META_HASH, META_SWARM, META_VERSION, WEIGHT
 from patchswarm.protocol.errors import InvalidInput, PatchswarmError, UsageError
 from patchswarm.protocol.manifest import ObjKey
 from patchswarm.protocol.patch import apply
-from patchswarm.protocol.publication import describe, patch_of
+from patchswarm.protocol.publication import describe, patch_of, table_after, table_of
 from patchswarm.protocol.versions import VersionBook
 
 log = logging.getLogger("patchswarm.persistence")
@@ -155,7 +155,7 @@ class DurableState:
         if missing:
             raise InvalidInput(f"compact: the chain to version {version} lacks {', '.join(missing[:3])}")
         t0 = time.perf_counter()
-        patches = (patch_of(self.store.manifest(k), self.store.chunks(k)) for k in keys)
+        patches = _chain_patches(self.store, keys, basefile.table(self.path))
         n = basefile.compact(self.path, patches, self.path, metadata(version, state_hash, self.swarm_id), state_hash,
                              threads=threads, on_object=lambda i: i == 1 and failpoints.hit("compact.applied"))
         self.base = Base(version, state_hash)
@@ -169,6 +169,15 @@ class DurableState:
         return {"base_version": None if self.base is None else self.base.version,
                 "compactions": self.compactions, "bytes_written": self.bytes_written,
                 "compact_every": self.compact_every}
+
+
+def _chain_patches(store: ObjectStore, keys: list, table: list):
+    """The stored patches of `keys` in order, each read against the table the one before
+    leaves (a form-2 manifest lists only its changes to it)."""
+    for k in keys:
+        patch = patch_of(store.manifest(k), store.chunks(k), table)
+        table = table_after(patch)
+        yield patch
 
 
 def read_base(path: Path, swarm_id: str) -> Weights | None:
@@ -199,6 +208,7 @@ def replay(w: Weights | None, book: VersionBook, store: ObjectStore, *, threads:
     plans from it, each applied with every check the codec has; an object that fails
     ends the replay at the version before it (`on_failure(key)` is told)."""
     plan = book.plan(None if w is None else w.version, None if w is None else w.state_hash)
+    table = None  # the state's tensor table, made once and then carried from object to object
     for key in plan:
         if not store.complete(key):
             # The chain stops here until the swarm brings the rest of this object; the
@@ -209,8 +219,12 @@ def replay(w: Weights | None, book: VersionBook, store: ObjectStore, *, threads:
         m = store.manifest(key)
         state = {} if key[1] or w is None else w.state
         try:
+            if table is None and not key[1]:
+                table = table_of(state)
+            patch = patch_of(m, store.chunks(key), table)
             # With undo: a failure leaves the state at the version before (restarts are rare).
-            apply(state, patch_of(m, store.chunks(key)), threads=threads, undo=True)
+            apply(state, patch, threads=threads, undo=True)
+            table = table_after(patch)
         except PatchswarmError as e:
             log.error("replaying %s failed (%s); resuming at %s", describe(key), e,
                       "no version" if w is None else f"version {w.version}")

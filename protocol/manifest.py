@@ -7,10 +7,20 @@ SHA-256 each) that nodes fetch from each other. The trainer signs it with its
 Ed25519 key; nodes verify it against the swarm's `trainer.pub` before trusting
 any chunk it lists.
 
+Two forms, told apart by the magic first field (`form`):
+
+- form 1 ("patchswarm-manifest/1"): `tensors` is the target's whole tensor
+  table, `codec` names the full tensors and maps every tensor to its shard;
+- form 2 ("patchswarm-manifest/2"): `tensors` lists only the tensors the
+  object writes whole (for a keyframe: all of them); every other tensor of
+  the target is the base's, as `base_hash` fixes it. A patch version's
+  manifest then grows with what the version changes, not with the model
+  (protocol/publication.py reads both; protocol/README.md has the numbers).
+
 Wire form:
 
-- manifest bytes: a msgpack array in one fixed order (see `_FIELDS`), maps in
-  `codec` with sorted keys, so that one manifest has exactly one encoding;
+- manifest bytes: a msgpack array in one fixed order (the magic, then `_FIELDS`),
+  maps in `codec` with sorted keys, so that one manifest has exactly one encoding;
 - envelope: msgpack `[manifest_bytes, signature]`, the signature over the
   manifest bytes.
 
@@ -32,6 +42,9 @@ from .errors import CorruptData, SignatureError, UsageError
 from .packreader import PackReader
 
 MAGIC = "patchswarm-manifest/1"
+# The manifest forms a member reads, by their magic (module docstring).
+MAGICS = {1: MAGIC, 2: "patchswarm-manifest/2"}
+_FORMS = {magic: form for form, magic in MAGICS.items()}
 SIGNATURE_BYTES = 64
 SHA256_BYTES = 32
 # Chunks of one version, at most: 2 TiB of 2 MiB chunks (a 500 GB checkpoint's keyframe
@@ -62,6 +75,7 @@ class Manifest:
     chunks: tuple  # of (size: int, sha256: bytes)
     codec: dict
     created_at: float
+    form: int = 1  # 1: `tensors` is the whole table; 2: only the tensors written whole
 
     def __post_init__(self) -> None:
         _check(self, UsageError)
@@ -101,6 +115,8 @@ def _check(m: Any, error: type[Exception]) -> None:
         bad("swarm_id", "a non-empty str", m.swarm_id)
     if not _is_int(m.version) or m.version < 0:
         bad("version", "an int >= 0", m.version)
+    if getattr(m, "form", 1) not in MAGICS:
+        bad("form", f"one of {sorted(MAGICS)}", m.form)
     if (m.base_version is None) != (m.base_hash is None):
         bad("base_version/base_hash", "both None (keyframe) or both set", (m.base_version, m.base_hash))
     if m.base_version is not None:
@@ -150,7 +166,7 @@ def encode_manifest(m: Manifest) -> bytes:
     if not isinstance(m, Manifest):
         raise UsageError(f"encode_manifest: expected a Manifest, found {type(m).__name__}")
     return msgpack.packb([
-        MAGIC, m.swarm_id, m.version, m.base_version, m.base_hash, m.target_hash,
+        MAGICS[m.form], m.swarm_id, m.version, m.base_version, m.base_hash, m.target_hash,
         [[n, d, list(s)] for n, d, s in m.tensors],
         [[z, h] for z, h in m.chunks],
         m.codec, m.created_at,
@@ -165,14 +181,14 @@ def decode_manifest(data: bytes) -> Manifest:
         raise CorruptData(f"manifest: not msgpack ({type(e).__name__}: {e})") from None
     if not isinstance(obj, list) or len(obj) != 1 + len(_FIELDS):
         raise CorruptData(f"manifest: expected an array of {1 + len(_FIELDS)}, found {type(obj).__name__}")
-    if obj[0] != MAGIC:
-        raise CorruptData(f"manifest: expected magic {MAGIC!r}, found {obj[0]!r:.80}")
-    fields = dict(zip(_FIELDS, obj[1:]))
-    probe = type("Probe", (), fields)
-    _check(probe, CorruptData)
+    form = _FORMS.get(obj[0]) if isinstance(obj[0], str) else None
+    if form is None:
+        raise CorruptData(f"manifest: expected magic {' or '.join(map(repr, MAGICS.values()))}, found {obj[0]!r:.80}")
     try:
-        m = Manifest(**fields)
-    except UsageError as e:  # codec map with non-str keys and the like
+        # Checked once, by the constructor (its UsageError is a peer's CorruptData here): at
+        # 140,000 tensors a second check cost 0.6 s of a node's every version.
+        m = Manifest(**dict(zip(_FIELDS, obj[1:]), form=form))
+    except UsageError as e:
         raise CorruptData(str(e)) from None
     if encode_manifest(m) != bytes(data):
         raise CorruptData("manifest: not in canonical encoding")

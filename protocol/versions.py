@@ -13,6 +13,8 @@ The tracker uses the same book to keep what it hands to joining nodes
 
 from __future__ import annotations
 
+import hashlib
+
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from .errors import ConflictingManifest, InvalidInput, StaleVersion
@@ -28,6 +30,7 @@ class VersionBook:
         self._key = trainer_key
         self._manifests: dict[ObjKey, Manifest] = {}
         self._envelopes: dict[ObjKey, bytes] = {}
+        self._by_digest: dict[bytes, ObjKey] = {}  # SHA-256 of each held envelope
 
     # ------------------------------------------------------------ facts in
 
@@ -39,6 +42,12 @@ class VersionBook:
         second, different manifest of one object, StaleVersion for an object
         at or below `current_version` that is not already held.
         """
+        # The same envelope again (from the tracker, then from peers) is known by its bytes: a
+        # 140,000-tensor keyframe's costs seconds to verify and decode, its digest milliseconds.
+        digest = hashlib.sha256(envelope).digest() if isinstance(envelope, (bytes, bytearray, memoryview)) else None
+        known = self._by_digest.get(digest)
+        if known is not None:
+            return KNOWN, self._manifests[known]
         m = verify_manifest(envelope, self._key)
         if m.swarm_id != self.swarm_id:
             raise InvalidInput(f"manifest: expected swarm {self.swarm_id!r}, found {m.swarm_id!r}")
@@ -55,17 +64,20 @@ class VersionBook:
                                f"{current_version}, found {m.version} (replayed or older)")
         self._manifests[key] = m
         self._envelopes[key] = bytes(envelope)
+        self._by_digest[digest] = key
         return NEW, m
 
     def discard(self, key: ObjKey) -> None:
         """Forget one object (its publisher withdrew it before announcing it)."""
         self._manifests.pop(key, None)
-        self._envelopes.pop(key, None)
+        envelope = self._envelopes.pop(key, None)
+        if envelope is not None:
+            self._by_digest.pop(hashlib.sha256(envelope).digest(), None)
 
     def forget_below(self, version: int) -> None:
         """Drop manifests of versions below `version` (they can never be needed again)."""
         for key in [k for k in self._manifests if k[0] < version]:
-            del self._manifests[key], self._envelopes[key]
+            self.discard(key)
 
     # ------------------------------------------------------------ questions
 

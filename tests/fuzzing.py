@@ -65,7 +65,11 @@ def seeds(target: str) -> tuple[bytes, ...]:
         m = Manifest(swarm_id="sw", version=2, base_version=1, base_hash="blake3:" + "00" * 32,
                      target_hash="blake3:" + "11" * 32, tensors=[("w", "bf16", (64, 8))],
                      chunks=[(100, bytes(32)), (7, bytes(range(32)))], codec={"format": 1}, created_at=1.5)
-        return (sign_manifest(m, _key()), encode_manifest(m))
+        m2 = Manifest(swarm_id="sw", version=2, base_version=1, base_hash="blake3:" + "00" * 32,
+                      target_hash="blake3:" + "11" * 32, tensors=[("w", "bf16", (64, 8))], chunks=[(100, bytes(32))],
+                      codec={"format": 2, "removed": ["v"], "layout": {"files": ["a.safetensors"], "rows": b"\0\0\xff\xff"}},
+                      created_at=1.5, form=2)
+        return (sign_manifest(m, _key()), encode_manifest(m), sign_manifest(m2, _key()), encode_manifest(m2))
     if target == "wire":
         msgs = [wire.Have(3, False, b"\x05"), wire.HaveOne(3, True, 9), wire.Request(3, False, 1),
                 wire.Piece(3, False, 1, 0, 4, b"abcd"), wire.PeerList([{"id": "n", "region": "r", "addr": "h:1", "role": "node"}]),

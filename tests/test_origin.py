@@ -19,7 +19,7 @@ from synthetic import rl_checkpoints, served
 from patchswarm.node.weights import WEIGHTS_NAME, read_weights
 from patchswarm.protocol.errors import UnsupportedFormat, UsageError
 from patchswarm.protocol.patch import apply
-from patchswarm.protocol.publication import object_chunk_bytes, patch_of
+from patchswarm.protocol.publication import object_chunk_bytes, patch_of, table_of
 from patchswarm.protocol.statehash import state_hash
 
 
@@ -62,8 +62,8 @@ def test_restart_continues_the_version_chain_from_disk(tmp_path):
         assert o.publish(states[2]) == 2
         store = o.origin.store
         m = store.manifest((2, False))
-        patch = patch_of(m, store.chunks((2, False)))
-    base = served(states[1], torch.bfloat16)
+        base = served(states[1], torch.bfloat16)
+        patch = patch_of(m, store.chunks((2, False)), table_of(base))
     apply(base, patch)  # the new patch is against what was published before the restart
     assert state_hash(base) == state_hash(served(states[2], torch.bfloat16))
 
@@ -84,7 +84,7 @@ def test_chunks_grow_with_the_state_so_a_manifest_lists_at_most_max_object_chunk
             o.publish(states[1])
             store = o.origin.store
             keyframe, patch_m = store.manifest((0, True)), store.manifest((1, False))
-            patch = patch_of(patch_m, store.chunks((1, False)))
+            patch = patch_of(patch_m, store.chunks((1, False)), table_of(served(states[0], torch.bfloat16)))
         counts[cap] = (len(keyframe.chunks), len(patch_m.chunks))
         if cap is not None:
             # 16 KiB doubled until 4 chunks hold the state; a chunk packs whole segments
@@ -111,8 +111,8 @@ def test_interrupted_publish_is_dropped_and_published_again(tmp_path):
         assert o.origin.version == 1
         assert o.origin.store.manifest((2, False)) is None and not obj.exists()
         assert o.publish(states[2]) == 2
-        patch = patch_of(o.origin.store.manifest((2, False)), o.origin.store.chunks((2, False)))
-    base = served(states[1], torch.bfloat16)
+        base = served(states[1], torch.bfloat16)
+        patch = patch_of(o.origin.store.manifest((2, False)), o.origin.store.chunks((2, False)), table_of(base))
     apply(base, patch)
     assert state_hash(base) == state_hash(served(states[2], torch.bfloat16))
 
@@ -169,8 +169,8 @@ def test_a_state_that_cannot_be_served_publishes_nothing_and_the_next_version_fo
             o.publish({**states[1], "s": torch.zeros(2).to_sparse()})
         assert o.origin.store.manifest((1, False)) is None
         assert o.publish(states[1]) == 1
-        patch = patch_of(o.origin.store.manifest((1, False)), o.origin.store.chunks((1, False)))
-    base = served(states[0], torch.bfloat16)
+        base = served(states[0], torch.bfloat16)
+        patch = patch_of(o.origin.store.manifest((1, False)), o.origin.store.chunks((1, False)), table_of(base))
     apply(base, patch)
     assert state_hash(base) == state_hash(served(states[1], torch.bfloat16))
 
@@ -182,16 +182,44 @@ def test_a_manifest_no_wire_frame_carries_is_refused_before_anything_is_announce
     before the version is adopted; then the same version number is published again."""
     from patchswarm.protocol import wire
 
-    states = rl_checkpoints("tiny", 1e-5, 2)
+    states = rl_checkpoints("tiny", 1e-5, 3)
     with make_origin(tmp_path) as o:
         o.publish(states[0])
         size = len(wire.encode(wire.Announce(o.origin.book.envelope((0, True)))))
+        # Form 2 lists no tensor of a patch that writes none whole: it travels where form 1 cannot.
         monkeypatch.setattr(wire, "MAX_FRAME_BYTES", size // 4)
-        with pytest.raises(UsageError, match=r"v1 patch: a signed manifest of [\d,]+ bytes; one wire frame carries"):
-            o.publish(states[1])
-        assert o.origin.version == 0 and o.origin.store.manifest((1, False)) is None
-        monkeypatch.undo()
         assert o.publish(states[1]) == 1
+        m = o.origin.store.manifest((1, False))
+        assert m.form == 2 and m.tensors == () and len(wire.encode(wire.Announce(o.origin.book.envelope((1, False))))) <= size // 4
+        monkeypatch.setattr(wire, "MAX_FRAME_BYTES", 64)
+        with pytest.raises(UsageError, match=r"v2 patch: a signed manifest of [\d,]+ bytes; one wire frame carries"):
+            o.publish(states[2])
+        assert o.origin.version == 1 and o.origin.store.manifest((2, False)) is None
+        monkeypatch.undo()
+        assert o.publish(states[2]) == 2 and o.origin.store.manifest((2, False)).form == 1
+
+
+def test_the_manifest_form_follows_the_tensor_count_unless_one_is_configured(tmp_path, monkeypatch):
+    """Form 1, which every member reads, up to FORM1_MAX_TENSORS tensors; form 2 above (a patch
+    manifest that grows with the patch); `manifest_form` forces either."""
+    import patchswarm.node.trainer.origin as origin_module
+
+    states = rl_checkpoints("tiny", 1e-5, 1)
+    tensors = len(served(states[0], torch.bfloat16))
+
+    def forms(name: str, limit: int, **kw) -> set[int]:
+        monkeypatch.setattr(origin_module, "FORM1_MAX_TENSORS", limit)
+        with make_origin(tmp_path / name, **kw) as o:
+            for s in states:
+                o.publish(s)
+            return {o.origin.store.manifest(k).form for k in o.origin.store.keys()}
+
+    assert forms("below", tensors) == {1}
+    assert forms("above", tensors - 1) == {2}
+    assert forms("forced-1", tensors - 1, manifest_form=1) == {1}
+    assert forms("forced-2", tensors, manifest_form=2) == {2}
+    with pytest.raises(UsageError, match="manifest_form: expected 1, 2 or None"):
+        make_origin(tmp_path / "bad", manifest_form=3)
 
 
 def test_watch_publishes_complete_checkpoints_once_across_a_restart(tmp_path):

@@ -48,6 +48,27 @@ def book(*envelopes: bytes) -> VersionBook:
 # ------------------------------------------------------------------ the gate
 
 
+def test_an_envelope_held_already_is_known_by_its_bytes_without_verifying_it_again(monkeypatch):
+    """A node gets each manifest from the tracker and from peers: only the first is verified
+    and decoded (seconds for a 140,000-tensor keyframe); a dropped one is verified again."""
+    import patchswarm.protocol.versions as versions
+
+    calls = []
+    real = versions.verify_manifest
+    monkeypatch.setattr(versions, "verify_manifest", lambda data, key: calls.append(1) or real(data, key))
+    b = VersionBook(SWARM, KEY.public_key())
+    e = envelope(3)
+    assert b.offer(e)[0] == NEW and b.offer(bytearray(e))[0] == KNOWN and b.offer(e, 5)[0] == KNOWN
+    assert len(calls) == 1
+    b.forget_below(4)
+    with pytest.raises(StaleVersion):
+        b.offer(e, 3)
+    assert len(calls) == 2 and b.keys() == []
+    assert b.offer(e)[0] == NEW and len(calls) == 3
+    b.discard((3, False))
+    assert b.offer(e)[0] == NEW and len(calls) == 4
+
+
 def test_new_then_known_then_conflicting():
     b = VersionBook(SWARM, KEY.public_key())
     status, m = b.offer(envelope(3))

@@ -71,6 +71,10 @@ def _origin_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-bytes", type=int, help="target size of a swarm chunk (default 1 MiB)")
     p.add_argument("--segment-elements", type=int,
                    help="elements per patch segment, the unit chunks are made of (default 2**20)")
+    p.add_argument("--manifest-form", type=int, choices=(1, 2),
+                   help="manifest form: 1 (every member reads it; the whole tensor table each version) or 2 "
+                        "(patch manifests list only what changed; needs members from 2026-12-05 on); "
+                        "default: 1 up to 4,096 tensors, 2 above")
     _compact_argument(p)
     add_member_arguments(p, "127.0.0.1:0")
     add_advertise_argument(p)
@@ -94,7 +98,8 @@ def cmd_origin(args: argparse.Namespace) -> int:
     from patchswarm.node.net.metrics import OriginMetrics
 
     o = Origin(OriginConfig(args.tracker, args.creds, args.key, args.data_dir, args.listen, args.region,
-                            args.upload_limit, **sizes, advertise=args.advertise, compact_every=args.compact_every))
+                            args.upload_limit, **sizes, advertise=args.advertise, compact_every=args.compact_every,
+                            manifest_form=args.manifest_form))
 
     async def start(task_status):
         import trio

@@ -38,7 +38,8 @@ from patchswarm.protocol.manifest import sign_manifest
 from patchswarm.protocol.patch import Patch, TensorSpec
 from patchswarm.protocol.patchencode import TargetSpec, diff_in_place, keyframe_chunks
 from patchswarm.protocol.peersets import apply_delta
-from patchswarm.protocol.publication import MAX_OBJECT_CHUNKS, ObjKey, describe, manifest_of, object_chunk_bytes
+from patchswarm.protocol.publication import (FORM1_MAX_TENSORS, MAX_OBJECT_CHUNKS, ObjKey, describe, manifest_of,
+                                             object_chunk_bytes)
 from patchswarm.protocol.served import (DEFAULT_FORMAT, check_format)
 from patchswarm.protocol.statehash import state_hash
 from patchswarm.protocol.trajectory import ReceivedRecord, decode_batch
@@ -87,6 +88,9 @@ class OriginConfig:
     segment_elements: int = ORIGIN_SEGMENT_ELEMENTS
     compact_every: int = COMPACT_EVERY
     advertise: str | None = None  # the address told to the tracker and nodes; None: the bound listen address
+    # Manifest form (protocol/manifest.py): None picks form 1, which every member reads, up to
+    # FORM1_MAX_TENSORS tensors, form 2 (patch manifests that grow with the patch) above.
+    manifest_form: int | None = None
 
 
 @dataclasses.dataclass
@@ -124,6 +128,8 @@ def _full_bytes(state: dict[str, torch.Tensor]) -> int:
 
 class Origin:
     def __init__(self, cfg: OriginConfig):
+        if cfg.manifest_form not in (None, 1, 2):
+            raise UsageError(f"manifest_form: expected 1, 2 or None (by the model's tensors), found {cfg.manifest_form!r}")
         self.cfg = cfg
         self.creds = Credentials.load(cfg.creds)
         if self.creds.role != "origin":
@@ -412,9 +418,9 @@ class Origin:
         """Sign the manifest of an object whose chunks `writer` wrote, and write it last."""
         failpoints.hit("publish.written")  # a kill here: chunks on disk, no manifest, nothing announced
         created_at = time.time()
-        for compact in (False, True):  # the compact form only where the plain one cannot travel
+        for form, compact in self._manifest_forms(len(patch.tensors)):
             m = manifest_of(patch, swarm_id=self.swarm_id, version=key[0], created_at=created_at,
-                            chunk_table=writer.table, compact=compact)
+                            chunk_table=writer.table, compact=compact, form=form)
             envelope = sign_manifest(m, self.key)
             size = len(wire.encode(wire.Announce(envelope)))
             if size <= wire.MAX_FRAME_BYTES:
@@ -426,6 +432,17 @@ class Origin:
                              f"max_object_chunks than {self.cfg.max_object_chunks:,}, or fewer tensors)")
         writer.finish(envelope)
         return key, m, envelope
+
+    def _manifest_forms(self, tensors: int) -> list[tuple[int, bool]]:
+        """(form, compact) to try in turn: the first whose manifest fits one wire frame is sent.
+        Form 1's compact `full` list, and form 2 below the threshold, only where the plain form
+        1 cannot travel (members before them read neither)."""
+        form1 = [(1, False), (1, True)]
+        if self.cfg.manifest_form == 1:
+            return form1
+        if self.cfg.manifest_form == 2 or tensors > FORM1_MAX_TENSORS:
+            return [(2, False)]
+        return form1 + [(2, False)]
 
     async def _compact(self, version: int, target_hash: str) -> None:
         """Fold the patches since the base into a new base, below the serving loop's priority;

@@ -1,0 +1,97 @@
+"""What one version's manifest costs at model scale, form 1 against form 2, side by side.
+
+    .venv/bin/python bench/manifest_size.py [--tensors 1000,20000,140000] [--shards 163] [--repeat 3]
+
+Per tensor count: an fp8 MoE's tensor table (expert weights and their fp32 scales, names as
+long as real ones), read from a directory of `--shards` shard files (so every manifest has a
+name -> shard layout), one patch version of a ~5 GB patch (600 chunks of 8 MiB) that writes no
+tensor whole, and the keyframe. Columns: the signed Announce's bytes (against the 16 MiB wire
+frame: `no` where it does not fit), what a node spends per patch version on it (signature
+check and decode, then rebuilding the Patch against its base table: the best of `--repeat`),
+and the keyframe's bytes. Sizes repeat exactly; times are one core's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import time
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from patchswarm.protocol import wire
+from patchswarm.protocol.manifest import sign_manifest, verify_manifest
+from patchswarm.protocol.patch import Patch, TensorSpec
+from patchswarm.protocol.publication import manifest_of, patch_of
+
+CHUNKS, CHUNK_BYTES = 600, 8 << 20
+
+
+def moe_table(n: int) -> list[TensorSpec]:
+    """`n` tensors of a 61-layer fp8 MoE: gate/up/down weights and a scale per expert, in name order."""
+    rows = [TensorSpec(f"model.layers.{i % 61}.mlp.experts.{i // 61}.{w}", d, s)
+            for i in range(-(-n // 4))
+            for w, d, s in (("gate_proj.weight", "float8_e4m3fn", (2048, 7168)),
+                            ("up_proj.weight", "float8_e4m3fn", (2048, 7168)),
+                            ("down_proj.weight", "float8_e4m3fn", (7168, 2048)),
+                            ("down_proj.weight_scale_inv", "float32", (56, 16)))][:n]
+    return sorted(rows, key=lambda t: t.name)
+
+
+def best(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def measure(n: int, shards: int, repeat: int) -> list[dict]:
+    tensors = moe_table(n)
+    layout = {t.name: f"model-{i * shards // n + 1:05d}-of-{shards:05d}.safetensors" for i, t in enumerate(tensors)}
+    target = "blake3:" + "2" * 64
+    patch = Patch(kind="patch", base_hash="blake3:" + "1" * 64, target_hash=target, tensors=tensors, full=[],
+                  removed=[], chunks=[], layout=layout)
+    key = Patch(kind="keyframe", base_hash=None, target_hash=target, tensors=tensors, full=[t.name for t in tensors],
+                removed=[], chunks=[], layout=layout)
+    table = [(CHUNK_BYTES, hashlib.sha256(i.to_bytes(8, "big")).digest()) for i in range(CHUNKS)]
+    sk = Ed25519PrivateKey.generate()
+    pk = sk.public_key()
+    out = []
+    for form in (1, 2):
+        args = dict(swarm_id="bench", version=7, created_at=0.0, chunk_table=table, form=form, compact=form == 1)
+        envelope = sign_manifest(manifest_of(patch, **args), sk)
+        size = len(wire.encode(wire.Announce(envelope)))
+        m = verify_manifest(envelope, pk)
+        chunks = [b""] * CHUNKS
+        kf = len(wire.encode(wire.Announce(sign_manifest(manifest_of(key, **args), sk))))
+        out.append({"tensors": n, "form": form, "patch_bytes": size, "fits": size <= wire.MAX_FRAME_BYTES,
+                    "verify_s": best(lambda: verify_manifest(envelope, pk), repeat),
+                    "patch_of_s": best(lambda: patch_of(m, chunks, tensors), repeat),
+                    "keyframe_bytes": kf, "kf_fits": kf <= wire.MAX_FRAME_BYTES})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tensors", default="1000,20000,140000", help="tensor counts, comma-separated")
+    ap.add_argument("--shards", type=int, default=163)
+    ap.add_argument("--repeat", type=int, default=3)
+    a = ap.parse_args()
+    print(f"patch version: {CHUNKS} chunks of {CHUNK_BYTES >> 20} MiB, no tensor written whole; "
+          f"{a.shards} shard files; wire frame {wire.MAX_FRAME_BYTES:,} bytes")
+    print("tensors | form | patch manifest bytes | fits | verify+decode s | patch_of s | keyframe bytes | fits")
+    for n in (int(x) for x in a.tensors.split(",")):
+        rows = measure(n, a.shards, a.repeat)
+        for r in rows:
+            print(f"{r['tensors']:,} | {r['form']} | {r['patch_bytes']:,} | {'yes' if r['fits'] else 'no'} | "
+                  f"{r['verify_s']:.3f} | {r['patch_of_s']:.3f} | {r['keyframe_bytes']:,} | "
+                  f"{'yes' if r['kf_fits'] else 'no'}")
+        one, two = rows
+        print(f"  {n:,} tensors: form 2's patch manifest is {one['patch_bytes'] / two['patch_bytes']:.0f}x smaller, "
+              f"{(one['verify_s'] + one['patch_of_s']) / (two['verify_s'] + two['patch_of_s']):.0f}x less time a version")
+
+
+if __name__ == "__main__":
+    main()
