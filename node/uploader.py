@@ -71,16 +71,11 @@ class TrajectoryUploader:
         nothing waits for it at the submitter."""
         last_sent = -math.inf
         while True:
-            window = 1 if self.deferrals else UPLOAD_WINDOW
-            # After a deferral, nothing leaves until every batch in flight has its answer:
-            # then everything unacked is pending again, the deferred batch with it (the
-            # origin answers each batch once and names none; see wire.TrajectoriesBusy).
-            if self._origin() is None or self.in_flight >= window or (self._resend_when_drained and self.in_flight):
+            # After a refusal nothing leaves until every batch in flight has its answer
+            # (`_resend_if_drained`), nor before the retry time.
+            if self._origin() is None or self.in_flight >= self._window() or self._resend_when_drained:
                 await self._wakeup.wait(POLL_S)
                 continue
-            if self._resend_when_drained:
-                self._resend_when_drained = False
-                self.spool.requeue()
             if trio.current_time() < self._retry_at:
                 await self._wakeup.wait(min(POLL_S, self._retry_at - trio.current_time()))
                 continue
@@ -88,6 +83,8 @@ class TrajectoryUploader:
             if trio.current_time() < last_sent + UPLOAD_LINGER:
                 with trio.move_on_at(last_sent + UPLOAD_LINGER):
                     await self.spool.wait_pending_bytes(UPLOAD_FILL_BYTES)
+            if self._resend_when_drained or trio.current_time() < self._retry_at or self.in_flight >= self._window():
+                continue  # refused while it waited for records: look again
             batch = await self.spool.next_batch(max_bytes=PROBE_BYTES if self.deferrals else UPLOAD_BATCH_BYTES)
             data = encode_batch(batch)
             s = self._origin()  # again: the wait may have outlived a connection
@@ -107,6 +104,20 @@ class TrajectoryUploader:
             self._sent.append((now, len(data)))
             while self._sent and self._sent[0][0] < now - RATE_WINDOW_S:
                 self._sent.popleft()
+
+    def _window(self) -> int:
+        """Batches that may be in flight: one probe after a refusal, until an ack."""
+        return 1 if self.deferrals else UPLOAD_WINDOW
+
+    def _resend_if_drained(self) -> None:
+        """After a refusal, once every batch in flight has its answer: everything unacked is
+        pending again, the refused batch with it (the origin answers each batch once and
+        names none; see wire.TrajectoriesBusy). Wakes the loop even while it waits for
+        records (the spool's requeue does)."""
+        if self._resend_when_drained and self.in_flight == 0:
+            self._resend_when_drained = False
+            self.spool.requeue()
+            self._wakeup.set()
 
     def origin_lost(self) -> None:
         """The origin's connection is gone: batches in flight on it may never be acked, so
@@ -128,6 +139,7 @@ class TrajectoryUploader:
         wait = min(DEFER_MAX_S, max(retry_ms / 1000, backoff)) * self._rng.uniform(1.0, 1.25)
         self._retry_at = max(self._retry_at, trio.current_time() + wait)
         self._resend_when_drained = True
+        self._resend_if_drained()
         self._wakeup.set()
 
     async def acked(self, seqs) -> None:
@@ -137,6 +149,7 @@ class TrajectoryUploader:
         self.deferrals = 0  # the origin takes batches again: the full window, no backoff
         self._wakeup.set()
         await self.spool.ack(seqs)
+        self._resend_if_drained()  # after the ack: these records are not pending again
 
     def status(self) -> dict:
         st = self.spool.stats()

@@ -189,3 +189,27 @@ def test_after_a_busy_answer_nothing_is_resent_until_every_batch_in_flight_has_i
                 n.cancel_scope.cancel()
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_a_refused_batch_goes_again_when_no_new_record_comes(tmp_path):
+    """Before: the loop waited for new records once everything was in flight, so a batch
+    refused then stayed in the spool until the node's next record (or for ever)."""
+    async def main():
+        async with await TrajectorySpool.open(tmp_path / "spool", "n1", "r1") as spool:
+            origin = Session(TimedStream(), "origin", "origin", "r0", "x:1", outbound=True)
+            up = TrajectoryUploader(spool, lambda: origin)
+            async with trio.open_nursery() as n:
+                n.start_soon(up.run)
+                seqs = await spool.append([(b"a", 1, None), (b"b", 1, None)], timeout=5)
+                await _settle()
+                assert [got for _, got, _ in _sent_at(origin)] == [seqs]
+                up.deferred(2000)
+                await trio.sleep(1.9)
+                await trio.testing.wait_all_tasks_blocked()
+                assert len(_sent_at(origin)) == 1  # not before the origin's hint
+                await trio.sleep(60)
+                await trio.testing.wait_all_tasks_blocked()
+                assert [got for _, got, _ in _sent_at(origin)] == [seqs, seqs] and up.in_flight == 1
+                n.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
