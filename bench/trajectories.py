@@ -301,8 +301,13 @@ def uploaders_main(origin_addr: str, creds_dir: str, names: list[str], batch_rec
         sessions = {}
         for name in names:
             creds = Credentials.load(Path(creds_dir) / name)
+            ctx = client_context(creds)
+            # Wire revision 2: these sessions keep 4 batches in flight each, more than the origin's
+            # 64 intake slots at 64+ sessions; they wait in their sockets (as nodes of revision 2)
+            # instead of being answered TrajectoriesBusy, which this generator does not resend.
+            ctx.set_alpn_protocols(["patchswarm/2"])
             sessions[name] = await connect(origin_addr, creds, {"origin"}, wire.Hello(name, "r1", "node", "", []),
-                                           ssl_context=client_context(creds))
+                                           ssl_context=ctx)
         print(json.dumps({"ready": len(sessions)}), flush=True)
         stdin = trio.wrap_file(sys.stdin)
         seq = collections.Counter()

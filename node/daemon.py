@@ -321,6 +321,8 @@ class Node:
             self.manifests.notice(msg, s)
         elif isinstance(msg, wire.TrajectoriesAck) and s.role == "origin":
             await self.uploader.acked(msg.seqs)
+        elif isinstance(msg, wire.TrajectoriesBusy) and s.role == "origin":
+            self.uploader.deferred(msg.retry_ms)
         elif isinstance(msg, wire.Error):
             log.warning("peer %s says: %s", s.id, msg.message)
         else:

@@ -5,7 +5,9 @@ Owns `TrajectoryUploader`: the loop that takes batches from the node's
 session, the window of batches in flight, what happens when the origin's
 connection goes (everything unacked is requeued and sent again; the origin
 drops what it already has), the acks (records leave the spool only then),
-and the recent upload rate, for status. Must not open connections (the
+the origin's deferrals (TrajectoriesBusy, wire revision 3: a batch it had
+no room for, dropped there and sent again from here after a backoff), and the
+recent upload rate, for status. Must not open connections (the
 dialer does) or take trajectories in (the local API appends to the spool).
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import math
+import random
 from typing import Callable
 
 import trio
@@ -32,6 +35,14 @@ UPLOAD_LINGER = 0.05  # s between upload batches unless one fills up (see run)
 UPLOAD_FILL_BYTES = 1 << 20  # a batch this large leaves without waiting out the linger
 RATE_WINDOW_S = 5.0  # the upload rate in status is over this many seconds
 POLL_S = 1.0  # with no origin, or a full window, the loop looks again at least this often
+# After the origin deferred a batch: the next one waits the origin's hint, or this doubled per
+# deferral in a row (whichever is longer, at most DEFER_MAX_S, times 1 to 1.25 so that nodes
+# deferred together do not come back together), and is a probe: one batch of at most
+# PROBE_BYTES in flight until an ack says the origin takes batches again. A node kept waiting
+# by a stuck store so sends at most PROBE_BYTES per DEFER_MAX_S.
+DEFER_FIRST_S = 0.5
+DEFER_MAX_S = 30.0
+PROBE_BYTES = 256 << 10
 
 
 class TrajectoryUploader:
@@ -41,6 +52,11 @@ class TrajectoryUploader:
         self.in_flight = 0  # batches sent and not acked yet
         self._wakeup = Wakeup()
         self._sent: collections.deque[tuple[float, int]] = collections.deque()  # (time, bytes) sent
+        self.deferrals = 0  # batches the origin deferred since its last ack
+        self.deferred_total = 0
+        self._retry_at = -math.inf  # no batch leaves before this (the origin's deferral)
+        self._resend_when_drained = False  # a batch was deferred: requeue once none is in flight
+        self._rng = random.Random()
 
     async def run(self) -> None:
         """Stream spooled trajectories to the origin; they leave the spool only on its ack.
@@ -55,14 +71,21 @@ class TrajectoryUploader:
         nothing waits for it at the submitter."""
         last_sent = -math.inf
         while True:
-            if self._origin() is None or self.in_flight >= UPLOAD_WINDOW:
+            # After a refusal nothing leaves until every batch in flight has its answer
+            # (`_resend_if_drained`), nor before the retry time.
+            if self._origin() is None or self.in_flight >= self._window() or self._resend_when_drained:
                 await self._wakeup.wait(POLL_S)
+                continue
+            if trio.current_time() < self._retry_at:
+                await self._wakeup.wait(min(POLL_S, self._retry_at - trio.current_time()))
                 continue
             await self.spool.wait_pending()
             if trio.current_time() < last_sent + UPLOAD_LINGER:
                 with trio.move_on_at(last_sent + UPLOAD_LINGER):
                     await self.spool.wait_pending_bytes(UPLOAD_FILL_BYTES)
-            batch = await self.spool.next_batch(max_bytes=UPLOAD_BATCH_BYTES)
+            if self._resend_when_drained or trio.current_time() < self._retry_at or self.in_flight >= self._window():
+                continue  # refused while it waited for records: look again
+            batch = await self.spool.next_batch(max_bytes=PROBE_BYTES if self.deferrals else UPLOAD_BATCH_BYTES)
             data = encode_batch(batch)
             s = self._origin()  # again: the wait may have outlived a connection
             try:
@@ -82,19 +105,51 @@ class TrajectoryUploader:
             while self._sent and self._sent[0][0] < now - RATE_WINDOW_S:
                 self._sent.popleft()
 
+    def _window(self) -> int:
+        """Batches that may be in flight: one probe after a refusal, until an ack."""
+        return 1 if self.deferrals else UPLOAD_WINDOW
+
+    def _resend_if_drained(self) -> None:
+        """After a refusal, once every batch in flight has its answer: everything unacked is
+        pending again, the refused batch with it (the origin answers each batch once and
+        names none; see wire.TrajectoriesBusy). Wakes the loop even while it waits for
+        records (the spool's requeue does)."""
+        if self._resend_when_drained and self.in_flight == 0:
+            self._resend_when_drained = False
+            self.spool.requeue()
+            self._wakeup.set()
+
     def origin_lost(self) -> None:
         """The origin's connection is gone: batches in flight on it may never be acked, so
         everything unacked goes again (the origin drops what it already has)."""
         self.in_flight = 0
+        self._resend_when_drained = False  # done here
         self.spool.requeue()
+        self._wakeup.set()
+
+    def deferred(self, retry_ms: int) -> None:
+        """The origin had no room for one batch in flight and dropped it (wire revision 3):
+        it goes again once every batch in flight has its answer, not before the origin's
+        `retry_ms` nor before this node's backoff (DEFER_FIRST_S doubled per deferral in a
+        row, at most DEFER_MAX_S), one probe batch at a time until an ack."""
+        self.in_flight = max(0, self.in_flight - 1)
+        self.deferrals += 1
+        self.deferred_total += 1
+        backoff = DEFER_FIRST_S * 2.0 ** min(self.deferrals - 1, 30)
+        wait = min(DEFER_MAX_S, max(retry_ms / 1000, backoff)) * self._rng.uniform(1.0, 1.25)
+        self._retry_at = max(self._retry_at, trio.current_time() + wait)
+        self._resend_when_drained = True
+        self._resend_if_drained()
         self._wakeup.set()
 
     async def acked(self, seqs) -> None:
         """The origin stored a batch durably: its records leave the spool."""
         await failpoints.hold("upload.acked")  # a kill here: stored at the origin, still in the spool
         self.in_flight = max(0, self.in_flight - 1)
+        self.deferrals = 0  # the origin takes batches again: the full window, no backoff
         self._wakeup.set()
         await self.spool.ack(seqs)
+        self._resend_if_drained()  # after the ack: these records are not pending again
 
     def status(self) -> dict:
         st = self.spool.stats()
@@ -102,4 +157,5 @@ class TrajectoryUploader:
         recent = sum(b for t, b in self._sent if t >= now - RATE_WINDOW_S)
         return {"records": st["records"], "bytes": st["bytes"], "appended_total": st["appended_total"],
                 "acked_total": st["acked_total"], "upload_rate_bps": recent / RATE_WINDOW_S,
-                "batches_in_flight": self.in_flight, "disk_full": st["disk_full"]}
+                "batches_in_flight": self.in_flight, "disk_full": st["disk_full"],
+                "batches_deferred": self.deferred_total}

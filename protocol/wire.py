@@ -18,6 +18,13 @@ not know, so a sender includes one only where the receiver's connection
 selected the wire revision that added it (`WIRE_REVISION`, offered in TLS
 ALPN by node/net/trust.py). Revision 2 added PeerList.wan_rates.
 
+New message types: a member of an older revision refuses a message type it
+does not know, so a type added by a revision is sent only on a connection that
+selected it (`revision(ms.wire_revision) >= N`). Revision 3 added
+TrajectoriesBusy. A member offers every revision it speaks, newest first
+(`WIRE_REVISIONS`), and the listener picks the newest both offer, so each pair
+of versions talks the newest revision both know.
+
 Limits (named constants below, like h11's): every frame before the peer's
 Hello is at most MAX_HELLO_FRAME_BYTES (its header alone is refused beyond
 that, before any body is buffered); after it, `max_frame`. A body is read
@@ -61,10 +68,14 @@ MAX_TEXT_BYTES = 4 << 10  # the text of a Reject, Bye or Error
 MAX_VERSIONS_LISTED = 64  # Hello and Heartbeat versions (a node sends its current one)
 MAX_PEERS = 1 << 14  # members in one PeerList
 MAX_WAN_REGIONS = 1 << 10  # regions in a PeerList's wan_rates
-# The wire revision this code speaks, offered and selected in TLS ALPN (node/net/trust.py):
-# a connection that selected it reads the optional fields below. Members of the previous
+# The wire revisions this code speaks, offered newest first in TLS ALPN (node/net/trust.py); a
+# connection reads what the revision it selected added (`revision`). Members of the first
 # version offer no ALPN protocol and select none; they are sent no optional field.
-WIRE_REVISION = "patchswarm/2"
+WIRE_REVISION = "patchswarm/3"  # the newest: 3 added TrajectoriesBusy, 2 PeerList.wan_rates
+WIRE_REVISIONS = (WIRE_REVISION, "patchswarm/2")
+_REVISION_PREFIX = "patchswarm/"
+# The longest wait a TrajectoriesBusy may ask for (an hour); a node waits at most its own cap.
+MAX_RETRY_MS = 3_600_000
 MAX_ACK_SEQS = MAX_BATCH_RECORDS  # a TrajectoriesAck acknowledges one batch
 MAX_BITFIELD_BYTES = (MAX_CHUNKS + 7) // 8  # a Have's bitfield
 MAX_INT = (1 << 64) - 1  # msgpack's widest unsigned int
@@ -267,6 +278,21 @@ class TrajectoriesAck:
 
 
 @dataclass(frozen=True)
+class TrajectoriesBusy:
+    """Origin -> node (revision 3): one Trajectories batch was not taken, because the
+    origin's intake had no room for it; it was dropped unread, unstored and unacked,
+    and the node sends it again (from its spool), not before `retry_ms` milliseconds.
+
+    Every Trajectories on a connection is answered once, by a TrajectoriesAck or by
+    this, so it names no batch: a node that counts its batches in flight knows when
+    every one has its answer, and then resends everything unacked. (Naming the seqs
+    would cost the origin a decompress and decode of a batch it refuses because it is
+    overloaded.) Sent only on a connection that selected revision 3."""
+
+    retry_ms: int
+
+
+@dataclass(frozen=True)
 class Revocations:
     """Tracker -> member: the swarm's revocation list, signed by the swarm CA
     (protocol/revocation.py); sent on join and whenever the list changes."""
@@ -309,7 +335,7 @@ MESSAGE_TYPES = {
     cls.__name__: cls
     for cls in (Hello, Have, HaveOne, Incoming, Request, RequestRest, Piece, Cancel, Reject, Announce,
                 PeerList, VersionNotice, VersionHint, ManifestRequest, Unreachable, Heartbeat, Trajectories, TrajectoriesAck, Revocations, Bye, Error, PeerDelta,
-                Signal)
+                Signal, TrajectoriesBusy)
 }
 _PEER_FIELDS = {"id": MAX_NAME_BYTES, "region": MAX_NAME_BYTES, "addr": MAX_ADDR_BYTES, "role": MAX_NAME_BYTES}
 
@@ -332,6 +358,7 @@ _LIMITS = {
     ("Signal", "cert"): CERT_MAX_BYTES,
     ("Signal", "signature"): SIGNATURE_MAX_BYTES,
     ("TrajectoriesAck", "seqs"): MAX_ACK_SEQS,
+    ("TrajectoriesBusy", "retry_ms"): MAX_RETRY_MS,
     ("Trajectories", "batch"): MAX_BATCH_WIRE_BYTES,
     ("Reject", "reason"): MAX_TEXT_BYTES,
     ("Bye", "reason"): MAX_TEXT_BYTES,
@@ -339,6 +366,18 @@ _LIMITS = {
     **{(name, "chunk"): MAX_CHUNKS - 1 for name in ("HaveOne", "Request", "RequestRest", "Piece", "Incoming", "Cancel", "Reject")},
 }
 _DEFAULTS = {"str": MAX_NAME_BYTES, "bytes": _LENGTH_LIMIT, "int": MAX_INT}
+
+
+def revision(selected: str | None) -> int:
+    """The wire revision a connection selected in ALPN, as a number: 1 for none (a member
+    of the first version, or a stream without ALPN), N for "patchswarm/N". ProtocolError
+    for anything else (ALPN selects only what this side offered, so only a bug gets there)."""
+    if selected is None:
+        return 1
+    number = selected[len(_REVISION_PREFIX):] if selected.startswith(_REVISION_PREFIX) else ""
+    if not (number.isascii() and number.isdigit()) or int(number) < 2:
+        raise ProtocolError(f"expected a wire revision {_REVISION_PREFIX}N with N >= 2, or none, found {selected!r}")
+    return int(number)
 
 
 def _optional(cls) -> frozenset[str]:

@@ -319,13 +319,22 @@ def _intake_setup(tmp_path):
                         data_dir=tmp_path / "data", listen="127.0.0.1:0")
 
 
-async def _dial_as(tmp_path, name: str, addr: str):
+async def _dial_as(tmp_path, name: str, addr: str, revisions: list[str] | None = None):
+    """A session to the origin as node `name`; `revisions`: what its TLS offers in ALPN
+    (None: this version's; ["patchswarm/2"]: a node of the version before TrajectoriesBusy)."""
     from patchswarm.node.net.transport import connect
-    from patchswarm.node.net.trust import Credentials
+    from patchswarm.node.net.trust import Credentials, client_context
     from patchswarm.protocol import wire
 
-    return await connect(addr, Credentials.load(tmp_path / name), {"origin"},
-                         wire.Hello(name, "r1", "node", "127.0.0.1:1", []), expect_name="origin")
+    creds = Credentials.load(tmp_path / name)
+    ctx = client_context(creds)
+    if revisions is not None:
+        ctx.set_alpn_protocols(revisions)
+    return await connect(addr, creds, {"origin"}, wire.Hello(name, "r1", "node", "127.0.0.1:1", []),
+                         expect_name="origin", ssl_context=ctx)
+
+
+OLD_NODE = ["patchswarm/2"]  # the ALPN offer of a node that cannot read TrajectoriesBusy
 
 
 def test_a_node_that_never_waits_for_acks_gets_backpressure_not_origin_memory(tmp_path):
@@ -334,7 +343,8 @@ def test_a_node_that_never_waits_for_acks_gets_backpressure_not_origin_memory(tm
     member need not) made the origin hold every batch it sent, decoded, until the disk took
     it: 200 batches, 200 tasks. Now the origin reads a node's next batch only while fewer
     than INTAKE_BATCHES_PER_NODE of its batches wait for the store: the rest waits in the
-    node's socket. Every batch is still stored once and acked."""
+    node's socket. Every batch is still stored once and acked. (A node of wire revision 2,
+    which cannot read a TrajectoriesBusy: it is never sent one.)"""
     from patchswarm.node.trainer.origin import INTAKE_BATCHES_PER_NODE, Origin
     from patchswarm.protocol import wire
     from patchswarm.protocol.trajectory import Record, encode_batch
@@ -349,7 +359,7 @@ def test_a_node_that_never_waits_for_acks_gets_backpressure_not_origin_memory(tm
             async with trio.open_nursery() as n:
                 await n.start(o.run)
                 gate = _hold_appends(o, peak)
-                ms = await _dial_as(tmp_path, "n1", o.listen_addr)
+                ms = await _dial_as(tmp_path, "n1", o.listen_addr, OLD_NODE)
                 for b in range(sent):
                     batch = [Record("n1", "r1", b * 10 + i, 0, 1.0, b"x" * 100) for i in range(10)]
                     await ms.send(wire.Trajectories(encode_batch(batch)))
@@ -359,6 +369,7 @@ def test_a_node_that_never_waits_for_acks_gets_backpressure_not_origin_memory(tm
                 acked = []
                 while len(acked) < sent:
                     msg = await ms.receive()
+                    assert not isinstance(msg, wire.TrajectoriesBusy)
                     if isinstance(msg, wire.TrajectoriesAck):
                         acked.append(sorted(msg.seqs))
                 await ms.aclose()
@@ -399,7 +410,7 @@ def test_batches_waiting_for_the_store_are_bounded_across_all_nodes(tmp_path, mo
             async with trio.open_nursery() as n:
                 await n.start(o.run)
                 gate = _hold_appends(o, peak)
-                streams = [await _dial_as(tmp_path, name, o.listen_addr) for name in ("n1", "n2")]
+                streams = [await _dial_as(tmp_path, name, o.listen_addr, OLD_NODE) for name in ("n1", "n2")]
                 for ms in streams:
                     for b in range(4):
                         await ms.send(wire.Trajectories(encode_batch(
@@ -410,7 +421,9 @@ def test_batches_waiting_for_the_store_are_bounded_across_all_nodes(tmp_path, mo
                 for ms in streams:
                     acks = 0
                     while acks < 4:
-                        acks += isinstance(await ms.receive(), wire.TrajectoriesAck)
+                        msg = await ms.receive()
+                        assert not isinstance(msg, wire.TrajectoriesBusy)
+                        acks += isinstance(msg, wire.TrajectoriesAck)
                     await ms.aclose()
                 n.cancel_scope.cancel()
         return held, decoded_then, o.trajectory_store.summary()["records"]
@@ -418,6 +431,76 @@ def test_batches_waiting_for_the_store_are_bounded_across_all_nodes(tmp_path, mo
     held, decoded_then, records = trio.run(main)
     assert held <= 3 and decoded_then <= 3
     assert records == 8
+
+
+def test_a_node_of_revision_3_finding_no_slot_is_told_busy_and_its_chunk_requests_are_answered(tmp_path, monkeypatch):
+    """Before: a batch that found no intake slot stopped the origin reading the node's
+    connection until the store freed one, and the same connection carries the node's chunk
+    requests: with the store held (slow, or DiskFull: `_store` retries while holding the
+    slots) a node asked for a chunk in vain. Now a node of wire revision 3 gets a
+    TrajectoriesBusy for each batch that finds no slot (dropped, unstored) and its next
+    request is answered while the store is still held; the batches that got a slot are
+    acked once it lets go, the refused ones once sent again, each record stored once."""
+    from patchswarm.node.trainer import origin as origin_mod
+    from patchswarm.protocol import wire
+    from patchswarm.protocol.trajectory import Record, encode_batch
+
+    monkeypatch.setattr(origin_mod, "INTAKE_BATCHES_TOTAL", 2)  # what >16 nodes make of the 64
+    cfg = _intake_setup(tmp_path)
+    peak = []
+
+    def batch(b):
+        return wire.Trajectories(encode_batch([Record("n1", "r1", b * 10 + i, 0, 1.0, b"x" * 100) for i in range(10)]))
+
+    async def main():
+        o = origin_mod.Origin(cfg)
+        with trio.fail_after(30):
+            async with trio.open_nursery() as n:
+                await n.start(o.run)
+                version = await o.publish({"w": torch.arange(4096, dtype=torch.float32)})
+                total = o.store.manifest((version, True)).chunks[0][0]
+                gate = _hold_appends(o, peak)
+                ms = await _dial_as(tmp_path, "n1", o.listen_addr)
+                assert wire.revision(ms.wire_revision) == 3
+                for b in range(4):  # the uploader's window: two find a slot, two do not
+                    await ms.send(batch(b))
+                await ms.send(wire.Request(version, True, 0))
+                print("published", flush=True); busy, acked, got = [], [], 0
+                with trio.fail_after(10):  # before: nothing came back while the store held
+                    while got < total:
+                        msg = await ms.receive()
+                        busy += [msg] if isinstance(msg, wire.TrajectoriesBusy) else []
+                        acked += [msg] if isinstance(msg, wire.TrajectoriesAck) else []
+                        got += len(msg.data) if isinstance(msg, wire.Piece) else 0
+                held_then, acked_then = max(peak), len(acked)
+                gate.set()
+                while len(acked) < 2:
+                    msg = await ms.receive()
+                    acked += [msg] if isinstance(msg, wire.TrajectoriesAck) else []
+                # As the uploader does: the refused batches again (its spool kept them), each
+                # answered once, until every one is acked.
+                for _ in range(50):
+                    todo = [b for b in (2, 3) if b * 10 not in {s for m in acked for s in m.seqs}]
+                    if not todo:
+                        break
+                    for b in todo:
+                        await ms.send(batch(b))
+                    for _ in todo:
+                        msg = await ms.receive()
+                        while not isinstance(msg, (wire.TrajectoriesAck, wire.TrajectoriesBusy)):
+                            msg = await ms.receive()
+                        acked += [msg] if isinstance(msg, wire.TrajectoriesAck) else []
+                    await trio.sleep(0.05)
+                await ms.aclose()
+                n.cancel_scope.cancel()
+        return busy, held_then, acked_then, acked, o
+
+    busy, held_then, acked_then, acked, o = trio.run(main)
+    assert [m.retry_ms for m in busy] == [origin_mod.DEFER_RETRY_MS] * 2 and held_then <= 2 and acked_then == 0
+    assert sorted(s for m in acked for s in m.seqs) == list(range(40))
+    summary = o.trajectory_store.summary()
+    assert summary["records"] == 40 and summary["duplicates_dropped"] == 0
+    assert o.intake_deferred == 2
 
 
 def test_the_feed_takes_odd_arguments_by_name_and_none_waits_without_limit(tmp_path):

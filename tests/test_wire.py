@@ -40,6 +40,7 @@ messages = st.one_of(
     st.builds(Reject, version=uint, keyframe=st.booleans(), chunk=chunk, reason=text),
     st.builds(Trajectories, batch=blob),
     st.builds(TrajectoriesAck, seqs=st.lists(uint, max_size=5)),
+    st.builds(wire.TrajectoriesBusy, retry_ms=st.integers(0, wire.MAX_RETRY_MS)),
     st.builds(Announce, manifest=blob),
     st.builds(PeerList, peers=st.lists(peer, max_size=4)),
     st.builds(PeerList, peers=st.lists(peer, max_size=4),
@@ -87,7 +88,7 @@ def test_every_type_is_covered():
     assert set(wire.MESSAGE_TYPES) == {
         "Hello", "Have", "HaveOne", "Incoming", "Request", "RequestRest", "Piece", "Cancel", "Reject", "Announce",
         "PeerList", "VersionNotice", "Heartbeat", "Trajectories", "TrajectoriesAck", "Revocations", "Bye",
-        "Error", "PeerDelta", "Signal", "VersionHint", "ManifestRequest", "Unreachable"}
+        "Error", "PeerDelta", "Signal", "VersionHint", "ManifestRequest", "Unreachable", "TrajectoriesBusy"}
 
 
 @given(messages)

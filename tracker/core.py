@@ -181,8 +181,8 @@ class TrackerCore:
                   wire_revision: str | None = None) -> list:
         """A member authenticated as `hello.node_id` / `hello.role` (its certificate
         says so) and listens at `addr`. Returns its peer set (with the swarm's WAN
-        rates where its connection chose `wire.WIRE_REVISION`, which reads them; a
-        member of the previous version would refuse the field) and the retained
+        rates where its connection chose wire revision 2 or later, which reads them; a
+        member of the first version would refuse the field) and the retained
         manifests, or a Close when it is over its join budget."""
         mid, role = hello.node_id, hello.role
         out: list = []
@@ -204,7 +204,7 @@ class TrackerCore:
         self._by_seen.move_to_end(mid)
         if role in (NODE, ORIGIN):
             self._changed(self.peers.join(mid, role, m.region, addr), now)
-            rates = self.wan_rates if wire_revision == wire.WIRE_REVISION else None
+            rates = self.wan_rates if wire.revision(wire_revision) >= 2 else None
             out.append(Send.of([conn], wire.PeerList(self.peers.full(mid), rates)))
         if role == NODE:
             out += [dataclasses.replace(self._notices[k], to=(conn,)) for k in sorted(self._notices)]

@@ -362,9 +362,10 @@ def _context(purpose: int, creds: Credentials) -> ssl.SSLContext:
     ctx.verify_mode = ssl.CERT_REQUIRED
     ctx.load_cert_chain(str(creds.cert), str(creds.key))
     ctx.load_verify_locations(cafile=str(creds.ca))
-    # The wire revision (protocol/wire.py): a peer that selects it reads the optional fields;
-    # a member of the previous version offers no ALPN protocol, and so selects none.
-    ctx.set_alpn_protocols([wire.WIRE_REVISION])
+    # The wire revisions (protocol/wire.py), newest first: the listener selects the newest both
+    # offer, and a peer reads what that revision added; a member of the first version offers
+    # no ALPN protocol, and so selects none.
+    ctx.set_alpn_protocols(list(wire.WIRE_REVISIONS))
     return ctx
 
 

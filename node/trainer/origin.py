@@ -66,12 +66,18 @@ ORIGIN_CHUNK_BYTES = 1 << 20  # swarm pieces: small enough that a few MB spread 
 ORIGIN_SEGMENT_ELEMENTS = 1 << 20  # a chunk holds whole segments; smaller segments, finer pieces
 WATCH_SECONDS = 0.5
 # A node's trajectory batches read off its connection and not yet stored: the uploader keeps
-# 4 in flight (node/uploader.py); past this the origin stops reading that node's connection,
-# so a node that does not wait for acks fills its own socket, not the origin's memory.
+# 4 in flight (node/uploader.py); past this a batch is deferred (wire revision 3), or the
+# origin stops reading the connection of an older node: a node that does not wait for acks
+# costs its own bandwidth or fills its own socket, not the origin's memory.
 INTAKE_BATCHES_PER_NODE = 4
 # ... and of all nodes together: what intake holds whatever the number of nodes (with the
 # uploader's 4 MiB batches, 256 MiB; a commit groups up to 16 MiB, so the disk never waits).
 INTAKE_BATCHES_TOTAL = 64
+# A node whose connection selected wire revision 3 is never made to wait for a slot: a batch
+# that finds none is answered with a TrajectoriesBusy and dropped, so the connection keeps
+# being read (its chunk requests, above all). The wait it asks for: long enough that a store
+# that takes a batch a second is not asked again and again, short next to the node's backoff.
+DEFER_RETRY_MS = 1000
 
 
 @dataclasses.dataclass
@@ -158,6 +164,7 @@ class Origin:
         self._members: list[dict] = []
         self._intake: dict[str, trio.Semaphore] = {}  # node id -> its batches being stored
         self._intake_total = trio.Semaphore(INTAKE_BATCHES_TOTAL)
+        self.intake_deferred = 0  # batches answered with TrajectoriesBusy (for stats)
 
     @property
     def version(self) -> int | None:
@@ -224,15 +231,25 @@ class Origin:
     async def _take_trajectories(self, s: Session, batch: bytes) -> None:
         """Decode a batch and start its store-and-ack task, once it has a slot: one of the
         node's INTAKE_BATCHES_PER_NODE (shared by its connections: a reconnect starts no
-        fresh allowance while its old batches wait) and one of INTAKE_BATCHES_TOTAL. Until
-        then this connection is not read: the node's next batches wait in its socket."""
+        fresh allowance while its old batches wait) and one of INTAKE_BATCHES_TOTAL.
+
+        A node of wire revision 3 or later gets a slot now or a TrajectoriesBusy: the
+        batch is dropped undecoded and the node sends it again later, so its connection is
+        read on (its chunk requests are not stuck behind a store that is slow or full).
+        An older node cannot be told so: until a slot is free its connection is not read,
+        and its next batches (and requests) wait in its socket, as before."""
         slots = self._intake.get(s.id)
         if slots is None:
             slots = self._intake[s.id] = trio.Semaphore(INTAKE_BATCHES_PER_NODE)
+        deferrable = wire.revision(s.ms.wire_revision) >= 3
         held: list[trio.Semaphore] = []
         try:
             for sem in (slots, self._intake_total):
-                await sem.acquire()
+                if not deferrable:
+                    await sem.acquire()
+                elif not _try_acquire(sem):
+                    await self._defer(s)
+                    return
                 held.append(sem)
             try:
                 # In a worker thread: checking a batch of 12 MiB costs up to seconds (meta maps
@@ -252,6 +269,17 @@ class Origin:
         finally:
             for sem in held:
                 sem.release()
+
+    async def _defer(self, s: Session) -> None:
+        """Tell the node its batch was not taken, and when to send it again: DEFER_RETRY_MS,
+        or later while the store's disk is failing (its own backoff says when it tries)."""
+        self.intake_deferred += 1
+        disk = self.trajectory_store.disk
+        wait_ms = DEFER_RETRY_MS if not disk.failing else max(DEFER_RETRY_MS, math.ceil(disk.retry_in() * 1000))
+        try:
+            await s.send(wire.TrajectoriesBusy(min(wait_ms, wire.MAX_RETRY_MS)))
+        except CONNECTION_ERRORS as e:  # the node resends after reconnecting
+            s.close(f"could not send a TrajectoriesBusy ({type(e).__name__})")
 
     async def _store_and_ack(self, s: Session, records, slots: list[trio.Semaphore]) -> None:
         """Store a batch and ack it. The global slot goes back once the records are stored
@@ -522,7 +550,17 @@ class Origin:
             "trajectories": self.trajectory_store.summary(self.version),
             **self.store.disk.status(),  # our disk failing writes (node/diskspace.py)
             "trajectory_disk_full": self.trajectory_store.disk.failing,
+            "trajectory_batches_deferred": self.intake_deferred,
         }
+
+
+def _try_acquire(sem: trio.Semaphore) -> bool:
+    """Take a unit of `sem` if one is free now (no wait, no checkpoint)."""
+    try:
+        sem.acquire_nowait()
+    except trio.WouldBlock:
+        return False
+    return True
 
 
 class TrajectoryFeed:
