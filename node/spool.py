@@ -55,13 +55,13 @@ import msgpack
 import trio
 
 from patchswarm.protocol.errors import CorruptData, DiskFull, SpoolFull, StorageFailed, UnsupportedFormat, UsageError
-from patchswarm.protocol.trajectory import (ENTRY_HEADER_BYTES, MAX_BATCH_BYTES, MAX_ID_CHARS, MAX_META_BYTES,
-                                 MAX_PAYLOAD_BYTES, RECORD_KEY_BYTES, AckedRanges, Record, RecordIds, SpoolState,
-                                 decode_record, encode_entry, encode_record, record_key, record_parts, scan_records,
-                                 segment_header, seq_ranges)
+from patchswarm.protocol.trajectory import (ENTRY_HEADER_BYTES, KIND_RECORD_IDS, MAX_BATCH_BYTES, MAX_ID_CHARS,
+                                            MAX_META_BYTES, MAX_PAYLOAD_BYTES, RECORD_KEY_BYTES, AckedRanges, Record,
+                                            RecordIds, SpoolState, decode_record, encode_entry, encode_record,
+                                            record_key, record_parts, scan_records, segment_header, seq_ranges)
 
 from patchswarm.node.diskspace import DiskCondition, full
-from patchswarm.node.recordids import DEFAULT_WINDOW, RecordIdIndex
+from patchswarm.node.recordids import DEFAULT_WINDOW, RecordIdIndex, merged, packed
 from patchswarm.node.seglog import DirectoryLock, FileProblem, SegmentLog, fsync_dir, list_segments, segment_path
 
 log = logging.getLogger("patchswarm.spool")
@@ -439,29 +439,46 @@ class TrajectorySpool:
             done.set()
         known.update(zip(new, stored))
         self.repeated_total += len(prepared) - len(new)
+        if self.ids.seal_due():
+            await self._seal_ids()
         return [known[i] for i in range(len(prepared))], len(prepared) - len(new)
+
+    async def _seal_ids(self) -> None:
+        """Merge the index's newest identities into its arrays in a worker thread (O(window):
+        ~0.2 s at 2^20, too long for the event loop); the submit that filled it waits."""
+        work = self.ids.seal_begin()
+        result = None
+        try:
+            with trio.CancelScope(shield=True):  # bounded CPU work; the dict set aside must come back
+                result = await trio.to_thread.run_sync(merged, *work)
+        finally:
+            self.ids.seal_end(result)
 
     async def _known(self, keys: list, timeout: float) -> dict[int, int]:
         """{item index: seq} for the keys the spool remembers. A key another append is
-        writing now is waited for (its seq, or stored here if that write fails)."""
-        with trio.move_on_after(timeout) as scope:
-            while True:
-                known, busy = {}, None
-                for i, k in enumerate(keys):
-                    if k is None:
-                        continue
-                    seq = self.ids.get(k)
-                    if seq is not None:
-                        known[i] = seq
-                    elif k in self._writing:
-                        busy = self._writing[k]
-                        break
-                if busy is None:
-                    return known
+        writing now is waited for (its seq, or stored here if that write fails). No
+        checkpoint unless it waits (a cancel scope per call cost ~20 us in trio)."""
+        deadline = None
+        while True:
+            known, busy = {}, None
+            for i, k in enumerate(keys):
+                if k is None:
+                    continue
+                seq = self.ids.get(k)
+                if seq is not None:
+                    known[i] = seq
+                elif k in self._writing:
+                    busy = self._writing[k]
+                    break
+            if busy is None:
+                return known
+            deadline = trio.current_time() + timeout if deadline is None else deadline
+            with trio.move_on_at(deadline) as scope:
                 await busy.wait()
-        assert scope.cancelled_caught
-        raise SpoolFull(f"trajectory spool {self.directory}: expected the write of a record with the same record "
-                        f"id by another submit to end within {timeout} s, found it still going; nothing was written")
+            if scope.cancelled_caught:
+                raise SpoolFull(f"trajectory spool {self.directory}: expected the write of a record with the same "
+                                f"record id by another submit to end within {timeout} s, found it still going; "
+                                f"nothing was written")
 
     async def _store(self, prepared: list, ids: list, need: int, timeout: float) -> list[int]:
         """Write the checked items (and the identities `ids`: [(item index, key)], in an
@@ -492,7 +509,8 @@ class TrajectorySpool:
             if ids:
                 id_seqs = array("Q", (first + j for j, _ in ids)).tobytes()
                 id_keys = b"".join(k for _, k in ids)
-                entries = [encode_record(e) for e in _id_entries(id_seqs, id_keys)]
+                entries = ([msgpack.packb([KIND_RECORD_IDS, id_seqs, id_keys], use_bin_type=True)]
+                           if len(ids) <= IDS_PER_ENTRY else [encode_record(e) for e in _id_entries(id_seqs, id_keys)])
                 bodies = entries + bodies  # first: a torn write keeps no record without its id (_recover_ids)
             try:
                 await self.log.commit(bodies, (seqs, records, len(bodies) - n, id_seqs, id_keys))
@@ -760,7 +778,7 @@ class TrajectorySpool:
             id_entries = [e for s in done for e in s.id_entries()]
             rewrite = None
             if id_entries and self._ids_in_file + sum(map(len, id_entries)) > _ids_file_limit(self.ids.window):
-                rewrite = self.ids.packed()  # here, on the loop: the index is the loop's
+                rewrite = self.ids.packed_parts()  # taken here, on the loop: the index is the loop's
             try:
                 if compact or done:
                     await trio.to_thread.run_sync(self._persist_ack, ranges, compact, [s.path for s in done],
@@ -786,7 +804,7 @@ class TrajectorySpool:
         self._acks_bytes += len(entry)
 
     def _persist_ack(self, ranges: list, compact: bool, unlink: list, id_entries: list = (),
-                     rewrite: tuple[bytes, bytes] | None = None) -> None:
+                     rewrite: tuple | None = None) -> None:
         """Worker thread: record the ack (durably when compacting), make the identities of
         the segments' records durable in `ids` (appended, or the file rewritten with
         `rewrite`, the window), then delete whole acknowledged segments. A failed ids
@@ -800,6 +818,7 @@ class TrajectorySpool:
         else:
             self._write_ack_entry(ranges)
         if rewrite is not None:
+            rewrite = packed(*rewrite)
             _write_ids(self.directory, *rewrite)
             fd = os.open(self.directory / IDS_NAME, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
             os.close(self._ids_fd)
