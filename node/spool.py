@@ -3,8 +3,8 @@
 Owns one directory: `NNNNNNNNNNNN.seg` segment files of `Record` entries
 (protocol/trajectory.py framing, written by node/seglog.SegmentLog with
 group commit), `state` (which node this spool belongs to and the seq
-high-water mark reserved so far), `acks` (log of acknowledged seq ranges) and
-`LOCK`. Must not: talk to the network, decide batching policy for the wire,
+high-water mark reserved so far), `acks` (log of acknowledged seq ranges),
+`ids` (record ids of trimmed records, see below) and `LOCK`. Must not: talk to the network, decide batching policy for the wire,
 or drop a record: a full spool makes `append` wait, then fail with SpoolFull;
 a full disk makes it fail at once with DiskFull, nothing acknowledged, nothing
 of it left in the files (node/seglog.py cuts the write off), and the next
@@ -34,6 +34,16 @@ not fdatasynced, since forgetting an ack is harmless: after a power loss the
 last acks may be gone and those records are uploaded again, and the origin
 drops them as duplicates. That saves a worker-thread hop and an fdatasync per
 upload batch. Compacting the log syncs (it replaces the file).
+
+Record ids: an item may carry a client's record id; an id the spool
+remembers is answered with the seq it was stored under, and nothing is
+written. Remembered: the newest `id_window` identities (node/recordids.py's
+index, in memory), durable as a `RecordIds` entry written just before its
+records in the same commit (recovery keeps an entry's ids only for records
+that survived it), and, once a segment is trimmed, in the `ids` file
+(appended and fdatasynced before the unlink; rewritten with the window alone
+before it holds 1.5 windows). An append waits for another append that is
+writing one of its ids, then answers from it (or stores, if that write failed).
 
 Space: `max_bytes` bounds the framed bytes of unacknowledged records plus
 those being written; disk use can exceed it by the acknowledged part of
