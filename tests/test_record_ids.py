@@ -22,7 +22,7 @@ from patchswarm.node.localapi import LocalRequests, serve_local
 from patchswarm.node.recordids import RecordIdIndex, merged
 from patchswarm.node.spool import IDS_NAME, TrajectorySpool
 from patchswarm.protocol import localapi
-from patchswarm.protocol.errors import ProtocolError, UsageError
+from patchswarm.protocol.errors import CorruptData, ProtocolError, UsageError
 from patchswarm.protocol.trajectory import RecordIds, decode_record, encode_record, record_key
 
 from swarmlab import SwarmLab, dump, wait_spools_empty
@@ -75,6 +75,23 @@ def test_record_ids_entry_round_trips_and_refuses_mismatched_arrays():
     with pytest.raises(UsageError, match="16 key bytes per seq"):
         encode_record(RecordIds(bytes(8), bytes(15)))
     assert len(record_key(b"x" * 64)) == 16 and record_key(b"x") != record_key(b"y")
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2**64 - 1), st.binary(min_size=16, max_size=16)), min_size=1, max_size=20),
+       st.data())
+def test_a_record_ids_body_round_trips_and_any_change_to_it_decodes_or_is_corrupt(pairs, data):
+    e = RecordIds(b"".join(s.to_bytes(8, "little") for s, _ in pairs), b"".join(k for _, k in pairs))
+    body = encode_record(e)
+    assert decode_record(body) == e
+    cut = data.draw(st.integers(0, len(body) - 1))
+    flip = data.draw(st.integers(0, len(body) - 1))
+    for bad in (body[:cut], body[:flip] + bytes([body[flip] ^ data.draw(st.integers(1, 255))]) + body[flip + 1:]):
+        try:
+            got = decode_record(bad)
+        except CorruptData:
+            continue
+        assert type(got) is RecordIds and len(got.keys) == 16 * len(got)  # a flipped key or seq byte: still well formed
 
 
 # ================================================================ the index
