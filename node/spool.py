@@ -4,8 +4,8 @@ Owns one directory: `NNNNNNNNNNNN.seg` segment files of `Record` entries
 (protocol/trajectory.py framing, written by node/seglog.SegmentLog with
 group commit), `state` (which node this spool belongs to and the seq
 high-water mark reserved so far), `acks` (log of acknowledged seq ranges),
-`ids` (record ids of trimmed records, see below) and `LOCK`. Must not: talk to the network, decide batching policy for the wire,
-or drop a record: a full spool makes `append` wait, then fail with SpoolFull;
+`ids` (record ids of trimmed records, see below) and `LOCK`. Must not: talk
+to the network, decide batching policy for the wire, or drop a record: a full spool makes `append` wait, then fail with SpoolFull;
 a full disk makes it fail at once with DiskFull, nothing acknowledged, nothing
 of it left in the files (node/seglog.py cuts the write off), and the next
 append tries the disk again (`disk`, node/diskspace.py, says so in status).
@@ -57,6 +57,7 @@ import collections
 import errno
 import logging
 import os
+import sys
 import time
 from array import array
 from pathlib import Path
@@ -134,6 +135,21 @@ def _replace_file(directory: Path, name: str, data: bytes) -> None:
 def _write_state(directory: Path, state: SpoolState) -> None:
     """Replace `state` atomically and durably."""
     _replace_file(directory, STATE_NAME, segment_header() + encode_entry(encode_record(state)))
+
+
+def _pack_seqs(seqs) -> bytes:
+    """Seqs as RecordIds packs them: u64 little-endian."""
+    a = array("Q", seqs)
+    if sys.byteorder != "little":
+        a.byteswap()
+    return a.tobytes()
+
+
+def _unpack_seqs(data: bytes) -> array:
+    a = array("Q", data)
+    if sys.byteorder != "little":
+        a.byteswap()
+    return a
 
 
 def _id_entries(seqs: bytes, keys: bytes) -> list:
@@ -259,8 +275,7 @@ def _recover_ids(seg: _Segment, entry: RecordIds, ids: RecordIdIndex) -> None:
     written just before its records, in the same write: a crash that tore the write
     may have kept the entry and lost records after it, and those were never acknowledged
     (their resubmit must be stored, not answered with a seq that holds nothing)."""
-    seqs = array("Q")
-    seqs.frombytes(entry.seqs)
+    seqs = _unpack_seqs(entry.seqs)
     held = set(seg.seqs)
     keep = [i for i, seq in enumerate(seqs) if seq in held]
     if len(keep) < len(seqs):
@@ -517,7 +532,7 @@ class TrajectorySpool:
             bodies = [record_parts(r) for r in records]
             id_seqs = id_keys = b""
             if ids:
-                id_seqs = array("Q", (first + j for j, _ in ids)).tobytes()
+                id_seqs = _pack_seqs(first + j for j, _ in ids)
                 id_keys = b"".join(k for _, k in ids)
                 entries = ([msgpack.packb([KIND_RECORD_IDS, id_seqs, id_keys], use_bin_type=True)]
                            if len(ids) <= IDS_PER_ENTRY else [encode_record(e) for e in _id_entries(id_seqs, id_keys)])
@@ -612,7 +627,7 @@ class TrajectorySpool:
                 seg.id_seqs += id_seqs
                 seg.id_keys += id_keys
                 self.ids.add([id_keys[i:i + RECORD_KEY_BYTES] for i in range(0, len(id_keys), RECORD_KEY_BYTES)],
-                             array("Q", id_seqs))
+                             _unpack_seqs(id_seqs))
             seg.seqs.extend(seqs)
             seg.offsets.extend(offsets)
             seg.sizes.extend(sizes)
