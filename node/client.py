@@ -43,7 +43,8 @@ from safetensors import SafetensorError, safe_open
 
 from patchswarm.protocol import localapi
 from patchswarm.protocol.changes import ChangeApplier, ChangeStream
-from patchswarm.protocol.errors import CorruptData, InvalidInput, PatchswarmError, ProtocolError, StateHashMismatch
+from patchswarm.protocol.errors import (CorruptData, InvalidInput, PatchswarmError, ProtocolError, StateHashMismatch,
+                                        UsageError)
 from patchswarm.protocol.statehash import state_hash
 from patchswarm.protocol.trajectory import encode_payload
 from patchswarm.protocol.wire import CLOSED, NEED_DATA, FrameBuffer
@@ -98,7 +99,7 @@ def _records(records) -> tuple[list, bool]:
     recs, chosen = [], False
     for r in records:
         if not isinstance(r, (tuple, list)) or not 2 <= len(r) <= 4:
-            raise InvalidInput(f"submit_many: expected (payload, policy_version[, meta[, record_id]]) items, "
+            raise UsageError(f"submit_many: expected (payload, policy_version[, meta[, record_id]]) items, "
                                f"found {type(r).__name__} {repr(r)[:80]}")
         chosen = chosen or (len(r) == 4 and r[3] is not None)
         recs.append(record(*r))
@@ -125,8 +126,9 @@ def _without_ids(recs: list, chosen: bool, path: Path) -> list:
 
 def _lost(path: Path, lost: BaseException, timeout: float) -> NodeUnavailable:
     return NodeUnavailable("unavailable", f"node at {path}: the connection broke before the submit's reply ({lost}) "
-                                          f"and no node answered it again within {timeout:g} s; the records may be "
-                                          f"stored: resubmit them with the same record ids to find out")
+                                          f"and no node that takes record ids answered it again within {timeout:g} s; "
+                                          f"the records may be stored: resubmit them with the same record ids to "
+                                          f"find out")
 
 
 def _send_parts(s: socket.socket, parts: list) -> None:
@@ -244,6 +246,10 @@ class NodeClient:
             except NodeUnavailable:
                 if lost is None:  # no node to begin with: as for any call
                     raise
+            except NodeError as e:
+                if lost is not None and _refuses_ids(e):  # an older node came back: the first may be stored
+                    raise _lost(self.path, lost, timeout) from None
+                raise
             if time.monotonic() + pause > deadline:
                 raise _lost(self.path, lost, timeout) from None
             time.sleep(pause)
@@ -471,6 +477,10 @@ class AsyncNodeClient:
             except NodeUnavailable:
                 if lost is None:  # no node to begin with: as for any call
                     raise
+            except NodeError as e:
+                if lost is not None and _refuses_ids(e):  # an older node came back: the first may be stored
+                    raise _lost(self.path, lost, timeout) from None
+                raise
             if trio.current_time() + pause > deadline:
                 raise _lost(self.path, lost, timeout) from None
             await trio.sleep(pause)

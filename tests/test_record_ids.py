@@ -401,3 +401,47 @@ def test_a_node_killed_after_the_fsync_and_before_the_reply_stores_the_record_on
     assert payloads.count(b"exactly-once" + bytes(100)) == 1 and payloads.count(b"mine" + bytes(100)) == 1
     assert [r["seq"] for r in records if base64.b64decode(r["payload_b64"]).startswith(b"exactly")] == [out["seq"]]
     assert len(records) == 2
+
+
+def test_a_lost_reply_then_an_older_node_is_an_error_not_a_second_copy(tmp_path):
+    """The first node may have stored the records; the older one that comes back would
+    take them again without ids. The call fails, saying the records may be stored."""
+    path = tmp_path / "node.sock"
+    _older_node.submits = _older_node.refused = 0
+    got = trio.Event()
+
+    async def dies_before_replying(req):
+        got.set()
+        await trio.sleep_forever()
+
+    async def first_node(task_status=trio.TASK_STATUS_IGNORED):
+        with trio.CancelScope() as scope:
+            async with trio.open_nursery() as inner:
+                await inner.start(serve_local, path, dies_before_replying)
+                task_status.started(scope)
+
+    async def main():
+        async with trio.open_nursery() as n:
+            first = await n.start(first_node)
+
+            async def swap():
+                await got.wait()
+                first.cancel()  # the node dies with the request read, maybe stored, unanswered
+                await trio.sleep(0.2)
+                await n.start(functools.partial(serve_local, path, _older_node))
+
+            n.start_soon(swap)
+
+            def blocking():
+                with NodeClient(path) as c:
+                    with pytest.raises(NodeError, match="no node that takes record ids answered it again .* may be "
+                                                        "stored") as e:
+                        c.submit(b"x", 1, timeout=10)
+                    return e.value.code
+
+            code = await trio.to_thread.run_sync(blocking)
+            n.cancel_scope.cancel()
+        return code
+
+    assert trio.run(main) == "unavailable"
+    assert _older_node.submits == 0 and _older_node.refused >= 1
