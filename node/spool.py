@@ -63,6 +63,7 @@ from array import array
 from pathlib import Path
 
 import msgpack
+import numpy as np
 import trio
 
 from patchswarm.protocol.errors import CorruptData, DiskFull, SpoolFull, StorageFailed, UnsupportedFormat, UsageError
@@ -94,7 +95,7 @@ _RECORD_OVERHEAD = ENTRY_HEADER_BYTES + 1 + 1 + 2 * 5 + 9 + 9 + 9 + 5
 
 class _Segment:
     """In-memory index of one live segment file (payloads stay on disk)."""
-    __slots__ = ("number", "path", "seqs", "offsets", "sizes", "acked", "n_acked", "id_seqs", "id_keys")
+    __slots__ = ("number", "path", "seqs", "offsets", "sizes", "acked", "n_acked", "has_ids")
 
     def __init__(self, number: int, path: Path):
         self.number = number
@@ -104,11 +105,7 @@ class _Segment:
         self.sizes = array("I")  # framed entry sizes
         self.acked = bytearray()
         self.n_acked = 0
-        self.id_seqs = bytearray()  # identities of its records (u64 LE seqs, keys): for the `ids` file on trim
-        self.id_keys = bytearray()
-
-    def id_entries(self) -> list:
-        return _id_entries(bytes(self.id_seqs), bytes(self.id_keys))
+        self.has_ids = False  # some of its records have record ids (the index holds them, not this)
 
     def unacked_from(self, j: int) -> int:
         return (len(self.seqs) - j) - self.acked.count(1, j)
@@ -248,7 +245,7 @@ def _recover(directory: Path, node_id: str, region: str, clock=time.time, id_win
     for seg in segments:
         seg.n_acked = seg.acked.count(1)
     live = [s for s in segments if s.n_acked < len(s.seqs)]  # damage stays reported in `problems`
-    trimmed_ids = any(s.id_seqs for s in segments if s not in live)
+    trimmed_ids = any(s.has_ids for s in segments if s not in live)
     if ids_rewrite or trimmed_ids or ids_in_file > _ids_file_limit(id_window):
         # before the segments go: the identities of their records outlive them (the window)
         _write_ids(directory, *ids.packed())
@@ -282,8 +279,7 @@ def _recover_ids(seg: _Segment, entry: RecordIds, ids: RecordIdIndex) -> None:
         entry = RecordIds(b"".join(entry.seqs[i * 8:i * 8 + 8] for i in keep),
                           b"".join(entry.keys[i * RECORD_KEY_BYTES:(i + 1) * RECORD_KEY_BYTES] for i in keep))
     if keep:
-        seg.id_seqs += entry.seqs
-        seg.id_keys += entry.keys
+        seg.has_ids = True
         ids.add_packed(entry.seqs, entry.keys)
 
 
@@ -624,8 +620,7 @@ class TrajectorySpool:
         for (seqs, records, n_ids, id_seqs, id_keys), offsets, sizes in landed:
             if n_ids:  # the RecordIds entries ahead of the records: identities, not records
                 offsets, sizes = offsets[n_ids:], sizes[n_ids:]
-                seg.id_seqs += id_seqs
-                seg.id_keys += id_keys
+                seg.has_ids = True
                 self.ids.add([id_keys[i:i + RECORD_KEY_BYTES] for i in range(0, len(id_keys), RECORD_KEY_BYTES)],
                              _unpack_seqs(id_seqs))
             seg.seqs.extend(seqs)
@@ -799,15 +794,15 @@ class TrajectorySpool:
         async with self._ack_lock:
             compact = self._acks_bytes > ACK_LOG_COMPACT_BYTES
             ranges = _acked_ranges(self._segs) if compact else seq_ranges(newly)
-            # The identities in the segments about to go move to the `ids` file first (module docstring).
-            id_entries = [e for s in done for e in s.id_entries()]
-            rewrite = None
-            if id_entries and self._ids_in_file + sum(map(len, id_entries)) > _ids_file_limit(self.ids.window):
-                rewrite = self.ids.packed_parts()  # taken here, on the loop: the index is the loop's
+            # The identities in the segments about to go move to the `ids` file first (module
+            # docstring): the index holds them (those past the window need not move), taken
+            # here, on the loop, and picked out by seq in the worker thread.
+            moving = None
+            if any(s.has_ids for s in done):
+                moving = (self.ids.packed_parts(), [(s.seqs[0], s.seqs[-1] + 1) for s in done if s.has_ids])
             try:
                 if compact or done:
-                    await trio.to_thread.run_sync(self._persist_ack, ranges, compact, [s.path for s in done],
-                                                  id_entries, rewrite)
+                    await trio.to_thread.run_sync(self._persist_ack, ranges, compact, [s.path for s in done], moving)
                 else:  # the usual case: a small write to the page cache, no fdatasync (module docstring)
                     self._write_ack_entry(ranges)
             except OSError as e:
@@ -828,12 +823,13 @@ class TrajectorySpool:
             raise
         self._acks_bytes += len(entry)
 
-    def _persist_ack(self, ranges: list, compact: bool, unlink: list, id_entries: list = (),
-                     rewrite: tuple | None = None) -> None:
+    def _persist_ack(self, ranges: list, compact: bool, unlink: list, moving: tuple | None = None) -> None:
         """Worker thread: record the ack (durably when compacting), make the identities of
-        the segments' records durable in `ids` (appended, or the file rewritten with
-        `rewrite`, the window), then delete whole acknowledged segments. A failed ids
-        write leaves the segments on disk: the next open moves their ids and deletes them."""
+        the segments' records durable in `ids` (`moving`: the index's packed parts and
+        the seq ranges of the segments; appended, or the file rewritten with the whole
+        window once it would pass 1.5 windows), then delete whole acknowledged segments.
+        A failed ids write leaves the segments on disk: the next open moves their ids
+        and deletes them."""
         if compact:
             _write_acks(self.directory, ranges)
             fd = os.open(self.directory / ACKS_NAME, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
@@ -842,28 +838,43 @@ class TrajectorySpool:
             self._acks_bytes = os.fstat(fd).st_size
         else:
             self._write_ack_entry(ranges)
-        if rewrite is not None:
-            rewrite = packed(*rewrite)
-            _write_ids(self.directory, *rewrite)
-            fd = os.open(self.directory / IDS_NAME, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
-            os.close(self._ids_fd)
-            self._ids_fd = fd
-            self._ids_in_file = len(rewrite[0]) // 8
-        elif id_entries:
-            data = b"".join(encode_entry(encode_record(e)) for e in id_entries)
-            end = os.fstat(self._ids_fd).st_size
-            try:
-                if os.write(self._ids_fd, data) != len(data):
-                    raise OSError(errno.ENOSPC, "short write")
-                os.fdatasync(self._ids_fd)
-            except OSError:
-                os.ftruncate(self._ids_fd, end)  # no torn entry for the next ones to follow
-                raise
-            self._ids_in_file += sum(map(len, id_entries))
+        if moving is not None:
+            self._move_ids(*moving)
         for path in unlink:
             path.unlink()
         if unlink:
             fsync_dir(self.directory)
+
+    def _move_ids(self, parts: tuple, spans: list) -> None:
+        """Worker thread: the index's identities whose seqs fall in `spans` appended to `ids`
+        and fdatasynced, or the file rewritten with the whole index past 1.5 windows."""
+        seqs, keys = packed(*parts)
+        every = np.frombuffer(seqs, dtype="<u8")
+        pick = np.zeros(len(every), dtype=bool)
+        for lo, hi in spans:
+            pick |= (every >= lo) & (every < hi)
+        n = int(np.count_nonzero(pick))
+        if not n:
+            return
+        if self._ids_in_file + n > _ids_file_limit(self.ids.window):
+            _write_ids(self.directory, seqs, keys)
+            fd = os.open(self.directory / IDS_NAME, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+            os.close(self._ids_fd)
+            self._ids_fd = fd
+            self._ids_in_file = len(every)
+            return
+        k = np.frombuffer(keys, dtype=f"S{RECORD_KEY_BYTES}")
+        data = b"".join(encode_entry(encode_record(e))
+                        for e in _id_entries(every[pick].astype("<u8").tobytes(), k[pick].tobytes()))
+        end = os.fstat(self._ids_fd).st_size
+        try:
+            if os.write(self._ids_fd, data) != len(data):
+                raise OSError(errno.ENOSPC, "short write")
+            os.fdatasync(self._ids_fd)
+        except OSError:
+            os.ftruncate(self._ids_fd, end)  # no torn entry for the next ones to follow
+            raise
+        self._ids_in_file += n
 
     # ------------------------------------------------------------ status
 
