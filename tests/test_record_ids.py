@@ -182,6 +182,35 @@ def test_an_id_survives_the_trim_of_its_segment_within_the_window_and_is_forgott
     assert ids_bytes < 1.5 * 40 * 24 + 2048  # rewritten along the way, not grown with all 120
 
 
+def test_a_damaged_ids_file_costs_the_ids_it_hit_is_reported_and_rewritten(tmp_path):
+    async def main():
+        sp = await TrajectorySpool.open(tmp_path, "n1", "r1", segment_bytes=1024)
+        seqs = []
+        for i in range(6):  # one segment per record: each trim appends one entry to `ids`
+            seqs += await sp.append([(bytes(1100), 1, None, b"rec%d" % i)], 1)
+            await sp.ack([r.seq for r in sp.pending()])
+        await sp.aclose()
+        data = bytearray((tmp_path / IDS_NAME).read_bytes())
+        at = data.index(record_key(b"rec1"))
+        data[at] ^= 0xFF  # inside the entry of rec1's identity
+        (tmp_path / IDS_NAME).write_bytes(bytes(data))
+        sp = await TrajectorySpool.open(tmp_path, "n1", "r1")
+        problems = [str(p) for p in sp.problems]
+        got, repeated = await sp.submit([(bytes(1100), 1, None, b"rec%d" % i) for i in (0, 2, 3, 4)], 1)
+        lost, _ = await sp.submit([(bytes(1100), 1, None, b"rec1")], 1)
+        await sp.aclose()
+        sp = await TrajectorySpool.open(tmp_path, "n1", "r1")  # rewritten: no damage left to report
+        again = sp.problems
+        await sp.aclose()
+        return seqs, problems, got, repeated, lost, again
+
+    seqs, problems, got, repeated, lost, again = run(main)
+    assert len(problems) == 1 and IDS_NAME in problems[0] and "checksum" in problems[0], problems
+    assert got == [seqs[i] for i in (0, 2, 3, 4)] and repeated == 4
+    assert lost[0] not in seqs  # the id the damage hit is forgotten: stored again
+    assert again == []
+
+
 def test_a_torn_write_that_kept_the_ids_but_not_all_records_remembers_only_those_it_kept(tmp_path):
     """The ids entry goes just before its records in one write: a crash that tore the write
     may keep it and lose records after it. Those were never acknowledged; a resubmit of them
