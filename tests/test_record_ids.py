@@ -17,6 +17,7 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import patchswarm.node.client
 from patchswarm.node.client import AsyncNodeClient, NodeClient, NodeError
 from patchswarm.node.localapi import LocalRequests, serve_local
 from patchswarm.node.recordids import RecordIdIndex, merged
@@ -64,6 +65,10 @@ def test_record_ids_are_bounded_and_distinct_with_errors_that_say_what_was_found
         body = msgpack.packb({"op": "submit", "records": [list(r) for r in records], "timeout": 1.0})
         with pytest.raises(ProtocolError, match=message):
             localapi.check_request(localapi.decode(body))
+    # a new node's refusal of a bad record is not read as an older node's refusal of ids
+    with pytest.raises(ProtocolError) as e:
+        localapi.check_request({"op": "submit", "records": [[b"p", -1, None, b"id"]], "timeout": 1.0})
+    assert patchswarm.node.client._REFUSES_IDS not in str(e.value)
     # nil is "no id", and records with and without ids mix
     localapi.check_request(localapi.decode(b"".join(localapi.submit_frame_parts(
         [(b"p", 1, None, None), (b"q", 1, None), (b"r", 1, None, None)], 1.0))[4:]))
