@@ -13,6 +13,17 @@ Errors the node reports raise `NodeError` (with `.code`); a missing socket
 raises `NodeUnavailable`. A connection kept from a node that has since closed
 it (a restart) is replaced and the call sent again when the request did not go
 out (the send failed: no node saw it, so this is safe for a submit too).
+
+Submits are idempotent: each record carries a record id (16 random bytes, or
+the caller's `record_id`), and a node that already holds an id answers the
+seq it stored that record under instead of storing it again. So a submit
+whose connection broke after the request went out (the node died before its
+reply, maybe after its fsync) is sent again, with the same ids, on a new
+connection, retrying the connect until the call's timeout while the node
+restarts. A node older than record ids refuses a request that has them
+(nothing stored); the client then sends without ids (as before: no resend
+after a lost reply) until it next connects. Other calls are sent again only
+when they did not go out, as before.
 """
 
 from __future__ import annotations
@@ -21,6 +32,7 @@ import os
 import socket
 import stat
 import struct
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -31,7 +43,8 @@ from safetensors import SafetensorError, safe_open
 
 from patchswarm.protocol import localapi
 from patchswarm.protocol.changes import ChangeApplier, ChangeStream
-from patchswarm.protocol.errors import CorruptData, InvalidInput, PatchswarmError, ProtocolError, StateHashMismatch
+from patchswarm.protocol.errors import (CorruptData, InvalidInput, PatchswarmError, ProtocolError, StateHashMismatch,
+                                        UsageError)
 from patchswarm.protocol.statehash import state_hash
 from patchswarm.protocol.trajectory import encode_payload
 from patchswarm.protocol.wire import CLOSED, NEED_DATA, FrameBuffer
@@ -45,11 +58,17 @@ _ASYNC_RECEIVE_BYTES = 64 << 10
 _IOV_MAX = 1024
 SOCKET_NAME = "node.sock"
 DEFAULT_SUBMIT_TIMEOUT = 60.0
+RECORD_ID_BYTES = 16  # an id the client makes: random, so unique without coordination
+_RESEND_PAUSE = (0.05, 0.5)  # s between tries to reach a restarting node: first, longest
 _LONGEST_TIMEOUT = float(1 << 31)  # s (68 years): the kernel's socket timeout takes no more
 
 
 class _Undelivered(Exception):
     """The node had closed a kept connection before the request went out."""
+
+
+class _ReplyLost(Exception):
+    """The request went out (or may have) and the connection broke before its reply."""
 
 
 class NodeError(PatchswarmError):
@@ -68,10 +87,48 @@ def socket_path(data_dir: str | os.PathLike) -> Path:
     return Path(data_dir) / SOCKET_NAME
 
 
-def record(payload, policy_version: int, meta: dict | None = None) -> list:
-    """One submit record: [payload bytes, policy_version, meta]."""
+def record(payload, policy_version: int, meta: dict | None = None, record_id: bytes | None = None) -> list:
+    """One submit record: [payload bytes, policy_version, meta, record_id] (a random id
+    of RECORD_ID_BYTES when None)."""
     data, meta = encode_payload(payload, meta)
-    return [data, policy_version, meta]
+    return [data, policy_version, meta, os.urandom(RECORD_ID_BYTES) if record_id is None else record_id]
+
+
+def _records(records) -> tuple[list, bool]:
+    """submit_many's items as records, and whether the caller chose any record id."""
+    recs, chosen = [], False
+    for r in records:
+        if not isinstance(r, (tuple, list)) or not 2 <= len(r) <= 4:
+            raise UsageError(f"submit_many: expected (payload, policy_version[, meta[, record_id]]) items, "
+                               f"found {type(r).__name__} {repr(r)[:80]}")
+        chosen = chosen or (len(r) == 4 and r[3] is not None)
+        recs.append(record(*r))
+    return recs, chosen
+
+
+# How a node older than record ids refuses a record of 4 elements (its check_records' words).
+_REFUSES_IDS = "policy_version: int >= 0, meta: map | nil], found"
+
+
+def _refuses_ids(e: NodeError) -> bool:
+    return e.code == localapi.BAD_REQUEST and _REFUSES_IDS in str(e)
+
+
+def _without_ids(recs: list, chosen: bool, path: Path) -> list:
+    """The records for a node that refuses record ids: without them (the ids it would
+    have made idempotent were random), or an error if the caller chose them."""
+    if chosen:
+        raise NodeError(localapi.BAD_REQUEST, f"node at {path}: expected a node that takes record ids, found one "
+                                              f"that refuses them (older than record ids); upgrade it, or submit "
+                                              f"without record_id")
+    return [r[:3] for r in recs]
+
+
+def _lost(path: Path, lost: BaseException, timeout: float) -> NodeUnavailable:
+    return NodeUnavailable("unavailable", f"node at {path}: the connection broke before the submit's reply ({lost}) "
+                                          f"and no node that takes record ids answered it again within {timeout:g} s; "
+                                          f"the records may be stored: resubmit them with the same record ids to "
+                                          f"find out")
 
 
 def _send_parts(s: socket.socket, parts: list) -> None:
@@ -136,6 +193,8 @@ class NodeClient:
         # mmap and munmap (11 us measured), more than the rest of a small reply's read.
         self._buf = bytearray(RECEIVE_BYTES)
         self._timeout: float | None = None  # the kernel's send/receive timeout now set
+        self._ids_refused = False  # the node on this connection refused record ids (older than them)
+        self.resends = 0  # submits sent again after their reply was lost
         self.bootstraps = 0  # full reads of the node's base file by `follow`/`bootstrap`
 
     def _connect(self) -> socket.socket:
@@ -149,7 +208,7 @@ class NodeClient:
                 s.close()
                 raise _unavailable(self.path, e, self._connect_timeout) from None
             s.settimeout(None)
-            self._sock, self._timeout = s, None
+            self._sock, self._timeout, self._ids_refused = s, None, False
             self._frames = FrameBuffer(localapi.MAX_FRAME_BYTES)
         return self._sock
 
@@ -165,11 +224,40 @@ class NodeClient:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
             self._timeout = seconds
 
-    def _call(self, frame: list, timeout: float, more: Callable[[dict], bool] | None = None) -> dict:
+    def _call(self, frame: list, timeout: float, more: Callable[[dict], bool] | None = None,
+              resend: bool = False) -> dict:
         """Send the frame (a list of buffers, written in order), return the reply. With
         `more`, a streamed reply: each frame goes to `more` until it returns False; that
         frame is the reply. If `more` raises, the connection is closed (the rest of the
-        stream is not read)."""
+        stream is not read). `resend` (an idempotent request: a submit with record ids):
+        a connection that breaks before the reply is replaced and the frame sent again,
+        connecting until `timeout` runs out while the node restarts."""
+        if not resend:
+            try:
+                return self._exchange(frame, timeout, more)
+            except _ReplyLost as e:
+                raise NodeUnavailable("unavailable", f"node at {self.path}: {e}") from None
+        deadline, pause, lost = time.monotonic() + timeout, _RESEND_PAUSE[0], None
+        while True:
+            try:
+                return self._exchange(frame, timeout, more)
+            except _ReplyLost as e:
+                lost = e
+            except NodeUnavailable:
+                if lost is None:  # no node to begin with: as for any call
+                    raise
+            except NodeError as e:
+                if lost is not None and _refuses_ids(e):  # an older node came back: the first may be stored
+                    raise _lost(self.path, lost, timeout) from None
+                raise
+            if time.monotonic() + pause > deadline:
+                raise _lost(self.path, lost, timeout) from None
+            time.sleep(pause)
+            pause = min(2 * pause, _RESEND_PAUSE[1])
+            self.resends += 1
+
+    def _exchange(self, frame: list, timeout: float, more: Callable[[dict], bool] | None = None) -> dict:
+        """One try of `_call`: _ReplyLost when the connection broke after the request went out."""
         reused = self._sock is not None
         s = self._connect()
         undelivered = False
@@ -184,7 +272,7 @@ class NodeClient:
                 if body is CLOSED:
                     if undelivered and reused:
                         raise _Undelivered
-                    raise NodeUnavailable("unavailable", f"node at {self.path} closed the connection")
+                    raise _ReplyLost("closed the connection")
                 if body is not NEED_DATA:
                     reply = _result(localapi.decode(body))
                     if more is None or not _fed(self, more, reply):
@@ -194,11 +282,19 @@ class NodeClient:
                 self._frames.receive_data(memoryview(self._buf)[:n])
         except _Undelivered:  # a connection kept from a node since gone: no node saw the request
             self.close()
-            return self._call(frame, timeout, more)  # on a new connection, so at most once
+            return self._exchange(frame, timeout, more)  # on a new connection, so at most once
+        except _ReplyLost:
+            self.close()
+            raise
         except BlockingIOError:  # the socket timeout ran out
             self.close()
             raise NodeUnavailable("unavailable", f"node at {self.path}: expected an answer within "
                                                  f"{self._timeout:g} s, found none") from None
+        except (ConnectionResetError, BrokenPipeError) as e:  # the node died while we read: the reply is lost
+            self.close()
+            if undelivered and reused:  # ... or the request never went out
+                return self._exchange(frame, timeout, more)
+            raise _ReplyLost(f"{type(e).__name__}: {e}") from None
         except (OSError, ProtocolError) as e:
             self.close()
             raise NodeUnavailable("unavailable", f"node at {self.path}: {type(e).__name__}: {e}") from None
@@ -217,12 +313,27 @@ class NodeClient:
         return self._call([localapi.encode(localapi.wait_version_request(min_version, timeout))], timeout)["status"]
 
     def submit(self, payload, policy_version: int, meta: dict | None = None,
-               timeout: float = DEFAULT_SUBMIT_TIMEOUT) -> int:
-        return self.submit_many([(payload, policy_version, meta)], timeout)[0]
+               timeout: float = DEFAULT_SUBMIT_TIMEOUT, *, record_id: bytes | None = None) -> int:
+        """The record's seq once durable at the node. `record_id` (1..64 bytes, default
+        16 random ones): submitting the same id again answers the same seq, stored once
+        (within the node's window: README, Rollout API)."""
+        return self.submit_many([(payload, policy_version, meta, record_id)], timeout)[0]
 
     def submit_many(self, records, timeout: float = DEFAULT_SUBMIT_TIMEOUT) -> list[int]:
-        recs = [record(*r) for r in records]
-        return self._call(localapi.submit_frame_parts(recs, timeout), timeout)["seqs"]
+        """Items (payload, policy_version[, meta[, record_id]]): their seqs, in order, once durable."""
+        recs, chosen = _records(records)
+        if self._ids_refused and self._sock is not None:
+            recs = _without_ids(recs, chosen, self.path)
+            return self._call(localapi.submit_frame_parts(recs, timeout), timeout)["seqs"]
+        try:
+            return self._call(localapi.submit_frame_parts(recs, timeout), timeout, resend=True)["seqs"]
+        except NodeError as e:
+            if not _refuses_ids(e):
+                raise
+            bare = _without_ids(recs, chosen, self.path)  # an older node refused the ids: it stored nothing
+            seqs = self._call(localapi.submit_frame_parts(bare, timeout), timeout)["seqs"]
+            self._ids_refused = True  # it takes them without: until the next connection
+            return seqs
 
     def follow(self, tensors: dict[str, torch.Tensor], from_version: int | None, from_hash: str | None = None, *,
                verify: bool = False, device: torch.device | str | None = None,
@@ -330,6 +441,8 @@ class AsyncNodeClient:
         self.path = Path(path)
         self._idle: list[tuple[trio.SocketStream, FrameBuffer]] = []
         self._open: set[trio.SocketStream] = set()
+        self._ids_refused = False  # the node refused record ids (older than them): until a new connection
+        self.resends = 0  # submits sent again after their reply was lost
 
     async def _connection(self) -> tuple[trio.SocketStream, FrameBuffer, bool]:
         """(stream, its frames, whether it was kept from an earlier call)."""
@@ -341,13 +454,40 @@ class AsyncNodeClient:
         except (OSError, trio.TooSlowError) as e:
             raise _unavailable(self.path, e, 5.0) from None
         self._open.add(stream)
+        self._ids_refused = False  # maybe another node now (a restart, an upgrade): ask again
         return stream, FrameBuffer(localapi.MAX_FRAME_BYTES), False
 
     async def _discard(self, stream: trio.SocketStream) -> None:
         self._open.discard(stream)
         await trio.aclose_forcefully(stream)
 
-    async def _call(self, frame: list, timeout: float) -> dict:
+    async def _call(self, frame: list, timeout: float, resend: bool = False) -> dict:
+        """Send the frame, return the reply; `resend` as NodeClient._call's."""
+        if not resend:
+            try:
+                return await self._exchange(frame, timeout)
+            except _ReplyLost as e:
+                raise NodeUnavailable("unavailable", f"node at {self.path}: {e}") from None
+        deadline, pause, lost = trio.current_time() + timeout, _RESEND_PAUSE[0], None
+        while True:
+            try:
+                return await self._exchange(frame, timeout)
+            except _ReplyLost as e:
+                lost = e
+            except NodeUnavailable:
+                if lost is None:  # no node to begin with: as for any call
+                    raise
+            except NodeError as e:
+                if lost is not None and _refuses_ids(e):  # an older node came back: the first may be stored
+                    raise _lost(self.path, lost, timeout) from None
+                raise
+            if trio.current_time() + pause > deadline:
+                raise _lost(self.path, lost, timeout) from None
+            await trio.sleep(pause)
+            pause = min(2 * pause, _RESEND_PAUSE[1])
+            self.resends += 1
+
+    async def _exchange(self, frame: list, timeout: float) -> dict:
         stream, frames, reused = await self._connection()
         undelivered = False
         try:
@@ -362,14 +502,22 @@ class AsyncNodeClient:
                     if body is CLOSED:
                         if undelivered and reused:
                             raise _Undelivered
-                        raise NodeUnavailable("unavailable", f"node at {self.path} closed the connection")
+                        raise _ReplyLost("closed the connection")
                     if body is not NEED_DATA:
                         reply = localapi.decode(body)
                         break
-                    frames.receive_data(await stream.receive_some(_ASYNC_RECEIVE_BYTES))
+                    try:
+                        frames.receive_data(await stream.receive_some(_ASYNC_RECEIVE_BYTES))
+                    except trio.BrokenResourceError as e:  # reset while we read: the reply is lost
+                        if undelivered and reused:
+                            raise _Undelivered from None
+                        raise _ReplyLost(f"{type(e).__name__}: {e}") from None
         except _Undelivered:  # a connection kept from a node since gone: no node saw the request
             await self._discard(stream)
-            return await self._call(frame, timeout)  # each kept connection fails so at most once
+            return await self._exchange(frame, timeout)  # each kept connection fails so at most once
+        except _ReplyLost:
+            await self._discard(stream)
+            raise
         except (OSError, trio.BrokenResourceError, trio.TooSlowError, ProtocolError) as e:
             await self._discard(stream)
             raise NodeUnavailable("unavailable", f"node at {self.path}: {type(e).__name__}: {e}") from None
@@ -391,12 +539,25 @@ class AsyncNodeClient:
                                  timeout))["status"]
 
     async def submit(self, payload, policy_version: int, meta: dict | None = None,
-                     timeout: float = DEFAULT_SUBMIT_TIMEOUT) -> int:
-        return (await self.submit_many([(payload, policy_version, meta)], timeout))[0]
+                     timeout: float = DEFAULT_SUBMIT_TIMEOUT, *, record_id: bytes | None = None) -> int:
+        """As NodeClient.submit."""
+        return (await self.submit_many([(payload, policy_version, meta, record_id)], timeout))[0]
 
     async def submit_many(self, records, timeout: float = DEFAULT_SUBMIT_TIMEOUT) -> list[int]:
-        recs = [record(*r) for r in records]
-        return (await self._call(localapi.submit_frame_parts(recs, timeout), timeout))["seqs"]
+        """As NodeClient.submit_many."""
+        recs, chosen = _records(records)
+        if self._ids_refused:
+            recs = _without_ids(recs, chosen, self.path)
+            return (await self._call(localapi.submit_frame_parts(recs, timeout), timeout))["seqs"]
+        try:
+            return (await self._call(localapi.submit_frame_parts(recs, timeout), timeout, resend=True))["seqs"]
+        except NodeError as e:
+            if not _refuses_ids(e):
+                raise
+            bare = _without_ids(recs, chosen, self.path)  # an older node refused the ids: it stored nothing
+            seqs = (await self._call(localapi.submit_frame_parts(bare, timeout), timeout))["seqs"]
+            self._ids_refused = True
+            return seqs
 
     async def aclose(self) -> None:
         """Close every connection, those of calls in progress too (they fail)."""

@@ -3,7 +3,8 @@
 Owns the socket file (`DATA_DIR/node.sock`, mode 0600, a stale file from a
 crashed daemon is replaced), the request loop of each connection, and
 `LocalRequests`, what each request does: status, wait for a version, submit
-trajectories (appended to the spool, acknowledged once durable), stream the
+trajectories (appended to the spool, acknowledged once durable; a record whose
+id the spool remembers is answered with its first seq, not stored again), stream the
 changes since a version (node/changelog.py's files, a bounded read at a
 time: a `StreamedReply` is several frames). The bytes
 are protocol/localapi.py's. Must not hold node state: `LocalRequests` asks
@@ -48,6 +49,7 @@ from patchswarm.protocol import localapi
 from patchswarm.protocol.errors import DiskFull, ProtocolError, SpoolFull, StorageFailed, UsageError
 from patchswarm.protocol.wire import CLOSED, NEED_DATA, FrameBuffer
 
+from patchswarm.node import failpoints
 from patchswarm.node.changelog import Changelog
 from patchswarm.node.spool import TrajectorySpool
 
@@ -93,7 +95,7 @@ class LocalRequests:
                                                     f"{req['timeout']} s; the node is at {self._version()}")
         if op == "submit":
             try:
-                seqs = await self._spool.append([tuple(r) for r in req["records"]], req["timeout"])
+                seqs, repeated = await self._spool.submit([tuple(r) for r in req["records"]], req["timeout"])
             except SpoolFull as e:
                 return localapi.error(localapi.FULL, str(e))
             except DiskFull as e:  # nothing acknowledged: the worker keeps its records and retries
@@ -102,7 +104,8 @@ class LocalRequests:
                 return localapi.error(localapi.STORAGE, str(e))
             except UsageError as e:
                 return localapi.error(localapi.BAD_REQUEST, str(e))
-            return localapi.ok(seqs=seqs)
+            await failpoints.hold("submit.durable")  # a kill here: fsynced, the client never hears of it
+            return localapi.ok(seqs=seqs, repeated=repeated)
         if op == "changes":
             return await self._changes(req["from_version"], req.get("from_hash"))  # left out: nil
         return localapi.error(localapi.UNAVAILABLE, f"{op}: not available on this node")

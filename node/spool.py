@@ -3,9 +3,9 @@
 Owns one directory: `NNNNNNNNNNNN.seg` segment files of `Record` entries
 (protocol/trajectory.py framing, written by node/seglog.SegmentLog with
 group commit), `state` (which node this spool belongs to and the seq
-high-water mark reserved so far), `acks` (log of acknowledged seq ranges) and
-`LOCK`. Must not: talk to the network, decide batching policy for the wire,
-or drop a record: a full spool makes `append` wait, then fail with SpoolFull;
+high-water mark reserved so far), `acks` (log of acknowledged seq ranges),
+`ids` (record ids of trimmed records, see below) and `LOCK`. Must not: talk
+to the network, decide batching policy for the wire, or drop a record: a full spool makes `append` wait, then fail with SpoolFull;
 a full disk makes it fail at once with DiskFull, nothing acknowledged, nothing
 of it left in the files (node/seglog.py cuts the write off), and the next
 append tries the disk again (`disk`, node/diskspace.py, says so in status).
@@ -35,6 +35,16 @@ last acks may be gone and those records are uploaded again, and the origin
 drops them as duplicates. That saves a worker-thread hop and an fdatasync per
 upload batch. Compacting the log syncs (it replaces the file).
 
+Record ids: an item may carry a client's record id; an id the spool
+remembers is answered with the seq it was stored under, and nothing is
+written. Remembered: the newest `id_window` identities (node/recordids.py's
+index, in memory), durable as a `RecordIds` entry written just before its
+records in the same commit (recovery keeps an entry's ids only for records
+that survived it), and, once a segment is trimmed, in the `ids` file
+(appended and fdatasynced before the unlink; rewritten with the window alone
+before it holds 1.5 windows). An append waits for another append that is
+writing one of its ids, then answers from it (or stores, if that write failed).
+
 Space: `max_bytes` bounds the framed bytes of unacknowledged records plus
 those being written; disk use can exceed it by the acknowledged part of
 segments not yet deleted (at most about one segment).
@@ -47,20 +57,23 @@ import collections
 import errno
 import logging
 import os
+import sys
 import time
 from array import array
 from pathlib import Path
 
 import msgpack
+import numpy as np
 import trio
 
 from patchswarm.protocol.errors import CorruptData, DiskFull, SpoolFull, StorageFailed, UnsupportedFormat, UsageError
-from patchswarm.protocol.trajectory import (ENTRY_HEADER_BYTES, MAX_BATCH_BYTES, MAX_ID_CHARS, MAX_META_BYTES,
-                                 MAX_PAYLOAD_BYTES, AckedRanges, Record, SpoolState, decode_record,
-                                 encode_entry, encode_record, record_parts, scan_records, segment_header,
-                                 seq_ranges)
+from patchswarm.protocol.trajectory import (ENTRY_HEADER_BYTES, KIND_RECORD_IDS, MAX_BATCH_BYTES, MAX_ID_CHARS,
+                                            MAX_META_BYTES, MAX_PAYLOAD_BYTES, RECORD_KEY_BYTES, AckedRanges, Record,
+                                            RecordIds, SpoolState, decode_record, encode_entry, encode_record,
+                                            record_key, record_parts, scan_records, segment_header, seq_ranges)
 
 from patchswarm.node.diskspace import DiskCondition, full
+from patchswarm.node.recordids import DEFAULT_WINDOW, RecordIdIndex, merged, packed
 from patchswarm.node.seglog import DirectoryLock, FileProblem, SegmentLog, fsync_dir, list_segments, segment_path
 
 log = logging.getLogger("patchswarm.spool")
@@ -72,7 +85,9 @@ DEFAULT_BATCH_RECORDS = 4096
 DEFAULT_HOT_BYTES = 32 << 20  # newest records kept in memory for the uploader
 SEQ_RESERVE = 1 << 20  # seqs reserved per write of `state`
 ACK_LOG_COMPACT_BYTES = 1 << 20  # rewrite `acks` from memory once it grows past this
-STATE_NAME, ACKS_NAME = "state", "acks"
+STATE_NAME, ACKS_NAME, IDS_NAME = "state", "acks", "ids"
+MAX_RECORD_ID_BYTES = 64  # a client's record id (protocol/localapi.py's bound too)
+IDS_PER_ENTRY = 1 << 16  # identities per RecordIds entry written
 # Framed size of a record beyond payload, packed meta and the two id strings:
 # entry header, array header, kind, 2 str headers, seq, version, float, bin header.
 _RECORD_OVERHEAD = ENTRY_HEADER_BYTES + 1 + 1 + 2 * 5 + 9 + 9 + 9 + 5
@@ -80,7 +95,7 @@ _RECORD_OVERHEAD = ENTRY_HEADER_BYTES + 1 + 1 + 2 * 5 + 9 + 9 + 9 + 5
 
 class _Segment:
     """In-memory index of one live segment file (payloads stay on disk)."""
-    __slots__ = ("number", "path", "seqs", "offsets", "sizes", "acked", "n_acked")
+    __slots__ = ("number", "path", "seqs", "offsets", "sizes", "acked", "n_acked", "has_ids")
 
     def __init__(self, number: int, path: Path):
         self.number = number
@@ -90,6 +105,7 @@ class _Segment:
         self.sizes = array("I")  # framed entry sizes
         self.acked = bytearray()
         self.n_acked = 0
+        self.has_ids = False  # some of its records have record ids (the index holds them, not this)
 
     def unacked_from(self, j: int) -> int:
         return (len(self.seqs) - j) - self.acked.count(1, j)
@@ -118,6 +134,34 @@ def _write_state(directory: Path, state: SpoolState) -> None:
     _replace_file(directory, STATE_NAME, segment_header() + encode_entry(encode_record(state)))
 
 
+def _pack_seqs(seqs) -> bytes:
+    """Seqs as RecordIds packs them: u64 little-endian."""
+    a = array("Q", seqs)
+    if sys.byteorder != "little":
+        a.byteswap()
+    return a.tobytes()
+
+
+def _unpack_seqs(data: bytes) -> array:
+    a = array("Q", data)
+    if sys.byteorder != "little":
+        a.byteswap()
+    return a
+
+
+def _id_entries(seqs: bytes, keys: bytes) -> list:
+    """RecordIds entries (at most IDS_PER_ENTRY identities each) holding these packed identities."""
+    return [RecordIds(seqs[i * 8:(i + IDS_PER_ENTRY) * 8],
+                      keys[i * RECORD_KEY_BYTES:(i + IDS_PER_ENTRY) * RECORD_KEY_BYTES])
+            for i in range(0, len(seqs) // 8, IDS_PER_ENTRY)]
+
+
+def _write_ids(directory: Path, seqs: bytes, keys: bytes) -> None:
+    """Replace `ids` atomically and durably with these identities."""
+    _replace_file(directory, IDS_NAME, segment_header() + b"".join(
+        encode_entry(encode_record(e)) for e in _id_entries(seqs, keys)))
+
+
 def _write_acks(directory: Path, ranges: list) -> None:
     """Replace `acks` atomically with one entry holding `ranges`."""
     _replace_file(directory, ACKS_NAME,
@@ -142,9 +186,17 @@ def _scan(path: Path, data: bytes):
         raise UnsupportedFormat(f"{path}: {e}") from None
 
 
-def _recover(directory: Path, node_id: str, region: str, clock=time.time):
+def _recover(directory: Path, node_id: str, region: str, clock=time.time, id_window: int = DEFAULT_WINDOW):
     """Worker thread: rebuild the index from the files; returns what open() needs."""
     problems: list[FileProblem] = []
+    ids = RecordIdIndex(id_window)
+    ids_problems = len(problems)
+    id_entries = _read_values(directory / IDS_NAME, problems, RecordIds) or []
+    ids_rewrite = len(problems) > ids_problems or not (directory / IDS_NAME).exists()
+    ids_in_file = 0
+    for e in id_entries:
+        ids.add_packed(e.seqs, e.keys)
+        ids_in_file += len(e)
     used = any((directory / name).exists() for name in (STATE_NAME, ACKS_NAME))  # else a new spool
     states = _read_values(directory / STATE_NAME, problems, SpoolState)
     state = states[-1] if states else None
@@ -159,7 +211,11 @@ def _recover(directory: Path, node_id: str, region: str, clock=time.time):
         scan = _scan(path, data)
         problems.extend(FileProblem(str(path), p) for p in scan.problems)
         seg = _Segment(n, path)
+        seg_ids = []
         for entry, value in scan.entries:
+            if type(value) is RecordIds:
+                seg_ids.append(value)
+                continue
             if type(value) is not Record or value.node_id != node_id:
                 problems.append(FileProblem(str(path), f"entry at {entry.offset} is not a record of node {node_id!r}"))
                 continue
@@ -168,6 +224,8 @@ def _recover(directory: Path, node_id: str, region: str, clock=time.time):
             seg.sizes.append(entry.end - entry.offset)
             max_seq = max(max_seq, value.seq)
         seg.acked = bytearray(len(seg.seqs))
+        for e in seg_ids:
+            _recover_ids(seg, e, ids)
         tail = scan.problems[-1] if scan.problems and scan.problems[-1].tail else None
         if i == len(numbers) - 1 and tail is not None:
             # the write a crash interrupted: never fsynced, so never acknowledged
@@ -187,6 +245,11 @@ def _recover(directory: Path, node_id: str, region: str, clock=time.time):
     for seg in segments:
         seg.n_acked = seg.acked.count(1)
     live = [s for s in segments if s.n_acked < len(s.seqs)]  # damage stays reported in `problems`
+    trimmed_ids = any(s.has_ids for s in segments if s not in live)
+    if ids_rewrite or trimmed_ids or ids_in_file > _ids_file_limit(id_window):
+        # before the segments go: the identities of their records outlive them (the window)
+        _write_ids(directory, *ids.packed())
+        ids_in_file = len(ids)
     for s in segments:
         if s.n_acked == len(s.seqs):
             s.path.unlink()  # made durable by _write_state's directory fsync below
@@ -201,7 +264,28 @@ def _recover(directory: Path, node_id: str, region: str, clock=time.time):
     reserved = next_seq + SEQ_RESERVE
     _write_state(directory, SpoolState(node_id, region, reserved))
     _write_acks(directory, _acked_ranges(live))  # compacted; also drops a torn tail
-    return live, problems, next_seq, reserved, (numbers[-1] + 1 if numbers else 1)
+    return live, problems, next_seq, reserved, (numbers[-1] + 1 if numbers else 1), ids, ids_in_file
+
+
+def _recover_ids(seg: _Segment, entry: RecordIds, ids: RecordIdIndex) -> None:
+    """The identities of one RecordIds entry whose records the segment still holds. It is
+    written just before its records, in the same write: a crash that tore the write
+    may have kept the entry and lost records after it, and those were never acknowledged
+    (their resubmit must be stored, not answered with a seq that holds nothing)."""
+    seqs = _unpack_seqs(entry.seqs)
+    held = set(seg.seqs)
+    keep = [i for i, seq in enumerate(seqs) if seq in held]
+    if len(keep) < len(seqs):
+        entry = RecordIds(b"".join(entry.seqs[i * 8:i * 8 + 8] for i in keep),
+                          b"".join(entry.keys[i * RECORD_KEY_BYTES:(i + 1) * RECORD_KEY_BYTES] for i in keep))
+    if keep:
+        seg.has_ids = True
+        ids.add_packed(entry.seqs, entry.keys)
+
+
+def _ids_file_limit(window: int) -> int:
+    """Identities the `ids` file may hold before it is rewritten with the window only."""
+    return window + window // 2
 
 
 def _acked_ranges(segments) -> list:
@@ -257,7 +341,7 @@ class TrajectorySpool:
 
     def __init__(self, directory: Path, node_id: str, region: str, lock: DirectoryLock, recovered,
                  max_bytes: int, segment_bytes: int, group_bytes: int, clock, hot_bytes: int = DEFAULT_HOT_BYTES):
-        segments, problems, next_seq, reserved, next_number = recovered
+        segments, problems, next_seq, reserved, next_number, ids, ids_in_file = recovered
         self.directory = directory
         self.node_id, self.region = node_id, region
         self._id_bytes = (node_id.encode(), region.encode())
@@ -280,6 +364,13 @@ class TrajectorySpool:
         self._new_records = trio.Event()
         self._acks_fd = os.open(directory / ACKS_NAME, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
         self._acks_bytes = os.fstat(self._acks_fd).st_size
+        # Record identities (module docstring): remembered ones, those being written now
+        # (key -> Event set when that write ends), and how many the `ids` file holds.
+        self.ids = ids
+        self._writing: dict[bytes, trio.Event] = {}
+        self._ids_fd = os.open(directory / IDS_NAME, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+        self._ids_in_file = ids_in_file
+        self.repeated_total = 0  # records answered with the seq of an earlier submit of the same id
         self.appended_total = 0
         self.acked_total = 0
         self.lost_total = 0  # records unreadable when handed out (disk damage after open)
@@ -295,7 +386,8 @@ class TrajectorySpool:
     @classmethod
     async def open(cls, directory, node_id: str, region: str, *, max_bytes: int = DEFAULT_MAX_BYTES,
                    segment_bytes: int = DEFAULT_SEGMENT_BYTES, group_bytes: int = DEFAULT_GROUP_BYTES,
-                   hot_bytes: int = DEFAULT_HOT_BYTES, clock=time.time) -> TrajectorySpool:
+                   hot_bytes: int = DEFAULT_HOT_BYTES, clock=time.time,
+                   id_window: int = DEFAULT_WINDOW) -> TrajectorySpool:
         for name, v in (("node_id", node_id), ("region", region)):
             if type(v) is not str or not 0 < len(v) <= MAX_ID_CHARS:
                 raise UsageError(f"{name}: expected a str of 1..{MAX_ID_CHARS} chars, found {v!r}")
@@ -305,7 +397,8 @@ class TrajectorySpool:
         directory.mkdir(parents=True, exist_ok=True)
         lock = DirectoryLock(directory)
         try:
-            recovered = await trio.to_thread.run_sync(_recover, directory, node_id, region, clock)
+            RecordIdIndex(id_window)  # checks it before any file is touched
+            recovered = await trio.to_thread.run_sync(_recover, directory, node_id, region, clock, id_window)
         except BaseException:
             lock.release()
             raise
@@ -314,14 +407,20 @@ class TrajectorySpool:
     # ------------------------------------------------------------ append
 
     async def append(self, items, timeout: float) -> list[int]:
-        """Spool (payload bytes, policy_version, meta) items; returns their seqs once
-        they are fsynced. Waits up to `timeout` seconds for space, then raises
+        """Spool (payload bytes, policy_version, meta[, record_id]) items; returns their seqs
+        once they are fsynced. Waits up to `timeout` seconds for space, then raises
         SpoolFull having written nothing; a write that fails (DiskFull, or StorageFailed
         for any other error) acknowledges nothing. Payloads must be bytes: turn objects
-        into bytes + meta with protocol.trajectory.encode_payload first."""
-        prepared, need = [], 0
+        into bytes + meta with protocol.trajectory.encode_payload first. An item whose
+        record_id the spool remembers (module docstring) is not stored again: its seq is
+        the one it was stored under."""
+        return (await self.submit(items, timeout))[0]
+
+    async def submit(self, items, timeout: float) -> tuple[list[int], int]:
+        """`append`, and how many of the items were answered from remembered ids."""
+        prepared, keys, need = [], [], 0
         for item in items:
-            payload, version, meta = self._check_item(item)
+            payload, version, meta, rid = self._check_item(item)
             try:
                 meta_len = 1 if meta is None else len(msgpack.packb(meta))
             except (TypeError, ValueError, OverflowError) as e:
@@ -329,12 +428,82 @@ class TrajectorySpool:
             if meta_len > MAX_META_BYTES:
                 raise UsageError(f"meta: expected at most {MAX_META_BYTES} packed bytes, found {meta_len}")
             prepared.append((payload, version, meta))
+            keys.append(None if rid is None else record_key(rid))
             need += _record_bound(*self._id_bytes, payload, meta_len)
         if not prepared:
-            return []
+            return [], 0
+        named = [k for k in keys if k is not None]
+        if len(set(named)) < len(named):
+            raise UsageError(f"append of {len(prepared)} records: expected distinct record ids, found "
+                             f"{len(named) - len(set(named))} repeated")
         if need > self.max_bytes:
             raise UsageError(f"append of {len(prepared)} records: expected at most max_bytes={self.max_bytes} "
                              f"bytes, found {need}; it could never fit")
+        if not named:
+            return await self._store(prepared, [], need, timeout), 0
+        known = await self._known(keys, timeout)
+        if len(known) == len(prepared):
+            self.repeated_total += len(known)
+            return [known[i] for i in range(len(prepared))], len(known)
+        new = [i for i in range(len(prepared)) if i not in known]
+        ids = [(j, keys[i]) for j, i in enumerate(new) if keys[i] is not None]
+        done = trio.Event()
+        for _, k in ids:  # no checkpoint since _known looked: no other append saw them missing
+            self._writing[k] = done
+        try:
+            # the ids entries' framed size, next to the records': 8 + RECORD_KEY_BYTES each and headers
+            need += len(ids) * (8 + RECORD_KEY_BYTES) + 64 * (len(ids) // IDS_PER_ENTRY + 1)
+            stored = await self._store([prepared[i] for i in new], ids, need, timeout)
+        finally:
+            for _, k in ids:
+                del self._writing[k]
+            done.set()
+        known.update(zip(new, stored))
+        self.repeated_total += len(prepared) - len(new)
+        if self.ids.seal_due():
+            await self._seal_ids()
+        return [known[i] for i in range(len(prepared))], len(prepared) - len(new)
+
+    async def _seal_ids(self) -> None:
+        """Merge the index's newest identities into its arrays in a worker thread (O(window):
+        ~0.2 s at 2^20, too long for the event loop); the submit that filled it waits."""
+        work = self.ids.seal_begin()
+        result = None
+        try:
+            with trio.CancelScope(shield=True):  # bounded CPU work; the dict set aside must come back
+                result = await trio.to_thread.run_sync(merged, *work)
+        finally:
+            self.ids.seal_end(result)
+
+    async def _known(self, keys: list, timeout: float) -> dict[int, int]:
+        """{item index: seq} for the keys the spool remembers. A key another append is
+        writing now is waited for (its seq, or stored here if that write fails). No
+        checkpoint unless it waits (a cancel scope per call cost ~20 us in trio)."""
+        deadline = None
+        while True:
+            known, busy = {}, None
+            for i, k in enumerate(keys):
+                if k is None:
+                    continue
+                seq = self.ids.get(k)
+                if seq is not None:
+                    known[i] = seq
+                elif k in self._writing:
+                    busy = self._writing[k]
+                    break
+            if busy is None:
+                return known
+            deadline = trio.current_time() + timeout if deadline is None else deadline
+            with trio.move_on_at(deadline) as scope:
+                await busy.wait()
+            if scope.cancelled_caught:
+                raise SpoolFull(f"trajectory spool {self.directory}: expected the write of a record with the same "
+                                f"record id by another submit to end within {timeout} s, found it still going; "
+                                f"nothing was written")
+
+    async def _store(self, prepared: list, ids: list, need: int, timeout: float) -> list[int]:
+        """Write the checked items (and the identities `ids`: [(item index, key)], in an
+        entry before them, in the same write); their seqs once durable."""
         await self._admit(need, timeout)
         try:
             n = len(prepared)
@@ -356,8 +525,16 @@ class TrajectorySpool:
             now = float(self._clock())
             records = [Record(self.node_id, self.region, first + i, v, now, p, m) for i, (p, v, m) in enumerate(prepared)]
             seqs = list(range(first, first + n))
+            bodies = [record_parts(r) for r in records]
+            id_seqs = id_keys = b""
+            if ids:
+                id_seqs = _pack_seqs(first + j for j, _ in ids)
+                id_keys = b"".join(k for _, k in ids)
+                entries = ([msgpack.packb([KIND_RECORD_IDS, id_seqs, id_keys], use_bin_type=True)]
+                           if len(ids) <= IDS_PER_ENTRY else [encode_record(e) for e in _id_entries(id_seqs, id_keys)])
+                bodies = entries + bodies  # first: a torn write keeps no record without its id (_recover_ids)
             try:
-                await self.log.commit([record_parts(r) for r in records], (seqs, records))
+                await self.log.commit(bodies, (seqs, records, len(bodies) - n, id_seqs, id_keys))
             except DiskFull as e:
                 self.disk.failed(f"{n} trajectory records ({need:,} bytes) to the spool", e)
                 raise
@@ -369,9 +546,10 @@ class TrajectorySpool:
 
     @staticmethod
     def _check_item(item):
-        if not isinstance(item, (tuple, list)) or len(item) not in (2, 3):
-            raise UsageError(f"append: expected (payload, policy_version[, meta]) tuples, found {type(item).__name__}")
-        payload, version, meta = item if len(item) == 3 else (*item, None)
+        if not isinstance(item, (tuple, list)) or len(item) not in (2, 3, 4):
+            raise UsageError(f"append: expected (payload, policy_version[, meta[, record_id]]) tuples, found "
+                             f"{type(item).__name__} of {len(item) if isinstance(item, (tuple, list)) else '-'}")
+        payload, version, meta, rid = (*item, None, None)[:4]
         if isinstance(payload, (bytearray, memoryview)):
             payload = bytes(payload)
         if type(payload) is not bytes:
@@ -382,7 +560,13 @@ class TrajectorySpool:
             raise UsageError(f"policy_version: expected a non-negative int, found {version!r}")
         if meta is not None and type(meta) is not dict:
             raise UsageError(f"meta: expected a dict or None, found {type(meta).__name__}")
-        return payload, version, meta
+        if rid is not None:
+            if isinstance(rid, (bytearray, memoryview)):
+                rid = bytes(rid)
+            if type(rid) is not bytes or not 0 < len(rid) <= MAX_RECORD_ID_BYTES:
+                raise UsageError(f"record_id: expected 1..{MAX_RECORD_ID_BYTES} bytes or None, found "
+                                 f"{type(rid).__name__} {repr(rid)[:80]}")
+        return payload, version, meta, rid
 
     def _fits(self, need: int) -> bool:
         return self._unacked_bytes + self._being_written + need <= self.max_bytes
@@ -433,7 +617,12 @@ class TrajectorySpool:
             seg = self._by_number[number] = _Segment(number, segment_path(self.directory, number))
             self._segs.append(seg)
         hot, order = self._hot, self._hot_order
-        for (seqs, records), offsets, sizes in landed:
+        for (seqs, records, n_ids, id_seqs, id_keys), offsets, sizes in landed:
+            if n_ids:  # the RecordIds entries ahead of the records: identities, not records
+                offsets, sizes = offsets[n_ids:], sizes[n_ids:]
+                seg.has_ids = True
+                self.ids.add([id_keys[i:i + RECORD_KEY_BYTES] for i in range(0, len(id_keys), RECORD_KEY_BYTES)],
+                             _unpack_seqs(id_seqs))
             seg.seqs.extend(seqs)
             seg.offsets.extend(offsets)
             seg.sizes.extend(sizes)
@@ -605,9 +794,15 @@ class TrajectorySpool:
         async with self._ack_lock:
             compact = self._acks_bytes > ACK_LOG_COMPACT_BYTES
             ranges = _acked_ranges(self._segs) if compact else seq_ranges(newly)
+            # The identities in the segments about to go move to the `ids` file first (module
+            # docstring): the index holds them (those past the window need not move), taken
+            # here, on the loop, and picked out by seq in the worker thread.
+            moving = None
+            if any(s.has_ids for s in done):
+                moving = (self.ids.packed_parts(), [(s.seqs[0], s.seqs[-1] + 1) for s in done if s.has_ids])
             try:
                 if compact or done:
-                    await trio.to_thread.run_sync(self._persist_ack, ranges, compact, [s.path for s in done])
+                    await trio.to_thread.run_sync(self._persist_ack, ranges, compact, [s.path for s in done], moving)
                 else:  # the usual case: a small write to the page cache, no fdatasync (module docstring)
                     self._write_ack_entry(ranges)
             except OSError as e:
@@ -628,9 +823,13 @@ class TrajectorySpool:
             raise
         self._acks_bytes += len(entry)
 
-    def _persist_ack(self, ranges: list, compact: bool, unlink: list) -> None:
-        """Worker thread: record the ack (durably when compacting), then delete whole
-        acknowledged segments."""
+    def _persist_ack(self, ranges: list, compact: bool, unlink: list, moving: tuple | None = None) -> None:
+        """Worker thread: record the ack (durably when compacting), make the identities of
+        the segments' records durable in `ids` (`moving`: the index's packed parts and
+        the seq ranges of the segments; appended, or the file rewritten with the whole
+        window once it would pass 1.5 windows), then delete whole acknowledged segments.
+        A failed ids write leaves the segments on disk: the next open moves their ids
+        and deletes them."""
         if compact:
             _write_acks(self.directory, ranges)
             fd = os.open(self.directory / ACKS_NAME, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
@@ -639,10 +838,43 @@ class TrajectorySpool:
             self._acks_bytes = os.fstat(fd).st_size
         else:
             self._write_ack_entry(ranges)
+        if moving is not None:
+            self._move_ids(*moving)
         for path in unlink:
             path.unlink()
         if unlink:
             fsync_dir(self.directory)
+
+    def _move_ids(self, parts: tuple, spans: list) -> None:
+        """Worker thread: the index's identities whose seqs fall in `spans` appended to `ids`
+        and fdatasynced, or the file rewritten with the whole index past 1.5 windows."""
+        seqs, keys = packed(*parts)
+        every = np.frombuffer(seqs, dtype="<u8")
+        pick = np.zeros(len(every), dtype=bool)
+        for lo, hi in spans:
+            pick |= (every >= lo) & (every < hi)
+        n = int(np.count_nonzero(pick))
+        if not n:
+            return
+        if self._ids_in_file + n > _ids_file_limit(self.ids.window):
+            _write_ids(self.directory, seqs, keys)
+            fd = os.open(self.directory / IDS_NAME, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+            os.close(self._ids_fd)
+            self._ids_fd = fd
+            self._ids_in_file = len(every)
+            return
+        k = np.frombuffer(keys, dtype=f"S{RECORD_KEY_BYTES}")
+        data = b"".join(encode_entry(encode_record(e))
+                        for e in _id_entries(every[pick].astype("<u8").tobytes(), k[pick].tobytes()))
+        end = os.fstat(self._ids_fd).st_size
+        try:
+            if os.write(self._ids_fd, data) != len(data):
+                raise OSError(errno.ENOSPC, "short write")
+            os.fdatasync(self._ids_fd)
+        except OSError:
+            os.ftruncate(self._ids_fd, end)  # no torn entry for the next ones to follow
+            raise
+        self._ids_in_file += n
 
     # ------------------------------------------------------------ status
 
@@ -667,12 +899,17 @@ class TrajectorySpool:
             "problems": len(self.problems),
             "disk_full": self.disk.failing,
             "disk_write_failures": self.disk.failures,
+            "record_ids": len(self.ids),
+            "record_id_window": self.ids.window,
+            "record_ids_forgotten": self.ids.forgotten,
+            "repeated_total": self.repeated_total,
         }
 
     async def aclose(self) -> None:
         await self.log.aclose()
         async with self._ack_lock:
             os.close(self._acks_fd)
+            os.close(self._ids_fd)
         self._lock.release()
 
     async def __aenter__(self):

@@ -158,4 +158,6 @@ class TrajectoryUploader:
         return {"records": st["records"], "bytes": st["bytes"], "appended_total": st["appended_total"],
                 "acked_total": st["acked_total"], "upload_rate_bps": recent / RATE_WINDOW_S,
                 "batches_in_flight": self.in_flight, "disk_full": st["disk_full"],
-                "batches_deferred": self.deferred_total}
+                "batches_deferred": self.deferred_total,
+                # record ids (node/spool.py): remembered, and resubmits answered from them
+                "record_ids": st["record_ids"], "repeated_total": st["repeated_total"]}

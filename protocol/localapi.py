@@ -11,8 +11,13 @@ closes: a client reads it as the reply to its first request.
 Ops:
 - status                                   -> {"status": {...}}
 - wait_version(min_version, timeout)       -> {"status": {...}}; code "timeout" when it runs out
-- submit(records, timeout)                 -> {"seqs": [int, ...]}: durable at the node
-    records: [[payload: bytes, policy_version: int, meta: map | nil], ...]
+- submit(records, timeout)                 -> {"seqs": [int, ...], "repeated": int}: durable at the node
+    records: [[payload: bytes, policy_version: int, meta: map | nil(, record_id: bytes | nil)], ...]
+    A record_id (1..MAX_RECORD_ID_BYTES, distinct within one request: a repeat is
+    bad_request) makes the record idempotent: a record whose id the node already
+    holds is not stored again, its seq is answered as the first time ("repeated"
+    counts those). A node older than record ids refuses a 4-element record
+    (bad_request, nothing stored), so a client that sent ids may always resend.
 - changes(from_version, from_hash | nil)   -> several frames: {"chg": bytes}... then
     {"done": true, "version": int, "state_hash": str}: the change stream
     (protocol/changes.py, cut anywhere) from the caller's version to the node's;
@@ -32,6 +37,7 @@ from .wire import frame, frame_header
 
 MAX_FRAME_BYTES = 256 << 20  # a submit of many large records
 MAX_RECORDS_PER_SUBMIT = 65536
+MAX_RECORD_ID_BYTES = 64  # a client's record id (16 random bytes by default: node/client.py)
 SEPARATE_PAYLOAD_BYTES = 64 << 10  # submit_frame_parts: payloads this large are not copied
 OPS = ("status", "wait_version", "submit", "changes")
 CHANGES_PART_BYTES = 1 << 20  # change stream bytes per reply frame
@@ -108,8 +114,9 @@ def submit_frame_parts(records: list, timeout: float) -> list:
     packer = msgpack.Packer(use_bin_type=True)
     parts, cur = [], bytearray(packer.pack_map_header(3) + packer.pack("op") + packer.pack("submit")
                                 + packer.pack("records") + packer.pack_array_header(len(records)))
-    for payload, version, meta in records:
-        cur += b"\x93" + bin_header(len(payload))
+    for rec in records:
+        payload, version, meta = rec[0], rec[1], rec[2]
+        cur += (b"\x93" if len(rec) == 3 else b"\x94") + bin_header(len(payload))
         if len(payload) >= SEPARATE_PAYLOAD_BYTES:
             parts += (bytes(cur), payload)
             cur = bytearray()
@@ -117,6 +124,8 @@ def submit_frame_parts(records: list, timeout: float) -> list:
             cur += payload
         try:
             cur += packer.pack(version) + packer.pack(meta)
+            if len(rec) == 4:
+                cur += packer.pack(rec[3] if rec[3] is None else bytes(rec[3]))
         except (TypeError, ValueError, OverflowError) as e:
             raise UsageError(f"submit: expected msgpack-able meta values, found {type(e).__name__}: {e}") from None
     cur += packer.pack("timeout") + packer.pack(float(timeout))
@@ -133,11 +142,22 @@ def check_records(records, error: type[Exception]) -> None:
     if not isinstance(records, (list, tuple)) or not 0 < len(records) <= MAX_RECORDS_PER_SUBMIT:
         raise error(f"submit: expected 1..{MAX_RECORDS_PER_SUBMIT} records, found "
                     f"{len(records) if isinstance(records, (list, tuple)) else type(records).__name__}")
-    for r in records:
-        if (not isinstance(r, (list, tuple)) or len(r) != 3 or not isinstance(r[0], (bytes, bytearray))
+    ids = None
+    for i, r in enumerate(records):
+        if (not isinstance(r, (list, tuple)) or not 3 <= len(r) <= 4 or not isinstance(r[0], (bytes, bytearray))
                 or not _uint(r[1]) or not (r[2] is None or isinstance(r[2], dict))):
-            raise error(f"submit: expected records [payload: bytes, policy_version: int >= 0, meta: map | nil], "
-                        f"found {repr(r)[:80]}")
+            raise error(f"submit: expected records [payload: bytes, policy_version: int >= 0, meta: map | nil"
+                        f"(, record_id: bytes | nil)], found {repr(r)[:80]}")
+        if len(r) == 4 and r[3] is not None:
+            rid = r[3]
+            if not isinstance(rid, (bytes, bytearray)) or not 0 < len(rid) <= MAX_RECORD_ID_BYTES:
+                raise error(f"submit: record {i}: expected a record_id of 1..{MAX_RECORD_ID_BYTES} bytes or nil, "
+                            f"found {type(rid).__name__} {repr(rid)[:80]}")
+            ids = {} if ids is None else ids
+            first = ids.setdefault(bytes(rid), i)
+            if first != i:
+                raise error(f"submit: expected distinct record ids within one request, found record {i}'s id "
+                            f"{bytes(rid).hex()} at record {first} too")
 
 
 def check_request(req: dict) -> dict:

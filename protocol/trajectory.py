@@ -13,7 +13,8 @@ Segment file
     entry    = SYNC (4 bytes) | length u32 LE | crc32(length bytes + body) u32 LE | body
     body     = msgpack array whose first element says what it is (KIND_*): a
                Record (spool), a ReceivedRecord or DuplicatesNote (store), the
-               spool's SpoolState and AckedRanges (its `state` and `acks` files).
+               spool's SpoolState and AckedRanges (its `state` and `acks` files),
+               RecordIds (record identities: the spool's segments and `ids` file).
 Scanning (`scan_segment`, `scan_records`): an entry is intact when its sync
 marker, a plausible length and its CRC-32 (which covers the length too) all
 check. Intact entries are taken in order; at a bad spot X the scanner resyncs
@@ -39,6 +40,7 @@ that are durable (wire.py's `list[int]` field type).
 from __future__ import annotations
 
 import bisect
+import hashlib
 import struct
 import zlib
 from dataclasses import dataclass, field
@@ -75,7 +77,11 @@ KIND_RECEIVED = 2  # the same fields, then received_at
 KIND_DUPLICATES = 3  # [3, count]: the store dropped `count` duplicates in one append
 KIND_SPOOL_STATE = 4  # [4, node_id, region, seq_reserved]: the spool's `state` file
 KIND_ACKED = 5  # [5, [[start, end], ...]]: an entry of the spool's `acks` log
-_BODY_LEN = {KIND_RECORD: 8, KIND_RECEIVED: 9, KIND_DUPLICATES: 2, KIND_SPOOL_STATE: 4, KIND_ACKED: 2}
+KIND_RECORD_IDS = 6  # [6, seqs: bin of u64 LE, keys: bin of RECORD_KEY_BYTES each]: record identities
+_BODY_LEN = {KIND_RECORD: 8, KIND_RECEIVED: 9, KIND_DUPLICATES: 2, KIND_SPOOL_STATE: 4, KIND_ACKED: 2,
+             KIND_RECORD_IDS: 3}
+RECORD_KEY_BYTES = 16  # a record identity as the spool keeps it: the BLAKE2b-128 digest of the client's id
+_MAX_IDS_PER_ENTRY = MAX_ENTRY_BYTES // (8 + RECORD_KEY_BYTES)
 _ALL_KINDS = tuple(_BODY_LEN)
 _MAX_BODY_LEN = max(_BODY_LEN.values())
 
@@ -149,6 +155,30 @@ class AckedRanges:
     ranges: list  # [[start, end], ...]
 
 
+@dataclass(frozen=True)
+class RecordIds:
+    """Record identities and the seqs they were stored under: `seqs` packed as u64 LE
+    (8 bytes each), `keys` as RECORD_KEY_BYTES each, the i-th key for the i-th seq.
+    An entry in a spool segment, written in the same commit as (just before) its records,
+    and in the spool's `ids` file for those of records already trimmed."""
+    seqs: bytes
+    keys: bytes
+
+    def __len__(self) -> int:
+        return len(self.seqs) // 8
+
+
+def record_key(record_id: bytes) -> bytes:
+    """The spool's key for a client's record id: a fixed RECORD_KEY_BYTES whatever the id's
+    length (memory per identity is fixed; a collision of two ids is a 2^-64-per-pair event)."""
+    return hashlib.blake2b(record_id, digest_size=RECORD_KEY_BYTES).digest()
+
+
+def _ids_ok(seqs, keys) -> bool:
+    return (type(seqs) is bytes and type(keys) is bytes and len(seqs) % 8 == 0
+            and len(keys) == len(seqs) // 8 * RECORD_KEY_BYTES and 0 < len(seqs) // 8 <= _MAX_IDS_PER_ENTRY)
+
+
 def _found(v) -> str:
     r = repr(v)
     return f"{type(v).__name__} {r if len(r) <= 60 else r[:57] + '...'}"
@@ -185,7 +215,7 @@ def _check_fields(node_id, region, seq, policy_version, submitted_at, payload, m
 
 def encode_record(rec) -> bytes:
     """The msgpack body of any entry value: Record, ReceivedRecord, DuplicatesNote,
-    SpoolState or AckedRanges (UsageError if invalid)."""
+    SpoolState, AckedRanges or RecordIds (UsageError if invalid)."""
     if type(rec) is DuplicatesNote:
         if not _uint(rec.count):
             raise UsageError(f"DuplicatesNote.count: expected a non-negative int, found {_found(rec.count)}")
@@ -197,6 +227,11 @@ def encode_record(rec) -> bytes:
         if not _ranges_ok(rec.ranges):
             raise UsageError(f"AckedRanges.ranges: expected [start, end] pairs with start < end, found {_found(rec.ranges)}")
         return msgpack.packb([KIND_ACKED, [list(r) for r in rec.ranges]])
+    if type(rec) is RecordIds:
+        if not _ids_ok(rec.seqs, rec.keys):
+            raise UsageError(f"RecordIds: expected 1..{_MAX_IDS_PER_ENTRY} u64 seqs and {RECORD_KEY_BYTES} key bytes "
+                             f"per seq, found {_found(rec.seqs)} and {_found(rec.keys)}")
+        return msgpack.packb([KIND_RECORD_IDS, rec.seqs, rec.keys], use_bin_type=True)
     return b"".join(record_parts(rec))
 
 
@@ -283,6 +318,13 @@ def _read_value(r: PackReader, allowed=_ALL_KINDS, packed_meta: bool = False):
         if not _ranges_ok(ranges):
             raise CorruptData(f"{r.what}: expected [start, end] pairs with start < end, found {_found(ranges)}")
         return AckedRanges(ranges)
+    if kind == KIND_RECORD_IDS:
+        seqs = r.bin(8 * _MAX_IDS_PER_ENTRY, "packed u64 seqs")
+        keys = r.bin(RECORD_KEY_BYTES * _MAX_IDS_PER_ENTRY, "packed record keys")
+        if not _ids_ok(seqs, keys):
+            raise CorruptData(f"{r.what}: record ids: expected 1..{_MAX_IDS_PER_ENTRY} u64 seqs and "
+                              f"{RECORD_KEY_BYTES} key bytes per seq, found {len(seqs)} and {len(keys)} bytes")
+        return RecordIds(seqs, keys)
     node_id, region = r.str(_MAX_ID_BYTES, "a node id"), r.str(_MAX_ID_BYTES, "a region")
     if kind == KIND_SPOOL_STATE:
         seq = r.int(expected="a seq")
@@ -309,7 +351,7 @@ def _ranges_ok(ranges) -> bool:
         isinstance(r, (list, tuple)) and len(r) == 2 and _uint(r[0]) and _uint(r[1]) and r[0] < r[1] for r in ranges)
 
 
-def decode_record(body) -> Record | ReceivedRecord | DuplicatesNote | SpoolState | AckedRanges:
+def decode_record(body) -> Record | ReceivedRecord | DuplicatesNote | SpoolState | AckedRanges | RecordIds:
     """The value in one entry body (CorruptData if it is not one)."""
     r = PackReader(body, CorruptData, "record body")
     value = _read_value(r)

@@ -578,7 +578,7 @@ def test_local_requests_answer_status_wait_and_submit(tmp_path):
                 assert await handle({"op": "wait_version", "min_version": 4, "timeout": 5.0}) == \
                     localapi.ok(status={"version": 4})
             ok = await handle({"op": "submit", "records": [[bytes(2500), 4, None]], "timeout": 1.0})
-            assert ok == localapi.ok(seqs=[0]) and spool.stats()["records"] == 1
+            assert ok == localapi.ok(seqs=[0], repeated=0) and spool.stats()["records"] == 1
             # Room for one such record, not two, and nothing uploads it: the submit waits, then fails.
             full = await handle({"op": "submit", "records": [[bytes(2500), 4, None]], "timeout": 1.0})
             assert full["code"] == localapi.FULL

@@ -1261,7 +1261,10 @@ def test_bad_items_are_refused_before_anything_is_written(tmp_path):
         for items, match in [([(b"ok", 1), ("text", 1)], "payload: expected bytes"),
                              ([(b"ok", 1), (b"x", -1)], "policy_version"),
                              ([(b"ok", 1, {"x": object()})], "msgpack-able"),
-                             ([b"just bytes"], r"\(payload, policy_version\[, meta\]\)")]:
+                             ([b"just bytes"], r"\(payload, policy_version\[, meta\[, record_id\]\]\)"),
+                             ([(b"ok", 1, None, b"")], r"record_id: expected 1\.\.64 bytes"),
+                             ([(b"ok", 1, None, "text")], r"record_id: expected 1\.\.64 bytes"),
+                             ([(b"a", 1, None, b"i"), (b"b", 1, None, b"i")], "expected distinct record ids")]:
             with pytest.raises(UsageError, match=match):
                 await sp.append(items, timeout=1)
         payload, meta = encode_payload({"obs": [1, 2]}, {"ep": 3})

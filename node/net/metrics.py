@@ -168,6 +168,8 @@ class NodeMetrics(StatusMetrics):
                                 spool.get("appended_total"))
             yield from _counter("patchswarm_trajectories_acked", "trajectories the origin acknowledged",
                                 spool.get("acked_total"))
+            yield from _counter("patchswarm_trajectories_repeated", "resubmitted trajectories answered with the seq "
+                                "their record id was stored under, not stored again", spool.get("repeated_total"))
             yield from _gauge("patchswarm_trajectory_upload_bytes_per_second",
                               "trajectory bytes sent to the origin per second, over the last 5 s",
                               spool.get("upload_rate_bps"))
