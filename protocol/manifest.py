@@ -16,6 +16,9 @@ Two forms, told apart by the magic first field (`form`):
   the target is the base's, as `base_hash` fixes it. A patch version's
   manifest then grows with what the version changes, not with the model
   (protocol/publication.py reads both; protocol/README.md has the numbers).
+  On the wire the list is one zstd frame of the msgpack rows, in name order
+  (names share long prefixes: a 140,000-tensor MoE's 10 MB table is ~0.3 MB);
+  `Manifest.tensors` holds the rows either way.
 
 Wire form:
 
@@ -35,6 +38,7 @@ import math
 from typing import Any, NamedTuple
 
 import msgpack
+import zstandard
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
@@ -52,6 +56,15 @@ SHA256_BYTES = 32
 MAX_CHUNKS = 1 << 20
 _FIELDS = ("swarm_id", "version", "base_version", "base_hash", "target_hash",
            "tensors", "chunks", "codec", "created_at")
+# A form-2 tensor table: compressed at this level (as the patch container's), and read back
+# only up to these bounds (a table is ~75 bytes a row: 1M tensors ~ 75 MB; names compress ~70x).
+TABLE_ZSTD_LEVEL = 12
+MAX_TABLE_BYTES = 256 << 20
+TABLE_MAX_RATIO = 512
+MAX_NAME_BYTES = 4096
+_MAX_DTYPE_BYTES = 32
+_MAX_DIMS = 64
+_MAX_DIM = (1 << 48) - 1
 
 
 class ObjKey(NamedTuple):
@@ -76,6 +89,8 @@ class Manifest:
     codec: dict
     created_at: float
     form: int = 1  # 1: `tensors` is the whole table; 2: only the tensors written whole
+    # Form 2: the compressed table as signed (kept so that the manifest encodes to its bytes).
+    table_blob: bytes | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         _check(self, UsageError)
@@ -133,6 +148,10 @@ def _check(m: Any, error: type[Exception]) -> None:
                 or not isinstance(t[1], str) or not isinstance(t[2], (list, tuple))
                 or not all(_is_int(d) and d >= 0 for d in t[2])):
             bad("tensors entry", "[name: str, dtype: str, shape: list of ints >= 0]", t)
+    if getattr(m, "form", 1) == 2:
+        names = [t[0] for t in m.tensors]
+        if names != sorted(set(names)):
+            bad("tensors", "names in order, each once (form 2)", names[:5])
     if not isinstance(m.chunks, (list, tuple)) or len(m.chunks) > MAX_CHUNKS:
         bad("chunks", f"a list of at most {MAX_CHUNKS}", m.chunks if not isinstance(m.chunks, (list, tuple)) else len(m.chunks))
     for c in m.chunks:
@@ -165,9 +184,15 @@ def encode_manifest(m: Manifest) -> bytes:
     """The one canonical encoding of `m`."""
     if not isinstance(m, Manifest):
         raise UsageError(f"encode_manifest: expected a Manifest, found {type(m).__name__}")
+    if m.form == 1:
+        tensors: Any = [[n, d, list(s)] for n, d, s in m.tensors]
+    else:
+        if m.table_blob is None:
+            object.__setattr__(m, "table_blob", pack_table(m.tensors))
+        tensors = m.table_blob
     return msgpack.packb([
         MAGICS[m.form], m.swarm_id, m.version, m.base_version, m.base_hash, m.target_hash,
-        [[n, d, list(s)] for n, d, s in m.tensors],
+        tensors,
         [[z, h] for z, h in m.chunks],
         m.codec, m.created_at,
     ], use_bin_type=True)
@@ -184,15 +209,53 @@ def decode_manifest(data: bytes) -> Manifest:
     form = _FORMS.get(obj[0]) if isinstance(obj[0], str) else None
     if form is None:
         raise CorruptData(f"manifest: expected magic {' or '.join(map(repr, MAGICS.values()))}, found {obj[0]!r:.80}")
+    fields = dict(zip(_FIELDS, obj[1:]), form=form)
+    if form == 2:
+        if not isinstance(fields["tensors"], bytes):
+            raise CorruptData(f"manifest tensors: expected a compressed table (bin), found "
+                              f"{type(fields['tensors']).__name__}")
+        fields["table_blob"] = fields["tensors"]
+        fields["tensors"] = read_table(fields["tensors"])
     try:
         # Checked once, by the constructor (its UsageError is a peer's CorruptData here): at
         # 140,000 tensors a second check cost 0.6 s of a node's every version.
-        m = Manifest(**dict(zip(_FIELDS, obj[1:]), form=form))
+        m = Manifest(**fields)
     except UsageError as e:
         raise CorruptData(str(e)) from None
     if encode_manifest(m) != bytes(data):
         raise CorruptData("manifest: not in canonical encoding")
     return m
+
+
+def pack_table(rows) -> bytes:
+    """A form-2 manifest's `tensors` on the wire: msgpack [[name, dtype, shape], ...], zstd."""
+    raw = msgpack.packb([[n, d, list(s)] for n, d, s in rows], use_bin_type=True)
+    return zstandard.ZstdCompressor(level=TABLE_ZSTD_LEVEL).compress(raw)
+
+
+def read_table(blob: bytes) -> tuple:
+    """The rows of a compressed table, each (name, dtype, shape); CorruptData unless it is
+    one zstd frame of at most TABLE_MAX_RATIO times its bytes (and MAX_TABLE_BYTES) holding
+    rows with names in order, each once."""
+    limit = min(MAX_TABLE_BYTES, TABLE_MAX_RATIO * len(blob))
+    try:
+        declared = zstandard.frame_content_size(blob)
+        if declared > limit:
+            raise CorruptData(f"manifest tensors: expected at most {limit} bytes of table from {len(blob)} "
+                              f"compressed, found a frame that declares {declared}")
+        raw = zstandard.ZstdDecompressor().decompress(blob, max_output_size=limit)
+    except zstandard.ZstdError as e:
+        raise CorruptData(f"manifest tensors: expected a zstd frame of at most {limit} bytes ({e})") from None
+    r = PackReader(raw, CorruptData, "manifest tensor table")
+    rows = []
+    for _ in range(r.array_len(len(raw), "a list of [name, dtype, shape]")):
+        if r.array_len(3, "a row [name, dtype, shape]") != 3:
+            raise r.fail("a row [name, dtype, shape]", "an array of another length")
+        name = r.str(MAX_NAME_BYTES, "a tensor name")
+        dtype = r.str(_MAX_DTYPE_BYTES, "a dtype name")
+        rows.append((name, dtype, tuple(r.uints(r.array_len(_MAX_DIMS, "a shape"), _MAX_DIM, "a dimension"))))
+    r.expect_end()
+    return tuple(rows)
 
 
 def sign_manifest(m: Manifest, private_key: Ed25519PrivateKey) -> bytes:

@@ -22,6 +22,7 @@ import tracemalloc
 import hypothesis.strategies as st
 import msgpack
 import torch
+import zstandard
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from patchswarm.protocol import localapi, trajectory, wire
@@ -67,7 +68,8 @@ def seeds(target: str) -> tuple[bytes, ...]:
                      chunks=[(100, bytes(32)), (7, bytes(range(32)))], codec={"format": 1}, created_at=1.5)
         m2 = Manifest(swarm_id="sw", version=2, base_version=1, base_hash="blake3:" + "00" * 32,
                       target_hash="blake3:" + "11" * 32, tensors=[("w", "bf16", (64, 8))], chunks=[(100, bytes(32))],
-                      codec={"format": 2, "removed": ["v"], "layout": {"files": ["a.safetensors"], "rows": b"\0\0\xff\xff"}},
+                      codec={"format": 2, "removed": ["v"], "layout": {"files": ["a.safetensors"],
+                                                                        "rows": zstandard.compress(b"\0\0\xff\xff")}},
                       created_at=1.5, form=2)
         return (sign_manifest(m, _key()), encode_manifest(m), sign_manifest(m2, _key()), encode_manifest(m2))
     if target == "wire":

@@ -7,6 +7,9 @@ import hashlib
 import msgpack
 import pytest
 import torch
+import zstandard
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from patchswarm.protocol import wire
@@ -104,7 +107,8 @@ def test_a_shard_directory_of_140k_tensors_is_announced_and_its_patches_grow_wit
     """A 140,000-tensor fp8 MoE read from a 163-shard directory: in form 1 every patch version's
     manifest carries the tensor table and the name -> shard map (24 MB: no frame carries it,
     whatever the patch). In form 2 a patch that writes no tensor whole lists none, its layout is
-    2 bytes a tensor, and the keyframe fits one frame."""
+    a compressed row index, and the keyframe's table travels compressed: at 500 GB (65,536
+    chunks) its manifest is mostly the chunk table."""
     k = _keyframe(140_000)
     k.layout = _layout_of(k)
     table = [(8 * MiB, bytes(32))] * 600  # a ~5 GB patch of 8 MiB chunks
@@ -113,8 +117,9 @@ def test_a_shard_directory_of_140k_tensors_is_announced_and_its_patches_grow_wit
     args = dict(swarm_id="s", version=5, created_at=0.0, chunk_table=table)
     assert _signed_bytes(manifest_of(p, **args)) > wire.MAX_FRAME_BYTES
     form2 = manifest_of(p, **args, form=2)
-    assert form2.tensors == () and _signed_bytes(form2) < 2 * 140_000 + 64 * 600 + 8 * 1024
-    assert _signed_bytes(manifest_of(k, **args, form=2)) <= wire.MAX_FRAME_BYTES
+    assert form2.tensors == () and _signed_bytes(form2) < 64 * 600 + 8 * 1024  # the chunk table, about
+    at_500_gb = dict(args, chunk_table=[(8 * MiB, bytes(32))] * MAX_OBJECT_CHUNKS)
+    assert _signed_bytes(manifest_of(k, **at_500_gb, form=2)) < 41 * MAX_OBJECT_CHUNKS + 1024 * 1024
     back = patch_of(form2, [b""] * 600, k.tensors)
     assert back.tensors == k.tensors and back.full == [] and back.layout == k.layout
 
@@ -171,20 +176,57 @@ def test_form_2_misuse_and_damage_are_named():
     fields = dict(swarm_id="s", version=4, base_version=3, base_hash="blake3:" + "1" * 64,
                   target_hash="blake3:" + "2" * 64, chunks=[], created_at=0.0, form=2)
     table = [TensorSpec("a", "bfloat16", (4,)), TensorSpec("b", "float32", (2,))]
+    with pytest.raises(UsageError, match="names in order, each once"):
+        Manifest(tensors=[("b", "float32", (2,)), ("a", "float32", (2,))], codec={"format": 2, "removed": []}, **fields)
+    z = zstandard.ZstdCompressor().compress
     for tensors, codec, match in [
-        ([("b", "float32", (2,)), ("a", "float32", (2,))], {"format": 2, "removed": []}, "names in order"),
         ([("a", "float32", (2,))], {"format": 2, "removed": ["a"]}, "removed tensors not to be written"),
-        ([], {"format": 2, "removed": [], "layout": {"files": ["x"], "rows": b"\0"}}, "2 or 4 bytes for each of 2"),
-        ([], {"format": 2, "removed": [], "layout": {"files": ["x"], "rows": b"\0\0\1\0"}}, "indices below 1, found 1"),
+        ([], {"format": 2, "removed": [], "layout": {"files": ["x"], "rows": z(b"\0")}}, "2 or 4 bytes for each of 2"),
+        ([], {"format": 2, "removed": [], "layout": {"files": ["x"], "rows": z(b"\0\0\1\0")}}, "indices below 1, found 1"),
+        ([], {"format": 2, "removed": [], "layout": {"files": ["x"], "rows": z(bytes(9))}}, "at most 8 bytes"),
+        ([], {"format": 2, "removed": [], "layout": {"files": ["x"], "rows": b"\0\0\0\0"}}, "expected a zstd frame"),
         ([], {"format": 2, "removed": [], "layout": {"files": "x", "rows": b""}}, "form-2 layout"),
         ([], {"format": 2, "removed": "a"}, "list of names in 'removed'"),
     ]:
         with pytest.raises(CorruptData, match=match):
             patch_of(Manifest(tensors=tensors, codec=codec, **fields), [], table)
     # the top value of a row is a tensor in no shard (a side file)
-    m = Manifest(tensors=[], codec={"format": 2, "removed": [], "layout": {"files": ["x"], "rows": b"\xff\xff\0\0"}},
+    m = Manifest(tensors=[], codec={"format": 2, "removed": [], "layout": {"files": ["x"], "rows": z(b"\xff\xff\0\0")}},
                  **fields)
     assert patch_of(m, [], table).layout == {"b": "x"}
+
+
+@pytest.mark.parametrize("blob, match", [
+    (b"not zstd", "expected a zstd frame"),
+    (zstandard.ZstdCompressor().compress(bytes(1 << 16)), "at most 10240 bytes of table from 20"),  # > 512x
+    (zstandard.ZstdCompressor().compress(msgpack.packb([["a", "float32"]])), "a row"),
+    (zstandard.ZstdCompressor().compress(msgpack.packb([["b", "f", []], ["a", "f", []]])), "names in order"),
+    (zstandard.ZstdCompressor().compress(msgpack.packb([["a", "f", [-1]]])), "dimension"),
+    (zstandard.ZstdCompressor().compress(msgpack.packb([["a", "f", []]]) + b"\0"), "nothing more"),
+])
+def test_a_form_2_table_that_is_not_one_is_corrupt_data(blob, match):
+    """A form-2 manifest's table travels compressed: what does not decompress within its
+    bounds to rows in name order is refused (CorruptData), read before anything is built."""
+    m = Manifest(swarm_id="s", version=4, base_version=3, base_hash="blake3:" + "1" * 64,
+                 target_hash="blake3:" + "2" * 64, tensors=[], chunks=[], codec={"format": 2, "removed": []},
+                 created_at=0.0, form=2)
+    data = msgpack.unpackb(encode_manifest(m))
+    data[6] = blob
+    with pytest.raises(CorruptData, match=match):
+        decode_manifest(msgpack.packb(data))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.text(min_size=1, max_size=40), st.sampled_from(["bfloat16", "float8_e4m3fn", "float32"]),
+                          st.lists(st.integers(0, 1 << 40), max_size=4).map(tuple)),
+                unique_by=lambda t: t[0], max_size=30))
+def test_form_2_tables_round_trip_through_signing(rows):
+    rows = sorted(rows)
+    key = Ed25519PrivateKey.generate()
+    m = Manifest(swarm_id="s", version=0, base_version=None, base_hash=None, target_hash="blake3:" + "2" * 64,
+                 tensors=rows, chunks=[], codec={"format": 2, "removed": []}, created_at=0.0, form=2)
+    back = verify_manifest(sign_manifest(m, key), key.public_key())
+    assert back == m and back.tensors == tuple(rows) and encode_manifest(back) == encode_manifest(m)
 
 
 def test_both_forms_sign_and_verify_and_another_magic_is_refused():
