@@ -131,6 +131,18 @@ def _lost(path: Path, lost: BaseException, timeout: float) -> NodeUnavailable:
                                           f"find out")
 
 
+def _resend_after(e: Exception, lost: _ReplyLost | None, path: Path, timeout: float) -> _ReplyLost:
+    """One failed try of a resendable submit: the lost reply to send again for, or raise
+    what the caller gets (both clients' `_call` loops)."""
+    if isinstance(e, _ReplyLost):
+        return e
+    if isinstance(e, NodeUnavailable) and lost is not None:  # the node is not back yet: try again
+        return lost
+    if lost is not None and _refuses_ids(e):  # an older node came back: the first may be stored
+        raise _lost(path, lost, timeout) from None
+    raise e  # no node to begin with, or a node's answer: as for any call
+
+
 def _send_parts(s: socket.socket, parts: list) -> None:
     """Write the buffers in order with as few calls as the kernel allows (sendmsg
     takes up to _IOV_MAX of them at once; a short write resumes where it stopped)."""
@@ -241,15 +253,8 @@ class NodeClient:
         while True:
             try:
                 return self._exchange(frame, timeout, more)
-            except _ReplyLost as e:
-                lost = e
-            except NodeUnavailable:
-                if lost is None:  # no node to begin with: as for any call
-                    raise
-            except NodeError as e:
-                if lost is not None and _refuses_ids(e):  # an older node came back: the first may be stored
-                    raise _lost(self.path, lost, timeout) from None
-                raise
+            except (_ReplyLost, NodeError) as e:
+                lost = _resend_after(e, lost, self.path, timeout)
             if time.monotonic() + pause > deadline:
                 raise _lost(self.path, lost, timeout) from None
             time.sleep(pause)
@@ -472,15 +477,8 @@ class AsyncNodeClient:
         while True:
             try:
                 return await self._exchange(frame, timeout)
-            except _ReplyLost as e:
-                lost = e
-            except NodeUnavailable:
-                if lost is None:  # no node to begin with: as for any call
-                    raise
-            except NodeError as e:
-                if lost is not None and _refuses_ids(e):  # an older node came back: the first may be stored
-                    raise _lost(self.path, lost, timeout) from None
-                raise
+            except (_ReplyLost, NodeError) as e:
+                lost = _resend_after(e, lost, self.path, timeout)
             if trio.current_time() + pause > deadline:
                 raise _lost(self.path, lost, timeout) from None
             await trio.sleep(pause)
