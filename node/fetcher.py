@@ -60,6 +60,7 @@ class Fetcher:
         self._on_complete = on_complete
         self.bytes_in = {"origin": 0, "same_region": 0, "other_region": 0}
         self.chunks_rejected = 0
+        self.pieces_unasked = 0  # first parts of chunks nobody asked of their sender: ignored
         # Sessions sent an Incoming for a chunk not yet held. Sessions, not peer ids: a peer
         # that reconnects meanwhile has a new session, which was never told.
         self._told: dict[ObjKey, dict[int, set[Session]]] = {}
@@ -214,6 +215,13 @@ class Fetcher:
         m = self.store.manifest(key)
         if c >= len(m.chunks):
             raise PeerDropped(f"sent chunk {c} of {describe(key)}, which has {len(m.chunks)} chunks")
+        if msg.offset == 0 and self.picker.sent_at(s.id, key, c) is None:
+            # Not asked of this peer (any more): the first part of an answer this node withdrew
+            # (a Cancel crossed it), or a member sending unasked. Ignored, so a peer cannot open a
+            # chunk-sized buffer per chunk, nor make this node announce and serve chunks it
+            # will never complete. A flow already open goes on (its request is in flight).
+            self.pieces_unasked += 1
+            return
         flow, first = self.inflows.receive(s.id, key, c, m.chunks[c][0], msg.offset, msg.total, msg.data)
         if flow is None:
             return  # the rest of a flow this node cancelled
