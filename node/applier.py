@@ -24,8 +24,8 @@ from pathlib import Path
 
 import trio
 
-from patchswarm.protocol.errors import (ConflictingManifest, CorruptData, InvalidInput, PatchswarmError, SignatureError,
-                                        StaleVersion, UsageError)
+from patchswarm.protocol.errors import (ChunkGone, ConflictingManifest, CorruptData, InvalidInput, PatchswarmError,
+                                        SignatureError, StaleVersion, UsageError)
 from patchswarm.protocol.patch import apply as apply_patch
 from patchswarm.protocol.patchdecode import touched_tensors
 from patchswarm.protocol.publication import ObjKey, describe, patch_of
@@ -187,6 +187,12 @@ class Applier:
         try:
             # Below the loop's priority: peers fetching this version from us come first (node/lowprio.py).
             await run_low_priority(work, self.apply_nice)
+        except ChunkGone as e:
+            # Our disk lost a chunk since it verified (node/store.py): the object is sound, so it
+            # is not refused; the next plan fetches the chunk again (the store no longer has it).
+            log.warning("could not apply %s: %s; fetching that chunk again", describe(key), e)
+            await self._back_to_durable()  # the apply may have written part of the state
+            return
         except PatchswarmError as e:
             self.unusable.add(key)
             log.error("could not apply %s: %s; looking for another path", describe(key), e)

@@ -98,3 +98,77 @@ def test_unasked_first_parts_open_no_flow_and_announce_nothing(tmp_path):
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+# ---------------------------------------------------------------- a chunk damaged on disk
+
+
+async def _route(fetcher: Fetcher, s: Session, msg) -> None:
+    """What the daemon hands the fetcher (node/daemon.py `_on_message`)."""
+    if isinstance(msg, wire.Piece):
+        await fetcher.on_piece(s, msg)
+    elif isinstance(msg, (wire.Have, wire.HaveOne, wire.Incoming)):
+        fetcher.on_announce(s, msg)
+    elif isinstance(msg, wire.Reject):
+        fetcher.on_reject(s, msg)
+
+
+def _holder(tmp_path, name: str, n_chunks: int) -> PeerSet:
+    """A member holding the whole object, as a node that fetched and verified it."""
+    store = ObjectStore(tmp_path / name)
+    chunks = [_chunk(c) for c in range(n_chunks)]
+    store.write_object(KEY, b"(envelope)", chunks)
+    store.adopt(KEY, Manifest(swarm_id="sw", version=1, base_version=0, base_hash="blake3:" + "00" * 32,
+                              target_hash="blake3:" + "11" * 32, tensors=[],
+                              chunks=[(len(c), hashlib.sha256(c).digest()) for c in chunks],
+                              codec={"format": 1}, created_at=0.0))
+    return PeerSet(name, store, TokenBucket(None), _noop, inflows=Inflows())
+
+
+async def _link(nursery, me: PeerSet, other: PeerSet) -> None:
+    """Connect `me` and `other` over a memory stream, Hellos exchanged, both sessions running."""
+    from patchswarm.node.net.transport import MessageStream, exchange_hello
+    a, b = trio.testing.memory_stream_pair()
+    mine, theirs = MessageStream(a, other.me, "node"), MessageStream(b, me.me, "node")
+    async with trio.open_nursery() as hello:
+        hello.start_soon(exchange_hello, mine, wire.Hello(me.me, "r1", "node", "x:1", []))
+        hello.start_soon(exchange_hello, theirs, wire.Hello(other.me, "r1", "node", "x:2", []))
+    nursery.start_soon(me.run, mine, True)
+    nursery.start_soon(other.run, theirs, False)
+
+
+def test_a_chunk_damaged_on_disk_is_not_served_and_the_honest_sender_is_kept(tmp_path):
+    """Bit rot: a chunk file changes on the holder's disk while it runs. Before, the holder
+    served it as it read it, and the receiver, finding it did not match its manifest, dropped
+    the holder (an honest member) as a sender of bad data. Now the holder checks each chunk it
+    reads against its manifest: a damaged one is removed from its store (fetched again where it
+    needs it) and the request answered with a Reject, so the receiver asks another holder."""
+    fetcher = _fetcher(tmp_path, 1)
+    me = fetcher.peers
+    me._on_message = lambda s, msg: _route(fetcher, s, msg)
+    me._on_open, me._on_close = fetcher.peer_joined, fetcher.peer_left
+    rot = _holder(tmp_path, "rot", 1)
+    path = next((tmp_path / "rot").glob("*/000000.chunk"))
+    damaged = bytearray(path.read_bytes())
+    damaged[12345] ^= 0x10
+    path.write_bytes(bytes(damaged))
+
+    async def main():
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(fetcher.run)
+                await _link(nursery, me, rot)
+                while "rot" in me.sessions and rot.store.have(KEY):  # until it is served, or the holder dropped
+                    await trio.sleep(0.01)
+                await trio.sleep(0.2)  # the answer (a Reject, or the damaged bytes) reaches the fetcher
+                assert fetcher.chunks_rejected == 0 and "rot" in me.sessions  # the honest holder is kept
+                assert rot.store.have(KEY) == set() and not path.exists()
+                assert 0 not in fetcher.store.have(KEY)
+                good = _holder(tmp_path, "good", 1)
+                await _link(nursery, me, good)
+                while 0 not in fetcher.store.have(KEY):
+                    await trio.sleep(0.01)
+                assert fetcher.store.get_chunk(KEY, 0) == _chunk(0)
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
