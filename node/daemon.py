@@ -355,6 +355,8 @@ class Node:
             "bytes_out": self.peers.bytes_out,
             "bytes_out_arriving": self.peers.bytes_out_arriving,
             "chunks_rejected": f.chunks_rejected,
+            "chunks_damaged": self.store.chunks_damaged,  # held chunks found changed on disk, removed (store.py)
+            "pieces_unasked": f.pieces_unasked,  # first parts of chunks not asked of their sender, ignored
             "peers_dropped": dict(self.peers.dropped),  # and connections refused, by kind (node/peers.py)
             "manifests_rejected": a.manifests_rejected,
             **self.manifests.status(),
