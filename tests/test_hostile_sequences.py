@@ -172,3 +172,40 @@ def test_a_chunk_damaged_on_disk_is_not_served_and_the_honest_sender_is_kept(tmp
                 nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+# ---------------------------------------------------------------- announcements that cancel the origin's copy
+
+
+def test_a_member_announcing_a_chunk_again_and_again_cannot_keep_it_from_the_origin(tmp_path):
+    """In the origin's region, a member's Incoming or HaveOne cancels this node's request to the
+    origin for that chunk (no byte of it come yet), so the origin sends each chunk once. A member
+    (any member: the region is its Hello's word) that announced the chunk ten times a second and
+    never served it had every new request to the origin cancelled, and the chunk never came
+    (60 s of it here: 300 requests to the origin, each cancelled). Now the origin's copy of a
+    chunk is given up on a member's word once per fetch; the next request to the origin stays."""
+    from patchswarm.protocol.picker import PiecePicker
+    fetcher = _fetcher(tmp_path, 1)
+    fetcher.picker = PiecePicker("me", "r1", "r1", seed=3, request_timeout=30.0, endgame_after=0.5)
+    fetcher.picker.add_object(KEY, 1, now=0.0)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            await nursery.start(fetcher.run)
+            origin = Session(RecordingStream(), "origin", "origin", "r1", "x:1", outbound=True)
+            origin.tasks = nursery
+            fetcher.peers.sessions["origin"] = origin
+            fetcher.peer_joined(origin)
+            fetcher.on_announce(origin, wire.Have(1, False, b"\x01"))
+            mallory = _session(fetcher, nursery, "mallory")
+            for _ in range(600):
+                await trio.sleep(0.1)
+                fetcher.on_announce(mallory, wire.Incoming(1, False, 0))
+                fetcher.on_announce(mallory, wire.HaveOne(1, False, 0))
+            assert len(_sent(origin, wire.Cancel)) <= 1
+            assert fetcher.picker.sent_at("origin", KEY, 0) is not None  # asked, and left to answer
+            await fetcher.on_piece(origin, wire.Piece(1, False, 0, 0, CHUNK_BYTES, _chunk(0)))
+            assert 0 in fetcher.store.have(KEY)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
