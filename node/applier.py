@@ -116,9 +116,12 @@ class Applier:
 
     # ------------------------------------------------------------ manifests in
 
-    def offer(self, envelope: bytes, source: str) -> bool:
+    def offer(self, envelope: bytes, source: str, from_peer: bool = False) -> bool:
         """A signed manifest from the tracker or a peer (`source`, for the log); True when it
-        was new to this node and accepted."""
+        was new to this node and accepted. `from_peer`: one that does not verify (signature,
+        format, swarm) raises its InvalidInput after it is counted, which ends the session:
+        members pass on only manifests they verified, so it is the sender's fault, and a peer
+        could otherwise send one a message, each a warning line here."""
         try:
             status, m = self.book.offer(envelope, self.version)
         except StaleVersion as e:
@@ -128,6 +131,8 @@ class Applier:
         except (SignatureError, CorruptData, ConflictingManifest, InvalidInput) as e:
             self.manifests_rejected += 1
             log.warning("rejected a manifest from %s: %s", source, e)
+            if from_peer and not isinstance(e, ConflictingManifest):  # two signed ones: the trainer's doing
+                raise
             return False
         if status == NEW:
             self._timeline[(m.version, m.is_keyframe)] = {"announced_at": time.time()}
