@@ -322,7 +322,7 @@ class Node:
         elif isinstance(msg, wire.TrajectoriesAck) and s.role == "origin":
             await self.uploader.acked(msg.seqs)
         elif isinstance(msg, wire.Error):
-            log.warning("peer %s says: %s", s.id, msg.message)
+            log.log(s.error_level(), "peer %s says: %s", s.id, msg.message)
         else:
             raise PeerDropped(f"sent {type(msg).__name__}, which peers do not send")
 

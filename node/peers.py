@@ -52,6 +52,9 @@ REQUESTS_QUEUED = "requests queued"  # budgets' names, for counters and logs
 ANNOUNCEMENTS = "announcements per minute"
 REJECTS_PER_WRITE = 256  # Rejects of requests for chunks not held, sent together
 REFUSED_KEPT = 4096  # per session: the chunks it was refused, until it is told of them again
+# Per session: a peer's Error messages logged as warnings; later ones at DEBUG. Members send
+# peers none today, and each may carry 4 KiB: logged each, a peer could fill the log's disk.
+ERRORS_LOGGED = 3
 _ANNOUNCEMENTS = (wire.Have, wire.HaveOne, wire.Incoming, wire.VersionNotice, wire.Announce)
 
 
@@ -95,6 +98,12 @@ class Session:
     # (object, chunk) this member sent a Reject for, of an object whose manifest it holds, until
     # node/fetcher.py tells the peer of the chunk again (protocol/announce.py: `refused`).
     refused: set = dataclasses.field(default_factory=set)
+    errors: int = 0  # Error messages it sent
+
+    def error_level(self) -> int:
+        """The log level for the Error message the peer just sent (ERRORS_LOGGED)."""
+        self.errors += 1
+        return logging.WARNING if self.errors <= ERRORS_LOGGED else logging.DEBUG
 
     def close(self, reason: str) -> None:
         """End the session: nothing more goes out on it, its tasks stop, and

@@ -209,3 +209,31 @@ def test_a_member_announcing_a_chunk_again_and_again_cannot_keep_it_from_the_ori
             nursery.cancel_scope.cancel()
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+# ---------------------------------------------------------------- Error messages
+
+
+def test_a_peers_error_messages_are_logged_a_few_times_per_session_not_each(caplog):
+    """No member sends a peer `Error` today; each one a node or the origin receives was logged as
+    a warning, so a peer could write up to 4 KiB of log per message, as fast as its link allows.
+    Now the first ERRORS_LOGGED of a session are warnings and the rest debug lines."""
+    import logging
+
+    from patchswarm.node.daemon import Node
+    from patchswarm.node.peers import ERRORS_LOGGED
+    from patchswarm.node.trainer.origin import Origin
+
+    s = Session(RecordingStream(), "mallory", "node", "r1", "x:1", outbound=True)
+
+    async def main():
+        for handler in (Node._on_message, Origin._on_message):
+            s.errors = 0
+            caplog.clear()
+            with caplog.at_level(logging.DEBUG):
+                for i in range(1000):
+                    await handler(object(), s, wire.Error("x" * 4000))
+            warned = [r for r in caplog.records if r.levelno >= logging.WARNING]
+            assert len(warned) == ERRORS_LOGGED, handler
+
+    trio.run(main)

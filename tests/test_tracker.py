@@ -721,3 +721,16 @@ def test_a_signal_flood_does_not_drop_the_member_it_is_addressed_to(tmp_path):
             nursery.cancel_scope.cancel()
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0.01))
+
+
+def test_a_members_error_messages_are_logged_a_few_times_per_session_not_each(caplog):
+    import logging
+    from patchswarm.tracker.core import ERRORS_LOGGED
+    run = Run()
+    mallory = run.join("mallory")
+    with caplog.at_level(logging.DEBUG, logger="patchswarm.tracker"):
+        for _ in range(1000):
+            run.send(mallory, wire.Error("x" * 4000))
+    said = [r for r in caplog.records if "says" in r.getMessage()]
+    assert len(said) == 1000 and sum(r.levelno >= logging.INFO for r in said) == ERRORS_LOGGED
+    assert mallory not in run.closed

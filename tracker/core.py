@@ -68,6 +68,9 @@ ANNOUNCE_BUDGET = (2 * RETAIN_PATCHES + 16, 120.0)
 # whose queue (server.SEND_QUEUE = 512 frames) must not be another member's to fill: the burst
 # stays below it, so a flood from one member never drops the member it names.
 SIGNAL_BUDGET = (256, 240.0)
+# Per session: a member's Error messages logged at INFO, later ones at DEBUG (each may carry
+# 4 KiB, and a member could send them as fast as its link allows).
+ERRORS_LOGGED = 3
 # Nodes per region that get each manifest whole from the tracker; the rest get a 38-byte
 # VersionHint and the manifest from a peer. At 10,000 members and a 1,000-chunk patch
 # (40,300 bytes of manifest) whole notices cost the tracker 10,000 x 40,300 B = 403 MB of TLS
@@ -117,6 +120,7 @@ class Member:
     last_seen: float
     versions: list[int]
     manifests: set | None = None  # objects whose whole notice it was sent (None: none yet, one object fewer per member)
+    errors: int = 0  # Error messages it sent this session (the first ERRORS_LOGGED are logged at INFO)
 
     def entry(self) -> dict:
         return {"id": self.id, "region": self.region, "addr": self.addr, "role": self.role}
@@ -255,7 +259,9 @@ class TrackerCore:
         if isinstance(msg, wire.Bye):
             return self._drop(m, now, LEFT, f"said bye ({msg.reason})")
         if isinstance(msg, wire.Error):
-            log.info("%s %s says: %s", m.role, m.id, msg.message)
+            m.errors += 1
+            log.log(logging.INFO if m.errors <= ERRORS_LOGGED else logging.DEBUG, "%s %s says: %s", m.role, m.id,
+                    msg.message)
             return []
         return self._drop(m, now, BAD_MESSAGE, f"sent {type(msg).__name__}, which the tracker does not take")
 
