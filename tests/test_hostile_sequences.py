@@ -73,8 +73,9 @@ def test_unasked_first_parts_open_no_flow_and_announce_nothing(tmp_path):
     """A member sends, unasked, one byte at offset 0 of every chunk of an object being fetched.
     Before: each opened a flow holding a buffer of the chunk's size (64 chunks: 64 MiB; a 2 GiB
     keyframe's: 2 GiB, per hostile member), the node told every peer `Incoming` and served
-    whoever asked from those flows, which never moved: each such follower waited out its
-    request timeout (30 s) for every chunk. Now a part nobody asked of that peer is ignored."""
+    whoever asked from those flows, which never moved: a follower's requests for them hung
+    until its endgame or its request timeout (30 s). Now a part nobody asked of that peer is
+    ignored."""
     n = 64
     fetcher = _fetcher(tmp_path, n)
 
