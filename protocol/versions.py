@@ -28,9 +28,6 @@ class VersionBook:
         self._key = trainer_key
         self._manifests: dict[ObjKey, Manifest] = {}
         self._envelopes: dict[ObjKey, bytes] = {}
-        # The same envelopes by their bytes: an offer of bytes already verified is known without
-        # verifying and parsing them again (~1.5 ms for a 45 KB manifest, and peers pass them on).
-        self._known: dict[bytes, ObjKey] = {}
 
     # ------------------------------------------------------------ facts in
 
@@ -42,9 +39,6 @@ class VersionBook:
         second, different manifest of one object, StaleVersion for an object
         at or below `current_version` that is not already held.
         """
-        seen = self._known.get(bytes(envelope))
-        if seen is not None:
-            return KNOWN, self._manifests[seen]
         m = verify_manifest(envelope, self._key)
         if m.swarm_id != self.swarm_id:
             raise InvalidInput(f"manifest: expected swarm {self.swarm_id!r}, found {m.swarm_id!r}")
@@ -61,18 +55,17 @@ class VersionBook:
                                f"{current_version}, found {m.version} (replayed or older)")
         self._manifests[key] = m
         self._envelopes[key] = bytes(envelope)
-        self._known[self._envelopes[key]] = key
         return NEW, m
 
     def discard(self, key: ObjKey) -> None:
         """Forget one object (its publisher withdrew it before announcing it)."""
         self._manifests.pop(key, None)
-        self._known.pop(self._envelopes.pop(key, b""), None)
+        self._envelopes.pop(key, None)
 
     def forget_below(self, version: int) -> None:
         """Drop manifests of versions below `version` (they can never be needed again)."""
         for key in [k for k in self._manifests if k[0] < version]:
-            del self._manifests[key], self._known[self._envelopes.pop(key)]
+            del self._manifests[key], self._envelopes[key]
 
     # ------------------------------------------------------------ questions
 
