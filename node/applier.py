@@ -24,8 +24,8 @@ from pathlib import Path
 
 import trio
 
-from patchswarm.protocol.errors import (ConflictingManifest, CorruptData, InvalidInput, PatchswarmError, SignatureError,
-                                        StaleVersion, UsageError)
+from patchswarm.protocol.errors import (ChunkGone, ConflictingManifest, CorruptData, InvalidInput, PatchswarmError,
+                                        SignatureError, StaleVersion, UsageError)
 from patchswarm.protocol.patch import apply as apply_patch
 from patchswarm.protocol.patchdecode import touched_tensors
 from patchswarm.protocol.publication import ObjKey, describe, manifest_layout, patch_of, table_after, table_of
@@ -131,9 +131,12 @@ class Applier:
 
     # ------------------------------------------------------------ manifests in
 
-    def offer(self, envelope: bytes, source: str) -> bool:
+    def offer(self, envelope: bytes, source: str, from_peer: bool = False) -> bool:
         """A signed manifest from the tracker or a peer (`source`, for the log); True when it
-        was new to this node and accepted."""
+        was new to this node and accepted. `from_peer`: one that does not verify (signature,
+        format, swarm) raises its InvalidInput after it is counted, which ends the session:
+        members pass on only manifests they verified, so it is the sender's fault, and a peer
+        could otherwise send one a message, each a warning line here."""
         try:
             status, m = self.book.offer(envelope, self.version)
         except StaleVersion as e:
@@ -143,6 +146,8 @@ class Applier:
         except (SignatureError, CorruptData, ConflictingManifest, InvalidInput) as e:
             self.manifests_rejected += 1
             log.warning("rejected a manifest from %s: %s", source, e)
+            if from_peer and not isinstance(e, ConflictingManifest):  # two signed ones: the trainer's doing
+                raise
             return False
         if status == NEW:
             self._timeline[(m.version, m.is_keyframe)] = {"announced_at": time.time()}
@@ -204,6 +209,12 @@ class Applier:
         try:
             # Below the loop's priority: peers fetching this version from us come first (node/lowprio.py).
             await run_low_priority(work, self.apply_nice)
+        except ChunkGone as e:
+            # Our disk lost a chunk since it verified (node/store.py): the object is sound, so it
+            # is not refused; the next plan fetches the chunk again (the store no longer has it).
+            log.warning("could not apply %s: %s; fetching that chunk again", describe(key), e)
+            await self._back_to_durable()  # the apply may have written part of the state
+            return
         except PatchswarmError as e:
             self.unusable.add(key)
             log.error("could not apply %s: %s; looking for another path", describe(key), e)

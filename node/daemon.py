@@ -324,7 +324,7 @@ class Node:
         elif isinstance(msg, wire.TrajectoriesBusy) and s.role == "origin":
             self.uploader.deferred(msg.retry_ms)
         elif isinstance(msg, wire.Error):
-            log.warning("peer %s says: %s", s.id, msg.message)
+            log.log(s.error_level(), "peer %s says: %s", s.id, msg.message)
         else:
             raise PeerDropped(f"sent {type(msg).__name__}, which peers do not send")
 
@@ -357,6 +357,8 @@ class Node:
             "bytes_out": self.peers.bytes_out,
             "bytes_out_arriving": self.peers.bytes_out_arriving,
             "chunks_rejected": f.chunks_rejected,
+            "chunks_damaged": self.store.chunks_damaged,  # held chunks found changed on disk, removed (store.py)
+            "pieces_unasked": f.pieces_unasked,  # first parts of chunks not asked of their sender, ignored
             "peers_dropped": dict(self.peers.dropped),  # and connections refused, by kind (node/peers.py)
             "manifests_rejected": a.manifests_rejected,
             **self.manifests.status(),

@@ -60,9 +60,13 @@ class Fetcher:
         self._on_complete = on_complete
         self.bytes_in = {"origin": 0, "same_region": 0, "other_region": 0}
         self.chunks_rejected = 0
+        self.pieces_unasked = 0  # first parts of chunks nobody asked of their sender: ignored
         # Sessions sent an Incoming for a chunk not yet held. Sessions, not peer ids: a peer
         # that reconnects meanwhile has a new session, which was never told.
         self._told: dict[ObjKey, dict[int, set[Session]]] = {}
+        # Chunks whose request to the origin a member's announcement already cancelled, per object
+        # fetched: the next request to the origin for that chunk is left to answer (`_drop_origin_copy`).
+        self._origin_dropped: dict[ObjKey, set[int]] = {}
         self._wakeup = Wakeup()
         self._nursery: trio.Nursery | None = None
         # Per object: when a chunk of it last arrived (or it was added), and the longest
@@ -140,6 +144,7 @@ class Fetcher:
             self._cancel(r)
         self.inflows.drop_object(key)
         self._told.pop(key, None)
+        self._origin_dropped.pop(key, None)
         for p in self.peers.sessions.values():
             p.refused -= {r for r in p.refused if r[0] == key}
         self._last_chunk_at.pop(key, None)
@@ -188,9 +193,17 @@ class Fetcher:
         origin of which no byte has come is cancelled (the origin sends each chunk once;
         the picker then asks the member). Two members of the origin's region ask the
         origin for one chunk only when one took over part of the other's share
-        (protocol/picker.py, `pick_share`); the one that hears first keeps it."""
+        (protocol/picker.py, `pick_share`); the one that hears first keeps it.
+
+        Once per chunk and fetch: a member's word is only its word (and its region only its
+        Hello's), so one that announced a chunk again and again without ever serving it had
+        every new request to the origin for it cancelled, and the chunk never came."""
+        if c in self._origin_dropped.get(key, ()):
+            return
         for o in [o for o in self.peers.sessions.values() if o.role == "origin"]:
             if self.picker.sent_at(o.id, key, c) is not None and not self.inflows.receiving(o.id, key, c):
+                # a request in flight: `key` is being fetched, so `stop` forgets this entry
+                self._origin_dropped.setdefault(key, set()).add(c)
                 log.debug("chunk %d of %s is coming to my region from a member: the origin's copy is cancelled",
                           c, describe(key))
                 self.picker.request_lost(key, c, o.id)
@@ -214,6 +227,13 @@ class Fetcher:
         m = self.store.manifest(key)
         if c >= len(m.chunks):
             raise PeerDropped(f"sent chunk {c} of {describe(key)}, which has {len(m.chunks)} chunks")
+        if msg.offset == 0 and self.picker.sent_at(s.id, key, c) is None:
+            # Not asked of this peer (any more): the first part of an answer this node withdrew
+            # (a Cancel crossed it), or a member sending unasked. Ignored, so a peer cannot open a
+            # chunk-sized buffer per chunk, nor make this node announce and serve chunks it
+            # will never complete. A flow already open goes on (its request is in flight).
+            self.pieces_unasked += 1
+            return
         flow, first = self.inflows.receive(s.id, key, c, m.chunks[c][0], msg.offset, msg.total, msg.data)
         if flow is None:
             return  # the rest of a flow this node cancelled

@@ -36,9 +36,11 @@ MAX_HINTS_WAITING = 1024  # the tracker retains a keyframe and 64 patches: far m
 
 
 class ManifestRelay:
-    def __init__(self, offer: Callable[[bytes, str], bool], has: Callable[[ObjKey], bool], peers: PeerSet,
+    def __init__(self, offer: Callable[[bytes, str, bool], bool], has: Callable[[ObjKey], bool], peers: PeerSet,
                  ask_tracker: Callable[[object], Awaitable[bool]], wait: float = HINT_WAIT):
-        self._offer = offer  # (envelope, source) -> True when new to this node and accepted
+        # (envelope, source, from a peer) -> True when new to this node and accepted; from a peer,
+        # InvalidInput for one that does not verify (the sender's fault: its session ends)
+        self._offer = offer
         self._has = has  # a manifest for this object is held, or it is older than what is applied
         self.peers = peers
         self._ask = ask_tracker
@@ -50,7 +52,7 @@ class ManifestRelay:
 
     def notice(self, msg: wire.VersionNotice, source: Session | None) -> None:
         """A whole manifest from the tracker (`source` None) or a peer."""
-        if self._offer(msg.manifest, "tracker" if source is None else f"peer {source.id}"):
+        if self._offer(msg.manifest, "tracker" if source is None else f"peer {source.id}", source is not None):
             to = [s for s in self.peers.sessions.values() if s.role == "node" and s is not source]
             self.passed_on += len(self.peers.broadcast(msg, to=to))
 

@@ -52,6 +52,9 @@ REQUESTS_QUEUED = "requests queued"  # budgets' names, for counters and logs
 ANNOUNCEMENTS = "announcements per minute"
 REJECTS_PER_WRITE = 256  # Rejects of requests for chunks not held, sent together
 REFUSED_KEPT = 4096  # per session: the chunks it was refused, until it is told of them again
+# Per session: a peer's Error messages logged as warnings; later ones at DEBUG. Members send
+# peers none today, and each may carry 4 KiB: logged each, a peer could fill the log's disk.
+ERRORS_LOGGED = 3
 _ANNOUNCEMENTS = (wire.Have, wire.HaveOne, wire.Incoming, wire.VersionNotice, wire.Announce)
 
 
@@ -79,7 +82,10 @@ class Session:
     region: str
     addr: str
     outbound: bool
-    serve_queue: collections.deque = dataclasses.field(default_factory=collections.deque)
+    # The requests being answered, in arrival order (a dict as an ordered set: O(1) removal), and
+    # the same by (object, chunk), so a Cancel finds its requests without walking the queue.
+    serve_queue: dict = dataclasses.field(default_factory=dict)
+    queued: dict = dataclasses.field(default_factory=dict)  # (object, chunk) -> {Outflow: None}
     rejects: collections.deque = dataclasses.field(default_factory=collections.deque)  # Rejects to send first
     announced: int = 0  # announcements since `window_start`
     window_start: float = -60.0
@@ -92,6 +98,12 @@ class Session:
     # (object, chunk) this member sent a Reject for, of an object whose manifest it holds, until
     # node/fetcher.py tells the peer of the chunk again (protocol/announce.py: `refused`).
     refused: set = dataclasses.field(default_factory=set)
+    errors: int = 0  # Error messages it sent
+
+    def error_level(self) -> int:
+        """The log level for the Error message the peer just sent (ERRORS_LOGGED)."""
+        self.errors += 1
+        return logging.WARNING if self.errors <= ERRORS_LOGGED else logging.DEBUG
 
     def close(self, reason: str) -> None:
         """End the session: nothing more goes out on it, its tasks stop, and
@@ -255,7 +267,7 @@ class PeerSet:
                 self._queue_request(s, msg)
             elif isinstance(msg, wire.Cancel):
                 key = (msg.version, msg.keyframe)
-                for o in [o for o in s.serve_queue if o.key == key and o.chunk == msg.chunk]:
+                for o in list(s.queued.get((key, msg.chunk), ())):
                     self._drop_outflow(s, o)  # sent in part or not at all; else already sent
             elif isinstance(msg, wire.Bye):
                 return "said bye"
@@ -278,7 +290,9 @@ class PeerSet:
             s.rejects.append(wire.Reject(msg.version, msg.keyframe, msg.chunk,
                                          f"offset {offset} is not within the chunk"))
         else:
-            s.serve_queue.append(Outflow(key, msg.chunk, sent=offset, start=offset))
+            o = Outflow(key, msg.chunk, sent=offset, start=offset)
+            s.serve_queue[o] = None
+            s.queued.setdefault((key, msg.chunk), {})[o] = None
         s.wake()
 
     def _chunk_size(self, key: ObjKey, chunk: int) -> int:
@@ -365,10 +379,11 @@ class PeerSet:
         return True
 
     def _drop_outflow(self, s: Session, o: Outflow) -> None:
-        try:
-            s.serve_queue.remove(o)
-        except ValueError:
-            pass
+        if s.serve_queue.pop(o, 0) is None:
+            same = s.queued[(o.key, o.chunk)]
+            del same[o]
+            if not same:
+                del s.queued[(o.key, o.chunk)]
         if o.flow is not None:
             o.flow.unwatch(s.wake)
             o.flow = None

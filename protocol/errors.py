@@ -51,6 +51,12 @@ class StateHashMismatch(InvalidInput):
         self.found = found
 
 
+class ChunkGone(InvalidInput):
+    """A chunk this member stored verified is no longer there whole (its file was removed, or
+    changed on disk since: node/store.py `get_chunk`). Our disk's fault, not the object's: the
+    chunk is fetched again."""
+
+
 class ProtocolError(InvalidInput):
     """A peer sent frames or messages that break the wire protocol."""
 

@@ -29,7 +29,7 @@ def envelope(version: int) -> bytes:
 def relay(asked: list):
     book = VersionBook(SWARM, KEY.public_key())
 
-    def offer(env: bytes, source: str) -> bool:
+    def offer(env: bytes, source: str, from_peer: bool = False) -> bool:
         return book.offer(env, None)[0] == NEW
 
     async def ask(msg) -> bool:
@@ -95,3 +95,51 @@ def test_hints_waiting_are_bounded():
         assert len(asked) == MAX_HINTS_WAITING
 
     run(body)
+
+
+def test_a_peer_that_passes_on_a_manifest_that_does_not_verify_is_dropped(tmp_path):
+    """Members pass on only manifests they verified, so one that does not verify (not the
+    trainer's signature, not a manifest at all, another swarm's) is the sender's fault. Before,
+    each was counted and logged as a warning and the peer kept sending: one a message, up to
+    its announcement budget of 2**17 a minute, a warning line each. Now the session ends
+    ("invalid input"); a second manifest the trainer signed for one object is not the peer's
+    fault and ends nothing."""
+    from patchswarm.node.applier import Applier
+    from patchswarm.node.fetcher import Fetcher
+    from patchswarm.node.persistence import DurableState
+    from patchswarm.node.relay import Inflows
+    from patchswarm.node.store import ObjectStore
+    from patchswarm.protocol.errors import InvalidInput
+    from patchswarm.protocol.picker import PiecePicker
+    import pytest
+
+    store = ObjectStore(tmp_path / "objects")
+    book = VersionBook(SWARM, KEY.public_key())
+    inflows = Inflows()
+    peers = PeerSet("me", store, TokenBucket(None), lambda s, m: None, inflows=inflows)
+    fetcher = Fetcher("me", "r0", PiecePicker("me", "r0", "r0"), peers, inflows, store, book, lambda key: None)
+    applier = Applier(book, store, fetcher, DurableState(tmp_path, store, SWARM), keep_versions=4, apply_nice=0,
+                      apply_threads=None)
+    r = ManifestRelay(applier.offer, lambda key: book.get(key) is not None, peers, lambda m: None)
+    forged = sign_manifest(Manifest(swarm_id=SWARM, version=9, base_version=None, base_hash=None,
+                                    target_hash="blake3:" + "00" * 32, tensors=[["w", "bf16", [4]]],
+                                    chunks=[(100, bytes(32))], codec={"format": 2}, created_at=0.0),
+                           Ed25519PrivateKey.generate())
+    with pytest.raises(InvalidInput):
+        r.notice(wire.VersionNotice(9, forged), source=object.__new__(_FakeSession))
+    with pytest.raises(InvalidInput):
+        r.notice(wire.VersionNotice(9, b"\x00not a manifest"), source=object.__new__(_FakeSession))
+    assert applier.manifests_rejected == 2
+    r.notice(wire.VersionNotice(9, forged), source=None)  # from the tracker: counted, logged, no raise
+    assert applier.manifests_rejected == 3
+    r.notice(wire.VersionNotice(3, envelope(3)), source=object.__new__(_FakeSession))
+    other = sign_manifest(Manifest(swarm_id=SWARM, version=3, base_version=None, base_hash=None,
+                                   target_hash="blake3:" + "33" * 32, tensors=[["w", "bf16", [4]]],
+                                   chunks=[(100, bytes(32))], codec={"format": 2}, created_at=1.0), KEY)
+    # A second manifest the trainer signed for one object: its doing, not the peer's.
+    r.notice(wire.VersionNotice(3, other), source=object.__new__(_FakeSession))
+    assert applier.manifests_rejected == 4
+
+
+class _FakeSession:
+    id = "mallory"

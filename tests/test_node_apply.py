@@ -95,3 +95,25 @@ def test_a_failed_apply_reloads_the_durable_version(tmp_path):
     assert KEY in applier.unusable and applier.version == 0
     for name in base:
         assert torch.equal(_bits(applier.weights.state[name]), _bits(base[name])), name
+
+
+def test_a_chunk_damaged_on_disk_before_the_apply_is_fetched_again_not_the_object_refused(tmp_path):
+    """Bit rot between a chunk's verified arrival and the apply: before, the object failed to
+    apply and was marked unusable for good (a valid version the node never applied). Now the
+    damaged chunk leaves the store, the node stays on its durable version, and the object is
+    applied once the chunk is whole again (fetched: here, written back)."""
+    base, target = _pair()
+    applier = _ready(tmp_path, base, target)
+    path = next((tmp_path / "objects").glob("*/000001.chunk"))
+    good = path.read_bytes()
+    path.write_bytes(bytes([good[0] ^ 1]) + good[1:])
+    trio.run(applier.apply, KEY)
+    assert KEY not in applier.unusable and applier.version == 0
+    assert not applier.store.complete(KEY) and 1 not in applier.store.have(KEY) and applier.store.chunks_damaged == 1
+    for name in base:
+        assert torch.equal(_bits(applier.weights.state[name]), _bits(base[name])), name
+    applier.store.put_chunk(KEY, 1, good)  # fetched again
+    trio.run(applier.apply, KEY)
+    assert applier.version == 1 and KEY not in applier.unusable
+    for name in target:
+        assert torch.equal(_bits(applier.weights.state[name]), _bits(target[name]))

@@ -67,6 +67,13 @@ def _sent(s: Session, kind) -> list:
     return [m for m in s.ms.sent if isinstance(m, kind)]
 
 
+async def _asked(fetcher, s: Session) -> None:
+    """`s` says it holds chunk 0 and is asked for it (a part nobody asked for is ignored)."""
+    fetcher.on_announce(s, wire.HaveOne(1, False, 0))
+    await trio.testing.wait_all_tasks_blocked()
+    assert wire.Request(1, False, 0) in _sent(s, wire.Request)
+
+
 def test_incoming_then_haveone_go_each_to_the_peers_that_need_them(tmp_path):
     fetcher, chunks = _fetcher(tmp_path)
     data = chunks[0]
@@ -77,6 +84,7 @@ def test_incoming_then_haveone_go_each_to_the_peers_that_need_them(tmp_path):
         async with trio.open_nursery() as n:
             await n.start(fetcher.run)
             up = _session(fetcher, n, "up", region="r0")
+            await _asked(fetcher, up)
             lacking = _session(fetcher, n, "lacking")
             whole = _session(fetcher, n, "whole")
             fetcher.on_announce(whole, wire.HaveOne(1, False, 0))  # announced the chunk whole already
@@ -115,6 +123,7 @@ def test_a_peer_that_refused_the_chunk_hears_of_it_again(tmp_path):
         async with trio.open_nursery() as n:
             await n.start(fetcher.run)
             up = _session(fetcher, n, "up", region="r0")
+            await _asked(fetcher, up)
             refused, again = _session(fetcher, n, "refused"), _session(fetcher, n, "again")
             for s in (refused, again):
                 fetcher.on_announce(s, wire.HaveOne(1, False, 0))
@@ -138,6 +147,7 @@ def test_a_chunk_that_fails_its_hash_drops_the_sender_and_is_not_kept(tmp_path):
         async with trio.open_nursery() as n:
             await n.start(fetcher.run)
             up = _session(fetcher, n, "up", region="r0")
+            await _asked(fetcher, up)
             with pytest.raises(PeerDropped, match="does not match its manifest"):
                 await fetcher.on_piece(up, wire.Piece(1, False, 0, 0, len(bad), bad))
             assert 0 not in fetcher.store.have(KEY) and fetcher.chunks_rejected == 1

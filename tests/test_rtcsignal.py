@@ -183,3 +183,35 @@ def test_an_offer_asks_for_the_relay_only_when_it_names_a_relay_candidate():
     assert not offers_relay("v=0\r\ns=typ relay\r\n")  # only candidate lines count
     assert not IceConfig(stun="s:1", turn="turn:t:2").servers(relay=False)[1:]  # TURN left out
     assert len(IceConfig(stun="s:1", turn="turn:t:2").servers()) == 2
+
+
+def test_one_member_cannot_hold_every_answering_slot(swarm):
+    """Offers being answered at once are capped (MAX_ANSWERING: each costs a peer connection).
+    Before, the cap was for all members together: one member sending that many validly signed
+    offers it never meant to complete held every slot (each up to 10-30 s, renewed as they
+    lapse) and every other member's offer was refused as "busy". Now one member may have
+    MAX_ANSWERING_PER_MEMBER offers answered at once."""
+    from patchswarm.node.net import rtcsignal
+
+    async def main():
+        async with trio.open_nursery() as n:
+            tracker = await n.start(Tracker(swarm / "tracker", "127.0.0.1:0").run)
+            mallory, victim, honest = (Member(swarm / name, tracker.listen_addr) for name in ("n1", "n2", "n3"))
+            for m in (mallory, victim, honest):
+                await m.start(n)
+            peer = mallory.rtc._rtc.peer()
+            sdp = await peer.local_offer()  # a live offer it never completes
+            for session in range(rtcsignal.MAX_ANSWERING):
+                await mallory.link.send(mallory.rtc._signal("n2", "offer", session, sdp))
+            with trio.fail_after(10):
+                while victim.rtc._answering + sum(victim.rtc.refused.values()) < rtcsignal.MAX_ANSWERING:
+                    await trio.sleep(0.02)
+            with trio.fail_after(8):  # well within the time mallory's offers hold their slots
+                ms = await honest.rtc.connect("n2", "node")
+            assert ms.peer_name == "n2" and victim.rtc.refused["busy"] == 0
+            assert victim.rtc.refused["busy with that member"] == rtcsignal.MAX_ANSWERING - rtcsignal.MAX_ANSWERING_PER_MEMBER
+            await ms.aclose()
+            await peer.aclose()
+            n.cancel_scope.cancel()
+
+    trio.run(main)

@@ -276,10 +276,21 @@ async def _lying_peer(creds_dir, victim_addr: str, victim_dir: Path, region: str
     garbage of the right size (so the victim's hash check is what catches it)."""
     creds = trust.Credentials.load(creds_dir)
     hello = wire.Hello(creds.name, region, "node", "127.0.0.1:1", [])
-    seen = {"requests": 0}
+    seen = {"requests": 0, "dropped for the manifest": False}
+    # A manifest another key signed, passed on as if verified: the victim ends that session.
     ms = await connect(victim_addr, creds, {"node"}, hello)
     try:
         await ms.send(wire.VersionNotice(99, _rogue_manifest()))
+        with trio.move_on_after(10):
+            while await ms.receive() is not None:
+                pass
+            seen["dropped for the manifest"] = True
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        seen["dropped for the manifest"] = True
+    finally:
+        await ms.aclose()
+    ms = await connect(victim_addr, creds, {"node"}, hello)
+    try:
         await ms.send(wire.Have(1, False, b"\xff" * 8))
         with trio.move_on_after(stop_after):
             while True:
@@ -313,7 +324,7 @@ def test_lying_peer_and_foreign_manifest_are_rejected(tmp_path, checkpoints):
                 async def run_rogue():
                     result.update(await _lying_peer(rogue_creds, victim.addr, victim.data_dir, "r1", 60))
                 n.start_soon(run_rogue)
-                await trio.sleep(1.0)  # the rogue's Have is in before version 1 exists
+                await trio.sleep(2.0)  # the rogue's Have is in before version 1 exists
                 publish(lab, watch, checkpoints, 1)
                 await trio.to_thread.run_sync(lambda: lab.wait_version([victim], 1))
                 n.cancel_scope.cancel()
@@ -324,6 +335,7 @@ def test_lying_peer_and_foreign_manifest_are_rejected(tmp_path, checkpoints):
         assert same_bits(load_weights(victim), served_bf16(checkpoints[1]))
         assert st["manifests_rejected"] >= 1
         assert "rejected a manifest from peer mallory" in victim.text()
+        assert result["dropped for the manifest"] and st["peers_dropped"].get("invalid input", 0) >= 1
         assert result["requests"] >= 1, "the victim never asked the lying peer"
         assert st["chunks_rejected"] >= 1
         assert re.search(r"rejected chunk \d+ of v1 patch from peer mallory", victim.text())

@@ -26,8 +26,8 @@ from patchswarm.protocol.manifest import Manifest, sign_manifest, verify_manifes
 from patchswarm.protocol.errors import UsageError
 from patchswarm.protocol.peersets import apply_delta
 from patchswarm.tracker import server
-from patchswarm.tracker.core import (BAD_MESSAGE, BEHIND, OVER_ANNOUNCES, OVER_JOINS, REPLACED, SILENT, Close,
-                                     Send, TrackerCore)
+from patchswarm.tracker.core import (BAD_MESSAGE, BEHIND, OVER_ANNOUNCES, OVER_JOINS, OVER_SIGNALS, REPLACED, SILENT,
+                                     Close, Send, TrackerCore)
 
 KEY = Ed25519PrivateKey.generate()
 SWARM = "sw-test"
@@ -661,3 +661,76 @@ def test_over_tls_members_of_this_version_get_the_rates_and_members_or_trackers_
                 nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def _signal(to: str, i: int = 0) -> wire.Signal:
+    return wire.Signal(to, "offer", i, "v=0 " + "x" * 1000, b"(cert)", b"(signature)")
+
+
+def test_a_member_over_its_signal_budget_is_dropped_and_counted_and_the_one_it_floods_hears_a_bounded_number():
+    """WebRTC signalling is relayed to the member it names. Before, without a budget, one member
+    could send any number of Signals to another: the tracker queued each for the recipient,
+    whose queue (SEND_QUEUE frames) overflowed, and the recipient, an honest member, was dropped
+    (and, rejoining, soon over its own join budget)."""
+    run = Run(signal_budget=(20, 60.0))
+    mallory, victim = run.join("mallory"), run.join("victim")
+    before = len(run.got.get(victim, []))
+    for i in range(1000):
+        if mallory in run.closed:
+            break
+        run.send(mallory, _signal("victim", i), at=1.0 + 0.001 * i)
+    assert run.closed == {mallory: OVER_SIGNALS}
+    assert run.core.drops[OVER_SIGNALS] == 1 and "victim" in run.core.members
+    relayed = [m for m in run.got[victim][before:] if isinstance(m, wire.Signal)]
+    assert len(relayed) == 20 and {m.peer for m in relayed} == {"mallory"}
+
+
+def test_an_honest_members_signalling_stays_within_the_default_budget():
+    """A node that dials every peer of its set over WebRTC at once (16 of its region, 3 of each
+    of 9 other regions), twice each (direct, then through the relay), and answers as many."""
+    run = Run()
+    a = run.join("a")
+    peers = [run.join(f"p{i}") for i in range(16 + 27)]
+    for i, p in enumerate(peers * 4):
+        run.send(a, _signal(p.name, i), at=1.0)
+    assert a not in run.closed and run.core.signals_relayed == 4 * len(peers)
+
+
+def test_a_signal_flood_does_not_drop_the_member_it_is_addressed_to(tmp_path):
+    """Over the shell's real queues: a member that reads slowly (here: not at all, for the test's
+    length) keeps its tracker session while another floods it with Signals."""
+    creds = _creds(tmp_path)
+
+    async def main():
+        tracker = server.Tracker(creds["tracker"], "127.0.0.1:0", heartbeat_timeout=1e6, delta_delay=0.01)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(tracker._tick_loop)
+            await _member(tracker, nursery, "victim")  # never read: its queue only grows
+            mallory = await _member(tracker, nursery, "mallory")
+            nursery.start_soon(_read_all, mallory, [])
+
+            async def flood():
+                with trio.move_on_after(1.0):  # it stops being read once closed: over its budget
+                    for i in range(server.SEND_QUEUE + 100):
+                        await mallory.send(_signal("victim", i))
+
+            with trio.fail_after(5):  # less than SEND_TIMEOUT: the victim's write stays pending
+                await flood()
+            assert "victim" in tracker.core.members and tracker.core.drops[BEHIND] == 0
+            assert "mallory" not in tracker.core.members
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0.01))
+
+
+def test_a_members_error_messages_are_logged_a_few_times_per_session_not_each(caplog):
+    import logging
+    from patchswarm.tracker.core import ERRORS_LOGGED
+    run = Run()
+    mallory = run.join("mallory")
+    with caplog.at_level(logging.DEBUG, logger="patchswarm.tracker"):
+        for _ in range(1000):
+            run.send(mallory, wire.Error("x" * 4000))
+    said = [r for r in caplog.records if "says" in r.getMessage()]
+    assert len(said) == 1000 and sum(r.levelno >= logging.INFO for r in said) == ERRORS_LOGGED
+    assert mallory not in run.closed

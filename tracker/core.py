@@ -19,7 +19,8 @@ What it decides:
   peer (nodes pass on what they accept) or, asking, from the tracker, once
   per object; the latest keyframe's chain and recent patches are kept
   (`retained`) and sent whole to members that join later;
-- budgets per member id and minute (issue 21): joins and announcements.
+- budgets per member id and minute (issue 21): joins, announcements and
+  WebRTC signals (each relayed to the member it names).
   A member over a budget is closed and counted; while its budget is empty it
   is refused at once, so a member reconnecting in a loop costs the others
   nothing.
@@ -61,6 +62,15 @@ JOIN_BUDGET = (10, 10.0)
 # The origin re-announces everything it retains after each reconnect (up to a
 # keyframe plus RETAIN_PATCHES patches), and about two objects per version.
 ANNOUNCE_BUDGET = (2 * RETAIN_PATCHES + 16, 120.0)
+# WebRTC offers and answers a member sends: a node dialing its whole peer set at once over
+# WebRTC (16 of its region and 3 of each other region), direct and then through a relay,
+# and answering as many, sends far fewer than the burst. Each is queued for its recipient,
+# whose queue (server.SEND_QUEUE = 512 frames) must not be another member's to fill: the burst
+# stays below it, so a flood from one member never drops the member it names.
+SIGNAL_BUDGET = (256, 240.0)
+# Per session: a member's Error messages logged at INFO, later ones at DEBUG (each may carry
+# 4 KiB, and a member could send them as fast as its link allows).
+ERRORS_LOGGED = 3
 # Nodes per region that get each manifest whole from the tracker; the rest get a 38-byte
 # VersionHint and the manifest from a peer. At 10,000 members and a 1,000-chunk patch
 # (40,300 bytes of manifest) whole notices cost the tracker 10,000 x 40,300 B = 403 MB of TLS
@@ -69,8 +79,9 @@ ANNOUNCE_BUDGET = (2 * RETAIN_PATCHES + 16, 120.0)
 NOTICE_SEEDS = 8
 
 # Why a member was closed: the keys of `TrackerCore.drops`.
-SILENT, REPLACED, OVER_JOINS, OVER_ANNOUNCES, BAD_MESSAGE, BEHIND, LEFT = (
-    "silent", "replaced", "over join budget", "over announce budget", "bad message", "fell behind", "left")
+SILENT, REPLACED, OVER_JOINS, OVER_ANNOUNCES, OVER_SIGNALS, BAD_MESSAGE, BEHIND, LEFT = (
+    "silent", "replaced", "over join budget", "over announce budget", "over signal budget", "bad message",
+    "fell behind", "left")
 
 
 MAX_REASON_CHARS = 200  # of an Unreachable's reason (an exception's one line)
@@ -109,6 +120,7 @@ class Member:
     last_seen: float
     versions: list[int]
     manifests: set | None = None  # objects whose whole notice it was sent (None: none yet, one object fewer per member)
+    errors: int = 0  # Error messages it sent this session (the first ERRORS_LOGGED are logged at INFO)
 
     def entry(self) -> dict:
         return {"id": self.id, "region": self.region, "addr": self.addr, "role": self.role}
@@ -147,7 +159,8 @@ class TrackerCore:
     def __init__(self, swarm_id: str, trainer_key: Ed25519PublicKey, *,
                  heartbeat_timeout: float = HEARTBEAT_TIMEOUT, retain_patches: int = RETAIN_PATCHES,
                  delta_delay: float = DELTA_DELAY, join_budget: tuple[int, float] = JOIN_BUDGET,
-                 announce_budget: tuple[int, float] = ANNOUNCE_BUDGET, wan_gateways: int | None = WAN_GATEWAYS,
+                 announce_budget: tuple[int, float] = ANNOUNCE_BUDGET,
+                 signal_budget: tuple[int, float] = SIGNAL_BUDGET, wan_gateways: int | None = WAN_GATEWAYS,
                  notice_seeds: int = NOTICE_SEEDS, seed: int = 0, wan_rates: dict[str, float] | None = None):
         if notice_seeds < 1:
             raise UsageError(f"expected at least 1 notice seed per region, found {notice_seeds}")
@@ -165,6 +178,7 @@ class TrackerCore:
         self._by_seen: collections.OrderedDict[str, None] = collections.OrderedDict()  # least recently heard first
         self._joins = Budget(*join_budget)
         self._announces = Budget(*announce_budget)
+        self._signals = Budget(*signal_budget)
         self._notices: dict[tuple[int, bool], Send] = {}  # retained object -> its VersionNotice
         self._delta_due: float | None = None
         self._last_prune = 0.0
@@ -236,13 +250,18 @@ class TrackerCore:
         if isinstance(msg, wire.Announce):
             return self._announce(m, msg.manifest, now)
         if isinstance(msg, wire.Signal):
+            if not self._signals.take(m.id, now):
+                self.drops[OVER_SIGNALS] += 1
+                return self._drop(m, now, OVER_SIGNALS, "sent too many WebRTC signals")
             return self._relay_signal(m, msg)
         if isinstance(msg, wire.ManifestRequest):
             return self._send_manifest(m, (msg.version, msg.keyframe))
         if isinstance(msg, wire.Bye):
             return self._drop(m, now, LEFT, f"said bye ({msg.reason})")
         if isinstance(msg, wire.Error):
-            log.info("%s %s says: %s", m.role, m.id, msg.message)
+            m.errors += 1
+            log.log(logging.INFO if m.errors <= ERRORS_LOGGED else logging.DEBUG, "%s %s says: %s", m.role, m.id,
+                    msg.message)
             return []
         return self._drop(m, now, BAD_MESSAGE, f"sent {type(msg).__name__}, which the tracker does not take")
 
@@ -283,6 +302,7 @@ class TrackerCore:
             self._last_prune = now
             self._joins.prune(now)
             self._announces.prune(now)
+            self._signals.prune(now)
         return out
 
     def next_tick(self, now: float) -> float:
@@ -375,7 +395,7 @@ class TrackerCore:
     # ------------------------------------------------------------ membership
 
     def _drop(self, m: Member, now: float, why: str, detail: str) -> list:
-        if why not in (LEFT, OVER_JOINS, OVER_ANNOUNCES):  # budgets are counted where they are checked
+        if why not in (LEFT, OVER_JOINS, OVER_ANNOUNCES, OVER_SIGNALS):  # budgets are counted where they are checked
             self.drops[why] += 1
         return self._remove(m, now) + [Close(m.conn, why, detail)]
 

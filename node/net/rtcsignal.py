@@ -45,6 +45,11 @@ CONNECT_SECONDS = 30.0  # an offer to an open channel with Hellos done: signalli
 # bench/transport.py --nat). Peers behind symmetric NAT pay it once per connection.
 DIRECT_SECONDS = 8.0
 MAX_ANSWERING = 16  # offers being answered at once; more are refused (each costs a peer connection)
+# ... of them from one member: an honest dialer has one attempt at a time (direct, then through
+# the relay); a second covers one that lapses as the next arrives. *Why:* with the global cap
+# alone, one member sending MAX_ANSWERING signed offers it never meant to complete held every
+# slot, and every other member's offer was refused as busy (tests/test_rtcsignal.py).
+MAX_ANSWERING_PER_MEMBER = 2
 
 
 @dataclasses.dataclass(eq=False)
@@ -71,6 +76,7 @@ class RTCSignaller:
         self._cert = member_certificate(creds)
         self._offered: dict[int, _Offered] = {}  # session -> our offer awaiting its answer
         self._answering = 0
+        self._answering_from: collections.Counter[str] = collections.Counter()  # member -> offers being answered
         self._rtc: RTCLoop | None = None
         self._nursery: trio.Nursery | None = None
 
@@ -146,8 +152,12 @@ class RTCSignaller:
             self._refuse("webrtc off", msg, "WebRTC is not running here")
         elif self._answering >= MAX_ANSWERING:
             self._refuse("busy", msg, f"{MAX_ANSWERING} offers are being answered already")
+        elif self._answering_from[msg.peer] >= MAX_ANSWERING_PER_MEMBER:
+            self._refuse("busy with that member", msg, f"{MAX_ANSWERING_PER_MEMBER} offers of {msg.peer!r} "
+                                                       f"are being answered already")
         else:
             self._answering += 1
+            self._answering_from[msg.peer] += 1
             self._nursery.start_soon(self._answer, msg)
 
     async def _answer(self, msg: wire.Signal) -> None:
@@ -172,6 +182,9 @@ class RTCSignaller:
             return
         finally:
             self._answering -= 1
+            self._answering_from[msg.peer] -= 1
+            if not self._answering_from[msg.peer]:
+                del self._answering_from[msg.peer]  # one entry per member with an offer in hand, no more
         try:
             await self.handler(ms)
         except Exception:  # a bug must not take the signaller (and every WebRTC peer) down

@@ -224,7 +224,7 @@ class Origin:
         if isinstance(msg, (wire.Have, wire.HaveOne, wire.Incoming, wire.Heartbeat)):
             return
         if isinstance(msg, wire.Error):
-            log.warning("node %s says: %s", s.id, msg.message)
+            log.log(s.error_level(), "node %s says: %s", s.id, msg.message)
             return
         raise PeerDropped(f"sent {type(msg).__name__}, which the origin does not take")
 
