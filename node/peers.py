@@ -318,6 +318,13 @@ class PeerSet:
                 if s.rejects:  # in one write: a flood of them costs their encoding, not a send each
                     await s.send_many([s.rejects.popleft() for _ in range(min(len(s.rejects), REJECTS_PER_WRITE))])
                     continue
+                head = next(iter(s.serve_queue), None)
+                if head is not None and head.data is None and head.flow is None:
+                    # The chunk this session serves next, read and checked off the loop; the
+                    # rest of the queue (and a failed flow's fallback) reads in `_resolve`.
+                    data = await self.store.get_chunk_off_loop(head.key, head.chunk)
+                    if data is not None and head.data is None and head.flow is None:
+                        head.data = data
                 msg, arriving = self._next_to_send(s)
                 if msg is None:
                     # Nothing sendable: no await since the scan, so no wake-up was missed.
