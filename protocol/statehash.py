@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from . import parallel
-from .dtypes import check_tensor, checked_info, info_of
+from .dtypes import check_tensor, checked_info, info_of, int_view
 
 PREFIX = "blake3:"
 BLOCK_BYTES = 4 << 20
@@ -87,12 +87,17 @@ class _Tensors:
             info = checked_info(t, "state", name)
             self.dtypes.append(info.name)
             self.shapes.append(t.shape)
-            cached = views.get(name) if views is not None else None
-            if cached is not None and cached[0] is t and t.is_contiguous():
-                # The flat integer view `apply` made of this tensor (it shares t's memory).
-                raw = cached[1].view(np.uint8)
+            if not t.is_contiguous():
+                raw = _raw(t)  # a contiguous copy, in the logical order
             else:
-                raw = _raw(t)
+                # The flat integer view the codec reads this tensor by (it shares t's memory):
+                # the one it made already, or one it will reuse.
+                cached = views.get(name) if views is not None else None
+                if cached is None or cached[0] is not t:
+                    cached = (t, int_view(t))
+                    if views is not None:
+                        views[name] = cached
+                raw = cached[1].view(np.uint8)
             if raw.size <= BLOCK_BYTES:
                 self.owner.append(i)
                 self.blocks.append(raw)
