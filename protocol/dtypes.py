@@ -61,6 +61,7 @@ SERVED_DTYPES = {
     "fp8_e5m2": torch.float8_e5m2,
 }
 BY_TORCH = {i.torch_dtype: i for i in _INFOS}
+_INT_VIEW = {i.torch_dtype: i.int_dtype for i in _INFOS}  # bool's is uint8
 
 
 def info_of(dtype: torch.dtype) -> DtypeInfo:
@@ -123,10 +124,9 @@ def checked_info(t: torch.Tensor, where: str, name: str) -> DtypeInfo:
 
 def int_view(t: torch.Tensor) -> np.ndarray:
     """A flat numpy view (shared memory) of a contiguous `t`'s bit patterns as integers."""
-    info = BY_TORCH.get(t.dtype) or info_of(t.dtype)
-    if info.torch_dtype is torch.bool:
-        return t.view(torch.uint8).numpy().reshape(-1)
-    return t.view(info.int_dtype).numpy().reshape(-1)
+    as_int = _INT_VIEW.get(t.dtype) or info_of(t.dtype).int_dtype
+    a = t.view(as_int).numpy()
+    return a if a.ndim == 1 else a.reshape(-1)  # a 1-d array is flat already: one object less
 
 
 def ordered_bits(bits: np.ndarray, info: DtypeInfo) -> np.ndarray:

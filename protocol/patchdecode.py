@@ -416,6 +416,7 @@ def _parsed_batches(chunks: list[bytes], tensors: list[TensorSpec], min_bytes: i
 Recorder = Callable[[str, np.ndarray | slice, np.ndarray], None]
 
 
+@parallel.gc_paused()  # a state of many tensors: parallel.py
 def apply(state: State, patch: Patch, progress: Progress = None, threads: int | None = None,
           undo: bool = True, recorder: Recorder | None = None) -> None:
     """Apply `patch` to `state` in place; on any error the state is left unchanged.

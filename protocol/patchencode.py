@@ -231,6 +231,7 @@ def _pack_chunks(encoded: list[tuple[dict, list, list]], chunk_bytes: int) -> li
     return chunks + packer.finish()
 
 
+@parallel.gc_paused()  # a state of many tensors: parallel.py
 def diff(base: State, target: State, layout: dict[str, str] | None = None, progress: Progress = None,
          chunk_bytes: int = CHUNK_BYTES, base_hash: str | None = None, target_hash: str | None = None,
          segment_elements: int = DELTA_SEGMENT_ELEMENTS) -> Patch:

@@ -199,6 +199,7 @@ def combine(records: dict[str, tuple[torch.dtype, tuple[int, ...], bytes]]) -> s
     return PREFIX + h.hexdigest()
 
 
+@parallel.gc_paused()  # a state of many tensors: parallel.py
 def state_hash(state: dict[str, torch.Tensor], threads: int | None = None, views: dict | None = None) -> str:
     """`threads`: at most this many (None: as many as the cores and the work are worth).
     `views`: as `hash_tasks` takes them, for this state."""
