@@ -57,7 +57,7 @@ def _raw(t: torch.Tensor) -> np.ndarray:
         t = t.reshape(1)
     elif not t.is_contiguous():
         t = t.contiguous()
-    return t.view(torch.uint8).numpy()
+    return t.view(torch.uint8).numpy().reshape(-1)  # flat: its blocks are slices of bytes, not of rows
 
 
 def _digest_block(mv: memoryview) -> bytes:
