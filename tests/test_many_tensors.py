@@ -236,3 +236,13 @@ def test_gc_paused_restores_the_collector():
     assert gc.isenabled()
     statehash.state_hash({"w": torch.zeros(2)})
     assert gc.isenabled()
+
+
+def test_the_bench_measures_what_it_says():
+    """bench/many_tensors.py's measurement on a small state: the apply it times makes the target."""
+    from bench.many_tensors import make_states, measure
+
+    base, target = make_states(50, 4)
+    assert len(base) == 50 and sum(not torch.equal(base[k], target[k]) for k in base) == 1
+    times = measure(50, 4, None)
+    assert set(times) == {"hash", "diff", "apply"} and all(t > 0 for t in times.values())
