@@ -8,6 +8,7 @@ empty, 0-dim and non-contiguous tensors and tensors that share one storage.
 """
 
 import gc
+import warnings
 
 import blake3
 import msgpack
@@ -139,7 +140,10 @@ def odd_tensors():
     yield torch.zeros(3, dtype=torch.uint16)
     yield torch.nn.Parameter(torch.zeros(3))
     yield torch.zeros(3).as_subclass(_Subclass)
-    yield torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])
+    with warnings.catch_warnings():  # "the PyTorch API of nested tensors is in prototype stage"
+        warnings.simplefilter("ignore", UserWarning)
+        nested = torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])
+    yield nested
     for dtype in DTYPES:
         yield torch.zeros(2, 2, dtype=dtype).t()
 
