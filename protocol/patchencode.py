@@ -244,7 +244,7 @@ def diff(base: State, target: State, layout: dict[str, str] | None = None, progr
     check_state(target, "target")
     unhashed = [s for s, h in ((base, base_hash), (target, target_hash)) if h is None]
     names = sorted(target)
-    full = [n for n in names if n not in base or base[n].dtype != target[n].dtype or base[n].shape != target[n].shape]
+    full = [n for n, b, t in ((n, base.get(n), target[n]) for n in names) if b is None or b.dtype != t.dtype or b.shape != t.shape]
     # Segments and state-hash blocks are independent tasks, run on every core together.
     # Each tensor is viewed once: the hashing's views (made now, on this thread) are the
     # ones the encoding reads (a view cost ~2 us, as much as hashing a small tensor).
@@ -252,7 +252,7 @@ def diff(base: State, target: State, layout: dict[str, str] | None = None, progr
     hashing, finish_hashes = statehash.hash_tasks(unhashed, [views[id(s)] for s in unhashed])
     encoding = _encode_tasks(base, target, names, full, segment_elements, (views[id(base)], views[id(target)]))
     tasks = encoding + hashing
-    work = statehash.hash_bytes(unhashed) + 2 * sum(target[n].numel() * target[n].element_size() for n in names)
+    work = statehash.hash_bytes(unhashed) + 2 * statehash.hash_bytes([target])
     threads = parallel.threads_for(len(tasks), work, PARALLEL_MIN_BYTES)
     results = parallel.run_all(tasks, threads, on_done=(lambda n: progress(n, len(tasks))) if progress else None)
     chunks = _pack_chunks([seg for r in results[: len(encoding)] for seg in r], chunk_bytes)
