@@ -115,6 +115,16 @@ class _Tensors:
 
     def combine(self, digests: list[bytes]) -> str:
         """The state hash from each block's digest, in block order."""
+        if len(digests) == len(self.names):  # a block per tensor (each has one at least)
+            tensor_digests = [blake3.blake3(d).digest() for d in digests]
+        else:
+            tensor_digests = self._tensor_digests(digests)
+        # The records packed as one msgpack array, less its header: the same bytes as the
+        # records packed one by one (an array's encoding is a header, then its items').
+        records = msgpack.packb(list(zip(self.names, self.dtypes, self.shapes, tensor_digests)))
+        return PREFIX + blake3.blake3(records[_array_header_bytes(len(self.names)):]).hexdigest()
+
+    def _tensor_digests(self, digests: list[bytes]) -> list[bytes]:
         tensor_digests: list[bytes] = []
         at = 0
         owner, n = self.owner, len(self.owner)
@@ -125,10 +135,7 @@ class _Tensors:
             leaves = digests[at] if end == at + 1 else b"".join(digests[at:end])
             tensor_digests.append(blake3.blake3(leaves).digest())
             at = end
-        # The records packed as one msgpack array, less its header: the same bytes as the
-        # records packed one by one (an array's encoding is a header, then its items').
-        records = msgpack.packb(list(zip(self.names, self.dtypes, self.shapes, tensor_digests)))
-        return PREFIX + blake3.blake3(records[_array_header_bytes(len(self.names)):]).hexdigest()
+        return tensor_digests
 
 
 def _array_header_bytes(n: int) -> int:
@@ -168,10 +175,12 @@ def hash_tasks(states: list[dict[str, torch.Tensor]], views: list[dict | None] |
     tasks = [functools.partial(_digest_blocks, [blocks[k] for k in g]) for g in groups]
 
     def finish(results: list[list[bytes]]) -> list[str]:
-        by_block: list = [None] * len(blocks)
-        for g, digests in zip(groups, results):
-            for k, d in zip(g, digests):
-                by_block[k] = d
+        # The groups are consecutive runs of `order`: their results, in order, are the
+        # digests of order[0], order[1], ...
+        inverse = np.empty(len(order), np.int64)
+        inverse[order] = np.arange(len(order))
+        by_order = [d for digests in results for d in digests]
+        by_block = list(map(by_order.__getitem__, inverse.tolist()))
         out, at = [], 0
         for p in parts:
             out.append(p.combine(by_block[at : at + len(p.blocks)]))
