@@ -13,6 +13,12 @@ nice value, which new threads inherit and cached ones would not), and a
 library that hands back control leaves no work running behind it (a helper
 that starts after the last task was taken finds none and ends at once).
 
+`gc_paused()` holds off the cyclic garbage collector around a computation
+that makes an object or two per tensor of a state and keeps them to its end
+(views, shapes, records): with a state of 140k tensors alive, those
+allocations set off full collections that walk every object of the
+process, a quarter of a state hash's time here.
+
 Errors: `run_all` waits for every task it started and raises the error of
 the lowest-numbered task that failed, so the error is the one a loop in
 task order would have raised first.
@@ -21,6 +27,8 @@ task order would have raised first.
 from __future__ import annotations
 
 import _thread
+import contextlib
+import gc
 import os
 import threading
 from typing import Callable, Sequence, TypeVar
@@ -45,6 +53,23 @@ def threads_for(tasks: int, work: int, min_work_per_thread: int, limit: int | No
     if tasks < 2 or work < 2 * min_work_per_thread:
         return 1
     return max(1, min(cores(), MAX_THREADS, tasks, work // min_work_per_thread, limit or MAX_THREADS))
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """The cyclic collector off for the block, if it was on (and on again after it).
+
+    Reference counting still frees everything that is not in a cycle; cycles
+    made meanwhile wait for the next collection. Nested or concurrent uses
+    leave it on at the end if it was on before the first."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 class _Job:

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from . import contexts, deltacode, parallel, planes
-from .dtypes import DtypeInfo, info_named, info_of, int_view, ordered_bits, ordered_range
+from .dtypes import BY_TORCH, DtypeInfo, info_named, info_of, int_view, ordered_bits, ordered_range
 from .errors import (AlreadyApplied, BaseMismatch, CorruptData, InvalidInput, PatchswarmError, StateHashMismatch,
                      UsageError)
 from .patchformat import (CLASS_MIN_ELEMENTS, PARALLEL_MIN_BYTES, Patch, Progress, Segment, State, TensorSpec,
@@ -85,7 +85,7 @@ def _check_delta_pieces(state: State, seg: Segment, specs: dict[str, TensorSpec]
         spec = specs.get(name)
         if spec is None or spec.dtype != seg.info.name or e > spec.numel:
             raise CorruptData(f"segment piece {name!r}[{s}:{e}]: does not fit the tensor table entry {spec}")
-        if info_of(t.dtype) is not seg.info or tuple(t.shape) != spec.shape:
+        if (BY_TORCH.get(t.dtype) or info_of(t.dtype)) is not seg.info or t.shape != spec.shape:  # a Size is a tuple
             raise BaseMismatch(f"tensor {name!r}: patch expects {spec.dtype}{list(spec.shape)}, state has {info_of(t.dtype).name}{list(t.shape)}")
         if not t.is_contiguous():
             state[name] = t.contiguous()
@@ -242,8 +242,11 @@ def _parsed_in_order(chunks: list[bytes], tensors: list[TensorSpec]):
             return
 
 
-def _decode_parsed(state: State, parsed: list, specs: dict[str, TensorSpec], threads: int | None) -> list[DecodedChunk]:
-    """`decode_chunks` of chunks already parsed (as `_parsed_in_order` gives them; an error ends the list)."""
+def _decode_parsed(state: State, parsed: list, specs: dict[str, TensorSpec], threads: int | None,
+                   views: dict | None = None) -> list[DecodedChunk]:
+    """`decode_chunks` of chunks already parsed (as `_parsed_in_order` gives them; an error ends the list).
+    `views`: one cache of the tensors' int views for every chunk (`apply` shares it with
+    the state hash); None: a cache per chunk."""
     tasks: list[Callable] = []
     plan: list = []  # per chunk: an error, or (task numbers or an error, digests, views)
     work = 0
@@ -252,7 +255,7 @@ def _decode_parsed(state: State, parsed: list, specs: dict[str, TensorSpec], thr
             plan.append(item)
             break
         segs, old_digest, new_digest = item
-        views: dict = {}
+        chunk_views: dict = {} if views is None else views
         steps: list = []
         for seg in segs:
             if seg.kind == "d":
@@ -261,12 +264,12 @@ def _decode_parsed(state: State, parsed: list, specs: dict[str, TensorSpec], thr
                 except PatchswarmError as e:
                     steps.append(e)
                     break
-                tasks.append(functools.partial(_held, functools.partial(_decode_delta, state, seg, views)))
+                tasks.append(functools.partial(_held, functools.partial(_decode_delta, state, seg, chunk_views)))
             else:
                 tasks.append(functools.partial(_held, functools.partial(_decode_full, seg, specs)))
             work += seg.size * seg.info.width
             steps.append(len(tasks) - 1)
-        plan.append((steps, old_digest, new_digest, views))
+        plan.append((steps, old_digest, new_digest, chunk_views))
         if steps and isinstance(steps[-1], PatchswarmError):
             break
     results = parallel.run_all(tasks, parallel.threads_for(len(tasks), work, PARALLEL_MIN_BYTES, threads))
@@ -314,7 +317,7 @@ def check_structure(state: State, patch: Patch) -> set[str]:
         cur = state.get(t.name)
         if cur is None:
             raise BaseMismatch(f"tensor {t.name!r}: the patch expects it in the base, the state has none")
-        if info_of(cur.dtype).name != t.dtype or tuple(cur.shape) != t.shape:
+        if (BY_TORCH.get(cur.dtype) or info_of(cur.dtype)).name != t.dtype or cur.shape != t.shape:
             raise BaseMismatch(f"tensor {t.name!r}: patch expects {t.dtype}{list(t.shape)}, state has {info_of(cur.dtype).name}{list(cur.shape)}")
     drop = set(state) - {t.name for t in patch.tensors} if patch.kind == "keyframe" else set(patch.removed)
     missing = [n for n in drop if n not in state]
@@ -328,7 +331,11 @@ def prepare(state: State, patch: Patch) -> dict[str, torch.Tensor | None]:
 
     Returns what was replaced (name → old tensor or None) so it can be undone.
     """
-    drop = check_structure(state, patch)
+    return _prepare(state, patch, check_structure(state, patch))
+
+
+def _prepare(state: State, patch: Patch, drop: set[str]) -> dict[str, torch.Tensor | None]:
+    """`prepare` once `check_structure` has passed and returned `drop`."""
     specs = {t.name: t for t in patch.tensors}
     made = {}
     for name in patch.full:  # all of them before the state changes: an allocation may fail
@@ -409,6 +416,7 @@ def _parsed_batches(chunks: list[bytes], tensors: list[TensorSpec], min_bytes: i
 Recorder = Callable[[str, np.ndarray | slice, np.ndarray], None]
 
 
+@parallel.gc_paused()  # a state of many tensors: parallel.py
 def apply(state: State, patch: Patch, progress: Progress = None, threads: int | None = None,
           undo: bool = True, recorder: Recorder | None = None) -> None:
     """Apply `patch` to `state` in place; on any error the state is left unchanged.
@@ -434,7 +442,9 @@ def apply(state: State, patch: Patch, progress: Progress = None, threads: int | 
     if not isinstance(patch, Patch):
         raise UsageError(f"patch: expected a Patch, found {type(patch).__name__}")
     n = len(patch.chunks)
-    check_structure(state, patch)
+    # Checked once: decoding changes no name, dtype or shape, so `prepare`'s own check
+    # would find the same (a state of 140k tensors took ~0.5 s per check here).
+    drop = check_structure(state, patch)
     # A batch of chunks at a time (a segment per decode thread at least),
     # decoded on every core, checked, written; only what undoing it needs is
     # kept. Holding every chunk's decoded arrays until the end made an apply's
@@ -447,16 +457,19 @@ def apply(state: State, patch: Patch, progress: Progress = None, threads: int | 
     kept: list[DecodedChunk] = []  # undo records, with `undo`
     written = 0
     coverage = _FullCoverage(patch)
+    # One cache of int views for every batch and the state hash: each tensor is viewed
+    # once per apply (a view cost ~2 us, as much as hashing a small tensor).
+    views: dict = {}
     try:
         for batch in batches:
             for item in batch:
                 if not isinstance(item, PatchswarmError):
                     coverage.add(item[0])
-            decoded = _decode_parsed(state, batch, specs, threads)
+            decoded = _decode_parsed(state, batch, specs, threads, views)
             if saved is None:
                 # After the first checks: a wrong base or a second apply fails before
                 # the structure changes. Delta chunks never read full or removed tensors.
-                saved = prepare(state, patch)
+                saved = _prepare(state, patch, drop)
             for d in decoded:
                 if undo:
                     kept.append(d.undo_record(state))
@@ -468,9 +481,9 @@ def apply(state: State, patch: Patch, progress: Progress = None, threads: int | 
                 if progress:
                     progress(written, n + 1)
         if saved is None:
-            saved = prepare(state, patch)
+            saved = _prepare(state, patch, drop)
         coverage.check()
-        found = state_hash(state, threads)
+        found = state_hash(state, threads, views)
         if found != patch.target_hash:
             raise StateHashMismatch("patched state", patch.target_hash, found)
         if progress:

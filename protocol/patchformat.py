@@ -31,7 +31,7 @@ import torch
 import zstandard
 
 from . import contexts, deltacode, planes
-from .dtypes import DtypeInfo, check_tensor, info_named, info_of, int_view
+from .dtypes import DtypeInfo, checked_info, info_named, info_of, int_view
 from .errors import CorruptData, UnsupportedFormat, UsageError
 from .packreader import PackReader
 from .statehash import is_state_hash
@@ -248,7 +248,10 @@ def check_state(state, what: str) -> None:
     for k, v in state.items():
         if not isinstance(k, str) or not isinstance(v, torch.Tensor):
             raise UsageError(f"{what}: expected dict[str, torch.Tensor], found entry {k!r}: {type(v).__name__}")
-        check_tensor(v, f"{what}[{k!r}]")
+        checked_info(v, what, k)
+        # An ASCII name's UTF-8 size is its length (isascii reads a flag the string keeps).
+        if k.isascii() and len(k) <= MAX_NAME_BYTES:
+            continue
         size = name_bytes(k)
         if not 0 <= size <= MAX_NAME_BYTES:
             raise UsageError(f"{what}: tensor name: expected UTF-8 of at most {MAX_NAME_BYTES} bytes (what a patch "
@@ -270,7 +273,8 @@ def piece_bits(state: State, pieces, views: dict | None = None) -> list[np.ndarr
             cached = (t, _flat_bits(t))
             if views is not None:
                 views[name] = cached
-        out.append(cached[1][s:e])
+        v = cached[1]
+        out.append(v if s == 0 and e == v.size else v[s:e])
     return out
 
 
@@ -284,8 +288,10 @@ class Segment:
     streams: list = dataclasses.field(default_factory=list)
     planes: list = dataclasses.field(default_factory=list)
 
-    @property
+    @functools.cached_property
     def size(self) -> int:
+        # Cached: a segment of small tensors has thousands of pieces, and its size is
+        # asked several times per decode. Pieces are renamed after parsing, never resized.
         return sum(e - s for _, s, e in self.pieces)
 
 

@@ -16,6 +16,13 @@ module releases the GIL), without the blake3 module's own global
 thread pool; `hash_tasks` lets `diff` run the hashing of base and target
 among its own encoding tasks. Pure computation otherwise: no files, no
 clocks.
+
+Many small tensors (a large MoE has ~140k): each tensor is read once (its
+check, dtype, shape and bytes in one pass, the bytes from the int view the
+codec reads it by, `views`), the records are packed in one msgpack call,
+and blocks under GROUP_BYTES are hashed several to a task; the bytes hashed
+are the same (tests/test_many_tensors.py holds them to the record-by-record
+computation).
 """
 
 from __future__ import annotations
@@ -25,14 +32,17 @@ from typing import Callable
 
 import blake3
 import msgpack
+import numpy as np
 import torch
 
 from . import parallel
-from .dtypes import check_tensor, info_of
+from .dtypes import check_tensor, checked_info, info_of, int_view
 
 PREFIX = "blake3:"
 BLOCK_BYTES = 4 << 20
 _PARALLEL_MIN_BYTES = 1 << 20  # below this a second thread costs more than it saves
+_NO_BYTES = np.empty(0, np.uint8)
+GROUP_BYTES = 1 << 16  # blocks below this are hashed several to a task, about this much per task
 
 
 def is_state_hash(s) -> bool:
@@ -43,72 +53,138 @@ def is_state_hash(s) -> bool:
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The raw bytes of a tensor (zero-copy when it is contiguous)."""
+    return memoryview(_raw(t)).cast("B")
+
+
+def _raw(t: torch.Tensor) -> np.ndarray:
+    """`tensor_bytes` as a flat uint8 array (which BLAKE3 reads as it is: no memoryview made)."""
     if t.numel() == 0:
-        return memoryview(b"")
+        return _NO_BYTES
     if t.dim() == 0:
         t = t.reshape(1)
     elif not t.is_contiguous():
         t = t.contiguous()
-    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+    return t.view(torch.uint8).numpy().reshape(-1)  # flat: its blocks are slices of bytes, not of rows
 
 
 def _digest_block(mv: memoryview) -> bytes:
     return blake3.blake3(mv).digest()
 
 
+def _digest_blocks(mvs: list[np.ndarray]) -> list[bytes]:
+    return [_digest_block(mv) for mv in mvs]
+
+
 def _workers(total_bytes: int, blocks: int, limit: int | None = None) -> int:
     return parallel.threads_for(blocks, total_bytes, _PARALLEL_MIN_BYTES // 2, limit)
 
 
-def _blocks(state: dict[str, torch.Tensor]) -> tuple[list[str], list[int], list[memoryview]]:
-    """(names in order, owning name index per block, blocks)."""
-    names = sorted(state)
-    owner: list[int] = []
-    blocks: list[memoryview] = []
-    for i, name in enumerate(names):
-        check_tensor(state[name], f"state[{name!r}]")
-        mv = tensor_bytes(state[name])
-        for off in range(0, max(1, len(mv)), BLOCK_BYTES):
-            owner.append(i)
-            blocks.append(mv[off : off + BLOCK_BYTES])
-    return names, owner, blocks
+class _Tensors:
+    """One state's tensors in name order, read once each: the dtype name and shape of
+    each record, and its blocks (`owner[k]` is the name index of block k)."""
+
+    def __init__(self, state: dict[str, torch.Tensor], views: dict | None):
+        self.names = sorted(state)
+        self.dtypes: list[str] = []
+        self.shapes: list[torch.Size] = []  # a tuple: msgpack packs it as the list it was
+        self.owner: list[int] = []
+        self.blocks: list[np.ndarray] = []
+        for i, name in enumerate(self.names):
+            t = state[name]
+            info = checked_info(t, "state", name)
+            self.dtypes.append(info.name)
+            self.shapes.append(t.shape)
+            if not t.is_contiguous():
+                raw = _raw(t)  # a contiguous copy, in the logical order
+            else:
+                # The flat integer view the codec reads this tensor by (it shares t's memory):
+                # the one it made already, or one it will reuse.
+                cached = views.get(name) if views is not None else None
+                if cached is None or cached[0] is not t:
+                    cached = (t, int_view(t))
+                    if views is not None:
+                        views[name] = cached
+                raw = cached[1].view(np.uint8)
+            if raw.size <= BLOCK_BYTES:
+                self.owner.append(i)
+                self.blocks.append(raw)
+                continue
+            for off in range(0, raw.size, BLOCK_BYTES):
+                self.owner.append(i)
+                self.blocks.append(raw[off : off + BLOCK_BYTES])
+
+    def combine(self, digests: list[bytes]) -> str:
+        """The state hash from each block's digest, in block order."""
+        if len(digests) == len(self.names):  # a block per tensor (each has one at least)
+            tensor_digests = [blake3.blake3(d).digest() for d in digests]
+        else:
+            tensor_digests = self._tensor_digests(digests)
+        # The records packed as one msgpack array, less its header: the same bytes as the
+        # records packed one by one (an array's encoding is a header, then its items').
+        records = msgpack.packb(list(zip(self.names, self.dtypes, self.shapes, tensor_digests)))
+        return PREFIX + blake3.blake3(records[_array_header_bytes(len(self.names)):]).hexdigest()
+
+    def _tensor_digests(self, digests: list[bytes]) -> list[bytes]:
+        tensor_digests: list[bytes] = []
+        at = 0
+        owner, n = self.owner, len(self.owner)
+        while at < n:
+            i, end = owner[at], at + 1
+            while end < n and owner[end] == i:
+                end += 1
+            leaves = digests[at] if end == at + 1 else b"".join(digests[at:end])
+            tensor_digests.append(blake3.blake3(leaves).digest())
+            at = end
+        return tensor_digests
 
 
-def _combine(state: dict[str, torch.Tensor], names: list[str], owner: list[int], digests: list[bytes]) -> str:
-    leaves: list[list[bytes]] = [[] for _ in names]
-    for i, d in zip(owner, digests):
-        leaves[i].append(d)
-    h = blake3.blake3()
-    for name, tensor_leaves in zip(names, leaves):
-        t = state[name]
-        digest = blake3.blake3(b"".join(tensor_leaves)).digest()
-        h.update(msgpack.packb([name, info_of(t.dtype).name, list(t.shape), digest]))
-    return PREFIX + h.hexdigest()
+def _array_header_bytes(n: int) -> int:
+    """The size of msgpack's header of an n-item array (fixarray, array 16, array 32)."""
+    return 1 if n < 16 else 3 if n < 1 << 16 else 5
 
 
-def hash_tasks(states: list[dict[str, torch.Tensor]]) -> tuple[list[Callable[[], bytes]], Callable[[list[bytes]], list[str]]]:
+def hash_tasks(states: list[dict[str, torch.Tensor]], views: list[dict | None] | None = None
+               ) -> tuple[list[Callable[[], list[bytes]]], Callable[[list[list[bytes]]], list[str]]]:
     """The state hashes of `states` as independent tasks for `parallel.run_all`,
     largest first, and the function that turns the tasks' results into the
     hashes, in order.
 
     Largest first: threads that take the next task as they finish end
     together only if the small tasks come last (a model's tensors alternate
-    between megabytes and a few hundred bytes). For `diff`, which runs them
-    among its own tasks. The states must not change until the tasks have run.
+    between megabytes and a few hundred bytes). Blocks smaller than
+    GROUP_BYTES are hashed a group of about GROUP_BYTES per task: a task per
+    block cost more to make, sort and hand out than a few-hundred-byte block
+    costs to hash. For `diff`, which runs them among its own tasks. The
+    states must not change until the tasks have run. `views`, per state:
+    name -> (tensor, its flat integer view), as `patchformat.piece_bits`
+    caches them, to read a tensor's bytes from a view made already.
     """
-    parts = [_blocks(s) for s in states]
-    blocks = [b for _, _, bs in parts for b in bs]
-    order = sorted(range(len(blocks)), key=lambda i: -len(blocks[i]))
-    tasks = [functools.partial(_digest_block, blocks[i]) for i in order]
+    parts = [_Tensors(s, v) for s, v in zip(states, views or [None] * len(states))]
+    blocks = [b for p in parts for b in p.blocks]
+    sizes = [b.size for b in blocks]
+    order = sorted(range(len(blocks)), key=sizes.__getitem__, reverse=True)
+    groups: list[list[int]] = []
+    small = 0
+    for k in order:
+        if sizes[k] >= GROUP_BYTES or not groups or small >= GROUP_BYTES:
+            groups.append([k])
+            small = sizes[k]
+        else:
+            groups[-1].append(k)
+            small += sizes[k]
+    tasks = [functools.partial(_digest_blocks, [blocks[k] for k in g]) for g in groups]
 
-    def finish(digests: list[bytes]) -> list[str]:
-        by_block: list = [None] * len(blocks)
-        for i, d in zip(order, digests):
-            by_block[i] = d
+    def finish(results: list[list[bytes]]) -> list[str]:
+        # The groups are consecutive runs of `order`: their results, in order, are the
+        # digests of order[0], order[1], ...
+        inverse = np.empty(len(order), np.int64)
+        inverse[order] = np.arange(len(order))
+        by_order = [d for digests in results for d in digests]
+        by_block = list(map(by_order.__getitem__, inverse.tolist()))
         out, at = [], 0
-        for state, (names, owner, bs) in zip(states, parts):
-            out.append(_combine(state, names, owner, by_block[at : at + len(bs)]))
-            at += len(bs)
+        for p in parts:
+            out.append(p.combine(by_block[at : at + len(p.blocks)]))
+            at += len(p.blocks)
         return out
 
     return tasks, finish
@@ -116,7 +192,7 @@ def hash_tasks(states: list[dict[str, torch.Tensor]]) -> tuple[list[Callable[[],
 
 def hash_bytes(states: list[dict[str, torch.Tensor]]) -> int:
     """How many bytes hashing `states` reads (to size a thread count)."""
-    return sum(t.numel() * t.element_size() for s in states for t in s.values())
+    return sum(t.nbytes for s in states for t in s.values())
 
 
 def tensor_digest(t: torch.Tensor, threads: int | None = None) -> bytes:
@@ -139,7 +215,9 @@ def combine(records: dict[str, tuple[torch.dtype, tuple[int, ...], bytes]]) -> s
     return PREFIX + h.hexdigest()
 
 
-def state_hash(state: dict[str, torch.Tensor], threads: int | None = None) -> str:
-    """`threads`: at most this many (None: as many as the cores and the work are worth)."""
-    tasks, finish = hash_tasks([state])
+@parallel.gc_paused()  # a state of many tensors: parallel.py
+def state_hash(state: dict[str, torch.Tensor], threads: int | None = None, views: dict | None = None) -> str:
+    """`threads`: at most this many (None: as many as the cores and the work are worth).
+    `views`: as `hash_tasks` takes them, for this state."""
+    tasks, finish = hash_tasks([state], [views])
     return finish(parallel.run_all(tasks, _workers(hash_bytes([state]), len(tasks), threads)))[0]
