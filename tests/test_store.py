@@ -1,9 +1,13 @@
-"""The object store across restarts: what start-up keeps and the one rule for what it deletes."""
+"""The object store across restarts (what start-up keeps, the one rule for what it deletes) and what a read gives back."""
+
+import os
 
 import torch
+import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from patchswarm.node.store import ObjectStore
+from memlink import KEY, store_with
+from patchswarm.node.store import OFF_LOOP_MIN_BYTES, ObjectStore
 from patchswarm.protocol.manifest import sign_manifest
 from patchswarm.protocol.patch import diff
 from patchswarm.protocol.publication import manifest_of
@@ -134,3 +138,33 @@ def test_an_object_folder_that_cannot_be_listed_is_reported_not_a_crash(tmp_path
     assert store.keys() == [] and book.keys() == [] and "left in place" in dropped[0]
     monkeypatch.setattr(pathlib.Path, "iterdir", real)
     assert len(list(folder.glob("*.chunk"))) == len(chunks)
+
+
+def test_a_served_chunk_is_read_and_checked_off_the_loop_from_1_mib_and_a_damaged_one_is_dropped(tmp_path, monkeypatch):
+    """`get_chunk_off_loop` (the serving path): a chunk of OFF_LOOP_MIN_BYTES or more is read
+    and hashed in a worker thread, a smaller one in place; either way what changed on disk
+    since it was stored is not returned, its file is removed and the chunk forgotten."""
+    big, small = os.urandom(OFF_LOOP_MIN_BYTES), os.urandom(1000)
+    store = store_with(tmp_path, [big, small, big[::-1]])
+    threads = []
+    real = trio.to_thread.run_sync
+
+    async def counting(fn, *args, **kw):
+        threads.append(fn.__name__)
+        return await real(fn, *args, **kw)
+
+    monkeypatch.setattr(trio.to_thread, "run_sync", counting)
+    path = next(p for p in tmp_path.iterdir() if p.is_dir()) / "000002.chunk"
+    damaged = bytearray(path.read_bytes())
+    damaged[12345] ^= 1
+    path.write_bytes(bytes(damaged))
+
+    async def main():
+        assert await store.get_chunk_off_loop(KEY, 0) == big
+        assert await store.get_chunk_off_loop(KEY, 1) == small
+        assert await store.get_chunk_off_loop(KEY, 2) is None
+        assert await store.get_chunk_off_loop(KEY, 9) is None  # not held
+
+    trio.run(main)
+    assert threads == ["_read_checked", "_read_checked"]  # the two 1 MiB chunks, not the small one
+    assert store.chunks_damaged == 1 and not path.exists() and 2 not in store.have(KEY)
