@@ -563,7 +563,12 @@ class TrajectorySpool:
                            if len(ids) <= IDS_PER_ENTRY else [encode_record(e) for e in _id_entries(id_seqs, id_keys)])
                 bodies = entries + bodies  # first: a torn write keeps no record without its id (_recover_ids)
             try:
-                await self.log.commit(bodies, (seqs, records, len(bodies) - n, id_seqs, id_keys))
+                # With ids, not cancelled part-way: node/seglog.py writes a cancelled caller's
+                # bodies all the same (they may be in a group in flight), so its ids must stay
+                # in `_writing` until they land, or a resubmit meanwhile stores them twice. A
+                # queued member is never left waiting: it leads the next round itself.
+                with trio.CancelScope(shield=bool(ids)):
+                    await self.log.commit(bodies, (seqs, records, len(bodies) - n, id_seqs, id_keys))
             except DiskFull as e:
                 self.disk.failed(f"{n} trajectory records ({need:,} bytes) to the spool", e)
                 raise

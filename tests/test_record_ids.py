@@ -506,3 +506,48 @@ def test_reopening_merges_the_recovered_ids_once_not_once_per_entry(tmp_path, mo
 
     merges = run(main)
     assert len(merges) <= 2 and sum(merges) == 300, merges
+
+
+def test_a_submit_cancelled_while_its_write_is_queued_still_answers_a_resubmit_of_its_id(tmp_path):
+    """A cancelled submit's records are written all the same (node/seglog.py writes an
+    abandoned commit: it may be part of a group already in flight). Its ids must stay
+    'being written' until that write ends: released at the cancel, a resubmit of the same
+    id in between found it nowhere and stored the record a second time."""
+    import threading
+
+    async def main():
+        sp = await TrajectorySpool.open(tmp_path, "n1", "r1")
+        gate, real = threading.Event(), sp.log._write
+
+        def held_write(*a):
+            gate.wait(10)
+            return real(*a)
+
+        sp.log._write = held_write
+        scope = trio.CancelScope()
+
+        async def first():
+            with scope:
+                await sp.submit([(b"first", 1, None, b"X")], 5)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sp.submit, [(b"other", 1, None, b"O")], 5)  # leads the group commit
+            nursery.start_soon(first)
+            await trio.testing.wait_all_tasks_blocked()  # the write is held with both in it or queued
+            scope.cancel()
+            await trio.testing.wait_all_tasks_blocked()
+            again = []
+
+            async def resubmit():
+                again.append(await sp.submit([(b"first", 1, None, b"X")], 5))
+
+            nursery.start_soon(resubmit)
+            await trio.testing.wait_all_tasks_blocked()
+            gate.set()
+        stored = sorted(r.payload for r in sp.pending())
+        await sp.aclose()
+        return stored, again
+
+    stored, again = run(main)
+    assert stored == [b"first", b"other"], stored  # the cancelled submit's record, once
+    assert again[0][1] == 1  # answered from its id
