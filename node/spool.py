@@ -312,6 +312,11 @@ def _recover_ids(seg: _Segment, entries: list, found: _FoundIds) -> None:
     found.add(seqs.tobytes(), keys.tobytes())
 
 
+def _ids_bound(n: int) -> int:
+    """The framed bytes of the RecordIds entries of `n` identities, at most (0 for none)."""
+    return n * (8 + RECORD_KEY_BYTES) + 64 * (n // IDS_PER_ENTRY + 1) if n else 0
+
+
 def _ids_file_limit(window: int) -> int:
     """Identities the `ids` file may hold before it is rewritten with the window only."""
     return window + window // 2
@@ -465,9 +470,11 @@ class TrajectorySpool:
         if len(set(named)) < len(named):
             raise UsageError(f"append of {len(prepared)} records: expected distinct record ids, found "
                              f"{len(named) - len(set(named))} repeated")
-        if need > self.max_bytes:
+        # with the ids' entries, which are written too: one that fits only without them would
+        # wait at the head of the room queue for its whole timeout
+        if need + _ids_bound(len(named)) > self.max_bytes:
             raise UsageError(f"append of {len(prepared)} records: expected at most max_bytes={self.max_bytes} "
-                             f"bytes, found {need}; it could never fit")
+                             f"bytes, found {need + _ids_bound(len(named))}; it could never fit")
         if not named:
             return await self._store(prepared, [], need, timeout), 0
         known = await self._known(keys, timeout)
@@ -481,7 +488,7 @@ class TrajectorySpool:
             self._writing[k] = done
         try:
             # the ids entries' framed size, next to the records': 8 + RECORD_KEY_BYTES each and headers
-            need += len(ids) * (8 + RECORD_KEY_BYTES) + 64 * (len(ids) // IDS_PER_ENTRY + 1)
+            need += _ids_bound(len(ids))
             stored = await self._store([prepared[i] for i in new], ids, need, timeout)
         finally:
             for _, k in ids:

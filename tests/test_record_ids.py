@@ -551,3 +551,24 @@ def test_a_submit_cancelled_while_its_write_is_queued_still_answers_a_resubmit_o
     stored, again = run(main)
     assert stored == [b"first", b"other"], stored  # the cancelled submit's record, once
     assert again[0][1] == 1  # answered from its id
+
+
+def test_a_submit_that_fits_only_without_its_ids_is_refused_at_once_not_queued_for_room(tmp_path):
+    """The never-fits check counted the records alone, and the ids' entry was added to the
+    room asked for after it: a submit that fits max_bytes only without its ids waited at the
+    head of the room queue (first come first served: every other append behind it) for its
+    whole timeout, then failed as SpoolFull, though it could never fit."""
+    from patchswarm.node.spool import _record_bound
+
+    async def main():
+        bound = _record_bound(b"n1", b"r1", bytes(1000), 1)
+        sp = await TrajectorySpool.open(tmp_path, "n1", "r1", max_bytes=bound)
+        t0 = trio.current_time()
+        with pytest.raises(UsageError, match="could never fit"):
+            await sp.submit([(bytes(1000), 1, None, b"X")], 3)
+        waited = trio.current_time() - t0
+        assert await sp.append([(bytes(1000), 1, None)], 1)  # the same without an id fits
+        await sp.aclose()
+        return waited
+
+    assert run(main) < 1.0
