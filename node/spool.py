@@ -194,8 +194,12 @@ def _recover(directory: Path, node_id: str, region: str, clock=time.time, id_win
     id_entries = _read_values(directory / IDS_NAME, problems, RecordIds) or []
     ids_rewrite = len(problems) > ids_problems or not (directory / IDS_NAME).exists()
     ids_in_file = 0
+    # The identities read, merged into the index a window's worth at a time, not an entry at a
+    # time: a merge copies the whole index, and a spool of single-record submits holds an entry
+    # per record (recovery was quadratic: ~2 s at 8,000 records, minutes at 100,000).
+    found = _FoundIds(ids)
     for e in id_entries:
-        ids.add_packed(e.seqs, e.keys)
+        found.add(e.seqs, e.keys)
         ids_in_file += len(e)
     used = any((directory / name).exists() for name in (STATE_NAME, ACKS_NAME))  # else a new spool
     states = _read_values(directory / STATE_NAME, problems, SpoolState)
@@ -224,8 +228,7 @@ def _recover(directory: Path, node_id: str, region: str, clock=time.time, id_win
             seg.sizes.append(entry.end - entry.offset)
             max_seq = max(max_seq, value.seq)
         seg.acked = bytearray(len(seg.seqs))
-        for e in seg_ids:
-            _recover_ids(seg, e, ids)
+        _recover_ids(seg, seg_ids, found)
         tail = scan.problems[-1] if scan.problems and scan.problems[-1].tail else None
         if i == len(numbers) - 1 and tail is not None:
             # the write a crash interrupted: never fsynced, so never acknowledged
@@ -242,6 +245,7 @@ def _recover(directory: Path, node_id: str, region: str, clock=time.time, id_win
                     lo, hi = bisect.bisect_left(seg.seqs, a), bisect.bisect_left(seg.seqs, b)
                     for j in range(lo, hi):
                         seg.acked[j] = 1
+    found.flush()
     for seg in segments:
         seg.n_acked = seg.acked.count(1)
     live = [s for s in segments if s.n_acked < len(s.seqs)]  # damage stays reported in `problems`
@@ -267,20 +271,50 @@ def _recover(directory: Path, node_id: str, region: str, clock=time.time, id_win
     return live, problems, next_seq, reserved, (numbers[-1] + 1 if numbers else 1), ids, ids_in_file
 
 
-def _recover_ids(seg: _Segment, entry: RecordIds, ids: RecordIdIndex) -> None:
-    """The identities of one RecordIds entry whose records the segment still holds. It is
-    written just before its records, in the same write: a crash that tore the write
+class _FoundIds:
+    """Identities read by a recovery, in the order read, merged into `index` once a window of
+    them is pending (and at `flush`): a few merges, memory bounded by about a window."""
+
+    def __init__(self, index: RecordIdIndex):
+        self.index = index
+        self.seqs: list[bytes] = []
+        self.keys: list[bytes] = []
+        self.pending = 0
+
+    def add(self, seqs: bytes, keys: bytes) -> None:
+        self.seqs.append(seqs)
+        self.keys.append(keys)
+        self.pending += len(seqs) // 8
+        if self.pending >= self.index.window:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.pending:
+            self.index.add_packed(b"".join(self.seqs), b"".join(self.keys))
+        self.seqs, self.keys, self.pending = [], [], 0
+
+
+def _recover_ids(seg: _Segment, entries: list, found: _FoundIds) -> None:
+    """The identities of a segment's RecordIds entries whose records it still holds. Each
+    is written just before its records, in the same write: a crash that tore the write
     may have kept the entry and lost records after it, and those were never acknowledged
     (their resubmit must be stored, not answered with a seq that holds nothing)."""
-    seqs = _unpack_seqs(entry.seqs)
-    held = set(seg.seqs)
-    keep = [i for i, seq in enumerate(seqs) if seq in held]
-    if len(keep) < len(seqs):
-        entry = RecordIds(b"".join(entry.seqs[i * 8:i * 8 + 8] for i in keep),
-                          b"".join(entry.keys[i * RECORD_KEY_BYTES:(i + 1) * RECORD_KEY_BYTES] for i in keep))
-    if keep:
-        seg.has_ids = True
-        ids.add_packed(entry.seqs, entry.keys)
+    if not entries:
+        return
+    seqs = np.frombuffer(b"".join(e.seqs for e in entries), dtype="<u8")
+    keys = np.frombuffer(b"".join(e.keys for e in entries), dtype=f"S{RECORD_KEY_BYTES}")
+    keep = np.isin(seqs, np.frombuffer(seg.seqs, dtype=np.uint64))
+    if not keep.any():
+        return
+    seg.has_ids = True
+    if not keep.all():
+        seqs, keys = seqs[keep], keys[keep]
+    found.add(seqs.tobytes(), keys.tobytes())
+
+
+def _ids_bound(n: int) -> int:
+    """The framed bytes of the RecordIds entries of `n` identities, at most (0 for none)."""
+    return n * (8 + RECORD_KEY_BYTES) + 64 * (n // IDS_PER_ENTRY + 1) if n else 0
 
 
 def _ids_file_limit(window: int) -> int:
@@ -436,9 +470,11 @@ class TrajectorySpool:
         if len(set(named)) < len(named):
             raise UsageError(f"append of {len(prepared)} records: expected distinct record ids, found "
                              f"{len(named) - len(set(named))} repeated")
-        if need > self.max_bytes:
+        # with the ids' entries, which are written too: one that fits only without them would
+        # wait at the head of the room queue for its whole timeout
+        if need + _ids_bound(len(named)) > self.max_bytes:
             raise UsageError(f"append of {len(prepared)} records: expected at most max_bytes={self.max_bytes} "
-                             f"bytes, found {need}; it could never fit")
+                             f"bytes, found {need + _ids_bound(len(named))}; it could never fit")
         if not named:
             return await self._store(prepared, [], need, timeout), 0
         known = await self._known(keys, timeout)
@@ -452,7 +488,7 @@ class TrajectorySpool:
             self._writing[k] = done
         try:
             # the ids entries' framed size, next to the records': 8 + RECORD_KEY_BYTES each and headers
-            need += len(ids) * (8 + RECORD_KEY_BYTES) + 64 * (len(ids) // IDS_PER_ENTRY + 1)
+            need += _ids_bound(len(ids))
             stored = await self._store([prepared[i] for i in new], ids, need, timeout)
         finally:
             for _, k in ids:
@@ -534,7 +570,12 @@ class TrajectorySpool:
                            if len(ids) <= IDS_PER_ENTRY else [encode_record(e) for e in _id_entries(id_seqs, id_keys)])
                 bodies = entries + bodies  # first: a torn write keeps no record without its id (_recover_ids)
             try:
-                await self.log.commit(bodies, (seqs, records, len(bodies) - n, id_seqs, id_keys))
+                # With ids, not cancelled part-way: node/seglog.py writes a cancelled caller's
+                # bodies all the same (they may be in a group in flight), so its ids must stay
+                # in `_writing` until they land, or a resubmit meanwhile stores them twice. A
+                # queued member is never left waiting: it leads the next round itself.
+                with trio.CancelScope(shield=bool(ids)):
+                    await self.log.commit(bodies, (seqs, records, len(bodies) - n, id_seqs, id_keys))
             except DiskFull as e:
                 self.disk.failed(f"{n} trajectory records ({need:,} bytes) to the spool", e)
                 raise

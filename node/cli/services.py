@@ -73,7 +73,7 @@ def _origin_args(p: argparse.ArgumentParser) -> None:
                    help="elements per patch segment, the unit chunks are made of (default 2**20)")
     p.add_argument("--manifest-form", type=int, choices=(1, 2),
                    help="manifest form: 1 (every member reads it; the whole tensor table each version) or 2 "
-                        "(patch manifests list only what changed; needs members from 2026-12-05 on); "
+                        "(patch manifests list only what changed; needs nodes and tracker from 2026-12-05 on); "
                         "default: 1 up to 4,096 tensors, 2 above")
     _compact_argument(p)
     add_member_arguments(p, "127.0.0.1:0")
