@@ -220,12 +220,12 @@ class ObjectStore:
         """The chunk `_read_checked` found, or None: a missing or damaged chunk is forgotten
         (a damaged file removed, except in a read-only store)."""
         if read is None:
-            self._have.get(key, set()).discard(index)
+            self._forget(key, index)
             return None
         data, intact = read
         if intact:
             return data
-        self._have.get(key, set()).discard(index)
+        self._forget(key, index)
         self.chunks_damaged += 1
         log.warning("chunk %d of %s changed on disk since it was stored (%s bytes, expected %s with the "
                     "manifest's SHA-256): removed, fetched again where needed", index, _dirname(key),
@@ -233,6 +233,14 @@ class ObjectStore:
         if self._removes:
             path.unlink(missing_ok=True)
         return None
+
+    def _forget(self, key: ObjKey, index: int) -> None:
+        """Drop a chunk from the held set by replacing the set: an apply's worker thread
+        forgets chunks here while the event loop may be iterating `have(key)` (a bitfield);
+        a complete object, the only kind applied, gets no chunk added meanwhile."""
+        held = self._have.get(key)
+        if held is not None and index in held:
+            self._have[key] = held - {index}
 
     def chunks(self, key: ObjKey) -> "StoredChunks":
         """Every chunk of a complete object, in index order, each read from disk when it is

@@ -168,3 +168,18 @@ def test_a_served_chunk_is_read_and_checked_off_the_loop_from_1_mib_and_a_damage
     trio.run(main)
     assert threads == ["_read_checked", "_read_checked"]  # the two 1 MiB chunks, not the small one
     assert store.chunks_damaged == 1 and not path.exists() and 2 not in store.have(KEY)
+
+
+def test_a_chunk_forgotten_by_an_apply_thread_leaves_a_held_set_being_iterated_whole(tmp_path):
+    """The apply reads chunks in a worker thread and forgets a damaged one, while the event
+    loop may be iterating the same object's held set (a bitfield for a peer): that iteration
+    must not fail with 'Set changed size during iteration' (the interleaving, played in one thread)."""
+    store = store_with(tmp_path, [b"a" * 100, b"b" * 100, b"c" * 100])
+    path = next(p for p in tmp_path.iterdir() if p.is_dir()) / "000001.chunk"
+    path.write_bytes(b"x" * 100)
+    seen = []
+    for i in store.have(KEY):
+        seen.append(i)
+        if i == 0:
+            assert store.get_chunk(KEY, 1) is None
+    assert seen == [0, 1, 2] and store.have(KEY) == {0, 2} and store.chunks_damaged == 1
