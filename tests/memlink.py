@@ -4,6 +4,7 @@ taking bytes, and an object store holding given chunks of one object."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 
 import trio
@@ -62,3 +63,16 @@ def store_with(path, chunks: list[bytes]) -> ObjectStore:
     for i, c in enumerate(chunks):
         store.put_chunk(KEY, i, c)
     return store
+
+
+@dataclasses.dataclass
+class RecordingStream:
+    """A session's stream that keeps what is sent to it (for tests of what a PeerSet sends)."""
+    sent: list = dataclasses.field(default_factory=list)
+
+    async def send(self, msg) -> None:
+        self.sent.append(msg)
+
+
+async def ignore(s, msg) -> None:
+    """A PeerSet's on_message that takes every message and does nothing."""

@@ -5,13 +5,13 @@ a peer says reaches the fetcher as the daemon hands it on (node/daemon.py `_on_m
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 
 import trio
 import trio.testing
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from memlink import RecordingStream, ignore
 from patchswarm.node.fetcher import Fetcher
 from patchswarm.node.net.ratelimit import TokenBucket
 from patchswarm.node.peers import PeerSet, Session
@@ -24,18 +24,6 @@ from patchswarm.protocol.versions import VersionBook
 
 KEY = (1, False)
 CHUNK_BYTES = 1 << 20
-
-
-@dataclasses.dataclass
-class RecordingStream:
-    sent: list = dataclasses.field(default_factory=list)
-
-    async def send(self, msg) -> None:
-        self.sent.append(msg)
-
-
-async def _noop(s, msg) -> None:
-    pass
 
 
 def _chunk(c: int) -> bytes:
@@ -52,7 +40,7 @@ def _fetcher(tmp_path, n_chunks: int) -> Fetcher:
     picker = PiecePicker("me", "r1", "r1", seed=3, request_timeout=30.0)
     picker.add_object(KEY, n_chunks, now=0.0)
     inflows = Inflows()
-    peers = PeerSet("me", store, TokenBucket(None), _noop, inflows=inflows)
+    peers = PeerSet("me", store, TokenBucket(None), ignore, inflows=inflows)
     book = VersionBook("sw", Ed25519PrivateKey.generate().public_key())
     return Fetcher("me", "r1", picker, peers, inflows, store, book, on_complete=lambda key: None)
 
@@ -123,7 +111,7 @@ def _holder(tmp_path, name: str, n_chunks: int) -> PeerSet:
                               target_hash="blake3:" + "11" * 32, tensors=[],
                               chunks=[(len(c), hashlib.sha256(c).digest()) for c in chunks],
                               codec={"format": 1}, created_at=0.0))
-    return PeerSet(name, store, TokenBucket(None), _noop, inflows=Inflows())
+    return PeerSet(name, store, TokenBucket(None), ignore, inflows=Inflows())
 
 
 async def _link(nursery, me: PeerSet, other: PeerSet) -> None:

@@ -4,7 +4,6 @@ a chunk arrives (Incoming) and once it holds it (HaveOne), and to whom.
 The peers are sessions whose message streams only record what they are sent; what
 each peer said of the chunk reaches the fetcher as the messages a peer would send."""
 
-import dataclasses
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ import trio
 import trio.testing
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from memlink import RecordingStream, ignore
 from patchswarm.node.fetcher import Fetcher
 from patchswarm.node.net.ratelimit import TokenBucket
 from patchswarm.node.peers import PeerDropped, PeerSet, Session
@@ -26,18 +26,6 @@ from patchswarm.protocol.versions import VersionBook
 KEY = (1, False)
 
 
-@dataclasses.dataclass
-class RecordingStream:
-    sent: list = dataclasses.field(default_factory=list)
-
-    async def send(self, msg) -> None:
-        self.sent.append(msg)
-
-
-async def _noop(s, msg) -> None:
-    pass
-
-
 def _fetcher(tmp_path):
     g = torch.Generator().manual_seed(5)
     base = {"w": torch.randn(256, 256, generator=g).to(torch.bfloat16)}
@@ -50,7 +38,7 @@ def _fetcher(tmp_path):
     picker = PiecePicker("n1", "r1", "r0")
     picker.add_object(KEY, len(m.chunks), now=0.0)
     inflows = Inflows()
-    peers = PeerSet("n1", store, TokenBucket(None), _noop, inflows=inflows)
+    peers = PeerSet("n1", store, TokenBucket(None), ignore, inflows=inflows)
     book = VersionBook("sw", Ed25519PrivateKey.generate().public_key())
     return Fetcher("n1", "r1", picker, peers, inflows, store, book, on_complete=lambda key: None), p.chunks
 
