@@ -76,3 +76,36 @@ class RecordingStream:
 
 async def ignore(s, msg) -> None:
     """A PeerSet's on_message that takes every message and does nothing."""
+
+
+def join_session(fetcher, nursery, peer: str, role: str = "node", region: str = "r1"):
+    """A peer's session over a RecordingStream, registered with the fetcher's PeerSet as a
+    connected member (its sends run in `nursery`)."""
+    from patchswarm.node.peers import Session
+
+    s = Session(RecordingStream(), peer, role, region, "x:1", outbound=True)
+    s.tasks = nursery
+    fetcher.peers.sessions[peer] = s
+    fetcher.peer_joined(s)
+    return s
+
+
+def sent_of(s, kind) -> list:
+    """The messages of type `kind` a RecordingStream session was sent, in order."""
+    return [m for m in s.ms.sent if isinstance(m, kind)]
+
+
+def fetcher_over(name: str, store, picker):
+    """A Fetcher of member `name` (region r1) over `store`, with its own PeerSet and Inflows."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from patchswarm.node.fetcher import Fetcher
+    from patchswarm.node.net.ratelimit import TokenBucket
+    from patchswarm.node.peers import PeerSet
+    from patchswarm.node.relay import Inflows
+    from patchswarm.protocol.versions import VersionBook
+
+    inflows = Inflows()
+    peers = PeerSet(name, store, TokenBucket(None), ignore, inflows=inflows)
+    book = VersionBook("sw", Ed25519PrivateKey.generate().public_key())
+    return Fetcher(name, "r1", picker, peers, inflows, store, book, on_complete=lambda key: None)

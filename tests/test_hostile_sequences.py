@@ -9,9 +9,8 @@ import hashlib
 
 import trio
 import trio.testing
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from memlink import RecordingStream, ignore
+from memlink import RecordingStream, fetcher_over, ignore, join_session, sent_of
 from patchswarm.node.fetcher import Fetcher
 from patchswarm.node.net.ratelimit import TokenBucket
 from patchswarm.node.peers import PeerSet, Session
@@ -20,7 +19,6 @@ from patchswarm.node.store import ObjectStore
 from patchswarm.protocol import wire
 from patchswarm.protocol.manifest import Manifest
 from patchswarm.protocol.picker import PiecePicker
-from patchswarm.protocol.versions import VersionBook
 
 KEY = (1, False)
 CHUNK_BYTES = 1 << 20
@@ -39,22 +37,9 @@ def _fetcher(tmp_path, n_chunks: int) -> Fetcher:
     store.put_manifest(KEY, m, b"(envelope)")
     picker = PiecePicker("me", "r1", "r1", seed=3, request_timeout=30.0)
     picker.add_object(KEY, n_chunks, now=0.0)
-    inflows = Inflows()
-    peers = PeerSet("me", store, TokenBucket(None), ignore, inflows=inflows)
-    book = VersionBook("sw", Ed25519PrivateKey.generate().public_key())
-    return Fetcher("me", "r1", picker, peers, inflows, store, book, on_complete=lambda key: None)
+    return fetcher_over("me", store, picker)
 
 
-def _session(fetcher: Fetcher, nursery, peer: str) -> Session:
-    s = Session(RecordingStream(), peer, "node", "r1", "x:1", outbound=True)
-    s.tasks = nursery
-    fetcher.peers.sessions[peer] = s
-    fetcher.peer_joined(s)
-    return s
-
-
-def _sent(s: Session, kind) -> list:
-    return [m for m in s.ms.sent if isinstance(m, kind)]
 
 
 def test_unasked_first_parts_open_no_flow_and_announce_nothing(tmp_path):
@@ -70,18 +55,18 @@ def test_unasked_first_parts_open_no_flow_and_announce_nothing(tmp_path):
     async def main():
         async with trio.open_nursery() as nursery:
             await nursery.start(fetcher.run)
-            mallory = _session(fetcher, nursery, "mallory")
-            lacking = _session(fetcher, nursery, "lacking")
+            mallory = join_session(fetcher, nursery, "mallory")
+            lacking = join_session(fetcher, nursery, "lacking")
             for c in range(n):
                 await fetcher.on_piece(mallory, wire.Piece(1, False, c, 0, CHUNK_BYTES, b"x"))
             await trio.testing.wait_all_tasks_blocked()
             assert len(fetcher.inflows) == 0
-            assert not _sent(lacking, wire.Incoming)
+            assert not sent_of(lacking, wire.Incoming)
             assert all(fetcher.inflows.source(KEY, c) is None for c in range(n))
             # An honest holder, asked, still delivers (the guard is per request, not per peer).
             fetcher.on_announce(lacking, wire.HaveOne(1, False, 0))
             await trio.testing.wait_all_tasks_blocked()
-            assert wire.Request(1, False, 0) in _sent(lacking, wire.Request)
+            assert wire.Request(1, False, 0) in sent_of(lacking, wire.Request)
             await fetcher.on_piece(lacking, wire.Piece(1, False, 0, 0, CHUNK_BYTES, _chunk(0)))
             assert 0 in fetcher.store.have(KEY)
             nursery.cancel_scope.cancel()
@@ -186,12 +171,12 @@ def test_a_member_announcing_a_chunk_again_and_again_cannot_keep_it_from_the_ori
             fetcher.peers.sessions["origin"] = origin
             fetcher.peer_joined(origin)
             fetcher.on_announce(origin, wire.Have(1, False, b"\x01"))
-            mallory = _session(fetcher, nursery, "mallory")
+            mallory = join_session(fetcher, nursery, "mallory")
             for _ in range(600):
                 await trio.sleep(0.1)
                 fetcher.on_announce(mallory, wire.Incoming(1, False, 0))
                 fetcher.on_announce(mallory, wire.HaveOne(1, False, 0))
-            assert len(_sent(origin, wire.Cancel)) <= 1
+            assert len(sent_of(origin, wire.Cancel)) <= 1
             assert fetcher.picker.sent_at("origin", KEY, 0) is not None  # asked, and left to answer
             await fetcher.on_piece(origin, wire.Piece(1, False, 0, 0, CHUNK_BYTES, _chunk(0)))
             assert 0 in fetcher.store.have(KEY)

@@ -9,19 +9,14 @@ import pytest
 import torch
 import trio
 import trio.testing
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from memlink import RecordingStream, ignore
-from patchswarm.node.fetcher import Fetcher
-from patchswarm.node.net.ratelimit import TokenBucket
-from patchswarm.node.peers import PeerDropped, PeerSet, Session
-from patchswarm.node.relay import Inflows
+from memlink import fetcher_over, join_session, sent_of
+from patchswarm.node.peers import PeerDropped, Session
 from patchswarm.node.store import ObjectStore
 from patchswarm.protocol import wire
 from patchswarm.protocol.patch import diff
 from patchswarm.protocol.picker import PiecePicker
 from patchswarm.protocol.publication import manifest_of
-from patchswarm.protocol.versions import VersionBook
 
 KEY = (1, False)
 
@@ -37,29 +32,16 @@ def _fetcher(tmp_path):
     store.put_manifest(KEY, m, b"(envelope)")
     picker = PiecePicker("n1", "r1", "r0")
     picker.add_object(KEY, len(m.chunks), now=0.0)
-    inflows = Inflows()
-    peers = PeerSet("n1", store, TokenBucket(None), ignore, inflows=inflows)
-    book = VersionBook("sw", Ed25519PrivateKey.generate().public_key())
-    return Fetcher("n1", "r1", picker, peers, inflows, store, book, on_complete=lambda key: None), p.chunks
+    return fetcher_over("n1", store, picker), p.chunks
 
 
-def _session(fetcher, nursery, peer: str, role: str = "node", region: str = "r1") -> Session:
-    s = Session(RecordingStream(), peer, role, region, "x:1", outbound=True)
-    s.tasks = nursery
-    fetcher.peers.sessions[peer] = s
-    fetcher.peer_joined(s)
-    return s
-
-
-def _sent(s: Session, kind) -> list:
-    return [m for m in s.ms.sent if isinstance(m, kind)]
 
 
 async def _asked(fetcher, s: Session) -> None:
     """`s` says it holds chunk 0 and is asked for it (a part nobody asked for is ignored)."""
     fetcher.on_announce(s, wire.HaveOne(1, False, 0))
     await trio.testing.wait_all_tasks_blocked()
-    assert wire.Request(1, False, 0) in _sent(s, wire.Request)
+    assert wire.Request(1, False, 0) in sent_of(s, wire.Request)
 
 
 def test_incoming_then_haveone_go_each_to_the_peers_that_need_them(tmp_path):
@@ -71,30 +53,30 @@ def test_incoming_then_haveone_go_each_to_the_peers_that_need_them(tmp_path):
     async def main():
         async with trio.open_nursery() as n:
             await n.start(fetcher.run)
-            up = _session(fetcher, n, "up", region="r0")
+            up = join_session(fetcher, n, "up", region="r0")
             await _asked(fetcher, up)
-            lacking = _session(fetcher, n, "lacking")
-            whole = _session(fetcher, n, "whole")
+            lacking = join_session(fetcher, n, "lacking")
+            whole = join_session(fetcher, n, "whole")
             fetcher.on_announce(whole, wire.HaveOne(1, False, 0))  # announced the chunk whole already
-            arriving = _session(fetcher, n, "arriving")
+            arriving = join_session(fetcher, n, "arriving")
             fetcher.on_announce(arriving, wire.Incoming(1, False, 0))  # announced it is receiving it
-            origin = _session(fetcher, n, "origin", role="origin", region="r0")
+            origin = join_session(fetcher, n, "origin", role="origin", region="r0")
             await fetcher.on_piece(up, wire.Piece(1, False, 0, 0, len(data), data[:half]))
             await trio.testing.wait_all_tasks_blocked()
-            assert [s.id for s in (up, lacking, whole, arriving, origin) if _sent(s, wire.Incoming)] == ["lacking"]
-            late = _session(fetcher, n, "late")  # connected while the chunk arrived: was not told
+            assert [s.id for s in (up, lacking, whole, arriving, origin) if sent_of(s, wire.Incoming)] == ["lacking"]
+            late = join_session(fetcher, n, "late")  # connected while the chunk arrived: was not told
             # A told peer reconnects: its new session was not told either.
             fetcher.peer_left(lacking)
             del fetcher.peers.sessions["lacking"]
-            again = _session(fetcher, n, "lacking")
+            again = join_session(fetcher, n, "lacking")
             await fetcher.on_piece(up, wire.Piece(1, False, 0, half, len(data), data[half:]))
             await trio.testing.wait_all_tasks_blocked()
             assert 0 in fetcher.store.have(KEY)
             # The told peer already knows; the one that was receiving it gets the HaveOne,
             # as its own flow may still fail; whoever holds it whole, and the origin, do not.
             assert [s.id for s in (up, lacking, whole, arriving, origin, late)
-                    if _sent(s, wire.HaveOne)] == ["arriving", "late"]
-            assert _sent(again, wire.HaveOne) and not _sent(again, wire.Incoming)
+                    if sent_of(s, wire.HaveOne)] == ["arriving", "late"]
+            assert sent_of(again, wire.HaveOne) and not sent_of(again, wire.Incoming)
             assert fetcher._told.get(KEY, {}) == {}
             n.cancel_scope.cancel()
 
@@ -110,9 +92,9 @@ def test_a_peer_that_refused_the_chunk_hears_of_it_again(tmp_path):
     async def main():
         async with trio.open_nursery() as n:
             await n.start(fetcher.run)
-            up = _session(fetcher, n, "up", region="r0")
+            up = join_session(fetcher, n, "up", region="r0")
             await _asked(fetcher, up)
-            refused, again = _session(fetcher, n, "refused"), _session(fetcher, n, "again")
+            refused, again = join_session(fetcher, n, "refused"), join_session(fetcher, n, "again")
             for s in (refused, again):
                 fetcher.on_announce(s, wire.HaveOne(1, False, 0))
                 fetcher.on_reject(s, wire.Reject(1, False, 0, "not held"))
@@ -120,8 +102,8 @@ def test_a_peer_that_refused_the_chunk_hears_of_it_again(tmp_path):
             await fetcher.on_piece(up, wire.Piece(1, False, 0, 0, len(data), data[:1]))
             await fetcher.on_piece(up, wire.Piece(1, False, 0, 1, len(data), data[1:]))
             await trio.testing.wait_all_tasks_blocked()
-            assert _sent(refused, wire.Incoming) and not _sent(refused, wire.HaveOne)  # told
-            assert not _sent(again, wire.Incoming) and _sent(again, wire.HaveOne)  # its flow may fail
+            assert sent_of(refused, wire.Incoming) and not sent_of(refused, wire.HaveOne)  # told
+            assert not sent_of(again, wire.Incoming) and sent_of(again, wire.HaveOne)  # its flow may fail
             n.cancel_scope.cancel()
 
     trio.run(main)
@@ -134,7 +116,7 @@ def test_a_chunk_that_fails_its_hash_drops_the_sender_and_is_not_kept(tmp_path):
     async def main():
         async with trio.open_nursery() as n:
             await n.start(fetcher.run)
-            up = _session(fetcher, n, "up", region="r0")
+            up = join_session(fetcher, n, "up", region="r0")
             await _asked(fetcher, up)
             with pytest.raises(PeerDropped, match="does not match its manifest"):
                 await fetcher.on_piece(up, wire.Piece(1, False, 0, 0, len(bad), bad))
@@ -152,7 +134,7 @@ def test_a_reject_past_the_objects_end_drops_the_peer(tmp_path):
     async def main():
         async with trio.open_nursery() as n:
             await n.start(fetcher.run)
-            up = _session(fetcher, n, "up", region="r0")
+            up = join_session(fetcher, n, "up", region="r0")
             with pytest.raises(PeerDropped, match="which has"):
                 fetcher.on_reject(up, wire.Reject(1, False, len(chunks), "not held"))
             n.cancel_scope.cancel()
@@ -173,19 +155,19 @@ def test_a_chunk_whose_transfer_broke_is_asked_of_the_next_holder_from_where_it_
     async def main():
         async with trio.open_nursery() as n:
             await n.start(fetcher.run)
-            up = _session(fetcher, n, "up", region="r0")
+            up = join_session(fetcher, n, "up", region="r0")
             fetcher.on_announce(up, wire.HaveOne(1, False, 0))
             await trio.testing.wait_all_tasks_blocked()
-            assert wire.Request(1, False, 0) in _sent(up, wire.Request)
+            assert wire.Request(1, False, 0) in sent_of(up, wire.Request)
             first = data[:half] if prefix_ok else bytes(half)
             await fetcher.on_piece(up, wire.Piece(1, False, 0, 0, len(data), first))
             fetcher.peer_left(up)  # it died mid-chunk
             del fetcher.peers.sessions["up"]
-            nxt = _session(fetcher, n, "next", region="r0")
+            nxt = join_session(fetcher, n, "next", region="r0")
             fetcher.on_announce(nxt, wire.HaveOne(1, False, 0))
             await trio.testing.wait_all_tasks_blocked()
-            assert [m for m in _sent(nxt, wire.RequestRest) if m.chunk == 0] == [wire.RequestRest(1, False, 0, half)]
-            assert not [m for m in _sent(nxt, wire.Request) if m.chunk == 0]
+            assert [m for m in sent_of(nxt, wire.RequestRest) if m.chunk == 0] == [wire.RequestRest(1, False, 0, half)]
+            assert not [m for m in sent_of(nxt, wire.Request) if m.chunk == 0]
             await fetcher.on_piece(nxt, wire.Piece(1, False, 0, half, len(data), data[half:]))
             await trio.testing.wait_all_tasks_blocked()
             if prefix_ok:
@@ -194,7 +176,7 @@ def test_a_chunk_whose_transfer_broke_is_asked_of_the_next_holder_from_where_it_
             else:
                 assert 0 not in fetcher.store.have(KEY) and fetcher.chunks_rejected == 1
                 assert "next" in fetcher.peers.sessions and fetcher.inflows.partial(KEY, 0) == 0
-                assert [m for m in _sent(nxt, wire.Request) if m.chunk == 0] == [wire.Request(1, False, 0)]
+                assert [m for m in sent_of(nxt, wire.Request) if m.chunk == 0] == [wire.Request(1, False, 0)]
             n.cancel_scope.cancel()
 
     trio.run(main)
