@@ -238,6 +238,8 @@ def read_table(blob: bytes) -> tuple:
     one zstd frame of at most TABLE_MAX_RATIO times its bytes (and MAX_TABLE_BYTES) holding
     rows with names in order, each once."""
     limit = min(MAX_TABLE_BYTES, TABLE_MAX_RATIO * len(blob))
+    # Not planes.decompress: that module brings numpy and torch, which the tracker (it reads
+    # manifests) does without.
     try:
         declared = zstandard.frame_content_size(blob)
         if declared > limit:

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 import zstandard
 
+from . import planes
 from .errors import CorruptData, UsageError
 from .manifest import TABLE_ZSTD_LEVEL, Manifest, ObjKey, describe, key_of  # noqa: F401 (key_of, describe: re-exported)
 from .patch import FORMAT_VERSION, Patch, TensorSpec
@@ -152,7 +153,7 @@ def _unpack_layout(packed, names: list[str]) -> dict[str, str] | None:
     files, rows = (packed.get("files"), packed.get("rows")) if isinstance(packed, dict) else (None, None)
     if not (isinstance(files, list) and all(isinstance(f, str) for f in files) and isinstance(rows, bytes)):
         raise CorruptData("manifest codec: expected a form-2 layout {files: [names], rows: bytes}, or nil")
-    rows = _decompress(rows, 4 * len(names), "manifest layout rows")
+    rows = planes.decompress(rows, 4 * len(names), "manifest layout rows")
     width = len(rows) // len(names) if names else 2
     if width not in _NO_FILE or len(rows) != width * len(names):
         raise CorruptData(f"manifest layout: expected 2 or 4 bytes for each of {len(names)} tensors, "
@@ -162,16 +163,6 @@ def _unpack_layout(packed, names: list[str]) -> dict[str, str] | None:
     if held.any() and int(idx[held].max()) >= len(files):
         raise CorruptData(f"manifest layout: expected file indices below {len(files)}, found {int(idx[held].max())}")
     return {names[i]: files[j] for i, j in zip(np.flatnonzero(held).tolist(), idx[held].tolist())}
-
-
-def _decompress(data: bytes, limit: int, what: str) -> bytes:
-    """One zstd frame's content of at most `limit` bytes; CorruptData otherwise."""
-    try:
-        if zstandard.frame_content_size(data) > limit:
-            raise CorruptData(f"{what}: expected at most {limit} bytes, found a frame that declares more")
-        return zstandard.ZstdDecompressor().decompress(data, max_output_size=max(limit, 1))
-    except zstandard.ZstdError as e:
-        raise CorruptData(f"{what}: expected a zstd frame of at most {limit} bytes ({e})") from None
 
 
 def manifest_layout(m: Manifest, names: Sequence[str]) -> dict[str, str] | None:
