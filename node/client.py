@@ -45,7 +45,7 @@ from patchswarm.protocol import localapi
 from patchswarm.protocol.changes import ChangeApplier, ChangeStream
 from patchswarm.protocol.errors import (CorruptData, InvalidInput, PatchswarmError, ProtocolError, StateHashMismatch,
                                         UsageError)
-from patchswarm.protocol.statehash import state_hash
+from patchswarm.protocol.statehash import state_hash_any_device
 from patchswarm.protocol.trajectory import encode_payload
 from patchswarm.protocol.wire import CLOSED, NEED_DATA, FrameBuffer
 
@@ -191,6 +191,14 @@ def _result(reply: dict) -> dict:
     if reply.get("ok") is True:
         return reply
     raise NodeError(str(reply.get("code", "error")), str(reply.get("error", reply)))
+
+
+def _settle(tensors: dict[str, torch.Tensor]) -> None:
+    """Wait for the writes queued into accelerator tensors (`index_copy_` and copies run
+    asynchronously on the device's current stream), so that the caller may read them on
+    any stream, or hand them to another process, once `follow` returns."""
+    for device in {t.device for t in tensors.values() if t.device.type == "cuda"}:
+        torch.cuda.synchronize(device)
 
 
 class NodeClient:
@@ -350,9 +358,12 @@ class NodeClient:
         `from_version` None, a node that no longer holds the changes, or changes that
         do not fit (a corrupt file, another chain): bootstrap, i.e. read the node's
         base file (status base_path) whole into `tensors`, then follow from its version. New tensors
-        go to `device` (default: where the tensors are). `verify`: hash `tensors` at
-        the end and raise StateHashMismatch unless they are the node's version (a
-        full pass over the state: for tests and small models)."""
+        go to `device` (default: where the tensors are). Tensors in a GPU's memory
+        receive only the changed elements (copied over, then one `index_copy_` per
+        piece); `follow` returns once the device has written them. `verify`: hash
+        `tensors` at the end and raise StateHashMismatch unless they are the node's
+        version (a full pass over the state, device tensors copied to host one at a
+        time: for tests and small models)."""
         at = None if from_version is None else (from_version, from_hash)
         for attempt in range(2):
             if at is None:
@@ -367,8 +378,9 @@ class NodeClient:
                 if attempt:
                     raise
             at = None
+        _settle(tensors)
         if verify:
-            found = state_hash(tensors)
+            found = state_hash_any_device(tensors)
             if found != at[1]:
                 raise StateHashMismatch(f"tensors after following to version {at[0]}", at[1], found)
         return at

@@ -215,6 +215,25 @@ def combine(records: dict[str, tuple[torch.dtype, tuple[int, ...], bytes]]) -> s
     return PREFIX + h.hexdigest()
 
 
+def state_hash_any_device(state: dict[str, torch.Tensor]) -> str:
+    """`state_hash` of tensors that may live in an accelerator's memory (an engine's
+    weights): each such tensor is copied to host memory in turn, so the host holds one
+    tensor's copy at a time, never a second state; CPU tensors are read in place. The
+    same string as `state_hash` of the same bits. A full pass over the state plus, for
+    device tensors, one device-to-host copy each: for checks, not for every version."""
+    if all(t.device.type == "cpu" for t in state.values()):
+        return state_hash(state)
+    return _state_hash_by_tensor(state)
+
+
+def _state_hash_by_tensor(state: dict[str, torch.Tensor]) -> str:
+    records = {}
+    for name, t in state.items():
+        host = t if t.device.type == "cpu" else t.detach().to("cpu")
+        records[name] = (host.dtype, tuple(host.shape), tensor_digest(host))
+    return combine(records)
+
+
 @parallel.gc_paused()  # a state of many tensors: parallel.py
 def state_hash(state: dict[str, torch.Tensor], threads: int | None = None, views: dict | None = None) -> str:
     """`threads`: at most this many (None: as many as the cores and the work are worth).

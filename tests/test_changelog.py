@@ -173,3 +173,29 @@ def test_a_node_that_records_no_changes_says_how_to_turn_them_on(tmp_path):
             assert e.value.code == localapi.UNAVAILABLE
 
     serving(tmp_path, node, body)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_client_follows_into_gpu_tensors_in_place(tmp_path):
+    """An engine that holds its weights in GPU memory: the bootstrap reads the weights file
+    onto the GPU, each version after it writes only the changed elements there."""
+    states = versions(7)
+    node = FakeNode(tmp_path, states)
+    node.apply(0)
+
+    def body(path):
+        tensors: dict = {}
+        with NodeClient(path) as c:
+            at = c.follow(tensors, None, device="cuda", verify=True)
+            assert at == (0, state_hash(states[0]))
+            held = {k: t.data_ptr() for k, t in tensors.items()}
+            for v in range(1, 7):
+                node.apply(v)
+                at = c.follow(tensors, *at, verify=True)
+                assert at == (v, state_hash(states[v]))
+                assert all(t.device.type == "cuda" for t in tensors.values())
+                same({k: t.cpu() for k, t in tensors.items()}, states[v])
+            assert all(tensors[k].data_ptr() == p for k, p in held.items())  # written in place
+            assert tensors["added"].device.type == "cuda"  # a tensor version 3 added went to the GPU too
+
+    serving(tmp_path, node, body)

@@ -15,6 +15,7 @@ from patchswarm.protocol.dtypes import BY_NAME, info_of
 from patchswarm.protocol.errors import BaseMismatch, CorruptData, InvalidInput
 from patchswarm.protocol.patch import Patch, apply, diff, keyframe
 from patchswarm.protocol.patchformat import TensorSpec
+from patchswarm.protocol import statehash
 from patchswarm.protocol.statehash import state_hash
 from patchswarm.protocol.wire import NEED_DATA
 
@@ -347,3 +348,44 @@ def test_structure_lists_fill_their_frames():
     declared = [s for f in frames for s in changes.decode_frame(f[changes.PREFIX_BYTES:],
                                                                  changes.frame_prefix(f[:changes.PREFIX_BYTES])[1]).full]
     assert declared == specs
+
+
+NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def on_host(s):
+    return {k: v.cpu() for k, v in s.items()}
+
+
+@NEEDS_CUDA
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chains())
+def test_changes_written_into_gpu_tensors_give_the_same_bits_as_on_the_host(states):
+    """Every dtype (fp8 and bool included), tensors added, removed and reshaped: `apply_changes`
+    into tensors in GPU memory leaves them bit for bit the target, in place where it can."""
+    node = clone(states[0])
+    stream = b""
+    at = (0, state_hash(states[0]))
+    for v, target in enumerate(states[1:], 1):
+        patch = diff(states[v - 1], target)
+        stream += record(node, patch, at, v)
+        at = (v, patch.target_hash)
+    follower = {k: t.to("cuda") for k, t in states[0].items()}
+    kept = {k for k in follower if all(k in s and s[k].dtype == follower[k].dtype and s[k].shape == follower[k].shape
+                                       for s in states)}
+    ptrs = {k: follower[k].data_ptr() for k in kept}
+    last = apply_changes(follower, stream, after=(0, state_hash(states[0])))
+    torch.cuda.synchronize()
+    assert all(t.device.type == "cuda" for t in follower.values())
+    same(on_host(follower), states[-1])
+    assert (last.target_version, last.target_hash) == at
+    assert statehash.state_hash_any_device(follower) == at[1]
+    assert all(follower[k].data_ptr() == ptrs[k] for k in kept)
+
+
+@settings(max_examples=40, deadline=None)
+@given(chains())
+def test_the_state_hash_tensor_by_tensor_is_the_state_hash(states):
+    """What `state_hash_any_device` computes for device tensors (each copied to host in turn)."""
+    for s in states:
+        assert statehash._state_hash_by_tensor(s) == state_hash(s) == statehash.state_hash_any_device(s)
