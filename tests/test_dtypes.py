@@ -2,7 +2,9 @@
 dtype of up to 16 bits (and the extremes of the wider ones): the delta coder's deltas and the
 decoder's range check both rest on it."""
 
+import json
 import re
+import struct
 import subprocess
 import sys
 
@@ -40,23 +42,29 @@ def test_the_new_dtypes_are_known_by_name_and_torch_dtype():
         assert torch.empty(0, dtype=info.torch_dtype).element_size() == info.width
 
 
-def test_without_float8_e8m0fnu_in_torch_its_name_is_unknown_with_the_usual_error():
-    """Under torch < 2.7 (no float8_e8m0fnu) the tables have no f8e8m0: a name of it meets the
-    "expected one of" error every unknown dtype meets, and the rest loads. In a fresh
-    interpreter whose torch lacks the attribute (reloading here would leave other modules
-    holding the tables of the first import)."""
+def test_without_float8_e8m0fnu_in_torch_its_name_is_unknown_with_the_usual_error(tmp_path):
+    """Under torch < 2.7 (no float8_e8m0fnu) the tables have no f8e8m0: its wire name, and a
+    checkpoint's F8_E8M0 tensor, meet the "expected one of" error every unknown dtype meets,
+    and the rest loads. In a fresh interpreter whose torch lacks the attribute (reloading
+    here would leave other modules holding the tables of the first import)."""
+    header = json.dumps({"s": {"dtype": "F8_E8M0", "shape": [2], "data_offsets": [0, 2]}}).encode()
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(2))
     code = (
-        "import torch; del torch.float8_e8m0fnu\n"
+        "import torch\nif hasattr(torch, 'float8_e8m0fnu'): del torch.float8_e8m0fnu\n"
         "from patchswarm.protocol import dtypes, patch, served, changes\n"
         "from patchswarm.node import basefile\n"
         "assert dtypes.E8M0 is None and 'f8e8m0' not in dtypes.BY_NAME and 'fp64' in dtypes.BY_NAME\n"
-        "try:\n"
-        "    dtypes.info_named('f8e8m0')\n"
-        "except dtypes.UnsupportedFormat as e:\n"
-        "    print(e)\n")
+        "for call in (lambda: dtypes.info_named('f8e8m0'), lambda: basefile.read_header(%r)):\n"
+        "    try:\n"
+        "        call()\n"
+        "    except dtypes.UnsupportedFormat as e:\n"
+        "        print(e)\n") % str(path)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert re.fullmatch(r"dtype name: expected one of \[.*'fp64'.*\], found 'f8e8m0'\n", r.stdout), r.stdout
+    name_error, file_error = r.stdout.splitlines()
+    assert re.fullmatch(r"dtype name: expected one of \[.*'fp64'.*\], found 'f8e8m0'", name_error), r.stdout
+    assert re.search(r"tensor 's': dtype: expected one of \[.*'U64'.*\], found 'F8_E8M0'$", file_error), r.stdout
 
 
 @pytest.mark.parametrize("name", [n for n in FLOATS if BY_NAME[n].bits <= 16])

@@ -449,8 +449,8 @@ def _every_dtype_versions(seed: int = 3) -> list[dict[str, torch.Tensor]]:
     state = {
         "model.layers.0.mlp.weight": torch.randn(64, 64, generator=g),  # an fp32 master: served bf16
         "model.rotary.inv_freq": f64,
-        "model.layers.0.mlp.weight_scale": torch.randint(110, 135, (n,), generator=g, dtype=torch.uint8)
-        .view(torch.float8_e8m0fnu),
+        **({"model.layers.0.mlp.weight_scale": torch.randint(110, 135, (n,), generator=g, dtype=torch.uint8)
+            .view(torch.float8_e8m0fnu)} if hasattr(torch, "float8_e8m0fnu") else {}),  # torch >= 2.7
         "ids.u16": torch.randint(0, 1 << 16, (1000,), generator=g, dtype=torch.int32).to(torch.uint16),
         "ids.u32": torch.randint(0, 1 << 31, (1000,), generator=g, dtype=torch.int64).to(torch.uint32) * 2,
         "ids.u64": torch.randint(-(1 << 62), 1 << 62, (600,), generator=g, dtype=torch.int64).view(torch.uint64),
@@ -467,6 +467,8 @@ def _every_dtype_versions(seed: int = 3) -> list[dict[str, torch.Tensor]]:
     nxt = {k: v.clone() for k, v in state.items()}
     nxt["model.layers.0.mlp.weight"][::9] += 1e-3
     for k in ("model.rotary.inv_freq", "model.layers.0.mlp.weight_scale", "ids.u16", "ids.u32", "ids.u64"):
+        if k not in nxt:
+            continue
         t = nxt[k]
         flat = t.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
         flat[5::31] += 1  # past the specials: +1 ulp, the next scale, the next id
