@@ -10,7 +10,8 @@ Unsigned dtypes (u8, u16, u32, u64, and f8e8m0, an exponent with no sign)
 are viewed as unsigned integers of their width, so their order is their
 bits' order with no sign bit to undo. float8_e8m0fnu came with torch 2.7;
 under an older torch (pyproject allows 2.4) it is not in the tables at all,
-and a tensor or a name of it meets the usual "expected one of" error.
+and its name (in a patch, a change stream, a checkpoint's F8_E8M0 header)
+meets the usual "expected one of" error.
 """
 
 from __future__ import annotations
@@ -76,8 +77,8 @@ _INFOS = [
     DtypeInfo("i32", torch.int32, torch.int32, np.int32, 4, 0, False),
     DtypeInfo("i64", torch.int64, torch.int64, np.int64, 8, 0, False),
     DtypeInfo("bool", torch.bool, torch.uint8, np.uint8, 1, 0, False),
-    # Names added after the first release: an older member refuses a manifest or patch naming one
-    # ("dtype name: expected one of [...], found 'fp64'"). The class key of an f64 is its 11-bit
+    # Names added on 2026-12-05: an older member refuses a version (patch, keyframe, change
+    # stream) naming one ("dtype name: expected one of [...], found 'fp64'"). The class key of an f64 is its 11-bit
     # exponent's low 8 bits with bit 7 flipped: (e + 1023 + 128) mod 256 = e + 127 for e in
     # -127..128, the same key fp32 gives the same value, so the windows that fit fp32's and bf16's
     # weights fit; the rare exponent outside that range wraps into another class (costing bits,
@@ -184,9 +185,9 @@ def ordered_bits(bits: np.ndarray, info: DtypeInfo) -> np.ndarray:
 
 def to_ordered(bits: np.ndarray, info: DtypeInfo) -> np.ndarray:
     """Bit patterns → int64 whose order matches the float order (sign-magnitude undone), or
-    the unsigned order; u64 patterns from 2^63 up wrap to negative int64. That costs no
-    delta anything: a 64-bit delta is taken modulo 2^64 (as i64's, whose differences
-    overflow too), and modulo 2^64 the wrapped and the true difference are the same."""
+    the unsigned order; u64 patterns from 2^63 up wrap to negative int64. No delta
+    changes: a 64-bit delta is taken modulo 2^64 (as i64's, whose differences overflow
+    too), and modulo 2^64 the wrapped and the true difference are the same."""
     return ordered_bits(bits, info).astype(np.int64)
 
 
