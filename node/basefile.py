@@ -37,7 +37,7 @@ import torch
 
 from patchswarm.node.checkpoint import check_tensor_name, fsync_path
 from patchswarm.protocol.errors import InvalidInput, StateHashMismatch, UnsupportedFormat, UsageError
-from patchswarm.protocol.dtypes import info_of
+from patchswarm.protocol.dtypes import E8M0, info_of
 from patchswarm.protocol.patch import Patch, TensorSpec, apply
 from patchswarm.protocol.statehash import state_hash
 
@@ -47,7 +47,10 @@ _ST_DTYPE = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
     torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
 }
+if E8M0 is not None:  # torch >= 2.7 (protocol/dtypes.py)
+    _ST_DTYPE[E8M0] = "F8_E8M0"
 _TORCH_DTYPE = {v: k for k, v in _ST_DTYPE.items()}
 _WRITE_BYTES = 64 << 20  # per write call: a large tensor goes out in slices
 

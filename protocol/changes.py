@@ -471,6 +471,10 @@ class ChangeApplier:
             self.last, self._header = self._header, None
 
 
+_SIGNED_TORCH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_SIGNED_NP = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
+
+
 def write_piece(tensors: dict[str, torch.Tensor], p: Piece) -> None:
     """One piece's bits into its tensor with one index operation (a copy for a range)."""
     t = tensors.get(p.name)
@@ -480,11 +484,13 @@ def write_piece(tensors: dict[str, torch.Tensor], p: Piece) -> None:
         raise BaseMismatch(f"tensor {p.name!r}: the changes expect {p.dtype}{list(p.shape)}, the tensors have {found}")
     if not t.is_contiguous():
         raise UsageError(f"tensor {p.name!r}: expected a contiguous tensor to write changes into, found strides {t.stride()}")
-    flat = (t.view(torch.uint8) if info.torch_dtype is torch.bool else t.view(info.int_dtype)).view(-1)
+    # Written through the signed integer view of the width: torch has no index_copy_ for
+    # uint16/32/64 (nor for most ops on them), and bits are bits.
+    flat = t.view(_SIGNED_TORCH[info.width]).view(-1)
     with warnings.catch_warnings():
         # The frame's bytes are read-only; torch only reads them (copied to the device).
         warnings.simplefilter("ignore", UserWarning)
-        bits = torch.from_numpy(p.bits).to(flat.device, non_blocking=True)
+        bits = torch.from_numpy(p.bits.view(_SIGNED_NP[info.width])).to(flat.device, non_blocking=True)
         if p.positions is None:
             flat[p.start:p.start + len(bits)].copy_(bits)
         else:

@@ -71,12 +71,20 @@ _SELECT8_FLAT = _SELECT8.ravel().astype(np.uint64)
 
 
 def has_classes(info: DtypeInfo) -> bool:
-    """Floats have an exponent to condition on; integer dtypes get one class."""
-    return info.is_float
+    """Floats (and f8e8m0, an exponent alone) have an exponent to condition on; integer dtypes
+    get one class."""
+    return info.exponent > 0
 
 
 def _exponent_mask(info: DtypeInfo) -> int:
-    return (1 << (info.bits - 1 - info.mantissa_bits)) - 1
+    return info.key_mask
+
+
+def _compiled(info: DtypeInfo) -> bool:
+    """Whether the compiled pass reads this dtype's keys: it takes 1-, 2- and 4-byte elements
+    and a shift-and-mask key. fp64 (8 bytes, a key with a flipped bit) takes ClassIndex, the
+    numpy version of the same answers: f64 tensors are a checkpoint's buffers, not its bulk."""
+    return KERNEL is not None and info.width <= 4 and not info.key_xor
 
 
 def keys_of(bits: np.ndarray, info: DtypeInfo) -> np.ndarray:
@@ -162,7 +170,7 @@ def select_positions(pieces: list[np.ndarray], info: DtypeInfo, lo: int, classes
     ascending): the caller checks the sizes first, since another base has
     other sizes."""
     _check_window(lo, classes)
-    if KERNEL is not None:
+    if _compiled(info):
         n = ranks.size
         bits = pieces[0].dtype if pieces else info.np_int
         found = Selected(np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64), np.empty(n, dtype=bits))
@@ -205,7 +213,7 @@ def rank_positions(pieces: list[np.ndarray], info: DtypeInfo, lo: int, classes: 
     """(ranks, class sizes): for each ascending segment position idx[i] of class
     cls[i], how many members of its class come before it; every class's size."""
     _check_window(lo, classes)
-    if KERNEL is not None:
+    if _compiled(info):
         got_cls = np.empty(idx.size, dtype=np.uint8)
         ranks = np.empty(idx.size, dtype=np.int64)
         sizes = np.zeros(classes, dtype=np.int64)
@@ -449,10 +457,13 @@ POOL = BufferPool()
 def _keys_into(bits: np.ndarray, info: DtypeInfo, out: np.ndarray) -> None:
     # An arithmetic shift leaves sign copies above the exponent; for 8-bit
     # exponents (bf16, fp32) the cast to uint8 drops them exactly.
+    # f64's 11-bit exponent keeps its low 8 bits the same way; its key_xor is applied after.
     np.right_shift(bits, info.mantissa_bits, out=out, casting="unsafe")
     mask = _exponent_mask(info)
     if mask < 0xFF:
         np.bitwise_and(out, mask, out=out)
+    if info.key_xor:
+        np.bitwise_xor(out, info.key_xor, out=out)
 
 
 def _key_chunks(pieces: list[np.ndarray], info: DtypeInfo, buf: np.ndarray):

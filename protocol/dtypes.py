@@ -1,8 +1,17 @@
 """The served dtypes and their bit patterns.
 
 Owns: the names used on the wire for each dtype, the integer view of the same
-width, and the order-preserving map from sign-magnitude float bits to integers
-(so +tiny → -tiny is a small delta, and -0.0 ≠ +0.0). Pure functions, no I/O.
+width, the order-preserving map from sign-magnitude float bits to integers
+(so +tiny → -tiny is a small delta, and -0.0 ≠ +0.0), and what the codec's
+context classes read as a dtype's exponent (its class key). Pure functions,
+no I/O.
+
+Unsigned dtypes (u8, u16, u32, u64, and f8e8m0, an exponent with no sign)
+are viewed as unsigned integers of their width, so their order is their
+bits' order with no sign bit to undo. float8_e8m0fnu came with torch 2.7;
+under an older torch (pyproject allows 2.4) it is not in the tables at all,
+and its name (in a patch, a change stream, a checkpoint's F8_E8M0 header)
+meets the usual "expected one of" error.
 """
 
 from __future__ import annotations
@@ -19,11 +28,29 @@ from .errors import UnsupportedFormat, UsageError
 class DtypeInfo:
     name: str
     torch_dtype: torch.dtype
-    int_dtype: torch.dtype  # same width, signed
-    np_int: type  # numpy signed integer of the same width
+    int_dtype: torch.dtype  # same width; unsigned for the unsigned dtypes (and bool's uint8)
+    np_int: type  # numpy integer of the same width and signedness
     width: int  # bytes
-    mantissa_bits: int  # context key = magnitude >> mantissa_bits (the exponent)
-    is_float: bool
+    mantissa_bits: int  # context key = (bits >> mantissa_bits) & key_mask, ^ key_xor (the exponent)
+    is_float: bool  # sign-magnitude: the ordered map flips negatives, keyframe planes rotate the sign down
+    exponent_bits: int = -1  # -1: the sign-magnitude float's own (bits - 1 - mantissa_bits); 0: no classes
+    key_xor: int = 0  # f64: its exponent's low 8 bits with bit 7 flipped (the fp32 exponent, see below)
+
+    @property
+    def exponent(self) -> int:
+        """Bits of the exponent field the class key is read from (0: integers, no classes)."""
+        if self.exponent_bits >= 0:
+            return self.exponent_bits
+        return self.bits - 1 - self.mantissa_bits if self.is_float else 0
+
+    @property
+    def key_mask(self) -> int:
+        """The class key's mask after the shift: the exponent field, at most 8 bits of it."""
+        return (1 << min(self.exponent, 8)) - 1
+
+    @property
+    def unsigned(self) -> bool:
+        return np.dtype(self.np_int).kind == "u"
 
     @property
     def bits(self) -> int:
@@ -50,7 +77,22 @@ _INFOS = [
     DtypeInfo("i32", torch.int32, torch.int32, np.int32, 4, 0, False),
     DtypeInfo("i64", torch.int64, torch.int64, np.int64, 8, 0, False),
     DtypeInfo("bool", torch.bool, torch.uint8, np.uint8, 1, 0, False),
+    # Names added on 2026-12-05: an older member refuses a version (patch, keyframe, change
+    # stream) naming one ("dtype name: expected one of [...], found 'fp64'"). The class key of an f64 is its 11-bit
+    # exponent's low 8 bits with bit 7 flipped: (e + 1023 + 128) mod 256 = e + 127 for e in
+    # -127..128, the same key fp32 gives the same value, so the windows that fit fp32's and bf16's
+    # weights fit; the rare exponent outside that range wraps into another class (costing bits,
+    # never correctness).
+    DtypeInfo("fp64", torch.float64, torch.int64, np.int64, 8, 52, True, 11, 0x80),
+    DtypeInfo("u16", torch.uint16, torch.uint16, np.uint16, 2, 0, False),
+    DtypeInfo("u32", torch.uint32, torch.uint32, np.uint32, 4, 0, False),
+    DtypeInfo("u64", torch.uint64, torch.uint64, np.uint64, 8, 0, False),
 ]
+# MX scales: an 8-bit exponent with no sign bit and no mantissa (0xFF is NaN). Its key is the
+# whole byte: the value itself, in order. torch >= 2.7 only (see the module docstring).
+E8M0 = getattr(torch, "float8_e8m0fnu", None)
+if E8M0 is not None:
+    _INFOS.append(DtypeInfo("f8e8m0", E8M0, torch.uint8, np.uint8, 1, 0, False, 8))
 BY_NAME = {i.name: i for i in _INFOS}
 # The dtypes a served checkpoint's floating tensors may be cast to, by the names people type.
 SERVED_DTYPES = {
@@ -142,7 +184,10 @@ def ordered_bits(bits: np.ndarray, info: DtypeInfo) -> np.ndarray:
 
 
 def to_ordered(bits: np.ndarray, info: DtypeInfo) -> np.ndarray:
-    """Bit patterns → int64 whose order matches the float order (sign-magnitude undone)."""
+    """Bit patterns → int64 whose order matches the float order (sign-magnitude undone), or
+    the unsigned order; u64 patterns from 2^63 up wrap to negative int64. No delta
+    changes: a 64-bit delta is taken modulo 2^64 (as i64's, whose differences overflow
+    too), and modulo 2^64 the wrapped and the true difference are the same."""
     return ordered_bits(bits, info).astype(np.int64)
 
 
@@ -150,7 +195,8 @@ def ordered_range(info: DtypeInfo) -> tuple[int, int]:
     """Inclusive bounds of `to_ordered` over every bit pattern of the dtype."""
     if info.is_float:
         return -info.magnitude_mask - 1, info.magnitude_mask
-    if info.np_int in (np.uint8,):
-        return 0, 255
-    ii = np.iinfo(info.np_int)
+    if info.width == 8:  # to_ordered's int64 wraps u64 (64-bit deltas are modular: i64's, f64's, u64's)
+        ii = np.iinfo(np.int64)
+    else:
+        ii = np.iinfo(info.np_int)  # unsigned: 0 .. 2^bits - 1
     return int(ii.min), int(ii.max)

@@ -159,7 +159,7 @@ def _new_values(old: np.ndarray, order: np.ndarray | None, d: np.ndarray, info: 
             old_c, new_c = np.empty_like(old), np.empty_like(old)
             scatter = (old_c, new_c)
         flip = info.magnitude_mask if info.is_float else 0
-        ok = kernel.new_values(old, info.width, info.np_int != np.uint8, flip, lo, hi, d, order, new, *scatter)
+        ok = kernel.new_values(old, info.width, not info.unsigned, flip, lo, hi, d, order, new, *scatter)
     else:
         new_ord = ordered_bits(old, info).astype(np.int64) + (d if order is None else d[order])
         ok = info.width == 8 or not new_ord.size or (new_ord.min() >= lo and new_ord.max() <= hi)

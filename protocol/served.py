@@ -7,7 +7,11 @@ tensor at a time (the origin streams, it never holds two served copies):
   fp8 e4m3/e5m2 weights with their fp32 scales, bf16 norms, int8...).
 - `bf16` (the default, for fp32 masters): fp32 and fp16 tensors become bf16;
   fp8 tensors and the scale tensors that belong to them keep their bits (a
-  rounded scale would silently change every weight of its block).
+  rounded scale would silently change every weight of its block). So do
+  f64 tensors (buffers a model keeps in f64 on purpose: rotary frequencies,
+  running statistics; nothing becomes f64 by default, and a cast would drop
+  45 of its 52 mantissa bits), f8e8m0 ones (MX block scales: exponents an
+  engine reads as such) and every integer and bool tensor.
 - `fp16`, `fp32`: as `bf16`, to that dtype.
 - `fp8-block`: 2-D `*weight` tensors (not embeddings, not `lm_head`) become
   float8_e4m3fn with an fp32 `<name>_scale_inv` per 128x128 block, the
@@ -34,7 +38,7 @@ from typing import Iterator
 import torch
 
 from .changes import MAX_DIMS as CHANGE_MAX_DIMS
-from .dtypes import BY_NAME, BY_TORCH, check_dense
+from .dtypes import BY_NAME, BY_TORCH, E8M0, check_dense
 from .errors import InvalidInput, UnsupportedFormat, UsageError
 from .patchformat import MAX_NAME_BYTES, name_bytes
 
@@ -45,6 +49,8 @@ E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 AMAX_FLOOR = 1e-4  # an all-zero block gets a finite scale (DeepGEMM clamps the same way)
 SCALE_SUFFIX = "_scale_inv"
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+# Floating dtypes no format casts or quantizes (see the docstring): fp8, f64, e8m0 where torch has it.
+_KEPT = (*_FP8, torch.float64, *((E8M0,) if E8M0 is not None else ()))
 _CAST = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _SCALE_ENDINGS = (SCALE_SUFFIX, ".weight_scale", ".input_scale", ".weight_scale_2", ".output_scale",
                   ".k_scale", ".v_scale", ".q_scale", ".kv_scale", ".prob_scale")
@@ -98,14 +104,14 @@ def is_scale(name: str) -> bool:
 
 def quantizes(name: str, dtype: torch.dtype, shape: tuple[int, ...] | torch.Size) -> bool:
     """Whether `fp8-block` turns this tensor into e4m3 + a block scale."""
-    return (len(shape) == 2 and dtype.is_floating_point and dtype not in _FP8 and name.endswith("weight")
+    return (len(shape) == 2 and dtype.is_floating_point and dtype not in _KEPT and name.endswith("weight")
             and not any(word in name for word in _NOT_QUANTIZED))
 
 
 def _cast_to(name: str, dtype: torch.dtype, fmt: str) -> torch.dtype:
     """The dtype a tensor that is not quantized is served in."""
     target = torch.bfloat16 if fmt == "fp8-block" else _CAST.get(fmt)
-    if target is not None and dtype.is_floating_point and dtype not in _FP8 and not is_scale(name):
+    if target is not None and dtype.is_floating_point and dtype not in _KEPT and not is_scale(name):
         return target
     return dtype
 

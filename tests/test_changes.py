@@ -20,6 +20,7 @@ from patchswarm.protocol.statehash import state_hash
 from patchswarm.protocol.wire import NEED_DATA
 
 DTYPES = [i.torch_dtype for i in BY_NAME.values()]
+SIGNED = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # Bit patterns worth seeing in every 1-byte float: ±0, NaN (e4m3fn: 0x7f/0xff), ±inf and NaN (e5m2), ±max, subnormals.
 FP8_SPECIAL = [0x00, 0x80, 0x7F, 0xFF, 0x7C, 0xFC, 0x7D, 0xFE, 0x7E, 0x01, 0x81, 0x08]
 
@@ -58,7 +59,7 @@ def changed(t, rng, density, dtype):
     if not t.numel():
         return t
     mask = torch.from_numpy(rng.random(t.numel()) < density)
-    as_int = info_of(dtype).int_dtype
+    as_int = SIGNED[info_of(dtype).width]  # torch indexes no uint16/32/64 tensor
     repl = random_bits(tuple(t.shape), dtype, rng).reshape(-1).view(as_int)
     flat = t.reshape(-1).view(as_int)
     flat[mask] = repl[mask]
@@ -389,3 +390,59 @@ def test_the_state_hash_tensor_by_tensor_is_the_state_hash(states):
     """What `state_hash_any_device` computes for device tensors (each copied to host in turn)."""
     for s in states:
         assert statehash._state_hash_by_tensor(s) == state_hash(s) == statehash.state_hash_any_device(s)
+
+
+NEW_DTYPES = [torch.float64, torch.uint16, torch.uint32, torch.uint64,
+              *([torch.float8_e8m0fnu] if hasattr(torch, "float8_e8m0fnu") else [])]
+# Per new dtype, patterns to see on the way (unsigned, as bits): f64's infinities, NaNs with
+# payloads and -0.0; e8m0's NaN and extremes; the unsigned types' old sign bit and extremes.
+NEW_SPECIALS = {
+    torch.float64: [0x7FF0000000000000, 0xFFF0000000000000, 0x7FF800000000BEEF, 0xFFF0000000000001,
+                    0x8000000000000000, 0x0000000000000001],
+    torch.uint16: [0, 0xFFFF, 0x8000, 0x7FFF],
+    torch.uint32: [0, 0xFFFFFFFF, 0x80000000, 0x7FFFFFFF],
+    torch.uint64: [0, (1 << 64) - 1, 1 << 63, (1 << 63) - 1],
+    getattr(torch, "float8_e8m0fnu", None): [0xFF, 0x00, 0x7F, 0xFE],
+}
+
+
+def with_specials(t: torch.Tensor, rng, share: float) -> torch.Tensor:
+    t = t.clone()
+    width = t.element_size()
+    flat = t.reshape(-1).view(SIGNED[width])
+    sp = torch.tensor([v - (1 << 8 * width) if v >> (8 * width - 1) else v for v in NEW_SPECIALS[t.dtype]],
+                      dtype=SIGNED[width])
+    at = torch.from_numpy(rng.random(flat.numel()) < share)
+    flat[at] = sp[torch.from_numpy(rng.integers(0, len(sp), int(at.sum())))]
+    return t
+
+
+@pytest.mark.parametrize("dtype", NEW_DTYPES, ids=str)
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1), n=st.sampled_from([1, 50, 5000]),
+       densities=st.lists(st.sampled_from([0.0, 0.002, 0.1, 1.0]), min_size=2, max_size=2),
+       frame_bytes=st.sampled_from([4096, MAX_FRAME_BYTES]))
+def test_each_new_dtype_follows_two_versions_by_changes_and_a_keyframe(dtype, seed, n, densities, frame_bytes):
+    """The change stream per new dtype: two versions recorded while the node applies them
+    (sparse pieces by position, dense ones as ranges, a tensor new in the second version
+    allocated whole), written into a copy of the base by `apply_changes`, bit-exactly and
+    with the state hash of the target; a keyframe over a state replaces it."""
+    rng = np.random.default_rng(seed)
+    states = [{"x": with_specials(random_bits((n,), dtype, rng), rng, 0.1), "y": random_bits((3, 4), dtype, rng)}]
+    for v, density in enumerate(densities, 1):
+        nxt = {k: with_specials(changed(t, rng, density, dtype), rng, density / 4) for k, t in states[-1].items()}
+        if v == 2:
+            nxt["z"] = random_bits((n, 2), dtype, rng)
+        states.append(nxt)
+    node, stream, at = clone(states[0]), b"", (0, state_hash(states[0]))
+    for v in (1, 2):
+        patch = Patch.from_bytes(diff(states[v - 1], states[v]).to_bytes())
+        stream += record(node, patch, at, v, frame_bytes)
+        at = (v, patch.target_hash)
+    follower = clone(states[0])
+    last = apply_changes(follower, stream, after=(0, state_hash(states[0])))
+    same(follower, states[2])
+    assert (last.target_version, last.target_hash) == at == (2, state_hash(follower))
+    follower = clone(states[0])
+    apply_changes(follower, record(clone(states[0]), keyframe(states[2]), (0, state_hash(states[0])), 9))
+    same(follower, states[2])

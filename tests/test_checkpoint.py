@@ -29,6 +29,13 @@ def mixed():
         "d.scalar": torch.tensor(1.5, dtype=torch.bfloat16),
         "e.empty": torch.empty(0, 4, dtype=torch.float8_e5m2),
         "f.transposed": w.to(torch.bfloat16).t(),  # not contiguous
+        # the dtypes added later: safetensors' F64, U16, U32, U64, F8_E8M0
+        "g.f64": torch.tensor([-0.0, float("inf"), float("nan")], dtype=torch.float64),
+        "h.u16": torch.tensor([0, 1 << 15, (1 << 16) - 1], dtype=torch.int32).to(torch.uint16),
+        "i.u32": torch.tensor([0, 1 << 31, (1 << 32) - 1], dtype=torch.int64).to(torch.uint32),
+        "j.u64": torch.tensor([0, -(1 << 63), -1], dtype=torch.int64).view(torch.uint64).reshape(3, 1),
+        **({"k.e8m0": torch.tensor([0, 127, 255], dtype=torch.uint8).view(torch.float8_e8m0fnu)}
+           if hasattr(torch, "float8_e8m0fnu") else {}),
     }
 
 

@@ -52,7 +52,7 @@ UNSERVABLE = {
                "a nested tensor"),
     "meta": (lambda: torch.empty(4, 4, device="meta"), UsageError, "meta device"),
     "complex": (lambda: torch.randn(3, dtype=torch.complex64), UnsupportedFormat, "torch.complex64"),
-    "uint16": (lambda: torch.arange(3).to(torch.uint16), UnsupportedFormat, "torch.uint16"),
+    "complex128": (lambda: torch.randn(3, dtype=torch.complex128), UnsupportedFormat, "torch.complex128"),
     "qint8": (lambda: torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8), UnsupportedFormat,
               "torch.qint8"),
 }
@@ -79,11 +79,22 @@ def test_a_tensor_that_cannot_be_served_is_refused_by_name_before_any_is_made(ki
     assert made == [], "refused before any tensor was read"
 
 
-def test_fp64_is_cast_by_the_cast_formats_and_refused_as_is():
-    state = {"w": torch.randn(3, dtype=torch.float64)}
-    assert served_copy(state, "bf16")["w"].dtype == torch.bfloat16
-    with pytest.raises(UnsupportedFormat, match="'w' served as-is is torch.float64"):
-        Source.from_state(state, "as-is")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fp64_e8m0_and_unsigned_tensors_keep_their_dtype_and_bits_in_every_format(fmt):
+    """Before, the cast formats made an f64 buffer bf16 (45 mantissa bits gone) and an MX
+    e8m0 scale bf16, fp8-block quantized a 2-D f64 weight, and as-is refused all of them and
+    every unsigned type but u8."""
+    state = {"rope.inv_freq": torch.randn(3, dtype=torch.float64), "proj.weight": torch.randn(4, 4, dtype=torch.float64),
+             **({"mx.scale": torch.arange(120, 130, dtype=torch.uint8).view(torch.float8_e8m0fnu)}
+                if hasattr(torch, "float8_e8m0fnu") else {}),
+             "ids": torch.arange(3, dtype=torch.int32).to(torch.uint16), "big": torch.arange(3).to(torch.uint64),
+             "u32": torch.arange(3).to(torch.uint32), "master.norm": torch.randn(4)}
+    out = served_copy(state, fmt)
+    for k in state:
+        if k != "master.norm":
+            assert out[k].dtype == state[k].dtype and torch.equal(out[k].view(torch.uint8), state[k].view(torch.uint8)), k
+    assert set(out) == set(state) and out["master.norm"].dtype == {"as-is": torch.float32, "fp16": torch.float16,
+                                                                     "fp32": torch.float32}.get(fmt, torch.bfloat16)
 
 
 @pytest.mark.parametrize("name, why", [

@@ -9,6 +9,7 @@ as a failing test and not as a swarm whose old data no longer verifies.
 
 import blake3
 import msgpack
+import numpy as np
 import pytest
 import torch
 
@@ -96,3 +97,42 @@ def test_what_the_hash_covers(change):
     before = state_hash(state)
     change(state)
     assert state_hash(state) != before and is_state_hash(state_hash(state))
+
+
+def new_dtype_state(name: str) -> dict:
+    """One fixed state per dtype added after the first release (fp64, u16, u32, u64, f8e8m0):
+    its specials (f64 -0.0, infinities, a NaN with a payload; the unsigned types' old sign bit
+    and top; e8m0's NaN), a 2-D and a non-contiguous view, bytes fixed by arithmetic."""
+    ramp = torch.arange(24, dtype=torch.int64)
+    if name == "fp64":
+        t = ramp.double() / 7 - 1
+        t[:4] = torch.tensor([-0.0, float("inf"), float("-inf"), 0.0], dtype=torch.float64)
+        t.view(torch.int64)[4] = 0x7FF800000000BEEF  # a NaN payload
+        return {"x": t.reshape(4, 6), "xt": t.reshape(4, 6).t()}
+    if name == "f8e8m0":
+        t = (ramp * 11 % 256).to(torch.uint8)
+        t[0] = 0xFF  # NaN
+        return {"x": t.view(torch.float8_e8m0fnu).reshape(4, 6), "xt": t.view(torch.float8_e8m0fnu).reshape(4, 6).t()}
+    width = {"u16": 2, "u32": 4, "u64": 8}[name]
+    top = (1 << 8 * width) - 1
+    bits = np.array([0, 1 << (8 * width - 1), top] + [i * 0x9E3779B97F4A7C15 & top for i in range(3, 24)],
+                    dtype=f"u{width}")
+    t = torch.from_numpy(bits)
+    return {"x": t.reshape(4, 6), "xt": t.reshape(4, 6).t()}
+
+
+NEW_NAMES = ["fp64", "u16", "u32", "u64", *(["f8e8m0"] if hasattr(torch, "float8_e8m0fnu") else [])]
+# Computed once with `documented` (2026-12-05); they must never change for version 2 of the state hash.
+NEW_ANSWERS = {
+    "fp64": "blake3:476d2fa4e09be91362902ad04c17aaa1e3bac2c3a2647884cdd38ea2872846c2",
+    "u16": "blake3:20a25be3de6919b70f44a63d0aa97e92433a6d22f113baeca1c8c6ae16ff332c",
+    "u32": "blake3:a6658eea4c826fe24953b37a78a630418ca8dcc0dd14114b62d932f5afa405bf",
+    "u64": "blake3:404182076972a883a973e78b36c2ce29c359dca26c1cca9b9413b01ccaac2b0c",
+    "f8e8m0": "blake3:78e3dc4220a5c29c4cc647a73c44109424c69a08b24e3b989c3e9c5cde8daa2a",
+}
+
+
+@pytest.mark.parametrize("name", NEW_NAMES)
+def test_each_new_dtype_has_a_known_answer_under_its_wire_name(name):
+    state = new_dtype_state(name)
+    assert state_hash(state) == documented(state, {"x": name, "xt": name}) == NEW_ANSWERS[name]

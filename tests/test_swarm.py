@@ -435,6 +435,85 @@ def test_fp8_checkpoints_and_side_files_reach_every_node_bit_exactly(tmp_path, c
                 assert same_bits(load_weights(p), expected), (p.name, step)
 
 
+def _every_dtype_versions(seed: int = 3) -> list[dict[str, torch.Tensor]]:
+    """Two versions of a checkpoint holding every dtype the codec knows, the later ones among
+    them (f64 buffers, u16/u32/u64, MX e8m0 scales) with their specials, large enough for class
+    windows (f64, e8m0) and changed sparsely: ulp steps, counters across the old sign bit."""
+    from patchswarm.protocol.dtypes import BY_TORCH
+
+    g = torch.Generator().manual_seed(seed)
+    n = 8192
+    f64 = torch.randn(n, generator=g, dtype=torch.float64) * 0.02
+    f64[:4] = torch.tensor([-0.0, float("inf"), float("-inf"), float("nan")], dtype=torch.float64)
+    f64.view(torch.int64)[4] = 0x7FF800000000BEEF
+    state = {
+        "model.layers.0.mlp.weight": torch.randn(64, 64, generator=g),  # an fp32 master: served bf16
+        "model.rotary.inv_freq": f64,
+        **({"model.layers.0.mlp.weight_scale": torch.randint(110, 135, (n,), generator=g, dtype=torch.uint8)
+            .view(torch.float8_e8m0fnu)} if hasattr(torch, "float8_e8m0fnu") else {}),  # torch >= 2.7
+        "ids.u16": torch.randint(0, 1 << 16, (1000,), generator=g, dtype=torch.int32).to(torch.uint16),
+        "ids.u32": torch.randint(0, 1 << 31, (1000,), generator=g, dtype=torch.int64).to(torch.uint32) * 2,
+        "ids.u64": torch.randint(-(1 << 62), 1 << 62, (600,), generator=g, dtype=torch.int64).view(torch.uint64),
+        "fp8.weight": (torch.randn(32, 32, generator=g) * 0.1).to(torch.float8_e4m3fn),
+        "norm.weight": torch.ones(64, dtype=torch.bfloat16),
+        "half": torch.randn(16, generator=g).to(torch.float16),
+        "e5m2": torch.randn(16, generator=g).to(torch.float8_e5m2),
+        "i8": torch.arange(-8, 8, dtype=torch.int8), "u8": torch.arange(16, dtype=torch.uint8),
+        "i16": torch.arange(16, dtype=torch.int16), "i32": torch.arange(16, dtype=torch.int32),
+        "i64": torch.arange(16, dtype=torch.int64), "mask": torch.arange(16) % 3 == 0,
+    }
+    state["ids.u16"][:2] = torch.tensor([(1 << 15) - 1, (1 << 16) - 1], dtype=torch.int32).to(torch.uint16)
+    assert {t.dtype for t in state.values()} | {torch.bfloat16} == set(BY_TORCH), "every dtype, once at least"
+    nxt = {k: v.clone() for k, v in state.items()}
+    nxt["model.layers.0.mlp.weight"][::9] += 1e-3
+    for k in ("model.rotary.inv_freq", "model.layers.0.mlp.weight_scale", "ids.u16", "ids.u32", "ids.u64"):
+        if k not in nxt:
+            continue
+        t = nxt[k]
+        flat = t.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+        flat[5::31] += 1  # past the specials: +1 ulp, the next scale, the next id
+    nxt["ids.u16"].view(torch.int16)[0] += 1  # 0x7FFF -> 0x8000: one step, no sign bit in between
+    nxt["i64"][3] = -1
+    return [state, nxt]
+
+
+def test_a_checkpoint_of_every_dtype_reaches_the_node_and_a_follower_bit_exactly(tmp_path):
+    """A model directory holding every dtype (f64, u16, u32, u64 and e8m0 among them) published
+    with the default bf16 format over two versions: the node holds the served bits (the new
+    dtypes as they were, the fp32 master as bf16) in its weights file and its model directory,
+    and a process following its sparse changes (NodeClient.follow) holds them too. Before, the
+    origin refused the checkpoint (U16/U32/U64/F8_E8M0 unknown; as-is refused f64 too)."""
+    from patchswarm.node.checkpoint import load_state
+    from patchswarm.protocol.served import serve_state
+
+    versions = _every_dtype_versions()
+    watch = tmp_path / "watch"
+    watch.mkdir()
+    with SwarmLab(tmp_path) as lab:
+        lab.start_tracker()
+        lab.start_origin(region="r0", watch=watch, extra=ORIGIN_ARGS)
+        node = lab.start_node("a", region="r1", extra=["--model-dir", str(tmp_path / "model"), "--sparse-handoff"])
+        follower: dict[str, torch.Tensor] = {}
+        at = None
+        client = node.client()
+        for v, state in enumerate(versions):
+            _write_model_dir(watch, f"step{v:04d}", state, {})
+            expected = serve_state(state, "bf16")
+            assert expected["model.rotary.inv_freq"].dtype == torch.float64
+            (st,) = lab.wait_version([node], v)
+            assert same_bits(load_weights(node), expected), v
+            deadline = time.monotonic() + 60
+            while (st := node.status()).get("model_dir_version") != v:
+                assert time.monotonic() < deadline, st
+                time.sleep(0.1)
+            assert same_bits(load_state(st["model_dir"])[0], expected), v
+            at = client.follow(follower, None if at is None else at[0], None if at is None else at[1], verify=True)
+            assert at == (v, st["state_hash"]) and same_bits(follower, expected), v
+        client.close()
+        assert client.bootstraps == 1, "version 1 came by changes, not by reading the weights file again"
+        assert "Traceback" not in node.text() and "Traceback" not in lab.procs[1].text()
+
+
 def test_a_revoked_member_is_dropped_by_everyone_and_cannot_rejoin(tmp_path, checkpoints):
     """`swarm revoke` writes a signed list; the tracker (--revocations) rereads it and hands
     it on; every member ends its connections to the revoked one and refuses it from then on,
