@@ -25,9 +25,8 @@ from .errors import CorruptData
 ZSTD_LEVEL = 1  # measured on bf16 exponent planes: 2.88 bits at level 1, 3.25 at 3, 2.65 at 19 (170x slower)
 # Level 1 with its match table cut from 2^14 entries to zstd's least, 2^6: the exponents of
 # trained weights repeat no long strings, and the short matches a larger table finds cost
-# more than the literals they replace. `make bench`'s bf16 keyframes: 0.680 -> 0.664 of raw
-# (the exponent plane within 1 % of its order-0 entropy), fp32 0.840 -> 0.832, others within
-# 64 bytes, and faster. Only the encoder changes: the frames are plain zstd to any decoder.
+# more than the literals they replace: `make bench`'s bf16 keyframes 0.680 -> 0.664 of raw
+# (protocol/README.md). Only the encoder changes: the frames are plain zstd to any decoder.
 ZSTD_HASH_LOG = 6
 # The most a zstd frame can expand, by its format: a block holds at most 128 KiB
 # and takes at least 4 bytes (an RLE block: 3 of header, 1 of content). A plane
