@@ -17,7 +17,13 @@ For each learning rate x served dtype x consecutive (base, target) pair from
   is kept, so that on a shared machine they see the same conditions; every
   apply result is checked bit-exact against the target and a mismatch aborts
   the bench;
-- keyframe bytes (`keyframe(target)`) and zipnn bytes for the same tensors.
+- keyframe bytes (`keyframe(target)`) and zipnn bytes for the same tensors;
+- the peers' patch encodings on the same pair (bench/peer_codecs.py: slime's
+  "xor" and "overwrite" disk deltas, PULSE v2 and v3.1, TRL-style indices and
+  values), each decoded back and checked bit for bit (a size is reported only
+  where that holds; otherwise "lossy"), and DFloat11's keyframe size for bf16
+  states. A second table puts them beside the patch; "p/best" is the patch
+  over the smallest lossless peer encoding, zstd's `--patch-from` included.
 
 Run: `python bench/codec.py [--size small] [--lrs 1e-6,1e-5] [--dtypes bf16,fp8,fp8-block]
 [--pairs 2] [--rounds 7] [--json rows.json]`. Importing this module does no work.
@@ -38,8 +44,11 @@ from pathlib import Path
 
 _ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(_ROOT / "tests"))  # the fixtures' generator (tests/synthetic.py)
+sys.path.insert(0, str(_ROOT / "bench"))  # peer_codecs, also when this module is imported as bench.codec
 
 import torch  # noqa: E402
+
+import peer_codecs  # noqa: E402
 
 State = dict[str, torch.Tensor]
 
@@ -212,6 +221,23 @@ def assert_bit_exact(state: State, target: State, where: str) -> None:
             raise SystemExit(f"FATAL {where}: apply result differs from target in tensor {k!r}")
 
 
+def peer_sizes(base: State, target: State, where: str) -> dict:
+    """Each peer encoding's bytes for the pair (None where its decode is not the target
+    bit for bit) and its encode seconds."""
+    out = {}
+    for name, (encode, decode) in peer_codecs.PATCH_CODECS.items():
+        t0 = time.perf_counter()
+        blob = encode(base, target)
+        out[f"{name}_s"] = time.perf_counter() - t0
+        try:
+            assert_bit_exact(decode(base, blob), target, f"{where} {name}")
+            out[f"{name}_bytes"] = len(blob)
+        except SystemExit as e:
+            print(f"# {e}: reported as lossy", file=sys.stderr, flush=True)
+            out[f"{name}_bytes"] = None
+    return out
+
+
 def bench_pair(base: State, target: State, where: str, rounds: int = ROUNDS) -> dict:
     from patchswarm.protocol import patch as P
 
@@ -231,6 +257,8 @@ def bench_pair(base: State, target: State, where: str, rounds: int = ROUNDS) -> 
 
     row["keyframe_bytes"] = len(keyframe(target).to_bytes())
     row["zipnn_bytes"], row["zipnn_note"] = zipnn_bytes(target)
+    row.update(peer_sizes(base, target, where))
+    row["dfloat11_bytes"] = peer_codecs.dfloat11_bytes(target)
 
     def ratio(a, b):
         return a / b if a is not None and b else None
@@ -244,6 +272,10 @@ def bench_pair(base: State, target: State, where: str, rounds: int = ROUNDS) -> 
     row["hash/compare"] = ratio(row["hash_s"], row["compare_s"])
     row["keyframe/raw"] = ratio(row["keyframe_bytes"], row["full_bytes"])
     row["zipnn/raw"] = ratio(row["zipnn_bytes"], row["full_bytes"])
+    row["dfloat11/raw"] = ratio(row["dfloat11_bytes"], row["full_bytes"])
+    lossless = [row[f"{p}_bytes"] for p in peer_codecs.PATCH_CODECS if row[f"{p}_bytes"] is not None]
+    row["best_peer_bytes"] = min([row["zstd_bytes"], *lossless])
+    row["patch/best_peer"] = ratio(row["patch_bytes"], row["best_peer_bytes"])
     row["patch_stats"] = {k: stats[k] for k in stats}
     return row
 
@@ -263,20 +295,32 @@ COLUMNS = [  # (header, key, format)
 ]
 
 
+PEER_COLUMNS = [
+    ("lr", "lr", "{:g}"), ("dtype", "dtype", "{}"), ("pair", "pair", "{}"), ("chg%", "changed_pct", "{:.2f}"),
+    ("patch B", "patch_bytes", "{:,}"), ("zstd B", "zstd_bytes", "{:,}"),
+    *[(f"{p} B", f"{p}_bytes", "{:,}") for p in ("slime-xor", "slime-ow", "pulse-v2", "pulse-v3.1", "trl")],
+    ("p/best", "patch/best_peer", "{:.3f}"),
+    ("kf B", "keyframe_bytes", "{:,}"), ("zipnn B", "zipnn_bytes", "{:,}"), ("df11 B", "dfloat11_bytes", "{:,}"),
+    ("kf/raw", "keyframe/raw", "{:.3f}"), ("zipnn/raw", "zipnn/raw", "{:.3f}"), ("df11/raw", "dfloat11/raw", "{:.3f}"),
+]
+
+
 def _cell(row: dict, key: str, fmt: str) -> str:
     v = row.get(key)
-    return "n/a" if v is None else fmt.format(v)
+    if v is None:
+        return "lossy" if key.removesuffix("_bytes") in peer_codecs.PATCH_CODECS else "n/a"
+    return fmt.format(v)
 
 
-def print_table(rows: list[dict]) -> None:
-    cells = [[_cell(r, k, f) for _, k, f in COLUMNS] for r in rows]
-    headers = [h for h, _, _ in COLUMNS]
+def print_table(rows: list[dict], columns: list = COLUMNS, title: str = "patchswarm codec bench") -> None:
+    cells = [[_cell(r, k, f) for _, k, f in columns] for r in rows]
+    headers = [h for h, _, _ in columns]
     if sys.stdout.isatty():
         try:
             from rich.console import Console
             from rich.table import Table
 
-            table = Table(title="patchswarm codec bench")
+            table = Table(title=title)
             for i, h in enumerate(headers):
                 table.add_column(h, justify="left" if i < 2 else "right", no_wrap=True)
             for c in cells:
@@ -346,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
                 if row["zipnn_note"]:
                     notes.append(f"{dtype}: {row['zipnn_note']}")
     print_table(rows)
+    print_table(rows, PEER_COLUMNS, "the patch beside the peers' encodings (bytes; lossy: decode not bit-exact)")
     for n in dict.fromkeys(notes):
         print(f"note: {n}")
     print(summary(rows))

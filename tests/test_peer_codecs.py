@@ -1,0 +1,90 @@
+"""The peers' encodings the codec bench measures against (bench/peer_codecs.py): each decodes
+back to the target bit for bit, and their sizes follow their formats."""
+
+import sys
+from pathlib import Path
+
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import peer_codecs  # noqa: E402
+
+FLOATS = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn]
+
+
+@st.composite
+def pairs(draw):
+    """Two versions of 1-3 float tensors (0-3 dimensions, empty ones too), a fraction changed."""
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    base, target = {}, {}
+    for i in range(draw(st.integers(1, 3))):
+        shape = tuple(draw(st.lists(st.integers(0, 300), min_size=0, max_size=3)))
+        dtype = draw(st.sampled_from(FLOATS))
+        t = torch.from_numpy(rng.standard_normal(shape).astype(np.float32)).to(dtype)
+        u = t.clone()
+        flat = u.reshape(-1).view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[u.element_size()])
+        if flat.numel():
+            density = draw(st.sampled_from([0.0, 0.001, 0.05, 1.0]))
+            pos = torch.from_numpy(np.flatnonzero(rng.random(flat.numel()) < density))
+            flat[pos] = flat[pos] ^ 1  # the lowest mantissa bit: finite stays finite
+        base[f"t{i}"], target[f"t{i}"] = t, u
+    return base, target
+
+
+def same_bits(a, b):
+    assert sorted(a) == sorted(b)
+    for k in b:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape
+        assert a[k].numel() == 0 or torch.equal(a[k].contiguous().reshape(-1).view(torch.uint8),
+                                                b[k].contiguous().reshape(-1).view(torch.uint8)), k
+
+
+@settings(max_examples=60, deadline=None)
+@given(pairs(), st.sampled_from(sorted(peer_codecs.PATCH_CODECS)))
+def test_every_peer_encoding_decodes_to_the_target(pair, name):
+    base, target = pair
+    encode, decode = peer_codecs.PATCH_CODECS[name]
+    same_bits(decode(base, encode(base, target)), target)
+
+
+def test_sizes_follow_each_format():
+    base = {"w": torch.zeros(1000, 64, dtype=torch.bfloat16)}
+    target = {"w": base["w"].clone()}
+    flat = target["w"].reshape(-1).view(torch.int16)
+    flat[torch.arange(0, 64000, 100)] = 0x3F80  # 640 changed elements, both bytes of each
+    n = 640
+    assert len(peer_codecs.trl_style(base, target)) == 4 + n * (4 + 2)
+    # PULSE v3.1: the positions (row r, column c) with 100 elements apart are regular: they compress
+    # well below the raw uint8 row deltas + uint16 column deltas + values.
+    assert len(peer_codecs.pulse_v31(base, target)) < n * (1 + 2 + 2)
+    # Unchanged tensors cost nothing (slime writes no file, PULSE a header only).
+    assert peer_codecs.slime_xor(base, base) == b"" == peer_codecs.slime_overwrite(base, base)
+    assert len(peer_codecs.pulse_v2(base, base)) < 64
+
+
+def test_the_fp8_values_pulse_sends_as_float32():
+    base = {"q": torch.zeros(4096, dtype=torch.float8_e4m3fn)}
+    target = {"q": base["q"].clone()}
+    target["q"].view(torch.uint8)[::4] = 0x38  # 1.0
+    v2 = peer_codecs.pulse_v2(base, target)
+    import zstandard
+    raw = zstandard.ZstdDecompressor().decompress(v2)
+    assert raw.count(np.float32(1.0).tobytes()) == 1024  # each new value as 4 bytes
+
+
+def test_huffman_bits_and_the_dfloat11_model():
+    assert peer_codecs.huffman_bits(np.array([1, 1, 2])) == 6  # codes 2, 2, 1 bits
+    assert peer_codecs.huffman_bits(np.array([0, 5, 0])) == 5  # one symbol: one bit each
+    assert peer_codecs.huffman_bits(np.array([4, 4, 4, 4])) == 32  # four equal: two bits each
+    one_exponent = {"w": torch.full((800,), 1.0, dtype=torch.bfloat16)}
+    assert peer_codecs.dfloat11_bytes(one_exponent) == 800 + 100 + 256
+    assert peer_codecs.dfloat11_bytes({"w": torch.zeros(3, dtype=torch.float32)}) is None
+
+
+def test_tensors_that_differ_in_layout_are_refused():
+    with pytest.raises(ValueError, match="same names, dtypes and shapes"):
+        peer_codecs.trl_style({"a": torch.zeros(2)}, {"a": torch.zeros(3)})
