@@ -10,7 +10,10 @@ the base in ONE element. Per count, the minimum of `--rounds` rounds:
 - hash: `statehash.state_hash(base)`;
 - diff: `patch.diff(base, target)` (both states hashed inside, as the origin
   does when it has no hashes at hand);
-- apply: `patch.apply(copy of base, patch)` (the copy made outside the timing).
+- apply: `patch.apply(copy of base, patch)` (the copy made outside the timing);
+- again: the next version's apply into the same state (the patch back to the
+  base), as a node applies every version into one state: with `apply(views=)`
+  (where the tree has it) the int views the first apply made are kept.
 
 Columns: seconds, and microseconds per tensor. With `--compare DIR`, the same
 measurements also run in a subprocess with DIR's `.venv/bin/python` (a second
@@ -25,6 +28,7 @@ the table shows both side by side with the ratio.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import subprocess
 import sys
@@ -33,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-OPS = ("hash", "diff", "apply")
+OPS = ("hash", "diff", "apply", "again")
 
 
 def make_states(count: int, elements: int) -> tuple[dict, dict]:
@@ -63,10 +67,18 @@ def measure(count: int, elements: int, threads: int | None) -> dict[str, float]:
     out["diff"] = time.perf_counter() - t0
     assert p.base_hash == h
     state = {k: v.clone() for k, v in base.items()}
+    # The node keeps one cache of int views for its state across versions, where the code has
+    # `apply(views=)`; in a tree without it, every version's apply views every tensor again.
+    kept = {"views": {}} if "views" in inspect.signature(patch.apply).parameters else {}
     t0 = time.perf_counter()
-    patch.apply(state, p, threads=threads)
+    patch.apply(state, p, threads=threads, **kept)
     out["apply"] = time.perf_counter() - t0
     assert all(torch.equal(state[k], target[k]) for k in target)
+    back = patch.diff(target, base)
+    t0 = time.perf_counter()
+    patch.apply(state, back, threads=threads, **kept)
+    out["again"] = time.perf_counter() - t0
+    assert all(torch.equal(state[k], base[k]) for k in base)
     return out
 
 

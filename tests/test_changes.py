@@ -446,3 +446,16 @@ def test_each_new_dtype_follows_two_versions_by_changes_and_a_keyframe(dtype, se
     follower = clone(states[0])
     apply_changes(follower, record(clone(states[0]), keyframe(states[2]), (0, state_hash(states[0])), 9))
     same(follower, states[2])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chains())
+def test_a_cache_of_views_kept_across_applies_changes_nothing_and_holds_only_the_state(states):
+    """`apply(..., views=)` as the node calls it, one cache for every version of one state:
+    every version comes out bit for bit, and after each apply the cache holds views of the
+    state's own tensors only (none of a tensor removed, replaced or reshaped)."""
+    state, views = clone(states[0]), {}
+    for v, target in enumerate(states[1:], 1):
+        apply(state, diff(states[v - 1], target), undo=False, views=views)
+        same(state, target)
+        assert set(views) <= set(state) and all(views[n][0] is state[n] for n in views)

@@ -117,3 +117,29 @@ def test_a_chunk_damaged_on_disk_before_the_apply_is_fetched_again_not_the_objec
     assert applier.version == 1 and KEY not in applier.unusable
     for name in target:
         assert torch.equal(_bits(applier.weights.state[name]), _bits(target[name]))
+
+
+def test_the_applier_keeps_the_tensors_views_from_one_version_to_the_next(tmp_path):
+    """The int views of the state's tensors are made once and kept across applies (the
+    protocol apply's `views`); a reload of the durable version empties them, so they never
+    keep a state the node let go of alive."""
+    base, target = _pair()
+    applier = _ready(tmp_path, base, target)
+    trio.run(applier.apply, KEY)
+    assert applier.version == 1
+    views = applier._views
+    assert sorted(views) == sorted(target)
+    assert all(views[n][0] is applier.weights.state[n] for n in views)
+    # A later version applied into the same state reads the same views (no new ones made).
+    p2 = diff(target, base, chunk_bytes=1024, segment_elements=2048)
+    key2 = (2, False)
+    applier.store.write_object(key2, b"(envelope)", p2.chunks)
+    applier.store.adopt(key2, manifest_of(p2, swarm_id=SWARM, version=2, created_at=0.0))
+    made = {n: id(v[1]) for n, v in views.items()}
+    trio.run(applier.apply, key2)
+    assert applier.version == 2 and applier._views is views
+    assert {n: id(v[1]) for n, v in views.items()} == made
+    for name in base:
+        assert torch.equal(_bits(applier.weights.state[name]), _bits(base[name]))
+    applier.weights = applier.load_weights()  # as after a failed apply
+    assert applier._views == {}
