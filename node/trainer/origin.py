@@ -48,6 +48,7 @@ from patchswarm.protocol.versions import VersionBook
 from patchswarm.node import failpoints
 from patchswarm.node.diskspace import ours
 from patchswarm.node.peers import PeerDropped, PeerSet, Session
+from patchswarm.node.net.admission import MemberAdmission
 from patchswarm.node.net.ratelimit import TokenBucket
 from patchswarm.node.store import ObjectStore
 from patchswarm.node.trainer.trajstore import TrajectoryCursor, TrajectoryStore
@@ -212,7 +213,8 @@ class Origin:
     async def _serve_peers(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         await serve(self.cfg.listen, self.creds, {"node"}, self._hello,
                     lambda ms: self.peers.run(ms, outbound=False),
-                    on_refused=lambda why: log.warning("refused a connection: %s", why), task_status=task_status)
+                    on_refused=lambda why: log.warning("refused a connection: %s", why), refused=self.peers.dropped,
+                    admission=MemberAdmission(), task_status=task_status)
 
     def _on_open(self, s: Session) -> None:
         log.info("node %s (region %s) connected", s.id, s.region)
@@ -546,6 +548,8 @@ class Origin:
             "peers": sorted(({"id": s.id, "region": s.region, "role": s.role} for s in self.peers.sessions.values()),
                             key=lambda p: p["id"]),
             "bytes_out": self.peers.bytes_out,
+            "peers_dropped": dict(self.peers.dropped),  # and connections refused, by kind (node/peers.py)
+            "sessions_replaced": self.peers.replaced,  # by the same member's new connection (its reconnect)
             "versions": [dataclasses.asdict(v) for v in self.history],
             "trajectories": self.trajectory_store.summary(self.version),
             **self.store.disk.status(),  # our disk failing writes (node/diskspace.py)

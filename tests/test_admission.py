@@ -1,0 +1,126 @@
+"""A valid member that reconnects in a loop: its budget of connections per member id
+(node/net/admission.py) as a table, and refused right after TLS on loopback with real
+credentials (node/net/transport.py `serve`)."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import trio
+import trio.testing
+
+from patchswarm.node.net import trust
+from patchswarm.node.net.admission import ADMISSIONS, MemberAdmission
+from patchswarm.node.net.transport import MessageStream, connect, serve
+from patchswarm.protocol import wire
+from patchswarm.protocol.errors import BudgetExceeded, PeerRefused, UsageError
+
+
+# ------------------------------------------------------------ the budget, as a table
+
+
+def test_a_member_gets_its_burst_then_one_connection_per_refill():
+    adm = MemberAdmission(burst=3, per_minute=6)  # a token every 10 s
+    for _ in range(3):
+        adm.admit("m", 0.0)
+    with pytest.raises(BudgetExceeded, match=r"the next is admitted in 10\.0 s") as e:
+        adm.admit("m", 0.0)
+    assert e.value.budget == ADMISSIONS
+    adm.admit("other", 0.0)  # another member's budget is its own
+    assert adm.wait("m", 4.0) == pytest.approx(6.0)
+    with pytest.raises(BudgetExceeded):
+        adm.admit("m", 9.9)
+    adm.admit("m", 10.0)
+    with pytest.raises(BudgetExceeded):
+        adm.admit("m", 10.0)
+
+
+def test_refusals_take_nothing_so_the_wait_is_bounded_however_often_a_member_tries():
+    """An honest member whose dialer retries while refused is admitted at the time its first
+    refusal named: a refused attempt must not push its own admission back."""
+    adm = MemberAdmission(burst=2, per_minute=12)  # a token every 5 s
+    adm.admit("m", 0.0)
+    adm.admit("m", 0.0)
+    promised = adm.wait("m", 0.0)
+    assert promised == pytest.approx(5.0)
+    t = 0.0
+    while t < promised - 0.01:
+        with pytest.raises(BudgetExceeded):
+            adm.admit("m", t)
+        t += 0.1
+    adm.admit("m", promised)
+
+
+def test_full_buckets_are_forgotten():
+    adm = MemberAdmission(burst=2, per_minute=60)
+    for i in range(100):
+        adm.admit(f"m{i}", 0.0)
+    assert len(adm) == 100
+    adm.prune(0.5)
+    assert len(adm) == 100  # half a token back: not full yet
+    adm.prune(1.0)
+    assert len(adm) == 0
+
+
+def test_a_budget_that_admits_nobody_is_a_usage_error():
+    with pytest.raises(UsageError, match="burst >= 1"):
+        MemberAdmission(burst=0)
+
+
+# ------------------------------------------------------------ the listener, on loopback
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pki")
+    trust.init_swarm(root / "swarm")
+    for name in ("victim", "mallory", "honest"):
+        trust.issue(root / "swarm", name, "node", root / name)
+    return {name: trust.Credentials.load(root / name) for name in ("victim", "mallory", "honest")}
+
+
+def _hello(name: str) -> wire.Hello:
+    return wire.Hello(name, "r0", "node", "127.0.0.1:1", [])
+
+
+def test_a_member_over_its_budget_is_refused_after_tls_before_any_hello(pki):
+    """mallory reconnects as fast as it can: the first `burst` connections reach the handler
+    (the session, its Haves), every later one is refused right after the TLS handshake with an
+    Error the dialer reads (PeerRefused, saying when to come back), and counted by budget.
+    An honest member is admitted meanwhile, and mallory again once a token came back."""
+    refused: collections.Counter = collections.Counter()
+    admission = MemberAdmission(burst=3, per_minute=120)  # a token every 0.5 s
+    sessions = []
+
+    async def handler(ms: MessageStream) -> None:
+        sessions.append(ms.peer_name)
+        await ms.aclose()
+
+    async def main():
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                addr = await nursery.start(lambda task_status: serve(
+                    "127.0.0.1:0", pki["victim"], {"node"}, lambda: _hello("victim"), handler, refused=refused,
+                    admission=admission, task_status=task_status))
+                errors = []
+                for _ in range(10):
+                    try:
+                        ms = await connect(addr, pki["mallory"], {"node"}, _hello("mallory"), expect_name="victim")
+                        await ms.aclose()
+                    except PeerRefused as e:
+                        errors.append(str(e))
+                await trio.testing.wait_all_tasks_blocked(0.05)
+                assert sessions == ["mallory"] * 3
+                assert len(errors) == 7 and refused[ADMISSIONS] == 7, (errors, refused)
+                assert "refused the connection" in errors[0] and "the next is admitted in" in errors[0]
+                ms = await connect(addr, pki["honest"], {"node"}, _hello("honest"), expect_name="victim")
+                await ms.aclose()
+                await trio.sleep(admission.wait("mallory", trio.current_time()) + 0.05)
+                ms = await connect(addr, pki["mallory"], {"node"}, _hello("mallory"), expect_name="victim")
+                await ms.aclose()
+                await trio.testing.wait_all_tasks_blocked(0.05)
+                assert sessions == ["mallory"] * 3 + ["honest", "mallory"]
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
