@@ -244,7 +244,7 @@ class Node:
         elif isinstance(msg, wire.PeerDelta):
             self._on_peer_list(list(apply_delta(self.dialer.members, msg).values()))
         elif isinstance(msg, wire.VersionNotice):
-            self.manifests.notice(msg, None)
+            await self.manifests.notice(msg, None)
         elif isinstance(msg, wire.VersionHint):
             self.manifests.hinted(msg)
         elif isinstance(msg, wire.Signal) and self.rtc is not None:
@@ -325,7 +325,7 @@ class Node:
         elif isinstance(msg, wire.Reject):
             self.fetcher.on_reject(s, msg)
         elif isinstance(msg, wire.VersionNotice):
-            self.manifests.notice(msg, s)
+            await self.manifests.notice(msg, s)
         elif isinstance(msg, wire.TrajectoriesAck) and s.role == "origin":
             await self.uploader.acked(msg.seqs)
         elif isinstance(msg, wire.TrajectoriesBusy) and s.role == "origin":

@@ -45,7 +45,7 @@ from patchswarm.protocol.peersets import NODE, ORIGIN, PeerSets
 from patchswarm.protocol.picker import WAN_GATEWAYS
 from patchswarm.protocol.responsibility import check_wan_rates
 from patchswarm.protocol.manifest import describe
-from patchswarm.protocol.versions import NEW, VersionBook
+from patchswarm.protocol.versions import NEW, Verified, VersionBook
 
 log = logging.getLogger("patchswarm.tracker")
 
@@ -238,7 +238,9 @@ class TrackerCore:
         self._changed(self.peers.join(m.id, m.role, m.region, ""), now)
         return [Send.of([conn], wire.Unreachable(addr, why[:MAX_REASON_CHARS]))]
 
-    def received(self, conn: Hashable, msg, now: float) -> list:
+    def received(self, conn: Hashable, msg, now: float, verified: Verified | None = None) -> list:
+        """A message from the member on `conn`. For an Announce, `verified` is its manifest
+        as `book.verify` found it (the server checks a large one in a worker thread)."""
         m = self._by_conn.get(conn)
         if m is None:
             return []
@@ -248,7 +250,7 @@ class TrackerCore:
             m.versions = list(msg.versions)
             return []
         if isinstance(msg, wire.Announce):
-            return self._announce(m, msg.manifest, now)
+            return self._announce(m, msg.manifest, now, verified)
         if isinstance(msg, wire.Signal):
             if not self._signals.take(m.id, now):
                 self.drops[OVER_SIGNALS] += 1
@@ -316,7 +318,7 @@ class TrackerCore:
 
     # ------------------------------------------------------------ manifests
 
-    def _announce(self, m: Member, envelope: bytes, now: float) -> list:
+    def _announce(self, m: Member, envelope: bytes, now: float, verified: Verified | None = None) -> list:
         if not self._announces.take(m.id, now):
             self.drops[OVER_ANNOUNCES] += 1
             return self._drop(m, now, OVER_ANNOUNCES, "announced too often")
@@ -326,7 +328,7 @@ class TrackerCore:
             return [Send.of([m.conn], wire.Error("only the origin announces versions"))]
         latest = self.book.latest_version
         try:
-            status, man = self.book.offer(envelope, None)
+            status, man = self.book.offer(envelope, None, verified=verified)
         except StaleVersion as e:
             log.debug("ignored an announcement: %s", e)
             return []

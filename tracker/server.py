@@ -34,6 +34,7 @@ from patchswarm.protocol.errors import InvalidInput, PatchswarmError, ProtocolEr
 
 from patchswarm.node.net.transport import (CONNECTION_ERRORS, MessageStream, apply_revocations, connect, format_addr,
                                            one_line, serve)
+from patchswarm.node.net.manifestcheck import ManifestCheck
 from patchswarm.node.net.service import format_wan_rates
 from patchswarm.node.net.trust import Credentials
 from patchswarm.tracker.collector import CollectorSchedule
@@ -133,6 +134,7 @@ class Tracker:
         self.listen_addr = listen
         self.core = TrackerCore(self.creds.swarm_id(), self.creds.trainer_public_key(),
                                 heartbeat_timeout=heartbeat_timeout, **options)
+        self.manifest_check = ManifestCheck(self.core.book)  # large announcements verified off the loop
         self.sent: collections.Counter[str] = collections.Counter()  # bytes pushed, by message type
         self.busy: dict[_Session, float] = {}  # sessions writing now -> when their last write began
         self._wake = trio.Event()
@@ -245,7 +247,10 @@ class Tracker:
                 if msg is None:
                     s.why = s.why or LEFT
                     return
-                self._do(self.core.received(s, msg, trio.current_time()))
+                verified = None
+                if isinstance(msg, wire.Announce) and s.ms.peer_role == "origin":  # only its announcements count
+                    verified = await self.manifest_check.check(msg.manifest)  # a large one in a worker thread
+                self._do(self.core.received(s, msg, trio.current_time(), verified))
         except ProtocolError as e:
             self._do(self.core.dropped(s, BAD_MESSAGE, f"protocol error: {e}", trio.current_time()))
         except CONNECTION_ERRORS as e:
