@@ -12,7 +12,7 @@ import trio.testing
 
 from patchswarm.node.net import trust
 from patchswarm.node.net.admission import ADMISSIONS, MemberAdmission
-from patchswarm.node.net.transport import MessageStream, connect, serve
+from patchswarm.node.net.transport import BEFORE_HELLO, MessageStream, connect, serve
 from patchswarm.protocol import wire
 from patchswarm.protocol.errors import BudgetExceeded, PeerRefused, UsageError
 
@@ -102,7 +102,7 @@ def test_a_member_over_its_budget_is_refused_after_tls_before_any_hello(pki):
             async with trio.open_nursery() as nursery:
                 addr = await nursery.start(lambda task_status: serve(
                     "127.0.0.1:0", pki["victim"], {"node"}, lambda: _hello("victim"), handler, refused=refused,
-                    admission=admission, task_status=task_status))
+                    admission=admission, refusal_hold=0.05, task_status=task_status))
                 errors = []
                 for _ in range(10):
                     try:
@@ -121,6 +121,50 @@ def test_a_member_over_its_budget_is_refused_after_tls_before_any_hello(pki):
                 await ms.aclose()
                 await trio.testing.wait_all_tasks_blocked(0.05)
                 assert sessions == ["mallory"] * 3 + ["honest", "mallory"]
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_refusals_are_held_so_a_looping_member_gets_few_handshakes_a_second(pki):
+    """A refusal comes `refusal_hold` after the handshake, its connection holding a slot before
+    Hello meanwhile: mallory dialing 12 at once past its budget, from one host with 4 such
+    slots, has 4 handshakes done (each refused after the hold); the other 8 connections are
+    closed before TLS. Without the hold it had all 12, and as many more as it could make."""
+    refused: collections.Counter = collections.Counter()
+    hold = 2.0
+
+    async def handler(ms: MessageStream) -> None:
+        await ms.aclose()
+
+    async def main():
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                addr = await nursery.start(lambda task_status: serve(
+                    "127.0.0.1:0", pki["victim"], {"node"}, lambda: _hello("victim"), handler, refused=refused,
+                    admission=MemberAdmission(burst=1, per_minute=1), refusal_hold=hold, max_before_hello_per_host=4,
+                    task_status=task_status))
+                ms = await connect(addr, pki["mallory"], {"node"}, _hello("mallory"), expect_name="victim")
+                await ms.aclose()
+                ends = []
+
+                async def one() -> None:
+                    t0 = trio.current_time()
+                    try:
+                        await connect(addr, pki["mallory"], {"node"}, _hello("mallory"), expect_name="victim")
+                        ends.append(("admitted", 0.0))
+                    except PeerRefused:
+                        ends.append(("refused", trio.current_time() - t0))
+                    except (OSError, trio.BrokenResourceError, trio.TooSlowError, wire.ProtocolError):
+                        ends.append(("closed before TLS", trio.current_time() - t0))
+
+                async with trio.open_nursery() as crowd:
+                    for _ in range(12):
+                        crowd.start_soon(one)
+                kinds = collections.Counter(k for k, _ in ends)
+                assert kinds == {"refused": 4, "closed before TLS": 8}, ends
+                assert all(t >= hold for k, t in ends if k == "refused"), ends
+                assert refused[ADMISSIONS] == 4 and refused[BEFORE_HELLO] == 8
                 nursery.cancel_scope.cancel()
 
     trio.run(main)

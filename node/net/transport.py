@@ -42,7 +42,14 @@ MAX_BEFORE_HELLO_PER_HOST = 16  # of those, from one address: one host cannot ta
 MAX_BUFFERED_BYTES = 256 << 20  # each connection holds at most a frame (16 MiB) and a read
 BEFORE_HELLO = "connections before Hello"  # the budgets' names, for counters and logs
 BUFFERED = "bytes buffered"
-REFUSAL_SECONDS = 1.0  # the most a refused member's connection is held: its Error out, its Hello read
+# A member refused over its admission budget gets its Error this long after its TLS handshake,
+# its connection holding one of the slots before Hello meanwhile: a member that reconnects in a
+# loop then costs the listener at most MAX_BEFORE_HELLO_PER_HOST handshakes per REFUSAL_HOLD
+# from one host (without it, as many as the member could make: ~90-200 a second from one
+# process on the bench, each ~2.5 ms of the listener's CPU). A host can already fill those
+# slots with connections that never finish TLS, so holding costs its neighbours nothing new.
+REFUSAL_HOLD = 1.0
+REFUSAL_SECONDS = 1.0  # then, the most the Error's write may take
 
 # What a connection that broke, closed, stalled past a deadline or failed TLS
 # raises: the one tuple every member catches around a send or a receive.
@@ -278,7 +285,7 @@ async def serve(listen: str, creds: Credentials, allowed_roles: set[str] | froze
                 refused: collections.Counter | None = None,
                 max_before_hello: int = MAX_CONNECTIONS_BEFORE_HELLO,
                 max_before_hello_per_host: int = MAX_BEFORE_HELLO_PER_HOST,
-                admission: MemberAdmission | None = None,
+                admission: MemberAdmission | None = None, refusal_hold: float = REFUSAL_HOLD,
                 task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Accept TLS connections on `listen`; run `handler(stream)` for each authenticated peer.
 
@@ -291,9 +298,11 @@ async def serve(listen: str, creds: Credentials, allowed_roles: set[str] | froze
     TLS handshake and a 4 KiB frame, for HANDSHAKE_SECONDS at most); beyond, a
     new connection is closed at once. With `admission`, a member over its budget
     of connections (node/net/admission.py) is refused right after the TLS
-    handshake, before any Hello: it is sent an Error saying when it may come
-    back, its own Hello is read (so the close is a FIN, not a reset that could
-    discard the Error), and the connection is closed within REFUSAL_SECONDS.
+    handshake, before any Hello: its own Hello is read (so the close is a FIN,
+    not a reset that could discard the Error), it is sent an Error saying when
+    it may come back `refusal_hold` seconds after its handshake (REFUSAL_HOLD,
+    which bounds how fast it can make this listener do handshakes), and the
+    connection is closed.
     Refusals of a flood are logged at its 1st, 2nd, 4th, ... (every one counted).
     """
     host, port = parse_addr(listen)
@@ -337,7 +346,7 @@ async def serve(listen: str, creds: Credentials, allowed_roles: set[str] | froze
                         admission.admit(name, trio.current_time())
                     except BudgetExceeded as e:
                         refuse(e.budget, f"over budget: {e}")
-                        await _say_refused(stream, str(e))
+                        await _say_refused(stream, str(e), refusal_hold)
                         return
                 ms = MessageStream(stream, name, role, on_receive=on_receive, peer_serial=serial, creds=creds)
                 ms.accepted_at = accepted_at
@@ -365,13 +374,16 @@ async def serve(listen: str, creds: Credentials, allowed_roles: set[str] | froze
     await trio.serve_listeners(one, listeners)
 
 
-async def _say_refused(stream: TLSSocketStream, why: str) -> None:
-    """Tell a member its connection is refused (an Error in place of our Hello, which every wire
-    revision reads) and read what it sent meanwhile (its Hello), for REFUSAL_SECONDS at most."""
-    with trio.move_on_after(REFUSAL_SECONDS):
+async def _say_refused(stream: TLSSocketStream, why: str, hold: float) -> None:
+    """Read what a refused member sent (its Hello, sent right after TLS), and `hold` seconds
+    from now tell it why (an Error in place of our Hello, which every wire revision reads)."""
+    until = trio.current_time() + hold
+    with trio.move_on_at(until + REFUSAL_SECONDS):
         try:
+            with trio.move_on_at(until):
+                await stream.receive_some()
+            await trio.sleep_until(until)
             await stream.send_all(wire.encode(wire.Error(why)))
-            await stream.receive_some()
         except CONNECTION_ERRORS:
             pass
 
