@@ -143,6 +143,12 @@ class Budget:
         self._buckets[key] = (tokens - 1.0, now)
         return True
 
+    def wait(self, key: str, now: float) -> float:
+        """Seconds until `key` has a token (0: now); takes nothing."""
+        tokens, at = self._buckets.get(key, (self.burst, now))
+        tokens = min(self.burst, tokens + (now - at) * self.rate)
+        return 0.0 if tokens >= 1.0 else (1.0 - tokens) / self.rate
+
     def prune(self, now: float) -> None:
         """Forget keys whose bucket is full again (they are as good as new)."""
         full = [k for k, (t, at) in self._buckets.items() if t + (now - at) * self.rate >= self.burst]
@@ -176,6 +182,7 @@ class TrackerCore:
         self.members: dict[str, Member] = {}
         self._by_conn: dict[Hashable, Member] = {}
         self._by_seen: collections.OrderedDict[str, None] = collections.OrderedDict()  # least recently heard first
+        self.join_budget = join_budget  # (in a row, a minute)
         self._joins = Budget(*join_budget)
         self._announces = Budget(*announce_budget)
         self._signals = Budget(*signal_budget)
@@ -225,6 +232,11 @@ class TrackerCore:
             if self._notices:
                 m.manifests = set(self._notices)
         return out
+
+    def join_wait(self, member: str, now: float) -> float:
+        """Seconds until `member` may join again (0: now); takes nothing. The server asks it
+        right after TLS, so a member with no join left is refused before its Hello."""
+        return self._joins.wait(member, now)
 
     def unreachable(self, conn: Hashable, addr: str, why: str, now: float) -> list:
         """The tracker could not connect to the member on `conn` at `addr`, the address it

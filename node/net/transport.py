@@ -285,7 +285,7 @@ async def serve(listen: str, creds: Credentials, allowed_roles: set[str] | froze
                 refused: collections.Counter | None = None,
                 max_before_hello: int = MAX_CONNECTIONS_BEFORE_HELLO,
                 max_before_hello_per_host: int = MAX_BEFORE_HELLO_PER_HOST,
-                admission: MemberAdmission | None = None, refusal_hold: float = REFUSAL_HOLD,
+                admission: MemberAdmission | None = None, refusal_hold: float | None = None,
                 task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Accept TLS connections on `listen`; run `handler(stream)` for each authenticated peer.
 
@@ -300,7 +300,7 @@ async def serve(listen: str, creds: Credentials, allowed_roles: set[str] | froze
     of connections (node/net/admission.py) is refused right after the TLS
     handshake, before any Hello: its own Hello is read (so the close is a FIN,
     not a reset that could discard the Error), it is sent an Error saying when
-    it may come back `refusal_hold` seconds after its handshake (REFUSAL_HOLD,
+    it may come back `refusal_hold` seconds after its handshake (default REFUSAL_HOLD,
     which bounds how fast it can make this listener do handshakes), and the
     connection is closed.
     Refusals of a flood are logged at its 1st, 2nd, 4th, ... (every one counted).
@@ -346,7 +346,7 @@ async def serve(listen: str, creds: Credentials, allowed_roles: set[str] | froze
                         admission.admit(name, trio.current_time())
                     except BudgetExceeded as e:
                         refuse(e.budget, f"over budget: {e}")
-                        await _say_refused(stream, str(e), refusal_hold)
+                        await _say_refused(stream, str(e), REFUSAL_HOLD if refusal_hold is None else refusal_hold)
                         return
                 ms = MessageStream(stream, name, role, on_receive=on_receive, peer_serial=serial, creds=creds)
                 ms.accepted_at = accepted_at
