@@ -498,7 +498,7 @@ def test_cli_swarm_init_and_issue(tmp_path):
 
 def test_the_listener_issues_no_session_tickets(swarm):
     """No member resumes a TLS session, so a ticket is work for nothing: OpenSSL's two per
-    handshake were 29% of a listener's handshake CPU (node/net/trust.py `server_context`)."""
+    handshake were a quarter of a listener's handshake CPU (bench/handshake.py)."""
     import socket
     import threading
 

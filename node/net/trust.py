@@ -374,10 +374,10 @@ def server_context(creds: Credentials) -> ssl.SSLContext:
 
     It issues no session tickets: no member resumes a session (each dial is a full
     handshake, so that its certificate is checked against the current revocations),
-    and the two tickets OpenSSL sends by default cost the listener 0.36 ms of CPU per
-    handshake, 29% of it (measured on this VM, 400 handshakes on loopback, 2026-12-05): a
-    member refused over its admission budget (node/net/admission.py) or a fleet
-    reconnecting to a restarted tracker pays that for nothing."""
+    and the two tickets OpenSSL sends by default cost the listener a quarter of its
+    handshake CPU (`bench/handshake.py`: 1.22 -> 0.91 ms, 2026-12-05): a member refused
+    over its admission budget (node/net/admission.py) or a fleet reconnecting to a
+    restarted tracker paid that for nothing."""
     ctx = _context(ssl.PROTOCOL_TLS_SERVER, creds)
     ctx.num_tickets = 0
     return ctx
