@@ -69,6 +69,15 @@ def big(trainer, swarm_id):
     return keyframe(trainer, swarm_id)
 
 
+@pytest.fixture(scope="module")
+def bound(trainer, big):
+    """The longest stand-still allowed: MAX_GAP, or a third of what the decode takes inline
+    now, on a machine so loaded that the loop's thread itself waits for a core that long."""
+    t0 = time.perf_counter()
+    verify_manifest(big, trainer.public_key())
+    return max(MAX_GAP, (time.perf_counter() - t0) / 3)
+
+
 async def longest_gap(during) -> float:
     """The longest a task that sleeps TICK waited between ticks while `during()` ran."""
     gaps = []
@@ -90,13 +99,13 @@ async def longest_gap(during) -> float:
     return max(gaps)
 
 
-def test_the_test_sees_a_decode_on_the_loop(trainer, big):
+def test_the_test_sees_a_decode_on_the_loop(trainer, big, bound):
     """The same decode inline stands the loop still for as long (what the node and the tracker
     did before): the bound below would catch it."""
     async def main():
         return await longest_gap(lambda: _inline(big, trainer))
 
-    assert trio.run(main) > 2 * MAX_GAP
+    assert trio.run(main) > 2 * bound
 
 
 async def _inline(envelope: bytes, trainer) -> None:
@@ -123,7 +132,8 @@ def _applier(tmp_path, trainer, swarm_id: str):
                    apply_threads=None)
 
 
-def test_a_node_keeps_its_loop_turning_while_a_large_keyframe_manifest_is_decoded(tmp_path, trainer, swarm_id, big):
+def test_a_node_keeps_its_loop_turning_while_a_large_keyframe_manifest_is_decoded(tmp_path, trainer, swarm_id, big,
+                                                                                   bound):
     applier = _applier(tmp_path, trainer, swarm_id)
     accepted = []
 
@@ -136,7 +146,7 @@ def test_a_node_keeps_its_loop_turning_while_a_large_keyframe_manifest_is_decode
     gap = trio.run(main)
     assert accepted == [True] and applier.book.get((1, True)) is not None
     assert applier.manifest_check.off_loop == 1
-    assert gap < MAX_GAP, f"the loop stood still {gap:.3f} s"
+    assert gap < bound, f"the loop stood still {gap:.3f} s"
 
 
 def test_copies_of_one_manifest_are_decoded_once(tmp_path, trainer, swarm_id, big, monkeypatch):
@@ -195,7 +205,7 @@ def test_a_forged_large_manifest_is_left_to_the_book_which_refuses_it(trainer, s
         book.offer(forged)
 
 
-def test_the_tracker_keeps_its_loop_turning_while_it_decodes_an_origins_keyframe(swarm, big):
+def test_the_tracker_keeps_its_loop_turning_while_it_decodes_an_origins_keyframe(swarm, big, bound):
     """An origin's Announce of a large keyframe over a real tracker session (in-memory stream):
     the tracker verifies it in a worker thread and retains it; the loop keeps turning."""
     from patchswarm.tracker import server
@@ -228,4 +238,4 @@ def test_the_tracker_keeps_its_loop_turning_while_it_decodes_an_origins_keyframe
 
     tracker, gap = trio.run(main)
     assert tracker.manifest_check.off_loop == 1 and tracker.core.book.get((1, True)) is not None
-    assert gap < MAX_GAP, f"the tracker's loop stood still {gap:.3f} s"
+    assert gap < bound, f"the tracker's loop stood still {gap:.3f} s"
