@@ -168,3 +168,37 @@ def test_refusals_are_held_so_a_looping_member_gets_few_handshakes_a_second(pki)
                 nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+@pytest.mark.slow  # real processes
+def test_a_node_daemon_replaces_a_members_session_and_refuses_it_past_its_budget(tmp_path):
+    """`patchswarm node --member-connections 2` on loopback: mallory's second connection
+    replaces its first (which the node closes), its third is refused with the node's reason,
+    and status counts both."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from swarmlab import SwarmLab
+
+    with SwarmLab(tmp_path) as lab:
+        lab.start_tracker()
+        v = lab.start_node("v", region="r0", extra=["--member-connections", "2"])
+        mallory = trust.Credentials.load(lab.creds("mallory", "node"))
+
+        async def main():
+            with trio.fail_after(60):
+                first = await connect(v.addr, mallory, {"node"}, _hello("mallory"), expect_name="v")
+                second = await connect(v.addr, mallory, {"node"}, _hello("mallory"), expect_name="v")
+                with trio.fail_after(10):
+                    while await first.receive() is not None:  # the node ends the replaced session
+                        pass
+                with pytest.raises(PeerRefused, match="connections in a row"):
+                    await connect(v.addr, mallory, {"node"}, _hello("mallory"), expect_name="v")
+                st = await trio.to_thread.run_sync(v.status)
+                await second.aclose()
+                return st
+
+        st = trio.run(main)
+        assert st["peers_dropped"].get(ADMISSIONS) == 1 and st["sessions_replaced"] == 1, st
+        assert [p["id"] for p in st["peers"]] == ["mallory"]  # the second session stands
