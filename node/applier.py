@@ -140,7 +140,7 @@ class Applier:
         members pass on only manifests they verified, so it is the sender's fault, and a peer
         could otherwise send one a message, each a warning line here. A large one is verified
         in a worker thread (node/net/manifestcheck.py), the rest inline."""
-        verified = await self.manifest_check.check(envelope)
+        verified = await self.manifest_check.check(envelope, self.version)
         try:
             status, m = self.book.offer(envelope, self.version, verified=verified)
         except StaleVersion as e:

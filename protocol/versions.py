@@ -13,6 +13,7 @@ The tracker uses the same book to keep what it hands to joining nodes
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 
@@ -23,6 +24,7 @@ from .manifest import Manifest, ObjKey, describe, key_of, verify_manifest
 
 KNOWN = "known"
 NEW = "new"
+STALE_KEPT = 64  # digests of stale envelopes remembered, refused again without a check
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -42,6 +44,10 @@ class VersionBook:
         self._manifests: dict[ObjKey, Manifest] = {}
         self._envelopes: dict[ObjKey, bytes] = {}
         self._by_digest: dict[bytes, ObjKey] = {}  # SHA-256 of each held envelope
+        # SHA-256 of envelopes found stale -> their object (at most STALE_KEPT, oldest out): a
+        # replay is refused without a second check (a 140,000-tensor keyframe's takes 0.47 s,
+        # and any peer could pass the same old one on again and again).
+        self._stale: collections.OrderedDict[bytes, ObjKey] = collections.OrderedDict()
 
     # ------------------------------------------------------------ facts in
 
@@ -52,9 +58,15 @@ class VersionBook:
         manifest the trainer did not sign."""
         return Verified(hashlib.sha256(envelope).digest(), verify_manifest(envelope, self._key), self._key)
 
-    def holds(self, envelope: bytes) -> bool:
-        """Whether this very envelope is held (`offer` would answer KNOWN without a check)."""
-        return hashlib.sha256(envelope).digest() in self._by_digest
+    def needs_check(self, envelope: bytes, current_version: int | None = None) -> bool:
+        """Whether `offer(envelope, current_version)` would verify it: False for an envelope
+        held (KNOWN) or one found stale before and still at or below `current_version`."""
+        digest = hashlib.sha256(envelope).digest()
+        return digest not in self._by_digest and self._stale_at(digest, current_version) is None
+
+    def _stale_at(self, digest: bytes | None, current_version: int | None) -> ObjKey | None:
+        key = self._stale.get(digest)
+        return key if key is not None and current_version is not None and key[0] <= current_version else None
 
     def offer(self, envelope: bytes, current_version: int | None = None,
               verified: Verified | None = None) -> tuple[str, Manifest]:
@@ -73,6 +85,10 @@ class VersionBook:
         known = self._by_digest.get(digest)
         if known is not None:
             return KNOWN, self._manifests[known]
+        stale = self._stale_at(digest, current_version)
+        if stale is not None:
+            raise StaleVersion(f"manifest {describe(stale)}: expected a version above the current "
+                               f"{current_version}, found {stale[0]} (replayed or older; seen before)")
         if verified is not None and verified.digest == digest and verified.key is self._key:
             m = verified.manifest
         else:
@@ -88,6 +104,10 @@ class VersionBook:
                                       f"is already held (target {self._manifests[key].target_hash[:16]}…, "
                                       f"found {m.target_hash[:16]}…)")
         if current_version is not None and m.version <= current_version:
+            if digest is not None:
+                self._stale[digest] = key
+                if len(self._stale) > STALE_KEPT:
+                    self._stale.popitem(last=False)
             raise StaleVersion(f"manifest {describe(key)}: expected a version above the current "
                                f"{current_version}, found {m.version} (replayed or older)")
         self._manifests[key] = m
