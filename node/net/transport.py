@@ -45,8 +45,8 @@ BUFFERED = "bytes buffered"
 # A member refused over its admission budget gets its Error this long after its TLS handshake,
 # its connection holding one of the slots before Hello meanwhile: a member that reconnects in a
 # loop then costs the listener at most MAX_BEFORE_HELLO_PER_HOST handshakes per REFUSAL_HOLD
-# from one host (without it, as many as the member could make: ~90-200 a second from one
-# process on the bench, each ~2.5 ms of the listener's CPU). A host can already fill those
+# from one host (without it, as many as the member could make: 80-190 a second from one
+# process in bench/reconnect.py, each 2-3 ms of the listener's CPU). A host can already fill those
 # slots with connections that never finish TLS, so holding costs its neighbours nothing new.
 REFUSAL_HOLD = 1.0
 REFUSAL_SECONDS = 1.0  # then, the most the Error's write may take
