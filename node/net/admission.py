@@ -5,13 +5,15 @@ in the member's CA-signed certificate (never its address: members move between
 hosts, and many share one NAT). The listener (node/net/transport.py `serve`)
 asks right after the TLS handshake, the first moment the name is known, and
 before the Hello exchange, the Haves and the session: a refused connection
-costs its handshake and a 100-byte Error, nothing of the session.
+costs its handshake and a 100-byte Error, nothing of the session, and the
+Error comes REFUSAL_HOLD (1 s) later, so a member that loops gets few
+handshakes a second out of the listener (node/net/transport.py).
 
 Why: a member with valid credentials could reconnect in a loop, and each
 connection cost the node the Hello exchange, a Have per object held (a
 bitfield each), an `Incoming` per chunk arriving, and the session's setup and
-teardown in the fetcher and picker (node/README.md "Admission" has the
-measurement). The tracker has had the same budget for joins since issue 21
+teardown in the fetcher and picker (node/README.md, "A member that
+reconnects in a loop", has the measurement). The tracker has had the same budget for joins since issue 21
 (tracker/core.py `JOIN_BUDGET`); this is the member's side.
 
 A refusal takes no token, so a member refused while over budget is admitted
