@@ -23,7 +23,8 @@ What it decides:
   WebRTC signals (each relayed to the member it names).
   A member over a budget is closed and counted; while its budget is empty it
   is refused at once, so a member reconnecting in a loop costs the others
-  nothing.
+  nothing. The server asks `join_wait` right after TLS and refuses such a
+  member before its Hello; `connected` refuses the ones that pass it together.
 
 Connections are opaque hashable tokens; the core never touches them.
 """
