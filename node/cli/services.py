@@ -333,6 +333,11 @@ def print_status(st: dict) -> None:
         out += f" ({_mb(st['bytes_out_arriving'])} relayed while arriving)"
     t.add_row("bytes out", out)
     t.add_row("rejected", f"{st['chunks_rejected']} chunks, {st.get('manifests_rejected', 0)} manifests")
+    if st.get("peers_dropped") or st.get("sessions_replaced"):  # a hostile or unlucky peer shows here
+        kinds = ", ".join(f"{k}: {v:,}" for k, v in sorted(st.get("peers_dropped", {}).items()))
+        t.add_row("peers dropped", (kinds or "none")
+                  + (f"; {st['sessions_replaced']:,} sessions replaced by a reconnect" if st.get("sessions_replaced")
+                     else ""))
     if st.get("fetching"):
         t.add_row("fetching", ", ".join(f"{k}: {v} chunks missing" for k, v in st["fetching"].items()))
     if st.get("unusable"):
