@@ -49,6 +49,7 @@ from patchswarm.node import failpoints
 from patchswarm.node.diskspace import ours
 from patchswarm.node.peers import PeerDropped, PeerSet, Session
 from patchswarm.node.net.admission import MemberAdmission
+from patchswarm.node.net.manifestcheck import ManifestCheck
 from patchswarm.node.net.ratelimit import TokenBucket
 from patchswarm.node.store import ObjectStore
 from patchswarm.node.trainer.trajstore import TrajectoryCursor, TrajectoryStore
@@ -149,6 +150,7 @@ class Origin:
         self.swarm_id = self.creds.swarm_id()
         self.data_dir = Path(cfg.data_dir)
         self.book = VersionBook(self.swarm_id, pub)
+        self.manifest_check = ManifestCheck(self.book)  # its own large manifests verified off the loop
         self.store: ObjectStore | None = None
         self.durable: DurableState | None = None
         self.served: Weights | None = None
@@ -365,6 +367,10 @@ class Origin:
             # serving chunks to nodes goes on meanwhile.
             try:
                 new, stats, objects = await trio.to_thread.run_sync(self._encode, state_dict, served, version)
+                # The book verifies what it takes, the origin's own manifests too: a 140,000-tensor
+                # keyframe's took 0.47 s of the event loop, so large ones are checked in a thread
+                # first (here: cancelled meanwhile, the version is rolled back like a failed encode).
+                verified = [await self.manifest_check.check(envelope) for _, _, envelope in objects]
             except BaseException as e:
                 # The served state is changed tensor by tensor as the patch is made: after a
                 # failure part of it may be the new version's. Back to what is durable.
@@ -376,9 +382,9 @@ class Origin:
                 if ours(e):
                     self.store.disk.failed(f"the objects of version {version}", e)
                 raise
-            for key, m, envelope in objects:
+            for (key, m, envelope), checked in zip(objects, verified):
                 self.store.adopt(key, m)
-                self.book.offer(envelope)
+                self.book.offer(envelope, verified=checked)
             # The objects are durable before anyone hears of the version: after a crash the
             # origin continues from the base plus them.
             self.served = new
