@@ -145,7 +145,8 @@ def test_origin_series():
 
 
 def test_tracker_series():
-    st = {"latest_version": 5, "manifests_rejected": 2, "members": [
+    st = {"latest_version": 5, "manifests_rejected": 2, "drops": {"silent": 3}, "refused": {"over join budget": 7},
+          "members": [
         {"id": "o", "region": "r0", "role": "origin", "addr": "x:1", "versions": [5]},
         {"id": "a", "region": "r1", "role": "node", "addr": "x:2", "versions": [5]},
         {"id": "b", "region": "r1", "role": "node", "addr": "x:3", "versions": [4]},
@@ -160,6 +161,8 @@ def test_tracker_series():
     assert got[("patchswarm_members_behind", (("behind", "3+"), ("region", "r1")))] == 1
     assert got[("patchswarm_members_behind", (("behind", "none"), ("region", "r2")))] == 1
     assert got[("patchswarm_manifests_rejected_total", ())] == 2
+    assert got[("patchswarm_members_dropped_total", (("why", "silent"),))] == 3
+    assert got[("patchswarm_connections_refused_total", (("kind", "over join budget"),))] == 7
 
 
 # ------------------------------------------------------------------ a real swarm

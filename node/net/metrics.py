@@ -277,3 +277,13 @@ class TrackerMetrics(StatusMetrics):
         yield g
         yield from _counter("patchswarm_manifests_rejected", "announcements refused (not the origin, bad manifest)",
                             st.get("manifests_rejected"))
+        for name, doc, key, label in (
+                ("patchswarm_members_dropped", "member sessions ended by the tracker, by reason", "drops", "why"),
+                ("patchswarm_connections_refused", "connections the listener refused before a session, by kind "
+                                                   "(over join budget, connections before Hello, TLS)", "refused",
+                 "kind")):
+            if key in st:
+                c = CounterMetricFamily(name, doc, labels=[label])
+                for k, n in sorted(st[key].items()):
+                    c.add_metric([k], n)
+                yield c
