@@ -36,6 +36,7 @@ from patchswarm.node.changelog import DIRNAME as CHANGES_DIR, Changelog
 from patchswarm.node.fetcher import Fetcher
 from patchswarm.node.lowprio import run_low_priority
 from patchswarm.node.modelsink import ModelSink
+from patchswarm.node.net.manifestcheck import ManifestCheck
 from patchswarm.node.net.transport import one_line
 from patchswarm.node.persistence import DurableState
 from patchswarm.node.store import ObjectStore
@@ -52,6 +53,7 @@ class Applier:
                  *, keep_versions: int, apply_nice: int, apply_threads: int | None, sink: ModelSink | None = None,
                  record_changes: bool = False):
         self.book = book
+        self.manifest_check = ManifestCheck(book)  # large manifests verified off the event loop
         self.store = store
         self.fetcher = fetcher
         self.durable = durable
@@ -135,14 +137,16 @@ class Applier:
 
     # ------------------------------------------------------------ manifests in
 
-    def offer(self, envelope: bytes, source: str, from_peer: bool = False) -> bool:
+    async def offer(self, envelope: bytes, source: str, from_peer: bool = False) -> bool:
         """A signed manifest from the tracker or a peer (`source`, for the log); True when it
         was new to this node and accepted. `from_peer`: one that does not verify (signature,
         format, swarm) raises its InvalidInput after it is counted, which ends the session:
         members pass on only manifests they verified, so it is the sender's fault, and a peer
-        could otherwise send one a message, each a warning line here."""
+        could otherwise send one a message, each a warning line here. A large one is verified
+        in a worker thread (node/net/manifestcheck.py), the rest inline."""
+        verified = await self.manifest_check.check(envelope, self.version)
         try:
-            status, m = self.book.offer(envelope, self.version)
+            status, m = self.book.offer(envelope, self.version, verified=verified)
         except StaleVersion as e:
             self.manifests_stale += 1
             log.debug("ignored a manifest from %s: %s", source, e)

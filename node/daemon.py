@@ -44,6 +44,7 @@ from patchswarm.node.dialer import Dialer, rank
 from patchswarm.node.fetcher import REQUEST_TIMEOUT, Fetcher
 from patchswarm.node.localapi import LocalRequests, serve_local
 from patchswarm.node.lowprio import APPLY_NICE
+from patchswarm.node.net.admission import CONNECTION_BURST, MemberAdmission
 from patchswarm.node.net.ratelimit import TokenBucket
 from patchswarm.node.net.rtcsignal import RTCSignaller
 from patchswarm.node.net.service import format_wan_rates
@@ -96,6 +97,9 @@ class NodeConfig:
     engine_url: str | None = None
     on_version: str | None = None  # a command run per version
     sparse_handoff: bool = False  # record each version's changes for NodeClient.follow (node/changelog.py)
+    # Connections one member may open to this node: this many in a row and a minute
+    # (node/net/admission.py); 0: no limit.
+    member_connections: int = CONNECTION_BURST
 
 
 class Node:
@@ -118,6 +122,8 @@ class Node:
         self.upload = TokenBucket(cfg.upload_limit)
         self.download = TokenBucket(cfg.download_limit)
         self.inflows = Inflows()
+        n = cfg.member_connections
+        self.admission = MemberAdmission(n, n) if n else None
         seed = cfg.seed if cfg.seed is not None else int.from_bytes(rank(self.id, "seed")[:4], "big")
         # The origin's region comes with the first peer list; facts about peers are taken before.
         self.picker = PiecePicker(self.id, self.region, None, seed=seed, wan_gateways=cfg.wan_gateways,
@@ -238,7 +244,7 @@ class Node:
         elif isinstance(msg, wire.PeerDelta):
             self._on_peer_list(list(apply_delta(self.dialer.members, msg).values()))
         elif isinstance(msg, wire.VersionNotice):
-            self.manifests.notice(msg, None)
+            await self.manifests.notice(msg, None)
         elif isinstance(msg, wire.VersionHint):
             self.manifests.hinted(msg)
         elif isinstance(msg, wire.Signal) and self.rtc is not None:
@@ -284,7 +290,8 @@ class Node:
         # The tracker dials in once to check this node is reachable (--probe-reachability).
         await serve(self.cfg.listen, self.creds, {"node", "tracker"}, self._hello, self._accepted,
                     on_refused=lambda why: log.warning("refused a connection: %s", why),
-                    on_receive=self.download.take, refused=self.peers.dropped, task_status=task_status)
+                    on_receive=self.download.take, refused=self.peers.dropped, admission=self.admission,
+                    task_status=task_status)
 
     async def _accepted(self, ms) -> None:
         if ms.peer_role == "tracker":  # its reachability probe: the handshake was the check
@@ -318,7 +325,7 @@ class Node:
         elif isinstance(msg, wire.Reject):
             self.fetcher.on_reject(s, msg)
         elif isinstance(msg, wire.VersionNotice):
-            self.manifests.notice(msg, s)
+            await self.manifests.notice(msg, s)
         elif isinstance(msg, wire.TrajectoriesAck) and s.role == "origin":
             await self.uploader.acked(msg.seqs)
         elif isinstance(msg, wire.TrajectoriesBusy) and s.role == "origin":
@@ -360,6 +367,7 @@ class Node:
             "chunks_damaged": self.store.chunks_damaged,  # held chunks found changed on disk, removed (store.py)
             "pieces_unasked": f.pieces_unasked,  # first parts of chunks not asked of their sender, ignored
             "peers_dropped": dict(self.peers.dropped),  # and connections refused, by kind (node/peers.py)
+            "sessions_replaced": self.peers.replaced,  # by the same member's new connection (its reconnect)
             "manifests_rejected": a.manifests_rejected,
             **self.manifests.status(),
             "fetching": f.status(),

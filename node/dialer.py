@@ -25,7 +25,7 @@ from typing import Callable
 import trio
 
 from patchswarm.protocol import wire
-from patchswarm.protocol.errors import PatchswarmError
+from patchswarm.protocol.errors import PatchswarmError, PeerRefused
 
 from patchswarm.node.net.backoff import jittered
 from patchswarm.node.net.ratelimit import TokenBucket
@@ -156,6 +156,8 @@ class Dialer:
                                    on_receive=self.download.take)
         except (*CONNECTION_ERRORS, PatchswarmError) as e:
             delay = min(BACKOFF_MAX, 2 * max(1.0, self._dial_after.get(pid, 0) - trio.current_time() + 1))
+            if isinstance(e, PeerRefused):  # over its admission budget: each retry would cost it a TLS handshake
+                delay = BACKOFF_MAX
             self._dial_after[pid] = trio.current_time() + jittered(delay)  # members that lost one peer spread out
             if how == "tcp":
                 self._tcp_failures[pid] = self._tcp_failures.get(pid, 0) + 1

@@ -36,7 +36,7 @@ MAX_HINTS_WAITING = 1024  # the tracker retains a keyframe and 64 patches: far m
 
 
 class ManifestRelay:
-    def __init__(self, offer: Callable[[bytes, str, bool], bool], has: Callable[[ObjKey], bool], peers: PeerSet,
+    def __init__(self, offer: Callable[[bytes, str, bool], Awaitable[bool]], has: Callable[[ObjKey], bool], peers: PeerSet,
                  ask_tracker: Callable[[object], Awaitable[bool]], wait: float = HINT_WAIT):
         # (envelope, source, from a peer) -> True when new to this node and accepted; from a peer,
         # InvalidInput for one that does not verify (the sender's fault: its session ends)
@@ -50,9 +50,10 @@ class ManifestRelay:
         self.passed_on = 0  # copies sent to peers
         self.requested = 0  # ManifestRequests sent to the tracker
 
-    def notice(self, msg: wire.VersionNotice, source: Session | None) -> None:
-        """A whole manifest from the tracker (`source` None) or a peer."""
-        if self._offer(msg.manifest, "tracker" if source is None else f"peer {source.id}", source is not None):
+    async def notice(self, msg: wire.VersionNotice, source: Session | None) -> None:
+        """A whole manifest from the tracker (`source` None) or a peer. Its sender's next
+        message waits until it is checked (a large one in a worker thread)."""
+        if await self._offer(msg.manifest, "tracker" if source is None else f"peer {source.id}", source is not None):
             to = [s for s in self.peers.sessions.values() if s.role == "node" and s is not source]
             self.passed_on += len(self.peers.broadcast(msg, to=to))
 

@@ -44,7 +44,7 @@ from patchswarm.protocol.publication import ObjKey
 from patchswarm.node.net.ratelimit import TokenBucket
 from patchswarm.node.relay import Inflow, Inflows
 from patchswarm.node.store import ObjectStore
-from patchswarm.node.net.transport import CONNECTION_ERRORS, MessageStream
+from patchswarm.node.net.transport import CONNECTION_ERRORS, HANDSHAKE_SECONDS, MessageStream
 
 log = logging.getLogger("patchswarm.peers")
 SEND_TIMEOUT = 60.0  # a peer that takes no bytes for this long is dropped
@@ -55,6 +55,10 @@ REFUSED_KEPT = 4096  # per session: the chunks it was refused, until it is told 
 # Per session: a peer's Error messages logged as warnings; later ones at DEBUG. Members send
 # peers none today, and each may carry 4 KiB: logged each, a peer could fill the log's disk.
 ERRORS_LOGGED = 3
+# Two members that dial each other at once each register the other's connection within the
+# TLS and Hello deadlines of it: a connection from a member whose session this node dialed
+# longer ago than this is not a crossing dial but a reconnect (the member lost the old one).
+CROSSING_SECONDS = 2 * HANDSHAKE_SECONDS
 _ANNOUNCEMENTS = (wire.Have, wire.HaveOne, wire.Incoming, wire.VersionNotice, wire.Announce)
 
 
@@ -67,7 +71,8 @@ class PeerBudgets:
     # An honest peer announces each chunk it takes at most twice (Incoming, HaveOne): 2**17 a
     # minute is 2 MiB chunks (the codec's default) at 2.2 GB/s from one peer.
     announcements_per_minute: int = 1 << 17
-_QUIET_ENDS = ("closed", "said bye", "replaced by the connection both ends keep")  # logged at INFO
+REPLACED = "replaced by a newer connection of the same member"
+_QUIET_ENDS = ("closed", "said bye", REPLACED)  # logged at INFO
 
 
 class PeerDropped(Exception):
@@ -82,6 +87,7 @@ class Session:
     region: str
     addr: str
     outbound: bool
+    opened_at: float = 0.0  # trio.current_time() when it was registered
     # The requests being answered, in arrival order (a dict as an ordered set: O(1) removal), and
     # the same by (object, chunk), so a Cancel finds its requests without walking the queue.
     serve_queue: dict = dataclasses.field(default_factory=dict)
@@ -169,6 +175,7 @@ class PeerSet:
         self.inflows = inflows  # chunks arriving now, served as they arrive; None: serve held chunks only
         self.upload = upload
         self.sessions: dict[str, Session] = {}
+        self.replaced = 0  # sessions ended by a new connection of the same member (its reconnect)
         self._on_message = on_message
         self._on_open = on_open
         self._on_close = on_close
@@ -179,6 +186,20 @@ class PeerSet:
         return peer_id in self.sessions
 
     def _keep_existing(self, existing: Session, outbound: bool, peer_id: str) -> bool:
+        """Of a member's live session and its new connection, whether the old one stays.
+
+        A member dials only while it holds no session with this node, so a new inbound
+        connection says it lost the old one (a network blip, a restart) even where this
+        node has not noticed yet (a half-open TCP connection is noticed only when a send
+        fails, maybe never on an idle session): the new one replaces the old, unless the
+        old one is this node's own dial of under CROSSING_SECONDS, which the member may
+        not have registered yet when it dialed (both dialed at once). Then, and for this
+        node's own dial arriving second, both ends keep the connection the smaller id
+        dialed. Keeping the old one instead locked an honest member out for as long as
+        the stale session lasted; a member that reconnects in a loop to churn sessions
+        is held by its admission budget (node/net/admission.py), not by this rule."""
+        if not outbound and (not existing.outbound or trio.current_time() - existing.opened_at > CROSSING_SECONDS):
+            return False
         dialer_of_new = self.me if outbound else peer_id
         dialer_of_old = self.me if existing.outbound else peer_id
         # Both ends apply the same rule, so they keep the same connection.
@@ -197,14 +218,15 @@ class PeerSet:
             # registered: its own `finally` then sees it is no longer registered and
             # stays quiet, so a late close of the old connection cannot report the
             # peer gone while its new session is live.
-            existing.close("replaced by the connection both ends keep")
+            existing.close(REPLACED)
+            self.replaced += 1
             self._forget(existing)
             with trio.CancelScope(shield=True):
                 await existing.ms.aclose()
             if ms.peer_name in self.sessions:  # a third connection won meanwhile
                 await ms.aclose()
                 return
-        s = Session(ms, ms.peer_name, ms.peer_role, hello.region, hello.listen, outbound)
+        s = Session(ms, ms.peer_name, ms.peer_role, hello.region, hello.listen, outbound, trio.current_time())
         self.sessions[s.id] = s
         reason = "closed"
         try:

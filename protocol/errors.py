@@ -70,6 +70,11 @@ class BudgetExceeded(ProtocolError):
         self.budget = budget
 
 
+class PeerRefused(ProtocolError):
+    """The member we dialed answered our Hello with an Error: it refused the connection (over
+    its admission budget, node/net/admission.py); the message says why and when to come back."""
+
+
 class FrameTooLarge(ProtocolError):
     """A frame announced a length beyond the negotiated maximum."""
 

@@ -13,6 +13,8 @@ The tracker uses the same book to keep what it hands to joining nodes
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import hashlib
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -22,6 +24,17 @@ from .manifest import Manifest, ObjKey, describe, key_of, verify_manifest
 
 KNOWN = "known"
 NEW = "new"
+STALE_KEPT = 64  # digests of stale envelopes remembered, refused again without a check
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Verified:
+    """What `VersionBook.verify` found: the envelope's SHA-256 and its manifest, under
+    the key it was checked with. `offer` takes it in place of checking again."""
+
+    digest: bytes
+    manifest: Manifest
+    key: Ed25519PublicKey
 
 
 class VersionBook:
@@ -31,16 +44,40 @@ class VersionBook:
         self._manifests: dict[ObjKey, Manifest] = {}
         self._envelopes: dict[ObjKey, bytes] = {}
         self._by_digest: dict[bytes, ObjKey] = {}  # SHA-256 of each held envelope
+        # SHA-256 of envelopes found stale -> their object (at most STALE_KEPT, oldest out): a
+        # replay is refused without a second check (a 140,000-tensor keyframe's takes 0.47 s,
+        # and any peer could pass the same old one on again and again).
+        self._stale: collections.OrderedDict[bytes, ObjKey] = collections.OrderedDict()
 
     # ------------------------------------------------------------ facts in
 
-    def offer(self, envelope: bytes, current_version: int | None = None) -> tuple[str, Manifest]:
+    def verify(self, envelope: bytes) -> Verified:
+        """The signature check and decode `offer` does, alone: it reads nothing of the book
+        that changes, so a caller may run it in a worker thread (a 140,000-tensor keyframe
+        manifest takes 0.47 s) and hand the result to `offer`. Raises as `offer` does for a
+        manifest the trainer did not sign."""
+        return Verified(hashlib.sha256(envelope).digest(), verify_manifest(envelope, self._key), self._key)
+
+    def needs_check(self, envelope: bytes, current_version: int | None = None) -> bool:
+        """Whether `offer(envelope, current_version)` would verify it: False for an envelope
+        held (KNOWN) or one found stale before and still at or below `current_version`."""
+        digest = hashlib.sha256(envelope).digest()
+        return digest not in self._by_digest and self._stale_at(digest, current_version) is None
+
+    def _stale_at(self, digest: bytes | None, current_version: int | None) -> ObjKey | None:
+        key = self._stale.get(digest)
+        return key if key is not None and current_version is not None and key[0] <= current_version else None
+
+    def offer(self, envelope: bytes, current_version: int | None = None,
+              verified: Verified | None = None) -> tuple[str, Manifest]:
         """Verify a signed manifest; (NEW, m) if it is new, (KNOWN, m) if already held.
 
         Raises SignatureError / CorruptData for a manifest the trainer did not
         sign, InvalidInput for another swarm's, ConflictingManifest for a
         second, different manifest of one object, StaleVersion for an object
-        at or below `current_version` that is not already held.
+        at or below `current_version` that is not already held. With `verified`
+        (from `verify` of these bytes, with this book's key) the check is not
+        done again.
         """
         # The same envelope again (from the tracker, then from peers) is known by its bytes: a
         # 140,000-tensor keyframe's costs seconds to verify and decode, its digest milliseconds.
@@ -48,7 +85,14 @@ class VersionBook:
         known = self._by_digest.get(digest)
         if known is not None:
             return KNOWN, self._manifests[known]
-        m = verify_manifest(envelope, self._key)
+        stale = self._stale_at(digest, current_version)
+        if stale is not None:
+            raise StaleVersion(f"manifest {describe(stale)}: expected a version above the current "
+                               f"{current_version}, found {stale[0]} (replayed or older; seen before)")
+        if verified is not None and verified.digest == digest and verified.key is self._key:
+            m = verified.manifest
+        else:
+            m = verify_manifest(envelope, self._key)
         if m.swarm_id != self.swarm_id:
             raise InvalidInput(f"manifest: expected swarm {self.swarm_id!r}, found {m.swarm_id!r}")
         key = key_of(m)
@@ -60,6 +104,10 @@ class VersionBook:
                                       f"is already held (target {self._manifests[key].target_hash[:16]}…, "
                                       f"found {m.target_hash[:16]}…)")
         if current_version is not None and m.version <= current_version:
+            if digest is not None:
+                self._stale[digest] = key
+                if len(self._stale) > STALE_KEPT:
+                    self._stale.popitem(last=False)
             raise StaleVersion(f"manifest {describe(key)}: expected a version above the current "
                                f"{current_version}, found {m.version} (replayed or older)")
         self._manifests[key] = m

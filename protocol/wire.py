@@ -538,9 +538,9 @@ def _read_field(r: PackReader, kind: str, limit: int | None):
     return [_read_peer(r) for _ in range(n)]  # list[dict]
 
 
-def decode_body(body: bytes, only: type | None = None):
+def decode_body(body: bytes, only: tuple[type, ...] | None = None):
     """The message in one frame body; ProtocolError if it is not one (or, with
-    `only`, if it is of another type: checked before its fields are read).
+    `only`, if it is of none of those types: checked before its fields are read).
 
     Read along the message's schema, "t" first: no field is built before its
     type and size are checked, and nothing that nests is built at all."""
@@ -552,8 +552,8 @@ def decode_body(body: bytes, only: type | None = None):
     name = r.str(_MAX_KEY_BYTES, _ONE_OF_TYPES)
     if name not in MESSAGE_TYPES:
         raise ProtocolError(f"expected {_ONE_OF_TYPES}, found {_found(name)}")
-    if only is not None and name != only.__name__:
-        raise ProtocolError(f"expected {only.__name__} first, found {name}")
+    if only is not None and name not in {t.__name__ for t in only}:
+        raise ProtocolError(f"expected {' or '.join(t.__name__ for t in only)} first, found {name}")
     schema = _FIELDS_OF[name]
     values = {}
     for _ in range(n - 1):
@@ -648,9 +648,16 @@ DONE = "DONE"  # Bye done; nothing may follow
 # (state, message type) -> next state; `None` means any other message type.
 _TRANSITIONS = {
     (AWAIT_HELLO, Hello): OPEN,
+    # A listener that refuses the member (over its admission budget, node/net/admission.py)
+    # says why in place of its Hello, and closes. Members of revision 3 and before read it
+    # as a broken Hello and fail the dial just the same, so it needs no revision.
+    (AWAIT_HELLO, Error): DONE,
     (OPEN, Bye): DONE,
     (OPEN, None): OPEN,
 }
+
+
+_FIRST = (Hello, Error)  # what may open a connection
 
 
 def _advance(state: str, msg, exc: type[Exception], who: str) -> str:
@@ -658,8 +665,8 @@ def _advance(state: str, msg, exc: type[Exception], who: str) -> str:
     if nxt is None and type(msg) is not Hello:
         nxt = _TRANSITIONS.get((state, None))
     if nxt is None:
-        expected = {AWAIT_HELLO: "Hello first", OPEN: "anything but a second Hello",
-                    DONE: "nothing after Bye"}[state]
+        expected = {AWAIT_HELLO: "Hello (or a refusal, an Error) first", OPEN: "anything but a second Hello",
+                    DONE: "nothing after Bye or a refusal"}[state]
         raise exc(f"{who}: expected {expected}, found {type(msg).__name__}")
     return nxt
 
@@ -770,7 +777,7 @@ class Connection:
         body = self._frames.next_body()
         if body is NEED_DATA or body is CLOSED:
             return body
-        msg = decode_body(body, Hello if self.their_state == AWAIT_HELLO else None)
+        msg = decode_body(body, _FIRST if self.their_state == AWAIT_HELLO else None)
         self.their_state = _advance(self.their_state, msg, ProtocolError, "peer")
         if type(msg) is Hello:
             self._frames.max_frame = self.max_frame

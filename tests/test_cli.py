@@ -191,3 +191,20 @@ def test_status_without_a_node_is_one_line_naming_the_path_and_what_was_found(tm
         r = cli("status", *args, check=False)
         assert_one_line_error(r)
         assert r.stdout == "" and "expected a node's socket" in r.stderr and found in r.stderr, r.stderr
+
+
+def test_status_shows_peers_dropped_and_refused_by_kind(capsys, monkeypatch):
+    """`patchswarm status` showed no peer faults: a member refused over its connection budget
+    (node/net/admission.py) or sessions replaced by reconnects were in --json only."""
+    from patchswarm.node.cli.services import print_status
+
+    monkeypatch.setenv("COLUMNS", "300")  # one line a row
+    st = {"node_id": "n1", "region": "r0", "version": 3, "base_path": "/d/weights.safetensors",
+          "bytes_in": {"origin": 0, "same_region": 0, "other_region": 0}, "bytes_out": 0, "chunks_rejected": 0,
+          "peers": [], "peers_dropped": {"connections per minute": 1234, "protocol error": 1}, "sessions_replaced": 2}
+    print_status(st)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "connections per minute: 1,234, protocol error: 1; 2 sessions replaced by a reconnect" in out
+    del st["peers_dropped"], st["sessions_replaced"]
+    print_status(st)
+    assert "peers dropped" not in capsys.readouterr().out

@@ -4,6 +4,7 @@ hash of both ids (stable, and different from node to node); only the origin for 
 
 import pytest
 import trio
+import trio.testing
 
 from patchswarm.node.dialer import OTHER_REGION_PEERS, SAME_REGION_PEERS, Dialer
 
@@ -106,3 +107,37 @@ def test_told_it_is_unreachable_a_node_stops_waiting_to_be_dialed():
         assert "n2" not in d._dial_after and "n1" in d._dial_after and not d._second
 
     trio.run(main)
+
+
+def test_a_refusal_over_the_peers_budget_is_retried_after_the_longest_backoff(monkeypatch):
+    """Each try at a member that refused us (node/net/admission.py) costs it a TLS handshake:
+    the dialer waits BACKOFF_MAX (jittered 5-10 s) before the next, not the 1-2 s after
+    another failure; the member admits it again within 6 s of its last admission."""
+    from patchswarm.node import dialer
+    from patchswarm.node.net.ratelimit import TokenBucket
+    from patchswarm.protocol import wire
+    from patchswarm.protocol.errors import PeerRefused, ProtocolError
+
+    outcome = {}
+
+    async def refusing(*a, **k):
+        raise outcome["error"]
+
+    monkeypatch.setattr(dialer, "connect", refusing)
+    peer = {"id": "n2", "region": "r0", "addr": "10.0.0.2:7000", "role": "node"}
+
+    async def main():
+        d = Dialer("n1", "r0", creds=None, peers=None, hello=lambda: wire.Hello("n1", "r0", "node", "x:1", []),
+                   download=TokenBucket(None))
+        waits = {}
+        for name, error in (("refused", PeerRefused("peer 'n2' refused the connection: over budget")),
+                            ("broken hello", ProtocolError("expected Hello"))):
+            outcome["error"] = error
+            d._dial_after.pop("n2", None)
+            await d._dial(peer)
+            waits[name] = d._dial_after["n2"] - trio.current_time()
+        return waits
+
+    waits = trio.run(main, clock=trio.testing.MockClock())
+    assert dialer.BACKOFF_MAX / 2 <= waits["refused"] <= dialer.BACKOFF_MAX
+    assert waits["broken hello"] <= 2.0

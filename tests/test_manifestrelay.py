@@ -29,7 +29,7 @@ def envelope(version: int) -> bytes:
 def relay(asked: list):
     book = VersionBook(SWARM, KEY.public_key())
 
-    def offer(env: bytes, source: str, from_peer: bool = False) -> bool:
+    async def offer(env: bytes, source: str, from_peer: bool = False) -> bool:
         return book.offer(env, None)[0] == NEW
 
     async def ask(msg) -> bool:
@@ -71,11 +71,11 @@ def test_a_manifest_that_arrives_in_time_or_is_held_already_is_not_asked_for():
     async def body(n):
         r = relay(asked)
         n.start_soon(r.run)
-        r.notice(wire.VersionNotice(1, envelope(1)), None)
+        await r.notice(wire.VersionNotice(1, envelope(1)), None)
         r.hinted(wire.VersionHint(1, True))  # held already
         r.hinted(wire.VersionHint(2, True))
         await trio.sleep(0.5)
-        r.notice(wire.VersionNotice(2, envelope(2)), None)  # as from a peer, within the wait
+        await r.notice(wire.VersionNotice(2, envelope(2)), None)  # as from a peer, within the wait
         await trio.sleep(5)
         assert asked == []
 
@@ -125,20 +125,24 @@ def test_a_peer_that_passes_on_a_manifest_that_does_not_verify_is_dropped(tmp_pa
                                     target_hash="blake3:" + "00" * 32, tensors=[["w", "bf16", [4]]],
                                     chunks=[(100, bytes(32))], codec={"format": 2}, created_at=0.0),
                            Ed25519PrivateKey.generate())
-    with pytest.raises(InvalidInput):
-        r.notice(wire.VersionNotice(9, forged), source=object.__new__(_FakeSession))
-    with pytest.raises(InvalidInput):
-        r.notice(wire.VersionNotice(9, b"\x00not a manifest"), source=object.__new__(_FakeSession))
-    assert applier.manifests_rejected == 2
-    r.notice(wire.VersionNotice(9, forged), source=None)  # from the tracker: counted, logged, no raise
-    assert applier.manifests_rejected == 3
-    r.notice(wire.VersionNotice(3, envelope(3)), source=object.__new__(_FakeSession))
-    other = sign_manifest(Manifest(swarm_id=SWARM, version=3, base_version=None, base_hash=None,
-                                   target_hash="blake3:" + "33" * 32, tensors=[["w", "bf16", [4]]],
-                                   chunks=[(100, bytes(32))], codec={"format": 2}, created_at=1.0), KEY)
-    # A second manifest the trainer signed for one object: its doing, not the peer's.
-    r.notice(wire.VersionNotice(3, other), source=object.__new__(_FakeSession))
-    assert applier.manifests_rejected == 4
+
+    async def main():
+        with pytest.raises(InvalidInput):
+            await r.notice(wire.VersionNotice(9, forged), source=object.__new__(_FakeSession))
+        with pytest.raises(InvalidInput):
+            await r.notice(wire.VersionNotice(9, b"\x00not a manifest"), source=object.__new__(_FakeSession))
+        assert applier.manifests_rejected == 2
+        await r.notice(wire.VersionNotice(9, forged), source=None)  # from the tracker: counted, logged, no raise
+        assert applier.manifests_rejected == 3
+        await r.notice(wire.VersionNotice(3, envelope(3)), source=object.__new__(_FakeSession))
+        other = sign_manifest(Manifest(swarm_id=SWARM, version=3, base_version=None, base_hash=None,
+                                       target_hash="blake3:" + "33" * 32, tensors=[["w", "bf16", [4]]],
+                                       chunks=[(100, bytes(32))], codec={"format": 2}, created_at=1.0), KEY)
+        # A second manifest the trainer signed for one object: its doing, not the peer's.
+        await r.notice(wire.VersionNotice(3, other), source=object.__new__(_FakeSession))
+        assert applier.manifests_rejected == 4
+
+    trio.run(main)
 
 
 class _FakeSession:

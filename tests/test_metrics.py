@@ -38,6 +38,7 @@ NODE_STATUS = {
     "bytes_in": {"origin": 100, "same_region": 250, "other_region": 50},
     "bytes_out": 700, "bytes_out_arriving": 200, "chunks_rejected": 2, "manifests_rejected": 1,
     "unusable": ["v3 patch"], "fetching": {"v5 patch": 3, "v6 patch": 4},
+    "peers_dropped": {"connections per minute": 40, "protocol error": 1}, "sessions_replaced": 3,
     "peers": [{"id": "a", "region": "r1", "role": "node"}, {"id": "b", "region": "r1", "role": "node"},
               {"id": "o", "region": "r0", "role": "origin"},
               {"id": "w", "region": "r2", "role": "node", "transport": "webrtc"}],
@@ -62,6 +63,9 @@ def test_node_series_follow_the_status():
         ("patchswarm_peers", (("region", "r1"), ("role", "node"), ("transport", "tcp"))): 2,
         ("patchswarm_peers", (("region", "r0"), ("role", "origin"), ("transport", "tcp"))): 1,
         ("patchswarm_peers", (("region", "r2"), ("role", "node"), ("transport", "webrtc"))): 1,
+        ("patchswarm_peers_dropped_total", (("kind", "connections per minute"),)): 40,
+        ("patchswarm_peers_dropped_total", (("kind", "protocol error"),)): 1,
+        ("patchswarm_sessions_replaced_total", ()): 3,
         ("patchswarm_tracker_connected", ()): 1, ("patchswarm_spool_records", ()): 7,
         ("patchswarm_spool_bytes", ()): 7000, ("patchswarm_trajectories_appended_total", ()): 20,
         ("patchswarm_trajectories_acked_total", ()): 13,
@@ -141,7 +145,8 @@ def test_origin_series():
 
 
 def test_tracker_series():
-    st = {"latest_version": 5, "manifests_rejected": 2, "members": [
+    st = {"latest_version": 5, "manifests_rejected": 2, "drops": {"silent": 3}, "refused": {"over join budget": 7},
+          "members": [
         {"id": "o", "region": "r0", "role": "origin", "addr": "x:1", "versions": [5]},
         {"id": "a", "region": "r1", "role": "node", "addr": "x:2", "versions": [5]},
         {"id": "b", "region": "r1", "role": "node", "addr": "x:3", "versions": [4]},
@@ -156,6 +161,8 @@ def test_tracker_series():
     assert got[("patchswarm_members_behind", (("behind", "3+"), ("region", "r1")))] == 1
     assert got[("patchswarm_members_behind", (("behind", "none"), ("region", "r2")))] == 1
     assert got[("patchswarm_manifests_rejected_total", ())] == 2
+    assert got[("patchswarm_members_dropped_total", (("why", "silent"),))] == 3
+    assert got[("patchswarm_connections_refused_total", (("kind", "over join budget"),))] == 7
 
 
 # ------------------------------------------------------------------ a real swarm

@@ -10,7 +10,7 @@ import trio
 import trio.testing
 
 from memlink import KEY, connected_pair, store_with
-from patchswarm.node.peers import SEND_TIMEOUT, PeerSet
+from patchswarm.node.peers import CROSSING_SECONDS, REPLACED, SEND_TIMEOUT, PeerSet
 from patchswarm.node.net.ratelimit import TokenBucket
 from patchswarm.node.store import ObjectStore
 from patchswarm.node.net.transport import MessageStream
@@ -100,6 +100,59 @@ def test_a_duplicate_that_loses_is_closed_and_reports_nothing(tmp_path):
         assert events == [("open", False), ("close", False)]
 
     trio.run(main)
+
+
+def test_a_member_that_dials_again_replaces_its_half_open_session(tmp_path):
+    """After a network blip the member's old connection is half-open here (nothing sent on it,
+    so nothing failed) and it dials again. Before: the old session was kept and every new
+    connection closed, so the member was locked out for as long as the stale one lasted."""
+    events: list = []
+
+    async def main():
+        peers = _peers_b(tmp_path, *_recording(events, lambda s: s.outbound))
+        old_local, _old_remote = trio.testing.memory_stream_pair()  # the far end never closes it
+        new_local, new_remote = trio.testing.memory_stream_pair()
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(peers.run, _stream(old_local, "z"), False)
+                await trio.testing.wait_all_tasks_blocked()
+                old = peers.sessions["z"]
+                nursery.start_soon(peers.run, _stream(new_local, "z"), False)
+                await trio.testing.wait_all_tasks_blocked()
+                assert peers.sessions["z"] is not old and old.closed and old.close_reason == REPLACED
+                assert events == [("open", False), ("close", False), ("open", False)]
+                assert peers.replaced == 1
+                await new_remote.aclose()
+        assert events[-1] == ("close", False) and not peers.connected("z")
+
+    trio.run(main)
+
+
+def test_a_dial_of_ours_older_than_a_crossing_is_replaced_by_the_members_dial(tmp_path):
+    """This node ('b') dialed 'z' long ago; 'z' dials now, so 'z' lost that connection. Both
+    dialing at once (within CROSSING_SECONDS) keeps the smaller id's dial, as before
+    (tests/test_peers.py); past it, the member's new connection replaces the stale one."""
+    events: list = []
+
+    async def main():
+        peers = _peers_b(tmp_path, *_recording(events, lambda s: s.outbound))
+        out_local, _out_remote = trio.testing.memory_stream_pair()
+        young_local, young_remote = trio.testing.memory_stream_pair()
+        late_local, late_remote = trio.testing.memory_stream_pair()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(peers.run, _stream(out_local, "z"), True)
+            await trio.testing.wait_all_tasks_blocked()
+            mine = peers.sessions["z"]
+            await peers.run(_stream(young_local, "z"), False)  # a crossing: 'b' < 'z', b's dial stays
+            assert peers.sessions["z"] is mine and peers.replaced == 0
+            await trio.sleep(CROSSING_SECONDS + 1)
+            nursery.start_soon(peers.run, _stream(late_local, "z"), False)
+            await trio.testing.wait_all_tasks_blocked()
+            assert mine.closed and not peers.sessions["z"].outbound and peers.replaced == 1
+            await late_remote.aclose()
+        assert events == [("open", True), ("close", True), ("open", False), ("close", False)]
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
 def test_the_owner_closes_a_session_with_a_reason(tmp_path, caplog):

@@ -23,7 +23,7 @@ from patchswarm.node.net import transport, trust
 from patchswarm.node.net.transport import MessageStream, connect, exchange_hello, serve
 from patchswarm.protocol import wire
 from patchswarm.protocol.manifest import Manifest, sign_manifest, verify_manifest
-from patchswarm.protocol.errors import UsageError
+from patchswarm.protocol.errors import PeerRefused, UsageError
 from patchswarm.protocol.peersets import apply_delta
 from patchswarm.tracker import server
 from patchswarm.tracker.core import (BAD_MESSAGE, BEHIND, OVER_ANNOUNCES, OVER_JOINS, OVER_SIGNALS, REPLACED, SILENT,
@@ -505,6 +505,41 @@ def test_over_tls_a_member_learns_of_a_new_same_region_peer_by_delta(tmp_path):
                 assert joins["count"] == 3 and 0 < joins["p50_s"] <= joins["max_s"] < 30
                 for ms in members.values():
                     await ms.aclose()
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_over_tls_a_member_over_its_join_budget_is_refused_before_its_hello(tmp_path, monkeypatch):
+    """A member that reconnects in a loop: past its join budget the listener refuses it right
+    after TLS (an Error in place of the tracker's Hello, held REFUSAL_HOLD), before the core
+    or its old session hear of it; before, each try cost a Hello exchange and came back at
+    once. Counted in status "refused"; the member is let in again once a join is back."""
+    monkeypatch.setattr(transport, "REFUSAL_HOLD", 0.3)
+    creds = _swarm_of(tmp_path)
+
+    async def main():
+        tracker = server.Tracker(tmp_path / "tracker", "127.0.0.1:0", join_budget=(2, 120.0))  # one per 0.5 s
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(tracker.run)
+                hello = wire.Hello("a", "r1", "node", "127.0.0.1:7001", [])
+                for _ in range(2):
+                    ms = await connect(tracker.listen_addr, creds["a"], {"tracker"}, hello)
+                    assert isinstance(await ms.receive(), wire.PeerList)
+                    kept = ms  # the last one stays open: a refusal must not end it
+                t0 = trio.current_time()
+                with pytest.raises(PeerRefused, match="joins in a row"):
+                    await connect(tracker.listen_addr, creds["a"], {"tracker"}, hello)
+                assert trio.current_time() - t0 >= 0.3  # held
+                st = tracker.status()
+                assert st["refused"] == {OVER_JOINS: 1} and OVER_JOINS not in st["drops"]
+                assert [m["id"] for m in st["members"]] == ["a"]  # its session stands
+                await trio.sleep(tracker.core.join_wait("a", trio.current_time()))
+                again = await connect(tracker.listen_addr, creds["a"], {"tracker"}, hello)
+                assert isinstance(await again.receive(), wire.PeerList)
+                for m in (kept, again):
+                    await m.aclose()
                 nursery.cancel_scope.cancel()
 
     trio.run(main)

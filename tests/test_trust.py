@@ -494,3 +494,30 @@ def test_cli_swarm_init_and_issue(tmp_path):
     assert r.returncode == 1 and r.stderr.startswith("patchswarm: ") and "Traceback" not in r.stderr
     r = cli("swarm", "issue", tmp_path / "sw", "x", "--role", "admin", "-o", tmp_path / "o2")
     assert r.returncode == 2
+
+
+def test_the_listener_issues_no_session_tickets(swarm):
+    """No member resumes a TLS session, so a ticket is work for nothing: OpenSSL's two per
+    handshake were a quarter of a listener's handshake CPU (bench/handshake.py)."""
+    import socket
+    import threading
+
+    server_ctx = trust.server_context(trust.Credentials.load(swarm / "tracker1"))
+    client_ctx = trust.client_context(trust.Credentials.load(swarm / "node1"))
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.settimeout(10)
+
+        def serve_one() -> None:
+            conn, _ = listener.accept()
+            with server_ctx.wrap_socket(conn, server_side=True) as s:
+                s.sendall(b"x")  # after the tickets, if any: the client has read them with it
+                s.recv(1)
+
+        t = threading.Thread(target=serve_one)
+        t.start()
+        with socket.create_connection(listener.getsockname(), timeout=10) as raw, \
+                client_ctx.wrap_socket(raw) as s:
+            assert s.recv(1) == b"x"
+            assert s.session is not None and not s.session.has_ticket
+            s.sendall(b"y")
+        t.join(10)

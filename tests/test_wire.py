@@ -356,6 +356,16 @@ def test_receive_must_start_with_hello():
         conn.next_event()
 
 
+def test_a_refusal_may_come_in_place_of_hello_and_ends_the_connection():
+    """A listener over a member's admission budget answers its Hello with an Error
+    (node/net/transport.py); before, the dialer read it as a broken Hello."""
+    conn = Connection()
+    conn.receive_data(wire.encode(Error(message="over budget")) + wire.encode(HELLO))
+    assert conn.next_event() == Error(message="over budget")
+    with pytest.raises(ProtocolError, match="nothing after Bye or a refusal"):  # a refusal is the connection's last word
+        conn.next_event()
+
+
 def test_receive_after_bye_and_second_hello():
     conn = Connection()
     conn.receive_data(wire.encode(HELLO) + wire.encode(Bye(reason="x")) + wire.encode(Heartbeat(versions=[])))

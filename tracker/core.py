@@ -23,7 +23,8 @@ What it decides:
   WebRTC signals (each relayed to the member it names).
   A member over a budget is closed and counted; while its budget is empty it
   is refused at once, so a member reconnecting in a loop costs the others
-  nothing.
+  nothing. The server asks `join_wait` right after TLS and refuses such a
+  member before its Hello; `connected` refuses the ones that pass it together.
 
 Connections are opaque hashable tokens; the core never touches them.
 """
@@ -45,7 +46,7 @@ from patchswarm.protocol.peersets import NODE, ORIGIN, PeerSets
 from patchswarm.protocol.picker import WAN_GATEWAYS
 from patchswarm.protocol.responsibility import check_wan_rates
 from patchswarm.protocol.manifest import describe
-from patchswarm.protocol.versions import NEW, VersionBook
+from patchswarm.protocol.versions import NEW, Verified, VersionBook
 
 log = logging.getLogger("patchswarm.tracker")
 
@@ -143,6 +144,12 @@ class Budget:
         self._buckets[key] = (tokens - 1.0, now)
         return True
 
+    def wait(self, key: str, now: float) -> float:
+        """Seconds until `key` has a token (0: now); takes nothing."""
+        tokens, at = self._buckets.get(key, (self.burst, now))
+        tokens = min(self.burst, tokens + (now - at) * self.rate)
+        return 0.0 if tokens >= 1.0 else (1.0 - tokens) / self.rate
+
     def prune(self, now: float) -> None:
         """Forget keys whose bucket is full again (they are as good as new)."""
         full = [k for k, (t, at) in self._buckets.items() if t + (now - at) * self.rate >= self.burst]
@@ -176,6 +183,7 @@ class TrackerCore:
         self.members: dict[str, Member] = {}
         self._by_conn: dict[Hashable, Member] = {}
         self._by_seen: collections.OrderedDict[str, None] = collections.OrderedDict()  # least recently heard first
+        self.join_budget = join_budget  # (in a row, a minute)
         self._joins = Budget(*join_budget)
         self._announces = Budget(*announce_budget)
         self._signals = Budget(*signal_budget)
@@ -226,6 +234,11 @@ class TrackerCore:
                 m.manifests = set(self._notices)
         return out
 
+    def join_wait(self, member: str, now: float) -> float:
+        """Seconds until `member` may join again (0: now); takes nothing. The server asks it
+        right after TLS, so a member with no join left is refused before its Hello."""
+        return self._joins.wait(member, now)
+
     def unreachable(self, conn: Hashable, addr: str, why: str, now: float) -> list:
         """The tracker could not connect to the member on `conn` at `addr`, the address it
         joined with (tracker/server.py probes it): list it with none, so peers do not dial
@@ -238,7 +251,9 @@ class TrackerCore:
         self._changed(self.peers.join(m.id, m.role, m.region, ""), now)
         return [Send.of([conn], wire.Unreachable(addr, why[:MAX_REASON_CHARS]))]
 
-    def received(self, conn: Hashable, msg, now: float) -> list:
+    def received(self, conn: Hashable, msg, now: float, verified: Verified | None = None) -> list:
+        """A message from the member on `conn`. For an Announce, `verified` is its manifest
+        as `book.verify` found it (the server checks a large one in a worker thread)."""
         m = self._by_conn.get(conn)
         if m is None:
             return []
@@ -248,7 +263,7 @@ class TrackerCore:
             m.versions = list(msg.versions)
             return []
         if isinstance(msg, wire.Announce):
-            return self._announce(m, msg.manifest, now)
+            return self._announce(m, msg.manifest, now, verified)
         if isinstance(msg, wire.Signal):
             if not self._signals.take(m.id, now):
                 self.drops[OVER_SIGNALS] += 1
@@ -316,7 +331,7 @@ class TrackerCore:
 
     # ------------------------------------------------------------ manifests
 
-    def _announce(self, m: Member, envelope: bytes, now: float) -> list:
+    def _announce(self, m: Member, envelope: bytes, now: float, verified: Verified | None = None) -> list:
         if not self._announces.take(m.id, now):
             self.drops[OVER_ANNOUNCES] += 1
             return self._drop(m, now, OVER_ANNOUNCES, "announced too often")
@@ -326,7 +341,7 @@ class TrackerCore:
             return [Send.of([m.conn], wire.Error("only the origin announces versions"))]
         latest = self.book.latest_version
         try:
-            status, man = self.book.offer(envelope, None)
+            status, man = self.book.offer(envelope, None, verified=verified)
         except StaleVersion as e:
             log.debug("ignored an announcement: %s", e)
             return []

@@ -30,14 +30,15 @@ from pathlib import Path
 import trio
 
 from patchswarm.protocol import wire
-from patchswarm.protocol.errors import InvalidInput, PatchswarmError, ProtocolError, UsageError
+from patchswarm.protocol.errors import BudgetExceeded, InvalidInput, PatchswarmError, ProtocolError, UsageError
 
 from patchswarm.node.net.transport import (CONNECTION_ERRORS, MessageStream, apply_revocations, connect, format_addr,
                                            one_line, serve)
+from patchswarm.node.net.manifestcheck import ManifestCheck
 from patchswarm.node.net.service import format_wan_rates
 from patchswarm.node.net.trust import Credentials
 from patchswarm.tracker.collector import CollectorSchedule
-from patchswarm.tracker.core import BAD_MESSAGE, BEHIND, HEARTBEAT_TIMEOUT, LEFT, Close, Send, TrackerCore
+from patchswarm.tracker.core import BAD_MESSAGE, BEHIND, HEARTBEAT_TIMEOUT, LEFT, OVER_JOINS, Close, Send, TrackerCore
 
 log = logging.getLogger("patchswarm.tracker")
 
@@ -45,6 +46,25 @@ SEND_QUEUE = 512  # frames queued for one member before it counts as fallen behi
 SEND_TIMEOUT = 10.0  # a member whose write has not completed for this long has fallen behind
 BATCH_BYTES = 256 << 10  # queued frames joined into one write, up to about this much
 JOINS_KEPT = 1024  # recent joins whose latency status reports
+
+
+class _JoinGate:
+    """The core's join budget, asked by the listener right after TLS (node/net/transport.py
+    `serve`, as a node asks its MemberAdmission): a member with no join left is refused
+    before its Hello, its Error held REFUSAL_HOLD, and counted in `Tracker.refused`. Before,
+    it was refused by the core after the Hello exchange, at once, so a member reconnecting in
+    a loop had the tracker do a TLS handshake and a Hello per try, as fast as it could try.
+    The core still takes the token when the member joins."""
+
+    def __init__(self, core: TrackerCore):
+        self.core = core
+
+    def admit(self, member: str, now: float) -> None:
+        wait = self.core.join_wait(member, now)
+        if wait > 0:
+            b = self.core.join_budget
+            raise BudgetExceeded(OVER_JOINS, f"member {member!r}: expected at most {b[0]} joins in a row and "
+                                             f"{b[1]:g} a minute, found one more; the next is admitted in {wait:.1f} s")
 
 
 class _Session:
@@ -133,6 +153,8 @@ class Tracker:
         self.listen_addr = listen
         self.core = TrackerCore(self.creds.swarm_id(), self.creds.trainer_public_key(),
                                 heartbeat_timeout=heartbeat_timeout, **options)
+        self.manifest_check = ManifestCheck(self.core.book)  # large announcements verified off the loop
+        self.refused: collections.Counter[str] = collections.Counter()  # connections the listener refused, by kind
         self.sent: collections.Counter[str] = collections.Counter()  # bytes pushed, by message type
         self.busy: dict[_Session, float] = {}  # sessions writing now -> when their last write began
         self._wake = trio.Event()
@@ -173,7 +195,8 @@ class Tracker:
 
     async def _serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         await serve(self.listen, self.creds, {"node", "origin"}, self._hello, self._session,
-                    on_refused=lambda why: log.warning("refused a connection: %s", why), task_status=task_status)
+                    on_refused=lambda why: log.warning("refused a connection: %s", why), refused=self.refused,
+                    admission=_JoinGate(self.core), task_status=task_status)
 
     def _hello(self) -> wire.Hello:
         return wire.Hello(self.creds.name, "", "tracker", self.listen_addr, [])
@@ -245,7 +268,10 @@ class Tracker:
                 if msg is None:
                     s.why = s.why or LEFT
                     return
-                self._do(self.core.received(s, msg, trio.current_time()))
+                verified = None
+                if isinstance(msg, wire.Announce) and s.ms.peer_role == "origin":  # only its announcements count
+                    verified = await self.manifest_check.check(msg.manifest)  # a large one in a worker thread
+                self._do(self.core.received(s, msg, trio.current_time(), verified))
         except ProtocolError as e:
             self._do(self.core.dropped(s, BAD_MESSAGE, f"protocol error: {e}", trio.current_time()))
         except CONNECTION_ERRORS as e:
@@ -346,6 +372,7 @@ class Tracker:
     def status(self) -> dict:
         waits = sorted(w for _, w in self.joins)
         return {**self.core.status(), "listen": self.listen_addr, "bytes_sent": dict(self.sent),
+                "refused": dict(self.refused),  # by the listener, before a session: over join budget among them
                 "probed": dict(self.probed) if self.probe else None,
                 "gc": self.collector.status(),
                 "recent_joins": {"count": len(waits), "p50_s": round(waits[len(waits) // 2], 4) if waits else None,

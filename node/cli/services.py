@@ -116,6 +116,7 @@ def cmd_origin(args: argparse.Namespace) -> int:
 
 def _node_args(p: argparse.ArgumentParser) -> None:
     from patchswarm.node.lowprio import APPLY_NICE
+    from patchswarm.node.net.admission import CONNECTION_BURST
     from patchswarm.protocol.picker import WAN_GATEWAYS
 
     p.add_argument("--tracker", metavar="HOST:PORT", required=True, type=address, help="the tracker's address")
@@ -141,6 +142,9 @@ def _node_args(p: argparse.ArgumentParser) -> None:
                    help="each region's WAN link rate (Mbit/s, each way); the same on every member: each chunk "
                         "crosses the regions from the fastest link to the slowest (default: not known, "
                         "a per-chunk order)")
+    p.add_argument("--member-connections", type=non_negative_int, default=CONNECTION_BURST, metavar="N",
+                   help=f"connections one member (by certificate name) may open to this node: N in a row and N a "
+                        f"minute; more are refused before the Hello exchange (default {CONNECTION_BURST}; 0: no limit)")
     _compact_argument(p)
     h = p.add_argument_group("hand-off to the inference engine (none by default)")
     h.add_argument("--model-dir", metavar="D", type=Path,
@@ -208,7 +212,7 @@ def cmd_node(args: argparse.Namespace) -> int:
                         compact_every=args.compact_every, model_dir=args.model_dir, engine=args.engine,
                         engine_url=args.engine_url, on_version=args.on_version,
                         sparse_handoff=args.sparse_handoff, transport=args.transport, no_listen=args.no_listen,
-                        ice=_ice_config(args)))
+                        ice=_ice_config(args), member_connections=args.member_connections))
 
     async def start(task_status):
         import trio
@@ -329,6 +333,11 @@ def print_status(st: dict) -> None:
         out += f" ({_mb(st['bytes_out_arriving'])} relayed while arriving)"
     t.add_row("bytes out", out)
     t.add_row("rejected", f"{st['chunks_rejected']} chunks, {st.get('manifests_rejected', 0)} manifests")
+    if st.get("peers_dropped") or st.get("sessions_replaced"):  # a hostile or unlucky peer shows here
+        kinds = ", ".join(f"{k}: {v:,}" for k, v in sorted(st.get("peers_dropped", {}).items()))
+        t.add_row("peers dropped", (kinds or "none")
+                  + (f"; {st['sessions_replaced']:,} sessions replaced by a reconnect" if st.get("sessions_replaced")
+                     else ""))
     if st.get("fetching"):
         t.add_row("fetching", ", ".join(f"{k}: {v} chunks missing" for k, v in st["fetching"].items()))
     if st.get("unusable"):

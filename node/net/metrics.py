@@ -73,6 +73,14 @@ def _links(st: dict) -> Iterable[Metric]:
     """A member's connections: its peers (where its status lists them) and the tracker link."""
     if "peers" in st:
         yield _peers(st["peers"])
+    if "peers_dropped" in st:
+        d = CounterMetricFamily("patchswarm_peers_dropped", "peers dropped and connections refused, by kind of "
+                                                            "fault or budget (node/peers.py)", labels=["kind"])
+        for kind, n in sorted(st["peers_dropped"].items()):
+            d.add_metric([kind], n)
+        yield d
+    yield from _counter("patchswarm_sessions_replaced", "peer sessions ended by the same member's new connection",
+                        st.get("sessions_replaced"))
     yield from _gauge("patchswarm_tracker_connected", "1 while the tracker link is up",
                       int(bool(st.get("tracker_connected"))))
 
@@ -269,3 +277,13 @@ class TrackerMetrics(StatusMetrics):
         yield g
         yield from _counter("patchswarm_manifests_rejected", "announcements refused (not the origin, bad manifest)",
                             st.get("manifests_rejected"))
+        for name, doc, key, label in (
+                ("patchswarm_members_dropped", "member sessions ended by the tracker, by reason", "drops", "why"),
+                ("patchswarm_connections_refused", "connections the listener refused before a session, by kind "
+                                                   "(over join budget, connections before Hello, TLS)", "refused",
+                 "kind")):
+            if key in st:
+                c = CounterMetricFamily(name, doc, labels=[label])
+                for k, n in sorted(st[key].items()):
+                    c.add_metric([k], n)
+                yield c

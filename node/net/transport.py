@@ -27,8 +27,9 @@ from typing import Awaitable, Callable
 import trio
 
 from patchswarm.protocol import wire
-from patchswarm.protocol.errors import BudgetExceeded, InvalidInput, ProtocolError, UsageError
+from patchswarm.protocol.errors import BudgetExceeded, InvalidInput, PeerRefused, ProtocolError, UsageError
 
+from patchswarm.node.net.admission import MemberAdmission
 from patchswarm.node.net.tlsstream import TLSSocketStream
 from patchswarm.node.net.trust import Credentials, client_context, peer_identity, peer_serial, server_context
 
@@ -41,6 +42,14 @@ MAX_BEFORE_HELLO_PER_HOST = 16  # of those, from one address: one host cannot ta
 MAX_BUFFERED_BYTES = 256 << 20  # each connection holds at most a frame (16 MiB) and a read
 BEFORE_HELLO = "connections before Hello"  # the budgets' names, for counters and logs
 BUFFERED = "bytes buffered"
+# A member refused over its admission budget gets its Error this long after its TLS handshake,
+# its connection holding one of the slots before Hello meanwhile: a member that reconnects in a
+# loop then costs the listener at most MAX_BEFORE_HELLO_PER_HOST handshakes per REFUSAL_HOLD
+# from one host (without it, as many as the member could make: 80-190 a second from one
+# process in bench/reconnect.py, each 2-3 ms of the listener's CPU). A host can already fill those
+# slots with connections that never finish TLS, so holding costs its neighbours nothing new.
+REFUSAL_HOLD = 1.0
+REFUSAL_SECONDS = 1.0  # then, the most the Error's write may take
 
 # What a connection that broke, closed, stalled past a deadline or failed TLS
 # raises: the one tuple every member catches around a send or a receive.
@@ -227,6 +236,8 @@ async def exchange_hello(ms: MessageStream, hello: wire.Hello) -> wire.Hello:
     await ms.send(hello)
     with trio.fail_after(HANDSHAKE_SECONDS):
         theirs = await ms.receive()
+    if isinstance(theirs, wire.Error):  # a listener that refused us (over its admission budget) says why
+        raise PeerRefused(f"peer {ms.peer_name!r} refused the connection: {theirs.message}")
     if not isinstance(theirs, wire.Hello):
         raise ProtocolError(f"peer {ms.peer_name!r}: expected Hello, found {type(theirs).__name__}")
     if (theirs.node_id, theirs.role) != (ms.peer_name, ms.peer_role):
@@ -274,6 +285,7 @@ async def serve(listen: str, creds: Credentials, allowed_roles: set[str] | froze
                 refused: collections.Counter | None = None,
                 max_before_hello: int = MAX_CONNECTIONS_BEFORE_HELLO,
                 max_before_hello_per_host: int = MAX_BEFORE_HELLO_PER_HOST,
+                admission: MemberAdmission | None = None, refusal_hold: float | None = None,
                 task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Accept TLS connections on `listen`; run `handler(stream)` for each authenticated peer.
 
@@ -284,7 +296,14 @@ async def serve(listen: str, creds: Credentials, allowed_roles: set[str] | froze
     `max_before_hello` connections are open before their Hello is done, at
     most `max_before_hello_per_host` from one address (each holds at most a
     TLS handshake and a 4 KiB frame, for HANDSHAKE_SECONDS at most); beyond, a
-    new connection is closed at once.
+    new connection is closed at once. With `admission`, a member over its budget
+    of connections (node/net/admission.py) is refused right after the TLS
+    handshake, before any Hello: its own Hello is read (so the close is a FIN,
+    not a reset that could discard the Error), it is sent an Error saying when
+    it may come back `refusal_hold` seconds after its handshake (default REFUSAL_HOLD,
+    which bounds how fast it can make this listener do handshakes), and the
+    connection is closed.
+    Refusals of a flood are logged at its 1st, 2nd, 4th, ... (every one counted).
     """
     host, port = parse_addr(listen)
     context = server_context(creds)
@@ -296,7 +315,7 @@ async def serve(listen: str, creds: Credentials, allowed_roles: set[str] | froze
     def refuse(kind: str, reason: str) -> None:
         refused[kind] += 1
         n = refused[kind]
-        if on_refused is not None and (kind != BEFORE_HELLO or n & (n - 1) == 0):  # a flood: its 1st, 2nd, 4th, ...
+        if on_refused is not None and (kind == "refused" or n & (n - 1) == 0):  # a flood: its 1st, 2nd, 4th, ...
             on_refused(reason if kind != BEFORE_HELLO else f"{reason} ({n} refused so far)")
 
     async def one(tcp: trio.SocketStream) -> None:
@@ -322,6 +341,13 @@ async def serve(listen: str, creds: Credentials, allowed_roles: set[str] | froze
             by_host[host] += 1
             try:
                 name, role, serial = await _handshake(stream, allowed_roles, None, creds)
+                if admission is not None:
+                    try:
+                        admission.admit(name, trio.current_time())
+                    except BudgetExceeded as e:
+                        refuse(e.budget, f"over budget: {e}")
+                        await _say_refused(stream, str(e), REFUSAL_HOLD if refusal_hold is None else refusal_hold)
+                        return
                 ms = MessageStream(stream, name, role, on_receive=on_receive, peer_serial=serial, creds=creds)
                 ms.accepted_at = accepted_at
                 await exchange_hello(ms, hello())
@@ -346,6 +372,20 @@ async def serve(listen: str, creds: Credentials, allowed_roles: set[str] | froze
     bound = listeners[0].socket.getsockname()
     task_status.started(format_addr(host if host not in ("0.0.0.0", "::") else bound[0], bound[1]))
     await trio.serve_listeners(one, listeners)
+
+
+async def _say_refused(stream: TLSSocketStream, why: str, hold: float) -> None:
+    """Read what a refused member sent (its Hello, sent right after TLS), and `hold` seconds
+    from now tell it why (an Error in place of our Hello, which every wire revision reads)."""
+    until = trio.current_time() + hold
+    with trio.move_on_at(until + REFUSAL_SECONDS):
+        try:
+            with trio.move_on_at(until):
+                await stream.receive_some()
+            await trio.sleep_until(until)
+            await stream.send_all(wire.encode(wire.Error(why)))
+        except CONNECTION_ERRORS:
+            pass
 
 
 def _reason(e: BaseException) -> str:

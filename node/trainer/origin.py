@@ -48,6 +48,8 @@ from patchswarm.protocol.versions import VersionBook
 from patchswarm.node import failpoints
 from patchswarm.node.diskspace import ours
 from patchswarm.node.peers import PeerDropped, PeerSet, Session
+from patchswarm.node.net.admission import MemberAdmission
+from patchswarm.node.net.manifestcheck import ManifestCheck
 from patchswarm.node.net.ratelimit import TokenBucket
 from patchswarm.node.store import ObjectStore
 from patchswarm.node.trainer.trajstore import TrajectoryCursor, TrajectoryStore
@@ -148,6 +150,7 @@ class Origin:
         self.swarm_id = self.creds.swarm_id()
         self.data_dir = Path(cfg.data_dir)
         self.book = VersionBook(self.swarm_id, pub)
+        self.manifest_check = ManifestCheck(self.book)  # its own large manifests verified off the loop
         self.store: ObjectStore | None = None
         self.durable: DurableState | None = None
         self.served: Weights | None = None
@@ -212,7 +215,8 @@ class Origin:
     async def _serve_peers(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         await serve(self.cfg.listen, self.creds, {"node"}, self._hello,
                     lambda ms: self.peers.run(ms, outbound=False),
-                    on_refused=lambda why: log.warning("refused a connection: %s", why), task_status=task_status)
+                    on_refused=lambda why: log.warning("refused a connection: %s", why), refused=self.peers.dropped,
+                    admission=MemberAdmission(), task_status=task_status)
 
     def _on_open(self, s: Session) -> None:
         log.info("node %s (region %s) connected", s.id, s.region)
@@ -363,6 +367,10 @@ class Origin:
             # serving chunks to nodes goes on meanwhile.
             try:
                 new, stats, objects = await trio.to_thread.run_sync(self._encode, state_dict, served, version)
+                # The book verifies what it takes, the origin's own manifests too: a 140,000-tensor
+                # keyframe's took 0.47 s of the event loop, so large ones are checked in a thread
+                # first (here: cancelled meanwhile, the version is rolled back like a failed encode).
+                verified = [await self.manifest_check.check(envelope) for _, _, envelope in objects]
             except BaseException as e:
                 # The served state is changed tensor by tensor as the patch is made: after a
                 # failure part of it may be the new version's. Back to what is durable.
@@ -374,9 +382,9 @@ class Origin:
                 if ours(e):
                     self.store.disk.failed(f"the objects of version {version}", e)
                 raise
-            for key, m, envelope in objects:
+            for (key, m, envelope), checked in zip(objects, verified):
                 self.store.adopt(key, m)
-                self.book.offer(envelope)
+                self.book.offer(envelope, verified=checked)
             # The objects are durable before anyone hears of the version: after a crash the
             # origin continues from the base plus them.
             self.served = new
@@ -546,6 +554,8 @@ class Origin:
             "peers": sorted(({"id": s.id, "region": s.region, "role": s.role} for s in self.peers.sessions.values()),
                             key=lambda p: p["id"]),
             "bytes_out": self.peers.bytes_out,
+            "peers_dropped": dict(self.peers.dropped),  # and connections refused, by kind (node/peers.py)
+            "sessions_replaced": self.peers.replaced,  # by the same member's new connection (its reconnect)
             "versions": [dataclasses.asdict(v) for v in self.history],
             "trajectories": self.trajectory_store.summary(self.version),
             **self.store.disk.status(),  # our disk failing writes (node/diskspace.py)
