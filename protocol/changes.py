@@ -434,12 +434,15 @@ class ChangeApplier:
 
     Tensors a version allocates whole keep their memory when dtype and shape
     are unchanged; otherwise a new one is made on `device` (default: the
-    device of the first tensor held, else CPU). `last` is the header of the
-    last version completed."""
+    device of the first tensor held when the applier is made, else CPU).
+    `last` is the header of the last version completed."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], device: torch.device | str | None = None):
         self.tensors = tensors
-        self.device = device
+        # Read now, not at each allocation: a version that removes every tensor before it
+        # allocates others leaves the dict empty for a moment, and an engine's new tensors
+        # would land in host memory.
+        self.device = device if device is not None or not tensors else next(iter(tensors.values())).device
         self.last: VersionHeader | None = None
         self._header: VersionHeader | None = None
         self._declared: set[str] = set()

@@ -459,3 +459,17 @@ def test_a_cache_of_views_kept_across_applies_changes_nothing_and_holds_only_the
         apply(state, diff(states[v - 1], target), undo=False, views=views)
         same(state, target)
         assert set(views) <= set(state) and all(views[n][0] is state[n] for n in views)
+
+
+def test_a_version_that_replaces_every_tensor_keeps_them_on_the_followers_device():
+    """A version that removes every tensor the follower holds, then adds others: the new ones go
+    where the old ones were (an engine's GPU), not to host memory once the dict is empty for a
+    moment. The meta device stands in for a GPU: `apply_changes` writes into it the same way."""
+    base = {"a": torch.arange(6, dtype=torch.float32).to(torch.bfloat16)}
+    target = {"b": torch.arange(5, dtype=torch.int32), "c": torch.ones(3, dtype=torch.float64)}
+    patch = diff(base, target)
+    stream = record(clone(base), patch, (0, state_hash(base)), 1)
+    follower = {k: t.to("meta") for k, t in base.items()}
+    last = apply_changes(follower, stream, after=(0, state_hash(base)))
+    assert last.target_hash == patch.target_hash and sorted(follower) == ["b", "c"]
+    assert {k: t.device.type for k, t in follower.items()} == {"b": "meta", "c": "meta"}
