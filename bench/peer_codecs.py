@@ -22,7 +22,8 @@ Patch encodings (base, target -> bytes; base, bytes -> target):
   the new values (bf16/fp16 as their 16 bits, anything else as float32);
   v3.1 instead splits positions into (row, column) with row deltas and
   column deltas within a row, each stored in the narrowest of
-  uint8/uint16/int32 that holds them. A JSON header, then everything in
+  uint8/uint16/int32 that holds them. A JSON header (grail's fields per
+  tensor: name, shape, count, dtypes, offsets and sizes), then everything in
   one zstd level-1 frame.
 - `trl_style`: int32 positions and the raw new values per changed element,
   no entropy stage (HF TRL's sparse update as DESIGN.md describes it; its
@@ -160,7 +161,7 @@ def _narrowest(v: np.ndarray, allow_u8: bool) -> str:
 
 def _pulse(base: State, target: State, coo: bool) -> bytes:
     _same_layout(base, target)
-    metas, parts = [], []
+    metas, parts, offset = [], [], 0
     for name in sorted(target):
         t = target[name]
         pos = np.flatnonzero(_elems_of(t) != _elems_of(base[name]))
@@ -169,7 +170,9 @@ def _pulse(base: State, target: State, coo: bool) -> bytes:
         if pos[-1] > np.iinfo(np.int32).max:
             raise ValueError(f"{name}: PULSE's int32 positions cannot address {t.numel()} elements")
         values, vdt = _pulse_values(t, pos)
-        meta = {"name": name, "shape": list(t.shape), "n": int(pos.size), "value_dtype": vdt}
+        # grail's header fields, in its order: the header is inside the zstd frame, so its
+        # bytes count (offsets are from the start of the data that follows the header).
+        meta = {"name": name, "shape": list(t.shape), "num_nonzero": int(pos.size), "value_dtype": vdt}
         if coo:
             per_row = int(np.prod(t.shape[1:])) if t.dim() > 1 else 1
             rows, cols = pos // per_row, pos % per_row
@@ -179,13 +182,15 @@ def _pulse(base: State, target: State, coo: bool) -> bytes:
             dcols = np.where(boundary, cols, np.diff(cols, prepend=0))
             rdt, cdt = _narrowest(drows, True), _narrowest(dcols, False)
             rb, cb = drows.astype(rdt).tobytes(), dcols.astype(cdt).tobytes()
-            meta.update(row_dtype=rdt, col_dtype=cdt, rows_size=len(rb), cols_size=len(cb))
+            meta.update(row_dtype=rdt, col_dtype=cdt, indices_offset=offset, indices_size=len(rb) + len(cb),
+                        rows_size=len(rb), cols_size=len(cb))
             parts += [rb, cb]
         else:
             ib = np.diff(pos, prepend=0).astype(np.int32).tobytes()
-            meta["indices_size"] = len(ib)
+            meta.update(indices_offset=offset, indices_size=len(ib))
             parts.append(ib)
-        meta["values_size"] = len(values)
+        meta.update(values_offset=offset + meta["indices_size"], values_size=len(values))
+        offset = meta["values_offset"] + len(values)
         parts.append(values)
         metas.append(meta)
     header = json.dumps({"version": 31 if coo else 2, "tensors": metas}, separators=(",", ":")).encode()

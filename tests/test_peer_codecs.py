@@ -88,3 +88,41 @@ def test_huffman_bits_and_the_dfloat11_model():
 def test_tensors_that_differ_in_layout_are_refused():
     with pytest.raises(ValueError, match="same names, dtypes and shapes"):
         peer_codecs.trl_style({"a": torch.zeros(2)}, {"a": torch.zeros(3)})
+
+
+def _changed_pair():
+    base = {"a": torch.zeros(40, 30, dtype=torch.bfloat16), "b": torch.zeros(500, dtype=torch.float32),
+            "c": torch.zeros(8, dtype=torch.bfloat16)}
+    target = {k: v.clone() for k, v in base.items()}
+    target["a"][::3, ::7] = 1.0
+    target["b"][::11] = 2.0  # "c" is unchanged
+    return base, target
+
+
+def test_pulse_headers_carry_the_fields_grail_writes():
+    """one-covenant/grail's sparse_codec.py writes, per changed tensor, these fields in this order
+    (offsets from the start of the data, after the header): the JSON header's bytes are part of
+    the zstd frame, so a lighter header would understate PULSE's size."""
+    import json
+    import struct
+
+    import zstandard
+
+    v2 = ["name", "shape", "num_nonzero", "value_dtype", "indices_offset", "indices_size", "values_offset",
+          "values_size"]
+    v31 = ["name", "shape", "num_nonzero", "value_dtype", "row_dtype", "col_dtype", "indices_offset", "indices_size",
+           "rows_size", "cols_size", "values_offset", "values_size"]
+    base, target = _changed_pair()
+    for encode, version, fields in [(peer_codecs.pulse_v2, 2, v2), (peer_codecs.pulse_v31, 31, v31)]:
+        raw = zstandard.ZstdDecompressor().decompress(encode(base, target))
+        (hlen,) = struct.unpack_from("<I", raw)
+        header = json.loads(raw[4:4 + hlen])
+        assert header["version"] == version and [m["name"] for m in header["tensors"]] == ["a", "b"]
+        at = 0
+        for m, n in zip(header["tensors"], [14 * 5, 46]):
+            assert list(m) == fields and m["num_nonzero"] == n
+            assert m["indices_offset"] == at and m["values_offset"] == at + m["indices_size"]
+            if version == 31:
+                assert m["indices_size"] == m["rows_size"] + m["cols_size"]
+            at = m["values_offset"] + m["values_size"]
+        assert 4 + hlen + at == len(raw)
