@@ -12,7 +12,8 @@ Patch encodings (base, target -> bytes; base, bytes -> target):
 - `slime_xor`: slime's disk delta, "xor" encoding (THUDM/slime,
   update_weight_from_disk_delta.py): per changed tensor, zstd level 1 of
   the byte-wise XOR of its new and old bytes; the changed tensors in one
-  safetensors file with a per-tensor checksum in its metadata.
+  safetensors file with a per-tensor checksum in its metadata, then the
+  version's model.safetensors.index.json that slime writes beside it.
 - `slime_overwrite`: the same with the "overwrite" encoding
   (slime/utils/disk_delta.py): per changed tensor, zstd level 1 of a u32
   count, the u32 positions of the changed *bytes* and their new values.
@@ -108,14 +109,39 @@ def _slime(base: State, target: State, mode: str) -> bytes:
             payload = struct.pack("<I", pos.size) + pos.tobytes() + new[mask].tobytes()
         delta[name] = np.frombuffer(_z1(payload), dtype=np.uint8)
         sums[name] = _checksum(new)
-    return save(delta, metadata=sums) if delta else b""
+    # Written by slime every version, a file beside the tensors' (its metadata as a one-rank
+    # run with the xxh3-128 checksum writes them; json.dumps' default separators, as slime's).
+    index = {
+        "metadata": {"version": "000001", "base_version": "000000", "delta_encoding": mode,
+                     "compression_format": "zstd", "checksum_format": "xxh3-128"},
+        "weight_map": {name: _SLIME_FILE for name in delta},
+    }
+    return (save(delta, metadata=sums) if delta else b"") + json.dumps(index).encode()
+
+
+_SLIME_FILE = "model-00000-of-00001.safetensors"
+
+
+def _safetensors_end(blob: bytes) -> int:
+    """Where a safetensors file that starts `blob` ends (0: none, the index follows at once)."""
+    try:  # the index alone (a version that changed nothing); a safetensors file is never JSON
+        json.loads(blob)
+        return 0
+    except ValueError:
+        pass
+    (n,) = struct.unpack_from("<Q", blob)
+    header = json.loads(blob[8:8 + n])
+    return 8 + n + max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
 
 
 def _slime_decode(base: State, blob: bytes, mode: str) -> State:
     from safetensors.numpy import load
 
     out = {k: v.clone() for k, v in base.items()}
-    for name, comp in (load(blob).items() if blob else ()):
+    end = _safetensors_end(blob)
+    if set(json.loads(blob[end:])["weight_map"]) != set(load(blob[:end]) if end else ()):
+        raise ValueError("slime delta: the index's weight map is not the file's tensors")
+    for name, comp in (load(blob[:end]).items() if end else ()):
         flat = _bytes_of(out[name])  # shares the clone's memory
         raw = _unz(comp.tobytes())
         if mode == "xor":
