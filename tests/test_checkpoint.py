@@ -195,3 +195,23 @@ def test_a_tensor_named_like_the_metadata_key_is_refused_before_a_byte_is_writte
     with pytest.raises(UsageError, match="'__metadata__'.*safetensors"):
         basefile.write(tmp_path / "b.safetensors", state, {"k": "v"})
     assert sorted(os.listdir(tmp_path)) == []
+
+
+# The first safetensors release whose torch binding writes and reads each dtype the codec serves
+# (tried 2026-12-05: 0.4.0 and 0.5.3 raise KeyError on save_file of uint16/32/64 and
+# float8_e8m0fnu, and cannot read an F8_E8M0 header; 0.6.1 does all of it; 0.6.0 is not on PyPI).
+SAFETENSORS_FOR_EVERY_DTYPE = (0, 6, 1)
+
+
+def test_the_declared_safetensors_floor_reads_and_writes_every_served_dtype():
+    """pyproject's floor for safetensors must be a release that handles the dtypes added on
+    2026-12-05: under an older one pip keeps it, and the node's model directory (save_file)
+    fails with a KeyError on the first u16 tensor."""
+    import re
+    import tomllib
+    from pathlib import Path
+
+    deps = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]["dependencies"]
+    (floor,) = [re.fullmatch(r"safetensors>=([\d.]+)", d.split("#")[0].strip()).group(1)
+                for d in deps if d.startswith("safetensors")]
+    assert tuple(int(x) for x in floor.split(".")) + (0,) * (3 - len(floor.split("."))) >= SAFETENSORS_FOR_EVERY_DTYPE
