@@ -240,3 +240,34 @@ def test_a_delta_segment_over_the_element_limit_is_refused_as_it_is_parsed():
         else:
             with pytest.raises(CorruptData, match=r"segment: expected at most 1073741824 elements"):
                 parse_chunk(chunk)
+
+
+@pytest.mark.parametrize("dtype", ["fp64", "u16", "u32", "u64", "f8e8m0"])
+def test_declared_sizes_in_segments_of_the_new_dtypes_are_refused_before_allocation(dtype):
+    """The dtypes added on 2026-12-05 take other paths through the decoder (fp64: the numpy
+    class index; u16/u32/u64: no class windows; 8-byte values: the numpy value pass): a class
+    said to hold 2**29 elements and a class window on a dtype without classes end in
+    CorruptData, allocating in proportion to the bytes, not to what they declare."""
+    import torch
+    from hostile_patches import HOLES, ONE_GAP, _chunk, _container, _row
+    from patchswarm.protocol.dtypes import BY_NAME
+    from patchswarm.protocol.errors import CorruptData
+    from patchswarm.protocol.patch import Patch, apply
+
+    if dtype not in BY_NAME:
+        pytest.skip("torch < 2.7 has no float8_e8m0fnu")
+    table = [("w", dtype, (8192,))]
+    n = 1 << 29
+    for window, rows, why in [([0, 1], [_row(n - 1, n, HOLES)], "class sizes: expected at most the segment's 8192"),
+                              ([120, 2], [_row(n - 1, n, HOLES), [0]],
+                               "class sizes" if BY_NAME[dtype].exponent else "segment class window")]:
+        seg = {"k": "d", "dt": dtype, "p": [[0, 0, 8192]], "w": window, "c": rows, "s": ONE_GAP}
+        state = {"w": torch.zeros(8192, dtype=BY_NAME[dtype].torch_dtype)}
+        tracemalloc.start()
+        try:
+            with pytest.raises(CorruptData, match=why):
+                apply(state, Patch.from_bytes(_container(table, [], [_chunk([seg])])))
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 4 << 20, peak
