@@ -360,7 +360,9 @@ class NodeClient:
         base file (status base_path) whole into `tensors`, then follow from its version. New tensors
         go to `device` (default: where the tensors are). Tensors in a GPU's memory
         receive only the changed elements (copied over, then one `index_copy_` per
-        piece); `follow` returns once the device has written them. `verify`: hash
+        piece); `follow` returns once the device has written them. The writes land in
+        the tensors as the stream arrives: an engine pauses its forward passes (or
+        accepts one step that reads a mix of two versions) for the call. `verify`: hash
         `tensors` at the end and raise StateHashMismatch unless they are the node's
         version (a full pass over the state, device tensors copied to host one at a
         time: for tests and small models)."""
