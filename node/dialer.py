@@ -69,6 +69,7 @@ class Dialer:
         self.rtc = rtc
         self.transport = transport  # tcp | webrtc | auto
         self._tcp_failures: dict[str, int] = {}  # id -> TCP dials in a row that failed
+        self._failures: dict[str, int] = {}  # id -> dials in a row that failed, any route (the backoff)
         # Set when the tracker could not connect to our address (wire.Unreachable): peers list
         # us with none, so we dial as a member without one does. Until we join again.
         self.unreachable: str | None = None
@@ -76,6 +77,9 @@ class Dialer:
 
     def set_members(self, members: dict[str, dict]) -> None:
         self.members = {i: p for i, p in members.items() if i != self.me}
+        for counts in (self._failures, self._tcp_failures):  # of members that left: not kept for ever
+            for pid in [pid for pid in counts if pid not in self.members]:
+                del counts[pid]
         self._wakeup.set()
 
     def set_unreachable(self, why: str | None) -> None:
@@ -155,7 +159,11 @@ class Dialer:
                 ms = await connect(p["addr"], self.creds, {p["role"]}, self.hello(), expect_name=pid,
                                    on_receive=self.download.take)
         except (*CONNECTION_ERRORS, PatchswarmError) as e:
-            delay = min(BACKOFF_MAX, 2 * max(1.0, self._dial_after.get(pid, 0) - trio.current_time() + 1))
+            # 2, 4, 8, then BACKOFF_MAX s (jittered) for dials in a row that failed. The delay was
+            # computed from `_dial_after`, which is always past when a dial fails, so it stayed 2 s:
+            # a member that was down got a dial from each of its peers every 1-2 s.
+            failed = self._failures[pid] = self._failures.get(pid, 0) + 1
+            delay = min(BACKOFF_MAX, 2.0 ** min(failed, 8))
             if isinstance(e, PeerRefused):  # over its admission budget: each retry would cost it a TLS handshake
                 delay = BACKOFF_MAX
             self._dial_after[pid] = trio.current_time() + jittered(delay)  # members that lost one peer spread out
@@ -168,5 +176,6 @@ class Dialer:
             self._dialing.discard(pid)
         if how == "tcp":
             self._tcp_failures.pop(pid, None)
+        self._failures.pop(pid, None)
         self._dial_after[pid] = trio.current_time() + REDIAL_AFTER
         await self.peers.run(ms, outbound=True)

@@ -134,6 +134,7 @@ def test_a_refusal_over_the_peers_budget_is_retried_after_the_longest_backoff(mo
                             ("broken hello", ProtocolError("expected Hello"))):
             outcome["error"] = error
             d._dial_after.pop("n2", None)
+            d._failures.pop("n2", None)  # each a first failure
             await d._dial(peer)
             waits[name] = d._dial_after["n2"] - trio.current_time()
         return waits
@@ -141,3 +142,47 @@ def test_a_refusal_over_the_peers_budget_is_retried_after_the_longest_backoff(mo
     waits = trio.run(main, clock=trio.testing.MockClock())
     assert dialer.BACKOFF_MAX / 2 <= waits["refused"] <= dialer.BACKOFF_MAX
     assert waits["broken hello"] <= 2.0
+
+
+def test_failed_dials_in_a_row_back_off_2_4_8_then_the_longest(monkeypatch):
+    """A member that is down gets a dial from each of its peers after 2, 4, 8, then 10 s
+    (each jittered into its upper half), not every 1-2 s for as long as it is down; a dial
+    that connects starts the count again, and members that left are forgotten."""
+    from patchswarm.node import dialer
+    from patchswarm.node.net.ratelimit import TokenBucket
+    from patchswarm.protocol import wire
+
+    outcome = {"fail": True}
+
+    async def connecting(*a, **k):
+        if outcome["fail"]:
+            raise ConnectionRefusedError("refused")
+        return "a stream"
+
+    monkeypatch.setattr(dialer, "connect", connecting)
+    peer = {"id": "n2", "region": "r0", "addr": "10.0.0.2:7000", "role": "node"}
+
+    class Peers:
+        async def run(self, ms, outbound):
+            pass
+
+    async def main():
+        d = Dialer("n1", "r0", creds=None, peers=Peers(), hello=lambda: wire.Hello("n1", "r0", "node", "x:1", []),
+                   download=TokenBucket(None))
+        d.set_members({"n2": peer})
+        waits = []
+        for _ in range(5):
+            await d._dial(peer)
+            waits.append(d._dial_after["n2"] - trio.current_time())
+        outcome["fail"] = False
+        await d._dial(peer)  # connects
+        outcome["fail"] = True
+        await d._dial(peer)
+        waits.append(d._dial_after["n2"] - trio.current_time())
+        d.set_members({})
+        return waits, dict(d._failures), dict(d._tcp_failures)
+
+    waits, failures, tcp_failures = trio.run(main, clock=trio.testing.MockClock())
+    for wait, step in zip(waits, (2, 4, 8, 10, 10, 2)):
+        assert step / 2 <= wait <= step, (waits, step)
+    assert failures == {} and tcp_failures == {}
