@@ -13,7 +13,7 @@ py=${PYTHON:-python3}
 "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device: nothing to check here')" || exit 2
 "$py" -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"
 status=0
-timeout 300 "$py" -m pytest -q -p no:cacheprovider tests/test_changes.py tests/test_changelog.py -k gpu || status=1
+timeout 300 "$py" -m pytest -q -p no:cacheprovider tests/test_changes.py tests/test_changelog.py -k "gpu or cuda" || status=1
 timeout 600 "$py" bench/handoff.py --sizes "$sizes" --versions 3 --device cuda || status=1
 timeout 300 "$py" bench/handoff.py --sizes "${sizes%%,*}" --versions 2 --device cpu || status=1
 exit $status

@@ -66,6 +66,8 @@ def _bytes_of(t: torch.Tensor) -> np.ndarray:
 
 
 def _elems_of(t: torch.Tensor) -> np.ndarray:
+    """`t`'s elements as integers of their width; for a contiguous `t` (the decoders' clones) a
+    view that shares its memory, so the decoders write through it."""
     return _flat(t).view(_INT[t.element_size()]).numpy()
 
 
@@ -257,12 +259,8 @@ def _pulse_decode(base: State, blob: bytes) -> State:
             vals = torch.from_numpy(take(m["values_size"], "<f4").copy()).to(t.dtype)
             t.reshape(-1)[torch.from_numpy(pos)] = vals
         else:
-            _elems_of_view(t)[pos] = take(m["values_size"], "<i2")
+            _elems_of(t)[pos] = take(m["values_size"], "<i2")
     return out
-
-
-def _elems_of_view(t: torch.Tensor) -> np.ndarray:
-    return _flat(t).view(_INT[t.element_size()]).numpy()  # shares t's memory (t is a contiguous clone)
 
 
 def pulse_v2(base: State, target: State) -> bytes:
@@ -299,7 +297,7 @@ def trl_style_decode(base: State, blob: bytes) -> State:
         at += 4
         if not n:
             continue
-        view = _elems_of_view(out[name])
+        view = _elems_of(out[name])
         pos = np.frombuffer(blob, dtype="<i4", count=n, offset=at)
         at += 4 * n
         view[pos] = np.frombuffer(blob, dtype=view.dtype, count=n, offset=at)
