@@ -84,6 +84,13 @@ def _hello(name: str) -> wire.Hello:
     return wire.Hello(name, "r0", "node", "127.0.0.1:1", [])
 
 
+async def _victim(nursery, pki, handler, refused, **limits) -> str:
+    """A listener as "victim" on loopback, in `nursery`, with `limits` (serve's keywords); its address."""
+    return await nursery.start(lambda task_status: serve(
+        "127.0.0.1:0", pki["victim"], {"node"}, lambda: _hello("victim"), handler, refused=refused,
+        task_status=task_status, **limits))
+
+
 def test_a_member_over_its_budget_is_refused_after_tls_before_any_hello(pki):
     """mallory reconnects as fast as it can: the first `burst` connections reach the handler
     (the session, its Haves), every later one is refused right after the TLS handshake with an
@@ -100,9 +107,7 @@ def test_a_member_over_its_budget_is_refused_after_tls_before_any_hello(pki):
     async def main():
         with trio.fail_after(30):
             async with trio.open_nursery() as nursery:
-                addr = await nursery.start(lambda task_status: serve(
-                    "127.0.0.1:0", pki["victim"], {"node"}, lambda: _hello("victim"), handler, refused=refused,
-                    admission=admission, refusal_hold=0.05, task_status=task_status))
+                addr = await _victim(nursery, pki, handler, refused, admission=admission, refusal_hold=0.05)
                 errors = []
                 for _ in range(10):
                     try:
@@ -140,10 +145,8 @@ def test_refusals_are_held_so_a_looping_member_gets_few_handshakes_a_second(pki)
     async def main():
         with trio.fail_after(30):
             async with trio.open_nursery() as nursery:
-                addr = await nursery.start(lambda task_status: serve(
-                    "127.0.0.1:0", pki["victim"], {"node"}, lambda: _hello("victim"), handler, refused=refused,
-                    admission=MemberAdmission(burst=1, per_minute=1), refusal_hold=hold, max_before_hello_per_host=4,
-                    task_status=task_status))
+                addr = await _victim(nursery, pki, handler, refused, admission=MemberAdmission(burst=1, per_minute=1),
+                                     refusal_hold=hold, max_before_hello_per_host=4)
                 ms = await connect(addr, pki["mallory"], {"node"}, _hello("mallory"), expect_name="victim")
                 await ms.aclose()
                 ends = []
