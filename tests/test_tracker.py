@@ -390,10 +390,12 @@ def _creds(tmp_path):
     return out
 
 
-async def _member(tracker: server.Tracker, nursery, name: str, region: str = "r0"):
-    """A member joined to `tracker` over an in-memory lockstep stream (a send waits for its reader)."""
-    ours, theirs = trio.testing.lockstep_stream_pair()
-    t_ms = MessageStream(theirs, name, "node")
+async def _member(tracker: server.Tracker, nursery, name: str, region: str = "r0", *, role: str = "node",
+                  my_hello: wire.Hello | None = None, pair=trio.testing.lockstep_stream_pair):
+    """A member joined to `tracker` over an in-memory stream (`pair`; by default lockstep: a send
+    waits for its reader), saying `my_hello` (default: `hello(name, region=region)`)."""
+    ours, theirs = pair()
+    t_ms = MessageStream(theirs, name, role)
     m_ms = MessageStream(ours, tracker.creds.name, "tracker")
 
     async def tracker_side():
@@ -402,7 +404,7 @@ async def _member(tracker: server.Tracker, nursery, name: str, region: str = "r0
         await tracker._session(t_ms)
 
     nursery.start_soon(tracker_side)
-    await exchange_hello(m_ms, hello(name, region=region))
+    await exchange_hello(m_ms, my_hello or hello(name, region=region))
     return m_ms
 
 
