@@ -310,8 +310,25 @@ def test_three_hundred_joins_from_one_certificate_cost_the_others_a_bounded_numb
     run.tick(run.now + 1.0)
     assert run.core.drops[OVER_JOINS] >= 290 - 15 * 10 / 60
     pushes = len(run.got[honest[0]]) - before
-    assert pushes <= 10 + 3, pushes  # the burst, plus the refill over 15 s, plus the drop
-    assert "mallory" not in run.core.members
+    assert pushes <= 10 + 3, pushes  # the burst, plus the refill over 15 s
+    assert run.core.members["mallory"].conn is not c  # refused joins replace nothing
+
+
+def test_joins_that_passed_the_gate_together_cost_the_member_only_the_newest():
+    """Two connections of one member past the server's gate at once (it takes nothing) with
+    one join left: the first becomes the live session, the second is refused, and the first
+    stays; before, the refusal also ended the first, leaving the member with no session."""
+    run = Run(join_budget=(2, 1.0))
+    a = run.join("a", region="r0")
+    first, second = Conn("a"), Conn("a")
+    hello = wire.Hello("a", "r0", "node", "a:7000", [])
+    assert run.core.join_wait("a", 1.0) == 0 and run.core.join_wait("a", 1.0) == 0  # both admitted by the gate
+    run.do(run.core.connected(first, hello, "a:7000", 1.0))
+    out = run.core.connected(second, hello, "a:7000", 1.0)
+    assert [(type(m).__name__, m.conn) for m in out if isinstance(m, Close)] == [("Close", second)]
+    assert run.core.members["a"].conn is first
+    assert run.core.drops[OVER_JOINS] == 1 and run.core.drops[REPLACED] == 1  # `a`'s first session replaced by `first`
+    assert first not in run.closed and a in run.closed
 
 
 def test_a_member_over_its_announce_budget_is_dropped_and_counted():

@@ -21,10 +21,11 @@ What it decides:
   (`retained`) and sent whole to members that join later;
 - budgets per member id and minute (issue 21): joins, announcements and
   WebRTC signals (each relayed to the member it names).
-  A member over a budget is closed and counted; while its budget is empty it
-  is refused at once, so a member reconnecting in a loop costs the others
-  nothing. The server asks `join_wait` right after TLS and refuses such a
-  member before its Hello; `connected` refuses the ones that pass it together.
+  A member over its announce or signal budget is closed and counted; a join
+  over budget is refused at once (its live session, if any, stays), so a
+  member reconnecting in a loop costs the others nothing. The server asks
+  `join_wait` right after TLS and refuses such a member before its Hello;
+  `connected` refuses the ones that pass it together.
 
 Connections are opaque hashable tokens; the core never touches them.
 """
@@ -210,11 +211,12 @@ class TrackerCore:
         out: list = []
         old = self.members.get(mid)
         if not self._joins.take(mid, now):
+            # Only the new connection is refused: the session it would replace was admitted
+            # within the budget, and it is the member's live one (two joins that passed the
+            # server's gate together used to end both: the member then had no session).
             self.drops[OVER_JOINS] += 1
-            if old is not None:
-                out += self._drop(old, now, OVER_JOINS, "joined again, over its join budget")
-            return out + [Close(conn, OVER_JOINS, f"more than {self._joins.burst:.0f} joins in a row "
-                                                  f"or {self._joins.rate * 60:.0f} a minute")]
+            return [Close(conn, OVER_JOINS, f"more than {self._joins.burst:.0f} joins in a row "
+                                            f"or {self._joins.rate * 60:.0f} a minute")]
         if old is not None:  # the new session takes its place; the peer sets change only if its entry did
             self.drops[REPLACED] += 1
             del self._by_conn[old.conn]
