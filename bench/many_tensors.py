@@ -15,7 +15,8 @@ the base in ONE element. Per count, the minimum of `--rounds` rounds:
   base), as a node applies every version into one state: with `apply(views=)`
   (where the tree has it) the int views the first apply made are kept.
 
-Columns: seconds, and microseconds per tensor. With `--compare DIR`, the same
+Columns: seconds, and microseconds per tensor; the "bytes" row: the patch's
+size (`Patch.to_bytes`), and bytes per tensor. With `--compare DIR`, the same
 measurements also run in a subprocess with DIR's `.venv/bin/python` (a second
 worktree of another commit with its own `make .venv/.installed`, so it
 imports that commit's code), alternating with this one round by round, and
@@ -65,6 +66,7 @@ def measure(count: int, elements: int, threads: int | None) -> dict[str, float]:
     t0 = time.perf_counter()
     p = patch.diff(base, target)
     out["diff"] = time.perf_counter() - t0
+    out["bytes"] = len(p.to_bytes())
     assert p.base_hash == h
     state = {k: v.clone() for k, v in base.items()}
     # The node keeps one cache of int views for its state across versions, where the code has
@@ -115,7 +117,7 @@ def main() -> None:
             for label, tree in trees:
                 r = _run_other(tree, count, args)
                 prev = best.setdefault((label, count), r)
-                for op in OPS:
+                for op in OPS + ("bytes",):
                     prev[op] = min(prev[op], r[op])
     head = f"{'tensors':>8}  {'op':>5}"
     for label, tree in trees:
@@ -134,6 +136,13 @@ def main() -> None:
             if args.compare:
                 line += f"  {best[('other', count)][op] / best[('this', count)][op]:>10.2f}"
             print(line)
+        line = f"{count:>8,}  {'bytes':>5}"
+        for label, _ in trees:
+            b = best[(label, count)]["bytes"]
+            line += f"  {b:>9,}  {b / count:>11.1f}"
+        if args.compare:
+            line += f"  {best[('other', count)]['bytes'] / best[('this', count)]['bytes']:>10.2f}"
+        print(line)
     sys.stdout.flush()
 
 
