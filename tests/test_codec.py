@@ -226,6 +226,25 @@ def test_a_delta_segment_lists_only_the_tensors_it_changes(sizes, data):
     same(state, target)
 
 
+def test_a_class_window_over_the_changed_tensors_of_a_stack_round_trips():
+    """Class windows over a segment whose unchanged tensors were left out: ranks are counted
+    among the listed pieces' elements only, at the encoder and the decoder alike."""
+    g = torch.Generator().manual_seed(1)
+    base = {f"w{i}": torch.cat([torch.rand(8192, generator=g) * 1e-4, 1 + torch.rand(8192, generator=g)]).to(torch.bfloat16)
+            for i in range(6)}
+    target = clone(base)
+    for name in ("w1", "w4"):
+        target[name][8192::7] *= 1.01
+    p = Patch.from_bytes(diff(base, target).to_bytes())
+    segs = [seg for c in p.chunks for seg in parse_chunk(c)[0]]
+    names = [t.name for t in p.tensors]
+    assert [[names[i] for i, _, _ in seg.pieces] for seg in segs] == [["w1", "w4"]]
+    assert segs[0].window[1] > 1
+    state = clone(base)
+    apply(state, p)
+    same(state, target)
+
+
 @pytest.mark.parametrize("start, ok", [((1 << 63) - 2, True), (1 << 63, False)])
 def test_chunk_positions_are_bounded_by_int64(start, ok):
     chunk = msgpack.unpackb(diff({"w": torch.zeros(8)}, {"w": torch.ones(8)}).chunks[0])
