@@ -307,14 +307,16 @@ def test_systemd_security_exposure_at_most_3(unit):
 
 def test_systemd_units_verify(tmp_path):
     """`systemd-analyze verify` in a scratch root: the system's unit tree, the units, and an executable
-    where ExecStart points (verify checks it exists); any warning fails."""
+    where each Exec line points (verify checks it exists); any warning fails."""
     tool = _systemd_tools()
     root = tmp_path / "root"
     shutil.copytree(Path("/usr/lib/systemd/system"), root / "usr/lib/systemd/system", symlinks=True)
-    exe = root / "opt/patchswarm/.venv/bin/patchswarm"
-    exe.parent.mkdir(parents=True)
-    exe.write_text("#!/bin/sh\nexit 0\n")
-    exe.chmod(0o755)
+    for unit in UNITS:
+        for path in re.findall(r"^Exec\w+=(/\S+)", (DEPLOY / "systemd" / unit).read_text(), re.M):
+            exe = root / path.lstrip("/")
+            exe.parent.mkdir(parents=True, exist_ok=True)
+            exe.write_text("#!/bin/sh\nexit 0\n")
+            exe.chmod(0o755)
     units = root / "etc/systemd/system"
     units.mkdir(parents=True)
     for unit in UNITS:

@@ -669,6 +669,38 @@ def test_a_tracker_without_wan_rates_tells_no_member_any():
     assert run.got[a][0].wan_rates is None and run.core.status()["wan_rates"] is None
 
 
+def test_new_wan_rates_reach_every_member_that_reads_them_with_its_peer_set_at_once():
+    """The tracker's configuration re-read (SIGHUP): each node and origin of wire revision 2 or
+    later gets its peer set again with the new rates; an older member, which would refuse the
+    field, gets nothing; a member told it cannot be reached is told again right after (a
+    member takes a PeerList as a session's start). The same rates again: nothing sent."""
+    run = Run(wan_rates=RATES)
+    new, origin, unreachable = Conn("a"), Conn("origin"), Conn("c")
+    run.do(run.core.connected(new, hello("a"), "a:7000", 0.0, wire_revision=wire.WIRE_REVISION))
+    run.do(run.core.connected(origin, hello("origin", "origin"), "origin:7000", 0.0, wire_revision=wire.WIRE_REVISION))
+    run.do(run.core.connected(unreachable, hello("c"), "c:7000", 0.0, wire_revision=wire.WIRE_REVISION))
+    old = run.join("b", region="r1")
+    run.do(run.core.unreachable(unreachable, "c:7000", "connection refused", 0.5))
+    run.tick(1.0)
+    before = {c: len(run.got[c]) for c in (new, origin, unreachable, old)}
+    slower = {"r0": 100.0, "r1": 20.0, "r2": 50.0}
+    run.do(run.core.set_wan_rates(slower))
+    sent = {c: run.got[c][before[c]:] for c in before}
+    assert [type(m).__name__ for m in sent[new]] == ["PeerList"] and sent[new][0].wan_rates == slower
+    assert sent[new][0].peers == run.core.peers.full("a")
+    assert sent[origin][0].wan_rates == slower
+    assert sent[unreachable] == [wire.PeerList(run.core.peers.full("c"), slower),
+                                 wire.Unreachable("c:7000", "connection refused")]
+    assert sent[old] == []
+    assert run.core.status()["wan_rates"] == slower
+    assert run.core.set_wan_rates(dict(slower)) == []
+    run.do(run.core.set_wan_rates(None))  # rates removed: members plan with their own again
+    assert run.got[new][-1].wan_rates is None and run.core.wan_rates is None
+    with pytest.raises(UsageError, match="wan_rates: expected region -> rate > 0"):
+        run.core.set_wan_rates({"r0": 0})
+    assert run.core.wan_rates is None
+
+
 @pytest.mark.parametrize("bad", [{"r0": -5}, {"r0": 0}, {"r0": float("nan")}, {"r0": "fast"}])
 def test_the_trackers_wan_rates_are_checked_when_it_starts(bad):
     with pytest.raises(UsageError, match=r"wan_rates: expected region -> rate > 0, found \[\('r0'"):

@@ -10,6 +10,7 @@ versions on either side are in tests/test_wire.py and tests/test_tracker.py.
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 
@@ -35,6 +36,33 @@ def test_nodes_plan_with_the_trackers_wan_rates_and_one_configured_otherwise_say
         shown = subprocess.run([sys.executable, "-m", "patchswarm.node.cli", "status", "--socket", str(quiet.socket)],
                                cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert shown.returncode == 0 and "r0=100,r1=50,r2=20 Mbit/s" in shown.stdout, shown.stdout + shown.stderr
+
+
+def test_the_tracker_reads_new_wan_rates_on_sighup_and_every_node_replans_without_a_restart(tmp_path):
+    """`systemctl reload` (SIGHUP) of a tracker run from a --config file: new wan-rates reach
+    the node at once, with no new session; a setting read only at start is named as such; a
+    file made bad is refused by name and the rates in use stay."""
+    conf = tmp_path / "tracker.toml"
+    conf.write_text('service = "tracker"\nwan-rates = "r0=100,r1=50,r2=20"\n')
+    with SwarmLab(tmp_path / "lab") as lab:
+        tracker = lab.start_tracker(extra=["--config", str(conf)])
+        node = lab.start_node("n", "r1")
+        lab.wait_log(node, r"WAN rates now r0=100,r1=50,r2=20 \(the tracker's\)")
+        sessions = node.text().count("joined the swarm via tracker")
+
+        conf.write_text('service = "tracker"\nwan-rates = "r0=100,r1=20,r2=50"\nnotice-seeds = 3\n')
+        at = len(node.text())
+        tracker.popen.send_signal(signal.SIGHUP)
+        lab.wait_log(tracker, r"WAN rates now r0=100,r1=20,r2=50, told to 1 member \(")
+        lab.wait_log(tracker, r"SIGHUP: notice-seeds changed in .*tracker.toml; taken at the next start")
+        lab.wait_log(node, r"WAN rates now r0=100,r1=20,r2=50 \(the tracker's\)", after=at)
+        assert node.status()["wan_rates"] == {"r0": 100, "r1": 20, "r2": 50}
+        assert node.text().count("joined the swarm via tracker") == sessions  # the same session
+
+        conf.write_text('service = "tracker"\nwan-rates = "r0:100"\n')
+        tracker.popen.send_signal(signal.SIGHUP)
+        lab.wait_log(tracker, r"SIGHUP: kept the configuration in use: bad configuration.*wan-rates.*'r0:100'")
+        assert tracker.alive() and node.status()["wan_rates"] == {"r0": 100, "r1": 20, "r2": 50}
 
 
 @pytest.mark.parametrize("rates, found", [

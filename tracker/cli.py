@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 from pathlib import Path
 
 from patchswarm.node.net.service import add_member_arguments, parse_region_rates, run_service
+
+log = logging.getLogger("patchswarm.tracker")
 
 
 def _tracker_args(p: argparse.ArgumentParser) -> None:
@@ -54,7 +58,30 @@ def cmd_tracker(args: argparse.Namespace) -> int:
         "/": lambda: Response(200, page_html(swarm_view(t.status())).encode(), "text/html; charset=utf-8"),
         "/swarm.json": lambda: Response(200, json.dumps(swarm_view(t.status())).encode(), "application/json"),
     }
-    return run_service(f"tracker {t.creds.name}", start, args, TrackerMetrics(), pages)
+    return run_service(f"tracker {t.creds.name}", start, args, TrackerMetrics(), pages,
+                       reload=lambda: _reload(t, args))
+
+
+def _reload(t, args: argparse.Namespace) -> None:
+    """SIGHUP: read the configuration again; new WAN rates go to every member at once (a change
+    of links without a restart, which would make every member join again). Settings read only
+    at start are named in the log when they changed. UsageError (logged, nothing changed) where
+    the file is now bad."""
+    from patchswarm.node.cli import reread
+
+    if args.config is None:
+        log.warning("SIGHUP: no --config file to read again; nothing changed")
+        return
+    again = reread(args)
+    t.set_wan_rates(again.wan_rates)
+    later = sorted(k.replace("_", "-") for k, v in vars(again).items()
+                   if k not in ("wan_rates", "run", "argv") and v != getattr(args, k, None))
+    if later:
+        log.warning("SIGHUP: %s changed in %s; taken at the next start (only wan-rates is read again)",
+                    ", ".join(later), args.config)
+    if any(a == "--wan-rates" or a.startswith("--wan-rates=") for a in args.argv) or "PATCHSWARM_WAN_RATES" in os.environ:
+        log.warning("SIGHUP: wan-rates comes from the command line or PATCHSWARM_WAN_RATES, which the file "
+                    "does not override")
 
 
 COMMANDS = [("tracker", "run the tracker: membership, peer lists, version announcements; "

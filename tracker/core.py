@@ -123,6 +123,8 @@ class Member:
     versions: list[int]
     manifests: set | None = None  # objects whose whole notice it was sent (None: none yet, one object fewer per member)
     errors: int = 0  # Error messages it sent this session (the first ERRORS_LOGGED are logged at INFO)
+    revision: int = 1  # the wire revision its connection chose (2 and later read WAN rates)
+    unreachable: tuple[str, str] | None = None  # (address, why) it was told it cannot be reached at
 
     def entry(self) -> dict:
         return {"id": self.id, "region": self.region, "addr": self.addr, "role": self.role}
@@ -221,15 +223,15 @@ class TrackerCore:
             self.drops[REPLACED] += 1
             del self._by_conn[old.conn]
             out.append(Close(old.conn, REPLACED, "connected again"))
-        m = Member(conn, mid, role, hello.region, addr, now, now, list(hello.versions))
+        m = Member(conn, mid, role, hello.region, addr, now, now, list(hello.versions),
+                   revision=wire.revision(wire_revision))
         self.members[mid] = m
         self._by_conn[conn] = m
         self._by_seen[mid] = None
         self._by_seen.move_to_end(mid)
         if role in (NODE, ORIGIN):
             self._changed(self.peers.join(mid, role, m.region, addr), now)
-            rates = self.wan_rates if wire.revision(wire_revision) >= 2 else None
-            out.append(Send.of([conn], wire.PeerList(self.peers.full(mid), rates)))
+            out.append(Send.of([conn], wire.PeerList(self.peers.full(mid), self._rates_for(m))))
         if role == NODE:
             out += [dataclasses.replace(self._notices[k], to=(conn,)) for k in sorted(self._notices)]
             if self._notices:
@@ -250,8 +252,33 @@ class TrackerCore:
         if m is None or m.addr != addr or not addr:
             return []
         m.addr = ""
+        m.unreachable = (addr, why[:MAX_REASON_CHARS])
         self._changed(self.peers.join(m.id, m.role, m.region, ""), now)
-        return [Send.of([conn], wire.Unreachable(addr, why[:MAX_REASON_CHARS]))]
+        return [Send.of([conn], wire.Unreachable(*m.unreachable))]
+
+    def set_wan_rates(self, rates) -> list:
+        """The swarm's WAN rates changed (the tracker re-read its configuration): every node and
+        origin whose connection reads rates gets its peer set again with them, as at its join,
+        and re-plans at once (protocol/picker.py `set_wan_rates`); one told it cannot be reached
+        is told again, since a member takes a PeerList as a session's start. Nothing when the
+        rates are the same; UsageError for bad ones (nothing changed)."""
+        rates = check_wan_rates(rates)
+        if rates == self.wan_rates:
+            return []
+        self.wan_rates = rates
+        out: list = []
+        for m in self.members.values():
+            if m.role not in (NODE, ORIGIN) or m.revision < 2:
+                continue  # a member of the first version plans with its own --wan-rates
+            out.append(Send.of([m.conn], wire.PeerList(self.peers.full(m.id), rates)))
+            if m.unreachable is not None:
+                out.append(Send.of([m.conn], wire.Unreachable(*m.unreachable)))
+        return out
+
+    def _rates_for(self, m: Member) -> dict[str, float] | None:
+        """The swarm's WAN rates as `m` is sent them: none where its connection chose wire
+        revision 1, whose PeerList has no such field (such a member would refuse it)."""
+        return self.wan_rates if m.revision >= 2 else None
 
     def received(self, conn: Hashable, msg, now: float, verified: Verified | None = None) -> list:
         """A message from the member on `conn`. For an Announce, `verified` is its manifest

@@ -318,6 +318,20 @@ class Tracker:
                 await self._wake.wait()
             self._wake = trio.Event()
 
+    def set_wan_rates(self, rates: dict[str, float] | None) -> None:
+        """New WAN rates for the swarm (the configuration re-read on SIGHUP): every member that
+        reads rates gets them with its peer set, and re-plans at once. UsageError for bad ones."""
+        old = self.core.wan_rates
+        actions = self.core.set_wan_rates(rates)
+        if self.core.wan_rates == old:
+            log.info("WAN rates unchanged: %s", format_wan_rates(old) if old else "none")
+            return
+        told = sum(1 for a in actions if isinstance(a, Send) and isinstance(a.msg, wire.PeerList))
+        log.info("WAN rates now %s, told to %d member%s (members of the first wire revision keep their own)",
+                 format_wan_rates(self.core.wan_rates) if self.core.wan_rates else
+                 "none (each member plans with its own --wan-rates)", told, "" if told == 1 else "s")
+        self._do(actions)
+
     # ------------------------------------------------------------ revocations
 
     def _reload_revocations(self) -> bool:

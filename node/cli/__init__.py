@@ -83,10 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse(argv: list[str] | None = None, environ: dict[str, str] | None = None) -> argparse.Namespace:
     """The arguments of one invocation; a service's flags layered as flag > environment > file > default."""
-    parser = build_parser()
-    layered = {name: p for name, p in parser.subcommands.items() if layers.is_layered(p)}
-    for p in layered.values():
-        layers.prepare(p)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser, layered = _layered_parser()
     args = parser.parse_args(argv)
     p = layered.get(args.command)
     if p is not None:
@@ -94,7 +92,30 @@ def parse(argv: list[str] | None = None, environ: dict[str, str] | None = None) 
             layers.resolve(p, args.command, args, os.environ if environ is None else environ)
         except layers.ConfigError as e:
             p.error("\n  ".join(["bad configuration:", *map(str, e.problems)]))
+        args.argv = argv
     return args
+
+
+def reread(args: argparse.Namespace) -> argparse.Namespace:
+    """A service's arguments read again from the same command line, with its --config file
+    and the environment as they are now (what a service re-reads on SIGHUP). UsageError,
+    naming every problem, where the file is now bad; nothing exits."""
+    parser, layered = _layered_parser()
+    again = parser.parse_args(args.argv)  # the command line parsed once already: it parses again
+    try:
+        layers.resolve(layered[again.command], again.command, again, os.environ)
+    except layers.ConfigError as e:
+        raise UsageError("; ".join(["bad configuration", *map(str, e.problems)])) from None
+    again.argv = args.argv
+    return again
+
+
+def _layered_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    parser = build_parser()
+    layered = {name: p for name, p in parser.subcommands.items() if layers.is_layered(p)}
+    for p in layered.values():
+        layers.prepare(p)
+    return parser, layered
 
 
 def main(argv: list[str] | None = None) -> int:

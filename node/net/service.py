@@ -18,13 +18,14 @@ import logging
 import os
 import signal
 import socket
+import time
 from importlib import metadata
 from pathlib import Path
 
 from patchswarm.node.net.config import add_config_argument
 from patchswarm.node.net.logs import FORMATS, event, setup_logging
 from patchswarm.node.net.transport import parse_addr
-from patchswarm.protocol.errors import UsageError
+from patchswarm.protocol.errors import PatchswarmError, UsageError
 
 
 def package_version() -> str:
@@ -136,22 +137,25 @@ def sd_notify(state: str) -> bool:
     return True
 
 
-def run_service(name: str, start, args: argparse.Namespace, metrics=None, pages=None) -> int:
+def run_service(name: str, start, args: argparse.Namespace, metrics=None, pages=None, reload=None) -> int:
     """Run `await start(task_status=...)` until SIGINT/SIGTERM; 0 on a clean stop.
 
     `start` reports its service's status function through `task_status.started`;
     with `--metrics`, the exporter (node/net/exporter.py) serves from before the
     service starts (/readyz answers 503 meanwhile) with `metrics` (a
-    StatusMetrics) and `pages` (extra routes).
+    StatusMetrics) and `pages` (extra routes). With `reload`, SIGHUP calls it
+    (on the event loop; what it raises is logged, and the service goes on);
+    without, SIGHUP keeps its default action.
     """
     import trio
 
     setup_logging(name, args.verbose, args.log_format)
     log = logging.getLogger("patchswarm")
+    caught = (signal.SIGINT, signal.SIGTERM) + ((signal.SIGHUP,) if reload is not None else ())
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            with trio.open_signal_receiver(*caught) as signals:
                 exporter = None
                 if args.metrics:
                     from patchswarm.node.net.exporter import Exporter
@@ -163,6 +167,14 @@ def run_service(name: str, start, args: argparse.Namespace, metrics=None, pages=
                     exporter.attach(status)
                 sd_notify("READY=1")
                 async for signum in signals:
+                    if signum == signal.SIGHUP:
+                        sd_notify(f"RELOADING=1\nMONOTONIC_USEC={time.monotonic_ns() // 1000}")
+                        try:
+                            reload()
+                        except (PatchswarmError, OSError) as e:
+                            log.error("SIGHUP: kept the configuration in use: %s", e)
+                        sd_notify("READY=1")
+                        continue
                     log.info("stopping (%s)", signal.Signals(signum).name,
                              extra=event("stopping", signal=signal.Signals(signum).name))
                     sd_notify("STOPPING=1")
