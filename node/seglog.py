@@ -214,6 +214,7 @@ class SegmentLog:
         self._broken: StorageFailed | None = None  # set while the log could not be cut back
         self._recover_at = 0.0  # trio time from which a broken log tries its cut-back again
         self._stray: int | None = None  # a segment file a failed round created: the cut-back removes it
+        self._cause = ""  # the I/O error the cut-back follows, for its message
         self._closed = False
         self.failures = 0  # rounds failed by an I/O error other than a full disk
         self.recoveries = 0  # cut-backs after them that made the log usable again
@@ -295,6 +296,7 @@ class SegmentLog:
             log.error("%s; cutting segment %s back to its committed end %d", error, self.active, self.active_end)
             if rotate and not isinstance(e, FileExistsError):  # O_EXCL: a file in the way is not ours
                 self._stray = self._next_number
+            self._cause = f"{type(e).__name__}: {e}"
             self._fail(group, error if await self._recover() else self._broken)
             return
         self.fsyncs += 1
@@ -339,7 +341,7 @@ class SegmentLog:
         except Exception as e:
             self._broken = StorageFailed(
                 f"segment log in {self.directory}: expected to cut segment {self.active} back to its committed "
-                f"end {self.active_end} after an I/O error, found {type(e).__name__}: {e}; commits fail until a "
+                f"end {self.active_end} after {self._cause}, found {type(e).__name__}: {e}; commits fail until a "
                 f"cut-back succeeds (tried again at most every {RECOVER_EVERY_S:g} s)")
             self._recover_at = trio.current_time() + RECOVER_EVERY_S
             log.error("%s", self._broken)

@@ -264,15 +264,18 @@ def _loop_available() -> str | None:
 
 
 class LoopDisk:
-    """ext4 (no journal: an I/O error must not abort the file system) on a loop device whose
-    backing file lies on a small tmpfs, mounted at `path`. Filling the tmpfs makes the block
-    device fail its writes (the kernel logs "Buffer I/O error on device loopN"); freeing it
-    heals the device."""
+    """ext4 on a loop device whose backing file lies on a small tmpfs, mounted at `path`.
+    Filling the tmpfs makes the block device fail its writes (the kernel logs "Buffer I/O
+    error on device loopN"); freeing it heals the device. Without a journal the file system
+    goes on (the failed writes reach fdatasync as ENOSPC, the loop driver's status); with
+    one, the first failed write aborts the journal (EIO) and ext4 turns read-only for good:
+    a dead disk."""
 
-    def __init__(self, root, image_bytes: int = 64 << 20, backing_bytes: int = 24 << 20):
+    def __init__(self, root, image_bytes: int = 64 << 20, backing_bytes: int = 24 << 20, journal: bool = False):
         self.backing = smalldisk.SmallDisk(root / "backing", backing_bytes)
         self.path = root / "mnt"
         self.image_bytes = image_bytes
+        self.journal = journal
         self.device = None
 
     def __enter__(self) -> "LoopDisk":
@@ -281,7 +284,8 @@ class LoopDisk:
             image = self.backing.path / "image"
             with open(image, "wb") as f:
                 f.truncate(self.image_bytes)  # sparse: blocks are taken from the tmpfs as written
-            subprocess.run(["mkfs.ext4", "-q", "-F", "-O", "^has_journal", str(image)], check=True, capture_output=True)
+            features = [] if self.journal else ["-O", "^has_journal"]
+            subprocess.run(["mkfs.ext4", "-q", "-F", *features, str(image)], check=True, capture_output=True)
             self.device = subprocess.run(["losetup", "-f", "--show", str(image)], check=True, capture_output=True,
                                          text=True).stdout.strip()
             self.path.mkdir(parents=True, exist_ok=True)
@@ -349,3 +353,38 @@ def test_a_spool_on_a_real_failing_block_device_recovers_once_it_heals(tmp_path)
     assert refused == 1, "the device never failed a write"
     assert stats["storage_failures"] >= 1 and stats["storage_recoveries"] >= 1 and not stats["storage_failed"]
     assert sorted(handed) == sorted(acked)  # each acknowledged record once, none of a failed round
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(WHY_NO_LOOP is not None, reason=f"needs a loop device on a tmpfs: {WHY_NO_LOOP}")
+def test_a_spool_whose_file_system_gives_up_refuses_at_once_and_tries_again_at_most_once_a_second(
+        tmp_path, caplog):
+    """A real EIO: journaled ext4 aborts on the device's failed write and turns read-only, so
+    the cut-back fails (EROFS) and keeps failing. The spool must refuse each append at once
+    (nothing acknowledged), and touch the disk at most once a second: one error line each."""
+    caplog.set_level(logging.ERROR, logger="patchswarm.seglog")
+
+    async def main(disk: LoopDisk):
+        async with await TrajectorySpool.open(disk.path / "spool", "n1", "r1") as spool:
+            await spool.append([(b"x" * 1000, 1)], timeout=5)
+            disk.fail()
+            with pytest.raises(StorageFailed, match="after OSError: .Errno 5. Input/output error, found OSError: "
+                                                    ".Errno 30. Read-only file system"):
+                await spool.append([(os.urandom(1 << 20), 1)], timeout=5)
+            start, refused = time.monotonic(), 0
+            while time.monotonic() - start < 2.5:  # a worker retrying every 10 ms
+                with pytest.raises(StorageFailed, match="expected to cut segment 1 back"):
+                    await spool.append([(b"y", 1)], timeout=5)
+                refused += 1
+                await trio.sleep(0.01)
+            disk.heal()  # too late for this file system: it stays read-only
+            stats = spool.stats()
+        return refused, stats
+
+    with LoopDisk(tmp_path, journal=True) as disk:
+        refused, stats = run(main, disk)
+    assert refused > 100
+    assert (stats["storage_failed"], stats["storage_failures"], stats["storage_recoveries"]) == (True, 1, 0)
+    errors = [r.getMessage() for r in caplog.records if r.name == "patchswarm.seglog"]
+    # the failed write, the first cut-back, then one try a second over 2.5 s
+    assert 3 <= len(errors) <= 5 and all("Errno 30" in e or "Errno 5" in e for e in errors), errors

@@ -509,7 +509,8 @@ class TrajectoryReader:
         return _iterate(self.cursor(start, min_version=min_version, max_staleness=max_staleness), current_version)
 
     def summary(self, current_version: int | None = None, max_staleness: int | None = None) -> dict:
-        """One pass over every segment: the same keys as TrajectoryStore.summary."""
+        """One pass over every segment: the keys of TrajectoryStore.summary but the writer's own (fsyncs,
+        storage_failed, storage_failures, storage_recoveries)."""
         tally, cur = _Tally(), self.cursor()
         for r in _iterate(cur, None):
             tally.add(r)
