@@ -100,7 +100,7 @@ class LocalRequests:
                 return localapi.error(localapi.FULL, str(e))
             except DiskFull as e:  # nothing acknowledged: the worker keeps its records and retries
                 return localapi.error(localapi.DISK_FULL, str(e))
-            except StorageFailed as e:  # the spool is broken until a restart; the node serves on
+            except StorageFailed as e:  # an I/O error: nothing acknowledged; the spool recovers, retry
                 return localapi.error(localapi.STORAGE, str(e))
             except UsageError as e:
                 return localapi.error(localapi.BAD_REQUEST, str(e))

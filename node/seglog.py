@@ -38,6 +38,7 @@ DEFAULT_GROUP_BYTES = 16 << 20  # at most this much per write + fdatasync (at le
 READ_CHUNK = 2 * (MAX_ENTRY_BYTES + ENTRY_HEADER_BYTES)  # one read always holds a whole entry after a damaged one
 _SEGMENT_NAME = re.compile(r"^(\d{12})\.seg$")
 _IOV_BATCH = 512  # buffers per pwritev call (IOV_MAX is 1024 on Linux)
+RECOVER_EVERY_S = 1.0  # a log whose cut-back failed tries it again at most this often (a dead disk must not spin)
 
 
 # ================================================================ files
@@ -176,17 +177,25 @@ class SegmentLog:
     one whose caller gave up may still land). The lead is handed only to members
     whose callers still wait; with none, the current leader writes the rest.
     FIFO order means a caller returns only after everything queued before it is
-    durable too (the store relies on that for duplicates). After an I/O error
-    the log is broken for good (after a failed fsync the page cache cannot be
-    trusted): every commit raises StorageFailed until the owner is reopened.
+    durable too (the store relies on that for duplicates).
 
-    A full disk is the exception: a write that finds no room (ENOSPC, EDQUOT)
-    before its fdatasync is cut off the file again (ftruncate to the committed
-    end; a segment file it had just created is removed), so nothing of it stays
-    and what was durable before is untouched. That round and every commit still
-    queued behind it raise DiskFull (queued ones may rest on the failed ones:
-    the store's duplicates), `on_failed(tags)` is told first, synchronously,
-    and the next commit tries the disk again.
+    A failed round acknowledges nothing. That round and every commit still
+    queued behind it raise (queued ones may rest on the failed ones: the
+    store's duplicates), and `on_failed(tags)` is told first, synchronously.
+    A write that finds no room (ENOSPC, EDQUOT) before its fdatasync raises
+    DiskFull: it is cut off the file again (ftruncate to the committed end; a
+    segment file it had just created is removed), so nothing of it stays, and
+    the next commit tries the disk again. Any other error (EIO from a write or
+    an fdatasync) raises StorageFailed, and the log recovers at once without a
+    reopen (`_cut_back`): after a failed fsync the page cache of that file
+    cannot be trusted (the kernel may have dropped the dirty pages and report
+    the next fsync clean), so the file descriptor is dropped, the file is cut
+    back to its committed end on a new descriptor and fdatasynced (what lay
+    beyond was never acknowledged; cut, it cannot come back in a restart's
+    scan next to its own retry), a file the round had just created is removed,
+    and the next commit starts a new segment file. If the cut-back fails too,
+    every commit raises StorageFailed, and one commit at most every
+    RECOVER_EVERY_S tries the cut-back again.
     """
 
     def __init__(self, directory: Path, next_number: int, segment_bytes: int, group_bytes: int, on_durable,
@@ -202,8 +211,13 @@ class SegmentLog:
         self._fd = -1
         self._queue: collections.deque[_Member] = collections.deque()
         self._leading = False
-        self._broken: StorageFailed | None = None
+        self._broken: StorageFailed | None = None  # set while the log could not be cut back
+        self._recover_at = 0.0  # trio time from which a broken log tries its cut-back again
+        self._stray: int | None = None  # a segment file a failed round created: the cut-back removes it
+        self._cause = ""  # the I/O error the cut-back follows, for its message
         self._closed = False
+        self.failures = 0  # rounds failed by an I/O error other than a full disk
+        self.recoveries = 0  # cut-backs after them that made the log usable again
         self.fsyncs = 0  # data fdatasyncs: one per commit group
         self.dir_fsyncs = 0
         self.entries = 0
@@ -212,10 +226,12 @@ class SegmentLog:
         """Write `bodies` (each bytes, or a tuple of parts as from record_parts)."""
         if self._closed:
             raise UsageError(f"commit on the closed segment log in {self.directory}")
-        if self._broken is not None:
-            raise self._broken
         if not bodies:
             raise UsageError("commit: expected at least one body, found none")
+        if self._broken is not None and trio.current_time() < self._recover_at:
+            if self._on_failed is not None:
+                self._on_failed([tag])
+            raise self._broken
         me = _Member(bodies, tag)
         self._queue.append(me)  # before any checkpoint: queue order is call order
         try:
@@ -263,29 +279,25 @@ class SegmentLog:
             group.append(m)
             total += m.nbytes
         bodies = [b for m in group for b in m.bodies]
+        if self._broken is not None and not await self._recover():
+            self._fail(group, self._broken)
+            return
         rotate = self._fd < 0 or self.active_end >= self.segment_bytes
         try:
-            if self._broken is not None:
-                raise self._broken
             number, fd, start = await in_worker_thread(self._write, rotate, bodies)
-        except DiskFull as e:  # nothing of it was kept: fail it and all queued behind it, stay usable
+        except DiskFull as e:  # nothing of it was kept: stay usable
             log.debug("%s", e)  # the owner reports it (node/diskspace.py: bounded)
-            group.extend(self._queue)
-            self._queue.clear()
-            if self._on_failed is not None:
-                self._on_failed([m.tag for m in group])
-            for m in group:
-                m.error, m.done = e, True
-                m.wake()
+            self._fail(group, e)
             return
-        except Exception as e:  # OSError above all; anything else is as fatal for durability
-            if self._broken is None:
-                self._broken = StorageFailed(f"segment log in {self.directory}: expected a durable write of "
-                                             f"{total} bytes, found {type(e).__name__}: {e}; reopen to recover")
-                log.error("%s", self._broken)
-            for m in group:
-                m.error, m.done = self._broken, True
-                m.wake()
+        except Exception as e:  # OSError above all; anything else is as suspect for durability
+            self.failures += 1
+            error = StorageFailed(f"segment log in {self.directory}: expected a durable write of {total} bytes, "
+                                  f"found {type(e).__name__}: {e}; nothing of it was acknowledged")
+            log.error("%s; cutting segment %s back to its committed end %d", error, self.active, self.active_end)
+            if rotate and not isinstance(e, FileExistsError):  # O_EXCL: a file in the way is not ours
+                self._stray = self._next_number
+            self._cause = f"{type(e).__name__}: {e}"
+            self._fail(group, error if await self._recover() else self._broken)
             return
         self.fsyncs += 1
         if rotate:
@@ -307,6 +319,63 @@ class SegmentLog:
         for m in group:
             m.done = True
             m.wake()
+
+    def _fail(self, group: list, error: StorageFailed) -> None:
+        """Fail `group` and every commit queued behind it with `error` (told to on_failed first)."""
+        group.extend(self._queue)
+        self._queue.clear()
+        if self._on_failed is not None:
+            self._on_failed([m.tag for m in group])
+        for m in group:
+            m.error, m.done = error, True
+            m.wake()
+
+    async def _recover(self) -> bool:
+        """After an I/O error: cut the files back (`_cut_back`); True if the log is usable
+        again, else `_broken` says why and the next try waits RECOVER_EVERY_S."""
+        if self._broken is not None and trio.current_time() < self._recover_at:
+            return False
+        fd, self._fd = self._fd, -1  # its page cache is suspect: never written through again
+        try:
+            await in_worker_thread(self._cut_back, fd, self._stray)
+        except Exception as e:
+            self._broken = StorageFailed(
+                f"segment log in {self.directory}: expected to cut segment {self.active} back to its committed "
+                f"end {self.active_end} after {self._cause}, found {type(e).__name__}: {e}; commits fail until a "
+                f"cut-back succeeds (tried again at most every {RECOVER_EVERY_S:g} s)")
+            self._recover_at = trio.current_time() + RECOVER_EVERY_S
+            log.error("%s", self._broken)
+            return False
+        log.info("segment log in %s: recovered from an I/O error: segment %s cut back to its committed end %d; "
+                 "the next commit starts segment %d", self.directory, self.active, self.active_end, self._next_number)
+        self._broken, self._stray = None, None
+        self.active = None  # the next commit starts a new segment file
+        self.recoveries += 1
+        return True
+
+    def _cut_back(self, fd: int, stray: int | None) -> None:
+        """Worker thread: close `fd`, cut the active segment back to `active_end` on a new
+        descriptor and fdatasync it, and remove segment `stray` (a file a failed round
+        created) if it is there. Nothing beyond the committed end was acknowledged."""
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass  # close may report the same write-back error again; the descriptor is gone
+        if stray is not None:
+            try:
+                os.unlink(segment_path(self.directory, stray))
+            except FileNotFoundError:
+                pass
+            fsync_dir(self.directory)  # a crash must not bring its name (and some of its data) back
+        if self.active is None:
+            return
+        fd = os.open(segment_path(self.directory, self.active), os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            os.ftruncate(fd, self.active_end)
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
 
     def _write(self, rotate: bool, bodies: list):
         """Worker thread: frame (the checksums run here, off the event loop), rotate
@@ -357,6 +426,11 @@ class SegmentLog:
         return DiskFull(f"segment log in {self.directory}: expected room for {sum(map(len, pieces)):,} bytes, found "
                         f"the disk full ({e.strerror}; {'unknown' if free is None else f'{free:,}'} bytes free); "
                         f"nothing of it was kept or acknowledged; the next commit tries again")
+
+    def status(self) -> dict:
+        """For the owners' status: whether commits fail now (a cut-back failed), and the counts."""
+        return {"storage_failed": self._broken is not None, "storage_failures": self.failures,
+                "storage_recoveries": self.recoveries}
 
     async def aclose(self) -> None:
         """Write what is still queued, then close the active file."""

@@ -9,6 +9,9 @@ to the network, decide batching policy for the wire, or drop a record: a full sp
 a full disk makes it fail at once with DiskFull, nothing acknowledged, nothing
 of it left in the files (node/seglog.py cuts the write off), and the next
 append tries the disk again (`disk`, node/diskspace.py, says so in status).
+Another I/O error (EIO) fails it with StorageFailed, nothing acknowledged,
+and the log recovers in-process (node/seglog.py: cut back, new segment file):
+the next append is written (`storage_recoveries` in status).
 
 Seqs: unique per node for ever. The spool hands out seqs below `seq_reserved`,
 persisted in `state` before use (in steps of SEQ_RESERVE); a restart resumes at
@@ -940,6 +943,7 @@ class TrajectorySpool:
             "problems": len(self.problems),
             "disk_full": self.disk.failing,
             "disk_write_failures": self.disk.failures,
+            **self.log.status(),  # I/O errors in commits, and the recoveries from them (node/seglog.py)
             "record_ids": len(self.ids),
             "record_id_window": self.ids.window,
             "record_ids_forgotten": self.ids.forgotten,

@@ -96,7 +96,8 @@ class SpoolFull(PatchswarmError):
 
 
 class StorageFailed(PatchswarmError):
-    """A durable write or fsync failed: the spool or store refuses appends until it is reopened."""
+    """A durable write or fsync failed: nothing of it was acknowledged. The segment log cuts its
+    files back and takes the next append (node/seglog.py); while it cannot, appends fail with this."""
 
 
 class DiskFull(StorageFailed):

@@ -1147,25 +1147,31 @@ def test_cancelled_appenders_never_stall_the_others(tmp_path):
     assert stats["records"] == len(got) >= len(done)  # given-up ones may have landed, once
 
 
-def test_a_failed_write_breaks_the_store_until_reopened(tmp_path):
+def test_a_failed_write_fails_its_append_and_the_store_takes_the_resend_without_a_reopen(tmp_path):
+    """Before: one failed write broke the store until it was reopened (every append raised
+    StorageFailed). Now the append fails, its seqs leave the dedup index, and the next append
+    (the node's resend) is stored as new, in a new segment file."""
     async def main():
         st = await TrajectoryStore.open(tmp_path, segment_bytes=1)  # every commit starts a new file
         await st.append([rec(1)])
-        segment_path(tmp_path, st.log.active + 1).write_bytes(b"in the way")  # the next file cannot be created
+        in_the_way = segment_path(tmp_path, st.log.active + 1)
+        in_the_way.write_bytes(b"in the way")  # the next file cannot be created (O_EXCL)
         with pytest.raises(StorageFailed, match="expected a durable write .* FileExistsError"):
             await st.append([rec(2)])
-        with pytest.raises(StorageFailed):
-            await st.append([rec(3)])
+        assert in_the_way.read_bytes() == b"in the way"  # not the log's file: left alone
+        in_the_way.unlink()
+        assert await st.append([rec(2), rec(3)]) == [2, 3]  # no reopen; 2 is no duplicate: never durable
+        summary = st.summary()
         await st.aclose()
-        segment_path(tmp_path, st.log.active + 1).unlink()
         st = await TrajectoryStore.open(tmp_path)
         seqs = [r.seq for r in st.iter_records()]
-        await st.append([rec(2)])  # not a duplicate: it never became durable
-        again = [r.seq for r in st.iter_records()]
+        dups = st.summary()["duplicates_dropped"]
         await st.aclose()
-        return seqs, again
+        return summary, seqs, dups
 
-    assert run(main) == ([1], [1, 2])
+    summary, seqs, dups = run(main)
+    assert (seqs, dups) == ([1, 2, 3], 0)
+    assert (summary["storage_failed"], summary["storage_failures"], summary["storage_recoveries"]) == (False, 1, 1)
 
 
 def test_next_batch_waits_then_reads_in_a_worker_thread(tmp_path):

@@ -11,7 +11,11 @@ the trainer's policy beyond the staleness filter it is given.
 
 Full disk: a commit that finds no room raises DiskFull with nothing of it in
 the files and its seqs out of the dedup index, so it is not acknowledged and
-the node's resend is stored as new (`disk` reports it, bounded).
+the node's resend is stored as new (`disk` reports it, bounded). Another
+I/O error (EIO) raises StorageFailed the same way (its seqs leave the index,
+`_not_written`); the log recovers in-process (node/seglog.py), so the node's
+resend after the origin closed its connection is stored (`storage_recoveries`
+in the summary).
 
 Crash safety: records are acknowledged only after fdatasync (and, for a new
 segment file, an fsync of the directory). On open the writer truncates a torn
@@ -378,8 +382,9 @@ class TrajectoryStore:
 
     def _not_written(self, tags: list) -> None:
         """SegmentLog callback, before anyone hears of the failure: the records of commits that
-        found the disk full were never written, so they leave the dedup index (else the
-        node's resend would be dropped as a duplicate, and acked: lost)."""
+        failed (a full disk, an I/O error) were not acknowledged, and nothing of them stays in
+        the files, so they leave the dedup index (else the node's resend would be dropped as
+        a duplicate, and acked: lost)."""
         for values in tags:
             for v in values:
                 if type(v) is Record:
@@ -431,6 +436,7 @@ class TrajectoryStore:
     def summary(self, current_version: int | None = None, max_staleness: int | None = None) -> dict:
         s = self._tally.summary(current_version, max_staleness, len(self._numbers), self.problems)
         s["fsyncs"] = self.log.fsyncs
+        s.update(self.log.status())  # I/O errors in commits, and the recoveries from them (node/seglog.py)
         return s
 
     def dump_jsonl(self, out) -> int:
@@ -503,7 +509,8 @@ class TrajectoryReader:
         return _iterate(self.cursor(start, min_version=min_version, max_staleness=max_staleness), current_version)
 
     def summary(self, current_version: int | None = None, max_staleness: int | None = None) -> dict:
-        """One pass over every segment: the same keys as TrajectoryStore.summary."""
+        """One pass over every segment: the keys of TrajectoryStore.summary but the writer's own (fsyncs,
+        storage_failed, storage_failures, storage_recoveries)."""
         tally, cur = _Tally(), self.cursor()
         for r in _iterate(cur, None):
             tally.add(r)
