@@ -249,4 +249,4 @@ def test_the_bench_measures_what_it_says():
     base, target = make_states(50, 4)
     assert len(base) == 50 and sum(not torch.equal(base[k], target[k]) for k in base) == 1
     times = measure(50, 4, None)
-    assert set(times) == {"hash", "diff", "apply", "again"} and all(t > 0 for t in times.values())
+    assert set(times) == {"hash", "diff", "apply", "again", "bytes"} and all(t > 0 for t in times.values())

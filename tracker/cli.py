@@ -67,15 +67,13 @@ def _reload(t, args: argparse.Namespace) -> None:
     of links without a restart, which would make every member join again). Settings read only
     at start are named in the log when they changed. UsageError (logged, nothing changed) where
     the file is now bad."""
-    from patchswarm.node.cli import reread
-
-    if args.config is None:
+    if args.config is None or getattr(args, "reread", None) is None:
         log.warning("SIGHUP: no --config file to read again; nothing changed")
         return
-    again = reread(args)
+    again = args.reread()
     t.set_wan_rates(again.wan_rates)
     later = sorted(k.replace("_", "-") for k, v in vars(again).items()
-                   if k not in ("wan_rates", "run", "argv") and v != getattr(args, k, None))
+                   if k not in ("wan_rates", "run", "argv", "reread") and v != getattr(args, k, None))
     if later:
         log.warning("SIGHUP: %s changed in %s; taken at the next start (only wan-rates is read again)",
                     ", ".join(later), args.config)

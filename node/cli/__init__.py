@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib
 import os
 import sys
@@ -93,6 +94,7 @@ def parse(argv: list[str] | None = None, environ: dict[str, str] | None = None) 
         except layers.ConfigError as e:
             p.error("\n  ".join(["bad configuration:", *map(str, e.problems)]))
         args.argv = argv
+        args.reread = functools.partial(reread, args)  # for a service's SIGHUP (tracker/ may not import this)
     return args
 
 
@@ -106,7 +108,7 @@ def reread(args: argparse.Namespace) -> argparse.Namespace:
         layers.resolve(layered[again.command], again.command, again, os.environ)
     except layers.ConfigError as e:
         raise UsageError("; ".join(["bad configuration", *map(str, e.problems)])) from None
-    again.argv = args.argv
+    again.argv, again.reread = args.argv, args.reread
     return again
 
 
