@@ -590,3 +590,45 @@ def test_local_requests_answer_status_wait_and_submit(tmp_path):
                 localapi.UNAVAILABLE
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_a_meta_the_origin_would_refuse_is_refused_at_submit_not_acknowledged(tmp_path):
+    """A meta map nested deeper than the decoders read (MAX_META_DEPTH), or holding a msgpack
+    ext value (a Timestamp), passed the spool's checks: the record was acknowledged, and the
+    origin then refused its batch as undecodable and dropped the node, at every resend, so the
+    node's trajectories stopped for good. Now the submit gets bad_request, nothing is stored,
+    and what the spool holds is a batch the origin decodes."""
+    from patchswarm.node.localapi import LocalRequests
+    from patchswarm.node.spool import TrajectorySpool
+    from patchswarm.protocol import trajectory
+
+    deep = {"k": 1}
+    for _ in range(trajectory.MAX_META_DEPTH):
+        deep = {"k": deep}
+    stamp = {"at": msgpack.Timestamp(1, 2)}
+    path = tmp_path / "node.sock"
+
+    async def main():
+        async with await TrajectorySpool.open(tmp_path / "spool", "n1", "r1") as spool:
+            handle = LocalRequests(lambda: {"version": 1}, None, lambda: 1, spool)
+            async with trio.open_nursery() as n:
+                await n.start(serve_local, path, handle)
+
+                def blocking():
+                    errors = []
+                    with NodeClient(path) as c:
+                        for meta in (deep, stamp):
+                            with pytest.raises(NodeError) as e:
+                                c.submit(b"x", 1, meta=meta)
+                            errors.append(e.value)
+                        return errors, c.submit(b"ok", 1, meta=deep["k"])  # 32 deep: the decoders' limit
+
+                errors, seq = await trio.to_thread.run_sync(blocking)
+                assert [e.code for e in errors] == [localapi.BAD_REQUEST] * 2
+                assert "nested at most" in str(errors[0]) and "ext" in str(errors[1])
+                assert seq == 0 and spool.stats()["records"] == 1
+                held = spool.pending()
+                assert trajectory.decode_batch(trajectory.encode_batch(held), True)[0].payload == b"ok"
+                n.cancel_scope.cancel()
+
+    trio.run(main)
