@@ -68,7 +68,7 @@ import trio
 
 from patchswarm.protocol.errors import CorruptData, DiskFull, SpoolFull, StorageFailed, UnsupportedFormat, UsageError
 from patchswarm.protocol.trajectory import (ENTRY_HEADER_BYTES, KIND_RECORD_IDS, MAX_BATCH_BYTES, MAX_ID_CHARS,
-                                            MAX_PAYLOAD_BYTES, RECORD_KEY_BYTES, AckedRanges, Record,
+                                            MAX_PAYLOAD_BYTES, RECORD_KEY_BYTES, AckedRanges, PackedMeta, Record,
                                             RecordIds, SpoolState, decode_record, encode_entry, encode_record,
                                             pack_meta, record_key, record_parts, scan_records, segment_header, seq_ranges)
 
@@ -457,7 +457,7 @@ class TrajectorySpool:
             payload, version, meta, rid = self._check_item(item)
             # checked as the origin (and the spool's own recovery) will decode it: one they
             # refuse, acknowledged here, would be refused with its whole batch at every resend
-            meta_len = 1 if meta is None else len(pack_meta(meta))
+            meta_len = 1 if meta is None else len(meta if type(meta) is PackedMeta else pack_meta(meta))
             prepared.append((payload, version, meta))
             keys.append(None if rid is None else record_key(rid))
             need += _record_bound(*self._id_bytes, payload, meta_len)
@@ -596,7 +596,7 @@ class TrajectorySpool:
             raise UsageError(f"payload: expected at most {MAX_PAYLOAD_BYTES} bytes, found {len(payload)}")
         if type(version) is not int or not 0 <= version < 1 << 64:
             raise UsageError(f"policy_version: expected a non-negative int, found {version!r}")
-        if meta is not None and type(meta) is not dict:
+        if meta is not None and type(meta) is not dict and type(meta) is not PackedMeta:
             raise UsageError(f"meta: expected a dict or None, found {type(meta).__name__}")
         if rid is not None:
             if isinstance(rid, (bytearray, memoryview)):

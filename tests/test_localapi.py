@@ -21,6 +21,8 @@ from patchswarm.node.localapi import RECEIVE_BYTES, serve_local
 from patchswarm.protocol import localapi
 from patchswarm.protocol.errors import UsageError
 
+from memory import traced_peak
+
 metas = st.none() | st.dictionaries(st.text(max_size=4), st.integers(-2**63, 2**64 - 1) | st.text(max_size=4), max_size=3)
 payloads = st.binary(max_size=40) | st.integers(0, 3).map(lambda k: bytes(localapi.SEPARATE_PAYLOAD_BYTES - 1 + k))
 
@@ -632,3 +634,70 @@ def test_a_meta_the_origin_would_refuse_is_refused_at_submit_not_acknowledged(tm
                 n.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def _exchange(path, raw: bytes) -> bytes:
+    """Send `raw` on a new connection, close our side, and read everything the node answers."""
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(str(path))
+        s.sendall(raw)
+        s.shutdown(socket.SHUT_WR)
+        out = b""
+        while chunk := s.recv(1 << 16):
+            out += chunk
+        return out
+
+
+def test_a_request_of_nested_arrays_costs_the_node_its_bytes_not_their_objects(tmp_path):
+    """The node unpacked each request with msgpack before looking at it: a frame of empty
+    arrays (one byte each, ~70 bytes of Python each) in any field was built whole on the
+    event loop, 2.3 GB and 8 s for 32 MiB (measured), ~19 GB for a frame at the 256 MiB
+    limit: one local client could stop the node's loop or have it killed. Now a request is
+    read along its schema: a field other than records is a small value, and the frame costs
+    about its bytes; the node answers bad_request and serves on."""
+
+    n = 4 << 20
+    body = b"\x82\xa2op\xa6status\xa3pad\xdd" + n.to_bytes(4, "big") + b"\x90" * n
+    replies = []
+
+    async def exchange(path):
+        replies.append(await trio.to_thread.run_sync(_exchange, path, len(body).to_bytes(4, "big") + body))
+        with NodeClient(path) as c:
+            replies.append(await trio.to_thread.run_sync(c.status))
+
+    peak = traced_peak(lambda: serving(tmp_path, exchange))
+    assert peak < 8 * n, f"{peak:,} bytes traced for a {len(body):,}-byte request"  # unpacked: ~300 MB
+    assert msgpack.unpackb(replies[0][4:])["code"] == localapi.BAD_REQUEST
+    assert replies[1]["calls"] >= 1
+
+
+def test_a_submit_holds_its_metas_as_the_bytes_they_came_in(tmp_path):
+    """A meta map of 64 KiB of empty arrays is ~4.5 MB of Python objects: a 1 MiB submit of
+    16 of them held ~75 MB in the node until the spool took it (the 256 MiB frame limit:
+    ~18 GB). Now each meta is checked as the origin will decode it (built once, let go) and
+    kept as the bytes it came in; the spool stores those bytes, and the origin reads the
+    same meta back."""
+    from patchswarm.node.localapi import LocalRequests
+    from patchswarm.node.spool import TrajectorySpool
+    from patchswarm.protocol import trajectory
+
+    meta = {"a": [[] for _ in range(64000)]}
+    raw = localapi.encode(localapi.submit_request([(b"p%d" % i, 1, meta) for i in range(16)], 5.0))
+    path = tmp_path / "node.sock"
+    held = []
+
+    async def main():
+        async with await TrajectorySpool.open(tmp_path / "spool", "n1", "r1") as spool:
+            handle = LocalRequests(lambda: {"version": 1}, None, lambda: 1, spool)
+            async with trio.open_nursery() as n:
+                await n.start(serve_local, path, handle)
+                held.append(await trio.to_thread.run_sync(_exchange, path, raw))
+                held.append(spool.pending())
+                n.cancel_scope.cancel()
+
+    peak = traced_peak(lambda: trio.run(main))
+    reply, records = held
+    assert msgpack.unpackb(reply[4:]) == localapi.ok(seqs=list(range(16)), repeated=0)
+    assert peak < 24 << 20, f"{peak:,} bytes traced for a {len(raw):,}-byte submit"  # unpacked: ~75 MB
+    back = trajectory.decode_batch(trajectory.encode_batch(records))
+    assert [r.payload for r in back] == [b"p%d" % i for i in range(16)] and back[5].meta == meta
