@@ -239,8 +239,8 @@ class Fetcher:
             return  # the rest of a flow this node cancelled
         if first and not flow.asm.complete:
             # Neighbours (and the next region's gateway) may follow it from here on.
-            told = self._tell(wire.Incoming(key[0], key[1], c), self._audience(s, key, c, tell_incoming))
-            self._told.setdefault(key, {}).setdefault(c, set()).update(told)
+            told = self._told.setdefault(key, {}).setdefault(c, set())
+            told.update(self._tell(wire.Incoming(key[0], key[1], c), self._audience(s, key, c, tell_incoming, told)))
         if not flow.asm.complete:
             return
         if log.isEnabledFor(logging.DEBUG):
