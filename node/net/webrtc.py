@@ -40,6 +40,8 @@ from typing import Callable
 
 import trio
 
+from patchswarm.protocol.errors import InvalidInput
+
 from . import sctpfast, udpreads
 
 log = logging.getLogger("patchswarm.webrtc")
@@ -349,17 +351,27 @@ class RTCPeer:
         return self._pc.localDescription.sdp  # aiortc gathers every candidate before this returns
 
     async def _accept_in_loop(self, sdp: str) -> None:
-        from aiortc import RTCSessionDescription
-        await self._pc.setRemoteDescription(RTCSessionDescription(sdp=sdp, type="answer"))
+        await self._take_remote(sdp, "answer")
 
     async def _answer_in_loop(self, sdp: str) -> str:
-        from aiortc import RTCSessionDescription
         self._new_pc()
-        await self._pc.setRemoteDescription(RTCSessionDescription(sdp=sdp, type="offer"))
+        await self._take_remote(sdp, "offer")
         self._add_channel()  # after the offer made the SCTP transport, before anything can arrive
         await self._pc.setLocalDescription(await self._pc.createAnswer())
         self._tune_sockets()
         return self._pc.localDescription.sdp
+
+    async def _take_remote(self, sdp: str, kind: str) -> None:
+        """The peer's SDP as the remote description; InvalidInput if aiortc cannot take it. The
+        peer signs whatever SDP it likes, and aiortc's parser fails on a bad one with ValueError,
+        KeyError (`a=setup:bogus`), AssertionError (a `c=` line cut short) and the like: each
+        escaped the task that answered the offer (or dialed) and ended the whole node."""
+        from aiortc import RTCSessionDescription
+        try:
+            await self._pc.setRemoteDescription(RTCSessionDescription(sdp=sdp, type=kind))
+        except Exception as e:
+            raise InvalidInput(f"{kind} SDP: expected one aiortc takes, found one it does not "
+                               f"({type(e).__name__}: {' '.join(str(e).split()) or '-'})") from None
 
     def _tune_sockets(self) -> None:
         """On each UDP socket ICE gathered: ask for SOCKET_BUFFER (aiortc and aioice
