@@ -24,7 +24,10 @@ concatenated; the frame parser reassembles. Backpressure: `send_all` returns
 once the channel's `bufferedAmount` is at most HIGH_WATER, else when it has
 fallen to LOW_WATER (`bufferedamountlow`). Receiving has no window beyond
 SCTP's own: aiortc delivers every message as it arrives, and the node's
-traffic is pulled (a peer sends pieces only when asked), which bounds it.
+traffic is pulled (a peer sends pieces only when asked), which bounds what an
+honest peer sends. A hostile one pushes whatever it likes, and nothing stops it
+as a full socket buffer stops a TCP peer: a stream holding more than MAX_UNREAD
+bytes its reader has not taken ends as broken (its session with it).
 """
 
 from __future__ import annotations
@@ -50,6 +53,11 @@ MESSAGE_BYTES = 64 << 10  # RFC 8841 section 6: what a peer that advertises noth
 HIGH_WATER = 1 << 20  # send_all waits while more than this is queued in the channel...
 LOW_WATER = 256 << 10  # ...until it has fallen to this (bufferedamountlow)
 RECEIVE_LIMIT = 1 << 20  # most bytes one receive_some hands back
+# Most bytes a stream holds that its reader has not taken: the requests in flight to one peer
+# (a few chunks of up to 16 MiB, a large state's) and a frame (16 MiB), several times over, while
+# the reader waits (the download limit, a manifest checked in a thread). Past it the peer is
+# pushing what was not asked for: the stream ends as broken.
+MAX_UNREAD = 128 << 20
 CLOSE_SECONDS = 2.0
 # UDP socket buffers asked for (the kernel caps them at net.core.rmem_max / wmem_max):
 # SCTP's window in flight must fit the receiver's buffer, or bursts are dropped there.
@@ -414,6 +422,7 @@ class DataChannelStream(trio.abc.Stream):
     def __init__(self, peer: RTCPeer):
         self._peer = peer
         self._chunks: collections.deque[bytes] = collections.deque()
+        self._unread = 0  # bytes in _chunks
         self._readable = trio.Event()
         self._space = trio.Event()
         self._ended: str | None = None  # why the channel is gone (trio side)
@@ -430,6 +439,14 @@ class DataChannelStream(trio.abc.Stream):
     # -- called in trio's thread by the loop
 
     def _arrived(self, data: bytes) -> None:
+        if self._ended is not None:
+            return  # nobody reads past the end
+        self._unread += len(data)
+        if self._unread > MAX_UNREAD:
+            unread, self._unread = self._unread, 0
+            self._chunks.clear()
+            self.abort(f"the peer sent {unread:,} bytes this member has not read yet, more than {MAX_UNREAD:,}")
+            return
         self._chunks.append(data)
         self._readable.set()
 
@@ -517,6 +534,7 @@ class DataChannelStream(trio.abc.Stream):
                     c = c[:limit - size]
                 out.append(c)
                 size += len(c)
+            self._unread -= size
             return out[0] if len(out) == 1 else b"".join(out)
         finally:
             self._receiving = False
