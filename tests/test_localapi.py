@@ -2,6 +2,7 @@
 requests answered in order on one connection, frames larger than a read, bad frames, clients
 that vanish, the socket file's mode and removal."""
 
+import contextlib
 import functools
 import os
 import socket
@@ -17,7 +18,8 @@ from hypothesis import strategies as st
 
 import patchswarm.node.client
 from patchswarm.node.client import AsyncNodeClient, NodeClient, NodeError
-from patchswarm.node.localapi import RECEIVE_BYTES, serve_local
+from patchswarm.node.localapi import RECEIVE_BYTES, LocalRequests, serve_local
+from patchswarm.node.spool import TrajectorySpool
 from patchswarm.protocol import localapi
 from patchswarm.protocol.errors import UsageError
 
@@ -60,6 +62,16 @@ def serving(tmp_path, body, **options):
     mode = trio.run(main)
     assert mode == 0o600
     assert not path.exists(), "the socket file outlives the server"
+
+
+@contextlib.asynccontextmanager
+async def spool_node(tmp_path):
+    """The local socket at tmp_path/node.sock over LocalRequests and a real spool: (path, spool)."""
+    async with await TrajectorySpool.open(tmp_path / "spool", "n1", "r1") as spool:
+        handle = LocalRequests(lambda: {"version": 1}, None, lambda: 1, spool)
+        async with trio.open_nursery() as n:
+            yield await n.start(serve_local, tmp_path / "node.sock", handle), spool
+            n.cancel_scope.cancel()
 
 
 @settings(max_examples=60, deadline=None)
@@ -140,18 +152,21 @@ def test_pipelined_requests_are_answered_in_order(tmp_path):
     serving(tmp_path, body)
 
 
+def _exchange(path, raw: bytes) -> bytes:
+    """Send `raw` on a new connection, close our side, and read everything the node answers."""
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(str(path))
+        s.sendall(raw)
+        s.shutdown(socket.SHUT_WR)
+        out = b""
+        while chunk := s.recv(1 << 16):
+            out += chunk
+        return out
+
+
 def test_bad_requests_get_an_error_and_bad_frames_cost_only_their_connection(tmp_path):
     async def body(path):
-        def exchange(raw: bytes) -> bytes:
-            with socket.socket(socket.AF_UNIX) as s:
-                s.connect(str(path))
-                s.sendall(raw)
-                s.shutdown(socket.SHUT_WR)
-                out = b""
-                while chunk := s.recv(1 << 16):
-                    out += chunk
-                return out
-
+        exchange = functools.partial(_exchange, path)
         reply = await trio.to_thread.run_sync(exchange, localapi.encode({"op": "fly"}))
         assert msgpack.unpackb(reply[4:])["code"] == localapi.BAD_REQUEST
         garbage = b"\xc1\xc1"  # not msgpack
@@ -476,35 +491,27 @@ def test_a_spool_write_error_fails_the_submit_and_the_node_serves_on(tmp_path, m
     import errno
 
     import patchswarm.node.spool as spool_module
-    from patchswarm.node.localapi import LocalRequests
-    from patchswarm.node.spool import TrajectorySpool
 
     monkeypatch.setattr(spool_module, "SEQ_RESERVE", 1)  # the second append reserves again
-    path = tmp_path / "node.sock"
 
     async def main():
-        async with await TrajectorySpool.open(tmp_path / "spool", "n1", "r1") as spool:
-            handle = LocalRequests(lambda: {"version": 1}, None, lambda: 1, spool)
-            async with trio.open_nursery() as n:
-                await n.start(serve_local, path, handle)
+        async with spool_node(tmp_path) as (path, spool):
+            def blocking():
+                with NodeClient(path) as c:
+                    first = c.submit(b"a", 1)
 
-                def blocking():
-                    with NodeClient(path) as c:
-                        first = c.submit(b"a", 1)
+                    def failing(*args):
+                        raise OSError(errno.EIO, "Input/output error")
 
-                        def failing(*args):
-                            raise OSError(errno.EIO, "Input/output error")
+                    monkeypatch.setattr(spool_module, "_write_state", failing)
+                    with pytest.raises(NodeError) as e:
+                        c.submit(b"b", 1)
+                    return first, e.value, c.status()
 
-                        monkeypatch.setattr(spool_module, "_write_state", failing)
-                        with pytest.raises(NodeError) as e:
-                            c.submit(b"b", 1)
-                        return first, e.value, c.status()
-
-                first, err, st = await trio.to_thread.run_sync(blocking)
-                assert first == 0 and st == {"version": 1}
-                assert err.code == localapi.STORAGE and "Input/output error" in str(err)
-                assert spool.stats()["records"] == 1
-                n.cancel_scope.cancel()
+            first, err, st = await trio.to_thread.run_sync(blocking)
+            assert first == 0 and st == {"version": 1}
+            assert err.code == localapi.STORAGE and "Input/output error" in str(err)
+            assert spool.stats()["records"] == 1
 
     trio.run(main)
 
@@ -551,10 +558,6 @@ def test_a_request_the_node_fails_on_costs_that_request_not_the_node(tmp_path):
 
 def test_local_requests_answer_status_wait_and_submit(tmp_path):
     """What each op does (node/localapi.py LocalRequests), over a real spool, on trio's mock clock."""
-    from patchswarm.node.localapi import LocalRequests
-    from patchswarm.node.spool import TrajectorySpool
-    from patchswarm.protocol import localapi
-
     async def main():
         version = {"v": 3}
         changed = trio.Event()
@@ -600,52 +603,32 @@ def test_a_meta_the_origin_would_refuse_is_refused_at_submit_not_acknowledged(tm
     origin then refused its batch as undecodable and dropped the node, at every resend, so the
     node's trajectories stopped for good. Now the submit gets bad_request, nothing is stored,
     and what the spool holds is a batch the origin decodes."""
-    from patchswarm.node.localapi import LocalRequests
-    from patchswarm.node.spool import TrajectorySpool
     from patchswarm.protocol import trajectory
 
     deep = {"k": 1}
     for _ in range(trajectory.MAX_META_DEPTH):
         deep = {"k": deep}
     stamp = {"at": msgpack.Timestamp(1, 2)}
-    path = tmp_path / "node.sock"
 
     async def main():
-        async with await TrajectorySpool.open(tmp_path / "spool", "n1", "r1") as spool:
-            handle = LocalRequests(lambda: {"version": 1}, None, lambda: 1, spool)
-            async with trio.open_nursery() as n:
-                await n.start(serve_local, path, handle)
+        async with spool_node(tmp_path) as (path, spool):
+            def blocking():
+                errors = []
+                with NodeClient(path) as c:
+                    for meta in (deep, stamp):
+                        with pytest.raises(NodeError) as e:
+                            c.submit(b"x", 1, meta=meta)
+                        errors.append(e.value)
+                    return errors, c.submit(b"ok", 1, meta=deep["k"])  # 32 deep: the decoders' limit
 
-                def blocking():
-                    errors = []
-                    with NodeClient(path) as c:
-                        for meta in (deep, stamp):
-                            with pytest.raises(NodeError) as e:
-                                c.submit(b"x", 1, meta=meta)
-                            errors.append(e.value)
-                        return errors, c.submit(b"ok", 1, meta=deep["k"])  # 32 deep: the decoders' limit
-
-                errors, seq = await trio.to_thread.run_sync(blocking)
-                assert [e.code for e in errors] == [localapi.BAD_REQUEST] * 2
-                assert "nested at most" in str(errors[0]) and "ext" in str(errors[1])
-                assert seq == 0 and spool.stats()["records"] == 1
-                held = spool.pending()
-                assert trajectory.decode_batch(trajectory.encode_batch(held), True)[0].payload == b"ok"
-                n.cancel_scope.cancel()
+            errors, seq = await trio.to_thread.run_sync(blocking)
+            assert [e.code for e in errors] == [localapi.BAD_REQUEST] * 2
+            assert "nested at most" in str(errors[0]) and "ext" in str(errors[1])
+            assert seq == 0 and spool.stats()["records"] == 1
+            held = spool.pending()
+            assert trajectory.decode_batch(trajectory.encode_batch(held), True)[0].payload == b"ok"
 
     trio.run(main)
-
-
-def _exchange(path, raw: bytes) -> bytes:
-    """Send `raw` on a new connection, close our side, and read everything the node answers."""
-    with socket.socket(socket.AF_UNIX) as s:
-        s.connect(str(path))
-        s.sendall(raw)
-        s.shutdown(socket.SHUT_WR)
-        out = b""
-        while chunk := s.recv(1 << 16):
-            out += chunk
-        return out
 
 
 def test_a_request_of_nested_arrays_costs_the_node_its_bytes_not_their_objects(tmp_path):
@@ -677,23 +660,16 @@ def test_a_submit_holds_its_metas_as_the_bytes_they_came_in(tmp_path):
     ~18 GB). Now each meta is checked as the origin will decode it (built once, let go) and
     kept as the bytes it came in; the spool stores those bytes, and the origin reads the
     same meta back."""
-    from patchswarm.node.localapi import LocalRequests
-    from patchswarm.node.spool import TrajectorySpool
     from patchswarm.protocol import trajectory
 
     meta = {"a": [[] for _ in range(64000)]}
     raw = localapi.encode(localapi.submit_request([(b"p%d" % i, 1, meta) for i in range(16)], 5.0))
-    path = tmp_path / "node.sock"
     held = []
 
     async def main():
-        async with await TrajectorySpool.open(tmp_path / "spool", "n1", "r1") as spool:
-            handle = LocalRequests(lambda: {"version": 1}, None, lambda: 1, spool)
-            async with trio.open_nursery() as n:
-                await n.start(serve_local, path, handle)
-                held.append(await trio.to_thread.run_sync(_exchange, path, raw))
-                held.append(spool.pending())
-                n.cancel_scope.cancel()
+        async with spool_node(tmp_path) as (path, spool):
+            held.append(await trio.to_thread.run_sync(_exchange, path, raw))
+            held.append(spool.pending())
 
     peak = traced_peak(lambda: trio.run(main))
     reply, records = held

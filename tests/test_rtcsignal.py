@@ -120,6 +120,15 @@ def _forgeries(swarm, good: wire.Signal, signer_creds, statement_for):
     }
 
 
+async def three_members(nursery, swarm):
+    """A tracker, and members n1, n2 and n3 joined to it."""
+    tracker = await nursery.start(Tracker(swarm / "tracker", "127.0.0.1:0").run)
+    members = [Member(swarm / name, tracker.listen_addr) for name in ("n1", "n2", "n3")]
+    for m in members:
+        await m.start(nursery)
+    return members
+
+
 def test_forged_offers_are_refused_and_counted(swarm):
     async def main():
         async with trio.open_nursery() as n:
@@ -195,10 +204,7 @@ def test_one_member_cannot_hold_every_answering_slot(swarm):
 
     async def main():
         async with trio.open_nursery() as n:
-            tracker = await n.start(Tracker(swarm / "tracker", "127.0.0.1:0").run)
-            mallory, victim, honest = (Member(swarm / name, tracker.listen_addr) for name in ("n1", "n2", "n3"))
-            for m in (mallory, victim, honest):
-                await m.start(n)
+            mallory, victim, honest = await three_members(n, swarm)
             peer = mallory.rtc._rtc.peer()
             sdp = await peer.local_offer()  # a live offer it never completes
             for session in range(rtcsignal.MAX_ANSWERING):
@@ -234,10 +240,7 @@ def test_a_member_s_signed_sdp_that_aiortc_cannot_parse_costs_its_attempt_not_th
     is InvalidInput: the offer is not answered, the dial fails, and the node serves on."""
     async def main():
         async with trio.open_nursery() as n:
-            tracker = await n.start(Tracker(swarm / "tracker", "127.0.0.1:0").run)
-            mallory, victim, honest = (Member(swarm / name, tracker.listen_addr) for name in ("n1", "n2", "n3"))
-            for m in (mallory, victim, honest):
-                await m.start(n)
+            mallory, victim, honest = await three_members(n, swarm)
             peer = mallory.rtc._rtc.peer()
             offers = _unusable(await peer.local_offer())
             await peer.aclose()
