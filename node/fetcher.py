@@ -176,7 +176,7 @@ class Fetcher:
         if its version is near the latest known (protocol/wire.py's `unknown_kept`), else ignored."""
         key = (msg.version, msg.keyframe)
         m = self.store.manifest(key) or self.book.get(key)
-        chunks = wire.announced_chunks(msg, None if m is None else len(m.chunks))
+        chunks = wire.announced_chunks(msg, None if m is None else len(m.chunks), s.haves)
         whole = not isinstance(msg, wire.Incoming)
         if chunks is not None:
             self.picker.peer_has(s.id, key, chunks, whole=whole)
@@ -239,8 +239,8 @@ class Fetcher:
             return  # the rest of a flow this node cancelled
         if first and not flow.asm.complete:
             # Neighbours (and the next region's gateway) may follow it from here on.
-            told = self._tell(wire.Incoming(key[0], key[1], c), self._audience(s, key, c, tell_incoming))
-            self._told.setdefault(key, {}).setdefault(c, set()).update(told)
+            told = self._told.setdefault(key, {}).setdefault(c, set())
+            told.update(self._tell(wire.Incoming(key[0], key[1], c), self._audience(s, key, c, tell_incoming, told)))
         if not flow.asm.complete:
             return
         if log.isEnabledFor(logging.DEBUG):
@@ -292,6 +292,9 @@ class Fetcher:
     def forget_below(self, version: int) -> None:
         """Objects below `version` are gone for good: what peers say of them no longer matters."""
         self.picker.forget_below(version)
+        for p in self.peers.sessions.values():
+            for key in [k for k in p.haves if k[0] < version]:
+                del p.haves[key]
 
     # ------------------------------------------------------------ sending
 

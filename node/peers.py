@@ -105,6 +105,9 @@ class Session:
     # node/fetcher.py tells the peer of the chunk again (protocol/announce.py: `refused`).
     refused: set = dataclasses.field(default_factory=set)
     errors: int = 0  # Error messages it sent
+    # object -> the OR of the Have bitfields it sent (wire.announced_chunks: a repeat costs only
+    # what it adds); objects below the applied version are forgotten (node/fetcher.py)
+    haves: dict = dataclasses.field(default_factory=dict)
 
     def error_level(self) -> int:
         """The log level for the Error message the peer just sent (ERRORS_LOGGED)."""

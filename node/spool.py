@@ -71,9 +71,9 @@ import trio
 
 from patchswarm.protocol.errors import CorruptData, DiskFull, SpoolFull, StorageFailed, UnsupportedFormat, UsageError
 from patchswarm.protocol.trajectory import (ENTRY_HEADER_BYTES, KIND_RECORD_IDS, MAX_BATCH_BYTES, MAX_ID_CHARS,
-                                            MAX_META_BYTES, MAX_PAYLOAD_BYTES, RECORD_KEY_BYTES, AckedRanges, Record,
+                                            MAX_PAYLOAD_BYTES, RECORD_KEY_BYTES, AckedRanges, PackedMeta, Record,
                                             RecordIds, SpoolState, decode_record, encode_entry, encode_record,
-                                            record_key, record_parts, scan_records, segment_header, seq_ranges)
+                                            pack_meta, record_key, record_parts, scan_records, segment_header, seq_ranges)
 
 from patchswarm.node.diskspace import DiskCondition, full
 from patchswarm.node.recordids import DEFAULT_WINDOW, RecordIdIndex, merged, packed
@@ -458,12 +458,9 @@ class TrajectorySpool:
         prepared, keys, need = [], [], 0
         for item in items:
             payload, version, meta, rid = self._check_item(item)
-            try:
-                meta_len = 1 if meta is None else len(msgpack.packb(meta))
-            except (TypeError, ValueError, OverflowError) as e:
-                raise UsageError(f"meta: expected msgpack-able values, found {type(e).__name__}: {e}") from None
-            if meta_len > MAX_META_BYTES:
-                raise UsageError(f"meta: expected at most {MAX_META_BYTES} packed bytes, found {meta_len}")
+            # checked as the origin (and the spool's own recovery) will decode it: one they
+            # refuse, acknowledged here, would be refused with its whole batch at every resend
+            meta_len = 1 if meta is None else len(meta if type(meta) is PackedMeta else pack_meta(meta))
             prepared.append((payload, version, meta))
             keys.append(None if rid is None else record_key(rid))
             need += _record_bound(*self._id_bytes, payload, meta_len)
@@ -602,7 +599,7 @@ class TrajectorySpool:
             raise UsageError(f"payload: expected at most {MAX_PAYLOAD_BYTES} bytes, found {len(payload)}")
         if type(version) is not int or not 0 <= version < 1 << 64:
             raise UsageError(f"policy_version: expected a non-negative int, found {version!r}")
-        if meta is not None and type(meta) is not dict:
+        if meta is not None and type(meta) is not dict and type(meta) is not PackedMeta:
             raise UsageError(f"meta: expected a dict or None, found {type(meta).__name__}")
         if rid is not None:
             if isinstance(rid, (bytearray, memoryview)):

@@ -5,8 +5,14 @@ connected peer as a `Listener` (what that peer said of the chunk, whether
 this session was told) and sends each message to the peers the rule names.
 
 - `Incoming` (the chunk's first part arrived; it is served as it arrives)
-  goes to every peer that announced neither the chunk nor its arrival: they,
-  the next region's gateway among them, may ask for it at once.
+  goes to every peer that announced neither the chunk nor its arrival and
+  was not sent `Incoming` for it on this session: they, the next region's
+  gateway among them, may ask for it at once. *Why not again:* a sender
+  asked for a chunk may start its answer over at offset 0 (an honest one
+  after a Cancel crossed its first answer), and each start is a new first
+  part; a hostile one restarting in a loop had this member tell every peer
+  once per restart, one small message each, until they dropped it past
+  their announcements budget (node/peers.py).
 - `HaveOne` (the chunk is held and verified) goes to every peer not sent
   `Incoming` for it on this session (one that reconnected meanwhile has a new
   session, which was not) that does not hold it whole; one still receiving
@@ -47,7 +53,7 @@ class Listener:
 
 def tell_incoming(peer: Listener) -> bool:
     """Send `Incoming` for the chunk to `peer` (its first part arrived)?"""
-    return not (peer.sender or peer.origin or peer.whole or peer.announced and not peer.refused)
+    return not (peer.sender or peer.origin or peer.whole or (peer.announced or peer.told) and not peer.refused)
 
 
 def tell_have(peer: Listener) -> bool:

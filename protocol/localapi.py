@@ -32,7 +32,8 @@ import math
 import msgpack
 
 from .errors import ProtocolError, UsageError
-from .trajectory import bin_header
+from .packreader import PackReader
+from .trajectory import MAX_META_BYTES, MAX_META_DEPTH, PackedMeta, bin_header
 from .wire import frame, frame_header
 
 MAX_FRAME_BYTES = 256 << 20  # a submit of many large records
@@ -40,6 +41,12 @@ MAX_RECORDS_PER_SUBMIT = 65536
 MAX_RECORD_ID_BYTES = 64  # a client's record id (16 random bytes by default: node/client.py)
 SEPARATE_PAYLOAD_BYTES = 64 << 10  # submit_frame_parts: payloads this large are not copied
 OPS = ("status", "wait_version", "submit", "changes")
+# decode_request: fields of a request map (each op has at most 3; room for fields added later),
+# a field name's bytes, and any field or record element other than a payload or a meta: scalars
+# (an int, a timeout, a state hash, a record id), read whatever their kind within these bounds
+MAX_REQUEST_FIELDS = 16
+_MAX_FIELD_NAME_BYTES = 64
+_SMALL_VALUES, _SMALL_DEPTH, _SMALL_BYTES = 16, 2, 4096
 CHANGES_PART_BYTES = 1 << 20  # change stream bytes per reply frame
 
 # error codes in replies
@@ -77,6 +84,55 @@ def decode(body: bytes) -> dict:
 
 
 # ------------------------------------------------------------------ requests
+
+
+def decode_request(body: bytes) -> dict:
+    """A request map as `decode` gives it, read along the requests' schema (the node's
+    side: its clients are not trusted): a record's payload as bytes and its meta map as
+    the PackedMeta it came in, checked as every decoder of a record reads one
+    (protocol/trajectory.py); every other value small. Nothing is built that the bytes
+    declare or nest beyond that: `msgpack.unpackb` built a 32 MiB frame of nested empty
+    arrays into 2.3 GB of lists on the node's event loop (8 s; the 256 MiB frame limit,
+    ~19 GB), where this holds about the frame and one meta at a time.
+    ProtocolError for anything else; `check_request` then checks the values."""
+    r = PackReader(body, ProtocolError, "local API")
+    req: dict = {}
+    for _ in range(r.map_len(MAX_REQUEST_FIELDS, "a msgpack map")):
+        key = r.str(_MAX_FIELD_NAME_BYTES, "a field name")
+        if key in req:
+            raise r.fail("distinct field names", f"{key!r} twice")
+        r.what = f"local API: {key}"
+        req[key] = _read_records(r) if key == "records" and r.peek_kind() == "array" else _small(r)
+        r.what = "local API"
+    r.expect_end()
+    return req
+
+
+def _small(r: PackReader):
+    return r.any(_SMALL_VALUES, _SMALL_DEPTH, "a small value", max_bytes=_SMALL_BYTES)
+
+
+def _read_records(r: PackReader) -> list:
+    records = []
+    for _ in range(r.array_len(MAX_RECORDS_PER_SUBMIT, "an array of records")):
+        if r.peek_kind() != "array":
+            records.append(_small(r))  # check_records says what a record is
+            continue
+        rec = []
+        for i in range(r.array_len(4, "a record [payload, policy_version, meta(, record_id)]")):
+            kind = r.peek_kind()
+            if i == 0 and kind == "bin":
+                rec.append(r.bin(MAX_FRAME_BYTES, "a payload"))
+            elif i == 2 and kind == "map":
+                start = r.pos
+                r.any(MAX_META_BYTES, MAX_META_DEPTH, "a meta map", max_bytes=MAX_META_BYTES, kind="map")
+                rec.append(PackedMeta(r.data[start:r.pos]))  # built once to check it, then let go
+            elif i == 2 and r.nil():
+                rec.append(None)
+            else:
+                rec.append(_small(r))
+        records.append(rec)
+    return records
 
 
 def status_request() -> dict:
@@ -145,7 +201,7 @@ def check_records(records, error: type[Exception]) -> None:
     ids = None
     for i, r in enumerate(records):
         if (not isinstance(r, (list, tuple)) or not 3 <= len(r) <= 4 or not isinstance(r[0], (bytes, bytearray))
-                or not _uint(r[1]) or not (r[2] is None or isinstance(r[2], dict))):
+                or not _uint(r[1]) or not (r[2] is None or isinstance(r[2], dict) or type(r[2]) is PackedMeta)):
             raise error(f"submit: expected records [payload: bytes, policy_version: int >= 0, meta: map | nil"
                         f"(, record_id: bytes | nil)], found {repr(r)[:80]}")
         if len(r) == 4 and r[3] is not None:

@@ -287,14 +287,75 @@ class ObjectState:
             table.pop(c, None)
 
 
+class _ByPeer:
+    """key -> peer -> one peer's facts about one object, at most `max_keys` objects per
+    peer: a peer's new object pushes out that peer's oldest, never another peer's."""
+
+    __slots__ = ("max_keys", "by_key", "_keys_of")
+
+    def __init__(self, max_keys: int):
+        self.max_keys = max_keys
+        self.by_key: dict[ObjKey, dict[str, object]] = {}
+        self._keys_of: dict[str, dict[ObjKey, None]] = {}  # peer -> its objects, oldest first
+
+    def get(self, key: ObjKey, peer: str):
+        return self.by_key.get(key, {}).get(peer)
+
+    def entry(self, key: ObjKey, peer: str, make: Callable[[], object]):
+        """The peer's facts about `key`, made (`make()`) if it has none yet."""
+        facts = self.get(key, peer)
+        if facts is None:
+            mine = self._keys_of.setdefault(peer, {})
+            if len(mine) >= self.max_keys:
+                self._remove(next(iter(mine)), peer)
+                mine = self._keys_of.setdefault(peer, {})
+            mine[key] = None
+            facts = self.by_key.setdefault(key, {})[peer] = make()
+        return facts
+
+    def pop(self, key: ObjKey) -> dict:
+        """Every peer's facts about `key`, forgotten here."""
+        per_peer = self.by_key.pop(key, {})
+        for peer in per_peer:
+            self._unlist(key, peer)
+        return per_peer
+
+    def peer_left(self, peer: str) -> None:
+        for key in self._keys_of.pop(peer, {}):
+            per_peer = self.by_key[key]
+            del per_peer[peer]
+            if not per_peer:
+                del self.by_key[key]
+
+    def forget_below(self, floor: int) -> None:
+        for key in [k for k in self.by_key if k[0] < floor]:
+            self.pop(key)
+
+    def _remove(self, key: ObjKey, peer: str) -> None:
+        per_peer = self.by_key[key]
+        del per_peer[peer]
+        if not per_peer:
+            del self.by_key[key]
+        self._unlist(key, peer)
+
+    def _unlist(self, key: ObjKey, peer: str) -> None:
+        mine = self._keys_of[peer]
+        del mine[key]
+        if not mine:
+            del self._keys_of[peer]
+
+
 class PendingFacts:
     """Announcements about objects not being fetched: key -> peer -> (whole, arriving) chunks.
 
     An object is added when its manifest is known and the plan reaches it;
     peers announce it as soon as they have it, often before. At most
-    `max_objects` objects are kept (the oldest one first goes): a peer cannot
-    grow this without bound. Indices are not checked here (the number of
-    chunks is not known yet): `take` hands them over as they came.
+    `max_objects` objects are kept per peer (that peer's oldest one first goes):
+    a peer cannot grow this without bound, nor push out what others announced
+    (a member announcing many objects pushed out, before a fresh node knew any
+    manifest, the origin's Have of the version to bootstrap from, which the origin
+    does not send again). Indices are not checked here (the number of chunks is
+    not known yet): `take` hands them over as they came.
 
     Objects whose manifest (so chunk count) is not known yet (`add_unknown`: a
     peer may announce a version before its manifest reaches this node, the
@@ -305,25 +366,21 @@ class PendingFacts:
 
     def __init__(self, max_objects: int = MAX_PENDING_OBJECTS):
         self.max_objects = max_objects
-        self._facts: dict[ObjKey, dict[str, tuple[set[int], set[int]]]] = {}
-        # key -> peer -> (Have bitfield, chunks held, chunks arriving) of objects with no chunk count yet
-        self._unknown: dict[ObjKey, dict[str, tuple[bytearray, set[int], set[int]]]] = {}
+        self._facts = _ByPeer(max_objects)  # peer's facts: (chunks held, chunks arriving)
+        # of objects with no chunk count yet: (Have bitfield, chunks held, chunks arriving)
+        self._unknown = _ByPeer(max_objects)
         self._floor: int | None = None  # versions below it are never fetched: their facts are dropped
 
     def add(self, peer: str, key: ObjKey, chunks: Iterable[int], whole: bool) -> None:
         if self._floor is not None and key[0] < self._floor:
             return
-        if key not in self._facts and len(self._facts) >= self.max_objects:
-            del self._facts[next(iter(self._facts))]  # oldest first
-        held, arriving = self._facts.setdefault(key, {}).setdefault(peer, (set(), set()))
+        held, arriving = self._facts.entry(key, peer, lambda: (set(), set()))
         (held if whole else arriving).update(chunks)
 
     def add_unknown(self, peer: str, key: ObjKey, bitfield: bytes | None, chunks: Iterable[int], whole: bool) -> None:
         if self._floor is not None and key[0] < self._floor:
             return
-        if key not in self._unknown and len(self._unknown) >= self.max_objects:
-            del self._unknown[next(iter(self._unknown))]  # oldest first
-        bits, held, arriving = self._unknown.setdefault(key, {}).setdefault(peer, (bytearray(), set(), set()))
+        bits, held, arriving = self._unknown.entry(key, peer, lambda: (bytearray(), set(), set()))
         if bitfield:
             if len(bits) < len(bitfield):
                 bits.extend(bytes(len(bitfield) - len(bits)))
@@ -342,27 +399,27 @@ class PendingFacts:
             self.add(peer, key, arriving, False)
 
     def withdraw(self, peer: str, key: ObjKey, c: int) -> None:
-        entry = self._facts.get(key, {}).get(peer)
+        entry = self._facts.get(key, peer)
         if entry is not None:
             entry[0].discard(c)
             entry[1].discard(c)
 
     def announced(self, peer: str, key: ObjKey, c: int) -> bool:
-        entry = self._facts.get(key, {}).get(peer)
+        entry = self._facts.get(key, peer)
         return entry is not None and (c in entry[0] or c in entry[1])
 
     def holds_whole(self, peer: str, key: ObjKey, c: int) -> bool:
-        entry = self._facts.get(key, {}).get(peer)
+        entry = self._facts.get(key, peer)
         return entry is not None and c in entry[0]
 
     def peer_left(self, peer: str) -> None:
-        for per_peer in (*self._facts.values(), *self._unknown.values()):
-            per_peer.pop(peer, None)
+        self._facts.peer_left(peer)
+        self._unknown.peer_left(peer)
 
     def take(self, key: ObjKey, n_chunks: int) -> dict[str, tuple[set[int], set[int]]]:
         """What is known of `key`, now fetched with `n_chunks` chunks (indices may still be out of range)."""
-        facts = self._facts.pop(key, {})
-        for peer, (bits, held, arriving) in self._unknown.pop(key, {}).items():
+        facts = self._facts.pop(key)
+        for peer, (bits, held, arriving) in self._unknown.pop(key).items():
             ones = np.flatnonzero(np.unpackbits(np.frombuffer(bits, dtype=np.uint8), count=min(n_chunks, 8 * len(bits)),
                                                 bitorder="little")).tolist() if bits else []
             known_held, known_arriving = facts.setdefault(peer, (set(), set()))
@@ -373,9 +430,8 @@ class PendingFacts:
     def forget_below(self, version: int) -> None:
         """Objects below `version` will never be fetched: drop and ignore what is said of them."""
         self._floor = version if self._floor is None else max(self._floor, version)
-        for facts in (self._facts, self._unknown):
-            for key in [k for k in facts if k[0] < self._floor]:
-                del facts[key]
+        self._facts.forget_below(self._floor)
+        self._unknown.forget_below(self._floor)
 
 
 def _drop(sets: dict, k, v) -> None:

@@ -275,11 +275,33 @@ def _parts(rec: Record, received_at: float | None) -> tuple[bytes, bytes, bytes]
         at = msgpack.packb(received_at) if received else b""
     except (TypeError, ValueError, OverflowError) as e:
         raise UsageError(f"record.meta: expected msgpack-able values, found {type(e).__name__}: {e}") from None
-    # the decoder's bound, on the meta alone: what passes here decodes
+    # the decoder's bound on size; its other rules (depth, no ext type) are checked where a
+    # record is taken in (`pack_meta`, node/spool.py), once, not on every hop
     if len(meta) > MAX_META_BYTES:
         raise UsageError(f"record.meta: expected at most {MAX_META_BYTES} packed bytes, found {len(meta)}")
     count = _BODY_LEN[KIND_RECEIVED if received else KIND_RECORD]
     return bytes([0x90 | count]) + head + bin_header(len(rec.payload)), rec.payload, meta + at
+
+
+def pack_meta(meta: dict) -> PackedMeta:
+    """A record's meta map packed, and read back as every decoder of a record reads one
+    (MAX_META_BYTES, MAX_META_DEPTH, no ext type, keys that unpack hashable): UsageError
+    for one the decoders refuse, so a record taken in decodes wherever it goes. Why: the spool took
+    a meta nested 33 deep (or holding a msgpack Timestamp), acknowledged the record, and
+    the origin then refused its whole batch and dropped the node, at every resend: that
+    node's trajectories stopped for good (and the spool's own recovery dropped the record)."""
+    try:
+        packed = msgpack.packb(meta)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise UsageError(f"record.meta: expected msgpack-able values, found {type(e).__name__}: {e}") from None
+    if len(packed) > MAX_META_BYTES:
+        raise UsageError(f"record.meta: expected at most {MAX_META_BYTES} packed bytes, found {len(packed)}")
+    try:
+        PackReader(packed, CorruptData, "record.meta").any(MAX_META_BYTES, MAX_META_DEPTH, "a map",
+                                                            max_bytes=MAX_META_BYTES, kind="map")
+    except CorruptData as e:
+        raise UsageError(str(e)) from None
+    return PackedMeta(packed)
 
 
 def body_length(body) -> int:

@@ -591,15 +591,24 @@ def bitfield_from_indices(indices, n: int) -> bytes:
     return bytes(out)
 
 
-def indices_from_bitfield(b: bytes, n: int) -> list[int]:
-    """The sorted set indices of a bitfield of exactly n bits (ProtocolError if not)."""
+def _bitfield(b: bytes, n: int) -> np.ndarray:
+    """A bitfield of exactly n bits as uint8s (ProtocolError if it is not one)."""
     if type(n) is not int or n < 0:
         raise UsageError(f"expected a non-negative int n, found {_found(n)}")
     if len(b) != (n + 7) // 8:
         raise ProtocolError(f"bitfield of {n} bits: expected {(n + 7) // 8} bytes, found {len(b)}")
     if n % 8 and b[-1] >> (n % 8):
         raise ProtocolError(f"bitfield of {n} bits: found bits set beyond bit {n - 1}")
-    return np.flatnonzero(np.unpackbits(np.frombuffer(b, dtype=np.uint8), bitorder="little")).tolist()
+    return np.frombuffer(b, dtype=np.uint8)
+
+
+def _indices(bits: np.ndarray) -> list[int]:
+    return np.flatnonzero(np.unpackbits(bits, bitorder="little")).tolist()
+
+
+def indices_from_bitfield(b: bytes, n: int) -> list[int]:
+    """The sorted set indices of a bitfield of exactly n bits (ProtocolError if not)."""
+    return _indices(_bitfield(b, n))
 
 
 def have_chunks(msg: Have, chunk_count: int | None) -> list[int] | None:
@@ -623,16 +632,28 @@ def unknown_kept(version: int, latest_known: int | None) -> bool:
     return latest_known is None or latest_known - UNKNOWN_VERSIONS_BEHIND < version <= latest_known + UNKNOWN_VERSIONS_AHEAD
 
 
-def announced_chunks(msg: Have | HaveOne | Incoming, chunk_count: int | None) -> list[int] | None:
+def announced_chunks(msg: Have | HaveOne | Incoming, chunk_count: int | None,
+                     seen: dict | None = None) -> list[int] | None:
     """The chunks an announcement (Have, HaveOne, Incoming) speaks of, each checked
     against `chunk_count`, the chunk count of the object's manifest (ProtocolError
     if one is past it or a bitfield does not fit it). None, with nothing built, when
     the manifest is not known here (`chunk_count` None): such announcements are
-    ignored, so one costs a peer's bytes and nothing of this node's memory."""
+    ignored, so one costs a peer's bytes and nothing of this node's memory.
+
+    `seen` (one per session: object -> the OR of the Haves it sent): a Have gives only
+    the chunks no earlier Have of that object on the session gave. A member sends one
+    Have per object and session, so a repeat says nothing new, yet expanding it and
+    handing its chunks on cost O(chunks) each time: 2.6 ms for 16,384 (a 2 KB frame)."""
     if chunk_count is None:
         return None
     if type(msg) is Have:
-        return indices_from_bitfield(msg.chunks, chunk_count)
+        bits = _bitfield(msg.chunks, chunk_count)
+        if seen is None:
+            return _indices(bits)
+        key = (msg.version, msg.keyframe)
+        before = seen.get(key)
+        seen[key] = bits.copy() if before is None else before | bits
+        return _indices(bits if before is None else bits & ~before)
     if msg.chunk >= chunk_count:
         raise ProtocolError(f"{type(msg).__name__} of {msg.version}: expected a chunk below {chunk_count}, "
                             f"found {msg.chunk}")

@@ -3,8 +3,8 @@
 Targets (issue 21): a patch (`Patch.from_bytes`, `stats`, `apply` to a small base),
 a signed manifest (`verify_manifest`, `decode_manifest`), peer wire frames
 (`wire.Connection` after a valid Hello, fed in pieces), local-socket frames
-(`FrameBuffer` + `localapi.decode` + `check_request`), trajectory segments and
-upload batches (`scan_records`, `decode_record`, `decode_batch`).
+(`FrameBuffer` + `localapi.decode_request` + `check_request`, as the node reads
+them), trajectory segments and upload batches (`scan_records`, `decode_record`, `decode_batch`).
 
 Inputs mix raw bytes, any msgpack value, and valid encodings mutated (bits
 flipped, bytes cut or inserted, hostile msgpack headers spliced in: huge
@@ -164,7 +164,7 @@ def _local(data: bytes) -> None:
         body = frames.next_body()
         if body is wire.CLOSED or body is wire.NEED_DATA:
             break
-        localapi.check_request(localapi.decode(body))
+        localapi.check_request(localapi.decode_request(body))
 
 
 def _trajectory(data: bytes) -> None:

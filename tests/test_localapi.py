@@ -2,6 +2,7 @@
 requests answered in order on one connection, frames larger than a read, bad frames, clients
 that vanish, the socket file's mode and removal."""
 
+import contextlib
 import functools
 import os
 import socket
@@ -17,9 +18,12 @@ from hypothesis import strategies as st
 
 import patchswarm.node.client
 from patchswarm.node.client import AsyncNodeClient, NodeClient, NodeError
-from patchswarm.node.localapi import RECEIVE_BYTES, serve_local
+from patchswarm.node.localapi import RECEIVE_BYTES, LocalRequests, serve_local
+from patchswarm.node.spool import TrajectorySpool
 from patchswarm.protocol import localapi
 from patchswarm.protocol.errors import UsageError
+
+from memory import traced_peak
 
 metas = st.none() | st.dictionaries(st.text(max_size=4), st.integers(-2**63, 2**64 - 1) | st.text(max_size=4), max_size=3)
 payloads = st.binary(max_size=40) | st.integers(0, 3).map(lambda k: bytes(localapi.SEPARATE_PAYLOAD_BYTES - 1 + k))
@@ -58,6 +62,16 @@ def serving(tmp_path, body, **options):
     mode = trio.run(main)
     assert mode == 0o600
     assert not path.exists(), "the socket file outlives the server"
+
+
+@contextlib.asynccontextmanager
+async def spool_node(tmp_path):
+    """The local socket at tmp_path/node.sock over LocalRequests and a real spool: (path, spool)."""
+    async with await TrajectorySpool.open(tmp_path / "spool", "n1", "r1") as spool:
+        handle = LocalRequests(lambda: {"version": 1}, None, lambda: 1, spool)
+        async with trio.open_nursery() as n:
+            yield await n.start(serve_local, tmp_path / "node.sock", handle), spool
+            n.cancel_scope.cancel()
 
 
 @settings(max_examples=60, deadline=None)
@@ -138,18 +152,21 @@ def test_pipelined_requests_are_answered_in_order(tmp_path):
     serving(tmp_path, body)
 
 
+def _exchange(path, raw: bytes) -> bytes:
+    """Send `raw` on a new connection, close our side, and read everything the node answers."""
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(str(path))
+        s.sendall(raw)
+        s.shutdown(socket.SHUT_WR)
+        out = b""
+        while chunk := s.recv(1 << 16):
+            out += chunk
+        return out
+
+
 def test_bad_requests_get_an_error_and_bad_frames_cost_only_their_connection(tmp_path):
     async def body(path):
-        def exchange(raw: bytes) -> bytes:
-            with socket.socket(socket.AF_UNIX) as s:
-                s.connect(str(path))
-                s.sendall(raw)
-                s.shutdown(socket.SHUT_WR)
-                out = b""
-                while chunk := s.recv(1 << 16):
-                    out += chunk
-                return out
-
+        exchange = functools.partial(_exchange, path)
         reply = await trio.to_thread.run_sync(exchange, localapi.encode({"op": "fly"}))
         assert msgpack.unpackb(reply[4:])["code"] == localapi.BAD_REQUEST
         garbage = b"\xc1\xc1"  # not msgpack
@@ -474,35 +491,27 @@ def test_a_spool_write_error_fails_the_submit_and_the_node_serves_on(tmp_path, m
     import errno
 
     import patchswarm.node.spool as spool_module
-    from patchswarm.node.localapi import LocalRequests
-    from patchswarm.node.spool import TrajectorySpool
 
     monkeypatch.setattr(spool_module, "SEQ_RESERVE", 1)  # the second append reserves again
-    path = tmp_path / "node.sock"
 
     async def main():
-        async with await TrajectorySpool.open(tmp_path / "spool", "n1", "r1") as spool:
-            handle = LocalRequests(lambda: {"version": 1}, None, lambda: 1, spool)
-            async with trio.open_nursery() as n:
-                await n.start(serve_local, path, handle)
+        async with spool_node(tmp_path) as (path, spool):
+            def blocking():
+                with NodeClient(path) as c:
+                    first = c.submit(b"a", 1)
 
-                def blocking():
-                    with NodeClient(path) as c:
-                        first = c.submit(b"a", 1)
+                    def failing(*args):
+                        raise OSError(errno.EIO, "Input/output error")
 
-                        def failing(*args):
-                            raise OSError(errno.EIO, "Input/output error")
+                    monkeypatch.setattr(spool_module, "_write_state", failing)
+                    with pytest.raises(NodeError) as e:
+                        c.submit(b"b", 1)
+                    return first, e.value, c.status()
 
-                        monkeypatch.setattr(spool_module, "_write_state", failing)
-                        with pytest.raises(NodeError) as e:
-                            c.submit(b"b", 1)
-                        return first, e.value, c.status()
-
-                first, err, st = await trio.to_thread.run_sync(blocking)
-                assert first == 0 and st == {"version": 1}
-                assert err.code == localapi.STORAGE and "Input/output error" in str(err)
-                assert spool.stats()["records"] == 1
-                n.cancel_scope.cancel()
+            first, err, st = await trio.to_thread.run_sync(blocking)
+            assert first == 0 and st == {"version": 1}
+            assert err.code == localapi.STORAGE and "Input/output error" in str(err)
+            assert spool.stats()["records"] == 1
 
     trio.run(main)
 
@@ -549,10 +558,6 @@ def test_a_request_the_node_fails_on_costs_that_request_not_the_node(tmp_path):
 
 def test_local_requests_answer_status_wait_and_submit(tmp_path):
     """What each op does (node/localapi.py LocalRequests), over a real spool, on trio's mock clock."""
-    from patchswarm.node.localapi import LocalRequests
-    from patchswarm.node.spool import TrajectorySpool
-    from patchswarm.protocol import localapi
-
     async def main():
         version = {"v": 3}
         changed = trio.Event()
@@ -590,3 +595,85 @@ def test_local_requests_answer_status_wait_and_submit(tmp_path):
                 localapi.UNAVAILABLE
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_a_meta_the_origin_would_refuse_is_refused_at_submit_not_acknowledged(tmp_path):
+    """A meta map nested deeper than the decoders read (MAX_META_DEPTH), or holding a msgpack
+    ext value (a Timestamp), passed the spool's checks: the record was acknowledged, and the
+    origin then refused its batch as undecodable and dropped the node, at every resend, so the
+    node's trajectories stopped for good. Now the submit gets bad_request, nothing is stored,
+    and what the spool holds is a batch the origin decodes."""
+    from patchswarm.protocol import trajectory
+
+    deep = {"k": 1}
+    for _ in range(trajectory.MAX_META_DEPTH):
+        deep = {"k": deep}
+    stamp = {"at": msgpack.Timestamp(1, 2)}
+
+    async def main():
+        async with spool_node(tmp_path) as (path, spool):
+            def blocking():
+                errors = []
+                with NodeClient(path) as c:
+                    for meta in (deep, stamp):
+                        with pytest.raises(NodeError) as e:
+                            c.submit(b"x", 1, meta=meta)
+                        errors.append(e.value)
+                    return errors, c.submit(b"ok", 1, meta=deep["k"])  # 32 deep: the decoders' limit
+
+            errors, seq = await trio.to_thread.run_sync(blocking)
+            assert [e.code for e in errors] == [localapi.BAD_REQUEST] * 2
+            assert "nested at most" in str(errors[0]) and "ext" in str(errors[1])
+            assert seq == 0 and spool.stats()["records"] == 1
+            held = spool.pending()
+            assert trajectory.decode_batch(trajectory.encode_batch(held), True)[0].payload == b"ok"
+
+    trio.run(main)
+
+
+def test_a_request_of_nested_arrays_costs_the_node_its_bytes_not_their_objects(tmp_path):
+    """The node unpacked each request with msgpack before looking at it: a frame of empty
+    arrays (one byte each, ~70 bytes of Python each) in any field was built whole on the
+    event loop, 2.3 GB and 8 s for 32 MiB (measured), ~19 GB for a frame at the 256 MiB
+    limit: one local client could stop the node's loop or have it killed. Now a request is
+    read along its schema: a field other than records is a small value, and the frame costs
+    about its bytes; the node answers bad_request and serves on."""
+
+    n = 4 << 20
+    body = b"\x82\xa2op\xa6status\xa3pad\xdd" + n.to_bytes(4, "big") + b"\x90" * n
+    replies = []
+
+    async def exchange(path):
+        replies.append(await trio.to_thread.run_sync(_exchange, path, len(body).to_bytes(4, "big") + body))
+        with NodeClient(path) as c:
+            replies.append(await trio.to_thread.run_sync(c.status))
+
+    peak = traced_peak(lambda: serving(tmp_path, exchange))
+    assert peak < 8 * n, f"{peak:,} bytes traced for a {len(body):,}-byte request"  # unpacked: ~300 MB
+    assert msgpack.unpackb(replies[0][4:])["code"] == localapi.BAD_REQUEST
+    assert replies[1]["calls"] >= 1
+
+
+def test_a_submit_holds_its_metas_as_the_bytes_they_came_in(tmp_path):
+    """A meta map of 64 KiB of empty arrays is ~4.5 MB of Python objects: a 1 MiB submit of
+    16 of them held ~75 MB in the node until the spool took it (the 256 MiB frame limit:
+    ~18 GB). Now each meta is checked as the origin will decode it (built once, let go) and
+    kept as the bytes it came in; the spool stores those bytes, and the origin reads the
+    same meta back."""
+    from patchswarm.protocol import trajectory
+
+    meta = {"a": [[] for _ in range(64000)]}
+    raw = localapi.encode(localapi.submit_request([(b"p%d" % i, 1, meta) for i in range(16)], 5.0))
+    held = []
+
+    async def main():
+        async with spool_node(tmp_path) as (path, spool):
+            held.append(await trio.to_thread.run_sync(_exchange, path, raw))
+            held.append(spool.pending())
+
+    peak = traced_peak(lambda: trio.run(main))
+    reply, records = held
+    assert msgpack.unpackb(reply[4:]) == localapi.ok(seqs=list(range(16)), repeated=0)
+    assert peak < 24 << 20, f"{peak:,} bytes traced for a {len(raw):,}-byte submit"  # unpacked: ~75 MB
+    back = trajectory.decode_batch(trajectory.encode_batch(records))
+    assert [r.payload for r in back] == [b"p%d" % i for i in range(16)] and back[5].meta == meta

@@ -105,3 +105,31 @@ def test_pending_objects_are_bounded_oldest_out(kept):
     announce(3)  # a third one pushes out the oldest
     assert pending.take((1, False), 1) == {}
     assert pending.take((2, False), 1) == pending.take((3, False), 1) == {"a": ({0}, set())}
+
+
+@pytest.mark.parametrize("kept", ["known", "unknown"])
+def test_one_peer_s_announcements_push_out_only_its_own(kept):
+    """Objects announced before they are fetched were kept up to `max_objects`, the oldest
+    pushed out first whoever announced it: a member announcing that many objects pushed out
+    the others' facts. Before a node knows any manifest (a fresh node), every version counts
+    as near (wire.unknown_kept), so a member's Haves of 64 invented versions pushed out the
+    origin's Have of the version the node bootstraps from, which the origin does not send
+    again: the node did not know the origin held it. Now each peer's facts are bounded by
+    themselves, its oldest out first."""
+    pending = PendingFacts(max_objects=4)
+
+    def announce(peer: str, version: int) -> None:
+        if kept == "known":
+            pending.add(peer, (version, False), [0], whole=True)
+        else:
+            pending.add_unknown(peer, (version, False), None, [0], whole=True)
+
+    announce("origin", 0)
+    for version in range(100, 164):
+        announce("mallory", version)
+    assert pending.take((0, False), 1) == {"origin": ({0}, set())}
+    kept_of_mallory = [v for v in range(100, 164) if pending.take((v, False), 1)]
+    assert kept_of_mallory == list(range(160, 164))
+    announce("origin", 1)
+    pending.peer_left("origin")  # what a peer leaves behind goes with it
+    assert pending.take((1, False), 1) == {}

@@ -120,6 +120,15 @@ def _forgeries(swarm, good: wire.Signal, signer_creds, statement_for):
     }
 
 
+async def three_members(nursery, swarm):
+    """A tracker, and members n1, n2 and n3 joined to it."""
+    tracker = await nursery.start(Tracker(swarm / "tracker", "127.0.0.1:0").run)
+    members = [Member(swarm / name, tracker.listen_addr) for name in ("n1", "n2", "n3")]
+    for m in members:
+        await m.start(nursery)
+    return members
+
+
 def test_forged_offers_are_refused_and_counted(swarm):
     async def main():
         async with trio.open_nursery() as n:
@@ -195,10 +204,7 @@ def test_one_member_cannot_hold_every_answering_slot(swarm):
 
     async def main():
         async with trio.open_nursery() as n:
-            tracker = await n.start(Tracker(swarm / "tracker", "127.0.0.1:0").run)
-            mallory, victim, honest = (Member(swarm / name, tracker.listen_addr) for name in ("n1", "n2", "n3"))
-            for m in (mallory, victim, honest):
-                await m.start(n)
+            mallory, victim, honest = await three_members(n, swarm)
             peer = mallory.rtc._rtc.peer()
             sdp = await peer.local_offer()  # a live offer it never completes
             for session in range(rtcsignal.MAX_ANSWERING):
@@ -212,6 +218,51 @@ def test_one_member_cannot_hold_every_answering_slot(swarm):
             assert victim.rtc.refused["busy with that member"] == rtcsignal.MAX_ANSWERING - rtcsignal.MAX_ANSWERING_PER_MEMBER
             await ms.aclose()
             await peer.aclose()
+            n.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def _unusable(sdp: str) -> list[str]:
+    """A real SDP with one line changed so that aiortc's parser fails other than with ValueError:
+    an unknown DTLS role (KeyError), a connection line cut short (AssertionError)."""
+    bad_setup = "\r\n".join("a=setup:bogus" if line.startswith("a=setup:") else line for line in sdp.split("\r\n"))
+    bad_c = "\r\n".join("c=IN" if line.startswith("c=") else line for line in sdp.split("\r\n"))
+    assert bad_setup != sdp and bad_c != sdp
+    return [bad_setup, bad_c]
+
+
+def test_a_member_s_signed_sdp_that_aiortc_cannot_parse_costs_its_attempt_not_the_node(swarm):
+    """A member signs any SDP it likes. One aiortc's parser fails on with a KeyError or an
+    AssertionError (`a=setup:bogus`, a `c=` line cut short; only ValueError was caught)
+    escaped the answering task into the signaller's nursery, and, as an answer, the dialer's:
+    either ended the whole node (every peer, the weights, the local socket). Now such an SDP
+    is InvalidInput: the offer is not answered, the dial fails, and the node serves on."""
+    async def main():
+        async with trio.open_nursery() as n:
+            mallory, victim, honest = await three_members(n, swarm)
+            peer = mallory.rtc._rtc.peer()
+            offers = _unusable(await peer.local_offer())
+            await peer.aclose()
+            for session, sdp in enumerate(offers):
+                await mallory.link.send(mallory.rtc._signal("n2", "offer", session, sdp))
+
+            async def answer_badly(msg):  # mallory answers the victim's offers with unusable SDPs
+                if isinstance(msg, wire.Signal) and msg.kind == "offer":
+                    await mallory.link.send(mallory.rtc._signal(msg.peer, "answer", msg.session, answers.pop()))
+            other = victim.rtc._rtc.peer()
+            answers = _unusable((await other.local_offer()).replace("a=setup:actpass", "a=setup:active"))
+            await other.aclose()
+            mallory.link._on_message = answer_badly
+            for _ in range(2):
+                with trio.fail_after(10), pytest.raises(InvalidInput, match="SDP"):
+                    await victim.rtc.connect("n1", "node")
+            with trio.fail_after(10):  # the victim still answers, and mallory's offers were not taken
+                ms = await honest.rtc.connect("n2", "node")
+                while not victim.accepted:
+                    await trio.sleep(0.02)
+            assert ms.peer_name == "n2" and [s.peer_name for s in victim.accepted] == ["n3"]
+            await ms.aclose()
             n.cancel_scope.cancel()
 
     trio.run(main)

@@ -820,3 +820,34 @@ def test_a_members_error_messages_are_logged_a_few_times_per_session_not_each(ca
     said = [r for r in caplog.records if "says" in r.getMessage()]
     assert len(said) == 1000 and sum(r.levelno >= logging.INFO for r in said) == ERRORS_LOGGED
     assert mallory not in run.closed
+
+
+def test_a_wildcard_listen_address_whose_port_is_not_a_number_is_listed_as_none(tmp_path):
+    """A member's Hello names its listen address; one with a wildcard host is completed with the
+    address the member came from, and its port was read with int(): "0.0.0.0:http" raised
+    ValueError out of the session's handler (a traceback in the tracker's log per join, the
+    member never joined). Such an address leads nowhere: the member is listed with none, as
+    one that accepts no connections, and the peers dial nothing."""
+    creds = _creds(tmp_path)
+
+    async def main():
+        tracker = server.Tracker(creds["tracker"], "127.0.0.1:0", heartbeat_timeout=1e6)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(tracker._tick_loop)
+            for name, listen in (("a", "0.0.0.0:http"), ("b", "[::]:99999"), ("c", "0.0.0.0:7000")):
+                pair = trio.testing.lockstep_stream_pair
+
+                def from_an_address(pair=pair):  # a member that came from 10.0.0.9, as over TCP
+                    ours, theirs = pair()
+                    theirs.getpeername = lambda: ("10.0.0.9", 5555)
+                    return ours, theirs
+
+                await _member(tracker, nursery, name, pair=from_an_address,
+                              my_hello=wire.Hello(name, "r0", "node", listen, []))
+            with trio.fail_after(5):
+                while len(tracker.core.members) < 3:
+                    await trio.sleep(0.01)
+            assert {m: tracker.core.members[m].addr for m in "abc"} == {"a": "", "b": "", "c": "10.0.0.9:7000"}
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)

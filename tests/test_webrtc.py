@@ -123,3 +123,43 @@ def test_a_changed_fingerprint_fails_the_dtls_handshake():
             await b.aclose()
 
     trio.run(main)
+
+
+def test_a_peer_cannot_make_a_data_channel_buffer_more_than_its_cap(monkeypatch):
+    """A TCP peer that sends while this member does not read fills the kernel's socket buffer
+    and then waits. A data channel has no such bound: aiortc hands on every message as it
+    arrives, and the stream queued each for its reader, without limit. Pulled pieces are
+    bounded by the requests in flight, but a hostile member pushes whatever it likes (Cancels
+    for nothing cost no budget) while the reader is slower than the link or waits (the
+    download limit, a manifest checked in a thread): the queue grew by what the link carries
+    until the process ran out of memory. Now a stream holding more than MAX_UNREAD bytes
+    nobody has read fails like a broken connection, and the member's session ends."""
+    from patchswarm.node.net import webrtc
+
+    cap = 1 << 20
+    monkeypatch.setattr(webrtc, "MAX_UNREAD", cap)
+
+    async def main():
+        async with RTCLoop(LOOPBACK) as rtc:
+            a, b, sa, sb = await pair(rtc)
+            most = 0
+
+            async def push():
+                with pytest.raises(trio.BrokenResourceError):
+                    with trio.fail_after(30):
+                        while True:  # until b gives up on the channel
+                            await sa.send_all(bytes(webrtc.MESSAGE_BYTES))
+
+            async with trio.open_nursery() as n:
+                n.start_soon(push)
+                with trio.fail_after(10):  # before the cap: it grew by whatever the link carried
+                    while sb._ended is None:
+                        most = max(most, sum(map(len, sb._chunks)))
+                        await trio.sleep(0.005)
+            assert most <= cap + webrtc.MESSAGE_BYTES and "not read" in sb._ended
+            with pytest.raises(trio.BrokenResourceError):
+                await sb.receive_some()
+            await a.aclose()
+            await b.aclose()
+
+    trio.run(main)

@@ -203,11 +203,14 @@ class Tracker:
 
     def _advertised(self, ms: MessageStream, listen: str) -> str:
         """The member's listen address, with a wildcard host replaced by the address it came from;
-        "" for a member that accepts no connections (--no-listen)."""
+        "" for a member that accepts no connections (--no-listen), or whose wildcard address has
+        no port."""
         if not listen:
             return ""
         host, _, port = listen.rpartition(":")
         if host.strip("[]") in ("", "0.0.0.0", "::"):
+            if not (port.isascii() and port.isdigit() and int(port) < 65536):
+                return ""  # leads nowhere; int() of it raised out of the session (a traceback per join)
             try:
                 remote = ms.stream.getpeername()[0]
             except (AttributeError, OSError):

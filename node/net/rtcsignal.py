@@ -124,11 +124,7 @@ class RTCSignaller:
                     raise trio.BrokenResourceError("no tracker connection to signal through")
                 await waiting.arrived.wait()
                 name, got_role, serial = self._check(waiting.answer, "answer", frozenset({role}))
-                try:
-                    await peer.accept_answer(waiting.answer.sdp)
-                except ValueError as e:  # aiortc on an SDP it cannot use
-                    raise InvalidInput(f"answer from {peer_id!r}: expected an SDP aiortc takes, found one it "
-                                       f"does not ({one_line(e)})") from None
+                await peer.accept_answer(waiting.answer.sdp)  # InvalidInput for one aiortc cannot take
                 return await self._session(peer, name, got_role, serial)
         except BaseException:
             with trio.CancelScope(shield=True):
@@ -174,7 +170,7 @@ class RTCSignaller:
                 if not await self._send(self._signal(msg.peer, "answer", msg.session, answer)):
                     raise trio.BrokenResourceError("no tracker connection to answer through")
                 ms = await self._session(peer, name, role, serial)
-        except (*CONNECTION_ERRORS, PatchswarmError, ValueError) as e:  # ValueError: aiortc on an SDP it cannot use
+        except (*CONNECTION_ERRORS, PatchswarmError) as e:  # InvalidInput: an SDP aiortc cannot take
             log.info("WebRTC offer from %s not completed: %s", msg.peer, one_line(e))
             if peer is not None:
                 with trio.CancelScope(shield=True):

@@ -24,7 +24,10 @@ concatenated; the frame parser reassembles. Backpressure: `send_all` returns
 once the channel's `bufferedAmount` is at most HIGH_WATER, else when it has
 fallen to LOW_WATER (`bufferedamountlow`). Receiving has no window beyond
 SCTP's own: aiortc delivers every message as it arrives, and the node's
-traffic is pulled (a peer sends pieces only when asked), which bounds it.
+traffic is pulled (a peer sends pieces only when asked), which bounds what an
+honest peer sends. A hostile one pushes whatever it likes, and nothing stops it
+as a full socket buffer stops a TCP peer: a stream holding more than MAX_UNREAD
+bytes its reader has not taken ends as broken (its session with it).
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ from typing import Callable
 
 import trio
 
+from patchswarm.protocol.errors import InvalidInput
+
 from . import sctpfast, udpreads
 
 log = logging.getLogger("patchswarm.webrtc")
@@ -48,6 +53,11 @@ MESSAGE_BYTES = 64 << 10  # RFC 8841 section 6: what a peer that advertises noth
 HIGH_WATER = 1 << 20  # send_all waits while more than this is queued in the channel...
 LOW_WATER = 256 << 10  # ...until it has fallen to this (bufferedamountlow)
 RECEIVE_LIMIT = 1 << 20  # most bytes one receive_some hands back
+# Most bytes a stream holds that its reader has not taken: the requests in flight to one peer
+# (a few chunks of up to 16 MiB, a large state's) and a frame (16 MiB), several times over, while
+# the reader waits (the download limit, a manifest checked in a thread). Past it the peer is
+# pushing what was not asked for: the stream ends as broken.
+MAX_UNREAD = 128 << 20
 CLOSE_SECONDS = 2.0
 # UDP socket buffers asked for (the kernel caps them at net.core.rmem_max / wmem_max):
 # SCTP's window in flight must fit the receiver's buffer, or bursts are dropped there.
@@ -349,17 +359,27 @@ class RTCPeer:
         return self._pc.localDescription.sdp  # aiortc gathers every candidate before this returns
 
     async def _accept_in_loop(self, sdp: str) -> None:
-        from aiortc import RTCSessionDescription
-        await self._pc.setRemoteDescription(RTCSessionDescription(sdp=sdp, type="answer"))
+        await self._take_remote(sdp, "answer")
 
     async def _answer_in_loop(self, sdp: str) -> str:
-        from aiortc import RTCSessionDescription
         self._new_pc()
-        await self._pc.setRemoteDescription(RTCSessionDescription(sdp=sdp, type="offer"))
+        await self._take_remote(sdp, "offer")
         self._add_channel()  # after the offer made the SCTP transport, before anything can arrive
         await self._pc.setLocalDescription(await self._pc.createAnswer())
         self._tune_sockets()
         return self._pc.localDescription.sdp
+
+    async def _take_remote(self, sdp: str, kind: str) -> None:
+        """The peer's SDP as the remote description; InvalidInput if aiortc cannot take it. The
+        peer signs whatever SDP it likes, and aiortc's parser fails on a bad one with ValueError,
+        KeyError (`a=setup:bogus`), AssertionError (a `c=` line cut short) and the like: each
+        escaped the task that answered the offer (or dialed) and ended the whole node."""
+        from aiortc import RTCSessionDescription
+        try:
+            await self._pc.setRemoteDescription(RTCSessionDescription(sdp=sdp, type=kind))
+        except Exception as e:
+            raise InvalidInput(f"{kind} SDP: expected one aiortc takes, found one it does not "
+                               f"({type(e).__name__}: {' '.join(str(e).split()) or '-'})") from None
 
     def _tune_sockets(self) -> None:
         """On each UDP socket ICE gathered: ask for SOCKET_BUFFER (aiortc and aioice
@@ -402,6 +422,7 @@ class DataChannelStream(trio.abc.Stream):
     def __init__(self, peer: RTCPeer):
         self._peer = peer
         self._chunks: collections.deque[bytes] = collections.deque()
+        self._unread = 0  # bytes in _chunks
         self._readable = trio.Event()
         self._space = trio.Event()
         self._ended: str | None = None  # why the channel is gone (trio side)
@@ -418,6 +439,14 @@ class DataChannelStream(trio.abc.Stream):
     # -- called in trio's thread by the loop
 
     def _arrived(self, data: bytes) -> None:
+        if self._ended is not None:
+            return  # nobody reads past the end
+        self._unread += len(data)
+        if self._unread > MAX_UNREAD:
+            unread, self._unread = self._unread, 0
+            self._chunks.clear()
+            self.abort(f"the peer sent {unread:,} bytes this member has not read yet, more than {MAX_UNREAD:,}")
+            return
         self._chunks.append(data)
         self._readable.set()
 
@@ -505,6 +534,7 @@ class DataChannelStream(trio.abc.Stream):
                     c = c[:limit - size]
                 out.append(c)
                 size += len(c)
+            self._unread -= size
             return out[0] if len(out) == 1 else b"".join(out)
         finally:
             self._receiving = False
