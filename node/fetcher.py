@@ -21,13 +21,14 @@ which chunk or peer comes next (the picker), or serve peers (node/peers.py).
 
 from __future__ import annotations
 
+import collections
 import logging
 from typing import Callable
 
 import trio
 
 from patchswarm.protocol import wire
-from patchswarm.protocol.announce import Listener, tell_have, tell_incoming
+from patchswarm.protocol.announce import INCOMING_TELLS, Listener, tell_have, tell_incoming
 from patchswarm.protocol.wire import unknown_kept
 from patchswarm.protocol.manifest import chunk_ok
 from patchswarm.protocol.picker import ORIGIN, NODE, PiecePicker, Request
@@ -63,7 +64,7 @@ class Fetcher:
         self.pieces_unasked = 0  # first parts of chunks nobody asked of their sender: ignored
         # Sessions sent an Incoming for a chunk not yet held. Sessions, not peer ids: a peer
         # that reconnects meanwhile has a new session, which was never told.
-        self._told: dict[ObjKey, dict[int, set[Session]]] = {}
+        self._told: dict[ObjKey, dict[int, collections.Counter[Session]]] = {}  # Incoming sent, per peer
         # Chunks whose request to the origin a member's announcement already cancelled, per object
         # fetched: the next request to the origin for that chunk is left to answer (`_drop_origin_copy`).
         self._origin_dropped: dict[ObjKey, set[int]] = {}
@@ -239,7 +240,7 @@ class Fetcher:
             return  # the rest of a flow this node cancelled
         if first and not flow.asm.complete:
             # Neighbours (and the next region's gateway) may follow it from here on.
-            told = self._told.setdefault(key, {}).setdefault(c, set())
+            told = self._told.setdefault(key, {}).setdefault(c, collections.Counter())
             told.update(self._tell(wire.Incoming(key[0], key[1], c), self._audience(s, key, c, tell_incoming, told)))
         if not flow.asm.complete:
             return
@@ -304,7 +305,8 @@ class Fetcher:
         return [p for p in self.peers.sessions.values()
                 if rule(Listener(sender=p.id == sender.id, origin=p.role == "origin", same_region=p.region == self.region,
                                  announced=picker.announced(p.id, key, c), whole=picker.holds_whole(p.id, key, c),
-                                 told=p in told, refused=(key, c) in p.refused))]
+                                 told=p in told, refused=(key, c) in p.refused,
+                                 told_enough=p in told and told[p] >= INCOMING_TELLS))]
 
     def _tell(self, msg: wire.Incoming | wire.HaveOne, to: list[Session]) -> set[Session]:
         """Announce a chunk to `to`: those refused it before count this member a holder again."""

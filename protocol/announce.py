@@ -6,13 +6,20 @@ this session was told) and sends each message to the peers the rule names.
 
 - `Incoming` (the chunk's first part arrived; it is served as it arrives)
   goes to every peer that announced neither the chunk nor its arrival and
-  was not sent `Incoming` for it on this session: they, the next region's
-  gateway among them, may ask for it at once. *Why not again:* a sender
+  was not sent `Incoming` for it INCOMING_TELLS times on this session: they,
+  the next region's gateway among them, may ask for it at once. A sender
   asked for a chunk may start its answer over at offset 0 (an honest one
-  after a Cancel crossed its first answer), and each start is a new first
-  part; a hostile one restarting in a loop had this member tell every peer
-  once per restart, one small message each, until they dropped it past
-  their announcements budget (node/peers.py).
+  after a Cancel crossed its first answer, or a new source after a broken
+  flow), and each start is a new first part, told again: a peer whose
+  request to this member failed meanwhile asks it again only once it hears
+  of the chunk anew, and a peer told `Incoming` gets no `HaveOne`. *Why a
+  bound:* a hostile sender restarting in a loop had this member tell every
+  peer once per restart, one small message each, until they dropped it past
+  their announcements budget (node/peers.py). *Why not once:* the honest
+  re-tell is how a peer whose request failed learns to ask here again; in
+  the unequal-links bench once and three times measured the same (9 runs a
+  side, bench/RESULTS.md "Incoming after a restart"), so the bound keeps the
+  old behaviour for honest restarts at no cost.
 - `HaveOne` (the chunk is held and verified) goes to every peer not sent
   `Incoming` for it on this session (one that reconnected meanwhile has a new
   session, which was not) that does not hold it whole; one still receiving
@@ -49,11 +56,15 @@ class Listener:
     whole: bool = False  # said it holds the chunk whole (Have, HaveOne); implies announced
     told: bool = False  # this session was sent Incoming for the chunk
     refused: bool = False  # this member sent it a Reject for the chunk since it last told it of the chunk
+    told_enough: bool = False  # this session was sent Incoming for the chunk INCOMING_TELLS times
+
+
+INCOMING_TELLS = 3  # Incoming for one chunk to one peer per session, at most (the first start and two restarts)
 
 
 def tell_incoming(peer: Listener) -> bool:
     """Send `Incoming` for the chunk to `peer` (its first part arrived)?"""
-    return not (peer.sender or peer.origin or peer.whole or (peer.announced or peer.told) and not peer.refused)
+    return not (peer.sender or peer.origin or peer.whole or (peer.announced or peer.told_enough) and not peer.refused)
 
 
 def tell_have(peer: Listener) -> bool:

@@ -21,12 +21,14 @@ NOTHING = Listener()  # a node of my region that said nothing of the chunk
     # Issue 26: I refused it the chunk (my relay broke), so it no longer counts me a holder.
     (Listener(announced=True, refused=True), True),
     (Listener(announced=True, whole=True, refused=True), False),  # refused, then got it whole elsewhere
-    # Told already (the sender restarted the chunk at offset 0): once per session, unless refused since.
-    (Listener(told=True), False),
-    (Listener(told=True, refused=True), True),
+    # Told already (the sender restarted the chunk at offset 0): again, up to INCOMING_TELLS times
+    # per session, then no more unless refused since.
+    (Listener(told=True), True),
+    (Listener(told=True, told_enough=True), False),
+    (Listener(told=True, told_enough=True, refused=True), True),
 ], ids=["sender", "origin", "origin elsewhere", "same region", "other region", "holds it whole",
         "receiving it", "refused it", "receiving it, I refused it", "I refused it, it holds it whole",
-        "told", "told, then I refused it"])
+        "told", "told enough", "told enough, then I refused it"])
 def test_incoming_goes_to_peers_that_said_nothing_of_the_chunk(peer, told):
     assert tell_incoming(peer) is told
 

@@ -18,6 +18,7 @@ from patchswarm.node.peers import PeerSet, Session
 from patchswarm.node.relay import Inflows
 from patchswarm.node.store import ObjectStore
 from patchswarm.protocol import wire
+from patchswarm.protocol.announce import INCOMING_TELLS
 from patchswarm.protocol.errors import ProtocolError
 from patchswarm.protocol.manifest import Manifest
 from patchswarm.protocol.picker import PiecePicker
@@ -215,15 +216,15 @@ def test_a_peers_error_messages_are_logged_a_few_times_per_session_not_each(capl
     trio.run(main)
 
 
-def test_a_sender_restarting_a_chunk_it_was_asked_for_makes_the_node_announce_it_once(tmp_path):
+def test_a_sender_restarting_a_chunk_it_was_asked_for_makes_the_node_announce_it_a_bounded_number_of_times(tmp_path):
     """A member asked for a chunk answers with its first part (one byte at offset 0) again and
     again. Each restart is taken as a new answer (an honest one follows a Cancel crossed by the
     old answer), so it opened a new flow, and the node told every peer that lacks the chunk
     `Incoming` again, each time: one ~40-byte Piece made N small messages (one per peer), and
     at 2**17 restarts a minute (~90 KB/s from the attacker) every peer found this honest node
-    past its announcements budget (node/peers.py) and dropped it. Now a peer already told
-    that the chunk is arriving here is not told again, unless this node refused it the chunk
-    since (protocol/announce.py)."""
+    past its announcements budget (node/peers.py) and dropped it. Now a peer is told that the
+    chunk is arriving here at most INCOMING_TELLS times a session (an honest restart is told
+    again), then no more unless this node refused it the chunk since (protocol/announce.py)."""
     fetcher = _fetcher(tmp_path, 1)
     restarts = 200
 
@@ -238,12 +239,12 @@ def test_a_sender_restarting_a_chunk_it_was_asked_for_makes_the_node_announce_it
             for _ in range(restarts):
                 await fetcher.on_piece(mallory, wire.Piece(1, False, 0, 0, CHUNK_BYTES, b"x"))
             await trio.testing.wait_all_tasks_blocked()
-            assert sent_of(bystander, wire.Incoming) == [wire.Incoming(1, False, 0)]
+            assert sent_of(bystander, wire.Incoming) == [wire.Incoming(1, False, 0)] * INCOMING_TELLS
             # Refused the chunk since, a peer hears of it again (it stopped counting this node a holder).
             bystander.refuse(KEY, 0, "stream aborted")
             await fetcher.on_piece(mallory, wire.Piece(1, False, 0, 0, CHUNK_BYTES, b"x"))
             await trio.testing.wait_all_tasks_blocked()
-            assert len(sent_of(bystander, wire.Incoming)) == 2
+            assert len(sent_of(bystander, wire.Incoming)) == INCOMING_TELLS + 1
             nursery.cancel_scope.cancel()
 
     trio.run(main)
