@@ -42,7 +42,8 @@ NODE_STATUS = {
     "peers": [{"id": "a", "region": "r1", "role": "node"}, {"id": "b", "region": "r1", "role": "node"},
               {"id": "o", "region": "r0", "role": "origin"},
               {"id": "w", "region": "r2", "role": "node", "transport": "webrtc"}],
-    "spool": {"records": 7, "bytes": 7000, "appended_total": 20, "acked_total": 13, "upload_rate_bps": 1234.5},
+    "spool": {"records": 7, "bytes": 7000, "appended_total": 20, "acked_total": 13, "upload_rate_bps": 1234.5,
+              "storage_failed": False, "storage_failures": 2, "storage_recoveries": 2},
     "applied": [{"version": 3, "published_at": 100.0, "applied_at": 101.5},
                 {"version": 4, "published_at": 200.0, "applied_at": 203.0}],
 }
@@ -70,6 +71,8 @@ def test_node_series_follow_the_status():
         ("patchswarm_spool_bytes", ()): 7000, ("patchswarm_trajectories_appended_total", ()): 20,
         ("patchswarm_trajectories_acked_total", ()): 13,
         ("patchswarm_trajectory_upload_bytes_per_second", ()): 1234.5,
+        ("patchswarm_storage_failed", ()): 0, ("patchswarm_storage_failures_total", ()): 2,
+        ("patchswarm_storage_recoveries_total", ()): 2,
         ("patchswarm_publish_to_applied_seconds_count", ()): 2,
         ("patchswarm_publish_to_applied_seconds_sum", ()): 4.5,
         ("patchswarm_publish_to_applied_seconds_bucket", (("le", "2.0"),)): 1,
@@ -130,7 +133,8 @@ def test_origin_series():
           "versions": [{"version": 0, "patch_bytes": None, "keyframe_bytes": 1000, "full_bytes": 4000, "encode_s": 0.4},
                        {"version": 1, "patch_bytes": 30, "keyframe_bytes": None, "full_bytes": 4000, "encode_s": 0.2},
                        {"version": 2, "patch_bytes": 40, "keyframe_bytes": None, "full_bytes": 4000, "encode_s": 0.3}],
-          "trajectories": {"records": 5, "duplicates_dropped": 1, "payload_bytes": 500}}
+          "trajectories": {"records": 5, "duplicates_dropped": 1, "payload_bytes": 500, "storage_failed": True,
+                           "storage_failures": 1, "storage_recoveries": 0}}
     m = OriginMetrics()
     got = samples(m, st)
     assert got[("patchswarm_version", ())] == 2
@@ -140,6 +144,7 @@ def test_origin_series():
     assert got[("patchswarm_bytes_total", (("direction", "out"), ("source", "store")))] == 900
     assert got[("patchswarm_peers", (("region", "r1"), ("role", "node"), ("transport", "tcp")))] == 1
     assert got[("patchswarm_trajectories_received_total", ())] == 5
+    assert got[("patchswarm_storage_failed", ())] == 1 and got[("patchswarm_storage_failures_total", ())] == 1
     assert m.not_ready(st) == "not connected to the tracker yet"
     assert m.not_ready({**st, "tracker_connected": True}) is None
 

@@ -50,6 +50,20 @@ def _disk(st: dict) -> Iterable[Metric]:
     yield from _gauge("patchswarm_disk_free_bytes", "bytes free on the data dir's file system", st.get("disk_free_bytes"))
 
 
+def _storage(st: dict) -> Iterable[Metric]:
+    """The trajectory log's I/O errors other than a full disk (node/seglog.py): the node's spool
+    or the origin's trajectory store, whichever this status has."""
+    log = st.get("spool") or st.get("trajectories") or {}
+    if "storage_failed" not in log:
+        return
+    yield from _gauge("patchswarm_storage_failed", "1 while trajectory commits fail because the log could not be cut "
+                      "back after an I/O error (retried at most once a second)", int(bool(log["storage_failed"])))
+    yield from _counter("patchswarm_storage_failures", "trajectory commits failed by an I/O error other than a full "
+                        "disk (nothing of them acknowledged)", log.get("storage_failures"))
+    yield from _counter("patchswarm_storage_recoveries", "recoveries from those without a restart",
+                        log.get("storage_recoveries"))
+
+
 def _counter(name: str, doc: str, value: float | None) -> Iterable[Metric]:
     if value is None:
         return
@@ -167,6 +181,7 @@ class NodeMetrics(StatusMetrics):
                               sum(st["fetching"].values()))
         yield from _links(st)
         yield from _disk(st)
+        yield from _storage(st)
         spool = st.get("spool")
         if spool:
             yield from _gauge("patchswarm_spool_records", "trajectories spooled and not yet acknowledged by the origin",
@@ -238,6 +253,7 @@ class OriginMetrics(StatusMetrics):
             yield b
         yield from _links(st)
         yield from _disk(st)
+        yield from _storage(st)
         t = st.get("trajectories")
         if t:
             yield from _counter("patchswarm_trajectories_received", "trajectory records stored", t.get("records"))
