@@ -130,6 +130,12 @@ class Member:
         return {"id": self.id, "region": self.region, "addr": self.addr, "role": self.role}
 
 
+def _reads_rates(m: Member) -> bool:
+    """Its connection chose wire revision 2 or later, whose PeerList has the WAN rates (a member
+    of revision 1 would refuse the field)."""
+    return m.revision >= 2
+
+
 class Budget:
     """Token buckets per key: `burst` at most, refilled at `per_minute`."""
 
@@ -268,7 +274,7 @@ class TrackerCore:
         self.wan_rates = rates
         out: list = []
         for m in self.members.values():
-            if m.role not in (NODE, ORIGIN) or m.revision < 2:
+            if m.role not in (NODE, ORIGIN) or not _reads_rates(m):
                 continue  # a member of the first version plans with its own --wan-rates
             out.append(Send.of([m.conn], wire.PeerList(self.peers.full(m.id), rates)))
             if m.unreachable is not None:
@@ -276,9 +282,8 @@ class TrackerCore:
         return out
 
     def _rates_for(self, m: Member) -> dict[str, float] | None:
-        """The swarm's WAN rates as `m` is sent them: none where its connection chose wire
-        revision 1, whose PeerList has no such field (such a member would refuse it)."""
-        return self.wan_rates if m.revision >= 2 else None
+        """The swarm's WAN rates as `m` is sent them (none where it does not read them)."""
+        return self.wan_rates if _reads_rates(m) else None
 
     def received(self, conn: Hashable, msg, now: float, verified: Verified | None = None) -> list:
         """A message from the member on `conn`. For an Announce, `verified` is its manifest
