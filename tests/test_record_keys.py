@@ -84,3 +84,141 @@ def test_old_format_bodies_still_decode_and_two_extra_elements_do_not():
     with pytest.raises(CorruptData, match="kind 1 expects 8 or 9 elements, found 10"):
         decode_record(msgpack.packb([1, "n1", "r1", 5, 1, 1.0, b"p", None, b"k" * 16, b"x"]))
     assert encode_record(DuplicatesNote(7)) == msgpack.packb([3, 7])  # what older readers read
+
+
+# ================================================================ the store
+
+
+def _run(fn, *args, limit=60):
+    async def main():
+        with trio.fail_after(limit):
+            return await fn(*args)
+    return trio.run(main)
+
+
+def _stored(directory) -> list[tuple[str, int, bytes, bytes | None]]:
+    from patchswarm.node.trainer.trajstore import TrajectoryReader
+    return [(r.node_id, r.seq, r.payload, r.key) for r in TrajectoryReader(directory).iter_records()]
+
+
+def test_the_same_key_from_two_nodes_is_stored_once_and_both_are_acked(tmp_path):
+    """Before: the store deduplicated by (node id, seq) only, so the record that node n1
+    stored and node n2 was given again (the client resubmitted it there) was stored twice."""
+    from patchswarm.node.trainer.trajstore import TrajectoryStore
+
+    async def main():
+        async with await TrajectoryStore.open(tmp_path) as st:
+            a = await st.append([_rec("n1", 7, b"ep-1", b"one"), _rec("n1", 8, None, b"plain")])
+            b = await st.append([_rec("n2", 3, b"ep-1", b"one"), _rec("n2", 4, b"ep-2", b"two"),
+                                 _rec("n2", 5, None, b"plain")])
+            # n2 resends (its ack was lost): dropped for its key again (its (node, seq) was never stored)
+            again = await st.append([_rec("n2", 3, b"ep-1", b"one")])
+            return a, b, again, st.summary()
+
+    a, b, again, summary = _run(main)
+    assert (a, b, again) == ([7, 8], [3, 4, 5], [3])  # every seq acked, the dropped one included
+    assert _stored(tmp_path) == [("n1", 7, b"one", record_key(b"ep-1")), ("n1", 8, b"plain", None),
+                                 ("n2", 4, b"two", record_key(b"ep-2")), ("n2", 5, b"plain", None)]
+    assert summary["records"] == 4 and summary["duplicates_dropped"] == 2 and summary["duplicates_by_key"] == 2
+    assert summary["record_keys"] == 2 and summary["record_key_window"] == 1 << 20
+
+
+def test_two_batches_with_one_key_in_one_group_commit_store_it_once(tmp_path):
+    from patchswarm.node.trainer.trajstore import TrajectoryStore
+
+    async def main():
+        async with await TrajectoryStore.open(tmp_path) as st:
+            acked = {}
+
+            async def send(node, seq):
+                acked[node] = await st.append([_rec(node, seq, b"same", b"payload")])
+
+            async with trio.open_nursery() as n:  # no checkpoint between the two starts: one round
+                n.start_soon(send, "n1", 1)
+                n.start_soon(send, "n2", 9)
+            return acked, st.summary(), st.log.fsyncs
+
+    acked, summary, fsyncs = _run(main)
+    assert acked == {"n1": [1], "n2": [9]}
+    assert len(_stored(tmp_path)) == 1 and summary["duplicates_by_key"] == 1
+    assert fsyncs <= 2
+
+
+def test_keys_are_known_again_after_a_reopen(tmp_path):
+    from patchswarm.node.trainer.trajstore import TrajectoryStore
+
+    async def main():
+        async with await TrajectoryStore.open(tmp_path) as st:
+            await st.append([_rec("n1", i, b"ep-%d" % i) for i in range(5)])
+        async with await TrajectoryStore.open(tmp_path) as st:  # as after a kill: only the files carry over
+            acked = await st.append([_rec("n2", 100 + i, b"ep-%d" % i) for i in range(6)])
+            return acked, st.summary()
+
+    acked, summary = _run(main)
+    assert acked == list(range(100, 106))
+    assert [(n, s) for n, s, _, _ in _stored(tmp_path)] == [("n1", i) for i in range(5)] + [("n2", 105)]
+    assert summary["duplicates_by_key"] == 5 and summary["duplicates_dropped"] == 5
+    assert summary["record_keys"] == 6
+
+
+def test_a_key_past_the_window_is_forgotten_in_memory_and_after_a_reopen(tmp_path):
+    """The index is bounded by its window (the newest keys stored), whatever members send:
+    a key pushed out by `window` newer ones is a new record again, and a reopen rebuilds
+    the same window from the files."""
+    from patchswarm.node.trainer.trajstore import TrajectoryStore
+
+    async def main():
+        async with await TrajectoryStore.open(tmp_path, id_window=4) as st:
+            for i in range(12):
+                await st.append([_rec("n1", i, b"ep-%d" % i)])
+            kept = st.summary()["record_keys"]
+            first = await st.append([_rec("n2", 0, b"ep-0")])  # forgotten: stored again
+            last = await st.append([_rec("n2", 1, b"ep-11")])  # remembered: dropped
+        async with await TrajectoryStore.open(tmp_path, id_window=4) as st:
+            rebuilt = st.summary()["record_keys"]
+            old = await st.append([_rec("n3", 0, b"ep-1")])  # outside the rebuilt window
+            new = await st.append([_rec("n3", 1, b"ep-10")])  # inside it
+            return kept, first, last, rebuilt, old, new, st.summary()
+
+    kept, first, last, rebuilt, old, new, summary = _run(main)
+    assert kept == 4 and rebuilt == 4
+    stored = [(n, s) for n, s, _, _ in _stored(tmp_path)]
+    assert ("n2", 0) in stored and ("n2", 1) not in stored
+    assert ("n3", 0) in stored and ("n3", 1) not in stored
+    assert summary["duplicates_by_key"] == 2
+
+
+def test_a_failed_commit_leaves_its_keys_unclaimed_and_a_resend_through_another_node_is_stored(tmp_path, monkeypatch):
+    """A commit that fails on disk (EIO) was not acknowledged and nothing of it stays: its keys
+    must leave the claims with its seqs, or the resend, through this node or another, would be
+    dropped as a duplicate of nothing and acked: lost. The batch queued behind the failing one
+    that held the same key as a duplicate fails with it (FIFO commits), unacked too."""
+    from patchswarm.node.trainer.trajstore import TrajectoryStore
+    from test_storage_errors import Faults
+
+    faults = Faults(monkeypatch)
+
+    async def main():
+        errors = []
+        async with await TrajectoryStore.open(tmp_path) as st:
+            await st.append([_rec("n1", 0, b"before")])
+            faults.arm("fdatasync", delay=0.2)
+
+            async def send(node, seq):
+                try:
+                    await st.append([_rec(node, seq, b"ep-x", b"x")])
+                except StorageFailed:
+                    errors.append(node)
+
+            async with trio.open_nursery() as n:
+                n.start_soon(send, "n1", 1)
+                await trio.sleep(0.05)  # n2's batch queues behind the failing round, as a duplicate
+                n.start_soon(send, "n2", 5)
+            acked = await st.append([_rec("n2", 5, b"ep-x", b"x")])  # the resend
+            return errors, acked, st.summary()
+
+    errors, acked, summary = _run(main)
+    assert sorted(errors) == ["n1", "n2"] and acked == [5]
+    assert [(n, s, p) for n, s, p, _ in _stored(tmp_path)] == [("n1", 0, b"p0"), ("n2", 5, b"x")]
+    assert summary["duplicates_by_key"] == 0
+
