@@ -222,3 +222,45 @@ def test_a_failed_commit_leaves_its_keys_unclaimed_and_a_resend_through_another_
     assert [(n, s, p) for n, s, p, _ in _stored(tmp_path)] == [("n1", 0, b"p0"), ("n2", 5, b"x")]
     assert summary["duplicates_by_key"] == 0
 
+
+# ================================================================ the node's uploader
+
+
+@pytest.mark.parametrize("revision, keyed", [("patchswarm/4", True), ("patchswarm/3", False),
+                                             ("patchswarm/2", False), (None, False)])
+def test_the_uploader_sends_keys_only_to_an_origin_that_reads_them_also_after_a_restart(tmp_path, revision, keyed):
+    """The spool keeps each record's key in a RecordIds entry next to it; the uploader sends it
+    with the record where the origin's connection selected revision 4, and not otherwise (an
+    origin before it would refuse the batch and drop the node). After a restart the records
+    come from the files and their keys from the segments' identities."""
+    import trio.testing
+
+    from patchswarm.node.spool import TrajectorySpool
+    from patchswarm.node.uploader import TrajectoryUploader
+    from patchswarm.protocol import wire
+    from test_uploader import _origin, _settle
+
+    def sent(s):
+        return [(r.seq, r.key) for m in s.ms.sent if isinstance(m, wire.Trajectories) for r in decode_batch(m.batch)]
+
+    async def main():
+        async with await TrajectorySpool.open(tmp_path / "spool", "n1", "r1") as spool:
+            seqs = await spool.append([(b"a", 1, None, b"ep-a"), (b"b", 1, None), (b"c", 1, None, b"ep-c")], timeout=5)
+        got = []
+        for _ in range(2):  # fresh from memory, then after a restart (from the files)
+            async with await TrajectorySpool.open(tmp_path / "spool", "n1", "r1") as spool:
+                if not got:
+                    seqs += await spool.append([(b"d", 1, None, b"ep-d")], timeout=5)
+                origin = _origin(revision)
+                up = TrajectoryUploader(spool, lambda: origin)
+                async with trio.open_nursery() as n:
+                    n.start_soon(up.run)
+                    await _settle()
+                    n.cancel_scope.cancel()
+                got.append(sent(origin))
+        return seqs, got
+
+    seqs, got = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    want = list(zip(seqs, [b"ep-a", None, b"ep-c", b"ep-d"]))
+    for batch in got:
+        assert batch == [(s, record_key(k) if keyed and k else None) for s, k in want]
