@@ -264,3 +264,94 @@ def test_the_uploader_sends_keys_only_to_an_origin_that_reads_them_also_after_a_
     want = list(zip(seqs, [b"ep-a", None, b"ep-c", b"ep-d"]))
     for batch in got:
         assert batch == [(s, record_key(k) if keyed and k else None) for s, k in want]
+
+
+# ================================================================ an origin, over TLS
+
+
+def test_a_node_of_revision_3_uploads_without_keys_and_is_deduplicated_by_node_and_seq(tmp_path):
+    """An origin of this version takes batches from a node of the revision before keys
+    (its TLS offers patchswarm/3 and patchswarm/2): nothing of them has a key, a resend
+    of one is dropped by (node id, seq) as before, and the same payloads from a node of
+    this version (with keys) are not mistaken for them; that node's records sent again
+    under new seqs are dropped by their keys."""
+    from patchswarm.node.trainer.origin import Origin
+    from patchswarm.node.net import trust
+    from patchswarm.protocol import wire
+    from test_origin import _dial_as, _intake_setup
+
+    cfg = _intake_setup(tmp_path)
+    trust.issue(tmp_path / "swarm", "n2", "node", tmp_path / "n2")
+    old_batch = encode_batch([Record("n1", "r1", i, 1, 1.0, b"p%d" % i) for i in range(4)])
+    new_batch = encode_batch([Record("n2", "r1", i, 1, 1.0, b"p%d" % i) for i in range(4)],
+                             [record_key(b"ep-%d" % i) for i in range(4)])
+    # n2 again under new seqs with the same keys (as after losing its spool's ack state)
+    renumbered = encode_batch([Record("n2", "r1", 10 + i, 1, 1.0, b"p%d" % i) for i in range(4)],
+                              [record_key(b"ep-%d" % i) for i in range(4)])
+
+    async def main():
+        o = Origin(cfg)
+        acks = []
+        with trio.fail_after(30):
+            async with trio.open_nursery() as n:
+                await n.start(o.run)
+                old = await _dial_as(tmp_path, "n1", o.listen_addr, ["patchswarm/3", "patchswarm/2"])
+                new = await _dial_as(tmp_path, "n2", o.listen_addr)
+                revisions = (wire.revision(old.wire_revision), wire.revision(new.wire_revision))
+                for ms, batch in ((old, old_batch), (old, old_batch), (new, new_batch), (new, new_batch),
+                                  (new, renumbered)):
+                    await ms.send(wire.Trajectories(batch))
+                    while True:
+                        msg = await ms.receive()
+                        if isinstance(msg, wire.TrajectoriesAck):
+                            acks.append(sorted(msg.seqs))
+                            break
+                for ms in (old, new):
+                    await ms.aclose()
+                summary = o.trajectory_store.summary()
+                n.cancel_scope.cancel()
+        return revisions, acks, summary
+
+    revisions, acks, summary = trio.run(main)
+    assert revisions == (3, 4)
+    assert acks == [[0, 1, 2, 3]] * 4 + [[10, 11, 12, 13]]
+    stored = _stored(tmp_path / "data" / "trajectories")
+    assert [(n, s, k) for n, s, _, k in stored] == [("n1", i, None) for i in range(4)] + \
+        [("n2", i, record_key(b"ep-%d" % i)) for i in range(4)]
+    assert summary["duplicates_dropped"] == 12 and summary["duplicates_by_key"] == 4
+
+
+# ================================================================ real processes
+
+
+@pytest.mark.slow
+def test_a_record_resubmitted_through_another_node_after_the_first_was_killed_is_stored_once(tmp_path):
+    """Node a takes records with ids and fsyncs them, and is killed (SIGKILL) before it could
+    upload them (no origin yet); the client submits the same records, same ids, through
+    node b, which uploads them; a comes back and uploads its spool. Before: the trainer's
+    store held each record twice (the origin deduplicated by (node id, seq) only)."""
+    from patchswarm.node.client import NodeClient
+    from swarmlab import SwarmLab, dump, summary, wait_spools_empty
+
+    items = [(b"episode-%d" % i + bytes(200), b"worker-7/episode-%d" % i) for i in range(6)]
+    with SwarmLab(tmp_path) as lab:
+        lab.start_tracker()
+        a = lab.start_node("a")  # no origin in the swarm yet: nothing leaves a's spool
+        with NodeClient(a.socket) as c:
+            seqs_a = [c.submit(p, 1, record_id=rid) for p, rid in items]
+            assert c.status()["spool"]["records"] == len(items)
+        lab.kill(a, signal.SIGKILL)
+        origin = lab.start_origin()
+        b = lab.start_node("b")
+        with NodeClient(b.socket) as c:
+            seqs_b = [c.submit(p, 1, record_id=rid) for p, rid in items]
+        wait_spools_empty(lab, [b])
+        lab.restart(a)
+        wait_spools_empty(lab, [a])
+        records, counts = dump(origin), summary(origin)
+
+    payloads = [base64.b64decode(r["payload_b64"]) for r in records]
+    assert sorted(payloads) == sorted(p for p, _ in items)  # each once, nothing else
+    assert [r["node_id"] for r in records] == ["b"] * len(items)
+    assert sorted(r["seq"] for r in records) == sorted(seqs_b) and len(seqs_a) == len(items)
+    assert counts["records"] == len(items) and counts["duplicates_by_key"] == len(items)
