@@ -31,7 +31,7 @@ once). `--per-call 8` submits 8 records per call instead, as a worker that
 hands in a GRPO group (the samples of one prompt finish together) would.
 Payloads are half random, half zeros (lz4 finds something, not everything),
 distinct per record. `--record-ids` gives each record a client record id (its
-16-byte stamp): the spools keep the identities and the nodes upload each
+stamp and the row's start): the spools keep the identities and the nodes upload each
 record's key, which the origin's store deduplicates by (node/trainer/README.md,
 "Record keys"); compare its origin us/rec with a run without.
 
@@ -116,7 +116,8 @@ def worker_main(socket_path: str, worker: int, threads: int) -> None:
                         n += 1
                         stamp = f"{worker:04d}{t:02d}{n:010d}".encode()  # 16 bytes: unique per record
                         item = (stamp + pool[n % len(pool)][16:], POLICY_VERSION, None)
-                        batch.append((*item, stamp) if with_ids else item)
+                        # the stamp repeats in every row: the row's start makes the id new
+                        batch.append((*item, stamp + b"@%.6f" % cmd["start"]) if with_ids else item)
                     t0 = time.perf_counter()
                     try:
                         client.submit_many(batch, timeout=60)
