@@ -9,11 +9,24 @@ and without truncating anything; `TrajectoryCursor` walks records in arrival
 order for the trainer. Must not: decide anything about the wire, retention or
 the trainer's policy beyond the staleness filter it is given.
 
+Record keys: a record may carry its client record id's key (16 bytes, sent
+by nodes of wire revision 4). The store also drops a record whose key it
+holds, from any node, and acknowledges it like any duplicate: the same
+record resubmitted through another node after the first died with it
+durable. Held: the keys of the newest `id_window` keyed records stored
+(node/recordids.py's index, numbered by arrival), and those of records in
+commits not landed yet (`_claimed`: the duplicate's note commits behind the
+original, so it is acknowledged only once the original is durable, and
+fails with it). A (node id, seq) held is counted as before, whatever its
+key; a key dropped is counted in the note's `by_key`. The keys are stored in
+the records' bodies, and open rebuilds the index from the newest window of
+them (node/trainer/README.md, "Record keys", for the costs).
+
 Full disk: a commit that finds no room raises DiskFull with nothing of it in
 the files and its seqs out of the dedup index, so it is not acknowledged and
 the node's resend is stored as new (`disk` reports it, bounded). Another
-I/O error (EIO) raises StorageFailed the same way (its seqs leave the index,
-`_not_written`); the log recovers in-process (node/seglog.py), so the node's
+I/O error (EIO) raises StorageFailed the same way (its seqs and keys leave the
+indexes, `_not_written`); the log recovers in-process (node/seglog.py), so the node's
 resend after the origin closed its connection is stored (`storage_recoveries`
 in the summary).
 
