@@ -58,9 +58,9 @@ import numpy as np
 import trio
 
 from patchswarm.protocol.errors import BudgetExceeded, DiskFull, UsageError
-from patchswarm.protocol.trajectory import (RECORD_KEY_BYTES, SEGMENT_HEADER_BYTES, DuplicatesNote, ReceivedRecord, Record, ScanProblem,
-                                            SeqRanges, check_segment_header, encode_record, received_parts,
-                                            scan_records)
+from patchswarm.protocol.trajectory import (RECORD_KEY_BYTES, SEGMENT_HEADER_BYTES, DuplicatesNote, ReceivedRecord,
+                                            Record, ScanProblem, SeqRanges, check_segment_header, encode_record,
+                                            received_parts, scan_records)
 
 from patchswarm.node.diskspace import DiskCondition
 from patchswarm.node.recordids import DEFAULT_WINDOW, RecordIdIndex, merged
