@@ -30,9 +30,12 @@ loop: an upper bound on offered load, as when many short episodes finish at
 once). `--per-call 8` submits 8 records per call instead, as a worker that
 hands in a GRPO group (the samples of one prompt finish together) would.
 Payloads are half random, half zeros (lz4 finds something, not everything),
-distinct per record.
+distinct per record. `--record-ids` gives each record a client record id (its
+stamp and the row's start): the spools keep the identities and the nodes upload each
+record's key, which the origin's store deduplicates by (node/trainer/README.md,
+"Record keys"); compare its origin us/rec with a run without.
 
-    .venv/bin/python bench/trajectories.py [--seconds 8] [--repeat 2] [--sizes 1KiB,16KiB,1MiB]
+    .venv/bin/python bench/trajectories.py [--seconds 8] [--repeat 2] [--sizes 1KiB,16KiB,1MiB] [--record-ids]
 
 Many uploaders into one origin (`--uploaders 64`): instead of node daemons,
 `--uploader-procs` processes hold `--uploaders` node sessions to the origin in
@@ -94,7 +97,7 @@ def worker_main(socket_path: str, worker: int, threads: int) -> None:
 
     for line in sys.stdin:
         cmd = json.loads(line)
-        size, per_call = cmd["size"], cmd["per_call"]
+        size, per_call, with_ids = cmd["size"], cmd["per_call"], cmd.get("record_ids", False)
         pool = payload_pool(size, worker * 7919 + size)
         lat: list[float] = []
         acked, errors = [0], []
@@ -112,7 +115,9 @@ def worker_main(socket_path: str, worker: int, threads: int) -> None:
                     for _ in range(per_call):
                         n += 1
                         stamp = f"{worker:04d}{t:02d}{n:010d}".encode()  # 16 bytes: unique per record
-                        batch.append((stamp + pool[n % len(pool)][16:], POLICY_VERSION, None))
+                        item = (stamp + pool[n % len(pool)][16:], POLICY_VERSION, None)
+                        # the stamp repeats in every row: the row's start makes the id new
+                        batch.append((*item, stamp + b"@%.6f" % cmd["start"]) if with_ids else item)
                     t0 = time.perf_counter()
                     try:
                         client.submit_many(batch, timeout=60)
@@ -226,11 +231,12 @@ class Fleet:
                 "workers": sum(_cpu_seconds(p.pid) for _, p in self.workers),
                 "machine": procstat.machine_busy_seconds()}
 
-    def row(self, size: int, seconds: float, per_call: int, drain_timeout: float) -> dict:
+    def row(self, size: int, seconds: float, per_call: int, drain_timeout: float, record_ids: bool = False) -> dict:
         before = self.store.update()
         start = time.time() + 0.5
         for _, p in self.workers:
-            p.stdin.write(json.dumps({"size": size, "seconds": seconds, "start": start, "per_call": per_call}) + "\n")
+            p.stdin.write(json.dumps({"size": size, "seconds": seconds, "start": start, "per_call": per_call,
+                                      "record_ids": record_ids}) + "\n")
             p.stdin.flush()
         while time.time() < start:
             time.sleep(0.001)
@@ -453,6 +459,8 @@ def main() -> None:
     ap.add_argument("--procs", type=int, default=8, help="rollout worker processes per node")
     ap.add_argument("--threads", type=int, default=1, help="submitting threads per worker process")
     ap.add_argument("--per-call", type=int, default=1, help="records per submit call")
+    ap.add_argument("--record-ids", action="store_true",
+                    help="a client record id per record: identities in the spools, keys to the origin")
     ap.add_argument("--dir", default=None, help="where the swarm's data dirs go (default: a temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the data dirs and logs")
     ap.add_argument("--uploaders", default=None,
@@ -475,7 +483,7 @@ def main() -> None:
         return
     root = Path(tempfile.mkdtemp(prefix="bench-trajectories-", dir=args.dir))
     print(f"# {NODES} nodes x {args.procs} worker processes x {args.threads} threads, {args.per_call} record(s) "
-          f"per submit, {args.seconds:g} s per row; {os.cpu_count()} CPUs; data in {root}", flush=True)
+          f"per submit{', with record ids' if args.record_ids else ''}, {args.seconds:g} s per row; {os.cpu_count()} CPUs; data in {root}", flush=True)
     fleet = None
     try:
         fleet = Fleet(root, args.procs, args.threads)
@@ -486,7 +494,7 @@ def main() -> None:
         for run in range(args.repeat):
             for name, size in sizes:
                 n, nsecs, nlat = naive_floor(root, size, args.naive_seconds)
-                r = fleet.row(size, args.seconds, args.per_call, drain_timeout=600)
+                r = fleet.row(size, args.seconds, args.per_call, drain_timeout=600, record_ids=args.record_ids)
                 u = r["us_per_rec"]
                 check = "ok" if r["ok"] else f"MISMATCH stored {r['gained']} acked {r['expected']} {r['errors'][:2]}"
                 print(f"{name:>6} {run:>3} {r['load'][0]:5.2f} {r['acked']:>8} {r['rate']:>7.0f} {r['mbps']:>7.1f} "

@@ -98,7 +98,7 @@ _RECORD_OVERHEAD = ENTRY_HEADER_BYTES + 1 + 1 + 2 * 5 + 9 + 9 + 9 + 5
 
 class _Segment:
     """In-memory index of one live segment file (payloads stay on disk)."""
-    __slots__ = ("number", "path", "seqs", "offsets", "sizes", "acked", "n_acked", "has_ids")
+    __slots__ = ("number", "path", "seqs", "offsets", "sizes", "acked", "n_acked", "has_ids", "id_seqs", "id_keys")
 
     def __init__(self, number: int, path: Path):
         self.number = number
@@ -108,7 +108,12 @@ class _Segment:
         self.sizes = array("I")  # framed entry sizes
         self.acked = bytearray()
         self.n_acked = 0
-        self.has_ids = False  # some of its records have record ids (the index holds them, not this)
+        self.has_ids = False  # some of its records have record ids
+        # Their seqs (ascending) and keys (RECORD_KEY_BYTES each): the uploader sends each record's
+        # key with it (`keys_of`), also after a restart; 24 bytes per identified record, freed
+        # with the segment.
+        self.id_seqs = array("Q")
+        self.id_keys = bytearray()
 
     def unacked_from(self, j: int) -> int:
         return (len(self.seqs) - j) - self.acked.count(1, j)
@@ -312,6 +317,9 @@ def _recover_ids(seg: _Segment, entries: list, found: _FoundIds) -> None:
     seg.has_ids = True
     if not keep.all():
         seqs, keys = seqs[keep], keys[keep]
+    order = np.argsort(seqs, kind="stable")  # written in seq order; sorted all the same for keys_of
+    seg.id_seqs = _unpack_seqs(seqs[order].astype("<u8").tobytes())
+    seg.id_keys = bytearray(keys[order].tobytes())
     found.add(seqs.tobytes(), keys.tobytes())
 
 
@@ -662,6 +670,8 @@ class TrajectorySpool:
             if n_ids:  # the RecordIds entries ahead of the records: identities, not records
                 offsets, sizes = offsets[n_ids:], sizes[n_ids:]
                 seg.has_ids = True
+                seg.id_seqs.extend(_unpack_seqs(id_seqs))  # seq order is file order: stays ascending
+                seg.id_keys += id_keys
                 self.ids.add([id_keys[i:i + RECORD_KEY_BYTES] for i in range(0, len(id_keys), RECORD_KEY_BYTES)],
                              _unpack_seqs(id_seqs))
             seg.seqs.extend(seqs)
@@ -712,6 +722,28 @@ class TrajectorySpool:
                 if records is not None:
                     return records
                 return self._collect(await trio.to_thread.run_sync(_read_plan, plan))
+
+    def keys_of(self, records) -> list | None:
+        """The record key of each of `records` (live ones, as `next_batch` handed them out):
+        RECORD_KEY_BYTES where the client gave an id, else None; None instead of the list
+        when none has one. From the segments' identities, so a record read back after a
+        restart has its key as one from memory does."""
+        segs = [s for s in self._segs if s.id_seqs]
+        if not segs:
+            return None
+        firsts = [s.id_seqs[0] for s in segs]
+        out, found = [], False
+        for r in records:
+            key = None
+            i = bisect.bisect_right(firsts, r.seq) - 1
+            if i >= 0:
+                ids = segs[i].id_seqs
+                j = bisect.bisect_left(ids, r.seq)
+                if j < len(ids) and ids[j] == r.seq:
+                    key = bytes(segs[i].id_keys[j * RECORD_KEY_BYTES:(j + 1) * RECORD_KEY_BYTES])
+                    found = True
+            out.append(key)
+        return out if found else None
 
     def _from_memory(self, plan) -> list[Record] | None:
         """The planned records from the hot cache, or None if any of them has left it."""

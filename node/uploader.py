@@ -6,8 +6,9 @@ session, the window of batches in flight, what happens when the origin's
 connection goes (everything unacked is requeued and sent again; the origin
 drops what it already has), the acks (records leave the spool only then),
 the origin's deferrals (TrajectoriesBusy, wire revision 3: a batch it had
-no room for, dropped there and sent again from here after a backoff), and the
-recent upload rate, for status. Must not open connections (the
+no room for, dropped there and sent again from here after a backoff), the
+record keys sent with the records to an origin of wire revision 4 (it drops a
+record whose key it holds, from any node), and the recent upload rate, for status. Must not open connections (the
 dialer does) or take trajectories in (the local API appends to the spool).
 """
 
@@ -43,6 +44,11 @@ POLL_S = 1.0  # with no origin, or a full window, the loop looks again at least 
 DEFER_FIRST_S = 0.5
 DEFER_MAX_S = 30.0
 PROBE_BYTES = 256 << 10
+
+
+def _reads_keys(s: Session) -> bool:
+    """The origin's connection selected a wire revision that reads record keys in a batch."""
+    return wire.revision(s.ms.wire_revision) >= wire.RECORD_KEYS_REVISION
 
 
 class TrajectoryUploader:
@@ -86,8 +92,11 @@ class TrajectoryUploader:
             if self._resend_when_drained or trio.current_time() < self._retry_at or self.in_flight >= self._window():
                 continue  # refused while it waited for records: look again
             batch = await self.spool.next_batch(max_bytes=PROBE_BYTES if self.deferrals else UPLOAD_BATCH_BYTES)
-            data = encode_batch(batch)
             s = self._origin()  # again: the wait may have outlived a connection
+            # Record keys only to an origin that reads them (wire revision 4): one before
+            # would refuse the batch and drop this node, at every resend.
+            keys = self.spool.keys_of(batch) if s is not None and _reads_keys(s) else None
+            data = encode_batch(batch, keys)
             try:
                 if s is None:
                     raise trio.ClosedResourceError("no connection to the origin")

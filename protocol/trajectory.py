@@ -15,6 +15,12 @@ Segment file
                Record (spool), a ReceivedRecord or DuplicatesNote (store), the
                spool's SpoolState and AckedRanges (its `state` and `acks` files),
                RecordIds (record identities: the spool's segments and `ids` file).
+    A Record or ReceivedRecord may end with one more element, its record key (a bin
+    of exactly RECORD_KEY_BYTES: the client's record id as `record_key` digests it),
+    and a DuplicatesNote with one more count (how many of the duplicates were found
+    by record key): a body without it is the format before keys, and decodes as
+    it always did (key None, by_key 0). Writers add the element only where it has
+    something to say, so what they write without keys is what older code reads.
 Scanning (`scan_segment`, `scan_records`): an entry is intact when its sync
 marker, a plausible length and its CRC-32 (which covers the length too) all
 check. Intact entries are taken in order; at a bad spot X the scanner resyncs
@@ -33,6 +39,10 @@ Wire batch (node -> origin, inside the caller's wire message as opaque bytes)
     b"PSTB" | version u8 | flags u8 | raw length u32 LE | crc32(raw) u32 LE | data
     raw  = msgpack array of record bodies; data = raw, lz4-block-compressed
     when flags & 1 (the encoder keeps raw when lz4 does not make it smaller).
+    A body carries its record key only when the encoder was given keys
+    (`encode_batch(records, keys)`): a node does so only on a connection whose
+    wire revision (4 and later, protocol/wire.py) says the origin reads them;
+    an older origin refuses a 9-element record body.
 The ack needs no codec of its own: the origin answers with the list of seqs
 that are durable (wire.py's `list[int]` field type).
 """
@@ -72,18 +82,21 @@ ENTRY_HEADER_BYTES = 12
 _HEADER_FIELDS = struct.Struct("<II")  # length, crc
 
 # --- record bodies --------------------------------------------------------------
-KIND_RECORD = 1  # [1, node_id, region, seq, policy_version, submitted_at, payload, meta]
-KIND_RECEIVED = 2  # the same fields, then received_at
-KIND_DUPLICATES = 3  # [3, count]: the store dropped `count` duplicates in one append
+KIND_RECORD = 1  # [1, node_id, region, seq, policy_version, submitted_at, payload, meta(, key)]
+KIND_RECEIVED = 2  # the same fields, then received_at(, key)
+KIND_DUPLICATES = 3  # [3, count(, by_key)]: the store dropped `count` duplicates in one append
 KIND_SPOOL_STATE = 4  # [4, node_id, region, seq_reserved]: the spool's `state` file
 KIND_ACKED = 5  # [5, [[start, end], ...]]: an entry of the spool's `acks` log
 KIND_RECORD_IDS = 6  # [6, seqs: bin of u64 LE, keys: bin of RECORD_KEY_BYTES each]: record identities
 _BODY_LEN = {KIND_RECORD: 8, KIND_RECEIVED: 9, KIND_DUPLICATES: 2, KIND_SPOOL_STATE: 4, KIND_ACKED: 2,
              KIND_RECORD_IDS: 3}
+# Kinds whose body may end with one optional element (module docstring): a record's key, a
+# duplicates note's by-key count. Absent, the body is the one written before keys existed.
+_OPTIONAL_LAST = frozenset((KIND_RECORD, KIND_RECEIVED, KIND_DUPLICATES))
 RECORD_KEY_BYTES = 16  # a record identity as the spool keeps it: the BLAKE2b-128 digest of the client's id
 _MAX_IDS_PER_ENTRY = MAX_ENTRY_BYTES // (8 + RECORD_KEY_BYTES)
 _ALL_KINDS = tuple(_BODY_LEN)
-_MAX_BODY_LEN = max(_BODY_LEN.values())
+_MAX_BODY_LEN = max(_BODY_LEN.values()) + 1
 
 # --- payload rule ---------------------------------------------------------------
 PAYLOAD_FORMAT_KEY = "payload_format"  # reserved meta key
@@ -111,10 +124,14 @@ class Record:
     submitted_at: float  # node wall clock, seconds since the epoch
     payload: bytes
     meta: dict | None = None
+    # The client's record id as `record_key` digests it (RECORD_KEY_BYTES), where the client
+    # gave one and the body carried it (a wire batch of revision 4, the origin's store): the
+    # origin drops a record whose key it already holds, from whichever node.
+    key: bytes | None = field(default=None, kw_only=True)
 
     def received(self, received_at: float) -> ReceivedRecord:
         return ReceivedRecord(self.node_id, self.region, self.seq, self.policy_version,
-                              self.submitted_at, self.payload, self.meta, received_at=received_at)
+                              self.submitted_at, self.payload, self.meta, key=self.key, received_at=received_at)
 
     def value(self):
         """The payload as the submitter gave it: bytes, or the msgpack-able object."""
@@ -136,8 +153,11 @@ class PackedMeta(bytes):
 
 @dataclass(frozen=True)
 class DuplicatesNote:
-    """Store entry: this many records of one append were duplicates and were dropped."""
+    """Store entry: this many records of one append were duplicates and were dropped;
+    `by_key` of them had a record key the store already held (sent by another node,
+    or by one that lost its memory of having sent it), the rest a (node id, seq) it held."""
     count: int
+    by_key: int = 0
 
 
 @dataclass(frozen=True)
@@ -219,7 +239,9 @@ def encode_record(rec) -> bytes:
     if type(rec) is DuplicatesNote:
         if not _uint(rec.count):
             raise UsageError(f"DuplicatesNote.count: expected a non-negative int, found {_found(rec.count)}")
-        return msgpack.packb([KIND_DUPLICATES, rec.count])
+        if not (_uint(rec.by_key) and rec.by_key <= rec.count):
+            raise UsageError(f"DuplicatesNote.by_key: expected an int in 0..count={rec.count}, found {_found(rec.by_key)}")
+        return msgpack.packb([KIND_DUPLICATES, rec.count, rec.by_key] if rec.by_key else [KIND_DUPLICATES, rec.count])
     if type(rec) is SpoolState:
         _check_fields(rec.node_id, rec.region, rec.seq_reserved, 0, 0.0, b"", None, UsageError)
         return msgpack.packb([KIND_SPOOL_STATE, rec.node_id, rec.region, rec.seq_reserved])
@@ -251,7 +273,7 @@ def record_parts(rec: Record) -> tuple[bytes, bytes, bytes]:
     is never copied into a body."""
     if type(rec) not in (Record, ReceivedRecord):
         raise UsageError(f"expected a Record, found {_found(rec)}")
-    return received_parts(rec, rec.received_at) if type(rec) is ReceivedRecord else _parts(rec, None)
+    return received_parts(rec, rec.received_at) if type(rec) is ReceivedRecord else _parts(rec, None, rec.key)
 
 
 def received_parts(rec: Record, received_at: float) -> tuple[bytes, bytes, bytes]:
@@ -261,12 +283,14 @@ def received_parts(rec: Record, received_at: float) -> tuple[bytes, bytes, bytes
         raise UsageError(f"expected a Record, found {_found(rec)}")
     if type(received_at) is not float:
         raise UsageError(f"record.received_at: expected a float, found {_found(received_at)}")
-    return _parts(rec, received_at)
+    return _parts(rec, received_at, rec.key)
 
 
-def _parts(rec: Record, received_at: float | None) -> tuple[bytes, bytes, bytes]:
+def _parts(rec: Record, received_at: float | None, key: bytes | None) -> tuple[bytes, bytes, bytes]:
     _check_fields(rec.node_id, rec.region, rec.seq, rec.policy_version, rec.submitted_at, rec.payload,
                   rec.meta, UsageError)
+    if key is not None and not (type(key) is bytes and len(key) == RECORD_KEY_BYTES):
+        raise UsageError(f"record.key: expected None or {RECORD_KEY_BYTES} bytes, found {_found(key)}")
     received = received_at is not None
     try:  # [1:] drops the packed list's own fixarray header
         head = msgpack.packb([KIND_RECEIVED if received else KIND_RECORD, rec.node_id, rec.region, rec.seq,
@@ -280,6 +304,9 @@ def _parts(rec: Record, received_at: float | None) -> tuple[bytes, bytes, bytes]
     if len(meta) > MAX_META_BYTES:
         raise UsageError(f"record.meta: expected at most {MAX_META_BYTES} packed bytes, found {len(meta)}")
     count = _BODY_LEN[KIND_RECEIVED if received else KIND_RECORD]
+    if key is not None:  # the optional last element (module docstring)
+        return (bytes([0x90 | count + 1]) + head + bin_header(len(rec.payload)), rec.payload,
+                meta + at + b"\xc4\x10" + key)
     return bytes([0x90 | count]) + head + bin_header(len(rec.payload)), rec.payload, meta + at
 
 
@@ -328,13 +355,17 @@ def _read_value(r: PackReader, allowed=_ALL_KINDS, packed_meta: bool = False):
     if kind not in allowed:
         r.pos = start
         raise r.fail(f"an array starting with a kind in {list(allowed)}", _found(kind))
-    if n != _BODY_LEN[kind]:
-        raise CorruptData(f"{r.what}: kind {kind} expects {_BODY_LEN[kind]} elements, found {n}")
+    if n != _BODY_LEN[kind] and not (n == _BODY_LEN[kind] + 1 and kind in _OPTIONAL_LAST):
+        more = f" or {_BODY_LEN[kind] + 1}" if kind in _OPTIONAL_LAST else ""
+        raise CorruptData(f"{r.what}: kind {kind} expects {_BODY_LEN[kind]}{more} elements, found {n}")
     if kind == KIND_DUPLICATES:
         count = r.int(expected="a duplicates count")
+        by_key = r.int(expected="a count of duplicates by key") if n > _BODY_LEN[kind] else 0
         if not _uint(count):
             raise CorruptData(f"{r.what}: duplicates count: expected a non-negative int, found {_found(count)}")
-        return DuplicatesNote(count)
+        if not (_uint(by_key) and by_key <= count):
+            raise CorruptData(f"{r.what}: duplicates by key: expected an int in 0..{count}, found {_found(by_key)}")
+        return DuplicatesNote(count, by_key)
     if kind == KIND_ACKED:
         ranges = r.uint_tuples(r.array_len(r.end, "a list of ranges"), 2, _U64 - 1, "a range [start, end]")
         if not _ranges_ok(ranges):
@@ -362,10 +393,16 @@ def _read_value(r: PackReader, allowed=_ALL_KINDS, packed_meta: bool = False):
         if packed_meta:
             meta = PackedMeta(r.data[start:r.pos])
     _check_fields(node_id, region, seq, version, submitted_at, payload, meta, CorruptData)
+    received_at = r.float("a float received_at") if kind == KIND_RECEIVED else None
+    key = None
+    if n > _BODY_LEN[kind]:
+        key = r.bin(RECORD_KEY_BYTES, f"a record key of {RECORD_KEY_BYTES} bytes")
+        if len(key) != RECORD_KEY_BYTES:
+            raise CorruptData(f"{r.what}: record.key: expected {RECORD_KEY_BYTES} bytes, found {len(key)}")
     if kind == KIND_RECORD:
-        return Record(node_id, region, seq, version, submitted_at, payload, meta)
-    return ReceivedRecord(node_id, region, seq, version, submitted_at, payload, meta,
-                          received_at=r.float("a float received_at"))
+        return Record(node_id, region, seq, version, submitted_at, payload, meta, key=key)
+    return ReceivedRecord(node_id, region, seq, version, submitted_at, payload, meta, key=key,
+                          received_at=received_at)
 
 
 def _ranges_ok(ranges) -> bool:
@@ -566,16 +603,25 @@ def scan_records(data: bytes, start: int | None = None, end: int | None = None,
 # ================================================================ wire batch
 
 
-def encode_batch(records) -> bytes:
-    """One upload batch (UsageError past MAX_BATCH_RECORDS or MAX_BATCH_BYTES)."""
+def encode_batch(records, keys=None) -> bytes:
+    """One upload batch (UsageError past MAX_BATCH_RECORDS or MAX_BATCH_BYTES).
+
+    `keys`: None, and no body carries a key (what every origin reads, whatever the
+    records hold); or one per record, RECORD_KEY_BYTES or None, for an origin that
+    reads them (wire revision 4)."""
     records = list(records)
     if len(records) > MAX_BATCH_RECORDS:
         raise UsageError(f"batch: expected at most {MAX_BATCH_RECORDS} records, found {len(records)}")
+    if keys is not None:
+        keys = list(keys)
+        if len(keys) != len(records):
+            raise UsageError(f"batch: expected a key (or None) per record, found {len(keys)} for {len(records)}")
     parts = [msgpack.Packer().pack_array_header(len(records))]
-    for r in records:
+    for i, r in enumerate(records):
         if not isinstance(r, Record):
             raise UsageError(f"batch: expected Records, found {_found(r)}")
-        parts.extend(_parts(r, None))  # a ReceivedRecord travels as the plain Record it holds
+        # a ReceivedRecord travels as the plain Record it holds
+        parts.extend(_parts(r, None, None if keys is None else keys[i]))
     raw = b"".join(parts)
     if len(raw) > MAX_BATCH_BYTES:
         raise UsageError(f"batch: expected at most {MAX_BATCH_BYTES} bytes, found {len(raw)}")

@@ -21,7 +21,14 @@ ALPN by node/net/trust.py). Revision 2 added PeerList.wan_rates.
 New message types: a member of an older revision refuses a message type it
 does not know, so a type added by a revision is sent only on a connection that
 selected it (`revision(ms.wire_revision) >= N`). Revision 3 added
-TrajectoriesBusy. A member offers every revision it speaks, newest first
+TrajectoriesBusy.
+
+Content of an opaque field: revision 4 lets a Trajectories batch carry each
+record's key (protocol/trajectory.py: a record body with one more element, the
+client's record id digested), which the origin deduplicates by across nodes.
+An origin of revision 3 or before refuses such a body (and drops the node), so
+a node sends keys only on a connection that selected revision 4; an origin of
+revision 4 takes batches with and without keys. A member offers every revision it speaks, newest first
 (`WIRE_REVISIONS`), and the listener picks the newest both offer, so each pair
 of versions talks the newest revision both know.
 
@@ -71,8 +78,10 @@ MAX_WAN_REGIONS = 1 << 10  # regions in a PeerList's wan_rates
 # The wire revisions this code speaks, offered newest first in TLS ALPN (node/net/trust.py); a
 # connection reads what the revision it selected added (`revision`). Members of the first
 # version offer no ALPN protocol and select none; they are sent no optional field.
-WIRE_REVISION = "patchswarm/3"  # the newest: 3 added TrajectoriesBusy, 2 PeerList.wan_rates
-WIRE_REVISIONS = (WIRE_REVISION, "patchswarm/2")
+# the newest: 4 added record keys in Trajectories batches, 3 TrajectoriesBusy, 2 PeerList.wan_rates
+WIRE_REVISION = "patchswarm/4"
+WIRE_REVISIONS = (WIRE_REVISION, "patchswarm/3", "patchswarm/2")
+RECORD_KEYS_REVISION = 4  # a Trajectories batch may carry record keys (module docstring)
 _REVISION_PREFIX = "patchswarm/"
 # The longest wait a TrajectoriesBusy may ask for (an hour); a node waits at most its own cap.
 MAX_RETRY_MS = 3_600_000

@@ -133,7 +133,8 @@ def test_origin_series():
           "versions": [{"version": 0, "patch_bytes": None, "keyframe_bytes": 1000, "full_bytes": 4000, "encode_s": 0.4},
                        {"version": 1, "patch_bytes": 30, "keyframe_bytes": None, "full_bytes": 4000, "encode_s": 0.2},
                        {"version": 2, "patch_bytes": 40, "keyframe_bytes": None, "full_bytes": 4000, "encode_s": 0.3}],
-          "trajectories": {"records": 5, "duplicates_dropped": 1, "payload_bytes": 500, "storage_failed": True,
+          "trajectories": {"records": 5, "duplicates_dropped": 3, "duplicates_by_key": 2, "record_keys": 4,
+                           "payload_bytes": 500, "storage_failed": True,
                            "storage_failures": 1, "storage_recoveries": 0}}
     m = OriginMetrics()
     got = samples(m, st)
@@ -144,6 +145,8 @@ def test_origin_series():
     assert got[("patchswarm_bytes_total", (("direction", "out"), ("source", "store")))] == 900
     assert got[("patchswarm_peers", (("region", "r1"), ("role", "node"), ("transport", "tcp")))] == 1
     assert got[("patchswarm_trajectories_received_total", ())] == 5
+    assert got[("patchswarm_trajectories_duplicates_by_key_total", ())] == 2
+    assert got[("patchswarm_trajectory_record_keys", ())] == 4
     assert got[("patchswarm_storage_failed", ())] == 1 and got[("patchswarm_storage_failures_total", ())] == 1
     assert m.not_ready(st) == "not connected to the tracker yet"
     assert m.not_ready({**st, "tracker_connected": True}) is None

@@ -461,7 +461,7 @@ def test_a_node_of_revision_3_finding_no_slot_is_told_busy_and_its_chunk_request
                 total = o.store.manifest((version, True)).chunks[0][0]
                 gate = _hold_appends(o, peak)
                 ms = await _dial_as(tmp_path, "n1", o.listen_addr)
-                assert wire.revision(ms.wire_revision) == 3
+                assert wire.revision(ms.wire_revision) >= 3  # this version: deferrals
                 for b in range(4):  # the uploader's window: two find a slot, two do not
                     await ms.send(batch(b))
                 await ms.send(wire.Request(version, True, 0))

@@ -19,13 +19,14 @@ from patchswarm.protocol.trajectory import decode_batch
 @dataclasses.dataclass
 class RecordingStream:
     sent: list = dataclasses.field(default_factory=list)
+    wire_revision: str | None = wire.WIRE_REVISION  # what the TLS handshake selected
 
     async def send(self, msg) -> None:
         self.sent.append(msg)
 
 
-def _origin() -> Session:
-    return Session(RecordingStream(), "origin", "origin", "r0", "x:1", outbound=True)
+def _origin(revision: str | None = wire.WIRE_REVISION) -> Session:
+    return Session(RecordingStream(wire_revision=revision), "origin", "origin", "r0", "x:1", outbound=True)
 
 
 def _seqs(s: Session) -> list[list[int]]:

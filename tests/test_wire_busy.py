@@ -69,7 +69,7 @@ def test_random_bytes_after_a_deferrals_type_key_raise_only_protocol_error(tail)
 
 
 @pytest.mark.parametrize("selected, number", [(None, 1), ("patchswarm/2", 2), ("patchswarm/3", 3),
-                                              (wire.WIRE_REVISION, 3)])
+                                              ("patchswarm/4", 4), (wire.WIRE_REVISION, 4)])
 def test_the_selected_revision_as_a_number(selected, number):
     assert wire.revision(selected) == number
 
@@ -126,7 +126,9 @@ def _handshake(server_ctx: ssl.SSLContext, client_ctx: ssl.SSLContext) -> tuple[
 
 
 @pytest.mark.parametrize("origin_offers, node_offers, selected", [
-    (None, None, "patchswarm/3"),  # both of this version: revision 3, deferrals
+    (None, None, "patchswarm/4"),  # both of this version: revision 4, deferrals and record keys
+    (None, ["patchswarm/3", "patchswarm/2"], "patchswarm/3"),  # a node of revision 3: no record keys
+    (["patchswarm/3", "patchswarm/2"], None, "patchswarm/3"),  # this node, an origin of revision 3
     (None, ["patchswarm/2"], "patchswarm/2"),  # a node of revision 2: no deferral ever sent to it
     (None, [], None),  # a node of the first version, no ALPN at all
     (["patchswarm/2"], None, "patchswarm/2"),  # this node, an origin of revision 2
@@ -137,4 +139,5 @@ def test_each_pair_of_versions_selects_the_newest_revision_both_speak(creds, ori
     got = _handshake(_offering(trust.server_context(origin), origin_offers),
                      _offering(trust.client_context(node), node_offers))
     assert got == (selected, selected)
-    assert wire.revision(got[0]) >= 3 if selected == wire.WIRE_REVISION else wire.revision(got[0]) < 3
+    # record keys only where both are of this version
+    assert (wire.revision(got[0]) >= wire.RECORD_KEYS_REVISION) == (selected == wire.WIRE_REVISION)

@@ -75,6 +75,10 @@ def _origin_args(p: argparse.ArgumentParser) -> None:
                    help="manifest form: 1 (every member reads it; the whole tensor table each version) or 2 "
                         "(patch manifests list only what changed; needs nodes and tracker from 2026-12-05 on); "
                         "default: 1 up to 4,096 tensors, 2 above")
+    p.add_argument("--record-id-window", type=positive_int, metavar="N",
+                   help="record keys the trajectory store remembers (the newest stored): a record whose client "
+                        "record id is among them is not stored again, through whichever node it came; ~40 bytes "
+                        "of memory each (default 2**20)")
     _compact_argument(p)
     add_member_arguments(p, "127.0.0.1:0")
     add_advertise_argument(p)
@@ -99,7 +103,8 @@ def cmd_origin(args: argparse.Namespace) -> int:
 
     o = Origin(OriginConfig(args.tracker, args.creds, args.key, args.data_dir, args.listen, args.region,
                             args.upload_limit, **sizes, advertise=args.advertise, compact_every=args.compact_every,
-                            manifest_form=args.manifest_form))
+                            manifest_form=args.manifest_form,
+                            **({} if args.record_id_window is None else {"record_id_window": args.record_id_window})))
 
     async def start(task_status):
         import trio

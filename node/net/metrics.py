@@ -259,6 +259,10 @@ class OriginMetrics(StatusMetrics):
             yield from _counter("patchswarm_trajectories_received", "trajectory records stored", t.get("records"))
             yield from _counter("patchswarm_trajectories_duplicates_dropped", "trajectory records received twice",
                                 t.get("duplicates_dropped"))
+            yield from _counter("patchswarm_trajectories_duplicates_by_key", "of those, records whose client record id "
+                                "the store held (resubmitted, maybe through another node)", t.get("duplicates_by_key"))
+            yield from _gauge("patchswarm_trajectory_record_keys", "record keys the store remembers (at most its window)",
+                              t.get("record_keys"))
             yield from _counter("patchswarm_trajectory_payload_bytes", "trajectory payload bytes stored",
                                 t.get("payload_bytes"))
 

@@ -52,6 +52,7 @@ from patchswarm.node.net.admission import MemberAdmission
 from patchswarm.node.net.manifestcheck import ManifestCheck
 from patchswarm.node.net.ratelimit import TokenBucket
 from patchswarm.node.store import ObjectStore
+from patchswarm.node.recordids import DEFAULT_WINDOW as RECORD_ID_WINDOW
 from patchswarm.node.trainer.trajstore import TrajectoryCursor, TrajectoryStore
 from patchswarm.node.net.trackerlink import TrackerLink
 from patchswarm.node.net.transport import CONNECTION_ERRORS, serve
@@ -99,6 +100,9 @@ class OriginConfig:
     # Manifest form (protocol/manifest.py): None picks form 1, which every member reads, up to
     # FORM1_MAX_TENSORS tensors, form 2 (patch manifests that grow with the patch) above.
     manifest_form: int | None = None
+    # Record keys the trajectory store remembers (node/trainer/trajstore.py): a record whose
+    # key is among the newest this many stored is dropped as a duplicate, from any node.
+    record_id_window: int = RECORD_ID_WINDOW
 
 
 @dataclasses.dataclass
@@ -190,7 +194,8 @@ class Origin:
                 log.warning("dropping %s: incomplete, or beyond the version it reaches", describe(key))
                 self.store.drop(key)
                 self.book.discard(key)
-        self.trajectory_store = await TrajectoryStore.open(self.data_dir / "trajectories")
+        self.trajectory_store = await TrajectoryStore.open(self.data_dir / "trajectories",
+                                                           id_window=self.cfg.record_id_window)
         for problem in self.trajectory_store.problems:
             log.warning("trajectory store: %s (intact records around it are kept)", problem)
         try:
@@ -615,7 +620,7 @@ class TrajectoryFeed:
         self._busy = True
         out: list[ReceivedRecord] = []
         c = self._cursor
-        before = (c.position, c.stale, c.below_min, c.ahead, c.duplicates_seen)
+        before = (c.position, c.stale, c.below_min, c.ahead, c.duplicates_seen, c.duplicates_by_key_seen)
         try:
             with trio.move_on_after(math.inf if timeout is None else timeout):
                 while True:
@@ -631,7 +636,8 @@ class TrajectoryFeed:
                         break
                     await self._origin.trajectory_store.wait_for_records(self._cursor)
         except BaseException:  # cancelled from outside (the origin closing): nothing was delivered
-            c.position, c.stale, c.below_min, c.ahead, c.duplicates_seen = before  # read again next time
+            (c.position, c.stale, c.below_min, c.ahead, c.duplicates_seen,
+             c.duplicates_by_key_seen) = before  # read again next time
             raise
         finally:
             self._busy = False

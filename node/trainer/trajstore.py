@@ -9,11 +9,24 @@ and without truncating anything; `TrajectoryCursor` walks records in arrival
 order for the trainer. Must not: decide anything about the wire, retention or
 the trainer's policy beyond the staleness filter it is given.
 
+Record keys: a record may carry its client record id's key (16 bytes, sent
+by nodes of wire revision 4). The store also drops a record whose key it
+holds, from any node, and acknowledges it like any duplicate: the same
+record resubmitted through another node after the first died with it
+durable. Held: the keys of the newest `id_window` keyed records stored
+(node/recordids.py's index, numbered by arrival), and those of records in
+commits not landed yet (`_claimed`: the duplicate's note commits behind the
+original, so it is acknowledged only once the original is durable, and
+fails with it). A (node id, seq) held is counted as before, whatever its
+key; a key dropped is counted in the note's `by_key`. The keys are stored in
+the records' bodies, and open rebuilds the index from the newest window of
+them (node/trainer/README.md, "Record keys", for the costs).
+
 Full disk: a commit that finds no room raises DiskFull with nothing of it in
 the files and its seqs out of the dedup index, so it is not acknowledged and
 the node's resend is stored as new (`disk` reports it, bounded). Another
-I/O error (EIO) raises StorageFailed the same way (its seqs leave the index,
-`_not_written`); the log recovers in-process (node/seglog.py), so the node's
+I/O error (EIO) raises StorageFailed the same way (its seqs and keys leave the
+indexes, `_not_written`); the log recovers in-process (node/seglog.py), so the node's
 resend after the origin closed its connection is stored (`storage_recoveries`
 in the summary).
 
@@ -41,14 +54,16 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
 import trio
 
 from patchswarm.protocol.errors import BudgetExceeded, DiskFull, UsageError
-from patchswarm.protocol.trajectory import (SEGMENT_HEADER_BYTES, DuplicatesNote, ReceivedRecord, Record, ScanProblem,
-                                            SeqRanges, check_segment_header, encode_record, received_parts,
-                                            scan_records)
+from patchswarm.protocol.trajectory import (RECORD_KEY_BYTES, SEGMENT_HEADER_BYTES, DuplicatesNote, ReceivedRecord,
+                                            Record, ScanProblem, SeqRanges, check_segment_header, encode_record,
+                                            received_parts, scan_records)
 
 from patchswarm.node.diskspace import DiskCondition
+from patchswarm.node.recordids import DEFAULT_WINDOW, RecordIdIndex, merged
 from patchswarm.node.seglog import (DEFAULT_GROUP_BYTES, DEFAULT_SEGMENT_BYTES, READ_CHUNK, DirectoryLock, FileProblem,
                                     SegmentLog, fsync_dir, list_segments, read_span, segment_path)
 
@@ -74,6 +89,7 @@ class _Tally:
     def __init__(self):
         self.records = 0
         self.duplicates_dropped = 0
+        self.duplicates_by_key = 0  # of those, dropped for a record key held (another node's, maybe)
         self.payload_bytes = 0
         self.by_node: collections.Counter = collections.Counter()
         self.by_version: collections.Counter = collections.Counter()
@@ -82,6 +98,7 @@ class _Tally:
     def add(self, value) -> None:
         if type(value) is DuplicatesNote:
             self.duplicates_dropped += value.count
+            self.duplicates_by_key += value.by_key
             return
         self.records += 1
         self.payload_bytes += len(value.payload)
@@ -99,6 +116,7 @@ class _Tally:
         return {
             "records": self.records,
             "duplicates_dropped": self.duplicates_dropped,
+            "duplicates_by_key": self.duplicates_by_key,
             "stale": stale,
             "by_node": dict(sorted(self.by_node.items())),
             "by_version": dict(sorted(self.by_version.items())),
@@ -156,6 +174,7 @@ class TrajectoryCursor:
         self.below_min = 0
         self.ahead = 0
         self.duplicates_seen = 0  # sum of DuplicatesNote counts passed
+        self.duplicates_by_key_seen = 0  # and of their by_key counts
         self.problems: list[FileProblem] = []
         self.seen: tuple[int, int] = (-1, -1)  # (segment, readable end) when the last read ran dry
         self._cache: tuple[int, int, bytes] | None = None  # (segment, offset, data)
@@ -229,6 +248,7 @@ class TrajectoryCursor:
             pos = entry.end
             if type(value) is DuplicatesNote:
                 self.duplicates_seen += value.count
+                self.duplicates_by_key_seen += value.by_key
                 continue
             if type(value) is not ReceivedRecord:
                 self._report(seg, ScanProblem("invalid", base + entry.offset, base + entry.end, False,
@@ -267,12 +287,17 @@ class _Recovered(NamedTuple):
     problems: list[FileProblem]
     tally: _Tally
     index: dict[str, SeqRanges]
+    ids: RecordIdIndex
+    arrivals: int  # keyed records in the files: the next one's arrival number
 
 
-def _scan_segments(directory: Path, truncate_last: bool) -> _Recovered:
-    """Worker thread: scan every segment; rebuild tally and dedup index."""
+def _scan_segments(directory: Path, truncate_last: bool, id_window: int = DEFAULT_WINDOW) -> _Recovered:
+    """Worker thread: scan every segment; rebuild tally and dedup indexes."""
     numbers, ends, problems = [], {}, []
     tally, index = _Tally(), {}
+    # The keys of stored records in arrival order, only the newest window of them kept (at most
+    # two windows of bytes held): the index numbers them by arrival and forgets the oldest.
+    keys, arrivals, keep = bytearray(), 0, id_window * RECORD_KEY_BYTES
     found = list_segments(directory)
     for i, n in enumerate(found):
         path = segment_path(directory, n)
@@ -282,6 +307,11 @@ def _scan_segments(directory: Path, truncate_last: bool) -> _Recovered:
             tally.add(value)
             if type(value) is not DuplicatesNote:
                 index.setdefault(value.node_id, SeqRanges()).add(value.seq)
+                if getattr(value, "key", None) is not None:
+                    keys += value.key
+                    arrivals += 1
+                    if len(keys) >= 2 * keep:
+                        del keys[:len(keys) - keep]
         last = i == len(found) - 1
         for p in scan.problems:
             problems.append(FileProblem(str(path), p))
@@ -300,7 +330,12 @@ def _scan_segments(directory: Path, truncate_last: bool) -> _Recovered:
         ends[n] = len(data)
     for fp in problems:
         log.warning("trajectory store: %s", fp)
-    return _Recovered(numbers, ends, problems, tally, index)
+    ids = RecordIdIndex(id_window)
+    if keys:
+        del keys[:max(0, len(keys) - keep)]
+        held = len(keys) // RECORD_KEY_BYTES
+        ids.add_packed(np.arange(arrivals - held, arrivals, dtype="<u8").tobytes(), bytes(keys))
+    return _Recovered(numbers, ends, problems, tally, index, ids, arrivals)
 
 
 class TrajectoryStore:
@@ -315,6 +350,13 @@ class TrajectoryStore:
         self.problems: list[FileProblem] = rec.problems  # found on open
         self._tally = rec.tally
         self._index = rec.index
+        # Record keys (module docstring): those of durable records, numbered by arrival, the
+        # newest window of them; and those of records in commits not landed yet (`_claimed`:
+        # a key arriving meanwhile is a duplicate too, acknowledged only after the commit
+        # that holds the original, which FIFO commits give; if that one fails, so does it).
+        self._ids = rec.ids
+        self._arrivals = rec.arrivals
+        self._claimed: set[bytes] = set()
         self._clock = clock
         self._new_data = trio.Event()
         self._closed = False
@@ -324,12 +366,16 @@ class TrajectoryStore:
 
     @classmethod
     async def open(cls, directory, *, segment_bytes: int = DEFAULT_SEGMENT_BYTES,
-                   group_bytes: int = DEFAULT_GROUP_BYTES, clock=time.time) -> TrajectoryStore:
+                   group_bytes: int = DEFAULT_GROUP_BYTES, clock=time.time,
+                   id_window: int = DEFAULT_WINDOW) -> TrajectoryStore:
+        """`id_window`: how many record keys (the newest stored) a duplicate is looked for among."""
+        if type(id_window) is not int or id_window < 1:
+            raise UsageError(f"id_window: expected an int >= 1, found {type(id_window).__name__} {id_window!r}")
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         lock = DirectoryLock(directory)
         try:
-            rec = await trio.to_thread.run_sync(_scan_segments, directory, True)
+            rec = await trio.to_thread.run_sync(_scan_segments, directory, True, id_window)
         except BaseException:
             lock.release()
             raise
@@ -337,7 +383,9 @@ class TrajectoryStore:
 
     async def append(self, records) -> list[int]:
         """Store what is new among `records`, drop (and count) duplicates by
-        (node id, seq); returns every given seq once all of them are durable."""
+        (node id, seq), and by record key where a record has one (the key of a record
+        stored or being stored, from any node, within the window); returns every given
+        seq once all of them are durable (a duplicate's original included)."""
         records = list(records)
         if not records:
             return []
@@ -346,27 +394,38 @@ class TrajectoryStore:
             if not isinstance(r, Record):
                 raise UsageError(f"append: expected Records, found {type(r).__name__}")
         encoded = [received_parts(r, now) for r in records]  # validate all before the index is touched
-        bodies, values, dups = [], [], 0
-        index = self._index
+        bodies, values, dups, by_key = [], [], 0, 0
+        index, ids, claimed = self._index, self._ids, self._claimed
         for r, body in zip(records, encoded):
             seen = index.get(r.node_id)
             if seen is None:
                 seen = index[r.node_id] = SeqRanges()
+            key = r.key
+            # a (node, seq) held is a resend, counted as before; else a key held is the same
+            # record through another node (or a node's own, sent again under a new seq)
+            if key is not None and (key in claimed or ids.get(key) is not None) and r.seq not in seen:
+                dups += 1
+                by_key += 1
+                continue
             ranges = seen.range_count()
             if seen.add(r.seq):
                 bodies.append(body)
                 values.append(r)  # what the tally counts (node, version, payload size)
+                if key is not None:
+                    claimed.add(key)
                 # past the bound, and by a new range (a store from before the bound may hold more)
                 if seen.range_count() > max(ranges, MAX_SEQ_RANGES_PER_NODE):
-                    for v in values:  # nothing of the batch stays: the index is as before it
+                    for v in values:  # nothing of the batch stays: the indexes are as before it
                         index[v.node_id].discard(v.seq)
+                        if v.key is not None:
+                            claimed.discard(v.key)
                     raise BudgetExceeded(SEQ_RANGES_BUDGET, f"node {r.node_id!r}: expected its seqs to leave at "
                                          f"most {MAX_SEQ_RANGES_PER_NODE} ranges in the dedup index, found a batch "
                                          f"of {len(records)} that leaves more (seq {r.seq}); nothing of it was stored")
             else:
                 dups += 1
         if dups:
-            note = DuplicatesNote(dups)
+            note = DuplicatesNote(dups, by_key)
             bodies.append(encode_record(note))
             values.append(note)
         # A batch of only duplicates still commits (its note): returning after a
@@ -378,7 +437,20 @@ class TrajectoryStore:
             self.disk.failed(f"{len(values)} trajectory records", e)
             raise
         self.disk.succeeded()
+        if ids.seal_due():
+            await self._seal_ids()
         return [r.seq for r in records]
+
+    async def _seal_ids(self) -> None:
+        """Merge the key index's newest keys into its arrays, and forget those past the window,
+        in a worker thread (O(window): ~0.2 s at 2^20, too long for the event loop)."""
+        work = self._ids.seal_begin()
+        result = None
+        try:
+            with trio.CancelScope(shield=True):  # bounded CPU work; the dict set aside must come back
+                result = await trio.to_thread.run_sync(merged, *work)
+        finally:
+            self._ids.seal_end(result)
 
     def _not_written(self, tags: list) -> None:
         """SegmentLog callback, before anyone hears of the failure: the records of commits that
@@ -387,13 +459,23 @@ class TrajectoryStore:
         a duplicate, and acked: lost)."""
         for values in tags:
             for v in values:
-                if type(v) is Record:
+                if isinstance(v, Record):
                     self._index[v.node_id].discard(v.seq)
+                    if v.key is not None:  # unclaimed: a resend through any node is stored
+                        self._claimed.discard(v.key)
 
     def _landed(self, number: int, landed: list) -> None:
+        keys = []
         for values, _, _ in landed:
             for v in values:
                 self._tally.add(v)
+                if type(v) is not DuplicatesNote and v.key is not None:
+                    keys.append(v.key)
+        if keys:  # durable now: from the claims into the index, numbered in arrival order
+            for k in keys:
+                self._claimed.discard(k)
+            self._ids.add(keys, range(self._arrivals, self._arrivals + len(keys)))
+            self._arrivals += len(keys)
         if not self._numbers or self._numbers[-1] != number:
             self._numbers.append(number)
         self._ends[number] = self.log.active_end
@@ -435,6 +517,8 @@ class TrajectoryStore:
 
     def summary(self, current_version: int | None = None, max_staleness: int | None = None) -> dict:
         s = self._tally.summary(current_version, max_staleness, len(self._numbers), self.problems)
+        s["record_keys"] = len(self._ids)  # remembered, of at most record_key_window
+        s["record_key_window"] = self._ids.window
         s["fsyncs"] = self.log.fsyncs
         s.update(self.log.status())  # I/O errors in commits, and the recoveries from them (node/seglog.py)
         return s
@@ -515,6 +599,7 @@ class TrajectoryReader:
         for r in _iterate(cur, None):
             tally.add(r)
         tally.duplicates_dropped = cur.duplicates_seen
+        tally.duplicates_by_key = cur.duplicates_by_key_seen
         return tally.summary(current_version, max_staleness, len(self.segments()), cur.problems)
 
     def dump_jsonl(self, out) -> int:
