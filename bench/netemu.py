@@ -92,8 +92,16 @@ class WanSpec:
     # Regions whose hosts' processes run at nice 10: they take the shared cores only after the
     # others, as if those others had cores of their own (a diagnosis, not a network property).
     nice_regions: tuple[int, ...] = ()
+    # Hosts whose uplink is slower than `lan_mbit`: (name, Mbit/s) pairs, e.g. (("n0.2", 10.0),): a
+    # busier or smaller machine among its region's members (their downlinks stay at `lan_mbit`).
+    slow_uplinks: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self):
+        names = {f"n{r}.{k}" for r in range(self.regions) for k in range(1, self.nodes_per_region + 1)}
+        bad = [(n, m) for n, m in self.slow_uplinks if n not in names or not 0 < m]
+        if bad:
+            raise ValueError(f"slow_uplinks: expected (node name n<region>.<k>, Mbit/s > 0) pairs of this "
+                             f"topology's nodes, found {bad}")
         if any(not 0 <= r < self.regions for r in self.nice_regions):
             raise ValueError(f"nice_regions: expected regions in 0..{self.regions - 1}, found {self.nice_regions}")
         if any(not 0 <= r < self.regions or r == self.origin_region for r in self.nat_regions):
@@ -298,7 +306,7 @@ class Topology:
                 _sysctl(h.netns, "net.ipv4.tcp_slow_start_after_idle", "0")
             _ip(["-n", h.netns, "route", "add", "default", "via", _addr(h.region, _ROUTER_HOST)])
             _ip(["-n", rns, "link", "set", "dev", port, "master", "br0", "up"])
-            _shape(h.netns, h.iface, s.lan_mbit * 1e6, 0.0)
+            _shape(h.netns, h.iface, dict(s.slow_uplinks).get(h.name, s.lan_mbit) * 1e6, 0.0)
             _shape(rns, port, s.lan_mbit * 1e6, 0.0)
 
     def _add_netns(self, name: str) -> None:

@@ -198,6 +198,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "tracker tells every member them (--wan-rates); add patchswarm-blind to --systems for the rate-blind plan")
     ap.add_argument("--nice-regions", default="", metavar="R,...",
                     help="these regions' processes run at nice 10, so the others go first for the shared cores")
+    ap.add_argument("--slow-uplink", default="", metavar="NODE=MBIT,...",
+                    help="these nodes' uplinks at MBIT Mbit/s instead of --lan-mbit (e.g. n0.2=10: one member of "
+                         "the origin's region a slower or busier machine); downlinks stay at --lan-mbit")
     ap.add_argument("--kill-at", type=float, default=1.0,
                     help="*-faults: SIGKILL one gateway per remote region (libtorrent: the leecher of the same "
                          "name) this many s after the announcement (libtorrent: after `go`)")
@@ -246,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     region_mbit = tuple(float(x) for x in args.region_mbit.split(",") if x)
     spec = netemu.WanSpec(args.regions, args.nodes, max(region_mbit, default=args.wan_mbit), args.lan_mbit,
                           args.wan_delay_ms, idle_restart=not args.no_idle_restart, region_mbit=region_mbit,
-                          nice_regions=tuple(int(x) for x in args.nice_regions.split(",") if x))
+                          nice_regions=tuple(int(x) for x in args.nice_regions.split(",") if x),
+                          slow_uplinks=_slow_uplinks(args.slow_uplink))
     t = time.monotonic()
     payload = make_payload(args.model, args.lr, args.seed)
     print(f"payload: patch of {payload.label}: {payload.patch_bytes:,} bytes ({time.monotonic() - t:.1f} s to load/make)")
@@ -255,7 +259,9 @@ def main(argv: list[str] | None = None) -> int:
           f"each way per region, LAN {spec.lan_mbit:g} Mbit/s, WAN delay {spec.wan_delay_ms:g} ms; TCP "
           f"{'kernel default (slow start after idle)' if spec.idle_restart else 'tcp_slow_start_after_idle=0 on every host'}"
           + (f"; processes of regions {','.join(map(str, spec.nice_regions))} at nice {netemu.NICE}"
-             if spec.nice_regions else ""), flush=True)
+             if spec.nice_regions else "")
+          + (f"; slow uplinks {', '.join(f'{n} {m:g} Mbit/s' for n, m in spec.slow_uplinks)}"
+             if spec.slow_uplinks else ""), flush=True)
 
     sizes = [args.nodes] + [int(n) for n in args.scaling.split(",") if n and int(n) != args.nodes]
     rows: list[RunResult] = []
@@ -343,6 +349,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps([_row_json(r) for r in rows], indent=1) + "\n")
     return 0 if rows or not systems else 1
+
+
+def _slow_uplinks(text: str) -> tuple[tuple[str, float], ...]:
+    """`--slow-uplink n0.2=10,n1.1=20` as WanSpec.slow_uplinks."""
+    out = []
+    for item in (x for x in text.split(",") if x):
+        name, sep, mbit = item.partition("=")
+        try:
+            out.append((name, float(mbit)))
+        except ValueError:
+            sep = ""
+        if not sep:
+            raise SystemExit(f"--slow-uplink: expected NODE=MBIT[,NODE=MBIT...], found {text!r}")
+    return tuple(out)
 
 
 def _logs_note(runner) -> str:
