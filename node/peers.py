@@ -158,6 +158,7 @@ class Outflow:
     start: int = 0  # where the answer begins: the offset of a RequestRest
     data: bytes | None = None
     flow: Inflow | None = None
+    read: bool = False  # `data` was read from disk for it (not kept from serving it before)
 
 
 OnMessage = Callable[[Session, object], Awaitable[None]]
@@ -347,9 +348,9 @@ class PeerSet:
                 if head is not None and head.data is None and head.flow is None:
                     # The chunk this session serves next, read and checked off the loop; the
                     # rest of the queue (and a failed flow's fallback) reads in `_resolve`.
-                    data = await self.store.get_chunk_off_loop(head.key, head.chunk)
-                    if data is not None and head.data is None and head.flow is None:
-                        head.data = data
+                    data, read = await self.store.serve_chunk(head.key, head.chunk)
+                    if head in s.serve_queue and data is not None and head.data is None and head.flow is None:
+                        head.data, head.read = data, read
                 msg, arriving = self._next_to_send(s)
                 if msg is None:
                     # Nothing sendable: no await since the scan, so no wake-up was missed.
@@ -399,7 +400,7 @@ class PeerSet:
         if o.flow is not None:
             o.flow.unwatch(s.wake)
             o.flow = None
-        data = self.store.get_chunk(o.key, o.chunk)
+        data, o.read = self.store.serve_chunk_now(o.key, o.chunk)
         if data is not None:
             o.data = data  # the same bytes a failed flow was bringing, so a started answer goes on
             return True
