@@ -16,7 +16,7 @@ from memlink import KEY, store_with
 from patchswarm.node import store as store_module
 from patchswarm.node.net.ratelimit import TokenBucket
 from patchswarm.node.net.transport import MessageStream
-from patchswarm.node.peers import PeerSet
+from patchswarm.node.peers import PeerBudgets, PeerSet
 from patchswarm.protocol import wire
 
 from test_peer_budgets import FarEnd, _noop
@@ -89,11 +89,12 @@ async def _request_cancel(far: FarEnd, pairs: int, chunks: int) -> None:
         n.cancel_scope.cancel()
 
 
-def _run(tmp_path, monkeypatch, chunks: int, pairs: int, kept_chunks: int | None = None):
+def _run(tmp_path, monkeypatch, chunks: int, pairs: int, kept_chunks: int | None = None,
+         budgets: PeerBudgets = PeerBudgets()):
     if kept_chunks is not None:
         monkeypatch.setattr(store_module, "SERVED_KEPT_BYTES", kept_chunks * CHUNK)
     store = store_with(tmp_path / "store", _chunks(chunks))
-    peers = PeerSet("b", store, TokenBucket(None), _noop)
+    peers = PeerSet("b", store, TokenBucket(None), _noop, budgets=budgets)
     reads = _counting(monkeypatch)
     out = {}
 
@@ -102,17 +103,18 @@ def _run(tmp_path, monkeypatch, chunks: int, pairs: int, kept_chunks: int | None
             async with trio.open_nursery() as nursery:
                 hostile = await _join(nursery, peers, "a")
                 honest = await _join(nursery, peers, "c")
-                t0 = time.process_time()
+                t0, start = time.process_time(), trio.current_time()
                 await _request_cancel(hostile, pairs, chunks)
                 out["cpu"] = time.process_time() - t0
+                out["seconds"] = trio.current_time() - start
                 out["reads"] = len(reads)
                 out["honest"] = [await _fetch(honest, c) for c in range(chunks)]
                 out["sessions"] = sorted(peers.sessions)
                 nursery.cancel_scope.cancel()
 
     trio.run(main)
-    print(f"{pairs} Request+Cancel pairs over {chunks} chunks of {CHUNK:,} bytes: {out['reads']} chunk reads, "
-          f"{out['cpu']:.2f} s CPU; dropped {dict(peers.dropped)}")
+    print(f"{pairs} Request+Cancel pairs over {chunks} chunks of {CHUNK:,} bytes in {out['seconds']:.2f} s: "
+          f"{out['reads']} chunk reads, {out['cpu']:.2f} s CPU; {peers.reads_delayed} reads delayed")
     return out, peers
 
 
@@ -122,6 +124,18 @@ def test_a_request_cancel_loop_over_a_few_chunks_costs_a_read_each_at_most(tmp_p
     out, peers = _run(tmp_path, monkeypatch, chunks=8, pairs=1000)
     assert out["reads"] <= 8, out["reads"]
     assert out["honest"] == _chunks(8) and out["sessions"] == ["a", "c"] and not peers.dropped
+
+
+def test_a_request_cancel_loop_over_more_chunks_than_are_kept_is_held_to_its_read_budget(tmp_path, monkeypatch):
+    """40 chunks and 4 kept: every pair would be a read (before: 1000 pairs, 1000 reads). The
+    bytes read for requests it cancelled are held to the budget's rate past its burst (here
+    4 MiB/s past 8 MiB), and the honest peer beside it is served every chunk, at once."""
+    rate, burst = 4 * CHUNK, 8 * CHUNK
+    out, peers = _run(tmp_path, monkeypatch, chunks=40, pairs=1000, kept_chunks=4,
+                      budgets=PeerBudgets(wasted_read_bytes_per_second=rate, wasted_read_burst=burst))
+    assert out["reads"] <= (burst + rate * out["seconds"]) / CHUNK + 4, out  # + a read in flight or so
+    assert peers.reads_delayed > 0 and out["sessions"] == ["a", "c"] and not peers.dropped
+    assert out["honest"] == _chunks(40)
 
 
 def test_a_kept_chunk_is_the_bytes_checked_and_one_let_go_is_checked_again_when_read(tmp_path, monkeypatch):
