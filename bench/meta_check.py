@@ -3,7 +3,7 @@
 A node uploads records in lz4-compressed batches (protocol/trajectory.py
 `decode_batch`); the origin checks each record's meta map (depth, no ext type,
 hashable keys, UTF-8) before it stores it. Rows, each `decode_batch` timed
-(best of `--repeat`, CPU seconds of this thread) with `packed_meta=True` (the
+(best of `--repeat`, CPU ms of this thread) with `packed_meta=True` (the
 origin's path) and without (a node's spool scan and the local API build metas):
 
 - tiny-containers: 12 MiB of records whose metas are 64 KiB of empty arrays
@@ -64,14 +64,14 @@ def main() -> None:
     args = ap.parse_args()
     kernel = getattr(packreader, "KERNEL", None)
     print(f"compiled meta check: {'yes' if kernel is not None else 'no'}")
-    print(f"{'batch':<16} {'records':>7} {'raw MB':>7} {'wire KB':>8} {'origin s':>9} {'built s':>8} {'us/wire B':>9}")
+    print(f"{'batch':<16} {'records':>7} {'raw MB':>7} {'wire KB':>8} {'origin ms':>10} {'built ms':>9} {'us/wire B':>9}")
     for name, make in (("tiny-containers", tiny_containers), ("fixint-arrays", fixint_arrays), ("honest", honest)):
         records = make()
         data = encode_batch(records)
         raw = sum(len(bytes(r.meta)) + len(r.payload) for r in records)
         origin = timed(data, True, args.repeat)
         built = timed(data, False, args.repeat)
-        print(f"{name:<16} {len(records):>7} {raw / 1e6:>7.1f} {len(data) / 1e3:>8.1f} {origin:>9.3f} {built:>8.3f} "
+        print(f"{name:<16} {len(records):>7} {raw / 1e6:>7.1f} {len(data) / 1e3:>8.1f} {origin * 1e3:>10.2f} {built * 1e3:>9.1f} "
               f"{origin / len(data) * 1e6:>9.2f}")
 
 
