@@ -25,6 +25,11 @@ announcements (Have, HaveOne, Incoming, manifests) at most
 counted by kind in `PeerSet.dropped` (the node's status shows it), with the
 listener's refusals (node/net/transport.py: connections before Hello, bytes
 buffered).
+The chunk bytes read from disk for its requests that it then cancelled, less
+what went out, are a debt paid off at `wasted_read_bytes_per_second`: past
+`wasted_read_burst` its next read waits (`reads_delayed`), a wait and not a
+drop, since an honest fetcher cancels too. Chunks served recently come from
+the store's kept bytes (`ObjectStore.serve_chunk`) and cost no read.
 """
 
 from __future__ import annotations

@@ -9,7 +9,9 @@ or a disk error costs a refetch, never a bad apply). A write that fails (a full
 disk) removes its temporary, is reported to `disk` (node/diskspace.py: the one
 record of our disk failing) and raises its OSError to the caller, which drops
 that write and tries again later. Must not decide what to fetch or keep:
-callers say what to drop.
+callers say what to drop. The last SERVED_KEPT_BYTES of chunks served are kept in
+memory as the bytes that matched the manifest (`serve_chunk`), so a chunk asked for
+again is neither read nor hashed, and damage since is still never sent.
 
 What start-up may delete, the one rule: what this store wrote and can show is
 unusable. That is a temporary of an interrupted write, a chunk file that does
