@@ -365,6 +365,10 @@ class Node:
             "bytes_out_arriving": self.peers.bytes_out_arriving,
             "chunks_rejected": f.chunks_rejected,
             "chunks_damaged": self.store.chunks_damaged,  # held chunks found changed on disk, removed (store.py)
+            # chunks read from disk and hashed to serve them (the rest came from the kept ones), and
+            # reads that waited off a peer's reads for requests it cancelled (node/peers.py budgets)
+            "chunk_reads": self.store.chunk_reads,
+            "reads_delayed": self.peers.reads_delayed,
             "pieces_unasked": f.pieces_unasked,  # first parts of chunks not asked of their sender, ignored
             "peers_dropped": dict(self.peers.dropped),  # and connections refused, by kind (node/peers.py)
             "sessions_replaced": self.peers.replaced,  # by the same member's new connection (its reconnect)

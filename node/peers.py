@@ -25,6 +25,11 @@ announcements (Have, HaveOne, Incoming, manifests) at most
 counted by kind in `PeerSet.dropped` (the node's status shows it), with the
 listener's refusals (node/net/transport.py: connections before Hello, bytes
 buffered).
+The chunk bytes read from disk for its requests that it then cancelled, less
+what went out, are a debt paid off at `wasted_read_bytes_per_second`: past
+`wasted_read_burst` its next read waits (`reads_delayed`), a wait and not a
+drop, since an honest fetcher cancels too. Chunks served recently come from
+the store's kept bytes (`ObjectStore.serve_chunk`) and cost no read.
 """
 
 from __future__ import annotations
@@ -71,6 +76,14 @@ class PeerBudgets:
     # An honest peer announces each chunk it takes at most twice (Incoming, HaveOne): 2**17 a
     # minute is 2 MiB chunks (the codec's default) at 2.2 GB/s from one peer.
     announcements_per_minute: int = 1 << 17
+    # Bytes of chunks read from disk (and hashed) for requests the peer cancelled before they
+    # were sent whole, less what went out: past `wasted_read_burst`, the session's next chunk
+    # read waits until this rate has paid them off. Not a drop: an honest fetcher cancels too
+    # (endgame, a chunk that came from another holder first; mostly chunks served recently,
+    # which cost no read), and would only wait. 32 MiB/s of reading and hashing is ~2% of a
+    # core; unthrottled, a peer sending Request+Cancel pairs cost a read and a hash per pair.
+    wasted_read_bytes_per_second: float = 32 << 20
+    wasted_read_burst: float = 128 << 20
 REPLACED = "replaced by a newer connection of the same member"
 _QUIET_ENDS = ("closed", "said bye", REPLACED)  # logged at INFO
 
@@ -95,6 +108,8 @@ class Session:
     rejects: collections.deque = dataclasses.field(default_factory=collections.deque)  # Rejects to send first
     announced: int = 0  # announcements since `window_start`
     window_start: float = -60.0
+    wasted_reads: float = 0.0  # read bytes not sent, less what the rate has paid off since `wasted_at`
+    wasted_at: float = 0.0
     serve_ready: trio.Event = dataclasses.field(default_factory=trio.Event)
     piece_bytes_in: int = 0
     piece_bytes_out: int = 0
@@ -158,6 +173,7 @@ class Outflow:
     start: int = 0  # where the answer begins: the offset of a RequestRest
     data: bytes | None = None
     flow: Inflow | None = None
+    read: bool = False  # `data` was read from disk for it (not kept from serving it before)
 
 
 OnMessage = Callable[[Session, object], Awaitable[None]]
@@ -184,6 +200,7 @@ class PeerSet:
         self._on_close = on_close
         self.bytes_out = 0
         self.bytes_out_arriving = 0  # of bytes_out: parts of chunks this member was still receiving (cut-through)
+        self.reads_delayed = 0  # chunk reads that waited off a peer's cancelled reads (PeerBudgets)
 
     def connected(self, peer_id: str) -> bool:
         return peer_id in self.sessions
@@ -294,6 +311,8 @@ class PeerSet:
                 key = (msg.version, msg.keyframe)
                 for o in list(s.queued.get((key, msg.chunk), ())):
                     self._drop_outflow(s, o)  # sent in part or not at all; else already sent
+                    if o.read and o.data is not None:
+                        self._waste(s, len(o.data) - (o.sent - o.start))
             elif isinstance(msg, wire.Bye):
                 return "said bye"
             else:
@@ -337,6 +356,14 @@ class PeerSet:
             raise BudgetExceeded(ANNOUNCEMENTS, f"more than {self.budgets.announcements_per_minute} "
                                                 f"announcements in a minute")
 
+    def _waste(self, s: Session, n: int) -> float:
+        """Add `n` bytes read for nothing to the session's debt; returns the seconds its next
+        read waits (0 while the debt is within the burst)."""
+        now, rate = trio.current_time(), self.budgets.wasted_read_bytes_per_second
+        s.wasted_reads = max(0.0, s.wasted_reads - (now - s.wasted_at) * rate) + n
+        s.wasted_at = now
+        return max(0.0, s.wasted_reads - self.budgets.wasted_read_burst) / rate
+
     async def _serve(self, s: Session) -> None:
         try:
             while True:
@@ -347,9 +374,17 @@ class PeerSet:
                 if head is not None and head.data is None and head.flow is None:
                     # The chunk this session serves next, read and checked off the loop; the
                     # rest of the queue (and a failed flow's fallback) reads in `_resolve`.
-                    data = await self.store.get_chunk_off_loop(head.key, head.chunk)
-                    if data is not None and head.data is None and head.flow is None:
-                        head.data = data
+                    wait = self._waste(s, 0)
+                    if wait > 0:  # reads it cancelled, past the budget: this one waits them off
+                        self.reads_delayed += 1
+                        await trio.sleep(wait)
+                        continue  # the queue may have changed meanwhile
+                    data, read = await self.store.serve_chunk(head.key, head.chunk)
+                    if head not in s.serve_queue:  # cancelled while it was read
+                        if read and data is not None:
+                            self._waste(s, len(data))
+                    elif data is not None and head.data is None and head.flow is None:
+                        head.data, head.read = data, read
                 msg, arriving = self._next_to_send(s)
                 if msg is None:
                     # Nothing sendable: no await since the scan, so no wake-up was missed.
@@ -399,7 +434,7 @@ class PeerSet:
         if o.flow is not None:
             o.flow.unwatch(s.wake)
             o.flow = None
-        data = self.store.get_chunk(o.key, o.chunk)
+        data, o.read = self.store.serve_chunk_now(o.key, o.chunk)
         if data is not None:
             o.data = data  # the same bytes a failed flow was bringing, so a started answer goes on
             return True

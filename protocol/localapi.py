@@ -125,8 +125,8 @@ def _read_records(r: PackReader) -> list:
                 rec.append(r.bin(MAX_FRAME_BYTES, "a payload"))
             elif i == 2 and kind == "map":
                 start = r.pos
-                r.any(MAX_META_BYTES, MAX_META_DEPTH, "a meta map", max_bytes=MAX_META_BYTES, kind="map")
-                rec.append(PackedMeta(r.data[start:r.pos]))  # built once to check it, then let go
+                r.any(MAX_META_BYTES, MAX_META_DEPTH, "a meta map", max_bytes=MAX_META_BYTES, kind="map", build=False)
+                rec.append(PackedMeta(r.data[start:r.pos]))  # checked, kept as the bytes it came in
             elif i == 2 and r.nil():
                 rec.append(None)
             else:

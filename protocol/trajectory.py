@@ -325,7 +325,7 @@ def pack_meta(meta: dict) -> PackedMeta:
         raise UsageError(f"record.meta: expected at most {MAX_META_BYTES} packed bytes, found {len(packed)}")
     try:
         PackReader(packed, CorruptData, "record.meta").any(MAX_META_BYTES, MAX_META_DEPTH, "a map",
-                                                            max_bytes=MAX_META_BYTES, kind="map")
+                                                            max_bytes=MAX_META_BYTES, kind="map", build=False)
     except CorruptData as e:
         raise UsageError(str(e)) from None
     return PackedMeta(packed)
@@ -348,7 +348,8 @@ def _unpack(body, what: str):
 def _read_value(r: PackReader, allowed=_ALL_KINDS, packed_meta: bool = False):
     """One entry body's value, read along its kind's schema: strings, payload and meta
     are bounded (a meta map by MAX_META_BYTES and MAX_META_DEPTH) before they are built.
-    `packed_meta`: a meta map is checked (built once, then let go) and kept as PackedMeta."""
+    `packed_meta`: a meta map is checked (without building it where protocol/_kernels
+    built, else built once and let go) and kept as PackedMeta."""
     start = r.pos
     n = r.array_len(_MAX_BODY_LEN, "an array starting with a kind")
     kind = r.int(expected="a kind") if n else None
@@ -389,7 +390,8 @@ def _read_value(r: PackReader, allowed=_ALL_KINDS, packed_meta: bool = False):
     meta = None
     if not r.nil():
         start = r.pos
-        meta = r.any(MAX_META_BYTES, MAX_META_DEPTH, "a meta map or nil", max_bytes=MAX_META_BYTES, kind="map")
+        meta = r.any(MAX_META_BYTES, MAX_META_DEPTH, "a meta map or nil", max_bytes=MAX_META_BYTES, kind="map",
+                     build=not packed_meta)
         if packed_meta:
             meta = PackedMeta(r.data[start:r.pos])
     _check_fields(node_id, region, seq, version, submitted_at, payload, meta, CorruptData)
@@ -410,10 +412,12 @@ def _ranges_ok(ranges) -> bool:
         isinstance(r, (list, tuple)) and len(r) == 2 and _uint(r[0]) and _uint(r[1]) and r[0] < r[1] for r in ranges)
 
 
-def decode_record(body) -> Record | ReceivedRecord | DuplicatesNote | SpoolState | AckedRanges | RecordIds:
-    """The value in one entry body (CorruptData if it is not one)."""
+def decode_record(body, packed_meta: bool = False) -> Record | ReceivedRecord | DuplicatesNote | SpoolState | \
+        AckedRanges | RecordIds:
+    """The value in one entry body (CorruptData if it is not one). `packed_meta`: a
+    record's meta is checked and kept as PackedMeta (for a reader that only sends it on)."""
     r = PackReader(body, CorruptData, "record body")
-    value = _read_value(r)
+    value = _read_value(r, packed_meta=packed_meta)
     r.expect_end()
     return value
 

@@ -62,5 +62,7 @@ def test_a_chunk_damaged_on_a_running_nodes_disk_is_refused_not_sent(tmp_path):
         assert answers == {c: "Reject" for c in range(len(files))}
         st = a.status()
         assert st["chunks_damaged"] == len(files) and not any(f.exists() for f in files)
+        # each damaged chunk was read from disk (a damaged one is never kept), none delayed
+        assert st["chunk_reads"] >= len(files) and st["reads_delayed"] == 0
         assert a.alive() and st["peers_dropped"].get("misbehaved", 0) == 0
         assert "Traceback" not in a.text()
