@@ -312,7 +312,7 @@ class NodeClient:
             self.close()
             raise NodeUnavailable("unavailable", f"node at {self.path}: {type(e).__name__}: {e}") from None
         except NodeError as e:  # an error reply ends the exchange; the connection serves on unless it is gone
-            if isinstance(e, NodeUnavailable) or e.code == localapi.TOO_MANY_CONNECTIONS:
+            if isinstance(e, NodeUnavailable) or e.code in localapi.CLOSING:
                 self.close()
             raise
         except BaseException:  # e.g. KeyboardInterrupt: this call's reply would be read as the next one's
@@ -537,7 +537,7 @@ class AsyncNodeClient:
             await self._discard(stream)
             raise
         if (stream in self._open and len(self._idle) < self.KEEP_IDLE
-                and reply.get("code") != localapi.TOO_MANY_CONNECTIONS):  # refused: the node closed it
+                and reply.get("code") not in localapi.CLOSING):  # refused: the node closed it
             self._idle.append((stream, frames))
         else:
             await self._discard(stream)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import functools
 import logging
 import os
 import time
@@ -42,7 +43,7 @@ from patchswarm.protocol.versions import VersionBook
 from patchswarm.node.applier import Applier
 from patchswarm.node.dialer import Dialer, rank
 from patchswarm.node.fetcher import REQUEST_TIMEOUT, Fetcher
-from patchswarm.node.localapi import LocalRequests, serve_local
+from patchswarm.node.localapi import BufferBudget, LocalRequests, serve_local
 from patchswarm.node.lowprio import APPLY_NICE
 from patchswarm.node.net.admission import CONNECTION_BURST, MemberAdmission
 from patchswarm.node.net.ratelimit import TokenBucket
@@ -122,6 +123,7 @@ class Node:
         self.upload = TokenBucket(cfg.upload_limit)
         self.download = TokenBucket(cfg.download_limit)
         self.inflows = Inflows()
+        self.local_budget = BufferBudget()  # bytes the local socket's clients may have it hold (node/localapi.py)
         n = cfg.member_connections
         self.admission = MemberAdmission(n, n) if n else None
         seed = cfg.seed if cfg.seed is not None else int.from_bytes(rank(self.id, "seed")[:4], "big")
@@ -196,7 +198,8 @@ class Node:
             self.listen_addr = "" if self.cfg.no_listen else await nursery.start(self._serve_peers)
             if self.rtc is not None:
                 await nursery.start(self.rtc.run)
-            await nursery.start(serve_local, self.data_dir / "node.sock", local)
+            await nursery.start(functools.partial(serve_local, self.data_dir / "node.sock", local,
+                                                  budget=self.local_budget))
             log.info("node %s (region %s) listening on %s, at %s; local socket %s", self.id, self.region,
                      self.listen_addr or "no address (--no-listen)",
                      "no version yet" if self.version is None else f"version {self.version}",
@@ -382,5 +385,8 @@ class Node:
             **self.store.disk.status(),  # our disk failing writes (node/diskspace.py); the spool's: in "spool"
             "applied": list(a.applied),
             "spool": self.uploader.status(),
+            # Bytes of requests received on the local socket and not yet handled, against the budget
+            # (node/localapi.py): waits, refusals (too_large) and waits that ran out (buffers_full).
+            "local_socket": self.local_budget.status(),
             "uptime_s": round(time.time() - self.started_at, 1),
         }

@@ -27,12 +27,26 @@ node's peers and files need too): past it, a new connection gets one
 `too_many_connections` error and is closed, and the node serves on. A
 wait_version whose client closes the connection ends then, not at its timeout;
 a frame begun and not finished within FRAME_WAIT_S closes its connection.
+
+One budget over all connections (`BufferBudget`, BUFFER_BUDGET_BYTES) bounds
+the bytes received and not yet handled: without it, 1,024 clients could each
+make the node buffer a 256 MiB frame. A connection holds budget for what it
+has buffered, the frame it is reading (all of it, from the moment its header
+is in, so that connections never each hold part of what they need and wait on
+one another), and the room of its next read; a request's bytes stay counted
+until it is answered. A connection that needs more than is left stops reading
+its socket (its client's send blocks) until others give some back, first come
+first served, for at most BUFFER_WAIT_S; then it gets `buffers_full` and is
+closed. A frame larger than the whole budget gets `too_large` and its
+connection is closed. Not counted: what a request's handling builds from its
+bytes (a submit's records are copies of its payloads until they are spooled).
 A request the node fails on (a fault of its own) gets `internal_error`, or
 a closed connection mid-stream; the node serves on.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import logging
@@ -47,7 +61,7 @@ import trio
 
 from patchswarm.protocol import localapi
 from patchswarm.protocol.errors import DiskFull, ProtocolError, SpoolFull, StorageFailed, UsageError
-from patchswarm.protocol.wire import CLOSED, NEED_DATA, FrameBuffer
+from patchswarm.protocol.wire import CLOSED, HEADER_BYTES, NEED_DATA, FrameBuffer
 
 from patchswarm.node import failpoints
 from patchswarm.node.changelog import Changelog
@@ -63,8 +77,83 @@ MAX_CONNECTIONS = 1024  # and at most a quarter of the process's file descriptor
 # reader ~0.4 s per MiB (measured on a loaded 2-core machine: each meta is walked and built once to
 # check it, as the origin will), where a rollout worker's usual submit of small records is read inline.
 DECODE_OFF_LOOP_BYTES = 1 << 20
+# Bytes received on the local socket and not yet handled, all connections together. 1 GiB: room
+# for the largest frame (256 MiB) while every other connection holds a read's worth (1,024 x
+# 256 KiB), so the largest request always gets in once the requests before it are answered, and
+# for four such frames at once; honest use (a few dozen workers' 1 MiB trajectories) needs a few
+# tens of MiB. A fixed figure, not a share of the host's memory: a share would refuse legal
+# requests on a small host and differ from host to host.
+BUFFER_BUDGET_BYTES = 1 << 30
+BUFFER_WAIT_S = FRAME_WAIT_S  # the longest a connection waits for room before it is refused
 _GONE = (errno.ECONNRESET, errno.EPIPE, errno.ENOTCONN, errno.EBADF)
 _ENDED_WITH_CLIENT = frozenset({"wait_version"})  # ops dropped when their client leaves (they change nothing)
+
+
+class _Waiter:
+    __slots__ = ("n", "granted", "event")
+
+    def __init__(self, n: int):
+        self.n, self.granted, self.event = n, False, trio.Event()
+
+
+class BufferBudget:
+    """Bytes the local socket's connections may hold, received and not yet handled: `take`
+    (waits, first come first served), `try_take` (never waits), `release`. `status()` for the
+    node's status map. One per `serve_local`; the daemon makes it to show it."""
+
+    def __init__(self, limit: int = BUFFER_BUDGET_BYTES):
+        if type(limit) is not int or limit < RECEIVE_BYTES:
+            raise UsageError(f"local buffer budget: expected at least {RECEIVE_BYTES} bytes, found {limit!r}")
+        self.limit = limit
+        self.used = 0
+        self.peak = 0  # the most used at once
+        self.waits = 0  # times a connection stopped reading until others gave room back
+        self.refused = 0  # frames larger than the whole budget (too_large)
+        self.timed_out = 0  # connections that waited BUFFER_WAIT_S for room (buffers_full)
+        self._queue: collections.deque[_Waiter] = collections.deque()
+
+    def status(self) -> dict:
+        return {"limit_bytes": self.limit, "used_bytes": self.used, "peak_bytes": self.peak,
+                "waiting": len(self._queue), "waits": self.waits, "refused": self.refused,
+                "timed_out": self.timed_out}
+
+    def try_take(self, n: int) -> bool:
+        if self._queue or n > self.limit - self.used:  # behind those waiting, not before them
+            return False
+        self.used += n
+        self.peak = max(self.peak, self.used)
+        return True
+
+    async def take(self, n: int) -> None:
+        """Take `n` bytes once they are free and everyone who asked before has had theirs.
+        A caller cancelled while waiting takes nothing."""
+        if self.try_take(n):
+            return
+        self.waits += 1
+        w = _Waiter(n)
+        self._queue.append(w)
+        try:
+            await w.event.wait()
+        except BaseException:
+            if w.granted:  # granted, then cancelled before it ran: give it back
+                self.release(n)
+            else:
+                self._queue.remove(w)
+                self._grant()  # the next one may fit where this one did not
+            raise
+
+    def release(self, n: int) -> None:
+        self.used -= n
+        if self._queue:
+            self._grant()
+
+    def _grant(self) -> None:
+        while self._queue and self._queue[0].n <= self.limit - self.used:
+            w = self._queue.popleft()
+            self.used += w.n
+            self.peak = max(self.peak, self.used)
+            w.granted = True
+            w.event.set()
 
 
 class StreamedReply:
@@ -164,8 +253,13 @@ def _connection_limit() -> int:
 
 
 async def serve_local(path: Path, handle: Handler, task_status=trio.TASK_STATUS_IGNORED, *,
-                      max_connections: int | None = None) -> None:
+                      max_connections: int | None = None, budget: BufferBudget | None = None,
+                      budget_wait: float = BUFFER_WAIT_S) -> None:
+    """Serve `handle` on a Unix socket at `path` until cancelled. `budget`: the bytes all
+    connections may hold (a new BufferBudget() if None); `budget_wait`: the longest one
+    waits for room in it."""
     path = Path(path)
+    budget = BufferBudget() if budget is None else budget
     limit = _connection_limit() if max_connections is None else max_connections
     refusal = localapi.encode(localapi.error(
         localapi.TOO_MANY_CONNECTIONS, f"local socket {path}: expected at most {limit} connections at once, found "
@@ -176,7 +270,7 @@ async def serve_local(path: Path, handle: Handler, task_status=trio.TASK_STATUS_
     async def serve_connection(conn: _socket.socket) -> None:
         nonlocal open_connections
         try:
-            await _serve_connection(conn, handle, buf)
+            await _serve_connection(conn, handle, buf, budget, budget_wait)
         finally:
             open_connections -= 1
 
@@ -217,11 +311,15 @@ async def serve_local(path: Path, handle: Handler, task_status=trio.TASK_STATUS_
         path.unlink(missing_ok=True)
 
 
-async def _serve_connection(conn: _socket.socket, handle: Handler, buf: bytearray) -> None:
+async def _serve_connection(conn: _socket.socket, handle: Handler, buf: bytearray, budget: BufferBudget,
+                             budget_wait: float) -> None:
     """Answer one client's requests in order until it closes the connection. `buf`
-    is shared: each read is copied out of it before the next checkpoint."""
+    is shared: each read is copied out of it before the next checkpoint. `held`: the
+    bytes of `budget` this connection holds, at least what it has buffered and the
+    requests it has taken out of its buffer and not yet answered."""
     frames = FrameBuffer(localapi.MAX_FRAME_BYTES)
     view = memoryview(buf)
+    held = 0
     try:
         waited = True
         while True:
@@ -229,7 +327,27 @@ async def _serve_connection(conn: _socket.socket, handle: Handler, buf: bytearra
             if body is CLOSED:
                 return
             if body is NEED_DATA:
-                if frames.buffered:  # in the middle of a frame: the rest comes soon or never
+                # Every request taken out before has been answered: hold what is buffered, or the
+                # whole frame it begins once its header is in, and nothing more.
+                buffered = frames.buffered
+                total = None if buffered < HEADER_BYTES else frames.frame_bytes
+                if total is not None and total > budget.limit:
+                    budget.refused += 1
+                    await _refuse(conn, localapi.TOO_LARGE, f"local socket: expected a request of at most "
+                                  f"{budget.limit - HEADER_BYTES} bytes (the node's budget for requests received and "
+                                  f"not yet handled is {budget.limit}), found one of {total - HEADER_BYTES}; split it "
+                                  f"over several calls")
+                    return
+                want = buffered if total is None else total
+                if held > want:
+                    budget.release(held - want)
+                    held = want
+                elif held < want:  # a frame begun: room for all of it before reading on
+                    if not budget.try_take(want - held) and not await _take(budget, want - held, budget_wait):
+                        await _refuse_full(conn, budget, budget_wait)
+                        return
+                    held = want
+                if buffered:  # in the middle of a frame: the rest comes soon or never
                     with trio.move_on_after(FRAME_WAIT_S) as cut:
                         await trio.lowlevel.wait_readable(conn)
                     if cut.cancelled_caught:
@@ -239,11 +357,23 @@ async def _serve_connection(conn: _socket.socket, handle: Handler, buf: bytearra
                 else:
                     await trio.lowlevel.wait_readable(conn)
                 waited = True
+                if total is None:  # room for one read (less where less is free), given back after it
+                    room = max(HEADER_BYTES - buffered, min(RECEIVE_BYTES, budget.limit - budget.used))
+                    if not budget.try_take(room) and not await _take(budget, room, budget_wait):
+                        await _refuse_full(conn, budget, budget_wait)
+                        return
+                    held += room
+                else:  # the frame's reserved bytes, and none of the next request's
+                    room = min(RECEIVE_BYTES, held - buffered)
                 try:
-                    n = conn.recv_into(buf)
+                    n = conn.recv_into(buf, room)
                 except (BlockingIOError, InterruptedError):
                     continue
                 frames.receive_data(view[:n])  # copied; n == 0 is the client's EOF
+                if total is None:
+                    buffered = frames.buffered
+                    budget.release(held - buffered)
+                    held = buffered
                 continue
             if not waited:  # requests queued back to back: let other tasks run between them
                 await trio.lowlevel.checkpoint()
@@ -285,8 +415,34 @@ async def _serve_connection(conn: _socket.socket, handle: Handler, buf: bytearra
         if e.errno not in _GONE:
             raise
     finally:
+        budget.release(held)
         trio.lowlevel.notify_closing(conn)
         conn.close()
+
+
+async def _take(budget: BufferBudget, n: int, wait: float) -> bool:
+    """`budget.take(n)` within `wait` seconds; False if it ran out. (Callers try
+    `budget.try_take` first: the usual case, without a coroutine or a cancel scope.)"""
+    with trio.move_on_after(wait):
+        await budget.take(n)
+        return True
+    return False
+
+
+async def _refuse_full(conn: _socket.socket, budget: BufferBudget, wait: float) -> None:
+    budget.timed_out += 1
+    await _refuse(conn, localapi.BUFFERS_FULL, f"local socket: expected room for this request in the node's budget "
+                  f"for requests received and not yet handled ({budget.limit} bytes) within {wait:g} s, found it "
+                  f"held by other clients' requests all along; nothing was done, retry later")
+
+
+async def _refuse(conn: _socket.socket, code: str, message: str) -> None:
+    """Send one error and let the caller close: its client may still be sending the request
+    (its send then fails, and it reads this error). Bounded: a client that reads nothing is
+    not waited on."""
+    log.warning("local client refused (%s): %s", code, message)
+    with trio.move_on_after(1.0), contextlib.suppress(OSError):
+        await _send_all(conn, localapi.encode(localapi.error(code, message)))
 
 
 def _fault(e: BaseException) -> str:

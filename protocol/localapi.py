@@ -6,7 +6,10 @@ msgpack map; `protocol.wire.FrameBuffer`). A request is a map with "op"; the
 reply is `{"ok": true, ...}` or `{"ok": false, "error": str, "code": str}`.
 One request at a time per connection, answered in order. A node at its
 connection limit sends one error (code "too_many_connections") unasked and
-closes: a client reads it as the reply to its first request.
+closes: a client reads it as the reply to its first request. A request larger
+than the node's budget for buffered requests gets "too_large", one that waited
+for room in it too long "buffers_full", and the node closes after either
+(`CLOSING`): a client may read the error before it has sent the whole request.
 
 Ops:
 - status                                   -> {"status": {...}}
@@ -58,6 +61,13 @@ STORAGE = "storage_failed"  # the node's spool failed a durable write: nothing w
 UNAVAILABLE = "unavailable"
 INTERNAL = "internal_error"  # the node failed answering (its log says why); it serves on
 TOO_MANY_CONNECTIONS = "too_many_connections"  # sent unasked, then the node closes: retry later
+# A request larger than the node's whole budget for bytes received and not yet handled on its
+# local socket (node/localapi.py): refused, nothing done, and the node closes; split it.
+TOO_LARGE = "too_large"
+# The node's local budget stayed spent by other clients' requests for as long as it waits
+# (node/localapi.py BUFFER_WAIT_S): nothing done, and the node closes; retry later.
+BUFFERS_FULL = "buffers_full"
+CLOSING = frozenset({TOO_MANY_CONNECTIONS, TOO_LARGE, BUFFERS_FULL})  # the node closes after these
 BOOTSTRAP = "bootstrap"
 
 

@@ -730,6 +730,14 @@ class FrameBuffer:
         """Bytes received and not yet returned as a body (at most a frame and a read)."""
         return len(self._buf) - self._pos
 
+    @property
+    def frame_bytes(self) -> int | None:
+        """Header and body of the frame at the front of the buffer, from the moment its header
+        is in (None before): what a reader must make room for to take that frame whole."""
+        if len(self._buf) - self._pos < HEADER_BYTES:
+            return None
+        return HEADER_BYTES + int.from_bytes(self._buf[self._pos:self._pos + HEADER_BYTES], "big")
+
     def next_body(self):
         buf, pos = self._buf, self._pos
         avail = len(buf) - pos

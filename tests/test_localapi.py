@@ -18,10 +18,12 @@ from hypothesis import strategies as st
 
 import patchswarm.node.client
 from patchswarm.node.client import AsyncNodeClient, NodeClient, NodeError
-from patchswarm.node.localapi import RECEIVE_BYTES, LocalRequests, serve_local
+from patchswarm.node import localapi as node_localapi
+from patchswarm.node.localapi import RECEIVE_BYTES, BufferBudget, LocalRequests, serve_local
 from patchswarm.node.spool import TrajectorySpool
 from patchswarm.protocol import localapi
 from patchswarm.protocol.errors import UsageError
+from patchswarm.protocol.wire import CLOSED, NEED_DATA, FrameBuffer
 
 from memory import traced_peak
 
@@ -677,3 +679,156 @@ def test_a_submit_holds_its_metas_as_the_bytes_they_came_in(tmp_path):
     assert peak < 24 << 20, f"{peak:,} bytes traced for a {len(raw):,}-byte submit"  # unpacked: ~75 MB
     back = trajectory.decode_batch(trajectory.encode_batch(records))
     assert [r.payload for r in back] == [b"p%d" % i for i in range(16)] and back[5].meta == meta
+
+
+# ------------------------------------------------------------------ the budget over all connections
+
+
+async def _read_reply(stream) -> dict:
+    frames = FrameBuffer(localapi.MAX_FRAME_BYTES)
+    while (body := frames.next_body()) is NEED_DATA:
+        frames.receive_data(await stream.receive_some(1 << 16))
+    assert body is not CLOSED
+    return localapi.decode(body)
+
+
+def test_connections_never_hold_more_than_the_budget_and_all_complete(tmp_path, monkeypatch):
+    """1,024 local clients could each make the node buffer a 256 MiB frame. Now one budget
+    bounds what all connections hold: six clients each send all but the last bytes of a 2 MiB
+    submit into a 6 MiB budget. Two get room for their whole frame; the other four stop being
+    read (their sends block) and hold at most a read's worth each. The bytes the connections
+    really hold (their frame buffers, watched every millisecond) never pass what the budget
+    counts, nor the budget. Once the first two finish, the others get in: all six are answered,
+    and the spool holds each record once."""
+    budget = BufferBudget(6 << 20)
+    buffers = []
+
+    class Watched(FrameBuffer):
+        def __init__(self, *a):
+            super().__init__(*a)
+            buffers.append(self)
+
+    monkeypatch.setattr(node_localapi, "FrameBuffer", Watched)
+    payloads = [bytes([i]) * (2 << 20) for i in range(6)]
+    frames = [b"".join(localapi.submit_frame_parts([[p, 1, None, os.urandom(16)]], 30)) for p in payloads]
+
+    async def main():
+        async with await TrajectorySpool.open(tmp_path / "spool", "n1", "r1") as spool:
+            handle = LocalRequests(lambda: {"version": 1}, None, lambda: 1, spool)
+            seen = {"real": 0, "counted": 0}
+            head_sent, go, replies = set(), trio.Event(), {}
+
+            async def client(i):
+                stream = await trio.open_unix_socket(str(path))
+                async with stream:
+                    await stream.send_all(frames[i][:-10])
+                    head_sent.add(i)
+                    await go.wait()
+                    await stream.send_all(frames[i][-10:])
+                    replies[i] = await _read_reply(stream)
+
+            async def watch():
+                while True:
+                    real = sum(b.buffered for b in buffers)
+                    assert real <= budget.used <= budget.limit
+                    seen["real"], seen["counted"] = max(seen["real"], real), max(seen["counted"], budget.used)
+                    await trio.sleep(0.001)
+
+            with trio.fail_after(30):
+                async with trio.open_nursery() as n:
+                    path = await n.start(functools.partial(serve_local, tmp_path / "node.sock", handle, budget=budget))
+                    n.start_soon(watch)
+                    async with trio.open_nursery() as clients:
+                        for i in range(6):
+                            clients.start_soon(client, i)
+                        for _ in range(2000):  # until the node has read all it will
+                            if budget.status()["waiting"] == 4 and len(head_sent) == 2:
+                                break
+                            await trio.sleep(0.005)
+                        await trio.sleep(0.2)  # nothing more moves
+                        assert budget.status()["waiting"] == 4 and len(head_sent) == 2
+                        waiting_hold = budget.used - sum(len(frames[i]) for i in head_sent)
+                        assert waiting_hold <= 4 * RECEIVE_BYTES  # the four waiting hold a read's worth each
+                        go.set()
+                    n.cancel_scope.cancel()
+            assert all(r["ok"] for r in replies.values()) and len(replies) == 6
+            assert sorted(s for r in replies.values() for s in r["seqs"]) == list(range(6))
+            assert spool.stats()["records"] == 6
+            held = spool.pending(max_records=100, max_bytes=1 << 30)
+            assert sorted(r.payload for r in held) == payloads  # each once, whole
+            assert budget.used == 0 and budget.waits >= 4 and budget.peak <= budget.limit
+            assert seen["real"] > 4 << 20  # two frames at once, really held
+
+    trio.run(main)
+
+
+def test_a_request_larger_than_the_whole_budget_is_refused_and_the_node_serves_on(tmp_path):
+    """A frame larger than the budget can never be taken: the client gets too_large (it reads
+    it while its send fails: the node closes the connection), nothing is stored, and the next
+    call (a new connection) is served."""
+    budget = BufferBudget(1 << 20)
+
+    async def main():
+        async with await TrajectorySpool.open(tmp_path / "spool", "n1", "r1") as spool:
+            handle = LocalRequests(lambda: {"version": 1}, None, lambda: 1, spool)
+            async with trio.open_nursery() as n:
+                path = await n.start(functools.partial(serve_local, tmp_path / "node.sock", handle, budget=budget))
+
+                def blocking():
+                    with NodeClient(path) as c:
+                        with pytest.raises(NodeError) as e:
+                            c.submit(bytes(2 << 20), 1, timeout=5)
+                        assert c._sock is None  # closed with the node's side
+                        return e.value, c.submit(b"small", 1, timeout=5)
+
+                with trio.fail_after(20):
+                    e, seq = await trio.to_thread.run_sync(blocking)
+                    assert e.code == localapi.TOO_LARGE and "split it" in str(e) and str(1 << 20) in str(e)
+                    async with AsyncNodeClient(path) as c:
+                        with pytest.raises(NodeError) as ae:
+                            await c.submit(bytes(2 << 20), 1, timeout=5)
+                        assert ae.value.code == localapi.TOO_LARGE
+                        assert await c.submit(b"small too", 1, timeout=5) == 1
+                n.cancel_scope.cancel()
+            assert seq == 0 and spool.stats()["records"] == 2
+            assert budget.refused == 2 and budget.used == 0
+
+    trio.run(main)
+
+
+def test_a_request_that_finds_no_room_within_the_wait_gets_buffers_full(tmp_path):
+    """One client holds most of the budget with a frame it does not finish; another's request
+    waits for room (backpressure), and when the wait runs out it gets buffers_full, not a hang.
+    Once the first finishes, the second's retry is served; both records are stored once."""
+    budget = BufferBudget(1 << 20)
+
+    async def main():
+        async with await TrajectorySpool.open(tmp_path / "spool", "n1", "r1") as spool:
+            handle = LocalRequests(lambda: {"version": 1}, None, lambda: 1, spool)
+            async with trio.open_nursery() as n:
+                path = await n.start(functools.partial(serve_local, tmp_path / "node.sock", handle, budget=budget,
+                                                       budget_wait=0.5))
+                big = b"".join(localapi.submit_frame_parts([[b"a" * (700 << 10), 1, None, b"first"]], 30))
+                with trio.fail_after(20):
+                    async with await trio.open_unix_socket(str(path)) as hog:
+                        await hog.send_all(big[:-10])
+                        while budget.used < len(big):
+                            await trio.sleep(0.005)
+
+                        def second():
+                            with NodeClient(path) as c:
+                                with pytest.raises(NodeError) as e:
+                                    c.submit(b"b" * (400 << 10), 1, timeout=5, record_id=b"second")
+                                return e.value
+
+                        t0 = time.monotonic()
+                        e = await trio.to_thread.run_sync(second)
+                        assert e.code == localapi.BUFFERS_FULL and 0.4 < time.monotonic() - t0 < 5
+                        await hog.send_all(big[-10:])
+                        assert (await _read_reply(hog))["seqs"] == [0]
+                    async with AsyncNodeClient(path) as c:
+                        assert await c.submit(b"b" * (400 << 10), 1, timeout=5, record_id=b"second") == 1
+                n.cancel_scope.cancel()
+            assert spool.stats()["records"] == 2 and budget.timed_out == 1 and budget.used == 0
+
+    trio.run(main)

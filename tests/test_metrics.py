@@ -44,6 +44,8 @@ NODE_STATUS = {
               {"id": "w", "region": "r2", "role": "node", "transport": "webrtc"}],
     "spool": {"records": 7, "bytes": 7000, "appended_total": 20, "acked_total": 13, "upload_rate_bps": 1234.5,
               "storage_failed": False, "storage_failures": 2, "storage_recoveries": 2},
+    "local_socket": {"limit_bytes": 1 << 30, "used_bytes": 4096, "peak_bytes": 8192, "waiting": 0, "waits": 5,
+                     "refused": 1, "timed_out": 2},
     "applied": [{"version": 3, "published_at": 100.0, "applied_at": 101.5},
                 {"version": 4, "published_at": 200.0, "applied_at": 203.0}],
 }
@@ -73,6 +75,10 @@ def test_node_series_follow_the_status():
         ("patchswarm_trajectory_upload_bytes_per_second", ()): 1234.5,
         ("patchswarm_storage_failed", ()): 0, ("patchswarm_storage_failures_total", ()): 2,
         ("patchswarm_storage_recoveries_total", ()): 2,
+        ("patchswarm_local_buffered_bytes", ()): 4096, ("patchswarm_local_buffer_limit_bytes", ()): 1 << 30,
+        ("patchswarm_local_buffer_waits_total", ()): 5,
+        ("patchswarm_local_requests_refused_total", (("reason", "too_large"),)): 1,
+        ("patchswarm_local_requests_refused_total", (("reason", "buffers_full"),)): 2,
         ("patchswarm_publish_to_applied_seconds_count", ()): 2,
         ("patchswarm_publish_to_applied_seconds_sum", ()): 4.5,
         ("patchswarm_publish_to_applied_seconds_bucket", (("le", "2.0"),)): 1,
@@ -256,6 +262,7 @@ def test_real_swarm_metrics_readiness_and_json_logs(tmp_path):
             assert value(f, "patchswarm_chunks_rejected_total", reason="sha256_mismatch") == 0
             assert value(f, "patchswarm_peers", role="origin", region="r0", transport="tcp") == 1
             assert value(f, "patchswarm_spool_records") == 0
+            assert value(f, "patchswarm_local_buffer_limit_bytes") == 1 << 30
             value(f, "patchswarm_trajectory_upload_bytes_per_second")
             assert value(f, "patchswarm_ready") == 1
             assert value(f, "patchswarm_build_info", service="node") == 1

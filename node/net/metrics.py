@@ -196,6 +196,20 @@ class NodeMetrics(StatusMetrics):
             yield from _gauge("patchswarm_trajectory_upload_bytes_per_second",
                               "trajectory bytes sent to the origin per second, over the last 5 s",
                               spool.get("upload_rate_bps"))
+        local = st.get("local_socket")
+        if local:
+            yield from _gauge("patchswarm_local_buffered_bytes", "bytes of requests received on the local socket and "
+                              "not yet handled, all clients together", local["used_bytes"])
+            yield from _gauge("patchswarm_local_buffer_limit_bytes", "the most the local socket holds so",
+                              local["limit_bytes"])
+            yield from _counter("patchswarm_local_buffer_waits", "times a local client's request waited for room "
+                                "(the node stopped reading it)", local["waits"])
+            r = CounterMetricFamily("patchswarm_local_requests_refused", "local requests refused for room: larger than "
+                                    "the whole budget (too_large), or no room within the wait (buffers_full)",
+                                    labels=["reason"])
+            r.add_metric(["too_large"], float(local["refused"]))
+            r.add_metric(["buffers_full"], float(local["timed_out"]))
+            yield r
         engine = st.get("engine")
         if engine is not None:
             yield from _gauge("patchswarm_engine_version", "the version the inference engine holds",

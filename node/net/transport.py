@@ -31,7 +31,7 @@ from patchswarm.protocol.errors import BudgetExceeded, InvalidInput, PeerRefused
 
 from patchswarm.node.net.admission import MemberAdmission
 from patchswarm.node.net.tlsstream import TLSSocketStream
-from patchswarm.node.net.trust import Credentials, client_context, peer_identity, peer_serial, server_context
+from patchswarm.node.net.trust import Credentials, dial_context, peer_identity, peer_serial, server_context
 
 log = logging.getLogger("patchswarm.transport")
 HANDSHAKE_SECONDS = 10.0
@@ -260,7 +260,7 @@ async def connect(addr: str, creds: Credentials, allowed_roles: set[str] | froze
     host, port = parse_addr(addr)
     with trio.fail_after(HANDSHAKE_SECONDS):
         tcp = await trio.open_tcp_stream(host, port, local_address=local_address)
-    stream = TLSSocketStream.wrap(tcp, ssl_context or client_context(creds), server_side=False)
+    stream = TLSSocketStream.wrap(tcp, ssl_context or dial_context(creds), server_side=False)
     ms = None
     try:
         name, role, serial = await _handshake(stream, allowed_roles, expect_name, creds)
