@@ -19,44 +19,18 @@ import time
 from pathlib import Path
 
 import trio
-import trio.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from memlink import KEY, store_with  # noqa: E402
-from test_peer_budgets import FarEnd, _noop  # noqa: E402
+from memlink import store_with  # noqa: E402
+from test_peer_budgets import _noop  # noqa: E402
+from test_request_cancel import _fetch, _join  # noqa: E402
 
 import patchswarm.node.store as store_module  # noqa: E402
 from patchswarm.node.net.ratelimit import TokenBucket  # noqa: E402
-from patchswarm.node.net.transport import MessageStream  # noqa: E402
 from patchswarm.node.peers import PeerSet  # noqa: E402
-from patchswarm.protocol import wire  # noqa: E402
 
 CHUNK = 1 << 20
-
-
-async def _join(nursery, peers: PeerSet) -> FarEnd:
-    local, remote = trio.testing.memory_stream_pair()
-    ms, far = MessageStream(local, "c", "node"), FarEnd(remote)
-    await far.send(wire.Hello("c", "r0", "node", "127.0.0.1:1", []))
-    await ms.send(wire.Hello("b", "r0", "node", "127.0.0.1:2", []))
-    ms.hello = await ms.receive()
-    await far.receive(1)
-    nursery.start_soon(peers.run, ms, False)
-    await trio.testing.wait_all_tasks_blocked()
-    return far
-
-
-async def _fetch(far: FarEnd, c: int) -> None:
-    await far.send(wire.Request(KEY[0], KEY[1], c))
-    got = 0
-    with trio.fail_after(30):
-        while True:
-            (m,) = await far.receive(1)
-            if isinstance(m, wire.Piece) and m.chunk == c:
-                got += len(m.data)
-                if got == m.total:
-                    return
 
 
 def main() -> int:
@@ -76,11 +50,12 @@ def main() -> int:
 
             async def run() -> None:
                 async with trio.open_nursery() as nursery:
-                    far = await _join(nursery, peers)
+                    far = await _join(nursery, peers, "c")
                     for _ in range(2):
                         t0, c0 = time.perf_counter(), time.process_time()
                         for c in range(args.chunks):
-                            await _fetch(far, c)
+                            with trio.fail_after(30):
+                                await _fetch(far, c)
                         passes.append((time.perf_counter() - t0, time.process_time() - c0))
                     nursery.cancel_scope.cancel()
 

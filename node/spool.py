@@ -76,7 +76,7 @@ from patchswarm.protocol.trajectory import (ENTRY_HEADER_BYTES, KIND_RECORD_IDS,
                                             pack_meta, record_key, record_parts, scan_records, segment_header, seq_ranges)
 
 from patchswarm.node.diskspace import DiskCondition, full
-from patchswarm.node.recordids import DEFAULT_WINDOW, RecordIdIndex, merged, packed
+from patchswarm.node.recordids import DEFAULT_WINDOW, RecordIdIndex, packed
 from patchswarm.node.seglog import DirectoryLock, FileProblem, SegmentLog, fsync_dir, list_segments, segment_path
 
 log = logging.getLogger("patchswarm.spool")
@@ -506,20 +506,9 @@ class TrajectorySpool:
             done.set()
         known.update(zip(new, stored))
         self.repeated_total += len(prepared) - len(new)
-        if self.ids.seal_due():
-            await self._seal_ids()
+        if self.ids.seal_due():  # the submit that filled it waits for the merge
+            await self.ids.seal_off_loop()
         return [known[i] for i in range(len(prepared))], len(prepared) - len(new)
-
-    async def _seal_ids(self) -> None:
-        """Merge the index's newest identities into its arrays in a worker thread (O(window):
-        ~0.2 s at 2^20, too long for the event loop); the submit that filled it waits."""
-        work = self.ids.seal_begin()
-        result = None
-        try:
-            with trio.CancelScope(shield=True):  # bounded CPU work; the dict set aside must come back
-                result = await trio.to_thread.run_sync(merged, *work)
-        finally:
-            self.ids.seal_end(result)
 
     async def _known(self, keys: list, timeout: float) -> dict[int, int]:
         """{item index: seq} for the keys the spool remembers. A key another append is

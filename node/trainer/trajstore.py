@@ -63,7 +63,7 @@ from patchswarm.protocol.trajectory import (RECORD_KEY_BYTES, SEGMENT_HEADER_BYT
                                             received_parts, scan_records)
 
 from patchswarm.node.diskspace import DiskCondition
-from patchswarm.node.recordids import DEFAULT_WINDOW, RecordIdIndex, merged
+from patchswarm.node.recordids import DEFAULT_WINDOW, RecordIdIndex
 from patchswarm.node.seglog import (DEFAULT_GROUP_BYTES, DEFAULT_SEGMENT_BYTES, READ_CHUNK, DirectoryLock, FileProblem,
                                     SegmentLog, fsync_dir, list_segments, read_span, segment_path)
 
@@ -438,19 +438,8 @@ class TrajectoryStore:
             raise
         self.disk.succeeded()
         if ids.seal_due():
-            await self._seal_ids()
+            await ids.seal_off_loop()
         return [r.seq for r in records]
-
-    async def _seal_ids(self) -> None:
-        """Merge the key index's newest keys into its arrays, and forget those past the window,
-        in a worker thread (O(window): ~0.2 s at 2^20, too long for the event loop)."""
-        work = self._ids.seal_begin()
-        result = None
-        try:
-            with trio.CancelScope(shield=True):  # bounded CPU work; the dict set aside must come back
-                result = await trio.to_thread.run_sync(merged, *work)
-        finally:
-            self._ids.seal_end(result)
 
     def _not_written(self, tags: list) -> None:
         """SegmentLog callback, before anyone hears of the failure: the records of commits that
