@@ -548,6 +548,10 @@ def test_dials_share_one_client_context_until_the_credentials_change(tmp_path):
         ms = await transport.connect(addr, creds, {"tracker"}, wire.Hello(creds.name, "r1", "node", "", []))
         await ms.aclose()
 
+    async def accepted(n):  # the listener's handler runs after the dial returns: wait for it
+        while len(seen) < n:
+            await trio.sleep(0.01)
+
     async def main():
         with trio.fail_after(20):
             async with trio.open_nursery() as nursery:
@@ -558,6 +562,7 @@ def test_dials_share_one_client_context_until_the_credentials_change(tmp_path):
                 await dial(addr, node)
                 await dial(addr, node)
                 assert trust.dial_contexts_built - built == 1  # the second dial reused the first's context
+                await accepted(2)
                 first_serial = seen[-1][1]
                 assert seen == [("node1", first_serial)] * 2
 
@@ -566,10 +571,12 @@ def test_dials_share_one_client_context_until_the_credentials_change(tmp_path):
                 await dial(addr, rotated)
                 await dial(addr, node)  # the old Credentials object names the same files: also the new ones
                 assert trust.dial_contexts_built - built == 2
+                await accepted(4)
                 assert seen[2][1] == seen[3][1] != first_serial  # the rotated certificate was presented
 
                 with pytest.raises(Exception):  # the listener trusts only its swarm's CA, the dialer only its own
                     await dial(addr, trust.Credentials.load(tmp_path / "rogue-node"))
+                await trio.sleep(0.2)  # time for a wrongly accepted handshake to reach the handler
                 assert len(seen) == 4
                 nursery.cancel_scope.cancel()
 
