@@ -10,7 +10,6 @@ not build, and `any` then runs on the reference alone.
 
 from __future__ import annotations
 
-import time
 
 import hypothesis.strategies as st
 import msgpack
@@ -132,11 +131,8 @@ def test_the_origin_checks_a_batch_of_tiny_containers_without_walking_or_buildin
     calls = []
     monkeypatch.setattr(PackReader, "skip", lambda self, *a, **k: calls.append("skip"))
     monkeypatch.setattr(msgpack, "unpackb", lambda *a, **k: calls.append("unpackb"))
-    t0 = time.thread_time()
-    records = T.decode_batch(data, packed_meta=True)
-    spent = time.thread_time() - t0
+    records = T.decode_batch(data, packed_meta=True)  # its cost: bench/meta_check.py (the walk took ~3 s)
     assert calls == [] and len(records) > 180 and all(type(r.meta) is T.PackedMeta for r in records)
-    assert spent < 1.0, f"{spent:.2f} s of CPU for {len(data):,} bytes (the Python walk took ~3 s)"
 
 
 def test_a_refused_meta_says_the_same_with_and_without_the_kernel(monkeypatch):

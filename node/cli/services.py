@@ -104,7 +104,7 @@ def cmd_origin(args: argparse.Namespace) -> int:
     o = Origin(OriginConfig(args.tracker, args.creds, args.key, args.data_dir, args.listen, args.region,
                             args.upload_limit, **sizes, advertise=args.advertise, compact_every=args.compact_every,
                             manifest_form=args.manifest_form,
-                            **({} if args.record_id_window is None else {"record_id_window": args.record_id_window})))
+                            record_id_window=args.record_id_window or OriginConfig.record_id_window))
 
     async def start(task_status):
         import trio
