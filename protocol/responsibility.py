@@ -9,10 +9,13 @@ uplink about once in total:
   only its own share and a member joining takes only what it wins).
 - `balanced_owners`: the same, with bounded loads: the gateways' shares of the
   chunks that come from one source differ by one at most, so the last chunk a
-  region pulls is not queued behind a gateway that drew more than its share.
+  region pulls is not queued behind a gateway that drew more than its share;
+  with `uplink_caps` (members' declared uplinks), shares in proportion to each
+  gateway's uplink, so a member with a slow uplink relays little or nothing.
 - `gateways` / `gateway_limit`: the members of a region that bring an object
   into it at all: at most k per region (a new set per object), every member
-  in the origin's region, where pulling from the origin crosses no WAN link.
+  in the origin's region, where pulling from the origin crosses no WAN link;
+  members with a slow uplink (`SLOW_UPLINK`) only where too few others are.
 - `region_order`: the chain along which a chunk crosses the WAN: the origin's
   region first, then the others from the fastest WAN link to the slowest
   (`rate_classes`, when the swarm's WAN rates are known), regions of one rate
@@ -67,14 +70,46 @@ def gateway_weight(node_id: str, key: ObjKey) -> bytes:
     return hashlib.sha256(_member_prefix(node_id, key) + b"gateway").digest()
 
 
-def gateways(key: ObjKey, region_members: Iterable[str], k: int | None) -> set[str]:
+# A member whose uplink is under this fraction of its region's median (`uplink_caps`) is slow:
+# it brings no object into its region while enough others can (`gateways`), and its neighbours
+# ask it for a chunk only where no other member of the region holds it (protocol/sources.py).
+SLOW_UPLINK = 0.5
+
+
+def uplink_caps(members: Iterable[str], uplinks: Mapping[str, float] | None) -> dict[str, float] | None:
+    """Each member's share of relaying, against its region's: min(uplink, median) / median, the
+    median (the lower one) over the members that declared an uplink; a member that did not
+    counts as the median. A declared uplink can only lower a member's share below an even one:
+    one that claims more than the others gets no more than they do, and one member's claim
+    cannot make the others look slow unless it is half the declared ones (two members of whom
+    one is slower are planned evenly). None where no member is below the median (every share
+    even, the plan as without uplinks). Every member computes the same from the same inputs."""
+    members = sorted(set(members))
+    known = sorted(v for m in members if (v := (uplinks or {}).get(m)) is not None)
+    if not known:
+        return None
+    median = known[(len(known) - 1) // 2]
+    caps = {m: min((uplinks or {}).get(m, median), median) / median for m in members}
+    return caps if any(c < 1.0 for c in caps.values()) else None
+
+
+def gateway_rank(member: str, key: ObjKey, caps: Mapping[str, float] | None) -> tuple:
+    """The order in which the members of a region become gateways of `key` (bigger first):
+    members that are not slow first (`SLOW_UPLINK`), then by `gateway_weight`."""
+    return (caps is None or caps.get(member, 1.0) >= SLOW_UPLINK, gateway_weight(member, key), member)
+
+
+def gateways(key: ObjKey, region_members: Iterable[str], k: int | None,
+             caps: Mapping[str, float] | None = None) -> set[str]:
     """The at most `k` members of a region (all of them for k=None) that bring
-    `key` across the WAN: the highest `gateway_weight`, a new set per object so
-    that the WAN work of successive versions moves around the region."""
+    `key` across the WAN: the highest `gateway_rank`, a new set per object so
+    that the WAN work of successive versions moves around the region, and no
+    slow member (`uplink_caps`) while others are enough: a gateway's uplink
+    carries what it brings in to its whole region."""
     members = set(region_members)
     if k is None or len(members) <= k:
         return members
-    return set(sorted(members, key=lambda m: (gateway_weight(m, key), m), reverse=True)[:k])
+    return set(sorted(members, key=lambda m: gateway_rank(m, key, caps), reverse=True)[:k])
 
 
 def gateway_limit(region: str, origin_region: str | None, max_gateways: int | None) -> int | None:
@@ -119,7 +154,8 @@ def _weights(member: str, key: ObjKey, n_chunks: int) -> np.ndarray:
 
 def balanced_owners(key: ObjKey, n_chunks: int, gateways: Iterable[str],
                     classes: Sequence[Hashable] | None = None,
-                    weights: dict[str, np.ndarray] | None = None) -> list[str | None]:
+                    weights: dict[str, np.ndarray] | None = None,
+                    caps: Mapping[str, float] | None = None) -> list[str | None]:
     """The gateway that brings each chunk into the region: rendezvous hashing
     with bounded loads.
 
@@ -132,7 +168,15 @@ def balanced_owners(key: ObjKey, n_chunks: int, gateways: Iterable[str],
     9/4 often enough, and the region then waits on the gateway with 9
     (measured: README, design, WAN plan). A cap of ceil(size / gateways) alone
     left the last gateway the remainder: 26 chunks over 4 gave 7/7/7/5 in the
-    origin's region, 9 over 4 gave 3/3/3/0. `weights` caches `_weights` per member."""
+    origin's region, 9 over 4 gave 3/3/3/0. `weights` caches `_weights` per member.
+
+    With `caps` (`uplink_caps`: gateway -> its uplink against the region's,
+    in (0, 1]), shares follow the caps (`_share_targets`): a gateway's relay
+    of its share to its region takes its share over its uplink, so shares in
+    proportion to uplinks end together; one at a tenth of the others' rate
+    takes no chunk of 26 over four, where an even share (a quarter) took the
+    region 1.6-2x as long (bench/RESULTS.md, issue 26). Even caps give the
+    even shares above."""
     members = sorted(set(gateways))
     if not members:
         return [None] * n_chunks
@@ -149,21 +193,48 @@ def balanced_owners(key: ObjKey, n_chunks: int, gateways: Iterable[str],
         classes = [None] * n_chunks
     elif len(classes) != n_chunks:
         raise UsageError(f"classes: expected one per chunk ({n_chunks}), found {len(classes)}")
-    sizes = collections.Counter(classes)
-    k = len(members)
-    loads = {cls: [0] * k for cls in sizes}
-    above = collections.Counter()  # per class: gateways holding floor(size / k) + 1 already
+    cap = [1.0] * len(members) if caps is None else [float(caps.get(m, 1.0)) for m in members]
+    targets = {cls: _share_targets(size, cap) for cls, size in collections.Counter(classes).items()}
+    loads = {cls: [0] * len(members) for cls in targets}
+    above = collections.Counter()  # per class: extras of the pool taken
     owners: list[str | None] = [None] * n_chunks
     for c, cls in enumerate(classes):
-        base, extra = divmod(sizes[cls], k)
+        base, pool, extra = targets[cls]
         load = loads[cls]
         for g in prefs[c].tolist():
-            if load[g] < base or load[g] == base and above[cls] < extra:
-                above[cls] += load[g] == base
+            if load[g] < base[g] or load[g] == base[g] and g in pool and above[cls] < extra:
+                above[cls] += load[g] == base[g]
                 load[g] += 1
                 owners[c] = members[g]
                 break
     return owners
+
+
+_CAP_TIE = 1e-9  # relative: shares this close in time are equal (float noise)
+
+
+def _share_targets(size: int, caps: Sequence[float]) -> tuple[list[int], frozenset[int], int]:
+    """How many of `size` chunks each gateway takes, by its cap (> 0): (base counts, pool,
+    extra): gateway g takes base[g] chunks, and `extra` of those in `pool` one more, whichever
+    reach it first in the chunk order (for even caps: every gateway floor(size / k), and
+    size mod k of them, any, one more). Each chunk beyond the floors of size * cap / sum(caps)
+    goes to the gateway that would finish relaying its share soonest with it ((count + 1) /
+    cap); gateways that tie for the last such chunks form the pool."""
+    total = sum(caps)
+    base = [math.floor(size * c / total + _CAP_TIE) for c in caps]
+    if sum(base) > size:  # the tie's slack rounded up more than float noise: floors as they are
+        base = [math.floor(size * c / total) for c in caps]
+    left = size - sum(base)
+    while left > 0:
+        after = [(b + 1) / c for b, c in zip(base, caps)]
+        soonest = min(after)
+        tied = [g for g, t in enumerate(after) if t <= soonest * (1 + _CAP_TIE)]
+        if len(tied) > left:
+            return base, frozenset(tied), left
+        for g in tied:
+            base[g] += 1
+        left -= len(tied)
+    return base, frozenset(), 0
 
 
 def check_wan_rates(rates: Mapping[str, float] | None) -> dict[str, float] | None:
@@ -260,18 +331,18 @@ def upstream_regions(key: ObjKey, chunk: int, region: str, member_regions: Itera
 
 
 class ResponsibilityMap:
-    """`balanced_owners(key, n_chunks, gateways(key, members, max_gateways), classes)`,
-    kept up to date as members come and go.
+    """`balanced_owners(key, n_chunks, gateways(key, members, max_gateways, caps), classes, caps=caps)`,
+    kept up to date as members come and go (`caps`: `uplink_caps` of the members).
 
     A member's weights are hashed once per object (one SHA-256 per chunk) and
-    kept while it is a gateway; a change of members or classes re-runs only
+    kept while it is a gateway; a change of members, classes or caps re-runs only
     the bounded assignment (a sort over gateways × chunks, one pass over the
     chunks), so churn costs O(chunks) hashes per new gateway, not
     O(chunks × members) per change.
     """
 
     def __init__(self, key: ObjKey, n_chunks: int, members: Iterable[str] = (), max_gateways: int | None = None,
-                 classes: Sequence[Hashable] | None = None):
+                 classes: Sequence[Hashable] | None = None, caps: Mapping[str, float] | None = None):
         self.key = key
         self.n_chunks = n_chunks
         self.max_gateways = max_gateways
@@ -280,8 +351,9 @@ class ResponsibilityMap:
         self._owner: list[str | None] = [None] * n_chunks
         self._weights: dict[str, np.ndarray] = {}
         self._classes = self._checked(classes)
+        self._caps = dict(caps) if caps else None
         self._members = set(members)
-        self._assign(gateways(key, self._members, max_gateways))
+        self._assign(gateways(key, self._members, max_gateways, self._caps))
 
     @property
     def members(self) -> frozenset[str]:
@@ -301,19 +373,22 @@ class ResponsibilityMap:
         """The members that own chunks (all of them unless `max_gateways` was given)."""
         return frozenset(self._gateways)
 
-    def set_members(self, members: Iterable[str], classes: Sequence[Hashable] | None = None) -> list[int]:
-        """Replace the member set (and the chunks' classes, when given); return
-        the chunks whose owner changed, ascending."""
+    def set_members(self, members: Iterable[str], classes: Sequence[Hashable] | None = None,
+                    caps: Mapping[str, float] | None = None) -> list[int]:
+        """Replace the member set, their caps (None: even) and the chunks' classes (when
+        given); return the chunks whose owner changed, ascending."""
         self._members = set(members)
-        new = gateways(self.key, self._members, self.max_gateways)
+        caps = dict(caps) if caps else None
+        new = gateways(self.key, self._members, self.max_gateways, caps)
         if classes is not None:
             classes = self._checked(classes)
             if classes == self._classes:
                 classes = None
             else:
                 self._classes = classes
-        if new == self._gateways and classes is None:
+        if new == self._gateways and classes is None and caps == self._caps:
             return []
+        self._caps = caps
         old = self._owner
         self._assign(new)
         return [c for c in range(self.n_chunks) if old[c] != self._owner[c]]
@@ -330,4 +405,5 @@ class ResponsibilityMap:
         for m in [m for m in self._weights if m not in new]:
             del self._weights[m]
         self._gateways = new
-        self._owner = balanced_owners(self.key, self.n_chunks, new, self._classes, self._weights)
+        self._owner = balanced_owners(self.key, self.n_chunks, new, self._classes, self._weights,
+                                      caps=self._caps)
