@@ -21,10 +21,12 @@ WAN link rate of each region, the same on every member (the tracker's,
 `set_wan_rates`), orders each chunk's chain of regions from the fastest link
 to the slowest):
   1. a connected node peer in R that has c (never across the WAN when a
-     neighbour has it);
+     neighbour has it); one with a slow uplink (declared, `set_members`'
+     uplinks: under `responsibility.SLOW_UPLINK` of R's) only where no
+     other neighbour has c;
   2. else, if me owns c in R's `balanced_owners` (rendezvous hashing over
      R's gateways, each taking an even share of the chunks R pulls from
-     each source): a node peer of the
+     each source, or one in proportion to its declared uplink): a node peer of the
      region just before R in c's chain (`upstream_regions`), never a farther
      one (each region's uplink carries each chunk at most once); the origin
      only where `upstream_regions` says the origin serves R;
@@ -63,7 +65,7 @@ requests per member in flight to the origin, each member asks for its share in
 the order of its plan weights, and a member with nothing in flight to the
 origin and none of its own share left takes over one chunk at a time of the
 tail of another's share: the chunks its owner cannot have asked for yet
-(`pick_share`). The shares are static (`balanced_owners`), the members' flows
+(`pick_share`; never a member with a slow uplink, which would then relay it). The shares are static (`balanced_owners`), the members' flows
 from the origin are not equally fast, and without it the origin's last 0.2-0.5 s
 served only the slowest member's rest, through that member's downlink, and
 that member's uplink then relayed it to all others (issue 26). Once every chunk a member
@@ -98,6 +100,7 @@ serve, never at all chunks × all peers.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
@@ -107,7 +110,7 @@ import numpy as np
 from .errors import ProtocolError, UsageError
 from .piecestate import ObjectState, PeerState, PendingFacts
 from .responsibility import ObjKey, check_wan_rates
-from .sources import NODE, ORIGIN, ORIGIN_TIER, SAME_REGION, SourceTiers
+from .sources import NODE, ORIGIN, ORIGIN_TIER, SourceTiers
 
 PEER_KINDS = (ORIGIN, NODE)
 MAX_COPIES = 2  # endgame: copies of one chunk in flight at once
@@ -221,13 +224,26 @@ class PiecePicker:
         if self._tiers.origin_region is None:
             self._tiers.origin_region = region
 
-    def set_members(self, members: dict[str, str]) -> None:
+    def set_members(self, members: dict[str, str], uplinks: Mapping[str, float] | None = None) -> None:
         """The live nodes of the swarm (node id -> region, origin excluded), as
-        the tracker reports them. Responsibility is recomputed at once."""
+        the tracker reports them, and their declared uplinks (node id -> Mbit/s,
+        this node's included; an id left out declared none). Responsibility is
+        recomputed at once: shares by uplink (`responsibility.uplink_caps`), and a
+        neighbour with a slow uplink asked last (`sources.SLOW_NEIGHBOUR`)."""
         if members.get(self.me, self.region) != self.region:
             raise UsageError(f"members: expected {self.me!r} in region {self.region!r}, "
                              f"found {members[self.me]!r}")
-        self._replan(self._tiers.set_members(members))
+        bad = [(m, v) for m, v in (uplinks or {}).items()
+               if type(m) is not str or isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf]
+        if bad:
+            raise UsageError(f"uplinks: expected node id -> Mbit/s > 0, found {bad[:3]}")
+        caps = self._tiers.caps
+        self._replan(self._tiers.set_members(members, uplinks), caps)
+
+    @property
+    def slow_neighbours(self) -> list[str]:
+        """The members of my region planned as slow (`responsibility.SLOW_UPLINK`)."""
+        return sorted(m for m in self._tiers.region_members if self._tiers.slow(m))
 
     @property
     def wan_rates(self) -> dict[str, float] | None:
@@ -244,14 +260,22 @@ class PiecePicker:
         if rates == self._tiers.wan_rates:
             return False
         self._tiers.wan_rates = rates
-        self._replan(True)
+        self._replan(True, self._tiers.caps)
         return True
 
-    def _replan(self, regions_changed: bool) -> None:
+    def _replan(self, regions_changed: bool, caps_before) -> None:
+        """Re-plan every patch object after a change of members, regions or rates;
+        `caps_before`: the region's uplink caps before it (where they moved, a
+        neighbour's tier may have too, so every missing chunk's sources are redone)."""
+        refresh_all = regions_changed or self._tiers.caps != caps_before
         for obj in self._objects.values():
             if obj.is_patch:
                 tier_of = self._tiers.tier_of(obj)
-                for c in self._tiers.replan(obj, regions_changed):
+                for c in self._tiers.replan(obj, regions_changed, refresh_all):
+                    obj.refresh(c, tier_of, self._peers)
+            elif self._tiers.caps != caps_before:
+                tier_of = self._tiers.tier_of(obj)
+                for c in sorted(obj.missing):
                     obj.refresh(c, tier_of, self._peers)
 
     def add_object(self, key: ObjKey, n_chunks: int, *, have: Iterable[int] = (),
@@ -325,9 +349,10 @@ class PiecePicker:
             raise UsageError(f"peer_joined: {peer!r} is already connected")
         if peer == self.me:
             raise UsageError(f"peer_joined: {peer!r} is this node")
-        self._peers[peer] = PeerState(kind, region)
+        self._peers[peer] = PeerState(kind, region, peer)
+        caps = self._tiers.caps
         if kind == NODE and self._tiers.member_back(peer):
-            self._replan(False)
+            self._replan(False, caps)
 
     def peer_left(self, peer: str) -> None:
         """The connection to `peer` is gone: its requests in flight are released
@@ -342,10 +367,11 @@ class PiecePicker:
         for obj in self._objects.values():
             obj.forget_holder(peer, self._tiers.tier_of(obj), self._peers)
         del self._peers[peer]
+        caps = self._tiers.caps
         if info.kind == NODE and self._tiers.member_down(peer):
             # A gateway that died takes its share with it: the region re-plans now,
             # not when the tracker's heartbeat timeout drops it.
-            self._replan(False)
+            self._replan(False, caps)
 
     def peer_has(self, peer: str, key: ObjKey, chunks: Iterable[int], *, whole: bool = True) -> None:
         """`peer` holds `chunks` of `key` (a Have bitfield's indices or one
@@ -566,7 +592,7 @@ class PiecePicker:
         info = self._peers[peer]
         fixed = self._tiers.fixed_tier(obj, info)
         obj.add_holders(peer, chunks, whole, fixed, lambda c: self._tiers.tier(obj, c, info),
-                        in_region=fixed == SAME_REGION)
+                        in_region=info.kind == NODE and info.region == self.region)
 
     def _fail(self, obj: ObjectState, chunk: int, peer: str) -> None:
         if chunk not in obj.missing:
@@ -668,8 +694,8 @@ class _Round:
         other's Incoming first: node/fetcher.py), and its uplink ends serving as many
         members as have work, not the one whose share happened to come slowest."""
         origins = self._idle_origins(TAKEOVER_MIN_CHUNK_S)
-        if not origins:
-            return
+        if not origins or self.picker._tiers.slow(self.picker.me):
+            return  # (a member with a slow uplink would hold the region up relaying what it took)
         if any(obj.ready(c) and obj.tier.get(c) == ORIGIN_TIER for c in obj.missing):
             return  # my own share still has chunks to ask for
         waiting: dict[str, list[int]] = {}
@@ -767,7 +793,9 @@ class _Round:
 
     def pick_endgame(self, obj: ObjectState) -> None:
         free = self.free
-        nearby = [p for p in free if self.peers[p].kind == NODE and self.peers[p].region == self.region]
+        tiers = self.picker._tiers
+        nearby = [p for p in free if self.peers[p].kind == NODE and self.peers[p].region == self.region
+                  and not tiers.slow(p)]  # a copy from a slow uplink comes after the first
         if not nearby:
             return
         # A second copy only of a request in flight `endgame_after` s or more: where the LAN is
@@ -811,8 +839,12 @@ class _Round:
         connection cross the shared link in turn, each whole as early as it
         can be, where requests spread over several connections share the link
         and all finish late; the next region relays a chunk only once it is
-        whole. (The sources of a chunk are all of one tier, hence one region.)"""
+        whole. (The sources of a chunk are all of one tier, hence one region.) Across
+        the WAN, a holder with a slow uplink only where no other is free."""
         across = self.peers[next(iter(eligible))].region != self.region
+        if across:  # (inside the region a slow neighbour is a lower tier: protocol/sources.py)
+            slow = self.picker._tiers.slow
+            eligible = [p for p in eligible if not slow(p)] or eligible
         return self._least_busy(eligible, busiest=across)
 
     def _least_busy(self, eligible: Iterable[str], busiest: bool = False) -> str:

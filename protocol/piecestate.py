@@ -39,11 +39,12 @@ MAX_UNKNOWN_INDICES = 1024  # single chunks (HaveOne, Incoming) kept per peer of
 
 
 class PeerState:
-    __slots__ = ("kind", "region", "inflight")
+    __slots__ = ("kind", "region", "inflight", "id")
 
-    def __init__(self, kind: str, region: str):
+    def __init__(self, kind: str, region: str, id: str = ""):
         self.kind = kind
         self.region = region
+        self.id = id  # the peer's member id (its tier may depend on it: a slow neighbour)
         self.inflight: dict[tuple[ObjKey, int], float] = {}  # (key, chunk) -> when it was asked
 
 

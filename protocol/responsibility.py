@@ -78,17 +78,17 @@ SLOW_UPLINK = 0.5
 
 def uplink_caps(members: Iterable[str], uplinks: Mapping[str, float] | None) -> dict[str, float] | None:
     """Each member's share of relaying, against its region's: min(uplink, median) / median, the
-    median (the lower one) over the members that declared an uplink; a member that did not
+    median (the upper one) over the members that declared an uplink; a member that did not
     counts as the median. A declared uplink can only lower a member's share below an even one:
     one that claims more than the others gets no more than they do, and one member's claim
-    cannot make the others look slow unless it is half the declared ones (two members of whom
-    one is slower are planned evenly). None where no member is below the median (every share
+    moves the median only where it is half of the declared ones or more (of two members, the
+    faster one's rate is the median). None where no member is below the median (every share
     even, the plan as without uplinks). Every member computes the same from the same inputs."""
     members = sorted(set(members))
     known = sorted(v for m in members if (v := (uplinks or {}).get(m)) is not None)
     if not known:
         return None
-    median = known[(len(known) - 1) // 2]
+    median = known[len(known) // 2]
     caps = {m: min((uplinks or {}).get(m, median), median) / median for m in members}
     return caps if any(c < 1.0 for c in caps.values()) else None
 

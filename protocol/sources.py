@@ -15,13 +15,17 @@ from __future__ import annotations
 from typing import Mapping
 
 from .piecestate import NOT_A_SOURCE, ObjectState, PeerState
-from .responsibility import ResponsibilityMap, gateway_limit, upstream_regions
+from .responsibility import SLOW_UPLINK, ResponsibilityMap, gateway_limit, uplink_caps, upstream_regions
 
 ORIGIN = "origin"  # peer kind: the seeder on the trainer, holds every announced chunk
 NODE = "node"  # peer kind: another node daemon
 
 SAME_REGION = 0  # a node peer in my region
 OTHER_REGION = 1  # keyframes and takeover: node peers of other regions (upstream regions: 1, 2, ...)
+# A node peer in my region with a slow uplink (responsibility.SLOW_UPLINK): asked for a chunk
+# only where no other neighbour holds it. Its uplink would take a tenth of the time or more
+# per chunk; a neighbour that holds the chunk too is always the sooner copy.
+SLOW_NEIGHBOUR = OTHER_REGION
 ORIGIN_TIER = 1 << 20  # after the upstream region's node peers
 
 
@@ -39,16 +43,36 @@ class SourceTiers:
         # Members of my region whose session closed and did not come back: out of
         # the plan though the tracker still lists them (until its heartbeat timeout).
         self.down: set[str] = set()
+        self.uplinks: dict[str, float] = {}  # node -> its declared uplink, Mbit/s (none: not declared)
+        self.caps: dict[str, float] | None = None  # uplink_caps of region_members (None: even)
+        # The other regions' nodes I know of (a sample) with a slow uplink against those others
+        self.slow_elsewhere: frozenset[str] = frozenset()
 
-    def set_members(self, members: dict[str, str]) -> bool:
-        """The live nodes (id -> region, me included); True if the set of regions changed."""
+    def set_members(self, members: dict[str, str], uplinks: Mapping[str, float] | None = None) -> bool:
+        """The live nodes (id -> region, me included) and their declared uplinks (id -> Mbit/s,
+        None or a missing id: not declared); True if the set of regions changed."""
         self.members = {**members, self.me: self.region}
+        self.uplinks = {m: float(v) for m, v in (uplinks or {}).items() if m in self.members}
         self.down &= self.members.keys()
         self._region_members()
+        by_region: dict[str, list[str]] = {}
+        for m, r in self.members.items():
+            if r != self.region:
+                by_region.setdefault(r, []).append(m)
+        self.slow_elsewhere = frozenset(m for ms in by_region.values() for m, c in (uplink_caps(ms, self.uplinks) or {}).items()
+                                        if c < SLOW_UPLINK)
         regions = frozenset(self.members.values())
         changed = regions != self.member_regions
         self.member_regions = regions
         return changed
+
+    def slow(self, node: str) -> bool:
+        """`node` has a slow uplink (`SLOW_UPLINK` of its region's): for my region against all
+        its members (the plan's view, the same on every member), for another region against
+        the members of it I know of (a choice of whom to ask, which needs no agreement)."""
+        if self.caps is not None and self.caps.get(node, 1.0) < SLOW_UPLINK:
+            return True
+        return node in self.slow_elsewhere
 
     def member_down(self, node: str) -> bool:
         """`node`'s session closed: True if that takes a member of my region out of the plan."""
@@ -68,32 +92,35 @@ class SourceTiers:
 
     def _region_members(self) -> None:
         self.region_members = {m for m, r in self.members.items() if r == self.region and m not in self.down}
+        self.caps = uplink_caps(self.region_members, self.uplinks)
 
     def plan(self, obj: ObjectState) -> None:
         """Give a new patch object its responsibility: which chunks me brings into the region."""
         obj.duty = ResponsibilityMap(obj.key, obj.n_chunks, self.region_members,
                                      max_gateways=gateway_limit(self.region, self.origin_region, self.wan_gateways),
-                                     classes=self._source_classes(obj))
+                                     classes=self._source_classes(obj), caps=self.caps)
         for c in range(obj.n_chunks):
             obj.mine[c] = obj.duty.owner(c) == self.me
 
-    def replan(self, obj: ObjectState, regions_changed: bool) -> list[int]:
+    def replan(self, obj: ObjectState, regions_changed: bool, refresh_all: bool = False) -> list[int]:
         """After `set_members`: refresh a patch object's responsibility; the
-        missing chunks whose sources may have moved."""
+        missing chunks whose sources may have moved (every one with `refresh_all`:
+        a neighbour's tier moved)."""
         if regions_changed:  # every chunk's upstream regions may have moved
             obj.upstream.clear()
         flipped = []
-        for c in obj.duty.set_members(self.region_members, self._source_classes(obj) if regions_changed else None):
+        for c in obj.duty.set_members(self.region_members, self._source_classes(obj) if regions_changed else None,
+                                      self.caps):
             now_mine = obj.duty.owner(c) == self.me
             if obj.mine[c] != now_mine:
                 obj.mine[c] = now_mine
                 flipped.append(c)
-        return sorted(obj.missing) if regions_changed else [c for c in flipped if c in obj.missing]
+        return sorted(obj.missing) if regions_changed or refresh_all else [c for c in flipped if c in obj.missing]
 
     def fixed_tier(self, obj: ObjectState, info: PeerState) -> int | None:
         """The tier `info` has for every chunk of `obj`, or None where it depends on the chunk."""
         if info.kind == NODE and info.region == self.region:
-            return SAME_REGION
+            return SLOW_NEIGHBOUR if self.slow(info.id) else SAME_REGION
         if not obj.is_patch:
             return self.any_tier(info)
         return None

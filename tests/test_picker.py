@@ -1273,3 +1273,59 @@ def test_a_member_asks_the_origin_in_plan_weight_order_and_its_next_chunks_are_n
         p.peer_has(m, KEY, owned(m, R0, n))
     taken = [r.chunk for r in p.requests(0.0) if r.peer == OR]
     assert len(taken) == 1 and taken[0] in by_weight[2:]
+
+
+# --- declared uplinks: a neighbour with a slow uplink (issue 26's slow member) ---
+
+SLOW_D = {"a": 100, "b": 100, "c": 100, "d": 10}  # d's uplink: a tenth of the others'
+
+
+def test_a_slow_neighbour_is_asked_only_for_what_no_other_neighbour_holds():
+    members = {"a": "r1", "b": "r1", "c": "r1", "me": "r1"}
+    p = make("me", members, origin_region="r0", n=4, origin=False, pipeline=4)
+    p.set_members(members, {"a": 100, "b": 10, "c": 100, "me": 100})
+    assert p.slow_neighbours == ["b"]
+    p.peer_has("b", KEY, [0, 1, 2])  # the slow one first, with the most free slots
+    p.peer_has("a", KEY, [0, 1])
+    reqs = p.requests(0.0)
+    assert {(r.chunk, r.peer) for r in reqs if r.chunk in (0, 1)} == {(0, "a"), (1, "a")}
+    assert (2, "b") in {(r.chunk, r.peer) for r in reqs}  # only b has it: b it is
+    # No second copy from the slow one in the endgame: a copy through its uplink comes after the first.
+    assert all(r.peer != "b" or r.chunk == 2 for r in reqs)
+    # Undeclared again: b is a neighbour like the others, asked as it has free slots.
+    p2 = make("me", members, origin_region="r0", n=4, origin=False, pipeline=4)
+    p2.peer_has("b", KEY, [0, 1, 2])
+    p2.peer_has("a", KEY, [0, 1])
+    assert {r.peer for r in p2.requests(0.0)} == {"a", "b"}
+
+
+def test_uplinks_told_mid_version_move_the_slow_members_share_at_once():
+    n = 26
+    p = _origin_region(me="a", n=n, origin_pipeline=None, pipeline=32)
+    before = {r.chunk for r in p.requests(0.0)}
+    assert before == owned("a", R0, n)
+    p.set_members(R0, SLOW_D)
+    owners = balanced_owners(KEY, n, sorted(R0), caps={"a": 1.0, "b": 1.0, "c": 1.0, "d": 0.1})
+    mine = {c for c in range(n) if owners[c] == "a"}
+    assert "d" not in owners and mine > before
+    assert {r.chunk for r in p.requests(0.0)} == mine - before  # the rest of its new share, from the origin
+
+
+def test_a_slow_member_takes_over_no_share_of_another():
+    """Its uplink would hold the region up relaying what it took; it has no share of its own
+    (a tenth of the others' rate) and waits for its neighbours."""
+    n = 16
+    for slow in (True, False):
+        p = _origin_region(me="d", n=n)
+        p.set_members(R0, SLOW_D if slow else {"d": 100})
+        p.origin_chunk_s = 0.1  # chunks from the origin are slow enough to take over (none of its own)
+        if slow:
+            assert p.responsible_for(KEY) == 0
+        else:
+            _receive_own_share(p, "d", n)
+        took = [r for r in p.requests(0.0) if r.peer == OR]
+        assert [r.why for r in took] == ([] if slow else [SHARE])
+    with pytest.raises(UsageError, match="uplinks"):
+        p.set_members(R0, {"d": 0})
+    with pytest.raises(UsageError, match="uplinks"):
+        p.set_members(R0, {"d": float("nan")})

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from patchswarm.protocol.errors import UsageError
 from patchswarm.protocol.responsibility import (
     ResponsibilityMap, balanced_owners, check_wan_rates, gateway_limit, gateways, rate_classes, region_order,
-    responsible, swarm_wan_rates, upstream_regions,
+    responsible, swarm_wan_rates, upstream_regions, uplink_caps,
 )
 
 KEY = (7, False)  # a patch
@@ -359,3 +359,93 @@ def test_wan_rates_are_checked_wherever_they_come_from():
     with pytest.raises(UsageError, match=r"wan_rates: expected region -> rate > 0, found \[\('r1', -1\)\]"):
         swarm_wan_rates({"r1": -1}, None)
     assert check_wan_rates({}) is None and check_wan_rates({"r0": 5}) == {"r0": 5}
+
+
+# ---------------------------------------------------------------- declared uplinks
+
+
+@pytest.mark.parametrize("uplinks, expect", [
+    (None, None),
+    ({}, None),
+    ({"a": 100, "b": 100, "c": 100, "d": 100}, None),  # even: the plan as without uplinks
+    ({"a": 100, "b": 100, "c": 100, "d": 10}, {"a": 1.0, "b": 1.0, "c": 1.0, "d": 0.1}),
+    ({"d": 10, "a": 100, "b": 100}, {"a": 1.0, "b": 1.0, "c": 1.0, "d": 0.1}),  # c declared none: the median
+    ({"d": 10}, None),  # alone, its own rate is the median
+    ({"a": 1000, "b": 100, "c": 100, "d": 100}, None),  # a claim above the others gains nothing
+    ({"a": 100, "b": 100, "c": 50, "d": 50}, {"a": 1.0, "b": 1.0, "c": 0.5, "d": 0.5}),  # the upper median
+    ({"a": 10, "b": 100}, {"a": 0.1, "b": 1.0, "c": 1.0, "d": 1.0}),
+    ({"a": 100, "zz": 1}, None),  # a non-member's rate counts for nothing
+])
+def test_uplink_caps_table(uplinks, expect):
+    assert uplink_caps(["a", "b", "c", "d"], uplinks) == expect
+
+
+def _max_time(owners, caps):
+    loads = Counter(owners)
+    return max(loads[g] / caps[g] for g in caps)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 200), st.lists(st.sampled_from([1.0, 0.9, 0.5, 0.3, 0.1, 0.02]), min_size=2, max_size=8),
+       st.integers(0, 50))
+def test_balanced_owners_by_caps_ends_every_gateways_relay_as_early_as_any_split_could(n, cap_list, version):
+    """Each gateway's relay takes its share over its cap: no chunk moved from one gateway to
+    another would end the slowest sooner, and every chunk has one owner."""
+    gws = [f"g{i}" for i in range(len(cap_list))]
+    caps = dict(zip(gws, cap_list))
+    owners = balanced_owners((version, False), n, gws, caps=caps)
+    assert None not in owners and len(owners) == n
+    loads = Counter(owners)
+    for g in gws:
+        for h in gws:
+            if loads[g]:  # moving one of g's to h leaves g's time or raises h's past the max
+                assert max((loads[g] - 1) / caps[g], (loads[h] + 1) / caps[h]) >= _max_time(owners, caps) * (1 - 1e-9) \
+                    or g == h
+    assert sum(loads.values()) == n
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 120), st.integers(2, 9), st.integers(0, 50), st.lists(st.integers(0, 3), max_size=120))
+def test_balanced_owners_with_even_caps_is_the_plan_without_caps(n, k, version, raw):
+    """Members that declared one rate (or 1.0 each) are planned exactly as undeclared ones."""
+    gws = [f"m{i}" for i in range(k)]
+    classes = [raw[c] if c < len(raw) else 0 for c in range(n)]
+    assert balanced_owners((version, False), n, gws, classes, caps={g: 1.0 for g in gws}) == \
+        balanced_owners((version, False), n, gws, classes)
+
+
+@pytest.mark.parametrize("n, caps, shares", [
+    (26, [1, 1, 1, 0.1], [9, 9, 8, 0]),  # a tenth of the rate: no chunk (even: 7/7/6/6)
+    (48, [1, 1, 1, 0.1], [16, 16, 15, 1]),
+    (48, [1, 1, 0.5, 0.5], [16, 16, 8, 8]),
+    (9, [1, 0.01, 0.01, 0.01], [9, 0, 0, 0]),
+    (3, [0.1, 0.1, 0.1], [1, 1, 1]),
+])
+def test_balanced_owners_shares_by_caps_table(n, caps, shares):
+    gws = [f"g{i}" for i in range(len(caps))]
+    loads = Counter(balanced_owners(KEY, n, gws, caps=dict(zip(gws, caps))))
+    assert sorted((loads[g] for g in gws), reverse=True) == sorted(shares, reverse=True)
+    for g, c in zip(gws, caps):  # the slowest takes the fewest
+        assert all(loads[g] <= loads[h] for h, d in zip(gws, caps) if d > c)
+
+
+def test_gateways_skip_slow_members_while_enough_others_are_left():
+    members = ["a", "b", "c", "d"]
+    for version in range(20):
+        key = (version, False)
+        assert gateways(key, members, 2, {"a": 0.1, "b": 0.1, "c": 1.0, "d": 1.0}) == {"c", "d"}
+        three_slow = gateways(key, members, 2, {"a": 0.1, "b": 0.1, "c": 0.1, "d": 1.0})
+        assert "d" in three_slow and len(three_slow) == 2  # the best of the slow ones fill in
+        assert gateways(key, members, 2, None) == gateways(key, members, 2, {m: 1.0 for m in members})
+        assert gateways(key, members, None, {"a": 0.1}) == set(members)  # the origin's region: all
+
+
+def test_responsibility_map_follows_new_caps():
+    m = ResponsibilityMap(KEY, 26, ["a", "b", "c", "d"])
+    assert Counter(m.owner(c) for c in range(26))["d"] > 0
+    moved = m.set_members(["a", "b", "c", "d"], caps={"a": 1.0, "b": 1.0, "c": 1.0, "d": 0.1})
+    assert moved and all(m.owner(c) != "d" for c in range(26))
+    assert m.set_members(["a", "b", "c", "d"], caps={"a": 1.0, "b": 1.0, "c": 1.0, "d": 0.1}) == []
+    back = m.set_members(["a", "b", "c", "d"])
+    assert sorted(back) == sorted(moved)
+    assert [m.owner(c) for c in range(26)] == balanced_owners(KEY, 26, ["a", "b", "c", "d"])
