@@ -65,8 +65,9 @@ requests per member in flight to the origin, each member asks for its share in
 the order of its plan weights, and a member with nothing in flight to the
 origin and none of its own share left takes over one chunk at a time of the
 tail of another's share: the chunks its owner cannot have asked for yet
-(`pick_share`; never a member with a slow uplink, which would then relay it). The shares are static (`balanced_owners`), the members' flows
-from the origin are not equally fast, and without it the origin's last 0.2-0.5 s
+(`pick_share`; never a member with a slow uplink, which would then relay it).
+The shares are static (`balanced_owners`), the members' flows from the origin
+are not equally fast, and without it the origin's last 0.2-0.5 s
 served only the slowest member's rest, through that member's downlink, and
 that member's uplink then relayed it to all others (issue 26). Once every chunk a member
 lacks is at a member of the region, whole or arriving (the origin has nothing left to start
