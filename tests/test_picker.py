@@ -920,7 +920,9 @@ fact = st.one_of(
     st.tuples(st.just("recv"), st.integers(0, 50)),
     st.tuples(st.just("fail"), st.integers(0, 50)),
     st.tuples(st.just("refuse"), st.integers(0, 50)),
-    st.tuples(st.just("members"), st.sets(st.sampled_from(["x1", "y1", "x0", "y0", "x2", "z1"]))),
+    st.tuples(st.just("members"), st.sets(st.sampled_from(["x1", "y1", "x0", "y0", "x2", "z1"])),
+              st.dictionaries(st.sampled_from(["me", "x1", "y1", "x0", "y0", "x2", "z1"]),
+                              st.sampled_from([1.0, 10.0, 100.0]), max_size=7)),  # declared uplinks
     st.tuples(st.just("requests"), st.floats(0, 5)),
     st.tuples(st.just("expire"), st.floats(0, 5)),
 )
@@ -983,7 +985,7 @@ def test_property_random_facts_keep_the_contract(facts, pipeline, seed, region):
                 del sent[r]
                 failed.add((r.peer, r.key, r.chunk))
         elif f[0] == "members":
-            p.set_members({m: PEERS[m][1] for m in f[1]} | {"me": region})
+            p.set_members({m: PEERS[m][1] for m in f[1]} | {"me": region}, f[2])
         elif f[0] == "requests":
             clock = max(clock, f[1])
             asked = p.requests(clock)
