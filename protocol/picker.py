@@ -221,9 +221,12 @@ class PiecePicker:
         if self._tiers.origin_region is None:
             self._tiers.origin_region = region
 
-    def set_members(self, members: dict[str, str]) -> None:
+    def set_members(self, members: dict[str, str], uplinks: Mapping[str, float] | None = None) -> None:
         """The live nodes of the swarm (node id -> region, origin excluded), as
-        the tracker reports them. Responsibility is recomputed at once."""
+        the tracker reports them. Responsibility is recomputed at once.
+
+        `uplinks` (member id -> declared uplink in Mbit/s; ids missing declared none):
+        accepted and not yet planned with (placeholder until the plan uses them)."""
         if members.get(self.me, self.region) != self.region:
             raise UsageError(f"members: expected {self.me!r} in region {self.region!r}, "
                              f"found {members[self.me]!r}")
