@@ -134,7 +134,7 @@ class PeerSets:
         self.other_peers = other_peers
         self.max_gateways = gateways
         self._rng = random.Random(seed)
-        self.entries: dict[str, dict] = {}  # id -> {"id", "region", "addr", "role"}
+        self.entries: dict[str, dict] = {}  # id -> {"id", "region", "addr", "role"[, "uplink"]}
         self._regions: dict[str, _Region] = {}  # nodes only
         self._origins: set[str] = set()
         self._sample: dict[str, dict[str, list[str]]] = {}  # node -> other region -> sampled nodes
