@@ -22,6 +22,11 @@ the system `patchswarm-faults` SIGKILLs one gateway of each remote region
 own bound, its longest stall), and with faults each never-killed node's time
 against the same system's run without them.
 
+Declared uplinks: every patchswarm daemon is started with `--uplink-mbit`, its
+host's link rate (`--lan-mbit`, or its `--slow-uplink` rate), so the plan gives a
+slow member a smaller share; `--no-declare-uplinks` leaves them out (the plan
+without them), for a side-by-side run of the same topology.
+
 Hosts behind NAT (issue 22): the system `patchswarm-nat` runs patchswarm on the
 same topology with one remote region (`--nat-region`, default the last) behind
 NAT (`netemu.WanSpec.nat_regions`: masquerade out, nothing new in); its nodes
@@ -90,7 +95,8 @@ def make_runner(name: str, args: argparse.Namespace) -> Runner:
         return PatchswarmRunner(no_peers=name == "star", verbose=args.verbose, log_dir=args.logs,
                                 chunk_bytes=None if args.chunk_kib is None else args.chunk_kib * 1024,
                                 node_args=shlex.split(args.node_args), tell_rates=name != "patchswarm-blind",
-                                faults=faults, nat_regions=(nat,) if name == "patchswarm-nat" else ())
+                                faults=faults, nat_regions=(nat,) if name == "patchswarm-nat" else (),
+                                declare_uplinks=not args.no_declare_uplinks)
     raise ValueError(f"system: expected one of {SYSTEMS}, found {name!r}")
 
 
@@ -201,6 +207,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--slow-uplink", default="", metavar="NODE=MBIT,...",
                     help="these nodes' uplinks at MBIT Mbit/s instead of --lan-mbit (e.g. n0.2=10: one member of "
                          "the origin's region a slower or busier machine); downlinks stay at --lan-mbit")
+    ap.add_argument("--no-declare-uplinks", action="store_true",
+                    help="patchswarm/star: daemons declare no uplink (by default each declares its link's rate, "
+                         "--uplink-mbit: --lan-mbit, or its --slow-uplink rate), for side-by-side runs")
     ap.add_argument("--kill-at", type=float, default=1.0,
                     help="*-faults: SIGKILL one gateway per remote region (libtorrent: the leecher of the same "
                          "name) this many s after the announcement (libtorrent: after `go`)")
@@ -261,7 +270,9 @@ def main(argv: list[str] | None = None) -> int:
           + (f"; processes of regions {','.join(map(str, spec.nice_regions))} at nice {netemu.NICE}"
              if spec.nice_regions else "")
           + (f"; slow uplinks {', '.join(f'{n} {m:g} Mbit/s' for n, m in spec.slow_uplinks)}"
-             if spec.slow_uplinks else ""), flush=True)
+             if spec.slow_uplinks else "")
+          + ("; patchswarm daemons declare no uplink" if args.no_declare_uplinks
+             else "; patchswarm daemons declare their uplinks (--uplink-mbit)"), flush=True)
 
     sizes = [args.nodes] + [int(n) for n in args.scaling.split(",") if n and int(n) != args.nodes]
     rows: list[RunResult] = []

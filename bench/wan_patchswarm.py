@@ -78,12 +78,15 @@ class PatchswarmRunner:
     On a topology with per-region WAN rates the tracker tells every member
     them (its `--wan-rates`) unless `tell_rates` is False (the rate-blind plan,
     for comparison). With `faults`, gateways are killed (and one restarted) during
-    the fetch; the times are then over the nodes never killed."""
+    the fetch; the times are then over the nodes never killed. Every daemon declares
+    its uplink (`uplink_args`: its link's rate, a `slow_uplinks` node's slower one)
+    unless `declare_uplinks` is False (the plan without them, for comparison)."""
 
     def __init__(self, no_peers: bool = False, verbose: bool = False, log_dir: Path | None = None,
                  chunk_bytes: int | None = None, node_args: tuple[str, ...] = (), tell_rates: bool = True,
-                 faults: Faults | None = None, nat_regions: tuple[int, ...] = ()):
+                 faults: Faults | None = None, nat_regions: tuple[int, ...] = (), declare_uplinks: bool = True):
         self.no_peers = no_peers
+        self.declare_uplinks = declare_uplinks
         # Regions whose nodes sit behind NAT (the topology's `nat_regions`): they run --no-listen,
         # and every node --transport auto, so the others reach them over WebRTC signalled by the tracker.
         self.nat_regions = tuple(nat_regions)
@@ -149,7 +152,7 @@ class PatchswarmRunner:
             exe, "origin", "--tracker", tracker_addr, "--creds", str(creds / "origin"),
             "--key", str(swarm / "trainer.key"), "--data-dir", str(origin_dir),
             "--listen", f"{topo.origin.ip}:{ORIGIN_PORT}", "--region", _region(topo.origin.region),
-            "--watch", str(watch), *verbose,
+            "--watch", str(watch), *uplink_args(topo.spec, topo.origin.name, self.declare_uplinks), *verbose,
             *([] if self.chunk_bytes is None else ["--chunk-bytes", str(self.chunk_bytes),
                                                    "--segment-elements", str(self.chunk_bytes)])])
         sockets = {}
@@ -166,7 +169,8 @@ class PatchswarmRunner:
                 exe, "node", "--tracker", tracker_addr, "--creds", str(creds / h.name), "--data-dir", str(data),
                 *(["--no-listen"] if h.region in self.nat_regions else ["--listen", f"{h.ip}:{NODE_PORT}"]),
                 *(["--transport", "auto"] if self.nat_regions else []), "--region", _region(h.region),
-                *(["--no-peers"] if self.no_peers else []), *self.node_args, *verbose]
+                *(["--no-peers"] if self.no_peers else []),
+                *uplink_args(topo.spec, h.name, self.declare_uplinks), *self.node_args, *verbose]
             self._spawn(topo, h, logs, self._argv[h.name])
         clients = {name: NodeClient(path) for name, path in sockets.items()}
         try:
@@ -267,6 +271,14 @@ class PatchswarmRunner:
             proc = topo.spawn(host, argv, stdin=subprocess.DEVNULL, stdout=err, stderr=subprocess.STDOUT)
         self._pids[host.name] = proc.pid    # `ip netns exec` execs the command: the same pid
         return proc
+
+
+def uplink_args(spec, host: str, declare: bool = True) -> list[str]:
+    """The `--uplink-mbit` a daemon on `host` declares: its link's rate each way (`lan_mbit`), or
+    its `slow_uplinks` rate; nothing where `declare` is False (bench/wan.py --no-declare-uplinks)."""
+    if not declare:
+        return []
+    return ["--uplink-mbit", f"{dict(spec.slow_uplinks).get(host, spec.lan_mbit):g}"]
 
 
 def first_gateways(topo: Topology) -> list[str]:

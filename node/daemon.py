@@ -101,6 +101,9 @@ class NodeConfig:
     # Connections one member may open to this node: this many in a row and a minute
     # (node/net/admission.py); 0: no limit.
     member_connections: int = CONNECTION_BURST
+    # This host's uplink in Mbit/s (--uplink-mbit), declared in its Hello (wire revision 5) and passed by
+    # the tracker to every member, which all plan with it: a slow one relays less; None: declares none.
+    uplink_mbit: float | None = None
 
 
 class Node:
@@ -234,8 +237,9 @@ class Node:
         self._lock_fd = fd  # held until the process exits
 
     def _hello(self) -> wire.Hello:
+        # One Hello for every connection: exchange_hello leaves the uplink out below revision 5.
         return wire.Hello(self.id, self.region, "node", self.cfg.advertise or self.listen_addr,
-                          [] if self.version is None else [self.version])
+                          [] if self.version is None else [self.version], uplink=self.cfg.uplink_mbit)
 
     # ------------------------------------------------------------ tracker
 
@@ -279,13 +283,28 @@ class Node:
         if origins and self.picker.origin_region is None:
             self.picker.set_origin_region(origins[0]["region"])
             self.applier.wake()  # the plan can start
+        uplinks = self._uplinks(peers)
         if self.cfg.no_peers:
-            self.picker.set_members({self.id: self.region})
+            self.picker.set_members({self.id: self.region}, uplinks={k: v for k, v in uplinks.items() if k == self.id})
         else:
             nodes = {p["id"]: p["region"] for p in peers if p["role"] == "node"}
             nodes[self.id] = self.region
-            self.picker.set_members(nodes)
+            self.picker.set_members(nodes, uplinks=uplinks)
         self.fetcher.wake()
+
+    def _uplinks(self, peers: list[dict]) -> dict[str, float]:
+        """The declared uplinks the plan uses (node id -> Mbit/s; ids missing declared none): the
+        nodes' peer entries, and this node's own --uplink-mbit only where the tracker's
+        connection selected revision 5. Every member of a region must plan with the same
+        uplinks: a tracker of revision 4 (or one this node reached below 5) hears no uplink
+        from this node and tells the others none, so this node counts its own as none too."""
+        uplinks = {p["id"]: p[wire.PEER_UPLINK] for p in peers
+                   if p["role"] == "node" and wire.PEER_UPLINK in p and p["id"] != self.id}
+        ms = self.tracker.stream
+        if self.cfg.uplink_mbit is not None and ms is not None and \
+                wire.revision(ms.wire_revision) >= wire.UPLINK_REVISION:
+            uplinks[self.id] = self.cfg.uplink_mbit
+        return uplinks
 
     # ------------------------------------------------------------ peers
 
@@ -340,6 +359,11 @@ class Node:
 
     # ------------------------------------------------------------ status
 
+    def _declared(self, member: str) -> dict:
+        """{"uplink": Mbit/s} where the tracker's entry for `member` carries one, else {}."""
+        up = self.dialer.members.get(member, {}).get(wire.PEER_UPLINK)
+        return {} if up is None else {"uplink": up}
+
     def status(self) -> dict:
         a, f = self.applier, self.fetcher
         return {
@@ -354,13 +378,15 @@ class Node:
             "latest_version": self.book.latest_version,
             "listen": self.listen_addr,
             "tracker_connected": self.tracker.connected,
+            "uplink_mbit": self.cfg.uplink_mbit,  # as declared (--uplink-mbit); each peer's: its "uplink"
             # The WAN rates (Mbit/s) this node plans each chunk's chain of regions with: the tracker's,
             # else its own --wan-rates; None: every region alike.
             "wan_rates": self.picker.wan_rates,
             # The tracker could not connect to the address this node joined with (its probe): "ADDR: why".
             "unreachable": self.dialer.unreachable,
             "peers": sorted(({"id": s.id, "region": s.region, "role": s.role,
-                              "bytes_in": s.piece_bytes_in, "bytes_out": s.piece_bytes_out, **transport_of(s.ms)}
+                              "bytes_in": s.piece_bytes_in, "bytes_out": s.piece_bytes_out, **transport_of(s.ms),
+                              **self._declared(s.id)}
                              for s in self.peers.sessions.values()), key=lambda p: p["id"]),
             "webrtc_refused": {} if self.rtc is None else dict(self.rtc.refused),
             "bytes_in": dict(f.bytes_in),

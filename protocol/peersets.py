@@ -15,6 +15,15 @@ decision, per member, of which entries that member knows:
   region inside that sample (they hold each chunk first in their region);
 - every origin.
 
+A member's entry is {"id", "region", "addr", "role"} and, where it declared one
+in its Hello (wire revision 5), "uplink" (Mbit/s). Gateways are ranked as the
+nodes rank them (`responsibility.gateway_rank` with its region's `uplink_caps`),
+so the tracker introduces to each other exactly the members that the nodes'
+`responsibility.gateways` make gateways; a join, leave or change of a member
+with an uplink moves its region's median, so it re-ranks the whole region
+(O(region)); one without an uplink re-ranks only itself. The tracker strips
+"uplink" for members of revision 4 and before (tracker/core.py).
+
 A change (join, leave, new address, new gateways) reaches only the members
 whose set it changes: the members of the changed member's region, the few
 that sampled it, and (for gateways) the other regions' gateways. Origins are
@@ -34,7 +43,7 @@ import random
 from . import wire
 from .errors import UsageError
 from .manifest import ObjKey
-from .responsibility import gateway_weight
+from .responsibility import gateway_rank, uplink_caps
 
 OTHER_REGION_PEERS = 3  # nodes of each other region a member is told about (node/daemon.py dials 3)
 NODE, ORIGIN = "node", "origin"
@@ -50,14 +59,17 @@ def apply_delta(peers: dict[str, dict], delta: wire.PeerDelta) -> dict[str, dict
 
 class _Region:
     """The nodes of one region, in a list for O(1) random picks, plus each one's
-    gateway weight for the current object."""
+    gateway rank for the current object, the uplinks its members declared and
+    the caps (`uplink_caps`) those give."""
 
-    __slots__ = ("ids", "pos", "weights")
+    __slots__ = ("ids", "pos", "weights", "uplinks", "caps")
 
     def __init__(self) -> None:
         self.ids: list[str] = []
         self.pos: dict[str, int] = {}
-        self.weights: dict[str, tuple[bytes, str]] = {}
+        self.weights: dict[str, tuple] = {}  # member -> responsibility.gateway_rank
+        self.uplinks: dict[str, float] = {}  # members that declared one
+        self.caps: dict[str, float] | None = None  # uplink_caps(ids, uplinks), kept when uplinks change
 
     def add(self, member: str) -> None:
         self.pos[member] = len(self.ids)
@@ -70,6 +82,20 @@ class _Region:
             self.ids[i] = last
             self.pos[last] = i
         self.weights.pop(member, None)
+
+    def set_uplink(self, member: str, uplink: float | None) -> bool:
+        """Record `member`'s declared uplink (it is in `ids` or has just left them); True
+        when the caps may have changed, so every rank must be computed again. A member
+        that declares none and did not before changes no one's cap (it counts as the
+        median, and caps it is missing from give it 1.0 just the same)."""
+        if self.uplinks.get(member) == uplink:
+            return False
+        if uplink is None:
+            del self.uplinks[member]
+        else:
+            self.uplinks[member] = uplink
+        self.caps = uplink_caps(self.ids, self.uplinks)
+        return True
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -108,7 +134,7 @@ class PeerSets:
         self.other_peers = other_peers
         self.max_gateways = gateways
         self._rng = random.Random(seed)
-        self.entries: dict[str, dict] = {}  # id -> {"id", "region", "addr", "role"}
+        self.entries: dict[str, dict] = {}  # id -> {"id", "region", "addr", "role"[, "uplink"]}
         self._regions: dict[str, _Region] = {}  # nodes only
         self._origins: set[str] = set()
         self._sample: dict[str, dict[str, list[str]]] = {}  # node -> other region -> sampled nodes
@@ -168,12 +194,15 @@ class PeerSets:
 
     # ------------------------------------------------------------ facts
 
-    def join(self, member: str, role: str, region: str, addr: str) -> bool:
+    def join(self, member: str, role: str, region: str, addr: str, uplink: float | None = None) -> bool:
         """Add `member` (or update it: a member that reconnects may have a new
-        address or region). False when nothing changed for anyone else."""
+        address, uplink or region). `uplink`: the one it declared (Mbit/s), None for
+        none. False when nothing changed for anyone else."""
         if role not in (NODE, ORIGIN):
             raise UsageError(f"role: expected {NODE!r} or {ORIGIN!r}, found {role!r}")
         entry = {"id": member, "region": region, "addr": addr, "role": role}
+        if uplink is not None:
+            entry[wire.PEER_UPLINK] = uplink
         old = self.entries.get(member)
         if old == entry:
             return False
@@ -186,15 +215,18 @@ class PeerSets:
             self._note(self._origin_changes, member, entry)
             return True
         self._note(self._region_changes.setdefault(region, {}), member, entry)
-        if old is not None:  # a new address: whoever knows it learns the new one
+        if old is not None:  # a new address or uplink: whoever knows it learns the new one
             for m in self._holders.get(member, ()):
                 self._note(self._member_changes.setdefault(m, {}), member, entry)
+            if self._regions[region].set_uplink(member, uplink):
+                self._rerank(region)
             return True
         r = self._regions.get(region)
         if r is None:
             r = self._regions[region] = _Region()
         small = len(r) < self.other_peers
         r.add(member)
+        reranked = r.set_uplink(member, uplink)
         self._holders[member] = {}
         self._sample[member] = {}
         if small:  # every sample of this region held all of it: it takes the newcomer too
@@ -206,11 +238,13 @@ class PeerSets:
                 self._fill_sample(member, u)
         if not small:
             self._rebalance(region, member)
-        if self._key is not None and self.max_gateways:
-            r.weights[member] = (gateway_weight(member, self._key), member)
+        if reranked:
+            self._rerank(region)
+        elif self._key is not None and self.max_gateways:
+            r.weights[member] = gateway_rank(member, self._key, r.caps)
             self._update_gateways(region)
-            if member in self._gateways[region]:
-                self._take_gateways(member)
+        if member in self._gateways.get(region, ()):
+            self._take_gateways(member)
         return True
 
     def leave(self, member: str) -> bool:
@@ -225,6 +259,7 @@ class PeerSets:
         region = e["region"]
         r = self._regions[region]
         r.remove(member)
+        reranked = r.set_uplink(member, None)
         self._note(self._region_changes.setdefault(region, {}), member, None)
         self._member_changes.pop(member, None)
         for ids in self._sample.pop(member).values():
@@ -240,6 +275,8 @@ class PeerSets:
         if not len(r):
             del self._regions[region]
             self._gateways.pop(region, None)
+        elif reranked:
+            self._rerank(region)
         elif member in self._gateways.get(region, ()):
             self._update_gateways(region)
         return True
@@ -253,9 +290,8 @@ class PeerSets:
         self._gateways = {region: frozenset() for region in self._regions}
         if not self.max_gateways:
             return
-        for region, r in self._regions.items():
-            r.weights = {m: (gateway_weight(m, key), m) for m in r.ids}
-            self._update_gateways(region)
+        for region in self._regions:
+            self._rerank(region)
 
     # ------------------------------------------------------------ deltas
 
@@ -363,9 +399,18 @@ class PeerSets:
 
     # ------------------------------------------------------------ gateways
 
+    def _rerank(self, region: str) -> None:
+        """Every member's gateway rank in `region` for the current object, then its
+        gateways: its caps changed, or the object did (O(region))."""
+        if self._key is None or not self.max_gateways:
+            return
+        r = self._regions[region]
+        r.weights = {m: gateway_rank(m, self._key, r.caps) for m in r.ids}
+        self._update_gateways(region)
+
     def _update_gateways(self, region: str) -> None:
         r = self._regions[region]
-        new = frozenset(m for _, m in heapq.nlargest(self.max_gateways, r.weights.values()))
+        new = frozenset(rank[-1] for rank in heapq.nlargest(self.max_gateways, r.weights.values()))
         old = self._gateways.get(region, frozenset())
         self._gateways[region] = new
         for g in new - old:

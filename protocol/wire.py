@@ -32,6 +32,18 @@ revision 4 takes batches with and without keys. A member offers every revision i
 (`WIRE_REVISIONS`), and the listener picks the newest both offer, so each pair
 of versions talks the newest revision both know.
 
+Revision 5 added the members' declared uplinks: `Hello.uplink` (a member's upload
+rate in Mbit/s, its --uplink-mbit) and an optional key "uplink" in a peer entry
+of PeerList.peers and PeerDelta.add, with which the tracker passes each member's
+on to the others. The WAN plan (protocol/responsibility.py `uplink_caps`) gives a
+member with a slow uplink a smaller share of the chunks its region relays, and
+makes it a gateway only where too few others are: every member of a region must
+plan with the same uplinks, so they come from the tracker, like the WAN rates. A
+member of revision 4 refuses both (an unknown Hello field, an unknown peer key):
+a node sends its uplink only on a connection that selected revision 5
+(node/net/transport.py `exchange_hello` leaves it out on others), and the tracker
+strips "uplink" from the entries it sends to a member of revision 4.
+
 Limits (named constants below, like h11's): every frame before the peer's
 Hello is at most MAX_HELLO_FRAME_BYTES (its header alone is refused beyond
 that, before any body is buffered); after it, `max_frame`. A body is read
@@ -78,10 +90,15 @@ MAX_WAN_REGIONS = 1 << 10  # regions in a PeerList's wan_rates
 # The wire revisions this code speaks, offered newest first in TLS ALPN (node/net/trust.py); a
 # connection reads what the revision it selected added (`revision`). Members of the first
 # version offer no ALPN protocol and select none; they are sent no optional field.
-# the newest: 4 added record keys in Trajectories batches, 3 TrajectoriesBusy, 2 PeerList.wan_rates
-WIRE_REVISION = "patchswarm/4"
-WIRE_REVISIONS = (WIRE_REVISION, "patchswarm/3", "patchswarm/2")
+# the newest: 5 added declared uplinks (Hello.uplink, "uplink" in peer entries), 4 record keys in
+# Trajectories batches, 3 TrajectoriesBusy, 2 PeerList.wan_rates
+WIRE_REVISION = "patchswarm/5"
+WIRE_REVISIONS = (WIRE_REVISION, "patchswarm/4", "patchswarm/3", "patchswarm/2")
 RECORD_KEYS_REVISION = 4  # a Trajectories batch may carry record keys (module docstring)
+UPLINK_REVISION = 5  # Hello.uplink and peer entries' "uplink" (module docstring)
+# The largest uplink a member may declare, in Mbit/s (10 Tbit/s: beyond any NIC; the plan only
+# compares uplinks with their region's median, so the bound only keeps the number sane).
+MAX_UPLINK_MBIT = 10_000_000
 _REVISION_PREFIX = "patchswarm/"
 # The longest wait a TrajectoriesBusy may ask for (an hour); a node waits at most its own cap.
 MAX_RETRY_MS = 3_600_000
@@ -123,6 +140,9 @@ class Hello:
     role: str
     listen: str
     versions: list[int]
+    # Revision 5 (optional): the member's declared uplink in Mbit/s, in (0, MAX_UPLINK_MBIT];
+    # None: it declares none. Sent only on a connection that selected revision 5.
+    uplink: float | None = None
 
 
 # Chunks belong to an object: the patch or the keyframe of one version, named
@@ -217,7 +237,9 @@ class PeerList:
     tracker's --wan-rates), which every member plans its chains with; None: the tracker
     gives none, and a member plans with its own configuration."""
 
-    peers: list[dict]  # each exactly {"id": str, "region": str, "addr": str, "role": str}
+    # each {"id": str, "region": str, "addr": str, "role": str}, plus (revision 5, optional)
+    # "uplink": the member's declared uplink in Mbit/s, a number in (0, MAX_UPLINK_MBIT]
+    peers: list[dict]
     wan_rates: dict[str, float] | None = None  # region -> rate > 0
 
 
@@ -347,6 +369,8 @@ MESSAGE_TYPES = {
                 Signal, TrajectoriesBusy)
 }
 _PEER_FIELDS = {"id": MAX_NAME_BYTES, "region": MAX_NAME_BYTES, "addr": MAX_ADDR_BYTES, "role": MAX_NAME_BYTES}
+PEER_UPLINK = "uplink"  # the one optional key of a peer entry (revision 5): a number, `is_uplink`
+_PEER_WHAT = 'a peer {"id", "region", "addr", "role"} and optionally "uplink"'
 
 # What each field may carry beyond its type (annotation): the most bytes of a
 # str or bytes field, the most items of a list, the largest int. Unlisted str
@@ -434,9 +458,21 @@ def _check_rates(v, limit: int) -> bool:
         _utf8_within(k, MAX_NAME_BYTES) and k and _is_rate(rate) for k, rate in v.items()))
 
 
+def is_uplink(v) -> bool:
+    """A declared uplink (Mbit/s) a member may send: an int or float in (0, MAX_UPLINK_MBIT]
+    (not a bool, not NaN or infinite)."""
+    return type(v) in (int, float) and 0 < v <= MAX_UPLINK_MBIT
+
+
 def _check_peer(p) -> bool:
-    return type(p) is dict and p.keys() == _PEER_FIELDS.keys() and all(
-        _utf8_within(p[k], limit) for k, limit in _PEER_FIELDS.items())
+    if type(p) is not dict:
+        return False
+    if PEER_UPLINK in p:
+        if not is_uplink(p[PEER_UPLINK]) or len(p) != len(_PEER_FIELDS) + 1:
+            return False
+    elif len(p) != len(_PEER_FIELDS):
+        return False
+    return all(k in p and _utf8_within(p[k], limit) for k, limit in _PEER_FIELDS.items())
 
 
 # annotation -> (predicate(value, limit), what is expected given the limit): `encode`'s checks
@@ -448,11 +484,13 @@ _CHECKS = {
     "list[int]": (lambda v, limit: type(v) is list and len(v) <= limit and all(map(_is_uint, v)),
                   "list of at most {} non-negative ints"),
     "list[dict]": (lambda v, limit: type(v) is list and len(v) <= limit and all(map(_check_peer, v)),
-                   'list of at most {} {{"id": str, "region": str, "addr": str, "role": str}} maps'),
+                   'list of at most {} {{"id": str, "region": str, "addr": str, "role": str}} maps, '
+                   f'each with an optional "uplink" in (0, {MAX_UPLINK_MBIT}]'),
     "list[str]": (lambda v, limit: type(v) is list and len(v) <= limit
                   and all(_utf8_within(x, MAX_NAME_BYTES) for x in v),
                   "list of at most {} member ids"),
     "dict[str, float] | None": (_check_rates, "None or a map of at most {} regions to rates > 0"),
+    "float | None": (lambda v, _: v is None or is_uplink(v), f"None or an uplink in Mbit/s in (0, {MAX_UPLINK_MBIT}]"),
 }
 
 
@@ -502,16 +540,31 @@ def encode(msg) -> bytes:
     return len(body).to_bytes(HEADER_BYTES, "big") + body
 
 
+def _read_uplink(r: PackReader, what: str):
+    value = r.number(f"{what} in Mbit/s")
+    if not is_uplink(value):
+        raise r.fail(f"{what} in Mbit/s in (0, {MAX_UPLINK_MBIT}]", repr(value))
+    return value
+
+
 def _read_peer(r: PackReader) -> dict:
-    if r.map_len(len(_PEER_FIELDS), "a peer map") != len(_PEER_FIELDS):
-        raise r.fail('a peer {"id", "region", "addr", "role"}', "a map of other keys")
+    n = r.map_len(len(_PEER_FIELDS) + 1, "a peer map")
+    if n < len(_PEER_FIELDS):
+        raise r.fail(_PEER_WHAT, f"a map of {n} keys")
     peer = {}
-    for _ in _PEER_FIELDS:
+    for _ in range(n):
         key = r.str(_MAX_KEY_BYTES, "a peer key")
+        if key in peer:
+            raise r.fail(_PEER_WHAT, f"key {key!r} twice")
+        if key == PEER_UPLINK:
+            peer[key] = _read_uplink(r, "a peer's uplink")
+            continue
         limit = _PEER_FIELDS.get(key)
-        if limit is None or key in peer:
-            raise r.fail('a peer {"id", "region", "addr", "role"}', f"key {key!r}")
+        if limit is None:
+            raise r.fail(_PEER_WHAT, f"key {key!r}")
         peer[key] = r.str(limit, "a str")
+    if len(peer) - (PEER_UPLINK in peer) != len(_PEER_FIELDS):  # 5 keys without "uplink", or "uplink" and 3
+        raise r.fail(_PEER_WHAT, f"keys {sorted(peer)}")
     return peer
 
 
@@ -539,6 +592,8 @@ def _read_field(r: PackReader, kind: str, limit: int | None):
         return r.str(limit, "str")
     if kind == "dict[str, float] | None":
         return _read_rates(r, limit)
+    if kind == "float | None":
+        return _read_uplink(r, "an uplink")
     n = r.array_len(limit, "list")
     if kind == "list[int]":
         return r.uints(n, MAX_INT, "non-negative ints")

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from patchswarm.protocol.errors import UsageError
 from patchswarm.protocol.peersets import PeerSets, apply_delta
-from patchswarm.protocol.responsibility import gateways
+from patchswarm.protocol.responsibility import gateways, uplink_caps
 
 
 class Members:
@@ -28,8 +28,8 @@ class Members:
         self.held: dict[str, dict[str, dict]] = {}
         self.received: dict[str, int] = {}  # deltas per member in the last flush
 
-    def join(self, member, role="node", region="r0", addr=None):
-        self.sets.join(member, role, region, addr or f"{member}:1")
+    def join(self, member, role="node", region="r0", addr=None, uplink=None):
+        self.sets.join(member, role, region, addr or f"{member}:1", uplink)
         self.held[member] = {e["id"]: e for e in self.sets.full(member)}
 
     def leave(self, member):
@@ -53,6 +53,13 @@ class Members:
             assert held == {e["id"]: e for e in self.sets.view(m)}, m
 
 
+def region_gateways(sets: PeerSets, key, there) -> set[str]:
+    """The gateways the nodes of a region compute (responsibility.gateways), from the uplinks
+    their peer entries carry."""
+    uplinks = {m: sets.entries[m]["uplink"] for m in there if "uplink" in sets.entries[m]}
+    return gateways(key, there, sets.max_gateways, uplink_caps(there, uplinks))
+
+
 def check_sets(sets: PeerSets, key=None):
     """What the WAN plan and the dialer need, and the bounds."""
     regions = {}
@@ -73,11 +80,11 @@ def check_sets(sets: PeerSets, key=None):
                 continue
             got = seen & there
             assert len(got) == min(sets.other_peers, len(there)), (m, u, got)
-            if key is not None and m in gateways(key, regions[region], sets.max_gateways):
-                assert gateways(key, there, sets.max_gateways) <= got, (m, u)
+            if key is not None and m in region_gateways(sets, key, regions[region]):
+                assert region_gateways(sets, key, there) <= got, (m, u)
     if key is not None:
         for region, there in regions.items():
-            assert sets.gateways(region) == gateways(key, there, sets.max_gateways)
+            assert sets.gateways(region) == region_gateways(sets, key, there)
 
 
 def test_a_joining_node_sees_its_region_a_sample_of_others_and_the_origin():
@@ -222,11 +229,15 @@ def test_samplers_stay_balanced_under_churn():
     assert min(counts) >= 1
 
 
+UPLINKS = [None, None, 10, 100, 100.0, 1000]  # Mbit/s, drawn by index: slow, even, fast, none
+
+
 @st.composite
 def histories(draw):
     ops = []
     for _ in range(draw(st.integers(1, 60))):
-        kind = draw(st.sampled_from(["join", "join", "join", "leave", "move", "readdr", "object", "flush"]))
+        kind = draw(st.sampled_from(["join", "join", "join", "leave", "move", "readdr", "reuplink", "object",
+                                     "flush"]))
         ops.append((kind, draw(st.integers(0, 15)), draw(st.integers(0, 3)), draw(st.integers(0, 5))))
     return ops
 
@@ -241,10 +252,14 @@ def test_property_deltas_keep_every_member_at_its_set(ops, other_peers, gw, seed
     for kind, m, region, v in ops:
         name = "o" if m == 15 else f"n{m}"
         role = "origin" if m == 15 else "node"
-        if kind in ("join", "move") or (kind == "readdr" and name not in sets):
-            ms.join(name, role, f"r{region}")
+        uplink = UPLINKS[v]
+        if kind in ("join", "move") or (kind in ("readdr", "reuplink") and name not in sets):
+            ms.join(name, role, f"r{region}", uplink=uplink)
         elif kind == "readdr":
-            ms.join(name, role, sets.region_of(name), addr=f"{name}:{v + 2}")
+            ms.join(name, role, sets.region_of(name), addr=f"{name}:{v + 2}",
+                    uplink=sets.entries[name].get("uplink"))
+        elif kind == "reuplink":  # the same member again, declaring another uplink (or none)
+            ms.join(name, role, sets.region_of(name), addr=sets.entries[name]["addr"], uplink=uplink)
         elif kind == "leave":
             ms.leave(name)
         elif kind == "object":
@@ -268,3 +283,89 @@ def test_bad_limits_are_refused(kwargs):
 def test_unknown_role_is_refused():
     with pytest.raises(UsageError):
         PeerSets().join("t", "tracker", "r0", "t:1")
+
+
+# --- declared uplinks ------------------------------------------------------------
+
+
+def test_an_entry_carries_an_uplink_only_where_one_was_declared_and_a_change_is_a_change():
+    sets = PeerSets(other_peers=3, gateways=2, seed=1)
+    ms = Members(sets)
+    ms.join("n1", uplink=100)
+    ms.join("n2")
+    assert sets.entries["n1"]["uplink"] == 100 and "uplink" not in sets.entries["n2"]
+    ms.flush()
+    assert not sets.join("n1", "node", "r0", "n1:1", 100)  # the same again: nothing to tell
+    assert sets.join("n1", "node", "r0", "n1:1", 10)  # a new uplink reaches its region, like a new address
+    assert ms.flush()["n2"] == 1  # (n1 finds itself in its region's delta, and ignores it)
+    ms.check()
+    assert ms.held["n2"]["n1"]["uplink"] == 10
+    assert sets.join("n1", "node", "r0", "n1:1", None)  # and declaring none again
+    ms.flush()
+    ms.check()
+    assert "uplink" not in ms.held["n2"]["n1"]
+
+
+def test_a_slow_member_is_no_gateway_while_enough_others_are():
+    """One member of four declares 10 Mbit/s among 100: for no object is it one of the two
+    gateways, as the nodes' own plan has it; declaring 100 again makes it one for some."""
+    sets = PeerSets(other_peers=3, gateways=2, seed=2)
+    for i in range(4):
+        sets.join(f"a{i}", "node", "ra", f"a{i}:1", 10 if i == 0 else 100)
+        sets.join(f"b{i}", "node", "rb", f"b{i}:1", 100)
+    chosen = set()
+    for v in range(40):
+        sets.set_object((v, False))
+        assert "a0" not in sets.gateways("ra")
+        check_sets(sets, (v, False))
+    sets.join("a0", "node", "ra", "a0:1", 100)  # its region re-ranks at once
+    for v in range(40, 80):
+        sets.set_object((v, False))
+        chosen |= sets.gateways("ra")
+        check_sets(sets, (v, False))
+    assert "a0" in chosen
+
+
+def test_a_slow_member_leaving_or_joining_re_ranks_its_region_and_gateways_learn_of_it():
+    sets = PeerSets(other_peers=3, gateways=2, seed=3)
+    ms = Members(sets)
+    for i in range(5):
+        ms.join(f"a{i}", region="ra", uplink=100)
+        ms.join(f"b{i}", region="rb", uplink=100)
+    key = (7, False)
+    sets.set_object(key)
+    ms.flush()
+    g = sorted(sets.gateways("ra"))[0]
+    ms.join(g, region="ra", uplink=5)  # a gateway declares a slow uplink: another takes its place
+    assert g not in sets.gateways("ra")
+    ms.flush()
+    ms.check()
+    check_sets(sets, key)
+    for other in sets.gateways("rb"):  # the other region's gateways know the new one
+        assert sets.gateways("ra") <= set(ms.held[other])
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.dictionaries(st.text("abcdef", min_size=1, max_size=4),
+                       st.none() | st.sampled_from([1, 5, 10, 50, 100, 100.0, 1000]), min_size=1, max_size=12),
+       st.integers(0, 3), st.integers(0, 50), st.lists(st.text("abcdef", min_size=1, max_size=4), max_size=4))
+def test_property_the_trackers_gateways_are_the_nodes_gateways(uplinks, k, version, leaving):
+    """On random regions with random declared uplinks, before and after members leave:
+    PeerSets.gateways(region) == responsibility.gateways(key, members, k, uplink_caps(...))."""
+    sets = PeerSets(other_peers=3, gateways=k, seed=version)
+    for m, up in uplinks.items():
+        sets.join(m, "node", "r", f"{m}:1", up)
+    key = (version, version % 2 == 0)
+    sets.set_object(key)
+
+    def expected():
+        declared = {m: up for m, up in uplinks.items() if up is not None}
+        return gateways(key, uplinks, k, uplink_caps(uplinks, declared))
+
+    if k:
+        assert sets.gateways("r") == expected()
+    for m in leaving:
+        sets.leave(m)
+        uplinks.pop(m, None)
+        if uplinks and k:
+            assert sets.gateways("r") == expected()

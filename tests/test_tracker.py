@@ -9,6 +9,7 @@ that stops reading dropped without delaying the others.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import socket
@@ -21,10 +22,11 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from patchswarm.node.net import transport, trust
 from patchswarm.node.net.transport import MessageStream, connect, exchange_hello, serve
-from patchswarm.protocol import wire
+from patchswarm.protocol import responsibility, wire
 from patchswarm.protocol.manifest import Manifest, sign_manifest, verify_manifest
 from patchswarm.protocol.errors import PeerRefused, UsageError
 from patchswarm.protocol.peersets import apply_delta
+from patchswarm.protocol.responsibility import uplink_caps
 from patchswarm.tracker import server
 from patchswarm.tracker.core import (BAD_MESSAGE, BEHIND, OVER_ANNOUNCES, OVER_JOINS, OVER_SIGNALS, REPLACED, SILENT,
                                      Close, Send, TrackerCore)
@@ -849,5 +851,115 @@ def test_a_wildcard_listen_address_whose_port_is_not_a_number_is_listed_as_none(
                     await trio.sleep(0.01)
             assert {m: tracker.core.members[m].addr for m in "abc"} == {"a": "", "b": "", "c": "10.0.0.9:7000"}
             nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+# --- declared uplinks (wire revision 5) ------------------------------------------------
+
+REV4 = "patchswarm/4"
+
+
+def _join_at(run: Run, name: str, revision: str | None, uplink=None, region="r0", at=0.0, role="node") -> Conn:
+    c = Conn(name)
+    run.now = at
+    h = dataclasses.replace(hello(name, role, region), uplink=uplink)
+    run.do(run.core.connected(c, h, f"{name}:7000", at, wire_revision=revision))
+    return c
+
+
+def _uplinks_in(msgs) -> list:
+    """Every "uplink" any peer entry in `msgs` carries, as (id, uplink)."""
+    return [(e["id"], e["uplink"]) for msg in msgs for e in getattr(msg, "peers", getattr(msg, "add", []))
+            if "uplink" in e]
+
+
+def test_an_uplink_reaches_members_of_revision_5_and_never_one_of_revision_4_or_before():
+    """a (revision 5, 100 Mbit/s) and c (revision 5, 10 Mbit/s) see each other's uplinks, in
+    their PeerList and in the deltas; b (revision 4) and d (no revision) get the same entries
+    without the key they would refuse, from their PeerList on, in deltas of their own."""
+    run = Run()
+    a = _join_at(run, "a", wire.WIRE_REVISION, uplink=100)
+    b = _join_at(run, "b", REV4)
+    d = _join_at(run, "d", None)
+    c = _join_at(run, "c", wire.WIRE_REVISION, uplink=10)
+    assert ("a", 100) in _uplinks_in(run.got[c][:1])  # c's PeerList
+    run.tick(1.0)
+    assert run.peers(a)["c"]["uplink"] == 10 and run.peers(c)["a"]["uplink"] == 100
+    assert "uplink" not in run.peers(a)["b"]  # b declared none (its revision has no field for it)
+    for old in (b, d):
+        assert _uplinks_in(run.got[old]) == [], old
+        assert run.peers(old)["c"] == {"id": "c", "region": "r0", "addr": "c:7000", "role": "node"}
+    # A reconnect with another uplink is a change like a new address: to each in its own form.
+    before = {x: len(run.got[x]) for x in (a, b, d)}
+    c2 = _join_at(run, "c", wire.WIRE_REVISION, uplink=50, at=1.5)
+    run.tick(3.0)
+    assert run.peers(a)["c"]["uplink"] == 50 and [("c", 50)] == _uplinks_in(run.got[a][before[a]:])
+    for old in (b, d):
+        news = run.got[old][before[old]:]
+        assert news and _uplinks_in(news) == [] and run.peers(old)["c"]["addr"] == "c:7000"
+    assert run.peers(c2)["a"]["uplink"] == 100
+    statuses = {m["id"]: m.get("uplink") for m in run.core.status()["members"]}
+    assert statuses == {"a": 100, "b": None, "d": None, "c": 50}
+
+
+def test_the_trackers_gateways_skip_a_slow_member_as_the_nodes_do():
+    """One node of r1 declares 10 Mbit/s among 100: it is no gateway of any version while the
+    region has others, and the gateways the tracker introduces are those of the nodes' own plan
+    (responsibility.gateways with the region's uplink_caps)."""
+    run = Run(wan_gateways=2)
+    origin = _join_at(run, "origin", wire.WIRE_REVISION, uplink=1000, role="origin")
+    ups = {f"n{r}.{i}": (10 if (r, i) == (1, 0) else 100) for r in range(3) for i in range(4)}
+    for name, up in ups.items():
+        _join_at(run, name, wire.WIRE_REVISION, uplink=up, region=f"r{name[1]}")
+    run.tick(0.2)
+    run.send(origin, wire.Announce(envelope(0, True)))
+    r1 = [m for m in ups if m.startswith("n1.")]
+    assert any("n1.0" in responsibility.gateways((v, False), r1, 2) for v in range(1, 20))  # were uplinks not declared
+    for v in range(1, 20):
+        run.send(origin, wire.Announce(envelope(v)))
+        key = (v, False)
+        for r in range(3):
+            there = [m for m in ups if m.startswith(f"n{r}.")]
+            caps = uplink_caps(there, {m: ups[m] for m in there})
+            assert run.core.peers.gateways(f"r{r}") == responsibility.gateways(key, there, 2, caps)
+        assert "n1.0" not in run.core.peers.gateways("r1")
+
+
+def test_over_tls_a_node_of_revision_5_declares_its_uplink_and_one_of_revision_4_leaves_it_out(tmp_path):
+    """The real service on loopback. a (this version) declares 100 Mbit/s; b offers only up to
+    revision 4 and builds its Hello with an uplink too, which exchange_hello leaves out (a
+    revision-4 tracker would refuse the field); c (this version) is told a's uplink and none
+    for b, and b is told a's entry without the key."""
+    creds = _swarm_of(tmp_path)
+
+    def revision_4(ctx):
+        ctx.set_alpn_protocols([REV4, "patchswarm/3", "patchswarm/2"])
+        return ctx
+
+    async def join(tracker, name, uplink, ssl_context=None):
+        return await connect(tracker.listen_addr, creds[name], {"tracker"},
+                             wire.Hello(name, "r1", "node", f"127.0.0.1:{7000 + ord(name)}", [], uplink=uplink),
+                             ssl_context=ssl_context)
+
+    async def main():
+        tracker = server.Tracker(tmp_path / "tracker", "127.0.0.1:0")
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(tracker.run)
+                a = await join(tracker, "a", 100)
+                assert isinstance(await a.receive(), wire.PeerList)
+                b = await join(tracker, "b", 50, revision_4(trust.client_context(creds["b"])))
+                assert b.wire_revision == REV4
+                to_b = await b.receive()
+                c = await join(tracker, "c", 10.5)
+                to_c = await c.receive()
+                assert {p["id"]: p.get("uplink") for p in to_c.peers} == {"a": 100, "b": None}
+                assert {p["id"]: p.get("uplink") for p in to_b.peers} == {"a": None}
+                members = {m["id"]: m.get("uplink") for m in tracker.status()["members"]}
+                assert members == {"a": 100, "b": None, "c": 10.5}
+                for ms in (a, b, c):
+                    await ms.aclose()
+                nursery.cancel_scope.cancel()
 
     trio.run(main)

@@ -314,3 +314,17 @@ def test_asked_report_finds_a_node_that_asked_nobody_while_lacking_chunks():
     assert (held, n) == (3, 3)
     assert unasked == pytest.approx(1.0)    # the stall of issue 26: lacking chunks, asking nobody
     assert gap == pytest.approx(2.0)        # waiting on a request in flight: a gap, not unasked
+
+
+def test_every_patchswarm_daemon_declares_its_links_uplink_unless_told_not_to():
+    """bench/wan.py: each daemon's --uplink-mbit is its host's link rate, or its --slow-uplink rate;
+    --no-declare-uplinks leaves the flag out (the plan without uplinks, for side-by-side runs)."""
+    from bench.wan import make_runner, parse_args
+    from bench.wan_patchswarm import uplink_args
+
+    spec = dataclasses.replace(SMALL, slow_uplinks=(("n0.1", 10.0),))
+    assert uplink_args(spec, "n0.0") == ["--uplink-mbit", f"{LAN_MBIT:g}"]
+    assert uplink_args(spec, "n0.1") == ["--uplink-mbit", "10"]
+    assert uplink_args(spec, "n0.1", declare=False) == []
+    assert make_runner("patchswarm", parse_args(["--slow-uplink", "n0.1=10"])).declare_uplinks
+    assert not make_runner("patchswarm", parse_args(["--no-declare-uplinks"])).declare_uplinks

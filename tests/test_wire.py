@@ -24,10 +24,14 @@ uint = st.integers(min_value=0, max_value=2**64 - 1)
 chunk = st.integers(min_value=0, max_value=MAX_CHUNKS - 1)  # chunk indices are below what a manifest may hold
 text = st.text(max_size=20)
 blob = st.binary(max_size=64)
-peer = st.fixed_dictionaries({"id": text, "region": text, "addr": text, "role": text})
+# a declared uplink (revision 5): msgpack carries an int or a float, both in (0, MAX_UPLINK_MBIT]
+uplinks = st.integers(1, wire.MAX_UPLINK_MBIT) | st.floats(
+    min_value=1e-6, max_value=wire.MAX_UPLINK_MBIT, allow_nan=False, allow_infinity=False)
+peer = st.fixed_dictionaries({"id": text, "region": text, "addr": text, "role": text},
+                             optional={"uplink": uplinks})
 
 hellos = st.builds(Hello, node_id=text, region=text, role=text, listen=text,
-                   versions=st.lists(uint, max_size=5))
+                   versions=st.lists(uint, max_size=5), uplink=st.none() | uplinks)
 messages = st.one_of(
     hellos,
     st.builds(Have, version=uint, keyframe=st.booleans(), chunks=blob),
@@ -708,3 +712,50 @@ def test_bad_wan_rates_from_the_tracker_say_what_was_expected_and_found(rates, f
     with pytest.raises(ProtocolError, match="PeerList.wan_rates") as raised:
         wire.decode_body(frame({"t": "PeerList", "peers": [], "wan_rates": rates})[4:])
     assert found in str(raised.value) and "expected" in str(raised.value)
+
+
+# --- declared uplinks (revision 5) -------------------------------------------------
+
+
+def test_a_hello_without_an_uplink_is_the_previous_revisions_frame():
+    """A revision-4 member refuses a Hello field it does not know: a Hello with no uplink is the
+    frame it reads, and one with an uplink round-trips to a member of revision 5."""
+    old = frame({"t": "Hello", **{k: v for k, v in dataclasses.asdict(HELLO).items() if k != "uplink"}})
+    assert wire.encode(HELLO) == old
+    assert wire.decode_body(old[4:]).uplink is None
+    for value in (10, 2.5, wire.MAX_UPLINK_MBIT):
+        with_uplink = dataclasses.replace(HELLO, uplink=value)
+        assert wire.decode_body(wire.encode(with_uplink)[4:]) == with_uplink
+
+
+@pytest.mark.parametrize("value", [0, -1, 0.0, float("nan"), float("inf"), wire.MAX_UPLINK_MBIT + 1, True, "10"])
+def test_an_uplink_out_of_bounds_is_refused_both_ways(value):
+    with pytest.raises(UsageError, match="Hello.uplink: expected None or an uplink"):
+        wire.encode(dataclasses.replace(HELLO, uplink=value))
+    with pytest.raises(ProtocolError, match="Hello.uplink: expected an uplink in Mbit/s"):
+        wire.decode_body(frame({"t": "Hello", **dataclasses.asdict(HELLO), "uplink": value})[4:])
+    entry = {**PEER, "uplink": value}
+    with pytest.raises(UsageError, match="PeerList.peers"):
+        wire.encode(PeerList(peers=[entry]))
+    for msg in ({"t": "PeerList", "peers": [entry]}, {"t": "PeerDelta", "add": [entry], "remove": []}):
+        with pytest.raises(ProtocolError, match="expected a peer's uplink in Mbit/s"):
+            wire.decode_body(frame(msg)[4:])
+
+
+@pytest.mark.parametrize("entry, found", [
+    ({**PEER, "speed": 10}, "key 'speed'"),  # only "uplink" may be added
+    ({**PEER, "uplink": 10, "speed": 10}, "a peer map"),  # six keys: more than a peer has
+    ({"id": "n1", "region": "eu", "addr": "x:1", "uplink": 10}, "keys ['addr', 'id', 'region', 'uplink']"),
+    ({"id": "n1", "region": "eu", "addr": "x:1"}, "a map of 3 keys"),
+])
+def test_a_peer_entry_may_add_only_an_uplink(entry, found):
+    with pytest.raises(ProtocolError, match="PeerDelta.add") as raised:
+        wire.decode_body(frame({"t": "PeerDelta", "add": [entry], "remove": []})[4:])
+    assert found in str(raised.value) and "expected" in str(raised.value)
+    with pytest.raises(UsageError, match="PeerDelta.add"):
+        wire.encode(PeerDelta(add=[entry], remove=[]))
+
+
+def test_a_peer_entry_with_an_uplink_round_trips_as_int_or_float():
+    entries = [{**PEER, "uplink": 100}, {**PEER, "id": "n2", "uplink": 12.5}, {**PEER, "id": "n3"}]
+    assert wire.decode_body(wire.encode(PeerList(peers=entries))[4:]).peers == entries

@@ -69,7 +69,7 @@ def test_random_bytes_after_a_deferrals_type_key_raise_only_protocol_error(tail)
 
 
 @pytest.mark.parametrize("selected, number", [(None, 1), ("patchswarm/2", 2), ("patchswarm/3", 3),
-                                              ("patchswarm/4", 4), (wire.WIRE_REVISION, 4)])
+                                              ("patchswarm/4", 4), ("patchswarm/5", 5), (wire.WIRE_REVISION, 5)])
 def test_the_selected_revision_as_a_number(selected, number):
     assert wire.revision(selected) == number
 
@@ -126,7 +126,9 @@ def _handshake(server_ctx: ssl.SSLContext, client_ctx: ssl.SSLContext) -> tuple[
 
 
 @pytest.mark.parametrize("origin_offers, node_offers, selected", [
-    (None, None, "patchswarm/4"),  # both of this version: revision 4, deferrals and record keys
+    (None, None, "patchswarm/5"),  # both of this version: revision 5, deferrals, record keys and uplinks
+    (None, ["patchswarm/4", "patchswarm/3", "patchswarm/2"], "patchswarm/4"),  # a node of revision 4: no uplinks
+    (["patchswarm/4", "patchswarm/3", "patchswarm/2"], None, "patchswarm/4"),  # this node, an origin of revision 4
     (None, ["patchswarm/3", "patchswarm/2"], "patchswarm/3"),  # a node of revision 3: no record keys
     (["patchswarm/3", "patchswarm/2"], None, "patchswarm/3"),  # this node, an origin of revision 3
     (None, ["patchswarm/2"], "patchswarm/2"),  # a node of revision 2: no deferral ever sent to it
@@ -139,5 +141,6 @@ def test_each_pair_of_versions_selects_the_newest_revision_both_speak(creds, ori
     got = _handshake(_offering(trust.server_context(origin), origin_offers),
                      _offering(trust.client_context(node), node_offers))
     assert got == (selected, selected)
-    # record keys only where both are of this version
-    assert (wire.revision(got[0]) >= wire.RECORD_KEYS_REVISION) == (selected == wire.WIRE_REVISION)
+    # record keys only where both speak revision 4, uplinks only where both are of this version
+    assert (wire.revision(got[0]) >= wire.RECORD_KEYS_REVISION) == (selected in ("patchswarm/4", "patchswarm/5"))
+    assert (wire.revision(got[0]) >= wire.UPLINK_REVISION) == (selected == wire.WIRE_REVISION)

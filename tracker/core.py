@@ -12,7 +12,9 @@ What it decides:
   its old session; a member silent for `heartbeat_timeout` is closed;
 - each member's peer set (protocol/peersets.py): the whole set when it
   joins, deltas afterwards, coalesced for `delta_delay` so a burst of joins
-  costs each affected member one message;
+  costs each affected member one message; each entry with the uplink its
+  member declared in its Hello (wire revision 5), left out for a member whose
+  connection selected an older revision (it would refuse the key);
 - the manifests: only the origin announces; each is verified (trainer
   signature, swarm, forward only); `notice_seeds` nodes per region get it
   whole (VersionNotice), every other node a VersionHint, and gets it from a
@@ -125,15 +127,31 @@ class Member:
     errors: int = 0  # Error messages it sent this session (the first ERRORS_LOGGED are logged at INFO)
     revision: int = 1  # the wire revision its connection chose (2 and later read WAN rates)
     unreachable: tuple[str, str] | None = None  # (address, why) it was told it cannot be reached at
+    uplink: float | None = None  # Mbit/s, as its Hello declared (revision 5); None: none
 
     def entry(self) -> dict:
-        return {"id": self.id, "region": self.region, "addr": self.addr, "role": self.role}
+        e = {"id": self.id, "region": self.region, "addr": self.addr, "role": self.role}
+        if self.uplink is not None:
+            e[wire.PEER_UPLINK] = self.uplink
+        return e
 
 
 def _reads_rates(m: Member) -> bool:
     """Its connection chose wire revision 2 or later, whose PeerList has the WAN rates (a member
     of revision 1 would refuse the field)."""
     return m.revision >= 2
+
+
+def _reads_uplinks(m: Member) -> bool:
+    """Its connection chose wire revision 5 or later, whose peer entries may carry "uplink" (a
+    member of revision 4 would refuse the key)."""
+    return m.revision >= wire.UPLINK_REVISION
+
+
+def _without_uplinks(entries: list[dict]) -> list[dict]:
+    """Peer entries as a member of revision 4 or before reads them."""
+    return [e if wire.PEER_UPLINK not in e else {k: v for k, v in e.items() if k != wire.PEER_UPLINK}
+            for e in entries]
 
 
 class Budget:
@@ -230,14 +248,14 @@ class TrackerCore:
             del self._by_conn[old.conn]
             out.append(Close(old.conn, REPLACED, "connected again"))
         m = Member(conn, mid, role, hello.region, addr, now, now, list(hello.versions),
-                   revision=wire.revision(wire_revision))
+                   revision=wire.revision(wire_revision), uplink=hello.uplink)
         self.members[mid] = m
         self._by_conn[conn] = m
         self._by_seen[mid] = None
         self._by_seen.move_to_end(mid)
         if role in (NODE, ORIGIN):
-            self._changed(self.peers.join(mid, role, m.region, addr), now)
-            out.append(Send.of([conn], wire.PeerList(self.peers.full(mid), self._rates_for(m))))
+            self._changed(self.peers.join(mid, role, m.region, addr, m.uplink), now)
+            out.append(Send.of([conn], self._peer_list(m)))
         if role == NODE:
             out += [dataclasses.replace(self._notices[k], to=(conn,)) for k in sorted(self._notices)]
             if self._notices:
@@ -259,7 +277,7 @@ class TrackerCore:
             return []
         m.addr = ""
         m.unreachable = (addr, why[:MAX_REASON_CHARS])
-        self._changed(self.peers.join(m.id, m.role, m.region, ""), now)
+        self._changed(self.peers.join(m.id, m.role, m.region, "", m.uplink), now)
         return [Send.of([conn], wire.Unreachable(*m.unreachable))]
 
     def set_wan_rates(self, rates) -> list:
@@ -276,7 +294,7 @@ class TrackerCore:
         for m in self.members.values():
             if m.role not in (NODE, ORIGIN) or not _reads_rates(m):
                 continue  # a member of the first version plans with its own --wan-rates
-            out.append(Send.of([m.conn], wire.PeerList(self.peers.full(m.id), rates)))
+            out.append(Send.of([m.conn], self._peer_list(m)))
             if m.unreachable is not None:
                 out.append(Send.of([m.conn], wire.Unreachable(*m.unreachable)))
         return out
@@ -284,6 +302,11 @@ class TrackerCore:
     def _rates_for(self, m: Member) -> dict[str, float] | None:
         """The swarm's WAN rates as `m` is sent them (none where it does not read them)."""
         return self.wan_rates if _reads_rates(m) else None
+
+    def _peer_list(self, m: Member) -> wire.PeerList:
+        """`m`'s whole peer set, with what its wire revision reads (rates, uplinks)."""
+        peers = self.peers.full(m.id)
+        return wire.PeerList(peers if _reads_uplinks(m) else _without_uplinks(peers), self._rates_for(m))
 
     def received(self, conn: Hashable, msg, now: float, verified: Verified | None = None) -> list:
         """A message from the member on `conn`. For an Announce, `verified` is its manifest
@@ -466,9 +489,14 @@ class TrackerCore:
         self._delta_due = None
         out = []
         for ids, delta in self.peers.flush():
-            conns = [self.members[i].conn for i in ids if i in self.members]
-            if conns:
-                out.append(Send.of(conns, delta))
+            members = [self.members[i] for i in ids if i in self.members]
+            if any(wire.PEER_UPLINK in e for e in delta.add):  # one message per revision that reads it
+                older = [m.conn for m in members if not _reads_uplinks(m)]
+                members = [m for m in members if _reads_uplinks(m)]
+                if older:
+                    out.append(Send.of(older, wire.PeerDelta(_without_uplinks(delta.add), delta.remove)))
+            if members:
+                out.append(Send.of([m.conn for m in members], delta))
         return out
 
     # ------------------------------------------------------------ status

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from patchswarm.node.cli import command
 from patchswarm.node.net.logs import event
-from patchswarm.node.net.service import (add_advertise_argument, add_member_arguments, address, loopback_warning,
-                                        format_wan_rates, parse_region_rates, run_service)
+from patchswarm.node.net.service import (add_advertise_argument, add_member_arguments, add_uplink_argument, address,
+                                        loopback_warning, format_wan_rates, parse_region_rates, run_service)
 from patchswarm.protocol.errors import UsageError
 
 
@@ -80,6 +80,7 @@ def _origin_args(p: argparse.ArgumentParser) -> None:
                         "record id is among them is not stored again, through whichever node it came; ~40 bytes "
                         "of memory each (default 2**20)")
     _compact_argument(p)
+    add_uplink_argument(p, "The origin's is only shown: nodes plan their shares with the nodes' uplinks")
     add_member_arguments(p, "127.0.0.1:0")
     add_advertise_argument(p)
 
@@ -104,7 +105,8 @@ def cmd_origin(args: argparse.Namespace) -> int:
     o = Origin(OriginConfig(args.tracker, args.creds, args.key, args.data_dir, args.listen, args.region,
                             args.upload_limit, **sizes, advertise=args.advertise, compact_every=args.compact_every,
                             manifest_form=args.manifest_form,
-                            record_id_window=args.record_id_window or OriginConfig.record_id_window))
+                            record_id_window=args.record_id_window or OriginConfig.record_id_window,
+                            uplink_mbit=args.uplink_mbit))
 
     async def start(task_status):
         import trio
@@ -150,6 +152,9 @@ def _node_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--member-connections", type=non_negative_int, default=CONNECTION_BURST, metavar="N",
                    help=f"connections one member (by certificate name) may open to this node: N in a row and N a "
                         f"minute; more are refused before the Hello exchange (default {CONNECTION_BURST}; 0: no limit)")
+    add_uplink_argument(p, "A node whose uplink is under its region's median relays a smaller share of each "
+                           "version, and one under half of it brings none into its region while enough others can; "
+                           "a node that declares none counts as the median")
     _compact_argument(p)
     h = p.add_argument_group("hand-off to the inference engine (none by default)")
     h.add_argument("--model-dir", metavar="D", type=Path,
@@ -217,7 +222,8 @@ def cmd_node(args: argparse.Namespace) -> int:
                         compact_every=args.compact_every, model_dir=args.model_dir, engine=args.engine,
                         engine_url=args.engine_url, on_version=args.on_version,
                         sparse_handoff=args.sparse_handoff, transport=args.transport, no_listen=args.no_listen,
-                        ice=_ice_config(args), member_connections=args.member_connections))
+                        ice=_ice_config(args), member_connections=args.member_connections,
+                        uplink_mbit=args.uplink_mbit))
 
     async def start(task_status):
         import trio
@@ -328,6 +334,8 @@ def print_status(st: dict) -> None:
                             + ("" if lat is None else f", publish->engine {lat:.2f} s")
                             + (f"; last error: {engine['last_error']}" if engine.get("last_error") else ""))
     t.add_row("tracker", "connected" if st.get("tracker_connected") else "not connected")
+    if st.get("uplink_mbit"):
+        t.add_row("uplink", f"{st['uplink_mbit']:g} Mbit/s declared")
     if st.get("wan_rates"):
         t.add_row("WAN rates", format_wan_rates(st["wan_rates"]) + " Mbit/s (each chunk's regions, fastest first)")
     b = st["bytes_in"]
@@ -351,6 +359,7 @@ def print_status(st: dict) -> None:
     if spool:
         t.add_row("spool", f"{spool['records']:,} records, {_mb(spool['bytes'])}; "
                            f"uploading {spool.get('upload_rate_bps', 0) / 1e6:,.2f} MB/s")
-    peers = ", ".join(f"{p['id']} ({p['role'] if p['role'] == 'origin' else p['region']})" for p in st["peers"])
+    peers = ", ".join(f"{p['id']} ({p['role'] if p['role'] == 'origin' else p['region']}"
+                      + (f", {p['uplink']:g} Mbit/s up" if p.get("uplink") else "") + ")" for p in st["peers"])
     t.add_row("peers", peers or "none")
     Console().print(t)

@@ -26,6 +26,7 @@ from patchswarm.node.net.config import add_config_argument
 from patchswarm.node.net.logs import FORMATS, event, setup_logging
 from patchswarm.node.net.transport import parse_addr
 from patchswarm.protocol.errors import PatchswarmError, UsageError
+from patchswarm.protocol import wire
 
 
 def package_version() -> str:
@@ -64,6 +65,26 @@ def parse_region_rates(text: str | None) -> dict[str, float] | None:
                                              f"found {region!r} twice")
         out[region] = value
     return out
+
+
+def parse_uplink(text: str | None) -> float | None:
+    """An argparse type (--uplink-mbit): this member's uplink in Mbit/s, a number in
+    (0, wire.MAX_UPLINK_MBIT]; '' or 'none': declares none."""
+    if text is None or text.strip().lower() in ("", "none"):
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not wire.is_uplink(value):
+        raise argparse.ArgumentTypeError(f"expected Mbit/s in (0, {wire.MAX_UPLINK_MBIT}], found {text!r}")
+    return value
+
+
+def add_uplink_argument(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--uplink-mbit", type=parse_uplink, metavar="MBIT",
+                   help=f"this host's upload rate in Mbit/s, told to the tracker and through it to every member "
+                        f"(wire revision 5; default: none declared). {what}")
 
 
 def format_wan_rates(rates: dict[str, float]) -> str:

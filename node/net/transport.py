@@ -232,7 +232,13 @@ async def _handshake(stream: TLSSocketStream, allowed_roles: frozenset[str] | se
 
 
 async def exchange_hello(ms: MessageStream, hello: wire.Hello) -> wire.Hello:
-    """Send our Hello, read theirs, and check it repeats their certificate's identity."""
+    """Send our Hello, read theirs, and check it repeats their certificate's identity.
+
+    Our declared uplink goes only where the connection selected wire revision 5 (a member
+    of revision 4 refuses a Hello field it does not know), so callers build one Hello for
+    every connection."""
+    if hello.uplink is not None and wire.revision(ms.wire_revision) < wire.UPLINK_REVISION:
+        hello = dataclasses.replace(hello, uplink=None)
     await ms.send(hello)
     with trio.fail_after(HANDSHAKE_SECONDS):
         theirs = await ms.receive()

@@ -103,6 +103,9 @@ class OriginConfig:
     # Record keys the trajectory store remembers (node/trainer/trajstore.py): a record whose
     # key is among the newest this many stored is dropped as a duplicate, from any node.
     record_id_window: int = RECORD_ID_WINDOW
+    # Its uplink in Mbit/s (--uplink-mbit), declared in its Hello on connections of wire revision 5;
+    # shown in its peer entry (the nodes' plan uses nodes' uplinks only). None: declares none.
+    uplink_mbit: float | None = None
 
 
 @dataclasses.dataclass
@@ -215,7 +218,7 @@ class Origin:
 
     def _hello(self) -> wire.Hello:
         return wire.Hello(self.id, self.cfg.region, "origin", self.cfg.advertise or self.listen_addr,
-                          [] if self.version is None else [self.version])
+                          [] if self.version is None else [self.version], uplink=self.cfg.uplink_mbit)
 
     async def _serve_peers(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         await serve(self.cfg.listen, self.creds, {"node"}, self._hello,
