@@ -379,6 +379,9 @@ class Node:
             "listen": self.listen_addr,
             "tracker_connected": self.tracker.connected,
             "uplink_mbit": self.cfg.uplink_mbit,  # as declared (--uplink-mbit); each peer's: its "uplink"
+            # Members of this region planned as slow by their declared uplinks (protocol/responsibility.py
+            # SLOW_UPLINK): they bring nothing in while others can, and are asked last.
+            "slow_neighbours": self.picker.slow_neighbours,
             # The WAN rates (Mbit/s) this node plans each chunk's chain of regions with: the tracker's,
             # else its own --wan-rates; None: every region alike.
             "wan_rates": self.picker.wan_rates,
