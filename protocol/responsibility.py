@@ -89,7 +89,8 @@ def uplink_caps(members: Iterable[str], uplinks: Mapping[str, float] | None) -> 
     if not known:
         return None
     median = known[len(known) // 2]
-    caps = {m: min((uplinks or {}).get(m, median), median) / median for m in members}
+    given = uplinks or {}
+    caps = {m: min(median if (v := given.get(m)) is None else v, median) / median for m in members}
     return caps if any(c < 1.0 for c in caps.values()) else None
 
 

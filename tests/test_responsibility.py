@@ -375,6 +375,7 @@ def test_wan_rates_are_checked_wherever_they_come_from():
     ({"a": 100, "b": 100, "c": 50, "d": 50}, {"a": 1.0, "b": 1.0, "c": 0.5, "d": 0.5}),  # the upper median
     ({"a": 10, "b": 100}, {"a": 0.1, "b": 1.0, "c": 1.0, "d": 1.0}),
     ({"a": 100, "zz": 1}, None),  # a non-member's rate counts for nothing
+    ({"a": 100, "b": None, "c": 100, "d": 10}, {"a": 1.0, "b": 1.0, "c": 1.0, "d": 0.1}),  # None: undeclared
 ])
 def test_uplink_caps_table(uplinks, expect):
     assert uplink_caps(["a", "b", "c", "d"], uplinks) == expect
