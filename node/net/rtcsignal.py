@@ -192,7 +192,8 @@ class RTCSignaller:
 
     async def _session(self, peer: RTCPeer, name: str, role: str, serial: str, region: str | None) -> MessageStream:
         stream = await peer.open()
-        ms = MessageStream(stream, name, role, on_receive=self.on_receive, peer_serial=serial, creds=self.creds)
+        ms = MessageStream(stream, name, role, on_receive=self.on_receive, peer_serial=serial, creds=self.creds,
+                           peer_region=region)  # its Hello must then say that region (transport.exchange_hello)
         await exchange_hello(ms, self.hello())
         return ms
 
