@@ -123,6 +123,44 @@ def test_issue_refuses_a_region_no_hello_could_carry(tmp_path, name, role, regio
     assert not (tmp_path / name / f"{name}.crt").exists()
 
 
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "patchswarm.node.cli", *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.slow  # processes
+def test_the_cli_issues_with_a_region_and_a_node_in_another_region_will_not_start(tmp_path):
+    """`swarm issue --region`, `--rotate` keeping it; `patchswarm node --region` other than the
+    certificate's stops at once with both regions named (exit 1, no traceback)."""
+    sw, out = tmp_path / "sw", tmp_path / "n1"
+    assert _cli("swarm", "init", sw).returncode == 0
+    r = _cli("swarm", "issue", sw, "n1", "--role", "node", "-o", out, "--region", "us-west")
+    assert r.returncode == 0 and "region 'us-west'" in r.stdout, r.stderr
+    r = _cli("swarm", "issue", sw, "n1", "--role", "node", "-o", out, "--rotate")
+    assert r.returncode == 0 and "region 'us-west'" in r.stdout, r.stderr
+    assert trust.Credentials.load(out).region == "us-west"
+    r = _cli("node", "--tracker", "127.0.0.1:9", "--creds", out, "--data-dir", tmp_path / "data",
+             "--listen", "127.0.0.1:0", "--region", "us-east")
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert "binds 'n1' to region 'us-west', found --region 'us-east'" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "data").exists() or not any((tmp_path / "data").iterdir())
+
+
+def test_a_node_or_origin_in_another_region_than_its_certificate_fails_at_construction(tmp_path):
+    from patchswarm.node.daemon import Node, NodeConfig
+    from patchswarm.node.trainer.origin import Origin, OriginConfig
+
+    sw = tmp_path / "swarm"
+    trust.init_swarm(sw)
+    trust.issue(sw, "n1", "node", tmp_path / "n1", region="r1")
+    trust.issue(sw, "o", "origin", tmp_path / "o", region="r1")
+    with pytest.raises(UsageError, match="binds 'n1' to region 'r1', found --region 'r2'"):
+        Node(NodeConfig("127.0.0.1:9", tmp_path / "n1", tmp_path / "d1", "127.0.0.1:0", "r2"))
+    with pytest.raises(UsageError, match="binds 'o' to region 'r1', found --region 'default'"):
+        Origin(OriginConfig("127.0.0.1:9", tmp_path / "o", sw / "trainer.key", tmp_path / "d2", "127.0.0.1:0"))
+    Node(NodeConfig("127.0.0.1:9", tmp_path / "n1", tmp_path / "d1", "127.0.0.1:0", "r1"))  # its own region: fine
+
+
 # ------------------------------------------------------------------ on loopback, real TLS
 
 
