@@ -115,6 +115,7 @@ class Node:
         self.creds = Credentials.load(cfg.creds)
         if self.creds.role != "node":
             raise UsageError(f"{cfg.creds}: expected credentials with role node, found {self.creds.role!r}")
+        self.creds.check_region(cfg.region)  # every peer would refuse another region: say so now
         self.id = self.creds.name
         self.region = cfg.region
         self.swarm_id = self.creds.swarm_id()

@@ -72,7 +72,18 @@ class BudgetExceeded(ProtocolError):
 
 class PeerRefused(ProtocolError):
     """The member we dialed answered our Hello with an Error: it refused the connection (over
-    its admission budget, node/net/admission.py); the message says why and when to come back."""
+    its admission budget, node/net/admission.py, or for our region, `WrongRegion`); the message
+    says why and when to come back, `reason` is the Error's text alone."""
+
+    def __init__(self, message: str, reason: str = ""):
+        super().__init__(message)
+        self.reason = reason or message
+
+
+class WrongRegion(ProtocolError):
+    """A member's Hello names a region other than the one its certificate binds it to
+    (node/net/trust.py): the region decides which chunks it brings into which region, so a
+    member may not choose it where the swarm's operator chose it when issuing the certificate."""
 
 
 class FrameTooLarge(ProtocolError):

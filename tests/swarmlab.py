@@ -79,10 +79,12 @@ class SwarmLab:
             raise AssertionError(f"patchswarm {' '.join(map(str, args))} failed: {r.stderr}")
         return r.stdout
 
-    def creds(self, name: str, role: str) -> Path:
+    def creds(self, name: str, role: str, region: str | None = None) -> Path:
+        """`name`'s credentials, issued the first time (bound to `region` where given)."""
         out = self.root / "creds" / name
         if not out.exists():
-            self._cli("swarm", "issue", self.swarm, name, "--role", role, "-o", out)
+            self._cli("swarm", "issue", self.swarm, name, "--role", role, "-o", out,
+                      *(["--region", region] if region is not None else []))
         return out
 
     def _start(self, p: Proc) -> Proc:

@@ -151,7 +151,7 @@ def test_forged_offers_are_refused_and_counted(swarm):
                 while sum(b.rtc.refused.values()) < before + len(forged):
                     await trio.sleep(0.02)
             assert not b.accepted
-            name, role, _ = b.rtc._check(dataclasses.replace(good, peer="n1"), "offer", b.rtc.allowed_roles)
+            name, role, _, _ = b.rtc._check(dataclasses.replace(good, peer="n1"), "offer", b.rtc.allowed_roles)
             assert (name, role) == ("n1", "node")
             await peer.aclose()
             n.cancel_scope.cancel()

@@ -34,6 +34,10 @@ def _tracker_args(p: argparse.ArgumentParser) -> None:
                    help="dial each node's address once when it joins; a node that cannot be reached there "
                         "(behind NAT) is listed without an address and told so, so peers do not dial it and "
                         "it dials them (nodes with --transport auto meet such nodes over WebRTC)")
+    p.add_argument("--require-region", action="store_true",
+                   help="refuse a node or origin whose certificate names no region (`swarm issue --region`); "
+                        "without it such a member says its region in its Hello, as before. A certificate that "
+                        "names a region is good for that region only, either way")
 
 
 def cmd_tracker(args: argparse.Namespace) -> int:
@@ -47,7 +51,8 @@ def cmd_tracker(args: argparse.Namespace) -> int:
     options = {} if args.notice_seeds is None else {"notice_seeds": args.notice_seeds}
     if args.wan_rates is not None:
         options["wan_rates"] = args.wan_rates
-    t = Tracker(args.creds, args.listen, revocations=args.revocations, probe=args.probe_reachability, **options)
+    t = Tracker(args.creds, args.listen, revocations=args.revocations, probe=args.probe_reachability,
+                require_region=args.require_region, **options)
 
     async def start(task_status=trio.TASK_STATUS_IGNORED):
         async with trio.open_nursery() as n:

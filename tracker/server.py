@@ -18,6 +18,14 @@ checked), and closes at once; a node it cannot reach in PROBE_SECONDS is
 listed with no address (`TrackerCore.unreachable`), so peers stop dialing an
 address that leads nowhere (it dials them; two that accept nothing meet over
 WebRTC), and is told why.
+
+A member's region is what its Hello says, unless its certificate binds it to
+one (node/net/trust.py): then the listener refuses a Hello that says another,
+before the core hears of it (node/net/transport.py `serve`: an Error to the
+member, counted in `refused` as WRONG_REGION). With `require_region=True`
+(`--require-region`) a member whose certificate names no region is refused
+too (NO_REGION): the region decides which chunks a member brings into which
+region, and only the operator, who issues certificates, should choose it.
 """
 
 from __future__ import annotations
@@ -143,9 +151,10 @@ PROBE_CONCURRENCY = 32  # probes open at once (a fleet joining at once is probed
 
 class Tracker:
     def __init__(self, creds: str | Path, listen: str, heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
-                 revocations: Path | None = None, probe: bool = False, **options):
+                 revocations: Path | None = None, probe: bool = False, require_region: bool = False, **options):
         """`options` go to `TrackerCore` (budgets, delays, retention); `probe`: dial each node's
-        address once when it joins, and list it without one if that fails."""
+        address once when it joins, and list it without one if that fails; `require_region`:
+        refuse a member whose certificate names no region."""
         self.creds = Credentials.load(creds)
         if self.creds.role != "tracker":
             raise UsageError(f"{creds}: expected credentials with role tracker, found {self.creds.role!r}")
@@ -168,6 +177,7 @@ class Tracker:
         self.probe = probe
         self._probes = trio.CapacityLimiter(PROBE_CONCURRENCY)
         self.probed: collections.Counter[str] = collections.Counter()  # "reachable" / "unreachable"
+        self.require_region = require_region
 
     @property
     def book(self):
@@ -184,9 +194,11 @@ class Tracker:
     async def _run(self, task_status) -> None:
         async with trio.open_nursery() as nursery:
             self.listen_addr = await nursery.start(self._serve)
-            log.info("tracker for swarm %s listening on %s; WAN rates for every member: %s", self.book.swarm_id,
-                     self.listen_addr, format_wan_rates(self.core.wan_rates) if self.core.wan_rates else
-                     "none (each member plans with its own --wan-rates)")
+            log.info("tracker for swarm %s listening on %s; WAN rates for every member: %s; regions: %s",
+                     self.book.swarm_id, self.listen_addr, format_wan_rates(self.core.wan_rates)
+                     if self.core.wan_rates else "none (each member plans with its own --wan-rates)",
+                     "each member's certificate must name its own" if self.require_region else
+                     "a certificate that names one binds its member to it")
             nursery.start_soon(self._tick_loop)
             if self.revocations_file is not None:
                 self._reload_revocations()
@@ -196,7 +208,7 @@ class Tracker:
     async def _serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         await serve(self.listen, self.creds, {"node", "origin"}, self._hello, self._session,
                     on_refused=lambda why: log.warning("refused a connection: %s", why), refused=self.refused,
-                    admission=_JoinGate(self.core), task_status=task_status)
+                    admission=_JoinGate(self.core), require_region=self.require_region, task_status=task_status)
 
     def _hello(self) -> wire.Hello:
         return wire.Hello(self.creds.name, "", "tracker", self.listen_addr, [])
@@ -389,7 +401,8 @@ class Tracker:
     def status(self) -> dict:
         waits = sorted(w for _, w in self.joins)
         return {**self.core.status(), "listen": self.listen_addr, "bytes_sent": dict(self.sent),
-                "refused": dict(self.refused),  # by the listener, before a session: over join budget among them
+                "refused": dict(self.refused),  # by the listener, before a session: over join budget, region
+                "require_region": self.require_region,
                 "probed": dict(self.probed) if self.probe else None,
                 "gc": self.collector.status(),
                 "recent_joins": {"count": len(waits), "p50_s": round(waits[len(waits) // 2], 4) if waits else None,

@@ -314,7 +314,7 @@ class TrackerMetrics(StatusMetrics):
         for name, doc, key, label in (
                 ("patchswarm_members_dropped", "member sessions ended by the tracker, by reason", "drops", "why"),
                 ("patchswarm_connections_refused", "connections the listener refused before a session, by kind "
-                                                   "(over join budget, connections before Hello, TLS)", "refused",
+                                                   "(over join budget, connections before Hello, region, TLS)", "refused",
                  "kind")):
             if key in st:
                 c = CounterMetricFamily(name, doc, labels=[label])

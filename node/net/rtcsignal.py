@@ -4,8 +4,8 @@ Owns `RTCSignaller`: dialing a member over WebRTC (`connect`: an offer to it
 through the tracker, its answer back) and answering the offers the tracker
 relays (`on_signal`), each ending as an authenticated `MessageStream`
 (node/net/transport.py) over a data channel (node/net/webrtc.py), exactly as a
-TLS connection ends: the peer's name, role and certificate serial known, Hellos
-exchanged and checked against them. Must not choose whom to dial (node/dialer.py)
+TLS connection ends: the peer's name, role, certificate serial and region (if
+its certificate names one) known, Hellos exchanged and checked against them. Must not choose whom to dial (node/dialer.py)
 or say anything on a session.
 
 Why a data channel is as authenticated as a TLS connection: every offer and
@@ -123,9 +123,9 @@ class RTCSignaller:
                 if not await self._send(self._signal(peer_id, "offer", session, offer)):
                     raise trio.BrokenResourceError("no tracker connection to signal through")
                 await waiting.arrived.wait()
-                name, got_role, serial = self._check(waiting.answer, "answer", frozenset({role}))
+                who = self._check(waiting.answer, "answer", frozenset({role}))
                 await peer.accept_answer(waiting.answer.sdp)  # InvalidInput for one aiortc cannot take
-                return await self._session(peer, name, got_role, serial)
+                return await self._session(peer, *who)
         except BaseException:
             with trio.CancelScope(shield=True):
                 await peer.aclose()
@@ -160,7 +160,7 @@ class RTCSignaller:
         peer = None
         try:
             try:
-                name, role, serial = self._check(msg, "offer", self.allowed_roles)
+                who = self._check(msg, "offer", self.allowed_roles)
             except InvalidInput:
                 return
             relay = offers_relay(msg.sdp)  # an offer without relay candidates asks for a direct path
@@ -169,7 +169,7 @@ class RTCSignaller:
                 answer = await peer.local_answer(msg.sdp)
                 if not await self._send(self._signal(msg.peer, "answer", msg.session, answer)):
                     raise trio.BrokenResourceError("no tracker connection to answer through")
-                ms = await self._session(peer, name, role, serial)
+                ms = await self._session(peer, *who)
         except (*CONNECTION_ERRORS, PatchswarmError) as e:  # InvalidInput: an SDP aiortc cannot take
             log.info("WebRTC offer from %s not completed: %s", msg.peer, one_line(e))
             if peer is not None:
@@ -190,9 +190,10 @@ class RTCSignaller:
 
     # ------------------------------------------------------------ both
 
-    async def _session(self, peer: RTCPeer, name: str, role: str, serial: str) -> MessageStream:
+    async def _session(self, peer: RTCPeer, name: str, role: str, serial: str, region: str | None) -> MessageStream:
         stream = await peer.open()
-        ms = MessageStream(stream, name, role, on_receive=self.on_receive, peer_serial=serial, creds=self.creds)
+        ms = MessageStream(stream, name, role, on_receive=self.on_receive, peer_serial=serial, creds=self.creds,
+                           peer_region=region)  # its Hello must then say that region (transport.exchange_hello)
         await exchange_hello(ms, self.hello())
         return ms
 
@@ -200,15 +201,16 @@ class RTCSignaller:
         statement = wire.signal_statement(self.swarm_id, self.creds.name, to, kind, session, sdp)
         return wire.Signal(to, kind, session, sdp, self._cert, sign_statement(self.creds, statement))
 
-    def _check(self, msg: wire.Signal, kind: str, roles: frozenset[str]) -> tuple[str, str, str]:
-        """(name, role, serial) of the member that signed `msg`; InvalidInput (counted) if it does not hold."""
+    def _check(self, msg: wire.Signal, kind: str, roles: frozenset[str]) -> tuple[str, str, str, str | None]:
+        """(name, role, serial, region) of the member that signed `msg` (its certificate's region,
+        None if none); InvalidInput (counted) if it does not hold."""
         try:
             if msg.kind != kind:
                 raise InvalidInput(f"expected an {kind}, found an {msg.kind}")
             if not sdp_fingerprints(msg.sdp):
                 raise InvalidInput("expected a DTLS fingerprint in the SDP, found none")
             statement = wire.signal_statement(self.swarm_id, msg.peer, self.creds.name, kind, msg.session, msg.sdp)
-            name, role, serial = verify_statement(self.creds, msg.cert, statement, msg.signature)
+            name, role, serial, region = verify_statement(self.creds, msg.cert, statement, msg.signature)
             if name != msg.peer:
                 raise InvalidInput(f"relayed as from {msg.peer!r}, signed with the certificate of {name!r}")
             if role not in roles:
@@ -216,7 +218,7 @@ class RTCSignaller:
         except InvalidInput as e:
             self._refuse("fingerprint not signed by the sender", msg, str(e))
             raise
-        return name, role, serial
+        return name, role, serial, region
 
     def _refuse(self, reason: str, msg: wire.Signal, detail: str) -> None:
         self.refused[reason] += 1

@@ -20,7 +20,7 @@ from typing import Awaitable, Callable
 import trio
 
 from patchswarm.protocol import wire
-from patchswarm.protocol.errors import InvalidInput, PatchswarmError, ProtocolError
+from patchswarm.protocol.errors import InvalidInput, PatchswarmError, PeerRefused, ProtocolError
 
 from patchswarm.node.net.backoff import Backoff
 from patchswarm.node.net.transport import CONNECTION_ERRORS, MessageStream, apply_revocations, connect, one_line
@@ -77,7 +77,11 @@ class TrackerLink:
                 ms = await connect(self.addr, self.creds, {"tracker"}, self._hello())
             except (*CONNECTION_ERRORS, PatchswarmError) as e:
                 delay = self.backoff.next()
-                log.warning("tracker %s unreachable (%s); retrying in %.1f s", self.addr, one_line(e), delay)
+                if isinstance(e, PeerRefused):  # it answered: it says why (a budget, this member's region)
+                    log.warning("tracker %s refused this member: %s; retrying in %.1f s", self.addr,
+                                one_line(e.reason), delay)
+                else:
+                    log.warning("tracker %s unreachable (%s); retrying in %.1f s", self.addr, one_line(e), delay)
                 await trio.sleep(delay)
                 continue
             self.backoff.reset()

@@ -6,8 +6,14 @@ certificate, and `MessageStream`, which turns a TLS stream into wire messages
 (protocol/wire.py) with one sender at a time. Must not hold swarm policy: who
 to dial, what to ask for and what to do with a message are the callers'.
 
-Identity: a peer is who its CA-signed certificate says (CN = name, OU = role).
-Its Hello must repeat that name and role, or the connection is refused. A
+Identity: a peer is who its CA-signed certificate says (CN = name, OU = role,
+and a region where the certificate names one: node/net/trust.py). Its Hello must
+repeat that name and role, and that region where there is one, or the connection
+is refused (the region decides the WAN plan: a member that could say any region
+could take a share of a region it is not in and withhold it). A listener reads
+the dialer's Hello before it sends its own (a dialer sends its Hello first), so a
+refused Hello is answered with an Error in place of the listener's Hello, which
+the dialer reports as the reason (`PeerRefused`). A
 dialer names the member it means to reach (`expect_name`), and an address
 answered by any other certificate is refused, so an announced address cannot
 make a member talk to someone else under that member's name, nor to itself;
@@ -27,11 +33,12 @@ from typing import Awaitable, Callable
 import trio
 
 from patchswarm.protocol import wire
-from patchswarm.protocol.errors import BudgetExceeded, InvalidInput, PeerRefused, ProtocolError, UsageError
+from patchswarm.protocol.errors import BudgetExceeded, InvalidInput, PeerRefused, ProtocolError, UsageError, WrongRegion
 
 from patchswarm.node.net.admission import MemberAdmission
 from patchswarm.node.net.tlsstream import TLSSocketStream
-from patchswarm.node.net.trust import Credentials, dial_context, peer_identity, peer_serial, server_context
+from patchswarm.node.net.trust import (Credentials, dial_context, peer_identity, peer_region, peer_serial,
+                                       server_context)
 
 log = logging.getLogger("patchswarm.transport")
 HANDSHAKE_SECONDS = 10.0
@@ -42,6 +49,11 @@ MAX_BEFORE_HELLO_PER_HOST = 16  # of those, from one address: one host cannot ta
 MAX_BUFFERED_BYTES = 256 << 20  # each connection holds at most a frame (16 MiB) and a read
 BEFORE_HELLO = "connections before Hello"  # the budgets' names, for counters and logs
 BUFFERED = "bytes buffered"
+# Refusals for a region (node/net/trust.py), counted by these kinds beside the budgets': a Hello
+# that says another region than the certificate's, and (with `serve(require_region=True)`, the
+# tracker's --require-region) a certificate that names none.
+WRONG_REGION = "region not the certificate's"
+NO_REGION = "certificate names no region"
 # A member refused over its admission budget gets its Error this long after its TLS handshake,
 # its connection holding one of the slots before Hello meanwhile: a member that reconnects in a
 # loop then costs the listener at most MAX_BEFORE_HELLO_PER_HOST handshakes per REFUSAL_HOLD
@@ -115,11 +127,12 @@ class MessageStream:
                  max_frame: int = wire.MAX_FRAME_BYTES,
                  on_receive: Callable[[int], Awaitable[None]] | None = None,
                  peer_serial: str | None = None, creds: Credentials | None = None,
-                 budget: BufferBudget | None = None):
+                 budget: BufferBudget | None = None, peer_region: str | None = None):
         self.stream = stream
         self.peer_name = peer_name
         self.peer_role = peer_role
         self.peer_serial = peer_serial
+        self.peer_region = peer_region  # the region its certificate binds it to; None: it names none
         self.creds = creds
         if creds is not None:
             _LIVE.add(self)
@@ -214,11 +227,13 @@ def apply_revocations(creds: Credentials, envelope: bytes) -> int | None:
 
 
 async def _handshake(stream: TLSSocketStream, allowed_roles: frozenset[str] | set[str],
-                     expect_name: str | None, creds: Credentials) -> tuple[str, str, str]:
+                     expect_name: str | None, creds: Credentials) -> tuple[str, str, str, str | None]:
+    """(name, role, serial, region) of the peer once TLS is done and its certificate passes."""
     with trio.fail_after(HANDSHAKE_SECONDS):
         await stream.do_handshake()
     name, role = peer_identity(stream)
     serial = peer_serial(stream)
+    region = peer_region(stream)
     if creds.revocations is not None and creds.revocations.revoked(serial):
         raise InvalidInput(f"peer {name!r}: its certificate (serial {serial}) is revoked")
     own_name = creds.name
@@ -228,28 +243,50 @@ async def _handshake(stream: TLSSocketStream, allowed_roles: frozenset[str] | se
         raise InvalidInput(f"dialed {expect_name!r}, found a certificate of {name!r} at that address")
     if name == own_name:
         raise InvalidInput(f"peer {name!r}: a connection to this member itself")
-    return name, role, serial
+    return name, role, serial, region
 
 
-async def exchange_hello(ms: MessageStream, hello: wire.Hello) -> wire.Hello:
-    """Send our Hello, read theirs, and check it repeats their certificate's identity.
-
-    Our declared uplink goes only where the connection selected wire revision 5 (a member
-    of revision 4 refuses a Hello field it does not know), so callers build one Hello for
-    every connection."""
-    if hello.uplink is not None and wire.revision(ms.wire_revision) < wire.UPLINK_REVISION:
-        hello = dataclasses.replace(hello, uplink=None)
-    await ms.send(hello)
+async def _receive_hello(ms: MessageStream) -> wire.Hello:
+    """Read the peer's Hello and check it repeats their certificate's identity (its region too,
+    where the certificate names one: WrongRegion otherwise); sets `ms.hello`."""
     with trio.fail_after(HANDSHAKE_SECONDS):
         theirs = await ms.receive()
-    if isinstance(theirs, wire.Error):  # a listener that refused us (over its admission budget) says why
-        raise PeerRefused(f"peer {ms.peer_name!r} refused the connection: {theirs.message}")
+    if isinstance(theirs, wire.Error):  # a listener that refused us (budget, region) says why
+        raise PeerRefused(f"peer {ms.peer_name!r} refused the connection: {theirs.message}", theirs.message)
     if not isinstance(theirs, wire.Hello):
         raise ProtocolError(f"peer {ms.peer_name!r}: expected Hello, found {type(theirs).__name__}")
     if (theirs.node_id, theirs.role) != (ms.peer_name, ms.peer_role):
         raise ProtocolError(f"peer {ms.peer_name!r}: Hello says {theirs.node_id!r} ({theirs.role}), "
                             f"certificate says {ms.peer_name!r} ({ms.peer_role})")
+    if ms.peer_region is not None and theirs.region != ms.peer_region:
+        raise WrongRegion(f"{ms.peer_role} {ms.peer_name!r}: its Hello says region {theirs.region!r}, its "
+                          f"certificate binds it to region {ms.peer_region!r}")
     ms.hello = theirs
+    return theirs
+
+
+def _for_revision(ms: MessageStream, hello: wire.Hello) -> wire.Hello:
+    """`hello` as this connection's peer reads it: our declared uplink goes only where the
+    connection selected wire revision 5 (a member of revision 4 refuses a Hello field it does
+    not know), so callers build one Hello for every connection."""
+    if hello.uplink is not None and wire.revision(ms.wire_revision) < wire.UPLINK_REVISION:
+        return dataclasses.replace(hello, uplink=None)
+    return hello
+
+
+async def exchange_hello(ms: MessageStream, hello: wire.Hello) -> wire.Hello:
+    """Send our Hello, read theirs, and check it repeats their certificate's identity
+    (name, role, and region where the certificate names one)."""
+    await ms.send(_for_revision(ms, hello))
+    return await _receive_hello(ms)
+
+
+async def accept_hello(ms: MessageStream, hello: wire.Hello) -> wire.Hello:
+    """The listener's side of `exchange_hello`: read the dialer's Hello (a dialer of every
+    revision sends its own first, without waiting), check it, and only then send ours, so
+    a Hello refused (WrongRegion) is answered with an Error in place of our Hello."""
+    theirs = await _receive_hello(ms)
+    await ms.send(_for_revision(ms, hello))
     return theirs
 
 
@@ -269,8 +306,9 @@ async def connect(addr: str, creds: Credentials, allowed_roles: set[str] | froze
     stream = TLSSocketStream.wrap(tcp, ssl_context or dial_context(creds), server_side=False)
     ms = None
     try:
-        name, role, serial = await _handshake(stream, allowed_roles, expect_name, creds)
-        ms = MessageStream(stream, name, role, on_receive=on_receive, peer_serial=serial, creds=creds)
+        name, role, serial, region = await _handshake(stream, allowed_roles, expect_name, creds)
+        ms = MessageStream(stream, name, role, on_receive=on_receive, peer_serial=serial, creds=creds,
+                           peer_region=region)
         await exchange_hello(ms, hello)
         return ms
     except BaseException:
@@ -292,7 +330,7 @@ async def serve(listen: str, creds: Credentials, allowed_roles: set[str] | froze
                 max_before_hello: int = MAX_CONNECTIONS_BEFORE_HELLO,
                 max_before_hello_per_host: int = MAX_BEFORE_HELLO_PER_HOST,
                 admission: MemberAdmission | None = None, refusal_hold: float | None = None,
-                task_status=trio.TASK_STATUS_IGNORED) -> None:
+                require_region: bool = False, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Accept TLS connections on `listen`; run `handler(stream)` for each authenticated peer.
 
     Reports the bound address (`HOST:PORT`, with the real port when 0 was
@@ -309,6 +347,10 @@ async def serve(listen: str, creds: Credentials, allowed_roles: set[str] | froze
     it may come back `refusal_hold` seconds after its handshake (default REFUSAL_HOLD,
     which bounds how fast it can make this listener do handshakes), and the
     connection is closed.
+    A member whose Hello says another region than its certificate binds it to is sent an
+    Error saying both (in place of our Hello, `refusal_hold` seconds after its handshake, as
+    above) and counted as WRONG_REGION; with `require_region`, a member whose certificate
+    names no region is refused so right after TLS, counted as NO_REGION.
     Refusals of a flood are logged at its 1st, 2nd, 4th, ... (every one counted).
     """
     host, port = parse_addr(listen)
@@ -346,17 +388,30 @@ async def serve(listen: str, creds: Credentials, allowed_roles: set[str] | froze
             before_hello += 1
             by_host[host] += 1
             try:
-                name, role, serial = await _handshake(stream, allowed_roles, None, creds)
+                name, role, serial, region = await _handshake(stream, allowed_roles, None, creds)
+                hold = REFUSAL_HOLD if refusal_hold is None else refusal_hold
+                if require_region and region is None:
+                    why = (f"{role} {name!r}: its certificate names no region, and this {creds.role} requires "
+                           f"one: issue it one (`patchswarm swarm issue SWARM {name} --role {role} --rotate "
+                           f"--region R`)")
+                    refuse(NO_REGION, why)
+                    await _say_refused(stream, why, trio.current_time() + hold)
+                    return
                 if admission is not None:
                     try:
                         admission.admit(name, trio.current_time())
                     except BudgetExceeded as e:
                         refuse(e.budget, f"over budget: {e}")
-                        await _say_refused(stream, str(e), REFUSAL_HOLD if refusal_hold is None else refusal_hold)
+                        await _say_refused(stream, str(e), trio.current_time() + hold)
                         return
-                ms = MessageStream(stream, name, role, on_receive=on_receive, peer_serial=serial, creds=creds)
+                ms = MessageStream(stream, name, role, on_receive=on_receive, peer_serial=serial, creds=creds,
+                                   peer_region=region)
                 ms.accepted_at = accepted_at
-                await exchange_hello(ms, hello())
+                await accept_hello(ms, hello())
+            except WrongRegion as e:
+                refuse(WRONG_REGION, str(e))
+                await _say_refused(stream, str(e), trio.current_time() + hold, hello_read=True)
+                return
             except (*CONNECTION_ERRORS, InvalidInput) as e:
                 refuse("refused", _reason(e))
                 return
@@ -380,14 +435,15 @@ async def serve(listen: str, creds: Credentials, allowed_roles: set[str] | froze
     await trio.serve_listeners(one, listeners)
 
 
-async def _say_refused(stream: TLSSocketStream, why: str, hold: float) -> None:
-    """Read what a refused member sent (its Hello, sent right after TLS), and `hold` seconds
-    from now tell it why (an Error in place of our Hello, which every wire revision reads)."""
-    until = trio.current_time() + hold
+async def _say_refused(stream: TLSSocketStream, why: str, until: float, hello_read: bool = False) -> None:
+    """Read what a refused member sent (its Hello, sent right after TLS; unless `hello_read`),
+    and at `until` (trio time) tell it why (an Error in place of our Hello, which every wire
+    revision reads)."""
     with trio.move_on_at(until + REFUSAL_SECONDS):
         try:
-            with trio.move_on_at(until):
-                await stream.receive_some()
+            if not hello_read:
+                with trio.move_on_at(until):
+                    await stream.receive_some()
             await trio.sleep_until(until)
             await stream.send_all(wire.encode(wire.Error(why)))
         except CONNECTION_ERRORS:

@@ -13,13 +13,29 @@ A swarm directory (`init_swarm`) holds:
 `issue` writes one member's credentials into a directory of their own:
 NAME.crt / NAME.key (ECDSA P-256), plus copies of ca.crt and trainer.pub. The
 certificate carries CN=NAME, OU=ROLE (one of ROLES), SAN DNS NAME + localhost
-+ IP 127.0.0.1, EKU serverAuth + clientAuth.
++ IP 127.0.0.1, EKU serverAuth + clientAuth, and with `region` a SAN URI
+`patchswarm:region:R` (R percent-encoded, RFC 3986: every byte of its UTF-8
+but letters, digits and `-._~`).
+
+Why a URI in the SAN for the region: the subject's fields are the name and the
+role, read by position-free attribute type, and a DNS SAN is a host name (a
+region called like a member would read as one); a URI under the
+`patchswarm:region:` prefix is a field of its own that nothing else writes, that
+OpenSSL hands to Python's `getpeercert()` as it is (`("URI", ...)`), that needs
+no private OID, and that a certificate without it (every certificate issued
+before) simply lacks. The percent-encoding makes any region a node's
+`--region` takes (UTF-8, at most wire.MAX_NAME_BYTES) one ASCII spelling, and
+`region_of_uris` takes only that spelling, so one region has exactly one form.
 
 On the wire both sides present certificates (mutual TLS 1.3) and trust only
 the swarm CA. Hostnames are not checked: a peer is who its CA-signed
 certificate says, and `require_role` decides what it may do; a certificate
 whose serial is on the member's revocation list (`Credentials.revocations`)
-is refused.
+is refused. A certificate that names a region is good for that region only:
+`peer_region` reads it, and node/net/transport.py refuses a Hello that says
+another (the region decides the WAN plan: which members bring which chunks
+into a region); one that names none works as before, unless the tracker is
+told to require one (`--require-region`).
 """
 
 from __future__ import annotations
@@ -32,6 +48,7 @@ import json
 import os
 import re
 import ssl
+import urllib.parse
 from pathlib import Path
 
 from cryptography import x509
@@ -54,6 +71,7 @@ ISSUED = "issued.json"  # in the swarm directory: every certificate issued, by m
 REVOCATIONS = "revocations"  # in the swarm directory: the signed list to hand the tracker
 CA_DAYS = 3650
 LEAF_DAYS = 825
+REGION_URI = "patchswarm:region:"  # a SAN URI's prefix: the rest is the member's region, percent-encoded
 _NAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
 
 
@@ -88,6 +106,60 @@ def _pem_public(key) -> bytes:
 
 def _now() -> datetime.datetime:
     return datetime.datetime.now(datetime.timezone.utc)
+
+
+# ------------------------------------------------------------------ regions
+
+
+def _region_fault(region) -> str | None:
+    """What keeps `region` from being named in a certificate, or None: it must be what a Hello
+    carries (a str of 1 to wire.MAX_NAME_BYTES bytes of UTF-8), printable, so a log line
+    quoting it is one line."""
+    if not isinstance(region, str) or not region:
+        return "a non-empty str"
+    if not region.isprintable():  # control characters, lone surrogates (not UTF-8)
+        return "printable characters"
+    if len(region.encode("utf-8")) > wire.MAX_NAME_BYTES:
+        return f"at most {wire.MAX_NAME_BYTES} bytes of UTF-8"
+    return None
+
+
+def region_uri(region: str) -> str:
+    """The SAN URI that binds a certificate to `region` (UsageError for a region no certificate may name)."""
+    fault = _region_fault(region)
+    if fault is not None:
+        raise UsageError(f"region: expected {fault}, found {region!r}")
+    return REGION_URI + urllib.parse.quote(region, safe="")
+
+
+def region_of_uris(uris, where: str = "certificate") -> str | None:
+    """The region a certificate's SAN URIs (`uris`) bind it to; None where none starts with
+    REGION_URI (any case). InvalidInput where several do, or where one is not exactly
+    `region_uri(R)` of a region R (one region, one spelling)."""
+    found = [u for u in uris if isinstance(u, str) and u[:len(REGION_URI)].lower() == REGION_URI]
+    if not found:
+        return None
+    if len(found) > 1:
+        raise InvalidInput(f"{where}: expected at most one {REGION_URI} URI, found {len(found)}: "
+                           f"{', '.join(repr(u[:80]) for u in found[:4])}")
+    uri = found[0]
+    try:
+        region = urllib.parse.unquote(uri[len(REGION_URI):], errors="strict")
+    except UnicodeDecodeError:
+        region = None
+    if region is None or _region_fault(region) is not None or region_uri(region) != uri:
+        raise InvalidInput(f"{where}: expected a URI {REGION_URI}R with R a region percent-encoded "
+                           f"(RFC 3986, every byte but letters, digits and -._~), found {uri[:80]!r}")
+    return region
+
+
+def certificate_region(cert: x509.Certificate, where: str = "certificate") -> str | None:
+    """The region `cert` binds its member to (`region_of_uris` of its SAN), None if it names none."""
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return None
+    return region_of_uris(san.get_values_for_type(x509.UniformResourceIdentifier), where)
 
 
 def init_swarm(directory: str | os.PathLike) -> dict[str, Path]:
@@ -195,16 +267,28 @@ def _write_revocations(d: Path, registry: dict[str, list[dict]]) -> Path:
 
 
 def issue(directory: str | os.PathLike, name: str, role: str, out: str | os.PathLike,
-          rotate: bool = False) -> dict[str, Path]:
+          rotate: bool = False, region: str | None = None) -> dict[str, Path]:
     """Issue credentials for member `name` with `role` from the swarm in `directory` into `out`.
 
     A name already issued (and not revoked) is refused: two members with one name knock
     each other off the tracker. `rotate` issues a new certificate for it and revokes the
-    old ones (the new revocation list is written for the tracker)."""
+    old ones (the new revocation list is written for the tracker).
+
+    `region`: the region the certificate binds the member to (a SAN URI, see above; its
+    Hello must then say that region). None: none, or on rotation the region of the
+    certificate it replaces (as issued.json records it); "": none, also on rotation. A
+    tracker has no region."""
     if role not in ROLES:
         raise UsageError(f"issue: role must be one of {sorted(ROLES)}, found {role!r}")
     if not isinstance(name, str) or len(name) > 253 or not _NAME.match(name):
         raise UsageError(f"issue: name must be a DNS name (letters, digits, '-', '.'), found {name!r}")
+    if region and role == "tracker":
+        raise UsageError(f"issue: a tracker has no region (its Hello names none), found --region {region!r}")
+    if region:
+        try:
+            region_uri(region)
+        except UsageError as e:
+            raise UsageError(f"issue: {e}") from None
     d, o = Path(directory), Path(out)
     ca_crt_pem = _read(d / CA_CRT, "swarm CA certificate")
     trainer_pub = _read(d / TRAINER_PUB, "trainer public key")
@@ -219,6 +303,12 @@ def issue(directory: str | os.PathLike, name: str, role: str, out: str | os.Path
     if live and not rotate:
         raise UsageError(f"issue: {name!r} already has a certificate (serial {live[-1]['serial']}); "
                          f"names are unique in a swarm: --rotate issues a new one and revokes the old")
+    if region is None and live:  # rotation keeps the region unless told otherwise
+        region = live[-1].get("region")
+        if region and role == "tracker":
+            raise UsageError(f"issue: {name!r} was issued region {region!r}, which a tracker cannot have: "
+                             f"rotate it with --region ''")
+    region = region or None
     o.mkdir(parents=True, exist_ok=True)
     others = [p.name for p in o.glob("*.crt") if p.name != CA_CRT]
     if rotate and others == [f"{name}.crt"]:
@@ -255,6 +345,7 @@ def issue(directory: str | os.PathLike, name: str, role: str, out: str | os.Path
                        critical=False)
         .add_extension(x509.SubjectAlternativeName([
             x509.DNSName(name), x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+            *([x509.UniformResourceIdentifier(region_uri(region))] if region else []),
         ]), critical=False)
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
         .sign(ca_key, hashes.SHA256())
@@ -268,8 +359,11 @@ def issue(directory: str | os.PathLike, name: str, role: str, out: str | os.Path
     now_iso = now.isoformat()
     for e in live:  # rotation: the old certificates stop working once the tracker has the list
         e["revoked"], e["reason"] = now_iso, "rotated"
-    registry.setdefault(name, []).append({"serial": serial_hex(cert.serial_number), "role": role,
-                                          "issued": now_iso, "not_after": cert.not_valid_after_utc.isoformat()})
+    entry = {"serial": serial_hex(cert.serial_number), "role": role,
+             "issued": now_iso, "not_after": cert.not_valid_after_utc.isoformat()}
+    if region:
+        entry["region"] = region
+    registry.setdefault(name, []).append(entry)
     if live:
         paths["revocations"] = _write_revocations(d, registry)
     else:
@@ -293,6 +387,16 @@ class Credentials:
     trainer_pub: Path
     # The swarm's revocation list as this member last heard it; every handshake asks it.
     revocations: RevocationBook | None = dataclasses.field(default=None, compare=False, repr=False)
+    region: str | None = None  # the region the certificate binds this member to; None: any
+
+    def check_region(self, region: str) -> None:
+        """UsageError unless this member may say `region` in its Hello: the certificate names
+        that region or none. A member started in another region would be refused by everyone."""
+        if self.region is not None and region != self.region:
+            raise UsageError(f"{self.cert}: the certificate binds {self.name!r} to region {self.region!r}, "
+                             f"found --region {region!r}; run it with --region {self.region}, or issue it a "
+                             f"certificate for {region!r} (`patchswarm swarm issue SWARM {self.name} --role "
+                             f"{self.role} --rotate --region R`)")
 
     @classmethod
     def load(cls, directory: str | os.PathLike) -> "Credentials":
@@ -311,7 +415,8 @@ class Credentials:
         except ValueError as e:
             raise InvalidInput(f"{crt}: not a PEM certificate: {e}") from None
         name, role = _name_role(cert.subject, str(crt))
-        creds = cls(d, name, role, crt, paths["key"], paths["ca"], paths["trainer_pub"])
+        creds = cls(d, name, role, crt, paths["key"], paths["ca"], paths["trainer_pub"],
+                    region=certificate_region(cert, str(crt)))
         try:
             ca_key = x509.load_pem_x509_certificate(paths["ca"].read_bytes()).public_key()
         except ValueError as e:
@@ -441,6 +546,15 @@ def peer_identity(ssl_object) -> tuple[str, str]:
     return cn[0], ou[0]
 
 
+def peer_region(ssl_object) -> str | None:
+    """The region the verified peer's certificate binds it to (`region_of_uris`); None if it names none."""
+    cert = ssl_object.getpeercert()
+    if not cert:
+        raise InvalidInput("peer: expected a verified certificate, found none")
+    uris = [v for k, v in cert.get("subjectAltName", ()) if k == "URI"]
+    return region_of_uris(uris, "peer certificate")
+
+
 def peer_serial(ssl_object) -> str:
     """The verified peer certificate's serial, as revocation lists name it."""
     cert = ssl_object.getpeercert()
@@ -475,11 +589,14 @@ def member_certificate(creds: Credentials) -> bytes:
     return creds.cert.read_bytes()
 
 
-def verify_statement(creds: Credentials, cert_pem: bytes, data: bytes, signature: bytes) -> tuple[str, str, str]:
-    """`(name, role, serial)` of the member whose certificate `cert_pem` signed `data`.
+def verify_statement(creds: Credentials, cert_pem: bytes, data: bytes,
+                     signature: bytes) -> tuple[str, str, str, str | None]:
+    """`(name, role, serial, region)` of the member whose certificate `cert_pem` signed `data`
+    (`region`: the one the certificate binds it to, None if none).
 
     InvalidInput unless the certificate is issued by this swarm's CA, is valid now,
-    is not revoked (`creds.revocations`), names a role, and its key signed `data`."""
+    is not revoked (`creds.revocations`), names a role (and a region at most once, well
+    spelled), and its key signed `data`."""
     try:
         cert = x509.load_pem_x509_certificate(cert_pem)
     except ValueError as e:
@@ -495,6 +612,7 @@ def verify_statement(creds: Credentials, cert_pem: bytes, data: bytes, signature
         raise InvalidInput(f"signed statement: certificate valid {cert.not_valid_before_utc} to "
                            f"{cert.not_valid_after_utc}, not now")
     name, role = _name_role(cert.subject, "signed statement certificate")
+    region = certificate_region(cert, "signed statement certificate")
     serial = serial_hex(cert.serial_number)
     if creds.revocations is not None and creds.revocations.revoked(serial):
         raise InvalidInput(f"signed statement: the certificate of {name!r} (serial {serial}) is revoked")
@@ -508,4 +626,4 @@ def verify_statement(creds: Credentials, cert_pem: bytes, data: bytes, signature
         key.verify(signature, data, ec.ECDSA(hashes.SHA256()))
     except InvalidSignature:
         raise InvalidInput(f"signed statement from {name!r}: the signature does not match what it signs") from None
-    return name, role, serial
+    return name, role, serial, region

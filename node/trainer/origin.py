@@ -149,6 +149,7 @@ class Origin:
         self.creds = Credentials.load(cfg.creds)
         if self.creds.role != "origin":
             raise UsageError(f"{cfg.creds}: expected credentials with role origin, found {self.creds.role!r}")
+        self.creds.check_region(cfg.region)  # every peer would refuse another region: say so now
         self.key = load_trainer_key(cfg.key)
         pub = self.key.public_key()
         if swarm_id_of(pub) != self.creds.swarm_id():
