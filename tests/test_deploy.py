@@ -371,10 +371,12 @@ def test_compose_brings_up_a_tracker_an_origin_and_three_nodes():
     compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
     services = compose["services"]
     assert sorted(services) == ["credentials", "node-1", "node-2", "node-3", "origin", "tracker"]
-    issued = dict(re.findall(r"swarm issue /swarm/swarm (\S+) --role (\w+) -o /swarm/creds/\1",
-                             services["credentials"]["command"][0].replace("$$n", "NODE")))
-    loop = re.search(r"for n in ([\w\- ]+); do", services["credentials"]["command"][0]).group(1).split()
-    issued.update({n: "node" for n in loop})
+    script = services["credentials"]["command"][0]
+    issued = {name: (role, region or None) for name, role, region in
+              re.findall(r"swarm issue /swarm/swarm (\S+) --role (\w+)(?: --region (\S+))? -o /swarm/creds/\1",
+                         script.replace("$$n", "NODE"))}
+    loop = re.search(r"for n in ([\w\- ]+); do", script).group(1).split()
+    issued.update({n: issued["NODE"] for n in loop})
     issued.pop("NODE")
     regions = set()
     for name, svc in services.items():
@@ -382,7 +384,10 @@ def test_compose_brings_up_a_tracker_an_origin_and_three_nodes():
             continue
         env = svc["environment"]
         role = svc["command"][0]
-        assert issued[env["PATCHSWARM_CREDS"].rsplit("/", 1)[1]] == role, name
+        cert_role, cert_region = issued[env["PATCHSWARM_CREDS"].rsplit("/", 1)[1]]
+        assert cert_role == role, name
+        # Each member's certificate is good for its region only (node/net/trust.py): the region it runs in.
+        assert cert_region == env.get("PATCHSWARM_REGION"), name
         assert env["PATCHSWARM_METRICS"] == "0.0.0.0:9400", name  # where the image's HEALTHCHECK looks
         assert svc["depends_on"]["credentials"]["condition"] == "service_completed_successfully"
         if name != "tracker":

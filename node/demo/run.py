@@ -288,16 +288,20 @@ class DemoRun:
 
         swarm = self.out / "swarm"
         trust.init_swarm(swarm)
-        members = [("tracker", "tracker"), ("origin", "origin")] + [(n, "node") for n in self.cfg.node_names()]
+        # Each member's region is in its certificate (the tracker runs with --require-region), so
+        # no member of the demo can say another region than the one it was issued for.
+        members = [("tracker", "tracker", None), ("origin", "origin", ORIGIN_REGION)] + \
+            [(n, "node", self.cfg.region_of(i)) for i, n in enumerate(self.cfg.node_names())]
         creds = {}
-        for name, role in members:
+        for name, role, region in members:
             creds[name] = self.out / "creds" / name
-            trust.issue(swarm, name, role, creds[name])
+            trust.issue(swarm, name, role, creds[name], region=region)
         return creds
 
     def _start_nodes(self, creds: dict[str, Path]) -> None:
         self.tracker = self.children.start("tracker", "patchswarm.node.cli",
-                                           ["tracker", "--creds", creds["tracker"], "--listen", "127.0.0.1:0"])
+                                           ["tracker", "--creds", creds["tracker"], "--listen", "127.0.0.1:0",
+                                            "--require-region"])
         self.tracker_addr = self.children.wait_log(self.tracker, LISTENING, START_TIMEOUT_S).group(1)
         for i, name in enumerate(self.cfg.node_names()):
             data = self.out / name
