@@ -227,6 +227,11 @@ class PatchswarmRunner:
                          f"times, stalls and bounds over the {len(per_node)} nodes never killed")
         if self.nat_regions:
             notes.append(_transport_note(start_status, end_status, payload.patch_bytes))
+        measured = {n: st["uplink_measured_mbit"] for n, st in sorted(end_status.items())
+                    if st.get("uplink_measured_mbit") is not None}
+        if measured:  # (protocol/uplinkmeter.py: only where sends backed up)
+            notes.append("uplink measured while sends backed up (Mbit/s; status 'uplink_measured_mbit'): "
+                         + ", ".join(f"{n} {v:g}" for n, v in measured.items()))
         if stalls:
             notes.append("stall = the longest a node went without a chunk arriving while it lacked chunks "
                          "(from learning of the version; the node's own clock, status 'longest_wait_s')")

@@ -138,6 +138,7 @@ class Node:
         self._rates_warned: dict[str, float] | None = None  # the tracker's rates last warned of
         self.peers = PeerSet(self.id, None, self.upload, self._on_message,  # store set in run()
                              on_open=self._on_peer_open, on_close=self._on_peer_close, inflows=self.inflows)
+        self.peers.declared_uplink_mbit = cfg.uplink_mbit
         self.tracker = TrackerLink(cfg.tracker, self.creds, self._hello, self._on_tracker_message,
                                    revocations_file=self.data_dir / "revocations")
         self.rtc = None if cfg.transport == "tcp" else RTCSignaller(
@@ -380,6 +381,8 @@ class Node:
             "listen": self.listen_addr,
             "tracker_connected": self.tracker.connected,
             "uplink_mbit": self.cfg.uplink_mbit,  # as declared (--uplink-mbit); each peer's: its "uplink"
+            # As measured while this node's sends backed up (protocol/uplinkmeter.py); None: they never did.
+            "uplink_measured_mbit": self.peers.uplink.estimate_mbit(),
             # Members of this region planned as slow by their declared uplinks (protocol/responsibility.py
             # SLOW_UPLINK): they bring nothing in while others can, and are asked last.
             "slow_neighbours": self.picker.slow_neighbours,

@@ -45,6 +45,7 @@ from patchswarm.protocol import wire
 from patchswarm.protocol.assembly import PART_BYTES
 from patchswarm.protocol.errors import BudgetExceeded, InvalidInput, ProtocolError
 from patchswarm.protocol.publication import ObjKey
+from patchswarm.protocol.uplinkmeter import UplinkMeter
 
 from patchswarm.node.net.ratelimit import TokenBucket
 from patchswarm.node.relay import Inflow, Inflows
@@ -201,6 +202,11 @@ class PeerSet:
         self.bytes_out = 0
         self.bytes_out_arriving = 0  # of bytes_out: parts of chunks this member was still receiving (cut-through)
         self.reads_delayed = 0  # chunk reads that waited off a peer's cancelled reads (PeerBudgets)
+        # This member's upload rate while its sends back up (protocol/uplinkmeter.py), against the
+        # uplink it declared (--uplink-mbit, set by its owner): a warning when well under it.
+        self.uplink = UplinkMeter()
+        self.declared_uplink_mbit: float | None = None
+        self._warned_uplink = False
 
     def connected(self, peer_id: str) -> bool:
         return peer_id in self.sessions
@@ -393,7 +399,9 @@ class PeerSet:
                     continue
                 if isinstance(msg, wire.Piece):
                     await self.upload.take(len(msg.data))
-                await s.send(msg)
+                    await self._send_piece(s, msg)
+                else:
+                    await s.send(msg)
                 if isinstance(msg, wire.Piece):
                     s.piece_bytes_out += len(msg.data)
                     self.bytes_out += len(msg.data)
@@ -402,6 +410,29 @@ class PeerSet:
         finally:
             for o in list(s.serve_queue):
                 self._drop_outflow(s, o)
+
+    async def _send_piece(self, s: Session, msg: wire.Piece) -> None:
+        """Send one part, timed for the uplink meter (a part that waits: its socket's buffer is full)."""
+        meter, sent = self.uplink, 0
+        meter.started(trio.current_time())
+        try:
+            await s.send(msg)
+            sent = len(msg.data)
+        finally:
+            if meter.finished(trio.current_time(), sent):
+                self._check_uplink()
+
+    def _check_uplink(self) -> None:
+        """Warn, once until it recovers, where the measured uplink is well under the declared one."""
+        measured = self.uplink.below_declared(self.declared_uplink_mbit)
+        if measured is None:
+            self._warned_uplink = False
+        elif not self._warned_uplink:
+            self._warned_uplink = True
+            log.warning("this member's uplink measured %.3g Mbit/s while its sends backed up, under half the "
+                        "%.3g Mbit/s it declares (--uplink-mbit): its share of each version is planned on "
+                        "the declared rate, and its neighbours wait on it; declare what it does",
+                        measured, self.declared_uplink_mbit)
 
     def _next_to_send(self, s: Session):
         """The next message for the serve queue, and whether it is a part of a chunk still

@@ -95,6 +95,7 @@ def test_every_node_plans_with_every_declared_uplink_and_shows_its_peers(tmp_pat
             st = node.status()
             assert st["uplink_mbit"] == DECLARED[name]
             assert st["slow_neighbours"] == ["slow"]  # 10 of the median 100: planned slow, on every node
+            assert st["uplink_measured_mbit"] is None  # nothing sent yet, so nothing backed up
             assert {p["id"]: p.get("uplink") for p in st["peers"]} == {m: up for m, up in DECLARED.items()
                                                                        if m != name}
 

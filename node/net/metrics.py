@@ -50,6 +50,16 @@ def _disk(st: dict) -> Iterable[Metric]:
     yield from _gauge("patchswarm_disk_free_bytes", "bytes free on the data dir's file system", st.get("disk_free_bytes"))
 
 
+def _uplink(st: dict) -> Iterable[Metric]:
+    """The uplink a member declared and the one measured while its sends backed up
+    (protocol/uplinkmeter.py): the same keys in a node's and the origin's status."""
+    yield from _gauge("patchswarm_uplink_declared_mbit", "the uplink this member declared (--uplink-mbit), "
+                      "which its share of each version is planned on", st.get("uplink_mbit"))
+    yield from _gauge("patchswarm_uplink_measured_mbit", "this member's upload rate while more than one of its "
+                      "sends waited at once (the median of the last ~30 one-second samples)",
+                      st.get("uplink_measured_mbit"))
+
+
 def _storage(st: dict) -> Iterable[Metric]:
     """The trajectory log's I/O errors other than a full disk (node/seglog.py): the node's spool
     or the origin's trajectory store, whichever this status has."""
@@ -182,6 +192,7 @@ class NodeMetrics(StatusMetrics):
         yield from _links(st)
         yield from _disk(st)
         yield from _storage(st)
+        yield from _uplink(st)
         spool = st.get("spool")
         if spool:
             yield from _gauge("patchswarm_spool_records", "trajectories spooled and not yet acknowledged by the origin",
@@ -268,6 +279,7 @@ class OriginMetrics(StatusMetrics):
         yield from _links(st)
         yield from _disk(st)
         yield from _storage(st)
+        yield from _uplink(st)
         t = st.get("trajectories")
         if t:
             yield from _counter("patchswarm_trajectories_received", "trajectory records stored", t.get("records"))

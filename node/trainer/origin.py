@@ -165,6 +165,7 @@ class Origin:
         self._compacting = False
         self.upload = TokenBucket(cfg.upload_limit)
         self.peers = PeerSet(self.id, None, self.upload, self._on_message, on_open=self._on_open)
+        self.peers.declared_uplink_mbit = cfg.uplink_mbit
         self.listen_addr = cfg.listen
         self.tracker = TrackerLink(cfg.tracker, self.creds, self._hello, self._on_tracker_message,
                                    on_connect=self._on_tracker_connect, revocations_file=self.data_dir / "revocations")
@@ -563,6 +564,9 @@ class Origin:
             "peers": sorted(({"id": s.id, "region": s.region, "role": s.role} for s in self.peers.sessions.values()),
                             key=lambda p: p["id"]),
             "bytes_out": self.peers.bytes_out,
+            # Declared (--uplink-mbit), and as measured while its sends backed up (protocol/uplinkmeter.py).
+            "uplink_mbit": self.cfg.uplink_mbit,
+            "uplink_measured_mbit": self.peers.uplink.estimate_mbit(),
             "peers_dropped": dict(self.peers.dropped),  # and connections refused, by kind (node/peers.py)
             "sessions_replaced": self.peers.replaced,  # by the same member's new connection (its reconnect)
             "versions": [dataclasses.asdict(v) for v in self.history],
