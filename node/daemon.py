@@ -138,7 +138,7 @@ class Node:
         self._rates_warned: dict[str, float] | None = None  # the tracker's rates last warned of
         self.peers = PeerSet(self.id, None, self.upload, self._on_message,  # store set in run()
                              on_open=self._on_peer_open, on_close=self._on_peer_close, inflows=self.inflows)
-        self.peers.declared_uplink_mbit = cfg.uplink_mbit
+        self.peers.declared_uplink_mbit, self.peers.region = cfg.uplink_mbit, self.region
         self.tracker = TrackerLink(cfg.tracker, self.creds, self._hello, self._on_tracker_message,
                                    revocations_file=self.data_dir / "revocations")
         self.rtc = None if cfg.transport == "tcp" else RTCSignaller(

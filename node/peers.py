@@ -206,6 +206,7 @@ class PeerSet:
         # uplink it declared (--uplink-mbit, set by its owner): a warning when well under it.
         self.uplink = UplinkMeter()
         self.declared_uplink_mbit: float | None = None
+        self.region: str | None = None  # this member's (set by its owner): sends elsewhere cross the WAN
         self._warned_uplink = False
 
     def connected(self, peer_id: str) -> bool:
@@ -414,12 +415,13 @@ class PeerSet:
     async def _send_piece(self, s: Session, msg: wire.Piece) -> None:
         """Send one part, timed for the uplink meter (a part that waits: its socket's buffer is full)."""
         meter, sent = self.uplink, 0
-        meter.started(trio.current_time())
+        local = s.region == self.region  # a send across the WAN waits on the region's link, not ours
+        meter.started(trio.current_time(), local)
         try:
             await s.send(msg)
             sent = len(msg.data)
         finally:
-            if meter.finished(trio.current_time(), sent):
+            if meter.finished(trio.current_time(), sent, local):
                 self._check_uplink()
 
     def _check_uplink(self) -> None:

@@ -11,6 +11,10 @@ window's rate (bytes whose send finished in it, over its length) is one sample o
 (none where no send finished: a part that outlasts the window counts in the next);
 `estimate` is the median of the last `KEEP` samples, once there are `MIN_SAMPLES`. A node whose sends
 never back up has no estimate: what it sent says only that its uplink is at least that fast.
+Only sends to peers of the node's own region count as waiting (`waits_count`): a send across
+the WAN waits on the region's link (bench/wan.py at 100/50/20 Mbit/s: a member of the 50 Mbit/s
+region relaying to the 20 Mbit/s one measured 20.8 Mbit/s on a 100 Mbit/s uplink when they
+counted); their bytes still count in the rate, since they leave through the same uplink.
 
 What it is for: a member's share of the WAN plan follows its declared uplink
 (protocol/responsibility.py `uplink_caps`, the node's --uplink-mbit), and a host whose uplink
@@ -28,7 +32,7 @@ import statistics
 
 from .errors import UsageError
 
-WINDOW_S = 1.0  # one sample's length: a few 128 KiB parts per connection even at 10 Mbit/s
+WINDOW_S = 0.5  # one sample's length: ~5 parts of 128 KiB at 10 Mbit/s, so a few seconds of relay give MIN_SAMPLES
 # Sends waiting at once, on average over a window, for it to be a sample: more than one (one slow
 # receiver keeps one waiting, ~1.0), with room for the moments between two parts (two connections
 # held back measured ~1.9 over real sockets, tests/test_uplinkmeter.py).
@@ -53,22 +57,29 @@ class UplinkMeter:
         self.windows = 0  # windows closed with a send in them (samples or not)
         self._start: float | None = None  # the open window's start
         self._at = 0.0  # when `_open` last changed (or the window began)
-        self._open = 0  # sends in progress
+        self._open = 0  # sends in progress whose waiting counts
+        self._uncounted = 0  # ... whose waiting does not (across the WAN)
         self._busy = 0.0  # sends in progress integrated over the open window (send-seconds)
         self._bytes = 0  # bytes whose send finished in the open window
 
-    def started(self, now: float) -> None:
-        """A send of chunk bytes began."""
+    def started(self, now: float, waits_count: bool = True) -> None:
+        """A send of chunk bytes began. `waits_count` False: its waiting says nothing of this
+        node's uplink (a peer across the WAN, whose link is the region's, slower than the
+        host's uplink); its bytes still count in the rate."""
         self._advance(now)
-        self._open += 1
+        self._open += waits_count
+        self._uncounted += not waits_count
 
-    def finished(self, now: float, nbytes: int) -> bool:
-        """A send begun with `started` ended, `nbytes` of it sent (0 if it failed). True if a
-        new sample was taken (a window closed backed up)."""
-        if self._open <= 0:
+    def finished(self, now: float, nbytes: int, waits_count: bool = True) -> bool:
+        """A send begun with `started` (the same `waits_count`) ended, `nbytes` of it sent (0 if
+        it failed). True if a new sample was taken (a window closed backed up)."""
+        if (self._open if waits_count else self._uncounted) <= 0:
             raise UsageError("UplinkMeter.finished: expected a send started before, found none in progress")
         taken = self._advance(now)
-        self._open -= 1
+        if waits_count:
+            self._open -= 1
+        else:
+            self._uncounted -= 1
         self._bytes += nbytes
         return taken
 
@@ -106,7 +117,7 @@ class UplinkMeter:
                     taken = True
             self._busy, self._bytes = 0.0, 0
             self._start = self._at = end
-            if not self._open:  # idle: the next window starts now, not at a multiple of the last
+            if not self._open and not self._uncounted:  # idle: the next window starts now
                 self._start = self._at = now
                 break
             end = self._start + self.window_s

@@ -45,6 +45,28 @@ def test_one_slow_receiver_is_not_a_slow_uplink():
     assert not meter.samples and meter.estimate() is None and meter.windows >= 9
 
 
+def test_sends_across_the_wan_wait_on_the_regions_link_not_this_uplink():
+    """bench/wan.py at 100/50/20 Mbit/s: a member of the 50 Mbit/s region relaying to the 20
+    Mbit/s one measured 20.8 Mbit/s on a 100 Mbit/s uplink while those sends counted."""
+    meter = UplinkMeter(window_s=1.0)
+    t = 0.0
+    for _ in range(8):  # two WAN sends waiting all the time: no sample
+        for _ in range(2):
+            meter.started(t, waits_count=False)
+        for _ in range(2):
+            meter.finished(t + 1.0, 125_000, waits_count=False)
+        t += 1.0
+    assert meter.estimate() is None
+    for _ in range(8):  # two local sends waiting beside one WAN send: samples, the WAN bytes counted too
+        meter.started(t, waits_count=False)
+        _parallel_sends(meter, t, 2, 1.0, 100_000)
+        meter.finished(t + 1.0, 50_000, waits_count=False)
+        t += 1.0
+    assert meter.estimate() == 250_000.0
+    with pytest.raises(UsageError, match="none in progress"):
+        meter.finished(t, 1, waits_count=False)
+
+
 def test_sends_that_do_not_wait_give_no_estimate_and_idle_gaps_no_windows():
     meter = UplinkMeter(window_s=1.0)
     for i in range(20):  # a part every 2 s that leaves at once

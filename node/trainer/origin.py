@@ -165,7 +165,7 @@ class Origin:
         self._compacting = False
         self.upload = TokenBucket(cfg.upload_limit)
         self.peers = PeerSet(self.id, None, self.upload, self._on_message, on_open=self._on_open)
-        self.peers.declared_uplink_mbit = cfg.uplink_mbit
+        self.peers.declared_uplink_mbit, self.peers.region = cfg.uplink_mbit, cfg.region
         self.listen_addr = cfg.listen
         self.tracker = TrackerLink(cfg.tracker, self.creds, self._hello, self._on_tracker_message,
                                    on_connect=self._on_tracker_connect, revocations_file=self.data_dir / "revocations")
