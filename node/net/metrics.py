@@ -56,7 +56,7 @@ def _uplink(st: dict) -> Iterable[Metric]:
     yield from _gauge("patchswarm_uplink_declared_mbit", "the uplink this member declared (--uplink-mbit), "
                       "which its share of each version is planned on", st.get("uplink_mbit"))
     yield from _gauge("patchswarm_uplink_measured_mbit", "this member's upload rate while more than one of its "
-                      "sends waited at once (the median of the last ~30 one-second samples)",
+                      "sends within its region waited at once (the median of the last 32 half-second samples)",
                       st.get("uplink_measured_mbit"))
 
 
