@@ -208,3 +208,23 @@ def test_status_shows_peers_dropped_and_refused_by_kind(capsys, monkeypatch):
     del st["peers_dropped"], st["sessions_replaced"]
     print_status(st)
     assert "peers dropped" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("declared, measured, slow, shown", [
+    (100.0, None, [], "│ 100 Mbit/s declared │"),
+    (100.0, 9.437, ["n3"], "│ 100 Mbit/s declared, 9.437 Mbit/s measured while sends backed up │"),
+    (None, 9.437, [], "│ 9.437 Mbit/s measured while sends backed up │"),
+    (None, None, [], None),
+])
+def test_status_shows_the_declared_and_measured_uplinks_and_slow_neighbours(capsys, monkeypatch, declared, measured,
+                                                                           slow, shown):
+    from patchswarm.node.cli.services import print_status
+
+    monkeypatch.setenv("COLUMNS", "300")
+    st = {"node_id": "n1", "region": "r0", "version": 3, "base_path": "/d/weights.safetensors",
+          "bytes_in": {"origin": 0, "same_region": 0, "other_region": 0}, "bytes_out": 0, "chunks_rejected": 0,
+          "peers": [], "uplink_mbit": declared, "uplink_measured_mbit": measured, "slow_neighbours": slow}
+    print_status(st)
+    out = " ".join(capsys.readouterr().out.split())
+    assert (shown in out) if shown else "Mbit/s" not in out
+    assert ("slow neighbours │ n3 (by declared uplinks" in out) == bool(slow)

@@ -334,8 +334,13 @@ def print_status(st: dict) -> None:
                             + ("" if lat is None else f", publish->engine {lat:.2f} s")
                             + (f"; last error: {engine['last_error']}" if engine.get("last_error") else ""))
     t.add_row("tracker", "connected" if st.get("tracker_connected") else "not connected")
-    if st.get("uplink_mbit"):
-        t.add_row("uplink", f"{st['uplink_mbit']:g} Mbit/s declared")
+    declared, measured = st.get("uplink_mbit"), st.get("uplink_measured_mbit")
+    if declared or measured:
+        t.add_row("uplink", ", ".join(
+            ([f"{declared:g} Mbit/s declared"] if declared else [])
+            + ([f"{measured:g} Mbit/s measured while sends backed up"] if measured else [])))
+    if st.get("slow_neighbours"):
+        t.add_row("slow neighbours", ", ".join(st["slow_neighbours"]) + " (by declared uplinks: asked last, no share)")
     if st.get("wan_rates"):
         t.add_row("WAN rates", format_wan_rates(st["wan_rates"]) + " Mbit/s (each chunk's regions, fastest first)")
     b = st["bytes_in"]
