@@ -10,7 +10,6 @@ import json
 import logging
 import subprocess
 import sys
-import urllib.parse
 from pathlib import Path
 
 import pytest
@@ -339,16 +338,29 @@ def test_a_webrtc_session_checks_the_region_of_the_certificate_that_signed_its_o
 
 @pytest.mark.slow  # real processes
 def test_a_tracker_with_require_region_and_real_nodes(tmp_path):
-    """`patchswarm tracker --require-region`: a node whose certificate names its region joins;
+    """`patchswarm tracker --require-region`: nodes whose certificates name their region join;
     one whose certificate names none is refused, and its log says why; a real node daemon
-    refuses a peer that claims another region than its certificate's, and counts it."""
+    refuses a peer that claims another region than its certificate's, and counts it. The same
+    real nodes declare uplinks (--uplink-mbit, tests/test_uplinks.py for the plan): `patchswarm
+    status` shows a node's own and each peer's."""
     sys.path.insert(0, str(Path(__file__).parent))
-    from swarmlab import SwarmLab
+    from swarmlab import ROOT, SwarmLab
 
     with SwarmLab(tmp_path) as lab:
         lab.start_tracker(extra=["--require-region"])
-        good = lab.start_node("good", region="r1", creds=lab.creds("good", "node", region="r1"))
+        good = lab.start_node("good", region="r1", creds=lab.creds("good", "node", region="r1"),
+                              extra=["--uplink-mbit", "100"])
         lab.wait_log(good, "joined the swarm via tracker")
+        lab.start_node("b", region="r1", creds=lab.creds("b", "node", region="r1"), extra=["--uplink-mbit", "12.5"])
+        lab.wait_log(good, r"peer b \(node, region r1\) connected")
+        shown = subprocess.run([sys.executable, "-m", "patchswarm.node.cli", "status", "--socket", str(good.socket)],
+                               cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert shown.returncode == 0 and "b (r1, 12.5 Mbit/s up)" in shown.stdout, shown.stdout + shown.stderr
+        assert "100 Mbit/s declared" in shown.stdout
+        as_json = subprocess.run([sys.executable, "-m", "patchswarm.node.cli", "status", "--json", "--socket",
+                                  str(good.socket)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        st = json.loads(as_json.stdout)
+        assert st["uplink_mbit"] == 100 and [p.get("uplink") for p in st["peers"]] == [12.5]
         bare = lab.start_node("bare", region="r1", creds=lab.creds("bare", "node"))
         lab.wait_log(bare, r"refused this member: node 'bare': its certificate names no region, "
                            r"and this tracker requires one")
@@ -362,4 +374,4 @@ def test_a_tracker_with_require_region_and_real_nodes(tmp_path):
         trio.run(main)
         st = good.status()
         assert st["peers_dropped"].get(WRONG_REGION) == 1, st["peers_dropped"]
-        assert st["region"] == "r1" and [p["id"] for p in st["peers"]] == []
+        assert st["region"] == "r1" and [p["id"] for p in st["peers"]] == ["b"]

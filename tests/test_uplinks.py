@@ -6,7 +6,8 @@ its own, to its picker (`PiecePicker.set_members(..., uplinks=...)`), so every
 member of a region plans with the same ones. Checked with the real tracker and
 daemons over loopback TLS in one process (the picker's calls recorded), across
 revisions (a tracker of revision 4 hears no uplink, so a node does not count its
-own either), and as real processes (`patchswarm status` shows a peer's uplink).
+own either); as real processes (`patchswarm status` shows a peer's uplink) in
+tests/test_region_binding.py's real-node test, which starts the same daemons.
 The wire is in tests/test_wire.py, the tracker's choices in tests/test_tracker.py
 and tests/test_peersets.py.
 """
@@ -14,9 +15,6 @@ and tests/test_peersets.py.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import sys
 
 import pytest
 import trio
@@ -26,8 +24,6 @@ from patchswarm.node.net import transport, trust
 from patchswarm.node.net.service import parse_uplink
 from patchswarm.protocol import wire
 from patchswarm.tracker import server
-
-from swarmlab import ROOT, SwarmLab
 
 DECLARED = {"fast": 100.0, "slow": 10.0, "quiet": None}  # Mbit/s; quiet declares none
 
@@ -133,20 +129,3 @@ def test_uplink_mbit_takes_a_rate_or_none(text, value):
 def test_uplink_mbit_refuses_what_is_no_rate_saying_what_it_expected(text):
     with pytest.raises(argparse.ArgumentTypeError, match=rf"expected Mbit/s in \(0, {wire.MAX_UPLINK_MBIT}\], found"):
         parse_uplink(text)
-
-
-@pytest.mark.slow  # real processes (a few seconds)
-def test_patchswarm_status_shows_a_peers_declared_uplink(tmp_path):
-    with SwarmLab(tmp_path) as lab:
-        lab.start_tracker()
-        a = lab.start_node("a", "r0", extra=["--uplink-mbit", "100"])
-        lab.start_node("b", "r0", extra=["--uplink-mbit", "12.5"])
-        lab.wait_log(a, r"peer b \(node, region r0\) connected")
-        shown = subprocess.run([sys.executable, "-m", "patchswarm.node.cli", "status", "--socket", str(a.socket)],
-                               cwd=ROOT, capture_output=True, text=True, timeout=60)
-        assert shown.returncode == 0 and "b (r0, 12.5 Mbit/s up)" in shown.stdout, shown.stdout + shown.stderr
-        assert "100 Mbit/s declared" in shown.stdout
-        as_json = subprocess.run([sys.executable, "-m", "patchswarm.node.cli", "status", "--json", "--socket",
-                                  str(a.socket)], cwd=ROOT, capture_output=True, text=True, timeout=60)
-        st = json.loads(as_json.stdout)
-        assert st["uplink_mbit"] == 100 and [p.get("uplink") for p in st["peers"]] == [12.5]
