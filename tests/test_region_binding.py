@@ -357,9 +357,7 @@ def test_a_tracker_with_require_region_and_real_nodes(tmp_path):
                                cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert shown.returncode == 0 and "b (r1, 12.5 Mbit/s up)" in shown.stdout, shown.stdout + shown.stderr
         assert "100 Mbit/s declared" in shown.stdout
-        as_json = subprocess.run([sys.executable, "-m", "patchswarm.node.cli", "status", "--json", "--socket",
-                                  str(good.socket)], cwd=ROOT, capture_output=True, text=True, timeout=60)
-        st = json.loads(as_json.stdout)
+        st = good.status()  # what `patchswarm status --json` prints
         assert st["uplink_mbit"] == 100 and [p.get("uplink") for p in st["peers"]] == [12.5]
         bare = lab.start_node("bare", region="r1", creds=lab.creds("bare", "node"))
         lab.wait_log(bare, r"refused this member: node 'bare': its certificate names no region, "
