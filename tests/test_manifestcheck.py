@@ -70,17 +70,34 @@ def big(trainer, swarm_id):
     return keyframe(trainer, swarm_id)
 
 
-@pytest.fixture
-def bound(trainer, big):
+def measure_bound(trainer, big) -> float:
     """The longest stand-still allowed: MAX_GAP, or a third of what the decode takes inline
     now, or three times the longest tick gap of an idle loop now, on a machine so loaded
-    that the loop's thread itself waits for a core that long (measured per test: the load
+    that the loop's thread itself waits for a core that long (measured per attempt: the load
     moves; with a suite beside it, an idle loop here stood still up to ~0.1 s)."""
     t0 = time.perf_counter()
     verify_manifest(big, trainer.public_key())
     inline = time.perf_counter() - t0
     idle = trio.run(longest_gap, lambda: trio.sleep(0.3))
     return max(MAX_GAP, inline / 3, 3 * idle)
+
+
+# A loop's stand-still is measured in wall time, on 2 cores that the suite's other worker
+# shares: a burst of its processes can stand any loop still, decode or none. Such a burst
+# passes; a decode on the loop does not. So a timing that misses is measured again, with its
+# bound measured again, up to ATTEMPTS times (in CI a whole run once missed both ways: 0.30 s
+# against a bound of 0.12 s, and an inline decode's 0.37 s against twice 0.19 s).
+ATTEMPTS = 3
+
+
+def _attempts(measure, ok) -> list:
+    """`measure()` until `ok(result)`, at most ATTEMPTS times; every result, the last one last."""
+    results = []
+    for _ in range(ATTEMPTS):
+        results.append(measure())
+        if ok(results[-1]):
+            break
+    return results
 
 
 async def longest_gap(during) -> float:
@@ -104,13 +121,15 @@ async def longest_gap(during) -> float:
     return max(gaps)
 
 
-def test_the_test_sees_a_decode_on_the_loop(trainer, big, bound):
+def test_the_test_sees_a_decode_on_the_loop(trainer, big):
     """The same decode inline stands the loop still for as long (what the node and the tracker
     did before): the bound below would catch it."""
     async def main():
         return await longest_gap(lambda: _inline(big, trainer))
 
-    assert trio.run(main) > 2 * bound
+    tries = _attempts(lambda: (trio.run(main), measure_bound(trainer, big)), lambda r: r[0] > 2 * r[1])
+    gap, bound = tries[-1]
+    assert gap > 2 * bound, tries
 
 
 async def _inline(envelope: bytes, trainer) -> None:
@@ -137,21 +156,27 @@ def _applier(tmp_path, trainer, swarm_id: str):
                    apply_threads=None)
 
 
-def test_a_node_keeps_its_loop_turning_while_a_large_keyframe_manifest_is_decoded(tmp_path, trainer, swarm_id, big,
-                                                                                   bound):
-    applier = _applier(tmp_path, trainer, swarm_id)
-    accepted = []
+def test_a_node_keeps_its_loop_turning_while_a_large_keyframe_manifest_is_decoded(tmp_path, trainer, swarm_id, big):
+    def measure():
+        where = tmp_path / f"try{len(list(tmp_path.iterdir()))}"
+        where.mkdir()
+        applier = _applier(where, trainer, swarm_id)
+        accepted = []
 
-    async def main():
-        async def offer():
-            accepted.append(await applier.offer(big, "tracker"))
+        async def main():
+            async def offer():
+                accepted.append(await applier.offer(big, "tracker"))
 
-        return await longest_gap(offer)
+            return await longest_gap(offer)
 
-    gap = trio.run(main)
-    assert accepted == [True] and applier.book.get((1, True)) is not None
-    assert applier.manifest_check.off_loop == 1
-    assert gap < bound, f"the loop stood still {gap:.3f} s"
+        gap = trio.run(main)
+        assert accepted == [True] and applier.book.get((1, True)) is not None
+        assert applier.manifest_check.off_loop == 1
+        return gap, measure_bound(trainer, big)
+
+    tries = _attempts(measure, lambda r: r[0] < r[1])
+    gap, bound = tries[-1]
+    assert gap < bound, f"the loop stood still {gap:.3f} s against {bound:.3f} s; every try: {tries}"
 
 
 def test_copies_of_one_manifest_are_decoded_once(tmp_path, trainer, swarm_id, big, monkeypatch):
@@ -210,7 +235,7 @@ def test_a_forged_large_manifest_is_left_to_the_book_which_refuses_it(trainer, s
         book.offer(forged)
 
 
-def test_the_tracker_keeps_its_loop_turning_while_it_decodes_an_origins_keyframe(swarm, big, bound):
+def test_the_tracker_keeps_its_loop_turning_while_it_decodes_an_origins_keyframe(swarm, trainer, big):
     """An origin's Announce of a large keyframe over a real tracker session (in-memory stream):
     the tracker verifies it in a worker thread and retains it; the loop keeps turning."""
     from patchswarm.tracker import server
@@ -232,9 +257,14 @@ def test_the_tracker_keeps_its_loop_turning_while_it_decodes_an_origins_keyframe
             nursery.cancel_scope.cancel()
         return tracker, gap
 
-    tracker, gap = trio.run(main)
-    assert tracker.manifest_check.off_loop == 1 and tracker.core.book.get((1, True)) is not None
-    assert gap < bound, f"the tracker's loop stood still {gap:.3f} s"
+    def measure():
+        tracker, gap = trio.run(main)
+        assert tracker.manifest_check.off_loop == 1 and tracker.core.book.get((1, True)) is not None
+        return gap, measure_bound(trainer, big)
+
+    tries = _attempts(measure, lambda r: r[0] < r[1])
+    gap, bound = tries[-1]
+    assert gap < bound, f"the tracker's loop stood still {gap:.3f} s against {bound:.3f} s; every try: {tries}"
 
 
 def test_a_stale_large_manifest_passed_on_again_is_not_decoded_again(trainer, swarm_id, big, monkeypatch):
