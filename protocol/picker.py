@@ -101,7 +101,6 @@ serve, never at all chunks × all peers.
 
 from __future__ import annotations
 
-import math
 import random
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
@@ -110,7 +109,7 @@ import numpy as np
 
 from .errors import ProtocolError, UsageError
 from .piecestate import ObjectState, PeerState, PendingFacts
-from .responsibility import ObjKey, check_wan_rates
+from .responsibility import ObjKey, check_rates, check_wan_rates
 from .sources import NODE, ORIGIN, ORIGIN_TIER, SourceTiers
 
 PEER_KINDS = (ORIGIN, NODE)
@@ -234,10 +233,7 @@ class PiecePicker:
         if members.get(self.me, self.region) != self.region:
             raise UsageError(f"members: expected {self.me!r} in region {self.region!r}, "
                              f"found {members[self.me]!r}")
-        bad = [(m, v) for m, v in (uplinks or {}).items()
-               if type(m) is not str or isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf]
-        if bad:
-            raise UsageError(f"uplinks: expected node id -> Mbit/s > 0, found {bad[:3]}")
+        uplinks = check_rates(uplinks, "uplinks", "node id -> Mbit/s > 0")
         caps = self._tiers.caps
         self._replan(self._tiers.set_members(members, uplinks), caps)
 

@@ -238,13 +238,19 @@ def _share_targets(size: int, caps: Sequence[float]) -> tuple[list[int], frozens
     return base, frozenset(), 0
 
 
-def check_wan_rates(rates: Mapping[str, float] | None) -> dict[str, float] | None:
-    """`rates` as a plain dict (None for none or empty); UsageError unless each is region -> rate > 0."""
+def check_rates(rates: Mapping[str, float] | None, what: str, expected: str) -> dict[str, float] | None:
+    """`rates` as a plain dict (None for none or empty); UsageError (naming `what`, saying
+    `expected`) unless each is a str -> a finite number > 0."""
     bad = [(r, v) for r, v in (rates or {}).items()
            if type(r) is not str or isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf]
     if bad:
-        raise UsageError(f"wan_rates: expected region -> rate > 0, found {bad[:3]}")
+        raise UsageError(f"{what}: expected {expected}, found {bad[:3]}")
     return dict(rates) if rates else None
+
+
+def check_wan_rates(rates: Mapping[str, float] | None) -> dict[str, float] | None:
+    """`rates` as a plain dict (None for none or empty); UsageError unless each is region -> rate > 0."""
+    return check_rates(rates, "wan_rates", "region -> rate > 0")
 
 
 def swarm_wan_rates(from_tracker: Mapping[str, float] | None,
