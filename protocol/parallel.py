@@ -18,6 +18,7 @@ that makes an object or two per tensor of a state and keeps them to its end
 (views, shapes, records): with a state of 140k tensors alive, those
 allocations set off full collections that walk every object of the
 process, a quarter of a state hash's time here.
+Overlapping pauses (threads) keep it off until the last ends.
 
 Errors: `run_all` waits for every task it started and raises the error of
 the lowest-numbered task that failed, so the error is the one a loop in
@@ -55,21 +56,33 @@ def threads_for(tasks: int, work: int, min_work_per_thread: int, limit: int | No
     return max(1, min(cores(), MAX_THREADS, tasks, work // min_work_per_thread, limit or MAX_THREADS))
 
 
+_gc_lock = threading.Lock()
+_gc_pauses = 0  # gc_paused blocks running now, in any thread
+_gc_was_on = False  # the collector was on when the first of them began
+
+
 @contextlib.contextmanager
 def gc_paused():
     """The cyclic collector off for the block, if it was on (and on again after it).
 
     Reference counting still frees everything that is not in a cycle; cycles
-    made meanwhile wait for the next collection. Nested or concurrent uses
-    leave it on at the end if it was on before the first."""
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
+    made meanwhile wait for the next collection. Blocks that overlap, nested or
+    in other threads (a node's apply beside its manifest decode), keep it off
+    until the last of them ends, then leave it as it was before the first: a
+    block that ended first used to turn it on under the others."""
+    global _gc_pauses, _gc_was_on
+    with _gc_lock:
+        if _gc_pauses == 0:
+            _gc_was_on = gc.isenabled()
+            gc.disable()
+        _gc_pauses += 1
     try:
         yield
     finally:
-        gc.enable()
+        with _gc_lock:
+            _gc_pauses -= 1
+            if _gc_pauses == 0 and _gc_was_on:
+                gc.enable()
 
 
 class _Job:

@@ -8,6 +8,7 @@ empty, 0-dim and non-contiguous tensors and tensors that share one storage.
 """
 
 import gc
+import threading
 import warnings
 
 import blake3
@@ -239,6 +240,35 @@ def test_gc_paused_restores_the_collector():
             raise ValueError("inside")
     assert gc.isenabled()
     statehash.state_hash({"w": torch.zeros(2)})
+    assert gc.isenabled()
+
+
+def test_gc_paused_in_overlapping_threads_keeps_the_collector_off_until_the_last_ends():
+    """A block that began first and ended first used to turn the collector on under the other."""
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def first():
+        with parallel.gc_paused():
+            first_in.set()
+            assert second_in.wait(10)
+        first_out.set()
+
+    def second():
+        assert first_in.wait(10)
+        with parallel.gc_paused():
+            second_in.set()
+            assert first_out.wait(10)
+            seen["after the first ended"] = gc.isenabled()
+        seen["after both"] = gc.isenabled()
+
+    threads = [threading.Thread(target=f) for f in (first, second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert not any(t.is_alive() for t in threads)
+    assert seen == {"after the first ended": False, "after both": True}
     assert gc.isenabled()
 
 
