@@ -1,0 +1,141 @@
+"""A chunk damaged on the origin's own disk: taken back from a node that holds it, or, where no
+node does, routed around with a keyframe-only version. Real node processes on loopback
+(tests/swarmlab.py) with the origin in this process (its status read in place).
+
+Before, the origin found the damage when it read the chunk (store.py's `_read_checked`), removed
+it and answered every request for it with a Reject, for good: a node that joined after the last
+holder left stalled at the version before it, and a restart dropped the version (and every one
+after it) from the origin's store, so its next publish reused version numbers nodes had taken.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import trio
+
+from patchswarm.node.net import trust
+from patchswarm.node.net.transport import connect
+from patchswarm.node.trainer.origin import SyncOrigin, served_copy
+from patchswarm.protocol import wire
+from swarmlab import SwarmLab, load_weights, same_bits
+from synthetic import rl_checkpoints
+
+pytestmark = pytest.mark.slow  # real processes
+
+SMALL = dict(chunk_bytes=32768, segment_elements=65536)  # a patch of several chunks
+
+
+def _origin(lab: SwarmLab, **kw) -> SyncOrigin:
+    # served_kept_bytes=0: every request reads the chunk's file, as on an origin whose recent
+    # chunks have moved out of its 32 MiB of kept bytes (the damage is found on that read).
+    return SyncOrigin(tracker=lab.tracker_addr, creds=lab.creds("origin", "origin"), key=lab.swarm / "trainer.key",
+                      data_dir=lab.root / "origin", listen="127.0.0.1:0", region="r0", served_kept_bytes=0,
+                      **SMALL, **kw)
+
+
+def _damage(data_dir: Path, version: int, chunk: int = 0) -> Path:
+    """Flip one bit in the middle of a stored chunk file of `version`'s patch, in place."""
+    f = data_dir / "objects" / f"v{version:010d}-patch" / f"{chunk:06d}.chunk"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    f.write_bytes(bytes(data))
+    return f
+
+
+async def _ask(creds, addr: str, key: tuple[int, bool], chunk: int) -> str:
+    """Ask the origin at `addr` for one chunk as a node would: the first answer's kind."""
+    ms = await connect(addr, creds, {"origin"}, wire.Hello("probe", "r1", "node", "", []), expect_name="origin")
+    try:
+        await ms.send(wire.Request(key[0], key[1], chunk))
+        with trio.fail_after(30):
+            while True:
+                msg = await ms.receive()
+                assert msg is not None, "the origin closed the session"
+                if isinstance(msg, (wire.Piece, wire.Reject)) and msg.chunk == chunk:
+                    return type(msg).__name__
+    finally:
+        await ms.aclose()
+
+
+def _wait(what: str, check, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = check()
+        if got:
+            return got
+        time.sleep(0.1)
+    raise AssertionError(f"no {what} within {timeout} s")
+
+
+def test_a_chunk_damaged_on_the_origins_disk_is_taken_back_from_a_node_and_a_late_joiner_gets_it(tmp_path):
+    ckpts = rl_checkpoints("small", 1e-5, 1)
+    with SwarmLab(tmp_path) as lab:
+        lab.start_tracker()
+        with _origin(lab) as origin:
+            a = lab.start_node("a", region="r1")
+            for s in ckpts:
+                origin.publish(s)
+            lab.wait_version([a], 1)
+            _damage(origin.origin.data_dir, 1)
+            probe = trust.Credentials.load(lab.creds("probe", "node"))
+            # The read that finds the damage: refused (never sent), then taken back from a.
+            assert trio.run(_ask, probe, origin.listen_addr, (1, False), 0) == "Reject"
+            st = _wait("chunk recovered", lambda: (s := origin.stats())["chunks_recovered"] and s)
+            assert st["chunks_damaged"] == 1 and st["chunks_recovered"] == 1 and st["chunks_lost"] == 0
+            assert trio.run(_ask, probe, origin.listen_addr, (1, False), 0) == "Piece"
+            lab.kill(a)  # the only other holder gone: b can have it from the origin alone
+            b = lab.start_node("b", region="r1")
+            lab.wait_version([b], 1, timeout=60)
+            assert same_bits(load_weights(b), served_copy(ckpts[1]))
+            assert origin.stats()["version"] == 1  # nothing published in its place
+
+
+def test_a_chunk_no_node_holds_is_routed_around_with_a_keyframe_only_version_at_once(tmp_path):
+    ckpts = rl_checkpoints("small", 1e-5, 1)
+    with SwarmLab(tmp_path) as lab:
+        lab.start_tracker()
+        with _origin(lab) as origin:
+            a = lab.start_node("a", region="r1")
+            for s in ckpts:
+                origin.publish(s)
+            lab.wait_version([a], 1)
+            lab.kill(a)
+            _damage(origin.origin.data_dir, 1)
+            b = lab.start_node("b", region="r1")  # asks the origin for the patch: the damage is found
+            st = _wait("chunk declared lost", lambda: (s := origin.stats())["chunks_lost"] and s)
+            assert st["chunks_recovered"] == 0
+            # Version 2: the served state of version 1 again, as a keyframe and no patch, so no
+            # chain through the lost chunk leads to the latest version.
+            lab.wait_version([b], 2, timeout=60)
+            v2 = [v for v in origin.stats()["versions"] if v["version"] == 2]
+            assert v2 and v2[0]["patch_bytes"] is None and v2[0]["keyframe_bytes"]
+            assert same_bits(load_weights(b), served_copy(ckpts[1]))
+            # The trainer's next version follows it, a patch again.
+            assert origin.publish(ckpts[0]) == 3
+            lab.wait_version([b], 3, timeout=60)
+            assert same_bits(load_weights(b), served_copy(ckpts[0]))
+
+
+def test_an_origin_restarted_with_a_damaged_chunk_takes_it_back_and_keeps_its_versions(tmp_path):
+    ckpts = rl_checkpoints("small", 1e-5, 2)
+    with SwarmLab(tmp_path) as lab:
+        lab.start_tracker()
+        a = lab.start_node("a", region="r1")
+        with _origin(lab) as origin:
+            for s in ckpts:
+                origin.publish(s)
+            lab.wait_version([a], 2)
+        # Version 1's patch is in the chain a restart replays (the base is version 0).
+        _damage(lab.root / "origin", 1)
+        with _origin(lab) as origin:
+            # Replayed to version 2 once a brought the chunk back (version 0 before).
+            st = _wait("version 2", lambda: (s := origin.stats())["version"] == 2 and s)
+            assert st["chunks_recovered"] == 1 and st["chunks_lost"] == 0
+            lab.kill(a)
+            b = lab.start_node("b", region="r1")
+            lab.wait_version([b], 2, timeout=60)
+            assert same_bits(load_weights(b), served_copy(ckpts[2]))
+            assert origin.publish(ckpts[0]) == 3  # the numbering goes on
