@@ -36,9 +36,9 @@ def _origin(lab: SwarmLab, **kw) -> SyncOrigin:
                       **SMALL, **kw)
 
 
-def _damage(data_dir: Path, version: int, chunk: int = 0) -> Path:
-    """Flip one bit in the middle of a stored chunk file of `version`'s patch, in place."""
-    f = data_dir / "objects" / f"v{version:010d}-patch" / f"{chunk:06d}.chunk"
+def _damage(data_dir: Path, version: int, chunk: int = 0, kind: str = "patch") -> Path:
+    """Flip one bit in the middle of a stored chunk file of `version`'s patch (or keyframe), in place."""
+    f = data_dir / "objects" / f"v{version:010d}-{kind}" / f"{chunk:06d}.chunk"
     data = bytearray(f.read_bytes())
     data[len(data) // 2] ^= 0x10
     f.write_bytes(bytes(data))
@@ -119,6 +119,21 @@ def test_a_chunk_no_node_holds_is_routed_around_with_a_keyframe_only_version_at_
             assert same_bits(load_weights(b), served_copy(ckpts[0]))
 
 
+def test_a_chunk_of_the_served_versions_keyframe_no_node_holds_is_made_again_from_the_served_state(tmp_path):
+    ckpts = rl_checkpoints("small", 1e-5, 1)
+    with SwarmLab(tmp_path) as lab:
+        lab.start_tracker()
+        with _origin(lab) as origin:
+            origin.publish(ckpts[0])  # a keyframe only, and no node has taken a chunk of it
+            _damage(origin.origin.data_dir, 0, chunk=1, kind="keyframe")
+            b = lab.start_node("b", region="r1")
+            lab.wait_version([b], 0, timeout=60)
+            assert same_bits(load_weights(b), served_copy(ckpts[0]))
+            st = origin.stats()
+            # lost (b lacked it), then encoded again bit for bit: no version in its place
+            assert (st["chunks_damaged"], st["chunks_lost"], st["chunks_recovered"], st["version"]) == (1, 1, 1, 0)
+
+
 def test_an_origin_restarted_with_a_damaged_chunk_takes_it_back_and_keeps_its_versions(tmp_path):
     ckpts = rl_checkpoints("small", 1e-5, 2)
     with SwarmLab(tmp_path) as lab:
@@ -139,3 +154,26 @@ def test_an_origin_restarted_with_a_damaged_chunk_takes_it_back_and_keeps_its_ve
             lab.wait_version([b], 2, timeout=60)
             assert same_bits(load_weights(b), served_copy(ckpts[2]))
             assert origin.publish(ckpts[0]) == 3  # the numbering goes on
+
+
+def test_an_origin_restarted_with_a_chunk_of_its_chain_no_node_holds_goes_on_with_a_keyframe_only_version(tmp_path):
+    ckpts = rl_checkpoints("small", 1e-5, 2)
+    with SwarmLab(tmp_path) as lab:
+        lab.start_tracker()
+        with _origin(lab) as origin:
+            for s in ckpts:
+                origin.publish(s)
+        _damage(lab.root / "origin", 1)
+        with _origin(lab, catch_up_s=2.0) as origin:
+            # No node: the chain stops at version 0, and the versions announced stay taken.
+            st = _wait("chunk declared lost", lambda: (s := origin.stats())["chunks_lost"] and s)
+            assert st["version"] == 0 and st["chunks_recovered"] == 0
+            assert origin.publish(ckpts[0]) == 3  # a keyframe only: no patch follows version 0's state
+            v3 = origin.stats()["versions"][-1]
+            assert v3["version"] == 3 and v3["patch_bytes"] is None and v3["keyframe_bytes"]
+            b = lab.start_node("b", region="r1")
+            lab.wait_version([b], 3, timeout=60)
+            assert same_bits(load_weights(b), served_copy(ckpts[0]))
+            assert origin.publish(ckpts[1]) == 4
+            lab.wait_version([b], 4, timeout=60)
+            assert same_bits(load_weights(b), served_copy(ckpts[1]))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import json
 import logging
 import math
@@ -34,7 +35,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from patchswarm.protocol import wire
 from patchswarm.protocol.errors import (BudgetExceeded, CorruptData, DiskFull, InvalidInput, PatchswarmError,
                                         StorageFailed, UsageError)
-from patchswarm.protocol.manifest import sign_manifest
+from patchswarm.protocol.manifest import chunk_ok, sign_manifest
 from patchswarm.protocol.patch import Patch, TensorSpec
 from patchswarm.protocol.patchencode import TargetSpec, diff_in_place, keyframe_chunks
 from patchswarm.protocol.peersets import apply_delta
@@ -112,6 +113,8 @@ class OriginConfig:
     uplink_mbit: float | None = None
     # Chunks served lately kept in memory as read and checked (node/store.py); None: its default.
     served_kept_bytes: int | None = None
+    # How long a restart whose chain lacks chunks damaged on disk waits for nodes to bring them back.
+    catch_up_s: float = CATCH_UP_S
 
 
 @dataclasses.dataclass
@@ -238,45 +241,60 @@ class Origin:
                 log.warning("chunk %d of %s is missing or was damaged on this disk; taking it back from nodes",
                             chunk, describe(key))
                 self.recovery.missing(key, chunk)
-            if lost and (self.version is None or self.version < self.book.latest_version):
-                await nursery.start(self._catch_up, lost)  # holds the publish lock from here
+            if lost and self._chain_incomplete():
+                await nursery.start(self._catch_up)  # holds the publish lock from here
             self.listen_addr = await nursery.start(self._serve_peers)
             log.info("origin %s (region %s) listening on %s; %s", self.id, self.cfg.region, self.listen_addr,
                      "nothing published yet" if self.served is None else f"at version {self.version}")
             nursery.start_soon(self.tracker.run)
             task_status.started(self)
 
-    async def _catch_up(self, lost: list[tuple[ObjKey, int]], task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def _catch_up(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """After a restart that stopped short of the latest version (a chunk of the chain was
-        damaged): wait up to CATCH_UP_S for nodes to bring the lost chunks back, then replay the
+        damaged): wait up to `catch_up_s` for nodes to bring the lost chunks back, then replay the
         rest of the chain. Publishing waits meanwhile (this holds its lock). If the chain still
         cannot be replayed, the trainer's next version is published as a keyframe only: no patch
         can be made from a state the origin does not hold."""
         async with self._publish_lock:
             task_status.started()
-            with trio.move_on_after(CATCH_UP_S):
-                while any(self.store.manifest(k) is not None and c not in self.store.have(k) for k, c in lost):
+            with trio.move_on_after(self.cfg.catch_up_s):
+                while self._chain_incomplete():
                     await trio.sleep(0.2)
             self.served = await trio.to_thread.run_sync(self.durable.carry, self.served, self.book)
             if self.version is None or self.version < self.book.latest_version:
                 self._keyframe_only_next = True
                 log.error("the chain to version %d cannot be replayed (chunks lost on this disk that no node "
                           "brought back in %.0f s); serving what is stored, and the next version is published "
-                          "as a keyframe only", self.book.latest_version, CATCH_UP_S)
+                          "as a keyframe only", self.book.latest_version, self.cfg.catch_up_s)
             else:
                 log.info("replayed the chain to version %d with the chunks nodes brought back", self.version)
+
+    def _chain_incomplete(self) -> bool:
+        """Whether an object of the chain from the served state to the latest version lacks chunks."""
+        plan = self.book.plan(self.version, None if self.served is None else self.served.state_hash)
+        return any(not self.store.complete(k) for k in plan)
 
     def _on_chunk_lost(self, key: ObjKey, chunk: int) -> None:
         self._nursery.start_soon(self._route_around, key, chunk)
 
     async def _route_around(self, key: ObjKey, chunk: int) -> None:
-        """No node brought back chunk `chunk` of `key`: publish the served state again at once as
-        a new version made of a keyframe only, so that no chain through the lost chunk leads to
-        the latest version and a node that needs it takes the keyframe instead
-        (protocol/versions.py `plan`). Once for every chunk lost before that version."""
+        """No node brought back chunk `chunk` of `key`. A chunk of the served version's keyframe
+        is made again from the served state (the encode is deterministic; the bytes must match
+        the signed SHA-256). Otherwise publish the served state again at once as a new version
+        made of a keyframe only, so that no chain through the lost chunk leads to the latest
+        version and a node that needs it takes the keyframe instead (protocol/versions.py
+        `plan`). Once for every chunk lost before that version."""
         async with self._publish_lock:
             if self._routed_at is not None and self._routed_at > key[0] or chunk in self.store.have(key):
                 return
+            if self.served is not None and key == (self.version, True):
+                data = await trio.to_thread.run_sync(self._keyframe_chunk, chunk)
+                m = self.store.manifest(key)
+                if m is not None and data is not None and chunk_ok(m, chunk, data):
+                    self.recovery.restore(key, chunk, data, "made again from the served state")
+                    return
+                log.error("chunk %d of %s made again from the served state does not match its manifest", chunk,
+                          describe(key))
             if self.served is None or self.version < self.book.latest_version:
                 self._keyframe_only_next = True  # the trainer's next version: no state here to publish now
                 return
@@ -575,6 +593,13 @@ class Origin:
                              f"max_object_chunks than {self.cfg.max_object_chunks:,}, or fewer tensors)")
         writer.finish(envelope)
         return key, m, envelope
+
+    def _keyframe_chunk(self, index: int) -> bytes | None:
+        """Worker thread, under the publish lock: chunk `index` of the served state's keyframe as
+        `_encode` cut it (encoded up to that chunk); None past its end."""
+        state = self.served.state
+        chunk_bytes = object_chunk_bytes(self.cfg.chunk_bytes, _full_bytes(state), self.cfg.max_object_chunks)
+        return next(itertools.islice(keyframe_chunks(state, chunk_bytes), index, None), None)
 
     def _manifest_forms(self, tensors: int) -> list[tuple[int, bool]]:
         """(form, compact) to try in turn: the first whose manifest fits one wire frame is sent.

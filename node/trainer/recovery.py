@@ -100,7 +100,7 @@ class ChunkRecovery:
                     random.shuffle(nodes)  # no node is asked first for every chunk
                     for s in nodes:
                         data = await self._ask(s, key, chunk)
-                        if data is not None and self._store(s, key, chunk, data):
+                        if data is not None and self.restore(key, chunk, data, f"taken back from node {s.id}"):
                             return
                 rounds += 1
                 if rounds == ROUNDS:
@@ -114,16 +114,18 @@ class ChunkRecovery:
         finally:
             self._working.discard((key, chunk))
 
-    def _store(self, s: Session, key: ObjKey, chunk: int, data: bytes) -> bool:
+    def restore(self, key: ObjKey, chunk: int, data: bytes, how: str) -> bool:
+        """Store a lost chunk the caller checked against its manifest, and tell every session;
+        False where the disk failed the write (store.disk logs it; asked for again later)."""
         if self.store.manifest(key) is None:
             return True  # the object was retired meanwhile: nothing to keep
         try:
             self.store.put_chunk(key, chunk, data)
         except OSError:
-            return False  # our disk (store.disk logs it); the next round tries again
+            return False
         self.recovered += 1
-        log.warning("chunk %d of %s taken back from node %s (%s bytes, matching the manifest's SHA-256); "
-                    "serving it again", chunk, describe(key), s.id, f"{len(data):,}")
+        log.warning("chunk %d of %s %s (%s bytes, matching the manifest's SHA-256); serving it again",
+                    chunk, describe(key), how, f"{len(data):,}")
         self.peers.broadcast(wire.HaveOne(key[0], key[1], chunk))
         return True
 
