@@ -11,7 +11,9 @@ record of our disk failing) and raises its OSError to the caller, which drops
 that write and tries again later. Must not decide what to fetch or keep:
 callers say what to drop. The last SERVED_KEPT_BYTES of chunks served are kept in
 memory as the bytes that matched the manifest (`serve_chunk`), so a chunk asked for
-again is neither read nor hashed, and damage since is still never sent.
+again is neither read nor hashed, and damage since is still never sent. A held chunk
+found damaged or gone on reading is reported to `on_lost` where the owner set it (the
+origin, which has no peer to fetch it from, takes it back: node/trainer/recovery.py).
 
 What start-up may delete, the one rule: what this store wrote and can show is
 unusable. That is a temporary of an interrupted write, a chunk file that does

@@ -151,7 +151,8 @@ def test_origin_series():
                        {"version": 2, "patch_bytes": 40, "keyframe_bytes": None, "full_bytes": 4000, "encode_s": 0.3}],
           "trajectories": {"records": 5, "duplicates_dropped": 3, "duplicates_by_key": 2, "record_keys": 4,
                            "payload_bytes": 500, "storage_failed": True,
-                           "storage_failures": 1, "storage_recoveries": 0}}
+                           "storage_failures": 1, "storage_recoveries": 0},
+          "chunks_damaged": 3, "chunks_recovered": 2, "chunks_lost": 1}
     m = OriginMetrics()
     got = samples(m, st)
     assert got[("patchswarm_version", ())] == 2
@@ -164,6 +165,7 @@ def test_origin_series():
     assert got[("patchswarm_trajectories_duplicates_by_key_total", ())] == 2
     assert got[("patchswarm_trajectory_record_keys", ())] == 4
     assert got[("patchswarm_storage_failed", ())] == 1 and got[("patchswarm_storage_failures_total", ())] == 1
+    assert [got[(f"patchswarm_chunks_{k}_total", ())] for k in ("damaged", "recovered", "lost")] == [3, 2, 1]
     assert m.not_ready(st) == "not connected to the tracker yet"
     assert m.not_ready({**st, "tracker_connected": True}) is None
 

@@ -82,8 +82,10 @@ def test_a_chunk_damaged_on_the_origins_disk_is_taken_back_from_a_node_and_a_lat
             _damage(origin.origin.data_dir, 1)
             probe = trust.Credentials.load(lab.creds("probe", "node"))
             # The read that finds the damage: refused (never sent), then taken back from a.
+            t0 = time.monotonic()
             assert trio.run(_ask, probe, origin.listen_addr, (1, False), 0) == "Reject"
             st = _wait("chunk recovered", lambda: (s := origin.stats())["chunks_recovered"] and s)
+            print(f"damage found -> chunk taken back from a: {time.monotonic() - t0:.2f} s")  # for reading
             assert st["chunks_damaged"] == 1 and st["chunks_recovered"] == 1 and st["chunks_lost"] == 0
             assert trio.run(_ask, probe, origin.listen_addr, (1, False), 0) == "Piece"
             lab.kill(a)  # the only other holder gone: b can have it from the origin alone
@@ -104,12 +106,14 @@ def test_a_chunk_no_node_holds_is_routed_around_with_a_keyframe_only_version_at_
             lab.wait_version([a], 1)
             lab.kill(a)
             _damage(origin.origin.data_dir, 1)
+            t0 = time.monotonic()
             b = lab.start_node("b", region="r1")  # asks the origin for the patch: the damage is found
             st = _wait("chunk declared lost", lambda: (s := origin.stats())["chunks_lost"] and s)
             assert st["chunks_recovered"] == 0
             # Version 2: the served state of version 1 again, as a keyframe and no patch, so no
             # chain through the lost chunk leads to the latest version.
             lab.wait_version([b], 2, timeout=60)
+            print(f"b started -> b at the keyframe-only version 2: {time.monotonic() - t0:.2f} s")  # for reading
             v2 = [v for v in origin.stats()["versions"] if v["version"] == 2]
             assert v2 and v2[0]["patch_bytes"] is None and v2[0]["keyframe_bytes"]
             assert same_bits(load_weights(b), served_copy(ckpts[1]))

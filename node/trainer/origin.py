@@ -7,7 +7,9 @@ keyframe), signing manifests with the trainer key, keeping the published
 objects on disk and serving their chunks to nodes, announcing every version
 to the tracker (again after a tracker restart), and `--watch`ing a checkpoint
 directory. State survives restarts: the latest served weights and every
-retained object live under the data dir, so version numbers continue.
+retained object live under the data dir, so version numbers continue. A chunk
+its own disk damaged is taken back from nodes (recovery.py), made again from
+the served state, or routed around by a keyframe-only version (README.md).
 
 `Origin` is the trio service; `SyncOrigin` runs one in a background thread
 for a plain training loop (the only thread, behind that one interface).
