@@ -60,6 +60,28 @@ async def _ask(creds, addr: str, key: tuple[int, bool], chunk: int) -> str:
         await ms.aclose()
 
 
+async def _lie(creds, addr: str, key: tuple[int, bool], chunk: int, size: int) -> list[str]:
+    """As a node, ask the origin for a chunk (so that it finds the damage) and answer its request
+    for that chunk with bytes of the right size that are not the chunk: what the origin sent."""
+    ms = await connect(addr, creds, {"origin"}, wire.Hello("liar", "r1", "node", "", []), expect_name="origin")
+    seen: list[str] = []
+    try:
+        await ms.send(wire.Request(key[0], key[1], chunk))
+        with trio.fail_after(30):
+            while True:
+                try:
+                    msg = await ms.receive()
+                except trio.BrokenResourceError:
+                    msg = None
+                if msg is None:
+                    return seen + ["closed"]
+                seen.append(type(msg).__name__)
+                if isinstance(msg, wire.Request) and (msg.version, msg.keyframe, msg.chunk) == (*key, chunk):
+                    await ms.send(wire.Piece(key[0], key[1], chunk, 0, size, bytes(size)))
+    finally:
+        await ms.aclose()
+
+
 def _wait(what: str, check, timeout: float = 60.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -93,6 +115,22 @@ def test_a_chunk_damaged_on_the_origins_disk_is_taken_back_from_a_node_and_a_lat
             lab.wait_version([b], 1, timeout=60)
             assert same_bits(load_weights(b), served_copy(ckpts[1]))
             assert origin.stats()["version"] == 1  # nothing published in its place
+
+
+def test_a_node_answering_with_other_bytes_is_dropped_and_nothing_is_stored(tmp_path):
+    ckpts = rl_checkpoints("small", 1e-5, 1)
+    with SwarmLab(tmp_path) as lab:
+        lab.start_tracker()
+        with _origin(lab) as origin:
+            for s in ckpts:
+                origin.publish(s)
+            f = _damage(origin.origin.data_dir, 1)
+            liar = trust.Credentials.load(lab.creds("liar", "node"))
+            seen = trio.run(_lie, liar, origin.listen_addr, (1, False), 0, f.stat().st_size)
+            assert "Request" in seen and seen[-1] == "closed"  # asked, then dropped for its answer
+            st = origin.stats()
+            assert st["peers_dropped"].get("misbehaved") == 1 and st["chunks_recovered"] == 0
+            assert not f.exists()  # the damaged file removed, the lie never stored
 
 
 def test_a_chunk_no_node_holds_is_routed_around_with_a_keyframe_only_version_at_once(tmp_path):

@@ -300,7 +300,13 @@ class Origin:
             if self.served is None or self.version < self.book.latest_version:
                 self._keyframe_only_next = True  # the trainer's next version: no state here to publish now
                 return
-            version = await self._publish(None, DEFAULT_FORMAT)
+            try:
+                version = await self._publish(None, DEFAULT_FORMAT)
+            except (PatchswarmError, OSError) as e:
+                self._keyframe_only_next = True  # then the trainer's next version is the keyframe only
+                log.error("could not publish the served state again as a keyframe only (%s); the next version "
+                          "will be one", e)
+                return
             log.error("published version %d, the state of version %d again as a keyframe only, so that nodes "
                       "that need the lost chunk %d of %s move on to it", version, version - 1, chunk, describe(key))
 
@@ -505,11 +511,13 @@ class Origin:
         self.served = new
         if keyframe_only:
             self._keyframe_only_next, self._routed_at = False, version
-        if self.durable.base is None or keyframe_only:
+        if self.durable.base is None or keyframe_only or self._base_due:
             # The first version (its keyframe holds it meanwhile), or one no patch chain bridges to.
             try:
                 await trio.to_thread.run_sync(self.durable.write_base, new)
+                self._base_due = False
             except OSError as e:
+                self._base_due = keyframe_only or self._base_due
                 self.store.disk.failed(f"the base at version {version} (tried again at the next publish)", e)
         else:
             self.store.disk.succeeded()

@@ -88,20 +88,21 @@ class ChunkRecovery:
         self._working.add((key, chunk))
         self._nursery.start_soon(self._recover, key, chunk)
 
-    def pending(self) -> set[tuple[ObjKey, int]]:
-        return set(self._working)
-
     async def _recover(self, key: ObjKey, chunk: int) -> None:
         wait, rounds = ROUND_WAIT_S, 0
         try:
-            while self.store.manifest(key) is not None and chunk not in self.store.have(key):
+            while self._still_lost(key, chunk):
                 async with self._slots:
-                    nodes = [s for s in self.peers.sessions.values() if s.role == "node" and not s.closed]
+                    nodes = [s for s in self.peers.sessions.values() if s.role == "node"]
                     random.shuffle(nodes)  # no node is asked first for every chunk
                     for s in nodes:
-                        data = await self._ask(s, key, chunk)
-                        if data is not None and self.restore(key, chunk, data, f"taken back from node {s.id}"):
-                            return
+                        if not self._still_lost(key, chunk):
+                            return  # made again meanwhile (the origin), or its object retired
+                        data = None if s.closed else await self._ask(s, key, chunk)
+                        if data is not None:
+                            if self.restore(key, chunk, data, f"taken back from node {s.id}"):
+                                return
+                            break  # our disk failed the write: the next round tries again
                 rounds += 1
                 if rounds == ROUNDS:
                     self.lost += 1
@@ -113,6 +114,9 @@ class ChunkRecovery:
                 wait = min(2 * wait, ROUND_MAX_S)
         finally:
             self._working.discard((key, chunk))
+
+    def _still_lost(self, key: ObjKey, chunk: int) -> bool:
+        return self.store.manifest(key) is not None and chunk not in self.store.have(key)
 
     def restore(self, key: ObjKey, chunk: int, data: bytes, how: str) -> bool:
         """Store a lost chunk the caller checked against its manifest, and tell every session;
