@@ -10,7 +10,6 @@ parses as JSON.
 from __future__ import annotations
 
 import json
-import time
 import urllib.error
 import urllib.request
 
@@ -20,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from patchswarm.node.net.metrics import NodeMetrics, OriginMetrics, TrackerMetrics
 
-from swarmlab import SwarmLab, write_checkpoint
+from swarmlab import SwarmLab, wait_until, write_checkpoint
 
 
 def samples(collector, st: dict) -> dict[tuple, float]:
@@ -219,16 +218,6 @@ def value(scraped: list, name: str, **labels) -> float:
     if v is None:
         raise AssertionError(f"no sample {name}{labels}; found {sorted({s.name for s in scraped})}")
     return v
-
-
-def wait_until(check, what: str, timeout: float = 60.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(0.2)
-    raise AssertionError(f"not within {timeout} s: {what}")
 
 
 def state(step: int) -> dict[str, torch.Tensor]:

@@ -10,6 +10,7 @@ after it) from the origin's store, so its next publish reused version numbers no
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from patchswarm.node.net import trust
 from patchswarm.node.net.transport import connect
 from patchswarm.node.trainer.origin import SyncOrigin, served_copy
 from patchswarm.protocol import wire
-from swarmlab import SwarmLab, load_weights, same_bits
+from swarmlab import SwarmLab, load_weights, same_bits, wait_until
 from synthetic import rl_checkpoints
 
 pytestmark = pytest.mark.slow  # real processes
@@ -34,6 +35,19 @@ def _origin(lab: SwarmLab, **kw) -> SyncOrigin:
     return SyncOrigin(tracker=lab.tracker_addr, creds=lab.creds("origin", "origin"), key=lab.swarm / "trainer.key",
                       data_dir=lab.root / "origin", listen="127.0.0.1:0", region="r0", served_kept_bytes=0,
                       **SMALL, **kw)
+
+
+@contextlib.contextmanager
+def _swarm_at_1(tmp_path, ckpts):
+    """A tracker, the origin with `ckpts` published (versions 0 and 1) and node a at version 1."""
+    with SwarmLab(tmp_path) as lab:
+        lab.start_tracker()
+        with _origin(lab) as origin:
+            a = lab.start_node("a", region="r1")
+            for s in ckpts:
+                origin.publish(s)
+            lab.wait_version([a], 1)
+            yield lab, origin, a
 
 
 def _damage(data_dir: Path, version: int, chunk: int = 0, kind: str = "patch") -> Path:
@@ -82,39 +96,23 @@ async def _lie(creds, addr: str, key: tuple[int, bool], chunk: int, size: int) -
         await ms.aclose()
 
 
-def _wait(what: str, check, timeout: float = 60.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(0.1)
-    raise AssertionError(f"no {what} within {timeout} s")
-
-
 def test_a_chunk_damaged_on_the_origins_disk_is_taken_back_from_a_node_and_a_late_joiner_gets_it(tmp_path):
     ckpts = rl_checkpoints("small", 1e-5, 1)
-    with SwarmLab(tmp_path) as lab:
-        lab.start_tracker()
-        with _origin(lab) as origin:
-            a = lab.start_node("a", region="r1")
-            for s in ckpts:
-                origin.publish(s)
-            lab.wait_version([a], 1)
-            _damage(origin.origin.data_dir, 1)
-            probe = trust.Credentials.load(lab.creds("probe", "node"))
-            # The read that finds the damage: refused (never sent), then taken back from a.
-            t0 = time.monotonic()
-            assert trio.run(_ask, probe, origin.listen_addr, (1, False), 0) == "Reject"
-            st = _wait("chunk recovered", lambda: (s := origin.stats())["chunks_recovered"] and s)
-            print(f"damage found -> chunk taken back from a: {time.monotonic() - t0:.2f} s")  # for reading
-            assert st["chunks_damaged"] == 1 and st["chunks_recovered"] == 1 and st["chunks_lost"] == 0
-            assert trio.run(_ask, probe, origin.listen_addr, (1, False), 0) == "Piece"
-            lab.kill(a)  # the only other holder gone: b can have it from the origin alone
-            b = lab.start_node("b", region="r1")
-            lab.wait_version([b], 1, timeout=60)
-            assert same_bits(load_weights(b), served_copy(ckpts[1]))
-            assert origin.stats()["version"] == 1  # nothing published in its place
+    with _swarm_at_1(tmp_path, ckpts) as (lab, origin, a):
+        _damage(origin.origin.data_dir, 1)
+        probe = trust.Credentials.load(lab.creds("probe", "node"))
+        # The read that finds the damage: refused (never sent), then taken back from a.
+        t0 = time.monotonic()
+        assert trio.run(_ask, probe, origin.listen_addr, (1, False), 0) == "Reject"
+        st = wait_until(lambda: (s := origin.stats())["chunks_recovered"] and s, "chunk recovered", poll=0.1)
+        print(f"damage found -> chunk taken back from a: {time.monotonic() - t0:.2f} s")  # for reading
+        assert st["chunks_damaged"] == 1 and st["chunks_recovered"] == 1 and st["chunks_lost"] == 0
+        assert trio.run(_ask, probe, origin.listen_addr, (1, False), 0) == "Piece"
+        lab.kill(a)  # the only other holder gone: b can have it from the origin alone
+        b = lab.start_node("b", region="r1")
+        lab.wait_version([b], 1, timeout=60)
+        assert same_bits(load_weights(b), served_copy(ckpts[1]))
+        assert origin.stats()["version"] == 1  # nothing published in its place
 
 
 def test_a_node_answering_with_other_bytes_is_dropped_and_nothing_is_stored(tmp_path):
@@ -135,30 +133,24 @@ def test_a_node_answering_with_other_bytes_is_dropped_and_nothing_is_stored(tmp_
 
 def test_a_chunk_no_node_holds_is_routed_around_with_a_keyframe_only_version_at_once(tmp_path):
     ckpts = rl_checkpoints("small", 1e-5, 1)
-    with SwarmLab(tmp_path) as lab:
-        lab.start_tracker()
-        with _origin(lab) as origin:
-            a = lab.start_node("a", region="r1")
-            for s in ckpts:
-                origin.publish(s)
-            lab.wait_version([a], 1)
-            lab.kill(a)
-            _damage(origin.origin.data_dir, 1)
-            t0 = time.monotonic()
-            b = lab.start_node("b", region="r1")  # asks the origin for the patch: the damage is found
-            st = _wait("chunk declared lost", lambda: (s := origin.stats())["chunks_lost"] and s)
-            assert st["chunks_recovered"] == 0
-            # Version 2: the served state of version 1 again, as a keyframe and no patch, so no
-            # chain through the lost chunk leads to the latest version.
-            lab.wait_version([b], 2, timeout=60)
-            print(f"b started -> b at the keyframe-only version 2: {time.monotonic() - t0:.2f} s")  # for reading
-            v2 = [v for v in origin.stats()["versions"] if v["version"] == 2]
-            assert v2 and v2[0]["patch_bytes"] is None and v2[0]["keyframe_bytes"]
-            assert same_bits(load_weights(b), served_copy(ckpts[1]))
-            # The trainer's next version follows it, a patch again.
-            assert origin.publish(ckpts[0]) == 3
-            lab.wait_version([b], 3, timeout=60)
-            assert same_bits(load_weights(b), served_copy(ckpts[0]))
+    with _swarm_at_1(tmp_path, ckpts) as (lab, origin, a):
+        lab.kill(a)
+        _damage(origin.origin.data_dir, 1)
+        t0 = time.monotonic()
+        b = lab.start_node("b", region="r1")  # asks the origin for the patch: the damage is found
+        st = wait_until(lambda: (s := origin.stats())["chunks_lost"] and s, "chunk declared lost", poll=0.1)
+        assert st["chunks_recovered"] == 0
+        # Version 2: the served state of version 1 again, as a keyframe and no patch, so no
+        # chain through the lost chunk leads to the latest version.
+        lab.wait_version([b], 2, timeout=60)
+        print(f"b started -> b at the keyframe-only version 2: {time.monotonic() - t0:.2f} s")  # for reading
+        v2 = [v for v in origin.stats()["versions"] if v["version"] == 2]
+        assert v2 and v2[0]["patch_bytes"] is None and v2[0]["keyframe_bytes"]
+        assert same_bits(load_weights(b), served_copy(ckpts[1]))
+        # The trainer's next version follows it, a patch again.
+        assert origin.publish(ckpts[0]) == 3
+        lab.wait_version([b], 3, timeout=60)
+        assert same_bits(load_weights(b), served_copy(ckpts[0]))
 
 
 def test_a_chunk_of_the_served_versions_keyframe_no_node_holds_is_made_again_from_the_served_state(tmp_path):
@@ -189,7 +181,7 @@ def test_an_origin_restarted_with_a_damaged_chunk_takes_it_back_and_keeps_its_ve
         _damage(lab.root / "origin", 1)
         with _origin(lab) as origin:
             # Replayed to version 2 once a brought the chunk back (version 0 before).
-            st = _wait("version 2", lambda: (s := origin.stats())["version"] == 2 and s)
+            st = wait_until(lambda: (s := origin.stats())["version"] == 2 and s, "version 2", poll=0.1)
             assert st["chunks_recovered"] == 1 and st["chunks_lost"] == 0
             lab.kill(a)
             b = lab.start_node("b", region="r1")
@@ -208,7 +200,7 @@ def test_an_origin_restarted_with_a_chunk_of_its_chain_no_node_holds_goes_on_wit
         _damage(lab.root / "origin", 1)
         with _origin(lab, catch_up_s=2.0) as origin:
             # No node: the chain stops at version 0, and the versions announced stay taken.
-            st = _wait("chunk declared lost", lambda: (s := origin.stats())["chunks_lost"] and s)
+            st = wait_until(lambda: (s := origin.stats())["chunks_lost"] and s, "chunk declared lost", poll=0.1)
             assert st["version"] == 0 and st["chunks_recovered"] == 0
             assert origin.publish(ckpts[0]) == 3  # a keyframe only: no patch follows version 0's state
             v3 = origin.stats()["versions"][-1]

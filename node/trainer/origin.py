@@ -183,7 +183,9 @@ class Origin:
         # (the served state is not at the latest version, so no patch can follow it).
         self._routed_at: int | None = None
         self._keyframe_only_next = False
-        self._base_due = False  # a base a keyframe-only version needs, whose write failed: at the next publish
+        # The base a keyframe-only version needs, not written yet (it failed, or a compaction was
+        # writing the base): written at the next publish.
+        self._base_due = False
         self.peers.declared_uplink_mbit, self.peers.region = cfg.uplink_mbit, cfg.region
         self.listen_addr = cfg.listen
         self.tracker = TrackerLink(cfg.tracker, self.creds, self._hello, self._on_tracker_message,
@@ -511,13 +513,14 @@ class Origin:
         self.served = new
         if keyframe_only:
             self._keyframe_only_next, self._routed_at = False, version
-        if self.durable.base is None or keyframe_only or self._base_due:
-            # The first version (its keyframe holds it meanwhile), or one no patch chain bridges to.
+        self._base_due = self._base_due or keyframe_only
+        if self.durable.base is None or self._base_due and not self._compacting:
+            # The first version (its keyframe holds it meanwhile), or one no patch chain bridges to
+            # (after a compaction that is writing the base now: two writers would race).
             try:
                 await trio.to_thread.run_sync(self.durable.write_base, new)
                 self._base_due = False
             except OSError as e:
-                self._base_due = keyframe_only or self._base_due
                 self.store.disk.failed(f"the base at version {version} (tried again at the next publish)", e)
         else:
             self.store.disk.succeeded()
