@@ -562,18 +562,21 @@ class Origin:
         chunk_bytes = object_chunk_bytes(self.cfg.chunk_bytes, state_bytes, self.cfg.max_object_chunks)
         if state_dict is None:
             state, target_hash = prev.state, prev.state_hash
-        elif prev is None or keyframe_only:
+        elif prev is None:
             state = {n: src.produce(n) for n in sorted(specs)}
             target_hash = state_hash(state)
         else:
-            writer = self.store.writer((version, False))
+            # A keyframe-only version still moves the served state in place, its patch thrown
+            # away: one served copy, never two, whatever the model's size.
+            writer = None if keyframe_only else self.store.writer((version, False))
             counts: dict = {}
             p = diff_in_place(prev.state, specs, src.produce, prev.state_hash, layout=layout,
                               chunk_bytes=chunk_bytes, segment_elements=self.cfg.segment_elements,
-                              on_chunk=writer.add, counts=counts)
+                              on_chunk=(lambda chunk: None) if writer is None else writer.add, counts=counts)
             state, target_hash, changed = prev.state, p.target_hash, counts["changed"]
-            objects.append(self._seal((version, False), p, writer))
-            patch_bytes = objects[-1][1].total_bytes
+            if writer is not None:
+                objects.append(self._seal((version, False), p, writer))
+                patch_bytes = objects[-1][1].total_bytes
         if prev is None or keyframe_only or self._keyframe_due(patch_bytes):
             writer = self.store.writer((version, True))
             for chunk in keyframe_chunks(state, chunk_bytes):
