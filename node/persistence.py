@@ -80,7 +80,12 @@ class DurableState:
             w = None
         if w is not None:
             self.base = Base(w.version, w.state_hash)
+        return self.carry(w, book, threads)
 
+    def carry(self, w: Weights | None, book: VersionBook, threads: int | None = None) -> Weights | None:
+        """`w` carried forward through the complete stored objects after it (`replay`), in
+        place; an object that fails to apply is dropped, so the swarm fetches it again. The
+        origin calls it again once chunks a restart found damaged are back."""
         def failed(key: ObjKey) -> None:
             self.store.drop(key)
             book.discard(key)

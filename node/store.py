@@ -11,7 +11,9 @@ record of our disk failing) and raises its OSError to the caller, which drops
 that write and tries again later. Must not decide what to fetch or keep:
 callers say what to drop. The last SERVED_KEPT_BYTES of chunks served are kept in
 memory as the bytes that matched the manifest (`serve_chunk`), so a chunk asked for
-again is neither read nor hashed, and damage since is still never sent.
+again is neither read nor hashed, and damage since is still never sent. A held chunk
+found damaged or gone on reading is reported to `on_lost` where the owner set it (the
+origin, which has no peer to fetch it from, takes it back: node/trainer/recovery.py).
 
 What start-up may delete, the one rule: what this store wrote and can show is
 unusable. That is a temporary of an interrupted write, a chunk file that does
@@ -30,7 +32,7 @@ import os
 import re
 import shutil
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import trio
@@ -69,6 +71,9 @@ class ObjectStore:
         self.disk = DiskCondition(self.root)
         self.chunks_damaged = 0  # chunks found changed on disk when read (get_chunk), removed
         self._removes = True  # a damaged chunk file found on reading is deleted (not in `read_only`)
+        # Told (key, index) of each held chunk found damaged or gone on reading, from the thread
+        # that read it (a compaction's worker too): the origin takes it back from nodes.
+        self.on_lost: Callable[[ObjKey, int], None] | None = None
         self._init_kept(SERVED_KEPT_BYTES if served_kept_bytes is None else served_kept_bytes)
 
     def _init_kept(self, limit: int) -> None:
@@ -84,7 +89,7 @@ class ObjectStore:
         created or deleted (a running member may own the folder)."""
         store = cls.__new__(cls)
         store.root, store._have, store._manifests = Path(root), {}, {}
-        store.chunks_damaged, store._removes = 0, False
+        store.chunks_damaged, store._removes, store.on_lost = 0, False, None
         store._init_kept(SERVED_KEPT_BYTES)
         store.disk = DiskCondition(store.root)
         if store.root.is_dir():
@@ -299,18 +304,24 @@ class ObjectStore:
         (a damaged file removed, except in a read-only store)."""
         if read is None:
             self._forget(key, index)
+            self._lost(key, index)
             return None
         data, intact = read
         if intact:
             return data
         self._forget(key, index)
         self.chunks_damaged += 1
+        self._lost(key, index)
         log.warning("chunk %d of %s changed on disk since it was stored (%s bytes, expected %s with the "
                     "manifest's SHA-256): removed, fetched again where needed", index, _dirname(key),
                     f"{len(data):,}", f"{self._manifests[key].chunks[index][0]:,}" if key in self._manifests else "?")
         if self._removes:
             path.unlink(missing_ok=True)
         return None
+
+    def _lost(self, key: ObjKey, index: int) -> None:
+        if self.on_lost is not None:
+            self.on_lost(key, index)
 
     def _forget(self, key: ObjKey, index: int) -> None:
         """Drop a chunk from the held set by replacing the set: an apply's worker thread

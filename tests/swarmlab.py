@@ -212,6 +212,17 @@ class SwarmLab:
             return f"unavailable ({e})"
 
 
+def wait_until(check, what: str, timeout: float = 60.0, poll: float = 0.2):
+    """`check()`'s first true value, polled every `poll` s; AssertionError after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = check()
+        if got:
+            return got
+        time.sleep(poll)
+    raise AssertionError(f"not within {timeout} s: {what}")
+
+
 def write_checkpoint(directory: Path, name: str, state: dict[str, torch.Tensor]) -> Path:
     """Write a checkpoint the way trainers should: to a temporary name, then rename into place."""
     directory.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,6 @@ parses as JSON.
 from __future__ import annotations
 
 import json
-import time
 import urllib.error
 import urllib.request
 
@@ -20,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from patchswarm.node.net.metrics import NodeMetrics, OriginMetrics, TrackerMetrics
 
-from swarmlab import SwarmLab, write_checkpoint
+from swarmlab import SwarmLab, wait_until, write_checkpoint
 
 
 def samples(collector, st: dict) -> dict[tuple, float]:
@@ -151,7 +150,8 @@ def test_origin_series():
                        {"version": 2, "patch_bytes": 40, "keyframe_bytes": None, "full_bytes": 4000, "encode_s": 0.3}],
           "trajectories": {"records": 5, "duplicates_dropped": 3, "duplicates_by_key": 2, "record_keys": 4,
                            "payload_bytes": 500, "storage_failed": True,
-                           "storage_failures": 1, "storage_recoveries": 0}}
+                           "storage_failures": 1, "storage_recoveries": 0},
+          "chunks_damaged": 3, "chunks_recovered": 2, "chunks_lost": 1}
     m = OriginMetrics()
     got = samples(m, st)
     assert got[("patchswarm_version", ())] == 2
@@ -164,6 +164,7 @@ def test_origin_series():
     assert got[("patchswarm_trajectories_duplicates_by_key_total", ())] == 2
     assert got[("patchswarm_trajectory_record_keys", ())] == 4
     assert got[("patchswarm_storage_failed", ())] == 1 and got[("patchswarm_storage_failures_total", ())] == 1
+    assert [got[(f"patchswarm_chunks_{k}_total", ())] for k in ("damaged", "recovered", "lost")] == [3, 2, 1]
     assert m.not_ready(st) == "not connected to the tracker yet"
     assert m.not_ready({**st, "tracker_connected": True}) is None
 
@@ -217,16 +218,6 @@ def value(scraped: list, name: str, **labels) -> float:
     if v is None:
         raise AssertionError(f"no sample {name}{labels}; found {sorted({s.name for s in scraped})}")
     return v
-
-
-def wait_until(check, what: str, timeout: float = 60.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(0.2)
-    raise AssertionError(f"not within {timeout} s: {what}")
 
 
 def state(step: int) -> dict[str, torch.Tensor]:

@@ -280,6 +280,12 @@ class OriginMetrics(StatusMetrics):
         yield from _disk(st)
         yield from _storage(st)
         yield from _uplink(st)
+        yield from _counter("patchswarm_chunks_damaged", "published chunks found changed on this origin's disk when read",
+                            st.get("chunks_damaged"))
+        yield from _counter("patchswarm_chunks_recovered", "chunks lost on this origin's disk and taken back from a node "
+                            "or encoded again", st.get("chunks_recovered"))
+        yield from _counter("patchswarm_chunks_lost", "chunks lost on this origin's disk that no node brought back "
+                            "(routed around)", st.get("chunks_lost"))
         t = st.get("trajectories")
         if t:
             yield from _counter("patchswarm_trajectories_received", "trajectory records stored", t.get("records"))

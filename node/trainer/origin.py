@@ -7,7 +7,9 @@ keyframe), signing manifests with the trainer key, keeping the published
 objects on disk and serving their chunks to nodes, announcing every version
 to the tracker (again after a tracker restart), and `--watch`ing a checkpoint
 directory. State survives restarts: the latest served weights and every
-retained object live under the data dir, so version numbers continue.
+retained object live under the data dir, so version numbers continue. A chunk
+its own disk damaged is taken back from nodes (recovery.py), made again from
+the served state, or routed around by a keyframe-only version (README.md).
 
 `Origin` is the trio service; `SyncOrigin` runs one in a background thread
 for a plain training loop (the only thread, behind that one interface).
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import json
 import logging
 import math
@@ -34,12 +37,12 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from patchswarm.protocol import wire
 from patchswarm.protocol.errors import (BudgetExceeded, CorruptData, DiskFull, InvalidInput, PatchswarmError,
                                         StorageFailed, UsageError)
-from patchswarm.protocol.manifest import sign_manifest
+from patchswarm.protocol.manifest import chunk_ok, sign_manifest
 from patchswarm.protocol.patch import Patch, TensorSpec
 from patchswarm.protocol.patchencode import TargetSpec, diff_in_place, keyframe_chunks
 from patchswarm.protocol.peersets import apply_delta
-from patchswarm.protocol.publication import (FORM1_MAX_TENSORS, MAX_OBJECT_CHUNKS, ObjKey, describe, manifest_of,
-                                             object_chunk_bytes)
+from patchswarm.protocol.publication import (FORM1_MAX_TENSORS, MAX_OBJECT_CHUNKS, ObjKey, describe, manifest_layout,
+                                             manifest_of, object_chunk_bytes)
 from patchswarm.protocol.served import (DEFAULT_FORMAT, check_format)
 from patchswarm.protocol.statehash import state_hash
 from patchswarm.protocol.trajectory import ReceivedRecord, decode_batch
@@ -59,6 +62,7 @@ from patchswarm.node.net.transport import CONNECTION_ERRORS, serve
 from patchswarm.node.net.trust import Credentials, swarm_id_of
 from patchswarm.node.lowprio import run_low_priority
 from patchswarm.node.persistence import COMPACT_EVERY, DurableState
+from patchswarm.node.trainer.recovery import ChunkRecovery
 from patchswarm.node.trainer.source import Source
 from patchswarm.node.weights import Weights
 
@@ -81,6 +85,9 @@ INTAKE_BATCHES_TOTAL = 64
 # being read (its chunk requests, above all). The wait it asks for: long enough that a store
 # that takes a batch a second is not asked again and again, short next to the node's backoff.
 DEFER_RETRY_MS = 1000
+# A restart that finds a chunk of the chain to its latest version damaged waits this long for
+# nodes to bring it back (node/trainer/recovery.py) before it goes on at the version it reaches.
+CATCH_UP_S = 120.0
 
 
 @dataclasses.dataclass
@@ -106,6 +113,10 @@ class OriginConfig:
     # Its uplink in Mbit/s (--uplink-mbit), declared in its Hello on connections of wire revision 5;
     # shown in its peer entry (the nodes' plan uses nodes' uplinks only). None: declares none.
     uplink_mbit: float | None = None
+    # Chunks served lately kept in memory as read and checked (node/store.py); None: its default.
+    served_kept_bytes: int | None = None
+    # How long a restart whose chain lacks chunks damaged on disk waits for nodes to bring them back.
+    catch_up_s: float = CATCH_UP_S
 
 
 @dataclasses.dataclass
@@ -164,7 +175,17 @@ class Origin:
         self.served: Weights | None = None
         self._compacting = False
         self.upload = TokenBucket(cfg.upload_limit)
-        self.peers = PeerSet(self.id, None, self.upload, self._on_message, on_open=self._on_open)
+        self.peers = PeerSet(self.id, None, self.upload, self._on_message, on_open=self._on_open,
+                             on_close=self._on_close)
+        self.recovery: ChunkRecovery | None = None
+        # Chunks lost for good (no node brought them back) are routed around by a keyframe-only
+        # version: the version of the last one, and whether the trainer's next version must be one
+        # (the served state is not at the latest version, so no patch can follow it).
+        self._routed_at: int | None = None
+        self._keyframe_only_next = False
+        # The base a keyframe-only version needs, not written yet (it failed, or a compaction was
+        # writing the base): written at the next publish.
+        self._base_due = False
         self.peers.declared_uplink_mbit, self.peers.region = cfg.uplink_mbit, cfg.region
         self.listen_addr = cfg.listen
         self.tracker = TrackerLink(cfg.tracker, self.creds, self._hello, self._on_tracker_message,
@@ -186,7 +207,7 @@ class Origin:
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        self.store = ObjectStore(self.data_dir / "objects")
+        self.store = ObjectStore(self.data_dir / "objects", self.cfg.served_kept_bytes)
         self.peers.store = self.store
         for line in self.store.load(self.book, None):
             log.warning("dropped from the object store: %s", line)
@@ -194,9 +215,13 @@ class Origin:
         # verified: a version is durable once its object is (chunks first, manifest last).
         self.durable = DurableState(self.data_dir, self.store, self.swarm_id, self.cfg.compact_every)
         self.served = await trio.to_thread.run_sync(self.durable.load, self.book)
-        for key in self.store.keys():
-            if not self.store.complete(key) or key[0] > (-1 if self.version is None else self.version):
-                log.warning("dropping %s: incomplete, or beyond the version it reaches", describe(key))
+        # An object whose manifest is here was written whole (its manifest last): a chunk missing
+        # from it now was damaged on this disk, and is taken back from nodes, the chain replayed then.
+        lost = [(k, c) for k in self.store.keys() for c in range(len(self.store.manifest(k).chunks))
+                if c not in self.store.have(k)]
+        for key in [] if lost else self.store.keys():
+            if key[0] > (-1 if self.version is None else self.version):
+                log.warning("dropping %s: beyond the version it reaches", describe(key))
                 self.store.drop(key)
                 self.book.discard(key)
         self.trajectory_store = await TrajectoryStore.open(self.data_dir / "trajectories",
@@ -204,19 +229,92 @@ class Origin:
         for problem in self.trajectory_store.problems:
             log.warning("trajectory store: %s (intact records around it are kept)", problem)
         try:
-            await self._run(task_status)
+            await self._run(task_status, lost)
         finally:
             with trio.CancelScope(shield=True):
                 await self.trajectory_store.aclose()
 
-    async def _run(self, task_status) -> None:
+    async def _run(self, task_status, lost: list[tuple[ObjKey, int]]) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            self.recovery = ChunkRecovery(self.store, self.peers, self._on_chunk_lost)
+            await nursery.start(self.recovery.run)
+            token = trio.lowlevel.current_trio_token()
+            self.store.on_lost = lambda key, chunk: _call_soon(token, self.recovery.missing, key, chunk)
+            for key, chunk in lost:
+                log.warning("chunk %d of %s is missing or was damaged on this disk; taking it back from nodes",
+                            chunk, describe(key))
+                self.recovery.missing(key, chunk)
+            if lost and self._chain_incomplete():
+                await nursery.start(self._catch_up)  # holds the publish lock from here
             self.listen_addr = await nursery.start(self._serve_peers)
             log.info("origin %s (region %s) listening on %s; %s", self.id, self.cfg.region, self.listen_addr,
                      "nothing published yet" if self.served is None else f"at version {self.version}")
             nursery.start_soon(self.tracker.run)
             task_status.started(self)
+
+    async def _catch_up(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """After a restart that stopped short of the latest version (a chunk of the chain was
+        damaged): wait up to `catch_up_s` for nodes to bring the lost chunks back, then replay the
+        rest of the chain. Publishing waits meanwhile (this holds its lock). If the chain still
+        cannot be replayed, the trainer's next version is published as a keyframe only: no patch
+        can be made from a state the origin does not hold."""
+        async with self._publish_lock:
+            task_status.started()
+            with trio.move_on_after(self.cfg.catch_up_s):
+                while self._chain_incomplete():
+                    await trio.sleep(0.2)
+            self.served = await trio.to_thread.run_sync(self.durable.carry, self.served, self.book)
+            if self.version is None or self.version < self.book.latest_version:
+                self._keyframe_only_next = True
+                log.error("the chain to version %d cannot be replayed (chunks lost on this disk that no node "
+                          "brought back in %.0f s); serving what is stored, and the next version is published "
+                          "as a keyframe only", self.book.latest_version, self.cfg.catch_up_s)
+            else:
+                log.info("replayed the chain to version %d with the chunks nodes brought back", self.version)
+
+    def _chain_incomplete(self) -> bool:
+        """Whether an object of the chain from the served state to the latest version lacks chunks."""
+        plan = self.book.plan(self.version, None if self.served is None else self.served.state_hash)
+        return any(not self.store.complete(k) for k in plan)
+
+    def _on_chunk_lost(self, key: ObjKey, chunk: int) -> None:
+        self._nursery.start_soon(self._route_around, key, chunk)
+
+    async def _route_around(self, key: ObjKey, chunk: int) -> None:
+        """No node brought back chunk `chunk` of `key`. A chunk of the served version's keyframe
+        is made again from the served state (the encode is deterministic; the bytes must match
+        the signed SHA-256). Otherwise publish the served state again at once as a new version
+        made of a keyframe only, so that no chain through the lost chunk leads to the latest
+        version and a node that needs it takes the keyframe instead (protocol/versions.py
+        `plan`). Once for every chunk lost before that version."""
+        async with self._publish_lock:
+            if self._routed_at is not None and self._routed_at > key[0] or chunk in self.store.have(key):
+                return
+            if self.served is not None and key == (self.version, True):
+                data = await trio.to_thread.run_sync(self._keyframe_chunk, chunk)
+                m = self.store.manifest(key)
+                if m is not None and data is not None and chunk_ok(m, chunk, data):
+                    self.recovery.restore(key, chunk, data, "made again from the served state")
+                    return
+                log.error("chunk %d of %s made again from the served state does not match its manifest", chunk,
+                          describe(key))
+            if self.served is None or self.version < self.book.latest_version:
+                self._keyframe_only_next = True  # the trainer's next version: no state here to publish now
+                return
+            try:
+                version = await self._publish(None, DEFAULT_FORMAT)
+            except (PatchswarmError, OSError) as e:
+                self._keyframe_only_next = True  # then the trainer's next version is the keyframe only
+                log.error("could not publish the served state again as a keyframe only (%s); the next version "
+                          "will be one", e)
+                return
+            log.error("published version %d, the state of version %d again as a keyframe only, so that nodes "
+                      "that need the lost chunk %d of %s move on to it", version, version - 1, chunk, describe(key))
+
+    def _on_close(self, s: Session) -> None:
+        if self.recovery is not None:
+            self.recovery.peer_left(s)
 
     def _hello(self) -> wire.Hello:
         return wire.Hello(self.id, self.cfg.region, "origin", self.cfg.advertise or self.listen_addr,
@@ -234,6 +332,12 @@ class Origin:
     async def _on_message(self, s: Session, msg) -> None:
         if isinstance(msg, wire.Trajectories):
             await self._take_trajectories(s, msg.batch)
+            return
+        if isinstance(msg, wire.Piece):  # answers to the origin's requests for chunks it lost
+            self.recovery.on_piece(s, msg)
+            return
+        if isinstance(msg, wire.Reject):
+            self.recovery.on_reject(s, msg)
             return
         if isinstance(msg, (wire.Have, wire.HaveOne, wire.Incoming, wire.Heartbeat)):
             return
@@ -372,88 +476,115 @@ class Origin:
         """
         check_format(served)
         async with self._publish_lock:
-            version = 0 if self.served is None else self.served.version + 1
-            # Cast, hash, code, sign and write the objects' files off the event loop:
-            # serving chunks to nodes goes on meanwhile.
-            try:
-                new, stats, objects = await trio.to_thread.run_sync(self._encode, state_dict, served, version)
-                # The book verifies what it takes, the origin's own manifests too: a 140,000-tensor
-                # keyframe's took 0.47 s of the event loop, so large ones are checked in a thread
-                # first (here: cancelled meanwhile, the version is rolled back like a failed encode).
-                verified = [await self.manifest_check.check(envelope) for _, _, envelope in objects]
-            except BaseException as e:
-                # The served state is changed tensor by tensor as the patch is made: after a
-                # failure part of it may be the new version's. Back to what is durable.
-                with trio.CancelScope(shield=True):
-                    for key in [(version, False), (version, True)]:
-                        self.store.drop(key)  # what it wrote of them: never adopted, never announced
-                    if self.served is not None:
-                        self.served = await trio.to_thread.run_sync(self.durable.load, self.book)
-                if ours(e):
-                    self.store.disk.failed(f"the objects of version {version}", e)
-                raise
-            for (key, m, envelope), checked in zip(objects, verified):
-                self.store.adopt(key, m)
-                self.book.offer(envelope, verified=checked)
-            # The objects are durable before anyone hears of the version: after a crash the
-            # origin continues from the base plus them.
-            self.served = new
-            if self.durable.base is None:  # once: the first version (its keyframe holds it meanwhile)
-                try:
-                    await trio.to_thread.run_sync(self.durable.write_base, new)
-                except OSError as e:
-                    self.store.disk.failed(f"the base at version {version} (tried again at the next publish)", e)
-            else:
-                self.store.disk.succeeded()
-            self.history.append(stats)
-            for key, m, envelope in objects:
-                n = len(m.chunks)
-                self.peers.broadcast(wire.Have(key[0], key[1], wire.bitfield_from_indices(range(n), n)))
-                if not await self.tracker.send(wire.Announce(envelope)):
-                    log.warning("could not announce %s now; will when the tracker is back", describe(key))
-            self._retire()
-            if self.durable.due(version) and not self._compacting:
-                self._compacting = True
-                self._nursery.start_soon(self._compact, version, new.state_hash)
-            what = ", ".join(f"{'keyframe' if k[1] else 'patch'} {m.total_bytes:,} B" for k, m, _ in objects)
-            log.info("published version %d (%s; checkpoint %s B) in %.2f s", version, what,
-                     f"{stats.full_bytes:,}", stats.encode_s)
-            return version
+            return await self._publish(state_dict, served)
 
-    def _encode(self, state_dict, served_format: str, version: int):
+    async def _publish(self, state_dict: dict | str | Path | None, served: str) -> int:
+        """`publish` under its lock; `state_dict` None: the served state again, as a keyframe only."""
+        # After the latest stored version: a restart that could not replay the chain serves
+        # an older state, and version numbers only move forward.
+        version = max(-1 if self.served is None else self.served.version,
+                      -1 if self.book.latest_version is None else self.book.latest_version) + 1
+        keyframe_only = state_dict is None or self._keyframe_only_next
+        # Cast, hash, code, sign and write the objects' files off the event loop:
+        # serving chunks to nodes goes on meanwhile.
+        try:
+            new, stats, objects = await trio.to_thread.run_sync(self._encode, state_dict, served, version,
+                                                                keyframe_only)
+            # The book verifies what it takes, the origin's own manifests too: a 140,000-tensor
+            # keyframe's took 0.47 s of the event loop, so large ones are checked in a thread
+            # first (here: cancelled meanwhile, the version is rolled back like a failed encode).
+            verified = [await self.manifest_check.check(envelope) for _, _, envelope in objects]
+        except BaseException as e:
+            # The served state is changed tensor by tensor as the patch is made: after a
+            # failure part of it may be the new version's. Back to what is durable.
+            with trio.CancelScope(shield=True):
+                for key in [(version, False), (version, True)]:
+                    self.store.drop(key)  # what it wrote of them: never adopted, never announced
+                if self.served is not None:
+                    self.served = await trio.to_thread.run_sync(self.durable.load, self.book)
+            if ours(e):
+                self.store.disk.failed(f"the objects of version {version}", e)
+            raise
+        for (key, m, envelope), checked in zip(objects, verified):
+            self.store.adopt(key, m)
+            self.book.offer(envelope, verified=checked)
+        # The objects are durable before anyone hears of the version: after a crash the
+        # origin continues from the base plus them.
+        self.served = new
+        if keyframe_only:
+            self._keyframe_only_next, self._routed_at = False, version
+        self._base_due = self._base_due or keyframe_only
+        if self.durable.base is None or self._base_due and not self._compacting:
+            # The first version (its keyframe holds it meanwhile), or one no patch chain bridges to
+            # (after a compaction that is writing the base now: two writers would race).
+            try:
+                await trio.to_thread.run_sync(self.durable.write_base, new)
+                self._base_due = False
+            except OSError as e:
+                self.store.disk.failed(f"the base at version {version} (tried again at the next publish)", e)
+        else:
+            self.store.disk.succeeded()
+        self.history.append(stats)
+        for key, m, envelope in objects:
+            n = len(m.chunks)
+            self.peers.broadcast(wire.Have(key[0], key[1], wire.bitfield_from_indices(range(n), n)))
+            if not await self.tracker.send(wire.Announce(envelope)):
+                log.warning("could not announce %s now; will when the tracker is back", describe(key))
+        self._retire()
+        if self.durable.due(version) and not self._compacting:
+            self._compacting = True
+            self._nursery.start_soon(self._compact, version, new.state_hash)
+        what = ", ".join(f"{'keyframe' if k[1] else 'patch'} {m.total_bytes:,} B" for k, m, _ in objects)
+        log.info("published version %d (%s; checkpoint %s B) in %.2f s", version, what,
+                 f"{stats.full_bytes:,}", stats.encode_s)
+        return version
+
+    def _encode(self, state_dict, served_format: str, version: int, keyframe_only: bool = False):
         """Worker thread: the new served state, its stats and its signed objects, whose files
         are written as they are made. The served state is changed in place, tensor by
-        tensor (one served copy, never two: diff_in_place)."""
+        tensor (one served copy, never two: diff_in_place). With `keyframe_only`, a keyframe
+        and no patch; `state_dict` None: of the served state as it is."""
         t0 = time.perf_counter()
-        src = (Source.from_path(state_dict, served_format) if isinstance(state_dict, (str, Path))
-               else Source.from_state(state_dict, served_format))
-        specs = {n: TargetSpec(dt, shape) for n, (dt, shape) in src.table.items()}
         prev = self.served
+        if state_dict is None:
+            layout = manifest_layout(self.book.get(max(k for k in self.book.keys() if k[0] == prev.version)),
+                                     sorted(prev.state))
+            specs = {n: TargetSpec(t.dtype, tuple(t.shape)) for n, t in prev.state.items()}
+        else:
+            src = (Source.from_path(state_dict, served_format) if isinstance(state_dict, (str, Path))
+                   else Source.from_state(state_dict, served_format))
+            specs = {n: TargetSpec(dt, shape) for n, (dt, shape) in src.table.items()}
+            layout = src.layout
         objects = []
         patch_bytes = keyframe_bytes = changed = None
         # Chunks grow with the model, so that a manifest's chunk table fits one wire frame.
         state_bytes = sum(s.numel() * s.dtype.itemsize for s in specs.values())
         chunk_bytes = object_chunk_bytes(self.cfg.chunk_bytes, state_bytes, self.cfg.max_object_chunks)
-        if prev is None:
+        if state_dict is None:
+            state, target_hash = prev.state, prev.state_hash
+        elif prev is None:
             state = {n: src.produce(n) for n in sorted(specs)}
             target_hash = state_hash(state)
         else:
-            writer = self.store.writer((version, False))
+            # A keyframe-only version still moves the served state in place, its patch thrown
+            # away: one served copy, never two, whatever the model's size.
+            writer = None if keyframe_only else self.store.writer((version, False))
             counts: dict = {}
-            p = diff_in_place(prev.state, specs, src.produce, prev.state_hash, layout=src.layout,
+            p = diff_in_place(prev.state, specs, src.produce, prev.state_hash, layout=layout,
                               chunk_bytes=chunk_bytes, segment_elements=self.cfg.segment_elements,
-                              on_chunk=writer.add, counts=counts)
+                              on_chunk=(lambda chunk: None) if writer is None else writer.add, counts=counts)
             state, target_hash, changed = prev.state, p.target_hash, counts["changed"]
-            objects.append(self._seal((version, False), p, writer))
-            patch_bytes = objects[-1][1].total_bytes
-        if prev is None or self._keyframe_due(patch_bytes):
+            if writer is not None:
+                objects.append(self._seal((version, False), p, writer))
+                patch_bytes = objects[-1][1].total_bytes
+        if prev is None or keyframe_only or self._keyframe_due(patch_bytes):
             writer = self.store.writer((version, True))
             for chunk in keyframe_chunks(state, chunk_bytes):
                 writer.add(chunk)
             names = sorted(state)
             k = Patch(kind="keyframe", base_hash=None, target_hash=target_hash,
                       tensors=[TensorSpec.of(n, state[n]) for n in names], full=names, removed=[], chunks=[],
-                      layout=src.layout)
+                      layout=layout)
             objects.append(self._seal((version, True), k, writer))
             keyframe_bytes = objects[-1][1].total_bytes
         stats = VersionStats(version, patch_bytes, keyframe_bytes, _full_bytes(state), changed,
@@ -478,6 +609,13 @@ class Origin:
                              f"max_object_chunks than {self.cfg.max_object_chunks:,}, or fewer tensors)")
         writer.finish(envelope)
         return key, m, envelope
+
+    def _keyframe_chunk(self, index: int) -> bytes | None:
+        """Worker thread, under the publish lock: chunk `index` of the served state's keyframe as
+        `_encode` cut it (encoded up to that chunk); None past its end."""
+        state = self.served.state
+        chunk_bytes = object_chunk_bytes(self.cfg.chunk_bytes, _full_bytes(state), self.cfg.max_object_chunks)
+        return next(itertools.islice(keyframe_chunks(state, chunk_bytes), index, None), None)
 
     def _manifest_forms(self, tensors: int) -> list[tuple[int, bool]]:
         """(form, compact) to try in turn: the first whose manifest fits one wire frame is sent.
@@ -574,7 +712,21 @@ class Origin:
             **self.store.disk.status(),  # our disk failing writes (node/diskspace.py)
             "trajectory_disk_full": self.trajectory_store.disk.failing,
             "trajectory_batches_deferred": self.intake_deferred,
+            # Chunks found changed on this disk when read (node/store.py), taken back from nodes, and
+            # lost: no node brought them back (routed around by a keyframe-only version).
+            "chunks_damaged": self.store.chunks_damaged,
+            "chunks_recovered": self.recovery.recovered if self.recovery else 0,
+            "chunks_lost": self.recovery.lost if self.recovery else 0,
         }
+
+
+def _call_soon(token: trio.lowlevel.TrioToken, fn, *args) -> None:
+    """`fn(*args)` on the origin's event loop, from any thread (the store reports a lost chunk
+    from whichever thread read it); nothing once the loop has ended."""
+    try:
+        token.run_sync_soon(fn, *args)
+    except trio.RunFinishedError:
+        pass
 
 
 def _try_acquire(sem: trio.Semaphore) -> bool:
