@@ -20,3 +20,37 @@ torch.set_num_threads(1)
 
 settings.register_profile("patchswarm", deadline=None)
 settings.load_profile("patchswarm")
+
+
+def pytest_collection_modifyitems(items):
+    """Each module's `slow` tests (real processes, 5-60 s each), spread over the first three
+    quarters of the run between whole modules' worth of the other tests; the last quarter is
+    short tests.
+
+    pytest-xdist hands out tests in collection order, and in file order the longest ones
+    (test_trajectories, test_wan_small, test_webrtc_*) came last: one worker ran a 50 s test
+    while the other had nothing left. Spread, the slow tests (which mostly wait on their
+    processes) run beside CPU-bound short ones, and short tests fill the end of the run on
+    both workers. A module's tests of each kind stay together, so its module-scoped fixtures
+    are made about as often as before. Every worker computes the same order.
+    """
+    slow: dict[object, list] = {}
+    fast = []
+    for item in items:
+        if item.get_closest_marker("slow"):
+            slow.setdefault(item.module, []).append(item)
+        else:
+            fast.append(item)
+    if not slow or not fast:
+        return
+    order, at = [], 0
+    for k, module_tests in enumerate(slow.values(), 1):
+        order.extend(module_tests)
+        end = 3 * len(fast) * k // (4 * len(slow))
+        while 0 < end < len(fast) and fast[end].module is fast[end - 1].module:
+            end += 1  # to the end of that module
+        order.extend(fast[at:end])
+        at = max(at, end)
+    order.extend(fast[at:])
+    assert len(order) == len(items)
+    items[:] = order
