@@ -6,11 +6,12 @@ Speed is measured in bench/, not here.
 
 One torch thread in the test processes (the processes tests start keep torch's default):
 `make test` runs a pytest-xdist worker per core, and torch's default of a thread per core
-in each worker puts twice as many spinning OpenMP threads as cores on the machine. The
-synthetic checkpoints' training (tests/synthetic.py) then took 38 s instead of 4 s on
-the 2-core VM with other jobs on it (2026-12-06); it was most of the two longest setups.
-One thread is also what the demo's trainer and workers use, and its results do not
-depend on the machine's core count.
+in each worker puts twice as many spinning OpenMP threads as cores on the machine: the
+synthetic checkpoints' training (tests/synthetic.py) made test_hostile_member's setup take
+153 s and test_node_durability's 125 s (`pytest -n 2 --durations=80`, 2026-12-06, the 2-core
+VM with other jobs on it; 4.8 s and 2.0 s with one thread: bench/RESULTS.md, Tests). One
+thread is also what the demo's trainer and workers use, and its results do not depend on the
+machine's core count.
 """
 
 import torch
@@ -28,8 +29,8 @@ def pytest_collection_modifyitems(items):
     short tests.
 
     pytest-xdist hands out tests in collection order, and in file order the longest ones
-    (test_trajectories, test_wan_small, test_webrtc_*) came last: one worker ran a 50 s test
-    while the other had nothing left. Spread, the slow tests (which mostly wait on their
+    (test_trajectories, test_wan_small, test_webrtc_*) came last: one worker finished 77 s
+    before the other (bench/RESULTS.md, Tests). Spread, the slow tests (which mostly wait on their
     processes) run beside CPU-bound short ones, and short tests fill the end of the run on
     both workers. A module's tests of each kind stay together, so its module-scoped fixtures
     are made about as often as before. Every worker computes the same order.
