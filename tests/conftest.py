@@ -30,16 +30,16 @@ def pytest_collection_modifyitems(items):
 
     pytest-xdist hands out tests in collection order, and in file order the longest ones
     (test_trajectories, test_wan_small, test_webrtc_*) came last: one worker finished 77 s
-    before the other (bench/RESULTS.md, Tests). Spread, the slow tests (which mostly wait on their
-    processes) run beside CPU-bound short ones, and short tests fill the end of the run on
-    both workers. A module's tests of each kind stay together, so its module-scoped fixtures
-    are made about as often as before. Every worker computes the same order.
+    before the other (bench/RESULTS.md, Tests). Spread, the slow tests (which mostly wait on
+    their processes) run beside CPU-bound short ones, and short tests fill the end of the run
+    on both workers. A module's tests of each kind stay together, so its module-scoped
+    fixtures are made about as often as before. Every worker computes the same order.
     """
-    slow: dict[object, list] = {}
+    slow: dict = {}  # a module's path: its slow tests
     fast = []
     for item in items:
         if item.get_closest_marker("slow"):
-            slow.setdefault(item.module, []).append(item)
+            slow.setdefault(item.path, []).append(item)
         else:
             fast.append(item)
     if not slow or not fast:
@@ -48,7 +48,7 @@ def pytest_collection_modifyitems(items):
     for k, module_tests in enumerate(slow.values(), 1):
         order.extend(module_tests)
         end = 3 * len(fast) * k // (4 * len(slow))
-        while 0 < end < len(fast) and fast[end].module is fast[end - 1].module:
+        while 0 < end < len(fast) and fast[end].path == fast[end - 1].path:
             end += 1  # to the end of that module
         order.extend(fast[at:end])
         at = max(at, end)
