@@ -1,9 +1,11 @@
 """A swarm of real processes on loopback for integration tests: tracker, origin, nodes via the CLI.
 
-`SwarmLab(tmp_path)` makes a swarm (CA, trainer key), issues credentials,
-starts `python -m patchswarm.node.cli tracker|origin|node` with logs in files, finds
-their addresses in their logs, and stops every process it started (SIGTERM,
-then SIGKILL) when closed. Every wait is bounded in time. For trajectories:
+`SwarmLab(tmp_path)` makes a swarm (CA, trainer key) and issues credentials in this
+process (node/net/trust.py, what `patchswarm swarm init|issue` call: a command's start cost
+~0.5 s of CPU per member; test_trust.py and test_region_binding.py run the commands), starts
+`python -m patchswarm.node.cli tracker|origin|node` with logs in files, finds their addresses
+in their logs, and stops every process it started (SIGTERM, then SIGKILL) when closed.
+Every wait is bounded in time. For trajectories:
 `Submitter` (a rollout worker), `dump` and `summary` (the origin's store), `exactly_once`.
 """
 
@@ -26,6 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from patchswarm.node.client import NodeClient, NodeError, NodeUnavailable
+from patchswarm.node.net import trust
 
 ROOT = Path(__file__).resolve().parents[1]
 LISTENING = re.compile(r"listening on ([^\s,;\"]+)")  # text or JSON log lines
@@ -67,7 +70,7 @@ class SwarmLab:
         self.root = Path(root)
         self.swarm = self.root / "swarm"
         self.procs: list[Proc] = []
-        self._cli("swarm", "init", self.swarm)
+        trust.init_swarm(self.swarm)
         self.tracker_addr: str | None = None
 
     # -------------------------------------------------------- plumbing
@@ -83,8 +86,7 @@ class SwarmLab:
         """`name`'s credentials, issued the first time (bound to `region` where given)."""
         out = self.root / "creds" / name
         if not out.exists():
-            self._cli("swarm", "issue", self.swarm, name, "--role", role, "-o", out,
-                      *(["--region", region] if region is not None else []))
+            trust.issue(self.swarm, name, role, out, region=region)
         return out
 
     def _start(self, p: Proc) -> Proc:

@@ -110,6 +110,50 @@ def master_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
 
 
+class _RLRun:
+    """One seeded run: the warm-up, then RL steps taken as callers ask for more of them.
+
+    Everything after the model's initialisation draws from the run's own generator, so
+    the states of `steps` RL steps are the first steps+1 of any longer run: a test module
+    that asks for 3 after one that asked for 6 (in the same pytest worker) gets a prefix,
+    not a second training.
+    """
+
+    def __init__(self, size: str, lr: float, seed: int, warmup: int):
+        self.spec = spec = ModelSpec.of_size(size)
+        torch.manual_seed(seed)
+        self.gen = gen = torch.Generator().manual_seed(seed)
+        self.model = model = TinyLM(spec)
+        self.opt = opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.999), weight_decay=0.01)
+        for _ in range(warmup):
+            data = torch.randint(0, spec.vocab, (16, spec.seq), generator=gen)
+            data = torch.sort(data, dim=1).values  # a learnable structure
+            loss = nn.functional.cross_entropy(model(data[:, :-1]).flatten(0, 1), data[:, 1:].flatten())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        for g in opt.param_groups:
+            g["lr"] = lr
+        self.states = [master_state(model)]
+
+    def states_after(self, steps: int) -> tuple[dict[str, torch.Tensor], ...]:
+        while len(self.states) <= steps:
+            tokens = self.model.sample(16, self.spec.seq, self.gen)
+            r = _reward(tokens, self.spec.vocab)
+            adv = r - r.mean()
+            loss = -(adv * _sequence_logprob(self.model, tokens)).mean()
+            self.opt.zero_grad()
+            loss.backward()
+            self.opt.step()
+            self.states.append(master_state(self.model))
+        return tuple(self.states[: steps + 1])
+
+
+@functools.lru_cache(maxsize=8)
+def _rl_run(size: str, lr: float, seed: int, warmup: int) -> _RLRun:
+    return _RLRun(size, lr, seed, warmup)
+
+
 @functools.lru_cache(maxsize=8)
 def rl_checkpoints(
     size: str = "small", lr: float = 1e-6, steps: int = 3, seed: int = 0, warmup: int = 30
@@ -120,31 +164,7 @@ def rl_checkpoints(
     then the optimizer switches to `lr` and takes REINFORCE steps on sampled
     rollouts. The returned tuple is cached; do not mutate its tensors.
     """
-    spec = ModelSpec.of_size(size)
-    torch.manual_seed(seed)
-    gen = torch.Generator().manual_seed(seed)
-    model = TinyLM(spec)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.999), weight_decay=0.01)
-    for _ in range(warmup):
-        data = torch.randint(0, spec.vocab, (16, spec.seq), generator=gen)
-        data = torch.sort(data, dim=1).values  # a learnable structure
-        loss = nn.functional.cross_entropy(model(data[:, :-1]).flatten(0, 1), data[:, 1:].flatten())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    for g in opt.param_groups:
-        g["lr"] = lr
-    states = [master_state(model)]
-    for _ in range(steps):
-        tokens = model.sample(16, spec.seq, gen)
-        r = _reward(tokens, spec.vocab)
-        adv = r - r.mean()
-        loss = -(adv * _sequence_logprob(model, tokens)).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        states.append(master_state(model))
-    return tuple(states)
+    return _rl_run(size, lr, seed, warmup).states_after(steps)
 
 
 def served_pairs(
