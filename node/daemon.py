@@ -104,6 +104,9 @@ class NodeConfig:
     # This host's uplink in Mbit/s (--uplink-mbit), declared in its Hello (wire revision 5) and passed by
     # the tracker to every member, which all plan with it: a slow one relays less; None: declares none.
     uplink_mbit: float | None = None
+    # Refuse peers (nodes, the origin) whose certificate names no region (--require-region): a
+    # region-less certificate lets its member say any region to this member directly.
+    require_region: bool = False
 
 
 class Node:
@@ -116,6 +119,7 @@ class Node:
         if self.creds.role != "node":
             raise UsageError(f"{cfg.creds}: expected credentials with role node, found {self.creds.role!r}")
         self.creds.check_region(cfg.region)  # every peer would refuse another region: say so now
+        self.creds = dataclasses.replace(self.creds, require_region=cfg.require_region)
         self.id = self.creds.name
         self.region = cfg.region
         self.swarm_id = self.creds.swarm_id()

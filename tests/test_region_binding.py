@@ -6,6 +6,7 @@ tracker's --require-region, and a daemon that will not start in another region."
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import logging
 import subprocess
@@ -160,6 +161,33 @@ def test_a_node_or_origin_in_another_region_than_its_certificate_fails_at_constr
     Node(NodeConfig("127.0.0.1:9", tmp_path / "n1", tmp_path / "d1", "127.0.0.1:0", "r1"))  # its own region: fine
 
 
+def test_require_region_reaches_the_credentials_every_connection_checks(tmp_path):
+    """--require-region (flag or TOML key) of a node and an origin is the one their
+    connections read: `creds.require_region` (transport.py, rtcsignal.py)."""
+    from patchswarm.node.cli import build_parser
+    from patchswarm.node.daemon import Node, NodeConfig
+    from patchswarm.node.trainer.origin import Origin, OriginConfig
+
+    sw = tmp_path / "swarm"
+    trust.init_swarm(sw)
+    trust.issue(sw, "n1", "node", tmp_path / "n1", region="r1")
+    trust.issue(sw, "o", "origin", tmp_path / "o", region="r0")
+    for strict in (False, True):
+        node = Node(NodeConfig("127.0.0.1:9", tmp_path / "n1", tmp_path / "d1", "127.0.0.1:0", "r1",
+                               require_region=strict))
+        origin = Origin(OriginConfig("127.0.0.1:9", tmp_path / "o", sw / "trainer.key", tmp_path / "d2",
+                                     "127.0.0.1:0", "r0", require_region=strict))
+        assert node.creds.require_region is strict and origin.creds.require_region is strict
+        assert node.creds.revocations is not None  # the rest of the credentials as loaded
+    for service in ("node", "origin"):
+        args = build_parser().parse_args([service, "--tracker", "127.0.0.1:9", "--creds", "c", "--data-dir", "d",
+                                          "--region", "r1", "--require-region"] + (["--key", "k"] if service == "origin" else []))
+        assert args.require_region is True
+    toml = tmp_path / "node.toml"
+    toml.write_text('service = "node"\nrequire-region = true\n')
+    assert _cli("config", "check", str(toml)).returncode == 0
+
+
 # ------------------------------------------------------------------ on loopback, real TLS
 
 
@@ -258,15 +286,16 @@ def test_the_tracker_link_logs_why_the_tracker_refused_it(pki, monkeypatch, capl
     assert "node 'a1': its Hello says region 'r2', its certificate binds it to region 'r1'" in line, line
 
 
-async def _listener(nursery, pki, refused, region: str = "r1", **kw) -> tuple[str, list]:
+async def _listener(nursery, pki, refused, region: str = "r1", creds=None, **kw) -> tuple[str, list]:
     sessions = []
+    creds = pki["listener"] if creds is None else creds
 
     async def handler(ms: MessageStream) -> None:
         sessions.append((ms.peer_name, ms.hello.region))
         await ms.aclose()
 
     addr = await nursery.start(lambda task_status: serve(
-        "127.0.0.1:0", pki["listener"], {"node"}, lambda: _hello("listener", region), handler, refused=refused,
+        "127.0.0.1:0", creds, {"node", "tracker"}, lambda: _hello(creds.name, region), handler, refused=refused,
         refusal_hold=0.05, task_status=task_status, **kw))
     return addr, sessions
 
@@ -331,6 +360,81 @@ def test_a_webrtc_session_checks_the_region_of_the_certificate_that_signed_its_o
                 n.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def _strict(creds: trust.Credentials) -> trust.Credentials:
+    """`creds` as a member started with --require-region holds them (node/daemon.py, origin.py)."""
+    return dataclasses.replace(creds, require_region=True)
+
+
+def test_a_member_with_require_region_refuses_a_peer_whose_certificate_names_none_either_way(pki):
+    """The tracker's --require-region keeps such a member out of the plan; a node's or origin's
+    own keeps it from claiming a region to that member directly (it may still dial it)."""
+    refused = collections.Counter()
+
+    async def main():
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                # Listening: a dialer without a region is told why; one bound to its region is taken.
+                addr, sessions = await _listener(nursery, pki, refused, creds=_strict(pki["listener"]))
+                with pytest.raises(PeerRefused, match="node 'free': its certificate names no region, and this "
+                                                      "node requires one"):
+                    await connect(addr, pki["free"], {"node"}, _hello("free", "r1"), expect_name="listener")
+                ms = await connect(addr, pki["peer"], {"node"}, _hello("peer", "r1"), expect_name="listener")
+                await ms.aclose()
+                # The tracker (its certificate names no region: it is in none) still dials it.
+                ms = await connect(addr, pki["tracker"], {"node"}, _hello("tracker", "", "tracker"),
+                                   expect_name="listener")
+                await ms.aclose()
+                await trio.testing.wait_all_tasks_blocked(0.05)
+                assert sessions == [("peer", "r1"), ("tracker", "")] and refused == {NO_REGION: 1}
+                # Dialing: a listener without a region is refused before any Hello.
+                free_addr, free_sessions = await _listener(nursery, pki, refused, creds=pki["free"])
+                with pytest.raises(InvalidInput, match="node 'free': its certificate names no region, and this "
+                                                       "node requires one"):
+                    await connect(free_addr, _strict(pki["peer"]), {"node"}, _hello("peer", "r1"),
+                                  expect_name="free")
+                ms = await connect(free_addr, pki["peer"], {"node"}, _hello("peer", "r1"), expect_name="free")
+                await ms.aclose()  # without --require-region, as before
+                await trio.testing.wait_all_tasks_blocked(0.05)
+                assert free_sessions == [("peer", "r1")]
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_a_strict_member_still_joins_a_tracker_and_refuses_a_webrtc_offer_signed_without_a_region(pki):
+    """Over WebRTC the peer's certificate comes in its signed offer (node/net/rtcsignal.py): a
+    member with --require-region refuses an offer whose certificate names no region, counted."""
+    from patchswarm.node.net.rtcsignal import RTCSignaller
+    from patchswarm.node.net.webrtc import IceConfig
+
+    async def check(tracker):
+        ms = await connect(tracker.listen_addr, _strict(pki["a1"]), {"tracker"}, _hello("a1", "r1"))
+        assert isinstance(await ms.receive(), wire.PeerList)
+        await ms.aclose()
+
+    _tracker_run(pki, check)
+
+    async def send(msg):
+        return True
+
+    async def handler(ms):
+        pass
+
+    def signalled(creds, to: str) -> wire.Signal:
+        """An offer `creds` signed for `to`, as the tracker relays it (`peer`: its sender)."""
+        rtc = RTCSignaller(creds, IceConfig(), send, lambda: _hello(creds.name, "r1"), handler)
+        sdp = "v=0\r\na=fingerprint:sha-256 " + ":".join(["AB"] * 32) + "\r\n"
+        return dataclasses.replace(rtc._signal(to, "offer", 7, sdp), peer=creds.name)
+
+    strict = RTCSignaller(_strict(pki["a1"]), IceConfig(), send, lambda: _hello("a1", "r1"), handler)
+    with pytest.raises(InvalidInput, match="node 'free': its certificate names no region, and this node requires"):
+        strict._check(signalled(pki["free"], "a1"), "offer", frozenset({"node"}))
+    assert strict.refused == {"no region": 1}
+    assert strict._check(signalled(pki["peer"], "a1"), "offer", frozenset({"node"}))[3] == "r1"
+    lax = RTCSignaller(pki["a1"], IceConfig(), send, lambda: _hello("a1", "r1"), handler)
+    assert lax._check(signalled(pki["free"], "a1"), "offer", frozenset({"node"}))[3] is None
 
 
 # ------------------------------------------------------------------ real processes

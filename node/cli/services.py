@@ -16,7 +16,8 @@ from pathlib import Path
 
 from patchswarm.node.cli import command
 from patchswarm.node.net.logs import event
-from patchswarm.node.net.service import (add_advertise_argument, add_member_arguments, add_uplink_argument, address,
+from patchswarm.node.net.service import (add_advertise_argument, add_member_arguments, add_require_region_argument,
+                                        add_uplink_argument, address,
                                         loopback_warning, format_wan_rates, parse_region_rates, run_service)
 from patchswarm.protocol.errors import UsageError
 
@@ -81,6 +82,7 @@ def _origin_args(p: argparse.ArgumentParser) -> None:
                         "of memory each (default 2**20)")
     _compact_argument(p)
     add_uplink_argument(p, "The origin's is only shown: nodes plan their shares with the nodes' uplinks")
+    add_require_region_argument(p)
     add_member_arguments(p, "127.0.0.1:0")
     add_advertise_argument(p)
 
@@ -106,7 +108,7 @@ def cmd_origin(args: argparse.Namespace) -> int:
                             args.upload_limit, **sizes, advertise=args.advertise, compact_every=args.compact_every,
                             manifest_form=args.manifest_form,
                             record_id_window=args.record_id_window or OriginConfig.record_id_window,
-                            uplink_mbit=args.uplink_mbit))
+                            uplink_mbit=args.uplink_mbit, require_region=args.require_region))
 
     async def start(task_status):
         import trio
@@ -155,6 +157,7 @@ def _node_args(p: argparse.ArgumentParser) -> None:
     add_uplink_argument(p, "A node whose uplink is under its region's median relays a smaller share of each "
                            "version, and one under half of it brings none into its region while enough others can; "
                            "a node that declares none counts as the median")
+    add_require_region_argument(p)
     _compact_argument(p)
     h = p.add_argument_group("hand-off to the inference engine (none by default)")
     h.add_argument("--model-dir", metavar="D", type=Path,
@@ -223,7 +226,7 @@ def cmd_node(args: argparse.Namespace) -> int:
                         engine_url=args.engine_url, on_version=args.on_version,
                         sparse_handoff=args.sparse_handoff, transport=args.transport, no_listen=args.no_listen,
                         ice=_ice_config(args), member_connections=args.member_connections,
-                        uplink_mbit=args.uplink_mbit))
+                        uplink_mbit=args.uplink_mbit, require_region=args.require_region))
 
     async def start(task_status):
         import trio

@@ -218,6 +218,10 @@ class RTCSignaller:
         except InvalidInput as e:
             self._refuse("fingerprint not signed by the sender", msg, str(e))
             raise
+        if self.creds.require_region and region is None:
+            why = self.creds.no_region_refusal(name, role)
+            self._refuse("no region", msg, why)
+            raise InvalidInput(why)
         return name, role, serial, region
 
     def _refuse(self, reason: str, msg: wire.Signal, detail: str) -> None:

@@ -87,6 +87,13 @@ def add_uplink_argument(p: argparse.ArgumentParser, what: str) -> None:
                         f"(wire revision 5; default: none declared). {what}")
 
 
+def add_require_region_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--require-region", action="store_true",
+                   help="refuse a peer whose certificate names no region (`swarm issue --region`), over TCP and "
+                        "WebRTC, dialled or dialling; without it such a peer says its region in its Hello. A "
+                        "certificate that names a region is good for that region only, either way")
+
+
 def format_wan_rates(rates: dict[str, float]) -> str:
     """`rates` as --wan-rates takes them (REGION=MBIT,...), regions in name order."""
     return ",".join(f"{r}={v:g}" for r, v in sorted(rates.items()))

@@ -307,6 +307,8 @@ async def connect(addr: str, creds: Credentials, allowed_roles: set[str] | froze
     ms = None
     try:
         name, role, serial, region = await _handshake(stream, allowed_roles, expect_name, creds)
+        if creds.require_region and region is None and role != "tracker":
+            raise InvalidInput(creds.no_region_refusal(name, role))
         ms = MessageStream(stream, name, role, on_receive=on_receive, peer_serial=serial, creds=creds,
                            peer_region=region)
         await exchange_hello(ms, hello)
@@ -390,10 +392,8 @@ async def serve(listen: str, creds: Credentials, allowed_roles: set[str] | froze
             try:
                 name, role, serial, region = await _handshake(stream, allowed_roles, None, creds)
                 hold = REFUSAL_HOLD if refusal_hold is None else refusal_hold
-                if require_region and region is None:
-                    why = (f"{role} {name!r}: its certificate names no region, and this {creds.role} requires "
-                           f"one: issue it one (`patchswarm swarm issue SWARM {name} --role {role} --rotate "
-                           f"--region R`)")
+                if (require_region or creds.require_region) and region is None and role != "tracker":
+                    why = creds.no_region_refusal(name, role)
                     refuse(NO_REGION, why)
                     await _say_refused(stream, why, trio.current_time() + hold)
                     return

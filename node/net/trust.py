@@ -388,6 +388,14 @@ class Credentials:
     # The swarm's revocation list as this member last heard it; every handshake asks it.
     revocations: RevocationBook | None = dataclasses.field(default=None, compare=False, repr=False)
     region: str | None = None  # the region the certificate binds this member to; None: any
+    # Refuse peers whose certificate names no region (--require-region), on every path: TLS both
+    # ways (transport.py) and WebRTC (rtcsignal.py). Set by the member's service (dataclasses.replace).
+    require_region: bool = dataclasses.field(default=False, compare=False)
+
+    def no_region_refusal(self, name: str, role: str) -> str:
+        """Why a peer whose certificate names no region is refused under `require_region`."""
+        return (f"{role} {name!r}: its certificate names no region, and this {self.role} requires one: issue it "
+                f"one (`patchswarm swarm issue SWARM {name} --role {role} --rotate --region R`)")
 
     def check_region(self, region: str) -> None:
         """UsageError unless this member may say `region` in its Hello: the certificate names

@@ -117,6 +117,9 @@ class OriginConfig:
     served_kept_bytes: int | None = None
     # How long a restart whose chain lacks chunks damaged on disk waits for nodes to bring them back.
     catch_up_s: float = CATCH_UP_S
+    # Refuse peers (nodes) whose certificate names no region (--require-region): a
+    # region-less certificate lets its member say any region to this member directly.
+    require_region: bool = False
 
 
 @dataclasses.dataclass
@@ -161,6 +164,7 @@ class Origin:
         if self.creds.role != "origin":
             raise UsageError(f"{cfg.creds}: expected credentials with role origin, found {self.creds.role!r}")
         self.creds.check_region(cfg.region)  # every peer would refuse another region: say so now
+        self.creds = dataclasses.replace(self.creds, require_region=cfg.require_region)
         self.key = load_trainer_key(cfg.key)
         pub = self.key.public_key()
         if swarm_id_of(pub) != self.creds.swarm_id():
