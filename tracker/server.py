@@ -31,6 +31,7 @@ region, and only the operator, who issues certificates, should choose it.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import resource
 from pathlib import Path
@@ -155,7 +156,8 @@ class Tracker:
         """`options` go to `TrackerCore` (budgets, delays, retention); `probe`: dial each node's
         address once when it joins, and list it without one if that fails; `require_region`:
         refuse a member whose certificate names no region."""
-        self.creds = Credentials.load(creds)
+        # --require-region is the credentials' policy, as a node's: transport.serve reads it there.
+        self.creds = dataclasses.replace(Credentials.load(creds), require_region=require_region)
         if self.creds.role != "tracker":
             raise UsageError(f"{creds}: expected credentials with role tracker, found {self.creds.role!r}")
         self.listen = listen
@@ -177,7 +179,6 @@ class Tracker:
         self.probe = probe
         self._probes = trio.CapacityLimiter(PROBE_CONCURRENCY)
         self.probed: collections.Counter[str] = collections.Counter()  # "reachable" / "unreachable"
-        self.require_region = require_region
 
     @property
     def book(self):
@@ -197,7 +198,7 @@ class Tracker:
             log.info("tracker for swarm %s listening on %s; WAN rates for every member: %s; regions: %s",
                      self.book.swarm_id, self.listen_addr, format_wan_rates(self.core.wan_rates)
                      if self.core.wan_rates else "none (each member plans with its own --wan-rates)",
-                     "each member's certificate must name its own" if self.require_region else
+                     "each member's certificate must name its own" if self.creds.require_region else
                      "a certificate that names one binds its member to it")
             nursery.start_soon(self._tick_loop)
             if self.revocations_file is not None:
@@ -208,7 +209,7 @@ class Tracker:
     async def _serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         await serve(self.listen, self.creds, {"node", "origin"}, self._hello, self._session,
                     on_refused=lambda why: log.warning("refused a connection: %s", why), refused=self.refused,
-                    admission=_JoinGate(self.core), require_region=self.require_region, task_status=task_status)
+                    admission=_JoinGate(self.core), task_status=task_status)
 
     def _hello(self) -> wire.Hello:
         return wire.Hello(self.creds.name, "", "tracker", self.listen_addr, [])
@@ -402,7 +403,7 @@ class Tracker:
         waits = sorted(w for _, w in self.joins)
         return {**self.core.status(), "listen": self.listen_addr, "bytes_sent": dict(self.sent),
                 "refused": dict(self.refused),  # by the listener, before a session: over join budget, region
-                "require_region": self.require_region,
+                "require_region": self.creds.require_region,
                 "probed": dict(self.probed) if self.probe else None,
                 "gc": self.collector.status(),
                 "recent_joins": {"count": len(waits), "p50_s": round(waits[len(waits) // 2], 4) if waits else None,

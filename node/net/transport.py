@@ -50,8 +50,8 @@ MAX_BUFFERED_BYTES = 256 << 20  # each connection holds at most a frame (16 MiB)
 BEFORE_HELLO = "connections before Hello"  # the budgets' names, for counters and logs
 BUFFERED = "bytes buffered"
 # Refusals for a region (node/net/trust.py), counted by these kinds beside the budgets': a Hello
-# that says another region than the certificate's, and (with `serve(require_region=True)`, the
-# tracker's --require-region) a certificate that names none.
+# that says another region than the certificate's, and (where `creds.require_region`: a member's
+# --require-region, the tracker's or its own) a certificate that names none.
 WRONG_REGION = "region not the certificate's"
 NO_REGION = "certificate names no region"
 # A member refused over its admission budget gets its Error this long after its TLS handshake,
@@ -332,7 +332,7 @@ async def serve(listen: str, creds: Credentials, allowed_roles: set[str] | froze
                 max_before_hello: int = MAX_CONNECTIONS_BEFORE_HELLO,
                 max_before_hello_per_host: int = MAX_BEFORE_HELLO_PER_HOST,
                 admission: MemberAdmission | None = None, refusal_hold: float | None = None,
-                require_region: bool = False, task_status=trio.TASK_STATUS_IGNORED) -> None:
+                task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Accept TLS connections on `listen`; run `handler(stream)` for each authenticated peer.
 
     Reports the bound address (`HOST:PORT`, with the real port when 0 was
@@ -351,8 +351,9 @@ async def serve(listen: str, creds: Credentials, allowed_roles: set[str] | froze
     connection is closed.
     A member whose Hello says another region than its certificate binds it to is sent an
     Error saying both (in place of our Hello, `refusal_hold` seconds after its handshake, as
-    above) and counted as WRONG_REGION; with `require_region`, a member whose certificate
-    names no region is refused so right after TLS, counted as NO_REGION.
+    above) and counted as WRONG_REGION; where `creds.require_region` (the member's
+    --require-region), a member whose certificate names no region is refused so right after
+    TLS, counted as NO_REGION.
     Refusals of a flood are logged at its 1st, 2nd, 4th, ... (every one counted).
     """
     host, port = parse_addr(listen)
@@ -392,7 +393,7 @@ async def serve(listen: str, creds: Credentials, allowed_roles: set[str] | froze
             try:
                 name, role, serial, region = await _handshake(stream, allowed_roles, None, creds)
                 hold = REFUSAL_HOLD if refusal_hold is None else refusal_hold
-                if (require_region or creds.require_region) and region is None and role != "tracker":
+                if creds.require_region and region is None and role != "tracker":
                     why = creds.no_region_refusal(name, role)
                     refuse(NO_REGION, why)
                     await _say_refused(stream, why, trio.current_time() + hold)
