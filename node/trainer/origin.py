@@ -221,8 +221,8 @@ class Origin:
         self.served = await trio.to_thread.run_sync(self.durable.load, self.book)
         # An object whose manifest is here was written whole (its manifest last): a chunk missing
         # from it now was damaged on this disk, and is taken back from nodes, the chain replayed then.
-        lost = [(k, c) for k in self.store.keys() for c in range(len(self.store.manifest(k).chunks))
-                if c not in self.store.have(k)]
+        lost = [(k, c) for k in self.store.keys() if not self.store.complete(k)  # only those walk their chunks
+                for c in range(len(self.store.manifest(k).chunks)) if c not in self.store.have(k)]
         for key in [] if lost else self.store.keys():
             if key[0] > (-1 if self.version is None else self.version):
                 log.warning("dropping %s: beyond the version it reaches", describe(key))
