@@ -85,6 +85,9 @@ class WanSpec:
     # than its RTO from the initial window, and swarm connections idle between
     # pieces. Every system in one run sees the same hosts.
     idle_restart: bool = True
+    # The hosts' TCP congestion control (net.ipv4.tcp_congestion_control in each host's namespace);
+    # "": the kernel's default, which new namespaces take from the root one (`default_congestion_control`).
+    tcp_congestion: str = ""
     # Each region's WAN link, Mbit/s each way, in region order; empty: `wan_mbit` for every region.
     region_mbit: tuple[float, ...] = ()
     # Regions behind NAT (nothing from outside reaches their hosts unless they started it).
@@ -117,6 +120,9 @@ class WanSpec:
             raise ValueError(f"rates: expected > 0 Mbit/s, found wan {self.wan_mbit}, lan {self.lan_mbit}")
         if not 0 <= self.origin_region < self.regions:
             raise ValueError(f"origin_region: expected 0..{self.regions - 1}, found {self.origin_region}")
+        if self.tcp_congestion and self.tcp_congestion not in available_congestion_controls():
+            raise ValueError(f"tcp_congestion: expected one of the kernel's {available_congestion_controls()}, "
+                             f"found {self.tcp_congestion!r}")
         if self.wan_delay_ms < 0:
             raise ValueError(f"wan_delay_ms: expected >= 0, found {self.wan_delay_ms}")
 
@@ -304,6 +310,8 @@ class Topology:
             _ip(["-n", h.netns, "link", "set", "dev", h.iface, "up"])
             if not s.idle_restart:
                 _sysctl(h.netns, "net.ipv4.tcp_slow_start_after_idle", "0")
+            if s.tcp_congestion:
+                _sysctl(h.netns, "net.ipv4.tcp_congestion_control", s.tcp_congestion)
             _ip(["-n", h.netns, "route", "add", "default", "via", _addr(h.region, _ROUTER_HOST)])
             _ip(["-n", rns, "link", "set", "dev", port, "master", "br0", "up"])
             _shape(h.netns, h.iface, dict(s.slow_uplinks).get(h.name, s.lan_mbit) * 1e6, 0.0)
@@ -529,6 +537,15 @@ def _ip(args: list[str]) -> str:
 
 def _tc(netns: str, args: list[str]) -> str:
     return _run(["tc", "-n", netns, *args])
+
+
+def default_congestion_control() -> str:
+    """The TCP congestion control a new namespace starts with (the root namespace's; read only)."""
+    return Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
+
+
+def available_congestion_controls() -> list[str]:
+    return Path("/proc/sys/net/ipv4/tcp_available_congestion_control").read_text().split()
 
 
 def _sysctl(netns: str, key: str, value: str) -> None:

@@ -217,6 +217,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="*-faults: restart the first remote region's killed node then (< 0: never)")
     ap.add_argument("--no-idle-restart", action="store_true",
                     help="hosts tuned as WAN data movers (net.ipv4.tcp_slow_start_after_idle=0), for every system")
+    ap.add_argument("--tcp-cc", default="", metavar="NAME",
+                    help="every host's TCP congestion control (default: the kernel's, named in the topology line)")
     ap.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help=f"any of {','.join(SYSTEMS)}")
     ap.add_argument("--nat-region", type=int, help="patchswarm-nat: the region behind NAT (default: the last)")
     ap.add_argument("--scaling", default="2,4,8", help="nodes per region for the scaling rows ('' for none)")
@@ -256,10 +258,15 @@ def main(argv: list[str] | None = None) -> int:
         args.restart_at = None
     runners = {s: make_runner(s, args) for s in systems}
     region_mbit = tuple(float(x) for x in args.region_mbit.split(",") if x)
-    spec = netemu.WanSpec(args.regions, args.nodes, max(region_mbit, default=args.wan_mbit), args.lan_mbit,
-                          args.wan_delay_ms, idle_restart=not args.no_idle_restart, region_mbit=region_mbit,
-                          nice_regions=tuple(int(x) for x in args.nice_regions.split(",") if x),
-                          slow_uplinks=_slow_uplinks(args.slow_uplink))
+    try:
+        spec = netemu.WanSpec(args.regions, args.nodes, max(region_mbit, default=args.wan_mbit), args.lan_mbit,
+                              args.wan_delay_ms, idle_restart=not args.no_idle_restart, region_mbit=region_mbit,
+                              tcp_congestion=args.tcp_cc,
+                              nice_regions=tuple(int(x) for x in args.nice_regions.split(",") if x),
+                              slow_uplinks=_slow_uplinks(args.slow_uplink))
+    except ValueError as e:
+        print(f"bench/wan.py: {e}", file=sys.stderr)
+        return 2
     t = time.monotonic()
     payload = make_payload(args.model, args.lr, args.seed)
     print(f"payload: patch of {payload.label}: {payload.patch_bytes:,} bytes ({time.monotonic() - t:.1f} s to load/make)")
@@ -267,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"topology: {spec.regions} regions x {spec.nodes_per_region} nodes, WAN {wan_text} Mbit/s "
           f"each way per region, LAN {spec.lan_mbit:g} Mbit/s, WAN delay {spec.wan_delay_ms:g} ms; TCP "
           f"{'kernel default (slow start after idle)' if spec.idle_restart else 'tcp_slow_start_after_idle=0 on every host'}"
+          f", congestion control {spec.tcp_congestion or netemu.default_congestion_control() + ' (the kernel default)'}"
           + (f"; processes of regions {','.join(map(str, spec.nice_regions))} at nice {netemu.NICE}"
              if spec.nice_regions else "")
           + (f"; slow uplinks {', '.join(f'{n} {m:g} Mbit/s' for n, m in spec.slow_uplinks)}"

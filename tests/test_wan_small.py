@@ -96,6 +96,22 @@ def test_processes_of_nice_regions_run_at_nice_10_and_the_others_at_ours():
 
 
 @needs_netns
+def test_hosts_take_the_named_congestion_control_or_the_kernels():
+    import subprocess
+
+    def seen(spec):
+        with netemu.Topology(spec) as topo:
+            return {subprocess.run(["ip", "netns", "exec", h.netns, "cat", "/proc/sys/net/ipv4/tcp_congestion_control"],
+                                   capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+                    for h in topo.hosts}
+
+    assert seen(netemu.WanSpec(regions=1, nodes_per_region=1, tcp_congestion="reno")) == {"reno"}
+    assert seen(netemu.WanSpec(regions=1, nodes_per_region=1)) == {netemu.default_congestion_control()}
+    with pytest.raises(ValueError, match="tcp_congestion: expected one of the kernel's"):
+        netemu.WanSpec(regions=1, tcp_congestion="no-such-algorithm")
+
+
+@needs_netns
 def test_cleanup_removes_leftovers_by_prefix():
     topo = netemu.Topology(netemu.WanSpec(regions=1, nodes_per_region=1), prefix="psw-leftover-")
     topo.__enter__()                 # never closed: what a SIGKILLed run leaves
