@@ -96,7 +96,8 @@ def make_runner(name: str, args: argparse.Namespace) -> Runner:
                                 chunk_bytes=None if args.chunk_kib is None else args.chunk_kib * 1024,
                                 node_args=shlex.split(args.node_args), tell_rates=name != "patchswarm-blind",
                                 faults=faults, nat_regions=(nat,) if name == "patchswarm-nat" else (),
-                                declare_uplinks=not args.no_declare_uplinks)
+                                declare_uplinks=not args.no_declare_uplinks, link_trace=args.link_trace,
+                                link_trace_step_s=args.link_trace_ms / 1000)
     raise ValueError(f"system: expected one of {SYSTEMS}, found {name!r}")
 
 
@@ -232,6 +233,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--node-args", default="", metavar="ARGS",
                     help="patchswarm/star: extra flags for every `patchswarm node`, e.g. '--apply-nice 0'")
     ap.add_argument("--unchoke-slots", type=int, default=8, help="libtorrent unchoke slots (-1: everyone)")
+    ap.add_argument("--link-trace", type=int, metavar="REGION",
+                    help="patchswarm: sample every host's link during the fetch (bench/linktrace.py) and print "
+                         "this region's links (and the origin's uplink) per interval; with --logs, all of them "
+                         "go to link-trace.json")
+    ap.add_argument("--link-trace-ms", type=float, default=100.0, help="--link-trace's interval (default 100 ms)")
     ap.add_argument("--json", type=Path, help="also write the rows here")
     ap.add_argument("--cleanup", action="store_true", help="remove leftover psw-* namespaces and exit")
     ap.add_argument("--logs", type=Path,
@@ -266,6 +272,12 @@ def main(argv: list[str] | None = None) -> int:
                               slow_uplinks=_slow_uplinks(args.slow_uplink))
     except ValueError as e:
         print(f"bench/wan.py: {e}", file=sys.stderr)
+        return 2
+    if args.link_trace is not None and not 0 <= args.link_trace < spec.regions:
+        print(f"--link-trace: expected a region in 0..{spec.regions - 1}, found {args.link_trace}", file=sys.stderr)
+        return 2
+    if not args.link_trace_ms > 0:
+        print(f"--link-trace-ms: expected > 0, found {args.link_trace_ms}", file=sys.stderr)
         return 2
     t = time.monotonic()
     payload = make_payload(args.model, args.lr, args.seed)
@@ -313,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  {name} {s.regions}x{n}: fetch {t.seconds:.2f} s (bound {t.bound_s:.2f} s){applied}; "
                           f"WAN in/P {' '.join(f'{w:.2f}' for w in t.wan_in_over_patch)}, "
                           f"origin out/P {t.origin_out_over_patch:.2f}{_logs_note(runner)}", flush=True)
+                    if t.link_table:
+                        print(t.link_table, flush=True)
                 if tries:
                     r = median_run(tries)
                     rows.append(r)

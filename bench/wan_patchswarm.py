@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 from bench import procstat
+from bench.linktrace import LinkTrace, rate_table
 from bench.netemu import Host, Topology, wait_listening
 from bench.wan_runner import Faults, Payload, RunFailed, RunResult, SystemUnavailable, keep_logs, log_tails
 
@@ -84,8 +85,13 @@ class PatchswarmRunner:
 
     def __init__(self, no_peers: bool = False, verbose: bool = False, log_dir: Path | None = None,
                  chunk_bytes: int | None = None, node_args: tuple[str, ...] = (), tell_rates: bool = True,
-                 faults: Faults | None = None, nat_regions: tuple[int, ...] = (), declare_uplinks: bool = True):
+                 faults: Faults | None = None, nat_regions: tuple[int, ...] = (), declare_uplinks: bool = True,
+                 link_trace: int | None = None, link_trace_step_s: float = 0.1):
         self.no_peers = no_peers
+        # A region whose links (and the origin's uplink) are traced during the fetch (bench/linktrace.py)
+        # and shown per `link_trace_step_s` from the announcement; None: no trace.
+        self.link_trace = link_trace
+        self.link_trace_step_s = link_trace_step_s
         self.declare_uplinks = declare_uplinks
         # Regions whose nodes sit behind NAT (the topology's `nat_regions`): they run --no-listen,
         # and every node --transport auto, so the others reach them over WebRTC signalled by the tracker.
@@ -181,17 +187,25 @@ class PatchswarmRunner:
             connected = _wait_connected(clients, self._wanted_connections(topo), deadline)
             start_status = {n: c.status() for n, c in clients.items()}
             before = topo.counters()
+            trace = None
+            if self.link_trace is not None:
+                trace = LinkTrace({h.name: (h.netns, h.iface) for h in topo.hosts})
+                trace.start()
             t_drop = time.time()
             _drop(payload.target, watch / "v001.safetensors")
             polled = {n: c for n, c in clients.items()}  # killed nodes leave it; a restarted one is back
             schedule = self._fault_schedule(topo, logs, polled) if self.faults else None
             cpu = _watch_fetch(polled, 1, self._pids, deadline, NodeUnavailable, schedule)
+            if trace is not None:
+                trace.stop()
             _wait_versions(polled, 1, deadline, NodeUnavailable)
             moved = topo.counters() - before
             end_status = {n: c.status() for n, c in polled.items()}
         finally:
             for c in clients.values():
                 c.close()
+            if trace is not None:
+                trace.close()  # (a run that failed mid-fetch too)
         # Every node's final status (per-peer piece bytes, timeline) beside the logs, for diagnosis.
         (logs / "status.json").write_text(json.dumps(end_status, indent=1, sort_keys=True) + "\n")
         (logs / "fetch-cpu.json").write_text(json.dumps(dataclasses.asdict(cpu), indent=1) + "\n")
@@ -235,8 +249,20 @@ class PatchswarmRunner:
         if stalls:
             notes.append("stall = the longest a node went without a chunk arriving while it lacked chunks "
                          "(from learning of the version; the node's own clock, status 'longest_wait_s')")
+        table = ""
+        if trace is not None:
+            (logs / "link-trace.json").write_text(json.dumps(
+                {"announced_at": t_announce, "samples": trace.samples}) + "\n")
+            region = [h.name for h in topo.nodes_in(self.link_trace)]
+            columns = ([("origin", "tx")] if self.link_trace == topo.spec.origin_region else []) \
+                + [(n, "rx") for n in region] + [(n, "tx") for n in region]
+            table = (f"links of r{self.link_trace} from the announcement (Mbit/s per {self.link_trace_step_s:g} s, "
+                     f"as the links counted them; rx: a host's downlink, tx: its uplink):\n"
+                     + rate_table(trace.samples, columns, t_announce,
+                                  max(per_node.values()) + 2 * self.link_trace_step_s, self.link_trace_step_s))
         return RunResult(self.name, topo.spec, payload.patch_bytes, max(per_node.values()), per_node, moved, notes,
-                         applied_s=applied_s, stall_s=stalls, busy=[(t - t_announce, b, k) for t, b, k in cpu.samples], cores=cpu.cores)
+                         applied_s=applied_s, stall_s=stalls, busy=[(t - t_announce, b, k) for t, b, k in cpu.samples],
+                         cores=cpu.cores, link_table=table)
 
     def _fault_schedule(self, topo: Topology, logs: Path, polled: dict):
         """The fault events as a function of seconds since the announcement: each call runs those due."""

@@ -102,6 +102,7 @@ class RunResult:
     # kernel's: system, irq, softirq), as sampled
     busy: list[tuple[float, float, float]] = dataclasses.field(default_factory=list)
     cores: int = 1
+    link_table: str = ""  # with a link trace (patchswarm): Mbit/s per interval of some hosts' links
 
     def busy_share(self, until_s: float, kernel: bool = False) -> float | None:
         """How busy the machine's cores were from the announcement until `until_s` (0..1; with

@@ -112,6 +112,48 @@ def test_hosts_take_the_named_congestion_control_or_the_kernels():
 
 
 @needs_netns
+def test_the_link_trace_counts_a_transfer_as_its_two_links_did():
+    from bench.linktrace import LinkTrace, rate_table
+
+    with netemu.Topology(netemu.WanSpec(regions=1, nodes_per_region=2, lan_mbit=LAN_MBIT)) as topo:
+        a, b = topo.nodes_in(0)
+        trace = LinkTrace({h.name: (h.netns, h.iface) for h in (a, b)}, sample_s=0.005)
+        before = topo.counters()
+        trace.start()
+        netemu.tcp_throughput(topo, a, b, 5_000_000)
+        trace.stop()
+        moved = topo.counters() - before
+    sent = [tx for _, _, tx in trace.samples[a.name]]
+    got = [rx for _, rx, _ in trace.samples[b.name]]
+    assert len(sent) > 10 and sent == sorted(sent) and got == sorted(got)
+    # What the trace saw move is what the links' own counters say moved (its window is inside theirs).
+    assert 5_000_000 <= sent[-1] - sent[0] <= moved.host_tx[a.name]
+    assert 5_000_000 <= got[-1] - got[0] <= moved.host_rx[b.name]
+    t0 = trace.samples[a.name][0][0]
+    span = trace.samples[a.name][-1][0] - t0
+    table = rate_table(trace.samples, [(a.name, "tx"), (b.name, "rx")], t0, span + 0.05, 0.05)
+    total_tx, total_rx = (float(x) * 1e6 for x in table.splitlines()[-1].split()[1:])
+    assert abs(total_tx - (sent[-1] - sent[0])) <= 0.005e6  # (MB, two decimals)
+    assert abs(total_rx - (got[-1] - got[0])) <= 0.005e6
+
+
+def test_the_rate_table_gives_mbit_per_interval_from_the_counters():
+    from bench.linktrace import rate_table
+
+    # 1 MB every 0.1 s on x's uplink from t=100 (80 Mbit/s); y's downlink is first sampled at 100.25 (40 Mbit/s).
+    samples = {"x": [(100.0 + k * 0.05, 0, k * 500_000) for k in range(9)],
+               "y": [(100.25 + k * 0.05, k * 250_000, 0) for k in range(4)]}
+    table = rate_table(samples, [("x", "tx"), ("y", "rx")], t0=100.0, until_s=0.4, step_s=0.1)
+    head, *rows, totals = table.splitlines()
+    assert head.split() == ["s", "x", "tx", "y", "rx"]
+    assert [r.split() for r in rows] == [["0.10", "80.0", "-"], ["0.20", "80.0", "-"],
+                                         ["0.30", "80.0", "-"], ["0.40", "80.0", "40.0"]]
+    assert totals.split() == ["MB", "4.00", "0.50"]
+    with pytest.raises(ValueError, match="step_s"):
+        rate_table(samples, [("x", "tx")], t0=100.0, until_s=0.4, step_s=0)
+
+
+@needs_netns
 def test_cleanup_removes_leftovers_by_prefix():
     topo = netemu.Topology(netemu.WanSpec(regions=1, nodes_per_region=1), prefix="psw-leftover-")
     topo.__enter__()                 # never closed: what a SIGKILLed run leaves
@@ -194,8 +236,14 @@ def test_patchswarm_crosses_the_wan_about_once(payload):
     assert why is None, why  # the daemon exists: a CLI that cannot start it is a failure, not a skip
     with netemu.Topology(SMALL) as topo:
         # 16 KiB chunks: the small patch in several chunks, so the remote nodes split the WAN work.
-        r = PatchswarmRunner(chunk_bytes=16 << 10).run(topo, payload, limit_s=50)
+        r = PatchswarmRunner(chunk_bytes=16 << 10, link_trace=1, link_trace_step_s=0.05).run(topo, payload, limit_s=50)
     assert set(r.per_node_s) == {h.name for h in topo.nodes}      # every node reached version 1 (hash checked)
+    # The link trace of region 1: its nodes' downlinks and uplinks (no origin there), one line per
+    # 50 ms through the fetch and a line of totals, which hold at least the patch between them.
+    head, *lines, totals = r.link_table.splitlines()[1:]
+    assert head.split() == ["s", "n1.1", "rx", "n1.2", "rx", "n1.1", "tx", "n1.2", "tx"]
+    assert len(lines) >= r.seconds / 0.05
+    assert sum(float(x) for x in totals.split()[1:3]) * 1e6 >= payload.patch_bytes
     assert 0 < r.seconds <= r.applied_s                         # every chunk held before the version applied
     assert any("swarm patch" in n for n in r.notes)
     # The remote region took the patch across its WAN link about once (headers included), and the
