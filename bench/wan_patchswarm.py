@@ -189,7 +189,8 @@ class PatchswarmRunner:
             before = topo.counters()
             trace = None
             if self.link_trace is not None:
-                trace = LinkTrace({h.name: (h.netns, h.iface) for h in topo.hosts})
+                trace = LinkTrace({**{h.name: (h.netns, h.iface) for h in topo.hosts},
+                                   **{f"wan{r}": (topo.router_ns, f"wan{r}") for r in range(topo.spec.regions)}})
                 trace.start()
             t_drop = time.time()
             _drop(payload.target, watch / "v001.safetensors")
@@ -254,10 +255,12 @@ class PatchswarmRunner:
             (logs / "link-trace.json").write_text(json.dumps(
                 {"announced_at": t_announce, "samples": trace.samples}) + "\n")
             region = [h.name for h in topo.nodes_in(self.link_trace)]
-            columns = ([("origin", "tx")] if self.link_trace == topo.spec.origin_region else []) \
+            g = self.link_trace
+            columns = ([("origin", "tx")] if g == topo.spec.origin_region else []) + [(f"wan{g}", "tx")] \
                 + [(n, "rx") for n in region] + [(n, "tx") for n in region]
-            table = (f"links of r{self.link_trace} from the announcement (Mbit/s per {self.link_trace_step_s:g} s, "
-                     f"as the links counted them; rx: a host's downlink, tx: its uplink):\n"
+            table = (f"links of r{g} from the announcement (Mbit/s per {self.link_trace_step_s:g} s, as the links "
+                     f"counted them; rx: a host's downlink, tx: its uplink; wan{g} tx: into r{g} over its WAN "
+                     f"link):\n"
                      + rate_table(trace.samples, columns, t_announce,
                                   max(per_node.values()) + 2 * self.link_trace_step_s, self.link_trace_step_s))
         return RunResult(self.name, topo.spec, payload.patch_bytes, max(per_node.values()), per_node, moved, notes,
