@@ -234,8 +234,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="patchswarm/star: extra flags for every `patchswarm node`, e.g. '--apply-nice 0'")
     ap.add_argument("--unchoke-slots", type=int, default=8, help="libtorrent unchoke slots (-1: everyone)")
     ap.add_argument("--link-trace", type=int, metavar="REGION",
-                    help="patchswarm: sample every host's link during the fetch (bench/linktrace.py) and print "
-                         "this region's links (and the origin's uplink) per interval; with --logs, all of them "
+                    help="patchswarm: sample every host's link and every WAN link during the fetch "
+                         "(bench/linktrace.py) and print, per interval, this region's hosts' links and what feeds "
+                         "the region (the origin's uplink, or the region's WAN link); with --logs, all of them "
                          "go to link-trace.json")
     ap.add_argument("--link-trace-ms", type=float, default=100.0, help="--link-trace's interval (default 100 ms)")
     ap.add_argument("--json", type=Path, help="also write the rows here")

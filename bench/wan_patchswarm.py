@@ -179,6 +179,7 @@ class PatchswarmRunner:
                 *uplink_args(topo.spec, h.name, self.declare_uplinks), *self.node_args, *verbose]
             self._spawn(topo, h, logs, self._argv[h.name])
         clients = {name: NodeClient(path) for name, path in sockets.items()}
+        trace = None
         try:
             # Untimed: every node at the pre-placed version 0, the origin has published the same
             # state as its version 0, and every node holds the connections it wants.
@@ -187,7 +188,6 @@ class PatchswarmRunner:
             connected = _wait_connected(clients, self._wanted_connections(topo), deadline)
             start_status = {n: c.status() for n, c in clients.items()}
             before = topo.counters()
-            trace = None
             if self.link_trace is not None:
                 trace = LinkTrace({**{h.name: (h.netns, h.iface) for h in topo.hosts},
                                    **{f"wan{r}": (topo.router_ns, f"wan{r}") for r in range(topo.spec.regions)}})
@@ -256,11 +256,11 @@ class PatchswarmRunner:
                 {"announced_at": t_announce, "samples": trace.samples}) + "\n")
             region = [h.name for h in topo.nodes_in(self.link_trace)]
             g = self.link_trace
-            columns = ([("origin", "tx")] if g == topo.spec.origin_region else []) + [(f"wan{g}", "tx")] \
-                + [(n, "rx") for n in region] + [(n, "tx") for n in region]
+            into = [("origin", "tx")] if g == topo.spec.origin_region else [(f"wan{g}", "tx")]
+            columns = into + [(n, "rx") for n in region] + [(n, "tx") for n in region]
             table = (f"links of r{g} from the announcement (Mbit/s per {self.link_trace_step_s:g} s, as the links "
-                     f"counted them; rx: a host's downlink, tx: its uplink; wan{g} tx: into r{g} over its WAN "
-                     f"link):\n"
+                     f"counted them; rx: a host's downlink, tx: its uplink"
+                     + ("" if g == topo.spec.origin_region else f"; wan{g} tx: into r{g} over its WAN link") + "):\n"
                      + rate_table(trace.samples, columns, t_announce,
                                   max(per_node.values()) + 2 * self.link_trace_step_s, self.link_trace_step_s))
         return RunResult(self.name, topo.spec, payload.patch_bytes, max(per_node.values()), per_node, moved, notes,
