@@ -82,9 +82,9 @@ class ObjectState:
         ranks = list(range(n_chunks))
         rng.shuffle(ranks)
         self.rank = ranks  # chunk -> its tie-break rank; per node, per object
-        self.chunk_of = [0] * n_chunks  # rank -> chunk
-        for c, r in enumerate(ranks):
-            self.chunk_of[r] = c
+        chunk_of = np.empty(n_chunks, dtype=np.int64)  # rank -> chunk (a loop: 0.2 s at 500,000)
+        chunk_of[ranks] = np.arange(n_chunks)
+        self.chunk_of = chunk_of.tolist()
         self.missing = set(range(n_chunks)) - have
         self.holders: dict[int, set[str]] = {c: set() for c in self.missing}
         self.arriving_only: dict[int, set[str]] = {}  # only non-empty
