@@ -21,6 +21,7 @@ Must not change any namespace's settings, or read anything but the counters.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import os
 import threading
@@ -35,13 +36,9 @@ class LinkTraceError(RuntimeError):
     """The trace could not enter a host's namespace or read its counters."""
 
 
-def _setns(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        if ctypes.CDLL(None, use_errno=True).setns(fd, CLONE_NEWNET) != 0:
-            raise LinkTraceError(f"setns({path}): {os.strerror(ctypes.get_errno())}")
-    finally:
-        os.close(fd)
+def _setns(libc, fd: int, name: str) -> None:
+    if libc.setns(fd, CLONE_NEWNET) != 0:
+        raise LinkTraceError(f"setns into {name}'s namespace: {os.strerror(ctypes.get_errno())}")
 
 
 def read_counters(iface: str) -> tuple[int, int]:
@@ -98,30 +95,30 @@ class LinkTrace:
             self._thread.join(1.0)
 
     def _run(self) -> None:
+        fds: dict[str, int] = {}
         try:
-            paths = {name: f"/var/run/netns/{netns}" for name, (netns, _) in self.links.items()}
+            libc = ctypes.CDLL(None, use_errno=True)
+            for name, (netns, _) in self.links.items():
+                fds[name] = os.open(f"/var/run/netns/{netns}", os.O_RDONLY)
             for _ in range(MAX_SAMPLES):
                 if self._stop.is_set():
                     return
-                for name, path in paths.items():
-                    _setns(path)
+                for name, fd in fds.items():
+                    _setns(libc, fd, name)
                     rx, tx = read_counters(self.links[name][1])
                     self.samples[name].append((time.time(), rx, tx))
                 self._stop.wait(self.sample_s)
         except BaseException as e:  # reported by stop(), in the bench's thread
             self.error = e
+        finally:
+            for fd in fds.values():
+                os.close(fd)
 
 
 def _at(rows: list[tuple[float, int, int]], t: float, way: int) -> int | None:
     """The counter (`way` 1: rx, 2: tx) at the last sample at or before `t`."""
-    lo, hi = 0, len(rows)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if rows[mid][0] <= t:
-            lo = mid + 1
-        else:
-            hi = mid
-    return rows[lo - 1][way] if lo else None
+    i = bisect.bisect_right(rows, t, key=lambda r: r[0])
+    return rows[i - 1][way] if i else None
 
 
 def rate_table(samples: dict[str, list[tuple[float, int, int]]], columns: list[tuple[str, str]],
@@ -130,6 +127,8 @@ def rate_table(samples: dict[str, list[tuple[float, int, int]]], columns: list[t
     (host, "rx" | "tx") of `columns`, as counted by the link (what the shaper let through)."""
     if step_s <= 0 or until_s <= 0:
         raise ValueError(f"step_s and until_s: expected > 0, found {step_s}, {until_s}")
+    if not columns:
+        raise ValueError("columns: expected at least one (host, 'rx' | 'tx'), found none")
     heads = [f"{host} {way}" for host, way in columns]
     width = max(7, *(len(h) for h in heads))
     lines = ["     s  " + " ".join(f"{h:>{width}}" for h in heads)]
