@@ -668,16 +668,34 @@ class _Round:
         else:
             walk = self._by_rarity(obj)
         picks = []
-        for c in walk:
-            eligible = obj.sources[c] & useful
-            if not eligible:
-                continue
+
+        def take(c: int, eligible: set[str]) -> bool:
+            """Ask one of `eligible` for c; False once no useful peer has a slot left."""
             p = self._pick_peer(eligible)
             picks.append((c, p))
             self._take_slot(p)
             if p not in free or not useful <= free.keys():  # p, or a whole region's peers, ran out of slots
                 useful.intersection_update(free)
-                if not useful:
+                return bool(useful)
+            return True
+
+        # Across the WAN, a chunk that only members with a slow uplink hold comes after every
+        # other: asked first (the rarest), it took part of that uplink from the neighbours the
+        # member relays its own share to, where a fast one of them holds the chunk soon after.
+        slow_there, later = self.picker._tiers.slow_elsewhere, []
+        for c in walk:
+            eligible = obj.sources[c] & useful
+            if not eligible:
+                continue
+            if slow_there and eligible <= slow_there:
+                later.append(c)
+                continue
+            if not take(c, eligible):
+                break
+        else:
+            for c in later:
+                eligible = obj.sources[c] & useful
+                if eligible and not take(c, eligible):
                     break
         for c, p in picks:
             self.out.append(self.picker._send(obj, c, p, self.now, PLANNED))
