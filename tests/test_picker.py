@@ -1335,7 +1335,7 @@ def test_across_the_wan_a_chunk_only_a_slow_member_holds_comes_after_the_others(
     """A remote gateway asked the origin's region's slow member first for its own share chunk
     (the rarest), taking part of the uplink that member relays that chunk to its neighbours
     through; a fast neighbour holds it soon after. In a 3x4 swarm simulation the slow member sent
-    a fourth copy, across the WAN, in 22 of 80 seeds; 5 now."""
+    a fourth copy, across the WAN, in 22 of 80 cases; 5 now (bench/slow_member_copies.py)."""
     members = {"a": "r0", "b": "r0", "c": "r0", "d": "r0", "x": "r1"}
     p = make("x", members, n=8, origin=False, pipeline=8, wan_pipeline=wan_slots)
     p.set_members(members, {"a": 100, "b": 100, "c": 100, "d": 10, "x": 100})
