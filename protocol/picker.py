@@ -299,7 +299,8 @@ class PiecePicker:
         if bad:
             raise UsageError(f"add_object: expected have in [0, {n_chunks}), found {bad[:5]}")
         # A keyframe of a 500 GB checkpoint is 500,000 chunks, each with a set of holders: the
-        # collector's passes over that growing heap were half of the 0.7 s it took here.
+        # collector made passes over that growing heap (0.76-1.38 s here with them, 0.42-0.52 s
+        # without and the inverse below in numpy: bench/picker.py, bench/RESULTS.md).
         with gc_paused():
             obj = ObjectState(key, n_chunks, held, priority, now, self._rng,
                               (not key[1]) if coordinated is None else bool(coordinated))
