@@ -191,7 +191,23 @@ class PackReader:
             raise self.fail(expected, "bytes that are not UTF-8") from None
 
     def bin(self, limit: int, expected: str = "bytes") -> bytes:
-        """A bin of at most `limit` bytes."""
+        """A bin of at most `limit` bytes (a copy)."""
+        at, n = self._bin_span(limit, expected)
+        data = self.data
+        if type(data) is bytes:
+            return data[at:at + n]
+        with memoryview(data) as view:  # one copy, not a bytearray slice and then bytes
+            return bytes(view[at:at + n])
+
+    def bin_view(self, limit: int, expected: str = "bytes") -> memoryview:
+        """A bin of at most `limit` bytes as a read-only view into the data (no copy: it keeps
+        the data alive, and sees it change if it is a bytearray that is written to)."""
+        at, n = self._bin_span(limit, expected)
+        return memoryview(self.data).toreadonly()[at:at + n]
+
+    def _bin_span(self, limit: int, expected: str) -> tuple[int, int]:
+        """Where the next value's bytes start and how many, once it is checked to be a bin of
+        at most `limit` bytes within the data; the cursor moves past it."""
         pos, data = self.pos, self.data
         if pos + 1 < self.end:
             b = data[pos]
@@ -203,7 +219,7 @@ class PackReader:
                 start = n = -1
             if start > 0 and n <= limit and start + n <= self.end:
                 self.pos = start + n
-                return bytes(data[start:start + n])
+                return start, n
         b = self._first(expected)
         if b not in _BIN_LEN:
             raise self.fail(expected, kind_of(b))
@@ -211,7 +227,7 @@ class PackReader:
         self._room(n, limit, expected)
         at = self.pos
         self.pos += n
-        return bytes(self.data[at:at + n])
+        return at, n
 
     def int(self, lo: int = -(1 << 63), hi: int = (1 << 64) - 1, expected: str = "an int") -> int:
         """An int in [lo, hi], in any of msgpack's int formats."""

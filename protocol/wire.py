@@ -114,6 +114,15 @@ _LENGTH_LIMIT = (1 << 32) - 1  # what the header can express
 _MAX_KEY_BYTES = 16  # a field name
 _MAX_FIELDS = 6  # fields of the largest message (Piece), "t" aside
 _COMPACT_MIN = 64 << 10  # compact the buffer once this much has been consumed...
+# FrameBuffer(direct_bodies=True): bodies this large get a buffer of their own (a chunk part,
+# 64 KiB), received into without a copy; smaller ones are cheaper copied. The cap bounds what
+# a header alone makes a reader allocate (it counts as buffered, against the reader's budget).
+DIRECT_MIN_BYTES = 16 << 10
+DIRECT_MAX_BYTES = 4 << 20
+# After such a frame, the next this many frames' headers are read alone, so that a part
+# after a few small messages (HaveOne, Incoming, a Request) still gets its own buffer; a
+# connection of small messages only goes back to reading all that has arrived at once.
+DIRECT_HEADER_READS = 16
 
 
 class _Sentinel:
@@ -194,7 +203,7 @@ class Piece:
     chunk: int
     offset: int
     total: int
-    data: bytes
+    data: bytes | memoryview  # decoded: a read-only view into the frame's body (no copy)
 
 
 @dataclass(frozen=True)
@@ -398,7 +407,7 @@ _LIMITS = {
     ("Error", "message"): MAX_TEXT_BYTES,
     **{(name, "chunk"): MAX_CHUNKS - 1 for name in ("HaveOne", "Request", "RequestRest", "Piece", "Incoming", "Cancel", "Reject")},
 }
-_DEFAULTS = {"str": MAX_NAME_BYTES, "bytes": _LENGTH_LIMIT, "int": MAX_INT}
+_DEFAULTS = {"str": MAX_NAME_BYTES, "bytes": _LENGTH_LIMIT, "bytes | memoryview": _LENGTH_LIMIT, "int": MAX_INT}
 
 
 def revision(selected: str | None) -> int:
@@ -481,6 +490,9 @@ _CHECKS = {
     "bool": (lambda v, _: type(v) is bool, "bool"),
     "int": (_is_uint, "non-negative int up to {}"),
     "bytes": (lambda v, limit: type(v) is bytes and len(v) <= limit, "bytes, at most {}"),
+    "bytes | memoryview": (lambda v, limit: (type(v) is bytes or type(v) is memoryview and v.format == "B"
+                                             and v.ndim == 1 and v.c_contiguous) and len(v) <= limit,
+                           "bytes (or a contiguous byte memoryview), at most {}"),
     "list[int]": (lambda v, limit: type(v) is list and len(v) <= limit and all(map(_is_uint, v)),
                   "list of at most {} non-negative ints"),
     "list[dict]": (lambda v, limit: type(v) is list and len(v) <= limit and all(map(_check_peer, v)),
@@ -588,6 +600,8 @@ def _read_field(r: PackReader, kind: str, limit: int | None):
         return r.bool("bool")
     if kind == "bytes":
         return r.bin(limit, "bytes")
+    if kind == "bytes | memoryview":
+        return r.bin_view(limit, "bytes")
     if kind == "str":
         return r.str(limit, "str")
     if kind == "dict[str, float] | None":
@@ -761,15 +775,30 @@ class FrameBuffer:
 
     Shared by the peer protocol (`Connection`) and the node's local socket
     (protocol/localapi.py). `next_body` returns one body, NEED_DATA, or CLOSED.
+
+    Feed it with `receive_data` (copied in). With `direct_bodies`, a frame whose
+    body is at least DIRECT_MIN_BYTES (and at most DIRECT_MAX_BYTES) gets a buffer of
+    its own once its header is in: `body_buffer()` is where the caller may receive the
+    rest of it straight from its socket (`body_received(n)` after), and `next_body`
+    hands that buffer over, a bytearray, without a copy. After such a frame,
+    `read_limit()` asks for the next headers alone (DIRECT_HEADER_READS frames), so the
+    next large body also lands in its own buffer instead of in this one's. Why: a chunk part used to be copied
+    four times between the TLS read and its chunk's buffer (the read's bytes, this
+    buffer, the body, the decoded field), ~0.9 ms of a core per MiB in 64 KiB parts,
+    as much as TLS's decryption (protocol/README.md).
     """
 
-    def __init__(self, max_frame: int = MAX_FRAME_BYTES):
+    def __init__(self, max_frame: int = MAX_FRAME_BYTES, direct_bodies: bool = False):
         if type(max_frame) is not int or not 0 < max_frame <= _LENGTH_LIMIT:
             raise UsageError(f"expected max_frame in [1, 2**32), found {_found(max_frame)}")
         self.max_frame = max_frame
+        self.direct_bodies = direct_bodies
         self._buf = bytearray()
         self._pos = 0  # bytes of _buf already parsed
         self._eof = False
+        self._body: bytearray | None = None  # a large frame's own buffer, being filled
+        self._filled = 0  # bytes of _body received
+        self._header_next = 0  # frames left whose headers are read alone (DIRECT_HEADER_READS)
 
     def receive_data(self, data: bytes) -> None:
         """Buffer bytes from the peer; b"" means the peer closed its side."""
@@ -777,35 +806,101 @@ class FrameBuffer:
             self._eof = True
         elif self._eof:
             raise UsageError("receive_data after EOF")
+        elif self._body is not None:
+            with memoryview(data) as view:
+                take = min(len(view), len(self._body) - self._filled)
+                self._body[self._filled:self._filled + take] = view[:take]
+                self._filled += take
+                if take < len(view):  # what follows the frame (only a caller that ignored read_limit)
+                    self._buf += view[take:]
         else:
             self._buf += data
 
+    def body_buffer(self) -> memoryview | None:
+        """Where the rest of the current large frame's body goes (its own buffer), or None
+        when no frame is being received that way. Release the view before `next_body`."""
+        if self._body is None or self._eof:
+            return None
+        return memoryview(self._body)[self._filled:]
+
+    def body_received(self, n: int) -> None:
+        """`n` bytes were written at the start of `body_buffer()`; 0 means the peer closed its side."""
+        if self._body is None:
+            raise UsageError("body_received without a body_buffer")
+        if n == 0:
+            self._eof = True
+        elif not 0 < n <= len(self._body) - self._filled:
+            raise UsageError(f"body_received: expected 1 to {len(self._body) - self._filled} bytes, found {n}")
+        else:
+            self._filled += n
+
+    def read_limit(self) -> int | None:
+        """The most bytes the next read should take (None: any). Within DIRECT_HEADER_READS
+        frames of one that had a buffer of its own: the next header alone, then the rest of
+        its frame, so that no read runs into a following large body, which then gets its
+        own buffer too."""
+        if self._body is not None:
+            return len(self._body) - self._filled
+        if self._header_next <= 0:
+            return None
+        avail = len(self._buf) - self._pos
+        if avail < HEADER_BYTES:
+            return HEADER_BYTES - avail
+        # A small frame's header is in: the rest of that frame, and nothing of the next one.
+        rest = HEADER_BYTES + int.from_bytes(self._buf[self._pos:self._pos + HEADER_BYTES], "big") - avail
+        return rest if rest > 0 else None
+
     @property
     def buffered(self) -> int:
-        """Bytes received and not yet returned as a body (at most a frame and a read)."""
-        return len(self._buf) - self._pos
+        """Bytes received and not yet returned as a body (at most a frame and a read); a
+        large frame with its own buffer counts whole, header and body, from its header on
+        (its buffer is allocated then)."""
+        held = len(self._buf) - self._pos
+        return held if self._body is None else held + HEADER_BYTES + len(self._body)
 
     @property
     def frame_bytes(self) -> int | None:
         """Header and body of the frame at the front of the buffer, from the moment its header
         is in (None before): what a reader must make room for to take that frame whole."""
+        if self._body is not None:
+            return HEADER_BYTES + len(self._body)
         if len(self._buf) - self._pos < HEADER_BYTES:
             return None
         return HEADER_BYTES + int.from_bytes(self._buf[self._pos:self._pos + HEADER_BYTES], "big")
 
     def next_body(self):
+        if self._body is not None:
+            if self._filled == len(self._body):
+                body, self._body = self._body, None
+                return body
+            if self._eof:
+                raise ProtocolError(f"truncated frame: EOF with {HEADER_BYTES + self._filled} bytes of an "
+                                    f"incomplete frame buffered")
+            return NEED_DATA
         buf, pos = self._buf, self._pos
         avail = len(buf) - pos
         if avail >= HEADER_BYTES:
             n = int.from_bytes(buf[pos:pos + HEADER_BYTES], "big")
             if n > self.max_frame:
                 raise FrameTooLarge(f"expected a frame of at most {self.max_frame} bytes, found a header of {n}")
+            direct = self.direct_bodies and DIRECT_MIN_BYTES <= n <= DIRECT_MAX_BYTES
             if avail >= HEADER_BYTES + n:
                 end = pos + HEADER_BYTES + n
                 with memoryview(buf) as view:  # one copy, not a bytearray slice and then bytes
                     body = bytes(view[pos + HEADER_BYTES:end])
                 self._consume(end)
+                self._header_next = DIRECT_HEADER_READS if direct else self._header_next - 1
                 return body
+            if direct and not self._eof:
+                # Its own buffer from now on; what of it arrived already is the end of `_buf`.
+                self._body = bytearray(n)
+                self._filled = avail - HEADER_BYTES
+                with memoryview(buf) as view:
+                    self._body[:self._filled] = view[pos + HEADER_BYTES:]
+                self._buf.clear()
+                self._pos = 0
+                self._header_next = DIRECT_HEADER_READS
+                return NEED_DATA
         if not self._eof:
             return NEED_DATA
         if avail:
@@ -839,8 +934,8 @@ def frame(body: bytes, max_frame: int = MAX_FRAME_BYTES) -> bytes:
 class Connection:
     """One side of a peer/tracker connection; see the module docstring."""
 
-    def __init__(self, max_frame: int = MAX_FRAME_BYTES):
-        self._frames = FrameBuffer(max_frame)
+    def __init__(self, max_frame: int = MAX_FRAME_BYTES, direct_bodies: bool = True):
+        self._frames = FrameBuffer(max_frame, direct_bodies)
         self._frames.max_frame = min(max_frame, MAX_HELLO_FRAME_BYTES)  # until the peer's Hello
         self.max_frame = max_frame
         self.our_state = AWAIT_HELLO
@@ -850,6 +945,17 @@ class Connection:
     def receive_data(self, data: bytes) -> None:
         """Buffer bytes from the peer; b"" means the peer closed its side."""
         self._frames.receive_data(data)
+
+    def body_buffer(self) -> memoryview | None:
+        """Where to receive the rest of a large frame straight into (FrameBuffer.body_buffer)."""
+        return self._frames.body_buffer()
+
+    def body_received(self, n: int) -> None:
+        self._frames.body_received(n)
+
+    def read_limit(self) -> int | None:
+        """The most bytes the next `receive_data` should carry (FrameBuffer.read_limit)."""
+        return self._frames.read_limit()
 
     @property
     def buffered(self) -> int:

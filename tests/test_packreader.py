@@ -204,3 +204,16 @@ def test_a_short_container_header_with_too_few_bytes_after_it_is_refused(data):
     read = (lambda r: r.map_len(100)) if data[0] >> 4 == 0x8 else (lambda r: r.array_len(100))
     with pytest.raises(CorruptData, match="bytes left"):
         read(reader(data))
+
+
+def test_bin_copies_and_bin_view_views_whatever_buffer_it_reads():
+    packed = msgpack.packb([b"abc", b"defg"], use_bin_type=True)
+    for data in (packed, bytearray(packed)):
+        r = PackReader(data, CorruptData, "test")
+        assert r.array_len(2) == 2
+        first, second = r.bin(10), r.bin_view(10)
+        assert type(first) is bytes and first == b"abc"
+        assert second.readonly and second == b"defg"
+        if type(data) is bytearray:
+            data[-1] = ord("x")  # a view sees its buffer; a copy does not
+            assert second == b"defx" and first == b"abc"

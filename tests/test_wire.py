@@ -759,3 +759,135 @@ def test_a_peer_entry_may_add_only_an_uplink(entry, found):
 def test_a_peer_entry_with_an_uplink_round_trips_as_int_or_float():
     entries = [{**PEER, "uplink": 100}, {**PEER, "id": "n2", "uplink": 12.5}, {**PEER, "id": "n3"}]
     assert wire.decode_body(wire.encode(PeerList(peers=entries))[4:]).peers == entries
+
+
+# --- large bodies received into their own buffers (FrameBuffer direct_bodies) ------------------------
+
+
+def _piece(i: int, size: int) -> Piece:
+    return Piece(version=7, keyframe=False, chunk=i, offset=0, total=size, data=bytes((i + k) % 251 for k in range(size)))
+
+
+def _read_like_a_socket(conn: Connection, raw: bytes, reads: list[int]):
+    """Feed `raw` the way node/net/transport.py does: into `body_buffer()` while there is one,
+    else `receive_data` of at most `read_limit()`; each read takes at most the next of `reads`
+    (cycled) of what has "arrived". The messages, and how many bytes went into body buffers."""
+    got, pos, direct, i = [], 0, 0, 0
+    while True:
+        more, end = drain(conn)
+        got += more
+        if end is CLOSED:
+            return got, direct
+        if pos == len(raw):
+            conn.receive_data(b"")
+            continue
+        want = min(reads[i % len(reads)], len(raw) - pos)
+        i += 1
+        target = conn.body_buffer()
+        if target is not None:
+            n = min(want, len(target))
+            target[:n] = raw[pos:pos + n]
+            target.release()
+            conn.body_received(n)
+            direct += n
+        else:
+            limit = conn.read_limit()
+            n = want if limit is None else min(want, limit)
+            conn.receive_data(raw[pos:pos + n])
+        pos += n
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.sampled_from([0, 1, 100, wire.DIRECT_MIN_BYTES - 1, wire.DIRECT_MIN_BYTES, 65536, 70000]),
+                max_size=8),
+       st.lists(st.integers(1, 40000), min_size=1, max_size=6), st.lists(body_messages, max_size=3))
+def test_large_bodies_land_in_their_own_buffers_and_every_message_comes_back(sizes, reads, small):
+    """Chunk parts among small messages, however the reads fall: the messages are those sent,
+    in order; a part's data is a read-only view; every part at least DIRECT_MIN_BYTES after
+    the first read its body straight into its own buffer, so its data views a bytearray."""
+    msgs = [_piece(i, n) for i, n in enumerate(sizes)]
+    msgs[1:1] = small
+    raw = session(msgs)
+    got, direct = _read_like_a_socket(Connection(), raw, reads)
+    assert got == [HELLO, *msgs]
+    parts = [m for m in got if isinstance(m, Piece) and m.chunk < len(sizes) and m.version == 7 and m.total == len(m.data)]
+    for m in got:
+        if isinstance(m, Piece):
+            assert isinstance(m.data, memoryview) and m.data.readonly
+    large = [m for m in parts if len(m.data) >= wire.DIRECT_MIN_BYTES]
+    for m in large[1:]:  # after a large frame the next header is read alone: its body is never in a read
+        assert type(m.data.obj) is bytearray and len(m.data.obj) >= len(m.data)
+    if len(large) > 1:
+        assert direct > 0
+
+
+def test_a_large_frames_header_alone_holds_its_whole_body_against_the_budget():
+    """From its header on, a large frame counts as buffered whole (its buffer is allocated):
+    a reader's budget sees what a header alone makes it allocate."""
+    raw = session([_piece(0, 65536)])
+    hello_end = 4 + int.from_bytes(raw[:4], "big")
+    frame_len = int.from_bytes(raw[hello_end:hello_end + 4], "big")
+    conn = Connection()
+    conn.receive_data(raw[:hello_end + 4 + 10])
+    assert drain(conn) == ([HELLO], NEED_DATA)
+    assert conn.buffered == 4 + frame_len
+    assert conn.read_limit() == frame_len - 10
+    target = conn.body_buffer()
+    assert len(target) == frame_len - 10
+    target[:] = raw[hello_end + 14:]
+    target.release()
+    conn.body_received(frame_len - 10)
+    [msg], _ = drain(conn)
+    assert msg == _piece(0, 65536) and conn.buffered == 0
+    assert conn.read_limit() == wire.HEADER_BYTES  # the next header alone
+    with pytest.raises(UsageError, match="body_received without a body_buffer"):
+        conn.body_received(1)
+
+
+def test_eof_inside_a_large_frames_own_buffer_is_a_truncated_frame():
+    raw = session([_piece(0, 65536)])
+    conn = Connection()
+    conn.receive_data(raw[:-100])
+    drain(conn)
+    assert conn.body_buffer() is not None
+    conn.body_received(0)  # the peer closed
+    assert conn.body_buffer() is None
+    with pytest.raises(ProtocolError, match="truncated frame"):
+        conn.next_event()
+
+
+def test_a_frame_over_the_limit_is_refused_before_any_buffer_is_allocated():
+    conn = Connection(max_frame=64 << 10)
+    conn.receive_data(session([]))
+    drain(conn)
+    conn.receive_data((wire.DIRECT_MAX_BYTES).to_bytes(4, "big"))
+    with pytest.raises(FrameTooLarge):
+        conn.next_event()
+    assert conn.buffered == 4
+
+
+def test_frames_over_the_direct_cap_and_the_local_api_framing_keep_the_copying_path():
+    """Bodies over DIRECT_MAX_BYTES, and a FrameBuffer without direct_bodies (the local socket's),
+    come back as bytes, and their data as copies."""
+    big = Piece(1, False, 0, 0, wire.DIRECT_MAX_BYTES + 1, bytes(wire.DIRECT_MAX_BYTES + 1))
+    raw = session([big])
+    got, direct = _read_like_a_socket(Connection(), raw, [65536])
+    assert got == [HELLO, big] and direct == 0 and type(got[1].data.obj) is bytes
+    frames = wire.FrameBuffer()
+    body = bytes(100_000)
+    frames.receive_data(wire.frame(body)[:50_000])
+    assert frames.next_body() is NEED_DATA and frames.body_buffer() is None and frames.read_limit() is None
+    frames.receive_data(wire.frame(body)[50_000:])
+    assert frames.next_body() == body
+
+
+def test_piece_data_may_be_any_contiguous_byte_view_and_encodes_as_the_bytes():
+    data = bytes(range(200))
+    as_bytes = wire.encode(Piece(1, True, 2, 0, 200, data))
+    assert wire.encode(Piece(1, True, 2, 0, 200, memoryview(bytearray(data)))) == as_bytes
+    assert wire.encode(Piece(1, True, 2, 0, 200, memoryview(data).toreadonly())) == as_bytes
+    for bad in (memoryview(data)[::2], memoryview(bytearray(data)).cast("I"), bytearray(data)):
+        with pytest.raises(UsageError, match="Piece.data"):
+            wire.encode(Piece(1, True, 2, 0, 100, bad))
+    decoded = wire.decode_body(as_bytes[4:])
+    assert decoded.data.readonly and bytes(decoded.data) == data
