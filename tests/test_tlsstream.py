@@ -158,6 +158,71 @@ def test_message_stream_frames_over_it(creds):
 
     got = trio.run(main)
     assert [m.data for m in got] == pieces and [m.chunk for m in got] == [0, 1, 2, 3]
+    # 1 MiB: its body went from OpenSSL into a buffer of its own (no copy); 5 MiB is over the cap
+    assert type(got[2].data.obj) is bytearray and type(got[3].data.obj) is bytes
+
+
+def test_chunk_parts_arrive_intact_each_received_into_its_own_buffer(creds):
+    """Parts of 64 KiB back to back, as a node serves them, with small messages among them:
+    every byte intact and in order, and after the first every part's body read straight
+    from OpenSSL into its frame's buffer (protocol/wire.py FrameBuffer.direct_bodies)."""
+    parts = [os.urandom(64 << 10) for _ in range(40)]
+
+    async def main():
+        got = []
+        with trio.fail_after(30):
+            async with trio.open_nursery() as n:
+                async def handler(ms):
+                    for i, p in enumerate(parts):
+                        await ms.send(wire.Piece(3, False, i, 0, len(p), p))
+                        if i % 7 == 0:
+                            await ms.send(wire.HaveOne(3, False, i))
+                    await ms.aclose()
+
+                addr = await n.start(transport.serve, "127.0.0.1:0", creds["origin1"], {"node"},
+                                     lambda: wire.Hello("origin1", "", "origin", "", []), handler)
+                ms = await transport.connect(addr, creds["node1"], {"origin"},
+                                             wire.Hello("node1", "r0", "node", "", []))
+                while (msg := await ms.receive()) is not None:
+                    got.append(msg)
+                assert ms.counters.received > 40 * (64 << 10)
+                await ms.aclose()
+                n.cancel_scope.cancel()
+        return got
+
+    got = trio.run(main)
+    pieces = [m for m in got if isinstance(m, wire.Piece)]
+    assert [bytes(m.data) for m in pieces] == parts
+    assert [m.chunk for m in got if isinstance(m, wire.HaveOne)] == list(range(0, 40, 7))
+    assert all(type(m.data.obj) is bytearray for m in pieces[1:])
+
+
+def test_receive_into_fills_the_callers_buffer_and_reads_the_peers_close_as_zero(creds):
+    payload = os.urandom(300_000)
+
+    async def main():
+        async with trio.open_nursery() as n:
+            server, client = await _pair(n, creds)
+            target = bytearray(len(payload))
+            view, got = memoryview(target), 0
+            with trio.fail_after(10):
+                n.start_soon(server.send_all, payload)
+                with pytest.raises(ValueError, match="empty"):
+                    await client.receive_into(view[:0])
+                while got < len(payload):
+                    k = await client.receive_into(view[got:])
+                    assert k > 0
+                    got += k
+                await server.aclose()
+                assert await client.receive_into(view[:10]) == 0
+            view.release()
+            await client.aclose()
+            with pytest.raises(trio.ClosedResourceError):
+                await client.receive_into(memoryview(bytearray(1)))
+            n.cancel_scope.cancel()
+            return bytes(target)
+
+    assert trio.run(main) == payload
 
 
 def test_connect_dials_from_the_local_address_it_is_given(creds):

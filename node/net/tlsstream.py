@@ -107,12 +107,53 @@ class TLSSocketStream(trio.abc.Stream):
         finally:
             self._receiving = False
 
-    def _drain(self, limit: int) -> int:
-        """Read every plaintext byte OpenSSL can give without blocking, up to `limit`."""
+    async def receive_into(self, target: memoryview) -> int:
+        """Receive straight into `target` (a writable byte view), without the copy that
+        `receive_some` makes: every plaintext byte that has arrived, up to len(target), at
+        least one unless the peer closed (0). For a frame's body (wire.FrameBuffer.body_buffer)."""
+        self._check_usable()
+        if self._receiving:
+            raise trio.BusyResourceError("another task is already receiving on this TLS stream")
+        if len(target) < 1:
+            raise ValueError("receive_into: expected a target of at least 1 byte, found an empty one")
+        self._receiving = True
+        try:
+            if not self._handshake_done:
+                await self.do_handshake()
+            await trio.lowlevel.checkpoint_if_cancelled()
+            while True:
+                got = self._drain(len(target), target)
+                if got or self._eof:
+                    await trio.lowlevel.cancel_shielded_checkpoint()
+                    return got
+                await trio.lowlevel.wait_readable(self._ssl)
+                self._check_usable()
+        finally:
+            self._receiving = False
+
+    def receive_into_nowait(self, target: memoryview) -> int | None:
+        """`receive_into` without waiting and without yielding: the bytes read (at least
+        one), 0 if the peer closed, None if nothing has arrived (then await `receive_into`).
+        Not a checkpoint: a caller that reads this way yields once per message it returns
+        (node/net/transport.py MessageStream.receive), not once per read."""
+        self._check_usable()
+        if self._receiving:
+            raise trio.BusyResourceError("another task is already receiving on this TLS stream")
+        if len(target) < 1:
+            raise ValueError("receive_into_nowait: expected a target of at least 1 byte, found an empty one")
+        if not self._handshake_done:
+            return None
+        got = self._drain(len(target), target)
+        return got if got or self._eof else None
+
+    def _drain(self, limit: int, into: memoryview | None = None) -> int:
+        """Read every plaintext byte OpenSSL can give without blocking, up to `limit`,
+        into `into` (default: this stream's own buffer)."""
         got = 0
+        view = self._view if into is None else into
         try:
             while got < limit and not self._eof:
-                n = self._ssl.recv_into(self._view[got:limit])
+                n = self._ssl.recv_into(view[got:limit])
                 if n == 0:
                     self._eof = True  # close_notify, or a bare FIN: frames carry their own length
                 got += n

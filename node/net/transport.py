@@ -113,6 +113,11 @@ class BufferBudget:
 
 
 RECEIVE_BUDGET = BufferBudget()  # the process's, unless a caller passes its own
+# Reads that need no wait (MessageStream._receive_nowait) go through one buffer shared by every
+# connection of the process: each read is copied into its connection's FrameBuffer before anything
+# awaits, and a buffer per connection would cost the tracker's 10,000 sessions 256 KiB each.
+_SCRATCH_BYTES = 256 << 10
+_SCRATCH = memoryview(bytearray(_SCRATCH_BYTES))
 
 
 class MessageStream:
@@ -144,6 +149,10 @@ class MessageStream:
         self.wire_revision: str | None = selected() if selected is not None else None
         self.counters = Counters()
         self._conn = wire.Connection(max_frame=max_frame)
+        # A stream that reads into a caller's buffer (TLSSocketStream) takes a chunk part's
+        # body straight from OpenSSL into the frame's own buffer (protocol/wire.py FrameBuffer).
+        self._receive_into = getattr(stream, "receive_into", None)
+        self._receive_into_nowait = getattr(stream, "receive_into_nowait", None)
         self._send_lock = trio.StrictFIFOLock()
         self._on_receive = on_receive  # download rate limit: called with each read's size
         self._budget = RECEIVE_BUDGET if budget is None else budget
@@ -163,19 +172,63 @@ class MessageStream:
         self.counters.sent += len(data)
 
     async def receive(self):
+        await trio.lowlevel.checkpoint_if_cancelled()  # reads that need no wait never check it
+        unyielded = False  # read without waiting since this call last yielded
         while True:
             event = self._conn.next_event()
             if event is wire.CLOSED:
                 return None
             if event is not wire.NEED_DATA:
                 self._count_buffered()
+                if unyielded:  # one yield per message, not per read (the message is not lost to a cancel)
+                    await trio.lowlevel.cancel_shielded_checkpoint()
                 return event
-            data = await self.stream.receive_some()  # every TLS record that has arrived
-            self.counters.received += len(data)
-            if data and self._on_receive is not None:
-                await self._on_receive(len(data))
-            self._conn.receive_data(data)
+            self._count_buffered()  # a large frame's header alone allocates its whole buffer
+            n = self._receive_nowait() if self._receive_into_nowait is not None else None
+            if n is None:
+                n = await self._receive_waiting()
+                unyielded = False
+            else:
+                unyielded = True
+            self.counters.received += n
             self._count_buffered()
+            if n and self._on_receive is not None:
+                await self._on_receive(n)
+
+    def _receive_nowait(self) -> int | None:
+        """What has arrived, read into the large frame's own buffer or else through the shared
+        scratch buffer (copied out at once); None if nothing has (see TLSSocketStream.receive_into_nowait)."""
+        target = self._conn.body_buffer()
+        if target is not None:
+            try:
+                n = self._receive_into_nowait(target)
+            finally:
+                target.release()
+            if n is not None:
+                self._conn.body_received(n)
+            return n
+        limit = self._conn.read_limit()
+        with _SCRATCH[:_SCRATCH_BYTES if limit is None else min(limit, _SCRATCH_BYTES)] as view:
+            n = self._receive_into_nowait(view)
+            if n is not None:
+                self._conn.receive_data(view[:n])  # copied in; n == 0 is the peer's EOF
+        return n
+
+    async def _receive_waiting(self) -> int:
+        """Wait for bytes and read them: the rest of a large frame (a chunk part) straight into
+        its own buffer, else every TLS record that has arrived (or only the next header, after a
+        large frame: protocol/wire.py FrameBuffer.read_limit)."""
+        target = self._conn.body_buffer() if self._receive_into is not None else None
+        if target is not None:
+            try:
+                n = await self._receive_into(target)
+            finally:
+                target.release()
+            self._conn.body_received(n)
+            return n
+        data = await self.stream.receive_some(self._conn.read_limit())
+        self._conn.receive_data(data)
+        return len(data)
 
     def _count_buffered(self) -> None:
         budget, now = self._budget, self._conn.buffered
