@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import threading
 
 import pytest
 import trio
@@ -333,3 +334,42 @@ def test_tracker_pushes_to_a_member_that_stops_reading_arrive_whole_and_in_order
                 n.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_two_event_loops_in_two_threads_receive_intact_at_once(creds):
+    """Reads that need no wait go through a scratch buffer shared by a thread's connections
+    (node/net/transport.py): one per thread, so event loops in two threads of one process
+    (tests, an embedding application) never read into each other's."""
+    results: dict[int, bool] = {}
+
+    def loop(k: int) -> None:
+        parts = [os.urandom(3000 + 97 * i) for i in range(60)]  # small frames: the scratch path
+
+        async def main():
+            async with trio.open_nursery() as n:
+                async def handler(ms):
+                    for i, p in enumerate(parts):
+                        await ms.send(wire.Piece(k, False, i, 0, len(p), p))
+                    await ms.aclose()
+
+                addr = await n.start(transport.serve, "127.0.0.1:0", creds["origin1"], {"node"},
+                                     lambda: wire.Hello("origin1", "", "origin", "", []), handler)
+                ms = await transport.connect(addr, creds["node1"], {"origin"},
+                                             wire.Hello("node1", "r0", "node", "", []))
+                got = []
+                with trio.fail_after(30):
+                    while (msg := await ms.receive()) is not None:
+                        got.append(bytes(msg.data))
+                await ms.aclose()
+                n.cancel_scope.cancel()
+                return got == parts
+
+        results[k] = trio.run(main)
+
+    threads = [threading.Thread(target=loop, args=(k,)) for k in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results == {1: True, 2: True}
+    assert transport._scratch() is transport._scratch()

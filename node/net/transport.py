@@ -27,6 +27,7 @@ import collections
 import dataclasses
 import logging
 import ssl
+import threading
 import weakref
 from typing import Awaitable, Callable
 
@@ -114,10 +115,18 @@ class BufferBudget:
 
 RECEIVE_BUDGET = BufferBudget()  # the process's, unless a caller passes its own
 # Reads that need no wait (MessageStream._receive_nowait) go through one buffer shared by every
-# connection of the process: each read is copied into its connection's FrameBuffer before anything
-# awaits, and a buffer per connection would cost the tracker's 10,000 sessions 256 KiB each.
+# connection of a thread's event loop: each read is copied into its connection's FrameBuffer
+# before anything awaits, and a buffer per connection would cost the tracker's 10,000 sessions
+# 256 KiB each. One per thread, as a process may run an event loop in more than one.
 _SCRATCH_BYTES = 256 << 10
-_SCRATCH = memoryview(bytearray(_SCRATCH_BYTES))
+_SCRATCH = threading.local()
+
+
+def _scratch() -> memoryview:
+    view = getattr(_SCRATCH, "view", None)
+    if view is None:
+        view = _SCRATCH.view = memoryview(bytearray(_SCRATCH_BYTES))
+    return view
 
 
 class MessageStream:
@@ -208,7 +217,7 @@ class MessageStream:
                 self._conn.body_received(n)
             return n
         limit = self._conn.read_limit()
-        with _SCRATCH[:_SCRATCH_BYTES if limit is None else min(limit, _SCRATCH_BYTES)] as view:
+        with _scratch()[:_SCRATCH_BYTES if limit is None else min(limit, _SCRATCH_BYTES)] as view:
             n = self._receive_into_nowait(view)
             if n is not None:
                 self._conn.receive_data(view[:n])  # copied in; n == 0 is the peer's EOF
