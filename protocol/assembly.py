@@ -8,7 +8,7 @@ forwards what came so far to the next region and to its neighbours, instead
 of waiting for the whole chunk and then sending it again (store and forward
 made the last chunks of a version cross two WAN links one after the other).
 
-Owns `PART_BYTES` (the sender's part size) and `ChunkAssembly` (the
+Owns `PART_BYTES` and `part_bytes_for` (the sender's part size) and `ChunkAssembly` (the
 receiver's side: one chunk from one peer). A relay forwards everything but
 the part that completed the chunk until the chunk has been verified against
 its manifest, so an honest relay never hands on a whole chunk that is bad: a
@@ -30,6 +30,27 @@ from .errors import ProtocolError, UsageError
 # 2.10 s against 2.16 (means of 6 runs), in 3 regions x 4 at 100/50/20 Mbit/s
 # 2.29 against 2.40 s and the 50 Mbit/s region 4.08 against 4.20 s.
 PART_BYTES = 64 << 10
+# A sender whose uplink is declared faster sends larger parts (`part_bytes_for`): at 100
+# Mbit/s a part's time on the link is what the relay lags by, but at 1-10 Gbit/s a 64 KiB
+# part takes 50-500 us, and each message's fixed cost at both ends takes the CPU instead
+# (bench/transport.py: receiving costs 1.2-1.3 ms of CPU per MiB in 64 KiB parts, 0.7 in
+# 1 MiB ones). So a part is sized to take about PART_SECONDS on the share of the uplink one
+# of PART_SHARERS peers served at once gets, a power of two within [PART_BYTES, MAX_PART_BYTES]:
+# 64 KiB up to ~300 Mbit/s, 256 KiB at 1 Gbit/s, 1 MiB from ~3.4 Gbit/s.
+MAX_PART_BYTES = 1 << 20
+PART_SECONDS = 0.01
+PART_SHARERS = 4
+
+
+def part_bytes_for(uplink_mbit: float | None) -> int:
+    """The part size of a sender that declares this uplink (Mbit/s; None: PART_BYTES)."""
+    if uplink_mbit is None:
+        return PART_BYTES
+    want = uplink_mbit * 1e6 / 8 / PART_SHARERS * PART_SECONDS
+    size = PART_BYTES
+    while size < MAX_PART_BYTES and size * 2 <= want:
+        size *= 2
+    return size
 
 
 class ChunkAssembly:

@@ -50,3 +50,15 @@ def test_misuse_is_the_callers_fault():
         asm.mark_verified()
     with pytest.raises(UsageError, match="within the 2 forwardable bytes"):
         asm.view(0, 3)
+
+
+def test_a_faster_declared_uplink_sends_larger_parts():
+    """A part takes about PART_SECONDS on a quarter of the uplink: 64 KiB where none is
+    declared and up to ~300 Mbit/s (the relay's lag per hop, measured at 100 Mbit/s),
+    larger at 1-10 Gbit/s, where each message's fixed cost would take the CPU instead."""
+    from patchswarm.protocol.assembly import MAX_PART_BYTES, PART_BYTES, part_bytes_for
+    assert part_bytes_for(None) == part_bytes_for(10) == part_bytes_for(100) == part_bytes_for(300) == PART_BYTES
+    assert part_bytes_for(1000) == 256 << 10 and part_bytes_for(2000) == 512 << 10
+    assert part_bytes_for(10_000) == part_bytes_for(10_000_000) == MAX_PART_BYTES == 1 << 20
+    sizes = [part_bytes_for(m) for m in range(1, 20_000, 37)]
+    assert sizes == sorted(sizes) and all(n & (n - 1) == 0 for n in sizes)
