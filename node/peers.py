@@ -4,7 +4,8 @@ Owns `PeerSet`: one `Session` per connected peer (at most one per peer id:
 when two members dial each other at once, both keep the connection dialed by
 the smaller id), how a session ends (`Session.close(reason)`, from here or
 from the owner), and the upload side:
-requests queue per session and are answered in parts (protocol/assembly.py)
+requests queue per session and are answered in parts (protocol/assembly.py;
+their size from the uplink this member declares, `part_bytes_for`)
 through the shared upload rate limit, from the `ObjectStore`, or, for a chunk
 still arriving, from its `Inflow` (node/relay.py) as its parts come in. A
 session sends the first part it can in queue order, so a whole chunk goes out
@@ -42,7 +43,7 @@ from typing import Awaitable, Callable, Iterable
 import trio
 
 from patchswarm.protocol import wire
-from patchswarm.protocol.assembly import PART_BYTES
+from patchswarm.protocol.assembly import part_bytes_for
 from patchswarm.protocol.errors import BudgetExceeded, InvalidInput, ProtocolError
 from patchswarm.protocol.publication import ObjKey
 from patchswarm.protocol.uplinkmeter import UplinkMeter
@@ -205,9 +206,20 @@ class PeerSet:
         # This member's upload rate while its sends back up (protocol/uplinkmeter.py), against the
         # uplink it declared (--uplink-mbit, set by its owner): a warning when well under it.
         self.uplink = UplinkMeter()
-        self.declared_uplink_mbit: float | None = None
+        self.declared_uplink_mbit = None  # also sets part_bytes
         self.region: str | None = None  # this member's (set by its owner): sends elsewhere cross the WAN
         self._warned_uplink = False
+
+    @property
+    def declared_uplink_mbit(self) -> float | None:
+        """The uplink this member declares (--uplink-mbit, set by its owner; None: none). It
+        sets `part_bytes`, the size of the parts it sends (protocol/assembly.py `part_bytes_for`)."""
+        return self._declared_uplink_mbit
+
+    @declared_uplink_mbit.setter
+    def declared_uplink_mbit(self, mbit: float | None) -> None:
+        self._declared_uplink_mbit = mbit
+        self.part_bytes = part_bytes_for(mbit)
 
     def connected(self, peer_id: str) -> bool:
         return peer_id in self.sessions
@@ -449,7 +461,7 @@ class PeerSet:
                 total, limit = len(o.data), len(o.data)
             else:
                 total, limit = o.flow.asm.total, o.flow.asm.forwardable
-            end = min(limit, o.sent + PART_BYTES)
+            end = min(limit, o.sent + self.part_bytes)
             whole = o.data is not None or o.flow.asm.verified
             if end > o.sent or (total == 0 and whole):  # an empty chunk is one empty part
                 part = o.data[o.sent:end] if o.data is not None else o.flow.asm.view(o.sent, end)

@@ -263,3 +263,31 @@ def test_a_peer_that_reconnects_while_its_old_connection_closes_is_reported_gone
         assert events[-1] == ("close", True) and not peers.connected("a")
 
     trio.run(main)
+
+
+@pytest.mark.parametrize("uplink_mbit, part", [(None, PART_BYTES), (100, PART_BYTES), (1000, 256 << 10),
+                                               (10_000, 1 << 20)])
+def test_a_held_chunk_goes_out_in_parts_sized_to_the_declared_uplink(tmp_path, uplink_mbit, part):
+    """The served parts of a 3 MiB + 5 chunk: each of the member's part size but the last,
+    in order, and whole together (the receiver assembles any sizes)."""
+    data = os.urandom((3 << 20) + 5)
+
+    async def main():
+        peers = PeerSet("srv", store_with(tmp_path / "store", [data]), TokenBucket(None), _noop)
+        peers.declared_uplink_mbit = uplink_mbit
+        assert peers.part_bytes == part
+        served, requester, _ = await connected_pair()
+        got = []
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(peers.run, served, False)
+                assert isinstance(await requester.receive(), wire.Have)
+                await requester.send(wire.Request(KEY[0], KEY[1], 0))
+                while sum(len(p.data) for p in got) < len(data):
+                    got.append(await requester.receive())
+                nursery.cancel_scope.cancel()
+        return got
+
+    got = trio.run(main)
+    assert [p.offset for p in got] == list(range(0, len(data), part))
+    assert all(len(p.data) == part for p in got[:-1]) and b"".join(bytes(p.data) for p in got) == data
