@@ -133,29 +133,37 @@ def test_stream_rules(creds):
     trio.run(main)
 
 
+async def _messages_served(creds, send) -> list:
+    """What a member that dials a `transport.serve` listener receives, until the listener's
+    handler, `await send(ms)`, closes the connection."""
+    got = []
+    async with trio.open_nursery() as n:
+        async def handler(ms):
+            await send(ms)
+            await ms.aclose()
+
+        addr = await n.start(transport.serve, "127.0.0.1:0", creds["origin1"], {"node"},
+                             lambda: wire.Hello("origin1", "", "origin", "", []), handler)
+        ms = await transport.connect(addr, creds["node1"], {"origin"}, wire.Hello("node1", "r0", "node", "", []))
+        assert isinstance(ms.stream, TLSSocketStream)
+        while (msg := await ms.receive()) is not None:
+            got.append(msg)
+        await ms.aclose()
+        n.cancel_scope.cancel()
+    return got
+
+
 def test_message_stream_frames_over_it(creds):
     """The transport's connect/serve run Hello and Pieces over TLSSocketStream end to end."""
     pieces = [os.urandom(n) for n in (0, 1, 1 << 20, 5 << 20)]
 
-    async def main():
-        got = []
-        with trio.fail_after(30):
-            async with trio.open_nursery() as n:
-                async def handler(ms):
-                    for i, p in enumerate(pieces):
-                        await ms.send(wire.Piece(3, False, i, 0, len(p), p))
-                    await ms.aclose()
+    async def send(ms):
+        for i, p in enumerate(pieces):
+            await ms.send(wire.Piece(3, False, i, 0, len(p), p))
 
-                addr = await n.start(transport.serve, "127.0.0.1:0", creds["origin1"], {"node"},
-                                     lambda: wire.Hello("origin1", "", "origin", "", []), handler)
-                ms = await transport.connect(addr, creds["node1"], {"origin"},
-                                             wire.Hello("node1", "r0", "node", "", []))
-                assert isinstance(ms.stream, TLSSocketStream)
-                while (msg := await ms.receive()) is not None:
-                    got.append(msg)
-                await ms.aclose()
-                n.cancel_scope.cancel()
-        return got
+    async def main():
+        with trio.fail_after(30):
+            return await _messages_served(creds, send)
 
     got = trio.run(main)
     assert [m.data for m in got] == pieces and [m.chunk for m in got] == [0, 1, 2, 3]
@@ -169,27 +177,15 @@ def test_chunk_parts_arrive_intact_each_received_into_its_own_buffer(creds):
     from OpenSSL into its frame's buffer (protocol/wire.py FrameBuffer.direct_bodies)."""
     parts = [os.urandom(64 << 10) for _ in range(40)]
 
-    async def main():
-        got = []
-        with trio.fail_after(30):
-            async with trio.open_nursery() as n:
-                async def handler(ms):
-                    for i, p in enumerate(parts):
-                        await ms.send(wire.Piece(3, False, i, 0, len(p), p))
-                        if i % 7 == 0:
-                            await ms.send(wire.HaveOne(3, False, i))
-                    await ms.aclose()
+    async def send(ms):
+        for i, p in enumerate(parts):
+            await ms.send(wire.Piece(3, False, i, 0, len(p), p))
+            if i % 7 == 0:
+                await ms.send(wire.HaveOne(3, False, i))
 
-                addr = await n.start(transport.serve, "127.0.0.1:0", creds["origin1"], {"node"},
-                                     lambda: wire.Hello("origin1", "", "origin", "", []), handler)
-                ms = await transport.connect(addr, creds["node1"], {"origin"},
-                                             wire.Hello("node1", "r0", "node", "", []))
-                while (msg := await ms.receive()) is not None:
-                    got.append(msg)
-                assert ms.counters.received > 40 * (64 << 10)
-                await ms.aclose()
-                n.cancel_scope.cancel()
-        return got
+    async def main():
+        with trio.fail_after(30):
+            return await _messages_served(creds, send)
 
     got = trio.run(main)
     pieces = [m for m in got if isinstance(m, wire.Piece)]
@@ -345,24 +341,13 @@ def test_two_event_loops_in_two_threads_receive_intact_at_once(creds):
     def loop(k: int) -> None:
         parts = [os.urandom(3000 + 97 * i) for i in range(60)]  # small frames: the scratch path
 
-        async def main():
-            async with trio.open_nursery() as n:
-                async def handler(ms):
-                    for i, p in enumerate(parts):
-                        await ms.send(wire.Piece(k, False, i, 0, len(p), p))
-                    await ms.aclose()
+        async def send(ms):
+            for i, p in enumerate(parts):
+                await ms.send(wire.Piece(k, False, i, 0, len(p), p))
 
-                addr = await n.start(transport.serve, "127.0.0.1:0", creds["origin1"], {"node"},
-                                     lambda: wire.Hello("origin1", "", "origin", "", []), handler)
-                ms = await transport.connect(addr, creds["node1"], {"origin"},
-                                             wire.Hello("node1", "r0", "node", "", []))
-                got = []
-                with trio.fail_after(30):
-                    while (msg := await ms.receive()) is not None:
-                        got.append(bytes(msg.data))
-                await ms.aclose()
-                n.cancel_scope.cancel()
-                return got == parts
+        async def main():
+            with trio.fail_after(30):
+                return [bytes(m.data) for m in await _messages_served(creds, send)] == parts
 
         results[k] = trio.run(main)
 

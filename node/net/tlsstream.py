@@ -83,46 +83,37 @@ class TLSSocketStream(trio.abc.Stream):
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
         self._check_usable()
-        if self._receiving:
-            raise trio.BusyResourceError("another task is already receiving on this TLS stream")
         limit = RECEIVE_LIMIT if max_bytes is None else min(int(max_bytes), RECEIVE_LIMIT)
         if limit < 1:
             raise ValueError(f"max_bytes: expected at least 1, found {max_bytes}")
-        self._receiving = True
-        try:
-            if not self._handshake_done:
-                await self.do_handshake()
-            await trio.lowlevel.checkpoint_if_cancelled()
-            while True:
-                got = self._drain(min(limit, len(self._buffer)))
-                if got or self._eof:
-                    data = bytes(self._view[:got])
-                    if got == len(self._buffer) < RECEIVE_LIMIT:
-                        self._buffer = bytearray(min(RECEIVE_LIMIT, 4 * len(self._buffer)))
-                        self._view = memoryview(self._buffer)
-                    await trio.lowlevel.cancel_shielded_checkpoint()
-                    return data
-                await trio.lowlevel.wait_readable(self._ssl)
-                self._check_usable()
-        finally:
-            self._receiving = False
+        got = await self._receive(min(limit, len(self._buffer)), self._view)
+        data = bytes(self._view[:got])
+        if got == len(self._buffer) < RECEIVE_LIMIT:
+            self._buffer = bytearray(min(RECEIVE_LIMIT, 4 * len(self._buffer)))
+            self._view = memoryview(self._buffer)
+        return data
 
     async def receive_into(self, target: memoryview) -> int:
         """Receive straight into `target` (a writable byte view), without the copy that
         `receive_some` makes: every plaintext byte that has arrived, up to len(target), at
         least one unless the peer closed (0). For a frame's body (wire.FrameBuffer.body_buffer)."""
         self._check_usable()
-        if self._receiving:
-            raise trio.BusyResourceError("another task is already receiving on this TLS stream")
         if len(target) < 1:
             raise ValueError("receive_into: expected a target of at least 1 byte, found an empty one")
+        return await self._receive(len(target), target)
+
+    async def _receive(self, limit: int, into: memoryview) -> int:
+        """Wait until plaintext has arrived and read up to `limit` bytes of it into `into`:
+        at least one, or 0 once the peer has closed."""
+        if self._receiving:
+            raise trio.BusyResourceError("another task is already receiving on this TLS stream")
         self._receiving = True
         try:
             if not self._handshake_done:
                 await self.do_handshake()
             await trio.lowlevel.checkpoint_if_cancelled()
             while True:
-                got = self._drain(len(target), target)
+                got = self._drain(limit, into)
                 if got or self._eof:
                     await trio.lowlevel.cancel_shielded_checkpoint()
                     return got
@@ -146,14 +137,12 @@ class TLSSocketStream(trio.abc.Stream):
         got = self._drain(len(target), target)
         return got if got or self._eof else None
 
-    def _drain(self, limit: int, into: memoryview | None = None) -> int:
-        """Read every plaintext byte OpenSSL can give without blocking, up to `limit`,
-        into `into` (default: this stream's own buffer)."""
+    def _drain(self, limit: int, into: memoryview) -> int:
+        """Read every plaintext byte OpenSSL can give without blocking, up to `limit`, into `into`."""
         got = 0
-        view = self._view if into is None else into
         try:
             while got < limit and not self._eof:
-                n = self._ssl.recv_into(view[got:limit])
+                n = self._ssl.recv_into(into[got:limit])
                 if n == 0:
                     self._eof = True  # close_notify, or a bare FIN: frames carry their own length
                 got += n
