@@ -765,7 +765,8 @@ def test_a_peer_entry_with_an_uplink_round_trips_as_int_or_float():
 
 
 def _piece(i: int, size: int) -> Piece:
-    return Piece(version=7, keyframe=False, chunk=i, offset=0, total=size, data=bytes((i + k) % 251 for k in range(size)))
+    pattern = bytes(range(i % 251, 251)) + bytes(range(i % 251))  # byte k is (i + k) % 251
+    return Piece(version=7, keyframe=False, chunk=i, offset=0, total=size, data=(pattern * (size // 251 + 1))[:size])
 
 
 def _read_like_a_socket(conn: Connection, raw: bytes, reads: list[int]):
