@@ -385,6 +385,7 @@ class Node:
             "listen": self.listen_addr,
             "tracker_connected": self.tracker.connected,
             "uplink_mbit": self.cfg.uplink_mbit,  # as declared (--uplink-mbit); each peer's: its "uplink"
+            "part_bytes": self.peers.part_bytes,  # the parts it sends, sized to that (protocol/assembly.py)
             # As measured while this node's sends backed up (protocol/uplinkmeter.py); None: they never did.
             "uplink_measured_mbit": self.peers.uplink.estimate_mbit(),
             # Members of this region planned as slow by their declared uplinks (protocol/responsibility.py

@@ -228,3 +228,6 @@ def test_status_shows_the_declared_and_measured_uplinks_and_slow_neighbours(caps
     out = " ".join(capsys.readouterr().out.split())
     assert (shown in out) if shown else "Mbit/s" not in out
     assert ("slow neighbours │ n3 (by declared uplinks" in out) == bool(slow)
+    print_status({**st, "part_bytes": 256 << 10})
+    out = " ".join(capsys.readouterr().out.split())
+    assert ("Mbit/s declared (sends parts of 256 KiB)" in out) == bool(declared)

@@ -23,6 +23,7 @@ from patchswarm.node.daemon import Node, NodeConfig
 from patchswarm.node.net import transport, trust
 from patchswarm.node.net.service import parse_uplink
 from patchswarm.protocol import wire
+from patchswarm.protocol.assembly import part_bytes_for
 from patchswarm.tracker import server
 
 DECLARED = {"fast": 100.0, "slow": 10.0, "quiet": None}  # Mbit/s; quiet declares none
@@ -90,6 +91,7 @@ def test_every_node_plans_with_every_declared_uplink_and_shows_its_peers(tmp_pat
             await _until(lambda: len(node.status()["peers"]) == 2, 30)  # the region's nodes dial each other
             st = node.status()
             assert st["uplink_mbit"] == DECLARED[name]
+            assert st["part_bytes"] == part_bytes_for(DECLARED[name])  # the parts it sends
             assert st["slow_neighbours"] == ["slow"]  # 10 of the median 100: planned slow, on every node
             assert st["uplink_measured_mbit"] is None  # nothing sent yet, so nothing backed up
             assert {p["id"]: p.get("uplink") for p in st["peers"]} == {m: up for m, up in DECLARED.items()

@@ -337,10 +337,11 @@ def print_status(st: dict) -> None:
                             + ("" if lat is None else f", publish->engine {lat:.2f} s")
                             + (f"; last error: {engine['last_error']}" if engine.get("last_error") else ""))
     t.add_row("tracker", "connected" if st.get("tracker_connected") else "not connected")
-    declared, measured = st.get("uplink_mbit"), st.get("uplink_measured_mbit")
+    declared, measured, part = st.get("uplink_mbit"), st.get("uplink_measured_mbit"), st.get("part_bytes")
     if declared or measured:
         t.add_row("uplink", ", ".join(
-            ([f"{declared:g} Mbit/s declared"] if declared else [])
+            ([f"{declared:g} Mbit/s declared" + (f" (sends parts of {part >> 10} KiB)" if part else "")]
+             if declared else [])
             + ([f"{measured:g} Mbit/s measured while sends backed up"] if measured else [])))
     if st.get("slow_neighbours"):
         t.add_row("slow neighbours", ", ".join(st["slow_neighbours"]) + " (by declared uplinks: asked last, no share)")

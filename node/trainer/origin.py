@@ -708,6 +708,7 @@ class Origin:
             "bytes_out": self.peers.bytes_out,
             # Declared (--uplink-mbit), and as measured while its sends backed up (protocol/uplinkmeter.py).
             "uplink_mbit": self.cfg.uplink_mbit,
+            "part_bytes": self.peers.part_bytes,  # the parts it sends, sized to that (protocol/assembly.py)
             "uplink_measured_mbit": self.peers.uplink.estimate_mbit(),
             "peers_dropped": dict(self.peers.dropped),  # and connections refused, by kind (node/peers.py)
             "sessions_replaced": self.peers.replaced,  # by the same member's new connection (its reconnect)
