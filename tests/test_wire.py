@@ -892,3 +892,17 @@ def test_piece_data_may_be_any_contiguous_byte_view_and_encodes_as_the_bytes():
             wire.encode(Piece(1, True, 2, 0, 100, bad))
     decoded = wire.decode_body(as_bytes[4:])
     assert decoded.data.readonly and bytes(decoded.data) == data
+
+
+def test_bytes_past_a_large_frames_end_in_one_receive_data_go_to_the_next_frames():
+    """A caller that feeds more than `read_limit()` (a large frame's rest and the next message in
+    one piece) still gets both messages, in order: the excess goes back into the frame buffer."""
+    msgs = [_piece(0, 65536), HaveOne(7, False, 3)]
+    raw = session(msgs)
+    hello_end = 4 + int.from_bytes(raw[:4], "big")
+    conn = Connection()
+    conn.receive_data(raw[:hello_end + 100])
+    assert drain(conn) == ([HELLO], NEED_DATA) and conn.body_buffer() is not None
+    conn.receive_data(raw[hello_end + 100:])
+    conn.receive_data(b"")
+    assert drain(conn) == (msgs, CLOSED)
