@@ -11,6 +11,12 @@ comes from the interpreter's install.
 
     .venv/bin/python bench/transport.py [--mib 256] [--repeat 3] [--piece-kib 64] [--streams TLSSocketStream]
 
+`--pace-mbit R`: the sender writes each Piece's frame in 8 KiB slices at R Mbit/s, as
+bytes reach a node over a WAN link, not at loopback speed; the receiver's CPU per MiB
+and its wake-ups (voluntary context switches) per MiB are what such a link costs it.
+
+    .venv/bin/python bench/transport.py --mib 32 --piece-kib 64 --pace-mbit 100 --streams TLSSocketStream
+
 `--webrtc`: WebRTC data channels (node/net/webrtc.py) against TCP+TLS
 (TLSSocketStream), one pair of endpoints in one process on loopback, Piece
 messages of 16-256 KiB through MessageStream: MB/s received. `--profile`
@@ -78,6 +84,7 @@ from nattopo import TURN_PASSWORD, TURN_USER  # noqa: E402
 STREAMS = ("trio.SSLStream", "TLSSocketStream")
 PIECE = 1 << 20
 CHILD_TIMEOUT_S = 120
+PACE_SLICE = 8 << 10  # bytes per paced write: a few packets, about what one wake-up finds at WAN rates
 
 
 def _stream(kind: str, tcp: trio.SocketStream, ctx, server_side: bool):
@@ -86,7 +93,19 @@ def _stream(kind: str, tcp: trio.SocketStream, ctx, server_side: bool):
     return TLSSocketStream.wrap(tcp, ctx, server_side=server_side)
 
 
-async def _child(role: str, kind: str, creds_root: Path, host: str, port: int, size: int, total: int) -> dict:
+async def _paced_send(ms: transport.MessageStream, msg, pace_mbit: float, clock: list[float]) -> None:
+    """Send `msg`'s frame in PACE_SLICE writes, each at its time on a `pace_mbit` link
+    (clock[0]: when the next write is due)."""
+    frame = memoryview(wire.encode(msg))  # header and body, as MessageStream.send writes it
+    for at in range(0, len(frame), PACE_SLICE):
+        piece = frame[at:at + PACE_SLICE]
+        await trio.sleep_until(clock[0])
+        await ms.stream.send_all(piece)
+        clock[0] += len(piece) * 8 / (pace_mbit * 1e6)
+
+
+async def _child(role: str, kind: str, creds_root: Path, host: str, port: int, size: int, total: int,
+                 pace_mbit: float = 0) -> dict:
     """One end of a TCP+TLS pair: "send" listens on `host` (any port, printed), "receive" dials host:port."""
     name = "origin1" if role == "send" else "node1"
     creds = trust.Credentials.load(creds_root / name)
@@ -99,18 +118,20 @@ async def _child(role: str, kind: str, creds_root: Path, host: str, port: int, s
             peer, peer_role = trust.peer_identity(tls)
             ms = transport.MessageStream(tls, peer, peer_role)
             await transport.exchange_hello(ms, wire.Hello(name, "r0", "origin" if role == "send" else "node", "", []))
-            t0, c0, k0 = time.perf_counter(), time.process_time(), _system_s()
+            t0, c0, k0, w0 = time.perf_counter(), time.process_time(), _system_s(), _wakeups()
             if role == "send":
                 data = os.urandom(size)
+                clock = [trio.current_time()]
                 for i in range(count):
-                    await ms.send(wire.Piece(1, False, i, 0, size, data))
+                    piece = wire.Piece(1, False, i, 0, size, data)
+                    await (_paced_send(ms, piece, pace_mbit, clock) if pace_mbit else ms.send(piece))
                 assert await ms.receive() is None  # the receiver closes once it holds everything
             else:
                 for _ in range(count):
                     msg = await ms.receive()
                     assert isinstance(msg, wire.Piece) and len(msg.data) == size, msg
             result.update(cpu_s=time.process_time() - c0, sys_s=_system_s() - k0, wall_s=time.perf_counter() - t0,
-                          bytes=count * size)
+                          bytes=count * size, wakeups=_wakeups() - w0)
             await ms.aclose()
 
     if role == "send":
@@ -133,18 +154,25 @@ def _system_s() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_stime
 
 
+def _wakeups() -> int:
+    """Times this process waited for something (voluntary context switches): a receiver's
+    wake-ups, one per wait for bytes that ended."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
+
+
 def _last_json(out: str) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
 def _tcp_processes(kind: str, creds_root: Path, size: int, total: int, host: str = "127.0.0.1",
-                   send_ns: tuple[str, ...] = (), receive_ns: tuple[str, ...] = ()) -> tuple[dict, dict]:
+                   send_ns: tuple[str, ...] = (), receive_ns: tuple[str, ...] = (), pace_mbit: float = 0
+                   ) -> tuple[dict, dict]:
     """One TCP+TLS pair, each end in its own process (`*_ns`: a command prefix that runs
     it in a network namespace); the sender's and the receiver's results."""
     def argv(role: str, port: int = 0) -> list[str]:
         return [*(send_ns if role == "send" else receive_ns), sys.executable, __file__, "--child", role,
                 "--kind", kind, "--creds", str(creds_root), "--host", host, "--port", str(port),
-                "--size", str(size), "--mib", str(total >> 20)]
+                "--size", str(size), "--mib", str(total >> 20), "--pace-mbit", str(pace_mbit)]
 
     sender = subprocess.Popen(argv("send"), stdout=subprocess.PIPE, text=True)
     try:
@@ -163,11 +191,12 @@ def _tcp_processes(kind: str, creds_root: Path, size: int, total: int, host: str
     return _last_json(out_s), _last_json(receiver.stdout)
 
 
-def _run_pair(kind: str, creds_root: Path, mib: int, piece: int = PIECE) -> dict:
-    send, recv = _tcp_processes(kind, creds_root, piece, mib << 20)
+def _run_pair(kind: str, creds_root: Path, mib: int, piece: int = PIECE, pace_mbit: float = 0) -> dict:
+    send, recv = _tcp_processes(kind, creds_root, piece, mib << 20, pace_mbit=pace_mbit)
     moved = recv["bytes"] / (1 << 20)  # whole Pieces: mib MiB, rounded down to a multiple of the piece
     return {"stream": kind, "send_ms_per_mib": 1e3 * send["cpu_s"] / moved,
-            "receive_ms_per_mib": 1e3 * recv["cpu_s"] / moved, "mb_per_s": recv["bytes"] / 1e6 / recv["wall_s"]}
+            "receive_ms_per_mib": 1e3 * recv["cpu_s"] / moved, "mb_per_s": recv["bytes"] / 1e6 / recv["wall_s"],
+            "receive_wakeups_per_mib": recv["wakeups"] / moved}
 
 
 SIZES_KIB = (16, 64, 256)
@@ -606,6 +635,8 @@ def main() -> int:
     ap.add_argument("--mib", type=int, default=256, help="MiB moved per run")
     ap.add_argument("--piece-kib", type=int, default=PIECE >> 10,
                     help="TCP+TLS rows: each Piece's bytes, in KiB (a node sends chunk parts of 64)")
+    ap.add_argument("--pace-mbit", type=float, default=0,
+                    help="the sender writes 8 KiB at a time at this rate, as over a WAN link (0: as fast as it can)")
     ap.add_argument("--streams", default=",".join(STREAMS),
                     help=f"TCP+TLS rows: which stream classes, of {', '.join(STREAMS)}")
     ap.add_argument("--repeat", type=int, default=3, help="runs per stream class (best kept)")
@@ -647,7 +678,7 @@ def main() -> int:
         return 0
     if args.child:
         print(json.dumps(trio.run(_child, args.child, args.kind, Path(args.creds), args.host, args.port, args.size,
-                                  args.mib << 20)), flush=True)
+                                  args.mib << 20, args.pace_mbit)), flush=True)
         return 0
     if args.tuning:
         tuning_table(args.mib, args.repeat)
@@ -667,17 +698,21 @@ def main() -> int:
         best: dict[str, dict] = {}
         for i in range(args.repeat):
             for kind in streams:
-                r = _run_pair(kind, root, args.mib, args.piece_kib << 10)
+                r = _run_pair(kind, root, args.mib, args.piece_kib << 10, args.pace_mbit)
                 print(f"  run {i}: {kind}: send {r['send_ms_per_mib']:.2f} ms/MiB, receive "
-                      f"{r['receive_ms_per_mib']:.2f} ms/MiB, {r['mb_per_s']:.0f} MB/s", flush=True)
+                      f"{r['receive_ms_per_mib']:.2f} ms/MiB ({r['receive_wakeups_per_mib']:.0f} wake-ups/MiB), "
+                      f"{r['mb_per_s']:.0f} MB/s", flush=True)
                 cost = r["send_ms_per_mib"] + r["receive_ms_per_mib"]
                 if kind not in best or cost < best[kind]["send_ms_per_mib"] + best[kind]["receive_ms_per_mib"]:
                     best[kind] = r
-    print(f"\n{'stream':>16}  {'send CPU ms/MiB':>15}  {'receive CPU ms/MiB':>18}  {'MB/s':>6}")
+    print(f"\n{'stream':>16}  {'send CPU ms/MiB':>15}  {'receive CPU ms/MiB':>18}  {'receive wake-ups/MiB':>20}  {'MB/s':>6}")
     for kind in streams:
         r = best[kind]
-        print(f"{kind:>16}  {r['send_ms_per_mib']:>15.2f}  {r['receive_ms_per_mib']:>18.2f}  {r['mb_per_s']:>6.0f}")
+        print(f"{kind:>16}  {r['send_ms_per_mib']:>15.2f}  {r['receive_ms_per_mib']:>18.2f}  "
+              f"{r['receive_wakeups_per_mib']:>20.0f}  {r['mb_per_s']:>6.0f}")
     what = f"{args.mib} MiB in Pieces of {args.piece_kib} KiB through MessageStream on loopback, best of {args.repeat}"
+    if args.pace_mbit:
+        what += f", sent in {PACE_SLICE >> 10} KiB writes at {args.pace_mbit:g} Mbit/s"
     if len(streams) == len(STREAMS):
         a, b = best[STREAMS[0]], best[STREAMS[1]]
         print(f"\nTLSSocketStream / trio.SSLStream CPU: send {b['send_ms_per_mib'] / a['send_ms_per_mib']:.2f}, "
