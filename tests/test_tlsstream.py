@@ -11,10 +11,13 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import ssl
 import threading
 
 import pytest
 import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from patchswarm.node.net import transport, trust
 from patchswarm.node.net.tlsstream import FIRST_BUFFER, RECEIVE_LIMIT, TLSSocketStream
@@ -220,6 +223,115 @@ def test_receive_into_fills_the_callers_buffer_and_reads_the_peers_close_as_zero
             return bytes(target)
 
     assert trio.run(main) == payload
+
+
+async def _raw_sender_pair(nursery, creds):
+    """(receiver, send_records): a server-side TLSSocketStream, and its client as an ssl.SSLObject
+    over memory BIOs on a plain TCP stream, so that a test decides how the TLS records' bytes
+    are cut on the wire and when each cut goes: `await send_records(plaintexts, cuts, pause)`
+    seals each plaintext as one record and writes the ciphertext cut at `cuts` (offsets; a
+    negative one counts from the end)."""
+    send, receive = trio.open_memory_channel(1)
+
+    async def on_accept(tcp):
+        await send.send(TLSSocketStream.wrap(tcp, trust.server_context(creds["origin1"]), server_side=True))
+        await trio.sleep_forever()
+
+    listeners = await nursery.start(functools.partial(trio.serve_tcp, host="127.0.0.1"), on_accept, 0)
+    tcp = await trio.open_tcp_stream("127.0.0.1", listeners[0].socket.getsockname()[1])
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls = trust.client_context(creds["node1"]).wrap_bio(incoming, outgoing, server_side=False)
+    receiver = await receive.receive()
+    nursery.start_soon(receiver.do_handshake)
+    while True:
+        try:
+            tls.do_handshake()
+            break
+        except ssl.SSLWantReadError:
+            if outgoing.pending:
+                await tcp.send_all(outgoing.read())
+            incoming.write(await tcp.receive_some())
+    await tcp.send_all(outgoing.read())  # the client's Finished
+
+    async def send_records(plaintexts, cuts, pause):
+        for p in plaintexts:
+            tls.write(p)  # one record per write of at most 16 KiB
+        wire_bytes = outgoing.read()
+        cuts = [c if c >= 0 else len(wire_bytes) + c for c in cuts]  # negative: from the end
+        edges = [0, *sorted({c for c in cuts if 0 < c < len(wire_bytes)}), len(wire_bytes)]
+        for a, b in zip(edges, edges[1:]):
+            await tcp.send_all(wire_bytes[a:b])
+            await trio.sleep(pause)
+
+    return receiver, send_records
+
+
+async def _receive_all_into(stream, n):
+    """Receive n bytes with receive_into, as MessageStream does a frame's body: (bytes, returns)."""
+    target = bytearray(n)
+    view, got, returns = memoryview(target), 0, 0
+    while got < n:
+        k = await stream.receive_into(view[got:])
+        assert k > 0, f"EOF after {got} of {n} bytes"
+        got, returns = got + k, returns + 1
+    view.release()
+    return bytes(target), returns
+
+
+def _records_cut_arrive_whole(creds, record_sizes, cuts, pause):
+    plaintexts = [os.urandom(n) for n in record_sizes]
+
+    async def main():
+        with trio.fail_after(10):
+            async with trio.open_nursery() as n:
+                receiver, send_records = await _raw_sender_pair(n, creds)
+                n.start_soon(send_records, plaintexts, cuts, pause)
+                got, _ = await _receive_all_into(receiver, sum(record_sizes))
+                n.cancel_scope.cancel()
+                return got
+
+    assert trio.run(main) == b"".join(plaintexts)
+
+
+def test_receive_into_ends_when_openssl_holds_most_of_the_last_record(creds):
+    """receive_into waits until most of its target can be filled (SO_RCVLOWAT), so its wake
+    mark must be reached by the bytes still to come even when OpenSSL already holds part of a
+    record. The worst case: four 16 KiB records, all but the last 30 bytes sent, then a pause;
+    a mark of the whole 16 KiB still missing after the first three would never be reached."""
+    _records_cut_arrive_whole(creds, [16 << 10] * 4, [-30], 0.05)
+
+
+@settings(max_examples=25, deadline=None)
+@given(record_sizes=st.lists(st.integers(1, 16 << 10), min_size=1, max_size=8),
+       cuts=st.lists(st.one_of(st.integers(0, 140_000), st.integers(-200, -1)), max_size=6))
+def test_receive_into_ends_however_records_are_cut(creds, record_sizes, cuts):
+    """The same for any record sizes and any cuts of their bytes, a pause after each cut."""
+    _records_cut_arrive_whole(creds, record_sizes, cuts, 0.003)
+
+
+def test_receive_into_a_body_that_trickles_in_wakes_a_few_times_not_per_packet(creds):
+    """A 64 KiB part arriving a 1 KiB record at a time, as over a slow link: the receiver is woken
+    for the first three quarters at once, then per record for the rest (one record's plaintext
+    may already sit in OpenSSL), not once per record throughout. The worst case: a record each
+    half read at a wake; a 48 KiB mark that ignored it would never be reached."""
+    body = os.urandom(64 << 10)
+    records = [body[i:i + 1024] for i in range(0, len(body), 1024)]
+    # One cut per record, and one that leaves the 49th half sent until after a pause.
+    record_wire = 1024 + 22  # 5-byte header, content type, 16-byte tag
+    cuts = [i * record_wire for i in range(1, 64)] + [48 * record_wire + 600]
+
+    async def main():
+        with trio.fail_after(20):
+            async with trio.open_nursery() as n:
+                receiver, send_records = await _raw_sender_pair(n, creds)
+                n.start_soon(send_records, records, cuts, 0.002)
+                got = await _receive_all_into(receiver, len(body))
+                n.cancel_scope.cancel()
+                return got
+
+    got, returns = trio.run(main)
+    assert got == body
+    assert returns <= 24, f"{returns} wake-ups for 64 records: the wake mark did not hold"
 
 
 def test_connect_dials_from_the_local_address_it_is_given(creds):
