@@ -131,6 +131,114 @@ def test_a_node_answering_with_other_bytes_is_dropped_and_nothing_is_stored(tmp_
             assert not f.exists()  # the damaged file removed, the lie never stored
 
 
+async def _far_nodes(creds: list, addr: str, key: tuple[int, bool], chunk: int, true_chunk: bytes,
+                     answer, seen: list, until) -> None:
+    """Nodes far from the origin, connected to it at once: the first sends a Request for the
+    chunk (so that the origin reads it and finds the damage); each answers the origin's Request
+    for it, 0.6 s later (a round trip away), with a Reject or the true chunk as `answer(n)`
+    says of the n-th request any of them got (-1: the chunk after 3 s, unless cancelled first).
+    `seen` gets (time, name, what) for each Request, Cancel and answer; ends when `until()`."""
+    connected = trio.Event()
+    count = [0]
+
+    async def node(c, first: bool) -> None:
+        ms = await connect(addr, c, {"origin"}, wire.Hello(c.name, "r1", "node", "", []), expect_name="origin")
+        count[0] += 1
+        if count[0] == len(creds):
+            connected.set()
+        pending: dict = {}
+        try:
+            async with trio.open_nursery() as n:
+                async def reply(token, kind: str, delay: float) -> None:
+                    await trio.sleep(delay)
+                    if pending.pop(token, None) is None:
+                        return  # cancelled meanwhile
+                    seen.append((trio.current_time(), c.name, kind))
+                    if kind == "Reject":
+                        await ms.send(wire.Reject(key[0], key[1], chunk, "not held here"))
+                    else:
+                        await ms.send(wire.Piece(key[0], key[1], chunk, 0, len(true_chunk), true_chunk))
+
+                if first:
+                    await connected.wait()
+                    await ms.send(wire.Request(key[0], key[1], chunk))
+                while True:
+                    msg = await ms.receive()
+                    if msg is None:
+                        return
+                    if isinstance(msg, (wire.Request, wire.Cancel)) and (msg.version, msg.keyframe, msg.chunk) \
+                            == (*key, chunk):
+                        seen.append((trio.current_time(), c.name, type(msg).__name__))
+                        if isinstance(msg, wire.Cancel):
+                            pending.clear()
+                            continue
+                        count_asked = sum(1 for _, _, w in seen if w == "Request")
+                        how = answer(count_asked)
+                        token = object()
+                        pending[token] = True
+                        n.start_soon(reply, token, "Reject" if how == 0 else "Piece", 0.6 if how >= 0 else 3.0)
+        finally:
+            await ms.aclose()
+
+    async with trio.open_nursery() as n:
+        for i, c in enumerate(creds):
+            n.start_soon(node, c, i == 0)
+        with trio.fail_after(60):
+            while not await trio.to_thread.run_sync(until):  # origin.stats() blocks: off this loop
+                await trio.sleep(0.05)
+        n.cancel_scope.cancel()
+
+
+def _waves(times: list[float], gap: float) -> list[int]:
+    """Sizes of the groups of `times` (sorted) that lie within `gap` of the one before."""
+    sizes: list[int] = []
+    for i, t in enumerate(times):
+        if i and t - times[i - 1] < gap:
+            sizes[-1] += 1
+        else:
+            sizes.append(1)
+    return sizes
+
+
+def test_the_origin_asks_for_a_lost_chunk_in_waves_and_cancels_the_rest_once_one_node_sends_it(tmp_path):
+    """Twelve far nodes, none holding the damaged chunk in the first round: the origin asks one,
+    then two, four and the last five at once (a round trip a wave, not one a node). In the
+    second round the first three asked decline and the next four hold it: the first to send it
+    whole is taken, the other three get a Cancel, and nothing more is asked."""
+    ckpts = rl_checkpoints("small", 1e-5, 1)
+    with SwarmLab(tmp_path) as lab:
+        lab.start_tracker()
+        with _origin(lab) as origin:
+            for s in ckpts:
+                origin.publish(s)
+            f = origin.origin.data_dir / "objects" / f"v{1:010d}-patch" / f"{0:06d}.chunk"
+            true_chunk = f.read_bytes()
+            _damage(origin.origin.data_dir, 1)
+            creds = [trust.Credentials.load(lab.creds(f"far{i}", "node")) for i in range(12)]
+            seen: list = []
+
+            def answer(n: int) -> int:  # 0: Reject; 1: the chunk; -1: the chunk, slowly
+                return 0 if n <= 12 + 3 else 1 if n == 12 + 4 else -1
+
+            def done() -> bool:  # taken back, and the rest of its wave told so
+                return origin.stats()["chunks_recovered"] == 1 and sum(w == "Cancel" for _, _, w in seen) >= 3
+
+            trio.run(_far_nodes, creds, origin.listen_addr, (1, False), 0, true_chunk, answer, seen, done)
+            st = origin.stats()
+            probe = trust.Credentials.load(lab.creds("probe", "node"))
+            assert trio.run(_ask, probe, origin.listen_addr, (1, False), 0) == "Piece"
+    asked = sorted(t for t, _, what in seen if what == "Request")
+    assert len(asked) == 12 + 7, seen  # round 1: all twelve; round 2: 1 + 2 + 4
+    first, second = asked[:12], asked[12:]
+    assert _waves(first, 0.3) == [1, 2, 4, 5], seen
+    assert _waves(second, 0.3) == [1, 2, 4], seen
+    last_wave = {name for t, name, what in seen if what == "Request" and t >= second[3] - 0.01}
+    sent = [name for _, name, what in seen if what == "Piece"]
+    cancelled = {name for _, name, what in seen if what == "Cancel"}
+    assert len(sent) == 1 and cancelled == last_wave - set(sent), seen
+    assert st["chunks_damaged"] == 1 and st["chunks_recovered"] == 1 and st["chunks_lost"] == 0
+
+
 def test_a_chunk_no_node_holds_is_routed_around_with_a_keyframe_only_version_at_once(tmp_path):
     ckpts = rl_checkpoints("small", 1e-5, 1)
     with _swarm_at_1(tmp_path, ckpts) as (lab, origin, a):

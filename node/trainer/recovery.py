@@ -5,21 +5,31 @@ found one changed on disk when reading it, node/store.py `on_lost`, or
 start-up found one missing from an object whose manifest the origin wrote,
 which it writes last), and asking connected nodes for each over their
 session: nodes answer a Request from any peer, the origin too
-(node/peers.py). One node at a time: a Reject (not held) moves on to the
-next at once; a request not answered whole within REQUEST_S is cancelled and
-the next node asked. A whole chunk must match the signed manifest's size and
-SHA-256 (protocol/manifest.py `chunk_ok`, the check a node makes) before the
-store takes it; one that does not drops its sender, as a node would. Then
-every session hears HaveOne for it: a node the origin refused it to does not
-ask the origin again until told (protocol/picker.py, `chunk_refused`).
+(node/peers.py). A round asks the connected nodes in waves: one node first
+(where the chunk went out long ago every node holds it, and one answer is all
+it costs), then twice as many at once as the wave before, up to WAVE_MAX. The
+first whole verified answer of a wave ends the round and the wave's other
+requests are cancelled; a wave ends early when every node in it sent a Reject
+(not held) and late after REQUEST_S. Asked one node at a time, a round over
+a fleet that mostly lacks the chunk (one damaged before it spread) cost a
+round trip per node, ~100 s over 1,000 nodes 100 ms away, each round before
+the origin could route around it; in waves it costs ~log2(WAVE_MAX) + nodes /
+WAVE_MAX round trips (~7 s there), and at most WAVE_MAX - 1 needless chunks
+into the origin where several nodes of one wave hold it. A whole chunk must
+match the signed manifest's size and SHA-256 (protocol/manifest.py
+`chunk_ok`, the check a node makes) before the store takes it; one that does
+not drops its sender, as a node would. Then every session hears HaveOne for
+it: a node the origin refused it to does not ask the origin again until told
+(protocol/picker.py, `chunk_refused`).
 
 A chunk that ROUNDS rounds over the connected nodes did not bring back is
 reported lost, once (`on_lost`: the origin routes the swarm around it); the
 asking goes on, ROUND_WAIT_S doubling up to ROUND_MAX_S between rounds, until
 it is back or its object leaves the store. At most CONCURRENT chunks are asked
-for at once.
+for at once, each of a wave of at most WAVE_MAX nodes.
 
-Memory: one entry per chunk lost, one chunk's parts per request in flight; no
+Memory: one entry per chunk lost, one chunk's parts per request in flight (at
+most CONCURRENT x WAVE_MAX); no
 record of who holds what (the origin drops Have and HaveOne as before):
 asking a node that lacks a chunk costs it a Request and a Reject. Must not
 decide what to publish (the origin, told `on_lost`) nor serve (node/peers.py).
@@ -49,7 +59,9 @@ REQUEST_S = 10.0  # a node's whole answer to one request; past it the next node 
 ROUNDS = 3  # rounds over the connected nodes before a chunk is reported lost
 ROUND_WAIT_S = 2.0  # between the first two rounds (nodes that are still fetching may have it next)
 ROUND_MAX_S = 60.0  # ... doubling up to this, for as long as the chunk's object is kept
-CONCURRENT = 4  # chunks asked for at once (each asks one node at a time)
+CONCURRENT = 4  # chunks asked for at once (each of a wave of nodes)
+WAVE_MAX = 16  # nodes asked at once for one chunk, in the widest wave
+CANCEL_SEND_S = 5.0  # for the Cancel of a request another node answered first (the session's own limit is longer)
 
 
 @dataclasses.dataclass(eq=False)
@@ -95,14 +107,8 @@ class ChunkRecovery:
                 async with self._slots:
                     nodes = [s for s in self.peers.sessions.values() if s.role == "node"]
                     random.shuffle(nodes)  # no node is asked first for every chunk
-                    for s in nodes:
-                        if not self._still_lost(key, chunk):
-                            return  # made again meanwhile (the origin), or its object retired
-                        data = None if s.closed else await self._ask(s, key, chunk)
-                        if data is not None:
-                            if self.restore(key, chunk, data, f"taken back from node {s.id}"):
-                                return
-                            break  # our disk failed the write: the next round tries again
+                    if await self._round(nodes, key, chunk):
+                        return
                 rounds += 1
                 if rounds == ROUNDS:
                     self.lost += 1
@@ -114,6 +120,37 @@ class ChunkRecovery:
                 wait = min(2 * wait, ROUND_MAX_S)
         finally:
             self._working.discard((key, chunk))
+
+    async def _round(self, nodes: list[Session], key: ObjKey, chunk: int) -> bool:
+        """Ask `nodes` for the chunk in waves of 1, 2, 4 ... WAVE_MAX; True once it is back
+        (or needs no taking back), False where no node gave it or the disk refused it."""
+        at, width = 0, 1
+        while at < len(nodes):
+            if not self._still_lost(key, chunk):
+                return True  # made again meanwhile (the origin), or its object retired
+            wave = [s for s in nodes[at:at + width] if not s.closed]
+            at, width = at + width, min(2 * width, WAVE_MAX)
+            got = await self._ask_wave(wave, key, chunk)
+            if got is not None:
+                s, data = got
+                # False: our disk failed the write; the next round tries again.
+                return self.restore(key, chunk, data, f"taken back from node {s.id}")
+        return False
+
+    async def _ask_wave(self, wave: list[Session], key: ObjKey, chunk: int) -> tuple[Session, bytes] | None:
+        """The first verified whole chunk one of `wave` sends, asked of all at once, and its
+        sender; the others' requests are cancelled then. None where none sent it."""
+        first: list[tuple[Session, bytes]] = []
+        async with trio.open_nursery() as nursery:
+            async def ask(s: Session) -> None:
+                data = await self._ask(s, key, chunk)
+                if data is not None and not first:
+                    first.append((s, data))
+                    nursery.cancel_scope.cancel()
+
+            for s in wave:
+                nursery.start_soon(ask, s)
+        return first[0] if first else None
 
     def _still_lost(self, key: ObjKey, chunk: int) -> bool:
         return self.store.manifest(key) is not None and chunk not in self.store.have(key)
@@ -134,7 +171,8 @@ class ChunkRecovery:
         return True
 
     async def _ask(self, s: Session, key: ObjKey, chunk: int) -> bytes | None:
-        """Chunk `chunk` of `key` from node `s`, verified; None if it refused, failed or was slow."""
+        """Chunk `chunk` of `key` from node `s`, verified; None if it refused, failed or was slow.
+        Cancelled (another node of its wave answered first), it cancels the request."""
         ask = self._asks[(s, key, chunk)] = _Ask(key, chunk)
         try:
             try:
@@ -148,6 +186,14 @@ class ChunkRecovery:
             except CONNECTION_ERRORS as e:
                 s.close(f"could not send a request ({one_line(e)})")
             return ask.data
+        except trio.Cancelled:
+            if not ask.done.is_set():  # the node may be sending it still: no need now
+                with trio.CancelScope(shield=True), trio.move_on_after(CANCEL_SEND_S):
+                    try:
+                        await s.send(wire.Cancel(key[0], key[1], chunk))
+                    except CONNECTION_ERRORS as e:
+                        s.close(f"could not send a cancel ({one_line(e)})")
+            raise
         finally:
             del self._asks[(s, key, chunk)]
 
