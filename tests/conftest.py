@@ -14,8 +14,6 @@ thread is also what the demo's trainer and workers use, and its results do not d
 machine's core count.
 """
 
-import os
-
 import torch
 from hypothesis import settings
 
@@ -23,24 +21,6 @@ torch.set_num_threads(1)
 
 settings.register_profile("patchswarm", deadline=None)
 settings.load_profile("patchswarm")
-
-
-# Memory to allow a worker: test_swarm's eight nodes, origin, tracker and the worker peaked at
-# 3.4 GiB of RSS (shared pages counted in each process), 2026-12-06.
-WORKER_MEMORY = 4 << 30
-
-
-def pytest_xdist_auto_num_workers(config):
-    """`-n auto` (`make test`): half as many workers again as cores, as memory allows.
-
-    The long tests mostly wait on the processes they start; with a worker per core the
-    machine sat 26 % idle through test_swarm (/proc/stat). Three workers on two cores: the
-    whole suite 10 min 17 s -> 8 min 4 s, 18 % idle (bench/RESULTS.md, Tests). Memory bounds
-    it on a machine with many cores and little memory per core.
-    """
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return max(1, min(cores + cores // 2, memory // WORKER_MEMORY))
 
 
 def pytest_collection_modifyitems(items):
