@@ -30,7 +30,7 @@ from patchswarm.node.compaction import COMPACT_EVERY
 from patchswarm.node.store import ObjectStore
 from patchswarm.node.weights import (META_HASH, META_SWARM, META_VERSION, WEIGHTS_NAME, Weights, read_metadata,
                                      read_weights)
-from patchswarm.protocol.errors import InvalidInput, PatchswarmError, UsageError
+from patchswarm.protocol.errors import ChunkGone, InvalidInput, PatchswarmError, UsageError
 from patchswarm.protocol.manifest import ObjKey
 from patchswarm.protocol.patch import apply
 from patchswarm.protocol.publication import describe, patch_of, table_after, table_of
@@ -68,7 +68,8 @@ class DurableState:
 
         `book` holds the stored objects' manifests (ObjectStore.load filled it). An object
         that fails to apply ends the replay at the version before it (and is dropped, so
-        the swarm fetches it again)."""
+        the swarm fetches it again); one with a chunk found damaged on reading ends it too,
+        but is kept without that chunk, which is fetched (the origin: taken back) again."""
         self._remove_temporaries()
         try:
             w = read_base(self.path, self.swarm_id)
@@ -211,7 +212,10 @@ def replay(w: Weights | None, book: VersionBook, store: ObjectStore, *, threads:
            on_failure=None) -> Weights | None:
     """`w` (the base, or None) carried forward through the complete stored objects `book`
     plans from it, each applied with every check the codec has; an object that fails
-    ends the replay at the version before it (`on_failure(key)` is told)."""
+    ends the replay at the version before it (`on_failure(key)` is told). A chunk found
+    damaged or gone as it is read (ChunkGone: the store forgot it, so the object is no
+    longer complete) ends it too, the object kept: the store's load checks chunk sizes
+    only, and this is where damage at rest shows."""
     plan = book.plan(None if w is None else w.version, None if w is None else w.state_hash)
     table = None  # the state's tensor table, made once and then carried from object to object
     for key in plan:
@@ -230,6 +234,10 @@ def replay(w: Weights | None, book: VersionBook, store: ObjectStore, *, threads:
             # With undo: a failure leaves the state at the version before (restarts are rare).
             apply(state, patch, threads=threads, undo=True)
             table = table_after(patch)
+        except ChunkGone as e:
+            log.warning("replay stops before %s (%s); resuming at %s", describe(key), e,
+                        "no version" if w is None else f"version {w.version}")
+            break
         except PatchswarmError as e:
             log.error("replaying %s failed (%s); resuming at %s", describe(key), e,
                       "no version" if w is None else f"version {w.version}")

@@ -92,6 +92,28 @@ def test_a_damaged_chunk_stops_the_replay_before_its_object_and_keeps_the_object
     assert dropped == [] and w.version == VERSIONS and _same(w.state, states[VERSIONS])
 
 
+def test_a_chunk_damaged_at_rest_with_its_size_stops_the_replay_at_its_read_and_keeps_its_object(tmp_path):
+    """Start-up checks chunk sizes only (node/store.py `load`); a chunk of v2 with one bit
+    flipped is found when the replay reads it: the replay resumes at v1, v2 is kept without
+    that chunk (fetched again; the origin takes it back) and v3 is kept whole, not dropped as
+    an object that failed to apply."""
+    d, trainer, states = _data_dir(tmp_path)
+    chunk = d / "objects" / "v0000000002-patch" / "000001.chunk"
+    good = chunk.read_bytes()
+    bad = bytearray(good)
+    bad[len(bad) // 2] ^= 0x04
+    chunk.write_bytes(bytes(bad))
+    store, durable, w, dropped = _start(d, trainer)
+    assert dropped == []  # the size is right: start-up cannot tell
+    assert w.version == 1 and _same(w.state, states[1])
+    assert store.manifest((2, False)) is not None and store.have((2, False)) == set(range(
+        len(store.manifest((2, False)).chunks))) - {1}
+    assert store.complete((3, False)) and not chunk.exists() and store.chunks_damaged == 1
+    chunk.write_bytes(good)  # fetched again
+    store, durable, w, dropped = _start(d, trainer)
+    assert dropped == [] and w.version == VERSIONS and _same(w.state, states[VERSIONS])
+
+
 def test_a_manifest_in_another_objects_folder_is_not_served_under_that_folders_name(tmp_path):
     """The defect: the store keyed an object by its folder's name, not by its signed manifest,
     so a v2 manifest under v0000000009-patch was served to peers as v9 (chunks that fail

@@ -58,7 +58,7 @@ def test_start_up_deletes_only_what_the_store_can_show_is_unusable(tmp_path):
     d = tmp_path / "v0000000001-patch"
     (d / f".000000.chunk.{12345}.tmp").write_bytes(b"half a chunk")  # an interrupted write
     (d / ".manifest.777.tmp").write_bytes(b"half a manifest")
-    (d / "000001.chunk").write_bytes(b"not the chunk")  # fails its SHA-256
+    (d / "000001.chunk").write_bytes(b"not the chunk")  # not the size its manifest gives
     (d / "NOTES.txt").write_bytes(b"an operator's file")  # not the store's to judge
     # An object folder without a manifest: an interrupted write_object, nothing checkable.
     (tmp_path / "v0000000002-patch").mkdir()
@@ -69,6 +69,42 @@ def test_start_up_deletes_only_what_the_store_can_show_is_unusable(tmp_path):
     assert store.have((1, False)) == set(range(len(chunks))) - {1}
     assert not (tmp_path / "v0000000002-patch").exists()
     assert len(dropped) == 2 and "000001.chunk" in dropped[0] and "v0000000002-patch" in dropped[1]
+
+
+def test_start_up_reads_no_chunk_and_a_chunk_damaged_at_rest_is_found_at_its_first_read(tmp_path, monkeypatch):
+    """Start-up checks each chunk file's size, not its SHA-256: hashing every held chunk made a
+    restart read the whole store (a keyframe of the model) before the member could serve. A
+    chunk damaged at rest with its size unchanged is held after start-up and found when it is
+    first read: not returned, its file removed, the chunk forgotten and reported lost."""
+    import pathlib
+
+    trainer = Ed25519PrivateKey.generate()
+    m, envelope, chunks = _object(trainer)
+    store = ObjectStore(tmp_path)
+    store.write_object((1, False), envelope, chunks)
+    d = tmp_path / "v0000000001-patch"
+    damaged = bytearray((d / "000002.chunk").read_bytes())
+    damaged[len(damaged) // 2] ^= 0x01
+    (d / "000002.chunk").write_bytes(bytes(damaged))
+    (d / "000003.chunk").write_bytes((d / "000003.chunk").read_bytes()[:-1])  # torn: a byte short
+    reads = []
+    real = pathlib.Path.read_bytes
+
+    def read_bytes(self):
+        reads.append(self.name)
+        return real(self)
+
+    monkeypatch.setattr(pathlib.Path, "read_bytes", read_bytes)
+    store, dropped = _reopen(tmp_path, trainer)
+    assert reads == ["manifest"]  # no chunk read at start-up
+    assert len(dropped) == 1 and "000003.chunk" in dropped[0] and "the manifest gives" in dropped[0]
+    assert store.have((1, False)) == set(range(len(chunks))) - {3}
+    lost = []
+    store.on_lost = lambda key, i: lost.append((key, i))
+    assert store.get_chunk((1, False), 0) == chunks[0]
+    assert store.get_chunk((1, False), 2) is None  # found at its first read
+    assert lost == [((1, False), 2)] and store.chunks_damaged == 1
+    assert 2 not in store.have((1, False)) and not (d / "000002.chunk").exists()
 
 
 def test_an_objects_chunks_are_read_when_reached_not_all_at_once(tmp_path):

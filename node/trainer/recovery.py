@@ -3,7 +3,7 @@
 Owns `ChunkRecovery`: the chunks the origin lost from its store (its store
 found one changed on disk when reading it, node/store.py `on_lost`, or
 start-up found one missing from an object whose manifest the origin wrote,
-which it writes last), and asking connected nodes for each over their
+which it writes last, or damaged as the replay read it), and asking connected nodes for each over their
 session: nodes answer a Request from any peer, the origin too
 (node/peers.py). A round asks the connected nodes in waves: one node first
 (where the chunk went out long ago every node holds it, and one answer is all
