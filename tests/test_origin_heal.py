@@ -38,6 +38,17 @@ def _origin(lab: SwarmLab, **kw) -> SyncOrigin:
 
 
 @contextlib.contextmanager
+def _published(tmp_path, ckpts):
+    """A tracker and the origin with `ckpts` published (versions 0 and 1), no node."""
+    with SwarmLab(tmp_path) as lab:
+        lab.start_tracker()
+        with _origin(lab) as origin:
+            for s in ckpts:
+                origin.publish(s)
+            yield lab, origin
+
+
+@contextlib.contextmanager
 def _swarm_at_1(tmp_path, ckpts):
     """A tracker, the origin with `ckpts` published (versions 0 and 1) and node a at version 1."""
     with SwarmLab(tmp_path) as lab:
@@ -116,19 +127,14 @@ def test_a_chunk_damaged_on_the_origins_disk_is_taken_back_from_a_node_and_a_lat
 
 
 def test_a_node_answering_with_other_bytes_is_dropped_and_nothing_is_stored(tmp_path):
-    ckpts = rl_checkpoints("small", 1e-5, 1)
-    with SwarmLab(tmp_path) as lab:
-        lab.start_tracker()
-        with _origin(lab) as origin:
-            for s in ckpts:
-                origin.publish(s)
-            f = _damage(origin.origin.data_dir, 1)
-            liar = trust.Credentials.load(lab.creds("liar", "node"))
-            seen = trio.run(_lie, liar, origin.listen_addr, (1, False), 0, f.stat().st_size)
-            assert "Request" in seen and seen[-1] == "closed"  # asked, then dropped for its answer
-            st = origin.stats()
-            assert st["peers_dropped"].get("misbehaved") == 1 and st["chunks_recovered"] == 0
-            assert not f.exists()  # the damaged file removed, the lie never stored
+    with _published(tmp_path, rl_checkpoints("small", 1e-5, 1)) as (lab, origin):
+        f = _damage(origin.origin.data_dir, 1)
+        liar = trust.Credentials.load(lab.creds("liar", "node"))
+        seen = trio.run(_lie, liar, origin.listen_addr, (1, False), 0, f.stat().st_size)
+        assert "Request" in seen and seen[-1] == "closed"  # asked, then dropped for its answer
+        st = origin.stats()
+        assert st["peers_dropped"].get("misbehaved") == 1 and st["chunks_recovered"] == 0
+        assert not f.exists()  # the damaged file removed, the lie never stored
 
 
 async def _far_nodes(creds: list, addr: str, key: tuple[int, bool], chunk: int, true_chunk: bytes,
@@ -205,28 +211,23 @@ def test_the_origin_asks_for_a_lost_chunk_in_waves_and_cancels_the_rest_once_one
     then two, four and the last five at once (a round trip a wave, not one a node). In the
     second round the first three asked decline and the next four hold it: the first to send it
     whole is taken, the other three get a Cancel, and nothing more is asked."""
-    ckpts = rl_checkpoints("small", 1e-5, 1)
-    with SwarmLab(tmp_path) as lab:
-        lab.start_tracker()
-        with _origin(lab) as origin:
-            for s in ckpts:
-                origin.publish(s)
-            f = origin.origin.data_dir / "objects" / f"v{1:010d}-patch" / f"{0:06d}.chunk"
-            true_chunk = f.read_bytes()
-            _damage(origin.origin.data_dir, 1)
-            creds = [trust.Credentials.load(lab.creds(f"far{i}", "node")) for i in range(12)]
-            seen: list = []
+    with _published(tmp_path, rl_checkpoints("small", 1e-5, 1)) as (lab, origin):
+        f = origin.origin.data_dir / "objects" / f"v{1:010d}-patch" / f"{0:06d}.chunk"
+        true_chunk = f.read_bytes()
+        _damage(origin.origin.data_dir, 1)
+        creds = [trust.Credentials.load(lab.creds(f"far{i}", "node")) for i in range(12)]
+        seen: list = []
 
-            def answer(n: int) -> int:  # 0: Reject; 1: the chunk; -1: the chunk, slowly
-                return 0 if n <= 12 + 3 else 1 if n == 12 + 4 else -1
+        def answer(n: int) -> int:  # 0: Reject; 1: the chunk; -1: the chunk, slowly
+            return 0 if n <= 12 + 3 else 1 if n == 12 + 4 else -1
 
-            def done() -> bool:  # taken back, and the rest of its wave told so
-                return origin.stats()["chunks_recovered"] == 1 and sum(w == "Cancel" for _, _, w in seen) >= 3
+        def done() -> bool:  # taken back, and the rest of its wave told so
+            return origin.stats()["chunks_recovered"] == 1 and sum(w == "Cancel" for _, _, w in seen) >= 3
 
-            trio.run(_far_nodes, creds, origin.listen_addr, (1, False), 0, true_chunk, answer, seen, done)
-            st = origin.stats()
-            probe = trust.Credentials.load(lab.creds("probe", "node"))
-            assert trio.run(_ask, probe, origin.listen_addr, (1, False), 0) == "Piece"
+        trio.run(_far_nodes, creds, origin.listen_addr, (1, False), 0, true_chunk, answer, seen, done)
+        st = origin.stats()
+        probe = trust.Credentials.load(lab.creds("probe", "node"))
+        assert trio.run(_ask, probe, origin.listen_addr, (1, False), 0) == "Piece"
     asked = sorted(t for t, _, what in seen if what == "Request")
     assert len(asked) == 12 + 7, seen  # round 1: all twelve; round 2: 1 + 2 + 4
     first, second = asked[:12], asked[12:]
