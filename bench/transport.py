@@ -705,7 +705,8 @@ def main() -> int:
                 cost = r["send_ms_per_mib"] + r["receive_ms_per_mib"]
                 if kind not in best or cost < best[kind]["send_ms_per_mib"] + best[kind]["receive_ms_per_mib"]:
                     best[kind] = r
-    print(f"\n{'stream':>16}  {'send CPU ms/MiB':>15}  {'receive CPU ms/MiB':>18}  {'receive wake-ups/MiB':>20}  {'MB/s':>6}")
+    print(f"\n{'stream':>16}  {'send CPU ms/MiB':>15}  {'receive CPU ms/MiB':>18}  "
+          f"{'receive wake-ups/MiB':>20}  {'MB/s':>6}")
     for kind in streams:
         r = best[kind]
         print(f"{kind:>16}  {r['send_ms_per_mib']:>15.2f}  {r['receive_ms_per_mib']:>18.2f}  "

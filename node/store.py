@@ -6,8 +6,8 @@ envelope as received) and `NNNNNN.chunk` files. A file is written under a
 temporary name (`.NAME.PID.tmp`) and renamed, so a file that exists is whole.
 Every read of a chunk checks it against its manifest's SHA-256 again
 (`get_chunk`: a crash or a disk error costs a refetch, never a bad apply or a
-bad chunk sent); start-up checks each chunk file's size only (`load`). A write that fails (a full
-disk) removes its temporary, is reported to `disk` (node/diskspace.py: the one
+bad chunk sent); start-up checks each chunk file's size only (`load`). A write
+that fails (a full disk) removes its temporary, is reported to `disk` (node/diskspace.py: the one
 record of our disk failing) and raises its OSError to the caller, which drops
 that write and tries again later. Must not decide what to fetch or keep:
 callers say what to drop. The last SERVED_KEPT_BYTES of chunks served are kept in
@@ -18,8 +18,9 @@ origin, which has no peer to fetch it from, takes it back: node/trainer/recovery
 
 What start-up may delete, the one rule: what this store wrote and can show is
 unusable. That is a temporary of an interrupted write, a chunk file that is
-not the size its manifest gives (or damaged, found when it is read), and an object folder whose manifest is missing, does
-not verify, or is that of another object (nothing in it can be checked). A
+not the size its manifest gives (one damaged in place is found when it is
+read), and an object folder whose manifest is missing, does not verify, or is
+that of another object (nothing in it can be checked). A
 file that cannot be read now (EACCES, EIO) is no such proof: it is reported
 and left in place, its object not loaded (fetched again if needed). Any other file is left where it is.
 """
