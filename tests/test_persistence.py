@@ -17,7 +17,7 @@ from patchswarm.node.daemon import Node, NodeConfig
 from patchswarm.node.net.trust import init_swarm, issue
 from patchswarm.node.persistence import DurableState
 from patchswarm.node.store import ObjectStore
-from patchswarm.node.weights import WEIGHTS_NAME, Weights, read_weights, write_weights
+from patchswarm.node.weights import WEIGHTS_NAME, Weights, write_weights
 from patchswarm.protocol.errors import UsageError
 from patchswarm.protocol.manifest import sign_manifest
 from patchswarm.protocol.patch import diff
