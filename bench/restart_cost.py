@@ -17,7 +17,6 @@ interpreter: the package comes from the interpreter's install.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import shutil
 import sys
@@ -36,22 +35,16 @@ CHUNK = 1 << 20
 
 
 def _write_store(root: Path, gib: float, trainer: Ed25519PrivateKey) -> int:
-    """One signed keyframe object of `gib` GiB in a fresh store at `root`; its chunk count."""
+    """One signed keyframe object of `gib` GiB in a fresh store at `root`, written the way the
+    origin writes one (`ObjectStore.writer`: chunk files, then the manifest); its chunk count."""
     n = max(1, int(gib * (1 << 30)) // CHUNK)
     block = os.urandom(CHUNK)
-    # Each chunk differs (its index in its first bytes), as a keyframe's chunks do.
-    chunks = (i.to_bytes(8, "little") + block[8:] for i in range(n))
-    store = ObjectStore(root)
-    key = (1, True)
-    table = []
-    d = root / "v0000000001-keyframe"
-    d.mkdir()
-    for i, c in enumerate(chunks):
-        (d / f"{i:06d}.chunk").write_bytes(c)
-        table.append((len(c), hashlib.sha256(c).digest()))
-    m = Manifest(swarm_id=SWARM, version=key[0], base_version=None, base_hash=None,
-                 target_hash="blake3:" + "11" * 32, tensors=[], chunks=table, codec={"format": 1}, created_at=0.0)
-    store.put_manifest(key, m, sign_manifest(m, trainer))
+    writer = ObjectStore(root).writer((1, True))
+    for i in range(n):
+        writer.add(i.to_bytes(8, "little") + block[8:])  # each chunk differs, as a keyframe's do
+    m = Manifest(swarm_id=SWARM, version=1, base_version=None, base_hash=None, target_hash="blake3:" + "11" * 32,
+                 tensors=[], chunks=writer.table, codec={"format": 1}, created_at=0.0)
+    writer.finish(sign_manifest(m, trainer))
     return n
 
 
