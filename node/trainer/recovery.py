@@ -61,7 +61,7 @@ ROUND_WAIT_S = 2.0  # between the first two rounds (nodes that are still fetchin
 ROUND_MAX_S = 60.0  # ... doubling up to this, for as long as the chunk's object is kept
 CONCURRENT = 4  # chunks asked for at once (each of a wave of nodes)
 WAVE_MAX = 16  # nodes asked at once for one chunk, in the widest wave
-CANCEL_SEND_S = 5.0  # for the Cancel of a request another node answered first (the session's own limit is longer)
+CANCEL_SEND_S = 5.0  # for the Cancel of a request left unanswered (the session's own send limit is longer)
 
 
 @dataclasses.dataclass(eq=False)
@@ -172,30 +172,28 @@ class ChunkRecovery:
 
     async def _ask(self, s: Session, key: ObjKey, chunk: int) -> bytes | None:
         """Chunk `chunk` of `key` from node `s`, verified; None if it refused, failed or was slow.
-        Cancelled (another node of its wave answered first), it cancels the request."""
+        A request left unanswered (slow, or cancelled: another node of its wave answered first)
+        is cancelled at the node."""
         ask = self._asks[(s, key, chunk)] = _Ask(key, chunk)
         try:
-            try:
-                await s.send(wire.Request(key[0], key[1], chunk))
-                with trio.move_on_after(REQUEST_S) as scope:
-                    await ask.done.wait()
-                if scope.cancelled_caught:
-                    log.info("node %s did not send chunk %d of %s within %.0f s; asking another", s.id, chunk,
-                             describe(key), REQUEST_S)
-                    await s.send(wire.Cancel(key[0], key[1], chunk))
-            except CONNECTION_ERRORS as e:
-                s.close(f"could not send a request ({one_line(e)})")
+            await s.send(wire.Request(key[0], key[1], chunk))
+            with trio.move_on_after(REQUEST_S):
+                await ask.done.wait()
+            if not ask.done.is_set():
+                log.info("node %s did not send chunk %d of %s within %.0f s; asking another", s.id, chunk,
+                         describe(key), REQUEST_S)
             return ask.data
-        except trio.Cancelled:
-            if not ask.done.is_set():  # the node may be sending it still: no need now
+        except CONNECTION_ERRORS as e:
+            s.close(f"could not send a request ({one_line(e)})")
+            return None
+        finally:
+            del self._asks[(s, key, chunk)]
+            if not ask.done.is_set() and not s.closed:  # the node may be sending it still: no need now
                 with trio.CancelScope(shield=True), trio.move_on_after(CANCEL_SEND_S):
                     try:
                         await s.send(wire.Cancel(key[0], key[1], chunk))
                     except CONNECTION_ERRORS as e:
                         s.close(f"could not send a cancel ({one_line(e)})")
-            raise
-        finally:
-            del self._asks[(s, key, chunk)]
 
     # ------------------------------------------------------------ what nodes answer
 
