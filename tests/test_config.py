@@ -154,6 +154,20 @@ def test_check_reports_toml_syntax_with_its_line(tmp_path):
     assert p.line == 3 and "not TOML" in p.message
 
 
+def test_check_reports_a_file_that_is_not_utf8_with_its_line(tmp_path, capsys):
+    """TOML is UTF-8: a Latin-1 file raised UnicodeDecodeError out of `config check` (and out of
+    every service started with it) as a traceback. It is a problem with the line of its first bad byte."""
+    f = tmp_path / "node.toml"
+    f.write_bytes(b'service = "node"\nregion = "caf\xe9"\n')
+    (p,) = config.check_file(build_parser().subcommands["node"], "node", f)
+    assert p.line == 2 and "expected UTF-8 text, found byte 0xe9" in p.message
+    assert main(["config", "check", str(f)]) == 1  # no service readable: the syntax problem alone
+    assert capsys.readouterr().out.startswith(f"{f}:2: not TOML")
+    with pytest.raises(SystemExit):
+        parse([*NODE, "--config", str(f)])
+    assert f"{f}:2: not TOML" in capsys.readouterr().err
+
+
 def test_config_check_command(tmp_path, capsys):
     good = write(tmp_path, 'service = "origin"\ntracker = "t:1"\nwatch = "/srv/ckpt"\nserved = "fp16"\n',
                  "origin.toml")

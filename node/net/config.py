@@ -179,9 +179,14 @@ def key_lines(text: str) -> dict[str, int]:
 def read_file(path: Path) -> tuple[dict, dict[str, int]]:
     """(values, key -> line) of a TOML file; ConfigError with the parser's line if it is not TOML."""
     try:
-        text = Path(path).read_text()
+        data = Path(path).read_bytes()
     except OSError as e:
         raise ConfigError([Problem(str(path), None, f"cannot read it: {e.strerror or e}")]) from None
+    try:
+        text = data.decode("utf-8")  # TOML is UTF-8, whatever the locale
+    except UnicodeDecodeError as e:  # it escaped as a traceback from `config check` and every service's start
+        raise ConfigError([Problem(str(path), data.count(b"\n", 0, e.start) + 1,
+                                   f"not TOML: expected UTF-8 text, found byte 0x{data[e.start]:02x}")]) from None
     try:
         values = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
