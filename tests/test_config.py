@@ -168,6 +168,16 @@ def test_check_reports_a_file_that_is_not_utf8_with_its_line(tmp_path, capsys):
     assert f"{f}:2: not TOML" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("seeds", ["0", "-1", "1.5"])
+def test_check_refuses_notice_seeds_the_tracker_would_not_start_with(tmp_path, seeds):
+    """`notice-seeds = 0` was ok for `config check`, and the tracker then refused to start with it."""
+    f = write(tmp_path, f'service = "tracker"\nnotice-seeds = {seeds}\n', "tracker.toml")
+    (p,) = config.check_file(build_parser().subcommands["tracker"], "tracker", f)
+    assert p.line == 2 and f"expected a whole number >= 1, found '{seeds}'" in p.message
+    good = write(tmp_path, 'service = "tracker"\nnotice-seeds = 3\n', "good.toml")
+    assert config.check_file(build_parser().subcommands["tracker"], "tracker", good) == []
+
+
 def test_config_check_command(tmp_path, capsys):
     good = write(tmp_path, 'service = "origin"\ntracker = "t:1"\nwatch = "/srv/ckpt"\nserved = "fp16"\n',
                  "origin.toml")
