@@ -16,6 +16,7 @@ import pytest
 
 from patchswarm.node.cli import build_parser, main, parse
 from patchswarm.node.net import config
+from patchswarm.protocol.errors import UsageError
 
 ROOT = Path(__file__).resolve().parents[1]
 NODE = ["node", "--tracker", "t:1", "--creds", "c", "--data-dir", "d", "--region", "r0"]
@@ -166,6 +167,27 @@ def test_check_reports_a_file_that_is_not_utf8_with_its_line(tmp_path, capsys):
     with pytest.raises(SystemExit):
         parse([*NODE, "--config", str(f)])
     assert f"{f}:2: not TOML" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("made_bad", [b'region = "caf\xe9"\n', b"x = " + b"[" * 5000 + b"]" * 5000 + b"\n"])
+def test_a_file_made_bad_while_a_service_runs_is_a_usage_error_on_reread(tmp_path, made_bad):
+    """SIGHUP re-reads the file (node/cli `reread`); run_service keeps the configuration in use on a
+    PatchswarmError or OSError. A file saved as Latin-1 raised UnicodeDecodeError, and one nested
+    deeper than tomllib's recursion RecursionError: either went past that handler and the running
+    tracker exited."""
+    f = write(tmp_path, 'service = "node"\nregion = "r0"\n')
+    args = parse(["node", "--tracker", "t:1", "--creds", "c", "--data-dir", "d", "--config", str(f)])
+    f.write_bytes(b'service = "node"\n' + made_bad)
+    with pytest.raises(UsageError, match=f"{f}:2: not TOML"):
+        args.reread()
+
+
+def test_check_reports_nesting_past_the_parser_with_its_line(tmp_path):
+    """tomllib recurses per nested array: `x = [[[...` 5,000 deep raised RecursionError out of
+    `config check` as a traceback."""
+    f = write(tmp_path, 'service = "node"\nregion = "r0"\nx = [\n' + "[" * 5000 + "]" * 5001 + "\n")
+    (p,) = config.check_file(build_parser().subcommands["node"], "node", f)
+    assert p.line == 4 and "nested at most 100 deep" in p.message
 
 
 @pytest.mark.parametrize("seeds", ["0", "-1", "1.5"])

@@ -193,7 +193,24 @@ def read_file(path: Path) -> tuple[dict, dict[str, int]]:
         m = re.search(r"at line (\d+)", str(e))
         raise ConfigError([Problem(str(path), int(m.group(1)) if m else None,
                                    f"not TOML: {str(e).split(' (at line')[0]}")]) from None
+    except RecursionError:  # tomllib recurses per nested array or inline table: a traceback, and on SIGHUP an exit
+        raise ConfigError([Problem(str(path), _too_deep(text), f"not TOML for a service: expected arrays and inline "
+                                                               f"tables nested at most {MAX_NESTING} deep, found deeper")]) from None
     return values, key_lines(text)
+
+
+MAX_NESTING = 100  # what a file of flags could need is 1; Python's parser gives up near its recursion limit
+
+
+def _too_deep(text: str) -> int | None:
+    """The line where arrays and inline tables (strings aside) nest past MAX_NESTING, if any."""
+    depth = 0
+    for number, line in enumerate(text.splitlines(), 1):
+        for c in re.sub(r'"(?:[^"\\]|\\.)*"|\'[^\']*\'', '""', line).split("#")[0]:
+            depth += 1 if c in "[{" else -1 if c in "]}" else 0
+            if depth > MAX_NESTING:
+                return number
+    return None
 
 
 def _file_values(p: argparse.ArgumentParser, service: str, path: Path, values: dict,
