@@ -169,12 +169,13 @@ def test_check_reports_a_file_that_is_not_utf8_with_its_line(tmp_path, capsys):
     assert f"{f}:2: not TOML" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("made_bad", [b'region = "caf\xe9"\n', b"x = " + b"[" * 5000 + b"]" * 5000 + b"\n"])
+@pytest.mark.parametrize("made_bad", [b'region = "caf\xe9"\n', b"x = " + b"[" * 5000 + b"]" * 5000 + b"\n",
+                                      b"x = " + b"9" * 5000 + b"\n"])
 def test_a_file_made_bad_while_a_service_runs_is_a_usage_error_on_reread(tmp_path, made_bad):
     """SIGHUP re-reads the file (node/cli `reread`); run_service keeps the configuration in use on a
-    PatchswarmError or OSError. A file saved as Latin-1 raised UnicodeDecodeError, and one nested
-    deeper than tomllib's recursion RecursionError: either went past that handler and the running
-    tracker exited."""
+    PatchswarmError or OSError. A file saved as Latin-1 raised UnicodeDecodeError, one nested
+    deeper than tomllib's recursion RecursionError, and an integer of 5,000 digits ValueError (past
+    Python's int-from-text limit): each went past that handler and the running tracker exited."""
     f = write(tmp_path, 'service = "node"\nregion = "r0"\n')
     args = parse(["node", "--tracker", "t:1", "--creds", "c", "--data-dir", "d", "--config", str(f)])
     f.write_bytes(b'service = "node"\n' + made_bad)
@@ -254,3 +255,11 @@ def test_wan_rates_from_the_file_and_the_command_line(tmp_path, capsys):
         with pytest.raises(SystemExit):
             parse([*NODE, "--wan-rates", bad], environ={})
         assert "REGION=MBIT" in capsys.readouterr().err
+
+
+def test_check_reports_an_integer_past_pythons_limit_with_its_line(tmp_path):
+    """tomllib reads integers with int(), which refuses more than 4,300 digits with a ValueError that
+    is not a TOMLDecodeError: it escaped `config check` as a traceback."""
+    f = write(tmp_path, 'service = "tracker"\nlisten = "127.0.0.1:0"\nnotice-seeds = ' + "9" * 5000 + "\n", "t.toml")
+    (p,) = config.check_file(build_parser().subcommands["tracker"], "tracker", f)
+    assert p.line == 3 and "expected integers of at most 4300 digits" in p.message

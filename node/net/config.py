@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
+import sys
 import tomllib
 from pathlib import Path
 
@@ -193,6 +194,12 @@ def read_file(path: Path) -> tuple[dict, dict[str, int]]:
         m = re.search(r"at line (\d+)", str(e))
         raise ConfigError([Problem(str(path), int(m.group(1)) if m else None,
                                    f"not TOML: {str(e).split(' (at line')[0]}")]) from None
+    except ValueError as e:  # not a TOMLDecodeError: an integer past Python's int-from-text limit
+        m = re.search(r"\d[\d_]{%d,}" % sys.get_int_max_str_digits(), text)
+        raise ConfigError([Problem(str(path), text.count("\n", 0, m.start()) + 1 if m else None,
+                                   f"not TOML for a service: expected integers of at most "
+                                   f"{sys.get_int_max_str_digits()} digits, found a longer one" if m else
+                                   f"not TOML: {e}")]) from None
     except RecursionError:  # tomllib recurses per nested array or inline table: a traceback, and on SIGHUP an exit
         raise ConfigError([Problem(str(path), _too_deep(text), f"not TOML for a service: expected arrays and inline "
                                                                f"tables nested at most {MAX_NESTING} deep, found deeper")]) from None
