@@ -16,6 +16,7 @@ import pytest
 
 from patchswarm.node.cli import build_parser, main, parse
 from patchswarm.node.net import config
+from patchswarm.protocol.errors import UsageError
 
 ROOT = Path(__file__).resolve().parents[1]
 NODE = ["node", "--tracker", "t:1", "--creds", "c", "--data-dir", "d", "--region", "r0"]
@@ -154,6 +155,52 @@ def test_check_reports_toml_syntax_with_its_line(tmp_path):
     assert p.line == 3 and "not TOML" in p.message
 
 
+def test_check_reports_a_file_that_is_not_utf8_with_its_line(tmp_path, capsys):
+    """TOML is UTF-8: a Latin-1 file raised UnicodeDecodeError out of `config check` (and out of
+    every service started with it) as a traceback. It is a problem with the line of its first bad byte."""
+    f = tmp_path / "node.toml"
+    f.write_bytes(b'service = "node"\nregion = "caf\xe9"\n')
+    (p,) = config.check_file(build_parser().subcommands["node"], "node", f)
+    assert p.line == 2 and "expected UTF-8 text, found byte 0xe9" in p.message
+    assert main(["config", "check", str(f)]) == 1  # no service readable: the syntax problem alone
+    assert capsys.readouterr().out.startswith(f"{f}:2: not TOML")
+    with pytest.raises(SystemExit):
+        parse([*NODE, "--config", str(f)])
+    assert f"{f}:2: not TOML" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("made_bad", [b'region = "caf\xe9"\n', b"x = " + b"[" * 5000 + b"]" * 5000 + b"\n",
+                                      b"x = " + b"9" * 5000 + b"\n"])
+def test_a_file_made_bad_while_a_service_runs_is_a_usage_error_on_reread(tmp_path, made_bad):
+    """SIGHUP re-reads the file (node/cli `reread`); run_service keeps the configuration in use on a
+    PatchswarmError or OSError. A file saved as Latin-1 raised UnicodeDecodeError, one nested
+    deeper than tomllib's recursion RecursionError, and an integer of 5,000 digits ValueError (past
+    Python's int-from-text limit): each went past that handler and the running tracker exited."""
+    f = write(tmp_path, 'service = "node"\nregion = "r0"\n')
+    args = parse(["node", "--tracker", "t:1", "--creds", "c", "--data-dir", "d", "--config", str(f)])
+    f.write_bytes(b'service = "node"\n' + made_bad)
+    with pytest.raises(UsageError, match=f"{f}:2: not TOML"):
+        args.reread()
+
+
+def test_check_reports_nesting_past_the_parser_with_its_line(tmp_path):
+    """tomllib recurses per nested array: `x = [[[...` 5,000 deep raised RecursionError out of
+    `config check` as a traceback."""
+    f = write(tmp_path, 'service = "node"\nregion = "r0"\nx = [\n' + "[" * 5000 + "]" * 5001 + "\n")
+    (p,) = config.check_file(build_parser().subcommands["node"], "node", f)
+    assert p.line == 4 and "nested at most 100 deep" in p.message
+
+
+@pytest.mark.parametrize("seeds", ["0", "-1", "1.5"])
+def test_check_refuses_notice_seeds_the_tracker_would_not_start_with(tmp_path, seeds):
+    """`notice-seeds = 0` was ok for `config check`, and the tracker then refused to start with it."""
+    f = write(tmp_path, f'service = "tracker"\nnotice-seeds = {seeds}\n', "tracker.toml")
+    (p,) = config.check_file(build_parser().subcommands["tracker"], "tracker", f)
+    assert p.line == 2 and f"expected a whole number >= 1, found '{seeds}'" in p.message
+    good = write(tmp_path, 'service = "tracker"\nnotice-seeds = 3\n', "good.toml")
+    assert config.check_file(build_parser().subcommands["tracker"], "tracker", good) == []
+
+
 def test_config_check_command(tmp_path, capsys):
     good = write(tmp_path, 'service = "origin"\ntracker = "t:1"\nwatch = "/srv/ckpt"\nserved = "fp16"\n',
                  "origin.toml")
@@ -208,3 +255,11 @@ def test_wan_rates_from_the_file_and_the_command_line(tmp_path, capsys):
         with pytest.raises(SystemExit):
             parse([*NODE, "--wan-rates", bad], environ={})
         assert "REGION=MBIT" in capsys.readouterr().err
+
+
+def test_check_reports_an_integer_past_pythons_limit_with_its_line(tmp_path):
+    """tomllib reads integers with int(), which refuses more than 4,300 digits with a ValueError that
+    is not a TOMLDecodeError: it escaped `config check` as a traceback."""
+    f = write(tmp_path, 'service = "tracker"\nlisten = "127.0.0.1:0"\nnotice-seeds = ' + "9" * 5000 + "\n", "t.toml")
+    (p,) = config.check_file(build_parser().subcommands["tracker"], "tracker", f)
+    assert p.line == 3 and "expected integers of at most 4300 digits" in p.message

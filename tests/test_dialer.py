@@ -186,3 +186,26 @@ def test_failed_dials_in_a_row_back_off_2_4_8_then_the_longest(monkeypatch):
     for wait, step in zip(waits, (2, 4, 8, 10, 10, 2)):
         assert step / 2 <= wait <= step, (waits, step)
     assert failures == {} and tcp_failures == {}
+
+
+@pytest.mark.parametrize("addr", ["a..b:7000", "x" * 64 + ".example:7000", "\U0001F600.example:7000"])
+def test_a_peer_address_no_lookup_takes_is_a_failed_dial_not_an_exit(addr):
+    """A peer's address comes from the tracker, which had it from that peer's Hello. A host
+    getaddrinfo cannot encode (an empty label, one over 63 characters) raised UnicodeError out of
+    trio.open_tcp_stream, which `_dial` did not catch: the node exited. It is a failed dial
+    (node/net/transport.py `parse_addr` refuses the address), backed off like any other."""
+    from patchswarm.node.net.ratelimit import TokenBucket
+    from patchswarm.protocol import wire
+
+    peer = {"id": "n2", "region": "r0", "addr": addr, "role": "node"}
+
+    async def main():
+        d = Dialer("n1", "r0", creds=None, peers=None, hello=lambda: wire.Hello("n1", "r0", "node", "x:1", []),
+                   download=TokenBucket(None))
+        d.set_members({"n2": peer})
+        with trio.fail_after(5):
+            await d._dial(peer)
+        return d._failures.get("n2"), d._dial_after["n2"] - trio.current_time()
+
+    failures, wait = trio.run(main, clock=trio.testing.MockClock())
+    assert failures == 1 and 1.0 <= wait <= 2.0

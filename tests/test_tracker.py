@@ -855,6 +855,42 @@ def test_a_wildcard_listen_address_whose_port_is_not_a_number_is_listed_as_none(
     trio.run(main)
 
 
+
+def test_a_listen_address_that_leads_nowhere_is_listed_as_none_and_no_peer_is_told_it(tmp_path):
+    """A member's Hello names its listen address and the tracker passed any non-wildcard one on as
+    it was: "a..b:7000" (a host no lookup takes) reached every peer, and each peer that dialed it
+    exited with UnicodeError (tests/test_dialer.py). Such an address is listed as none, as for a
+    member that accepts no connections; a good one is listed as it was said."""
+    creds = _creds(tmp_path)
+    bad = {"a": "a..b:7000", "b": "x" * 64 + ".example:7000", "c": "a\x07b:7000", "d": "host:99999", "e": "noport"}
+
+    async def main():
+        tracker = server.Tracker(creds["tracker"], "127.0.0.1:0", heartbeat_timeout=1e6)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(tracker._tick_loop)
+            honest = await _member(tracker, nursery, "honest", my_hello=wire.Hello("honest", "r0", "node",
+                                                                                   "node-1.example:7000", []))
+            got: list = []
+            nursery.start_soon(_read_all, honest, got)
+            for name, listen in bad.items():
+                await _member(tracker, nursery, name, my_hello=wire.Hello(name, "r0", "node", listen, []))
+            with trio.fail_after(5):
+                while len(tracker.core.members) < 1 + len(bad):
+                    await trio.sleep(0.01)
+            assert {m: tracker.core.members[m].addr for m in bad} == dict.fromkeys(bad, "")
+            assert tracker.core.members["honest"].addr == "node-1.example:7000"
+            with trio.fail_after(5):  # the delta that lists them reaches the honest member
+                while not all(any(isinstance(x, wire.PeerDelta) and any(e["id"] == m for e in x.add) for x in got)
+                              for m in bad):
+                    await trio.sleep(0.01)
+            told = [e["addr"] for x in got if isinstance(x, (wire.PeerDelta, wire.PeerList))
+                    for e in (x.add if isinstance(x, wire.PeerDelta) else x.peers) if e["id"] in bad]
+            assert told and set(told) == {""}
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
 # --- declared uplinks (wire revision 5) ------------------------------------------------
 
 REV4 = "patchswarm/4"

@@ -18,12 +18,24 @@ from patchswarm.node.net.service import add_member_arguments, parse_region_rates
 log = logging.getLogger("patchswarm.tracker")
 
 
+def _notice_seeds(text: str) -> int:
+    """--notice-seeds: a whole number >= 1, checked as the flag is read, so `patchswarm config check`
+    refuses `notice-seeds = 0` with its line (it said ok, and the tracker refused to start)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, found {text!r}")
+    return value
+
+
 def _tracker_args(p: argparse.ArgumentParser) -> None:
     add_member_arguments(p, "127.0.0.1:7700")
     p.add_argument("--revocations", metavar="FILE", type=Path,
                    help="the swarm's signed revocation list (SWARM/revocations, from `swarm revoke` or "
                         "`swarm issue --rotate`): reread when it changes and handed to every member")
-    p.add_argument("--notice-seeds", metavar="N", type=int, default=None,
+    p.add_argument("--notice-seeds", metavar="N", type=_notice_seeds, default=None,
                    help="nodes per region sent each manifest whole; the others get a hint and the manifest "
                         "from a peer (default 8)")
     p.add_argument("--wan-rates", type=parse_region_rates, metavar="REGION=MBIT,...",

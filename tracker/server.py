@@ -42,7 +42,7 @@ from patchswarm.protocol import wire
 from patchswarm.protocol.errors import BudgetExceeded, InvalidInput, PatchswarmError, ProtocolError, UsageError
 
 from patchswarm.node.net.transport import (CONNECTION_ERRORS, MessageStream, apply_revocations, connect, format_addr,
-                                           one_line, serve)
+                                           one_line, parse_addr, serve)
 from patchswarm.node.net.manifestcheck import ManifestCheck
 from patchswarm.node.net.service import format_wan_rates
 from patchswarm.node.net.trust import Credentials
@@ -216,8 +216,10 @@ class Tracker:
 
     def _advertised(self, ms: MessageStream, listen: str) -> str:
         """The member's listen address, with a wildcard host replaced by the address it came from;
-        "" for a member that accepts no connections (--no-listen), or whose wildcard address has
-        no port."""
+        "" for a member that accepts no connections (--no-listen), or whose address leads nowhere:
+        not HOST:PORT with a host name or IP and a port (node/net/transport.py `parse_addr`). Such
+        an address went to every peer as it was, and "a..b:7000" made each peer that dialed it
+        exit (UnicodeError out of the lookup); now the member is listed with none."""
         if not listen:
             return ""
         host, _, port = listen.rpartition(":")
@@ -229,6 +231,12 @@ class Tracker:
             except (AttributeError, OSError):
                 return listen
             return format_addr(remote, int(port))
+        try:
+            parse_addr(listen)
+        except UsageError as e:
+            log.warning("%s %s joined with listen address %r, which leads nowhere (%s): listed without one",
+                        ms.peer_role, ms.peer_name, listen, e)
+            return ""
         return listen
 
     # ------------------------------------------------------------ sessions

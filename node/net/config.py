@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
+import sys
 import tomllib
 from pathlib import Path
 
@@ -179,16 +180,44 @@ def key_lines(text: str) -> dict[str, int]:
 def read_file(path: Path) -> tuple[dict, dict[str, int]]:
     """(values, key -> line) of a TOML file; ConfigError with the parser's line if it is not TOML."""
     try:
-        text = Path(path).read_text()
+        data = Path(path).read_bytes()
     except OSError as e:
         raise ConfigError([Problem(str(path), None, f"cannot read it: {e.strerror or e}")]) from None
+    try:
+        text = data.decode("utf-8")  # TOML is UTF-8, whatever the locale
+    except UnicodeDecodeError as e:  # it escaped as a traceback from `config check` and every service's start
+        raise ConfigError([Problem(str(path), data.count(b"\n", 0, e.start) + 1,
+                                   f"not TOML: expected UTF-8 text, found byte 0x{data[e.start]:02x}")]) from None
     try:
         values = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         m = re.search(r"at line (\d+)", str(e))
         raise ConfigError([Problem(str(path), int(m.group(1)) if m else None,
                                    f"not TOML: {str(e).split(' (at line')[0]}")]) from None
+    except ValueError as e:  # not a TOMLDecodeError: an integer past Python's int-from-text limit
+        m = re.search(r"\d[\d_]{%d,}" % sys.get_int_max_str_digits(), text)
+        raise ConfigError([Problem(str(path), text.count("\n", 0, m.start()) + 1 if m else None,
+                                   f"not TOML for a service: expected integers of at most "
+                                   f"{sys.get_int_max_str_digits()} digits, found a longer one" if m else
+                                   f"not TOML: {e}")]) from None
+    except RecursionError:  # tomllib recurses per nested array or inline table: a traceback, and on SIGHUP an exit
+        raise ConfigError([Problem(str(path), _too_deep(text), f"not TOML for a service: expected arrays and inline "
+                                                               f"tables nested at most {MAX_NESTING} deep, found deeper")]) from None
     return values, key_lines(text)
+
+
+MAX_NESTING = 100  # what a file of flags could need is 1; Python's parser gives up near its recursion limit
+
+
+def _too_deep(text: str) -> int | None:
+    """The line where arrays and inline tables (strings aside) nest past MAX_NESTING, if any."""
+    depth = 0
+    for number, line in enumerate(text.splitlines(), 1):
+        for c in re.sub(r'"(?:[^"\\]|\\.)*"|\'[^\']*\'', '""', line).split("#")[0]:
+            depth += 1 if c in "[{" else -1 if c in "]}" else 0
+            if depth > MAX_NESTING:
+                return number
+    return None
 
 
 def _file_values(p: argparse.ArgumentParser, service: str, path: Path, values: dict,

@@ -31,6 +31,7 @@ import threading
 import weakref
 from typing import Awaitable, Callable
 
+import idna
 import trio
 
 from patchswarm.protocol import wire
@@ -87,7 +88,26 @@ def parse_addr(addr: str) -> tuple[str, int]:
         number = -1
     if not host or not 0 <= number < 65536:
         raise UsageError(f"address: expected HOST:PORT with a port in [0, 65535], found {addr!r}")
+    if not _looks_up(host):
+        raise UsageError(f"address: expected HOST:PORT with a host name or an IP address, found {addr!r}")
     return host, number
+
+
+def _looks_up(host: str) -> bool:
+    """Whether getaddrinfo takes `host` at all: a name it cannot encode (an empty label as in
+    "a..b", one over 63 characters, a control character) raised UnicodeError out of
+    trio.open_tcp_stream, a ValueError no dialer catches, so a member that advertised one had
+    every peer that dialed it exit. The stdlib's IDNA 2003 comes first (the numeric-only try),
+    then, for a name that is not ASCII, trio's IDNA 2008."""
+    if not host.isprintable():
+        return False
+    try:
+        host.encode("idna")
+        if not host.isascii():
+            idna.encode(host, uts46=True)
+    except UnicodeError:  # idna.IDNAError too
+        return False
+    return True
 
 
 def format_addr(host: str, port: int) -> str:
