@@ -85,6 +85,9 @@ DECODE_OFF_LOOP_BYTES = 1 << 20
 # requests on a small host and differ from host to host.
 BUFFER_BUDGET_BYTES = 1 << 30
 BUFFER_WAIT_S = FRAME_WAIT_S  # the longest a connection waits for room before it is refused
+# How often a wait_version whose client has sent more (a pipelined request, readable until the
+# wait is answered) looks whether that client has since closed the connection.
+LEFT_POLL_S = 1.0
 _GONE = (errno.ECONNRESET, errno.EPIPE, errno.ENOTCONN, errno.EBADF)
 _ENDED_WITH_CLIENT = frozenset({"wait_version"})  # ops dropped when their client leaves (they change nothing)
 
@@ -459,11 +462,17 @@ async def _unless_client_leaves(conn: _socket.socket, handle: Handler, req: dict
     reply = None
     async with trio.open_nursery() as nursery:
         async def watch() -> None:
-            await trio.lowlevel.wait_readable(conn)  # data (a pipelined request), EOF or a hangup
             p = select.poll()
             p.register(conn, select.POLLIN)
-            if any(ev & (select.POLLHUP | select.POLLERR) for _, ev in p.poll(0)):
-                nursery.cancel_scope.cancel()
+            while True:
+                await trio.lowlevel.wait_readable(conn)  # data (a pipelined request), EOF or a hangup
+                if any(ev & (select.POLLHUP | select.POLLERR) for _, ev in p.poll(0)):
+                    nursery.cancel_scope.cancel()
+                    return
+                # Readable and still there: a pipelined request (or its sender's EOF alone), which
+                # stays readable until this one is answered. Look again every LEFT_POLL_S: a
+                # client that leaves after pipelining is still noticed, without a busy loop.
+                await trio.sleep(LEFT_POLL_S)
 
         nursery.start_soon(watch)
         reply = await handle(req)

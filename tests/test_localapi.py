@@ -347,6 +347,44 @@ def test_a_waiter_that_leaves_ends_its_wait_and_frees_its_connection(tmp_path):
     trio.run(main)
 
 
+def test_a_waiter_that_pipelines_a_request_and_then_leaves_frees_its_connection(tmp_path, monkeypatch):
+    """A client that sends a request behind its wait_version, then closes: the node saw the
+    pipelined bytes (readable, no hangup), stopped watching, and kept the wait, its task and
+    its connection slot until the timeout (for ever at 1e300); four such clients left a node
+    of four connections refusing every other client with too_many_connections."""
+    monkeypatch.setattr(node_localapi, "LEFT_POLL_S", 0.05)
+    path = tmp_path / "node.sock"
+    ended = []
+
+    async def handle(req):
+        if req["op"] != "wait_version":
+            return localapi.ok(status={})
+        try:
+            await trio.sleep(req["timeout"])
+        finally:
+            ended.append(req["min_version"])
+        return localapi.error(localapi.TIMEOUT, "not reached")
+
+    async def main():
+        async with trio.open_nursery() as n:
+            await n.start(functools.partial(serve_local, path, handle, max_connections=2))
+            for v in range(2):
+                with socket.socket(socket.AF_UNIX) as s:
+                    s.connect(str(path))
+                    s.sendall(localapi.encode(localapi.wait_version_request(v, 1e300)))
+                    await trio.sleep(0.1)  # the node is in the wait
+                    s.sendall(localapi.encode(localapi.status_request()))  # pipelined behind it
+                    await trio.sleep(0.1)  # the node sees those bytes, not yet a hangup
+            with trio.fail_after(5):
+                while len(ended) < 2:
+                    await trio.sleep(0.01)
+            with NodeClient(path) as c:  # the limit of two is not reached: both left
+                assert await trio.to_thread.run_sync(c.status) == {}
+            n.cancel_scope.cancel()
+
+    trio.run(main)
+
+
 def test_a_frame_left_half_sent_costs_its_connection_after_a_while(tmp_path, monkeypatch):
     """A client that stops in the middle of a frame (a header claiming 200 MiB, then a few bytes)
     held its connection, and what it had sent, for ever; now the node waits FRAME_WAIT_S for
