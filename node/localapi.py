@@ -26,7 +26,9 @@ At most `max_connections` at once (each holds a file descriptor, which the
 node's peers and files need too): past it, a new connection gets one
 `too_many_connections` error and is closed, and the node serves on. A
 wait_version whose client closes the connection ends then, not at its timeout;
-a frame begun and not finished within FRAME_WAIT_S closes its connection.
+a frame begun and not finished within FRAME_WAIT_S closes its connection (one
+deadline for the frame, from its first byte or from when it got its room in the
+budget below, not one per read).
 
 One budget over all connections (`BufferBudget`, BUFFER_BUDGET_BYTES) bounds
 the bytes received and not yet handled: without it, 1,024 clients could each
@@ -323,6 +325,7 @@ async def _serve_connection(conn: _socket.socket, handle: Handler, buf: bytearra
     frames = FrameBuffer(localapi.MAX_FRAME_BYTES)
     view = memoryview(buf)
     held = 0
+    begun = None  # when the frame being read began (or got its room), for FRAME_WAIT_S
     try:
         waited = True
         while True:
@@ -346,16 +349,22 @@ async def _serve_connection(conn: _socket.socket, handle: Handler, buf: bytearra
                     budget.release(held - want)
                     held = want
                 elif held < want:  # a frame begun: room for all of it before reading on
-                    if not budget.try_take(want - held) and not await _take(budget, want - held, budget_wait):
-                        await _refuse_full(conn, budget, budget_wait)
-                        return
+                    if not budget.try_take(want - held):
+                        if not await _take(budget, want - held, budget_wait):
+                            await _refuse_full(conn, budget, budget_wait)
+                            return
+                        begun = None  # the wait for room is not the client's time
                     held = want
-                if buffered:  # in the middle of a frame: the rest comes soon or never
-                    with trio.move_on_after(FRAME_WAIT_S) as cut:
+                if buffered:  # in the middle of a frame: all of it comes soon or never
+                    # One deadline for the whole frame, not one per read: a client that sends a byte
+                    # now and then would otherwise hold its frame's room in the budget for ever.
+                    begun = trio.current_time() if begun is None else begun
+                    with trio.move_on_at(begun + FRAME_WAIT_S) as cut:
                         await trio.lowlevel.wait_readable(conn)
                     if cut.cancelled_caught:
-                        log.warning("local client: expected the rest of a frame within %g s, found %d bytes of it "
-                                    "and nothing more; closing", FRAME_WAIT_S, frames.buffered)
+                        log.warning("local client: expected a frame begun to be finished within %g s, found %d of "
+                                    "its %s bytes; closing", FRAME_WAIT_S, frames.buffered,
+                                    "?" if total is None else total)
                         return
                 else:
                     await trio.lowlevel.wait_readable(conn)
@@ -378,6 +387,7 @@ async def _serve_connection(conn: _socket.socket, handle: Handler, buf: bytearra
                     budget.release(held - buffered)
                     held = buffered
                 continue
+            begun = None
             if not waited:  # requests queued back to back: let other tasks run between them
                 await trio.lowlevel.checkpoint()
             waited = False

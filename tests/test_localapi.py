@@ -411,6 +411,40 @@ def test_a_frame_left_half_sent_costs_its_connection_after_a_while(tmp_path, mon
     serving(tmp_path, body)
 
 
+def test_a_frame_sent_a_byte_at_a_time_costs_its_connection_after_a_while(tmp_path, monkeypatch):
+    """A client that goes on with its frame a byte at a time, each within FRAME_WAIT_S of the
+    last, never finishing: the deadline was per read, so the node held the frame's room in
+    its budget for ever; four such connections (headers of 256 MiB, a byte a minute) held
+    the whole 1 GiB, and every other client, a status too, got buffers_full. Now the whole
+    frame must be in within FRAME_WAIT_S."""
+    monkeypatch.setattr(node_localapi, "FRAME_WAIT_S", 0.5)
+    budget = BufferBudget(1 << 20)
+
+    async def main():
+        async with trio.open_nursery() as n:
+            path = await n.start(functools.partial(serve_local, tmp_path / "node.sock", echo, budget=budget,
+                                                   budget_wait=0.3))
+            with socket.socket(socket.AF_UNIX) as hog:
+                hog.connect(str(path))
+                hog.setblocking(False)
+                hog.send((budget.limit - 4).to_bytes(4, "big") + b"x")  # a frame of the whole budget
+                t0 = time.monotonic()
+                with trio.fail_after(5):
+                    while True:  # a byte every 0.1 s until the node closes (at most 5 s)
+                        await trio.sleep(0.1)
+                        try:
+                            hog.send(b"x")
+                        except OSError:
+                            break
+                assert time.monotonic() - t0 < 2
+            with NodeClient(path) as c:  # the node serves on, its budget given back
+                assert "calls" in await trio.to_thread.run_sync(c.status)
+            assert budget.used == 0
+            n.cancel_scope.cancel()
+
+    trio.run(main)
+
+
 def test_a_socket_path_longer_than_af_unix_takes_is_served_and_reached(tmp_path):
     """sockaddr_un holds 107 bytes of path: a data dir deeper than that made the node fail to
     start ("AF_UNIX path too long", without the path) and clients fail to connect."""
