@@ -75,6 +75,7 @@ RECEIVE_BYTES = 256 << 10  # per read; a larger frame takes several reads
 FRAME_WAIT_S = 60.0  # for the rest of a frame once it has begun (a client idle between requests waits freely)
 SUN_PATH_BYTES = 107  # sockaddr_un's path, less its terminating NUL
 MAX_CONNECTIONS = 1024  # and at most a quarter of the process's file descriptor limit
+LISTEN_BACKLOG = MAX_CONNECTIONS  # connections queued in the kernel, not yet accepted (at least)
 # Requests this large are read in a thread: a frame of 64 KiB metas of empty containers costs the
 # reader ~0.4 s per MiB (measured on a loaded 2-core machine: each meta is walked and built once to
 # check it, as the origin will), where a rollout worker's usual submit of small records is read inline.
@@ -289,7 +290,11 @@ async def serve_local(path: Path, handle: Handler, task_status=trio.TASK_STATUS_
         finally:
             os.umask(old)
         os.chmod(path, 0o600)
-        sock.listen(64)
+        # Connections not yet accepted wait in the kernel's queue: room for as many as the node
+        # serves at once (the kernel caps it at net.core.somaxconn). With 64, a hundred workers
+        # connecting while the loop was busy for a moment found it full, and a client's connect
+        # fails at once then (EAGAIN on AF_UNIX), not after its connect timeout.
+        sock.listen(max(limit, LISTEN_BACKLOG))
         async with trio.open_nursery() as nursery:
             task_status.started(path)
             while True:

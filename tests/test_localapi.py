@@ -445,6 +445,30 @@ def test_a_frame_sent_a_byte_at_a_time_costs_its_connection_after_a_while(tmp_pa
     trio.run(main)
 
 
+def test_a_hundred_connects_while_the_node_is_busy_all_wait_in_its_queue(tmp_path):
+    """The node's loop busy for a moment (here: this test's synchronous connects) while many
+    clients connect: with a listen backlog of 64, those past it found the queue full, and an
+    AF_UNIX connect with a timeout fails at once then (EAGAIN), so a hundred workers asking
+    at once after a node restart had a third of them told that no node answers."""
+
+    async def body(path):
+        socks, full = [], 0
+        try:
+            for _ in range(200):  # the loop does not turn meanwhile: nothing is accepted
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
+                socks.append(s)
+                try:
+                    s.connect(str(path))
+                except BlockingIOError:
+                    full += 1
+        finally:
+            for s in socks:
+                s.close()
+        assert full == 0
+
+    serving(tmp_path, body)
+
+
 def test_a_socket_path_longer_than_af_unix_takes_is_served_and_reached(tmp_path):
     """sockaddr_un holds 107 bytes of path: a data dir deeper than that made the node fail to
     start ("AF_UNIX path too long", without the path) and clients fail to connect."""
