@@ -469,6 +469,60 @@ def test_a_hundred_connects_while_the_node_is_busy_all_wait_in_its_queue(tmp_pat
     serving(tmp_path, body)
 
 
+@pytest.mark.parametrize("kind", ["blocking", "async"])
+def test_a_client_that_finds_the_nodes_queue_full_waits_for_room(tmp_path, kind):
+    """A node whose queue of connections not yet accepted is full for a moment: the client's
+    connect failed at once (EAGAIN) instead of waiting within its connect timeout; the
+    blocking client said no node answers, the async one (trio took EAGAIN for a connect in
+    progress) handed back an unconnected socket whose send failed with EINVAL."""
+    path = tmp_path / "node.sock"
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(str(path))
+    srv.listen(0)
+    fillers = []
+    for _ in range(50):  # until the queue is full
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
+        try:
+            s.connect(str(path))
+        except BlockingIOError:
+            s.close()
+            break
+        fillers.append(s)
+    else:
+        pytest.fail("expected the listen queue to fill within 50 connects")
+
+    def serve_one_late() -> None:
+        time.sleep(0.3)  # the client finds the queue full meanwhile
+        srv.settimeout(10)
+        for _ in fillers:
+            srv.accept()[0].close()
+        conn = srv.accept()[0]
+        with conn:
+            conn.settimeout(10)
+            frames = FrameBuffer(localapi.MAX_FRAME_BYTES)
+            while (body := frames.next_body()) is NEED_DATA:
+                frames.receive_data(conn.recv(1 << 16))
+            assert localapi.decode(body)["op"] == "status"
+            conn.sendall(localapi.encode(localapi.ok(status={"late": True})))
+
+    async def main():
+        async with trio.open_nursery() as n:
+            n.start_soon(functools.partial(trio.to_thread.run_sync, serve_one_late))
+            with trio.fail_after(10):
+                if kind == "blocking":
+                    with NodeClient(path) as c:
+                        return await trio.to_thread.run_sync(c.status)
+                async with AsyncNodeClient(path) as c:
+                    return await c.status()
+
+    try:
+        assert trio.run(main) == {"late": True}
+    finally:
+        for s in fillers:
+            s.close()
+        srv.close()
+
+
 def test_a_socket_path_longer_than_af_unix_takes_is_served_and_reached(tmp_path):
     """sockaddr_un holds 107 bytes of path: a data dir deeper than that made the node fail to
     start ("AF_UNIX path too long", without the path) and clients fail to connect."""
