@@ -376,9 +376,11 @@ async def _serve_connection(conn: _socket.socket, handle: Handler, buf: bytearra
                 waited = True
                 if total is None:  # room for one read (less where less is free), given back after it
                     room = max(HEADER_BYTES - buffered, min(RECEIVE_BYTES, budget.limit - budget.used))
-                    if not budget.try_take(room) and not await _take(budget, room, budget_wait):
-                        await _refuse_full(conn, budget, budget_wait)
-                        return
+                    if not budget.try_take(room):
+                        if not await _take(budget, room, budget_wait):
+                            await _refuse_full(conn, budget, budget_wait)
+                            return
+                        begun = None  # as above: the wait for room is not the client's time
                     held += room
                 else:  # the frame's reserved bytes, and none of the next request's
                     room = min(RECEIVE_BYTES, held - buffered)
