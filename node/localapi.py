@@ -72,7 +72,7 @@ from patchswarm.node.spool import TrajectorySpool
 log = logging.getLogger("patchswarm.localapi")
 Handler = Callable[[dict], Awaitable[dict]]
 RECEIVE_BYTES = 256 << 10  # per read; a larger frame takes several reads
-FRAME_WAIT_S = 60.0  # for the rest of a frame once it has begun (a client idle between requests waits freely)
+FRAME_WAIT_S = 60.0  # for all of a frame once it has begun (a client idle between requests waits freely)
 SUN_PATH_BYTES = 107  # sockaddr_un's path, less its terminating NUL
 MAX_CONNECTIONS = 1024  # and at most a quarter of the process's file descriptor limit
 LISTEN_BACKLOG = MAX_CONNECTIONS  # connections queued in the kernel, not yet accepted (at least)
