@@ -219,14 +219,25 @@ class NodeClient:
 
     def _connect(self) -> socket.socket:
         if self._sock is None:
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            s.settimeout(self._connect_timeout)
-            try:
-                with unix_address(self.path) as address:
-                    s.connect(address)
-            except OSError as e:  # no file, no listener, no permission, a path too long, a timeout
-                s.close()
-                raise _unavailable(self.path, e, self._connect_timeout) from None
+            deadline, pause = time.monotonic() + self._connect_timeout, 0.001
+            while True:
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.settimeout(max(deadline - time.monotonic(), 0.001))
+                try:
+                    with unix_address(self.path) as address:
+                        s.connect(address)
+                    break
+                except BlockingIOError as e:
+                    # The node's queue of connections not yet accepted is full (a busy moment): an
+                    # AF_UNIX connect with a timeout fails at once then, where a blocking one waits.
+                    s.close()
+                    if time.monotonic() + pause > deadline:
+                        raise _unavailable(self.path, TimeoutError(str(e)), self._connect_timeout) from None
+                    time.sleep(pause)
+                    pause = min(2 * pause, 0.05)
+                except OSError as e:  # no file, no listener, no permission, a path too long, a timeout
+                    s.close()
+                    raise _unavailable(self.path, e, self._connect_timeout) from None
             s.settimeout(None)
             self._sock, self._timeout, self._ids_refused = s, None, False
             self._frames = FrameBuffer(localapi.MAX_FRAME_BYTES)
@@ -449,6 +460,27 @@ class NodeClient:
         self.close()
 
 
+async def _open_unix(address: str) -> trio.SocketStream:
+    """`trio.open_unix_socket(address)`, waiting (the caller's deadline) while the node's queue
+    of connections not yet accepted is full: an AF_UNIX connect fails with EAGAIN then, and
+    trio took that for a connect in progress, waited for writable and handed back an
+    unconnected socket (its first send: EINVAL)."""
+    pause = 0.001
+    while True:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+        try:
+            s.connect(address)  # AF_UNIX: done at once, or EAGAIN, never in progress
+        except BlockingIOError:
+            s.close()
+            await trio.sleep(pause)
+            pause = min(2 * pause, 0.05)
+            continue
+        except BaseException:
+            s.close()
+            raise
+        return trio.SocketStream(trio.socket.from_stdlib_socket(s))
+
+
 class AsyncNodeClient:
     """The same calls for trio code: `await client.submit(...)`; `async with` closes it.
     Calls from several tasks run side by side, each on a connection of its own (kept
@@ -469,7 +501,7 @@ class AsyncNodeClient:
             return *self._idle.pop(), True
         try:
             with trio.fail_after(5), unix_address(self.path) as address:
-                stream = await trio.open_unix_socket(address)
+                stream = await _open_unix(address)
         except (OSError, trio.TooSlowError) as e:
             raise _unavailable(self.path, e, 5.0) from None
         self._open.add(stream)

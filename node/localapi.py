@@ -26,7 +26,9 @@ At most `max_connections` at once (each holds a file descriptor, which the
 node's peers and files need too): past it, a new connection gets one
 `too_many_connections` error and is closed, and the node serves on. A
 wait_version whose client closes the connection ends then, not at its timeout;
-a frame begun and not finished within FRAME_WAIT_S closes its connection.
+a frame begun and not finished within FRAME_WAIT_S closes its connection (one
+deadline for the frame, from its first byte or from when it got its room in the
+budget below, not one per read).
 
 One budget over all connections (`BufferBudget`, BUFFER_BUDGET_BYTES) bounds
 the bytes received and not yet handled: without it, 1,024 clients could each
@@ -70,9 +72,10 @@ from patchswarm.node.spool import TrajectorySpool
 log = logging.getLogger("patchswarm.localapi")
 Handler = Callable[[dict], Awaitable[dict]]
 RECEIVE_BYTES = 256 << 10  # per read; a larger frame takes several reads
-FRAME_WAIT_S = 60.0  # for the rest of a frame once it has begun (a client idle between requests waits freely)
+FRAME_WAIT_S = 60.0  # for all of a frame once it has begun (a client idle between requests waits freely)
 SUN_PATH_BYTES = 107  # sockaddr_un's path, less its terminating NUL
 MAX_CONNECTIONS = 1024  # and at most a quarter of the process's file descriptor limit
+LISTEN_BACKLOG = MAX_CONNECTIONS  # connections queued in the kernel, not yet accepted (at least)
 # Requests this large are read in a thread: a frame of 64 KiB metas of empty containers costs the
 # reader ~0.4 s per MiB (measured on a loaded 2-core machine: each meta is walked and built once to
 # check it, as the origin will), where a rollout worker's usual submit of small records is read inline.
@@ -85,6 +88,9 @@ DECODE_OFF_LOOP_BYTES = 1 << 20
 # requests on a small host and differ from host to host.
 BUFFER_BUDGET_BYTES = 1 << 30
 BUFFER_WAIT_S = FRAME_WAIT_S  # the longest a connection waits for room before it is refused
+# How often a wait_version whose client has sent more (a pipelined request, readable until the
+# wait is answered) looks whether that client has since closed the connection.
+LEFT_POLL_S = 1.0
 _GONE = (errno.ECONNRESET, errno.EPIPE, errno.ENOTCONN, errno.EBADF)
 _ENDED_WITH_CLIENT = frozenset({"wait_version"})  # ops dropped when their client leaves (they change nothing)
 
@@ -284,7 +290,11 @@ async def serve_local(path: Path, handle: Handler, task_status=trio.TASK_STATUS_
         finally:
             os.umask(old)
         os.chmod(path, 0o600)
-        sock.listen(64)
+        # Connections not yet accepted wait in the kernel's queue: room for as many as the node
+        # serves at once (the kernel caps it at net.core.somaxconn). With 64, a hundred workers
+        # connecting while the loop was busy for a moment found it full, and a client's connect
+        # fails at once then (EAGAIN on AF_UNIX), not after its connect timeout.
+        sock.listen(max(limit, LISTEN_BACKLOG))
         async with trio.open_nursery() as nursery:
             task_status.started(path)
             while True:
@@ -320,6 +330,7 @@ async def _serve_connection(conn: _socket.socket, handle: Handler, buf: bytearra
     frames = FrameBuffer(localapi.MAX_FRAME_BYTES)
     view = memoryview(buf)
     held = 0
+    begun = None  # when the frame being read began (or got its room), for FRAME_WAIT_S
     try:
         waited = True
         while True:
@@ -343,25 +354,33 @@ async def _serve_connection(conn: _socket.socket, handle: Handler, buf: bytearra
                     budget.release(held - want)
                     held = want
                 elif held < want:  # a frame begun: room for all of it before reading on
-                    if not budget.try_take(want - held) and not await _take(budget, want - held, budget_wait):
-                        await _refuse_full(conn, budget, budget_wait)
-                        return
+                    if not budget.try_take(want - held):
+                        if not await _take(budget, want - held, budget_wait):
+                            await _refuse_full(conn, budget, budget_wait)
+                            return
+                        begun = None  # the wait for room is not the client's time
                     held = want
-                if buffered:  # in the middle of a frame: the rest comes soon or never
-                    with trio.move_on_after(FRAME_WAIT_S) as cut:
+                if buffered:  # in the middle of a frame: all of it comes soon or never
+                    # One deadline for the whole frame, not one per read: a client that sends a byte
+                    # now and then would otherwise hold its frame's room in the budget for ever.
+                    begun = trio.current_time() if begun is None else begun
+                    with trio.move_on_at(begun + FRAME_WAIT_S) as cut:
                         await trio.lowlevel.wait_readable(conn)
                     if cut.cancelled_caught:
-                        log.warning("local client: expected the rest of a frame within %g s, found %d bytes of it "
-                                    "and nothing more; closing", FRAME_WAIT_S, frames.buffered)
+                        log.warning("local client: expected a frame begun to be finished within %g s, found %d of "
+                                    "its %s bytes; closing", FRAME_WAIT_S, frames.buffered,
+                                    "?" if total is None else total)
                         return
                 else:
                     await trio.lowlevel.wait_readable(conn)
                 waited = True
                 if total is None:  # room for one read (less where less is free), given back after it
                     room = max(HEADER_BYTES - buffered, min(RECEIVE_BYTES, budget.limit - budget.used))
-                    if not budget.try_take(room) and not await _take(budget, room, budget_wait):
-                        await _refuse_full(conn, budget, budget_wait)
-                        return
+                    if not budget.try_take(room):
+                        if not await _take(budget, room, budget_wait):
+                            await _refuse_full(conn, budget, budget_wait)
+                            return
+                        begun = None  # as above: the wait for room is not the client's time
                     held += room
                 else:  # the frame's reserved bytes, and none of the next request's
                     room = min(RECEIVE_BYTES, held - buffered)
@@ -375,6 +394,7 @@ async def _serve_connection(conn: _socket.socket, handle: Handler, buf: bytearra
                     budget.release(held - buffered)
                     held = buffered
                 continue
+            begun = None
             if not waited:  # requests queued back to back: let other tasks run between them
                 await trio.lowlevel.checkpoint()
             waited = False
@@ -459,11 +479,17 @@ async def _unless_client_leaves(conn: _socket.socket, handle: Handler, req: dict
     reply = None
     async with trio.open_nursery() as nursery:
         async def watch() -> None:
-            await trio.lowlevel.wait_readable(conn)  # data (a pipelined request), EOF or a hangup
             p = select.poll()
             p.register(conn, select.POLLIN)
-            if any(ev & (select.POLLHUP | select.POLLERR) for _, ev in p.poll(0)):
-                nursery.cancel_scope.cancel()
+            while True:
+                await trio.lowlevel.wait_readable(conn)  # data (a pipelined request), EOF or a hangup
+                if any(ev & (select.POLLHUP | select.POLLERR) for _, ev in p.poll(0)):
+                    nursery.cancel_scope.cancel()
+                    return
+                # Readable and still there: a pipelined request (or its sender's EOF alone), which
+                # stays readable until this one is answered. Look again every LEFT_POLL_S: a
+                # client that leaves after pipelining is still noticed, without a busy loop.
+                await trio.sleep(LEFT_POLL_S)
 
         nursery.start_soon(watch)
         reply = await handle(req)

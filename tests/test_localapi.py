@@ -347,6 +347,44 @@ def test_a_waiter_that_leaves_ends_its_wait_and_frees_its_connection(tmp_path):
     trio.run(main)
 
 
+def test_a_waiter_that_pipelines_a_request_and_then_leaves_frees_its_connection(tmp_path, monkeypatch):
+    """A client that sends a request behind its wait_version, then closes: the node saw the
+    pipelined bytes (readable, no hangup), stopped watching, and kept the wait, its task and
+    its connection slot until the timeout (for ever at 1e300); four such clients left a node
+    of four connections refusing every other client with too_many_connections."""
+    monkeypatch.setattr(node_localapi, "LEFT_POLL_S", 0.05)
+    path = tmp_path / "node.sock"
+    ended = []
+
+    async def handle(req):
+        if req["op"] != "wait_version":
+            return localapi.ok(status={})
+        try:
+            await trio.sleep(req["timeout"])
+        finally:
+            ended.append(req["min_version"])
+        return localapi.error(localapi.TIMEOUT, "not reached")
+
+    async def main():
+        async with trio.open_nursery() as n:
+            await n.start(functools.partial(serve_local, path, handle, max_connections=2))
+            for v in range(2):
+                with socket.socket(socket.AF_UNIX) as s:
+                    s.connect(str(path))
+                    s.sendall(localapi.encode(localapi.wait_version_request(v, 1e300)))
+                    await trio.sleep(0.1)  # the node is in the wait
+                    s.sendall(localapi.encode(localapi.status_request()))  # pipelined behind it
+                    await trio.sleep(0.1)  # the node sees those bytes, not yet a hangup
+            with trio.fail_after(5):
+                while len(ended) < 2:
+                    await trio.sleep(0.01)
+            with NodeClient(path) as c:  # the limit of two is not reached: both left
+                assert await trio.to_thread.run_sync(c.status) == {}
+            n.cancel_scope.cancel()
+
+    trio.run(main)
+
+
 def test_a_frame_left_half_sent_costs_its_connection_after_a_while(tmp_path, monkeypatch):
     """A client that stops in the middle of a frame (a header claiming 200 MiB, then a few bytes)
     held its connection, and what it had sent, for ever; now the node waits FRAME_WAIT_S for
@@ -371,6 +409,118 @@ def test_a_frame_left_half_sent_costs_its_connection_after_a_while(tmp_path, mon
         assert 0.1 < waited < 2 and ok is True
 
     serving(tmp_path, body)
+
+
+def test_a_frame_sent_a_byte_at_a_time_costs_its_connection_after_a_while(tmp_path, monkeypatch):
+    """A client that goes on with its frame a byte at a time, each within FRAME_WAIT_S of the
+    last, never finishing: the deadline was per read, so the node held the frame's room in
+    its budget for ever; four such connections (headers of 256 MiB, a byte a minute) held
+    the whole 1 GiB, and every other client, a status too, got buffers_full. Now the whole
+    frame must be in within FRAME_WAIT_S."""
+    monkeypatch.setattr(node_localapi, "FRAME_WAIT_S", 0.5)
+    budget = BufferBudget(1 << 20)
+
+    async def main():
+        async with trio.open_nursery() as n:
+            path = await n.start(functools.partial(serve_local, tmp_path / "node.sock", echo, budget=budget,
+                                                   budget_wait=0.3))
+            with socket.socket(socket.AF_UNIX) as hog:
+                hog.connect(str(path))
+                hog.setblocking(False)
+                hog.send((budget.limit - 4).to_bytes(4, "big") + b"x")  # a frame of the whole budget
+                t0 = time.monotonic()
+                with trio.fail_after(5):
+                    while True:  # a byte every 0.1 s until the node closes (at most 5 s)
+                        await trio.sleep(0.1)
+                        try:
+                            hog.send(b"x")
+                        except OSError:
+                            break
+                assert time.monotonic() - t0 < 2
+            with NodeClient(path) as c:  # the node serves on, its budget given back
+                assert "calls" in await trio.to_thread.run_sync(c.status)
+            assert budget.used == 0
+            n.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_a_hundred_connects_while_the_node_is_busy_all_wait_in_its_queue(tmp_path):
+    """The node's loop busy for a moment (here: this test's synchronous connects) while many
+    clients connect: with a listen backlog of 64, those past it found the queue full, and an
+    AF_UNIX connect with a timeout fails at once then (EAGAIN), so a hundred workers asking
+    at once after a node restart had a third of them told that no node answers."""
+
+    async def body(path):
+        socks, full = [], 0
+        try:
+            for _ in range(200):  # the loop does not turn meanwhile: nothing is accepted
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
+                socks.append(s)
+                try:
+                    s.connect(str(path))
+                except BlockingIOError:
+                    full += 1
+        finally:
+            for s in socks:
+                s.close()
+        assert full == 0
+
+    serving(tmp_path, body)
+
+
+@pytest.mark.parametrize("kind", ["blocking", "async"])
+def test_a_client_that_finds_the_nodes_queue_full_waits_for_room(tmp_path, kind):
+    """A node whose queue of connections not yet accepted is full for a moment: the client's
+    connect failed at once (EAGAIN) instead of waiting within its connect timeout; the
+    blocking client said no node answers, the async one (trio took EAGAIN for a connect in
+    progress) handed back an unconnected socket whose send failed with EINVAL."""
+    path = tmp_path / "node.sock"
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(str(path))
+    srv.listen(0)
+    fillers = []
+    for _ in range(50):  # until the queue is full
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
+        try:
+            s.connect(str(path))
+        except BlockingIOError:
+            s.close()
+            break
+        fillers.append(s)
+    else:
+        pytest.fail("expected the listen queue to fill within 50 connects")
+
+    def serve_one_late() -> None:
+        time.sleep(0.3)  # the client finds the queue full meanwhile
+        srv.settimeout(10)
+        for _ in fillers:
+            srv.accept()[0].close()
+        conn = srv.accept()[0]
+        with conn:
+            conn.settimeout(10)
+            frames = FrameBuffer(localapi.MAX_FRAME_BYTES)
+            while (body := frames.next_body()) is NEED_DATA:
+                frames.receive_data(conn.recv(1 << 16))
+            assert localapi.decode(body)["op"] == "status"
+            conn.sendall(localapi.encode(localapi.ok(status={"late": True})))
+
+    async def main():
+        async with trio.open_nursery() as n:
+            n.start_soon(functools.partial(trio.to_thread.run_sync, serve_one_late))
+            with trio.fail_after(10):
+                if kind == "blocking":
+                    with NodeClient(path) as c:
+                        return await trio.to_thread.run_sync(c.status)
+                async with AsyncNodeClient(path) as c:
+                    return await c.status()
+
+    try:
+        assert trio.run(main) == {"late": True}
+    finally:
+        for s in fillers:
+            s.close()
+        srv.close()
 
 
 def test_a_socket_path_longer_than_af_unix_takes_is_served_and_reached(tmp_path):
