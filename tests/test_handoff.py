@@ -60,6 +60,21 @@ def test_versions_switch_atomically_and_unchanged_shards_are_linked(tmp_path):
 
 
 
+def test_an_unchanged_single_file_carries_its_own_versions_metadata(tmp_path):
+    """The defect: a single-file version whose weights did not change (only a side file did,
+    or nothing) hard-linked the previous version's model.safetensors, whose header holds
+    that version's metadata: version 2's file said version 1 and its state hash, and after a
+    restart the sink took its own version 2 for another state and wrote it all again."""
+    md = ModelDir(tmp_path / "md")
+    s = state(0)
+    md.write(1, s, None, {"config.json": b"{}"}, {"patchswarm.version": "1", "patchswarm.state_hash": "h1"})
+    md.write(2, s, None, {"config.json": b"{\"x\": 1}"}, {"patchswarm.version": "2", "patchswarm.state_hash": "h2"},
+             changed={file_tensor_name("config.json")})
+    assert md.recorded(2) == {"patchswarm.version": "2", "patchswarm.state_hash": "h2"}
+    assert ModelDir(tmp_path / "md").recorded(2)["patchswarm.version"] == "2"
+    assert (md.current / "config.json").read_bytes() == b'{"x": 1}'
+
+
 @pytest.mark.parametrize("layout", [LAYOUT, None])
 def test_a_model_dir_left_by_another_state_is_written_again_not_offered(tmp_path, layout):
     """The defect: at start the sink took the model directory's `current` version on trust. One
