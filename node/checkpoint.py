@@ -156,6 +156,13 @@ def check_destination(path: str | os.PathLike, layout: Layout) -> None:
             _check_shard_name(file, "layout")
         if p.exists() and not p.is_dir():
             raise UsageError(f"{p}: exists and is not a directory; a sharded checkpoint is a directory")
+        if p.is_dir():
+            # The directory is replaced whole: only a checkpoint's own files may be lost with it.
+            others = sorted(f.name for f in p.iterdir()
+                            if not (f.is_file() and (f.suffix == SUFFIX or f.name == INDEX_NAME)))
+            if others:
+                raise UsageError(f"{p}: expected a new path or a directory of shards and {INDEX_NAME} to replace, "
+                                 f"found {len(others)} other entries in it ({others[:3]})")
     parent = p.parent if str(p.parent) else Path(".")
     if not parent.is_dir():
         raise UsageError(f"{p}: parent directory {parent} does not exist")

@@ -97,6 +97,21 @@ def test_overwrite_directory_atomically(tmp_path, mixed):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 
+@pytest.mark.parametrize("other", ["notes.txt", "config.json", "subdir"])
+def test_a_directory_holding_other_files_is_not_replaced(tmp_path, mixed, other):
+    """The defect: a sharded save over an existing directory moved it aside and removed it
+    whole, whatever it held: `patchswarm apply BASE PATCH -o DIR` deleted every file of DIR
+    (a model directory's config and tokenizer, or unrelated work), not only its shards."""
+    out = tmp_path / "ckpt"
+    save_state(mixed, out, {n: "a.safetensors" for n in mixed})
+    (out / other).mkdir() if other == "subdir" else (out / other).write_text("keep me")
+    before = sorted(p.name for p in out.iterdir())
+    with pytest.raises(UsageError, match=f"found 1 other entries in it.*{other}"):
+        save_state(mixed, out, {n: "b.safetensors" for n in mixed})
+    assert sorted(p.name for p in out.iterdir()) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
 def test_directory_without_index(tmp_path, mixed):
     d = tmp_path / "d"
     d.mkdir()

@@ -90,6 +90,22 @@ def test_sharded_round_trip(pair, tmp_path):
     same_bits(got, target)
 
 
+def test_apply_refuses_to_replace_a_directory_of_other_files(pair, tmp_path):
+    """`-o DIR` naming a directory that is not a shard directory (here one holding the
+    patch and unrelated files) was removed whole; now one line, exit 1, DIR untouched."""
+    base, target = pair
+    layout = {n: "model-00001-of-00001.safetensors" for n in target}
+    save_state(base, tmp_path / "base", layout)
+    save_state(target, tmp_path / "target", layout)
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "notes.txt").write_text("keep me")
+    cli("diff", tmp_path / "base", tmp_path / "target", "-o", work / "p.patch")
+    assert_one_line_error(cli("apply", tmp_path / "base", work / "p.patch", "-o", work, check=False))
+    assert sorted(p.name for p in work.iterdir()) == ["notes.txt", "p.patch"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["base", "target", "work"]
+
+
 def test_sharded_base_single_file_patch(files, pair, tmp_path):
     """A patch without a layout applied to a shard directory writes a single file."""
     base, _ = pair
