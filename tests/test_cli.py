@@ -71,6 +71,15 @@ def test_diff_summary_line(files):
     assert (files / "again.patch").read_bytes() == (files / "step.patch").read_bytes()
 
 
+def test_diff_summary_says_larger_when_the_patch_outweighs_the_target(tmp_path):
+    """A 40-byte target made a 400-byte patch, and the summary said "0.1x smaller"."""
+    save_state({"w": torch.zeros(10)}, tmp_path / "b.safetensors")
+    save_state({"w": torch.ones(10)}, tmp_path / "t.safetensors")
+    r = cli("diff", tmp_path / "b.safetensors", tmp_path / "t.safetensors", "-o", tmp_path / "p")
+    size = (tmp_path / "p").stat().st_size
+    assert f"{size / 40:.1f}x larger than target (40 bytes)" in r.stdout and "smaller" not in r.stdout
+
+
 def test_sharded_round_trip(pair, tmp_path):
     base, target = pair
     names = sorted(target)
