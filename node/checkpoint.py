@@ -277,7 +277,10 @@ def _replace_dir(tmp: Path, p: Path) -> None:
     except BaseException:
         os.rename(old, p)
         raise
-    shutil.rmtree(old, ignore_errors=True)
+    if old.is_symlink():  # `p` was a link to a directory: the link goes, not what it points to
+        old.unlink()
+    else:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:

@@ -135,6 +135,16 @@ def test_a_sharded_load_reads_the_index_once_not_once_per_shard(tmp_path, mixed,
     assert Counted.scans <= 2, f"{Counted.scans} scans of the weight map for {len(mixed)} shards"
 
 
+def test_a_link_to_a_directory_is_replaced_without_a_stray_link_beside_it(tmp_path, mixed):
+    """The defect: `p` a symbolic link to a directory was moved aside as `p.old-*` and removed
+    with rmtree, which refuses links (its error ignored): the link stayed there for good."""
+    (tmp_path / "real").mkdir()
+    (tmp_path / "ckpt").symlink_to(tmp_path / "real")
+    save_state(mixed, tmp_path / "ckpt", {n: "a.safetensors" for n in mixed})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "real"]
+    same_bits(load_state(tmp_path / "ckpt")[0], mixed)
+
+
 def test_directory_without_index(tmp_path, mixed):
     d = tmp_path / "d"
     d.mkdir()
