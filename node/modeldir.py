@@ -128,9 +128,11 @@ class ModelDir:
                         and (prev / shard).exists()):
                     os.link(prev / shard, tmp / shard)
                     continue
+                # "format": "pt" in every file: transformers' load_state_dict refuses a safetensors
+                # file whose metadata lacks it ("does not contain the valid metadata").
                 written += basefile.write(tmp / shard, {n: state[n] for n in sorted(names)},
-                                          metadata if layout is None else {"format": "pt"}, durable=False,
-                                          mode=FILE_MODE)
+                                          {"format": "pt", **metadata} if layout is None else {"format": "pt"},
+                                          durable=False, mode=FILE_MODE)
             if layout is not None:
                 total = sum(t.numel() * t.element_size() for n, t in state.items())
                 index = {"metadata": {"total_size": total, **metadata},

@@ -70,9 +70,25 @@ def test_an_unchanged_single_file_carries_its_own_versions_metadata(tmp_path):
     md.write(1, s, None, {"config.json": b"{}"}, {"patchswarm.version": "1", "patchswarm.state_hash": "h1"})
     md.write(2, s, None, {"config.json": b"{\"x\": 1}"}, {"patchswarm.version": "2", "patchswarm.state_hash": "h2"},
              changed={file_tensor_name("config.json")})
-    assert md.recorded(2) == {"patchswarm.version": "2", "patchswarm.state_hash": "h2"}
+    assert md.recorded(2) == {"format": "pt", "patchswarm.version": "2", "patchswarm.state_hash": "h2"}
     assert ModelDir(tmp_path / "md").recorded(2)["patchswarm.version"] == "2"
     assert (md.current / "config.json").read_bytes() == b'{"x": 1}'
+
+
+@pytest.mark.parametrize("layout", [LAYOUT, None])
+def test_every_weights_file_says_format_pt_as_transformers_requires(tmp_path, layout):
+    """The defect: a single-file version's model.safetensors carried only the version's
+    metadata, and transformers' load_state_dict refuses a safetensors file whose metadata
+    has no "format" of pt, tf, flax or mlx: from_pretrained could not load the directory."""
+    from safetensors import safe_open
+
+    md = ModelDir(tmp_path / "md")
+    md.write(1, state(1), layout, {}, {"patchswarm.version": "1"})
+    files = sorted(md.current.glob("*.safetensors"))
+    assert files
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            assert (st.metadata() or {}).get("format") == "pt", f.name
 
 
 @pytest.mark.parametrize("layout", [LAYOUT, None])
