@@ -92,7 +92,8 @@ class ModelDir:
 
         `changed`: the tensors that differ from the current version (None: all of them);
         a shard of only unchanged tensors, present in the current version with the same
-        tensors, is hard-linked instead of written."""
+        tensors, is hard-linked instead of written (not a single file: its header holds
+        the version's metadata)."""
         final = self.path(version)
         shards = _shards_of(state, layout)
         written = 0
@@ -121,14 +122,17 @@ class ModelDir:
         written = 0
         try:
             for shard, names in sorted(shards.items()):
-                unchanged = changed is not None and not (names & changed)
+                # A single file holds this version's metadata in its header: never the previous one's.
+                unchanged = changed is not None and layout is not None and not (names & changed)
                 if (unchanged and prev is not None and prev_shards is not None and prev_shards.get(shard) == names
                         and (prev / shard).exists()):
                     os.link(prev / shard, tmp / shard)
                     continue
+                # "format": "pt" in every file: transformers' load_state_dict refuses a safetensors
+                # file whose metadata lacks it ("does not contain the valid metadata").
                 written += basefile.write(tmp / shard, {n: state[n] for n in sorted(names)},
-                                          metadata if layout is None else {"format": "pt"}, durable=False,
-                                          mode=FILE_MODE)
+                                          {"format": "pt", **metadata} if layout is None else {"format": "pt"},
+                                          durable=False, mode=FILE_MODE)
             if layout is not None:
                 total = sum(t.numel() * t.element_size() for n, t in state.items())
                 index = {"metadata": {"total_size": total, **metadata},

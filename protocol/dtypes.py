@@ -167,6 +167,10 @@ def checked_info(t: torch.Tensor, where: str, name: str) -> DtypeInfo:
 def int_view(t: torch.Tensor) -> np.ndarray:
     """A flat numpy view (shared memory) of a contiguous `t`'s bit patterns as integers."""
     as_int = _INT_VIEW.get(t.dtype) or info_of(t.dtype).int_dtype
+    if t.dim() > 64 or not t.numel():
+        # Flattened by torch first: numpy takes at most 64 dimensions and no shape whose
+        # product overflows, which an empty tensor may have ([0, 2**62]).
+        t = t.reshape(-1)
     a = t.view(as_int).numpy()
     return a if a.ndim == 1 else a.reshape(-1)  # a 1-d array is flat already: one object less
 

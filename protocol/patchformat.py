@@ -242,6 +242,15 @@ def name_bytes(name: str) -> int:
         return -1
 
 
+def check_shape(shape, what: str) -> None:
+    """UsageError unless a patch's tensor table can carry `shape`: at most MAX_DIMS
+    dimensions, each at most MAX_DIM (what `from_bytes` accepts)."""
+    if len(shape) > MAX_DIMS or any(d > MAX_DIM for d in shape):
+        found = list(shape) if len(shape) <= 8 else f"{len(shape)} dimensions"
+        raise UsageError(f"{what}: shape: expected at most {MAX_DIMS} dimensions of at most {MAX_DIM} "
+                         f"(what a patch carries), found {found}")
+
+
 def check_state(state, what: str) -> None:
     if not isinstance(state, dict):
         raise UsageError(f"{what}: expected dict[str, torch.Tensor], found {type(state).__name__}")
@@ -249,6 +258,10 @@ def check_state(state, what: str) -> None:
         if not isinstance(k, str) or not isinstance(v, torch.Tensor):
             raise UsageError(f"{what}: expected dict[str, torch.Tensor], found entry {k!r}: {type(v).__name__}")
         checked_info(v, what, k)
+        # Only an empty tensor (or one of more than MAX_DIMS dimensions) can have a shape a
+        # patch's tensor table refuses: the dimensions of one with data multiply to its size.
+        if not v.numel() or v.dim() > MAX_DIMS:
+            check_shape(v.shape, f"{what}[{k!r}]")
         # An ASCII name's UTF-8 size is its length (isascii reads a flag the string keeps).
         if k.isascii() and len(k) <= MAX_NAME_BYTES:
             continue

@@ -40,7 +40,7 @@ import torch
 from .changes import MAX_DIMS as CHANGE_MAX_DIMS
 from .dtypes import BY_NAME, BY_TORCH, E8M0, check_dense
 from .errors import InvalidInput, UnsupportedFormat, UsageError
-from .patchformat import MAX_NAME_BYTES, name_bytes
+from .patchformat import MAX_DIM, MAX_NAME_BYTES, name_bytes
 
 FORMATS = ("as-is", "bf16", "fp16", "fp32", "fp8-block")
 DEFAULT_FORMAT = "bf16"
@@ -75,7 +75,8 @@ def check_served_spec(name: str, dtype: torch.dtype, shape: tuple[int, ...], fmt
     """Raise unless a served tensor of this name, dtype and shape can travel the whole way:
     in a patch, in a node's safetensors weights file and in the change stream to an engine
     (protocol/changes.py: names of 1..MAX_NAME_BYTES UTF-8 bytes, at most its MAX_DIMS
-    dimensions). The origin checks its whole table before it makes a tensor."""
+    dimensions, each at most the patch table's MAX_DIM). The origin checks its whole table
+    before it makes a tensor."""
     size = name_bytes(name)
     if not 0 < size <= MAX_NAME_BYTES:
         raise UsageError(f"served state: tensor name: expected 1..{MAX_NAME_BYTES} bytes of UTF-8, found "
@@ -86,9 +87,9 @@ def check_served_spec(name: str, dtype: torch.dtype, shape: tuple[int, ...], fmt
     if dtype not in BY_TORCH:
         raise UnsupportedFormat(f"served state: tensor {name!r} served {fmt} is {dtype}; expected one of "
                                 f"{sorted(BY_NAME)} (a cast format serves other floats as its dtype)")
-    if len(shape) > CHANGE_MAX_DIMS:
-        raise UsageError(f"served state: tensor {name!r}: expected at most {CHANGE_MAX_DIMS} dimensions, "
-                         f"found shape {list(shape)}")
+    if len(shape) > CHANGE_MAX_DIMS or any(d > MAX_DIM for d in shape):  # an empty tensor's may be any size
+        raise UsageError(f"served state: tensor {name!r}: expected at most {CHANGE_MAX_DIMS} dimensions of at most "
+                         f"{MAX_DIM}, found shape {list(shape)}")
 
 
 def check_format(fmt: str) -> str:

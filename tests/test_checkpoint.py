@@ -97,6 +97,54 @@ def test_overwrite_directory_atomically(tmp_path, mixed):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 
+@pytest.mark.parametrize("other", ["notes.txt", "config.json", "subdir"])
+def test_a_directory_holding_other_files_is_not_replaced(tmp_path, mixed, other):
+    """The defect: a sharded save over an existing directory moved it aside and removed it
+    whole, whatever it held: `patchswarm apply BASE PATCH -o DIR` deleted every file of DIR
+    (a model directory's config and tokenizer, or unrelated work), not only its shards."""
+    out = tmp_path / "ckpt"
+    save_state(mixed, out, {n: "a.safetensors" for n in mixed})
+    (out / other).mkdir() if other == "subdir" else (out / other).write_text("keep me")
+    before = sorted(p.name for p in out.iterdir())
+    with pytest.raises(UsageError, match=f"found 1 other entries in it.*{other}"):
+        save_state(mixed, out, {n: "b.safetensors" for n in mixed})
+    assert sorted(p.name for p in out.iterdir()) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_a_sharded_load_reads_the_index_once_not_once_per_shard(tmp_path, mixed, monkeypatch):
+    """The defect: each shard scanned the whole weight_map for its names, O(shards x tensors):
+    4 s of a load (and as much of a save) at DeepSeek-V3's 163 shards and 140k tensors."""
+    from patchswarm.node import checkpoint
+
+    class Counted(dict):
+        scans = 0
+
+        def items(self):
+            Counted.scans += 1
+            return super().items()
+
+    out = tmp_path / "ckpt"
+    one_each = {n: f"s{i}.safetensors" for i, n in enumerate(mixed)}
+    save_state(mixed, out, one_each)
+    real = checkpoint._read_index
+    monkeypatch.setattr(checkpoint, "_read_index", lambda index: Counted(real(index)))
+    state, layout = load_state(out)
+    same_bits(state, mixed)
+    assert layout == one_each
+    assert Counted.scans <= 2, f"{Counted.scans} scans of the weight map for {len(mixed)} shards"
+
+
+def test_a_link_to_a_directory_is_replaced_without_a_stray_link_beside_it(tmp_path, mixed):
+    """The defect: `p` a symbolic link to a directory was moved aside as `p.old-*` and removed
+    with rmtree, which refuses links (its error ignored): the link stayed there for good."""
+    (tmp_path / "real").mkdir()
+    (tmp_path / "ckpt").symlink_to(tmp_path / "real")
+    save_state(mixed, tmp_path / "ckpt", {n: "a.safetensors" for n in mixed})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "real"]
+    same_bits(load_state(tmp_path / "ckpt")[0], mixed)
+
+
 def test_directory_without_index(tmp_path, mixed):
     d = tmp_path / "d"
     d.mkdir()

@@ -71,6 +71,15 @@ def test_diff_summary_line(files):
     assert (files / "again.patch").read_bytes() == (files / "step.patch").read_bytes()
 
 
+def test_diff_summary_says_larger_when_the_patch_outweighs_the_target(tmp_path):
+    """A 40-byte target made a 400-byte patch, and the summary said "0.1x smaller"."""
+    save_state({"w": torch.zeros(10)}, tmp_path / "b.safetensors")
+    save_state({"w": torch.ones(10)}, tmp_path / "t.safetensors")
+    r = cli("diff", tmp_path / "b.safetensors", tmp_path / "t.safetensors", "-o", tmp_path / "p")
+    size = (tmp_path / "p").stat().st_size
+    assert f"{size / 40:.1f}x larger than target (40 bytes)" in r.stdout and "smaller" not in r.stdout
+
+
 def test_sharded_round_trip(pair, tmp_path):
     base, target = pair
     names = sorted(target)
@@ -88,6 +97,22 @@ def test_sharded_round_trip(pair, tmp_path):
     for file in sorted(set(layout.values())):
         got.update(load_file(str(out / file)))
     same_bits(got, target)
+
+
+def test_apply_refuses_to_replace_a_directory_of_other_files(pair, tmp_path):
+    """`-o DIR` naming a directory that is not a shard directory (here one holding the
+    patch and unrelated files) was removed whole; now one line, exit 1, DIR untouched."""
+    base, target = pair
+    layout = {n: "model-00001-of-00001.safetensors" for n in target}
+    save_state(base, tmp_path / "base", layout)
+    save_state(target, tmp_path / "target", layout)
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "notes.txt").write_text("keep me")
+    cli("diff", tmp_path / "base", tmp_path / "target", "-o", work / "p.patch")
+    assert_one_line_error(cli("apply", tmp_path / "base", work / "p.patch", "-o", work, check=False))
+    assert sorted(p.name for p in work.iterdir()) == ["notes.txt", "p.patch"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["base", "target", "work"]
 
 
 def test_sharded_base_single_file_patch(files, pair, tmp_path):

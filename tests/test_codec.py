@@ -322,6 +322,28 @@ def test_names_are_checked_when_a_patch_is_made_not_when_it_is_read(name, ok):
                 call()
 
 
+@pytest.mark.parametrize("shape, ok", [([0, (1 << 48) - 1], True), ([1] * 64, True), ([0, 1 << 48], False),
+                                       ([0, 1 << 62], False), ([1] * 65, False)])
+def test_shapes_are_checked_when_a_patch_is_made_not_when_it_is_read(shape, ok):
+    """The defects: an empty tensor with a dimension of 2**48 or more made a patch whose
+    own reader refused it ("tensor table: expected a dimension in [0, 2**48-1]"), and one
+    of [0, 2**62] or of 65 dimensions raised numpy's ValueError from the state hash (a
+    traceback out of `patchswarm diff`, and of `apply` on such a BASE)."""
+    a, b = {"w": torch.zeros(shape)}, {"w": torch.ones(shape)}
+    assert statehash.is_state_hash(state_hash(a))
+    if ok:
+        for p in (diff(a, b), keyframe(b)):
+            state = {} if p.kind == "keyframe" else {"w": a["w"].clone()}
+            apply(state, Patch.from_bytes(p.to_bytes()))
+            assert state_hash(state) == state_hash(b)
+    else:
+        for call in (lambda: diff(a, b), lambda: keyframe(b), lambda: diff({}, b)):
+            with pytest.raises(UsageError, match="shape: expected at most 64 dimensions"):
+                call()
+        with pytest.raises(UsageError, match="shape: expected"):
+            apply(dict(a), diff({}, {"x": torch.ones(2)}))
+
+
 @given(st.lists(st.tuples(st.integers(0, 30), st.sampled_from([torch.float32, torch.bfloat16])), max_size=12),
        st.integers(1, 12))
 @example([(6, torch.float32), (5, torch.float32), (5, torch.float32), (1, torch.float32)], 10)

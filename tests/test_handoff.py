@@ -60,6 +60,37 @@ def test_versions_switch_atomically_and_unchanged_shards_are_linked(tmp_path):
 
 
 
+def test_an_unchanged_single_file_carries_its_own_versions_metadata(tmp_path):
+    """The defect: a single-file version whose weights did not change (only a side file did,
+    or nothing) hard-linked the previous version's model.safetensors, whose header holds
+    that version's metadata: version 2's file said version 1 and its state hash, and after a
+    restart the sink took its own version 2 for another state and wrote it all again."""
+    md = ModelDir(tmp_path / "md")
+    s = state(0)
+    md.write(1, s, None, {"config.json": b"{}"}, {"patchswarm.version": "1", "patchswarm.state_hash": "h1"})
+    md.write(2, s, None, {"config.json": b"{\"x\": 1}"}, {"patchswarm.version": "2", "patchswarm.state_hash": "h2"},
+             changed={file_tensor_name("config.json")})
+    assert md.recorded(2) == {"format": "pt", "patchswarm.version": "2", "patchswarm.state_hash": "h2"}
+    assert ModelDir(tmp_path / "md").recorded(2)["patchswarm.version"] == "2"
+    assert (md.current / "config.json").read_bytes() == b'{"x": 1}'
+
+
+@pytest.mark.parametrize("layout", [LAYOUT, None])
+def test_every_weights_file_says_format_pt_as_transformers_requires(tmp_path, layout):
+    """The defect: a single-file version's model.safetensors carried only the version's
+    metadata, and transformers' load_state_dict refuses a safetensors file whose metadata
+    has no "format" of pt, tf, flax or mlx: from_pretrained could not load the directory."""
+    from safetensors import safe_open
+
+    md = ModelDir(tmp_path / "md")
+    md.write(1, state(1), layout, {}, {"patchswarm.version": "1"})
+    files = sorted(md.current.glob("*.safetensors"))
+    assert files
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            assert (st.metadata() or {}).get("format") == "pt", f.name
+
+
 @pytest.mark.parametrize("layout", [LAYOUT, None])
 def test_a_model_dir_left_by_another_state_is_written_again_not_offered(tmp_path, layout):
     """The defect: at start the sink took the model directory's `current` version on trust. One

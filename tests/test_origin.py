@@ -276,6 +276,41 @@ def test_watch_publishes_complete_checkpoints_once_across_a_restart(tmp_path):
                          "f.safetensors"}
 
 
+def test_watch_publishes_numbered_checkpoints_in_step_order(tmp_path):
+    """The defect: the watch went in plain string order, in which a trainer's unpadded
+    checkpoint-1000 comes before checkpoint-500 (Hugging Face Trainer's names): an origin
+    that found both published step 1000 first, then step 500 as the newest version."""
+    from safetensors.torch import save_file
+
+    from patchswarm.node.trainer.origin import Origin, OriginConfig
+
+    g = torch.Generator().manual_seed(6)
+    steps = {500: {"w": torch.randn(8, 16, generator=g)}, 1000: {"w": torch.randn(8, 16, generator=g)}}
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    for step, state in steps.items():
+        save_file(state, ckpt / f"checkpoint-{step}.safetensors")
+    swarm = tmp_path / "swarm"
+    trust.init_swarm(swarm)
+    trust.issue(swarm, "origin", "origin", tmp_path / "creds")
+    cfg = OriginConfig(tracker="127.0.0.1:9", creds=tmp_path / "creds", key=swarm / "trainer.key",
+                       data_dir=tmp_path / "data", listen="127.0.0.1:0")
+
+    async def watch() -> Origin:
+        o = Origin(cfg)
+        with trio.fail_after(120):
+            async with trio.open_nursery() as n:
+                await n.start(o.run)
+                n.start_soon(o.watch, ckpt)
+                while o.version != 1:
+                    await trio.sleep(0.05)
+                n.cancel_scope.cancel()
+        return o
+
+    o = trio.run(watch)
+    assert o.served.state_hash == state_hash(served(steps[1000], torch.bfloat16))
+
+
 # ================================================================ trajectory intake and the feed
 
 

@@ -116,6 +116,34 @@ def test_a_tensor_of_more_dimensions_than_the_change_stream_carries_is_refused()
         Source.from_state({"w": torch.zeros([1] * 17)}, "as-is")
 
 
+def test_an_empty_tensor_with_a_dimension_no_patch_carries_is_refused():
+    """The defect: a [0, 2**48] tensor (no data, any size) passed the origin's checks; every
+    object of its version then listed a dimension that patches, manifests and the change
+    stream refuse (at most 2**48 - 1), so no node could take the version."""
+    served_copy({"w": torch.zeros(0, (1 << 48) - 1)}, "as-is")
+    with pytest.raises(UsageError, match="at most 16 dimensions of at most 281474976710655"):
+        Source.from_state({"w": torch.zeros(0, 1 << 48)}, "as-is")
+
+
+def test_a_checkpoint_file_is_opened_once_per_publish_not_once_per_tensor(tmp_path, monkeypatch):
+    """The defect: `produce` opened the tensor's file again for every tensor, and each open
+    reads the file's whole header: O(tensors^2), 70 s for 8,000 tensors in one file (hours
+    at a large MoE's 140k)."""
+    from safetensors.torch import save_file
+
+    from patchswarm.node.trainer import source
+
+    state = {f"layers.{i}.w": torch.full((3,), float(i)) for i in range(40)}
+    save_file(state, str(tmp_path / "m.safetensors"))
+    opens = []
+    real = source._open
+    monkeypatch.setattr(source, "_open", lambda path: opens.append(path) or real(path))
+    src = Source.from_path(tmp_path / "m.safetensors", "as-is")
+    for name in sorted(src.table):
+        assert torch.equal(src.produce(name), state[name])
+    assert len(opens) <= 2, f"{len(opens)} opens for {len(state)} tensors"
+
+
 @pytest.mark.parametrize("name", ["a.b.c", "a/b/c", "ünïcødé.权重", "x" * 4096, " ", "é" * 2048])
 def test_names_that_travel_are_kept(name):
     assert list(served_copy({name: torch.ones(2)}, "bf16")) == [name]

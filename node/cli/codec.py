@@ -75,7 +75,12 @@ def cmd_diff(args: argparse.Namespace) -> int:
     write_bytes_atomic(args.output, data)
     full = _state_bytes(target)
     pct = 100.0 * s["changed"] / s["params"] if s["params"] else 0.0
-    ratio = f"{full / len(data):.1f}x smaller" if data else "n/a"
+    if not data or not full:
+        ratio = "n/a"
+    elif len(data) <= full:
+        ratio = f"{full / len(data):.1f}x smaller"
+    else:  # a tiny or wholly new target: the table and hashes outweigh the tensors
+        ratio = f"{len(data) / full:.1f}x larger"
     print(f"{args.output}: {patch.kind}, {s['changed']:,} of {s['params']:,} params changed ({pct:.3f}%), "
           f"{len(data):,} bytes, {ratio} than target ({full:,} bytes)")
     return 0

@@ -669,13 +669,14 @@ class Origin:
     # ------------------------------------------------------------ watching a directory
 
     async def watch(self, directory: Path, served: str = DEFAULT_FORMAT) -> None:
-        """Publish each new checkpoint in `directory` (name order) once it is in place."""
+        """Publish each new checkpoint in `directory` (name order, numbers by value:
+        checkpoint-500 before checkpoint-1000) once it is in place."""
         directory = Path(directory)
         ledger = self.data_dir / "watched.json"
         done = set(json.loads(ledger.read_text())) if ledger.exists() else set()
         log.info("watching %s for checkpoints (%d already published)", directory, len(done))
         while True:
-            for entry in sorted(directory.iterdir()) if directory.is_dir() else []:
+            for entry in sorted(directory.iterdir(), key=_name_order) if directory.is_dir() else []:
                 if entry.name in done or not _complete_checkpoint(entry):
                     continue
                 try:
@@ -827,6 +828,14 @@ def _write_ledger(path: Path, done: set[str]) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def _name_order(p: Path) -> tuple:
+    """A checkpoint's place in the watch's order: its name with each run of digits compared
+    as a number (a trainer's checkpoint-500 comes before its checkpoint-1000, as step9 before
+    step10), then the name itself."""
+    parts = re.split(r"(\d+)", p.name)  # text, digits, text, ...: the same kind at each index
+    return tuple(int(x) if i % 2 else x for i, x in enumerate(parts)), p.name
 
 
 _TEMP = re.compile(r"(^\.)|(\.tmp)|(\.partial$)|(~$)")
