@@ -245,6 +245,40 @@ def test_the_tracker_takes_a_member_in_its_certificates_region_and_refuses_anoth
     _tracker_run(pki, check)
 
 
+@pytest.mark.parametrize("region", ["", "r1\n2026-12-06 origin WARNING forged", "r\x1b[31m1"])
+def test_the_tracker_refuses_a_hello_whose_region_no_member_may_have(pki, region):
+    """A region is quoted in logs, the page and peers' lists: one with a newline let a member
+    whose certificate names no region forge lines in the tracker's log. Refused as no region
+    a certificate or --region may name is (`trust.region_fault`), and counted."""
+
+    async def check(tracker):
+        with pytest.raises((InvalidInput, *transport.CONNECTION_ERRORS)):
+            ms = await connect(tracker.listen_addr, pki["free"], {"tracker"}, _hello("free", region))
+            await ms.receive()  # the listener closed the connection after reading our Hello
+        assert tracker.status()["refused"] == {"refused": 1}
+        ok = await connect(tracker.listen_addr, pki["a1"], {"tracker"}, _hello("a1", "r1"))
+        assert isinstance(await ok.receive(), wire.PeerList)
+        assert [m["id"] for m in tracker.status()["members"]] == ["a1"]
+        await ok.aclose()
+
+    _tracker_run(pki, check)
+
+
+def test_a_node_or_origin_with_a_region_no_member_may_have_fails_at_construction(tmp_path):
+    from patchswarm.node.daemon import Node, NodeConfig
+    from patchswarm.node.trainer.origin import Origin, OriginConfig
+
+    sw = tmp_path / "swarm"
+    trust.init_swarm(sw)
+    trust.issue(sw, "n1", "node", tmp_path / "n1")
+    trust.issue(sw, "o", "origin", tmp_path / "o")
+    with pytest.raises(UsageError, match=r"region: expected printable characters, found 'eu\\twest'"):
+        Node(NodeConfig("127.0.0.1:9", tmp_path / "n1", tmp_path / "d1", "127.0.0.1:0", "eu\twest"))
+    with pytest.raises(UsageError, match="region: expected a non-empty str, found ''"):
+        Origin(OriginConfig("127.0.0.1:9", tmp_path / "o", sw / "trainer.key", tmp_path / "d2", "127.0.0.1:0",
+                            region=""))
+
+
 def test_with_require_region_a_certificate_naming_none_is_refused(pki, monkeypatch):
     monkeypatch.setattr(transport, "REFUSAL_HOLD", 0.05)
 

@@ -40,7 +40,7 @@ from patchswarm.protocol.errors import BudgetExceeded, InvalidInput, PeerRefused
 from patchswarm.node.net.admission import MemberAdmission
 from patchswarm.node.net.tlsstream import TLSSocketStream
 from patchswarm.node.net.trust import (Credentials, dial_context, peer_identity, peer_region, peer_serial,
-                                       server_context)
+                                       region_fault, server_context)
 
 log = logging.getLogger("patchswarm.transport")
 HANDSHAKE_SECONDS = 10.0
@@ -340,6 +340,9 @@ async def _receive_hello(ms: MessageStream) -> wire.Hello:
     if (theirs.node_id, theirs.role) != (ms.peer_name, ms.peer_role):
         raise ProtocolError(f"peer {ms.peer_name!r}: Hello says {theirs.node_id!r} ({theirs.role}), "
                             f"certificate says {ms.peer_name!r} ({ms.peer_role})")
+    if theirs.role != "tracker" and (fault := region_fault(theirs.region)) is not None:
+        # A region is quoted in logs and pages: one of control characters could forge log lines.
+        raise ProtocolError(f"peer {ms.peer_name!r}: its Hello's region: expected {fault}, found {theirs.region!r}")
     if ms.peer_region is not None and theirs.region != ms.peer_region:
         raise WrongRegion(f"{ms.peer_role} {ms.peer_name!r}: its Hello says region {theirs.region!r}, its "
                           f"certificate binds it to region {ms.peer_region!r}")

@@ -111,10 +111,11 @@ def _now() -> datetime.datetime:
 # ------------------------------------------------------------------ regions
 
 
-def _region_fault(region) -> str | None:
-    """What keeps `region` from being named in a certificate, or None: it must be what a Hello
+def region_fault(region) -> str | None:
+    """What keeps `region` from being a member's region, or None: it must be what a Hello
     carries (a str of 1 to wire.MAX_NAME_BYTES bytes of UTF-8), printable, so a log line
-    quoting it is one line."""
+    quoting it is one line. The same rule for a certificate's region, a member's own
+    --region and a peer's Hello (node/net/transport.py)."""
     if not isinstance(region, str) or not region:
         return "a non-empty str"
     if not region.isprintable():  # control characters, lone surrogates (not UTF-8)
@@ -126,7 +127,7 @@ def _region_fault(region) -> str | None:
 
 def region_uri(region: str) -> str:
     """The SAN URI that binds a certificate to `region` (UsageError for a region no certificate may name)."""
-    fault = _region_fault(region)
+    fault = region_fault(region)
     if fault is not None:
         raise UsageError(f"region: expected {fault}, found {region!r}")
     return REGION_URI + urllib.parse.quote(region, safe="")
@@ -147,7 +148,7 @@ def region_of_uris(uris, where: str = "certificate") -> str | None:
         region = urllib.parse.unquote(uri[len(REGION_URI):], errors="strict")
     except UnicodeDecodeError:
         region = None
-    if region is None or _region_fault(region) is not None or region_uri(region) != uri:
+    if region is None or region_fault(region) is not None or region_uri(region) != uri:
         raise InvalidInput(f"{where}: expected a URI {REGION_URI}R with R a region percent-encoded "
                            f"(RFC 3986, every byte but letters, digits and -._~), found {uri[:80]!r}")
     return region
@@ -399,7 +400,11 @@ class Credentials:
 
     def check_region(self, region: str) -> None:
         """UsageError unless this member may say `region` in its Hello: the certificate names
-        that region or none. A member started in another region would be refused by everyone."""
+        that region or none. A member started in another region would be refused by everyone,
+        and so would one whose region is no member's region (`region_fault`)."""
+        fault = region_fault(region)
+        if fault is not None:
+            raise UsageError(f"region: expected {fault}, found {region!r}")
         if self.region is not None and region != self.region:
             raise UsageError(f"{self.cert}: the certificate binds {self.name!r} to region {self.region!r}, "
                              f"found --region {region!r}; run it with --region {self.region}, or issue it a "
