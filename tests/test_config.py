@@ -201,6 +201,21 @@ def test_check_refuses_notice_seeds_the_tracker_would_not_start_with(tmp_path, s
     assert config.check_file(build_parser().subcommands["tracker"], "tracker", good) == []
 
 
+@pytest.mark.parametrize("service, region, fault", [
+    ("node", '""', "a non-empty str"),
+    ("node", '"eu\\twest"', "printable characters"),
+    ("origin", '"' + "r" * 257 + '"', "at most 256 bytes of UTF-8"),
+])
+def test_check_refuses_a_region_no_member_may_have(tmp_path, service, region, fault):
+    """`region = ""` (or one of control characters, or over 256 bytes) was ok for `config
+    check`, and the service then refused to start with it."""
+    f = write(tmp_path, f'service = "{service}"\nregion = {region}\n', "s.toml")
+    (p,) = config.check_file(build_parser().subcommands[service], service, f)
+    assert p.line == 2 and f"expected {fault}" in p.message, p.message
+    good = write(tmp_path, f'service = "{service}"\nregion = "eu-west 1"\n', "good.toml")
+    assert [p for p in config.check_file(build_parser().subcommands[service], service, good) if p.line == 2] == []
+
+
 def test_config_check_command(tmp_path, capsys):
     good = write(tmp_path, 'service = "origin"\ntracker = "t:1"\nwatch = "/srv/ckpt"\nserved = "fp16"\n',
                  "origin.toml")

@@ -39,6 +39,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def region_label(text: str) -> str:
+    """A member's --region: what a Hello may carry and its peers take (node/net/trust.py
+    `region_fault`), checked by `config check` too, not first at the service's start."""
+    from patchswarm.node.net.trust import region_fault
+
+    fault = region_fault(text)
+    if fault is not None:
+        raise argparse.ArgumentTypeError(f"expected {fault}, found {text!r}")
+    return text
+
+
 def parse_rate(text: str | None) -> float | None:
     """Bytes per second: a number with an optional k/M/G suffix (powers of 10), or 'none'."""
     if text is None or text.lower() in ("none", "0", ""):
@@ -59,7 +70,7 @@ def _origin_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tracker", metavar="HOST:PORT", required=True, type=address, help="the tracker's address")
     p.add_argument("--key", metavar="TRAINER_KEY", required=True, type=Path, help="the trainer's signing key (trainer.key)")
     p.add_argument("--data-dir", metavar="D", required=True, type=Path, help="where published versions and trajectories live")
-    p.add_argument("--region", default="default", help="region label of the trainer's datacenter (default: default)")
+    p.add_argument("--region", default="default", type=region_label, help="region label of the trainer's datacenter (default: default)")
     p.add_argument("--watch", metavar="CKPT_DIR", type=Path,
                    help="publish each new checkpoint in name order: a .safetensors file or a model directory "
                         "(shards, index, config and tokenizer files)")
@@ -131,7 +142,7 @@ def _node_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tracker", metavar="HOST:PORT", required=True, type=address, help="the tracker's address")
     p.add_argument("--data-dir", metavar="D", required=True, type=Path,
                    help="weights, chunks, trajectory spool and the local socket D/node.sock")
-    p.add_argument("--region", required=True, help="region label (peers in the same region are preferred)")
+    p.add_argument("--region", required=True, type=region_label, help="region label (peers in the same region are preferred)")
     p.add_argument("--upload-limit", type=parse_rate, metavar="BYTES_PER_S",
                    help="cap on chunk upload rate, e.g. 200M (default: none, unlimited)")
     p.add_argument("--download-limit", type=parse_rate, metavar="BYTES_PER_S",
