@@ -21,8 +21,8 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from patchswarm.protocol.errors import InvalidInput, UsageError
 from patchswarm.protocol.served import MAX_SIDE_FILE_BYTES, RESERVED_NAMES, check_side_file_name
@@ -81,16 +81,24 @@ def write_side_files(d: str | os.PathLike, files: dict[str, bytes]) -> None:
 def read_tensors(path: str | os.PathLike) -> State:
     """Every tensor of one `.safetensors` file, in memory this process owns.
 
-    `load_file` maps the file copy-on-write: until a tensor is written its
-    pages are the file's, so rewriting the file in place changes the loaded
-    weights (truncating it kills the process with SIGBUS), and the first
-    patch applied pays a page fault per 4 KiB it writes, while the swarm is
+    A mapped tensor (safetensors maps the file copy-on-write) keeps the file's
+    pages until it is written: rewriting the file in place would change the
+    loaded weights (truncating it kills the process with SIGBUS), and the first
+    patch applied would pay a page fault per 4 KiB it writes, while the swarm is
     still fetching. Copying once at load avoids both."""
+    return read_tensors_and_metadata(path)[0]
+
+
+def read_tensors_and_metadata(path: str | os.PathLike) -> tuple[State, dict[str, str]]:
+    """`read_tensors` and the file's metadata, from one open of it: a file renamed over
+    between two opens (a member's weights, compacted while a tool reads them) gave one
+    version's metadata and another's tensors."""
     try:
-        mapped = load_file(str(path))
+        with safe_open(str(path), framework="pt") as f:
+            metadata = dict(f.metadata() or {})
+            return {name: f.get_tensor(name).clone() for name in f.keys()}, metadata  # one mapped tensor at a time
     except SafetensorError as e:
         raise InvalidInput(f"{path}: not a readable safetensors file ({e})") from None
-    return {name: mapped.pop(name).clone() for name in list(mapped)}  # one mapped tensor at a time
 
 
 def _load_dir(d: Path) -> tuple[State, dict[str, str]]:

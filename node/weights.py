@@ -20,7 +20,7 @@ from safetensors import SafetensorError, safe_open
 from patchswarm.protocol.errors import InvalidInput
 from patchswarm.protocol.statehash import state_hash
 
-from patchswarm.node.checkpoint import read_tensors, save_state
+from patchswarm.node.checkpoint import read_tensors_and_metadata, save_state
 
 WEIGHTS_NAME = "weights.safetensors"
 META_VERSION = "patchswarm.version"
@@ -50,13 +50,15 @@ def read_weights(path: str | os.PathLike, verify: bool = True) -> Weights | None
     p = Path(path)
     if not p.exists():
         return None
-    meta = read_metadata(p)
+    try:
+        state, meta = read_tensors_and_metadata(p)  # one open: a file renamed over meanwhile is not mixed in
+    except OSError as e:
+        raise InvalidInput(f"{p}: not a readable safetensors file ({e})") from None
     try:
         version, expected, swarm = int(meta[META_VERSION]), meta[META_HASH], meta[META_SWARM]
     except (KeyError, ValueError):
         raise InvalidInput(f"{p}: expected patchswarm metadata ({META_VERSION}, {META_HASH}, {META_SWARM}), "
                            f"found keys {sorted(meta)}") from None
-    state = read_tensors(p)
     if verify:
         found = state_hash(state)
         if found != expected:

@@ -72,6 +72,33 @@ def test_loaded_state_owns_its_memory(tmp_path):
     assert torch.equal(state["w"], want) and torch.equal(held.state["w"], want)
 
 
+def test_weights_read_while_renamed_over_are_one_versions(tmp_path, monkeypatch):
+    """A member's weights file is replaced by rename (a compaction) while a tool reads it
+    (`persistence.read_current`): the metadata and the tensors must come from one file. Read
+    with two opens, a rename between them gave version 1's hash and version 2's tensors
+    ("metadata says state hash ..., tensors hash to ...", seen in test_origin_heal)."""
+    from patchswarm.node import checkpoint
+    from patchswarm.node.weights import Weights, read_weights, write_weights
+    from patchswarm.protocol.statehash import state_hash
+
+    v1, v2 = torch.arange(4096, dtype=torch.int32), torch.arange(4096, dtype=torch.int32) * 3
+    weights, later = tmp_path / "weights.safetensors", tmp_path / "later.safetensors"
+    write_weights(weights, Weights({"w": v1}, 1, state_hash({"w": v1}), "swarm"))
+    write_weights(later, Weights({"w": v2}, 2, state_hash({"w": v2}), "swarm"))
+    real = checkpoint.safe_open
+
+    def renamed_over_once_opened(*args, **kwargs):
+        handle = real(*args, **kwargs)
+        if later.exists():
+            os.replace(later, weights)  # the compaction's rename, with this reader's file open
+        return handle
+
+    monkeypatch.setattr(checkpoint, "safe_open", renamed_over_once_opened)
+    w = read_weights(weights)
+    assert (w.version, torch.equal(w.state["w"], v1)) == (1, True)
+    assert read_weights(weights).version == 2  # the next read: the new file
+
+
 def test_sharded_round_trip(tmp_path, mixed):
     layout = {n: ("model-00001-of-00002.safetensors" if i % 2 else "model-00002-of-00002.safetensors")
               for i, n in enumerate(sorted(mixed))}
