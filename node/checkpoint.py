@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -51,14 +52,25 @@ def load_state(path: str | os.PathLike) -> tuple[State, Layout]:
     return read_tensors(p), None
 
 
+# What Hugging Face Trainer (and Accelerate) write beside the model in a checkpoint-N
+# directory to resume training: optimizer and scheduler state, the grad scaler, RNG
+# states, the trainer's own state and arguments. Not the model: an engine never reads
+# them, the optimizer's is twice the weights (past MAX_SIDE_FILE_BYTES it refused the
+# whole checkpoint), and every node would fetch them again at every version.
+TRAINING_STATE = re.compile(r"(optimizer|scheduler)\.(pt|bin)|scaler\.pt|rng_state(_\d+)?\.pth"
+                            r"|trainer_state\.json|training_args\.bin")
+
+
 def read_side_files(d: str | os.PathLike) -> dict[str, bytes]:
     """The other files of a Hugging Face model directory (config.json, tokenizer and
     generation files...): every regular, non-hidden file at its top that is not a
-    shard or the shard index (the index is made again from the layout)."""
+    shard, the shard index (the index is made again from the layout) or a trainer's
+    training state (`TRAINING_STATE`)."""
     d = Path(d)
     out = {}
     for f in sorted(d.iterdir()):
-        if f.is_file() and f.suffix != SUFFIX and f.name != INDEX_NAME and not f.name.startswith("."):
+        if (f.is_file() and f.suffix != SUFFIX and f.name != INDEX_NAME and not f.name.startswith(".")
+                and not TRAINING_STATE.fullmatch(f.name)):
             size = f.stat().st_size
             if size > MAX_SIDE_FILE_BYTES:
                 raise InvalidInput(f"{f}: a side file of {size:,} bytes; expected at most {MAX_SIDE_FILE_BYTES:,}")
