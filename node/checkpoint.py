@@ -56,9 +56,10 @@ def load_state(path: str | os.PathLike) -> tuple[State, Layout]:
 # directory to resume training: optimizer and scheduler state, the grad scaler, RNG
 # states, the trainer's own state and arguments. Not the model: an engine never reads
 # them, the optimizer's is twice the weights (past MAX_SIDE_FILE_BYTES it refused the
-# whole checkpoint), and every node would fetch them again at every version.
+# whole checkpoint), and every node would fetch them again at every version. DeepSpeed's
+# `latest` (the tag of its own state folder) and `zero_to_fp32.py` (its converter) too.
 TRAINING_STATE = re.compile(r"(optimizer|scheduler)\.(pt|bin)|scaler\.pt|rng_state(_\d+)?\.pth"
-                            r"|trainer_state\.json|training_args\.bin")
+                            r"|trainer_state\.json|training_args\.bin|latest|zero_to_fp32\.py")
 
 
 def read_side_files(d: str | os.PathLike) -> dict[str, bytes]:
@@ -116,7 +117,7 @@ def read_tensors_and_metadata(path: str | os.PathLike) -> tuple[State, dict[str,
 def _load_dir(d: Path) -> tuple[State, dict[str, str]]:
     index = d / INDEX_NAME
     if index.exists():
-        weight_map = _read_index(index)
+        weight_map = read_index(index)
         state: State = {}
         for file, names in sorted(names_by_shard(weight_map).items()):
             shard = d / file
@@ -153,7 +154,7 @@ def names_by_shard(layout: dict[str, str]) -> dict[str, list[str]]:
     return out
 
 
-def _read_index(index: Path) -> dict[str, str]:
+def read_index(index: Path) -> dict[str, str]:
     try:
         obj = json.loads(index.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

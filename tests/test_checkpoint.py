@@ -154,8 +154,8 @@ def test_a_sharded_load_reads_the_index_once_not_once_per_shard(tmp_path, mixed,
     out = tmp_path / "ckpt"
     one_each = {n: f"s{i}.safetensors" for i, n in enumerate(mixed)}
     save_state(mixed, out, one_each)
-    real = checkpoint._read_index
-    monkeypatch.setattr(checkpoint, "_read_index", lambda index: Counted(real(index)))
+    real = checkpoint.read_index
+    monkeypatch.setattr(checkpoint, "read_index", lambda index: Counted(real(index)))
     state, layout = load_state(out)
     same_bits(state, mixed)
     assert layout == one_each

@@ -150,10 +150,30 @@ def test_a_file_is_not_published_while_it_changes_between_polls(tmp_path, watch_
     assert o.served.state_hash == state_hash(served(versions[-1], torch.bfloat16))
 
 
+def test_a_save_under_a_temporary_name_is_published_once_under_its_own(tmp_path, watch_dir):
+    """Some transformers versions' Trainer saved to tmp-checkpoint-N and then renamed it to
+    checkpoint-N: taken under both names, it was published twice."""
+    (state,) = states(5, 1)
+
+    async def script(o):
+        tmp = watch_dir / "tmp-checkpoint-20"
+        tmp.mkdir()
+        save_file(state, tmp / "model.safetensors")
+        await trio.sleep(SETTLE)
+        assert o.version is None and ledger(tmp_path) == set()
+        tmp.rename(watch_dir / "checkpoint-20")
+        await wait_version(o, 0)
+        await trio.sleep(SETTLE)  # and not again
+
+    o = run_watch(tmp_path, watch_dir, script)
+    assert o.version == 0 and ledger(tmp_path) == {"checkpoint-20"}
+
+
 def test_a_trainer_checkpoint_ships_its_model_files_not_its_training_state(tmp_path, watch_dir):
     """Hugging Face Trainer's checkpoint-N: the model (model.safetensors, config, generation
     config, tokenizer) beside what resumes training (optimizer.pt, scheduler.pt, scaler.pt,
-    rng_state*.pth, trainer_state.json, training_args.bin). Only the model's files travel
+    rng_state*.pth, trainer_state.json, training_args.bin; DeepSpeed's latest and
+    zero_to_fp32.py). Only the model's files travel
     with the version: the rest is no engine's, and the optimizer's is twice the weights."""
     (state,) = states(4, 1)
     model_files = {"config.json": b'{"model_type": "tiny"}', "generation_config.json": b'{"top_p": 0.9}',
@@ -161,7 +181,7 @@ def test_a_trainer_checkpoint_ships_its_model_files_not_its_training_state(tmp_p
                    "special_tokens_map.json": b"{}"}
     training_state = {"optimizer.pt": bytes(4096), "scheduler.pt": b"s", "scaler.pt": b"g",
                       "rng_state.pth": b"r", "rng_state_1.pth": b"r1", "trainer_state.json": b'{"global_step": 10}',
-                      "training_args.bin": b"t"}
+                      "training_args.bin": b"t", "latest": b"global_step10", "zero_to_fp32.py": b"#!"}
     d = watch_dir / "checkpoint-10"
 
     async def script(o):
@@ -183,7 +203,7 @@ def test_what_makes_a_checkpoint_whole():
     """The check itself, pure over what a poll listed and read: `_shard_of` (a file's first bytes
     and size) and `_not_whole` (why not yet; None: whole, or never readable, which publish
     refuses and the watch logs and skips)."""
-    from patchswarm.node.trainer.origin import _not_whole, _shard_of
+    from patchswarm.node.trainer.watch import _not_whole, _shard_of
 
     data = save({"a": torch.zeros(4), "b": torch.ones(2, 3)})
     whole = _shard_of(data, len(data))

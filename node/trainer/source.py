@@ -18,7 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from patchswarm.node import basefile
-from patchswarm.node.checkpoint import INDEX_NAME, SUFFIX, _read_index, read_side_files
+from patchswarm.node.checkpoint import INDEX_NAME, SUFFIX, read_index, read_side_files
 from patchswarm.protocol.errors import InvalidInput, UsageError
 from patchswarm.protocol.served import (FILE_PREFIX, SCALE_SUFFIX, check_format, check_source_tensor, file_tensor,
                                         file_tensor_name, serve_tensor, served_table)
@@ -80,7 +80,7 @@ class Source:
         else:
             index = p / INDEX_NAME
             if index.exists():
-                weight_map = _read_index(index)
+                weight_map = read_index(index)
                 shards = sorted(set(weight_map.values()))
             else:
                 shards = sorted(f.name for f in p.iterdir() if f.is_file() and f.suffix == SUFFIX)
