@@ -146,7 +146,7 @@ async def _messages_served(creds, send) -> list:
             await ms.aclose()
 
         addr = await n.start(transport.serve, "127.0.0.1:0", creds["origin1"], {"node"},
-                             lambda: wire.Hello("origin1", "", "origin", "", []), handler)
+                             lambda: wire.Hello("origin1", "r0", "origin", "", []), handler)
         ms = await transport.connect(addr, creds["node1"], {"origin"}, wire.Hello("node1", "r0", "node", "", []))
         assert isinstance(ms.stream, TLSSocketStream)
         while (msg := await ms.receive()) is not None:
@@ -346,7 +346,7 @@ def test_connect_dials_from_the_local_address_it_is_given(creds):
                     await ms.aclose()
 
                 addr = await n.start(transport.serve, "127.0.0.1:0", creds["origin1"], {"node"},
-                                     lambda: wire.Hello("origin1", "", "origin", "", []), handler)
+                                     lambda: wire.Hello("origin1", "r0", "origin", "", []), handler)
                 for source in ("127.0.0.7", None):
                     ms = await transport.connect(addr, creds["node1"], {"origin"},
                                                  wire.Hello("node1", "r0", "node", "", []), local_address=source)
