@@ -30,6 +30,8 @@ import dataclasses
 import logging
 import os
 import random
+import signal
+import subprocess
 import time
 from pathlib import Path
 from typing import Callable, Protocol
@@ -44,6 +46,8 @@ log = logging.getLogger("patchswarm.engine")
 
 ENGINE_TIMEOUT = 600.0  # a reload of a large model takes minutes
 BACKOFF_MIN, BACKOFF_MAX = 1.0, 60.0
+COMMAND_OUTPUT_KEPT = 64 * 1024  # the tail of --on-version's output kept, for its last line
+COMMAND_OUTPUT_GRACE_S = 1.0  # after it exits, how long its output is still read
 
 
 class HandoffFailed(PatchswarmError):
@@ -130,16 +134,62 @@ class Command:
     async def load(self, offer: Offer) -> str:
         env = {**os.environ, "PATCHSWARM_VERSION": str(offer.version), "PATCHSWARM_MODEL_DIR": str(offer.path),
                "PATCHSWARM_STATE_HASH": offer.state_hash}
+        # Its own session (so a timeout ends the whole command, not only the shell), stdout and
+        # stderr read into a bounded tail, and done when the command exits: a child it left in
+        # the background (a server it started) may keep the pipe open for ever.
         try:
-            with trio.fail_after(self.timeout):
-                r = await trio.run_process(self.command, shell=True, env=env, check=False,
-                                           capture_stdout=True, capture_stderr=True)
-        except trio.TooSlowError:
+            proc = await trio.lowlevel.open_process(self.command, shell=True, env=env, stdin=subprocess.DEVNULL,
+                                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                                    start_new_session=True)
+        except OSError as e:
+            raise HandoffFailed(f"--on-version could not start: {one_line(e)}") from None
+        tail = bytearray()
+        output_done = trio.Event()
+
+        async def read_output() -> None:
+            try:
+                while chunk := await proc.stdout.receive_some(65536):
+                    tail.extend(chunk)
+                    del tail[:-COMMAND_OUTPUT_KEPT]
+            finally:
+                output_done.set()
+
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(read_output)
+                with trio.move_on_after(self.timeout) as waited:
+                    await proc.wait()
+                if waited.cancelled_caught:
+                    _kill_group(proc)
+                    with trio.CancelScope(shield=True):
+                        await proc.wait()
+                with trio.move_on_after(COMMAND_OUTPUT_GRACE_S):  # what it wrote just before exiting
+                    await output_done.wait()
+                nursery.cancel_scope.cancel()
+        except BaseException:
+            _kill_group(proc)
+            with trio.CancelScope(shield=True):
+                await proc.wait()
+            raise
+        finally:
+            with trio.CancelScope(shield=True):
+                await proc.stdout.aclose()
+        if waited.cancelled_caught:
             raise HandoffFailed(f"--on-version did not finish within {self.timeout:.0f} s") from None
-        if r.returncode != 0:
-            tail = (r.stderr or r.stdout or b"").decode(errors="replace").strip().splitlines()[-1:] or [""]
-            raise HandoffFailed(f"--on-version exited {r.returncode}: {tail[0][:200]}")
+        if proc.returncode != 0:
+            last = bytes(tail).decode(errors="replace").strip().splitlines()[-1:] or [""]
+            raise HandoffFailed(f"--on-version exited {proc.returncode}: {' '.join(last[0].split())[:200]}")
         return "ok"
+
+
+def _kill_group(proc: trio.Process) -> None:
+    """End a command still running, and everything it started (its own session: its pid is the group's)."""
+    if proc.returncode is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except OSError:
+        proc.kill()
 
 
 def make_engine(kind: str | None, url: str | None, command: str | None) -> Engine | None:

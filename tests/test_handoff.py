@@ -276,3 +276,58 @@ def test_sglang_shaped_engine_loads_each_version_in_order_and_refusals_are_retri
     assert [c["version"] for c in calls] == ["0", "1", "2"]
     assert [c["state_hash"] for c in calls] == [hashes[0], hashes[1], hashes[2]]
     assert h.attempts == 4  # the first call was refused and retried
+
+
+def test_on_version_command_that_leaves_a_child_in_the_background_is_done_when_it_exits(tmp_path):
+    """A hook that starts a server in the background (`server &`) exits 0 at once; the
+    child still holds its stdout. It succeeded: not a timeout after ENGINE_TIMEOUT, retried
+    (and another server started) for ever."""
+    pid_file = tmp_path / "child.pid"
+
+    async def main():
+        t0 = time.monotonic()
+        cmd = Command(f"sleep 60 & echo $! > {pid_file}; echo started", timeout=20)
+        assert await cmd.load(Offer(1, tmp_path, "h", None)) == "ok"
+        return time.monotonic() - t0
+
+    try:
+        assert trio.run(main) < 10
+    finally:
+        if pid_file.exists():
+            try:
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_on_version_command_past_its_timeout_is_ended_with_what_it_started(tmp_path):
+    """A hook that hangs is ended at its timeout, the processes it started with it (the
+    shell's children) included: none is left behind at each retry."""
+    pid_file = tmp_path / "child.pid"
+
+    async def main():
+        cmd = Command(f"sleep 60 & echo $! > {pid_file}; wait", timeout=2)
+        with pytest.raises(HandoffFailed, match="did not finish within 2 s"):
+            await cmd.load(Offer(1, tmp_path, "h", None))
+
+    trio.run(main)
+    pid = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            raise AssertionError("the hook's child outlived its timeout")
+        time.sleep(0.05)
+
+
+def test_on_version_command_output_is_kept_bounded_and_its_last_line_reported(tmp_path):
+    async def main():
+        cmd = Command("head -c 20000000 /dev/zero | tr '\\0' x; echo; echo 'the real reason' >&2; exit 4", timeout=60)
+        with pytest.raises(HandoffFailed, match="exited 4: the real reason$"):
+            await cmd.load(Offer(1, tmp_path, "h", None))
+
+    trio.run(main)
