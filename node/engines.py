@@ -27,6 +27,7 @@ versions exist (the daemon offers them).
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import random
@@ -46,6 +47,7 @@ log = logging.getLogger("patchswarm.engine")
 
 ENGINE_TIMEOUT = 600.0  # a reload of a large model takes minutes
 BACKOFF_MIN, BACKOFF_MAX = 1.0, 60.0
+ANSWER_MAX_BYTES = 64 * 1024  # of an engine's HTTP answer, read
 COMMAND_OUTPUT_KEPT = 64 * 1024  # the tail of --on-version's output kept, for its last line
 COMMAND_OUTPUT_GRACE_S = 1.0  # after it exits, how long its output is still read
 
@@ -75,12 +77,42 @@ def _base(url: str) -> str:
     return url.rstrip("/")
 
 
-async def _post(url: str, body: dict, timeout: float) -> httpx.Response:
+@dataclasses.dataclass(frozen=True)
+class _Answer:
+    status_code: int
+    content: bytes  # at most ANSWER_MAX_BYTES
+
+    def json(self):
+        return json.loads(self.content)
+
+    @property
+    def text(self) -> str:
+        return self.content.decode(errors="replace")
+
+
+async def _post(url: str, body: dict, timeout: float) -> _Answer:
+    """POST `body`; the whole exchange within `timeout` (httpx's own timeout is per read: an
+    engine that sends a byte now and then would hold the hand-off for ever), and only the
+    first ANSWER_MAX_BYTES of the answer read (a hand-off answer is a few hundred bytes)."""
     try:
-        async with httpx.AsyncClient(timeout=timeout) as client:
-            return await client.post(url, json=body)
+        with trio.fail_after(timeout):
+            async with httpx.AsyncClient(timeout=timeout) as client:
+                async with client.stream("POST", url, json=body, headers={"Accept-Encoding": "identity"}) as r:
+                    content = bytearray()
+                    async for chunk in r.aiter_bytes():
+                        content += chunk[:ANSWER_MAX_BYTES - len(content)]
+                        if len(content) >= ANSWER_MAX_BYTES:
+                            break
+                    return _Answer(r.status_code, bytes(content))
+    except trio.TooSlowError:
+        raise HandoffFailed(f"{url}: no whole answer within {timeout:.0f} s") from None
     except httpx.HTTPError as e:
         raise HandoffFailed(f"{url}: {type(e).__name__}: {one_line(e)}") from None
+
+
+def _brief(text: str) -> str:
+    """An engine's message as one line of at most 200 characters, for the log and the status."""
+    return " ".join(text.split())[:200]
 
 
 class SGLang:
@@ -96,9 +128,9 @@ class SGLang:
             "abort_all_requests": False, "flush_cache": True}, self.timeout)
         try:
             answer = r.json()
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
             answer = {}
-        message = str(answer.get("message", "")) if isinstance(answer, dict) else ""
+        message = _brief(str(answer.get("message", ""))) if isinstance(answer, dict) else ""
         if r.status_code != 200 or not (isinstance(answer, dict) and answer.get("success") is True):
             raise HandoffFailed(f"sglang refused version {offer.version}: HTTP {r.status_code}"
                                 f"{': ' + message if message else ''}")
@@ -115,7 +147,7 @@ class VLLM:
     async def load(self, offer: Offer) -> str:
         r = await _post(f"{self.url}/collective_rpc", {"method": "reload_weights"}, self.timeout)
         if r.status_code != 200:
-            raise HandoffFailed(f"vllm refused version {offer.version}: HTTP {r.status_code}: {r.text[:200]}")
+            raise HandoffFailed(f"vllm refused version {offer.version}: HTTP {r.status_code}: {_brief(r.text)}")
         r2 = await _post(f"{self.url}/reset_prefix_cache", {}, 60.0)
         if r2.status_code not in (200, 404):
             raise HandoffFailed(f"vllm: reset_prefix_cache answered HTTP {r2.status_code}")

@@ -331,3 +331,82 @@ def test_on_version_command_output_is_kept_bounded_and_its_last_line_reported(tm
             await cmd.load(Offer(1, tmp_path, "h", None))
 
     trio.run(main)
+
+
+# ------------------------------------------------------------------ an engine on a bad day
+
+
+async def _serve_once_each(answer, n):
+    """Serve `answer(stream)` on a loopback port; `n`: the nursery. Returns the URL."""
+    async def handler(stream):
+        try:
+            await stream.receive_some(65536)
+            await answer(stream)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
+    listeners = await n.start(lambda task_status: trio.serve_tcp(handler, 0, host="127.0.0.1",
+                                                                 task_status=task_status))
+    return f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}"
+
+
+def _run_against(answer, timeout: float = 5.0) -> tuple[BaseException | str, float]:
+    async def main():
+        async with trio.open_nursery() as n:
+            url = await _serve_once_each(answer, n)
+            t0 = time.monotonic()
+            try:
+                with trio.fail_after(60):
+                    out = await SGLang(url, timeout=timeout).load(Offer(1, Path("/x/1"), "h", None))
+            except HandoffFailed as e:
+                out = e
+            n.cancel_scope.cancel()
+            return out, time.monotonic() - t0
+
+    return trio.run(main)
+
+
+def test_an_engine_that_trickles_its_answer_is_given_up_on_at_the_timeout():
+    async def trickle(stream):
+        await stream.send_all(b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n")
+        for _ in range(100):  # a byte every half second: never a read timeout
+            await trio.sleep(0.5)
+            await stream.send_all(b" ")
+
+    out, took = _run_against(trickle, timeout=2.0)
+    assert isinstance(out, HandoffFailed) and "within 2 s" in str(out), out
+    assert took < 5, took
+
+
+def test_an_engine_answering_a_huge_body_is_not_read_whole():
+    sent = [0]
+
+    async def huge(stream):
+        await stream.send_all(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (1 << 30))
+        chunk = b"x" * (1 << 20)
+        for _ in range(1024):  # 1 GiB
+            await stream.send_all(chunk)
+            sent[0] += len(chunk)
+
+    out, _ = _run_against(huge, timeout=30.0)
+    assert isinstance(out, HandoffFailed) and "HTTP 200" in str(out), out
+    assert sent[0] < (64 << 20), f"the node read {sent[0]:,} bytes of the answer"
+
+
+def test_an_engines_message_is_logged_as_one_short_line():
+    async def chatty(stream):
+        body = json.dumps({"success": False, "message": "boom\nERROR forged log line\n" + "y" * 5000}).encode()
+        await stream.send_all(b"HTTP/1.1 400 Bad Request\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+
+    out, _ = _run_against(chatty)
+    assert isinstance(out, HandoffFailed), out
+    assert "\n" not in str(out) and len(str(out)) < 300 and "boom ERROR forged log line" in str(out), str(out)[:300]
+
+
+def test_an_engine_answering_json_nested_past_the_parsers_depth_is_a_refusal_not_a_crash():
+    async def nested(stream):
+        body = b"[" * 50000 + b"]" * 50000
+        await stream.send_all(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+
+    out, _ = _run_against(nested)
+    assert isinstance(out, HandoffFailed) and "HTTP 200" in str(out), out
