@@ -410,3 +410,41 @@ def test_an_engine_answering_json_nested_past_the_parsers_depth_is_a_refusal_not
 
     out, _ = _run_against(nested)
     assert isinstance(out, HandoffFailed) and "HTTP 200" in str(out), out
+
+
+def test_a_model_dir_removed_under_the_node_neither_ends_the_hand_off_nor_stops_later_versions(tmp_path):
+    """Someone removes the model directory (or its disk goes) while the engine loads a
+    version: the hand-off's release of the version before must not raise out of
+    Handoff.run (which ends the node), and the next version is written again."""
+    import shutil
+
+    md = ModelDir(tmp_path / "md")
+    state = {"w": torch.ones(4)}
+
+    async def main():
+        engine = ScriptedEngine()
+        h = Handoff(engine, hold=md.hold, release=md.release)
+        async with trio.open_nursery() as n:
+            n.start_soon(h.run)
+            for v in (1, 2):
+                md.write(v, state, None, {}, {"v": str(v)})
+                h.offer(Offer(v, md.path(v), f"h{v}", None))
+                if v == 1:
+                    engine.gate.set()
+                    with trio.fail_after(10):
+                        await h.wait_delivered(1)
+                    engine.gate = trio.Event()
+            await trio.testing.wait_all_tasks_blocked()  # version 2 in flight
+            shutil.rmtree(md.root)
+            engine.gate.set()
+            with trio.fail_after(10):
+                await h.wait_delivered(2)  # releases version 1: prunes a directory that is gone
+            md.write(3, state, None, {}, {"v": "3"})
+            h.offer(Offer(3, md.path(3), "h3", None))
+            with trio.fail_after(10):
+                await h.wait_delivered(3)
+            n.cancel_scope.cancel()
+        assert engine.calls == [1, 2, 3]
+        assert md.current_version() == 3 and (md.current / "model.safetensors").exists()
+
+    trio.run(main)
