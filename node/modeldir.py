@@ -98,6 +98,8 @@ class ModelDir:
         shards = _shards_of(state, layout)
         written = 0
         (self.root / VERSIONS).mkdir(parents=True, exist_ok=True)  # removed under us: made again, not failed for ever
+        if final.exists() and any(self.recorded(version).get(k) != v for k, v in metadata.items()):
+            self.set_aside(version)  # left by another swarm or an earlier data dir: not this state
         if not final.exists():  # else: whole already (renamed only once complete), and a full disk stopped
             written = self._write_version(version, state, shards, layout, files, metadata, changed)
         self._shards[version] = shards

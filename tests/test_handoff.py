@@ -448,3 +448,31 @@ def test_a_model_dir_removed_under_the_node_neither_ends_the_hand_off_nor_stops_
         assert md.current_version() == 3 and (md.current / "model.safetensors").exists()
 
     trio.run(main)
+
+
+@pytest.mark.parametrize("layout", [LAYOUT, None])
+def test_a_leftover_version_directory_of_another_state_is_written_again_not_made_current(tmp_path, layout):
+    """The defect: a version directory that was not current (the engine held it when the
+    earlier node stopped) was reused as whole by the next node to reach that version, even
+    one of another swarm: the old swarm's files became `current` and were offered to the
+    engine as the new node's state. Now a directory already there must record this state."""
+    from patchswarm.node.modelsink import ModelSink
+    from patchswarm.node.weights import Weights
+
+    def weights(v, s, swarm):
+        return Weights(s, v, state_hash(s), swarm)
+
+    root = tmp_path / "md"
+    old = ModelSink(root, None, 0)
+    trio.run(old.write, weights(2, state(200), "old-swarm"), layout, None, None)
+    old.dir.hold(2)  # an engine loading version 2 when that node stopped
+    trio.run(old.write, weights(3, state(300), "old-swarm"), layout, None, None)
+    assert ModelDir(root).path(2).exists()
+
+    sink = ModelSink(root, None, 0)  # another swarm's node on the same model directory, at version 2
+    mine = state(2)
+    trio.run(sink.write, weights(2, mine, "sw"), layout, None, None)
+    assert sink.version == 2 and sink.dir.current_version() == 2
+    assert sink.dir.recorded(2)["patchswarm.swarm"] == "sw"
+    loaded = {k: v for f in sink.dir.current.glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    assert torch.equal(loaded["b"], mine["b"])
