@@ -129,8 +129,9 @@ class SGLang:
         try:
             answer = r.json()
         except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
-            answer = {}
-        message = _brief(str(answer.get("message", ""))) if isinstance(answer, dict) else ""
+            answer = None
+        message = (_brief(str(answer.get("message", ""))) if isinstance(answer, dict)
+                   else "not a JSON object: " + (_brief(r.text)[:100] or "an empty body"))
         if r.status_code != 200 or not (isinstance(answer, dict) and answer.get("success") is True):
             raise HandoffFailed(f"sglang refused version {offer.version}: HTTP {r.status_code}"
                                 f"{': ' + message if message else ''}")

@@ -476,3 +476,16 @@ def test_a_leftover_version_directory_of_another_state_is_written_again_not_made
     assert sink.dir.recorded(2)["patchswarm.swarm"] == "sw"
     loaded = {k: v for f in sink.dir.current.glob("*.safetensors") for k, v in load_file(str(f)).items()}
     assert torch.equal(loaded["b"], mine["b"])
+
+
+def test_an_engine_answering_html_says_so_in_the_error():
+    """A proxy's or a wrong server's page (HTTP 200, HTML) was logged as only
+    `sglang refused version 1: HTTP 200`, with no hint of what came back."""
+    async def html(stream):
+        body = b"<html>\n<body>502 Bad Gateway</body>\n</html>\n"
+        await stream.send_all(b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: %d\r\n\r\n" % len(body)
+                              + body)
+
+    out, _ = _run_against(html)
+    assert isinstance(out, HandoffFailed), out
+    assert "not a JSON object: <html> <body>502 Bad Gateway</body>" in str(out), str(out)
