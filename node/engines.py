@@ -18,7 +18,9 @@ a hand-off names is held until the engine has answered.
   `VLLM_SERVER_DEV_MODE=1`), then `POST {url}/reset_prefix_cache` so no cached
   prefix computed with the old weights is reused (a 404 there is tolerated).
 - A command: run with PATCHSWARM_VERSION, PATCHSWARM_MODEL_DIR and
-  PATCHSWARM_STATE_HASH in its environment; success is exit status 0.
+  PATCHSWARM_STATE_HASH in its environment; success is exit status 0, known when
+  it exits (a child left in the background is not waited for); past the timeout
+  the command and everything it started are killed.
 
 Must not write model directories (node/modeldir.py does) nor decide which
 versions exist (the daemon offers them).
