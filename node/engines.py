@@ -76,6 +76,12 @@ class Engine(Protocol):
 def _base(url: str) -> str:
     if not url.startswith(("http://", "https://")):
         raise UsageError(f"engine url: expected http://HOST:PORT, found {url!r}")
+    try:  # at start, not as an exception out of the first hand-off, hours later
+        u = httpx.URL(url)
+    except httpx.InvalidURL as e:
+        raise UsageError(f"engine url: expected http://HOST:PORT, found {url!r} ({one_line(e)})") from None
+    if not u.host or not 0 < (u.port or 80) < 65536:
+        raise UsageError(f"engine url: expected http://HOST:PORT, found {url!r}")
     return url.rstrip("/")
 
 
@@ -108,7 +114,7 @@ async def _post(url: str, body: dict, timeout: float) -> _Answer:
                     return _Answer(r.status_code, bytes(content))
     except trio.TooSlowError:
         raise HandoffFailed(f"{url}: no whole answer within {timeout:.0f} s") from None
-    except httpx.HTTPError as e:
+    except (httpx.HTTPError, httpx.InvalidURL) as e:
         raise HandoffFailed(f"{url}: {type(e).__name__}: {one_line(e)}") from None
 
 

@@ -489,3 +489,12 @@ def test_an_engine_answering_html_says_so_in_the_error():
     out, _ = _run_against(html)
     assert isinstance(out, HandoffFailed), out
     assert "not a JSON object: <html> <body>502 Bad Gateway</body>" in str(out), str(out)
+
+
+@pytest.mark.parametrize("url", ["http://[::1:30000", "http://:30000", "http://127.0.0.1:99999", "http://h\x00st:1"])
+def test_an_engine_url_that_cannot_be_requested_is_a_usage_error_at_start(url):
+    """The defect: only the scheme was checked; `http://[::1:30000` (a missing bracket) was
+    taken, and the first hand-off, hours later, raised httpx.InvalidURL out of Handoff.run,
+    which ended the node."""
+    with pytest.raises(UsageError, match="engine url"):
+        make_engine("sglang", url, None)
