@@ -299,7 +299,11 @@ class Handoff:
             self.attempts += 1
             try:
                 message = await self.engine.load(offer)
-            except HandoffFailed as e:
+            except Exception as e:  # an engine is another program: what it does must not end the node
+                if not isinstance(e, HandoffFailed):
+                    log.error("engine %s: version %d: unexpected error from the hand-off", self.engine.name,
+                              offer.version, exc_info=True)
+                    e = HandoffFailed(f"{type(e).__name__}: {one_line(e)}")
                 self._in_flight = None
                 if self._pending is not offer:  # superseded while it was tried
                     self._release(offer.version)

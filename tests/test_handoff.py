@@ -498,3 +498,28 @@ def test_an_engine_url_that_cannot_be_requested_is_a_usage_error_at_start(url):
     which ended the node."""
     with pytest.raises(UsageError, match="engine url"):
         make_engine("sglang", url, None)
+
+
+def test_an_unexpected_error_from_an_engine_adapter_is_retried_not_the_end_of_the_node():
+    """Handoff.run let anything but HandoffFailed out, and with it the daemon's nursery
+    ended: the node stopped serving its peers because of its engine (RecursionError from a
+    deeply nested answer and httpx.InvalidURL did, before their own fixes)."""
+    class Odd(ScriptedEngine):
+        async def load(self, offer):
+            self.calls.append(offer.version)
+            if len(self.calls) == 1:
+                raise RuntimeError("something the adapter did not expect")
+            return "ok"
+
+    async def main():
+        engine = Odd()
+        h = Handoff(engine)
+        async with trio.open_nursery() as n:
+            n.start_soon(h.run)
+            h.offer(Offer(1, Path("/x/1"), "h1", None))
+            with trio.fail_after(600):
+                await h.wait_delivered(1)
+            n.cancel_scope.cancel()
+        assert engine.calls == [1, 1] and h.attempts == 2 and h.last_error is None
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
