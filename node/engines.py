@@ -18,7 +18,9 @@ a hand-off names is held until the engine has answered.
   `VLLM_SERVER_DEV_MODE=1`), then `POST {url}/reset_prefix_cache` so no cached
   prefix computed with the old weights is reused (a 404 there is tolerated).
 - A command: run with PATCHSWARM_VERSION, PATCHSWARM_MODEL_DIR and
-  PATCHSWARM_STATE_HASH in its environment; success is exit status 0.
+  PATCHSWARM_STATE_HASH in its environment; success is exit status 0, known when
+  it exits (a child left in the background is not waited for); past the timeout
+  the command and everything it started are killed.
 
 Must not write model directories (node/modeldir.py does) nor decide which
 versions exist (the daemon offers them).
@@ -27,9 +29,12 @@ versions exist (the daemon offers them).
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import random
+import signal
+import subprocess
 import time
 from pathlib import Path
 from typing import Callable, Protocol
@@ -44,6 +49,9 @@ log = logging.getLogger("patchswarm.engine")
 
 ENGINE_TIMEOUT = 600.0  # a reload of a large model takes minutes
 BACKOFF_MIN, BACKOFF_MAX = 1.0, 60.0
+ANSWER_MAX_BYTES = 64 * 1024  # of an engine's HTTP answer, read
+COMMAND_OUTPUT_KEPT = 64 * 1024  # the tail of --on-version's output kept, for its last line
+COMMAND_OUTPUT_GRACE_S = 1.0  # after it exits, how long its output is still read
 
 
 class HandoffFailed(PatchswarmError):
@@ -68,15 +76,51 @@ class Engine(Protocol):
 def _base(url: str) -> str:
     if not url.startswith(("http://", "https://")):
         raise UsageError(f"engine url: expected http://HOST:PORT, found {url!r}")
+    try:  # at start, not as an exception out of the first hand-off, hours later
+        u = httpx.URL(url)
+    except httpx.InvalidURL as e:
+        raise UsageError(f"engine url: expected http://HOST:PORT, found {url!r} ({one_line(e)})") from None
+    if not u.host or not 0 < (u.port or 80) < 65536:
+        raise UsageError(f"engine url: expected http://HOST:PORT, found {url!r}")
     return url.rstrip("/")
 
 
-async def _post(url: str, body: dict, timeout: float) -> httpx.Response:
+@dataclasses.dataclass(frozen=True)
+class _Answer:
+    status_code: int
+    content: bytes  # at most ANSWER_MAX_BYTES
+
+    def json(self):
+        return json.loads(self.content)
+
+    @property
+    def text(self) -> str:
+        return self.content.decode(errors="replace")
+
+
+async def _post(url: str, body: dict, timeout: float) -> _Answer:
+    """POST `body`; the whole exchange within `timeout` (httpx's own timeout is per read: an
+    engine that sends a byte now and then would hold the hand-off for ever), and only the
+    first ANSWER_MAX_BYTES of the answer read (a hand-off answer is a few hundred bytes)."""
     try:
-        async with httpx.AsyncClient(timeout=timeout) as client:
-            return await client.post(url, json=body)
-    except httpx.HTTPError as e:
+        with trio.fail_after(timeout):
+            async with httpx.AsyncClient(timeout=timeout) as client:
+                async with client.stream("POST", url, json=body, headers={"Accept-Encoding": "identity"}) as r:
+                    content = bytearray()
+                    async for chunk in r.aiter_bytes():
+                        content += chunk[:ANSWER_MAX_BYTES - len(content)]
+                        if len(content) >= ANSWER_MAX_BYTES:
+                            break
+                    return _Answer(r.status_code, bytes(content))
+    except trio.TooSlowError:
+        raise HandoffFailed(f"{url}: no whole answer within {timeout:.0f} s") from None
+    except (httpx.HTTPError, httpx.InvalidURL) as e:
         raise HandoffFailed(f"{url}: {type(e).__name__}: {one_line(e)}") from None
+
+
+def _brief(text: str) -> str:
+    """An engine's message as one line of at most 200 characters, for the log and the status."""
+    return " ".join(text.split())[:200]
 
 
 class SGLang:
@@ -92,9 +136,10 @@ class SGLang:
             "abort_all_requests": False, "flush_cache": True}, self.timeout)
         try:
             answer = r.json()
-        except ValueError:
-            answer = {}
-        message = str(answer.get("message", "")) if isinstance(answer, dict) else ""
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
+            answer = None
+        message = (_brief(str(answer.get("message", ""))) if isinstance(answer, dict)
+                   else "not a JSON object: " + (_brief(r.text)[:100] or "an empty body"))
         if r.status_code != 200 or not (isinstance(answer, dict) and answer.get("success") is True):
             raise HandoffFailed(f"sglang refused version {offer.version}: HTTP {r.status_code}"
                                 f"{': ' + message if message else ''}")
@@ -111,7 +156,7 @@ class VLLM:
     async def load(self, offer: Offer) -> str:
         r = await _post(f"{self.url}/collective_rpc", {"method": "reload_weights"}, self.timeout)
         if r.status_code != 200:
-            raise HandoffFailed(f"vllm refused version {offer.version}: HTTP {r.status_code}: {r.text[:200]}")
+            raise HandoffFailed(f"vllm refused version {offer.version}: HTTP {r.status_code}: {_brief(r.text)}")
         r2 = await _post(f"{self.url}/reset_prefix_cache", {}, 60.0)
         if r2.status_code not in (200, 404):
             raise HandoffFailed(f"vllm: reset_prefix_cache answered HTTP {r2.status_code}")
@@ -130,16 +175,62 @@ class Command:
     async def load(self, offer: Offer) -> str:
         env = {**os.environ, "PATCHSWARM_VERSION": str(offer.version), "PATCHSWARM_MODEL_DIR": str(offer.path),
                "PATCHSWARM_STATE_HASH": offer.state_hash}
+        # Its own session (so a timeout ends the whole command, not only the shell), stdout and
+        # stderr read into a bounded tail, and done when the command exits: a child it left in
+        # the background (a server it started) may keep the pipe open for ever.
         try:
-            with trio.fail_after(self.timeout):
-                r = await trio.run_process(self.command, shell=True, env=env, check=False,
-                                           capture_stdout=True, capture_stderr=True)
-        except trio.TooSlowError:
+            proc = await trio.lowlevel.open_process(self.command, shell=True, env=env, stdin=subprocess.DEVNULL,
+                                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                                    start_new_session=True)
+        except OSError as e:
+            raise HandoffFailed(f"--on-version could not start: {one_line(e)}") from None
+        tail = bytearray()
+        output_done = trio.Event()
+
+        async def read_output() -> None:
+            try:
+                while chunk := await proc.stdout.receive_some(65536):
+                    tail.extend(chunk)
+                    del tail[:-COMMAND_OUTPUT_KEPT]
+            finally:
+                output_done.set()
+
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(read_output)
+                with trio.move_on_after(self.timeout) as waited:
+                    await proc.wait()
+                if waited.cancelled_caught:
+                    _kill_group(proc)
+                    with trio.CancelScope(shield=True):
+                        await proc.wait()
+                with trio.move_on_after(COMMAND_OUTPUT_GRACE_S):  # what it wrote just before exiting
+                    await output_done.wait()
+                nursery.cancel_scope.cancel()
+        except BaseException:
+            _kill_group(proc)
+            with trio.CancelScope(shield=True):
+                await proc.wait()
+            raise
+        finally:
+            with trio.CancelScope(shield=True):
+                await proc.stdout.aclose()
+        if waited.cancelled_caught:
             raise HandoffFailed(f"--on-version did not finish within {self.timeout:.0f} s") from None
-        if r.returncode != 0:
-            tail = (r.stderr or r.stdout or b"").decode(errors="replace").strip().splitlines()[-1:] or [""]
-            raise HandoffFailed(f"--on-version exited {r.returncode}: {tail[0][:200]}")
+        if proc.returncode != 0:
+            last = bytes(tail).decode(errors="replace").strip().splitlines()[-1:] or [""]
+            raise HandoffFailed(f"--on-version exited {proc.returncode}: {' '.join(last[0].split())[:200]}")
         return "ok"
+
+
+def _kill_group(proc: trio.Process) -> None:
+    """End a command still running, and everything it started (its own session: its pid is the group's)."""
+    if proc.returncode is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except OSError:
+        proc.kill()
 
 
 def make_engine(kind: str | None, url: str | None, command: str | None) -> Engine | None:
@@ -208,7 +299,11 @@ class Handoff:
             self.attempts += 1
             try:
                 message = await self.engine.load(offer)
-            except HandoffFailed as e:
+            except Exception as e:  # an engine is another program: what it does must not end the node
+                if not isinstance(e, HandoffFailed):
+                    log.error("engine %s: version %d: unexpected error from the hand-off", self.engine.name,
+                              offer.version, exc_info=True)
+                    e = HandoffFailed(f"{type(e).__name__}: {one_line(e)}")
                 self._in_flight = None
                 if self._pending is not offer:  # superseded while it was tried
                     self._release(offer.version)

@@ -97,6 +97,9 @@ class ModelDir:
         final = self.path(version)
         shards = _shards_of(state, layout)
         written = 0
+        (self.root / VERSIONS).mkdir(parents=True, exist_ok=True)  # removed under us: made again, not failed for ever
+        if final.exists() and any(self.recorded(version).get(k) != v for k, v in metadata.items()):
+            self.set_aside(version)  # left by another swarm or an earlier data dir: not this state
         if not final.exists():  # else: whole already (renamed only once complete), and a full disk stopped
             written = self._write_version(version, state, shards, layout, files, metadata, changed)
         self._shards[version] = shards
@@ -167,7 +170,11 @@ class ModelDir:
     def prune(self) -> None:
         """Remove every version directory that is neither current nor held."""
         current = self.current_version()
-        for d in (self.root / VERSIONS).iterdir():
+        try:
+            entries = list((self.root / VERSIONS).iterdir())
+        except OSError:  # removed under us (or unreadable): nothing to prune; the next write makes it again
+            return
+        for d in entries:
             if not d.name.startswith("v") or not d.name[1:].isdigit():
                 continue
             v = int(d.name[1:])

@@ -276,3 +276,250 @@ def test_sglang_shaped_engine_loads_each_version_in_order_and_refusals_are_retri
     assert [c["version"] for c in calls] == ["0", "1", "2"]
     assert [c["state_hash"] for c in calls] == [hashes[0], hashes[1], hashes[2]]
     assert h.attempts == 4  # the first call was refused and retried
+
+
+def test_on_version_command_that_leaves_a_child_in_the_background_is_done_when_it_exits(tmp_path):
+    """A hook that starts a server in the background (`server &`) exits 0 at once; the
+    child still holds its stdout. It succeeded: not a timeout after ENGINE_TIMEOUT, retried
+    (and another server started) for ever."""
+    pid_file = tmp_path / "child.pid"
+
+    async def main():
+        t0 = time.monotonic()
+        cmd = Command(f"sleep 60 & echo $! > {pid_file}; echo started", timeout=20)
+        assert await cmd.load(Offer(1, tmp_path, "h", None)) == "ok"
+        return time.monotonic() - t0
+
+    try:
+        assert trio.run(main) < 10
+    finally:
+        if pid_file.exists():
+            try:
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_on_version_command_past_its_timeout_is_ended_with_what_it_started(tmp_path):
+    """A hook that hangs is ended at its timeout, the processes it started with it (the
+    shell's children) included: none is left behind at each retry."""
+    pid_file = tmp_path / "child.pid"
+
+    async def main():
+        cmd = Command(f"sleep 60 & echo $! > {pid_file}; wait", timeout=2)
+        with pytest.raises(HandoffFailed, match="did not finish within 2 s"):
+            await cmd.load(Offer(1, tmp_path, "h", None))
+
+    trio.run(main)
+    pid = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            raise AssertionError("the hook's child outlived its timeout")
+        time.sleep(0.05)
+
+
+def test_on_version_command_output_is_kept_bounded_and_its_last_line_reported(tmp_path):
+    async def main():
+        cmd = Command("head -c 20000000 /dev/zero | tr '\\0' x; echo; echo 'the real reason' >&2; exit 4", timeout=60)
+        with pytest.raises(HandoffFailed, match="exited 4: the real reason$"):
+            await cmd.load(Offer(1, tmp_path, "h", None))
+
+    trio.run(main)
+
+
+# ------------------------------------------------------------------ an engine on a bad day
+
+
+async def _serve_once_each(answer, n):
+    """Serve `answer(stream)` on a loopback port; `n`: the nursery. Returns the URL."""
+    async def handler(stream):
+        try:
+            await stream.receive_some(65536)
+            await answer(stream)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
+    listeners = await n.start(lambda task_status: trio.serve_tcp(handler, 0, host="127.0.0.1",
+                                                                 task_status=task_status))
+    return f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}"
+
+
+def _run_against(answer, timeout: float = 5.0) -> tuple[BaseException | str, float]:
+    async def main():
+        async with trio.open_nursery() as n:
+            url = await _serve_once_each(answer, n)
+            t0 = time.monotonic()
+            try:
+                with trio.fail_after(60):
+                    out = await SGLang(url, timeout=timeout).load(Offer(1, Path("/x/1"), "h", None))
+            except HandoffFailed as e:
+                out = e
+            n.cancel_scope.cancel()
+            return out, time.monotonic() - t0
+
+    return trio.run(main)
+
+
+def test_an_engine_that_trickles_its_answer_is_given_up_on_at_the_timeout():
+    async def trickle(stream):
+        await stream.send_all(b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n")
+        for _ in range(100):  # a byte every half second: never a read timeout
+            await trio.sleep(0.5)
+            await stream.send_all(b" ")
+
+    out, took = _run_against(trickle, timeout=2.0)
+    assert isinstance(out, HandoffFailed) and "within 2 s" in str(out), out
+    assert took < 5, took
+
+
+def test_an_engine_answering_a_huge_body_is_not_read_whole():
+    sent = [0]
+
+    async def huge(stream):
+        await stream.send_all(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (1 << 30))
+        chunk = b"x" * (1 << 20)
+        for _ in range(1024):  # 1 GiB
+            await stream.send_all(chunk)
+            sent[0] += len(chunk)
+
+    out, _ = _run_against(huge, timeout=30.0)
+    assert isinstance(out, HandoffFailed) and "HTTP 200" in str(out), out
+    assert sent[0] < (64 << 20), f"the node read {sent[0]:,} bytes of the answer"
+
+
+def test_an_engines_message_is_logged_as_one_short_line():
+    async def chatty(stream):
+        body = json.dumps({"success": False, "message": "boom\nERROR forged log line\n" + "y" * 5000}).encode()
+        await stream.send_all(b"HTTP/1.1 400 Bad Request\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+
+    out, _ = _run_against(chatty)
+    assert isinstance(out, HandoffFailed), out
+    assert "\n" not in str(out) and len(str(out)) < 300 and "boom ERROR forged log line" in str(out), str(out)[:300]
+
+
+def test_an_engine_answering_json_nested_past_the_parsers_depth_is_a_refusal_not_a_crash():
+    async def nested(stream):
+        body = b"[" * 50000 + b"]" * 50000
+        await stream.send_all(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+
+    out, _ = _run_against(nested)
+    assert isinstance(out, HandoffFailed) and "HTTP 200" in str(out), out
+
+
+def test_a_model_dir_removed_under_the_node_neither_ends_the_hand_off_nor_stops_later_versions(tmp_path):
+    """Someone removes the model directory (or its disk goes) while the engine loads a
+    version: the hand-off's release of the version before must not raise out of
+    Handoff.run (which ends the node), and the next version is written again."""
+    import shutil
+
+    md = ModelDir(tmp_path / "md")
+    state = {"w": torch.ones(4)}
+
+    async def main():
+        engine = ScriptedEngine()
+        h = Handoff(engine, hold=md.hold, release=md.release)
+        async with trio.open_nursery() as n:
+            n.start_soon(h.run)
+            for v in (1, 2):
+                md.write(v, state, None, {}, {"v": str(v)})
+                h.offer(Offer(v, md.path(v), f"h{v}", None))
+                if v == 1:
+                    engine.gate.set()
+                    with trio.fail_after(10):
+                        await h.wait_delivered(1)
+                    engine.gate = trio.Event()
+            await trio.testing.wait_all_tasks_blocked()  # version 2 in flight
+            shutil.rmtree(md.root)
+            engine.gate.set()
+            with trio.fail_after(10):
+                await h.wait_delivered(2)  # releases version 1: prunes a directory that is gone
+            md.write(3, state, None, {}, {"v": "3"})
+            h.offer(Offer(3, md.path(3), "h3", None))
+            with trio.fail_after(10):
+                await h.wait_delivered(3)
+            n.cancel_scope.cancel()
+        assert engine.calls == [1, 2, 3]
+        assert md.current_version() == 3 and (md.current / "model.safetensors").exists()
+
+    trio.run(main)
+
+
+@pytest.mark.parametrize("layout", [LAYOUT, None])
+def test_a_leftover_version_directory_of_another_state_is_written_again_not_made_current(tmp_path, layout):
+    """The defect: a version directory that was not current (the engine held it when the
+    earlier node stopped) was reused as whole by the next node to reach that version, even
+    one of another swarm: the old swarm's files became `current` and were offered to the
+    engine as the new node's state. Now a directory already there must record this state."""
+    from patchswarm.node.modelsink import ModelSink
+    from patchswarm.node.weights import Weights
+
+    def weights(v, s, swarm):
+        return Weights(s, v, state_hash(s), swarm)
+
+    root = tmp_path / "md"
+    old = ModelSink(root, None, 0)
+    trio.run(old.write, weights(2, state(200), "old-swarm"), layout, None, None)
+    old.dir.hold(2)  # an engine loading version 2 when that node stopped
+    trio.run(old.write, weights(3, state(300), "old-swarm"), layout, None, None)
+    assert ModelDir(root).path(2).exists()
+
+    sink = ModelSink(root, None, 0)  # another swarm's node on the same model directory, at version 2
+    mine = state(2)
+    trio.run(sink.write, weights(2, mine, "sw"), layout, None, None)
+    assert sink.version == 2 and sink.dir.current_version() == 2
+    assert sink.dir.recorded(2)["patchswarm.swarm"] == "sw"
+    loaded = {k: v for f in sink.dir.current.glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    assert torch.equal(loaded["b"], mine["b"])
+
+
+def test_an_engine_answering_html_says_so_in_the_error():
+    """A proxy's or a wrong server's page (HTTP 200, HTML) was logged as only
+    `sglang refused version 1: HTTP 200`, with no hint of what came back."""
+    async def html(stream):
+        body = b"<html>\n<body>502 Bad Gateway</body>\n</html>\n"
+        await stream.send_all(b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: %d\r\n\r\n" % len(body)
+                              + body)
+
+    out, _ = _run_against(html)
+    assert isinstance(out, HandoffFailed), out
+    assert "not a JSON object: <html> <body>502 Bad Gateway</body>" in str(out), str(out)
+
+
+@pytest.mark.parametrize("url", ["http://[::1:30000", "http://:30000", "http://127.0.0.1:99999", "http://h\x00st:1"])
+def test_an_engine_url_that_cannot_be_requested_is_a_usage_error_at_start(url):
+    """The defect: only the scheme was checked; `http://[::1:30000` (a missing bracket) was
+    taken, and the first hand-off, hours later, raised httpx.InvalidURL out of Handoff.run,
+    which ended the node."""
+    with pytest.raises(UsageError, match="engine url"):
+        make_engine("sglang", url, None)
+
+
+def test_an_unexpected_error_from_an_engine_adapter_is_retried_not_the_end_of_the_node():
+    """Handoff.run let anything but HandoffFailed out, and with it the daemon's nursery
+    ended: the node stopped serving its peers because of its engine (RecursionError from a
+    deeply nested answer and httpx.InvalidURL did, before their own fixes)."""
+    class Odd(ScriptedEngine):
+        async def load(self, offer):
+            self.calls.append(offer.version)
+            if len(self.calls) == 1:
+                raise RuntimeError("something the adapter did not expect")
+            return "ok"
+
+    async def main():
+        engine = Odd()
+        h = Handoff(engine)
+        async with trio.open_nursery() as n:
+            n.start_soon(h.run)
+            h.offer(Offer(1, Path("/x/1"), "h1", None))
+            with trio.fail_after(600):
+                await h.wait_delivered(1)
+            n.cancel_scope.cancel()
+        assert engine.calls == [1, 1] and h.attempts == 2 and h.last_error is None
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
