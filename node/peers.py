@@ -178,6 +178,12 @@ class Outflow:
     read: bool = False  # `data` was read from disk for it (not kept from serving it before)
 
 
+def _same_bytes(a, b, start: int, end: int) -> bool:
+    """Whether bytes [start, end) of `a` and `b` are equal (no copy)."""
+    with memoryview(a) as va, memoryview(b) as vb:
+        return va[start:end] == vb[start:end]
+
+
 OnMessage = Callable[[Session, object], Awaitable[None]]
 # Called in the same step as the session enters or leaves `sessions` (plain functions, no
 # checkpoint between): whoever keeps its own record of connected peers (the daemon's picker)
@@ -475,17 +481,32 @@ class PeerSet:
 
     def _resolve(self, s: Session, o: Outflow) -> bool:
         """Find where to serve `o` from (again, after its flow failed): the store,
-        else a flow of that chunk still arriving. False if neither."""
+        else a flow of that chunk still arriving. False if neither.
+
+        An answer already started from a flow that failed goes on from the new source only
+        where that source's bytes are the ones it sent: a failed flow was never verified, and
+        its bytes may be a hostile upstream's, not the chunk. Spliced onto the verified rest,
+        they made the asker assemble a chunk that does not match its manifest and drop this
+        (honest) node as its sender; refused ("stream aborted"), it keeps what came and asks
+        another holder for the rest, which blames nobody when that does not verify."""
+        sent = None  # the bytes of a started answer, from a flow never verified
         if o.flow is not None:
             o.flow.unwatch(s.wake)
+            if o.sent > o.start and not o.flow.asm.verified:
+                sent = o.flow.asm
             o.flow = None
         data, o.read = self.store.serve_chunk_now(o.key, o.chunk)
         if data is not None:
-            o.data = data  # the same bytes a failed flow was bringing, so a started answer goes on
+            if sent is not None and not _same_bytes(sent.data(), data, o.start, o.sent):
+                return False
+            o.data = data  # the bytes the failed flow was bringing, so the started answer goes on
             return True
         flow = self.inflows.source(o.key, o.chunk) if self.inflows is not None else None
         if flow is None:
             return False
+        if sent is not None and flow.asm is not sent and (
+                flow.asm.received < o.sent or not _same_bytes(sent.data(), flow.asm.data(), o.start, o.sent)):
+            return False  # not (yet) known to carry the bytes sent: the asker resumes elsewhere
         o.flow = flow
         flow.watch(s.wake)
         return True

@@ -468,9 +468,13 @@ class PiecePicker:
         another holder). The caller cancels them."""
         if self.request_timeout is None or not self._n_inflight:
             return []
-        deadline = now - self.request_timeout
+        # `sent + timeout <= now`, the very sum `next_wakeup` gives: `sent <= now - timeout` can
+        # differ from it in the last bit (30.005 - 30 < 0.005), and the fetcher, woken at the
+        # time `next_wakeup` named, found nothing expired and was woken at once again, without
+        # end on a clock that does not move by itself (trio's MockClock).
+        timeout = self.request_timeout
         late = sorted(Request(p, key, c) for p, info in self._peers.items()
-                      for (key, c), sent in info.inflight.items() if sent <= deadline)
+                      for (key, c), sent in info.inflight.items() if sent + timeout <= now)
         for r in late:
             self._fail(self._objects[r.key], r.chunk, r.peer)
         return late

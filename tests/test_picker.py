@@ -1362,3 +1362,17 @@ def test_a_slow_member_takes_over_no_share_of_another():
         p.set_members(R0, {"d": 0})
     with pytest.raises(UsageError, match="uplinks"):
         p.set_members(R0, {"d": float("nan")})
+
+
+def test_a_request_expires_at_the_time_next_wakeup_names():
+    """`next_wakeup` named `sent + request_timeout` while `expired` compared `sent` with
+    `now - request_timeout`; in floating point the two differ (0.005 + 30 - 30 < 0.005), so a
+    fetcher woken at the named time found nothing expired, was woken again at once, and spun
+    (for ever on trio's MockClock, which moves only when every task waits)."""
+    p = PiecePicker("me", "r1", "r1", seed=0, request_timeout=30.0)
+    p.peer_joined("a", NODE, "r1")
+    p.add_object(KEY, 1, now=0.0)
+    p.peer_has("a", KEY, [0])
+    [r] = p.requests(0.005)
+    wake = p.next_wakeup(0.005)
+    assert [(x.peer, x.key, x.chunk) for x in p.expired(wake)] == [(r.peer, r.key, r.chunk)]

@@ -150,6 +150,63 @@ def test_a_failed_flow_continues_from_the_store_or_is_rejected(tmp_path):
     r.run(scenario)
 
 
+def test_a_failed_flow_of_other_bytes_is_not_spliced_onto_the_held_chunk(tmp_path):
+    """A hostile upstream, asked for a chunk, sends a first part that is not the chunk; the
+    relay hands it on (unverified, as every part but the last) to a follower. The chunk then
+    comes whole from an honest peer (an endgame copy) and the hostile's flow is cancelled.
+    Before, the follower's answer went on from the store at the byte it had reached: the
+    follower assembled the hostile's bytes and the held chunk's rest, which does not match
+    its manifest, and dropped the honest relay as a sender of bad data. Now an answer goes on
+    from another source only where that source's bytes are the ones already sent; else it is
+    refused ("stream aborted"): the follower resumes elsewhere and blames nobody."""
+    good = os.urandom(2 * PART_BYTES)
+    r = Relay(tmp_path, [good, good])
+    r.store.put_manifest(KEY, _manifest(r.chunks), b"envelope")
+
+    async def scenario():
+        r.inflows.receive(UPSTREAM, KEY, 0, len(good), 0, len(good), bytes(PART_BYTES))  # not the chunk
+        r.feed(1, 0, PART_BYTES)  # this one's bytes are the chunk's
+        await r.ask(0)
+        await r.ask(1)
+        got = await r.pieces_until_quiet()
+        assert _parts(got, 0) == [(0, PART_BYTES)] and _parts(got, 1) == [(0, PART_BYTES)]
+        r.store.put_chunk(KEY, 0, good)
+        r.store.put_chunk(KEY, 1, good)
+        r.inflows.discard(UPSTREAM, KEY, 0, keep=False)
+        r.inflows.discard(UPSTREAM, KEY, 1, keep=False)
+        got += await r.pieces_until_quiet()
+        assert _parts(got, 0) == [(0, PART_BYTES)]
+        assert [(m.chunk, m.reason) for m in got if isinstance(m, wire.Reject)] == [(0, "stream aborted")]
+        assert b"".join(m.data for m in got if isinstance(m, wire.Piece) and m.chunk == 1) == good
+        assert not r.peers.sessions["req"].serve_queue
+
+    r.run(scenario)
+
+
+def test_a_failed_flow_goes_on_from_another_flow_only_with_the_bytes_it_sent(tmp_path):
+    """As above, with the chunk still arriving from a second peer when the first flow fails:
+    followed only if its bytes so far are the ones sent (a peer's own, or a resumed copy of
+    the same bytes), else refused."""
+    good = os.urandom(2 * PART_BYTES)
+    r = Relay(tmp_path, [good, good])
+
+    async def scenario():
+        r.inflows.receive(UPSTREAM, KEY, 0, len(good), 0, len(good), bytes(PART_BYTES))  # not the chunk
+        r.feed(1, 0, PART_BYTES)
+        await r.ask(0)
+        await r.ask(1)
+        got = await r.pieces_until_quiet()
+        for c in (0, 1):  # an honest peer's copy, further along
+            r.inflows.receive("honest", KEY, c, len(good), 0, len(good), good[:PART_BYTES + 10])
+        r.inflows.drop_peer(UPSTREAM)
+        got += await r.pieces_until_quiet()
+        assert _parts(got, 0) == [(0, PART_BYTES)]
+        assert [(m.chunk, m.reason) for m in got if isinstance(m, wire.Reject)] == [(0, "stream aborted")]
+        assert _parts(got, 1) == [(0, PART_BYTES), (PART_BYTES, 10)]
+
+    r.run(scenario)
+
+
 def test_a_bad_chunk_is_never_handed_on_whole(tmp_path):
     data = os.urandom(PART_BYTES + 7)
     r = Relay(tmp_path, [data])
