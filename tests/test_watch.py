@@ -74,6 +74,7 @@ def states(seed: int, n: int, names=("a", "b", "c", "d")) -> list[dict[str, torc
     return [{k: torch.randn(16, 32, generator=g) for k in names} for _ in range(n)]
 
 
+@pytest.mark.slow  # a real origin watching for seconds
 def test_a_sharded_save_is_published_once_its_index_is_written(tmp_path, watch_dir):
     """save_pretrained's order: config, shard 1, shard 2, the index last. Neither one shard
     (named 1 of 2) nor both shards without the index is the model; the index makes it whole."""
@@ -103,6 +104,7 @@ def test_a_sharded_save_is_published_once_its_index_is_written(tmp_path, watch_d
     assert files == {"config.json": b'{"model_type": "tiny"}'}
 
 
+@pytest.mark.slow  # a real origin watching for seconds
 def test_a_truncated_file_is_published_once_it_has_grown_whole(tmp_path, watch_dir):
     """A .safetensors file written in place: first part of its header, then the header and part
     of the data, then the rest. Not whole until its size is its header's length plus the data
@@ -128,6 +130,7 @@ def test_a_truncated_file_is_published_once_it_has_grown_whole(tmp_path, watch_d
     assert o.served.state_hash == state_hash(served(state, torch.bfloat16))
 
 
+@pytest.mark.slow  # a real origin watching for seconds
 def test_a_file_is_not_published_while_it_changes_between_polls(tmp_path, watch_dir):
     """A whole checkpoint rewritten again and again (new contents, new mtime each time) is
     taken only once two consecutive polls find it the same: then its last contents, once."""
@@ -150,6 +153,7 @@ def test_a_file_is_not_published_while_it_changes_between_polls(tmp_path, watch_
     assert o.served.state_hash == state_hash(served(versions[-1], torch.bfloat16))
 
 
+@pytest.mark.slow  # a real origin watching for seconds
 def test_a_save_under_a_temporary_name_is_published_once_under_its_own(tmp_path, watch_dir):
     """Some transformers versions' Trainer saved to tmp-checkpoint-N and then renamed it to
     checkpoint-N: taken under both names, it was published twice."""
@@ -169,6 +173,7 @@ def test_a_save_under_a_temporary_name_is_published_once_under_its_own(tmp_path,
     assert o.version == 0 and ledger(tmp_path) == {"checkpoint-20"}
 
 
+@pytest.mark.slow  # a real origin watching for seconds
 def test_a_trainer_checkpoint_ships_its_model_files_not_its_training_state(tmp_path, watch_dir):
     """Hugging Face Trainer's checkpoint-N: the model (model.safetensors, config, generation
     config, tokenizer) beside what resumes training (optimizer.pt, scheduler.pt, scaler.pt,
