@@ -184,19 +184,25 @@ def test_versions_go_in_order_a_newer_supersedes_and_failures_are_retried():
 
 
 def test_a_failure_is_retried_until_it_succeeds_never_skipped():
+    engine = ScriptedEngine(fail_first=3)
+    engine.gate.set()
+    h = _delivered(engine, 7)
+    assert engine.calls == [7, 7, 7, 7] and h.attempts == 4
+
+
+def _delivered(engine, version: int) -> Handoff:
+    """A Handoff that was offered `version` alone, once `engine` has it (retries on a mock clock)."""
     async def main():
-        engine = ScriptedEngine(fail_first=3)
-        engine.gate.set()
         h = Handoff(engine)
         async with trio.open_nursery() as n:
             n.start_soon(h.run)
-            h.offer(Offer(7, Path("/x/7"), "h7", None))
+            h.offer(Offer(version, Path(f"/x/{version}"), f"h{version}", None))
             with trio.fail_after(600):
-                await h.wait_delivered(7)
+                await h.wait_delivered(version)
             n.cancel_scope.cancel()
-        assert engine.calls == [7, 7, 7, 7] and h.attempts == 4
+        return h
 
-    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    return trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
 def test_engine_choices_are_checked():
@@ -511,15 +517,6 @@ def test_an_unexpected_error_from_an_engine_adapter_is_retried_not_the_end_of_th
                 raise RuntimeError("something the adapter did not expect")
             return "ok"
 
-    async def main():
-        engine = Odd()
-        h = Handoff(engine)
-        async with trio.open_nursery() as n:
-            n.start_soon(h.run)
-            h.offer(Offer(1, Path("/x/1"), "h1", None))
-            with trio.fail_after(600):
-                await h.wait_delivered(1)
-            n.cancel_scope.cancel()
-        assert engine.calls == [1, 1] and h.attempts == 2 and h.last_error is None
-
-    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    engine = Odd()
+    h = _delivered(engine, 1)
+    assert engine.calls == [1, 1] and h.attempts == 2 and h.last_error is None
