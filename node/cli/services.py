@@ -339,7 +339,10 @@ def print_status(st: dict) -> None:
                          f"the stored patches after it; {st.get('compactions', 0)} compactions")
     if st.get("model_dir"):
         err = st.get("model_dir_error")
-        t.add_row("model dir", f"{st['model_dir']} (version {st.get('model_dir_version')})"
+        ahead = st.get("model_dir_written")
+        ahead = (f", version {ahead} written, current before the engine's next reload"
+                 if ahead is not None and ahead != st.get("model_dir_version") else "")
+        t.add_row("model dir", f"{st['model_dir']} (version {st.get('model_dir_version')}{ahead})"
                                + (f"; last write failed: {err}" if err else ""))
     engine = st.get("engine")
     if engine:
