@@ -177,7 +177,8 @@ def _node_args(p: argparse.ArgumentParser) -> None:
                         "or --on-version is given")
     h.add_argument("--engine", choices=["sglang", "vllm"],
                    help="tell this engine of each version: sglang (POST /update_weights_from_disk) or vllm "
-                        "(POST /collective_rpc reload_weights; serve it from the model directory's current link)")
+                        "(POST /collective_rpc reload_weights; serve it from the model directory's current link, which "
+                        "then moves only between its reloads)")
     h.add_argument("--engine-url", metavar="URL", help="the engine's HTTP address, e.g. http://127.0.0.1:30000")
     h.add_argument("--sparse-handoff", action="store_true",
                    help="record each version's changes (positions and new bits, ~6 B per changed bf16 element) "
