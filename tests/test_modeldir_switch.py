@@ -83,6 +83,23 @@ class ReadsThroughCurrent:
         return "reloaded"
 
 
+def with_handoff(sink: ModelSink, script) -> None:
+    """Run `script()` while `sink`'s hand-off runs, all within WAIT_S; then stop the hand-off."""
+    async def main():
+        with trio.fail_after(WAIT_S):
+            async with trio.open_nursery() as n:
+                n.start_soon(sink.run)
+                await script()
+                n.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+async def write(sink: ModelSink, v: int) -> None:
+    """Version `v` through the sink, as the daemon writes it after applying its patch (all changed)."""
+    await sink.write(weights(v), LAYOUT, set(LAYOUT), None)
+
+
 def test_a_reload_through_current_reads_one_versions_shards_while_newer_versions_are_written(tmp_path):
     """Versions 2, 3 and 5 are written while a reload is between its first and second shard:
     each reload reads the shards of the version it was offered, bit for bit, and the node
@@ -91,27 +108,23 @@ def test_a_reload_through_current_reads_one_versions_shards_while_newer_versions
     engine = ReadsThroughCurrent(root)
     sink = ModelSink(root, engine, 0)
 
-    async def main():
-        with trio.fail_after(WAIT_S):
-            async with trio.open_nursery() as n:
-                n.start_soon(sink.run)
-                await sink.write(weights(1), LAYOUT, None, None)
-                assert await engine.paused.receive() == 1
-                for v in (2, 3):  # while the reload of version 1 is half-way
-                    await sink.write(weights(v), LAYOUT, set(LAYOUT), None)
-                    assert sink.dir.current_version() == 1 and sink.version == v
-                await engine.resume_tx.send(None)
-                assert await engine.paused.receive() == 3  # 2 was superseded: the newest written goes next
-                await sink.write(weights(4), LAYOUT, set(LAYOUT), None)
-                await sink.write(weights(5), LAYOUT, set(LAYOUT), None)
-                assert sink.dir.current_version() == 3
-                await engine.resume_tx.send(None)
-                assert await engine.paused.receive() == 5
-                await engine.resume_tx.send(None)
-                await sink.handoff.wait_delivered(5)
-                n.cancel_scope.cancel()
+    async def script():
+        await write(sink, 1)
+        assert await engine.paused.receive() == 1
+        for v in (2, 3):  # while the reload of version 1 is half-way
+            await write(sink, v)
+            assert sink.dir.current_version() == 1 and sink.version == v
+        await engine.resume_tx.send(None)
+        assert await engine.paused.receive() == 3  # 2 was superseded: the newest written goes next
+        await write(sink, 4)
+        await write(sink, 5)
+        assert sink.dir.current_version() == 3
+        await engine.resume_tx.send(None)
+        assert await engine.paused.receive() == 5
+        await engine.resume_tx.send(None)
+        await sink.handoff.wait_delivered(5)
 
-    trio.run(main)
+    with_handoff(sink, script)
     assert [v for v, _ in engine.reads] == [1, 3, 5]
     for v, got in engine.reads:
         assert same_bits(got, state(v)), f"the reload offered version {v} read shards of another version"
@@ -155,27 +168,23 @@ def test_a_stuck_reload_keeps_current_and_the_directory_holds_a_bounded_number_o
     sink = ModelSink(root, engine, 0)
     counts = []
 
-    async def main():
-        with trio.fail_after(WAIT_S):
-            async with trio.open_nursery() as n:
-                n.start_soon(sink.run)
-                await sink.write(weights(1), LAYOUT, None, None)
-                assert await engine.paused.receive() == 1
-                await engine.resume_tx.send(None)
-                await sink.handoff.wait_delivered(1)
-                await sink.write(weights(2), LAYOUT, set(LAYOUT), None)
-                assert await engine.paused.receive() == 2  # stuck here while 3..21 arrive
-                for v in range(3, 22):
-                    await sink.write(weights(v), LAYOUT, set(LAYOUT), None)
-                    assert sink.dir.current_version() == 2 and sink.version == v
-                    counts.append(len(version_dirs(sink.dir)))
-                assert version_dirs(sink.dir) == [1, 2, 21]
-                engine.pause = False
-                await engine.resume_tx.send(None)
-                await sink.handoff.wait_delivered(21)
-                n.cancel_scope.cancel()
+    async def script():
+        await write(sink, 1)
+        assert await engine.paused.receive() == 1
+        await engine.resume_tx.send(None)
+        await sink.handoff.wait_delivered(1)
+        await write(sink, 2)
+        assert await engine.paused.receive() == 2  # stuck here while 3..21 arrive
+        for v in range(3, 22):
+            await write(sink, v)
+            assert sink.dir.current_version() == 2 and sink.version == v
+            counts.append(len(version_dirs(sink.dir)))
+        assert version_dirs(sink.dir) == [1, 2, 21]
+        engine.pause = False
+        await engine.resume_tx.send(None)
+        await sink.handoff.wait_delivered(21)
 
-    trio.run(main)
+    with_handoff(sink, script)
     assert max(counts) == 3, counts
     assert version_dirs(sink.dir) == [21] and sink.dir.current_version() == 21
     assert [v for v, _ in engine.reads] == [1, 2, 21]
@@ -187,17 +196,13 @@ def _crash_while_current_is_held(root) -> None:
     engine = ReadsThroughCurrent(root)
     sink = ModelSink(root, engine, 0)
 
-    async def main():
-        with trio.fail_after(WAIT_S):
-            async with trio.open_nursery() as n:
-                n.start_soon(sink.run)
-                await sink.write(weights(1), LAYOUT, None, None)
-                assert await engine.paused.receive() == 1
-                await sink.write(weights(2), LAYOUT, set(LAYOUT), None)
-                await sink.write(weights(3), LAYOUT, set(LAYOUT), None)
-                n.cancel_scope.cancel()
+    async def script():
+        await write(sink, 1)
+        assert await engine.paused.receive() == 1
+        await write(sink, 2)
+        await write(sink, 3)
 
-    trio.run(main)
+    with_handoff(sink, script)
     assert ModelDir(root).current_version() == 1 and version_dirs(ModelDir(root)) == [1, 3]
 
 
@@ -213,15 +218,11 @@ def test_at_start_a_newer_version_a_crash_left_is_taken_if_it_is_the_nodes_else_
     sink = ModelSink(root, engine, 0)  # the restart: the node resumes at version 3, as applied
     assert sink.version == 1 and sink.dir.written == 1
 
-    async def main():
-        with trio.fail_after(WAIT_S):
-            async with trio.open_nursery() as n:
-                n.start_soon(sink.run)
-                await sink.write(weights(3), LAYOUT, None, None)
-                await sink.handoff.wait_delivered(3)
-                n.cancel_scope.cancel()
+    async def script():
+        await sink.write(weights(3), LAYOUT, None, None)  # at start: the daemon's first write says no changes
+        await sink.handoff.wait_delivered(3)
 
-    trio.run(main)
+    with_handoff(sink, script)
     assert sink.bytes_written == 0, "version 3 was whole and this node's: taken, not written again"
     assert sink.dir.current_version() == 3 and version_dirs(sink.dir) == [3]
     assert [v for v, _ in engine.reads] == [3] and same_bits(engine.reads[0][1], state(3))
