@@ -20,6 +20,7 @@ import trio
 from safetensors.torch import load_file
 
 from patchswarm.node.checkpoint import INDEX_NAME
+from patchswarm.node.engines import Handoff, Offer
 from patchswarm.node.modeldir import ModelDir
 from patchswarm.node.modelsink import ModelSink
 from patchswarm.node.weights import META_HASH, META_SWARM, META_VERSION, Weights
@@ -83,12 +84,12 @@ class ReadsThroughCurrent:
         return "reloaded"
 
 
-def with_handoff(sink: ModelSink, script) -> None:
-    """Run `script()` while `sink`'s hand-off runs, all within WAIT_S; then stop the hand-off."""
+def with_handoff(feeder: ModelSink | Handoff, script) -> None:
+    """Run `script()` while `feeder.run` feeds the engine, all within WAIT_S; then stop it."""
     async def main():
         with trio.fail_after(WAIT_S):
             async with trio.open_nursery() as n:
-                n.start_soon(sink.run)
+                n.start_soon(feeder.run)
                 await script()
                 n.cancel_scope.cancel()
 
@@ -234,3 +235,28 @@ def test_at_start_a_newer_version_a_crash_left_is_taken_if_it_is_the_nodes_else_
         trio.run(sink.write, w, LAYOUT, set(LAYOUT), None)
         assert sink.bytes_written > 0 and sink.dir.current_version() == w.version, name
         assert version_dirs(sink.dir) == [w.version] and same_bits(loaded(sink.dir.current), w.state), name
+
+
+def test_a_switch_that_fails_fails_that_hand_off_only_and_a_newer_version_goes_in(tmp_path):
+    """A version whose directory is gone when its reload would start (removed under the node)
+    cannot be made current: that hand-off fails with what was expected and what was found,
+    the engine is not asked to reload a `current` that does not name it, and the next
+    version is switched to and handed over."""
+    md = ModelDir(tmp_path / "md")
+    engine = ReadsThroughCurrent(md.root, pause=False)
+    h = Handoff(engine, hold=md.hold, release=md.release, switch=md.switch)
+    md.write(1, state(1), LAYOUT, {}, meta(1, state(1)))
+
+    async def script():
+        h.offer(Offer(2, md.path(2), "h2", None))  # never written (or removed since)
+        while h.last_error is None:
+            await trio.sleep(0.01)
+        assert "could not make version 2 current" in h.last_error, h.last_error
+        assert "expected version 2 written in" in h.last_error and "found no such directory" in h.last_error
+        md.write(3, state(3), LAYOUT, {}, meta(3, state(3)), switch=False)
+        h.offer(Offer(3, md.path(3), "h3", None))
+        await h.wait_delivered(3)
+
+    with_handoff(h, script)
+    assert [v for v, _ in engine.reads] == [3] and same_bits(engine.reads[0][1], state(3))
+    assert md.current_version() == 3 and h.last_error is None
