@@ -14,7 +14,9 @@ current only by the hand-off, right before the reload that loads it: while a
 reload runs, `current` stays at the version it was offered, and the reload
 after it loads the newest version written by then (the one pending). SGLang
 and `--on-version` are given the version's own directory, which is held
-until they answer, so `current` need not wait for them.
+until they answer, so `current` need not wait for them. Either way `changed`
+(the tensors the applied patch touched) is relative to the version written
+last, which is what the model directory links unchanged shards from.
 
 The write is the one cost of this hand-off that grows with the model (a
 disk-loading engine needs the shards on disk); it is separate from the
@@ -22,7 +24,7 @@ node's own durability (node/persistence.py), and skipped entirely when no
 hand-off is configured. It runs between two applies (the state must not
 change while it is written) below the serving loop's priority; a failure
 (a full disk) is logged and counted, and the next version tries again.
-Must not apply, fetch or decide what is current.
+Must not apply, fetch or decide which version the node is at.
 """
 
 from __future__ import annotations
