@@ -17,6 +17,9 @@ a hand-off names is held until the engine has answered.
   `POST {url}/collective_rpc` `{"method": "reload_weights"}` (served with
   `VLLM_SERVER_DEV_MODE=1`), then `POST {url}/reset_prefix_cache` so no cached
   prefix computed with the old weights is reused (a 404 there is tolerated).
+  It opens each shard through `current` during the reload (`reads_current`):
+  `Handoff` switches `current` to the version offered right before the
+  reload, and nothing else moves it until the reload has returned.
 - A command: run with PATCHSWARM_VERSION, PATCHSWARM_MODEL_DIR and
   PATCHSWARM_STATE_HASH in its environment; success is exit status 0, known when
   it exits (a child left in the background is not waited for); past the timeout
@@ -68,6 +71,7 @@ class Offer:
 
 class Engine(Protocol):
     name: str
+    reads_current: bool  # reloads through the model directory's `current` link, not the offer's path
 
     async def load(self, offer: Offer) -> str:
         """Hand `offer` over; return the engine's message. Raise HandoffFailed."""
@@ -125,6 +129,7 @@ def _brief(text: str) -> str:
 
 class SGLang:
     name = "sglang"
+    reads_current = False
 
     def __init__(self, url: str, timeout: float = ENGINE_TIMEOUT):
         self.url = _base(url)
@@ -148,6 +153,7 @@ class SGLang:
 
 class VLLM:
     name = "vllm"
+    reads_current = True  # started on DIR/current; `offer.path` is not sent
 
     def __init__(self, url: str, timeout: float = ENGINE_TIMEOUT):
         self.url = _base(url)
@@ -165,6 +171,7 @@ class VLLM:
 
 class Command:
     name = "command"
+    reads_current = False
 
     def __init__(self, command: str, timeout: float = ENGINE_TIMEOUT):
         if not command.strip():
@@ -250,13 +257,21 @@ def make_engine(kind: str | None, url: str | None, command: str | None) -> Engin
 
 
 class Handoff:
-    """Feeds one engine the versions offered, in order, newest pending wins, retried on failure."""
+    """Feeds one engine the versions offered, in order, newest pending wins, retried on failure.
+
+    `switch`, for an engine that reloads through the model directory's `current` link
+    (`reads_current`): run in a worker thread right before each hand-off with its version,
+    so that `current` names the version offered from the start of the reload to its end
+    (the writes leave `current` alone for such an engine: node/modelsink.py). A switch
+    that fails fails that hand-off, which is retried as any other."""
 
     def __init__(self, engine: Engine, hold: Callable[[int], None] | None = None,
-                 release: Callable[[int], None] | None = None, rng: random.Random | None = None):
+                 release: Callable[[int], None] | None = None, rng: random.Random | None = None,
+                 switch: Callable[[int], None] | None = None):
         self.engine = engine
         self._hold = hold or (lambda v: None)
         self._release = release or (lambda v: None)
+        self._switch = switch
         self._rng = rng or random.Random()
         self._pending: Offer | None = None
         self._in_flight: Offer | None = None  # being handed over now: held until the engine answers
@@ -298,7 +313,7 @@ class Handoff:
             offer = self._in_flight = self._pending
             self.attempts += 1
             try:
-                message = await self.engine.load(offer)
+                message = await self._load(offer)
             except Exception as e:  # an engine is another program: what it does must not end the node
                 if not isinstance(e, HandoffFailed):
                     log.error("engine %s: version %d: unexpected error from the hand-off", self.engine.name,
@@ -330,6 +345,14 @@ class Handoff:
             self._delivered_event.set()
             self._delivered_event = trio.Event()
             log.info("engine %s: version %d handed over (%s)", self.engine.name, offer.version, message or "ok")
+
+    async def _load(self, offer: Offer) -> str:
+        if self._switch is not None:
+            try:
+                await trio.to_thread.run_sync(self._switch, offer.version)
+            except (OSError, PatchswarmError) as e:
+                raise HandoffFailed(f"could not make version {offer.version} current: {one_line(e)}") from None
+        return await self.engine.load(offer)
 
     def status(self) -> dict:
         return {"engine": self.engine.name, "engine_version": self.delivered,

@@ -1,17 +1,31 @@
-"""The current version as a Hugging Face model directory an engine loads, switched atomically.
+"""Versions as Hugging Face model directories an engine loads, and `current`, switched atomically.
 
 Owns `DIR/versions/vNNNNNNNNNN/` (one complete model directory per version:
 the published shard layout, `model.safetensors.index.json`, the side files
 that travelled with the version) and `DIR/current`, a symbolic link replaced
-atomically (rename over it) once a version's directory is complete and
-fsynced, so a reader that resolves `current` sees one whole version, never a
-mix. A shard none of whose tensors changed since the previous version is
-hard-linked from it instead of written again. A version directory is removed
-only when it is not current and nobody holds it (`hold`/`release`: an engine
-still loading it).
+atomically (rename over it), only ever to a version whose directory is
+complete and fsynced, so a reader that resolves `current` once sees one whole
+version. A reader that opens its files through `current` one by one sees one
+version only if `current` does not move meanwhile: for an engine that reloads
+that way (vLLM), a version is written with `switch=False` and made current
+later by `switch`, between reloads (node/engines.py `Handoff`).
 
-Must not decide when to write (the daemon's hand-off does) nor hold the
-state: it is handed the tensors of the version to write.
+`written` is the version written last: the next write's `changed` is relative
+to it, and a shard none of whose tensors changed is hard-linked from it
+instead of written again. It is newer than `current` while `current` is held
+back. A version directory is removed only when it is neither current, nor
+`written`, nor being written, nor held (`hold`/`release`: an engine still
+loading it, or a version offered to it and not yet handed over).
+
+At start `written` is the current version. A directory newer than it that a
+crash left (written while `current` was held back) is no link source: a write
+of the same version whose recorded metadata (version, swarm, state hash) it
+holds takes it as written, without writing it again; any other is removed by
+the first write's prune (or set aside, if it has the number but another
+state).
+
+Must not decide when to write or switch (the daemon's hand-off does) nor hold
+the state: it is handed the tensors of the version to write.
 """
 
 from __future__ import annotations
@@ -43,6 +57,8 @@ class ModelDir:
         (self.root / VERSIONS).mkdir(parents=True, exist_ok=True)
         self._held: dict[int, int] = {}
         self._shards: dict[int, dict[str, set[str]]] = {}  # version -> shard file -> its tensors
+        self.written: int | None = self.current_version()  # the version written last (see the module's docstring)
+        self._writing: int | None = None  # being written now (in a worker thread): a prune keeps it
         for stale in (self.root / VERSIONS).glob(".*"):  # a write a crash interrupted
             shutil.rmtree(stale, ignore_errors=True)
         (self.root / (CURRENT + ".tmp")).unlink(missing_ok=True)
@@ -85,38 +101,65 @@ class ModelDir:
             os.rename(d, aside)
             shutil.rmtree(aside, ignore_errors=True)
         self._shards.pop(version, None)
+        if self.written == version:
+            self.written = None
 
     def write(self, version: int, state: dict[str, torch.Tensor], layout: dict[str, str] | None,
-              files: dict[str, bytes], metadata: dict[str, str], changed: set[str] | None = None) -> int:
-        """Write version `version` and make it current; returns the bytes written.
+              files: dict[str, bytes], metadata: dict[str, str], changed: set[str] | None = None,
+              switch: bool = True) -> int:
+        """Write version `version`, make it `written` and, unless `switch` is False, current;
+        returns the bytes written.
 
-        `changed`: the tensors that differ from the current version (None: all of them);
-        a shard of only unchanged tensors, present in the current version with the same
-        tensors, is hard-linked instead of written (not a single file: its header holds
-        the version's metadata)."""
+        `changed`: the tensors that differ from version `written` (the caller checks that it is
+        the version before; None: all of them); a shard of only unchanged tensors, present in
+        `written` with the same tensors, is hard-linked from it instead of written (not a single
+        file: its header holds the version's metadata). Not the current version: while `current`
+        is held back it is older than `written`, and its shards would bring back tensors that
+        changed since. `switch` False: `current` stays (`switch` moves it later)."""
         final = self.path(version)
         shards = _shards_of(state, layout)
-        written = 0
+        n = 0
         (self.root / VERSIONS).mkdir(parents=True, exist_ok=True)  # removed under us: made again, not failed for ever
         if final.exists() and any(self.recorded(version).get(k) != v for k, v in metadata.items()):
             self.set_aside(version)  # left by another swarm or an earlier data dir: not this state
-        if not final.exists():  # else: whole already (renamed only once complete), and a full disk stopped
-            written = self._write_version(version, state, shards, layout, files, metadata, changed)
-        self._shards[version] = shards
+        self._writing = version
+        try:
+            if not final.exists():  # else: whole already (renamed only once complete), and a full disk stopped
+                n = self._write_version(version, state, shards, layout, files, metadata, changed)
+            self._shards[version] = shards
+            if switch:
+                self._link_current(version)
+            self.written = version  # after the link: one that failed is made again by the next write
+        finally:
+            self._writing = None
+        self.prune()
+        return n
+
+    def switch(self, version: int) -> None:
+        """Make `version`, written before, current (atomically, fsynced), then prune; nothing to
+        do where it is current already. One caller switches: the writes, or (`switch=False`
+        writes) the engine's hand-off before each reload, never both."""
+        if self.current_version() == version:
+            return
+        if not self.path(version).is_dir():
+            raise InvalidInput(f"model dir: expected version {version} written in {self.path(version)} to make "
+                               f"it current, found no such directory (current: {self.current_version()})")
+        self._link_current(version)
+        self.prune()
+
+    def _link_current(self, version: int) -> None:
         link_tmp = self.root / (CURRENT + ".tmp")
         link_tmp.unlink(missing_ok=True)
         os.symlink(Path(VERSIONS) / version_name(version), link_tmp)
         os.replace(link_tmp, self.current)
         fsync_path(self.root)
-        self.prune()
-        return written
 
     def _write_version(self, version: int, state: dict[str, torch.Tensor], shards: dict,
                        layout: dict[str, str] | None, files: dict[str, bytes], metadata: dict[str, str],
                        changed: set[str] | None) -> int:
         """The version's directory, written under a temporary name and renamed into place once whole."""
         final = self.path(version)
-        prev_version = self.current_version()
+        prev_version = self.written  # what `changed` is relative to (not `current`, which may be older)
         prev = self.path(prev_version) if prev_version is not None else None
         prev_shards = self._shards.get(prev_version) if prev_version is not None else None
         tmp = self.root / VERSIONS / f".{version_name(version)}.partial"
@@ -168,17 +211,21 @@ class ModelDir:
         self.prune()
 
     def prune(self) -> None:
-        """Remove every version directory that is neither current nor held."""
-        current = self.current_version()
+        """Remove every version directory that is neither current, nor `written` (the next
+        write's link source, and the next switch's target), nor being written, nor held. What
+        to keep is read after the listing: a write in another thread renames its directory in
+        only after it marked it as being written."""
         try:
             entries = list((self.root / VERSIONS).iterdir())
         except OSError:  # removed under us (or unreadable): nothing to prune; the next write makes it again
             return
+        writing = self._writing  # before `written`: a write sets `written` before it clears `_writing`
+        keep = {self.current_version(), writing, self.written}
         for d in entries:
             if not d.name.startswith("v") or not d.name[1:].isdigit():
                 continue
             v = int(d.name[1:])
-            if v != current and v not in self._held:
+            if v not in keep and v not in self._held:
                 shutil.rmtree(d, ignore_errors=True)
                 self._shards.pop(v, None)
 

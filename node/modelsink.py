@@ -7,13 +7,24 @@ applied version is written as a Hugging Face model directory
 link, unchanged shards hard-linked) and offered to the engine's `Handoff`
 (node/engines.py: in order, newest pending wins, retried with backoff).
 
+When `current` moves: at once, with each write, unless the engine reloads
+through it (vLLM, `reads_current`). Then a version is written to its own
+directory at once (so the next reload does not wait for the write) but made
+current only by the hand-off, right before the reload that loads it: while a
+reload runs, `current` stays at the version it was offered, and the reload
+after it loads the newest version written by then (the one pending). SGLang
+and `--on-version` are given the version's own directory, which is held
+until they answer, so `current` need not wait for them. Either way `changed`
+(the tensors the applied patch touched) is relative to the version written
+last, which is what the model directory links unchanged shards from.
+
 The write is the one cost of this hand-off that grows with the model (a
 disk-loading engine needs the shards on disk); it is separate from the
 node's own durability (node/persistence.py), and skipped entirely when no
 hand-off is configured. It runs between two applies (the state must not
 change while it is written) below the serving loop's priority; a failure
 (a full disk) is logged and counted, and the next version tries again.
-Must not apply, fetch or decide what is current.
+Must not apply, fetch or decide which version the node is at.
 """
 
 from __future__ import annotations
@@ -39,13 +50,20 @@ log = logging.getLogger("patchswarm.node")
 class ModelSink:
     def __init__(self, root: Path, engine: Engine | None, nice: int):
         self.dir = ModelDir(root)
-        self.handoff = None if engine is None else Handoff(engine, hold=self.dir.hold, release=self.dir.release)
+        self.switched_by_handoff = engine is not None and getattr(engine, "reads_current", False)
+        self.handoff = None if engine is None else Handoff(
+            engine, hold=self.dir.hold, release=self.dir.release,
+            switch=self.dir.switch if self.switched_by_handoff else None)
         self.nice = nice
-        self.version: int | None = self.dir.current_version()
         self.bytes_written = 0
         self.last_write_s: float | None = None
         self.last_error: str | None = None
         self.disk = diskspace.DiskCondition(root)  # the model directory may be on a disk of its own
+
+    @property
+    def version(self) -> int | None:
+        """The version written last (the directory's newest; `current` may lag it: see above)."""
+        return self.dir.written
 
     async def run(self) -> None:
         if self.handoff is None:
@@ -63,21 +81,21 @@ class ModelSink:
                 w.version < self.version or recorded.get(META_HASH) == w.state_hash)
             if mine:
                 if w.version == self.version:  # already there (a restart that found it written)
-                    self.offer_current(w.state_hash, published_at)
+                    self._offer(w.state_hash, published_at)
                 return
             log.warning("model directory %s: version %d there is of swarm %s with state hash %s, expected %s; "
                         "writing version %d again", self.dir.root, self.version, recorded.get(META_SWARM),
                         recorded.get(META_HASH), f"swarm {w.swarm_id}" + (
                             f" and {w.state_hash}" if w.version == self.version else ""), w.version)
             self.dir.set_aside(self.version)
-            self.version = None
         if self.version != w.version - 1:
-            changed = None  # the directory's current version is not this one's base
+            changed = None  # the version written last is not this one's base: no shard is linked
         tensors, files = split_side_files(w.state)
         meta = {META_VERSION: str(w.version), META_HASH: w.state_hash, META_SWARM: w.swarm_id}
         t0 = time.perf_counter()
         try:
-            n = await run_low_priority(lambda: self.dir.write(w.version, tensors, layout, files, meta, changed),
+            n = await run_low_priority(lambda: self.dir.write(w.version, tensors, layout, files, meta, changed,
+                                                              switch=not self.switched_by_handoff),
                                        self.nice, name="patchswarm-modeldir")
         except OSError as e:
             self.last_error = f"version {w.version}: {one_line(e)}"
@@ -92,17 +110,19 @@ class ModelSink:
         self.last_write_s = round(time.perf_counter() - t0, 3)
         self.last_error = None
         self.bytes_written += n
-        self.version = w.version
-        log.info("model directory %s at version %d (%s bytes written in %.2f s)", self.dir.current, w.version,
-                 f"{n:,}", self.last_write_s)
-        self.offer_current(w.state_hash, published_at)
+        log.info("model directory %s: version %d written (%s bytes in %.2f s)%s", self.dir.root, w.version,
+                 f"{n:,}", self.last_write_s,
+                 "; current before the engine's next reload" if self.switched_by_handoff else " and current")
+        self._offer(w.state_hash, published_at)
 
-    def offer_current(self, state_hash: str, published_at: float | None) -> None:
+    def _offer(self, state_hash: str, published_at: float | None) -> None:
+        """Offer the version written last to the engine."""
         if self.handoff is not None and self.version is not None:
             self.handoff.offer(Offer(self.version, self.dir.path(self.version), state_hash, published_at))
 
     def status(self) -> dict:
-        out = {"model_dir": str(self.dir.current), "model_dir_version": self.version,
+        out = {"model_dir": str(self.dir.current), "model_dir_version": self.dir.current_version(),
+               "model_dir_written": self.version,
                "model_dir_bytes_written": self.bytes_written, "model_dir_write_s": self.last_write_s,
                "model_dir_error": self.last_error}
         if self.handoff is not None:

@@ -235,6 +235,22 @@ def test_status_shows_peers_dropped_and_refused_by_kind(capsys, monkeypatch):
     assert "peers dropped" not in capsys.readouterr().out
 
 
+def test_status_shows_a_model_dir_version_written_ahead_of_current(capsys, monkeypatch):
+    """With vLLM, `current` moves only between reloads: the version written ahead of it is shown."""
+    from patchswarm.node.cli.services import print_status
+
+    monkeypatch.setenv("COLUMNS", "300")
+    st = {"node_id": "n1", "region": "r0", "version": 3, "base_path": "/d/weights.safetensors",
+          "bytes_in": {"origin": 0, "same_region": 0, "other_region": 0}, "bytes_out": 0, "chunks_rejected": 0,
+          "peers": [], "model_dir": "/m/current", "model_dir_version": 1, "model_dir_written": 3}
+    print_status(st)
+    assert "/m/current (version 1, version 3 written, current before the engine's next reload)" in \
+        " ".join(capsys.readouterr().out.split())
+    st["model_dir_version"] = 3
+    print_status(st)
+    assert "/m/current (version 3) " in " ".join(capsys.readouterr().out.split())
+
+
 @pytest.mark.parametrize("declared, measured, slow, shown", [
     (100.0, None, [], "│ 100 Mbit/s declared │"),
     (100.0, 9.437, ["n3"], "│ 100 Mbit/s declared, 9.437 Mbit/s measured while sends backed up │"),

@@ -3,9 +3,11 @@
 A node configured with `--engine sglang --engine-url` keeps the current version
 as a model directory and posts each version to an HTTP server speaking SGLang's
 request and response shape, which really loads the directory (index, shards,
-side files) and hashes what it loaded (tests/engines/fake_sglang.py). A node
-with `--on-version` runs its command once per version. A node whose engine is
-down keeps applying versions and hands the newest over once the engine is back.
+side files) and hashes what it loaded (tests/engines/fake_engine.py); one with
+`--engine vllm` asks the same server, started on its `D/current`, to reload
+through that link. A node with `--on-version` runs its command once per
+version. A node whose engine is down keeps applying versions and hands the
+newest over once the engine is back.
 """
 
 from __future__ import annotations
@@ -64,12 +66,14 @@ def _free_port() -> int:
 
 
 class FakeEngine:
-    def __init__(self, root: Path, port: int = 0, refuse: int = 0):
-        self.log = root / f"engine-{port}.jsonl"
-        port_file = root / f"engine-{port}.port"
-        self.proc = subprocess.Popen([sys.executable, str(HERE / "engines" / "fake_sglang.py"), "--port-file",
+    def __init__(self, root: Path, port: int = 0, refuse: int = 0, vllm_model: Path | None = None):
+        name = f"engine-{port}" + ("" if vllm_model is None else "-vllm")
+        self.log = root / f"{name}.jsonl"
+        port_file = root / f"{name}.port"
+        vllm = [] if vllm_model is None else ["--vllm-model", str(vllm_model)]
+        self.proc = subprocess.Popen([sys.executable, str(HERE / "engines" / "fake_engine.py"), "--port-file",
                                       str(port_file), "--log", str(self.log), "--refuse", str(refuse),
-                                      "--port", str(port)])
+                                      "--port", str(port), *vllm])
         deadline = time.monotonic() + 60
         while not port_file.exists() or not port_file.read_text():
             assert time.monotonic() < deadline and self.proc.poll() is None, "the fake engine did not start"
@@ -99,19 +103,27 @@ def test_engine_and_command_get_each_version_in_order_from_a_model_directory(tmp
     watch = tmp_path / "watch"
     watch.mkdir()
     engine = FakeEngine(tmp_path, refuse=1)  # the first call is refused: the hand-off retries it
+    vllm = None
     seen = tmp_path / "on-version.txt"
     cmd = f'echo "$PATCHSWARM_VERSION $PATCHSWARM_STATE_HASH $PATCHSWARM_MODEL_DIR" >> {shlex.quote(str(seen))}'
     try:
+        vllm = FakeEngine(tmp_path, vllm_model=tmp_path / "c-model" / "current")  # `vllm serve D/current`
         with SwarmLab(tmp_path) as lab:
             lab.start_tracker()
             lab.start_origin(region="r0", watch=watch, extra=ORIGIN_ARGS)
             a = lab.start_node("a", region="r1", extra=["--engine", "sglang", "--engine-url", engine.url])
             b = lab.start_node("b", region="r1", extra=["--on-version", cmd])
+            vl = lab.start_node("c", region="r1", extra=["--engine", "vllm", "--engine-url", vllm.url,
+                                                         "--model-dir", str(tmp_path / "c-model")])
             hashes = []
             for step in range(3):
                 _write_model_dir(watch, step)
-                hashes.append(lab.wait_version([a, b], step)[0]["state_hash"])
+                hashes.append(lab.wait_version([a, b, vl], step)[0]["state_hash"])
                 engine.wait_calls(step + 1)  # each version reaches the engine before the next is published
+                vllm.wait_calls(step + 1)
+            # vLLM reloaded each version through c's `current`, whole.
+            assert [r["state_hash"] for r in vllm.calls()] == hashes
+            assert [{Path(d).name for d in r["read_from"]} for r in vllm.calls()] == [{f"v{v:010d}"} for v in range(3)]
             calls = engine.calls()
             # One call per version, in order, each loading exactly the published state.
             assert [c["version"] for c in calls] == ["0", "1", "2"]
@@ -139,6 +151,8 @@ def test_engine_and_command_get_each_version_in_order_from_a_model_directory(tmp
             assert b.status()["engine"]["name"] == "command"
     finally:
         engine.stop()
+        if vllm is not None:
+            vllm.stop()
 
 
 def test_a_node_whose_engine_is_down_keeps_applying_and_hands_the_newest_version_over_later(tmp_path):

@@ -232,17 +232,19 @@ def test_on_version_command_gets_the_version_in_its_environment(tmp_path):
 
 
 @pytest.fixture
-def fake_sglang(tmp_path):
+def fake_engine(tmp_path):
+    """Starts tests/engines/fake_engine.py (SGLang's endpoint; vLLM's too with `vllm_model`)."""
     port_file, log = tmp_path / "port", tmp_path / "engine.jsonl"
     procs = []
 
-    def start(refuse: int = 0):
-        p = subprocess.Popen([sys.executable, str(HERE / "engines" / "fake_sglang.py"), "--port-file", str(port_file),
-                              "--log", str(log), "--refuse", str(refuse)])
+    def start(refuse: int = 0, vllm_model: Path | None = None, shard_pause: float = 0.0):
+        vllm = [] if vllm_model is None else ["--vllm-model", str(vllm_model), "--shard-pause", str(shard_pause)]
+        p = subprocess.Popen([sys.executable, str(HERE / "engines" / "fake_engine.py"), "--port-file", str(port_file),
+                              "--log", str(log), "--refuse", str(refuse), *vllm])
         procs.append(p)
         deadline = time.monotonic() + 60
         while not port_file.exists() or not port_file.read_text():
-            assert time.monotonic() < deadline and p.poll() is None, "fake sglang did not start"
+            assert time.monotonic() < deadline and p.poll() is None, "the fake engine did not start"
             time.sleep(0.05)
         return f"http://127.0.0.1:{port_file.read_text()}", log
 
@@ -256,8 +258,8 @@ def fake_sglang(tmp_path):
 
 
 @pytest.mark.slow
-def test_sglang_shaped_engine_loads_each_version_in_order_and_refusals_are_retried(tmp_path, fake_sglang):
-    url, log = fake_sglang(refuse=1)
+def test_sglang_shaped_engine_loads_each_version_in_order_and_refusals_are_retried(tmp_path, fake_engine):
+    url, log = fake_engine(refuse=1)
     md = ModelDir(tmp_path / "md")
     files = {"config.json": b'{"model_type": "x"}'}
     hashes = {}
@@ -282,6 +284,56 @@ def test_sglang_shaped_engine_loads_each_version_in_order_and_refusals_are_retri
     assert [c["version"] for c in calls] == ["0", "1", "2"]
     assert [c["state_hash"] for c in calls] == [hashes[0], hashes[1], hashes[2]]
     assert h.attempts == 4  # the first call was refused and retried
+
+
+@pytest.mark.slow
+def test_vllm_shaped_engine_reloading_slowly_through_current_loads_whole_versions_as_they_arrive(tmp_path,
+                                                                                                 fake_engine):
+    """The defect: vLLM reloads through `D/current`, opening each shard as it comes to it, and
+    `current` was switched with every version written: a version arriving during a reload gave
+    it shards of two versions, and the node reported the older one handed over. Here a server
+    reloads as vLLM does, slowly (0.4 s after each shard), while versions come every 0.25 s:
+    each reload reads one version's directory, and the node reports that version."""
+    from patchswarm.node.engines import VLLM
+    from patchswarm.node.modelsink import ModelSink
+    from patchswarm.node.weights import Weights
+
+    class Recorded(VLLM):
+        def __init__(self, url: str):
+            super().__init__(url)
+            self.handed: list[int] = []  # the versions reported handed over, in order
+
+        async def load(self, offer):
+            message = await super().load(offer)
+            self.handed.append(offer.version)
+            return message
+
+    def version(v):
+        s = {**state(v), "c": torch.arange(10, dtype=torch.int32) + v}  # every shard changes
+        return Weights(s, v, state_hash(s), "sw")
+
+    root = tmp_path / "md"
+    url, log = fake_engine(vllm_model=root / "current", shard_pause=0.4)
+    engine = Recorded(url)
+    sink = ModelSink(root, engine, 0)
+
+    async def main():
+        with trio.fail_after(60):
+            async with trio.open_nursery() as n:
+                n.start_soon(sink.run)
+                for v in range(8):
+                    await sink.write(version(v), LAYOUT, None if v == 0 else set(LAYOUT), time.time())
+                    await trio.sleep(0.25)
+                await sink.handoff.wait_delivered(7)
+                n.cancel_scope.cancel()
+
+    trio.run(main)
+    reloads = [json.loads(line) for line in log.read_text().splitlines()]
+    assert engine.handed[-1] == 7 and engine.handed == sorted(engine.handed) and len(reloads) == len(engine.handed)
+    assert sink.handoff.superseded >= 1, "no version arrived during a reload: the test did not test it"
+    for v, reload in zip(engine.handed, reloads):
+        assert {Path(d).name for d in reload["read_from"]} == {f"v{v:010d}"}, (v, reload["read_from"])
+        assert reload["state_hash"] == version(v).state_hash, v
 
 
 def test_on_version_command_that_leaves_a_child_in_the_background_is_done_when_it_exits(tmp_path):

@@ -177,7 +177,8 @@ def _node_args(p: argparse.ArgumentParser) -> None:
                         "or --on-version is given")
     h.add_argument("--engine", choices=["sglang", "vllm"],
                    help="tell this engine of each version: sglang (POST /update_weights_from_disk) or vllm "
-                        "(POST /collective_rpc reload_weights; serve it from the model directory's current link)")
+                        "(POST /collective_rpc reload_weights; serve it from the model directory's current link, which "
+                        "then moves only between its reloads)")
     h.add_argument("--engine-url", metavar="URL", help="the engine's HTTP address, e.g. http://127.0.0.1:30000")
     h.add_argument("--sparse-handoff", action="store_true",
                    help="record each version's changes (positions and new bits, ~6 B per changed bf16 element) "
@@ -339,7 +340,10 @@ def print_status(st: dict) -> None:
                          f"the stored patches after it; {st.get('compactions', 0)} compactions")
     if st.get("model_dir"):
         err = st.get("model_dir_error")
-        t.add_row("model dir", f"{st['model_dir']} (version {st.get('model_dir_version')})"
+        ahead = st.get("model_dir_written")
+        ahead = (f", version {ahead} written, current before the engine's next reload"
+                 if ahead is not None and ahead != st.get("model_dir_version") else "")
+        t.add_row("model dir", f"{st['model_dir']} (version {st.get('model_dir_version')}{ahead})"
                                + (f"; last write failed: {err}" if err else ""))
     engine = st.get("engine")
     if engine:
