@@ -34,23 +34,23 @@ import stat
 import struct
 import time
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import trio
 
-import torch
-from safetensors import SafetensorError, safe_open
-
 from patchswarm.protocol import localapi
-from patchswarm.protocol.changes import ChangeApplier, ChangeStream
 from patchswarm.protocol.errors import (CorruptData, InvalidInput, PatchswarmError, ProtocolError, StateHashMismatch,
                                         UsageError)
-from patchswarm.protocol.statehash import state_hash_any_device
 from patchswarm.protocol.trajectory import encode_payload
 from patchswarm.protocol.wire import CLOSED, NEED_DATA, FrameBuffer
 
 from patchswarm.node.localapi import RECEIVE_BYTES, unix_address
-from patchswarm.node.weights import META_HASH, META_VERSION
+
+if TYPE_CHECKING:
+    import torch
+# torch, safetensors and the change applier are imported by the calls that move weights
+# (`follow`, `bootstrap`): status, submit and wait_version (`patchswarm status`, a rollout
+# worker's submits) start in ~0.1 s of CPU instead of the ~1.5 s that importing torch costs.
 
 # receive_some allocates its buffer per call: below glibc's mmap threshold (128 KiB) that is cheap.
 _ASYNC_RECEIVE_BYTES = 64 << 10
@@ -197,6 +197,8 @@ def _settle(tensors: dict[str, torch.Tensor]) -> None:
     """Wait for the writes queued into accelerator tensors (`index_copy_` and copies run
     asynchronously on the device's current stream), so that the caller may read them on
     any stream, or hand them to another process, once `follow` returns."""
+    import torch
+
     for device in {t.device for t in tensors.values() if t.device.type == "cuda"}:
         torch.cuda.synchronize(device)
 
@@ -393,12 +395,16 @@ class NodeClient:
             at = None
         _settle(tensors)
         if verify:
+            from patchswarm.protocol.statehash import state_hash_any_device
+
             found = state_hash_any_device(tensors)
             if found != at[1]:
                 raise StateHashMismatch(f"tensors after following to version {at[0]}", at[1], found)
         return at
 
     def _follow_changes(self, tensors, at: tuple[int, str | None], device, timeout: float) -> tuple[int, str]:
+        from patchswarm.protocol.changes import ChangeApplier, ChangeStream
+
         stream, applier = ChangeStream(at), ChangeApplier(tensors, device)
 
         def more(reply: dict) -> bool:
@@ -421,6 +427,10 @@ class NodeClient:
         """Read the node's base file (status `base_path`) into `tensors` (in place where dtype and shape
         match, new tensors on `device` otherwise; names it lacks are dropped); returns
         its (version, state hash) from its metadata."""
+        from safetensors import SafetensorError, safe_open
+
+        from patchswarm.node.weights import META_HASH, META_VERSION
+
         self.bootstraps += 1
         st = self.status()
         path = st.get("base_path") or st.get("weights_path")

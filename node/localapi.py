@@ -57,7 +57,7 @@ import resource
 import select
 import socket as _socket
 from pathlib import Path
-from typing import AsyncIterator, Awaitable, BinaryIO, Callable
+from typing import TYPE_CHECKING, AsyncIterator, Awaitable, BinaryIO, Callable
 
 import trio
 
@@ -66,8 +66,10 @@ from patchswarm.protocol.errors import DiskFull, ProtocolError, SpoolFull, Stora
 from patchswarm.protocol.wire import CLOSED, HEADER_BYTES, NEED_DATA, FrameBuffer
 
 from patchswarm.node import failpoints
-from patchswarm.node.changelog import Changelog
 from patchswarm.node.spool import TrajectorySpool
+
+if TYPE_CHECKING:  # the changelog imports torch; the clients import this module and need neither
+    from patchswarm.node.changelog import Changelog
 
 log = logging.getLogger("patchswarm.localapi")
 Handler = Callable[[dict], Awaitable[dict]]
