@@ -143,12 +143,14 @@ def test_a_cancel_costs_the_same_however_many_requests_are_queued(tmp_path):
     max_queued_requests waiting while it reads slowly), each Cancel cost ~40 us more, so a peer
     sending half a megabyte a second of Cancels held the victim's event loop. Measured as the
     time for 50k Cancels with 1,000 requests queued against none (the same process, back to
-    back); before: 3.9x."""
-    n, queued = 50_000, 1000
+    back); before: 3.9x. Now 20k Cancels with 8,000 queued (a raised budget), where walking the
+    queue would cost ~30x: a ratio of 1.8 at 1,000 failed once on a loaded machine (2.0x)."""
+    n, queued = 20_000, 8000
 
     def timed(queued: int) -> float:
         # The upload limit (1 B/s) keeps every request queued: the first part never goes.
-        peers = PeerSet("b", _held(tmp_path / str(queued)), TokenBucket(1.0), _noop)
+        peers = PeerSet("b", _held(tmp_path / str(queued)), TokenBucket(1.0), _noop,
+                        budgets=PeerBudgets(max_queued_requests=2 * queued))
         spent = []
 
         async def main():
@@ -174,7 +176,7 @@ def test_a_cancel_costs_the_same_however_many_requests_are_queued(tmp_path):
     (tmp_path / str(queued)).mkdir()
     empty, full = timed(0), timed(queued)
     print(f"{n} Cancels: {empty:.2f} s with no request queued, {full:.2f} s with {queued}")
-    assert full < 1.8 * empty
+    assert full < 3 * empty
 
 
 def test_bytes_buffered_over_all_connections_are_bounded(tmp_path):
