@@ -96,6 +96,43 @@ def test_a_request_that_times_out_is_cancelled_and_asked_of_another_holder(tmp_p
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
+SNUB = 5.0
+
+
+@pytest.mark.parametrize("part_at", [None, 4.0])
+def test_a_neighbour_that_sends_no_part_is_snubbed_and_the_origin_asked_at_snub_after(tmp_path, caplog, part_at):
+    """A member that announces a chunk and never answers held the request until the 30 s
+    timeout; now until it has sent no part for `snub_after` (counted from its last part: the
+    fetcher reports each one). The origin is then asked for what is missing, from the bytes
+    kept; the log says it once."""
+    fetcher = _fetcher(tmp_path, snub_after=SNUB)
+
+    async def main():
+        start = trio.current_time()
+        async with trio.open_nursery() as n:
+            await n.start(fetcher.run)
+            a, origin = _session(fetcher, n, "a"), _session(fetcher, n, "origin", role="origin")
+            await trio.testing.wait_all_tasks_blocked()
+            assert len(_sent(a, wire.Request)) == 1 and not _sent(origin, wire.Request)
+            if part_at is not None:
+                await trio.sleep(part_at)
+                await fetcher.on_piece(a, wire.Piece(KEY[0], KEY[1], 0, 0, 10, b"01234"))  # half the chunk
+            quiet_from = part_at or 0.0
+            await trio.sleep(quiet_from + SNUB - 0.1 - (trio.current_time() - start))
+            assert not _sent(a, wire.Cancel) and not fetcher.picker.snubbed("a")
+            await trio.sleep(0.2)
+            [cancelled_at] = _sent(a, wire.Cancel)
+            [ask] = [(t, m) for t, m in origin.ms.sent if isinstance(m, (wire.Request, wire.RequestRest))]
+            assert cancelled_at - start == ask[0] - start == quiet_from + SNUB
+            assert ask[1] == (wire.Request(KEY[0], KEY[1], 0) if part_at is None else wire.RequestRest(KEY[0], KEY[1], 0, 5))
+            assert fetcher.picker.snubbed("a") and fetcher.snubs == 1
+            n.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    said = [r.getMessage() for r in caplog.records if "sent no part" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("peer a sent no part for 5.0 s while it held 1 of my requests")
+
+
 def test_a_neighbour_whose_relay_broke_is_asked_again_the_moment_it_has_the_chunk(tmp_path):
     """Issue 26: a relay refused mid-stream (its own source died) must not keep the node
     from asking it once it holds the chunk; before, only the 2 s takeover or a new
