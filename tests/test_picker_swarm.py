@@ -425,6 +425,8 @@ def test_a_member_that_announces_all_and_serves_none_holds_a_node_up_only_snub_a
     (a step of `dt` per round of requests, `ORIGIN_PIPELINE` chunks a round: at most
     `n_chunks * dt`); and m costs the origin no chunk sent twice."""
     swarm = Swarm(layout, origin_region, n_chunks, silent={"m"}, daemon=True).run(max_steps=20000)
+    alone = Swarm({n: r for n, r in layout.items() if n != "m"}, origin_region, n_chunks, daemon=True).run()
+    print(f"\n{sorted(layout.items())}, {n_chunks} chunks: {swarm.t:.3f} s with m, {alone.t:.3f} s without it")
     assert swarm.done()
     assert swarm.t <= SNUB_AFTER + n_chunks * swarm.dt, swarm.t
     assert swarm.origin_sent == n_chunks
@@ -435,5 +437,8 @@ def test_a_member_that_announces_all_and_serves_none_holds_a_node_up_only_snub_a
 def test_without_a_snub_a_member_that_serves_none_holds_a_node_up_for_request_timeouts():
     """The measurement the bound replaces (protocol/README.md): the daemon's settings but no
     `snub_after`, beside the origin, 16 chunks took 122 s, 4 at a time given up after 30 s each."""
+    for n in (16, 64):
+        swarm = Swarm({"a": "r0", "m": "r0"}, "r0", n, silent={"m"}, snub_after=None, daemon=True).run(max_steps=20000)
+        print(f"\nno snub_after, {n} chunks: {swarm.t:.3f} s")
     swarm = Swarm({"a": "r0", "m": "r0"}, "r0", 16, silent={"m"}, snub_after=None, daemon=True).run(max_steps=20000)
     assert 4 * 30.0 <= swarm.t < 4 * 30.0 + 5.0
