@@ -71,17 +71,23 @@ def _sent(s: Session, kind) -> list[float]:
     return [t for t, m in s.ms.sent if isinstance(m, kind)]
 
 
+async def _neighbour_then_origin(fetcher, nursery) -> tuple[Session, Session]:
+    """The fetcher running, a neighbour "a" and the origin connect, both holding chunk 0: the
+    neighbour is asked first; the origin (never asked for an endgame copy) only once it fails."""
+    await nursery.start(fetcher.run)
+    first, second = _session(fetcher, nursery, "a"), _session(fetcher, nursery, "origin", role="origin")
+    await trio.testing.wait_all_tasks_blocked()
+    assert len(_sent(first, wire.Request)) == 1 and not _sent(second, wire.Request)
+    return first, second
+
+
 def test_a_request_that_times_out_is_cancelled_and_asked_of_another_holder(tmp_path):
     fetcher = _fetcher(tmp_path)
 
     async def main():
         start = trio.current_time()
         async with trio.open_nursery() as n:
-            await n.start(fetcher.run)
-            # A neighbour is asked first; the origin (never asked for an endgame copy) next.
-            first, second = _session(fetcher, n, "a"), _session(fetcher, n, "origin", role="origin")
-            await trio.testing.wait_all_tasks_blocked()
-            assert len(_sent(first, wire.Request)) == 1 and not _sent(second, wire.Request)
+            first, second = await _neighbour_then_origin(fetcher, n)
             await trio.sleep(TIMEOUT - 1)  # neither answers
             assert not _sent(first, wire.Cancel) and not _sent(second, wire.Request)
             await trio.sleep(2)
@@ -110,10 +116,7 @@ def test_a_neighbour_that_sends_no_part_is_snubbed_and_the_origin_asked_at_snub_
     async def main():
         start = trio.current_time()
         async with trio.open_nursery() as n:
-            await n.start(fetcher.run)
-            a, origin = _session(fetcher, n, "a"), _session(fetcher, n, "origin", role="origin")
-            await trio.testing.wait_all_tasks_blocked()
-            assert len(_sent(a, wire.Request)) == 1 and not _sent(origin, wire.Request)
+            a, origin = await _neighbour_then_origin(fetcher, n)
             if part_at is not None:
                 await trio.sleep(part_at)
                 await fetcher.on_piece(a, wire.Piece(KEY[0], KEY[1], 0, 0, 10, b"01234"))  # half the chunk
