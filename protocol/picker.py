@@ -161,8 +161,8 @@ ENDGAME_AFTER = 0.5
 # The daemon's `snub_after` (seconds): a node peer that holds requests of mine and sent me no
 # part for this long is snubbed. Short against `request_timeout` (30 s), which alone let a member
 # that announces every chunk and serves none hold a node for minutes (protocol/README.md); long
-# against an honest peer's silences. A session serves its queue in order, each part (64 KiB, or
-# `part_bytes_for` its declared uplink: about 2.5 ms of that uplink) through the member's shared
+# against an honest peer's silences. A session serves its queue in order, each part (64 KiB, larger
+# only where a fast uplink is declared: `part_bytes_for`, ~2.5 ms of it) through the member's shared
 # upload limit in turn with its other sessions (node/peers.py), so a busy honest member sends
 # each session a part every (sessions served at once x part time): 40 sessions (16 neighbours
 # dialed, as many dialing in, 3 per other region) at 10 Mbit/s (52 ms a part) is 2.1 s, at an
