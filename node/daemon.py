@@ -35,7 +35,7 @@ import trio
 from patchswarm.protocol import wire
 from patchswarm.protocol.errors import UsageError
 from patchswarm.protocol.peersets import apply_delta
-from patchswarm.protocol.picker import ENDGAME_AFTER, ORIGIN_PIPELINE, WAN_GATEWAYS, PiecePicker
+from patchswarm.protocol.picker import ENDGAME_AFTER, ORIGIN_PIPELINE, SNUB_AFTER, WAN_GATEWAYS, PiecePicker
 from patchswarm.protocol.publication import describe
 from patchswarm.protocol.responsibility import swarm_wan_rates
 from patchswarm.protocol.versions import VersionBook
@@ -138,7 +138,8 @@ class Node:
         # The origin's region comes with the first peer list; facts about peers are taken before.
         self.picker = PiecePicker(self.id, self.region, None, seed=seed, wan_gateways=cfg.wan_gateways,
                                   request_timeout=REQUEST_TIMEOUT, wan_rates=cfg.wan_rates,
-                                  origin_pipeline=ORIGIN_PIPELINE, endgame_after=ENDGAME_AFTER)
+                                  origin_pipeline=ORIGIN_PIPELINE, endgame_after=ENDGAME_AFTER,
+                                  snub_after=SNUB_AFTER)
         self._rates_warned: dict[str, float] | None = None  # the tracker's rates last warned of
         self.peers = PeerSet(self.id, None, self.upload, self._on_message,  # store set in run()
                              on_open=self._on_peer_open, on_close=self._on_peer_close, inflows=self.inflows)
@@ -397,7 +398,8 @@ class Node:
             # The tracker could not connect to the address this node joined with (its probe): "ADDR: why".
             "unreachable": self.dialer.unreachable,
             "peers": sorted(({"id": s.id, "region": s.region, "role": s.role,
-                              "bytes_in": s.piece_bytes_in, "bytes_out": s.piece_bytes_out, **transport_of(s.ms),
+                              "bytes_in": s.piece_bytes_in, "bytes_out": s.piece_bytes_out,
+                              "snubbed": self.picker.snubbed(s.id), **transport_of(s.ms),
                               **self._declared(s.id)}
                              for s in self.peers.sessions.values()), key=lambda p: p["id"]),
             "webrtc_refused": {} if self.rtc is None else dict(self.rtc.refused),
@@ -412,6 +414,7 @@ class Node:
             "reads_delayed": self.peers.reads_delayed,
             "pieces_unasked": f.pieces_unasked,  # first parts of chunks not asked of their sender, ignored
             "peers_dropped": dict(self.peers.dropped),  # and connections refused, by kind (node/peers.py)
+            "peers_snubbed": f.snubs,  # times a peer sent no part for SNUB_AFTER s while holding requests
             "sessions_replaced": self.peers.replaced,  # by the same member's new connection (its reconnect)
             "manifests_rejected": a.manifests_rejected,
             **self.manifests.status(),

@@ -62,6 +62,7 @@ class Fetcher:
         self.bytes_in = {"origin": 0, "same_region": 0, "other_region": 0}
         self.chunks_rejected = 0
         self.pieces_unasked = 0  # first parts of chunks nobody asked of their sender: ignored
+        self.snubs = 0  # times a peer was snubbed (sent no part for the picker's `snub_after`)
         # Sessions sent an Incoming for a chunk not yet held. Sessions, not peer ids: a peer
         # that reconnects meanwhile has a new session, which was never told.
         self._told: dict[ObjKey, dict[int, collections.Counter[Session]]] = {}  # Incoming sent, per peer
@@ -82,10 +83,7 @@ class Fetcher:
             task_status.started()
             while True:
                 now = trio.current_time()
-                for r in self.picker.expired(now):
-                    log.warning("peer %s did not deliver chunk %d of %s within %.0f s; asking elsewhere",
-                                r.peer, r.chunk, describe(r.key), self.picker.request_timeout)
-                    self._cancel(r)
+                self._expire(now)
                 debug = log.isEnabledFor(logging.DEBUG)
                 requests = self.picker.requests(now)
                 for r in self.picker.withdrawn():  # moved to the origin: what came is kept for the rest
@@ -105,6 +103,27 @@ class Fetcher:
                     nursery.start_soon(self._send_to, r.peer, msg)
                 wake = self.picker.next_wakeup(now)
                 await self._wakeup.wait(POLL_S if wake is None else min(POLL_S, wake - now))
+
+    def _expire(self, now: float) -> None:
+        """Cancel the requests the picker says ran out of time: one that timed out, or all of a
+        peer's that sent no part for `snub_after` (snubbed: asked for one chunk at a time, and
+        ranked after the origin, until a part comes)."""
+        was = {p for p in self.peers.sessions if self.picker.snubbed(p)}
+        late = self.picker.expired(now)
+        silent = collections.Counter(r.peer for r in late if self.picker.snubbed(r.peer))
+        for peer, n in sorted(silent.items()):
+            if peer in was:  # its probe, unanswered too
+                log.debug("snubbed peer %s sent no part for %.1f s; its %d request(s) asked elsewhere",
+                          peer, self.picker.snub_after, n)
+                continue
+            self.snubs += 1
+            log.warning("peer %s sent no part for %.1f s while it held %d of my requests; asking elsewhere, "
+                        "and it only one at a time until a part comes", peer, self.picker.snub_after, n)
+        for r in late:
+            if r.peer not in silent:
+                log.warning("peer %s did not deliver chunk %d of %s within %.0f s; asking elsewhere",
+                            r.peer, r.chunk, describe(r.key), self.picker.request_timeout)
+            self._cancel(r)
 
     def wake(self) -> None:
         """Something the picker answers from may have changed (members): ask it again."""
@@ -181,7 +200,8 @@ class Fetcher:
         whole = not isinstance(msg, wire.Incoming)
         if chunks is not None:
             self.picker.peer_has(s.id, key, chunks, whole=whole)
-            if not isinstance(msg, wire.Have) and s.role != "origin" and s.region == self.region:
+            if (not isinstance(msg, wire.Have) and s.role != "origin" and s.region == self.region
+                    and not self.picker.snubbed(s.id)):  # a snubbed member's word moves nothing
                 self._drop_origin_copy(key, msg.chunk)
         elif unknown_kept(key[0], self.book.latest_version):  # its manifest may be on its way (the origin
             # announces as it tells the tracker): kept as it came, bounded, until the manifest is here
@@ -238,6 +258,8 @@ class Fetcher:
         flow, first = self.inflows.receive(s.id, key, c, m.chunks[c][0], msg.offset, msg.total, msg.data)
         if flow is None:
             return  # the rest of a flow this node cancelled
+        # A part of an answer to a request in flight: the peer is not silent (a snub ends).
+        self.picker.peer_sent(s.id, trio.current_time())
         if first and not flow.asm.complete:
             # Neighbours (and the next region's gateway) may follow it from here on.
             told = self._told.setdefault(key, {}).setdefault(c, collections.Counter())

@@ -2,9 +2,10 @@
 
 Owns `PiecePicker`, a plain object in the style of libtorrent's piece picker:
 the node daemon reports facts (members, peers joining and leaving, who has
-which chunk or is receiving it, a chunk verified, failed or refused) and asks
-questions (`requests(now)`: what to send now; `expired(now)`: which requests
-ran out of time; `next_wakeup(now)`: when to ask again without a new fact;
+which chunk or is receiving it, a part of an answer arrived, a chunk
+verified, failed or refused) and asks questions (`requests(now)`: what to
+send now; `expired(now)`: which requests ran out of time, or were held by a
+peer gone silent; `next_wakeup(now)`: when to ask again without a new fact;
 `announced` / `holds_whole`: what a peer said of a chunk). The facts and the
 indexes over them live in protocol/piecestate.py (piece state), the rules for
 which holder may be asked in protocol/sources.py (source tiers); this module
@@ -93,6 +94,29 @@ A same-region node whose session closes is out of the region's plan at
 once (its chunks go to the other gateways), though the tracker lists it
 until its heartbeat times out; it is back in when it connects again.
 
+Snubbed peers (libtorrent's remedy; `snub_after`, None: never): a node peer
+that holds requests of mine and has sent no part of an answer for
+`snub_after` seconds, counted from the later of its last part (`peer_sent`,
+which the fetcher reports for every part of a request in flight) and the
+moment it was last asked while it had nothing of mine in flight (a peer
+freshly asked is not judged on its silence before), is snubbed: `expired(now)`
+returns all its requests at once, each failed as a late one, and they are
+asked elsewhere in the same round. Until a part comes from it, it ranks after
+the origin for every chunk (protocol/sources.py `SNUBBED`), so nothing waits
+on it where another holder may be asked; a member of my region is out of
+the region's plan (its share re-planned over the others, as when its session
+closes) and what it announces is no progress of the region's; it is asked
+one request at a time, its probe: a chunk no better holder has, or an
+endgame copy. A chunk asked only of snubbed peers is asked at once, beside
+the probe, of a better source that appears (`pick_beside_probes`); the first
+copy in cancels the other. An unanswered probe goes after `snub_after` too.
+The snub lasts across the peer's new sessions (a new session is no part)
+while it is a member or connected. The origin is never snubbed: it holds
+every chunk and is the last source; its requests go by `request_timeout`.
+Without snubs, a member that announced every chunk and served none held
+`pipeline` requests of each neighbour at a time, each for `request_timeout`
+(protocol/README.md, "The longest a node sits").
+
 Cost: facts update per-chunk indexes incrementally (holder sets, rarity
 buckets of the requestable chunks, the requestable chunks of each peer), so
 `requests()` looks only at peers with free slots and at the chunks they can
@@ -101,6 +125,7 @@ serve, never at all chunks × all peers.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
@@ -133,6 +158,19 @@ ORIGIN_PIPELINE = 2
 # The daemon's `endgame_after`: a second copy of a chunk is asked for only once its
 # request has been in flight this long (seconds; 0: at once).
 ENDGAME_AFTER = 0.5
+# The daemon's `snub_after` (seconds): a node peer that holds requests of mine and sent me no
+# part for this long is snubbed. Short against `request_timeout` (30 s), which alone let a member
+# that announces every chunk and serves none hold a node for minutes (protocol/README.md); long
+# against an honest peer's silences. A session serves its queue in order, each part (64 KiB, larger
+# only where a fast uplink is declared: `part_bytes_for`, ~2.5 ms of it) through the member's shared
+# upload limit in turn with its other sessions (node/peers.py), so a busy honest member sends
+# each session a part every (sessions served at once x part time): 40 sessions (16 neighbours
+# dialed, as many dialing in, 3 per other region) at 10 Mbit/s (52 ms a part) is 2.1 s, at an
+# --upload-limit of 1 MB/s 2.6 s; 5 s is reached only below ~4 Mbit/s with 40 busy sessions,
+# where a chunk of 1 MiB takes 2 s on its own. A relay serving a chunk still arriving is silent
+# while its source is: an honest source's silence is the same, a silent one is snubbed by the
+# relay after this long, so its followers may snub the relay too (a probe takes it back).
+SNUB_AFTER = 5.0
 # `pick_share` takes over only while a chunk from the origin takes at least this long (s, from
 # request to verified): long against how late members hear of each other's progress (a few
 # ms on a LAN), so the owner rarely asks the origin for a chunk already taken. At 1 Gbit/s a
@@ -145,7 +183,8 @@ TAKEOVER_MIN_CHUNK_S = 0.05
 # 0.01-0.11 s at 1 Gbit/s, where a chunk's fan-out is short and this 2-core machine's CPU the limit.
 REST_MIN_CHUNK_S = 0.15
 
-__all__ = ["MAX_COPIES", "NODE", "ORIGIN", "ORIGIN_PIPELINE", "ENDGAME_AFTER", "PEER_KINDS", "WAN_GATEWAYS", "WAN_PIPELINE", "PiecePicker", "Request"]
+__all__ = ["MAX_COPIES", "NODE", "ORIGIN", "ORIGIN_PIPELINE", "ENDGAME_AFTER", "PEER_KINDS", "SNUB_AFTER", "WAN_GATEWAYS",
+           "WAN_PIPELINE", "PiecePicker", "Request"]
 
 
 @dataclass(frozen=True, order=True)
@@ -166,6 +205,7 @@ SHARE = "taken over"       # another member's share, from the origin (`pick_shar
 REST = "rest"              # the rest of a fanned-out chunk, from the origin (`pick_rest`)
 ENDGAME = "second copy"    # an endgame copy of a request in flight (`pick_endgame`)
 STALLED = "no progress"    # from any holder after `takeover_after` without progress (`pick_takeover`)
+BESIDE_PROBE = "beside a probe"  # a chunk asked only of snubbed peers, from a better source (`pick_beside_probes`)
 
 
 class PiecePicker:
@@ -178,7 +218,7 @@ class PiecePicker:
                  pipeline: int = 4, takeover_after: float = 2.0, wan_pipeline: int = WAN_PIPELINE,
                  wan_gateways: int | None = WAN_GATEWAYS, request_timeout: float | None = None,
                  wan_rates: Mapping[str, float] | None = None, origin_pipeline: int | None = None,
-                 endgame_after: float = 0.0):
+                 endgame_after: float = 0.0, snub_after: float | None = None):
         if type(pipeline) is not int or pipeline < 1:
             raise UsageError(f"pipeline: expected an int >= 1, found {pipeline!r}")
         if type(wan_pipeline) is not int or wan_pipeline < 1:
@@ -193,6 +233,8 @@ class PiecePicker:
             raise UsageError(f"takeover_after: expected seconds >= 0, found {takeover_after!r}")
         if request_timeout is not None and not request_timeout > 0:
             raise UsageError(f"request_timeout: expected None or seconds > 0, found {request_timeout!r}")
+        if snub_after is not None and not snub_after > 0:
+            raise UsageError(f"snub_after: expected None or seconds > 0, found {snub_after!r}")
         check_wan_rates(wan_rates)
         self.me = me
         self.region = region
@@ -203,6 +245,7 @@ class PiecePicker:
         self.endgame_after = float(endgame_after)
         self.origin_chunk_s: float | None = None  # the last chunk from the origin, request to verified (not a rest)
         self.request_timeout = request_timeout
+        self.snub_after = None if snub_after is None else float(snub_after)
         self.takeover_after = float(takeover_after)
         self._rng = random.Random(seed)
         self._tiers = SourceTiers(me, region, origin_region, wan_gateways, wan_rates)
@@ -236,6 +279,7 @@ class PiecePicker:
                              f"found {members[self.me]!r}")
         uplinks = check_rates(uplinks, "uplinks", "node id -> Mbit/s > 0")
         caps = self._tiers.caps
+        self._tiers.snubbed &= members.keys() | self._peers.keys()  # kept for members and connected peers only
         self._replan(self._tiers.set_members(members, uplinks), caps)
 
     @property
@@ -353,13 +397,14 @@ class PiecePicker:
             raise UsageError(f"peer_joined: {peer!r} is this node")
         self._peers[peer] = PeerState(kind, region, peer)
         caps = self._tiers.caps
-        if kind == NODE and self._tiers.member_back(peer):
+        if kind == NODE and self._tiers.member_back(peer):  # (a snubbed member stays out: a new session is no part)
             self._replan(False, caps)
 
     def peer_left(self, peer: str) -> None:
         """The connection to `peer` is gone: its requests in flight are released
         and it is no longer a holder; a member of my region is out of the
-        plan until it connects again. Unknown peers are ignored."""
+        plan until it connects again. A snubbed peer stays snubbed when it
+        connects again (see `peer_sent`). Unknown peers are ignored."""
         self._pending.peer_left(peer)
         info = self._peers.get(peer)
         if info is None:
@@ -401,6 +446,22 @@ class PiecePicker:
         if peer not in self._peers:
             raise UsageError(f"peer_has_unknown: {peer!r} has not joined")
         self._pending.add_unknown(peer, key, bitfield, chunks, whole)
+
+    def peer_sent(self, peer: str, now: float) -> None:
+        """A part of an answer to a request of mine in flight to `peer` arrived, at `now` (the
+        clock of `requests`): its silence ends. A snubbed peer is not any more: a source at its
+        tier again, and a member of my region back in the plan. O(1) but when it ends a snub.
+        Unknown peers are ignored."""
+        info = self._peers.get(peer)
+        if info is None:
+            return
+        info.last_part = now
+        if peer in self._tiers.snubbed:
+            self._set_snubbed(peer, False)
+
+    def snubbed(self, peer: str) -> bool:
+        """`peer` is snubbed: it held requests of mine and sent no part for `snub_after` s, and none since."""
+        return peer in self._tiers.snubbed
 
     def chunk_received(self, key: ObjKey, chunk: int, peer: str, now: float | None = None) -> list[Request]:
         """Chunk `chunk` of `key` from `peer` verified and stored (at `now`, on the clock of
@@ -462,21 +523,33 @@ class PiecePicker:
         self._fail(obj, chunk, peer)
 
     def expired(self, now: float) -> list[Request]:
-        """The requests sent `request_timeout` seconds or more before `now`
-        and not answered: each is released and its peer is not asked for
-        that chunk again until it announces it whole (`requests()` asks
-        another holder). The caller cancels them."""
-        if self.request_timeout is None or not self._n_inflight:
+        """The requests that ran out of time by `now`, not answered: those sent
+        `request_timeout` seconds or more before it, and every request in flight
+        to a node peer silent for `snub_after` s (`_snub_at`), which is snubbed
+        from here on. Each is released and its peer is not asked for that chunk
+        again until its word on it changes (`requests()` asks another holder).
+        The caller cancels them."""
+        if not self._n_inflight or self.request_timeout is None and self.snub_after is None:
             return []
         # `sent + timeout <= now`, the very sum `next_wakeup` gives: `sent <= now - timeout` can
         # differ from it in the last bit (30.005 - 30 < 0.005), and the fetcher, woken at the
         # time `next_wakeup` named, found nothing expired and was woken at once again, without
-        # end on a clock that does not move by itself (trio's MockClock).
+        # end on a clock that does not move by itself (trio's MockClock). Likewise `_snub_at`.
         timeout = self.request_timeout
-        late = sorted(Request(p, key, c) for p, info in self._peers.items()
-                      for (key, c), sent in info.inflight.items() if sent + timeout <= now)
+        late, silent = [], []
+        for p, info in self._peers.items():
+            if not info.inflight:
+                continue
+            if self._snub_at(info) <= now:
+                silent.append(p)
+                late += (Request(p, key, c) for key, c in info.inflight)
+            elif timeout is not None:
+                late += (Request(p, key, c) for (key, c), sent in info.inflight.items() if sent + timeout <= now)
+        late.sort()
         for r in late:
             self._fail(self._objects[r.key], r.chunk, r.peer)
+        for p in silent:
+            self._set_snubbed(p, True)
         return late
 
     # --- questions -----------------------------------------------------------
@@ -487,6 +560,8 @@ class PiecePicker:
         for obj in self._order:
             if obj.progress != obj.progress_seen:
                 obj.progress_seen, obj.progress_at = obj.progress, now
+        if self._tiers.snubbed:
+            round_.pick_beside_probes()
         for obj in self._order:
             if not round_.free:
                 break
@@ -518,7 +593,7 @@ class PiecePicker:
     def next_wakeup(self, now: float) -> float | None:
         """The earliest time after `now` at which `requests()` could return
         something new without a new fact (a takeover clock running out), or
-        `expired()` a request."""
+        `expired()` a request (a request's timeout, a peer's snub)."""
         due = [obj.progress_at + self.takeover_after for obj in self._order
                if obj.is_patch and obj.waiting() and obj.progress_at + self.takeover_after > now]
         if self.endgame_after:
@@ -529,6 +604,8 @@ class PiecePicker:
         if self.request_timeout is not None and self._n_inflight:
             due.append(min(sent for info in self._peers.values() for sent in info.inflight.values())
                        + self.request_timeout)
+        if self.snub_after is not None and self._n_inflight:
+            due += [self._snub_at(info) for info in self._peers.values() if info.inflight and info.kind == NODE]
         return min(due, default=None)
 
     def complete(self, key: ObjKey) -> bool:
@@ -585,6 +662,24 @@ class PiecePicker:
 
     # --- bookkeeping ---------------------------------------------------------
 
+    def _snub_at(self, info: PeerState) -> float:
+        """When a node peer holding requests of mine is snubbed unless a part comes (inf: never)."""
+        if self.snub_after is None or info.kind != NODE:
+            return math.inf
+        return info.quiet_from() + self.snub_after
+
+    def _set_snubbed(self, peer: str, snubbed: bool) -> None:
+        """Snub `peer` or end its snub: its tier moves for every chunk it holds, and a member
+        of my region leaves the plan or comes back (its share re-planned, as when its session
+        closes or opens). What it says meanwhile is no progress of my region's."""
+        if (peer in self._tiers.snubbed) == snubbed:
+            return
+        caps = self._tiers.caps
+        if self._tiers.snub(peer, snubbed):
+            self._replan(False, caps)
+        for obj in self._objects.values():
+            obj.retier_holder(peer, self._tiers.tier_of(obj), self._peers)
+
     def _first_sent(self, obj: ObjectState, c: int) -> float:
         """When the oldest request in flight for chunk c was sent."""
         return min(self._peers[p].inflight[(obj.key, c)] for p in obj.inflight[c])
@@ -598,7 +693,7 @@ class PiecePicker:
         info = self._peers[peer]
         fixed = self._tiers.fixed_tier(obj, info)
         obj.add_holders(peer, chunks, whole, fixed, lambda c: self._tiers.tier(obj, c, info),
-                        in_region=info.kind == NODE and info.region == self.region)
+                        in_region=info.kind == NODE and info.region == self.region and peer not in self._tiers.snubbed)
 
     def _fail(self, obj: ObjectState, chunk: int, peer: str) -> None:
         if chunk not in obj.missing:
@@ -613,7 +708,10 @@ class PiecePicker:
         if obj.ready(c):
             obj.unindex(c)
         obj.inflight.setdefault(c, set()).add(p)
-        self._peers[p].inflight[(obj.key, c)] = now
+        info = self._peers[p]
+        if not info.inflight:
+            info.busy_since = now
+        info.inflight[(obj.key, c)] = now
         self._n_inflight += 1
         return Request(p, obj.key, c, why)
 
@@ -642,8 +740,11 @@ class _Round:
             if info.region != self.region:
                 budget[info.region] = budget.get(info.region, picker.wan_pipeline) - len(info.inflight)
         self.wan_budget = budget
-        self.free = {p: picker.pipeline - len(info.inflight) for p, info in self.peers.items()
-                     if len(info.inflight) < picker.pipeline and (info.region == self.region or budget[info.region] > 0)}
+        # A snubbed peer: one request at a time (its probe), so it is back as soon as a part comes.
+        snubbed = picker._tiers.snubbed
+        self.free = {p: room for p, info in self.peers.items()
+                     if (room := (1 if p in snubbed else picker.pipeline) - len(info.inflight)) > 0
+                     and (info.region == self.region or budget[info.region] > 0)}
         # In the origin's region with `origin_pipeline`: the origin's peers here, each with at most that
         # many requests in flight, and shares taken over from busier members (`pick_share`).
         self.origin_free: list[str] = []
@@ -705,6 +806,29 @@ class _Round:
         for c, p in picks:
             self.out.append(self.picker._send(obj, c, p, self.now, PLANNED))
 
+    def pick_beside_probes(self) -> None:
+        """A chunk asked only of snubbed peers (their probes: one each) that has a source
+        not snubbed now (it announced the chunk, or the plan moved since the probe) is asked
+        of that source too, at once: no chunk waits on a snubbed peer where another holder
+        may be asked. The probe stays (a slow peer that answers is back); the first copy
+        that arrives cancels the other, as in the endgame."""
+        picker, free = self.picker, self.free
+        snubbed = picker._tiers.snubbed
+        for p in sorted(snubbed):
+            info = self.peers.get(p)
+            if info is None:
+                continue
+            for key, c in sorted(info.inflight):
+                obj = picker._objects[key]
+                asked = obj.inflight[c]
+                if any(q not in snubbed for q in asked):
+                    continue
+                eligible = [q for q in obj.sources.get(c, ()) if q in free and q not in snubbed]
+                if eligible:
+                    q = self._pick_peer(set(eligible))
+                    self._take_slot(q)
+                    self.out.append(picker._send(obj, c, q, self.now, BESIDE_PROBE))
+
     def pick_share(self, obj: ObjectState) -> None:
         """In the origin's region, a member with nothing in flight to the origin and
         nothing of its own share left to ask of it takes one chunk of another member's
@@ -723,6 +847,7 @@ class _Round:
         if any(obj.ready(c) and obj.tier.get(c) == ORIGIN_TIER for c in obj.missing):
             return  # my own share still has chunks to ask for
         waiting: dict[str, list[int]] = {}
+        snubbed = self.picker._tiers.snubbed
         for c in obj.missing:
             if c in obj.inflight or c in obj.sources or obj.mine[c]:
                 continue
@@ -730,8 +855,9 @@ class _Round:
             hs = obj.holders[c]
             if owner is None or not any(p in hs for p in origins) or any(p in obj.failed.get(c, ()) for p in origins):
                 continue
-            if any(self.peers[h].kind == NODE and self.peers[h].region == self.region for h in hs if h in self.peers):
-                continue
+            if any(self.peers[h].kind == NODE and self.peers[h].region == self.region and h not in snubbed
+                   for h in hs if h in self.peers):
+                continue  # (a snubbed member's word is not the region's)
             waiting.setdefault(owner, []).append(c)
         if not waiting:
             return
@@ -771,7 +897,8 @@ class _Round:
         if not origins or obj.duty is None:
             return
         peers, me = self.peers, self.picker.me
-        nearby = [q for q, info in peers.items() if info.kind == NODE and info.region == self.region]
+        snubbed = self.picker._tiers.snubbed
+        nearby = [q for q, info in peers.items() if info.kind == NODE and info.region == self.region and q not in snubbed]
         best = None
         for c in obj.missing:
             if not any(obj.announced(q, c) for q in nearby):
@@ -845,7 +972,7 @@ class _Round:
                         if c not in obj.inflight and c not in obj.sources and obj.holders[c]),
                        key=lambda c: (len(obj.holders[c]), obj.rank[c]))
         for c in stuck:
-            _, best = obj.best_holders(c, SourceTiers.any_tier_of, self.peers)
+            _, best = obj.best_holders(c, self.picker._tiers.any_tier_of, self.peers)
             eligible = [p for p in best if p in free]
             if eligible:
                 p = self._least_busy(eligible)

@@ -12,8 +12,10 @@ piece state apart from the request policy of protocol/picker.py). Owns:
   up to date as facts come in: each chunk's sources (its holders at the best
   tier the policy gave) and the ready chunks (a source, nothing in flight) in
   rarity buckets and per peer.
-- `PeerState`: one connected peer: its kind, its region, and its requests in
-  flight with the time each was sent (the picker's `now`).
+- `PeerState`: one connected peer: its kind, its region, its requests in
+  flight with the time each was sent (the picker's `now`), when a part last
+  came from it and when it last went from no requests of mine to some (its
+  silence, which the picker judges: `snub_after`).
 - `PendingFacts`: what peers announced of objects not being fetched (yet),
   so that an object added later starts from them; bounded.
 
@@ -25,6 +27,7 @@ do I/O, or read a clock.
 
 from __future__ import annotations
 
+import math
 import random
 from typing import Callable, Iterable
 
@@ -39,13 +42,21 @@ MAX_UNKNOWN_INDICES = 1024  # single chunks (HaveOne, Incoming) kept per peer of
 
 
 class PeerState:
-    __slots__ = ("kind", "region", "inflight", "id")
+    __slots__ = ("kind", "region", "inflight", "id", "last_part", "busy_since")
 
     def __init__(self, kind: str, region: str, id: str = ""):
         self.kind = kind
         self.region = region
-        self.id = id  # the peer's member id (its tier may depend on it: a slow neighbour)
+        self.id = id  # the peer's member id (its tier may depend on it: a slow neighbour, a snubbed peer)
         self.inflight: dict[tuple[ObjKey, int], float] = {}  # (key, chunk) -> when it was asked
+        self.last_part = -math.inf  # when a part of an answer last came from it
+        self.busy_since = -math.inf  # when its requests in flight last went from none to some
+
+    def quiet_from(self) -> float:
+        """Since when the peer has been silent on my requests: the later of its last part and
+        the moment it was last asked with nothing in flight (a peer freshly asked is not
+        judged on its silence while it had nothing to send me)."""
+        return max(self.last_part, self.busy_since)
 
 
 TierOf = Callable[[int, PeerState], int]  # (chunk, holder) -> its source tier; lower is better
@@ -255,6 +266,39 @@ class ObjectState:
         self.recompute_sources(c, tier_of, peers)
         if self.ready(c):
             self.index(c)
+
+    def retier_holder(self, peer: str, tier_of: TierOf, peers: dict[str, PeerState]) -> None:
+        """`peer`'s tier changed for every chunk it holds (snubbed, or no longer): the sources
+        of those chunks follow. O(1) per chunk it holds, but where it was a chunk's only source
+        (then that chunk's holders are ranked again)."""
+        info = peers[peer]
+        sources, tiers, failed = self.sources, self.tier, self.failed
+        for c, hs in self.holders.items():
+            if peer not in hs or (failed and peer in failed.get(c, ())):
+                continue
+            t = tier_of(c, info)
+            current = tiers.get(c, NOT_A_SOURCE)
+            srcs = sources.get(c)
+            if srcs is not None and peer in srcs:
+                if t == current:
+                    continue
+                if len(srcs) == 1 or t < current:
+                    self.refresh(c, tier_of, peers)
+                    continue
+                if self.ready(c):
+                    discard_compacting(self.ready_of, self.dead_ready, peer, c)
+                srcs.discard(peer)  # worse now than the others at the chunk's tier
+            elif t < current:
+                ready = self.ready(c)
+                if ready:
+                    self.unindex(c)
+                sources[c], tiers[c] = {peer}, t
+                if c not in self.inflight:
+                    self.index(c)
+            elif t == current and t != NOT_A_SOURCE:
+                srcs.add(peer)
+                if self.ready(c):
+                    self.ready_of.setdefault(peer, set()).add(c)
 
     def forget_holder(self, peer: str, tier_of: TierOf, peers: dict[str, PeerState]) -> None:
         """`peer` is gone (its requests already released): it holds nothing any more."""

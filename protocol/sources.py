@@ -6,8 +6,11 @@ bring into its region (a `ResponsibilityMap`, protocol/responsibility.py) and
 the regions each chunk may come from. From those it gives the tier of a
 holder for a chunk: lower is better, `NOT_A_SOURCE` may not be asked now.
 These are rules 1-3 and the keyframe rule of protocol/picker.py's module doc;
-the picker asks only the holders at a chunk's best tier. Must not hold facts
-about peers' chunks (protocol/piecestate.py) or pick (protocol/picker.py).
+the picker asks only the holders at a chunk's best tier. A node peer the
+picker snubbed (`snub`: it held requests and sent no part for `snub_after`)
+ranks after the origin for every chunk and is out of my region's plan until
+it sends a part. Must not hold facts about peers' chunks
+(protocol/piecestate.py) or pick (protocol/picker.py).
 """
 
 from __future__ import annotations
@@ -27,6 +30,10 @@ OTHER_REGION = 1  # keyframes and takeover: node peers of other regions (upstrea
 # per chunk; a neighbour that holds the chunk too is always the sooner copy.
 SLOW_NEIGHBOUR = OTHER_REGION
 ORIGIN_TIER = 1 << 20  # after the upstream region's node peers
+# A snubbed node peer: its tier under the normal rules plus this, so after the origin and every
+# peer that is not snubbed, and never a source where the rules make it none. It is asked only
+# where no better holder has the chunk (its probe: protocol/picker.py, `snub_after`).
+SNUBBED = 1 << 21
 
 
 class SourceTiers:
@@ -43,6 +50,10 @@ class SourceTiers:
         # Members of my region whose session closed and did not come back: out of
         # the plan though the tracker still lists them (until its heartbeat timeout).
         self.down: set[str] = set()
+        # Node peers snubbed (protocol/picker.py, `snub_after`): after the origin for every chunk,
+        # and a member of my region out of the plan, until a part comes from it; kept across its
+        # reconnects (a member that closes its session is dialed again), not past its membership.
+        self.snubbed: set[str] = set()
         self.uplinks: dict[str, float] = {}  # node -> its declared uplink, Mbit/s (none: not declared)
         self.caps: dict[str, float] | None = None  # uplink_caps of region_members (None: even)
         # The other regions' nodes I know of (a sample) with a slow uplink against those others
@@ -90,8 +101,20 @@ class SourceTiers:
         self._region_members()
         return True
 
+    def snub(self, node: str, snubbed: bool) -> bool:
+        """`node` is snubbed, or (False) sent a part again: True if that moves a member of my
+        region out of the plan or back in."""
+        if (node in self.snubbed) == snubbed:
+            return False
+        (self.snubbed.add if snubbed else self.snubbed.discard)(node)
+        if self.members.get(node) != self.region or node == self.me or node in self.down:
+            return False
+        self._region_members()
+        return True
+
     def _region_members(self) -> None:
-        self.region_members = {m for m, r in self.members.items() if r == self.region and m not in self.down}
+        self.region_members = {m for m, r in self.members.items()
+                               if r == self.region and m not in self.down and m not in self.snubbed}
         self.caps = uplink_caps(self.region_members, self.uplinks)
 
     def plan(self, obj: ObjectState) -> None:
@@ -120,13 +143,15 @@ class SourceTiers:
     def fixed_tier(self, obj: ObjectState, info: PeerState) -> int | None:
         """The tier `info` has for every chunk of `obj`, or None where it depends on the chunk."""
         if info.kind == NODE and info.region == self.region:
-            return SLOW_NEIGHBOUR if self.slow(info.id) else SAME_REGION
+            t = SLOW_NEIGHBOUR if self.slow(info.id) else SAME_REGION
+            return t + SNUBBED if info.id in self.snubbed else t
         if not obj.is_patch:
             return self.any_tier(info)
         return None
 
     def tier(self, obj: ObjectState, c: int, info: PeerState) -> int:
-        """How good a source `info` is for chunk c under the normal rules (lower first)."""
+        """How good a source `info` is for chunk c (lower first): the normal rules, and a
+        snubbed peer after the origin."""
         fixed = self.fixed_tier(obj, info)
         if fixed is not None:
             return fixed
@@ -134,22 +159,23 @@ class SourceTiers:
             return NOT_A_SOURCE
         regions, origin_serves = self._upstream(obj, c)
         if info.kind == NODE:
-            return regions.get(info.region, NOT_A_SOURCE)
+            t = regions.get(info.region, NOT_A_SOURCE)
+            return t + SNUBBED if t != NOT_A_SOURCE and info.id in self.snubbed else t
         return ORIGIN_TIER if origin_serves else NOT_A_SOURCE
 
     def tier_of(self, obj: ObjectState):
         """`tier` for one object, as piecestate's `TierOf`."""
         return lambda c, info: self.tier(obj, c, info)
 
-    @staticmethod
-    def any_tier(info: PeerState) -> int:
-        """Keyframes and takeover: any node peer, then the origin."""
-        return OTHER_REGION if info.kind == NODE else ORIGIN_TIER
+    def any_tier(self, info: PeerState) -> int:
+        """Keyframes and takeover: any node peer, then the origin, then a snubbed node peer."""
+        if info.kind != NODE:
+            return ORIGIN_TIER
+        return OTHER_REGION + SNUBBED if info.id in self.snubbed else OTHER_REGION
 
-    @staticmethod
-    def any_tier_of(c: int, info: PeerState) -> int:
+    def any_tier_of(self, c: int, info: PeerState) -> int:
         """`any_tier` as piecestate's `TierOf`."""
-        return OTHER_REGION if info.kind == NODE else ORIGIN_TIER
+        return self.any_tier(info)
 
     def _source_classes(self, obj: ObjectState) -> list[tuple]:
         """Per chunk, where my region pulls it from across the WAN: the gateways

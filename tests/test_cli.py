@@ -274,3 +274,16 @@ def test_status_shows_the_declared_and_measured_uplinks_and_slow_neighbours(caps
     print_status({**st, "part_bytes": 256 << 10})
     out = " ".join(capsys.readouterr().out.split())
     assert ("Mbit/s declared (sends parts of 256 KiB)" in out) == bool(declared)
+
+
+def test_status_shows_a_snubbed_peer(capsys, monkeypatch):
+    from patchswarm.node.cli.services import print_status
+
+    monkeypatch.setenv("COLUMNS", "300")
+    st = {"node_id": "n1", "region": "r0", "version": 3, "base_path": "/d/weights.safetensors",
+          "bytes_in": {"origin": 0, "same_region": 0, "other_region": 0}, "bytes_out": 0, "chunks_rejected": 0,
+          "peers": [{"id": "m", "region": "r0", "role": "node", "snubbed": True},
+                    {"id": "n2", "region": "r0", "role": "node", "snubbed": False}]}
+    print_status(st)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "m (r0, snubbed: sent no part of an answer lately), n2 (r0)" in out

@@ -71,17 +71,23 @@ def _sent(s: Session, kind) -> list[float]:
     return [t for t, m in s.ms.sent if isinstance(m, kind)]
 
 
+async def _neighbour_then_origin(fetcher, nursery) -> tuple[Session, Session]:
+    """The fetcher running, a neighbour "a" and the origin connect, both holding chunk 0: the
+    neighbour is asked first; the origin (never asked for an endgame copy) only once it fails."""
+    await nursery.start(fetcher.run)
+    first, second = _session(fetcher, nursery, "a"), _session(fetcher, nursery, "origin", role="origin")
+    await trio.testing.wait_all_tasks_blocked()
+    assert len(_sent(first, wire.Request)) == 1 and not _sent(second, wire.Request)
+    return first, second
+
+
 def test_a_request_that_times_out_is_cancelled_and_asked_of_another_holder(tmp_path):
     fetcher = _fetcher(tmp_path)
 
     async def main():
         start = trio.current_time()
         async with trio.open_nursery() as n:
-            await n.start(fetcher.run)
-            # A neighbour is asked first; the origin (never asked for an endgame copy) next.
-            first, second = _session(fetcher, n, "a"), _session(fetcher, n, "origin", role="origin")
-            await trio.testing.wait_all_tasks_blocked()
-            assert len(_sent(first, wire.Request)) == 1 and not _sent(second, wire.Request)
+            first, second = await _neighbour_then_origin(fetcher, n)
             await trio.sleep(TIMEOUT - 1)  # neither answers
             assert not _sent(first, wire.Cancel) and not _sent(second, wire.Request)
             await trio.sleep(2)
@@ -94,6 +100,40 @@ def test_a_request_that_times_out_is_cancelled_and_asked_of_another_holder(tmp_p
             n.cancel_scope.cancel()
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+SNUB = 5.0
+
+
+@pytest.mark.parametrize("part_at", [None, 4.0])
+def test_a_neighbour_that_sends_no_part_is_snubbed_and_the_origin_asked_at_snub_after(tmp_path, caplog, part_at):
+    """A member that announces a chunk and never answers held the request until the 30 s
+    timeout; now until it has sent no part for `snub_after` (counted from its last part: the
+    fetcher reports each one). The origin is then asked for what is missing, from the bytes
+    kept; the log says it once."""
+    fetcher = _fetcher(tmp_path, snub_after=SNUB)
+
+    async def main():
+        start = trio.current_time()
+        async with trio.open_nursery() as n:
+            a, origin = await _neighbour_then_origin(fetcher, n)
+            if part_at is not None:
+                await trio.sleep(part_at)
+                await fetcher.on_piece(a, wire.Piece(KEY[0], KEY[1], 0, 0, 10, b"01234"))  # half the chunk
+            quiet_from = part_at or 0.0
+            await trio.sleep(quiet_from + SNUB - 0.1 - (trio.current_time() - start))
+            assert not _sent(a, wire.Cancel) and not fetcher.picker.snubbed("a")
+            await trio.sleep(0.2)
+            [cancelled_at] = _sent(a, wire.Cancel)
+            [ask] = [(t, m) for t, m in origin.ms.sent if isinstance(m, (wire.Request, wire.RequestRest))]
+            assert cancelled_at - start == ask[0] - start == quiet_from + SNUB
+            assert ask[1] == (wire.Request(KEY[0], KEY[1], 0) if part_at is None else wire.RequestRest(KEY[0], KEY[1], 0, 5))
+            assert fetcher.picker.snubbed("a") and fetcher.snubs == 1
+            n.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    said = [r.getMessage() for r in caplog.records if "sent no part" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("peer a sent no part for 5.0 s while it held 1 of my requests")
 
 
 def test_a_neighbour_whose_relay_broke_is_asked_again_the_moment_it_has_the_chunk(tmp_path):

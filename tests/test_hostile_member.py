@@ -1,5 +1,6 @@
 """A member with a valid node certificate sends every class of bad message while two honest nodes
-keep receiving versions (issue 21): real processes on loopback (tests/swarmlab.py).
+keep receiving versions (issue 21): real processes on loopback (tests/swarmlab.py). And one that
+announces every chunk and serves none, beside a node in the origin's region (snubbed).
 
 The attacker ("mallory") runs in this process and cycles, one connection at a time, through:
 an all-ones Have bitfield of the largest size the wire allows for a version the victim holds;
@@ -26,6 +27,7 @@ import trio
 from patchswarm.node.net import trust
 from patchswarm.node.net.transport import connect, parse_addr
 from patchswarm.protocol import wire
+from patchswarm.protocol.picker import SNUB_AFTER
 from swarmlab import SwarmLab, load_weights, same_bits, write_checkpoint
 from synthetic import rl_checkpoints, served
 
@@ -205,4 +207,59 @@ def test_a_hostile_member_cannot_stop_honest_nodes_or_grow_the_victim(tmp_path, 
             time.sleep(0.1)
         else:
             raise AssertionError("the victim still holds a session with mallory")
+        assert "Traceback" not in a.text()
+
+
+def test_a_member_that_announces_every_chunk_and_serves_none_holds_a_node_up_only_snub_after(tmp_path, checkpoints):
+    """The hostile-peer hunt's member (protocol/README.md, "The longest a node sits"): mallory,
+    with a valid node certificate, says it is in the origin's region beside node a and announces
+    every chunk of the next version before a has its manifest (an all-ones Have, kept until the
+    manifest comes), then answers nothing. a asks it first (a neighbour before the origin): each
+    request held until the 30 s timeout, 4 at a time. Now a snubs it SNUB_AFTER after it was asked
+    (all of its requests cancelled at once), takes the version from the origin, and it is asked
+    at most one chunk at a time after that."""
+    watch = tmp_path / "watch"
+    heard: list[tuple[float, object]] = []  # what mallory got from a, and when (trio's clock)
+    with SwarmLab(tmp_path) as lab:
+        lab.start_tracker()
+        lab.start_origin(region="r0", watch=watch, extra=ORIGIN_ARGS)
+        a = lab.start_node("a", region="r0")
+        write_checkpoint(watch, "step0000.safetensors", checkpoints[0])
+        lab.wait_version([a], 0)
+        creds = trust.Credentials.load(lab.creds("mallory", "node"))
+        done: dict[str, float] = {}
+
+        async def scenario():
+            hello = wire.Hello("mallory", "r0", "node", "127.0.0.1:1", [])
+            ms = await connect(a.addr, creds, {"node"}, hello, expect_name="a")
+            try:
+                async with trio.open_nursery() as n:
+                    async def listen():
+                        while (msg := await ms.receive()) is not None:
+                            heard.append((trio.current_time(), msg))
+
+                    n.start_soon(listen)
+                    await ms.send(wire.Have(1, False, b"\xff" * 64))  # every chunk of version 1 (up to 512)
+                    await trio.sleep(0.5)  # taken in
+                    write_checkpoint(watch, "step0001.safetensors", checkpoints[1])
+                    await trio.to_thread.run_sync(lambda: lab.wait_version([a], 1, timeout=SNUB_AFTER + 10))
+                    done["at"] = trio.current_time()
+                    done["status"] = await trio.to_thread.run_sync(a.status)  # mallory still connected
+                    n.cancel_scope.cancel()
+            finally:
+                with trio.CancelScope(shield=True):
+                    await ms.aclose()
+
+        trio.run(scenario)
+        asked = [(t, m) for t, m in heard if isinstance(m, wire.Request) and m.version == 1]
+        cancels = [t for t, m in heard if isinstance(m, wire.Cancel) and m.version == 1]
+        assert asked, "a never asked mallory: the scenario did not happen"
+        first = asked[0][0]
+        print(f"\nmallory asked {len(asked)} times, first cancel {cancels[0] - first:.2f} s after the first request; "
+              f"a held version 1 {done['at'] - first:.2f} s after it")
+        assert SNUB_AFTER - 0.5 <= cancels[0] - first <= SNUB_AFTER + 2.0
+        assert done["at"] - first <= SNUB_AFTER + 5.0  # 480 s for 64 chunks before snubs (the simulation)
+        st = done["status"]
+        [m] = [p for p in st["peers"] if p["id"] == "mallory"]
+        assert m["snubbed"] is True and st["peers_snubbed"] == 1
         assert "Traceback" not in a.text()

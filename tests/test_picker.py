@@ -8,6 +8,8 @@ test_responsibility.py, many pickers wired together in test_picker_swarm.py;
 
 from __future__ import annotations
 
+import math
+import random
 from collections import Counter
 
 import hypothesis.strategies as st
@@ -15,8 +17,8 @@ import pytest
 from hypothesis import example, given, settings
 
 from patchswarm.protocol.errors import ProtocolError, UsageError
-from patchswarm.protocol.picker import (ENDGAME, ENDGAME_AFTER, MAX_COPIES, NODE, ORIGIN, ORIGIN_PIPELINE, PLANNED, REST,
-                                       SHARE, STALLED, PiecePicker, Request)
+from patchswarm.protocol.picker import (BESIDE_PROBE, ENDGAME, ENDGAME_AFTER, MAX_COPIES, NODE, ORIGIN, ORIGIN_PIPELINE,
+                                       PLANNED, REST, SHARE, STALLED, PiecePicker, Request)
 from patchswarm.protocol.responsibility import balanced_owners, gateways, member_weight, region_order, upstream_regions
 
 KEY = (7, False)  # a patch
@@ -937,30 +939,66 @@ fact = st.one_of(
     st.tuples(st.just("members"), st.sets(st.sampled_from(["x1", "y1", "x0", "y0", "x2", "z1"])),
               st.dictionaries(st.sampled_from(["me", "x1", "y1", "x0", "y0", "x2", "z1"]),
                               st.sampled_from([1.0, 10.0, 100.0]), max_size=7)),  # declared uplinks
-    st.tuples(st.just("requests"), st.floats(0, 5)),
-    st.tuples(st.just("expire"), st.floats(0, 5)),
+    st.tuples(st.just("requests"), st.floats(0, 1)),  # seconds the clock moves on first
+    st.tuples(st.just("expire"), st.floats(0, 3)),
+    st.tuples(st.just("part"), st.sampled_from(sorted(PEERS))),
 )
 TIMEOUT = 2.0
+SNUB = 1.5  # below TIMEOUT: a node peer's requests mostly go by its snub, the origin's by the timeout
+
+
+def _check_sources(p: PiecePicker) -> None:
+    """Each missing chunk's sources are exactly its holders at the best tier (not failed), as a
+    full ranking gives them, however facts and snubs moved them incrementally."""
+    for obj in p._objects.values():
+        tier_of = p._tiers.tier_of(obj)
+        for c in obj.missing:
+            best, srcs = obj.best_holders(c, tier_of, p._peers)
+            assert obj.sources.get(c, set()) == srcs and obj.tier.get(c, best) == best, (obj.key, c)
+            assert obj.ready(c) == (c in obj.ready_of.get(next(iter(srcs)), ()) if srcs else False), (obj.key, c)
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(fact, max_size=60), st.integers(1, 3), st.integers(0, 99), st.sampled_from(["r1", "r0"]))
+@given(st.lists(fact, max_size=60), st.integers(1, 3), st.integers(0, 99), st.sampled_from(["r1", "r0"]),
+       st.sampled_from([None, SNUB]), st.booleans())
 # A refused chunk announced again (arriving) may be asked again: the model once kept it failed for good
 @example(facts=[("join", "o"), ("has", "o", KEY, [0], False), ("requests", 0.0), ("refuse", 0),
-                ("has", "o", KEY, [0], False), ("requests", 0.0)], pipeline=1, seed=0, region="r1")
-def test_property_random_facts_keep_the_contract(facts, pipeline, seed, region):
+                ("has", "o", KEY, [0], False), ("requests", 0.0)], pipeline=1, seed=0, region="r1", snub_after=None,
+         everyone_first=False)
+# A snubbed peer that leaves and joins again is still snubbed; a part ends it
+@example(facts=[("join", "x1"), ("has", "x1", KEY, [0, 1], True), ("requests", 0.0), ("expire", 2.0),
+                ("leave", "x1"), ("join", "x1"), ("has", "x1", KEY, [0, 1], True), ("requests", 0.0),
+                ("part", "x1"), ("requests", 0.0)], pipeline=3, seed=0, region="r1", snub_after=SNUB,
+         everyone_first=False)
+def test_property_random_facts_keep_the_contract(facts, pipeline, seed, region, snub_after, everyone_first):
     """In r0, the origin's region, with the daemon's `origin_pipeline`: requests the picker
-    withdraws (moved to the origin, `pick_rest`) leave the model's requests in flight."""
+    withdraws (moved to the origin, `pick_rest`) leave the model's requests in flight. With
+    `snub_after`: a node peer that held requests and sent no part (`part`: `peer_sent`) for
+    that long loses them all at once, then holds at most one until a part comes, also
+    across a new session; each chunk's sources stay its best holders. `everyone_first`: every
+    peer joins and announces some chunks (seeded) before the facts, which alone seldom get a
+    node peer asked; after them, 3 s pass a second at a time, and parts come from two peers."""
     in_origin_region = {"origin_pipeline": ORIGIN_PIPELINE, "endgame_after": ENDGAME_AFTER} if region == "r0" else {}
     p = PiecePicker("me", region, "r0", seed=seed, pipeline=pipeline, takeover_after=1.0, request_timeout=TIMEOUT,
-                    **in_origin_region)
+                    snub_after=snub_after, **in_origin_region)
     for key, n in OBJECTS.items():
         p.add_object(key, n, priority=key[0], now=0.0)
     joined, holds, mine, sent = set(), {}, {k: set() for k in OBJECTS}, {}  # sent: request -> when
     said = {}  # (peer, key) -> chunk -> "whole" / "arriving": what the peer says now
     failed = set()  # (peer, key, chunk) not to be asked again until the peer's word on it changes
+    # A node peer's silence: when its last part came, and when it was last asked with nothing in
+    # flight (either of two times where a round both withdrew and asked: their order is the picker's).
+    last_part, busy_since, snubbed = {}, {}, set()
+    members = set()
     clock = 0.0
-    for f in facts:
+    if everyone_first:
+        rng = random.Random(seed)
+        prelude = [("join", peer) for peer in sorted(PEERS)]
+        prelude += [("has", peer, key, sorted(rng.sample(range(n), rng.randint(1, n))), rng.random() < 0.8)
+                    for peer in sorted(PEERS) for key, n in OBJECTS.items()]
+        facts = prelude + facts
+    # Then time passes: requests run out, peers are snubbed; parts come from two of them.
+    for f in facts + [("expire", 1.0), ("requests", 0.0)] * 3 + [("part", "x1"), ("part", "y0"), ("requests", 0.0)]:
         if f[0] == "join" and f[1] not in joined:
             p.peer_joined(f[1], *PEERS[f[1]])
             joined.add(f[1])
@@ -971,6 +1009,12 @@ def test_property_random_facts_keep_the_contract(facts, pipeline, seed, region):
             holds = {k: v for k, v in holds.items() if k[0] != f[1]}
             said = {k: v for k, v in said.items() if k[0] != f[1]}
             failed = {x for x in failed if x[0] != f[1]}
+            last_part.pop(f[1], None)
+            busy_since.pop(f[1], None)
+        elif f[0] == "part" and f[1] in joined:
+            p.peer_sent(f[1], clock)
+            last_part[f[1]] = clock
+            snubbed.discard(f[1])
         elif f[0] == "has" and f[1] in joined:
             chunks = [c for c in f[3] if c < OBJECTS[f[2]]]
             p.peer_has(f[1], f[2], chunks, whole=f[4])
@@ -1000,9 +1044,12 @@ def test_property_random_facts_keep_the_contract(facts, pipeline, seed, region):
                 failed.add((r.peer, r.key, r.chunk))
         elif f[0] == "members":
             p.set_members({m: PEERS[m][1] for m in f[1]} | {"me": region}, f[2])
+            members = set(f[1])
+            snubbed &= members | joined  # remembered for members and connected peers only
         elif f[0] == "requests":
-            clock = max(clock, f[1])
+            clock += f[1]
             asked = p.requests(clock)
+            busy_before = {r.peer for r in sent}
             for r in p.withdrawn():  # moved to the origin: the request was in flight, now it is not
                 assert r in sent and r.peer != "o" and r not in asked
                 del sent[r]
@@ -1012,17 +1059,37 @@ def test_property_random_facts_keep_the_contract(facts, pipeline, seed, region):
                 assert r.chunk not in mine[r.key] and r not in sent
                 assert (r.peer, r.key, r.chunk) not in failed, f"{r} was asked again"
                 assert p.sent_at(r.peer, r.key, r.chunk) == clock
+                if not any(q.peer == r.peer for q in sent):
+                    old = busy_since.get(r.peer, (-math.inf,))
+                    busy_since[r.peer] = (old[0], clock) if r.peer in busy_before else (clock,)
                 sent[r] = clock
         elif f[0] == "expire":
-            clock = max(clock, f[1])
+            clock += f[1]
             late = p.expired(clock)
-            assert late == sorted(r for r, t in sent.items() if t <= clock - TIMEOUT)
+            silent = set()
+            for peer in {r.peer for r in sent}:
+                if snub_after is None or PEERS[peer][0] != NODE:
+                    continue
+                due = [max(last_part.get(peer, -math.inf), b) + snub_after for b in busy_since[peer]]
+                if max(due) <= clock:
+                    silent.add(peer)
+                elif min(due) <= clock:  # either: which, the picker's order in that round decided
+                    theirs = {r for r in sent if r.peer == peer}
+                    if p.snubbed(peer) if peer not in snubbed else {r for r in late if r.peer == peer} == theirs:
+                        silent.add(peer)
+                    else:
+                        busy_since[peer] = busy_since[peer][-1:]
+            assert late == sorted(r for r, t in sent.items() if r.peer in silent or t + TIMEOUT <= clock)
+            assert silent <= {q for q in joined if p.snubbed(q)}
+            snubbed |= silent
             for r in late:
                 del sent[r]
                 failed.add((r.peer, r.key, r.chunk))
         assert p.in_flight() == len(sent)
         for peer in PEERS:
-            assert p.in_flight(peer) == sum(r.peer == peer for r in sent) <= pipeline
+            assert p.in_flight(peer) == sum(r.peer == peer for r in sent) <= (1 if peer in snubbed else pipeline)
+            assert p.snubbed(peer) == (peer in snubbed), peer
+        _check_sources(p)
         for key, n in OBJECTS.items():
             assert p.missing(key) == n - len(mine[key])
             for peer in joined:
@@ -1376,3 +1443,180 @@ def test_a_request_expires_at_the_time_next_wakeup_names():
     [r] = p.requests(0.005)
     wake = p.next_wakeup(0.005)
     assert [(x.peer, x.key, x.chunk) for x in p.expired(wake)] == [(r.peer, r.key, r.chunk)]
+
+
+# --- a peer that holds requests and sends nothing: snubbed ------------------------------
+
+
+def _beside_a_silent_member(n=8, snub_after=5.0):
+    """me and m, members of the origin's region r0, with the daemon's settings: m announces
+    every chunk (so, a neighbour, it is asked before the origin) and is asked first."""
+    p = PiecePicker("me", "r0", "r0", seed=1, request_timeout=30.0, origin_pipeline=ORIGIN_PIPELINE,
+                    endgame_after=ENDGAME_AFTER, snub_after=snub_after)
+    p.set_members({"me": "r0", "m": "r0"})
+    p.peer_joined("m", NODE, "r0")
+    p.peer_joined(OR, ORIGIN, "r0")
+    p.add_object(KEY, n, now=0.0)
+    p.peer_has(OR, KEY, range(n))
+    p.peer_has("m", KEY, range(n))
+    return p
+
+
+def test_a_member_silent_for_snub_after_loses_all_its_requests_at_once_and_its_share():
+    """The hostile-peer hunt's member (protocol/README.md, "The longest a node sits"): it held
+    `pipeline` requests, each given up only at `request_timeout` (30 s). Snubbed once it has
+    held requests for `snub_after` with no part: all of them come back at once, its share of
+    the plan is me's, and the origin, before it now, is asked at once."""
+    p = _beside_a_silent_member()
+    share = p.responsible_for(KEY)
+    first = p.requests(0.0)
+    assert {r.peer for r in first} == {"m"} and len(first) == 4 and share < 8
+    assert p.next_wakeup(0.0) == 5.0
+    assert p.expired(4.99) == [] and not p.snubbed("m")
+    assert p.expired(5.0) == sorted(first)  # all at once; the caller cancels them
+    assert p.snubbed("m") and p.in_flight("m") == 0 and p.responsible_for(KEY) == 8
+    again = p.requests(5.0)
+    assert {r.peer for r in again} == {OR} and len(again) == ORIGIN_PIPELINE  # not m: it is after the origin
+    assert p.expired(34.9) == []  # nothing of m's left; the origin's go at `request_timeout` (35.0)
+    for r in again:
+        p.chunk_received(r.key, r.chunk, r.peer, 5.1)
+    assert {r.peer for r in p.requests(5.1)} == {OR}
+
+
+def test_a_part_ends_the_snub_and_the_member_is_back_in_the_plan_with_its_pipeline():
+    p = _beside_a_silent_member()
+    share = p.responsible_for(KEY)
+    p.requests(0.0)
+    p.expired(5.0)
+    p.requests(5.0)
+    p.peer_sent("m", 6.0)  # a slow member after all: a part of a request of mine came
+    assert not p.snubbed("m") and p.responsible_for(KEY) == share
+    back = p.requests(6.0)
+    assert [r.peer for r in back] == ["m"] * 4  # a neighbour again, before the origin
+    assert p.next_wakeup(6.0) == 11.0  # its silence counts from the part, not from before it
+    p.peer_sent("m", 9.0)
+    assert p.next_wakeup(9.0) == 14.0 and p.expired(13.99) == []
+
+
+def test_a_snubbed_members_share_goes_to_the_other_members_and_comes_back_with_a_part():
+    """As when a member's session closes (`peer_left`): out of the region's plan at once, its
+    share re-planned over the others; back in when a part comes from it."""
+    members = {"me": "r0", "w": "r0", "m": "r0"}
+    n = 48
+    p = PiecePicker("me", "r0", "r0", seed=2, snub_after=5.0)
+    p.set_members(members)
+    for peer in ("w", "m"):
+        p.peer_joined(peer, NODE, "r0")
+    p.peer_joined(OR, ORIGIN, "r0")
+    p.add_object(KEY, n, now=0.0)
+    p.peer_has(OR, KEY, range(n))
+    p.peer_has("m", KEY, range(n))
+    assert p.responsible_for(KEY) == len(owned("me", members, n)) < n // 2
+    assert {r.peer for r in p.requests(0.0)} == {"m"}
+    p.expired(5.0)
+    without_m = {"me": "r0", "w": "r0"}
+    assert p.responsible_for(KEY) == len(owned("me", without_m, n))
+    assert {r.chunk for r in p.requests(5.0) if r.peer == OR} <= owned("me", without_m, n)
+    p.peer_sent("m", 6.0)
+    assert p.responsible_for(KEY) == len(owned("me", members, n))
+
+
+def test_a_peer_freshly_asked_is_not_judged_on_its_silence_while_it_had_nothing_of_mine():
+    p = PiecePicker("me", "r1", "r0", snub_after=5.0)
+    p.peer_joined("a", NODE, "r1")
+    p.add_object(KEY, 2, now=0.0)
+    p.peer_has("a", KEY, [0])
+    [r] = p.requests(0.0)
+    p.peer_sent("a", 0.5)
+    p.chunk_received(r.key, r.chunk, "a", 0.5)
+    p.peer_has("a", KEY, [1])  # 20 s later it has the next chunk: asked at once
+    assert p.requests(20.0) == [Request("a", KEY, 1)]
+    assert p.next_wakeup(20.0) == 25.0 and p.expired(24.9) == [] and not p.snubbed("a")
+    assert p.expired(25.0) == [Request("a", KEY, 1)] and p.snubbed("a")
+
+
+@pytest.mark.parametrize("asked_at, part_at", [(0.005, None), (0.1, 0.1 + 0.2), (1.1, 3.3)])
+def test_a_snub_expires_at_the_time_next_wakeup_names(asked_at, part_at):
+    """As for `request_timeout`: `expired` compares the very sum `next_wakeup` names, so a
+    fetcher woken then finds the requests expired and does not spin on trio's MockClock."""
+    p = PiecePicker("me", "r1", "r0", snub_after=5.0)
+    p.peer_joined("a", NODE, "r1")
+    p.add_object(KEY, 2, now=0.0)
+    p.peer_has("a", KEY, [0, 1])
+    asked = p.requests(asked_at)
+    if part_at is not None:
+        p.peer_sent("a", part_at)
+    wake = p.next_wakeup(part_at or asked_at)
+    assert wake == (part_at or asked_at) + 5.0
+    assert p.expired(wake) == sorted(asked) and p.snubbed("a")
+
+
+def test_a_snubbed_peer_gets_one_probe_at_a_time_only_where_no_better_holder_is_and_a_better_one_is_asked_beside_it():
+    """A keyframe (any holder): m in my region and the origin hold chunks 0-2. Once m is
+    snubbed it ranks after the origin, and it is asked, one at a time, for what only it holds
+    (chunk 3, which it announces then; not those it sat on, until its word on them changes). A
+    holder that announces that chunk later is asked at once, beside the probe, which stays:
+    the first copy in cancels the other."""
+    p = PiecePicker("me", "r1", "r0", snub_after=5.0, pipeline=4, wan_pipeline=4)
+    p.peer_joined("m", NODE, "r1")
+    p.peer_joined(OR, ORIGIN, "r0")
+    p.peer_joined("x", NODE, "r2")
+    p.add_object(KF, 4, now=0.0)
+    p.peer_has("m", KF, range(3))
+    p.peer_has(OR, KF, range(3))
+    assert asked(p.requests(0.0)) == {("m", c) for c in range(3)}  # a neighbour before the origin
+    assert len(p.expired(5.0)) == 3
+    p.peer_has("m", KF, [3])
+    probe = p.requests(5.0)
+    assert asked(probe) == {(OR, 0), (OR, 1), (OR, 2), ("m", 3)}
+    assert p.requests(5.0) == [] and p.in_flight("m") == 1
+    p.peer_has("x", KF, [3])  # another region's node has it: before a snubbed neighbour
+    beside = p.requests(5.1)
+    assert [(r.peer, r.chunk, r.why) for r in beside] == [("x", 3, BESIDE_PROBE)] and p.in_flight("m") == 1
+    assert p.chunk_received(KF, 3, "x", 5.2) == [Request("m", KF, 3)]  # the probe is cancelled
+
+
+def test_an_unanswered_probe_is_given_up_after_snub_after_too():
+    p = PiecePicker("me", "r1", "r0", snub_after=5.0, pipeline=2)
+    p.peer_joined("m", NODE, "r1")
+    p.add_object(KF, 3, now=0.0)
+    p.peer_has("m", KF, range(3))
+    first = p.requests(0.0)
+    assert len(first) == 2 and p.expired(5.0) == sorted(first)
+    [probe] = p.requests(5.0)  # only m holds the third: asked alone (those it sat on: not until its word changes)
+    assert p.next_wakeup(5.0) == 10.0 and p.expired(10.0) == [probe] and p.snubbed("m")
+    assert p.requests(10.0) == []
+
+
+def test_a_snub_lasts_across_a_new_session_and_is_forgotten_with_the_membership():
+    """A member that closes its session is dialed again (node/dialer.py): a new session is no
+    part, so it comes back snubbed. Once neither a member nor connected, it is forgotten."""
+    p = _beside_a_silent_member()
+    p.requests(0.0)
+    p.expired(5.0)
+    p.peer_left("m")
+    p.peer_joined("m", NODE, "r0")
+    p.peer_has("m", KEY, range(8))
+    assert p.snubbed("m") and p.responsible_for(KEY) == 8
+    assert {r.peer for r in p.requests(6.0)} == {OR}
+    p.peer_left("m")
+    p.set_members({"me": "r0"})  # the tracker dropped it
+    p.set_members({"me": "r0", "m": "r0"})
+    assert not p.snubbed("m")
+
+
+def test_the_origin_is_never_snubbed():
+    """The origin holds every chunk and is the last source: a slow origin is waited for (up to
+    `request_timeout`), never ranked after anyone."""
+    p = PiecePicker("me", "r0", "r0", snub_after=5.0)
+    p.peer_joined(OR, ORIGIN, "r0")
+    p.add_object(KEY, 2, now=0.0)
+    p.peer_has(OR, KEY, [0, 1])
+    assert len(p.requests(0.0)) == 2
+    assert p.next_wakeup(0.0) is None and p.expired(1000.0) == [] and not p.snubbed(OR)
+
+
+def test_snub_after_is_checked():
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(UsageError, match="snub_after"):
+            PiecePicker("me", "r0", "r0", snub_after=bad)

@@ -4,7 +4,9 @@ Pure Python: one PiecePicker per node, an origin holding every chunk, instant
 delivery within a step. Checks that everyone completes, that each chunk
 enters each region across the WAN exactly once and that the origin sends each
 chunk once while all is healthy, also when a member leaves or links are
-partial. Single pickers are tested with tables in test_picker.py.
+partial, and that a member that announces every chunk and serves none holds
+an honest node up for about `snub_after`. Single pickers are tested with
+tables in test_picker.py.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from patchswarm.protocol.picker import NODE, ORIGIN, PiecePicker
+from patchswarm.protocol.picker import ENDGAME_AFTER, NODE, ORIGIN, ORIGIN_PIPELINE, SNUB_AFTER, PiecePicker
 
 KEY = (7, False)  # a patch
 OR = "origin"  # the origin's peer id
@@ -28,10 +30,16 @@ class Swarm:
     """A discrete-event swarm: one PiecePicker per node, an origin holding every
     chunk, instant delivery within a step, HaveOne to every neighbour. When a
     step sends nothing, time jumps to the earliest `next_wakeup`. Checks the
-    picker contract on every request."""
+    picker contract on every request.
+
+    `silent` members (of `layout`, in the tracker's list) announce every chunk and never
+    answer: requests to them stay in flight until the asker gives them up (`expired`).
+    Every node runs with `snub_after` (the daemon's, unless told); `daemon=True` adds the
+    daemon's other settings (request timeout, origin pipeline, endgame delay)."""
 
     def __init__(self, layout, origin_region, n_chunks, *, links=None, pipeline=4,
-                 takeover_after=2.0, dt=1e-3, seed=0, wan_rates=None, rates_of=None, uplinks=None):
+                 takeover_after=2.0, dt=1e-3, seed=0, wan_rates=None, rates_of=None, uplinks=None,
+                 silent=(), snub_after=SNUB_AFTER, daemon=False):
         self.layout = dict(layout)
         self.region_of = {**layout, OR: origin_region}
         self.n, self.pipeline, self.dt = n_chunks, pipeline, dt
@@ -42,18 +50,24 @@ class Swarm:
             self.links[b].add(a)
         self.have = {node: set() for node in layout}
         self.have[OR] = set(range(n_chunks))
+        self.silent = set(silent)
+        for m in self.silent:
+            self.have[m] = set(range(n_chunks))  # what it says it has
         self.uplinks = uplinks
+        settings_ = dict(request_timeout=30.0, origin_pipeline=ORIGIN_PIPELINE, endgame_after=ENDGAME_AFTER) if daemon else {}
         self.pickers = {}
         for i, node in enumerate(sorted(layout)):
+            if node in self.silent:
+                continue
             p = PiecePicker(node, layout[node], origin_region, seed=seed * 1000 + i,
                             pipeline=pipeline, takeover_after=takeover_after,
-                            wan_rates=(rates_of or {}).get(node, wan_rates))
+                            wan_rates=(rates_of or {}).get(node, wan_rates), snub_after=snub_after, **settings_)
             p.set_members(self.layout, uplinks)
             for other in sorted(self.links[node]):
                 p.peer_joined(other, ORIGIN if other == OR else NODE, self.region_of[other])
             p.add_object(KEY, n_chunks, now=0.0)
-            if OR in self.links[node]:
-                p.peer_has(OR, KEY, range(n_chunks))
+            for holder in sorted(self.links[node] & (self.silent | {OR})):
+                p.peer_has(holder, KEY, range(n_chunks))
             self.pickers[node] = p
         self.t = 0.0
         self.steps = 0
@@ -63,6 +77,7 @@ class Swarm:
         self.origin_sent = 0
         self.origin_sent_to = Counter()  # node -> chunks the origin sent it
         self.sent_by = Counter()  # node -> chunks it sent to others
+        self.asked_silent = 0  # requests to silent members
 
     def done(self):
         return all(p.complete(KEY) for p in self.pickers.values())
@@ -89,7 +104,12 @@ class Swarm:
         self.steps += 1
         sent, per_peer = [], Counter()
         for node in sorted(self.pickers):
-            for r in self.pickers[node].requests(self.t):
+            p = self.pickers[node]
+            for r in p.expired(self.t):  # (given up: nothing else to do here)
+                assert r.peer in self.silent, f"{node} gave up on {r.peer}, which answers at once"
+            for r in p.withdrawn():
+                assert r.peer in self.silent, f"{node} withdrew a request to {r.peer}, which answers at once"
+            for r in p.requests(self.t):
                 assert r.key == KEY and r.peer in self.links[node], (node, r)
                 assert r.chunk in self.have[r.peer], f"{node} asked {r.peer} for {r.chunk} it lacks"
                 assert r.chunk not in self.have[node], f"{node} asked for {r.chunk} it has"
@@ -98,11 +118,15 @@ class Swarm:
                 assert per_peer[node, r.peer] <= self.pipeline
                 if self.region_of[r.peer] != self.region_of[node]:
                     self.wan_requests[self.region_of[node], r.chunk] += 1
-                sent.append((node, r))
+                if r.peer in self.silent:
+                    self.asked_silent += 1
+                else:
+                    sent.append((node, r))
         cancelled = set()
         for node, r in sent:
             if (node, r) in cancelled:
                 continue
+            self.pickers[node].peer_sent(r.peer, self.t)  # a part, the whole chunk: it arrives in this step
             for cancel in self.pickers[node].chunk_received(KEY, r.chunk, r.peer):
                 cancelled.add((node, cancel))
             self.origin_sent += r.peer == OR
@@ -116,7 +140,9 @@ class Swarm:
                 for other in sorted(self.links[node]):
                     if other in self.pickers:
                         self.pickers[other].peer_has(node, KEY, [r.chunk])
-        assert all(p.in_flight() == 0 for p in self.pickers.values())
+        for p in self.pickers.values():
+            assert p.in_flight() == sum(p.in_flight(m) for m in self.silent)
+            assert all(p.in_flight(m) <= 1 for m in self.silent if p.snubbed(m)), "more than a probe to a snubbed peer"
         if sent:
             self.t += self.dt
         else:
@@ -377,3 +403,42 @@ def test_swarm_told_the_trackers_wan_rates_mid_version_replans_without_takeover(
     assert max(swarm.wan_entries.values()) == 1  # no chunk into a region twice (r0 sent 48-53 out)
     if told_after == 0:
         assert_healthy(swarm, "r0")
+
+
+# --- a member that announces every chunk and serves none -------------------------
+
+@pytest.mark.parametrize("n_chunks", [16, 64])
+@pytest.mark.parametrize("layout, origin_region", [
+    ({"a": "r0", "m": "r0"}, "r0"),  # beside the origin, no other member
+    ({"a": "r0", "b": "r0", "m": "r0"}, "r0"),  # with an honest neighbour too
+    ({"a": "r1", "m": "r1"}, "r0"),  # a remote region: its members pull from the origin across the WAN
+    ({"a": "r1", "m": "r1", "x": "r2"}, "r0"),  # ... or from another region's
+])
+def test_a_member_that_announces_all_and_serves_none_holds_a_node_up_only_snub_after(n_chunks, layout, origin_region):
+    """Found by a hostile-peer hunt (protocol/README.md, "The longest a node sits"): m, a member
+    in the tracker's list, announces every chunk and answers no request. Its neighbours asked it
+    first (a neighbour before the origin or the WAN), `pipeline` at a time, each given up only at
+    `request_timeout` (30 s): 16 chunks took 122 s, 64 took 480 s. Now m is snubbed when it has
+    held requests for `snub_after` with no part: they are asked elsewhere at once, m's share of
+    the plan goes to the others, and it is asked nothing more than a probe at a time (checked
+    in every step). Bound: `snub_after` plus the time the version takes from the origin alone
+    (a step of `dt` per round of requests, `ORIGIN_PIPELINE` chunks a round: at most
+    `n_chunks * dt`); and m costs the origin no chunk sent twice."""
+    swarm = Swarm(layout, origin_region, n_chunks, silent={"m"}, daemon=True).run(max_steps=20000)
+    alone = Swarm({n: r for n, r in layout.items() if n != "m"}, origin_region, n_chunks, daemon=True).run()
+    print(f"\n{sorted(layout.items())}, {n_chunks} chunks: {swarm.t:.3f} s with m, {alone.t:.3f} s without it")
+    assert swarm.done()
+    assert swarm.t <= SNUB_AFTER + n_chunks * swarm.dt, swarm.t
+    assert swarm.origin_sent == n_chunks
+    for p in swarm.pickers.values():
+        assert p.snubbed("m") or p.complete(KEY)
+
+
+def test_without_a_snub_a_member_that_serves_none_holds_a_node_up_for_request_timeouts():
+    """The measurement the bound replaces (protocol/README.md): the daemon's settings but no
+    `snub_after`, beside the origin, 16 chunks took 122 s, 4 at a time given up after 30 s each."""
+    for n in (16, 64):
+        swarm = Swarm({"a": "r0", "m": "r0"}, "r0", n, silent={"m"}, snub_after=None, daemon=True).run(max_steps=20000)
+        print(f"\nno snub_after, {n} chunks: {swarm.t:.3f} s")
+    swarm = Swarm({"a": "r0", "m": "r0"}, "r0", 16, silent={"m"}, snub_after=None, daemon=True).run(max_steps=20000)
+    assert 4 * 30.0 <= swarm.t < 4 * 30.0 + 5.0

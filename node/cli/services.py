@@ -384,6 +384,8 @@ def print_status(st: dict) -> None:
         t.add_row("spool", f"{spool['records']:,} records, {_mb(spool['bytes'])}; "
                            f"uploading {spool.get('upload_rate_bps', 0) / 1e6:,.2f} MB/s")
     peers = ", ".join(f"{p['id']} ({p['role'] if p['role'] == 'origin' else p['region']}"
-                      + (f", {p['uplink']:g} Mbit/s up" if p.get("uplink") else "") + ")" for p in st["peers"])
+                      + (f", {p['uplink']:g} Mbit/s up" if p.get("uplink") else "")
+                      + (", snubbed: sent no part of an answer lately" if p.get("snubbed") else "") + ")"
+                      for p in st["peers"])
     t.add_row("peers", peers or "none")
     Console().print(t)

@@ -105,6 +105,8 @@ def _links(st: dict) -> Iterable[Metric]:
         yield d
     yield from _counter("patchswarm_sessions_replaced", "peer sessions ended by the same member's new connection",
                         st.get("sessions_replaced"))
+    yield from _counter("patchswarm_peers_snubbed", "peers that held requests and sent no part for SNUB_AFTER s "
+                                                    "(protocol/picker.py), each time", st.get("peers_snubbed"))
     yield from _gauge("patchswarm_tracker_connected", "1 while the tracker link is up",
                       int(bool(st.get("tracker_connected"))))
 
