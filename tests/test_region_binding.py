@@ -482,7 +482,7 @@ def test_a_tracker_with_require_region_and_real_nodes(tmp_path):
     real nodes declare uplinks (--uplink-mbit, tests/test_uplinks.py for the plan): `patchswarm
     status` shows a node's own and each peer's."""
     sys.path.insert(0, str(Path(__file__).parent))
-    from swarmlab import ROOT, SwarmLab
+    from swarmlab import ROOT, SwarmLab, wait_until
 
     with SwarmLab(tmp_path) as lab:
         lab.start_tracker(extra=["--require-region"])
@@ -491,6 +491,9 @@ def test_a_tracker_with_require_region_and_real_nodes(tmp_path):
         lab.wait_log(good, "joined the swarm via tracker")
         lab.start_node("b", region="r1", creds=lab.creds("b", "node", region="r1"), extra=["--uplink-mbit", "12.5"])
         lab.wait_log(good, r"peer b \(node, region r1\) connected")
+        # b's declared uplink comes with the tracker's next peer list, which may follow b's
+        # connection: the status client (no torch to import now) can ask before it is in.
+        wait_until(lambda: [p.get("uplink") for p in good.status()["peers"]] == [12.5], "b's declared uplink")
         shown = subprocess.run([sys.executable, "-m", "patchswarm.node.cli", "status", "--socket", str(good.socket)],
                                cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert shown.returncode == 0 and "b (r1, 12.5 Mbit/s up)" in shown.stdout, shown.stdout + shown.stderr
