@@ -1,4 +1,4 @@
-"""The HTTP side of a service in one trio run: routes, refusals, /healthz on a blocked loop, /readyz's latch.
+"""The HTTP side of a service in one trio run: routes, refusals, idle clients, /healthz on a blocked loop, /readyz.
 
 A real server on loopback, real TCP clients; the status behind the metrics is
 a dict the test changes, as a service's would change.
@@ -78,6 +78,74 @@ def test_a_silent_client_does_not_hold_the_server(monkeypatch):
             assert await get(addr, "/a") == (200, b"A")  # served while the silent one waits
             assert await silent.receive_some(1000) == b""  # closed, unanswered, at its deadline
         await silent.aclose()
+
+    run(body)
+
+
+async def closed_by_server(s: trio.SocketStream) -> bool:
+    """Whether the server closed `s` (end of stream, or a reset: it closed with our bytes unread)."""
+    try:
+        with trio.fail_after(5):
+            return await s.receive_some(1000) == b""
+    except trio.BrokenResourceError:
+        return True
+
+
+async def open_idle(addr: str, count: int) -> list[trio.SocketStream]:
+    """`count` connections that say nothing, or half a request line, and wait."""
+    host, port = parse_addr(addr)
+    streams = []
+    for i in range(count):
+        streams.append(await trio.open_tcp_stream(host, port))
+        if i % 2:
+            await streams[-1].send_all(b"GET /a HT")
+    return streams
+
+
+def test_idle_connections_on_every_slot_do_not_shut_out_a_probe():
+    """Each new connection over the limit takes the slot of the oldest still reading; REQUEST_SECONDS stays 10 s."""
+    async def body(n):
+        addr = await n.start(serve_http, "127.0.0.1:0", {"/a": lambda: Response(200, b"A")})
+        rounds = []
+        try:
+            for _ in range(3):
+                rounds.append(await open_idle(addr, httpserve.MAX_CONNECTIONS + 4))
+                with trio.fail_after(2):
+                    assert await get(addr, "/a") == (200, b"A")
+            for s in rounds[0] + rounds[1]:  # each taken by a newer connection: closed unanswered
+                assert await closed_by_server(s)
+        finally:
+            for s in [s for r in rounds for s in r]:
+                await trio.aclose_forcefully(s)
+
+    run(body)
+
+
+def test_a_connection_being_answered_keeps_its_slot():
+    """Its response is larger than the socket buffers and unread while every other slot fills and turns over."""
+    big = bytes(16 << 20)
+
+    async def body(n):
+        addr = await n.start(serve_http, "127.0.0.1:0", {"/a": lambda: Response(200, b"A"),
+                                                          "/big": lambda: Response(200, big)})
+        host, port = parse_addr(addr)
+        answered = await trio.open_tcp_stream(host, port)
+        idle = []
+        try:
+            await answered.send_all(b"GET /big HTTP/1.1\r\n\r\n")
+            await trio.sleep(0.2)  # read, and writing its response
+            idle = await open_idle(addr, 2 * httpserve.MAX_CONNECTIONS)
+            with trio.fail_after(2):
+                assert await get(addr, "/a") == (200, b"A")
+            data = bytearray()
+            with trio.fail_after(10):
+                while chunk := await answered.receive_some(1 << 20):
+                    data += chunk
+            assert data.startswith(b"HTTP/1.1 200 OK\r\n") and data.endswith(big[:1000])
+            assert len(data) - data.index(b"\r\n\r\n") - 4 == len(big)
+        finally:
+            for s in [answered, *idle]:
+                await trio.aclose_forcefully(s)
 
     run(body)
 

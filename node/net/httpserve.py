@@ -6,6 +6,18 @@ path and writing the response with `Connection: close`. Every connection is a
 task in the server's nursery; at most MAX_CONNECTIONS at once. Must not serve
 swarm traffic (that is TLS, node/net/transport.py) nor know what a route shows.
 
+Why a probe gets through while idle connections hold every slot: when all
+MAX_CONNECTIONS slots are taken, a new connection takes the slot of the oldest
+connection still reading its request, which is closed unanswered (a
+slowloris's, a port scan's or a stuck scraper's). A connection that has read
+its whole request is never taken from: it holds its slot until its response is
+written, at most REQUEST_SECONDS more, and only when every slot is answering is
+a new connection closed at once. A probe sends its request as it connects, so
+it loses its slot only if MAX_CONNECTIONS newer connections arrive before its
+request does. No cap per peer address: the kubelet or a sidecar on the node's
+own host shares its address with anyone else there. Bookkeeping is a counter
+and a dict of at most MAX_CONNECTIONS entries, O(1) a connection.
+
 Why not a library: what is served is a few small documents to a scraper, a
 probe and a browser; a full server (and its threads or asyncio loop) would be
 more code to trust than these lines. Query strings are ignored.
@@ -93,24 +105,46 @@ async def serve_http(addr: str, routes: dict[str, Route], task_status=trio.TASK_
     """
     host, port = parse_addr(addr)
     listeners = await trio.open_tcp_listeners(port, host=host)
-    slots = trio.Semaphore(MAX_CONNECTIONS)
+    free = MAX_CONNECTIONS  # slots no connection holds
+    reading: dict[trio.CancelScope, None] = {}  # slot holders still reading their request, oldest first
+
+    def take_slot(scope: trio.CancelScope) -> bool:
+        """A slot for a connection reading under `scope`; False: every slot is answering a request."""
+        nonlocal free
+        if free:
+            free -= 1
+        elif reading:
+            oldest = next(iter(reading))
+            del reading[oldest]
+            oldest.cancel()  # it closes unanswered; its slot is the new connection's
+        else:
+            return False
+        reading[scope] = None
+        return True
 
     async def one(stream: trio.SocketStream) -> None:
+        nonlocal free
+        waited = trio.CancelScope(deadline=trio.current_time() + REQUEST_SECONDS)
+        answering = False
         try:
-            if slots.value == 0:
-                return  # over the limit: close at once rather than queue
-            async with slots:
-                with trio.move_on_after(REQUEST_SECONDS) as waited:
-                    head = await _read_head(stream)
-                if waited.cancelled_caught:
-                    return  # a client that says nothing in time gets nothing
-                response, with_body = respond(routes, head)
-                with trio.move_on_after(REQUEST_SECONDS):
-                    await stream.send_all(_head(response.status, response.content_type, len(response.body))
-                                          + (response.body if with_body else b""))
+            if not take_slot(waited):
+                return  # close at once rather than queue
+            with waited:
+                head = await _read_head(stream)
+            if waited not in reading or waited.cancelled_caught:
+                return  # its slot was taken, or it said nothing in time: it gets nothing
+            del reading[waited]
+            answering = True  # from here on its slot cannot be taken
+            response, with_body = respond(routes, head)
+            with trio.move_on_after(REQUEST_SECONDS):
+                await stream.send_all(_head(response.status, response.content_type, len(response.body))
+                                      + (response.body if with_body else b""))
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             pass  # the client went away
         finally:
+            if answering or waited in reading:
+                reading.pop(waited, None)
+                free += 1
             await trio.aclose_forcefully(stream)
 
     bound = listeners[0].socket.getsockname()
