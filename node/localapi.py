@@ -82,6 +82,12 @@ LISTEN_BACKLOG = MAX_CONNECTIONS  # connections queued in the kernel, not yet ac
 # reader ~0.4 s per MiB (measured on a loaded 2-core machine: each meta is walked and built once to
 # check it, as the origin will), where a rollout worker's usual submit of small records is read inline.
 DECODE_OFF_LOOP_BYTES = 1 << 20
+# ... and so are requests of more records than this, whatever their bytes: reading and checking
+# costs per record (65,536 records of 1 byte, 393 KB, took 0.3 s to read and check on the loop,
+# ~4.6 us a record, measured on the loaded 2-core machine), where the hop to a worker thread costs
+# ~65-117 us (node/seglog.py in_worker_thread). 64 records: at most ~0.3 ms on the loop, and a
+# rollout worker's usual submit of a few records stays without a hop.
+DECODE_OFF_LOOP_RECORDS = 64
 # Bytes received on the local socket and not yet handled, all connections together. 1 GiB: room
 # for the largest frame (256 MiB) while every other connection holds a read's worth (1,024 x
 # 256 KiB), so the largest request always gets in once the requests before it are answered, and
@@ -196,7 +202,7 @@ class LocalRequests:
                                                     f"{req['timeout']} s; the node is at {self._version()}")
         if op == "submit":
             try:
-                seqs, repeated = await self._spool.submit([tuple(r) for r in req["records"]], req["timeout"])
+                seqs, repeated = await self._spool.submit(req["records"], req["timeout"])
             except SpoolFull as e:
                 return localapi.error(localapi.FULL, str(e))
             except DiskFull as e:  # nothing acknowledged: the worker keeps its records and retries
@@ -401,10 +407,10 @@ async def _serve_connection(conn: _socket.socket, handle: Handler, buf: bytearra
                 await trio.lowlevel.checkpoint()
             waited = False
             try:
-                if len(body) < DECODE_OFF_LOOP_BYTES:
+                if len(body) < DECODE_OFF_LOOP_BYTES and localapi.declared_records(body) <= DECODE_OFF_LOOP_RECORDS:
                     req = localapi.check_request(localapi.decode_request(body))
-                else:  # its metas may cost seconds of the reader's CPU: the loop turns meanwhile
-                    req = localapi.check_request(await trio.to_thread.run_sync(localapi.decode_request, body))
+                else:  # its metas or records may cost seconds of the reader's CPU: the loop turns meanwhile
+                    req = await trio.to_thread.run_sync(_read_request, body)
             except ProtocolError as e:
                 reply = localapi.error(localapi.BAD_REQUEST, str(e))
             else:
@@ -440,6 +446,11 @@ async def _serve_connection(conn: _socket.socket, handle: Handler, buf: bytearra
         budget.release(held)
         trio.lowlevel.notify_closing(conn)
         conn.close()
+
+
+def _read_request(body: bytes) -> dict:
+    """A worker thread's read of a request: decoded and checked (both per record)."""
+    return localapi.check_request(localapi.decode_request(body))
 
 
 async def _take(budget: BufferBudget, n: int, wait: float) -> bool:

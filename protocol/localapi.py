@@ -118,6 +118,23 @@ def decode_request(body: bytes) -> dict:
     return req
 
 
+def declared_records(body: bytes) -> int:
+    """How many records a request's "records" array declares (its header, read without
+    the records), 0 if it has none or the bytes are not a request (`decode_request` then
+    says what is wrong, at once). For the node to price a request before reading it: a
+    request's cost to read is per record, not per byte."""
+    r = PackReader(body, ProtocolError, "local API")
+    try:
+        for _ in range(r.map_len(MAX_REQUEST_FIELDS, "a msgpack map")):
+            key = r.str(_MAX_FIELD_NAME_BYTES, "a field name")
+            if key == "records" and r.peek_kind() == "array":
+                return r.array_len(MAX_RECORDS_PER_SUBMIT, "an array of records")
+            r.skip(_SMALL_VALUES, _SMALL_DEPTH)
+    except ProtocolError:
+        pass
+    return 0
+
+
 def _small(r: PackReader):
     return r.any(_SMALL_VALUES, _SMALL_DEPTH, "a small value", max_bytes=_SMALL_BYTES)
 

@@ -831,6 +831,53 @@ def test_a_submit_holds_its_metas_as_the_bytes_they_came_in(tmp_path):
     assert [r.payload for r in back] == [b"p%d" % i for i in range(16)] and back[5].meta == meta
 
 
+@pytest.mark.parametrize("ids", [False, True])
+def test_a_submit_of_many_tiny_records_does_not_stop_the_nodes_loop(tmp_path, monkeypatch, ids):
+    """A request was read on the event loop when under 1 MiB, and the spool checked and
+    framed its records there too: a submit of 65,536 records of 1 byte (393 KB; 1.5 MB with
+    ids) held the node's loop 0.6-1.3 s (measured), serving no peer, no chunk, no status
+    meanwhile, for reading and spooling cost per record, not per byte. Now a request of
+    many records is read, and its records checked and framed, in a worker thread: the loop
+    turns meanwhile (a task sleeping 1 ms at a time is never late by anything near it), and
+    every record is stored once, in order."""
+    import threading
+
+    from patchswarm.node import spool as spool_mod
+
+    n = localapi.MAX_RECORDS_PER_SUBMIT
+    recs = [[bytes([i & 0xff]), 1, None] + ([os.urandom(16)] if ids else []) for i in range(n)]
+    raw = b"".join(localapi.submit_frame_parts(recs, 30.0))
+    where = set()  # the threads that read the request and framed its records
+    for mod, name in ((localapi, "decode_request"), (spool_mod, "record_parts")):
+        def spy(*a, _f=getattr(mod, name)):
+            where.add(threading.current_thread() is threading.main_thread())
+            return _f(*a)
+        monkeypatch.setattr(mod, name, spy)
+    out = {}
+
+    async def main():
+        async with spool_node(tmp_path) as (path, spool):
+            async with trio.open_nursery() as tasks:
+                async def tick():
+                    late, last = 0.0, trio.current_time()
+                    while "reply" not in out:
+                        await trio.sleep(0.001)
+                        now = trio.current_time()
+                        late, last = max(late, now - last), now
+                    out["late"] = late
+
+                tasks.start_soon(tick)
+                out["reply"] = await trio.to_thread.run_sync(_exchange, path, raw)
+            out["stored"] = spool.pending(2 * n, 1 << 30)
+
+    trio.run(main)
+    reply = msgpack.unpackb(out["reply"][4:])
+    assert reply == localapi.ok(seqs=list(range(n)), repeated=0)
+    assert [(r.seq, r.payload) for r in out["stored"]] == [(i, bytes([i & 0xff])) for i in range(n)]
+    assert where == {False}, "read or framed on the event loop"
+    assert out["late"] < 0.25, f"the loop stood still {out['late']:.3f} s"  # before: 0.6-1.3 s
+
+
 # ------------------------------------------------------------------ the budget over all connections
 
 
