@@ -242,7 +242,7 @@ def test_a_member_that_announces_every_chunk_and_serves_none_holds_a_node_up_onl
                     await ms.send(wire.Have(1, False, b"\xff" * 64))  # every chunk of version 1 (up to 512)
                     await trio.sleep(0.5)  # taken in
                     write_checkpoint(watch, "step0001.safetensors", checkpoints[1])
-                    await trio.to_thread.run_sync(lambda: lab.wait_version([a], 1, timeout=SNUB_AFTER + 10))
+                    await trio.to_thread.run_sync(lambda: lab.wait_version([a], 1, timeout=SNUB_AFTER + 20))
                     done["at"] = trio.current_time()
                     done["status"] = await trio.to_thread.run_sync(a.status)  # mallory still connected
                     n.cancel_scope.cancel()
@@ -257,8 +257,10 @@ def test_a_member_that_announces_every_chunk_and_serves_none_holds_a_node_up_onl
         first = asked[0][0]
         print(f"\nmallory asked {len(asked)} times, first cancel {cancels[0] - first:.2f} s after the first request; "
               f"a held version 1 {done['at'] - first:.2f} s after it")
-        assert SNUB_AFTER - 0.5 <= cancels[0] - first <= SNUB_AFTER + 2.0
-        assert done["at"] - first <= SNUB_AFTER + 5.0  # 480 s for 64 chunks before snubs (the simulation)
+        # Upper bounds with room for a loaded machine, and still far below what they tell apart:
+        # without snubs a request is given up only at REQUEST_TIMEOUT (30 s).
+        assert SNUB_AFTER - 0.5 <= cancels[0] - first <= SNUB_AFTER + 10.0
+        assert done["at"] - first <= SNUB_AFTER + 15.0  # 480 s for 64 chunks before snubs (the simulation)
         st = done["status"]
         [m] = [p for p in st["peers"] if p["id"] == "mallory"]
         assert m["snubbed"] is True and st["peers_snubbed"] == 1
