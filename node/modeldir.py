@@ -202,13 +202,17 @@ class ModelDir:
         """Keep `version`'s directory while someone reads it (an engine loading it)."""
         self._held[version] = self._held.get(version, 0) + 1
 
-    def release(self, version: int) -> None:
+    def release(self, version: int, prune: bool = True) -> None:
+        """`version` is no longer read by one holder; with `prune` False the caller prunes
+        later (node/modelsink.py does it off the event loop: a version's directory may hold
+        the whole model)."""
         n = self._held.get(version, 0) - 1
         if n > 0:
             self._held[version] = n
         else:
             self._held.pop(version, None)
-        self.prune()
+        if prune:
+            self.prune()
 
     def prune(self) -> None:
         """Remove every version directory that is neither current, nor `written` (the next

@@ -52,8 +52,9 @@ class ModelSink:
         self.dir = ModelDir(root)
         self.switched_by_handoff = engine is not None and getattr(engine, "reads_current", False)
         self.handoff = None if engine is None else Handoff(
-            engine, hold=self.dir.hold, release=self.dir.release,
+            engine, hold=self.dir.hold, release=self._release,
             switch=self.dir.switch if self.switched_by_handoff else None)
+        self._prune_wanted = trio.Event()
         self.nice = nice
         self.bytes_written = 0
         self.last_write_s: float | None = None
@@ -68,7 +69,28 @@ class ModelSink:
     async def run(self) -> None:
         if self.handoff is None:
             await trio.sleep_forever()
-        await self.handoff.run()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._prune_released)
+            await self.handoff.run()
+
+    def _release(self, version: int) -> None:
+        """The hand-off no longer holds `version`: its directory goes, but not here. The
+        hand-off runs on the event loop, and a version's directory may hold every shard of
+        the model (a patch that touches every tensor rewrites every shard): removing
+        hundreds of GB of files there would stop the node's serving meanwhile."""
+        self.dir.release(version, prune=False)
+        self._prune_wanted.set()
+
+    async def _prune_released(self) -> None:
+        """Prune in a worker thread, below the serving loop's priority, after each release
+        (releases that come meanwhile are taken by the next prune)."""
+        while True:
+            await self._prune_wanted.wait()
+            self._prune_wanted = trio.Event()
+            try:
+                await run_low_priority(self.dir.prune, self.nice, name="patchswarm-modeldir")
+            except OSError as e:  # housekeeping: the next write prunes again
+                log.warning("model directory %s: pruning released versions failed: %s", self.dir.root, one_line(e))
 
     async def write(self, w: Weights, layout: dict[str, str] | None, changed: set[str] | None,
                     published_at: float | None) -> None:

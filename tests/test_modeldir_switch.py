@@ -159,11 +159,22 @@ def test_unchanged_shards_are_linked_from_the_version_written_last_not_from_curr
     assert same_bits(loaded(md.current), s3)
 
 
+async def pruned(sink: ModelSink) -> None:
+    """Until the directory holds only what the sink keeps (the released versions are pruned in
+    a worker thread, after the release); 5 s at most."""
+    for _ in range(500):
+        keep = {sink.dir.current_version(), sink.dir.written, *sink.dir._held}
+        if set(version_dirs(sink.dir)) <= keep:
+            return
+        await trio.sleep(0.01)
+    raise AssertionError(f"not pruned within 5 s: {version_dirs(sink.dir)}, keeping {keep}")
+
+
 def test_a_stuck_reload_keeps_current_and_the_directory_holds_a_bounded_number_of_versions(tmp_path):
     """Twenty versions arrive while the reload of version 1 is stuck: `current` stays at 1 and
-    at most three version directories exist at any time (current and in reload, the version
-    handed over before it, the newest written, pending); once the reload returns, the newest
-    goes in and the others go."""
+    at most three version directories are kept (current and in reload, the version handed
+    over before it, the newest written, pending; a superseded one goes in a worker thread
+    just after: `pruned`); once the reload returns, the newest goes in and the others go."""
     root = tmp_path / "md"
     engine = ReadsThroughCurrent(root)
     sink = ModelSink(root, engine, 0)
@@ -179,11 +190,14 @@ def test_a_stuck_reload_keeps_current_and_the_directory_holds_a_bounded_number_o
         for v in range(3, 22):
             await write(sink, v)
             assert sink.dir.current_version() == 2 and sink.version == v
+            await pruned(sink)
             counts.append(len(version_dirs(sink.dir)))
+        await pruned(sink)
         assert version_dirs(sink.dir) == [1, 2, 21]
         engine.pause = False
         await engine.resume_tx.send(None)
         await sink.handoff.wait_delivered(21)
+        await pruned(sink)
 
     with_handoff(sink, script)
     assert max(counts) == 3, counts
@@ -260,3 +274,37 @@ def test_a_switch_that_fails_fails_that_hand_off_only_and_a_newer_version_goes_i
     with_handoff(h, script)
     assert [v for v, _ in engine.reads] == [3] and same_bits(engine.reads[0][1], state(3))
     assert md.current_version() == 3 and h.last_error is None
+
+
+def test_versions_the_handoff_releases_are_removed_off_the_event_loop(tmp_path, monkeypatch):
+    """The hand-off runs on the event loop, and its release of a version handed over pruned
+    that version's directory right there: a directory may hold every shard of the model (a
+    patch that touches every tensor rewrites every shard), hundreds of GB to unlink while the
+    node serves nobody. Now the sink prunes what the hand-off released in a worker thread."""
+    import shutil
+    import threading
+
+    from patchswarm.node import modeldir as modeldir_mod
+
+    removed = []  # (version directory's name, removed on the event loop's thread)
+
+    def spy(path, *a, _rmtree=shutil.rmtree, **k):
+        removed.append((os.path.basename(path), threading.current_thread() is threading.main_thread()))
+        return _rmtree(path, *a, **k)
+
+    monkeypatch.setattr(modeldir_mod.shutil, "rmtree", spy)
+    root = tmp_path / "md"
+    engine = ReadsThroughCurrent(root, pause=False)
+    sink = ModelSink(root, engine, 0)
+
+    async def script():
+        for v in range(1, 5):
+            await write(sink, v)
+            await sink.handoff.wait_delivered(v)
+        await pruned(sink)  # the last release's prune runs in a thread
+
+    with_handoff(sink, script)
+    assert version_dirs(sink.dir) == [4] and sink.dir.current_version() == 4
+    gone = [(name, on_loop) for name, on_loop in removed if name.startswith("v")]
+    assert {name for name, _ in gone} == {f"v{v:010d}" for v in (1, 2, 3)}, removed
+    assert not any(on_loop for _, on_loop in gone), f"removed on the event loop: {gone}"
