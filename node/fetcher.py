@@ -108,7 +108,7 @@ class Fetcher:
         """Cancel the requests the picker says ran out of time: one that timed out, or all of a
         peer's that sent no part for `snub_after` (snubbed: asked for one chunk at a time, and
         ranked after the origin, until a part comes)."""
-        was = {p for p in self.peers.sessions if self.picker.snubbed(p)}
+        was = self.picker.snubbed_peers()  # O(snubbed), not a pass over the sessions each loop turn
         late = self.picker.expired(now)
         silent = collections.Counter(r.peer for r in late if self.picker.snubbed(r.peer))
         for peer, n in sorted(silent.items()):

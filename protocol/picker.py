@@ -463,6 +463,10 @@ class PiecePicker:
         """`peer` is snubbed: it held requests of mine and sent no part for `snub_after` s, and none since."""
         return peer in self._tiers.snubbed
 
+    def snubbed_peers(self) -> set[str]:
+        """The peers snubbed now (a copy; usually empty)."""
+        return set(self._tiers.snubbed)
+
     def chunk_received(self, key: ObjKey, chunk: int, peer: str, now: float | None = None) -> list[Request]:
         """Chunk `chunk` of `key` from `peer` verified and stored (at `now`, on the clock of
         `requests`; None: not timed). Returns the cancels for the other copies still in
