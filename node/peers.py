@@ -115,6 +115,7 @@ class Session:
     serve_ready: trio.Event = dataclasses.field(default_factory=trio.Event)
     piece_bytes_in: int = 0
     piece_bytes_out: int = 0
+    reported_open: bool = False  # the owner was told (`OnSession`) and is told of its end
     closed: bool = False
     close_reason: str | None = None  # why it ended, for the log; the first reason given stands
     tasks: trio.Nursery | None = None  # the session's own tasks (serving, broadcast copies)
@@ -287,6 +288,13 @@ class PeerSet:
                     # here instead of fetching it across the WAN a second time (issue 26).
                     for key, chunk in self.inflows.arriving():
                         await s.send(wire.Incoming(key[0], key[1], chunk))
+                if s.closed:
+                    # Replaced (or closed by its owner) while its greeting went out: a write
+                    # that reached the socket completes without a checkpoint that raises, so
+                    # this session's end is here. Reporting it open would report the peer
+                    # open a second time beside the session that replaced it.
+                    return
+                s.reported_open = True
                 if self._on_open is not None:
                     self._on_open(s)
                 nursery.start_soon(self._serve, s)
@@ -320,9 +328,10 @@ class PeerSet:
         log.log(level, "peer %s (%s, %s) left: %s", s.id, s.role, s.region, reason)
 
     def _forget(self, s: Session) -> None:
-        """Unregister a session and report it gone in one step (`OnSession`)."""
+        """Unregister a session and, if it was reported open, report it gone in one step
+        (`OnSession`)."""
         del self.sessions[s.id]
-        if self._on_close is not None:
+        if s.reported_open and self._on_close is not None:
             self._on_close(s)
 
     async def _receive(self, s: Session) -> str:

@@ -13,7 +13,7 @@ from memlink import KEY, connected_pair, store_with
 from patchswarm.node.peers import CROSSING_SECONDS, REPLACED, SEND_TIMEOUT, PeerSet
 from patchswarm.node.net.ratelimit import TokenBucket
 from patchswarm.node.store import ObjectStore
-from patchswarm.node.net.transport import MessageStream
+from patchswarm.node.net.transport import MessageStream, exchange_hello
 from patchswarm.protocol import wire
 from patchswarm.protocol.assembly import PART_BYTES
 from patchswarm.protocol.picker import NODE, PiecePicker
@@ -261,6 +261,73 @@ def test_a_peer_that_reconnects_while_its_old_connection_closes_is_reported_gone
                 assert peers.connected("a") and picker.in_flight("a") == 0
                 await new_remote.aclose()
         assert events[-1] == ("close", True) and not peers.connected("a")
+
+    trio.run(main)
+
+
+class _GreetingUnderWay(trio.abc.Stream):
+    """A connection whose first write once `armed` is under way until `done` is set and then
+    completes whatever was cancelled meanwhile, as a TLS write that reached the socket does
+    (its last checkpoint is cancel-shielded: node/net/tlsstream.py)."""
+
+    def __init__(self, inner):
+        self.inner, self.armed, self.held = inner, False, 0
+        self.done = trio.Event()
+
+    async def send_all(self, data):
+        if self.armed and not self.held:
+            self.held += 1
+            with trio.CancelScope(shield=True):
+                await self.done.wait()
+        await self.inner.send_all(data)
+
+    async def wait_send_all_might_not_block(self):
+        await self.inner.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes=None):
+        return await self.inner.receive_some(max_bytes)
+
+    async def aclose(self):
+        await self.inner.aclose()
+
+
+def test_a_session_replaced_while_its_greeting_goes_out_is_never_reported_open(tmp_path):
+    """'srv' dialed 'req' and its session was sending its Have when req's own dial came in
+    and replaced it (both dialed at once; the smaller id's dial is kept). The old session's
+    Have then completed. Before: it went on to report 'req' open after the new session had,
+    so the picker's UsageError ("already connected") ended the node (a WAN bench run,
+    2026-12-06: n0.3 exited, n2.1 dropped the connection's handler)."""
+    picker = PiecePicker("srv", "r1", "r1")
+    events = []
+
+    async def main():
+        peers = PeerSet("srv", store_with(tmp_path / "store", [b"x" * 100]), TokenBucket(None), _noop,
+                        on_open=None, on_close=None)
+        peers._on_open, peers._on_close = _recording(events, lambda s: s.outbound, picker)
+        a, b = trio.testing.memory_stream_pair()
+        greeting = _GreetingUnderWay(a)
+        dialed, far_end = MessageStream(greeting, "req", "node"), MessageStream(b, "srv", "node")
+        async with trio.open_nursery() as n:
+            n.start_soon(exchange_hello, dialed, wire.Hello("srv", "r1", "node", "x:1", []))
+            n.start_soon(exchange_hello, far_end, wire.Hello("req", "r1", "node", "x:2", []))
+        greeting.armed = True
+        served, requester, _ = await connected_pair()
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(peers.run, dialed, True)
+                try:
+                    await trio.testing.wait_all_tasks_blocked()
+                    assert greeting.held == 1 and events == []  # its Have is under way
+                    nursery.start_soon(peers.run, served, False)  # replaces it
+                    await trio.testing.wait_all_tasks_blocked()
+                    assert events[-1:] == [("open", False)] and peers.replaced == 1
+                finally:
+                    greeting.done.set()  # the replaced session's Have completes
+                await trio.testing.wait_all_tasks_blocked()
+                # The replaced session was never open, so it was reported neither open nor gone.
+                assert events == [("open", False)] and not peers.sessions["req"].outbound
+                await requester.aclose()
+        assert events == [("open", False), ("close", False)] and not peers.connected("req")
 
     trio.run(main)
 
