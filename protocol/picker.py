@@ -117,6 +117,23 @@ Without snubs, a member that announced every chunk and served none held
 `pipeline` requests of each neighbour at a time, each for `request_timeout`
 (protocol/README.md, "The longest a node sits").
 
+Slow peers (`slow_chunk_s`, None: never; the daemon's is twice its
+`request_timeout`): a node peer that sends a small part of each answer every
+few seconds is never silent. The caller tells with each part how far that
+answer has come (`peer_sent`: bytes from this peer, bytes still to come). A
+node peer that has served me for `snub_after` (from the later of its last
+whole chunk to me and the moment it was asked with nothing in flight) is
+snubbed as slow where, at the rate it has sent each answer in flight, measured
+to that answer's last part, even the fastest would take `slow_chunk_s` or more
+to complete: as a silent one (`expired` returns all its requests; ranked after
+the origin; a probe at a time), but only a whole chunk from it ends that snub
+(`snub_reason`: SILENT or SLOW). A request served in order behind another has
+no part yet and does not count. A Reject is no part: given its time
+(`chunk_refused(..., now)`), the silence the peer held and the time it had
+served go on into its next request if it is asked again within `snub_after`,
+so one that refuses each request before its snub and announces the chunk
+again is snubbed as if it had held it.
+
 Cost: facts update per-chunk indexes incrementally (holder sets, rarity
 buckets of the requestable chunks, the requestable chunks of each peer), so
 `requests()` looks only at peers with free slots and at the chunks they can

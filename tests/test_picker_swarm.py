@@ -4,8 +4,9 @@ Pure Python: one PiecePicker per node, an origin holding every chunk, instant
 delivery within a step. Checks that everyone completes, that each chunk
 enters each region across the WAN exactly once and that the origin sends each
 chunk once while all is healthy, also when a member leaves or links are
-partial, and that a member that announces every chunk and serves none holds
-an honest node up for about `snub_after`. Single pickers are tested with
+partial, and that a member that announces every chunk and serves none, or
+drips a part of each answer every few seconds, or refuses each request before
+its snub, holds an honest node up for about `snub_after`. Single pickers are tested with
 tables in test_picker.py.
 """
 
