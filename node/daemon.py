@@ -35,7 +35,7 @@ import trio
 from patchswarm.protocol import wire
 from patchswarm.protocol.errors import UsageError
 from patchswarm.protocol.peersets import apply_delta
-from patchswarm.protocol.picker import ENDGAME_AFTER, ORIGIN_PIPELINE, SNUB_AFTER, WAN_GATEWAYS, PiecePicker
+from patchswarm.protocol.picker import ENDGAME_AFTER, ORIGIN_PIPELINE, SLOW_CHUNK_S, SNUB_AFTER, WAN_GATEWAYS, PiecePicker
 from patchswarm.protocol.publication import describe
 from patchswarm.protocol.responsibility import swarm_wan_rates
 from patchswarm.protocol.versions import VersionBook
@@ -139,7 +139,7 @@ class Node:
         self.picker = PiecePicker(self.id, self.region, None, seed=seed, wan_gateways=cfg.wan_gateways,
                                   request_timeout=REQUEST_TIMEOUT, wan_rates=cfg.wan_rates,
                                   origin_pipeline=ORIGIN_PIPELINE, endgame_after=ENDGAME_AFTER,
-                                  snub_after=SNUB_AFTER)
+                                  snub_after=SNUB_AFTER, slow_chunk_s=SLOW_CHUNK_S)
         self._rates_warned: dict[str, float] | None = None  # the tracker's rates last warned of
         self.peers = PeerSet(self.id, None, self.upload, self._on_message,  # store set in run()
                              on_open=self._on_peer_open, on_close=self._on_peer_close, inflows=self.inflows)
@@ -399,7 +399,8 @@ class Node:
             "unreachable": self.dialer.unreachable,
             "peers": sorted(({"id": s.id, "region": s.region, "role": s.role,
                               "bytes_in": s.piece_bytes_in, "bytes_out": s.piece_bytes_out,
-                              "snubbed": self.picker.snubbed(s.id), **transport_of(s.ms),
+                              "snubbed": self.picker.snubbed(s.id), "snub_reason": self.picker.snub_reason(s.id),
+                              **transport_of(s.ms),
                               **self._declared(s.id)}
                              for s in self.peers.sessions.values()), key=lambda p: p["id"]),
             "webrtc_refused": {} if self.rtc is None else dict(self.rtc.refused),
@@ -415,6 +416,7 @@ class Node:
             "pieces_unasked": f.pieces_unasked,  # first parts of chunks not asked of their sender, ignored
             "peers_dropped": dict(self.peers.dropped),  # and connections refused, by kind (node/peers.py)
             "peers_snubbed": f.snubs,  # times a peer sent no part for SNUB_AFTER s while holding requests
+            "peers_snubbed_slow": f.slow_snubs,  # times a peer served a chunk too slowly for SLOW_CHUNK_S
             "sessions_replaced": self.peers.replaced,  # by the same member's new connection (its reconnect)
             "manifests_rejected": a.manifests_rejected,
             **self.manifests.status(),

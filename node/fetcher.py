@@ -31,7 +31,7 @@ from patchswarm.protocol import wire
 from patchswarm.protocol.announce import INCOMING_TELLS, Listener, tell_have, tell_incoming
 from patchswarm.protocol.wire import unknown_kept
 from patchswarm.protocol.manifest import chunk_ok
-from patchswarm.protocol.picker import ORIGIN, NODE, PiecePicker, Request
+from patchswarm.protocol.picker import ORIGIN, NODE, SLOW, PiecePicker, Request
 from patchswarm.protocol.publication import ObjKey, describe
 from patchswarm.protocol.versions import VersionBook
 
@@ -63,6 +63,7 @@ class Fetcher:
         self.chunks_rejected = 0
         self.pieces_unasked = 0  # first parts of chunks nobody asked of their sender: ignored
         self.snubs = 0  # times a peer was snubbed (sent no part for the picker's `snub_after`)
+        self.slow_snubs = 0  # times a peer was snubbed as slow (a chunk would take it the picker's `slow_chunk_s`)
         # Sessions sent an Incoming for a chunk not yet held. Sessions, not peer ids: a peer
         # that reconnects meanwhile has a new session, which was never told.
         self._told: dict[ObjKey, dict[int, collections.Counter[Session]]] = {}  # Incoming sent, per peer
@@ -106,19 +107,25 @@ class Fetcher:
 
     def _expire(self, now: float) -> None:
         """Cancel the requests the picker says ran out of time: one that timed out, or all of a
-        peer's that sent no part for `snub_after` (snubbed: asked for one chunk at a time, and
-        ranked after the origin, until a part comes)."""
+        peer's that sent no part for `snub_after`, or served so slowly that a chunk would take it
+        `slow_chunk_s` (snubbed: asked for one chunk at a time, and ranked after the origin, until
+        a part comes, or for a slow one a whole chunk)."""
         was = self.picker.snubbed_peers()  # O(snubbed), not a pass over the sessions each loop turn
         late = self.picker.expired(now)
         silent = collections.Counter(r.peer for r in late if self.picker.snubbed(r.peer))
         for peer, n in sorted(silent.items()):
+            slow = self.picker.snub_reason(peer) == SLOW
+            what = (f"served too slowly (a chunk would take it {self.picker.slow_chunk_s:.0f} s or more)" if slow
+                    else f"sent no part for {self.picker.snub_after:.1f} s")
             if peer in was:  # its probe, unanswered too
-                log.debug("snubbed peer %s sent no part for %.1f s; its %d request(s) asked elsewhere",
-                          peer, self.picker.snub_after, n)
+                log.debug("snubbed peer %s %s; its %d request(s) asked elsewhere", peer, what, n)
                 continue
-            self.snubs += 1
-            log.warning("peer %s sent no part for %.1f s while it held %d of my requests; asking elsewhere, "
-                        "and it only one at a time until a part comes", peer, self.picker.snub_after, n)
+            if slow:
+                self.slow_snubs += 1
+            else:
+                self.snubs += 1
+            log.warning("peer %s %s while it held %d of my requests; asking elsewhere, and it only one at a time "
+                        "until %s comes", peer, what, n, "a whole chunk" if slow else "a part")
         for r in late:
             if r.peer not in silent:
                 log.warning("peer %s did not deliver chunk %d of %s within %.0f s; asking elsewhere",
@@ -237,7 +244,7 @@ class Fetcher:
         if n is not None and msg.chunk >= n:
             raise PeerDropped(f"refused chunk {msg.chunk} of {describe(key)}, which has {n} chunks")
         self.inflows.discard(s.id, key, msg.chunk)
-        self.picker.chunk_refused(key, msg.chunk, s.id)
+        self.picker.chunk_refused(key, msg.chunk, s.id, trio.current_time())  # no part: its silence goes on
         self._wakeup.set()
 
     async def on_piece(self, s: Session, msg: wire.Piece) -> None:
@@ -258,8 +265,11 @@ class Fetcher:
         flow, first = self.inflows.receive(s.id, key, c, m.chunks[c][0], msg.offset, msg.total, msg.data)
         if flow is None:
             return  # the rest of a flow this node cancelled
-        # A part of an answer to a request in flight: the peer is not silent (a snub ends).
-        self.picker.peer_sent(s.id, trio.current_time())
+        # A part of an answer to a request in flight: the peer is not silent (a snub ends), and
+        # how far its answer has come (its rate: the picker's `slow_chunk_s`).
+        asm = flow.asm
+        self.picker.peer_sent(s.id, trio.current_time(), key, c, got=asm.received - flow.start,
+                              left=asm.total - asm.received)
         if first and not flow.asm.complete:
             # Neighbours (and the next region's gateway) may follow it from here on.
             told = self._told.setdefault(key, {}).setdefault(c, collections.Counter())

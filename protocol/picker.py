@@ -117,6 +117,23 @@ Without snubs, a member that announced every chunk and served none held
 `pipeline` requests of each neighbour at a time, each for `request_timeout`
 (protocol/README.md, "The longest a node sits").
 
+Slow peers (`slow_chunk_s`, None: never; the daemon's is twice its
+`request_timeout`): a node peer that sends a small part of each answer every
+few seconds is never silent. The caller tells with each part how far that
+answer has come (`peer_sent`: bytes from this peer, bytes still to come). A
+node peer that has served me for `snub_after` (from the later of its last
+whole chunk to me and the moment it was asked with nothing in flight) is
+snubbed as slow where, at the rate it has sent each answer in flight, measured
+to that answer's last part, even the fastest would take `slow_chunk_s` or more
+to complete: as a silent one (`expired` returns all its requests; ranked after
+the origin; a probe at a time), but only a whole chunk from it ends that snub
+(`snub_reason`: SILENT or SLOW). A request served in order behind another has
+no part yet and does not count. A Reject is no part: given its time
+(`chunk_refused(..., now)`), the silence the peer held and the time it had
+served go on into its next request if it is asked again within `snub_after`,
+so one that refuses each request before its snub and announces the chunk
+again is snubbed as if it had held it.
+
 Cost: facts update per-chunk indexes incrementally (holder sets, rarity
 buckets of the requestable chunks, the requestable chunks of each peer), so
 `requests()` looks only at peers with free slots and at the chunks they can
@@ -171,6 +188,16 @@ ENDGAME_AFTER = 0.5
 # while its source is: an honest source's silence is the same, a silent one is snubbed by the
 # relay after this long, so its followers may snub the relay too (a probe takes it back).
 SNUB_AFTER = 5.0
+# The daemon's `slow_chunk_s` (seconds): a node peer that has served the chunk it serves me now for
+# `snub_after` or more, at a rate that makes that chunk's whole time (from when it began serving it)
+# this long or longer, is snubbed as slow (see the module doc). Twice the daemon's `request_timeout`
+# (node/fetcher.py, 30 s), which gives up such a request anyway: so only a peer the node would
+# wait on for nothing is demoted, 25 s earlier. The busy honest member above (a 64 KiB part every
+# 2.1-2.6 s) serves a 1 MiB chunk in 34-42 s, under it; a member whose parts are 3.7 s apart or more
+# (a 1 MiB chunk at 17.5 KB/s, at most ~5.7 Mbit/s shared by 40 busy sessions) is demoted. A chunk
+# that takes 60 s from a neighbour comes sooner from the origin: at 100 Mbit/s it sends a member's
+# whole share (1/4 of a 60 MB patch among 4 members) in 1.2 s.
+SLOW_CHUNK_S = 60.0
 # `pick_share` takes over only while a chunk from the origin takes at least this long (s, from
 # request to verified): long against how late members hear of each other's progress (a few
 # ms on a LAN), so the owner rarely asks the origin for a chunk already taken. At 1 Gbit/s a
@@ -183,7 +210,7 @@ TAKEOVER_MIN_CHUNK_S = 0.05
 # 0.01-0.11 s at 1 Gbit/s, where a chunk's fan-out is short and this 2-core machine's CPU the limit.
 REST_MIN_CHUNK_S = 0.15
 
-__all__ = ["MAX_COPIES", "NODE", "ORIGIN", "ORIGIN_PIPELINE", "ENDGAME_AFTER", "PEER_KINDS", "SNUB_AFTER", "WAN_GATEWAYS",
+__all__ = ["MAX_COPIES", "NODE", "ORIGIN", "ORIGIN_PIPELINE", "ENDGAME_AFTER", "PEER_KINDS", "SLOW", "SILENT", "SLOW_CHUNK_S", "SNUB_AFTER", "WAN_GATEWAYS",
            "WAN_PIPELINE", "PiecePicker", "Request"]
 
 
@@ -207,6 +234,10 @@ ENDGAME = "second copy"    # an endgame copy of a request in flight (`pick_endga
 STALLED = "no progress"    # from any holder after `takeover_after` without progress (`pick_takeover`)
 BESIDE_PROBE = "beside a probe"  # a chunk asked only of snubbed peers, from a better source (`pick_beside_probes`)
 
+# Why a peer is snubbed (`snub_reason`).
+SILENT = "silent"  # it held requests and sent no part for `snub_after`
+SLOW = "slow"      # the chunk it serves would take it `slow_chunk_s` or more at its rate
+
 
 class PiecePicker:
     """Which chunk to request next from which peer, for one node (see module doc).
@@ -218,7 +249,8 @@ class PiecePicker:
                  pipeline: int = 4, takeover_after: float = 2.0, wan_pipeline: int = WAN_PIPELINE,
                  wan_gateways: int | None = WAN_GATEWAYS, request_timeout: float | None = None,
                  wan_rates: Mapping[str, float] | None = None, origin_pipeline: int | None = None,
-                 endgame_after: float = 0.0, snub_after: float | None = None):
+                 endgame_after: float = 0.0, snub_after: float | None = None,
+                 slow_chunk_s: float | None = None):
         if type(pipeline) is not int or pipeline < 1:
             raise UsageError(f"pipeline: expected an int >= 1, found {pipeline!r}")
         if type(wan_pipeline) is not int or wan_pipeline < 1:
@@ -235,6 +267,8 @@ class PiecePicker:
             raise UsageError(f"request_timeout: expected None or seconds > 0, found {request_timeout!r}")
         if snub_after is not None and not snub_after > 0:
             raise UsageError(f"snub_after: expected None or seconds > 0, found {snub_after!r}")
+        if slow_chunk_s is not None and not slow_chunk_s > 0:
+            raise UsageError(f"slow_chunk_s: expected None or seconds > 0, found {slow_chunk_s!r}")
         check_wan_rates(wan_rates)
         self.me = me
         self.region = region
@@ -246,6 +280,8 @@ class PiecePicker:
         self.origin_chunk_s: float | None = None  # the last chunk from the origin, request to verified (not a rest)
         self.request_timeout = request_timeout
         self.snub_after = None if snub_after is None else float(snub_after)
+        self.slow_chunk_s = None if slow_chunk_s is None else float(slow_chunk_s)
+        self._slow: set[str] = set()  # the snubbed peers snubbed as slow (the others: silent)
         self.takeover_after = float(takeover_after)
         self._rng = random.Random(seed)
         self._tiers = SourceTiers(me, region, origin_region, wan_gateways, wan_rates)
@@ -280,6 +316,7 @@ class PiecePicker:
         uplinks = check_rates(uplinks, "uplinks", "node id -> Mbit/s > 0")
         caps = self._tiers.caps
         self._tiers.snubbed &= members.keys() | self._peers.keys()  # kept for members and connected peers only
+        self._slow &= self._tiers.snubbed
         self._replan(self._tiers.set_members(members, uplinks), caps)
 
     @property
@@ -377,7 +414,7 @@ class PiecePicker:
         cancels = []
         for c, peers in obj.inflight.items():
             for p in peers:
-                del self._peers[p].inflight[(key, c)]
+                self._peers[p].drop((key, c))
                 self._n_inflight -= 1
                 cancels.append(Request(p, key, c))
         self._pending.put(key, obj.facts())
@@ -447,16 +484,23 @@ class PiecePicker:
             raise UsageError(f"peer_has_unknown: {peer!r} has not joined")
         self._pending.add_unknown(peer, key, bitfield, chunks, whole)
 
-    def peer_sent(self, peer: str, now: float) -> None:
+    def peer_sent(self, peer: str, now: float, key: ObjKey | None = None, chunk: int | None = None, *,
+                  got: int = 0, left: int = 0) -> None:
         """A part of an answer to a request of mine in flight to `peer` arrived, at `now` (the
-        clock of `requests`): its silence ends. A snubbed peer is not any more: a source at its
-        tier again, and a member of my region back in the plan. O(1) but when it ends a snub.
-        Unknown peers are ignored."""
+        clock of `requests`): its silence ends, and a snub for silence with it (a source at its
+        tier again, a member of my region back in the plan); a snub as slow ends only with a
+        whole chunk (`chunk_received`). With `key` and `chunk`, the request it answers: `got`
+        bytes of it have come from `peer` so far, `left` are still to come (its rate, judged by
+        `slow_chunk_s`). O(1) but when it ends a snub. Unknown peers are ignored."""
         info = self._peers.get(peer)
         if info is None:
             return
         info.last_part = now
-        if peer in self._tiers.snubbed:
+        if key is not None and (key, chunk) in info.inflight:
+            if type(got) is not int or type(left) is not int or got < 0 or left < 0:
+                raise UsageError(f"peer_sent: expected byte counts >= 0, found got={got!r}, left={left!r}")
+            info.progress[(key, chunk)] = (got, left, now)
+        if peer in self._tiers.snubbed and peer not in self._slow:
             self._set_snubbed(peer, False)
 
     def snubbed(self, peer: str) -> bool:
@@ -466,6 +510,12 @@ class PiecePicker:
     def snubbed_peers(self) -> set[str]:
         """The peers snubbed now (a copy; usually empty)."""
         return set(self._tiers.snubbed)
+
+    def snub_reason(self, peer: str) -> str | None:
+        """Why `peer` is snubbed (`SILENT` or `SLOW`); None if it is not."""
+        if peer not in self._tiers.snubbed:
+            return None
+        return SLOW if peer in self._slow else SILENT
 
     def chunk_received(self, key: ObjKey, chunk: int, peer: str, now: float | None = None) -> list[Request]:
         """Chunk `chunk` of `key` from `peer` verified and stored (at `now`, on the clock of
@@ -486,11 +536,16 @@ class PiecePicker:
             obj.unindex(chunk)
         cancels = []
         for p in sorted(obj.inflight.pop(chunk, ())):
-            del self._peers[p].inflight[(key, chunk)]
+            self._peers[p].drop((key, chunk))
             self._n_inflight -= 1
             if p != peer:
                 cancels.append(Request(p, key, chunk))
         obj.received(chunk)
+        if info is not None:
+            if now is not None:
+                info.serving_from = now  # its next chunk is judged from here
+            if peer in self._tiers.snubbed:  # a whole chunk: a part, and an answer in time
+                self._set_snubbed(peer, False)
         return cancels
 
     def chunk_failed(self, key: ObjKey, chunk: int, peer: str) -> None:
@@ -514,23 +569,32 @@ class PiecePicker:
         if chunk in obj.missing and peer in obj.inflight.get(chunk, ()):
             self._release(obj, chunk, peer)
 
-    def chunk_refused(self, key: ObjKey, chunk: int, peer: str) -> None:
+    def chunk_refused(self, key: ObjKey, chunk: int, peer: str, now: float | None = None) -> None:
         """`peer` answered a request for the chunk with a Reject: it no longer
         says it has the chunk, and is not asked for it again until it
-        announces it again (Incoming or HaveOne: it got the chunk anew)."""
+        announces it again (Incoming or HaveOne: it got the chunk anew).
+        A Reject is no part: with `now` (the clock of `requests`), the silence
+        the peer held until it, and the time it served at its rate, go on
+        into its next request if it is asked again within `snub_after`, so a
+        peer that refuses each request before its snub and announces the
+        chunk again is snubbed all the same."""
         obj = self._objects.get(key)
         if obj is None:
             self._pending.withdraw(peer, key, chunk)
             return
         self._check_chunk(obj, chunk, "chunk_refused")
+        info = self._peers.get(peer)
+        if now is not None and info is not None and list(info.inflight) == [(key, chunk)]:
+            info.refused_quiet = (now, now - info.quiet_from(), now - info.serving_from)
         obj.withdraw(peer, chunk)
         self._fail(obj, chunk, peer)
 
     def expired(self, now: float) -> list[Request]:
         """The requests that ran out of time by `now`, not answered: those sent
         `request_timeout` seconds or more before it, and every request in flight
-        to a node peer silent for `snub_after` s (`_snub_at`), which is snubbed
-        from here on. Each is released and its peer is not asked for that chunk
+        to a node peer silent for `snub_after` s (`_snub_at`) or serving slower
+        than `slow_chunk_s` allows (`_slow_at`), which is snubbed from here on.
+        Each is released and its peer is not asked for that chunk
         again until its word on it changes (`requests()` asks another holder).
         The caller cancels them."""
         if not self._n_inflight or self.request_timeout is None and self.snub_after is None:
@@ -538,22 +602,27 @@ class PiecePicker:
         # `sent + timeout <= now`, the very sum `next_wakeup` gives: `sent <= now - timeout` can
         # differ from it in the last bit (30.005 - 30 < 0.005), and the fetcher, woken at the
         # time `next_wakeup` named, found nothing expired and was woken at once again, without
-        # end on a clock that does not move by itself (trio's MockClock). Likewise `_snub_at`.
+        # end on a clock that does not move by itself (trio's MockClock). Likewise `_snub_at`, `_slow_at`.
         timeout = self.request_timeout
-        late, silent = [], []
+        late, snubs = [], []
         for p, info in self._peers.items():
             if not info.inflight:
                 continue
-            if self._snub_at(info) <= now:
-                silent.append(p)
+            why = SILENT if self._snub_at(info) <= now else SLOW if self._slow_at(info) <= now else None
+            if why is not None:
+                snubs.append((p, why))
                 late += (Request(p, key, c) for key, c in info.inflight)
             elif timeout is not None:
                 late += (Request(p, key, c) for (key, c), sent in info.inflight.items() if sent + timeout <= now)
         late.sort()
         for r in late:
             self._fail(self._objects[r.key], r.chunk, r.peer)
-        for p in silent:
+        for p, why in snubs:
             self._set_snubbed(p, True)
+            if why == SLOW:
+                self._slow.add(p)
+            else:
+                self._slow.discard(p)
         return late
 
     # --- questions -----------------------------------------------------------
@@ -610,6 +679,8 @@ class PiecePicker:
                        + self.request_timeout)
         if self.snub_after is not None and self._n_inflight:
             due += [self._snub_at(info) for info in self._peers.values() if info.inflight and info.kind == NODE]
+            if self.slow_chunk_s is not None:
+                due += [t for info in self._peers.values() if info.progress and now < (t := self._slow_at(info)) < math.inf]
         return min(due, default=None)
 
     def complete(self, key: ObjKey) -> bool:
@@ -672,12 +743,30 @@ class PiecePicker:
             return math.inf
         return info.quiet_from() + self.snub_after
 
+    def _slow_at(self, info: PeerState) -> float:
+        """When a node peer serving requests of mine is snubbed as slow (inf: not at its rate so
+        far, or no part told with its bytes). Of each answer in flight it had sent `got` bytes,
+        `left` to come, at its last part, `at`: at that answer's rate since the peer began
+        serving (`serving_from`), its chunk takes (got + left) * (at - serving_from) / got. The
+        rate is measured to the last part, not to now: between parts 2.6 s apart, one part in
+        5 s read as half the rate it was. Slow where even its fastest answer would take
+        `slow_chunk_s` or more (one served in order after others has no part yet, and does not
+        count), from `snub_after` after `serving_from` on; a peer that stops sending is silent."""
+        if self.slow_chunk_s is None or self.snub_after is None or info.kind != NODE or not info.progress:
+            return math.inf
+        start = info.serving_from
+        fastest = min(((got + left) * (at - start) / got if got else math.inf)
+                      for got, left, at in info.progress.values())
+        return start + self.snub_after if fastest >= self.slow_chunk_s else math.inf
+
     def _set_snubbed(self, peer: str, snubbed: bool) -> None:
         """Snub `peer` or end its snub: its tier moves for every chunk it holds, and a member
         of my region leaves the plan or comes back (its share re-planned, as when its session
         closes or opens). What it says meanwhile is no progress of my region's."""
         if (peer in self._tiers.snubbed) == snubbed:
             return
+        if not snubbed:
+            self._slow.discard(peer)
         caps = self._tiers.caps
         if self._tiers.snub(peer, snubbed):
             self._replan(False, caps)
@@ -714,7 +803,13 @@ class PiecePicker:
         obj.inflight.setdefault(c, set()).add(p)
         info = self._peers[p]
         if not info.inflight:
-            info.busy_since = now
+            # Asked with nothing in flight: judged from now, unless it refused its last request
+            # within `snub_after`: then from when that one's silence began (a Reject is no part).
+            carried, info.refused_quiet = info.refused_quiet, None
+            if carried is not None and self.snub_after is not None and now - carried[0] < self.snub_after:
+                info.busy_since, info.serving_from = now - carried[1], now - carried[2]
+            else:
+                info.busy_since = info.serving_from = now
         info.inflight[(obj.key, c)] = now
         self._n_inflight += 1
         return Request(p, obj.key, c, why)
@@ -722,7 +817,7 @@ class PiecePicker:
     def _release(self, obj: ObjectState, c: int, p: str) -> None:
         asked = obj.inflight[c]
         asked.discard(p)
-        del self._peers[p].inflight[(obj.key, c)]
+        self._peers[p].drop((obj.key, c))
         self._n_inflight -= 1
         if not asked:
             del obj.inflight[c]

@@ -15,7 +15,8 @@ piece state apart from the request policy of protocol/picker.py). Owns:
 - `PeerState`: one connected peer: its kind, its region, its requests in
   flight with the time each was sent (the picker's `now`), when a part last
   came from it and when it last went from no requests of mine to some (its
-  silence, which the picker judges: `snub_after`).
+  silence, which the picker judges: `snub_after`), and how far each answer
+  has come since it began serving it (its rate: the picker's slow rule).
 - `PendingFacts`: what peers announced of objects not being fetched (yet),
   so that an object added later starts from them; bounded.
 
@@ -42,7 +43,8 @@ MAX_UNKNOWN_INDICES = 1024  # single chunks (HaveOne, Incoming) kept per peer of
 
 
 class PeerState:
-    __slots__ = ("kind", "region", "inflight", "id", "last_part", "busy_since")
+    __slots__ = ("kind", "region", "inflight", "id", "last_part", "busy_since", "progress", "serving_from",
+                 "refused_quiet")
 
     def __init__(self, kind: str, region: str, id: str = ""):
         self.kind = kind
@@ -51,12 +53,28 @@ class PeerState:
         self.inflight: dict[tuple[ObjKey, int], float] = {}  # (key, chunk) -> when it was asked
         self.last_part = -math.inf  # when a part of an answer last came from it
         self.busy_since = -math.inf  # when its requests in flight last went from none to some
+        # Per request in flight that a part of the answer came for: (bytes this peer sent of it,
+        # bytes of the chunk still to come, when the last part came); only those the caller
+        # told of (`peer_sent`).
+        self.progress: dict[tuple[ObjKey, int], tuple[int, int, float]] = {}
+        # Since when it has served the chunk it serves now: the later of its last whole chunk to
+        # me and `busy_since` (its rate is judged over it: the picker's `slow_after`).
+        self.serving_from = -math.inf
+        # A refusal that left it nothing in flight: (when, the silence it had held until then, the
+        # time it had served since `serving_from`), carried into its next request if that is
+        # asked soon after (None: none).
+        self.refused_quiet: tuple[float, float, float] | None = None
 
     def quiet_from(self) -> float:
         """Since when the peer has been silent on my requests: the later of its last part and
         the moment it was last asked with nothing in flight (a peer freshly asked is not
         judged on its silence while it had nothing to send me)."""
         return max(self.last_part, self.busy_since)
+
+    def drop(self, request: tuple[ObjKey, int]) -> None:
+        """A request in flight to it ended (answered, cancelled, failed or refused)."""
+        del self.inflight[request]
+        self.progress.pop(request, None)
 
 
 TierOf = Callable[[int, PeerState], int]  # (chunk, holder) -> its source tier; lower is better

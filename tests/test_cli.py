@@ -283,7 +283,8 @@ def test_status_shows_a_snubbed_peer(capsys, monkeypatch):
     st = {"node_id": "n1", "region": "r0", "version": 3, "base_path": "/d/weights.safetensors",
           "bytes_in": {"origin": 0, "same_region": 0, "other_region": 0}, "bytes_out": 0, "chunks_rejected": 0,
           "peers": [{"id": "m", "region": "r0", "role": "node", "snubbed": True},
-                    {"id": "n2", "region": "r0", "role": "node", "snubbed": False}]}
+                    {"id": "n2", "region": "r0", "role": "node", "snubbed": False},
+                    {"id": "s", "region": "r0", "role": "node", "snubbed": True, "snub_reason": "slow"}]}
     print_status(st)
     out = " ".join(capsys.readouterr().out.split())
-    assert "m (r0, snubbed: sent no part of an answer lately), n2 (r0)" in out
+    assert "m (r0, snubbed: sent no part of an answer lately), n2 (r0), s (r0, snubbed: served too slowly lately)" in out

@@ -22,7 +22,7 @@ from patchswarm.node.store import ObjectStore
 from patchswarm.protocol import wire
 from patchswarm.protocol.assembly import PART_BYTES
 from patchswarm.protocol.manifest import Manifest
-from patchswarm.protocol.picker import PiecePicker
+from patchswarm.protocol.picker import SLOW, PiecePicker
 from patchswarm.protocol.versions import VersionBook
 
 KEY = (1, False)
@@ -134,6 +134,35 @@ def test_a_neighbour_that_sends_no_part_is_snubbed_and_the_origin_asked_at_snub_
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
     said = [r.getMessage() for r in caplog.records if "sent no part" in r.getMessage()]
     assert len(said) == 1 and said[0].startswith("peer a sent no part for 5.0 s while it held 1 of my requests")
+
+
+def test_a_neighbour_that_drips_parts_is_snubbed_as_slow_and_the_origin_asked_for_the_rest(tmp_path, caplog):
+    """A member that sends a byte of its answer every 4.9 s is never silent: the request waited
+    for the 30 s timeout. The fetcher tells the picker each part's bytes, and at `snub_after`
+    the chunk would take the member 49 s at its rate, over `slow_chunk_s` (40 s here): it is
+    snubbed as slow, and the origin is asked for the rest (from the bytes kept); its next part
+    does not end the snub. The status counts it apart from a silent peer's."""
+    fetcher = _fetcher(tmp_path, snub_after=SNUB, slow_chunk_s=40.0)
+
+    async def main():
+        start = trio.current_time()
+        async with trio.open_nursery() as n:
+            a, origin = await _neighbour_then_origin(fetcher, n)
+            await trio.sleep(4.9)
+            await fetcher.on_piece(a, wire.Piece(KEY[0], KEY[1], 0, 0, 10, b"0"))  # a byte of ten
+            await trio.sleep(0.05)
+            assert not _sent(a, wire.Cancel) and not fetcher.picker.snubbed("a")
+            await trio.sleep(0.1)
+            [cancelled_at] = _sent(a, wire.Cancel)
+            [ask] = [(t, m) for t, m in origin.ms.sent if isinstance(m, (wire.Request, wire.RequestRest))]
+            assert cancelled_at - start == ask[0] - start == SNUB
+            assert ask[1] == wire.RequestRest(KEY[0], KEY[1], 0, 1)
+            assert fetcher.picker.snub_reason("a") == SLOW and (fetcher.slow_snubs, fetcher.snubs) == (1, 0)
+            n.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    said = [r.getMessage() for r in caplog.records if "too slowly" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("peer a served too slowly (a chunk would take it 40 s or more)")
 
 
 def test_a_neighbour_whose_relay_broke_is_asked_again_the_moment_it_has_the_chunk(tmp_path):

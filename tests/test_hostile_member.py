@@ -20,13 +20,16 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import msgpack
 import pytest
 import torch
 import trio
 
 from patchswarm.node.net import trust
+from patchswarm.node.store import MANIFEST_NAME
 from patchswarm.node.net.transport import connect, parse_addr
 from patchswarm.protocol import wire
+from patchswarm.protocol.manifest import decode_manifest
 from patchswarm.protocol.picker import SNUB_AFTER
 from swarmlab import SwarmLab, load_weights, same_bits, write_checkpoint
 from synthetic import rl_checkpoints, served
@@ -210,14 +213,34 @@ def test_a_hostile_member_cannot_stop_honest_nodes_or_grow_the_victim(tmp_path, 
         assert "Traceback" not in a.text()
 
 
-def test_a_member_that_announces_every_chunk_and_serves_none_holds_a_node_up_only_snub_after(tmp_path, checkpoints):
+DRIP_S = 4.9  # a drip member's parts, just under SNUB_AFTER apart
+
+
+def _stored_chunk_sizes(objects: Path, version: int) -> list[int] | None:
+    """The chunk sizes of a version's patch manifest a node stored (None: not there yet)."""
+    for path in objects.glob(f"*/{MANIFEST_NAME}"):
+        try:
+            body, _sig = msgpack.unpackb(path.read_bytes())
+        except (OSError, ValueError):
+            continue
+        m = decode_manifest(body)
+        if m.version == version and m.base_version is not None:
+            return [size for size, _ in m.chunks]
+    return None
+
+
+@pytest.mark.parametrize("mode", ["silent", "drip"])
+def test_a_member_that_announces_every_chunk_and_serves_none_holds_a_node_up_only_snub_after(tmp_path, checkpoints,
+                                                                                             mode):
     """The hostile-peer hunt's member (protocol/README.md, "The longest a node sits"): mallory,
     with a valid node certificate, says it is in the origin's region beside node a and announces
     every chunk of the next version before a has its manifest (an all-ones Have, kept until the
-    manifest comes), then answers nothing. a asks it first (a neighbour before the origin): each
+    manifest comes), then answers nothing ("silent"), or a byte of each answer every 4.9 s, just
+    under SNUB_AFTER ("drip": never silent). a asks it first (a neighbour before the origin): each
     request held until the 30 s timeout, 4 at a time. Now a snubs it SNUB_AFTER after it was asked
-    (all of its requests cancelled at once), takes the version from the origin, and it is asked
-    at most one chunk at a time after that."""
+    (all of its requests cancelled at once; the drip member as slow: a chunk of 32 KiB would take
+    it hours at a byte per 4.9 s), takes the version from the origin, and it is asked at most one
+    chunk at a time after that."""
     watch = tmp_path / "watch"
     heard: list[tuple[float, object]] = []  # what mallory got from a, and when (trio's clock)
     with SwarmLab(tmp_path) as lab:
@@ -228,6 +251,30 @@ def test_a_member_that_announces_every_chunk_and_serves_none_holds_a_node_up_onl
         lab.wait_version([a], 0)
         creds = trust.Credentials.load(lab.creds("mallory", "node"))
         done: dict[str, float] = {}
+        drips: list[float] = []  # when mallory sent a byte
+
+        async def drip(ms):
+            """A byte of each request of version 1 every DRIP_S s from when it came, in order, until it
+            is cancelled (the chunk sizes from the manifest a stored: a node's peers need not be sent it)."""
+            sizes, due = None, {}  # chunk -> [bytes sent of it, when its next byte goes]
+            seen = 0
+            while True:
+                await trio.sleep(0.05)
+                if sizes is None:
+                    sizes = _stored_chunk_sizes(a.data_dir / "objects", 1)
+                for t, msg in heard[seen:]:
+                    if isinstance(msg, wire.Request) and msg.version == 1:
+                        due.setdefault(msg.chunk, [0, t + DRIP_S])
+                    elif isinstance(msg, wire.Cancel) and msg.version == 1:
+                        due.pop(msg.chunk, None)
+                seen = len(heard)
+                now = trio.current_time()
+                for c, entry in sorted(due.items()) if sizes is not None else ():
+                    if entry[1] <= now and entry[0] < sizes[c] - 1:  # never the last byte
+                        await ms.send(wire.Piece(1, False, c, entry[0], sizes[c], b"\0"))
+                        entry[0] += 1
+                        entry[1] += DRIP_S
+                        drips.append(trio.current_time())
 
         async def scenario():
             hello = wire.Hello("mallory", "r0", "node", "127.0.0.1:1", [])
@@ -239,6 +286,8 @@ def test_a_member_that_announces_every_chunk_and_serves_none_holds_a_node_up_onl
                             heard.append((trio.current_time(), msg))
 
                     n.start_soon(listen)
+                    if mode == "drip":
+                        n.start_soon(drip, ms)
                     await ms.send(wire.Have(1, False, b"\xff" * 64))  # every chunk of version 1 (up to 512)
                     await trio.sleep(0.5)  # taken in
                     write_checkpoint(watch, "step0001.safetensors", checkpoints[1])
@@ -263,5 +312,11 @@ def test_a_member_that_announces_every_chunk_and_serves_none_holds_a_node_up_onl
         assert done["at"] - first <= SNUB_AFTER + 15.0  # 480 s for 64 chunks before snubs (the simulation)
         st = done["status"]
         [m] = [p for p in st["peers"] if p["id"] == "mallory"]
-        assert m["snubbed"] is True and st["peers_snubbed"] == 1
+        assert m["snubbed"] is True
+        if mode == "drip":
+            print(f"mallory dripped {len(drips)} bytes, the first {drips[0] - first:.2f} s after the first request; "
+                  f"a's status: {m['snub_reason']}, peers_snubbed_slow {st['peers_snubbed_slow']}")
+            assert m["snub_reason"] == "slow" and st["peers_snubbed_slow"] == 1 and st["peers_snubbed"] == 0
+        else:
+            assert m["snub_reason"] == "silent" and st["peers_snubbed"] == 1
         assert "Traceback" not in a.text()

@@ -18,7 +18,8 @@ from hypothesis import example, given, settings
 
 from patchswarm.protocol.errors import ProtocolError, UsageError
 from patchswarm.protocol.picker import (BESIDE_PROBE, ENDGAME, ENDGAME_AFTER, MAX_COPIES, NODE, ORIGIN, ORIGIN_PIPELINE,
-                                       PLANNED, REST, SHARE, STALLED, PiecePicker, Request)
+                                       PLANNED, REST, SHARE, SILENT, SLOW, SLOW_CHUNK_S, STALLED, PiecePicker,
+                                       Request)
 from patchswarm.protocol.responsibility import balanced_owners, gateways, member_weight, region_order, upstream_regions
 
 KEY = (7, False)  # a patch
@@ -1620,3 +1621,97 @@ def test_snub_after_is_checked():
     for bad in (0, -1.0, float("nan")):
         with pytest.raises(UsageError, match="snub_after"):
             PiecePicker("me", "r0", "r0", snub_after=bad)
+
+
+# --- a peer that drips, or refuses before its snub: snubbed too ------------------------------
+
+
+def _beside_a_dripping_member(n=8):
+    p = PiecePicker("me", "r0", "r0", seed=1, request_timeout=30.0, origin_pipeline=ORIGIN_PIPELINE,
+                    endgame_after=ENDGAME_AFTER, snub_after=5.0, slow_chunk_s=SLOW_CHUNK_S)
+    p.set_members({"me": "r0", "m": "r0"})
+    p.peer_joined("m", NODE, "r0")
+    p.peer_joined(OR, ORIGIN, "r0")
+    p.add_object(KEY, n, now=0.0)
+    p.peer_has(OR, KEY, range(n))
+    p.peer_has("m", KEY, range(n))
+    return p
+
+
+MIB = 1 << 20
+
+
+@pytest.mark.parametrize("part_bytes, every, slow", [
+    # a part of each answer every `every` s -> snubbed as slow at `snub_after`? (1 MiB chunks)
+    (1, 4.9, True),  # a byte: 5 million s a chunk
+    (64 << 10, 4.9, True),  # 78 s a chunk, over SLOW_CHUNK_S
+    (64 << 10, 3.8, True),  # 61 s
+    (64 << 10, 3.7, False),  # 59 s: given up by request_timeout as before, not demoted
+    (64 << 10, 2.6, False),  # the busy honest member of SNUB_AFTER's comment
+    (256 << 10, 4.9, False),  # 20 s
+])
+def test_a_member_that_drips_parts_is_snubbed_as_slow_at_snub_after(part_bytes, every, slow):
+    p = _beside_a_dripping_member()
+    first = p.requests(0.0)
+    assert {r.peer for r in first} == {"m"} and len(first) == 4
+    for t in (every, 2 * every):
+        for r in first:
+            got = int(t / every) * part_bytes
+            p.peer_sent("m", t, r.key, r.chunk, got=got, left=MIB - got)
+        if t < 5.0:
+            assert p.expired(t) == [] and p.next_wakeup(t) == (5.0 if slow else t + 5.0)  # its snub, or silence
+    assert p.expired(2 * every) == (sorted(first) if slow else [])
+    assert p.snub_reason("m") == (SLOW if slow else None)
+    if slow:
+        assert {r.peer for r in p.requests(2 * every)} == {OR}  # after the origin now
+        p.peer_sent("m", 11.0)  # a part: no end to a snub as slow
+        assert p.snub_reason("m") == SLOW
+    else:
+        assert p.next_wakeup(2 * every) == 2 * every + 5.0  # its silence from the last part, as before
+
+
+def test_a_slow_snub_ends_with_a_whole_chunk_from_the_peer():
+    p = _beside_a_dripping_member()
+    first = p.requests(0.0)
+    p.peer_sent("m", 4.9, first[0].key, first[0].chunk, got=1, left=MIB - 1)
+    assert p.expired(5.0) == sorted(first) and p.snub_reason("m") == SLOW
+    p.peer_sent("m", 6.0)  # a part ends a snub for silence, not this one
+    assert p.snubbed_peers() == {"m"}
+    p.chunk_received(KEY, 7, "m", 9.0)  # a whole chunk from it (its probe, or a copy) ends it
+    assert not p.snubbed("m") and p.snub_reason("m") is None
+
+
+def test_a_slow_rule_needs_byte_counts_and_is_off_without_slow_chunk_s():
+    p = _beside_a_silent_member()  # no slow_chunk_s
+    first = p.requests(0.0)
+    for t in (4.9, 9.8, 14.7):
+        for r in first:
+            p.peer_sent("m", t, r.key, r.chunk, got=1, left=MIB - 1)
+        assert p.expired(t) == []
+    assert p.next_wakeup(14.7) == 19.7  # its silence, after the last part
+    with pytest.raises(UsageError):
+        PiecePicker("me", "r0", "r0", slow_chunk_s=0.0)
+    q = _beside_a_dripping_member()
+    r = q.requests(0.0)[0]
+    with pytest.raises(UsageError):
+        q.peer_sent("m", 1.0, r.key, r.chunk, got=-1, left=0)
+
+
+@pytest.mark.parametrize("timed, gap, snubbed_at_5", [
+    (True, 0.0, True),  # refused at 4.9 s, announced again, asked again at once: snubbed at 5 s
+    (True, 5.0, False),  # asked again only after `snub_after`: judged afresh
+    (False, 0.0, False),  # a Reject told without its time: its silence began anew (the old loop)
+])
+def test_a_reject_is_no_part_the_silence_goes_on_into_the_next_request(timed, gap, snubbed_at_5):
+    p = PiecePicker("me", "r0", "r0", seed=1, pipeline=1, request_timeout=30.0, snub_after=5.0)
+    p.set_members({"me": "r0", "m": "r0"})
+    p.peer_joined("m", NODE, "r0")
+    p.add_object(KEY, 2, now=0.0)
+    p.peer_has("m", KEY, [0, 1])
+    [r] = p.requests(0.0)
+    p.chunk_refused(r.key, r.chunk, "m", 4.9 if timed else None)
+    p.peer_has("m", KEY, [r.chunk])  # it says it has it again
+    [again] = p.requests(4.9 + gap)
+    assert again.peer == "m"
+    assert (p.expired(5.0 + gap) != []) == snubbed_at_5
+    assert p.snub_reason("m") == (SILENT if snubbed_at_5 else None)

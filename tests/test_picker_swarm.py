@@ -4,8 +4,9 @@ Pure Python: one PiecePicker per node, an origin holding every chunk, instant
 delivery within a step. Checks that everyone completes, that each chunk
 enters each region across the WAN exactly once and that the origin sends each
 chunk once while all is healthy, also when a member leaves or links are
-partial, and that a member that announces every chunk and serves none holds
-an honest node up for about `snub_after`. Single pickers are tested with
+partial, and that a member that announces every chunk and serves none, or
+drips a part of each answer every few seconds, or refuses each request before
+its snub, holds an honest node up for about `snub_after`. Single pickers are tested with
 tables in test_picker.py.
 """
 
@@ -19,7 +20,8 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from patchswarm.protocol.picker import ENDGAME_AFTER, NODE, ORIGIN, ORIGIN_PIPELINE, SNUB_AFTER, PiecePicker
+from patchswarm.protocol.picker import (ENDGAME_AFTER, NODE, ORIGIN, ORIGIN_PIPELINE, SLOW, SLOW_CHUNK_S, SNUB_AFTER,
+                                        PiecePicker)
 
 KEY = (7, False)  # a patch
 OR = "origin"  # the origin's peer id
@@ -34,12 +36,17 @@ class Swarm:
 
     `silent` members (of `layout`, in the tracker's list) announce every chunk and never
     answer: requests to them stay in flight until the asker gives them up (`expired`).
-    Every node runs with `snub_after` (the daemon's, unless told); `daemon=True` adds the
-    daemon's other settings (request timeout, origin pipeline, endgame delay)."""
+    `drip` members announce every chunk and answer each request with a part of `drip_bytes`
+    every `drip_every` s (of a chunk of `chunk_bytes`: whole after enough of them);
+    `refusing` members answer each request with a Reject after `drip_every` s and announce
+    the chunk again at once. Every node runs with `snub_after` and `slow_chunk_s` (the
+    daemon's, unless told); `daemon=True` adds the daemon's other settings (request timeout,
+    origin pipeline, endgame delay)."""
 
     def __init__(self, layout, origin_region, n_chunks, *, links=None, pipeline=4,
                  takeover_after=2.0, dt=1e-3, seed=0, wan_rates=None, rates_of=None, uplinks=None,
-                 silent=(), snub_after=SNUB_AFTER, daemon=False):
+                 silent=(), snub_after=SNUB_AFTER, daemon=False, drip=(), refusing=(), drip_every=4.9,
+                 drip_bytes=64 << 10, chunk_bytes=1 << 20, slow_chunk_s=SLOW_CHUNK_S, refusal_timed=True):
         self.layout = dict(layout)
         self.region_of = {**layout, OR: origin_region}
         self.n, self.pipeline, self.dt = n_chunks, pipeline, dt
@@ -50,7 +57,14 @@ class Swarm:
             self.links[b].add(a)
         self.have = {node: set() for node in layout}
         self.have[OR] = set(range(n_chunks))
-        self.silent = set(silent)
+        self.silent = set(silent) | set(drip) | set(refusing)  # every member that holds requests
+        self.drip, self.refusing = set(drip), set(refusing)
+        self.drip_every, self.drip_bytes, self.chunk_bytes = drip_every, drip_bytes, chunk_bytes
+        self.refusal_timed = refusal_timed  # False: the Reject told without its time (the silence not carried)
+        self.held = {}  # (node, request) to a drip or refusing member -> [its next answer's time, bytes sent]
+        self.drip_chunks = 0  # chunks a drip member delivered whole
+        self.snubs = set()  # (node, member, why) for every snub seen after a step
+        self.given_up = 0  # requests given up (`expired`)
         for m in self.silent:
             self.have[m] = set(range(n_chunks))  # what it says it has
         self.uplinks = uplinks
@@ -61,7 +75,8 @@ class Swarm:
                 continue
             p = PiecePicker(node, layout[node], origin_region, seed=seed * 1000 + i,
                             pipeline=pipeline, takeover_after=takeover_after,
-                            wan_rates=(rates_of or {}).get(node, wan_rates), snub_after=snub_after, **settings_)
+                            wan_rates=(rates_of or {}).get(node, wan_rates), snub_after=snub_after,
+                            slow_chunk_s=slow_chunk_s, **settings_)
             p.set_members(self.layout, uplinks)
             for other in sorted(self.links[node]):
                 p.peer_joined(other, ORIGIN if other == OR else NODE, self.region_of[other])
@@ -100,15 +115,57 @@ class Swarm:
             if other in self.pickers:
                 self.pickers[other].peer_left(node)
 
+    def _answer_held(self):
+        """The drip and refusing members' answers due by now: a part (whole chunk after enough), or a Reject."""
+        due = sorted(k for k, v in self.held.items() if v[0] <= self.t)
+        for node, r in due:
+            if (node, r) not in self.held:
+                continue  # cancelled by a copy that came first
+            p = self.pickers[node]
+            if r.peer in self.refusing:
+                del self.held[node, r]
+                p.chunk_refused(KEY, r.chunk, r.peer, self.t if self.refusal_timed else None)
+                p.peer_has(r.peer, KEY, [r.chunk])  # and it says it has it again
+                continue
+            entry = self.held[node, r]
+            entry[1] = min(self.chunk_bytes, entry[1] + self.drip_bytes)
+            entry[0] += self.drip_every
+            p.peer_sent(r.peer, self.t, KEY, r.chunk, got=entry[1], left=self.chunk_bytes - entry[1])
+            if entry[1] == self.chunk_bytes:
+                del self.held[node, r]
+                self.drip_chunks += 1
+                self._deliver(node, r, set())
+        return bool(due)
+
+    def _forget_held(self, node, requests):
+        for r in requests:
+            self.held.pop((node, r), None)
+
+    def _deliver(self, node, r, cancelled):
+        for cancel in self.pickers[node].chunk_received(KEY, r.chunk, r.peer, self.t):
+            cancelled.add((node, cancel))
+            self.held.pop((node, cancel), None)
+        if r.chunk not in self.have[node]:
+            self.have[node].add(r.chunk)
+            for other in sorted(self.links[node]):
+                if other in self.pickers:
+                    self.pickers[other].peer_has(node, KEY, [r.chunk])
+
     def step(self):
         self.steps += 1
+        answered = self._answer_held()
         sent, per_peer = [], Counter()
         for node in sorted(self.pickers):
             p = self.pickers[node]
-            for r in p.expired(self.t):  # (given up: nothing else to do here)
+            late = p.expired(self.t)
+            for r in late:  # (given up: nothing else to do here)
                 assert r.peer in self.silent, f"{node} gave up on {r.peer}, which answers at once"
-            for r in p.withdrawn():
+            self._forget_held(node, late)
+            self.given_up += len(late)
+            gone = p.withdrawn()
+            for r in gone:
                 assert r.peer in self.silent, f"{node} withdrew a request to {r.peer}, which answers at once"
+            self._forget_held(node, gone)
             for r in p.requests(self.t):
                 assert r.key == KEY and r.peer in self.links[node], (node, r)
                 assert r.chunk in self.have[r.peer], f"{node} asked {r.peer} for {r.chunk} it lacks"
@@ -120,6 +177,8 @@ class Swarm:
                     self.wan_requests[self.region_of[node], r.chunk] += 1
                 if r.peer in self.silent:
                     self.asked_silent += 1
+                    if r.peer in self.drip or r.peer in self.refusing:
+                        self.held[node, r] = [self.t + self.drip_every, 0]
                 else:
                     sent.append((node, r))
         cancelled = set()
@@ -127,26 +186,22 @@ class Swarm:
             if (node, r) in cancelled:
                 continue
             self.pickers[node].peer_sent(r.peer, self.t)  # a part, the whole chunk: it arrives in this step
-            for cancel in self.pickers[node].chunk_received(KEY, r.chunk, r.peer):
-                cancelled.add((node, cancel))
+            self._deliver(node, r, cancelled)
             self.origin_sent += r.peer == OR
             self.origin_sent_to[node] += r.peer == OR
             self.sent_by[r.peer] += 1
             if self.region_of[r.peer] != self.region_of[node]:
                 self.wan_entries[self.region_of[node], r.chunk] += 1
                 self.wan_exits[self.region_of[r.peer], r.chunk] += 1
-            if r.chunk not in self.have[node]:
-                self.have[node].add(r.chunk)
-                for other in sorted(self.links[node]):
-                    if other in self.pickers:
-                        self.pickers[other].peer_has(node, KEY, [r.chunk])
-        for p in self.pickers.values():
+        for node, p in self.pickers.items():
+            self.snubs |= {(node, m, p.snub_reason(m)) for m in self.silent if p.snubbed(m)}
             assert p.in_flight() == sum(p.in_flight(m) for m in self.silent)
             assert all(p.in_flight(m) <= 1 for m in self.silent if p.snubbed(m)), "more than a probe to a snubbed peer"
-        if sent:
+        if sent or answered:
             self.t += self.dt
         else:
             wakeups = [w for p in self.pickers.values() if (w := p.next_wakeup(self.t)) is not None]
+            wakeups += [v[0] for v in self.held.values()]
             missing = {n: p.missing(KEY) for n, p in self.pickers.items()}
             assert wakeups, f"deadlock at t={self.t}: nobody can request; missing {missing}"
             self.t = min(wakeups)
@@ -442,3 +497,71 @@ def test_without_a_snub_a_member_that_serves_none_holds_a_node_up_for_request_ti
         print(f"\nno snub_after, {n} chunks: {swarm.t:.3f} s")
     swarm = Swarm({"a": "r0", "m": "r0"}, "r0", 16, silent={"m"}, snub_after=None, daemon=True).run(max_steps=20000)
     assert 4 * 30.0 <= swarm.t < 4 * 30.0 + 5.0
+
+
+# --- a member that drips: a small part of each answer every few seconds ---------------------
+
+DRIP_LAYOUTS = [
+    ({"a": "r0", "m": "r0"}, "r0"),  # beside the origin, no other member
+    ({"a": "r0", "b": "r0", "m": "r0"}, "r0"),  # with an honest neighbour too
+    ({"a": "r1", "m": "r1"}, "r0"),  # a remote region
+    ({"a": "r1", "m": "r1", "x": "r2"}, "r0"),
+]
+
+
+@pytest.mark.parametrize("n_chunks", [16, 64])
+@pytest.mark.parametrize("layout, origin_region", DRIP_LAYOUTS)
+@pytest.mark.parametrize("drip_bytes", [64 << 10, 1024])
+def test_a_member_that_drips_parts_holds_a_node_up_only_snub_after(drip_bytes, n_chunks, layout, origin_region):
+    """m announces every chunk and answers each request with one part every 4.9 s, just under
+    `snub_after`, so it is never silent (a part may be any size: protocol/assembly.py). Each
+    request waited for `request_timeout` (30 s): 16 chunks took 92-150 s, 64 took 337-482 s
+    (protocol/README.md, "The longest a node sits"). Now, at its rate, the chunk it serves
+    would take 80 s (64 KiB parts of a 1 MiB chunk) or more, over `slow_chunk_s` (60 s): it is
+    snubbed as slow once it has served for `snub_after`, and only a whole chunk ends that.
+    Bound: as for a silent member, and the origin sends no chunk twice."""
+    swarm = Swarm(layout, origin_region, n_chunks, drip={"m"}, drip_bytes=drip_bytes, daemon=True).run(max_steps=20000)
+    before = Swarm(layout, origin_region, n_chunks, drip={"m"}, drip_bytes=drip_bytes, daemon=True,
+                   slow_chunk_s=None).run(max_steps=200000)
+    print(f"\n{sorted(layout.items())}, {n_chunks} chunks, {drip_bytes} B parts: {swarm.t:.3f} s, "
+          f"{before.t:.3f} s without slow_chunk_s")
+    assert swarm.t <= SNUB_AFTER + n_chunks * swarm.dt, swarm.t
+    assert before.t >= 3 * 30.0  # the measurement the bound replaces: request timeouts, in turn
+    assert swarm.origin_sent == n_chunks
+    assert {why for _, m, why in swarm.snubs} == {SLOW}
+    for p in swarm.pickers.values():
+        assert p.snub_reason("m") == SLOW or p.complete(KEY)
+
+
+@pytest.mark.parametrize("n_chunks", [16, 64])
+@pytest.mark.parametrize("layout, origin_region", DRIP_LAYOUTS)
+def test_a_member_that_refuses_each_request_before_its_snub_and_announces_again_is_snubbed(n_chunks, layout,
+                                                                                           origin_region):
+    """m answers each request with a Reject at 4.9 s and at once says it has the chunk again: it
+    was asked again, each time its silence counted anew, and the node never finished (the swarm
+    ran out of its 200,000 steps). Now a Reject is no part: the silence goes on into the next
+    request asked within `snub_after`, and m is snubbed at `snub_after`."""
+    swarm = Swarm(layout, origin_region, n_chunks, refusing={"m"}, daemon=True).run(max_steps=20000)
+    print(f"\n{sorted(layout.items())}, {n_chunks} chunks: {swarm.t:.3f} s")
+    assert swarm.t <= SNUB_AFTER + n_chunks * swarm.dt, swarm.t
+    assert swarm.origin_sent == n_chunks
+    with pytest.raises(AssertionError, match="did not finish"):  # before: the silence began anew each time
+        Swarm(layout, origin_region, n_chunks, refusing={"m"}, daemon=True, refusal_timed=False).run(max_steps=3000)
+
+
+@pytest.mark.parametrize("drip_every", [2.1, 2.6, 3.5])
+@pytest.mark.parametrize("chunk_bytes", [512 << 10, 1 << 20])
+def test_an_honest_busy_member_is_not_snubbed_as_slow(drip_every, chunk_bytes):
+    """The busy honest member of SNUB_AFTER's comment: a 64 KiB part every 2.1-2.6 s to each of
+    its 40 sessions (and 3.5 s, slower still). A chunk of 512 KiB comes whole from it (8 parts,
+    18-28 s); one of 1 MiB takes it 34-56 s, past `request_timeout` (30 s), which gives it up as
+    before. It is never snubbed, and nothing is asked elsewhere before its time."""
+    swarm = Swarm({"a": "r0", "b": "r0", "m": "r0"}, "r0", 16, drip={"m"}, drip_every=drip_every,
+                  chunk_bytes=chunk_bytes, daemon=True).run(max_steps=20000)
+    assert swarm.snubs == set()
+    if chunk_bytes == 512 << 10:
+        assert swarm.drip_chunks > 0 and swarm.given_up == 0
+    else:
+        assert swarm.drip_chunks == 0 and swarm.t >= 30.0  # the request timeout, unchanged
+    print(f"\nparts {drip_every} s apart, {chunk_bytes >> 10} KiB chunks: {swarm.t:.1f} s, "
+          f"{swarm.given_up} requests given up, {swarm.drip_chunks} chunks from m")

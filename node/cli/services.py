@@ -385,7 +385,8 @@ def print_status(st: dict) -> None:
                            f"uploading {spool.get('upload_rate_bps', 0) / 1e6:,.2f} MB/s")
     peers = ", ".join(f"{p['id']} ({p['role'] if p['role'] == 'origin' else p['region']}"
                       + (f", {p['uplink']:g} Mbit/s up" if p.get("uplink") else "")
-                      + (", snubbed: sent no part of an answer lately" if p.get("snubbed") else "") + ")"
+                      + ((", snubbed: served too slowly lately" if p.get("snub_reason") == "slow"
+                          else ", snubbed: sent no part of an answer lately") if p.get("snubbed") else "") + ")"
                       for p in st["peers"])
     t.add_row("peers", peers or "none")
     Console().print(t)

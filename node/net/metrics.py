@@ -107,6 +107,9 @@ def _links(st: dict) -> Iterable[Metric]:
                         st.get("sessions_replaced"))
     yield from _counter("patchswarm_peers_snubbed", "peers that held requests and sent no part for SNUB_AFTER s "
                                                     "(protocol/picker.py), each time", st.get("peers_snubbed"))
+    yield from _counter("patchswarm_peers_snubbed_slow", "peers that served so slowly that a chunk would take them "
+                                                         "SLOW_CHUNK_S s or more (protocol/picker.py), each time",
+                        st.get("peers_snubbed_slow"))
     yield from _gauge("patchswarm_tracker_connected", "1 while the tracker link is up",
                       int(bool(st.get("tracker_connected"))))
 
