@@ -337,6 +337,11 @@ class PeerSet:
     async def _receive(self, s: Session) -> str:
         while not s.closed:
             msg = await s.ms.receive()
+            if s.closed:
+                # Replaced or closed while this message was read (a read that completes is not
+                # lost to a cancel: node/net/transport.py): its peer was reported gone, or lives
+                # on in a new session, so what it says here goes nowhere.
+                break
             if msg is None:
                 return "closed"
             if isinstance(msg, (wire.Request, wire.RequestRest)):

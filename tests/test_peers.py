@@ -332,6 +332,90 @@ def test_a_session_replaced_while_its_greeting_goes_out_is_never_reported_open(t
     trio.run(main)
 
 
+class _ReadUnderWay(trio.abc.Stream):
+    """A connection whose reads, once `armed`, are under way until `arrived` is set and then
+    complete whatever was cancelled meanwhile, as a read of a message already in (trio's
+    MessageStream yields once per message and does not lose it to a cancel); its close takes
+    until `closed` is set (a TLS close_notify to a peer that reads slowly)."""
+
+    def __init__(self, inner):
+        self.inner, self.armed = inner, False
+        self.arrived, self.closed = trio.Event(), trio.Event()
+
+    async def send_all(self, data):
+        await self.inner.send_all(data)
+
+    async def wait_send_all_might_not_block(self):
+        await self.inner.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes=None):
+        if not self.armed:
+            return await self.inner.receive_some(max_bytes)
+        with trio.CancelScope(shield=True):
+            await self.arrived.wait()
+            return await self.inner.receive_some(max_bytes)
+
+    async def aclose(self):
+        with trio.CancelScope(shield=True):
+            await self.closed.wait()
+        await self.inner.aclose()
+
+
+async def _hello_pair(wrap=lambda stream: stream) -> tuple[MessageStream, MessageStream]:
+    """(member "req" as a PeerSet "srv" sees it, over `wrap` of one end; req's end), after Hello."""
+    a, b = trio.testing.memory_stream_pair()
+    served, requester = MessageStream(wrap(a), "req", "node"), MessageStream(b, "srv", "node")
+    async with trio.open_nursery() as n:
+        n.start_soon(exchange_hello, served, wire.Hello("srv", "r1", "node", "x:1", []))
+        n.start_soon(exchange_hello, requester, wire.Hello("req", "r1", "node", "x:2", []))
+    return served, requester
+
+
+def test_a_message_read_as_its_session_is_replaced_goes_nowhere(tmp_path):
+    """A member's Have was being read on its old session when its new connection replaced
+    that session, whose close then took a while. Before: the read completed (not lost to the
+    cancel), and the Have went to the owner for a peer it had just been told was gone: the
+    picker's UsageError ("has not joined") failed the connection's handler (a WAN bench run,
+    2026-12-06, n0.4). Now what a closed session reads goes nowhere."""
+    picker = PiecePicker("srv", "r1", "r1")
+    events, announced = [], []
+
+    async def on_message(s, msg):  # as the daemon's: an announcement goes to the picker
+        announced.append(msg)
+        picker.peer_has(s.id, (msg.version, msg.keyframe), [0])
+
+    async def main():
+        peers = PeerSet("srv", ObjectStore(tmp_path / "store"), TokenBucket(None), on_message)
+        peers._on_open, peers._on_close = _recording(events, lambda s: s.ms is old, picker)
+        streams = []
+        old, old_far = await _hello_pair(lambda st: streams.append(_ReadUnderWay(st)) or streams[-1])
+        new, new_far = await _hello_pair()
+        slow = streams[0]
+        slow.armed = True
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(peers.run, old, False)
+                try:
+                    await trio.testing.wait_all_tasks_blocked()
+                    assert events == [("open", True)]
+                    await old_far.send(wire.Have(KEY[0], KEY[1], wire.bitfield_from_indices([0], 1)))
+                    nursery.start_soon(peers.run, new, False)  # replaces it, and waits for its close
+                    await trio.testing.wait_all_tasks_blocked()
+                    assert events == [("open", True), ("close", True)] and peers.replaced == 1
+                    slow.arrived.set()  # the old session's read completes
+                    await trio.testing.wait_all_tasks_blocked()
+                    assert announced == []  # it went nowhere
+                finally:
+                    slow.arrived.set()
+                    slow.closed.set()
+                await trio.testing.wait_all_tasks_blocked()
+                assert events == [("open", True), ("close", True), ("open", False)]
+                await new_far.aclose()
+        assert events[-1] == ("close", False) and not peers.connected("req")
+
+    trio.run(main)
+
+
 @pytest.mark.parametrize("uplink_mbit, part", [(None, PART_BYTES), (100, PART_BYTES), (1000, 256 << 10),
                                                (10_000, 1 << 20)])
 def test_a_held_chunk_goes_out_in_parts_sized_to_the_declared_uplink(tmp_path, uplink_mbit, part):
