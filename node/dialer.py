@@ -178,4 +178,7 @@ class Dialer:
             self._tcp_failures.pop(pid, None)
         self._failures.pop(pid, None)
         self._dial_after[pid] = trio.current_time() + REDIAL_AFTER
-        await self.peers.run(ms, outbound=True)
+        try:
+            await self.peers.run(ms, outbound=True)
+        except Exception:  # as the listener's handler (node/net/transport.py): a bug in one session must not end the node
+            log.exception("session with %s %s failed", p["role"], pid)

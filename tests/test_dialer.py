@@ -188,6 +188,42 @@ def test_failed_dials_in_a_row_back_off_2_4_8_then_the_longest(monkeypatch):
     assert failures == {} and tcp_failures == {}
 
 
+def test_a_session_that_fails_ends_that_session_not_the_node(monkeypatch, caplog):
+    """A session this node dialed that raises (a bug: in a WAN bench run, 2026-12-06, the
+    picker's UsageError from a session replaced mid-greeting, since fixed) is logged with its
+    traceback and ends that session, as an accepted one's does (node/net/transport.py
+    `serve`). Before: it left `_dial` and the dialer's nursery, and the node exited."""
+    from patchswarm.node import dialer
+    from patchswarm.node.net.ratelimit import TokenBucket
+    from patchswarm.protocol import wire
+
+    async def connecting(*a, **k):
+        return "a stream"
+
+    monkeypatch.setattr(dialer, "connect", connecting)
+    peer = {"id": "n2", "region": "r0", "addr": "10.0.0.2:7000", "role": "node"}
+
+    class Peers:
+        runs = 0
+
+        async def run(self, ms, outbound):
+            Peers.runs += 1
+            raise RuntimeError("a bug in the session")
+
+    async def main():
+        d = Dialer("n1", "r0", creds=None, peers=Peers(), hello=lambda: wire.Hello("n1", "r0", "node", "x:1", []),
+                   download=TokenBucket(None))
+        d.set_members({"n2": peer})
+        with caplog.at_level("ERROR", logger=dialer.log.name):
+            await d._dial(peer)
+            await d._dial(peer)  # and the next dial of it goes on as usual
+        assert Peers.runs == 2 and "n2" not in d._dialing
+
+    trio.run(main, clock=trio.testing.MockClock())
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == ["session with node n2 failed"] * 2
+    assert all("a bug in the session" in r.exc_text for r in caplog.records if r.levelname == "ERROR")
+
+
 @pytest.mark.parametrize("addr", ["a..b:7000", "x" * 64 + ".example:7000", "\U0001F600.example:7000"])
 def test_a_peer_address_no_lookup_takes_is_a_failed_dial_not_an_exit(addr):
     """A peer's address comes from the tracker, which had it from that peer's Hello. A host
