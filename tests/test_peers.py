@@ -214,9 +214,8 @@ def test_a_peer_that_takes_no_bytes_for_send_timeout_is_dropped(tmp_path):
     assert when - start == pytest.approx(SEND_TIMEOUT, abs=1.0)
 
 
-class _SlowClose(trio.abc.Stream):
-    """A stream whose close takes a while (a TLS close_notify to a peer that reads slowly:
-    MessageStream.aclose gives it up to a second)."""
+class _Through(trio.abc.Stream):
+    """A stream that passes everything through to `inner` (the tests' wrappers change one call)."""
 
     def __init__(self, inner):
         self.inner = inner
@@ -229,6 +228,14 @@ class _SlowClose(trio.abc.Stream):
 
     async def receive_some(self, max_bytes=None):
         return await self.inner.receive_some(max_bytes)
+
+    async def aclose(self):
+        await self.inner.aclose()
+
+
+class _SlowClose(_Through):
+    """A stream whose close takes a while (a TLS close_notify to a peer that reads slowly:
+    MessageStream.aclose gives it up to a second)."""
 
     async def aclose(self):
         with trio.CancelScope(shield=True):
@@ -265,13 +272,14 @@ def test_a_peer_that_reconnects_while_its_old_connection_closes_is_reported_gone
     trio.run(main)
 
 
-class _GreetingUnderWay(trio.abc.Stream):
+class _GreetingUnderWay(_Through):
     """A connection whose first write once `armed` is under way until `done` is set and then
     completes whatever was cancelled meanwhile, as a TLS write that reached the socket does
     (its last checkpoint is cancel-shielded: node/net/tlsstream.py)."""
 
     def __init__(self, inner):
-        self.inner, self.armed, self.held = inner, False, 0
+        super().__init__(inner)
+        self.armed, self.held = False, 0
         self.done = trio.Event()
 
     async def send_all(self, data):
@@ -280,15 +288,6 @@ class _GreetingUnderWay(trio.abc.Stream):
             with trio.CancelScope(shield=True):
                 await self.done.wait()
         await self.inner.send_all(data)
-
-    async def wait_send_all_might_not_block(self):
-        await self.inner.wait_send_all_might_not_block()
-
-    async def receive_some(self, max_bytes=None):
-        return await self.inner.receive_some(max_bytes)
-
-    async def aclose(self):
-        await self.inner.aclose()
 
 
 def test_a_session_replaced_while_its_greeting_goes_out_is_never_reported_open(tmp_path):
@@ -332,21 +331,16 @@ def test_a_session_replaced_while_its_greeting_goes_out_is_never_reported_open(t
     trio.run(main)
 
 
-class _ReadUnderWay(trio.abc.Stream):
+class _ReadUnderWay(_Through):
     """A connection whose reads, once `armed`, are under way until `arrived` is set and then
     complete whatever was cancelled meanwhile, as a read of a message already in (trio's
     MessageStream yields once per message and does not lose it to a cancel); its close takes
     until `closed` is set (a TLS close_notify to a peer that reads slowly)."""
 
     def __init__(self, inner):
-        self.inner, self.armed = inner, False
+        super().__init__(inner)
+        self.armed = False
         self.arrived, self.closed = trio.Event(), trio.Event()
-
-    async def send_all(self, data):
-        await self.inner.send_all(data)
-
-    async def wait_send_all_might_not_block(self):
-        await self.inner.wait_send_all_might_not_block()
 
     async def receive_some(self, max_bytes=None):
         if not self.armed:

@@ -1449,11 +1449,11 @@ def test_a_request_expires_at_the_time_next_wakeup_names():
 # --- a peer that holds requests and sends nothing: snubbed ------------------------------
 
 
-def _beside_a_silent_member(n=8, snub_after=5.0):
+def _beside_a_silent_member(n=8, snub_after=5.0, slow_chunk_s=None):
     """me and m, members of the origin's region r0, with the daemon's settings: m announces
     every chunk (so, a neighbour, it is asked before the origin) and is asked first."""
     p = PiecePicker("me", "r0", "r0", seed=1, request_timeout=30.0, origin_pipeline=ORIGIN_PIPELINE,
-                    endgame_after=ENDGAME_AFTER, snub_after=snub_after)
+                    endgame_after=ENDGAME_AFTER, snub_after=snub_after, slow_chunk_s=slow_chunk_s)
     p.set_members({"me": "r0", "m": "r0"})
     p.peer_joined("m", NODE, "r0")
     p.peer_joined(OR, ORIGIN, "r0")
@@ -1627,15 +1627,7 @@ def test_snub_after_is_checked():
 
 
 def _beside_a_dripping_member(n=8):
-    p = PiecePicker("me", "r0", "r0", seed=1, request_timeout=30.0, origin_pipeline=ORIGIN_PIPELINE,
-                    endgame_after=ENDGAME_AFTER, snub_after=5.0, slow_chunk_s=SLOW_CHUNK_S)
-    p.set_members({"me": "r0", "m": "r0"})
-    p.peer_joined("m", NODE, "r0")
-    p.peer_joined(OR, ORIGIN, "r0")
-    p.add_object(KEY, n, now=0.0)
-    p.peer_has(OR, KEY, range(n))
-    p.peer_has("m", KEY, range(n))
-    return p
+    return _beside_a_silent_member(n, slow_chunk_s=SLOW_CHUNK_S)
 
 
 MIB = 1 << 20
