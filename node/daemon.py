@@ -417,6 +417,7 @@ class Node:
             "peers_dropped": dict(self.peers.dropped),  # and connections refused, by kind (node/peers.py)
             "peers_snubbed": f.snubs,  # times a peer sent no part for SNUB_AFTER s while holding requests
             "peers_snubbed_slow": f.slow_snubs,  # times a peer served a chunk too slowly for SLOW_CHUNK_S
+            "requests_given_up_early": f.given_up_early,  # due whole only past their timeout at the peer's rate
             "sessions_replaced": self.peers.replaced,  # by the same member's new connection (its reconnect)
             "manifests_rejected": a.manifests_rejected,
             **self.manifests.status(),

@@ -31,7 +31,7 @@ from patchswarm.protocol import wire
 from patchswarm.protocol.announce import INCOMING_TELLS, Listener, tell_have, tell_incoming
 from patchswarm.protocol.wire import unknown_kept
 from patchswarm.protocol.manifest import chunk_ok
-from patchswarm.protocol.picker import ORIGIN, NODE, SLOW, PiecePicker, Request
+from patchswarm.protocol.picker import ORIGIN, NODE, PAST_ITS_TIMEOUT, SLOW, PiecePicker, Request
 from patchswarm.protocol.publication import ObjKey, describe
 from patchswarm.protocol.versions import VersionBook
 
@@ -63,6 +63,7 @@ class Fetcher:
         self.chunks_rejected = 0
         self.pieces_unasked = 0  # first parts of chunks nobody asked of their sender: ignored
         self.snubs = 0  # times a peer was snubbed (sent no part for the picker's `snub_after`)
+        self.given_up_early = 0  # requests given up before their timeout: at the peer's rate, due only after it
         self.slow_snubs = 0  # times a peer was snubbed as slow (a chunk would take it the picker's `slow_chunk_s`)
         # Sessions sent an Incoming for a chunk not yet held. Sessions, not peer ids: a peer
         # that reconnects meanwhile has a new session, which was never told.
@@ -127,7 +128,11 @@ class Fetcher:
             log.warning("peer %s %s while it held %d of my requests; asking elsewhere, and it only one at a time "
                         "until %s comes", peer, what, n, "a whole chunk" if slow else "a part")
         for r in late:
-            if r.peer not in silent:
+            if r.why == PAST_ITS_TIMEOUT:
+                self.given_up_early += 1
+                log.warning("peer %s would deliver chunk %d of %s only after its %.0f s timeout at its rate so far; "
+                            "asking elsewhere for the rest", r.peer, r.chunk, describe(r.key), self.picker.request_timeout)
+            elif r.peer not in silent:
                 log.warning("peer %s did not deliver chunk %d of %s within %.0f s; asking elsewhere",
                             r.peer, r.chunk, describe(r.key), self.picker.request_timeout)
             self._cancel(r)

@@ -134,6 +134,15 @@ served go on into its next request if it is asked again within `snub_after`,
 so one that refuses each request before its snub and announces the chunk
 again is snubbed as if it had held it.
 
+Requests past their timeout at their rate (`request_timeout` and
+`snub_after` set; `PAST_ITS_TIMEOUT`): a request to a node peer whose answer,
+at the rate it has come since the peer began serving it (the later of when
+it was asked and the peer's last whole chunk to me, to its last part), would
+come whole only after the request's timeout is given up by `expired`
+`snub_after` after that answer began, not at the timeout, which gives it up
+anyway. Its peer is not snubbed: a busy honest member's 1 MiB chunk may take
+it 34-56 s (see SNUB_AFTER), and it is asked for what it serves in time.
+
 Cost: facts update per-chunk indexes incrementally (holder sets, rarity
 buckets of the requestable chunks, the requestable chunks of each peer), so
 `requests()` looks only at peers with free slots and at the chunks they can
@@ -210,7 +219,7 @@ TAKEOVER_MIN_CHUNK_S = 0.05
 # 0.01-0.11 s at 1 Gbit/s, where a chunk's fan-out is short and this 2-core machine's CPU the limit.
 REST_MIN_CHUNK_S = 0.15
 
-__all__ = ["MAX_COPIES", "NODE", "ORIGIN", "ORIGIN_PIPELINE", "ENDGAME_AFTER", "PEER_KINDS", "SLOW", "SILENT", "SLOW_CHUNK_S", "SNUB_AFTER", "WAN_GATEWAYS",
+__all__ = ["MAX_COPIES", "NODE", "ORIGIN", "ORIGIN_PIPELINE", "ENDGAME_AFTER", "PAST_ITS_TIMEOUT", "PEER_KINDS", "SLOW", "SILENT", "SLOW_CHUNK_S", "SNUB_AFTER", "WAN_GATEWAYS",
            "WAN_PIPELINE", "PiecePicker", "Request"]
 
 
@@ -233,6 +242,9 @@ REST = "rest"              # the rest of a fanned-out chunk, from the origin (`p
 ENDGAME = "second copy"    # an endgame copy of a request in flight (`pick_endgame`)
 STALLED = "no progress"    # from any holder after `takeover_after` without progress (`pick_takeover`)
 BESIDE_PROBE = "beside a probe"  # a chunk asked only of snubbed peers, from a better source (`pick_beside_probes`)
+
+# Why `expired` gave a request up before its timeout, its peer not snubbed (`Request.why`).
+PAST_ITS_TIMEOUT = "past its timeout at its rate"  # its chunk would come whole only after `request_timeout`
 
 # Why a peer is snubbed (`snub_reason`).
 SILENT = "silent"  # it held requests and sent no part for `snub_after`
@@ -593,7 +605,9 @@ class PiecePicker:
         """The requests that ran out of time by `now`, not answered: those sent
         `request_timeout` seconds or more before it, and every request in flight
         to a node peer silent for `snub_after` s (`_snub_at`) or serving slower
-        than `slow_chunk_s` allows (`_slow_at`), which is snubbed from here on.
+        than `slow_chunk_s` allows (`_slow_at`), which is snubbed from here on,
+        and a request to a node peer whose chunk would come whole only past its
+        timeout at its answer's rate (`_past_timeout_at`; why PAST_ITS_TIMEOUT).
         Each is released and its peer is not asked for that chunk
         again until its word on it changes (`requests()` asks another holder).
         The caller cancels them."""
@@ -613,7 +627,11 @@ class PiecePicker:
                 snubs.append((p, why))
                 late += (Request(p, key, c) for key, c in info.inflight)
             elif timeout is not None:
-                late += (Request(p, key, c) for (key, c), sent in info.inflight.items() if sent + timeout <= now)
+                for (key, c), sent in info.inflight.items():
+                    if sent + timeout <= now:
+                        late.append(Request(p, key, c))
+                    elif self._past_timeout_at(info, (key, c)) <= now:
+                        late.append(Request(p, key, c, PAST_ITS_TIMEOUT))
         late.sort()
         for r in late:
             self._fail(self._objects[r.key], r.chunk, r.peer)
@@ -681,6 +699,9 @@ class PiecePicker:
             due += [self._snub_at(info) for info in self._peers.values() if info.inflight and info.kind == NODE]
             if self.slow_chunk_s is not None:
                 due += [t for info in self._peers.values() if info.progress and now < (t := self._slow_at(info)) < math.inf]
+            if self.request_timeout is not None:
+                due += [t for info in self._peers.values() for request in info.progress
+                        if now < (t := self._past_timeout_at(info, request)) < math.inf]
         return min(due, default=None)
 
     def complete(self, key: ObjKey) -> bool:
@@ -742,6 +763,25 @@ class PiecePicker:
         if self.snub_after is None or info.kind != NODE:
             return math.inf
         return info.quiet_from() + self.snub_after
+
+    def _past_timeout_at(self, info: PeerState, request: tuple[ObjKey, int]) -> float:
+        """When a request in flight to a node peer is given up before `request_timeout` (inf:
+        not at its rate so far, or no part told with its bytes): where, at the rate its answer
+        has come since the peer began serving it (the later of `serving_from` and when it was
+        asked, to its last part), its chunk would come whole only after the request's timeout,
+        which gives it up anyway: `snub_after` after the peer began serving it, not at the
+        timeout. The peer is not snubbed for it (a busy honest member's 1 MiB chunk may take it
+        34-42 s: see SNUB_AFTER); the bytes it sent are kept (the rest is asked elsewhere)."""
+        if self.request_timeout is None or self.snub_after is None or info.kind != NODE:
+            return math.inf
+        told = info.progress.get(request)
+        if told is None or not told[0]:
+            return math.inf
+        got, left, at = told
+        sent = info.inflight[request]
+        start = max(info.serving_from, sent)
+        whole_at = start + (got + left) * (at - start) / got
+        return start + self.snub_after if whole_at > sent + self.request_timeout else math.inf
 
     def _slow_at(self, info: PeerState) -> float:
         """When a node peer serving requests of mine is snubbed as slow (inf: not at its rate so

@@ -47,7 +47,7 @@ def _fetcher(tmp_path, **picker_kw) -> Fetcher:
                  target_hash="blake3:" + "11" * 32, tensors=[], chunks=[(10, bytes(32))], codec={"format": 1},
                  created_at=0.0)
     store.put_manifest(KEY, m, b"(envelope)")
-    picker = PiecePicker("me", "r1", "r1", seed=3, request_timeout=TIMEOUT, **picker_kw)
+    picker = PiecePicker("me", "r1", "r1", seed=3, request_timeout=picker_kw.pop("request_timeout", TIMEOUT), **picker_kw)
     picker.add_object(KEY, 1, now=0.0)
     inflows = Inflows()
     peers = PeerSet("me", store, TokenBucket(None), _noop, inflows=inflows)
@@ -163,6 +163,36 @@ def test_a_neighbour_that_drips_parts_is_snubbed_as_slow_and_the_origin_asked_fo
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
     said = [r.getMessage() for r in caplog.records if "too slowly" in r.getMessage()]
     assert len(said) == 1 and said[0].startswith("peer a served too slowly (a chunk would take it 40 s or more)")
+
+
+def test_a_request_due_whole_only_past_its_timeout_is_given_up_at_snub_after(tmp_path, caplog):
+    """A member sends 2 of a chunk's 10 bytes in its first 4.9 s: at that rate the chunk comes
+    whole at 24.5 s, within `slow_chunk_s` (40 s here), so the member is not snubbed, but past
+    the request's timeout (20 s here), which gives it up anyway. The request is given up at
+    `snub_after` instead, the origin asked for the rest; the log says why, the status counts it."""
+    fetcher = _fetcher(tmp_path, snub_after=SNUB, slow_chunk_s=40.0, request_timeout=20.0)
+
+    async def main():
+        start = trio.current_time()
+        async with trio.open_nursery() as n:
+            a, origin = await _neighbour_then_origin(fetcher, n)
+            await trio.sleep(4.9)
+            await fetcher.on_piece(a, wire.Piece(KEY[0], KEY[1], 0, 0, 10, b"01"))  # 2 bytes of ten
+            await trio.sleep(0.05)
+            assert not _sent(a, wire.Cancel)
+            await trio.sleep(0.1)
+            [cancelled_at] = _sent(a, wire.Cancel)
+            [ask] = [(t, m) for t, m in origin.ms.sent if isinstance(m, (wire.Request, wire.RequestRest))]
+            assert cancelled_at - start == ask[0] - start == SNUB
+            assert ask[1] == wire.RequestRest(KEY[0], KEY[1], 0, 2)
+            assert not fetcher.picker.snubbed("a") and fetcher.given_up_early == 1
+            assert (fetcher.slow_snubs, fetcher.snubs) == (0, 0)
+            n.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    said = [r.getMessage() for r in caplog.records if "only after its" in r.getMessage()]
+    assert said == ["peer a would deliver chunk 0 of v1 patch only after its 20 s timeout at its rate so far; "
+                    "asking elsewhere for the rest"]
 
 
 def test_a_neighbour_whose_relay_broke_is_asked_again_the_moment_it_has_the_chunk(tmp_path):

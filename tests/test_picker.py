@@ -18,7 +18,7 @@ from hypothesis import example, given, settings
 
 from patchswarm.protocol.errors import ProtocolError, UsageError
 from patchswarm.protocol.picker import (BESIDE_PROBE, ENDGAME, ENDGAME_AFTER, MAX_COPIES, NODE, ORIGIN, ORIGIN_PIPELINE,
-                                       PLANNED, REST, SHARE, SILENT, SLOW, SLOW_CHUNK_S, STALLED, PiecePicker,
+                                       PAST_ITS_TIMEOUT, PLANNED, REST, SHARE, SILENT, SLOW, SLOW_CHUNK_S, STALLED, PiecePicker,
                                        Request)
 from patchswarm.protocol.responsibility import balanced_owners, gateways, member_weight, region_order, upstream_regions
 
@@ -1633,16 +1633,19 @@ def _beside_a_dripping_member(n=8):
 MIB = 1 << 20
 
 
-@pytest.mark.parametrize("part_bytes, every, slow", [
-    # a part of each answer every `every` s -> snubbed as slow at `snub_after`? (1 MiB chunks)
-    (1, 4.9, True),  # a byte: 5 million s a chunk
-    (64 << 10, 4.9, True),  # 78 s a chunk, over SLOW_CHUNK_S
-    (64 << 10, 3.8, True),  # 61 s
-    (64 << 10, 3.7, False),  # 59 s: given up by request_timeout as before, not demoted
-    (64 << 10, 2.6, False),  # the busy honest member of SNUB_AFTER's comment
-    (256 << 10, 4.9, False),  # 20 s
+@pytest.mark.parametrize("part_bytes, every, slow, early", [
+    # a part of each answer every `every` s -> snubbed as slow at `snub_after`? Or, not snubbed,
+    # its requests given up then, since at its rate they would come whole only past their
+    # 30 s timeout? (1 MiB chunks)
+    (1, 4.9, True, False),  # a byte: 5 million s a chunk
+    (64 << 10, 4.9, True, False),  # 78 s a chunk, over SLOW_CHUNK_S
+    (64 << 10, 3.8, True, False),  # 61 s
+    (64 << 10, 3.7, False, True),  # 59 s: not demoted; given up at 5 s, not at the 30 s timeout
+    (64 << 10, 2.6, False, True),  # 41 s: the busy honest member of SNUB_AFTER's comment, likewise
+    (64 << 10, 1.6, False, False),  # 26 s: comes whole before its timeout: waited for
+    (256 << 10, 4.9, False, False),  # 20 s
 ])
-def test_a_member_that_drips_parts_is_snubbed_as_slow_at_snub_after(part_bytes, every, slow):
+def test_a_member_that_drips_parts_is_snubbed_as_slow_at_snub_after(part_bytes, every, slow, early):
     p = _beside_a_dripping_member()
     first = p.requests(0.0)
     assert {r.peer for r in first} == {"m"} and len(first) == 4
@@ -1650,16 +1653,58 @@ def test_a_member_that_drips_parts_is_snubbed_as_slow_at_snub_after(part_bytes, 
         for r in first:
             got = int(t / every) * part_bytes
             p.peer_sent("m", t, r.key, r.chunk, got=got, left=MIB - got)
-        if t < 5.0:
-            assert p.expired(t) == [] and p.next_wakeup(t) == (5.0 if slow else t + 5.0)  # its snub, or silence
-    assert p.expired(2 * every) == (sorted(first) if slow else [])
+        if t < 5.0:  # its snub or its requests' early end at 5 s, or its silence after the last part
+            assert p.expired(t) == [] and p.next_wakeup(t) == (5.0 if slow or early else t + 5.0)
+    now = max(2 * every, 5.0)
+    gone = p.expired(now)
+    assert gone == (sorted(first) if slow or early else [])
+    assert {r.why for r in gone} <= {PAST_ITS_TIMEOUT if early else ""}
     assert p.snub_reason("m") == (SLOW if slow else None)
     if slow:
-        assert {r.peer for r in p.requests(2 * every)} == {OR}  # after the origin now
+        assert {r.peer for r in p.requests(now)} == {OR}  # after the origin now
         p.peer_sent("m", 11.0)  # a part: no end to a snub as slow
         assert p.snub_reason("m") == SLOW
+    elif early:  # those chunks from the origin (its pipeline's worth now); m, not demoted, asked for others
+        asked = p.requests(now)
+        from_origin = {r.chunk for r in asked if r.peer == OR}
+        assert from_origin and from_origin <= {r.chunk for r in first}
+        assert {r.chunk for r in asked if r.peer == "m"}.isdisjoint(r.chunk for r in first)
     else:
-        assert p.next_wakeup(2 * every) == 2 * every + 5.0  # its silence from the last part, as before
+        assert p.next_wakeup(now) == 2 * every + 5.0  # its silence from the last part, as before
+
+
+def test_a_request_past_its_timeout_at_its_rate_is_judged_from_when_its_answer_began():
+    """Served in order, a request queued behind another is judged from the later of when it was
+    asked and the peer's last whole chunk to me, not from when it was asked: m sends its first
+    answer whole at 2 s, then the second at a rate that makes it whole at 2 + 40 s."""
+    p = PiecePicker("me", "r0", "r0", seed=1, pipeline=2, request_timeout=30.0, snub_after=5.0,
+                    slow_chunk_s=SLOW_CHUNK_S)
+    p.set_members({"me": "r0", "m": "r0"})
+    p.peer_joined("m", NODE, "r0")
+    p.peer_joined(OR, ORIGIN, "r0")
+    p.add_object(KEY, 2, now=0.0)
+    p.peer_has(OR, KEY, range(2))
+    p.peer_has("m", KEY, range(2))
+    a, b = p.requests(0.0)
+    assert {a.peer, b.peer} == {"m"}
+    p.peer_sent("m", 2.0, a.key, a.chunk, got=MIB, left=0)
+    p.chunk_received(KEY, a.chunk, "m", 2.0)
+    p.peer_sent("m", 6.0, b.key, b.chunk, got=MIB // 10, left=MIB - MIB // 10)  # 10 % in 4 s: 40 s a chunk
+    assert p.expired(6.9) == [] and p.next_wakeup(6.0) == 7.0  # 5 s after its answer began
+    assert p.expired(7.0) == [Request("m", KEY, b.chunk)] and not p.snubbed("m")
+    assert p.expired(7.0) == []
+
+
+def test_the_origins_requests_go_by_their_timeout_only():
+    p = PiecePicker("me", "r0", "r0", seed=1, request_timeout=30.0, snub_after=5.0, slow_chunk_s=SLOW_CHUNK_S)
+    p.set_members({"me": "r0"})
+    p.peer_joined(OR, ORIGIN, "r0")
+    p.add_object(KEY, 1, now=0.0)
+    p.peer_has(OR, KEY, [0])
+    (r,) = p.requests(0.0)
+    p.peer_sent(OR, 6.0, r.key, r.chunk, got=1, left=MIB - 1)
+    assert p.expired(29.9) == [] and p.next_wakeup(6.0) == 30.0
+    assert p.expired(30.0) == [r]
 
 
 def test_a_slow_snub_ends_with_a_whole_chunk_from_the_peer():
@@ -1676,11 +1721,13 @@ def test_a_slow_snub_ends_with_a_whole_chunk_from_the_peer():
 def test_a_slow_rule_needs_byte_counts_and_is_off_without_slow_chunk_s():
     p = _beside_a_silent_member()  # no slow_chunk_s
     first = p.requests(0.0)
-    for t in (4.9, 9.8, 14.7):
-        for r in first:
-            p.peer_sent("m", t, r.key, r.chunk, got=1, left=MIB - 1)
-        assert p.expired(t) == []
-    assert p.next_wakeup(14.7) == 19.7  # its silence, after the last part
+    for r in first:
+        p.peer_sent("m", 4.9, r.key, r.chunk, got=1, left=MIB - 1)
+    assert p.expired(4.9) == [] and p.next_wakeup(4.9) == 5.0
+    # Not snubbed; its requests, due whole only past their timeout, are given up all the same.
+    gone = p.expired(5.0)
+    assert gone == sorted(first) and {r.why for r in gone} == {PAST_ITS_TIMEOUT}
+    assert not p.snubbed("m") and p.snubbed_peers() == set()
     with pytest.raises(UsageError):
         PiecePicker("me", "r0", "r0", slow_chunk_s=0.0)
     q = _beside_a_dripping_member()

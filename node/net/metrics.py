@@ -110,6 +110,10 @@ def _links(st: dict) -> Iterable[Metric]:
     yield from _counter("patchswarm_peers_snubbed_slow", "peers that served so slowly that a chunk would take them "
                                                          "SLOW_CHUNK_S s or more (protocol/picker.py), each time",
                         st.get("peers_snubbed_slow"))
+    yield from _counter("patchswarm_requests_given_up_early", "requests given up before their timeout, their chunk "
+                                                              "due from that peer only after it at its rate "
+                                                              "(protocol/picker.py PAST_ITS_TIMEOUT)",
+                        st.get("requests_given_up_early"))
     yield from _gauge("patchswarm_tracker_connected", "1 while the tracker link is up",
                       int(bool(st.get("tracker_connected"))))
 
