@@ -1,7 +1,8 @@
 """Break the TCP connections between live members while versions spread, and look for what broke.
 
     nice -n 5 .venv/bin/python bench/conn_chaos.py [--nodes 5] [--versions 10] [--seed 1]
-                                                  [--kill-every 0.2 1.0] [--dir DIR]
+                                                  [--kill-every 0.2 1.0] [--publish-every 1 3]
+                                                  [--download-limit RATE] [--dir DIR]
 
 A hunt for races in session replacement (node/peers.py, node/dialer.py): a tracker, an
 origin (--watch) and `--nodes` nodes run as real processes on loopback (tests/swarmlab.py);
@@ -220,6 +221,9 @@ def main() -> int:
                     help="seconds after a version is published before the next (default 1 3)")
     ap.add_argument("--chaos-s", type=float, default=60.0, help="kills stop this long after the last publish at most")
     ap.add_argument("--converge-s", type=float, default=120.0, help="then every node must hold the last version")
+    ap.add_argument("--download-limit", metavar="RATE",
+                    help="each node's --download-limit (e.g. 2M): its peers' sends back up, so a session is "
+                         "more often replaced while a write of it is under way, as over a WAN")
     ap.add_argument("--dir", type=Path, help="keep the swarm's files and logs here")
     args = ap.parse_args()
     if not 2 <= args.nodes <= 16 or not 1 <= args.versions <= 50:
@@ -232,7 +236,7 @@ def main() -> int:
     root.mkdir(parents=True, exist_ok=True)
     started = utc_now()
     print(f"conn_chaos: {args.nodes} nodes, {args.versions} versions, seed {args.seed}, "
-          f"kill every {lo}-{hi} s, files in {root}; started {started}", flush=True)
+          f"kill every {lo}-{hi} s, node download limit {args.download_limit or 'none'}, files in {root}; started {started}", flush=True)
     states = rl_checkpoints("small", 1e-5, args.versions - 1)
     watch = root / "watch"
     stop = threading.Event()
@@ -240,7 +244,8 @@ def main() -> int:
     with SwarmLab(root) as lab:
         tracker = lab.start_tracker()
         origin = lab.start_origin(region="r0", watch=watch, extra=ORIGIN_ARGS)
-        nodes = [lab.start_node(f"n{i}", region=f"r{i % 2}") for i in range(args.nodes)]
+        limit = [] if args.download_limit is None else ["--download-limit", args.download_limit]
+        nodes = [lab.start_node(f"n{i}", region=f"r{i % 2}", extra=limit) for i in range(args.nodes)]
         for p in nodes:
             lab.wait_log(p, "joined the swarm via tracker")
         members = {"origin": origin, **{p.name: p for p in nodes}}
