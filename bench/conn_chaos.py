@@ -24,10 +24,12 @@ converge within `--converge-s`.
 Prints a table per member: the version it holds, whether its weights are the last
 version's bit for bit (as a restart would read them: tests/swarmlab.py `load_weights`),
 whether the versions it applied came in increasing order (its log), `sessions_replaced`
-and `peers_dropped` from its status (the origin's replacements counted from its log), its
-ERROR lines, tracebacks, and whether it still runs; then every ERROR line and traceback
-in full. Exits 1 if a node did not reach the last version bit-exact, a member exited, or
-any member logged an ERROR or a traceback. Logs stay in `--dir` when given.
+and `peers_dropped` from its status (the origin's replacements counted from its log), the
+honest peers it dropped (a session it ended for a reason other than a killed connection:
+a protocol error, invalid input, a budget, a stall), its ERROR lines, tracebacks, and
+whether it still runs; then each of those in full. Exits 1 if a node did not reach the last
+version bit-exact, a member exited, dropped an honest peer, or logged an ERROR or a
+traceback. Logs stay in `--dir` when given.
 """
 
 from __future__ import annotations
@@ -60,6 +62,12 @@ ERROR_LINE = re.compile(r"^\S+ \S+(?: \S+)? (ERROR|CRITICAL) ", re.M)
 TRACEBACK = re.compile(r"Traceback \(most recent call last\)")
 APPLIED = re.compile(r"applied version (\d+) \(")
 REPLACED_LINE = "left: replaced by a newer connection of the same member"
+LEFT = re.compile(r"^\S+ \S+(?: \S+)? WARNING (peer \S+ \([^)]*\) left: (.*))$", re.M)
+# A session's end that a killed connection explains: the reset, a send on it, or the frame it cut
+# (the end whose socket `ss -K` destroyed reads EOF mid-frame). Any other reason a member gives
+# for dropping a peer (protocol error, invalid input, over budget, stalled, misbehaved) is a
+# fault in an honest swarm.
+KILLED = ("connection lost", "could not send", "protocol error: truncated frame: EOF")
 
 
 def utc_now() -> str:
@@ -188,6 +196,11 @@ def log_findings(p: Proc) -> tuple[list[str], list[str]]:
     return errors, tracebacks
 
 
+def honest_drops(p: Proc) -> list[str]:
+    """Peers a member dropped for a reason other than a killed connection."""
+    return [m.group(1) for m in LEFT.finditer(p.text()) if not m.group(2).startswith(KILLED)]
+
+
 def applied_in_order(p: Proc) -> tuple[bool, list[int]]:
     versions = [int(v) for v in APPLIED.findall(p.text())]
     return all(a < b for a, b in zip(versions, versions[1:])), versions
@@ -272,10 +285,11 @@ def main() -> int:
         for p in [tracker, origin, *nodes]:
             st = status_or_none(p) if p in nodes else {}
             errors, tracebacks = log_findings(p)
+            drops = honest_drops(p)
             in_order, applied = applied_in_order(p)
             alive = p.alive()
             row = {"member": p.name, "alive": "yes" if alive else f"exited {p.popen.returncode}",
-                   "errors": errors, "tracebacks": tracebacks}
+                   "errors": errors, "tracebacks": tracebacks, "drops": drops}
             if p in nodes:
                 try:
                     exact = same_bits(load_weights(p), expect)
@@ -293,8 +307,9 @@ def main() -> int:
                 row.update(replaced=p.text().count(REPLACED_LINE))
             if not alive:
                 failures.append(f"{p.name} exited ({p.popen.returncode})")
-            if errors or tracebacks:
-                failures.append(f"{p.name}: {len(errors)} ERROR lines, {len(tracebacks)} tracebacks")
+            if errors or tracebacks or drops:
+                failures.append(f"{p.name}: {len(errors)} ERROR lines, {len(tracebacks)} tracebacks, "
+                                f"{len(drops)} honest peers dropped")
             rows.append(row)
     elapsed = time.monotonic() - t0
 
@@ -303,8 +318,8 @@ def main() -> int:
           f"kills went on {chaos_s:.0f} s after the last publish; last version {last} "
           f"{'reached under kills' if reached_under_chaos else 'reached after kills stopped' if converged else 'NOT reached'}")
     print("\n| member | alive | version | bit-exact | applied in order (count) | conns killed | sessions_replaced "
-          "| peers_dropped | peers now | ERROR lines | tracebacks |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| peers_dropped | peers now | honest peers dropped | ERROR lines | tracebacks |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     yes = {True: "yes", False: "NO", None: "-"}
     for r in rows:
         dropped = r.get("dropped")
@@ -312,10 +327,12 @@ def main() -> int:
         order = f"{yes[r['in_order']]} ({r['applied']})" if "in_order" in r else "-"
         print(f"| {r['member']} | {r['alive']} | {r.get('version', '-')} | {yes[r.get('exact')]} | {order} | "
               f"{chaos.killed_of.get(r['member'], '-')} | {r.get('replaced', '-')} | {dropped} | {r.get('peers', '-')} | "
-              f"{len(r['errors'])} | {len(r['tracebacks'])} |")
+              f"{len(r['drops'])} | {len(r['errors'])} | {len(r['tracebacks'])} |")
     for r in rows:
         for e in r["errors"]:
             print(f"\n{r['member']} ERROR: {e}")
+        for d in r["drops"]:
+            print(f"\n{r['member']} dropped an honest peer: {d}")
         for tb in r["tracebacks"]:
             print(f"\n{r['member']} traceback:\n{tb}")
     if chaos.errors:
@@ -323,7 +340,7 @@ def main() -> int:
     if failures:
         print("\nFAILED: " + "; ".join(failures))
         return 1
-    print("\nOK: every node holds the last version bit-exact, no member exited, no ERROR or traceback logged")
+    print("\nOK: every node holds the last version bit-exact, no member exited or dropped an honest peer, no ERROR or traceback logged")
     return 0
 
 
