@@ -83,8 +83,9 @@ class Inflows:
         """Take one part from `peer`: (its flow, whether this part started the first
         flow of that chunk, or the first part of a resumed flow that is the only
         one of its chunk). (None, False) for a part of a flow this node ended
-        (cancelled, rejected): the rest of it may still be on the way.
-        ProtocolError if the part does not continue its flow."""
+        (cancelled, rejected): the rest of it may still be on the way; so too for a
+        resumed flow, until a part at its start comes. ProtocolError if the part does
+        not continue its flow."""
         k = (peer, key, chunk)
         flow = self._flows.get(k)
         if offset == 0 and (flow is None or flow.start == 0):
@@ -93,6 +94,17 @@ class Inflows:
             flow = self._open(peer, key, chunk, ChunkAssembly(total, expected_total))
         elif flow is None:
             return None, False
+        elif flow.start and offset != flow.asm.received:
+            # A resumed flow's answer (wire.RequestRest) begins at its start. The same peer's
+            # parts of an answer this node cancelled come before it (they were on the way when
+            # it asked again): ignored until the flow has a part, then at its start the answer
+            # begins again from there. Taken for the answer's, they made the honest peer's
+            # answer a protocol error (bench/conn_chaos.py).
+            if flow.fresh:
+                return None, False
+            if offset == flow.start:
+                self._end(flow, failed=True, keep=False)  # followers resume from the new flow or elsewhere
+                flow = self._open(peer, key, chunk, flow.asm.prefix(flow.start))
         first = flow.fresh and self._by_chunk[(key, chunk)] == [flow]
         flow.fresh = False
         try:

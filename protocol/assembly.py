@@ -106,6 +106,15 @@ class ChunkAssembly:
             raise UsageError(f"mark_verified: the chunk is not whole ({self.received} of {self.total} bytes)")
         self.verified = True
 
+    def prefix(self, n: int) -> "ChunkAssembly":
+        """A new assembly of the same chunk holding this one's first `n` bytes (received)."""
+        if not 0 <= n <= self.received:
+            raise UsageError(f"prefix: expected at most the {self.received} bytes received, found {n}")
+        other = ChunkAssembly(self.total, self.total)
+        other._buf[:n] = memoryview(self._buf)[:n]
+        other.received = other._last_start = n
+        return other
+
     def data(self) -> bytearray:
         """The chunk's bytes (the assembly's own buffer: do not modify)."""
         return self._buf
