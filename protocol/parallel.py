@@ -92,6 +92,7 @@ class _Job:
         self.errors: dict[int, BaseException] = {}
         self._on_done = on_done
         self._cond = threading.Condition()
+        self._count = len(tasks)
         self._issued = 0
         self._busy = 0  # tasks being run
         self._done = 0
@@ -100,7 +101,7 @@ class _Job:
     def _take(self) -> int | None:
         with self._cond:
             # After a failure no task is started: every task below it has been taken already.
-            if self._failed or self._issued >= len(self.tasks):
+            if self._failed or self._issued >= self._count:
                 return None
             self._issued += 1
             self._busy += 1
@@ -130,6 +131,21 @@ class _Job:
             while self._busy:
                 self._cond.wait()
 
+    def release(self) -> tuple[list, dict[int, BaseException]]:
+        """The results and errors, the job's references to them, to the tasks and to `on_done`
+        dropped (after `wait`: no task is left to take).
+
+        Why: a helper that wakes only now still holds the job until it ends. Had the job
+        kept these, the helper could be the last holder of the tasks' tensors and free
+        them as the process exits; freeing a tensor releases the interpreter lock, and a
+        thread that takes it back during finalization is ended by `pthread_exit`, whose
+        unwinding through torch's C++ frames aborts the process ("terminate called
+        without an active exception", exit -6)."""
+        with self._cond:
+            results, errors = self.results, self.errors
+            self.tasks = self.results = self.errors = self._on_done = None
+        return results, errors
+
 
 def run_all(tasks: Sequence[Callable[[], T]], threads: int = 1,
             on_done: Callable[[int], None] | None = None) -> list[T]:
@@ -149,6 +165,7 @@ def run_all(tasks: Sequence[Callable[[], T]], threads: int = 1,
         job.work()
     finally:
         job.wait()
-    if job.errors:
-        raise job.errors[min(job.errors)]
-    return job.results
+        results, errors = job.release()
+    if errors:
+        raise errors[min(errors)]
+    return results

@@ -52,3 +52,42 @@ def test_thread_counts_follow_work_cores_and_tasks(monkeypatch):
     assert parallel.threads_for(tasks=10, work=250, min_work_per_thread=100) == 2
     assert parallel.threads_for(tasks=3, work=10**9, min_work_per_thread=1) == 3
     assert parallel.threads_for(tasks=10, work=10**9, min_work_per_thread=1) == 4
+
+
+def test_a_helper_that_wakes_after_the_call_returned_holds_nothing_of_its_work(monkeypatch):
+    """A helper the scheduler starts only after run_all returned (the caller ran every task)
+    must not be the last holder of the tasks or their results: freeing a tensor there while
+    the process exits aborted it (CI: a follower process ended with -6 after its work)."""
+    import gc
+    import weakref
+
+    class Payload:
+        pass
+
+    late = []  # helpers started only when this test says so
+    monkeypatch.setattr(parallel._thread, "start_new_thread", lambda fn, args: late.append((fn, args)))
+    inputs = [Payload() for _ in range(4)]
+    refs = [weakref.ref(p) for p in inputs]
+
+    def task(p):
+        def run():
+            out = Payload()
+            refs.append(weakref.ref(out))
+            return out, p
+        return run
+
+    results = parallel.run_all([task(p) for p in inputs], threads=3)
+    assert [r[1] for r in results] == inputs and len(late) == 2
+    was_enabled = gc.isenabled()
+    gc.disable()  # reference counting alone must free them: no cycle through the job
+    try:
+        del results, inputs
+        assert [r() for r in refs] == [None] * 8
+    finally:
+        if was_enabled:
+            gc.enable()
+    for fn, args in late:  # the late helpers find no task and end
+        t = threading.Thread(target=fn, args=args)
+        t.start()
+        t.join(5)
+        assert not t.is_alive()
