@@ -63,12 +63,11 @@ TRACEBACK = re.compile(r"Traceback \(most recent call last\)")
 APPLIED = re.compile(r"applied version (\d+) \(")
 REPLACED_LINE = "left: replaced by a newer connection of the same member"
 LEFT = re.compile(r"^\S+ \S+(?: \S+)? WARNING (peer \S+ \([^)]*\) left: (.*))$", re.M)
-# A session's end that a killed connection explains: the reset, a send on it, or EOF in the
-# middle of a frame (what a killed connection may read once a send took its error; counted as a
-# "protocol error" in status's peers_dropped). Any other reason a member gives
-# for dropping a peer (protocol error, invalid input, over budget, stalled, misbehaved) is a
-# fault in an honest swarm.
-KILLED = ("connection lost", "could not send", "protocol error: truncated frame: EOF")
+# A session's end that a killed connection explains: the reset, EOF in the middle of a frame
+# (what a killed connection may read once a send took its error), or a send on it. Any other
+# reason a member gives for dropping a peer (protocol error, invalid input, over budget,
+# stalled, misbehaved) is a fault in an honest swarm.
+KILLED = ("connection lost", "could not send")
 
 
 def utc_now() -> str:

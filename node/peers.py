@@ -44,7 +44,7 @@ import trio
 
 from patchswarm.protocol import wire
 from patchswarm.protocol.assembly import part_bytes_for
-from patchswarm.protocol.errors import BudgetExceeded, InvalidInput, ProtocolError
+from patchswarm.protocol.errors import BudgetExceeded, InvalidInput, ProtocolError, TruncatedStream
 from patchswarm.protocol.publication import ObjKey
 from patchswarm.protocol.uplinkmeter import UplinkMeter
 
@@ -306,6 +306,8 @@ class PeerSet:
         except* BudgetExceeded as group:  # before ProtocolError, which includes it
             reason = f"over budget: {group.exceptions[0]}"
             self.dropped[group.exceptions[0].budget] += 1
+        except* TruncatedStream:  # before ProtocolError: a peer killed mid-send, not a bad message
+            reason = "connection lost (it ended inside a frame)"
         except* ProtocolError as group:
             reason = f"protocol error: {group.exceptions[0]}"
             self.dropped["protocol error"] += 1

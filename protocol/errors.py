@@ -86,6 +86,12 @@ class WrongRegion(ProtocolError):
     member may not choose it where the swarm's operator chose it when issuing the certificate."""
 
 
+class TruncatedStream(ProtocolError):
+    """The stream ended (EOF) inside a frame: what a peer's process killed mid-send, or its
+    connection cut, leaves. A lost connection rather than a malformed message: nothing
+    that arrived is used, and nothing in it can do more than a disconnect can."""
+
+
 class FrameTooLarge(ProtocolError):
     """A frame announced a length beyond the negotiated maximum."""
 

@@ -73,7 +73,7 @@ from dataclasses import dataclass
 import msgpack
 import numpy as np
 
-from .errors import FrameTooLarge, ProtocolError, UsageError
+from .errors import FrameTooLarge, ProtocolError, TruncatedStream, UsageError
 from .manifest import MAX_CHUNKS
 from .packreader import PackReader
 from .trajectory import MAX_BATCH_RECORDS, MAX_BATCH_WIRE_BYTES
@@ -875,7 +875,7 @@ class FrameBuffer:
                 body, self._body = self._body, None
                 return body
             if self._eof:
-                raise ProtocolError(f"truncated frame: EOF with {HEADER_BYTES + self._filled} bytes of an "
+                raise TruncatedStream(f"truncated frame: EOF with {HEADER_BYTES + self._filled} bytes of an "
                                     f"incomplete frame buffered")
             return NEED_DATA
         buf, pos = self._buf, self._pos
@@ -905,7 +905,7 @@ class FrameBuffer:
         if not self._eof:
             return NEED_DATA
         if avail:
-            raise ProtocolError(f"truncated frame: EOF with {avail} bytes of an incomplete frame buffered")
+            raise TruncatedStream(f"truncated frame: EOF with {avail} bytes of an incomplete frame buffered")
         return CLOSED
 
     def _consume(self, end: int) -> None:

@@ -410,6 +410,36 @@ def test_a_message_read_as_its_session_is_replaced_goes_nowhere(tmp_path):
     trio.run(main)
 
 
+@pytest.mark.parametrize("tail, reason, kind", [
+    (b"\x00\x00\x01\x00" + b"h" * 100, "connection lost (it ended inside a frame)", None),
+    (b"\x00\x00\x00\x02\xc1\xc1", "protocol error", "protocol error"),  # a whole frame, not msgpack
+])
+def test_a_peer_whose_stream_ends_inside_a_frame_is_a_lost_connection(tmp_path, caplog, tail, reason, kind):
+    """A member killed while it sent a frame leaves its connection ending mid-frame (its kernel
+    sends a FIN). Before: counted in peers_dropped as a "protocol error" (the chaos bench's kills
+    did so), which sent an operator looking for a bad peer; now a lost connection, like a reset.
+    A whole frame that does not decode is still a protocol error."""
+    closed = []
+
+    async def main():
+        peers = _peers_b(tmp_path, on_close=lambda s: closed.append(s.close_reason))
+        served, requester = await _hello_pair()
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(peers.run, served, False)
+                await trio.testing.wait_all_tasks_blocked()
+                await requester.stream.send_all(tail)
+                await requester.stream.aclose()
+        return peers
+
+    with caplog.at_level("WARNING", logger="patchswarm.peers"):
+        peers = trio.run(main)
+    [why] = closed
+    assert why.startswith(reason), why
+    assert dict(peers.dropped) == ({kind: 1} if kind else {})
+    assert f"left: {why}" in caplog.text
+
+
 @pytest.mark.parametrize("uplink_mbit, part", [(None, PART_BYTES), (100, PART_BYTES), (1000, 256 << 10),
                                                (10_000, 1 << 20)])
 def test_a_held_chunk_goes_out_in_parts_sized_to_the_declared_uplink(tmp_path, uplink_mbit, part):

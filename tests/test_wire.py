@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 
 from patchswarm.protocol import wire
-from patchswarm.protocol.errors import FrameTooLarge, ProtocolError, UsageError
+from patchswarm.protocol.errors import FrameTooLarge, ProtocolError, TruncatedStream, UsageError
 from patchswarm.protocol.manifest import MAX_CHUNKS
 from patchswarm.protocol.wire import (
     CLOSED, NEED_DATA, Announce, Bye, Cancel, Connection, Error, Have, HaveOne, Heartbeat,
@@ -311,7 +311,7 @@ def test_truncated_frame_at_eof(cut):
     conn.receive_data(raw[:cut])
     assert conn.next_event() is NEED_DATA
     conn.receive_data(b"")
-    with pytest.raises(ProtocolError, match="truncated frame"):
+    with pytest.raises(TruncatedStream, match="truncated frame"):
         conn.next_event()
 
 
@@ -853,7 +853,7 @@ def test_eof_inside_a_large_frames_own_buffer_is_a_truncated_frame():
     assert conn.body_buffer() is not None
     conn.body_received(0)  # the peer closed
     assert conn.body_buffer() is None
-    with pytest.raises(ProtocolError, match="truncated frame"):
+    with pytest.raises(TruncatedStream, match="truncated frame"):
         conn.next_event()
 
 
