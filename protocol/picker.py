@@ -251,6 +251,14 @@ SILENT = "silent"  # it held requests and sent no part for `snub_after`
 SLOW = "slow"      # the chunk it serves would take it `slow_chunk_s` or more at its rate
 
 
+
+def _answer_takes(told: tuple[int, int, float], start: float) -> float:
+    """How long an answer takes to come whole from `start`, at the rate it came from `start` to
+    its last part: `told` is (bytes got, bytes left, when its last part came); inf: no byte yet."""
+    got, left, at = told
+    return (got + left) * (at - start) / got if got else math.inf
+
+
 class PiecePicker:
     """Which chunk to request next from which peer, for one node (see module doc).
 
@@ -697,11 +705,10 @@ class PiecePicker:
                        + self.request_timeout)
         if self.snub_after is not None and self._n_inflight:
             due += [self._snub_at(info) for info in self._peers.values() if info.inflight and info.kind == NODE]
-            if self.slow_chunk_s is not None:
-                due += [t for info in self._peers.values() if info.progress and now < (t := self._slow_at(info)) < math.inf]
-            if self.request_timeout is not None:
-                due += [t for info in self._peers.values() for request in info.progress
-                        if now < (t := self._past_timeout_at(info, request)) < math.inf]
+            for info in self._peers.values():  # the slow rule and the past-timeout rule, one walk
+                if info.progress:
+                    due += [t for t in (self._slow_at(info), *(self._past_timeout_at(info, r) for r in info.progress))
+                            if now < t < math.inf]
         return min(due, default=None)
 
     def complete(self, key: ObjKey) -> bool:
@@ -777,10 +784,9 @@ class PiecePicker:
         told = info.progress.get(request)
         if told is None or not told[0]:
             return math.inf
-        got, left, at = told
         sent = info.inflight[request]
         start = max(info.serving_from, sent)
-        whole_at = start + (got + left) * (at - start) / got
+        whole_at = start + _answer_takes(told, start)
         return start + self.snub_after if whole_at > sent + self.request_timeout else math.inf
 
     def _slow_at(self, info: PeerState) -> float:
@@ -795,8 +801,7 @@ class PiecePicker:
         if self.slow_chunk_s is None or self.snub_after is None or info.kind != NODE or not info.progress:
             return math.inf
         start = info.serving_from
-        fastest = min(((got + left) * (at - start) / got if got else math.inf)
-                      for got, left, at in info.progress.values())
+        fastest = min(_answer_takes(told, start) for told in info.progress.values())
         return start + self.snub_after if fastest >= self.slow_chunk_s else math.inf
 
     def _set_snubbed(self, peer: str, snubbed: bool) -> None:
