@@ -30,7 +30,7 @@ from patchswarm.protocol.errors import PatchswarmError, PeerRefused
 from patchswarm.node.net.backoff import jittered
 from patchswarm.node.net.ratelimit import TokenBucket
 from patchswarm.node.net.rtcsignal import RTCSignaller
-from patchswarm.node.net.transport import CONNECTION_ERRORS, connect, one_line
+from patchswarm.node.net.transport import CONNECTION_ERRORS, connect, one_line, run_session
 from patchswarm.node.net.trust import Credentials
 from patchswarm.node.peers import PeerSet
 from patchswarm.node.wakeup import Wakeup
@@ -178,7 +178,4 @@ class Dialer:
             self._tcp_failures.pop(pid, None)
         self._failures.pop(pid, None)
         self._dial_after[pid] = trio.current_time() + REDIAL_AFTER
-        try:
-            await self.peers.run(ms, outbound=True)
-        except Exception:  # as the listener's handler (node/net/transport.py): a bug in one session must not end the node
-            log.exception("session with %s %s failed", p["role"], pid)
+        await run_session(lambda: self.peers.run(ms, outbound=True), f"{p['role']} {pid}", log)

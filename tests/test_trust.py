@@ -581,3 +581,37 @@ def test_dials_share_one_client_context_until_the_credentials_change(tmp_path):
                 nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_a_session_whose_handler_fails_ends_that_session_not_the_listener(swarm, caplog):
+    """A bug in one accepted session's handler is logged with the member it served and the
+    listener goes on accepting (as a dialed session's bug ends only that session: test_dialer)."""
+    from patchswarm.node.net import transport
+    from patchswarm.protocol import wire
+
+    tracker, node = trust.Credentials.load(swarm / "tracker1"), trust.Credentials.load(swarm / "node1")
+    served = []
+
+    async def handler(ms):
+        served.append(ms.peer_name)
+        if len(served) == 1:
+            raise KeyError("a bug in the first session")
+
+    async def main():
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                addr = await nursery.start(functools.partial(
+                    transport.serve, "127.0.0.1:0", tracker, {"node"},
+                    lambda: wire.Hello("tracker1", "r1", "tracker", "", []), handler))
+                for n in (1, 2):
+                    ms = await transport.connect(addr, node, {"tracker"}, wire.Hello("node1", "r1", "node", "", []))
+                    await ms.aclose()
+                    while len(served) < n:
+                        await trio.sleep(0.01)
+                nursery.cancel_scope.cancel()
+
+    with caplog.at_level("ERROR", logger="patchswarm.transport"):
+        trio.run(main)
+    assert served == ["node1", "node1"]
+    [record] = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert record.getMessage() == "session with node node1 failed" and "a bug in the first session" in caplog.text

@@ -70,6 +70,17 @@ REFUSAL_SECONDS = 1.0  # then, the most the Error's write may take
 CONNECTION_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, ssl.SSLError, OSError)
 
 
+async def run_session(handler: Callable[[], Awaitable[None]], who: str, logger: logging.Logger = log) -> None:
+    """Run one session's handler; a bug in it (any Exception) is logged ("session with WHO
+    failed", with its traceback) and ends that session alone. The listener's accepted sessions
+    and the dialer's dialed ones both run through here: one peer's session must not take the
+    listener, the dialer or the node (and every other peer's session) down with it."""
+    try:
+        await handler()
+    except Exception:
+        logger.exception("session with %s failed", who)
+
+
 def one_line(e: BaseException) -> str:
     """An exception as one line for a log or a person: its text with whitespace folded."""
     return " ".join((str(e) or type(e).__name__).split())
@@ -506,10 +517,7 @@ async def serve(listen: str, creds: Credentials, allowed_roles: set[str] | froze
                 by_host[host] -= 1
                 if not by_host[host]:
                     del by_host[host]
-            try:
-                await handler(ms)
-            except Exception:  # a bug must not take the whole listener (and every peer) down
-                log.exception("connection handler for %s failed", ms.peer_name)
+            await run_session(lambda: handler(ms), f"{ms.peer_role} {ms.peer_name}")
         finally:
             if ms is not None:
                 ms.release()
