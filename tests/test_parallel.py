@@ -91,3 +91,16 @@ def test_a_helper_that_wakes_after_the_call_returned_holds_nothing_of_its_work(m
         t.start()
         t.join(5)
         assert not t.is_alive()
+
+
+@pytest.mark.slow  # fresh interpreters
+def test_processes_that_hash_on_helper_threads_and_exit_at_once_all_exit_cleanly():
+    """bench/exit_abort.py at its smallest: the real exit path after a threaded state hash."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "bench" / "exit_abort.py"
+    out = subprocess.run([sys.executable, str(bench), "--runs", "3", "--loops", "1", "--burners", "1", "--threads", "2"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "3 runs (1 loops of 3, 1 burners, threads 2)" in out.stdout, out.stdout + out.stderr
