@@ -15,7 +15,12 @@ were closed before TLS (the listener's slots before Hello full), and the victim'
 handshake mallory got out of it; then the honest fetches' time (median and max, s) and the
 victim's CPU meanwhile; and the victim's count of refusals (status peers_dropped).
 
-    .venv/bin/python bench/reconnect.py [--mib 64] [--fetches 8] [--attackers 1] [--window 5] [--rate R] [--pin] [--repeat 3] [--parallel 1]
+With `--outsider`, mallory holds a certificate of another swarm's CA instead: a host outside
+the swarm, every handshake of which fails. Its rows have the victim's own counts over the
+window (status peers_dropped): failed handshakes ("refused") and connections closed before
+TLS (its slots before Hello full) per second, and its CPU per such connection.
+
+    .venv/bin/python bench/reconnect.py [--mib 64] [--fetches 8] [--attackers 1] [--window 5] [--rate R] [--pin] [--repeat 3] [--parallel 1] [--outsider]
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from swarmlab import SwarmLab, write_checkpoint  # noqa: E402
 
 from patchswarm.node.net import trust  # noqa: E402
 from patchswarm.node.net.admission import ADMISSIONS, CONNECTION_BURST  # noqa: E402
-from patchswarm.node.net.transport import CONNECTION_ERRORS, connect  # noqa: E402
+from patchswarm.node.net.transport import BEFORE_HELLO, CONNECTION_ERRORS, connect  # noqa: E402
 from patchswarm.protocol import wire  # noqa: E402
 from patchswarm.protocol.errors import PatchswarmError, PeerRefused  # noqa: E402
 
@@ -138,10 +143,11 @@ def attacker(addr: str, victim: str, creds_dir: str, stop, out, rate: float, cpu
 class Attack:
     """`n` processes of mallory against one victim, started and stopped together."""
 
-    def __init__(self, lab: SwarmLab, v, victim: str, n: int, rate: float, cpus: set[int] | None, parallel: int):
+    def __init__(self, lab: SwarmLab, v, victim: str, n: int, rate: float, cpus: set[int] | None, parallel: int,
+                 creds: str | None = None):
         ctx = multiprocessing.get_context("spawn")
         self.out, self.stop = ctx.Queue(), ctx.Event()
-        creds = str(lab.creds("mallory", "node"))
+        creds = creds or str(lab.creds("mallory", "node"))
         self.procs = [ctx.Process(target=attacker, args=(v.addr, victim, creds, self.stop, self.out, rate, cpus,
                                                                 parallel))
                       for _ in range(n)]
@@ -161,10 +167,17 @@ class Attack:
             p.join(10)
 
 
+def _refusals(v) -> tuple[int, int]:
+    """The victim's failed handshakes and connections closed before TLS so far (its status)."""
+    dropped = v.status()["peers_dropped"]
+    return dropped.get("refused", 0), dropped.get(BEFORE_HELLO, 0)
+
+
 def row(lab: SwarmLab, index: int, limit: int, attackers: int, fetches: int, honest: list, window: float,
-        rate: float, cpus: tuple[set[int], set[int]] | None, parallel: int) -> dict:
+        rate: float, cpus: tuple[set[int], set[int]] | None, parallel: int, outsider: str | None = None) -> dict:
     """One row: a fresh victim at version 0; `window` s of the attack alone (or of nothing), then
-    the honest fetches with the attack going on (or without)."""
+    the honest fetches with the attack going on (or without). `outsider`: mallory's credentials
+    are these (another swarm's), not a member's."""
     name = f"victim{index}"
     v = lab.start_node(name, region="r0", extra=["--member-connections", str(limit)])
     try:
@@ -172,19 +185,21 @@ def row(lab: SwarmLab, index: int, limit: int, attackers: int, fetches: int, hon
         time.sleep(1.0)  # its own fetch and apply settle
         pin(v.popen.pid, cpus and cpus[0])
         others = cpus and cpus[1]
-        with Attack(lab, v, name, attackers, rate, others, parallel) as alone:
+        with Attack(lab, v, name, attackers, rate, others, parallel, outsider) as alone:
             time.sleep(1.0)  # the attackers' processes start (and, limited, use up the burst)
-            cpu0, t0 = process_cpu_seconds(v.popen.pid), time.monotonic()
+            cpu0, t0, seen0 = process_cpu_seconds(v.popen.pid), time.monotonic(), _refusals(v)
             time.sleep(window)
             alone_cpu = process_cpu_seconds(v.popen.pid) - cpu0
-            alone_span = time.monotonic() - t0 + 1.0
+            seen = [b - a for a, b in zip(seen0, _refusals(v))]
+            span = time.monotonic() - t0
+            alone_span = span + 1.0
         times = []
 
         async def fetch_rounds() -> None:
             for i in range(fetches):
                 times.append((await fetch_all(v.addr, name, honest[i % len(honest)], f"honest{i % len(honest)}"))[0])
 
-        with Attack(lab, v, name, attackers, rate, others, parallel):
+        with Attack(lab, v, name, attackers, rate, others, parallel, outsider):
             if attackers:
                 time.sleep(1.0)
             cpu0, t0 = process_cpu_seconds(v.popen.pid), time.monotonic()
@@ -197,7 +212,9 @@ def row(lab: SwarmLab, index: int, limit: int, attackers: int, fetches: int, hon
                 "sessions_s": c["admitted"] / alone_span, "refused_s": c["refused"] / alone_span,
                 "failed_s": c["failed"] / alone_span,
                 "ms_per_conn": 1000 * alone_cpu / max(1, (c["admitted"] + c["refused"]) * window / alone_span),
-                "dropped": st["peers_dropped"].get(ADMISSIONS, 0), "replaced": st.get("sessions_replaced", 0)}
+                "dropped": st["peers_dropped"].get(ADMISSIONS, 0), "replaced": st.get("sessions_replaced", 0),
+                "tls_failed_s": seen[0] / span, "before_tls_s": seen[1] / span,
+                "ms_per_outsider_conn": 1000 * alone_cpu / max(1, seen[0] + seen[1])}
     finally:
         lab.kill(v)
 
@@ -216,6 +233,8 @@ def main() -> None:
     ap.add_argument("--parallel", type=int, default=1, help="connections each mallory process makes at once")
     ap.add_argument("--limit", type=int, default=CONNECTION_BURST, help="the limited rows' --member-connections")
     ap.add_argument("--repeat", type=int, default=3, help="runs of each row")
+    ap.add_argument("--outsider", action="store_true",
+                    help="mallory holds a certificate of another swarm's CA: every handshake fails")
     a = ap.parse_args()
     cpus = None
     if a.pin:
@@ -231,15 +250,37 @@ def main() -> None:
         lab.start_origin(region="r0", watch=watch, extra=["--chunk-bytes", str(1 << 20)])
         write_checkpoint(watch, "step0000.safetensors", state)
         honest = [trust.Credentials.load(lab.creds(f"honest{i}", "node")) for i in range(4)]
-        configs = [(0, 0), (0, a.attackers), (a.limit, a.attackers), (a.limit, 0)]
+        outsider = None
+        if a.outsider:  # the member budget is asked after TLS: it never meets an outsider
+            trust.init_swarm(Path(d) / "elsewhere")
+            trust.issue(Path(d) / "elsewhere", "mallory", "node", Path(d) / "outsider")
+            outsider = str(Path(d) / "outsider")
+            configs = [(a.limit, a.attackers), (a.limit, 0)]
+        else:
+            configs = [(0, 0), (0, a.attackers), (a.limit, a.attackers), (a.limit, 0)]
         runs: dict[tuple[int, int], list[dict]] = {c: [] for c in configs}
         for rep in range(a.repeat):  # interleaved, so a neighbour's load on the machine falls on every row
             for i, (limit, attackers) in enumerate(configs):
                 runs[(limit, attackers)].append(row(lab, rep * len(configs) + i, limit, attackers, a.fetches, honest,
-                                                    a.window, a.rate, cpus, a.parallel))
+                                                    a.window, a.rate, cpus, a.parallel, outsider))
                 print(f"  {limit, attackers}: {runs[(limit, attackers)][-1]}", file=sys.stderr)
     how = (f"{a.rate:g} times a second each" if a.rate else "as fast as they can") + \
         (f", {a.parallel} connections at once each" if a.parallel > 1 else "")
+    med = statistics.median
+    if a.outsider:
+        print(f"\n{a.mib} MiB keyframe (1 MiB chunks); an outsider (another swarm's certificate): {a.attackers} "
+              f"process(es) dialing {how}; per run {a.window:g} s of the attack alone, then {a.fetches} honest "
+              f"fetches of the whole keyframe with it; {a.repeat} runs per row, interleaved: medians of the runs")
+        print("attack | victim CPU %, attack alone | victim's failed handshakes / closed before TLS per s | "
+              "victim CPU ms per outsider connection (either kind) | honest fetch median / max s | "
+              "victim CPU % while fetching")
+        for (limit, attackers), rs in runs.items():
+            per = f"{med(r['ms_per_outsider_conn'] for r in rs):.2f}" if attackers else "-"
+            print(f"{'yes' if attackers else 'no'} | {med(r['alone_cpu'] for r in rs):.0f} | "
+                  f"{med(r['tls_failed_s'] for r in rs):.1f} / {med(r['before_tls_s'] for r in rs):.1f} | {per} | "
+                  f"{med(r['median'] for r in rs):.2f} / {max(r['max'] for r in rs):.2f} | "
+                  f"{med(r['fetch_cpu'] for r in rs):.0f}")
+        return
     print(f"\n{a.mib} MiB keyframe (1 MiB chunks); mallory: {a.attackers} process(es) reconnecting {how}"
           f"{'; the victim pinned to CPU 0, the rest to the others' if a.pin else ''}; per run {a.window:g} s of "
           f"the attack alone, then {a.fetches} honest fetches of the whole keyframe, one after another, with it; "
@@ -248,7 +289,6 @@ def main() -> None:
           "before TLS per s | victim CPU ms per mallory handshake | honest fetch median / max s | "
           "victim CPU % while fetching | "
           "refused (victim's count, all runs)")
-    med = statistics.median
     for (limit, attackers), rs in runs.items():
         per = f"{med(r['ms_per_conn'] for r in rs):.1f}" if attackers else "-"
         print(f"{limit or 'no limit'} | {'yes' if attackers else 'no'} | {med(r['alone_cpu'] for r in rs):.0f} | "

@@ -77,7 +77,9 @@ def pki(tmp_path_factory):
     trust.init_swarm(root / "swarm")
     for name in ("victim", "mallory", "honest"):
         trust.issue(root / "swarm", name, "node", root / name)
-    return {name: trust.Credentials.load(root / name) for name in ("victim", "mallory", "honest")}
+    trust.init_swarm(root / "elsewhere")  # another swarm's CA: its members are outsiders here
+    trust.issue(root / "elsewhere", "outsider", "node", root / "outsider")
+    return {name: trust.Credentials.load(root / name) for name in ("victim", "mallory", "honest", "outsider")}
 
 
 def _hello(name: str) -> wire.Hello:
@@ -168,6 +170,52 @@ def test_refusals_are_held_so_a_looping_member_gets_few_handshakes_a_second(pki)
                 assert kinds == {"refused": 4, "closed before TLS": 8}, ends
                 assert all(t >= hold for k, t in ends if k == "refused"), ends
                 assert refused[ADMISSIONS] == 4 and refused[BEFORE_HELLO] == 8
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_failed_handshakes_hold_their_slots_so_an_outsider_gets_few_a_second(pki):
+    """A host outside the swarm (a certificate of another CA) dialing as fast as it can: each
+    handshake fails, and its connection keeps its slot before Hello until `refusal_hold` after
+    it was accepted, so from one host with 4 such slots it gets about 4 handshakes per hold;
+    the rest are closed before TLS. Before, a failed handshake freed its slot at once: as many
+    handshakes as it could make, each nearly a whole one's CPU. A member is admitted meanwhile."""
+    refused: collections.Counter = collections.Counter()
+    hold, window = 0.5, 1.6
+    sessions = []
+
+    async def handler(ms: MessageStream) -> None:
+        sessions.append(ms.peer_name)
+        await ms.aclose()
+
+    async def main():
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                addr = await _victim(nursery, pki, handler, refused, refusal_hold=hold, max_before_hello_per_host=4)
+                tries = 0
+
+                async def outsider() -> None:
+                    nonlocal tries
+                    while True:
+                        tries += 1
+                        with pytest.raises((OSError, trio.BrokenResourceError, trio.TooSlowError, wire.ProtocolError)):
+                            await connect(addr, pki["outsider"], {"node"}, _hello("outsider"))
+
+                async with trio.open_nursery() as crowd:
+                    for _ in range(8):
+                        crowd.start_soon(outsider)
+                    await trio.sleep(window)
+                    ms = await connect(addr, pki["honest"], {"node"}, _hello("honest"), expect_name="victim",
+                                       local_address="127.0.0.2")  # another host: slots of its own
+                    await ms.aclose()
+                    crowd.cancel_scope.cancel()
+                await trio.testing.wait_all_tasks_blocked(0.05)
+                handshakes = refused["refused"]
+                # 4 slots, each taken again at most every `hold`: 4 * (window / hold + 1) = 16 at most.
+                assert 4 <= handshakes <= 4 * (window / hold + 1), (handshakes, refused, tries)
+                assert refused[BEFORE_HELLO] > handshakes  # the rest were closed before TLS
+                assert sessions == ["honest"]
                 nursery.cancel_scope.cancel()
 
     trio.run(main)

@@ -62,6 +62,11 @@ NO_REGION = "certificate names no region"
 # from one host (without it, as many as the member could make: 80-190 a second from one
 # process in bench/reconnect.py, each 2-3 ms of the listener's CPU). A host can already fill those
 # slots with connections that never finish TLS, so holding costs its neighbours nothing new.
+# A connection whose TLS handshake or Hello fails holds its slot too, until REFUSAL_HOLD after it
+# was accepted: without it a host outside the swarm (a certificate of another CA, or none) got as
+# many failed handshakes a second out of the listener as it could make, each about a whole
+# handshake's CPU (bench/reconnect.py --outsider); with it, at most MAX_BEFORE_HELLO_PER_HOST
+# per REFUSAL_HOLD from one host and MAX_CONNECTIONS_BEFORE_HELLO from all.
 REFUSAL_HOLD = 1.0
 REFUSAL_SECONDS = 1.0  # then, the most the Error's write may take
 
@@ -444,7 +449,8 @@ async def serve(listen: str, creds: Credentials, allowed_roles: set[str] | froze
     not a reset that could discard the Error), it is sent an Error saying when
     it may come back `refusal_hold` seconds after its handshake (default REFUSAL_HOLD,
     which bounds how fast it can make this listener do handshakes), and the
-    connection is closed.
+    connection is closed. A connection whose TLS handshake or Hello fails is closed at once
+    and holds its slot until `refusal_hold` after it was accepted, for the same bound.
     A member whose Hello says another region than its certificate binds it to is sent an
     Error saying both (in place of our Hello, `refusal_hold` seconds after its handshake, as
     above) and counted as WRONG_REGION; where `creds.require_region` (the member's
@@ -486,9 +492,9 @@ async def serve(listen: str, creds: Credentials, allowed_roles: set[str] | froze
         try:
             before_hello += 1
             by_host[host] += 1
+            hold = REFUSAL_HOLD if refusal_hold is None else refusal_hold
             try:
                 name, role, serial, region = await _handshake(stream, allowed_roles, None, creds)
-                hold = REFUSAL_HOLD if refusal_hold is None else refusal_hold
                 if creds.require_region and region is None and role != "tracker":
                     why = creds.no_region_refusal(name, role)
                     refuse(NO_REGION, why)
@@ -511,6 +517,8 @@ async def serve(listen: str, creds: Credentials, allowed_roles: set[str] | froze
                 return
             except (*CONNECTION_ERRORS, InvalidInput) as e:
                 refuse("refused", _reason(e))
+                await trio.aclose_forcefully(stream)
+                await trio.sleep_until(accepted_at + hold)  # its slot stays taken: see REFUSAL_HOLD
                 return
             finally:
                 before_hello -= 1
