@@ -251,7 +251,6 @@ SILENT = "silent"  # it held requests and sent no part for `snub_after`
 SLOW = "slow"      # the chunk it serves would take it `slow_chunk_s` or more at its rate
 
 
-
 def _answer_takes(told: tuple[int, int, float], start: float) -> float:
     """How long an answer takes to come whole from `start`, at the rate it came from `start` to
     its last part: `told` is (bytes got, bytes left, when its last part came); inf: no byte yet."""

@@ -876,7 +876,7 @@ class FrameBuffer:
                 return body
             if self._eof:
                 raise TruncatedStream(f"truncated frame: EOF with {HEADER_BYTES + self._filled} bytes of an "
-                                    f"incomplete frame buffered")
+                                      f"incomplete frame buffered")
             return NEED_DATA
         buf, pos = self._buf, self._pos
         avail = len(buf) - pos
