@@ -13,6 +13,7 @@ credentials every handshake asks, and keeps it in `revocations_file`.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Awaitable, Callable
@@ -106,7 +107,12 @@ class TrackerLink:
                             continue
                         await self._on_message(msg)
             except* (*CONNECTION_ERRORS, ProtocolError) as group:
-                log.warning("lost the tracker (%s); reconnecting", one_line(group.exceptions[0]))
+                if trio.current_effective_deadline() == -math.inf:
+                    # This member is stopping (its SIGTERM's cancel came while the loss was read):
+                    # a tracker stopped beside it (a fleet or a demo shut down) is no fault to warn of.
+                    log.info("lost the tracker (%s) as this member stops", one_line(group.exceptions[0]))
+                else:
+                    log.warning("lost the tracker (%s); reconnecting", one_line(group.exceptions[0]))
             finally:
                 self.stream = None
                 await ms.aclose()
