@@ -124,7 +124,9 @@ def _at(rows: list[tuple[float, int, int]], t: float, way: int) -> int | None:
 def rate_table(samples: dict[str, list[tuple[float, int, int]]], columns: list[tuple[str, str]],
                t0: float, until_s: float, step_s: float = 0.1) -> str:
     """Mbit/s per `step_s` interval from wall-clock `t0` to `t0 + until_s`, one column per
-    (host, "rx" | "tx") of `columns`, as counted by the link (what the shaper let through)."""
+    (host, "rx" | "tx") of `columns`, as counted by the link (what the shaper let through).
+    A host not sampled yet shows "-"; the interval its first sample falls in counts from that
+    sample, so its column's total is what its samples in the window saw move."""
     if step_s <= 0 or until_s <= 0:
         raise ValueError(f"step_s and until_s: expected > 0, found {step_s}, {until_s}")
     if not columns:
@@ -139,6 +141,8 @@ def rate_table(samples: dict[str, list[tuple[float, int, int]]], columns: list[t
         for i, (host, way) in enumerate(columns):
             rows, w = samples[host], 1 if way == "rx" else 2
             x, y = _at(rows, a, w), _at(rows, b, w)
+            if x is None and y is not None:
+                x = rows[0][w]  # this host's first sample came inside the interval: count from it
             if x is None or y is None:
                 cells.append(f"{'-':>{width}}")
                 continue
