@@ -93,6 +93,14 @@ async def _victim(nursery, pki, handler, refused, **limits) -> str:
         task_status=task_status, **limits))
 
 
+def _recording(sessions: list):
+    """A victim's handler that notes each admitted member's name and closes its session."""
+    async def handler(ms: MessageStream) -> None:
+        sessions.append(ms.peer_name)
+        await ms.aclose()
+    return handler
+
+
 def test_a_member_over_its_budget_is_refused_after_tls_before_any_hello(pki):
     """mallory reconnects as fast as it can: the first `burst` connections reach the handler
     (the session, its Haves), every later one is refused right after the TLS handshake with an
@@ -101,10 +109,7 @@ def test_a_member_over_its_budget_is_refused_after_tls_before_any_hello(pki):
     refused: collections.Counter = collections.Counter()
     admission = MemberAdmission(burst=3, per_minute=120)  # a token every 0.5 s
     sessions = []
-
-    async def handler(ms: MessageStream) -> None:
-        sessions.append(ms.peer_name)
-        await ms.aclose()
+    handler = _recording(sessions)
 
     async def main():
         with trio.fail_after(30):
@@ -184,10 +189,7 @@ def test_failed_handshakes_hold_their_slots_so_an_outsider_gets_few_a_second(pki
     refused: collections.Counter = collections.Counter()
     hold, window = 0.5, 1.6
     sessions = []
-
-    async def handler(ms: MessageStream) -> None:
-        sessions.append(ms.peer_name)
-        await ms.aclose()
+    handler = _recording(sessions)
 
     async def main():
         with trio.fail_after(30):
