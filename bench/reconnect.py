@@ -267,35 +267,35 @@ def main() -> None:
     how = (f"{a.rate:g} times a second each" if a.rate else "as fast as they can") + \
         (f", {a.parallel} connections at once each" if a.parallel > 1 else "")
     med = statistics.median
-    if a.outsider:
-        print(f"\n{a.mib} MiB keyframe (1 MiB chunks); an outsider (another swarm's certificate): {a.attackers} "
-              f"process(es) dialing {how}; per run {a.window:g} s of the attack alone, then {a.fetches} honest "
-              f"fetches of the whole keyframe with it; {a.repeat} runs per row, interleaved: medians of the runs")
-        print("attack | victim CPU %, attack alone | victim's failed handshakes / closed before TLS per s | "
-              "victim CPU ms per outsider connection (either kind) | honest fetch median / max s | "
-              "victim CPU % while fetching")
-        for (limit, attackers), rs in runs.items():
-            per = f"{med(r['ms_per_outsider_conn'] for r in rs):.2f}" if attackers else "-"
-            print(f"{'yes' if attackers else 'no'} | {med(r['alone_cpu'] for r in rs):.0f} | "
-                  f"{med(r['tls_failed_s'] for r in rs):.1f} / {med(r['before_tls_s'] for r in rs):.1f} | {per} | "
-                  f"{med(r['median'] for r in rs):.2f} / {max(r['max'] for r in rs):.2f} | "
-                  f"{med(r['fetch_cpu'] for r in rs):.0f}")
-        return
-    print(f"\n{a.mib} MiB keyframe (1 MiB chunks); mallory: {a.attackers} process(es) reconnecting {how}"
+    who = (f"an outsider (another swarm's certificate): {a.attackers} process(es) dialing {how}" if a.outsider
+           else f"mallory: {a.attackers} process(es) reconnecting {how}")
+    print(f"\n{a.mib} MiB keyframe (1 MiB chunks); {who}"
           f"{'; the victim pinned to CPU 0, the rest to the others' if a.pin else ''}; per run {a.window:g} s of "
           f"the attack alone, then {a.fetches} honest fetches of the whole keyframe, one after another, with it; "
           f"{a.repeat} runs per row, interleaved: medians of the runs (max: of all fetches)")
-    print("member-connections | attack | victim CPU %, attack alone | mallory's sessions / refusals / closed "
-          "before TLS per s | victim CPU ms per mallory handshake | honest fetch median / max s | "
-          "victim CPU % while fetching | "
-          "refused (victim's count, all runs)")
+    if a.outsider:  # the victim's own counts; the member budget never meets an outsider: no limit column
+        heads = ["attack", "victim CPU %, attack alone", "victim's failed handshakes / closed before TLS per s",
+                 "victim CPU ms per outsider connection (either kind)"]
+        counts = ("tls_failed_s", "before_tls_s")
+        per_key, per_fmt = "ms_per_outsider_conn", ".2f"
+    else:
+        heads = ["member-connections", "attack", "victim CPU %, attack alone",
+                 "mallory's sessions / refusals / closed before TLS per s", "victim CPU ms per mallory handshake"]
+        counts = ("sessions_s", "refused_s", "failed_s")
+        per_key, per_fmt = "ms_per_conn", ".1f"
+    tail = [] if a.outsider else ["refused (victim's count, all runs)"]
+    print(" | ".join([*heads, "honest fetch median / max s", "victim CPU % while fetching", *tail]))
     for (limit, attackers), rs in runs.items():
-        per = f"{med(r['ms_per_conn'] for r in rs):.1f}" if attackers else "-"
-        print(f"{limit or 'no limit'} | {'yes' if attackers else 'no'} | {med(r['alone_cpu'] for r in rs):.0f} | "
-              f"{med(r['sessions_s'] for r in rs):.1f} / {med(r['refused_s'] for r in rs):.1f} / "
-              f"{med(r['failed_s'] for r in rs):.1f} | {per} | "
-              f"{med(r['median'] for r in rs):.2f} / {max(r['max'] for r in rs):.2f} | "
-              f"{med(r['fetch_cpu'] for r in rs):.0f} | {sum(r['dropped'] for r in rs):,}")
+        cells = [] if a.outsider else [str(limit or "no limit")]
+        cells += ["yes" if attackers else "no", f"{med(r['alone_cpu'] for r in rs):.0f}",
+                  " / ".join(f"{med(r[k] for r in rs):.1f}" for k in counts),
+                  f"{med(r[per_key] for r in rs):{per_fmt}}" if attackers else "-",
+                  f"{med(r['median'] for r in rs):.2f} / {max(r['max'] for r in rs):.2f}",
+                  f"{med(r['fetch_cpu'] for r in rs):.0f}"]
+        if not a.outsider:
+            cells.append(f"{sum(r['dropped'] for r in rs):,}")
+        print(" | ".join(cells))
+
 
 if __name__ == "__main__":
     main()

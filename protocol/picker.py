@@ -141,7 +141,7 @@ it was asked and the peer's last whole chunk to me, to its last part), would
 come whole only after the request's timeout is given up by `expired`
 `snub_after` after that answer began, not at the timeout, which gives it up
 anyway. Its peer is not snubbed: a busy honest member's 1 MiB chunk may take
-it 34-56 s (see SNUB_AFTER), and it is asked for what it serves in time.
+it 34-42 s (see SNUB_AFTER), and it is asked for what it serves in time.
 
 Cost: facts update per-chunk indexes incrementally (holder sets, rarity
 buckets of the requestable chunks, the requestable chunks of each peer), so
