@@ -35,7 +35,8 @@ import trio
 from patchswarm.protocol import wire
 from patchswarm.protocol.errors import UsageError
 from patchswarm.protocol.peersets import apply_delta
-from patchswarm.protocol.picker import ENDGAME_AFTER, ORIGIN_PIPELINE, SLOW_CHUNK_S, SNUB_AFTER, WAN_GATEWAYS, PiecePicker
+from patchswarm.protocol.picker import (ENDGAME_AFTER, ORIGIN_PIPELINE, SLOW_CHUNK_MIN_S, SLOW_CHUNK_S, SNUB_AFTER, WAN_GATEWAYS,
+                                        PiecePicker)
 from patchswarm.protocol.publication import describe
 from patchswarm.protocol.responsibility import swarm_wan_rates
 from patchswarm.protocol.versions import VersionBook
@@ -139,7 +140,8 @@ class Node:
         self.picker = PiecePicker(self.id, self.region, None, seed=seed, wan_gateways=cfg.wan_gateways,
                                   request_timeout=REQUEST_TIMEOUT, wan_rates=cfg.wan_rates,
                                   origin_pipeline=ORIGIN_PIPELINE, endgame_after=ENDGAME_AFTER,
-                                  snub_after=SNUB_AFTER, slow_chunk_s=SLOW_CHUNK_S)
+                                  snub_after=SNUB_AFTER, slow_chunk_s=SLOW_CHUNK_S,
+                                  slow_chunk_min_s=SLOW_CHUNK_MIN_S)
         self._rates_warned: dict[str, float] | None = None  # the tracker's rates last warned of
         self.peers = PeerSet(self.id, None, self.upload, self._on_message,  # store set in run()
                              on_open=self._on_peer_open, on_close=self._on_peer_close, inflows=self.inflows)
@@ -416,7 +418,7 @@ class Node:
             "pieces_unasked": f.pieces_unasked,  # first parts of chunks not asked of their sender, ignored
             "peers_dropped": dict(self.peers.dropped),  # and connections refused, by kind (node/peers.py)
             "peers_snubbed": f.snubs,  # times a peer sent no part for SNUB_AFTER s while holding requests
-            "peers_snubbed_slow": f.slow_snubs,  # times a peer served a chunk too slowly for SLOW_CHUNK_S
+            "peers_snubbed_slow": f.slow_snubs,  # times a peer served a chunk too slowly (SLOW_CHUNK_MIN_S)
             "requests_given_up_early": f.given_up_early,  # due whole only past their timeout at the peer's rate
             "sessions_replaced": self.peers.replaced,  # by the same member's new connection (its reconnect)
             "manifests_rejected": a.manifests_rejected,

@@ -64,7 +64,7 @@ class Fetcher:
         self.pieces_unasked = 0  # first parts of chunks nobody asked of their sender: ignored
         self.snubs = 0  # times a peer was snubbed (sent no part for the picker's `snub_after`)
         self.given_up_early = 0  # requests given up before their timeout: at the peer's rate, due only after it
-        self.slow_snubs = 0  # times a peer was snubbed as slow (a chunk would take it the picker's `slow_chunk_s`)
+        self.slow_snubs = 0  # times a peer was snubbed as slow (a chunk would take it the picker's `slow_threshold`)
         # Sessions sent an Incoming for a chunk not yet held. Sessions, not peer ids: a peer
         # that reconnects meanwhile has a new session, which was never told.
         self._told: dict[ObjKey, dict[int, collections.Counter[Session]]] = {}  # Incoming sent, per peer
@@ -109,14 +109,14 @@ class Fetcher:
     def _expire(self, now: float) -> None:
         """Cancel the requests the picker says ran out of time: one that timed out, or all of a
         peer's that sent no part for `snub_after`, or served so slowly that a chunk would take it
-        `slow_chunk_s` (snubbed: asked for one chunk at a time, and ranked after the origin, until
+        its `slow_threshold` (snubbed: asked for one chunk at a time, and ranked after the origin, until
         a part comes, or for a slow one a whole chunk)."""
         was = self.picker.snubbed_peers()  # O(snubbed), not a pass over the sessions each loop turn
         late = self.picker.expired(now)
         silent = collections.Counter(r.peer for r in late if self.picker.snubbed(r.peer))
         for peer, n in sorted(silent.items()):
             slow = self.picker.snub_reason(peer) == SLOW
-            what = (f"served too slowly (a chunk would take it {self.picker.slow_chunk_s:.0f} s or more)" if slow
+            what = (f"served too slowly (a chunk would take it {self.picker.slow_threshold(peer):.0f} s or more)" if slow
                     else f"sent no part for {self.picker.snub_after:.1f} s")
             if peer in was:  # its probe, unanswered too
                 log.debug("snubbed peer %s %s; its %d request(s) asked elsewhere", peer, what, n)
@@ -271,7 +271,7 @@ class Fetcher:
         if flow is None:
             return  # the rest of a flow this node cancelled
         # A part of an answer to a request in flight: the peer is not silent (a snub ends), and
-        # how far its answer has come (its rate: the picker's `slow_chunk_s`).
+        # how far its answer has come (its rate: the picker's `slow_threshold`).
         asm = flow.asm
         self.picker.peer_sent(s.id, trio.current_time(), key, c, got=asm.received - flow.start,
                               left=asm.total - asm.received)

@@ -127,7 +127,13 @@ snubbed as slow where, at the rate it has sent each answer in flight, measured
 to that answer's last part, even the fastest would take `slow_chunk_s` or more
 to complete: as a silent one (`expired` returns all its requests; ranked after
 the origin; a probe at a time), but only a whole chunk from it ends that snub
-(`snub_reason`: SILENT or SLOW). A request served in order behind another has
+(`snub_reason`: SILENT or SLOW). With `slow_chunk_min_s` (the daemon's: twice
+`snub_after`) that threshold follows this node's own answers: `SLOW_BESIDE_TYPICAL`
+times the median time of its last `ANSWER_SAMPLES` whole chunks from peers on
+the judged peer's side of the WAN (from when each peer began serving it), never
+under `slow_chunk_min_s` (before any answer came, that) nor over `slow_chunk_s`
+(`slow_threshold`). So a member far slower than the node's other sources is
+demoted at `snub_after`, and one no slower than they are is waited for. A request served in order behind another has
 no part yet and does not count. A Reject is no part: given its time
 (`chunk_refused(..., now)`), the silence the peer held and the time it had
 served go on into its next request if it is asked again within `snub_after`,
@@ -153,6 +159,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
@@ -199,14 +206,31 @@ ENDGAME_AFTER = 0.5
 SNUB_AFTER = 5.0
 # The daemon's `slow_chunk_s` (seconds): a node peer that has served the chunk it serves me now for
 # `snub_after` or more, at a rate that makes that chunk's whole time (from when it began serving it)
-# this long or longer, is snubbed as slow (see the module doc). Twice the daemon's `request_timeout`
-# (node/fetcher.py, 30 s), which gives up such a request anyway: so only a peer the node would
-# wait on for nothing is demoted, 25 s earlier. The busy honest member above (a 64 KiB part every
+# this long or longer, is snubbed as slow (see the module doc); the most the threshold may be where
+# `slow_chunk_min_s` lowers it (below). Twice the daemon's `request_timeout` (node/fetcher.py, 30 s),
+# which gives up such a request anyway: the threshold of a node whose own answers typically take
+# 15 s or more (a region of members that slow). The busy honest member above (a 64 KiB part every
 # 2.1-2.6 s) serves a 1 MiB chunk in 34-42 s, under it; a member whose parts are 3.7 s apart or more
 # (a 1 MiB chunk at 17.5 KB/s, at most ~5.7 Mbit/s shared by 40 busy sessions) is demoted. A chunk
 # that takes 60 s from a neighbour comes sooner from the origin: at 100 Mbit/s it sends a member's
 # whole share (1/4 of a 60 MB patch among 4 members) in 1.2 s.
 SLOW_CHUNK_S = 60.0
+# The daemon's `slow_chunk_min_s` (seconds): where this node's own chunks come fast, a member that
+# serves far slower than they do is slow sooner than `slow_chunk_s`: from `SLOW_BESIDE_TYPICAL`
+# times the node's typical answer time (the median of its last `ANSWER_SAMPLES` whole chunks from
+# peers on that member's side of the WAN, each from when its peer began serving it to verified),
+# never under this nor over `slow_chunk_s`. Twice SNUB_AFTER: a chunk judged at `snub_after` that
+# would take more than as long again. Found by the swarm simulation: a busy member of the origin's
+# region that sends a 64 KiB part of each answer every 2.1-3.5 s serves a 512 KiB chunk in 17-28 s,
+# under `slow_chunk_s`; holding every chunk, it drew a node's requests from an origin that serves
+# the same chunk in a fraction of a second, and held that node 50-84 s for 16 chunks; now 5 s
+# (bench/RESULTS.md). Judged against the node's own answers, a region whose members all serve that
+# slowly (its typical answer 17-28 s) demotes none of them: the threshold rises to `slow_chunk_s`.
+# An honest answer over 10 s is a 1 MiB chunk at under 0.84 Mbit/s: a member serving 40 sessions
+# at once from a 34 Mbit/s uplink, or 4 chunks sharing a 3.4 Mbit/s WAN link.
+SLOW_CHUNK_MIN_S = 2 * SNUB_AFTER
+SLOW_BESIDE_TYPICAL = 4.0
+ANSWER_SAMPLES = 16
 # `pick_share` takes over only while a chunk from the origin takes at least this long (s, from
 # request to verified): long against how late members hear of each other's progress (a few
 # ms on a LAN), so the owner rarely asks the origin for a chunk already taken. At 1 Gbit/s a
@@ -219,7 +243,7 @@ TAKEOVER_MIN_CHUNK_S = 0.05
 # 0.01-0.11 s at 1 Gbit/s, where a chunk's fan-out is short and this 2-core machine's CPU the limit.
 REST_MIN_CHUNK_S = 0.15
 
-__all__ = ["MAX_COPIES", "NODE", "ORIGIN", "ORIGIN_PIPELINE", "ENDGAME_AFTER", "PAST_ITS_TIMEOUT", "PEER_KINDS", "SLOW", "SILENT", "SLOW_CHUNK_S", "SNUB_AFTER", "WAN_GATEWAYS",
+__all__ = ["ANSWER_SAMPLES", "MAX_COPIES", "NODE", "ORIGIN", "ORIGIN_PIPELINE", "ENDGAME_AFTER", "PAST_ITS_TIMEOUT", "PEER_KINDS", "SLOW", "SILENT", "SLOW_BESIDE_TYPICAL", "SLOW_CHUNK_MIN_S", "SLOW_CHUNK_S", "SNUB_AFTER", "WAN_GATEWAYS",
            "WAN_PIPELINE", "PiecePicker", "Request"]
 
 
@@ -248,7 +272,7 @@ PAST_ITS_TIMEOUT = "past its timeout at its rate"  # its chunk would come whole 
 
 # Why a peer is snubbed (`snub_reason`).
 SILENT = "silent"  # it held requests and sent no part for `snub_after`
-SLOW = "slow"      # the chunk it serves would take it `slow_chunk_s` or more at its rate
+SLOW = "slow"      # the chunk it serves would take it `slow_threshold` or more at its rate
 
 
 def _answer_takes(told: tuple[int, int, float], start: float) -> float:
@@ -269,7 +293,7 @@ class PiecePicker:
                  wan_gateways: int | None = WAN_GATEWAYS, request_timeout: float | None = None,
                  wan_rates: Mapping[str, float] | None = None, origin_pipeline: int | None = None,
                  endgame_after: float = 0.0, snub_after: float | None = None,
-                 slow_chunk_s: float | None = None):
+                 slow_chunk_s: float | None = None, slow_chunk_min_s: float | None = None):
         if type(pipeline) is not int or pipeline < 1:
             raise UsageError(f"pipeline: expected an int >= 1, found {pipeline!r}")
         if type(wan_pipeline) is not int or wan_pipeline < 1:
@@ -288,6 +312,9 @@ class PiecePicker:
             raise UsageError(f"snub_after: expected None or seconds > 0, found {snub_after!r}")
         if slow_chunk_s is not None and not slow_chunk_s > 0:
             raise UsageError(f"slow_chunk_s: expected None or seconds > 0, found {slow_chunk_s!r}")
+        if slow_chunk_min_s is not None and not (slow_chunk_s is not None and 0 < slow_chunk_min_s <= slow_chunk_s):
+            raise UsageError(f"slow_chunk_min_s: expected None or seconds in (0, slow_chunk_s={slow_chunk_s!r}], "
+                             f"found {slow_chunk_min_s!r}")
         check_wan_rates(wan_rates)
         self.me = me
         self.region = region
@@ -300,7 +327,13 @@ class PiecePicker:
         self.request_timeout = request_timeout
         self.snub_after = None if snub_after is None else float(snub_after)
         self.slow_chunk_s = None if slow_chunk_s is None else float(slow_chunk_s)
+        self.slow_chunk_min_s = None if slow_chunk_min_s is None else float(slow_chunk_min_s)
         self._slow: set[str] = set()  # the snubbed peers snubbed as slow (the others: silent)
+        # The last whole chunks' answer times (s), from peers of my region and from across the
+        # WAN, and each side's median (None: no answer yet): what `slow_threshold` judges by.
+        self._answers: dict[bool, deque[float]] = {False: deque(maxlen=ANSWER_SAMPLES),
+                                                   True: deque(maxlen=ANSWER_SAMPLES)}
+        self._typical: dict[bool, float | None] = {False: None, True: None}
         self.takeover_after = float(takeover_after)
         self._rng = random.Random(seed)
         self._tiers = SourceTiers(me, region, origin_region, wan_gateways, wan_rates)
@@ -549,8 +582,11 @@ class PiecePicker:
         info = self._peers.get(peer)
         rest = (key, chunk) in self._rests  # a part of a chunk: its time says little of the link
         self._rests.discard((key, chunk))
-        if now is not None and info is not None and info.kind == ORIGIN and (key, chunk) in info.inflight and not rest:
-            self.origin_chunk_s = now - info.inflight[(key, chunk)]
+        if now is not None and info is not None and (key, chunk) in info.inflight and not rest:
+            sent = info.inflight[(key, chunk)]
+            if info.kind == ORIGIN:
+                self.origin_chunk_s = now - sent
+            self._add_answer(info, now - max(info.serving_from, sent))
         if obj.ready(chunk):
             obj.unindex(chunk)
         cancels = []
@@ -788,6 +824,29 @@ class PiecePicker:
         whole_at = start + _answer_takes(told, start)
         return start + self.snub_after if whole_at > sent + self.request_timeout else math.inf
 
+    def slow_threshold(self, peer: str) -> float | None:
+        """How long a chunk from `peer` may take at its rate before it is snubbed as slow (s; None:
+        never, or `peer` unknown): `slow_chunk_s`; with `slow_chunk_min_s`, `SLOW_BESIDE_TYPICAL`
+        times this node's typical answer from that side of the WAN, within [slow_chunk_min_s,
+        slow_chunk_s] (`slow_chunk_min_s` before any answer came)."""
+        info = self._peers.get(peer)
+        return None if info is None else self._slow_threshold(info)
+
+    def _slow_threshold(self, info: PeerState) -> float | None:
+        if self.slow_chunk_s is None or self.slow_chunk_min_s is None:
+            return self.slow_chunk_s
+        typical = self._typical[info.region != self.region] or 0.0
+        return min(self.slow_chunk_s, max(self.slow_chunk_min_s, SLOW_BESIDE_TYPICAL * typical))
+
+    def _add_answer(self, info: PeerState, seconds: float) -> None:
+        """A whole chunk came from `info` `seconds` after it began serving it: its side's typical answer."""
+        if not seconds < math.inf:
+            return
+        side = info.region != self.region
+        answers = self._answers[side]
+        answers.append(max(0.0, seconds))
+        self._typical[side] = sorted(answers)[len(answers) // 2]
+
     def _slow_at(self, info: PeerState) -> float:
         """When a node peer serving requests of mine is snubbed as slow (inf: not at its rate so
         far, or no part told with its bytes). Of each answer in flight it had sent `got` bytes,
@@ -801,7 +860,7 @@ class PiecePicker:
             return math.inf
         start = info.serving_from
         fastest = min(_answer_takes(told, start) for told in info.progress.values())
-        return start + self.snub_after if fastest >= self.slow_chunk_s else math.inf
+        return start + self.snub_after if fastest >= self._slow_threshold(info) else math.inf
 
     def _set_snubbed(self, peer: str, snubbed: bool) -> None:
         """Snub `peer` or end its snub: its tier moves for every chunk it holds, and a member

@@ -214,6 +214,7 @@ def test_a_hostile_member_cannot_stop_honest_nodes_or_grow_the_victim(tmp_path, 
 
 
 DRIP_S = 4.9  # a drip member's parts, just under SNUB_AFTER apart
+BUSY_S = 2.1  # a busy member's parts (an eighth of a chunk each): SNUB_AFTER's busy honest member
 
 
 def _stored_chunk_sizes(objects: Path, version: int) -> list[int] | None:
@@ -229,18 +230,21 @@ def _stored_chunk_sizes(objects: Path, version: int) -> list[int] | None:
     return None
 
 
-@pytest.mark.parametrize("mode", ["silent", "drip"])
+@pytest.mark.parametrize("mode", ["silent", "drip", "busy"])
 def test_a_member_that_announces_every_chunk_and_serves_none_holds_a_node_up_only_snub_after(tmp_path, checkpoints,
                                                                                              mode):
     """The hostile-peer hunt's member (protocol/README.md, "The longest a node sits"): mallory,
     with a valid node certificate, says it is in the origin's region beside node a and announces
     every chunk of the next version before a has its manifest (an all-ones Have, kept until the
     manifest comes), then answers nothing ("silent"), or a byte of each answer every 4.9 s, just
-    under SNUB_AFTER ("drip": never silent). a asks it first (a neighbour before the origin): each
+    under SNUB_AFTER ("drip": never silent), or an eighth of each answer every 2.1 s ("busy": a
+    chunk in 17 s at that rate, under SLOW_CHUNK_S; never the last part). a asks it first (a neighbour before the origin): each
     request held until the 30 s timeout, 4 at a time. Now a snubs it SNUB_AFTER after it was asked
     (all of its requests cancelled at once; the drip member as slow: a chunk of 32 KiB would take
-    it hours at a byte per 4.9 s), takes the version from the origin, and it is asked at most one
-    chunk at a time after that."""
+    it hours at a byte per 4.9 s; the busy one, whose chunk would take 17 s, beside an origin
+    whose answers come in well under a second: SLOW_CHUNK_MIN_S), takes the version from the
+    origin, and it is asked at most one chunk at a time after that. Before SLOW_CHUNK_MIN_S the
+    busy member held a until its last part did not come (~15 s), then for SNUB_AFTER more."""
     watch = tmp_path / "watch"
     heard: list[tuple[float, object]] = []  # what mallory got from a, and when (trio's clock)
     with SwarmLab(tmp_path) as lab:
@@ -251,11 +255,13 @@ def test_a_member_that_announces_every_chunk_and_serves_none_holds_a_node_up_onl
         lab.wait_version([a], 0)
         creds = trust.Credentials.load(lab.creds("mallory", "node"))
         done: dict[str, float] = {}
-        drips: list[float] = []  # when mallory sent a byte
+        drips: list[float] = []  # when mallory sent a part
+        every = BUSY_S if mode == "busy" else DRIP_S
 
         async def drip(ms):
-            """A byte of each request of version 1 every DRIP_S s from when it came, in order, until it
-            is cancelled (the chunk sizes from the manifest a stored: a node's peers need not be sent it)."""
+            """A part of each request of version 1 every `every` s from when it came, in order, until it
+            is cancelled, never its last byte: a byte ("drip") or an eighth of the chunk ("busy") (the
+            chunk sizes from the manifest a stored: a node's peers need not be sent it)."""
             sizes, due = None, {}  # chunk -> [bytes sent of it, when its next byte goes]
             seen = 0
             while True:
@@ -264,16 +270,17 @@ def test_a_member_that_announces_every_chunk_and_serves_none_holds_a_node_up_onl
                     sizes = _stored_chunk_sizes(a.data_dir / "objects", 1)
                 for t, msg in heard[seen:]:
                     if isinstance(msg, wire.Request) and msg.version == 1:
-                        due.setdefault(msg.chunk, [0, t + DRIP_S])
+                        due.setdefault(msg.chunk, [0, t + every])
                     elif isinstance(msg, wire.Cancel) and msg.version == 1:
                         due.pop(msg.chunk, None)
                 seen = len(heard)
                 now = trio.current_time()
                 for c, entry in sorted(due.items()) if sizes is not None else ():
                     if entry[1] <= now and entry[0] < sizes[c] - 1:  # never the last byte
-                        await ms.send(wire.Piece(1, False, c, entry[0], sizes[c], b"\0"))
-                        entry[0] += 1
-                        entry[1] += DRIP_S
+                        part = 1 if mode == "drip" else min(max(1, sizes[c] // 8), sizes[c] - 1 - entry[0])
+                        await ms.send(wire.Piece(1, False, c, entry[0], sizes[c], b"\0" * part))
+                        entry[0] += part
+                        entry[1] += every
                         drips.append(trio.current_time())
 
         async def scenario():
@@ -286,7 +293,7 @@ def test_a_member_that_announces_every_chunk_and_serves_none_holds_a_node_up_onl
                             heard.append((trio.current_time(), msg))
 
                     n.start_soon(listen)
-                    if mode == "drip":
+                    if mode != "silent":
                         n.start_soon(drip, ms)
                     await ms.send(wire.Have(1, False, b"\xff" * 64))  # every chunk of version 1 (up to 512)
                     await trio.sleep(0.5)  # taken in
@@ -310,11 +317,13 @@ def test_a_member_that_announces_every_chunk_and_serves_none_holds_a_node_up_onl
         # without snubs a request is given up only at REQUEST_TIMEOUT (30 s).
         assert SNUB_AFTER - 0.5 <= cancels[0] - first <= SNUB_AFTER + 10.0
         assert done["at"] - first <= SNUB_AFTER + 15.0  # 480 s for 64 chunks before snubs (the simulation)
+        if mode == "busy":  # ~20 s before SLOW_CHUNK_MIN_S: its parts until the last, then silence
+            assert done["at"] - first <= SNUB_AFTER + 6.0
         st = done["status"]
         [m] = [p for p in st["peers"] if p["id"] == "mallory"]
         assert m["snubbed"] is True
-        if mode == "drip":
-            print(f"mallory dripped {len(drips)} bytes, the first {drips[0] - first:.2f} s after the first request; "
+        if mode != "silent":
+            print(f"mallory sent {mode} parts: {len(drips)}, the first {drips[0] - first:.2f} s after the first request; "
                   f"a's status: {m['snub_reason']}, peers_snubbed_slow {st['peers_snubbed_slow']}")
             assert m["snub_reason"] == "slow" and st["peers_snubbed_slow"] == 1 and st["peers_snubbed"] == 0
         else:

@@ -18,7 +18,8 @@ from hypothesis import example, given, settings
 
 from patchswarm.protocol.errors import ProtocolError, UsageError
 from patchswarm.protocol.picker import (BESIDE_PROBE, ENDGAME, ENDGAME_AFTER, MAX_COPIES, NODE, ORIGIN, ORIGIN_PIPELINE,
-                                       PAST_ITS_TIMEOUT, PLANNED, REST, SHARE, SILENT, SLOW, SLOW_CHUNK_S, STALLED, PiecePicker,
+                                       PAST_ITS_TIMEOUT, PLANNED, REST, SHARE, SILENT, SLOW, SLOW_BESIDE_TYPICAL, SLOW_CHUNK_MIN_S,
+                                       SLOW_CHUNK_S, STALLED, PiecePicker,
                                        Request)
 from patchswarm.protocol.responsibility import balanced_owners, gateways, member_weight, region_order, upstream_regions
 
@@ -1716,6 +1717,78 @@ def test_a_slow_snub_ends_with_a_whole_chunk_from_the_peer():
     assert p.snubbed_peers() == {"m"}
     p.chunk_received(KEY, 7, "m", 9.0)  # a whole chunk from it (its probe, or a copy) ends it
     assert not p.snubbed("m") and p.snub_reason("m") is None
+
+
+def _judging_by_answers(slow_chunk_min_s=SLOW_CHUNK_MIN_S):
+    """me in r0 (the origin's region) beside x and m of r0 and w of r1, with the daemon's slow rules."""
+    p = PiecePicker("me", "r0", "r0", seed=1, request_timeout=30.0, snub_after=5.0, slow_chunk_s=SLOW_CHUNK_S,
+                    slow_chunk_min_s=slow_chunk_min_s)
+    p.set_members({"me": "r0", "x": "r0", "m": "r0", "w": "r1"})
+    for peer, region in (("x", "r0"), ("m", "r0"), ("w", "r1")):
+        p.peer_joined(peer, NODE, region)
+    p.peer_joined(OR, ORIGIN, "r0")
+    return p
+
+
+def _answers(p, peer, key, seconds, n, start=0.0):
+    """`peer` alone holds keyframe `key`'s n chunks and serves me each `seconds` after the one before."""
+    p.add_object(key, n, now=start)
+    p.peer_has(peer, key, range(n))
+    t = start
+    while not p.complete(key):
+        asked = [r for r in p.requests(t) if r.key == key]
+        assert asked and {r.peer for r in asked} == {peer}
+        for r in asked:
+            t += seconds
+            p.chunk_received(key, r.chunk, peer, t)
+    p.remove_object(key)
+    return t
+
+
+def test_the_slow_threshold_follows_the_nodes_typical_answer_on_each_side_of_the_wan():
+    """A member is slow at SLOW_BESIDE_TYPICAL times the median of my last answers from that side of
+    the WAN (each from when its peer began serving it), within [slow_chunk_min_s, slow_chunk_s];
+    before any answer, at slow_chunk_min_s. Without slow_chunk_min_s: slow_chunk_s alone."""
+    p = _judging_by_answers()
+    assert SLOW_CHUNK_MIN_S == 10.0 and SLOW_BESIDE_TYPICAL == 4.0 and SLOW_CHUNK_S == 60.0
+    assert p.slow_threshold("m") == p.slow_threshold("w") == 10.0 and p.slow_threshold("nobody") is None
+    t = _answers(p, "x", (1, True), 0.5, 16)
+    assert p.slow_threshold("m") == 10.0  # 4 x 0.5 s is under the floor
+    t = _answers(p, "x", (2, True), 5.0, 16, t)
+    assert p.slow_threshold("m") == 20.0 and p.slow_threshold("w") == 10.0  # the WAN's side: no answer yet
+    t = _answers(p, "x", (3, True), 25.0, 9, t)  # 9 of the last 16 took 25 s: the median
+    assert p.slow_threshold("m") == 60.0  # 100 s, capped
+    _answers(p, "w", (4, True), 3.0, 16, t)
+    assert p.slow_threshold("w") == 12.0 and p.slow_threshold("m") == 60.0
+    assert _judging_by_answers(None).slow_threshold("m") == SLOW_CHUNK_S
+    with pytest.raises(UsageError):
+        PiecePicker("me", "r0", "r0", slow_chunk_s=SLOW_CHUNK_S, slow_chunk_min_s=61.0)
+    with pytest.raises(UsageError):
+        PiecePicker("me", "r0", "r0", slow_chunk_min_s=10.0)  # no slow_chunk_s
+
+
+@pytest.mark.parametrize("typical, slow", [
+    (0.5, True),  # my answers come in 0.5 s: a chunk in 26 s at m's rate is slow (over 10 s)
+    (5.0, True),  # in 5 s: over 20 s
+    (8.0, False),  # in 8 s (a region where every member serves that slowly): under 32 s, waited for
+])
+def test_a_member_is_slow_beside_the_answers_the_node_gets_elsewhere(typical, slow):
+    """m sends a 64 KiB part of each 1 MiB answer every 1.6 s: 26 s a chunk, under SLOW_CHUNK_S."""
+    p = _judging_by_answers()
+    t = _answers(p, "x", (1, True), typical, 16)
+    p.add_object(KEY, 8, now=t)
+    p.peer_has("m", KEY, range(8))
+    p.peer_has(OR, KEY, range(8))
+    first = [r for r in p.requests(t) if r.peer == "m"]
+    assert len(first) == 4
+    for r in first:
+        p.peer_sent("m", t + 1.6, r.key, r.chunk, got=64 << 10, left=MIB - (64 << 10))
+        p.peer_sent("m", t + 3.2, r.key, r.chunk, got=128 << 10, left=MIB - (128 << 10))
+    assert p.expired(t + 4.99) == []
+    gone = p.expired(t + 5.0)
+    assert gone == (sorted(first) if slow else []) and p.snub_reason("m") == (SLOW if slow else None)
+    if slow:  # its requests asked of the origin, before it now
+        assert {r.peer for r in p.requests(t + 5.0) if r.chunk in {q.chunk for q in first}} == {OR}
 
 
 def test_a_slow_rule_needs_byte_counts_and_is_off_without_slow_chunk_s():

@@ -20,7 +20,7 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from patchswarm.protocol.picker import (ENDGAME_AFTER, NODE, ORIGIN, ORIGIN_PIPELINE, SLOW, SLOW_CHUNK_S, SNUB_AFTER,
+from patchswarm.protocol.picker import (ENDGAME_AFTER, NODE, ORIGIN, ORIGIN_PIPELINE, SLOW, SLOW_CHUNK_MIN_S, SLOW_CHUNK_S, SNUB_AFTER,
                                         PiecePicker)
 
 KEY = (7, False)  # a patch
@@ -41,12 +41,13 @@ class Swarm:
     `refusing` members answer each request with a Reject after `drip_every` s and announce
     the chunk again at once. Every node runs with `snub_after` and `slow_chunk_s` (the
     daemon's, unless told); `daemon=True` adds the daemon's other settings (request timeout,
-    origin pipeline, endgame delay)."""
+    origin pipeline, endgame delay, `slow_chunk_min_s`)."""
 
     def __init__(self, layout, origin_region, n_chunks, *, links=None, pipeline=4,
                  takeover_after=2.0, dt=1e-3, seed=0, wan_rates=None, rates_of=None, uplinks=None,
                  silent=(), snub_after=SNUB_AFTER, daemon=False, drip=(), refusing=(), drip_every=4.9,
-                 drip_bytes=64 << 10, chunk_bytes=1 << 20, slow_chunk_s=SLOW_CHUNK_S, refusal_timed=True):
+                 drip_bytes=64 << 10, chunk_bytes=1 << 20, slow_chunk_s=SLOW_CHUNK_S, refusal_timed=True,
+                 slow_chunk_min_s=SLOW_CHUNK_MIN_S):
         self.layout = dict(layout)
         self.region_of = {**layout, OR: origin_region}
         self.n, self.pipeline, self.dt = n_chunks, pipeline, dt
@@ -68,7 +69,8 @@ class Swarm:
         for m in self.silent:
             self.have[m] = set(range(n_chunks))  # what it says it has
         self.uplinks = uplinks
-        settings_ = dict(request_timeout=30.0, origin_pipeline=ORIGIN_PIPELINE, endgame_after=ENDGAME_AFTER) if daemon else {}
+        settings_ = dict(request_timeout=30.0, origin_pipeline=ORIGIN_PIPELINE, endgame_after=ENDGAME_AFTER,
+                         slow_chunk_min_s=slow_chunk_min_s if slow_chunk_s else None) if daemon else {}
         self.pickers = {}
         for i, node in enumerate(sorted(layout)):
             if node in self.silent:
@@ -554,19 +556,22 @@ def test_a_member_that_refuses_each_request_before_its_snub_and_announces_again_
 
 @pytest.mark.parametrize("drip_every", [2.1, 2.6, 3.5])
 @pytest.mark.parametrize("chunk_bytes", [512 << 10, 1 << 20])
-def test_an_honest_busy_member_is_not_snubbed_as_slow(drip_every, chunk_bytes):
-    """The busy honest member of SNUB_AFTER's comment: a 64 KiB part every 2.1-2.6 s to each of
-    its 40 sessions (and 3.5 s, slower still). It is never snubbed. A chunk of 512 KiB comes
-    whole from it (8 parts, 18-28 s), and nothing is asked elsewhere before its time. One of
-    1 MiB would take it 34-56 s, past `request_timeout` (30 s), which gave each such request up
-    in turn: 92 s for the 16 chunks. Each is given up 5 s after its answer began instead (its
-    chunk due only past its timeout at its rate): 17 s."""
-    swarm = Swarm({"a": "r0", "b": "r0", "m": "r0"}, "r0", 16, drip={"m"}, drip_every=drip_every,
-                  chunk_bytes=chunk_bytes, daemon=True).run(max_steps=20000)
-    assert swarm.snubs == set()
-    if chunk_bytes == 512 << 10:
-        assert swarm.drip_chunks > 0 and swarm.given_up == 0
-    else:
-        assert swarm.drip_chunks == 0 and swarm.given_up > 0 and swarm.t <= 4 * SNUB_AFTER
-    print(f"\nparts {drip_every} s apart, {chunk_bytes >> 10} KiB chunks: {swarm.t:.1f} s, "
-          f"{swarm.given_up} requests given up, {swarm.drip_chunks} chunks from m")
+def test_a_busy_member_far_slower_than_the_origin_is_snubbed_as_slow_at_snub_after(drip_every, chunk_bytes):
+    """The busy member of SNUB_AFTER's comment: a 64 KiB part every 2.1-2.6 s to each of its 40
+    sessions (and 3.5 s, slower still), holding every chunk, so that a node asks it first. At that
+    rate a chunk of 512 KiB takes it 17-28 s, one of 1 MiB 34-56 s, where the origin beside it
+    serves one at once. With `slow_chunk_s` alone (60 s) the 512 KiB chunks came from it whole
+    (50-84 s for 16) and each 1 MiB request was given up 5 s after its answer began (17 s); with
+    the daemon's `slow_chunk_min_s` (no answer has come to judge by: 10 s) it is snubbed as slow
+    at 5 s by both nodes, and the rest comes from the origin."""
+    runs = {}
+    for floor in (None, SLOW_CHUNK_MIN_S):
+        swarm = Swarm({"a": "r0", "b": "r0", "m": "r0"}, "r0", 16, drip={"m"}, drip_every=drip_every,
+                      chunk_bytes=chunk_bytes, daemon=True, slow_chunk_min_s=floor).run(max_steps=20000)
+        runs[floor] = swarm
+        print(f"\nparts {drip_every} s apart, {chunk_bytes >> 10} KiB chunks, slow_chunk_min_s {floor}: "
+              f"{swarm.t:.1f} s, {swarm.given_up} requests given up, {swarm.drip_chunks} chunks from m")
+    before, now = runs[None], runs[SLOW_CHUNK_MIN_S]
+    assert before.snubs == set() and before.t >= 3 * SNUB_AFTER
+    assert now.snubs == {("a", "m", SLOW), ("b", "m", SLOW)}
+    assert now.drip_chunks == 0 and now.t <= SNUB_AFTER + 0.1

@@ -108,7 +108,8 @@ def _links(st: dict) -> Iterable[Metric]:
     yield from _counter("patchswarm_peers_snubbed", "peers that held requests and sent no part for SNUB_AFTER s "
                                                     "(protocol/picker.py), each time", st.get("peers_snubbed"))
     yield from _counter("patchswarm_peers_snubbed_slow", "peers that served so slowly that a chunk would take them "
-                                                         "SLOW_CHUNK_S s or more (protocol/picker.py), each time",
+                                                         "10 s or more, more where this node's chunks come slowly "
+                                                         "(protocol/picker.py SLOW_CHUNK_MIN_S), each time",
                         st.get("peers_snubbed_slow"))
     yield from _counter("patchswarm_requests_given_up_early", "requests given up before their timeout, their chunk "
                                                               "due from that peer only after it at its rate "
