@@ -129,10 +129,11 @@ to complete: as a silent one (`expired` returns all its requests; ranked after
 the origin; a probe at a time), but only a whole chunk from it ends that snub
 (`snub_reason`: SILENT or SLOW). With `slow_chunk_min_s` (the daemon's: twice
 `snub_after`) that threshold follows this node's own answers: `SLOW_BESIDE_TYPICAL`
-times the median time of its last `ANSWER_SAMPLES` whole chunks from peers on
-the judged peer's side of the WAN (from when each peer began serving it), never
-under `slow_chunk_min_s` (before any answer came, that) nor over `slow_chunk_s`
-(`slow_threshold`). So a member far slower than the node's other sources is
+times the later of the median time of its last `ANSWER_SAMPLES` whole chunks from
+peers on the judged peer's side of the WAN (from when each peer began serving it)
+and the median of what the other peers there serve it now would take at their
+rates, never under `slow_chunk_min_s` (before any answer came, that) nor over
+`slow_chunk_s` (`slow_threshold`). So a member far slower than the node's other sources is
 demoted at `snub_after`, and one no slower than they are is waited for. A request served in order behind another has
 no part yet and does not count. A Reject is no part: given its time
 (`chunk_refused(..., now)`), the silence the peer held and the time it had
@@ -217,9 +218,11 @@ SNUB_AFTER = 5.0
 SLOW_CHUNK_S = 60.0
 # The daemon's `slow_chunk_min_s` (seconds): where this node's own chunks come fast, a member that
 # serves far slower than they do is slow sooner than `slow_chunk_s`: from `SLOW_BESIDE_TYPICAL`
-# times the node's typical answer time (the median of its last `ANSWER_SAMPLES` whole chunks from
-# peers on that member's side of the WAN, each from when its peer began serving it to verified),
-# never under this nor over `slow_chunk_s`. Twice SNUB_AFTER: a chunk judged at `snub_after` that
+# times the node's typical answer time (the later of the median of its last `ANSWER_SAMPLES` whole
+# chunks from peers on that member's side of the WAN, each from when its peer began serving it to
+# verified, and the median of what the other peers there serve it now would take at their
+# rates), never under this nor over `slow_chunk_s`. Where every answer is slow now (the node's own
+# downlink the limit, or its --download-limit), no peer is slow beside the others. Twice SNUB_AFTER: a chunk judged at `snub_after` that
 # would take more than as long again. Found by the swarm simulation: a busy member of the origin's
 # region that sends a 64 KiB part of each answer every 2.1-3.5 s serves a 512 KiB chunk in 17-28 s,
 # under `slow_chunk_s`; holding every chunk, it drew a node's requests from an origin that serves
@@ -661,11 +664,11 @@ class PiecePicker:
         # time `next_wakeup` named, found nothing expired and was woken at once again, without
         # end on a clock that does not move by itself (trio's MockClock). Likewise `_snub_at`, `_slow_at`.
         timeout = self.request_timeout
-        late, snubs = [], []
+        late, snubs, answering = [], [], {}
         for p, info in self._peers.items():
             if not info.inflight:
                 continue
-            why = SILENT if self._snub_at(info) <= now else SLOW if self._slow_at(info) <= now else None
+            why = SILENT if self._snub_at(info) <= now else SLOW if self._slow_at(info, answering) <= now else None
             if why is not None:
                 snubs.append((p, why))
                 late += (Request(p, key, c) for key, c in info.inflight)
@@ -740,9 +743,10 @@ class PiecePicker:
                        + self.request_timeout)
         if self.snub_after is not None and self._n_inflight:
             due += [self._snub_at(info) for info in self._peers.values() if info.inflight and info.kind == NODE]
+            answering = {}
             for info in self._peers.values():  # the slow rule and the past-timeout rule, one walk
                 if info.progress:
-                    due += [t for t in (self._slow_at(info), *(self._past_timeout_at(info, r) for r in info.progress))
+                    due += [t for t in (self._slow_at(info, answering), *(self._past_timeout_at(info, r) for r in info.progress))
                             if now < t < math.inf]
         return min(due, default=None)
 
@@ -828,15 +832,31 @@ class PiecePicker:
         """How long a chunk from `peer` may take at its rate before it is snubbed as slow (s; None:
         never, or `peer` unknown): `slow_chunk_s`; with `slow_chunk_min_s`, `SLOW_BESIDE_TYPICAL`
         times this node's typical answer from that side of the WAN, within [slow_chunk_min_s,
-        slow_chunk_s] (`slow_chunk_min_s` before any answer came)."""
+        slow_chunk_s]. The typical answer is the later of the median of its last whole chunks'
+        times and the median of what the other peers there serve it now takes them at their
+        rates: where every answer is slow now (the node's own downlink the limit) no peer is
+        slow beside the others."""
         info = self._peers.get(peer)
-        return None if info is None else self._slow_threshold(info)
+        return None if info is None else self._slow_threshold(info, {})
 
-    def _slow_threshold(self, info: PeerState) -> float | None:
+    def _slow_threshold(self, info: PeerState, answering: dict[bool, list[tuple[float, str]]]) -> float | None:
+        """`slow_threshold` of `info`; `answering` caches, per side of the WAN, each peer's fastest
+        answer now (filled on first use: one walk over the answers in flight per question)."""
         if self.slow_chunk_s is None or self.slow_chunk_min_s is None:
             return self.slow_chunk_s
-        typical = self._typical[info.region != self.region] or 0.0
+        side = info.region != self.region
+        if side not in answering:
+            answering[side] = sorted((t, p) for p, other in self._peers.items()
+                                     if other.progress and (other.region != self.region) == side
+                                     and (t := self._fastest_answer(other)) < math.inf)
+        now = [t for t, p in answering[side] if p != info.id]
+        typical = max(self._typical[side] or 0.0, now[len(now) // 2] if now else 0.0)
         return min(self.slow_chunk_s, max(self.slow_chunk_min_s, SLOW_BESIDE_TYPICAL * typical))
+
+    def _fastest_answer(self, info: PeerState) -> float:
+        """How long the fastest answer `info` serves me now takes at its rate, from when it began
+        serving (inf: no byte of any yet)."""
+        return min(_answer_takes(told, info.serving_from) for told in info.progress.values())
 
     def _add_answer(self, info: PeerState, seconds: float) -> None:
         """A whole chunk came from `info` `seconds` after it began serving it: its side's typical answer."""
@@ -847,20 +867,22 @@ class PiecePicker:
         answers.append(max(0.0, seconds))
         self._typical[side] = sorted(answers)[len(answers) // 2]
 
-    def _slow_at(self, info: PeerState) -> float:
+    def _slow_at(self, info: PeerState, answering: dict[bool, list[tuple[float, str]]]) -> float:
         """When a node peer serving requests of mine is snubbed as slow (inf: not at its rate so
         far, or no part told with its bytes). Of each answer in flight it had sent `got` bytes,
         `left` to come, at its last part, `at`: at that answer's rate since the peer began
         serving (`serving_from`), its chunk takes (got + left) * (at - serving_from) / got. The
         rate is measured to the last part, not to now: between parts 2.6 s apart, one part in
-        5 s read as half the rate it was. Slow where even its fastest answer would take
-        `slow_chunk_s` or more (one served in order after others has no part yet, and does not
-        count), from `snub_after` after `serving_from` on; a peer that stops sending is silent."""
+        5 s read as half the rate it was. Slow where even its fastest answer would take its
+        `slow_threshold` or more (one served in order after others has no part yet, and does not
+        count), from `snub_after` after `serving_from` on; a peer that stops sending is silent.
+        `answering`: `_slow_threshold`'s cache, one per question."""
         if self.slow_chunk_s is None or self.snub_after is None or info.kind != NODE or not info.progress:
             return math.inf
-        start = info.serving_from
-        fastest = min(_answer_takes(told, start) for told in info.progress.values())
-        return start + self.snub_after if fastest >= self._slow_threshold(info) else math.inf
+        fastest = self._fastest_answer(info)
+        if fastest < (self.slow_chunk_min_s or self.slow_chunk_s):  # the common case: no threshold to work out
+            return math.inf
+        return info.serving_from + self.snub_after if fastest >= self._slow_threshold(info, answering) else math.inf
 
     def _set_snubbed(self, peer: str, snubbed: bool) -> None:
         """Snub `peer` or end its snub: its tier moves for every chunk it holds, and a member

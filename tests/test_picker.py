@@ -1791,6 +1791,29 @@ def test_a_member_is_slow_beside_the_answers_the_node_gets_elsewhere(typical, sl
         assert {r.peer for r in p.requests(t + 5.0) if r.chunk in {q.chunk for q in first}} == {OR}
 
 
+@pytest.mark.parametrize("x_every, m_slow", [
+    (1.6, False),  # x serves as slowly as m (the node's own downlink the limit): neither is slow
+    (0.1, True),  # x's answers take 1.6 s at its rate: m's 26 s is slow beside them
+])
+def test_a_member_is_slow_only_beside_what_the_others_serve_now(x_every, m_slow):
+    """No answer has come yet. m and x, both holding every chunk, each send me a 64 KiB part of
+    their answer every `x_every` s (m: every 1.6 s, a 1 MiB chunk in 26 s)."""
+    p = _judging_by_answers()
+    p.add_object(KEY, 8, now=0.0)
+    for peer in ("m", "x"):
+        p.peer_has(peer, KEY, range(8))
+    first = p.requests(0.0)
+    assert {r.peer for r in first} == {"m", "x"}
+    for r in first:
+        every = 1.6 if r.peer == "m" else x_every
+        for t in (every, 2 * every):
+            got = (64 << 10) * round(t / every)
+            p.peer_sent(r.peer, t, r.key, r.chunk, got=got, left=MIB - got)
+    p.expired(5.0)
+    assert p.snub_reason("m") == (SLOW if m_slow else None) and p.snub_reason("x") is None
+    assert p.slow_threshold("m") == (60.0 if not m_slow else 10.0)
+
+
 def test_a_slow_rule_needs_byte_counts_and_is_off_without_slow_chunk_s():
     p = _beside_a_silent_member()  # no slow_chunk_s
     first = p.requests(0.0)
