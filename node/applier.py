@@ -27,7 +27,6 @@ import trio
 from patchswarm.protocol.errors import (ChunkGone, ConflictingManifest, CorruptData, InvalidInput, PatchswarmError,
                                         SignatureError, StaleVersion, UsageError)
 from patchswarm.protocol.patch import apply as apply_patch
-from patchswarm.protocol.patchdecode import touched_tensors
 from patchswarm.protocol.publication import ObjKey, describe, manifest_layout, patch_of, table_after, table_of
 from patchswarm.protocol.versions import NEW, VersionBook
 
@@ -208,12 +207,12 @@ class Applier:
         t0 = time.perf_counter()
         state = {} if self.weights is None else self.weights.state
         base = None if self.weights is None else (self.weights.version, self.weights.state_hash)
-        changed: set[str] | None = None
+        changed: set[str] | None = None if self.sink is None else set()  # the model directory rewrites only their shards
         table = None
         views = self._views if self._weights is not None else {}
 
         def work() -> None:
-            nonlocal changed, table
+            nonlocal table
             patch = patch_of(m, self.store.chunks(key), self._table_of(state))
             # In place, without undo records: for a dense patch they would be a second copy
             # of the state, and the base file plus the stored chain hold the version before.
@@ -221,9 +220,7 @@ class Applier:
                   else contextlib.nullcontext(None)) as recorder:
                 apply_patch(state, patch, threads=self.apply_threads, undo=False, recorder=recorder,
                             progress=lambda done, total: done == 1 and failpoints.hit("apply.written"),
-                            views=views)
-            if self.sink is not None:
-                changed = touched_tensors(patch)  # the model directory rewrites only their shards
+                            views=views, touched=changed)
             table = table_after(patch)
 
         try:

@@ -307,7 +307,9 @@ def check_structure(state: State, patch: Patch) -> set[str]:
     than the chunks could expand to (before `prepare` allocates them)."""
     full = set(patch.full)
     full_bytes = sum(t.numel * info_named(t.dtype).width for t in patch.tensors if t.name in full)
-    chunk_bytes = sum(len(c) for c in patch.chunks)
+    # The sizes where given: a store's chunks are each read from disk and checked when reached,
+    # and summing their lengths read every chunk of the patch once more before its apply did.
+    chunk_bytes = sum(patch.chunk_sizes if patch.chunk_sizes is not None else (len(c) for c in patch.chunks))
     if full_bytes > planes.ZSTD_MAX_RATIO * chunk_bytes:
         raise CorruptData(f"full tensors: expected at most {planes.ZSTD_MAX_RATIO} bytes per chunk byte ({chunk_bytes} "
                           f"chunk bytes), found {full_bytes} bytes declared")
@@ -418,7 +420,8 @@ Recorder = Callable[[str, np.ndarray | slice, np.ndarray], None]
 
 @parallel.gc_paused()  # a state of many tensors: parallel.py
 def apply(state: State, patch: Patch, progress: Progress = None, threads: int | None = None,
-          undo: bool = True, recorder: Recorder | None = None, views: dict | None = None) -> None:
+          undo: bool = True, recorder: Recorder | None = None, views: dict | None = None,
+          touched: set[str] | None = None) -> None:
     """Apply `patch` to `state` in place; on any error the state is left unchanged.
 
     `threads`: at most this many for decoding and hashing (None: as many as
@@ -445,7 +448,11 @@ def apply(state: State, patch: Patch, progress: Progress = None, threads: int | 
     version (~2-5 us a tensor: 0.3-0.7 s a version at 140k tensors). An entry is used
     only for the tensor object it was made of, and the cache is left holding the
     state's tensors alone. The caller must not swap a cached tensor's storage in place
-    (`set_`, `.data =`); the node replaces tensors, never their storage."""
+    (`set_`, `.data =`); the node replaces tensors, never their storage.
+
+    `touched`: if given, the names `touched_tensors(patch)` returns are added to it, from
+    the chunks as the apply parses them (not a second read of every chunk); if `apply`
+    raises, what it added is void."""
     check_state(state, "state")
     if not isinstance(patch, Patch):
         raise UsageError(f"patch: expected a Patch, found {type(patch).__name__}")
@@ -471,10 +478,16 @@ def apply(state: State, patch: Patch, progress: Progress = None, threads: int | 
     if views is None:
         views = {}
     try:
+        if touched is not None:
+            touched.update(patch.full, patch.removed)
+            if patch.kind == "keyframe":
+                touched.update(t.name for t in patch.tensors)
         for batch in batches:
             for item in batch:
                 if not isinstance(item, PatchswarmError):
                     coverage.add(item[0])
+                    if touched is not None:
+                        touched.update(n for seg in item[0] for n, _, _ in seg.pieces)
             decoded = _decode_parsed(state, batch, specs, threads, views)
             if saved is None:
                 # After the first checks: a wrong base or a second apply fails before

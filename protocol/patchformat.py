@@ -94,6 +94,10 @@ class Patch:
     removed: list[str]
     chunks: list[bytes]
     layout: dict[str, str] | None = None
+    # Each chunk's length where it is known without reading the chunk (a manifest's sizes, for a
+    # store's chunks read from disk as they are reached): `check_structure` then reads none, and
+    # an apply reads each chunk once. None: the lengths of `chunks`. Not encoded.
+    chunk_sizes: list[int] | None = None
 
     def to_bytes(self) -> bytes:
         return msgpack.packb(

@@ -212,6 +212,7 @@ def patch_of(m: Manifest, chunks: Sequence[bytes], base_tensors: Sequence[Tensor
         # A sequence stays one: a store's lazily read chunks are read batch by batch by apply.
         chunks=chunks if isinstance(chunks, Sequence) else list(chunks),
         layout=layout,
+        chunk_sizes=[size for size, _ in m.chunks],
     )
 
 

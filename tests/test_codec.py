@@ -1,6 +1,9 @@
 """Patch codec: bit-exact round trips, order independence, rejection of bad input."""
 
+import dataclasses
 import random
+from collections import Counter
+from collections.abc import Sequence
 
 import hypothesis.strategies as st
 import msgpack
@@ -13,6 +16,7 @@ from patchswarm.protocol import contexts, deltacode, ricecode, statehash
 from patchswarm.protocol.errors import (AlreadyApplied, BaseMismatch, CorruptData, PatchswarmError, StateHashMismatch,
                                         UsageError)
 from patchswarm.protocol.patch import Patch, apply, decode_chunk, diff, keyframe, prepare
+from patchswarm.protocol.patchdecode import touched_tensors
 from patchswarm.protocol.statehash import state_hash
 
 from patchswarm.protocol.dtypes import BY_TORCH
@@ -1139,3 +1143,45 @@ def test_a_bf16_exponent_plane_costs_about_its_entropy():
     entropy_bytes = float(-(p * np.log2(p)).sum()) * exponent.size / 8
     mode, data = encoded[1]  # little-endian: the rotated word's high byte, the exponent, is plane 1
     assert mode == 1 and len(data) < 1.05 * entropy_bytes  # level 1 with its default table: 1.13
+
+
+class _CountedChunks(Sequence):
+    """A patch's chunks that count each read, as a store's read from disk and check one."""
+
+    def __init__(self, chunks):
+        self._chunks, self.reads = list(chunks), Counter()
+
+    def __len__(self):
+        return len(self._chunks)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        chunk = self._chunks[i]  # IndexError past the end: how iteration over a Sequence stops
+        self.reads[i] += 1
+        return chunk
+
+
+def test_an_apply_reads_each_chunk_once_and_tells_what_it_touched(real_pair):
+    """A node applies from its store's chunks, each read from disk and hashed when reached.
+    Summing their lengths for the structure check read every chunk once more, and naming the
+    touched tensors for the model directory a third time: with the sizes given (a manifest's)
+    each is read once, and `touched` is what `touched_tensors` finds."""
+    base, target = real_pair
+    removed = sorted(target)[0]
+    target = {n: t for n, t in target.items() if n != removed}
+    target["zz.added"] = torch.arange(64, dtype=torch.bfloat16)  # a full tensor: the size check
+    p = diff(base, target, chunk_bytes=256, segment_elements=4096)
+    assert len(p.chunks) > 3 and p.full == ["zz.added"] and p.removed == [removed]
+    counted = _CountedChunks(p.chunks)
+    lazy = dataclasses.replace(p, chunks=counted, chunk_sizes=[len(c) for c in p.chunks])
+    state, touched = clone(base), set()
+    apply(state, lazy, touched=touched)
+    same(state, target)
+    assert dict(counted.reads) == {i: 1 for i in range(len(p.chunks))}
+    assert touched == touched_tensors(p) and {"zz.added", removed} <= touched
+    assert touched < set(target) | {removed}  # a sparse patch: not every tensor
+    kf = keyframe(target, chunk_bytes=4096)
+    touched = set()
+    apply({}, kf, touched=touched)
+    assert touched == touched_tensors(kf) == set(target)
