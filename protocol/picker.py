@@ -133,9 +133,10 @@ times the later of the median time of its last `ANSWER_SAMPLES` whole chunks fro
 peers on the judged peer's side of the WAN (from when each peer began serving it)
 and the median of what the other peers there serve it now would take at their
 rates, never under `slow_chunk_min_s` (before any answer came, that) nor over
-`slow_chunk_s` (`slow_threshold`). So a member far slower than the node's other sources is
-demoted at `snub_after`, and one no slower than they are is waited for. A request served in order behind another has
-no part yet and does not count. A Reject is no part: given its time
+`slow_chunk_s` (`slow_threshold`). So a member far slower than the node's other
+sources is demoted at `snub_after`, and one no slower than they are is waited
+for. A request served in order behind another has no part yet and does not
+count. A Reject is no part: given its time
 (`chunk_refused(..., now)`), the silence the peer held and the time it had
 served go on into its next request if it is asked again within `snub_after`,
 so one that refuses each request before its snub and announces the chunk
@@ -222,12 +223,12 @@ SLOW_CHUNK_S = 60.0
 # chunks from peers on that member's side of the WAN, each from when its peer began serving it to
 # verified, and the median of what the other peers there serve it now would take at their
 # rates), never under this nor over `slow_chunk_s`. Where every answer is slow now (the node's own
-# downlink the limit, or its --download-limit), no peer is slow beside the others. Twice SNUB_AFTER: a chunk judged at `snub_after` that
-# would take more than as long again. Found by the swarm simulation: a busy member of the origin's
-# region that sends a 64 KiB part of each answer every 2.1-3.5 s serves a 512 KiB chunk in 17-28 s,
-# under `slow_chunk_s`; holding every chunk, it drew a node's requests from an origin that serves
-# the same chunk in a fraction of a second, and held that node 50-84 s for 16 chunks; now 5 s
-# (bench/RESULTS.md). Judged against the node's own answers, a region whose members all serve that
+# downlink the limit, or its --download-limit), no peer is slow beside the others. Twice
+# SNUB_AFTER: a chunk judged at `snub_after` that would take more than as long again. Found by
+# the swarm simulation: a busy member of the origin's region that sends a 64 KiB part of each
+# answer every 2.1-3.5 s serves a 512 KiB chunk in 17-28 s, under `slow_chunk_s`; holding every
+# chunk, it drew a node's requests from an origin that serves the same chunk in a fraction of a
+# second, and held that node 50-84 s for 16 chunks; now 5 s (bench/RESULTS.md). Judged against the node's own answers, a region whose members all serve that
 # slowly (its typical answer 17-28 s) demotes none of them: the threshold rises to `slow_chunk_s`.
 # An honest answer over 10 s is a 1 MiB chunk at under 0.84 Mbit/s: a member serving 40 sessions
 # at once from a 34 Mbit/s uplink, or 4 chunks sharing a 3.4 Mbit/s WAN link.
@@ -746,7 +747,8 @@ class PiecePicker:
             answering = {}
             for info in self._peers.values():  # the slow rule and the past-timeout rule, one walk
                 if info.progress:
-                    due += [t for t in (self._slow_at(info, answering), *(self._past_timeout_at(info, r) for r in info.progress))
+                    due += [t for t in (self._slow_at(info, answering),
+                                        *(self._past_timeout_at(info, r) for r in info.progress))
                             if now < t < math.inf]
         return min(due, default=None)
 
