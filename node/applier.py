@@ -207,7 +207,7 @@ class Applier:
         t0 = time.perf_counter()
         state = {} if self.weights is None else self.weights.state
         base = None if self.weights is None else (self.weights.version, self.weights.state_hash)
-        changed: set[str] | None = None if self.sink is None else set()  # the model directory rewrites only their shards
+        changed: set[str] | None = None if self.sink is None else set()  # the sink rewrites only their shards
         table = None
         views = self._views if self._weights is not None else {}
 
