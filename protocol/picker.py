@@ -228,8 +228,9 @@ SLOW_CHUNK_S = 60.0
 # the swarm simulation: a busy member of the origin's region that sends a 64 KiB part of each
 # answer every 2.1-3.5 s serves a 512 KiB chunk in 17-28 s, under `slow_chunk_s`; holding every
 # chunk, it drew a node's requests from an origin that serves the same chunk in a fraction of a
-# second, and held that node 50-84 s for 16 chunks; now 5 s (bench/RESULTS.md). Judged against the node's own answers, a region whose members all serve that
-# slowly (its typical answer 17-28 s) demotes none of them: the threshold rises to `slow_chunk_s`.
+# second, and held that node 50-84 s for 16 chunks; now 5 s (bench/RESULTS.md). Judged against
+# the node's own answers, a region whose members all serve that slowly (its typical answer
+# 17-28 s) demotes none of them: the threshold rises to `slow_chunk_s`.
 # An honest answer over 10 s is a 1 MiB chunk at under 0.84 Mbit/s: a member serving 40 sessions
 # at once from a 34 Mbit/s uplink, or 4 chunks sharing a 3.4 Mbit/s WAN link.
 SLOW_CHUNK_MIN_S = 2 * SNUB_AFTER
@@ -247,8 +248,9 @@ TAKEOVER_MIN_CHUNK_S = 0.05
 # 0.01-0.11 s at 1 Gbit/s, where a chunk's fan-out is short and this 2-core machine's CPU the limit.
 REST_MIN_CHUNK_S = 0.15
 
-__all__ = ["ANSWER_SAMPLES", "MAX_COPIES", "NODE", "ORIGIN", "ORIGIN_PIPELINE", "ENDGAME_AFTER", "PAST_ITS_TIMEOUT", "PEER_KINDS", "SLOW", "SILENT", "SLOW_BESIDE_TYPICAL", "SLOW_CHUNK_MIN_S", "SLOW_CHUNK_S", "SNUB_AFTER", "WAN_GATEWAYS",
-           "WAN_PIPELINE", "PiecePicker", "Request"]
+__all__ = ["ANSWER_SAMPLES", "MAX_COPIES", "NODE", "ORIGIN", "ORIGIN_PIPELINE", "ENDGAME_AFTER",
+           "PAST_ITS_TIMEOUT", "PEER_KINDS", "SLOW", "SILENT", "SLOW_BESIDE_TYPICAL", "SLOW_CHUNK_MIN_S",
+           "SLOW_CHUNK_S", "SNUB_AFTER", "WAN_GATEWAYS", "WAN_PIPELINE", "PiecePicker", "Request"]
 
 
 @dataclass(frozen=True, order=True)
@@ -284,6 +286,12 @@ def _answer_takes(told: tuple[int, int, float], start: float) -> float:
     its last part: `told` is (bytes got, bytes left, when its last part came); inf: no byte yet."""
     got, left, at = told
     return (got + left) * (at - start) / got if got else math.inf
+
+
+def _upper_median(values: Iterable[float]) -> float:
+    """The upper median of `values` (0.0 for none)."""
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2] if ordered else 0.0
 
 
 class PiecePicker:
@@ -333,11 +341,10 @@ class PiecePicker:
         self.slow_chunk_s = None if slow_chunk_s is None else float(slow_chunk_s)
         self.slow_chunk_min_s = None if slow_chunk_min_s is None else float(slow_chunk_min_s)
         self._slow: set[str] = set()  # the snubbed peers snubbed as slow (the others: silent)
-        # The last whole chunks' answer times (s), from peers of my region and from across the
-        # WAN, and each side's median (None: no answer yet): what `slow_threshold` judges by.
+        # The last whole chunks' answer times (s), from peers of my region (False) and from across
+        # the WAN (True): what `slow_threshold` judges by.
         self._answers: dict[bool, deque[float]] = {False: deque(maxlen=ANSWER_SAMPLES),
                                                    True: deque(maxlen=ANSWER_SAMPLES)}
-        self._typical: dict[bool, float | None] = {False: None, True: None}
         self.takeover_after = float(takeover_after)
         self._rng = random.Random(seed)
         self._tiers = SourceTiers(me, region, origin_region, wan_gateways, wan_rates)
@@ -590,7 +597,8 @@ class PiecePicker:
             sent = info.inflight[(key, chunk)]
             if info.kind == ORIGIN:
                 self.origin_chunk_s = now - sent
-            self._add_answer(info, now - max(info.serving_from, sent))
+            # A whole chunk, from when its peer began serving it: its side's typical answer.
+            self._answers[info.region != self.region].append(max(0.0, now - max(info.serving_from, sent)))
         if obj.ready(chunk):
             obj.unindex(chunk)
         cancels = []
@@ -851,23 +859,14 @@ class PiecePicker:
             answering[side] = sorted((t, p) for p, other in self._peers.items()
                                      if other.progress and (other.region != self.region) == side
                                      and (t := self._fastest_answer(other)) < math.inf)
-        now = [t for t, p in answering[side] if p != info.id]
-        typical = max(self._typical[side] or 0.0, now[len(now) // 2] if now else 0.0)
+        others_now = [t for t, p in answering[side] if p != info.id]
+        typical = max(_upper_median(self._answers[side]), _upper_median(others_now))
         return min(self.slow_chunk_s, max(self.slow_chunk_min_s, SLOW_BESIDE_TYPICAL * typical))
 
     def _fastest_answer(self, info: PeerState) -> float:
         """How long the fastest answer `info` serves me now takes at its rate, from when it began
         serving (inf: no byte of any yet)."""
         return min(_answer_takes(told, info.serving_from) for told in info.progress.values())
-
-    def _add_answer(self, info: PeerState, seconds: float) -> None:
-        """A whole chunk came from `info` `seconds` after it began serving it: its side's typical answer."""
-        if not seconds < math.inf:
-            return
-        side = info.region != self.region
-        answers = self._answers[side]
-        answers.append(max(0.0, seconds))
-        self._typical[side] = sorted(answers)[len(answers) // 2]
 
     def _slow_at(self, info: PeerState, answering: dict[bool, list[tuple[float, str]]]) -> float:
         """When a node peer serving requests of mine is snubbed as slow (inf: not at its rate so
