@@ -9,7 +9,11 @@ tensor whole, and the keyframe. Columns: the signed Announce's bytes (against th
 frame: `no` where it does not fit), what a node spends per patch version on it (signature
 check and decode, then rebuilding the Patch against its base table: the best of `--repeat`),
 and the keyframe's bytes and signature check and decode (what node/net/manifestcheck.py
-moves off the event loop). Sizes repeat exactly; times are one core's.
+moves off the event loop), and what a node past that keyframe spends refusing a copy of its
+manifest (a peer passing it on again, or a member replaying old ones: `VersionBook.offer`), and
+what holding the keyframe's verified manifest costs in memory (tracemalloc: the envelope and
+the decoded manifest, what a book held for each old keyframe it took).
+Sizes repeat exactly; times are one core's.
 """
 
 from __future__ import annotations
@@ -17,13 +21,16 @@ from __future__ import annotations
 import argparse
 import hashlib
 import time
+import tracemalloc
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from patchswarm.protocol import wire
 from patchswarm.protocol.manifest import sign_manifest, verify_manifest
 from patchswarm.protocol.patch import Patch, TensorSpec
+from patchswarm.protocol.errors import StaleVersion
 from patchswarm.protocol.publication import manifest_of, patch_of
+from patchswarm.protocol.versions import VersionBook
 
 CHUNKS, CHUNK_BYTES = 600, 8 << 20
 
@@ -72,8 +79,31 @@ def measure(n: int, shards: int, repeat: int) -> list[dict]:
                     "verify_s": best(lambda: verify_manifest(envelope, pk), repeat),
                     "patch_of_s": best(lambda: patch_of(m, chunks, tensors), repeat),
                     "keyframe_bytes": kf, "kf_fits": kf <= wire.MAX_FRAME_BYTES,
-                    "kf_verify_s": best(lambda: verify_manifest(kf_envelope, pk), repeat)})
+                    "kf_verify_s": best(lambda: verify_manifest(kf_envelope, pk), repeat),
+                    "kf_stale_s": best(lambda: refuse_stale(VersionBook("bench", pk), kf_envelope), repeat),
+                    "kf_held_mb": held_bytes(kf_envelope, pk) / 1e6})
     return out
+
+
+def held_bytes(envelope: bytes, pk) -> int:
+    """Bytes a book holding this keyframe's manifest keeps: a copy of its envelope and the
+    decoded manifest."""
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        book = VersionBook("bench", pk)
+        book.offer(bytes(envelope))
+        return tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+
+
+def refuse_stale(book: VersionBook, envelope: bytes) -> None:
+    try:
+        book.offer(envelope, 8)  # the node is past version 7
+    except StaleVersion:
+        return
+    raise AssertionError("a stale manifest was not refused")
 
 
 def main() -> None:
@@ -85,13 +115,14 @@ def main() -> None:
     print(f"patch version: {CHUNKS} chunks of {CHUNK_BYTES >> 20} MiB, no tensor written whole; "
           f"{a.shards} shard files; wire frame {wire.MAX_FRAME_BYTES:,} bytes")
     print("tensors | form | patch manifest bytes | fits | verify+decode s | patch_of s | keyframe bytes | fits | "
-          "keyframe verify+decode s")
+          "keyframe verify+decode s | stale keyframe refused s | keyframe held MB")
     for n in (int(x) for x in a.tensors.split(",")):
         rows = measure(n, a.shards, a.repeat)
         for r in rows:
             print(f"{r['tensors']:,} | {r['form']} | {r['patch_bytes']:,} | {'yes' if r['fits'] else 'no'} | "
                   f"{r['verify_s']:.3f} | {r['patch_of_s']:.3f} | {r['keyframe_bytes']:,} | "
-                  f"{'yes' if r['kf_fits'] else 'no'} | {r['kf_verify_s']:.3f}")
+                  f"{'yes' if r['kf_fits'] else 'no'} | {r['kf_verify_s']:.3f} | {r['kf_stale_s']:.6f} | "
+                  f"{r['kf_held_mb']:.1f}")
         one, two = rows
         print(f"  {n:,} tensors: form 2's patch manifest is {one['patch_bytes'] / two['patch_bytes']:.0f}x smaller, "
               f"{(one['verify_s'] + one['patch_of_s']) / (two['verify_s'] + two['patch_of_s']):.0f}x less time a version")

@@ -143,9 +143,11 @@ class Applier:
         members pass on only manifests they verified, so it is the sender's fault, and a peer
         could otherwise send one a message, each a warning line here. A large one is verified
         in a worker thread (node/net/manifestcheck.py), the rest inline."""
-        verified = await self.manifest_check.check(envelope, self.version)
+        # Only what a plan from this node's version can use: an older keyframe's manifest, of
+        # a long history a member may pass on, is refused unread (protocol/versions.py).
+        verified = await self.manifest_check.check(envelope, self.version, drop_superseded=True)
         try:
-            status, m = self.book.offer(envelope, self.version, verified=verified)
+            status, m = self.book.offer(envelope, self.version, verified=verified, drop_superseded=True)
         except StaleVersion as e:
             self.manifests_stale += 1
             log.debug("ignored a manifest from %s: %s", source, e)

@@ -332,8 +332,9 @@ class Node:
         await self.peers.run(ms, outbound=False)
 
     def _has_manifest(self, key) -> bool:
-        """A manifest for `key` is held, or the object is older than the applied version."""
-        return self.book.get(key) is not None or (self.version is not None and key[0] <= self.version)
+        """A manifest for `key` is held, or the applier would refuse one (the object is not
+        above the applied version, or the latest keyframe held supersedes it)."""
+        return self.book.get(key) is not None or self.book.refuses(key, self.version, drop_superseded=True)
 
     def _origin_session(self) -> Session | None:
         return next((s for s in self.peers.sessions.values() if s.role == "origin" and not s.closed), None)

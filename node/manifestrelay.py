@@ -41,7 +41,7 @@ class ManifestRelay:
         # (envelope, source, from a peer) -> True when new to this node and accepted; from a peer,
         # InvalidInput for one that does not verify (the sender's fault: its session ends)
         self._offer = offer
-        self._has = has  # a manifest for this object is held, or it is older than what is applied
+        self._has = has  # a manifest for this object is held, or the node would refuse one
         self.peers = peers
         self._ask = ask_tracker
         self.wait = wait

@@ -294,6 +294,31 @@ def verify_manifest(data: bytes, public_key: Ed25519PublicKey) -> Manifest:
     return decode_manifest(body)
 
 
+def peek_key(data: bytes) -> ObjKey | None:
+    """The object a signed envelope's manifest says it is, read from its first fields alone:
+    no signature check, no decode of its tables. None where those fields do not parse.
+
+    Not a reason to trust anything: for refusing, at the cost of a few header bytes, what
+    would be refused once checked (an object at or below the version a member holds). The
+    fields are inside the signed bytes, so a manifest that says it is old is old or forged.
+    """
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        return None
+    r = PackReader(data, CorruptData, "manifest envelope")
+    try:
+        if r.array_len(2) != 2:
+            return None
+        body = r.bin_view(len(data))
+        r = PackReader(body, CorruptData, "manifest")
+        if r.array_len(1 + len(_FIELDS)) != 1 + len(_FIELDS) or r.str(64) not in _FORMS:
+            return None
+        r.str(len(body))  # swarm_id
+        version = r.uint()
+        return ObjKey(version, r.nil())  # base_version: nil for a keyframe
+    except CorruptData:
+        return None
+
+
 def chunk_ok(m: Manifest, index: int, data: bytes) -> bool:
     """Whether `data` is chunk `index` of `m`: same size and SHA-256. False for an index out of range."""
     if not _is_int(index):

@@ -13,18 +13,16 @@ The tracker uses the same book to keep what it hands to joining nodes
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import hashlib
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from .errors import ConflictingManifest, InvalidInput, StaleVersion
-from .manifest import Manifest, ObjKey, describe, key_of, verify_manifest
+from .manifest import Manifest, ObjKey, describe, key_of, peek_key, verify_manifest
 
 KNOWN = "known"
 NEW = "new"
-STALE_KEPT = 64  # digests of stale envelopes remembered, refused again without a check
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -44,10 +42,6 @@ class VersionBook:
         self._manifests: dict[ObjKey, Manifest] = {}
         self._envelopes: dict[ObjKey, bytes] = {}
         self._by_digest: dict[bytes, ObjKey] = {}  # SHA-256 of each held envelope
-        # SHA-256 of envelopes found stale -> their object (at most STALE_KEPT, oldest out): a
-        # replay is refused without a second check (a 140,000-tensor keyframe's takes 0.47 s,
-        # and any peer could pass the same old one on again and again).
-        self._stale: collections.OrderedDict[bytes, ObjKey] = collections.OrderedDict()
 
     # ------------------------------------------------------------ facts in
 
@@ -58,18 +52,44 @@ class VersionBook:
         manifest the trainer did not sign."""
         return Verified(hashlib.sha256(envelope).digest(), verify_manifest(envelope, self._key), self._key)
 
-    def needs_check(self, envelope: bytes, current_version: int | None = None) -> bool:
-        """Whether `offer(envelope, current_version)` would verify it: False for an envelope
-        held (KNOWN) or one found stale before and still at or below `current_version`."""
+    def needs_check(self, envelope: bytes, current_version: int | None = None, drop_superseded: bool = False) -> bool:
+        """Whether `offer(envelope, current_version, drop_superseded=)` would verify it: False
+        for an envelope held (KNOWN) or one it refuses unread."""
         digest = hashlib.sha256(envelope).digest()
-        return digest not in self._by_digest and self._stale_at(digest, current_version) is None
+        if digest in self._by_digest:
+            return False
+        key = peek_key(envelope)
+        return key is None or key in self._envelopes or self._refusal(key, current_version, drop_superseded) is None
 
-    def _stale_at(self, digest: bytes | None, current_version: int | None) -> ObjKey | None:
-        key = self._stale.get(digest)
-        return key if key is not None and current_version is not None and key[0] <= current_version else None
+    def refuses(self, key: ObjKey, current_version: int | None, drop_superseded: bool = False) -> bool:
+        """Whether `offer` would refuse any manifest of `key` not held now, unread."""
+        return key not in self._envelopes and self._refusal(key, current_version, drop_superseded) is not None
+
+    def _refusal(self, key: ObjKey, current_version: int | None, drop_superseded: bool) -> str | None:
+        """Why an object no manifest of which is held is refused before any check, or None.
+        An old keyframe's manifest that peers pass on again, or a member replays from a long
+        history, costs its digest and a few header bytes, not a check and decode (0.47 s at
+        140,000 tensors) per copy. A held object's envelope is always checked: a second
+        signed manifest of it is the trainer's fault, and said so."""
+        if current_version is not None and key[0] <= current_version:
+            return f"expected a version above the current {current_version}, found {key[0]} (replayed or older)"
+        keyframe = self.latest_keyframe if drop_superseded else None
+        if keyframe is not None and self._superseded(key, keyframe, current_version):
+            return (f"expected a version above v{keyframe}'s keyframe, which is held, found {key[0]} "
+                    f"(superseded: no plan uses it)")
+        return None
+
+    @staticmethod
+    def _superseded(key: ObjKey, keyframe: int, current_version: int | None) -> bool:
+        """Whether no plan from `current_version` uses `key` once `keyframe`'s is held: an
+        older keyframe; with no version yet, anything at or below it but that keyframe. (A
+        patch below it may still be a link of the chain from a version the member holds.)"""
+        if key[1]:
+            return key[0] < keyframe
+        return current_version is None and key[0] <= keyframe
 
     def offer(self, envelope: bytes, current_version: int | None = None,
-              verified: Verified | None = None) -> tuple[str, Manifest]:
+              verified: Verified | None = None, drop_superseded: bool = False) -> tuple[str, Manifest]:
         """Verify a signed manifest; (NEW, m) if it is new, (KNOWN, m) if already held.
 
         Raises SignatureError / CorruptData for a manifest the trainer did not
@@ -78,6 +98,17 @@ class VersionBook:
         at or below `current_version` that is not already held. With `verified`
         (from `verify` of these bytes, with this book's key) the check is not
         done again.
+
+        `drop_superseded`: a running node's offers, which keep only what a plan from
+        `current_version` can use. No plan goes through a keyframe below the latest one
+        held (that keyframe reaches every version the older one does, for fewer bytes),
+        nor, for a member with no version yet, through anything at or below it: such an
+        object is refused too (StaleVersion, unread), and held ones are dropped when a
+        later keyframe is taken. *Why:* a member passing a node with no version the old
+        keyframes of a long history had each one checked (0.47 s at 140,000 tensors),
+        held (~47 MB) and passed on to the node's peers. Not for the tracker or the origin
+        (`retained` hands nodes a little behind the patches before the latest keyframe),
+        nor for a store's objects read back at a start, before the base they follow is.
         """
         # The same envelope again (from the tracker, then from peers) is known by its bytes: a
         # 140,000-tensor keyframe's costs seconds to verify and decode, its digest milliseconds.
@@ -85,10 +116,11 @@ class VersionBook:
         known = self._by_digest.get(digest)
         if known is not None:
             return KNOWN, self._manifests[known]
-        stale = self._stale_at(digest, current_version)
-        if stale is not None:
-            raise StaleVersion(f"manifest {describe(stale)}: expected a version above the current "
-                               f"{current_version}, found {stale[0]} (replayed or older; seen before)")
+        peeked = peek_key(envelope)
+        refusal = None if peeked is None or peeked in self._envelopes else \
+            self._refusal(peeked, current_version, drop_superseded)
+        if refusal is not None:
+            raise StaleVersion(f"manifest {describe(peeked)}: {refusal}; not checked")
         if verified is not None and verified.digest == digest and verified.key is self._key:
             m = verified.manifest
         else:
@@ -103,16 +135,15 @@ class VersionBook:
             raise ConflictingManifest(f"manifest {describe(key)}: a different, validly signed manifest "
                                       f"is already held (target {self._manifests[key].target_hash[:16]}…, "
                                       f"found {m.target_hash[:16]}…)")
-        if current_version is not None and m.version <= current_version:
-            if digest is not None:
-                self._stale[digest] = key
-                if len(self._stale) > STALE_KEPT:
-                    self._stale.popitem(last=False)
-            raise StaleVersion(f"manifest {describe(key)}: expected a version above the current "
-                               f"{current_version}, found {m.version} (replayed or older)")
+        refusal = self._refusal(key, current_version, drop_superseded)  # its first fields did not parse alone
+        if refusal is not None:
+            raise StaleVersion(f"manifest {describe(key)}: {refusal}")
         self._manifests[key] = m
         self._envelopes[key] = bytes(envelope)
         self._by_digest[digest] = key
+        if drop_superseded and key[1] and key[0] == self.latest_keyframe:
+            for old in [k for k in self._manifests if self._superseded(k, key[0], current_version)]:
+                self.discard(old)
         return NEW, m
 
     def discard(self, key: ObjKey) -> None:
@@ -141,6 +172,11 @@ class VersionBook:
     @property
     def latest_version(self) -> int | None:
         return max((k[0] for k in self._manifests), default=None)
+
+    @property
+    def latest_keyframe(self) -> int | None:
+        """The version of the latest keyframe held."""
+        return max((k[0] for k in self._manifests if k[1]), default=None)
 
     def retained(self, max_patches: int) -> list[ObjKey]:
         """What a tracker keeps: the latest keyframe, every patch after it, and up to

@@ -3,8 +3,8 @@
 Owns `ManifestCheck`: `await check(envelope)` gives the `Verified` (protocol/versions.py)
 of an envelope of OFF_LOOP_BYTES or more, its signature checked and its manifest decoded
 in a worker thread, for `VersionBook.offer(..., verified=...)`; None where the book is to
-check inline: a smaller envelope, one the book already holds or found stale before (it
-knows them by digest), or
+check inline: a smaller envelope, one the book already holds (it knows them by digest) or
+would refuse unread (stale, or superseded by a keyframe it holds), or
 one whose check failed (the book repeats it and raises the error where its caller counts
 it; a bad signature fails before any decode, so the repeat is cheap). Must not decide
 what is trusted: the book does.
@@ -48,10 +48,11 @@ class ManifestCheck:
         self._checking: dict[bytes, trio.Event] = {}  # envelopes' digests -> set when their check ends
         self.off_loop = 0  # envelopes checked in a thread
 
-    async def check(self, envelope: bytes, current_version: int | None = None) -> Verified | None:
+    async def check(self, envelope: bytes, current_version: int | None = None,
+                    drop_superseded: bool = False) -> Verified | None:
         """The envelope verified in a worker thread when it is large and new, else None
-        (`current_version`: the caller's, as it gives `offer`; an envelope the book found
-        stale before is not checked again)."""
+        (`current_version`, `drop_superseded`: the caller's, as it gives `offer`; an
+        envelope the book refuses unread is not checked)."""
         if not isinstance(envelope, (bytes, bytearray)) or len(envelope) < self.off_loop_bytes:
             return None
         digest = hashlib.sha256(envelope).digest()
@@ -59,7 +60,7 @@ class ManifestCheck:
         if running is not None:  # a copy of one being checked: by the time this wakes, the book holds it
             await running.wait()
             return None
-        if not self.book.needs_check(envelope, current_version):
+        if not self.book.needs_check(envelope, current_version, drop_superseded):
             return None
         done = self._checking[digest] = trio.Event()
         try:
