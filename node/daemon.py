@@ -173,7 +173,8 @@ class Node:
         self.store = ObjectStore(self.data_dir / "objects")
         self.peers.store = self.store
         self.fetcher = Fetcher(self.id, self.region, self.picker, self.peers, self.inflows, self.store, self.book,
-                               on_complete=lambda key: self.applier.completed(key))
+                               on_complete=lambda key: self.applier.completed(key),
+                               download_rate=self.download.rate)
         # The current version is the base file plus the stored patches after it, replayed and
         # verified: a version is durable once its object is (chunks first, manifest last).
         durable = DurableState(self.data_dir, self.store, self.swarm_id, self.cfg.compact_every)

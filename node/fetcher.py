@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 from typing import Callable
 
 import trio
@@ -46,12 +47,22 @@ log = logging.getLogger("patchswarm.node")
 REQUEST_TIMEOUT = 30.0  # a requested chunk not delivered by then is asked of someone else
 POLL_S = 1.0  # the fetch loop looks again at least this often
 KEEP_WAITS = 8  # objects whose longest wait for a chunk is kept for the status
+# With a download limit (the node's own downlink, `--download-limit`), the requests in flight
+# to peers not snubbed are what it takes in this long at that rate, at least MIN_INFLIGHT.
+# Under SNUB_AFTER (5 s): no answer waits on the others in flight for as long as a peer is
+# given to send a part. One is the least: at 300 KB/s and 1 MiB chunks, one request at a time
+# let every relay pass its chunk on at the full rate (bench/RESULTS.md, "A node's own
+# downlink"; protocol/picker.py, `max_inflight`).
+DOWNLINK_QUEUE_S = 3.0
+MIN_INFLIGHT = 1
 
 
 class Fetcher:
     def __init__(self, me: str, region: str, picker: PiecePicker, peers: PeerSet, inflows: Inflows,
-                 store: ObjectStore, book: VersionBook, on_complete: Callable[[ObjKey], None]):
+                 store: ObjectStore, book: VersionBook, on_complete: Callable[[ObjKey], None],
+                 download_rate: float | None = None):
         self.me = me
+        self.download_rate = download_rate  # bytes/s the node takes in at most (None: no limit)
         self.region = region
         self.picker = picker
         self.peers = peers
@@ -168,7 +179,15 @@ class Fetcher:
                 del self.longest_wait[next(iter(self.longest_wait))]
         for key in set(self.picker.fetching()) - set(plan):
             self.stop(key)
+        self._size_pipeline(plan)
         self._wakeup.set()
+
+    def _size_pipeline(self, plan: list[ObjKey]) -> None:
+        """Requests in flight at most: DOWNLINK_QUEUE_S of the download limit in the plan's
+        largest chunks, where there is a limit."""
+        chunk = max((m.chunks[0][0] for m in map(self.book.get, plan) if m is not None and m.chunks), default=0)
+        if self.download_rate is not None and chunk > 0:
+            self.picker.max_inflight = max(MIN_INFLIGHT, math.ceil(self.download_rate * DOWNLINK_QUEUE_S / chunk))
 
     def stop(self, key: ObjKey) -> None:
         """Stop fetching `key` (applied, unusable, or off the plan): its requests are cancelled."""

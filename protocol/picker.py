@@ -305,7 +305,8 @@ class PiecePicker:
                  wan_gateways: int | None = WAN_GATEWAYS, request_timeout: float | None = None,
                  wan_rates: Mapping[str, float] | None = None, origin_pipeline: int | None = None,
                  endgame_after: float = 0.0, snub_after: float | None = None,
-                 slow_chunk_s: float | None = None, slow_chunk_min_s: float | None = None):
+                 slow_chunk_s: float | None = None, slow_chunk_min_s: float | None = None,
+                 max_inflight: int | None = None):
         if type(pipeline) is not int or pipeline < 1:
             raise UsageError(f"pipeline: expected an int >= 1, found {pipeline!r}")
         if type(wan_pipeline) is not int or wan_pipeline < 1:
@@ -332,6 +333,7 @@ class PiecePicker:
         self.region = region
         self.pipeline = pipeline
         self.wan_pipeline = wan_pipeline
+        self.max_inflight = max_inflight  # a property: checked where set
         self.wan_gateways = wan_gateways
         self.origin_pipeline = origin_pipeline
         self.endgame_after = float(endgame_after)
@@ -700,6 +702,22 @@ class PiecePicker:
 
     # --- questions -----------------------------------------------------------
 
+    @property
+    def max_inflight(self) -> int | None:
+        """Requests in flight at most, to all peers together (None: no such bound): what
+        the node's own downlink takes in a few seconds, where it is the limit. *Why:* a
+        node at 300 KB/s that asked four peers four chunks each split its downlink
+        sixteen ways, so every answer came at a sixteenth of it: peers were snubbed as
+        silent or slow and requests given up at their timeout for what was the node's own
+        limit (bench/RESULTS.md, "A node's own downlink")."""
+        return self._max_inflight
+
+    @max_inflight.setter
+    def max_inflight(self, n: int | None) -> None:
+        if n is not None and (type(n) is not int or n < 1):
+            raise UsageError(f"max_inflight: expected None or an int >= 1, found {n!r}")
+        self._max_inflight = n
+
     def requests(self, now: float) -> list[Request]:
         """The new requests to send now (they count as in flight from here on)."""
         round_ = _Round(self, now)
@@ -983,6 +1001,15 @@ class _Round:
                     else:
                         del self.free[p]
         self.out: list[Request] = []
+        # The node's own downlink (`max_inflight`): what may still be asked this round of the peers
+        # not snubbed. A snubbed peer's probe is neither counted nor held back: it is not
+        # expected to fill the downlink, counted it could leave no room for the copy asked
+        # beside it, and held back the peer would stay snubbed while the others have the room.
+        self.snubbed = snubbed
+        self.room = math.inf if picker.max_inflight is None else \
+            picker.max_inflight - sum(len(info.inflight) for p, info in self.peers.items() if p not in snubbed)
+        if self.room <= 0:
+            self._downlink_full()
 
     def pick_ready(self, obj: ObjectState) -> None:
         free = self.free
@@ -1230,6 +1257,12 @@ class _Round:
         free = self.free
         return min(sorted(eligible), key=lambda p: (sign * free[p], rand()))
 
+    def _downlink_full(self) -> None:
+        """The node's downlink has its fill: only snubbed peers' probes this round."""
+        for q in [q for q in self.free if q not in self.snubbed]:
+            del self.free[q]
+        self.origin_free.clear()  # the origin is never snubbed
+
     def _take_slot(self, p: str) -> None:
         free = self.free
         free[p] -= 1
@@ -1241,3 +1274,7 @@ class _Round:
             if self.wan_budget[region] <= 0:  # that region's link is busy enough: none of its peers this round
                 for q in [q for q in free if self.peers[q].region == region]:
                     del free[q]
+        if p not in self.snubbed:
+            self.room -= 1
+            if self.room <= 0:
+                self._downlink_full()

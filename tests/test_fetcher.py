@@ -344,3 +344,30 @@ def test_a_relayed_chunk_s_rest_moved_to_the_origin_is_asked_from_the_bytes_held
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
     asked = [r.getMessage() for r in caplog.records if r.getMessage().startswith("request chunk 0")]
     assert asked[0].endswith("from n0 (planned)") and asked[-1].endswith("from origin from byte 5 (rest)"), asked
+
+
+@pytest.mark.parametrize("rate, cap", [(None, None), (300e3, 1), (700e3, 3), (2e6, 6), (100e6, 287)])
+def test_a_download_limit_sizes_the_requests_in_flight_to_three_seconds_of_it(tmp_path, rate, cap):
+    """With `--download-limit`, the picker's `max_inflight` is what the node takes in
+    DOWNLINK_QUEUE_S (3 s) at that rate in the plan's largest chunks (1 MiB here), at
+    least one; without a limit there is no such bound."""
+    from patchswarm.protocol.manifest import sign_manifest
+
+    sk = Ed25519PrivateKey.generate()
+    book = VersionBook("sw", sk.public_key())
+    m = Manifest(swarm_id="sw", version=1, base_version=0, base_hash="blake3:" + "00" * 32,
+                 target_hash="blake3:" + "11" * 32, tensors=[], chunks=[(1 << 20, bytes(32))] * 3 + [(10, bytes(32))],
+                 codec={"format": 1}, created_at=0.0)
+    book.offer(sign_manifest(m, sk))
+    store = ObjectStore(tmp_path / "objects")
+    picker = PiecePicker("me", "r1", "r1")
+    inflows = Inflows()
+    peers = PeerSet("me", store, TokenBucket(None), _noop, inflows=inflows)
+    fetcher = Fetcher("me", "r1", picker, peers, inflows, store, book, on_complete=lambda key: None,
+                      download_rate=rate)
+
+    async def main():
+        fetcher.want([KEY])
+
+    trio.run(main)
+    assert picker.is_fetching(KEY) and picker.max_inflight == cap

@@ -540,6 +540,56 @@ def test_pipeline_limit_per_peer():
     assert len(more) == 1 and not asked(more) & asked(reqs)
 
 
+@pytest.mark.parametrize("cap", [1, 2, 5])
+def test_max_inflight_bounds_the_requests_to_all_peers_together(cap):
+    """A node whose own downlink is the limit (`max_inflight`, sized by the fetcher from its
+    download limit) asks no more of everyone together, whatever each peer's pipeline; an
+    answer that lands frees one request; None lifts the bound."""
+    members = {"me": "r0", "a": "r0", "b": "r0"}
+    p = make("me", members, n=16, pipeline=4)
+    p.max_inflight = cap
+    for q in ("a", "b"):
+        p.peer_has(q, KEY, range(16))
+    first = p.requests(0.0)
+    assert len(first) == cap and p.in_flight() == cap and p.requests(0.0) == []
+    p.chunk_received(KEY, first[0].chunk, first[0].peer, 1.0)
+    assert len(p.requests(1.0)) == 1 and p.in_flight() == cap
+    p.max_inflight = None
+    assert p.in_flight() + len(p.requests(1.0)) == 8  # a and b, 4 each (the origin comes after them)
+
+
+def test_max_inflight_leaves_a_snubbed_peers_probe_out_of_the_count():
+    """The probe to a snubbed member (here of the one chunk only it holds) is not counted
+    against the downlink, and is still sent when the others fill it: counted, a probe that
+    is not answered would hold the only request of a node at one."""
+    p = PiecePicker("me", "r0", "r0", seed=1, request_timeout=30.0, origin_pipeline=ORIGIN_PIPELINE,
+                    endgame_after=ENDGAME_AFTER, snub_after=5.0, max_inflight=1)
+    p.set_members({"me": "r0", "m": "r0"})
+    p.peer_joined("m", NODE, "r0")
+    p.peer_joined(OR, ORIGIN, "r0")
+    p.add_object(KEY, 8, now=0.0)
+    p.peer_has(OR, KEY, range(7))
+    p.peer_has("m", KEY, range(7))
+    [first] = p.requests(0.0)
+    assert first.peer == "m"  # a neighbour, before the origin
+    assert p.expired(5.0) == [first] and p.snubbed("m")
+    p.peer_has("m", KEY, [7])  # a chunk only it holds: asked of it alone, its probe
+    again = p.requests(5.0)
+    assert sorted((r.peer, r.chunk == 7) for r in again) == [("m", True), (OR, False)]
+    assert p.requests(5.0) == []
+    p.chunk_received(KEY, next(r.chunk for r in again if r.peer == OR), OR, 6.0)
+    assert [r.peer for r in p.requests(6.0)] == [OR]
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "2"])
+def test_max_inflight_is_checked(bad):
+    with pytest.raises(UsageError, match="max_inflight: expected None or an int >= 1"):
+        PiecePicker("me", "r0", "r0", max_inflight=bad)
+    p = PiecePicker("me", "r0", "r0")
+    with pytest.raises(UsageError, match="max_inflight"):
+        p.max_inflight = bad
+
+
 def test_fewest_in_flight_peer_gets_the_request():
     members = {"me": "r1", "a": "r1", "b": "r1"}
     p = make("me", members, origin_region="r0", n=8, origin=False, pipeline=4)
