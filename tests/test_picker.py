@@ -562,14 +562,7 @@ def test_max_inflight_leaves_a_snubbed_peers_probe_out_of_the_count():
     """The probe to a snubbed member (here of the one chunk only it holds) is not counted
     against the downlink, and is still sent when the others fill it: counted, a probe that
     is not answered would hold the only request of a node at one."""
-    p = PiecePicker("me", "r0", "r0", seed=1, request_timeout=30.0, origin_pipeline=ORIGIN_PIPELINE,
-                    endgame_after=ENDGAME_AFTER, snub_after=5.0, max_inflight=1)
-    p.set_members({"me": "r0", "m": "r0"})
-    p.peer_joined("m", NODE, "r0")
-    p.peer_joined(OR, ORIGIN, "r0")
-    p.add_object(KEY, 8, now=0.0)
-    p.peer_has(OR, KEY, range(7))
-    p.peer_has("m", KEY, range(7))
+    p = _beside_a_silent_member(n=8, held=range(7), max_inflight=1)
     [first] = p.requests(0.0)
     assert first.peer == "m"  # a neighbour, before the origin
     assert p.expired(5.0) == [first] and p.snubbed("m")
@@ -1500,17 +1493,19 @@ def test_a_request_expires_at_the_time_next_wakeup_names():
 # --- a peer that holds requests and sends nothing: snubbed ------------------------------
 
 
-def _beside_a_silent_member(n=8, snub_after=5.0, slow_chunk_s=None):
+def _beside_a_silent_member(n=8, snub_after=5.0, slow_chunk_s=None, held=None, max_inflight=None):
     """me and m, members of the origin's region r0, with the daemon's settings: m announces
-    every chunk (so, a neighbour, it is asked before the origin) and is asked first."""
+    every chunk (so, a neighbour, it is asked before the origin) and is asked first. `held`:
+    the chunks both announce, if not all."""
     p = PiecePicker("me", "r0", "r0", seed=1, request_timeout=30.0, origin_pipeline=ORIGIN_PIPELINE,
-                    endgame_after=ENDGAME_AFTER, snub_after=snub_after, slow_chunk_s=slow_chunk_s)
+                    endgame_after=ENDGAME_AFTER, snub_after=snub_after, slow_chunk_s=slow_chunk_s,
+                    max_inflight=max_inflight)
     p.set_members({"me": "r0", "m": "r0"})
     p.peer_joined("m", NODE, "r0")
     p.peer_joined(OR, ORIGIN, "r0")
     p.add_object(KEY, n, now=0.0)
-    p.peer_has(OR, KEY, range(n))
-    p.peer_has("m", KEY, range(n))
+    p.peer_has(OR, KEY, range(n) if held is None else held)
+    p.peer_has("m", KEY, range(n) if held is None else held)
     return p
 
 
