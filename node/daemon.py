@@ -424,6 +424,7 @@ class Node:
             "requests_given_up_early": f.given_up_early,  # due whole only past their timeout at the peer's rate
             "sessions_replaced": self.peers.replaced,  # by the same member's new connection (its reconnect)
             "manifests_rejected": a.manifests_rejected,
+            "manifests_stale": a.manifests_stale,  # refused unread: not above the version, or superseded
             **self.manifests.status(),
             "fetching": f.status(),
             "longest_wait_s": f.waits(),

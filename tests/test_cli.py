@@ -235,6 +235,9 @@ def test_status_shows_peers_dropped_and_refused_by_kind(capsys, monkeypatch):
     del st["peers_dropped"], st["sessions_replaced"]
     print_status(st)
     assert "peers dropped" not in capsys.readouterr().out
+    st["manifests_stale"] = 1500  # a member replaying old manifests (protocol/versions.py)
+    print_status(st)
+    assert "0 manifests (1,500 old ones refused unread)" in " ".join(capsys.readouterr().out.split())
 
 
 def test_status_shows_a_model_dir_version_written_ahead_of_current(capsys, monkeypatch):

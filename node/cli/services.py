@@ -369,7 +369,8 @@ def print_status(st: dict) -> None:
     if st.get("bytes_out_arriving"):
         out += f" ({_mb(st['bytes_out_arriving'])} relayed while arriving)"
     t.add_row("bytes out", out)
-    t.add_row("rejected", f"{st['chunks_rejected']} chunks, {st.get('manifests_rejected', 0)} manifests")
+    stale = f" ({st['manifests_stale']:,} old ones refused unread)" if st.get("manifests_stale") else ""
+    t.add_row("rejected", f"{st['chunks_rejected']} chunks, {st.get('manifests_rejected', 0)} manifests{stale}")
     if st.get("peers_dropped") or st.get("sessions_replaced"):  # a hostile or unlucky peer shows here
         kinds = ", ".join(f"{k}: {v:,}" for k, v in sorted(st.get("peers_dropped", {}).items()))
         t.add_row("peers dropped", (kinds or "none")

@@ -193,6 +193,9 @@ class NodeMetrics(StatusMetrics):
             yield r
         yield from _counter("patchswarm_manifests_rejected", "manifests refused (signature, swarm, conflict)",
                             st.get("manifests_rejected"))
+        yield from _counter("patchswarm_manifests_stale", "manifests refused unread: at or below the node's version, "
+                            "or superseded by its latest keyframe (a member replaying old ones shows here)",
+                            st.get("manifests_stale"))
         if "unusable" in st:
             yield from _gauge("patchswarm_objects_unusable", "verified objects that failed to apply",
                               len(st["unusable"]))
