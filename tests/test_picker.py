@@ -1005,27 +1005,30 @@ def _check_sources(p: PiecePicker) -> None:
 
 @settings(max_examples=150, deadline=None)
 @given(st.lists(fact, max_size=60), st.integers(1, 3), st.integers(0, 99), st.sampled_from(["r1", "r0"]),
-       st.sampled_from([None, SNUB]), st.booleans())
+       st.sampled_from([None, SNUB]), st.booleans(), st.sampled_from([None, 1, 2]))
 # A refused chunk announced again (arriving) may be asked again: the model once kept it failed for good
 @example(facts=[("join", "o"), ("has", "o", KEY, [0], False), ("requests", 0.0), ("refuse", 0),
                 ("has", "o", KEY, [0], False), ("requests", 0.0)], pipeline=1, seed=0, region="r1", snub_after=None,
-         everyone_first=False)
+         everyone_first=False, max_inflight=None)
 # A snubbed peer that leaves and joins again is still snubbed; a part ends it
 @example(facts=[("join", "x1"), ("has", "x1", KEY, [0, 1], True), ("requests", 0.0), ("expire", 2.0),
                 ("leave", "x1"), ("join", "x1"), ("has", "x1", KEY, [0, 1], True), ("requests", 0.0),
                 ("part", "x1"), ("requests", 0.0)], pipeline=3, seed=0, region="r1", snub_after=SNUB,
-         everyone_first=False)
-def test_property_random_facts_keep_the_contract(facts, pipeline, seed, region, snub_after, everyone_first):
+         everyone_first=False, max_inflight=None)
+def test_property_random_facts_keep_the_contract(facts, pipeline, seed, region, snub_after, everyone_first,
+                                                 max_inflight):
     """In r0, the origin's region, with the daemon's `origin_pipeline`: requests the picker
     withdraws (moved to the origin, `pick_rest`) leave the model's requests in flight. With
     `snub_after`: a node peer that held requests and sent no part (`part`: `peer_sent`) for
     that long loses them all at once, then holds at most one until a part comes, also
     across a new session; each chunk's sources stay its best holders. `everyone_first`: every
     peer joins and announces some chunks (seeded) before the facts, which alone seldom get a
-    node peer asked; after them, 3 s pass a second at a time, and parts come from two peers."""
+    node peer asked; after them, 3 s pass a second at a time, and parts come from two peers.
+    `max_inflight`: a round asks peers not snubbed only while fewer than that are in flight
+    to them (a snub that ends may leave more, never a round)."""
     in_origin_region = {"origin_pipeline": ORIGIN_PIPELINE, "endgame_after": ENDGAME_AFTER} if region == "r0" else {}
     p = PiecePicker("me", region, "r0", seed=seed, pipeline=pipeline, takeover_after=1.0, request_timeout=TIMEOUT,
-                    snub_after=snub_after, **in_origin_region)
+                    snub_after=snub_after, max_inflight=max_inflight, **in_origin_region)
     for key, n in OBJECTS.items():
         p.add_object(key, n, priority=key[0], now=0.0)
     joined, holds, mine, sent = set(), {}, {k: set() for k in OBJECTS}, {}  # sent: request -> when
@@ -1095,6 +1098,9 @@ def test_property_random_facts_keep_the_contract(facts, pipeline, seed, region, 
             clock += f[1]
             asked = p.requests(clock)
             busy_before = {r.peer for r in sent}
+            if max_inflight is not None:
+                before = sum(r.peer not in snubbed for r in sent)
+                assert sum(r.peer not in snubbed for r in asked) <= max(0, max_inflight - before), (before, asked)
             for r in p.withdrawn():  # moved to the origin: the request was in flight, now it is not
                 assert r in sent and r.peer != "o" and r not in asked
                 del sent[r]
