@@ -27,7 +27,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from patchswarm.protocol import localapi, trajectory, wire
 from patchswarm.protocol.errors import PatchswarmError
-from patchswarm.protocol.manifest import Manifest, decode_manifest, encode_manifest, sign_manifest, verify_manifest
+from patchswarm.protocol.manifest import (Manifest, decode_manifest, encode_manifest, key_of, peek_key, sign_manifest,
+                                          verify_manifest)
 from patchswarm.protocol.patch import Patch, apply, diff, keyframe
 
 # Spliced into valid encodings: lengths that claim what the bytes do not hold, and nesting.
@@ -134,11 +135,16 @@ def _patch(data: bytes) -> None:
 
 
 def _manifest(data: bytes) -> None:
-    """As a signed envelope, else as the manifest's bytes alone."""
+    """As a signed envelope, else as the manifest's bytes alone. The envelope's first fields
+    (`peek_key`, read before any check to refuse old ones) never raise, and name the object
+    the signed manifest is wherever it verifies."""
+    peeked = peek_key(data)
     try:
-        verify_manifest(data, _key().public_key())
+        m = verify_manifest(data, _key().public_key())
     except PatchswarmError:
         decode_manifest(data)
+    else:
+        assert peeked == key_of(m), (peeked, key_of(m))
 
 
 def _wire(data: bytes) -> None:
