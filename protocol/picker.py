@@ -706,8 +706,8 @@ class PiecePicker:
     def max_inflight(self) -> int | None:
         """Requests in flight at most, to all peers together (None: no such bound): what
         the node's own downlink takes in a few seconds, where it is the limit. *Why:* a
-        node at 300 KB/s that asked four peers four chunks each split its downlink
-        sixteen ways, so every answer came at a sixteenth of it: peers were snubbed as
+        node at 300 KB/s that asked four peers up to four chunks each split its downlink
+        that many ways, so every answer came at a fraction of it: peers were snubbed as
         silent or slow and requests given up at their timeout for what was the node's own
         limit (bench/RESULTS.md, "A node's own downlink")."""
         return self._max_inflight
