@@ -6,7 +6,8 @@ tbf-limited both ways) and delivers the same payload: the patch between two
 consecutive served bf16 checkpoints of a generated model (`bench.wan_runner.
 make_payload`, cached under /tmp/patchswarm-wan-payload). One table: time until
 every node holds the patch ("fetch"; patchswarm also reports "applied": until
-every node runs the new version), the lower bound (`WanSpec.lower_bound_s`), WAN
+every node runs the new version), the lower bound (`WanSpec.lower_bound_s`; for
+patchswarm run with `--node-args "--download-limit X"`, at least the patch at X), WAN
 bytes into each region ÷ patch, origin bytes out ÷ patch; then the scaling
 rows (nodes per region at fixed WAN). A system that cannot run here (not
 built, not installed) is listed as skipped with the reason.

@@ -263,9 +263,14 @@ class PatchswarmRunner:
                      + ("" if g == topo.spec.origin_region else f"; wan{g} tx: into r{g} over its WAN link") + "):\n"
                      + rate_table(trace.samples, columns, t_announce,
                                   max(per_node.values()) + 2 * self.link_trace_step_s, self.link_trace_step_s))
+        limit = download_limit(self.node_args)
+        if limit is not None:
+            links_s = topo.spec.lower_bound_s(payload.patch_bytes)
+            notes.append(f"bound: each node's --download-limit, {limit:,.0f} B/s, bounds it at "
+                         f"{payload.patch_bytes / limit:.2f} s (the links alone: {links_s:.2f} s)")
         return RunResult(self.name, topo.spec, payload.patch_bytes, max(per_node.values()), per_node, moved, notes,
                          applied_s=applied_s, stall_s=stalls, busy=[(t - t_announce, b, k) for t, b, k in cpu.samples],
-                         cores=cpu.cores, link_table=table)
+                         cores=cpu.cores, link_table=table, node_download_bps=limit)
 
     def _fault_schedule(self, topo: Topology, logs: Path, polled: dict):
         """The fault events as a function of seconds since the announcement: each call runs those due."""
@@ -305,6 +310,19 @@ class PatchswarmRunner:
             proc = topo.spawn(host, argv, stdin=subprocess.DEVNULL, stdout=err, stderr=subprocess.STDOUT)
         self._pids[host.name] = proc.pid    # `ip netns exec` execs the command: the same pid
         return proc
+
+
+def download_limit(node_args) -> float | None:
+    """The `--download-limit` in extra node flags, bytes/s (the daemon's own parsing), or None."""
+    from patchswarm.node.cli.services import parse_rate
+
+    args = list(node_args)
+    for i, a in enumerate(args):
+        if a == "--download-limit" and i + 1 < len(args):
+            return parse_rate(args[i + 1])
+        if a.startswith("--download-limit="):
+            return parse_rate(a.split("=", 1)[1])
+    return None
 
 
 def uplink_args(spec, host: str, declare: bool = True) -> list[str]:

@@ -103,6 +103,9 @@ class RunResult:
     busy: list[tuple[float, float, float]] = dataclasses.field(default_factory=list)
     cores: int = 1
     link_table: str = ""  # with a link trace (patchswarm): Mbit/s per interval of some hosts' links
+    # Each node's own download limit, bytes/s (patchswarm's `--node-args "--download-limit X"`):
+    # no system puts the patch on such a node faster than patch / limit, whatever the links.
+    node_download_bps: float | None = None
 
     def busy_share(self, until_s: float, kernel: bool = False) -> float | None:
         """How busy the machine's cores were from the announcement until `until_s` (0..1; with
@@ -120,11 +123,14 @@ class RunResult:
         return max(times) if times else None
 
     def region_bound_s(self, region: int) -> float:
-        return self.spec.region_bound_s(self.patch_bytes, region)
+        return max(self.spec.region_bound_s(self.patch_bytes, region), self._download_bound_s())
 
     @property
     def bound_s(self) -> float:
-        return self.spec.lower_bound_s(self.patch_bytes)
+        return max(self.spec.lower_bound_s(self.patch_bytes), self._download_bound_s())
+
+    def _download_bound_s(self) -> float:
+        return 0.0 if self.node_download_bps is None else self.patch_bytes / self.node_download_bps
 
     @property
     def time_over_bound(self) -> float:

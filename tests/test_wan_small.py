@@ -186,6 +186,23 @@ def test_per_region_rates_give_per_region_bounds():
         netemu.WanSpec(regions=3, region_mbit=(100, 50))
 
 
+def test_a_download_limit_in_the_node_args_bounds_the_run():
+    """`--node-args "--download-limit X"` (patchswarm only): the run's bound and every region's
+    are at least the patch at X, where the links alone gave 1.83 s for a 300K-limited 76 s."""
+    from bench.wan_patchswarm import download_limit
+    from bench.wan_runner import RunResult
+
+    assert download_limit(["--download-limit", "300K"]) == 300e3
+    assert download_limit(["-v", "--download-limit=2M"]) == 2e6
+    assert download_limit(["--upload-limit", "1M"]) is None
+    spec = netemu.WanSpec(regions=2, nodes_per_region=1, wan_mbit=100, lan_mbit=1000)
+    p = 12_500_000  # 1 s over the 100 Mbit/s WAN
+    limited = RunResult("patchswarm", spec, p, 50.0, {}, None, node_download_bps=300e3)
+    assert limited.bound_s == pytest.approx(p / 300e3) == limited.region_bound_s(0) == limited.region_bound_s(1)
+    plain = RunResult("libtorrent", spec, p, 5.0, {}, None)
+    assert plain.bound_s == pytest.approx(1.0) and plain.region_bound_s(0) == pytest.approx(0.1)
+
+
 def test_nat_regions_exclude_the_origins():
     assert netemu.WanSpec(regions=3, nat_regions=(2,)).nat_regions == (2,)
     with pytest.raises(ValueError, match="nat_regions"):
