@@ -35,8 +35,8 @@ import trio
 from patchswarm.protocol import wire
 from patchswarm.protocol.errors import UsageError
 from patchswarm.protocol.peersets import apply_delta
-from patchswarm.protocol.picker import (ENDGAME_AFTER, ORIGIN_PIPELINE, SLOW_CHUNK_MIN_S, SLOW_CHUNK_S, SNUB_AFTER, WAN_GATEWAYS,
-                                        PiecePicker)
+from patchswarm.protocol.picker import (ENDGAME_AFTER, ORIGIN_PIPELINE, SLOW_CHUNK_MIN_S, SLOW_CHUNK_S, SNUB_AFTER,
+                                        WAN_GATEWAYS, PiecePicker)
 from patchswarm.protocol.publication import describe
 from patchswarm.protocol.responsibility import swarm_wan_rates
 from patchswarm.protocol.versions import VersionBook

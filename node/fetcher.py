@@ -127,8 +127,8 @@ class Fetcher:
         silent = collections.Counter(r.peer for r in late if self.picker.snubbed(r.peer))
         for peer, n in sorted(silent.items()):
             slow = self.picker.snub_reason(peer) == SLOW
-            what = (f"served too slowly (a chunk would take it {self.picker.slow_threshold(peer):.0f} s or more)" if slow
-                    else f"sent no part for {self.picker.snub_after:.1f} s")
+            what = (f"served too slowly (a chunk would take it {self.picker.slow_threshold(peer):.0f} s or more)"
+                    if slow else f"sent no part for {self.picker.snub_after:.1f} s")
             if peer in was:  # its probe, unanswered too
                 log.debug("snubbed peer %s %s; its %d request(s) asked elsewhere", peer, what, n)
                 continue

@@ -151,6 +151,10 @@ come whole only after the request's timeout is given up by `expired`
 anyway. Its peer is not snubbed: a busy honest member's 1 MiB chunk may take
 it 34-42 s (see SNUB_AFTER), and it is asked for what it serves in time.
 
+The node's own downlink (`max_inflight`, set from a download limit): at most
+that many requests in flight to peers not snubbed, all together; a snubbed
+peer's probe is neither counted nor held back.
+
 Cost: facts update per-chunk indexes incrementally (holder sets, rarity
 buckets of the requestable chunks, the requestable chunks of each peer), so
 `requests()` looks only at peers with free slots and at the chunks they can

@@ -59,18 +59,20 @@ class VersionBook:
         if digest in self._by_digest:
             return False
         key = peek_key(envelope)
-        return key is None or key in self._envelopes or self._refusal(key, current_version, drop_superseded) is None
+        return key is None or self._refusal(key, current_version, drop_superseded) is None
 
     def refuses(self, key: ObjKey, current_version: int | None, drop_superseded: bool = False) -> bool:
         """Whether `offer` would refuse any manifest of `key` not held now, unread."""
-        return key not in self._envelopes and self._refusal(key, current_version, drop_superseded) is not None
+        return self._refusal(key, current_version, drop_superseded) is not None
 
     def _refusal(self, key: ObjKey, current_version: int | None, drop_superseded: bool) -> str | None:
-        """Why an object no manifest of which is held is refused before any check, or None.
-        An old keyframe's manifest that peers pass on again, or a member replays from a long
-        history, costs its digest and a few header bytes, not a check and decode (0.47 s at
-        140,000 tensors) per copy. A held object's envelope is always checked: a second
-        signed manifest of it is the trainer's fault, and said so."""
+        """Why a manifest of `key` is refused before any check, or None. An old keyframe's
+        manifest that peers pass on again, or a member replays from a long history, costs its
+        digest and a few header bytes, not a check and decode (0.47 s at 140,000 tensors) per
+        copy. None for a held object: its envelope is always checked (a second signed
+        manifest of it is the trainer's fault, and said so)."""
+        if key in self._envelopes:
+            return None
         if current_version is not None and key[0] <= current_version:
             return f"expected a version above the current {current_version}, found {key[0]} (replayed or older)"
         keyframe = self.latest_keyframe if drop_superseded else None
@@ -117,8 +119,7 @@ class VersionBook:
         if known is not None:
             return KNOWN, self._manifests[known]
         peeked = peek_key(envelope)
-        refusal = None if peeked is None or peeked in self._envelopes else \
-            self._refusal(peeked, current_version, drop_superseded)
+        refusal = None if peeked is None else self._refusal(peeked, current_version, drop_superseded)
         if refusal is not None:
             raise StaleVersion(f"manifest {describe(peeked)}: {refusal}; not checked")
         if verified is not None and verified.digest == digest and verified.key is self._key:
