@@ -238,13 +238,14 @@ def test_a_member_that_announces_every_chunk_and_serves_none_holds_a_node_up_onl
     every chunk of the next version before a has its manifest (an all-ones Have, kept until the
     manifest comes), then answers nothing ("silent"), or a byte of each answer every 4.9 s, just
     under SNUB_AFTER ("drip": never silent), or an eighth of each answer every 2.1 s ("busy": a
-    chunk in 17 s at that rate, under SLOW_CHUNK_S; never the last part). a asks it first (a neighbour before the origin): each
-    request held until the 30 s timeout, 4 at a time. Now a snubs it SNUB_AFTER after it was asked
-    (all of its requests cancelled at once; the drip member as slow: a chunk of 32 KiB would take
-    it hours at a byte per 4.9 s; the busy one, whose chunk would take 17 s, beside an origin
-    whose answers come in well under a second: SLOW_CHUNK_MIN_S), takes the version from the
-    origin, and it is asked at most one chunk at a time after that. Before SLOW_CHUNK_MIN_S the
-    busy member held a until its last part did not come (~15 s), then for SNUB_AFTER more."""
+    chunk in 17 s at that rate, under SLOW_CHUNK_S; never the last part). a asks it first (a
+    neighbour before the origin): each request held until the 30 s timeout, 4 at a time. Now a
+    snubs it SNUB_AFTER after it was asked (all of its requests cancelled at once; the drip
+    member as slow: a chunk of 32 KiB would take it hours at a byte per 4.9 s; the busy one,
+    whose chunk would take 17 s, beside an origin whose answers come in well under a second:
+    SLOW_CHUNK_MIN_S), takes the version from the origin, and it is asked at most one chunk at a
+    time after that. Before SLOW_CHUNK_MIN_S the busy member held a until its last part did not
+    come (~15 s), then for SNUB_AFTER more."""
     watch = tmp_path / "watch"
     heard: list[tuple[float, object]] = []  # what mallory got from a, and when (trio's clock)
     with SwarmLab(tmp_path) as lab:
@@ -323,8 +324,8 @@ def test_a_member_that_announces_every_chunk_and_serves_none_holds_a_node_up_onl
         [m] = [p for p in st["peers"] if p["id"] == "mallory"]
         assert m["snubbed"] is True
         if mode != "silent":
-            print(f"mallory sent {mode} parts: {len(drips)}, the first {drips[0] - first:.2f} s after the first request; "
-                  f"a's status: {m['snub_reason']}, peers_snubbed_slow {st['peers_snubbed_slow']}")
+            print(f"mallory sent {mode} parts: {len(drips)}, the first {drips[0] - first:.2f} s after the first "
+                  f"request; a's status: {m['snub_reason']}, peers_snubbed_slow {st['peers_snubbed_slow']}")
             assert m["snub_reason"] == "slow" and st["peers_snubbed_slow"] == 1 and st["peers_snubbed"] == 0
         else:
             assert m["snub_reason"] == "silent" and st["peers_snubbed"] == 1

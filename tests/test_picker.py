@@ -18,8 +18,8 @@ from hypothesis import example, given, settings
 
 from patchswarm.protocol.errors import ProtocolError, UsageError
 from patchswarm.protocol.picker import (BESIDE_PROBE, ENDGAME, ENDGAME_AFTER, MAX_COPIES, NODE, ORIGIN, ORIGIN_PIPELINE,
-                                       PAST_ITS_TIMEOUT, PLANNED, REST, SHARE, SILENT, SLOW, SLOW_BESIDE_TYPICAL, SLOW_CHUNK_MIN_S,
-                                       SLOW_CHUNK_S, STALLED, PiecePicker,
+                                       PAST_ITS_TIMEOUT, PLANNED, REST, SHARE, SILENT, SLOW, SLOW_BESIDE_TYPICAL,
+                                       SLOW_CHUNK_MIN_S, SLOW_CHUNK_S, STALLED, PiecePicker,
                                        Request)
 from patchswarm.protocol.responsibility import balanced_owners, gateways, member_weight, region_order, upstream_regions
 

@@ -20,8 +20,8 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from patchswarm.protocol.picker import (ENDGAME_AFTER, NODE, ORIGIN, ORIGIN_PIPELINE, SLOW, SLOW_CHUNK_MIN_S, SLOW_CHUNK_S, SNUB_AFTER,
-                                        PiecePicker)
+from patchswarm.protocol.picker import (ENDGAME_AFTER, NODE, ORIGIN, ORIGIN_PIPELINE, SLOW, SLOW_CHUNK_MIN_S,
+                                        SLOW_CHUNK_S, SNUB_AFTER, PiecePicker)
 
 KEY = (7, False)  # a patch
 OR = "origin"  # the origin's peer id
