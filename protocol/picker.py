@@ -1010,8 +1010,8 @@ class _Round:
         # expected to fill the downlink, counted it could leave no room for the copy asked
         # beside it, and held back the peer would stay snubbed while the others have the room.
         self.snubbed = snubbed
-        self.room = math.inf if picker.max_inflight is None else \
-            picker.max_inflight - sum(len(info.inflight) for p, info in self.peers.items() if p not in snubbed)
+        self.room = math.inf if picker.max_inflight is None else picker.max_inflight - (
+            picker._n_inflight - sum(len(self.peers[p].inflight) for p in snubbed if p in self.peers))
         if self.room <= 0:
             self._downlink_full()
 
