@@ -6,12 +6,13 @@ width, the order-preserving map from sign-magnitude float bits to integers
 context classes read as a dtype's exponent (its class key). Pure functions,
 no I/O.
 
-Unsigned dtypes (u8, u16, u32, u64, and f8e8m0, an exponent with no sign)
-are viewed as unsigned integers of their width, so their order is their
-bits' order with no sign bit to undo. float8_e8m0fnu came with torch 2.7;
-under an older torch (pyproject allows 2.4) it is not in the tables at all,
-and its name (in a patch, a change stream, a checkpoint's F8_E8M0 header)
-meets the usual "expected one of" error.
+Unsigned dtypes (u8, u16, u32, u64, f8e8m0, an exponent with no sign, and
+f4e2m1x2, two fp4 values in a byte) are viewed as unsigned integers of their
+width, so their order is their bits' order with no sign bit to undo.
+float8_e8m0fnu came with torch 2.7, float4_e2m1fn_x2 with 2.8; under an older
+torch (pyproject allows 2.4) they are not in the tables at all, and their
+names (in a patch, a change stream, a checkpoint's F8_E8M0 or F4 header) meet
+the usual "expected one of" error.
 """
 
 from __future__ import annotations
@@ -93,6 +94,19 @@ _INFOS = [
 E8M0 = getattr(torch, "float8_e8m0fnu", None)
 if E8M0 is not None:
     _INFOS.append(DtypeInfo("f8e8m0", E8M0, torch.uint8, np.uint8, 1, 0, False, 8))
+# Names added on 2026-12-07. The fnuz fp8 formats (AMD MI300's: no -0, whose pattern 0x80 is
+# their one NaN; exponent bias one more) lay out sign, exponent and mantissa as e4m3 and e5m2
+# do, so they take the same order map and class keys.
+_INFOS += [
+    DtypeInfo("f8e4m3fnuz", torch.float8_e4m3fnuz, torch.int8, np.int8, 1, 3, True),
+    DtypeInfo("f8e5m2fnuz", torch.float8_e5m2fnuz, torch.int8, np.int8, 1, 2, True),
+]
+# Two fp4 e2m1 values packed in a byte (NVFP4 and MXFP4 weights; safetensors' F4). One byte
+# is two numbers, so it has no single sign or exponent: its bits are its order, one class (as
+# u8). torch >= 2.8 only, like E8M0 before 2.7.
+FP4X2 = getattr(torch, "float4_e2m1fn_x2", None)
+if FP4X2 is not None:
+    _INFOS.append(DtypeInfo("f4e2m1x2", FP4X2, torch.uint8, np.uint8, 1, 0, False))
 BY_NAME = {i.name: i for i in _INFOS}
 # The dtypes a served checkpoint's floating tensors may be cast to, by the names people type.
 SERVED_DTYPES = {

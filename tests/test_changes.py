@@ -393,7 +393,9 @@ def test_the_state_hash_tensor_by_tensor_is_the_state_hash(states):
 
 
 NEW_DTYPES = [torch.float64, torch.uint16, torch.uint32, torch.uint64,
-              *([torch.float8_e8m0fnu] if hasattr(torch, "float8_e8m0fnu") else [])]
+              *([torch.float8_e8m0fnu] if hasattr(torch, "float8_e8m0fnu") else []),
+              torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
+              *([torch.float4_e2m1fn_x2] if hasattr(torch, "float4_e2m1fn_x2") else [])]
 # Per new dtype, patterns to see on the way (unsigned, as bits): f64's infinities, NaNs with
 # payloads and -0.0; e8m0's NaN and extremes; the unsigned types' old sign bit and extremes.
 NEW_SPECIALS = {
@@ -403,6 +405,9 @@ NEW_SPECIALS = {
     torch.uint32: [0, 0xFFFFFFFF, 0x80000000, 0x7FFFFFFF],
     torch.uint64: [0, (1 << 64) - 1, 1 << 63, (1 << 63) - 1],
     getattr(torch, "float8_e8m0fnu", None): [0xFF, 0x00, 0x7F, 0xFE],
+    torch.float8_e4m3fnuz: [0x80, 0x7F, 0xFF, 0x01],  # the one NaN, +-max, the smallest
+    torch.float8_e5m2fnuz: [0x80, 0x7F, 0xFF, 0x01],
+    getattr(torch, "float4_e2m1fn_x2", None): [0x88, 0x77, 0xFF, 0x00],  # -0 and +-6 in both halves
 }
 
 

@@ -54,6 +54,11 @@ SPECIALS = {
 }
 if hasattr(torch, "float8_e8m0fnu"):  # 2^-127 .. 2^127 and NaN (0xFF); no sign, no zero
     SPECIALS[torch.float8_e8m0fnu] = [0xFF, 0x00, 0x7F, 0xFE, 0x80, 0x01]
+# fnuz (AMD): no infinities, no -0; 0x80 is the one NaN, +-max 0x7f/0xff, 0x01/0x81 the smallest
+SPECIALS[torch.float8_e4m3fnuz] = [0x80, 0x00, 0x7F, 0xFF, 0x01, 0x81]
+SPECIALS[torch.float8_e5m2fnuz] = [0x80, 0x00, 0x7F, 0xFF, 0x01, 0x81, 0x7C, 0xFC]
+if hasattr(torch, "float4_e2m1fn_x2"):  # two e2m1 a byte: -0 in either half, both +-6, the extremes
+    SPECIALS[torch.float4_e2m1fn_x2] = [0x00, 0x08, 0x80, 0x88, 0x77, 0xFF, 0x7F, 0xF7, 0x0F, 0xF0]
 
 
 def bits(t):
@@ -109,7 +114,7 @@ def pairs(draw):
         t = random_bits(shape, dtype, rng)
         if draw(st.booleans()):  # realistic magnitudes, not random bits
             t = (torch.from_numpy(rng.standard_normal(t.numel()).astype(np.float32) * 0.02).reshape(shape).to(dtype)
-                 if dtype.is_floating_point else t)
+                 if dtype.is_floating_point and dtype != getattr(torch, "float4_e2m1fn_x2", None) else t)  # no cast
         specials = draw(st.sampled_from([0.0, 0.0, 0.01, 0.3]))
         sprinkle_specials(t, rng, specials)
         base[f"t{i}"] = t
@@ -154,7 +159,8 @@ def test_round_trip_is_bit_exact(pair, chunk_bytes, segment_elements):
 
 
 def test_every_supported_dtype_is_in_the_property_test():
-    assert len(DTYPES) == 15 + hasattr(torch, "float8_e8m0fnu") and set(SPECIALS) == set(DTYPES)
+    assert len(DTYPES) == 17 + hasattr(torch, "float8_e8m0fnu") + hasattr(torch, "float4_e2m1fn_x2")
+    assert set(SPECIALS) == set(DTYPES)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -289,8 +295,8 @@ UNREADABLE = {
     "nested": (lambda: torch.nested.nested_tensor([torch.randn(2), torch.randn(3)]), "a nested tensor"),
     "meta": (lambda: torch.empty(3, device="meta"), "device meta"),
     "complex": (lambda: torch.randn(3, dtype=torch.complex64), "torch.complex64"),
-    # An fp8 variant torch has and safetensors does not (fp64, once here, is served now).
-    "fp8 e4m3fnuz": (lambda: torch.randn(3).to(torch.float8_e4m3fnuz), "torch.float8_e4m3fnuz"),
+    # A float torch has and safetensors does not (fp64 and the fnuz fp8s, once here, are served now).
+    "complex32": (lambda: torch.zeros(3, dtype=torch.complex32), "torch.complex32"),
     "qint8": (lambda: torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8), "torch.qint8"),
 }
 
@@ -1040,15 +1046,22 @@ def test_apply_batches_hold_a_segment_per_thread_and_end_at_an_unparsable_chunk(
 
 # ---------------------------------------------------------------- the dtypes added after the first release
 
-NEW_DTYPES = [torch.float64, torch.uint16, torch.uint32, torch.uint64,
-              *([torch.float8_e8m0fnu] if hasattr(torch, "float8_e8m0fnu") else [])]
+E8M0 = [torch.float8_e8m0fnu] if hasattr(torch, "float8_e8m0fnu") else []
+FP4X2 = [torch.float4_e2m1fn_x2] if hasattr(torch, "float4_e2m1fn_x2") else []
+FNUZ = [torch.float8_e4m3fnuz, torch.float8_e5m2fnuz]
+NEW_DTYPES = [torch.float64, torch.uint16, torch.uint32, torch.uint64, *E8M0, *FNUZ, *FP4X2]
 
 
 def typical(dtype, n: int, rng) -> torch.Tensor:
-    """What a checkpoint holds in each: f64 buffers of weight-like magnitudes, MX scales
-    (e8m0 exponents around 2^0), unsigned counters and ids of every size."""
+    """What a checkpoint holds in each: f64 buffers and AMD fp8 weights of weight-like
+    magnitudes, MX scales (e8m0 exponents around 2^0), packed fp4 weights (any byte),
+    unsigned counters and ids of every size."""
     if dtype is torch.float64:
         return torch.from_numpy(rng.standard_normal(n) * 0.02)
+    if dtype in FNUZ:
+        return torch.from_numpy(rng.standard_normal(n).astype(np.float32) * 0.02).to(dtype)
+    if dtype in FP4X2:
+        return torch.from_numpy(rng.integers(0, 256, size=n, dtype=np.uint8)).view(dtype)
     if dtype.itemsize == 1:  # e8m0
         return torch.from_numpy(rng.integers(110, 135, size=n, dtype=np.uint8)).view(dtype)
     width = dtype.itemsize
@@ -1079,7 +1092,8 @@ def stepped(t: torch.Tensor, rng, density: float, small: bool) -> torch.Tensor:
 def test_each_new_dtype_round_trips_in_patches_and_keyframes(dtype, seed, n, density, small, specials, compiled,
                                                              segment):
     """Per new dtype: base and target with its specials (NaN payloads, -0.0, infinities for
-    f64; NaN and the extremes for e8m0; the old sign bit's neighbours for unsigned), small
+    f64; NaN and the extremes for e8m0 and the fnuz fp8s; -0 and +-6 in either half of an
+    fp4 pair; the old sign bit's neighbours for unsigned), small
     and random changes, segments above CLASS_MIN_ELEMENTS (class windows) and below; the
     patch and a keyframe apply bit-exactly, with the compiled kernels and without."""
     rng = np.random.default_rng(seed)
@@ -1101,11 +1115,12 @@ def test_each_new_dtype_round_trips_in_patches_and_keyframes(dtype, seed, n, den
         contexts.KERNEL = kernel
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, *NEW_DTYPES[4:]], ids=str)
-def test_fp64_and_e8m0_segments_take_class_windows_and_the_numpy_twin_agrees(dtype, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float64, *E8M0, *FNUZ], ids=str)
+def test_fp64_e8m0_and_fnuz_segments_take_class_windows_and_the_numpy_twin_agrees(dtype, monkeypatch):
     """Changes that follow the old value's exponent (small values change, large ones do not,
     as in an optimizer step) make the encoder choose a class window for f64 (its key: the
-    exponent's low 8 bits, bit 7 flipped) and e8m0 (the byte); the patch is the same bytes
+    exponent's low 8 bits, bit 7 flipped), e8m0 (the byte) and the fnuz fp8s (their exponent
+    field, as e4m3's and e5m2's); the patch is the same bytes
     with and without the compiled kernels, and applies bit-exactly either way."""
     rng = np.random.default_rng(5)
     base = {"x": typical(dtype, 1 << 16, rng)}

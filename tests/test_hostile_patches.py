@@ -242,7 +242,7 @@ def test_a_delta_segment_over_the_element_limit_is_refused_as_it_is_parsed():
                 parse_chunk(chunk)
 
 
-@pytest.mark.parametrize("dtype", ["fp64", "u16", "u32", "u64", "f8e8m0"])
+@pytest.mark.parametrize("dtype", ["fp64", "u16", "u32", "u64", "f8e8m0", "f8e4m3fnuz", "f8e5m2fnuz", "f4e2m1x2"])
 def test_declared_sizes_in_segments_of_the_new_dtypes_are_refused_before_allocation(dtype):
     """The dtypes added on 2026-12-05 take other paths through the decoder (fp64: the numpy
     class index; u16/u32/u64: no class windows; 8-byte values: the numpy value pass): a class
@@ -255,7 +255,7 @@ def test_declared_sizes_in_segments_of_the_new_dtypes_are_refused_before_allocat
     from patchswarm.protocol.patch import Patch, apply
 
     if dtype not in BY_NAME:
-        pytest.skip("torch < 2.7 has no float8_e8m0fnu")
+        pytest.skip(f"this torch has no {dtype} (f8e8m0 came with 2.7, f4e2m1x2 with 2.8)")
     table = [("w", dtype, (8192,))]
     n = 1 << 29
     for window, rows, why in [([0, 1], [_row(n - 1, n, HOLES)], "class sizes: expected at most the segment's 8192"),

@@ -100,19 +100,23 @@ def test_what_the_hash_covers(change):
 
 
 def new_dtype_state(name: str) -> dict:
-    """One fixed state per dtype added after the first release (fp64, u16, u32, u64, f8e8m0):
-    its specials (f64 -0.0, infinities, a NaN with a payload; the unsigned types' old sign bit
-    and top; e8m0's NaN), a 2-D and a non-contiguous view, bytes fixed by arithmetic."""
+    """One fixed state per dtype added after the first release (fp64, u16, u32, u64, f8e8m0,
+    then the fnuz fp8s and f4e2m1x2): its specials (f64 -0.0, infinities, a NaN with a payload;
+    the unsigned types' old sign bit and top; the byte formats' NaN or -0), a 2-D and a
+    non-contiguous view, bytes fixed by arithmetic."""
     ramp = torch.arange(24, dtype=torch.int64)
     if name == "fp64":
         t = ramp.double() / 7 - 1
         t[:4] = torch.tensor([-0.0, float("inf"), float("-inf"), 0.0], dtype=torch.float64)
         t.view(torch.int64)[4] = 0x7FF800000000BEEF  # a NaN payload
         return {"x": t.reshape(4, 6), "xt": t.reshape(4, 6).t()}
-    if name == "f8e8m0":
+    byte_dtypes = {"f8e8m0": "float8_e8m0fnu", "f8e4m3fnuz": "float8_e4m3fnuz", "f8e5m2fnuz": "float8_e5m2fnuz",
+                   "f4e2m1x2": "float4_e2m1fn_x2"}
+    if name in byte_dtypes:  # e8m0's NaN 0xFF; the fnuz formats' one NaN 0x80; fp4x2's -0 in both halves
         t = (ramp * 11 % 256).to(torch.uint8)
-        t[0] = 0xFF  # NaN
-        return {"x": t.view(torch.float8_e8m0fnu).reshape(4, 6), "xt": t.view(torch.float8_e8m0fnu).reshape(4, 6).t()}
+        t[0] = {"f8e8m0": 0xFF, "f4e2m1x2": 0x88}.get(name, 0x80)
+        x = t.view(getattr(torch, byte_dtypes[name])).reshape(4, 6)
+        return {"x": x, "xt": x.t()}
     width = {"u16": 2, "u32": 4, "u64": 8}[name]
     top = (1 << 8 * width) - 1
     bits = np.array([0, 1 << (8 * width - 1), top] + [i * 0x9E3779B97F4A7C15 & top for i in range(3, 24)],
@@ -121,7 +125,8 @@ def new_dtype_state(name: str) -> dict:
     return {"x": t.reshape(4, 6), "xt": t.reshape(4, 6).t()}
 
 
-NEW_NAMES = ["fp64", "u16", "u32", "u64", *(["f8e8m0"] if hasattr(torch, "float8_e8m0fnu") else [])]
+NEW_NAMES = ["fp64", "u16", "u32", "u64", *(["f8e8m0"] if hasattr(torch, "float8_e8m0fnu") else []),
+             "f8e4m3fnuz", "f8e5m2fnuz", *(["f4e2m1x2"] if hasattr(torch, "float4_e2m1fn_x2") else [])]
 # Computed once with `documented` (2026-12-05); they must never change for version 2 of the state hash.
 NEW_ANSWERS = {
     "fp64": "blake3:476d2fa4e09be91362902ad04c17aaa1e3bac2c3a2647884cdd38ea2872846c2",
@@ -129,6 +134,10 @@ NEW_ANSWERS = {
     "u32": "blake3:a6658eea4c826fe24953b37a78a630418ca8dcc0dd14114b62d932f5afa405bf",
     "u64": "blake3:404182076972a883a973e78b36c2ce29c359dca26c1cca9b9413b01ccaac2b0c",
     "f8e8m0": "blake3:78e3dc4220a5c29c4cc647a73c44109424c69a08b24e3b989c3e9c5cde8daa2a",
+    # 2026-12-07
+    "f8e4m3fnuz": "blake3:3890a26accb28cb49b42912c31aab6f9da425dfbce094615a991f1d60cedc17d",
+    "f8e5m2fnuz": "blake3:0331c3cf36b1be784684334e13865ebd79d02d9fa1d8a5f241bb61d3183039f4",
+    "f4e2m1x2": "blake3:c6173025932be7610f8decb3cb84f62b40195c898bef3f7b4e103f015be68059",
 }
 
 
