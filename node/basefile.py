@@ -37,7 +37,7 @@ import torch
 
 from patchswarm.node.checkpoint import check_tensor_name, fsync_path
 from patchswarm.protocol.errors import InvalidInput, StateHashMismatch, UnsupportedFormat, UsageError
-from patchswarm.protocol.dtypes import E8M0, info_of
+from patchswarm.protocol.dtypes import E8M0, FP4X2, info_of
 from patchswarm.protocol.patch import Patch, TensorSpec, apply
 from patchswarm.protocol.statehash import state_hash
 
@@ -48,9 +48,12 @@ _ST_DTYPE = {
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
     torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
     torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+    torch.float8_e4m3fnuz: "F8_E4M3FNUZ", torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
 }
 if E8M0 is not None:  # torch >= 2.7 (protocol/dtypes.py)
     _ST_DTYPE[E8M0] = "F8_E8M0"
+if FP4X2 is not None:  # torch >= 2.8
+    _ST_DTYPE[FP4X2] = "F4"
 _TORCH_DTYPE = {v: k for k, v in _ST_DTYPE.items()}
 _WRITE_BYTES = 64 << 20  # per write call: a large tensor goes out in slices
 
@@ -71,6 +74,15 @@ def _nbytes(dtype: torch.dtype, shape: Iterable[int]) -> int:
     return n * torch.empty(0, dtype=dtype).element_size()
 
 
+def _header_shape(dtype: torch.dtype, shape: tuple[int, ...]) -> list[int]:
+    """The shape safetensors writes for a torch tensor: F4 counts fp4 values, two a byte, so a
+    float4_e2m1fn_x2 tensor of shape [..., k] is [..., 2k] there (safetensors' own save and
+    load do the same)."""
+    if dtype is FP4X2:
+        return [*shape[:-1], 2 * shape[-1]]
+    return list(shape)
+
+
 def plan(table: Iterable[tuple[str, torch.dtype, tuple[int, ...]]]) -> list[Entry]:
     """Where each tensor goes: widest elements first (each starts aligned), then by name."""
     rows = sorted(table, key=lambda r: (-torch.empty(0, dtype=r[1]).element_size(), r[0]))
@@ -79,6 +91,9 @@ def plan(table: Iterable[tuple[str, torch.dtype, tuple[int, ...]]]) -> list[Entr
         check_tensor_name(name)
         if dtype not in _ST_DTYPE:
             raise UsageError(f"base file: dtype {dtype} of {name!r} has no safetensors name")
+        if dtype is FP4X2 and not shape:
+            raise UsageError(f"base file: tensor {name!r}: expected at least one dimension for {dtype}, found none "
+                             f"(safetensors' F4 counts fp4 values along the last one)")
         size = _nbytes(dtype, shape)
         out.append(Entry(name, dtype, tuple(shape), at, at + size))
         at += size
@@ -89,7 +104,8 @@ def header_bytes(entries: list[Entry], metadata: dict[str, str]) -> bytes:
     """The 8-byte length and the JSON header, padded so the data starts on HEADER_ALIGN."""
     obj: dict = {"__metadata__": dict(metadata)} if metadata else {}
     for e in entries:
-        obj[e.name] = {"dtype": _ST_DTYPE[e.dtype], "shape": list(e.shape), "data_offsets": [e.begin, e.end]}
+        obj[e.name] = {"dtype": _ST_DTYPE[e.dtype], "shape": _header_shape(e.dtype, e.shape),
+                       "data_offsets": [e.begin, e.end]}
     body = json.dumps(obj, separators=(",", ":")).encode()
     total = -(-(8 + len(body)) // HEADER_ALIGN) * HEADER_ALIGN
     return struct.pack("<Q", total - 8) + body + b" " * (total - 8 - len(body))
@@ -123,6 +139,11 @@ def read_header(path: str | os.PathLike) -> tuple[int, list[Entry], dict[str, st
             shape = tuple(int(s) for s in d["shape"])
         except (KeyError, TypeError, ValueError):
             raise InvalidInput(f"{path}: header entry {name!r} is malformed") from None
+        if dtype is FP4X2:
+            if not shape or shape[-1] % 2:
+                raise InvalidInput(f"{path}: tensor {name!r}: expected an even last dimension for F4 (fp4 values, "
+                                   f"two a byte), found shape {list(shape)}")
+            shape = (*shape[:-1], shape[-1] // 2)
         if end - begin != _nbytes(dtype, shape) or begin < 0 or 8 + n + end > size:
             raise InvalidInput(f"{path}: tensor {name!r} does not fit its offsets")
         entries.append(Entry(name, dtype, shape, begin, end))

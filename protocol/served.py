@@ -4,14 +4,15 @@ Owns the per-tensor rule of each format, so a caller can serve a state one
 tensor at a time (the origin streams, it never holds two served copies):
 
 - `as-is`: every tensor keeps its dtype and bits (pre-quantized checkpoints:
-  fp8 e4m3/e5m2 weights with their fp32 scales, bf16 norms, int8...).
+  fp8 e4m3/e5m2 (OCP or AMD's fnuz) weights with their fp32 scales, packed
+  fp4 ones, bf16 norms, int8...).
 - `bf16` (the default, for fp32 masters): fp32 and fp16 tensors become bf16;
-  fp8 tensors and the scale tensors that belong to them keep their bits (a
-  rounded scale would silently change every weight of its block). So do
-  f64 tensors (buffers a model keeps in f64 on purpose: rotary frequencies,
-  running statistics; nothing becomes f64 by default, and a cast would drop
-  45 of its 52 mantissa bits), f8e8m0 ones (MX block scales: exponents an
-  engine reads as such) and every integer and bool tensor.
+  fp8 and packed fp4 tensors and the scale tensors that belong to them keep
+  their bits (a rounded scale would silently change every weight of its
+  block). So do f64 tensors (buffers a model keeps in f64 on purpose: rotary
+  frequencies, running statistics; nothing becomes f64 by default, and a cast
+  would drop 45 of its 52 mantissa bits), f8e8m0 ones (MX block scales:
+  exponents an engine reads as such) and every integer and bool tensor.
 - `fp16`, `fp32`: as `bf16`, to that dtype.
 - `fp8-block`: 2-D `*weight` tensors (not embeddings, not `lm_head`) become
   float8_e4m3fn with an fp32 `<name>_scale_inv` per 128x128 block, the
@@ -38,7 +39,7 @@ from typing import Iterator
 import torch
 
 from .changes import MAX_DIMS as CHANGE_MAX_DIMS
-from .dtypes import BY_NAME, BY_TORCH, E8M0, check_dense
+from .dtypes import BY_NAME, BY_TORCH, E8M0, FP4X2, check_dense
 from .errors import InvalidInput, UnsupportedFormat, UsageError
 from .patchformat import MAX_DIM, MAX_NAME_BYTES, name_bytes
 
@@ -48,9 +49,10 @@ BLOCK = 128
 E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 AMAX_FLOOR = 1e-4  # an all-zero block gets a finite scale (DeepGEMM clamps the same way)
 SCALE_SUFFIX = "_scale_inv"
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-# Floating dtypes no format casts or quantizes (see the docstring): fp8, f64, e8m0 where torch has it.
-_KEPT = (*_FP8, torch.float64, *((E8M0,) if E8M0 is not None else ()))
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
+# Floating dtypes no format casts or quantizes (see the docstring): fp8, f64, and e8m0 and
+# packed fp4 where torch has them (torch cannot even cast fp4: it has no copy kernel for it).
+_KEPT = (*_FP8, torch.float64, *(d for d in (E8M0, FP4X2) if d is not None))
 _CAST = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _SCALE_ENDINGS = (SCALE_SUFFIX, ".weight_scale", ".input_scale", ".weight_scale_2", ".output_scale",
                   ".k_scale", ".v_scale", ".q_scale", ".kv_scale", ".prob_scale")
@@ -90,6 +92,9 @@ def check_served_spec(name: str, dtype: torch.dtype, shape: tuple[int, ...], fmt
     if len(shape) > CHANGE_MAX_DIMS or any(d > MAX_DIM for d in shape):  # an empty tensor's may be any size
         raise UsageError(f"served state: tensor {name!r}: expected at most {CHANGE_MAX_DIMS} dimensions of at most "
                          f"{MAX_DIM}, found shape {list(shape)}")
+    if dtype is FP4X2 and not shape:
+        raise UsageError(f"served state: tensor {name!r}: expected at least one dimension for {dtype}, found none "
+                         f"(safetensors' F4, which nodes' weights files are, counts fp4 values along the last one)")
 
 
 def check_format(fmt: str) -> str:

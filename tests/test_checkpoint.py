@@ -36,6 +36,11 @@ def mixed():
         "j.u64": torch.tensor([0, -(1 << 63), -1], dtype=torch.int64).view(torch.uint64).reshape(3, 1),
         **({"k.e8m0": torch.tensor([0, 127, 255], dtype=torch.uint8).view(torch.float8_e8m0fnu)}
            if hasattr(torch, "float8_e8m0fnu") else {}),
+        # and F8_E4M3FNUZ, F8_E5M2FNUZ (AMD's fp8) and F4 (two fp4 values a byte; [2, 2] is [2, 4] there)
+        "l.e4fnuz": torch.tensor([0x80, 0x7F, 0x01], dtype=torch.uint8).view(torch.float8_e4m3fnuz),
+        "m.e5fnuz": torch.tensor([0x80, 0x7C, 0xFF], dtype=torch.uint8).view(torch.float8_e5m2fnuz),
+        **({"n.fp4": torch.tensor([[0x88, 0x77], [0x0F, 0xF0]], dtype=torch.uint8).view(torch.float4_e2m1fn_x2)}
+           if hasattr(torch, "float4_e2m1fn_x2") else {}),
     }
 
 
@@ -274,14 +279,16 @@ def test_a_tensor_named_like_the_metadata_key_is_refused_before_a_byte_is_writte
 
 # The first safetensors release whose torch binding writes and reads each dtype the codec serves
 # (tried 2026-12-05: 0.4.0 and 0.5.3 raise KeyError on save_file of uint16/32/64 and
-# float8_e8m0fnu, and cannot read an F8_E8M0 header; 0.6.1 does all of it; 0.6.0 is not on PyPI).
-SAFETENSORS_FOR_EVERY_DTYPE = (0, 6, 1)
+# float8_e8m0fnu, and cannot read an F8_E8M0 header; 0.6.1 does all of it; 0.6.0 is not on PyPI.
+# Tried 2026-12-07: 0.6.1 and 0.7.0 read and write F4, but refuse an F8_E4M3FNUZ header ("unknown
+# variant") and raise KeyError on save_file of float8_e4m3fnuz; 0.8.0 does both).
+SAFETENSORS_FOR_EVERY_DTYPE = (0, 8, 0)
 
 
 def test_the_declared_safetensors_floor_reads_and_writes_every_served_dtype():
-    """pyproject's floor for safetensors must be a release that handles the dtypes added on
-    2026-12-05: under an older one pip keeps it, and the node's model directory (save_file)
-    fails with a KeyError on the first u16 tensor."""
+    """pyproject's floor for safetensors must be a release that handles every dtype the codec
+    serves: under an older one pip keeps it, the origin cannot open a checkpoint holding one
+    and `patchswarm apply` (save_file) fails with a KeyError on the first such tensor."""
     import re
     import tomllib
     from pathlib import Path

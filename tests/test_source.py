@@ -80,13 +80,18 @@ def test_a_tensor_that_cannot_be_served_is_refused_by_name_before_any_is_made(ki
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_fp64_e8m0_and_unsigned_tensors_keep_their_dtype_and_bits_in_every_format(fmt):
+def test_fp64_e8m0_fnuz_fp4_and_unsigned_tensors_keep_their_dtype_and_bits_in_every_format(fmt):
     """Before, the cast formats made an f64 buffer bf16 (45 mantissa bits gone) and an MX
     e8m0 scale bf16, fp8-block quantized a 2-D f64 weight, and as-is refused all of them and
-    every unsigned type but u8."""
+    every unsigned type but u8 (and later the fnuz fp8s and packed fp4)."""
     state = {"rope.inv_freq": torch.randn(3, dtype=torch.float64), "proj.weight": torch.randn(4, 4, dtype=torch.float64),
              **({"mx.scale": torch.arange(120, 130, dtype=torch.uint8).view(torch.float8_e8m0fnu)}
                 if hasattr(torch, "float8_e8m0fnu") else {}),
+             # AMD's fp8 and packed fp4 weights, 2-D "weight"s that fp8-block would otherwise take (and
+             # torch cannot cast fp4 at all: it has no copy kernel for it)
+             "amd.weight": torch.randn(4, 4).to(torch.float8_e4m3fnuz), "amd5.weight": torch.randn(4, 4).to(torch.float8_e5m2fnuz),
+             **({"fp4.weight": torch.arange(16, dtype=torch.uint8).reshape(4, 4).view(torch.float4_e2m1fn_x2)}
+                if hasattr(torch, "float4_e2m1fn_x2") else {}),
              "ids": torch.arange(3, dtype=torch.int32).to(torch.uint16), "big": torch.arange(3).to(torch.uint64),
              "u32": torch.arange(3).to(torch.uint32), "master.norm": torch.randn(4)}
     out = served_copy(state, fmt)
@@ -194,3 +199,12 @@ def test_what_the_origin_takes_travels_the_whole_way(tmp_path, name, dims):
     write_weights(tmp_path / "w.safetensors", Weights(node, 0, patch.target_hash, "s"))
     for got in (node, engine, read_weights(tmp_path / "w.safetensors").state):
         assert state_hash(got) == patch.target_hash == state_hash(served)
+
+
+@pytest.mark.skipif(not hasattr(torch, "float4_e2m1fn_x2"), reason="torch < 2.8 has no float4_e2m1fn_x2")
+def test_packed_fp4_with_no_dimensions_is_refused_at_the_origin_by_name():
+    """safetensors' F4 counts fp4 values along the last dimension, so a 0-d float4_e2m1fn_x2
+    tensor has no form in a node's weights file: the origin refuses it, not every node."""
+    odd = torch.zeros((), dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+    with pytest.raises(UsageError, match="tensor 'odd': expected at least one dimension for torch.float4_e2m1fn_x2"):
+        Source.from_state({"odd": odd, "ok": torch.zeros(2)}, "as-is")

@@ -437,8 +437,9 @@ def test_fp8_checkpoints_and_side_files_reach_every_node_bit_exactly(tmp_path, c
 
 def _every_dtype_versions(seed: int = 3) -> list[dict[str, torch.Tensor]]:
     """Two versions of a checkpoint holding every dtype the codec knows, the later ones among
-    them (f64 buffers, u16/u32/u64, MX e8m0 scales) with their specials, large enough for class
-    windows (f64, e8m0) and changed sparsely: ulp steps, counters across the old sign bit."""
+    them (f64 buffers, u16/u32/u64, MX e8m0 scales, AMD's fnuz fp8 and packed fp4 weights)
+    with their specials, large enough for class windows (f64, e8m0) and changed sparsely: ulp
+    steps, counters across the old sign bit."""
     from patchswarm.protocol.dtypes import BY_TORCH
 
     g = torch.Generator().manual_seed(seed)
@@ -461,12 +462,18 @@ def _every_dtype_versions(seed: int = 3) -> list[dict[str, torch.Tensor]]:
         "i8": torch.arange(-8, 8, dtype=torch.int8), "u8": torch.arange(16, dtype=torch.uint8),
         "i16": torch.arange(16, dtype=torch.int16), "i32": torch.arange(16, dtype=torch.int32),
         "i64": torch.arange(16, dtype=torch.int64), "mask": torch.arange(16) % 3 == 0,
+        # AMD's fp8 and packed fp4 (two e2m1 a byte): kept as they are by every format
+        "amd.weight": (torch.randn(32, 32, generator=g) * 0.1).to(torch.float8_e4m3fnuz),
+        "amd5.weight": (torch.randn(32, 32, generator=g) * 0.1).to(torch.float8_e5m2fnuz),
+        **({"fp4.weight": torch.randint(0, 256, (32, 16), generator=g, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)}
+           if hasattr(torch, "float4_e2m1fn_x2") else {}),  # torch >= 2.8
     }
     state["ids.u16"][:2] = torch.tensor([(1 << 15) - 1, (1 << 16) - 1], dtype=torch.int32).to(torch.uint16)
     assert {t.dtype for t in state.values()} | {torch.bfloat16} == set(BY_TORCH), "every dtype, once at least"
     nxt = {k: v.clone() for k, v in state.items()}
     nxt["model.layers.0.mlp.weight"][::9] += 1e-3
-    for k in ("model.rotary.inv_freq", "model.layers.0.mlp.weight_scale", "ids.u16", "ids.u32", "ids.u64"):
+    for k in ("model.rotary.inv_freq", "model.layers.0.mlp.weight_scale", "ids.u16", "ids.u32", "ids.u64",
+              "amd.weight", "amd5.weight", "fp4.weight"):
         if k not in nxt:
             continue
         t = nxt[k]
@@ -478,11 +485,12 @@ def _every_dtype_versions(seed: int = 3) -> list[dict[str, torch.Tensor]]:
 
 
 def test_a_checkpoint_of_every_dtype_reaches_the_node_and_a_follower_bit_exactly(tmp_path):
-    """A model directory holding every dtype (f64, u16, u32, u64 and e8m0 among them) published
+    """A model directory holding every dtype (f64, u16, u32, u64, e8m0, fnuz fp8 and fp4 among them) published
     with the default bf16 format over two versions: the node holds the served bits (the new
     dtypes as they were, the fp32 master as bf16) in its weights file and its model directory,
     and a process following its sparse changes (NodeClient.follow) holds them too. Before, the
-    origin refused the checkpoint (U16/U32/U64/F8_E8M0 unknown; as-is refused f64 too)."""
+    origin refused the checkpoint (U16/U32/U64/F8_E8M0, later F8_E4M3FNUZ/F8_E5M2FNUZ/F4 unknown;
+    as-is refused f64 too)."""
     from patchswarm.node.checkpoint import load_state
     from patchswarm.protocol.served import serve_state
 
