@@ -1,14 +1,16 @@
 """What a sparse change costs in a patch, per changed element, for each served dtype.
 
 Question: do the dtypes added after the first release (fp64, u16, u32, u64,
-f8e8m0) patch about as small per changed element as the first ones? A patch
-stores positions (ranks inside context classes) and values (deltas of
-order-preserving integers), so the cost of a change should follow how many
-elements change and by how much, not the dtype's width.
+f8e8m0; later AMD's fnuz fp8s and packed fp4, f4e2m1x2) patch about as small
+per changed element as the first ones? A patch stores positions (ranks inside
+context classes) and values (deltas of order-preserving integers), so the cost
+of a change should follow how many elements change and by how much, not the
+dtype's width.
 
 Per dtype, one tensor of `--elements` elements of typical values (floats:
 normal * 0.02 in the dtype, as weights; f8e8m0: exponents 110..134, as MX
-block scales; integers: uniform over the dtype, or over 0..2^31 for 64-bit),
+block scales; f4e2m1x2: any byte, two fp4 codes (torch has no cast to it);
+integers: uniform over the dtype, or over 0..2^31 for 64-bit),
 and a target in which a `--share` of the elements moved by a small step of
 the order-preserving integer (an ulp step or an increment: -3, -1, +1 or +2
 units), or, with `--random`, took random bit patterns. The changed elements
@@ -34,12 +36,12 @@ import time
 import numpy as np
 import torch
 
-from patchswarm.protocol.dtypes import BY_NAME
+from patchswarm.protocol.dtypes import BY_NAME, FP4X2
 from patchswarm.protocol.patch import apply, diff
 from patchswarm.protocol.patchformat import parse_chunk
 
-ORDER = ["bf16", "fp16", "fp32", "f8e4m3", "f8e5m2", "fp64", "f8e8m0", "u8", "u16", "u32", "u64", "i8", "i16",
-         "i32", "i64"]
+ORDER = ["bf16", "fp16", "fp32", "f8e4m3", "f8e5m2", "f8e4m3fnuz", "f8e5m2fnuz", "fp64", "f8e8m0", "f4e2m1x2", "u8",
+         "u16", "u32", "u64", "i8", "i16", "i32", "i64"]
 SIGNED = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -47,7 +49,7 @@ def typical(name: str, n: int, rng: np.random.Generator) -> torch.Tensor:
     info = BY_NAME[name]
     if name == "f8e8m0":
         return torch.from_numpy(rng.integers(110, 135, size=n, dtype=np.uint8)).view(info.torch_dtype)
-    if info.torch_dtype.is_floating_point:
+    if info.torch_dtype.is_floating_point and name != "f4e2m1x2":
         return torch.from_numpy(rng.standard_normal(n) * 0.02).to(info.torch_dtype)
     if info.width == 8:
         return torch.from_numpy(rng.integers(0, 1 << 31, size=n, dtype=np.int64)).view(info.torch_dtype)
@@ -60,7 +62,7 @@ def target_of(base: torch.Tensor, share: float, random_bits: bool, by_exponent: 
     out = base.clone()
     flat = out.view(SIGNED[out.element_size()])
     p = np.full(flat.numel(), share)
-    if by_exponent and base.dtype.is_floating_point:
+    if by_exponent and base.dtype.is_floating_point and base.dtype is not FP4X2:  # one value a byte
         weight = 1 / np.maximum(np.abs(base.double().numpy()), 1e-4)
         p = np.minimum(1.0, share * weight / weight.mean())
     at = torch.from_numpy(np.flatnonzero(rng.random(flat.numel()) < p))
@@ -95,7 +97,7 @@ def main() -> None:
     ap.add_argument("--time", action="store_true", help="add diff and apply times (best of 3)")
     ap.add_argument("--dtypes", default=",".join(n for n in ORDER if n in BY_NAME))
     args = ap.parse_args()
-    print(f"{'dtype':>7} {'share':>6} {'changed':>9} {'pos B/ch':>9} {'val B/ch':>9} {'patch B/ch':>10} {'classes':>7}"
+    print(f"{'dtype':>10} {'share':>6} {'changed':>9} {'pos B/ch':>9} {'val B/ch':>9} {'patch B/ch':>10} {'classes':>7}"
           + (f" {'diff ms':>8} {'apply ms':>8}" if args.time else ""))
     for share in [float(x) for x in args.shares.split(",")]:
         for name in args.dtypes.split(","):
@@ -106,7 +108,7 @@ def main() -> None:
             s = p.stats()
             classes = max((seg.window[1] for c in p.chunks for seg in parse_chunk(c)[0] if seg.kind == "d"), default=0)
             m = max(1, s["changed"])
-            line = (f"{name:>7} {share:>6g} {s['changed']:>9,} {s['position_bytes'] / m:>9.3f} "
+            line = (f"{name:>10} {share:>6g} {s['changed']:>9,} {s['position_bytes'] / m:>9.3f} "
                     f"{s['value_bytes'] / m:>9.3f} {s['chunk_bytes'] / m:>10.3f} {classes:>7}")
             if args.time:
                 line += " {:>8.1f} {:>8.1f}".format(*timed(base, target))
