@@ -71,9 +71,6 @@ class Applier:
         self.applied: collections.deque[dict] = collections.deque(maxlen=64)  # recent versions, for status
         self.manifests_rejected = 0
         self.manifests_stale = 0
-        # Objects that failed to apply (verified chunks, yet the patch did not fit): the
-        # node routes around them; a person should know the origin published one.
-        self.unusable: set[ObjKey] = set()
         self._timeline: dict[ObjKey, dict[str, float]] = {}  # wall-clock announced_at / complete_at
         self._wakeup = Wakeup()
         self._version_changed = trio.Event()
@@ -184,7 +181,7 @@ class Applier:
                 self._compact_if_due()
                 if self.fetcher.picker.origin_region is not None:
                     current_hash = None if self.weights is None else self.weights.state_hash
-                    plan = [k for k in self.book.plan(self.version, current_hash) if k not in self.unusable]
+                    plan = self.book.plan(self.version, current_hash)
                     self.fetcher.want(plan)
                     if plan and self.store.complete(plan[0]):
                         await self.apply(plan[0])
@@ -193,6 +190,13 @@ class Applier:
                         and self.sink.disk.may_retry():  # the model directory behind after a full disk
                     await self._write_sink(None)
                 await self._wakeup.wait(POLL_S)
+
+    @property
+    def unusable(self) -> frozenset[ObjKey]:
+        """Objects that failed to apply (verified chunks, yet the patch did not fit): plans
+        route around them (VersionBook.mark_unusable); a person should know the origin
+        published one."""
+        return self.book.unusable
 
     @property
     def weights(self) -> Weights | None:
@@ -235,7 +239,7 @@ class Applier:
             await self._back_to_durable()  # the apply may have written part of the state
             return
         except PatchswarmError as e:
-            self.unusable.add(key)
+            self.book.mark_unusable(key)
             log.error("could not apply %s: %s; looking for another path", describe(key), e)
             await self._back_to_durable()
             return

@@ -42,6 +42,7 @@ class VersionBook:
         self._manifests: dict[ObjKey, Manifest] = {}
         self._envelopes: dict[ObjKey, bytes] = {}
         self._by_digest: dict[bytes, ObjKey] = {}  # SHA-256 of each held envelope
+        self._unusable: set[ObjKey] = set()  # held, but their verified chunks did not apply
 
     # ------------------------------------------------------------ facts in
 
@@ -147,6 +148,21 @@ class VersionBook:
                 self.discard(old)
         return NEW, m
 
+    def mark_unusable(self, key: ObjKey) -> None:
+        """`key`'s verified chunks did not apply (the trainer published a patch that does not
+        fit its base, or a keyframe whose state is not its hash): no plan goes through it,
+        and as a keyframe it supersedes nothing. Its manifest stays held, so the copies peers
+        pass on are known by their digest, not checked again. *Why:* the node used to drop it
+        from the plan it was given, which left the patches after a bad keyframe planned onto a
+        state they do not follow (each then failed and was marked in turn), where the chain
+        from the node's version, or an older keyframe, was a path; and a node with no version
+        refused the older keyframes as superseded by the one it could not use."""
+        self._unusable.add(key)
+
+    @property
+    def unusable(self) -> frozenset[ObjKey]:
+        return frozenset(self._unusable)
+
     def discard(self, key: ObjKey) -> None:
         """Forget one object (its publisher withdrew it before announcing it)."""
         self._manifests.pop(key, None)
@@ -158,6 +174,7 @@ class VersionBook:
         """Drop manifests of versions below `version` (they can never be needed again)."""
         for key in [k for k in self._manifests if k[0] < version]:
             self.discard(key)
+        self._unusable = {k for k in self._unusable if k[0] >= version}
 
     # ------------------------------------------------------------ questions
 
@@ -176,8 +193,8 @@ class VersionBook:
 
     @property
     def latest_keyframe(self) -> int | None:
-        """The version of the latest keyframe held."""
-        return max((k[0] for k in self._manifests if k[1]), default=None)
+        """The version of the latest keyframe held that is not unusable."""
+        return max((k[0] for k in self._manifests if k[1] and k not in self._unusable), default=None)
 
     def retained(self, max_patches: int) -> list[ObjKey]:
         """What a tracker keeps: the latest keyframe, every patch after it, and up to
@@ -195,7 +212,8 @@ class VersionBook:
         """Objects to apply in order to reach the highest reachable version, fewest bytes first.
 
         Empty when the node is up to date or nothing known leads anywhere yet.
-        A patch joins a path only if its base hash is the state the path is at.
+        A patch joins a path only if its base hash is the state the path is at; an
+        object marked unusable joins none.
         """
         latest = self.latest_version
         if latest is None:
@@ -212,7 +230,7 @@ class VersionBook:
         path, at = [], start_hash
         for v in range(start_version + 1, target + 1):
             m = self._manifests.get((v, False))
-            if m is None or m.base_version != v - 1 or m.base_hash != at:
+            if m is None or m.base_version != v - 1 or m.base_hash != at or (v, False) in self._unusable:
                 return None
             path.append((v, False))
             at = m.target_hash
@@ -229,7 +247,7 @@ class VersionBook:
                 options.append((self._cost(chain), 0, chain))
         floor = -1 if current_version is None else current_version
         for k in self._manifests:
-            if k[1] and floor < k[0] <= target:
+            if k[1] and floor < k[0] <= target and k not in self._unusable:
                 chain = self._chain(k[0], self._manifests[k].target_hash, target)
                 if chain is not None:
                     path = [k, *chain]

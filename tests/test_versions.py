@@ -319,3 +319,46 @@ def test_a_patch_whose_base_is_not_the_previous_target_breaks_the_chain():
     objects = [envelope(2), envelope(3, base=h(2, "fork"))]
     assert book(*objects).plan(1, h(1)) == [(2, P)]
     assert book(*objects, envelope(3, keyframe=True, size=1000)).plan(1, h(1)) == [(3, K)]
+
+
+# ------------------------------------------------------------------ objects that did not apply
+
+
+@pytest.mark.parametrize("name, objects, at, bad, expected", [
+    ("a node on the chain goes around a bad keyframe by the chain",
+     [(3, K, 10), (2, P, 400), (3, P, 400), (4, P, 10)], (1, ""), (3, K), [(2, P), (3, P), (4, P)]),
+    ("a late joiner takes an older keyframe and its patches",
+     [(1, K, 1000), (2, P, 10), (3, K, 100), (4, P, 10)], (None, ""), (3, K), [(1, K), (2, P)]),
+    ("a bad patch stops the chain where a keyframe goes around it",
+     [(2, P, 10), (3, P, 10), (3, K, 1000), (4, P, 10)], (1, ""), (3, P), [(3, K), (4, P)]),
+    ("a bad patch with nothing around it: as far as the chain reaches",
+     [(2, P, 10), (3, P, 10), (4, P, 10)], (1, ""), (3, P), [(2, P)]),
+])
+def test_a_plan_goes_around_an_object_marked_unusable(name, objects, at, bad, expected):
+    """An object whose verified chunks did not apply is no link of any plan. Before, the
+    applier dropped it from the plan it was given: the patches after a bad keyframe were left
+    planned onto a state they do not follow, each failed in turn, and the chain from the
+    node's own version (a path all along) was never taken."""
+    b = book(*(envelope(v, keyframe=k, size=n) for v, k, n in objects))
+    version, variant = at
+    current_hash = None if version is None else h(version, variant)
+    assert bad in b.plan(version, current_hash)
+    b.mark_unusable(bad)
+    assert b.plan(version, current_hash) == expected and b.unusable == {bad}
+    assert b.keys() == sorted((v, k) for v, k, _ in objects), "its manifest is still held (known by digest)"
+
+
+def test_a_keyframe_marked_unusable_supersedes_nothing():
+    """A node with no version holding a keyframe it could not apply takes an older keyframe,
+    which a usable one would have superseded, and plans through it."""
+    b = VersionBook(SWARM, KEY.public_key())
+    for key in [(10, True), (11, False)]:
+        b.offer(envelope(*key[:1], keyframe=key[1]), None, drop_superseded=True)
+    assert b.refuses((4, True), None, drop_superseded=True)
+    b.mark_unusable((10, True))
+    assert b.latest_keyframe is None and not b.refuses((4, True), None, drop_superseded=True)
+    for v, k in [(4, True), (5, False), (6, False)]:
+        assert b.offer(envelope(v, keyframe=k), None, drop_superseded=True)[0] == NEW
+    assert b.plan(None, None) == [(4, K), (5, P), (6, P)] and b.latest_keyframe == 4
+    b.forget_below(11)
+    assert b.unusable == set()
