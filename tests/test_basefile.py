@@ -135,8 +135,8 @@ def test_a_base_of_every_new_dtype_is_written_read_and_compacted_bit_exactly(tmp
             if hasattr(torch, "float8_e8m0fnu") else {}),
          "e4fnuz": torch.tensor([0x80, 0x7F, 0xFF] * 50, dtype=torch.uint8).view(torch.float8_e4m3fnuz),
          "e5fnuz": torch.tensor([0x80, 0x7C, 0x01] * 50, dtype=torch.uint8).view(torch.float8_e5m2fnuz).reshape(5, 30),
-         **({"fp4": torch.tensor([0x88, 0x77, 0xF0] * 50, dtype=torch.uint8).view(torch.float4_e2m1fn_x2).reshape(15, 10)}
-            if hasattr(torch, "float4_e2m1fn_x2") else {})}
+         **({"fp4": torch.tensor([0x88, 0x77, 0xF0] * 50, dtype=torch.uint8).reshape(15, 10)
+             .view(torch.float4_e2m1fn_x2)} if hasattr(torch, "float4_e2m1fn_x2") else {})}
     s["f64"].view(torch.int64)[2] = 0x7FF800000000BEEF
     chain = [s]
     for step in (1, 2):

@@ -89,7 +89,8 @@ def test_fp64_e8m0_fnuz_fp4_and_unsigned_tensors_keep_their_dtype_and_bits_in_ev
                 if hasattr(torch, "float8_e8m0fnu") else {}),
              # AMD's fp8 and packed fp4 weights, 2-D "weight"s that fp8-block would otherwise take (and
              # torch cannot cast fp4 at all: it has no copy kernel for it)
-             "amd.weight": torch.randn(4, 4).to(torch.float8_e4m3fnuz), "amd5.weight": torch.randn(4, 4).to(torch.float8_e5m2fnuz),
+             "amd.weight": torch.randn(4, 4).to(torch.float8_e4m3fnuz),
+             "amd5.weight": torch.randn(4, 4).to(torch.float8_e5m2fnuz),
              **({"fp4.weight": torch.arange(16, dtype=torch.uint8).reshape(4, 4).view(torch.float4_e2m1fn_x2)}
                 if hasattr(torch, "float4_e2m1fn_x2") else {}),
              "ids": torch.arange(3, dtype=torch.int32).to(torch.uint16), "big": torch.arange(3).to(torch.uint64),

@@ -76,8 +76,8 @@ def _origin_args(p: argparse.ArgumentParser) -> None:
                         "(shards, index, config and tokenizer files)")
     p.add_argument("--served", default="bf16", choices=["as-is", "bf16", "fp16", "fp32", "fp8-block"],
                    help="served format: as-is keeps every tensor's dtype and bits (pre-quantized fp8 checkpoints); "
-                        "bf16/fp16/fp32 cast fp32, fp16 and bf16 tensors, never fp8, fp4, f64 or e8m0 ones or scales; fp8-block "
-                        "quantizes 2-D weights to e4m3 with fp32 128x128 block scales (default bf16)")
+                        "bf16/fp16/fp32 cast fp32, fp16 and bf16 tensors, never fp8, fp4, f64 or e8m0 ones or scales; "
+                        "fp8-block quantizes 2-D weights to e4m3 with fp32 128x128 block scales (default bf16)")
     p.add_argument("--upload-limit", type=parse_rate, metavar="BYTES_PER_S",
                    help="cap on chunk upload rate, e.g. 200M (default: none, unlimited)")
     p.add_argument("--chunk-bytes", type=int, help="target size of a swarm chunk (default 1 MiB)")
