@@ -49,7 +49,7 @@ from patchswarm.node.lowprio import APPLY_NICE
 from patchswarm.node.net.admission import CONNECTION_BURST, MemberAdmission
 from patchswarm.node.net.ratelimit import TokenBucket
 from patchswarm.node.net.rtcsignal import RTCSignaller
-from patchswarm.node.net.service import format_wan_rates
+from patchswarm.node.net.service import DRAIN_S, format_wan_rates
 from patchswarm.node.net.trackerlink import TrackerLink
 from patchswarm.node.manifestrelay import ManifestRelay
 from patchswarm.node.net.transport import serve, transport_of
@@ -108,6 +108,8 @@ class NodeConfig:
     # Refuse peers (nodes, the origin) whose certificate names no region (--require-region): a
     # region-less certificate lets its member say any region to this member directly.
     require_region: bool = False
+    # On SIGTERM/SIGINT: seconds to keep uploading the trajectory spool before exiting (drain).
+    drain_s: float = DRAIN_S
 
 
 class Node:
@@ -158,6 +160,8 @@ class Node:
         self.manifests: ManifestRelay | None = None
         self.spool: TrajectorySpool | None = None
         self.uploader: TrajectoryUploader | None = None
+        self.local: LocalRequests | None = None
+        self.stopping = False
         self._lock_fd: int | None = None
 
     @property
@@ -204,8 +208,8 @@ class Node:
         return ModelSink(self.cfg.model_dir or self.data_dir / "model", self.engine, self.cfg.apply_nice)
 
     async def _run(self, task_status) -> None:
-        local = LocalRequests(self.status, self.applier.wait_version, lambda: self.version, self.spool,
-                              changelog=self.applier.changelog)
+        local = self.local = LocalRequests(self.status, self.applier.wait_version, lambda: self.version, self.spool,
+                                           changelog=self.applier.changelog)
         async with trio.open_nursery() as nursery:
             await nursery.start(self.fetcher.run)  # first: pieces may come as soon as peers can connect
             self.listen_addr = "" if self.cfg.no_listen else await nursery.start(self._serve_peers)
@@ -226,6 +230,28 @@ class Node:
             nursery.start_soon(self.applier.run)
             nursery.start_soon(self.uploader.run)
             task_status.started(self)
+
+    async def drain(self) -> None:
+        """Before a stop (the first SIGTERM or SIGINT): refuse new submits (code "stopping")
+        and upload what the trajectory spool holds, for at most `drain_s`, while everything
+        else runs on (peers are still served). The caller cancels the node afterwards."""
+        if self.uploader is None or self.local is None:
+            return  # stopped before the spool was open
+        self.stopping = self.local.stopping = True
+        held = self.spool.stats()["records"]
+        if not held:
+            return
+        log.info("stopping: uploading the %d records in the trajectory spool, for up to %g s "
+                 "(a second SIGTERM or SIGINT stops at once)", held, self.cfg.drain_s)
+        try:
+            await self.uploader.drain(self.cfg.drain_s)
+        finally:  # a second signal cancels the wait: say what it left all the same
+            left = self.spool.stats()["records"]
+            if left:
+                log.warning("stopping with %d of the spool's records not acknowledged by the origin: they "
+                            "upload when this node starts again with this data dir", left)
+            else:
+                log.info("stopping: the origin acknowledged every record the spool held (%d)", held)
 
     def _check_layout(self) -> None:
         """A file where the data dir has a folder, or the reverse, is refused with its name
@@ -387,6 +413,7 @@ class Node:
             **a.durable.status(),
             **({} if a.sink is None else a.sink.status()),
             "latest_version": self.book.latest_version,
+            "stopping": self.stopping,  # stopping: uploading the spool, refusing submits
             "listen": self.listen_addr,
             "tracker_connected": self.tracker.connected,
             "uplink_mbit": self.cfg.uplink_mbit,  # as declared (--uplink-mbit); each peer's: its "uplink"

@@ -190,6 +190,9 @@ class LocalRequests:
         self._version = version
         self._spool = spool
         self._changelog = changelog
+        # Set when the node stops (Node.drain): submits are refused, nothing stored, so the
+        # records go to another node instead of a spool that may never upload them.
+        self.stopping = False
 
     async def __call__(self, req: dict) -> dict:
         op = req["op"]
@@ -201,6 +204,9 @@ class LocalRequests:
             return localapi.error(localapi.TIMEOUT, f"version {req['min_version']} not reached within "
                                                     f"{req['timeout']} s; the node is at {self._version()}")
         if op == "submit":
+            if self.stopping:
+                return localapi.error(localapi.STOPPING, "this node is stopping and uploading its spool: nothing "
+                                                         "stored; submit through another node, or here once it is back")
             try:
                 seqs, repeated = await self._spool.submit(req["records"], req["timeout"])
             except SpoolFull as e:

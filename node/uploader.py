@@ -44,6 +44,7 @@ POLL_S = 1.0  # with no origin, or a full window, the loop looks again at least 
 DEFER_FIRST_S = 0.5
 DEFER_MAX_S = 30.0
 PROBE_BYTES = 256 << 10
+DRAIN_POLL_S = 0.05  # while a stop waits for the spool's last acks (drain)
 
 
 def _reads_keys(s: Session) -> bool:
@@ -159,6 +160,17 @@ class TrajectoryUploader:
         self._wakeup.set()
         await self.spool.ack(seqs)
         self._resend_if_drained()  # after the ack: these records are not pending again
+
+    async def drain(self, seconds: float) -> int:
+        """Keep uploading until the origin has acknowledged every record in the spool, for
+        at most `seconds`; return how many are still unacknowledged (0: all uploaded). For a
+        stop (the node refuses new records meanwhile). *Why:* a spot instance reclaimed, or a
+        host drained, loses its disk with it: a record the spool held, durable at the node
+        and answered as such, was lost when the node stopped at once on SIGTERM."""
+        with trio.move_on_after(seconds):
+            while self.spool.stats()["records"]:
+                await trio.sleep(DRAIN_POLL_S)
+        return self.spool.stats()["records"]
 
     def status(self) -> dict:
         st = self.spool.stats()

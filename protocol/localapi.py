@@ -14,7 +14,8 @@ for room in it too long "buffers_full", and the node closes after either
 Ops:
 - status                                   -> {"status": {...}}
 - wait_version(min_version, timeout)       -> {"status": {...}}; code "timeout" when it runs out
-- submit(records, timeout)                 -> {"seqs": [int, ...], "repeated": int}: durable at the node
+- submit(records, timeout)                 -> {"seqs": [int, ...], "repeated": int}: durable at the node;
+    code "stopping" (nothing stored) once the node is stopping and uploads its spool
     records: [[payload: bytes, policy_version: int, meta: map | nil(, record_id: bytes | nil)], ...]
     A record_id (1..MAX_RECORD_ID_BYTES, distinct within one request: a repeat is
     bad_request) makes the record idempotent: a record whose id the node already
@@ -69,6 +70,10 @@ TOO_LARGE = "too_large"
 BUFFERS_FULL = "buffers_full"
 CLOSING = frozenset({TOO_MANY_CONNECTIONS, TOO_LARGE, BUFFERS_FULL})  # the node closes after these
 BOOTSTRAP = "bootstrap"
+# The node is stopping (SIGTERM: a host being drained or a spot instance reclaimed) and uploads
+# what its spool holds before it exits: the records of this submit were not stored; submit them
+# through another node (with their record ids), or to this one once it is back.
+STOPPING = "stopping"
 
 
 def _number(v) -> bool:

@@ -15,7 +15,7 @@ import threading
 import time
 from pathlib import Path
 
-from patchswarm.node.client import NodeClient
+from patchswarm.node.client import NodeClient, NodeError
 from swarmlab import SwarmLab, Submitter, dump, summary, wait_spools_empty
 
 pytestmark = pytest.mark.slow  # real processes
@@ -105,3 +105,65 @@ def test_corrupt_spool_segment_and_torn_store_tail_lose_only_the_damage(tmp_path
         s = summary(origin)
         assert s["records"] == 60 and s["by_node"] == {"n0": 60} and s["duplicates_dropped"] == 0
         assert base64.b64decode(dump(origin)[-1]["payload_b64"]) == b"after-the-tear"
+
+
+def _frozen_origin_with_records(lab: SwarmLab, n: int, extra: list[str] = ()):
+    """An origin and a node; the origin stopped (SIGSTOP) once the node uploads to it, then
+    `n` records submitted: acknowledged to the worker, held in the node's spool."""
+    lab.start_tracker()
+    origin = lab.start_origin()
+    node = lab.start_node("a", extra=list(extra))
+    with node.client() as c:
+        c.submit(b"first", 0)
+    wait_spools_empty(lab, [node])  # the node's session to the origin is up
+    origin.popen.send_signal(signal.SIGSTOP)
+    with node.client() as c:
+        for i in range(n):
+            c.submit(b"r%d" % i, 0)
+    assert node.status()["spool"]["records"] == n
+    return origin, node
+
+
+def test_a_stopping_node_uploads_its_spool_before_it_exits_and_refuses_new_records(tmp_path):
+    """A spot instance reclaimed or a host drained: SIGTERM, and then the host and its disk may
+    be gone. The records the node's spool held (durable at the node, acknowledged to the
+    worker) reach the origin before it exits; meanwhile it refuses submits (code "stopping",
+    nothing stored) so the worker sends them to another node. Before, the node stopped at once
+    and those records waited on a disk that might never come back."""
+    with SwarmLab(tmp_path) as lab:
+        origin, node = _frozen_origin_with_records(lab, 50)
+        node.popen.send_signal(signal.SIGTERM)
+        lab.wait_log(node, r"stopping: uploading the 50 records in the trajectory spool, for up to 20 s")
+        with node.client() as c:
+            with pytest.raises(NodeError) as e:
+                c.submit(b"late", 0)
+            assert e.value.code == "stopping" and c.status()["stopping"] is True
+        time.sleep(1.0)
+        assert node.alive(), "it waits for the origin, which is stopped"
+        origin.popen.send_signal(signal.SIGCONT)
+        assert node.popen.wait(timeout=30) == 0
+        assert "the origin acknowledged every record the spool held (50)" in node.text()
+        payloads = {base64.b64decode(r["payload_b64"]) for r in dump(origin)}
+        assert {b"r%d" % i for i in range(50)} <= payloads and b"late" not in payloads
+
+
+@pytest.mark.parametrize("how", ["deadline", "second signal"])
+def test_a_stop_waits_for_the_spool_at_most_its_drain_time_or_until_a_second_signal(tmp_path, how):
+    """With the origin unreachable the node exits after --drain-s (or at a second SIGTERM), saying
+    how many records it left; they stay in its spool and upload when it starts again."""
+    with SwarmLab(tmp_path) as lab:
+        origin, node = _frozen_origin_with_records(lab, 20, ["--drain-s", "2" if how == "deadline" else "60"])
+        t0 = time.monotonic()
+        node.popen.send_signal(signal.SIGTERM)
+        lab.wait_log(node, r"stopping: uploading the 20 records")
+        if how == "second signal":
+            node.popen.send_signal(signal.SIGTERM)
+        assert node.popen.wait(timeout=30) == 0
+        took = time.monotonic() - t0
+        assert (1.8 <= took < 15) if how == "deadline" else took < 15, took
+        assert "stopping with 20 of the spool's records not acknowledged by the origin" in node.text()
+        origin.popen.send_signal(signal.SIGCONT)
+        lab.restart(node)
+        wait_spools_empty(lab, [node])
+        payloads = {base64.b64decode(r["payload_b64"]) for r in dump(origin)}
+        assert {b"r%d" % i for i in range(20)} <= payloads

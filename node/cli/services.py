@@ -16,8 +16,8 @@ from pathlib import Path
 
 from patchswarm.node.cli import command
 from patchswarm.node.net.logs import event
-from patchswarm.node.net.service import (add_advertise_argument, add_member_arguments, add_require_region_argument,
-                                        add_uplink_argument, address,
+from patchswarm.node.net.service import (DRAIN_S, add_advertise_argument, add_member_arguments,
+                                        add_require_region_argument, add_uplink_argument, address,
                                         loopback_warning, format_wan_rates, parse_region_rates, run_service)
 from patchswarm.protocol.errors import UsageError
 
@@ -29,6 +29,17 @@ def non_negative_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number >= 0, found {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected a whole number >= 0, found {text!r}")
+    return value
+
+
+def seconds(text: str) -> float:
+    """A number of seconds >= 0 (a flag's value)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, found {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, found {text!r}")
     return value
 
 
@@ -150,6 +161,10 @@ def _node_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-peers", action="store_true", help="fetch from the origin only (for comparisons)")
     p.add_argument("--spool-bytes", type=int, default=1 << 30,
                    help="trajectory spool size limit; submit waits when it is full (default 1 GiB)")
+    p.add_argument("--drain-s", type=seconds, default=DRAIN_S, metavar="S",
+                   help=f"on SIGTERM or SIGINT, keep uploading the trajectory spool for up to S seconds before "
+                        f"exiting, refusing new submits (code 'stopping'); a second signal stops at once "
+                        f"(default {DRAIN_S:g}; 0: stop at once)")
     p.add_argument("--apply-nice", type=non_negative_int, default=APPLY_NICE, metavar="N",
                    help=f"apply versions N nice steps below the daemon, so serving peers comes first "
                         f"(default {APPLY_NICE}; 0: same priority)")
@@ -238,7 +253,7 @@ def cmd_node(args: argparse.Namespace) -> int:
                         engine_url=args.engine_url, on_version=args.on_version,
                         sparse_handoff=args.sparse_handoff, transport=args.transport, no_listen=args.no_listen,
                         ice=_ice_config(args), member_connections=args.member_connections,
-                        uplink_mbit=args.uplink_mbit, require_region=args.require_region))
+                        uplink_mbit=args.uplink_mbit, require_region=args.require_region, drain_s=args.drain_s))
 
     async def start(task_status):
         import trio
@@ -249,7 +264,7 @@ def cmd_node(args: argparse.Namespace) -> int:
             await nursery.start(n.run)
             task_status.started(n.status)
 
-    return run_service(f"node {n.id}", start, args, NodeMetrics())
+    return run_service(f"node {n.id}", start, args, NodeMetrics(), drain=n.drain)
 
 
 def _status_args(p: argparse.ArgumentParser) -> None:
@@ -383,7 +398,8 @@ def print_status(st: dict) -> None:
     spool = st.get("spool")
     if spool:
         t.add_row("spool", f"{spool['records']:,} records, {_mb(spool['bytes'])}; "
-                           f"uploading {spool.get('upload_rate_bps', 0) / 1e6:,.2f} MB/s")
+                           f"uploading {spool.get('upload_rate_bps', 0) / 1e6:,.2f} MB/s"
+                           + ("; stopping: uploading what it holds, refusing submits" if st.get("stopping") else ""))
     peers = ", ".join(f"{p['id']} ({p['role'] if p['role'] == 'origin' else p['region']}"
                       + (f", {p['uplink']:g} Mbit/s up" if p.get("uplink") else "")
                       + ((", snubbed: served too slowly lately" if p.get("snub_reason") == "slow"
