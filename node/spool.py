@@ -16,9 +16,12 @@ the next append is written (`storage_recoveries` in status).
 Seqs: unique per node for ever. The spool hands out seqs below `seq_reserved`,
 persisted in `state` before use (in steps of SEQ_RESERVE); a restart resumes at
 the reserved mark, so deleting acknowledged segments can never let a seq be
-reused. The price is a gap in the numbering per restart. A used spool whose
-`state` is missing or unreadable resumes at the clock's microseconds (or above
-the highest seq on disk, if higher): reservations never get near it.
+reused. The price is a gap in the numbering per restart. A spool with no
+readable `state` (a new one, or a used one whose `state` is lost) starts at
+the clock's microseconds (or above the highest seq on disk, if higher):
+reservations never get near it, and a node id whose data dir was wiped, or a
+new host given a reclaimed one's identity, never hands out a seq the origin
+already stored under that id (it would drop the record as a duplicate).
 
 Upload: a cursor design. `await next_batch()` (or the non-blocking
 `pending()`) returns durable, unacknowledged records with seq >= the cursor,
@@ -271,13 +274,18 @@ def _recover(directory: Path, node_id: str, region: str, clock=time.time, id_win
         if s.n_acked == len(s.seqs):
             s.path.unlink()  # made durable by _write_state's directory fsync below
     next_seq = max(state.seq_reserved if state else 0, max_seq + 1)
-    if state is None and (used or numbers):
-        # `state` was the only record of the seqs handed out (acknowledged segments are
-        # deleted): a seq at or below one the origin stored would be dropped there as a
-        # duplicate. Reservations move seqs about 2^20 per restart, far slower than the clock.
+    if state is None:
+        # Nothing says which seqs this node id was handed before: a used spool whose `state`
+        # is lost (acknowledged segments are deleted), or a new one, which may be the spool of
+        # a node whose data dir was wiped or of a new host given a reclaimed one's identity. A
+        # seq at or below one the origin stored under this id would be dropped there as a
+        # duplicate (a new spool started at 0: bench/spot_reclaim.py lost 43-49 % of the acked
+        # records). The clock in microseconds is above any: reservations move seqs about 2^20
+        # per restart, and a node takes far fewer than 10^6 records a second.
         next_seq = max(next_seq, int(clock() * 1e6))
-        log.warning("spool %s: no readable state file; resuming seqs at %d (the clock in microseconds, above "
-                    "any handed out before)", directory, next_seq)
+        if used or numbers:
+            log.warning("spool %s: no readable state file; resuming seqs at %d (the clock in microseconds, "
+                        "above any handed out before)", directory, next_seq)
     reserved = next_seq + SEQ_RESERVE
     _write_state(directory, SpoolState(node_id, region, reserved))
     _write_acks(directory, _acked_ranges(live))  # compacted; also drops a torn tail

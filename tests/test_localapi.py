@@ -648,6 +648,8 @@ def test_a_spool_write_error_fails_the_submit_and_the_node_serves_on(tmp_path, m
 
     async def main():
         async with spool_node(tmp_path) as (path, spool):
+            s0 = spool.stats()["next_seq"]  # a new spool's first: the clock's microseconds
+
             def blocking():
                 with NodeClient(path) as c:
                     first = c.submit(b"a", 1)
@@ -661,7 +663,7 @@ def test_a_spool_write_error_fails_the_submit_and_the_node_serves_on(tmp_path, m
                     return first, e.value, c.status()
 
             first, err, st = await trio.to_thread.run_sync(blocking)
-            assert first == 0 and st == {"version": 1}
+            assert first == s0 and st == {"version": 1}
             assert err.code == localapi.STORAGE and "Input/output error" in str(err)
             assert spool.stats()["records"] == 1
 
@@ -723,6 +725,7 @@ def test_local_requests_answer_status_wait_and_submit(tmp_path):
 
         async with await TrajectorySpool.open(tmp_path / "spool", "n1", "r1", max_bytes=4096) as spool:
             handle = LocalRequests(lambda: {"version": version["v"]}, wait_version, lambda: version["v"], spool)
+            s0 = spool.stats()["next_seq"]
             assert await handle({"op": "status"}) == localapi.ok(status={"version": 3})
             late = await handle({"op": "wait_version", "min_version": 4, "timeout": 5.0})
             assert late["code"] == localapi.TIMEOUT and "the node is at 3" in late["error"]
@@ -735,7 +738,7 @@ def test_local_requests_answer_status_wait_and_submit(tmp_path):
                 assert await handle({"op": "wait_version", "min_version": 4, "timeout": 5.0}) == \
                     localapi.ok(status={"version": 4})
             ok = await handle({"op": "submit", "records": [[bytes(2500), 4, None]], "timeout": 1.0})
-            assert ok == localapi.ok(seqs=[0], repeated=0) and spool.stats()["records"] == 1
+            assert ok == localapi.ok(seqs=[s0], repeated=0) and spool.stats()["records"] == 1
             # Room for one such record, not two, and nothing uploads it: the submit waits, then fails.
             full = await handle({"op": "submit", "records": [[bytes(2500), 4, None]], "timeout": 1.0})
             assert full["code"] == localapi.FULL
@@ -764,6 +767,8 @@ def test_a_meta_the_origin_would_refuse_is_refused_at_submit_not_acknowledged(tm
 
     async def main():
         async with spool_node(tmp_path) as (path, spool):
+            s0 = spool.stats()["next_seq"]
+
             def blocking():
                 errors = []
                 with NodeClient(path) as c:
@@ -776,7 +781,7 @@ def test_a_meta_the_origin_would_refuse_is_refused_at_submit_not_acknowledged(tm
             errors, seq = await trio.to_thread.run_sync(blocking)
             assert [e.code for e in errors] == [localapi.BAD_REQUEST] * 2
             assert "nested at most" in str(errors[0]) and "ext" in str(errors[1])
-            assert seq == 0 and spool.stats()["records"] == 1
+            assert seq == s0 and spool.stats()["records"] == 1
             held = spool.pending()
             assert trajectory.decode_batch(trajectory.encode_batch(held), True)[0].payload == b"ok"
 
@@ -820,12 +825,13 @@ def test_a_submit_holds_its_metas_as_the_bytes_they_came_in(tmp_path):
 
     async def main():
         async with spool_node(tmp_path) as (path, spool):
+            held.append(spool.stats()["next_seq"])
             held.append(await trio.to_thread.run_sync(_exchange, path, raw))
             held.append(spool.pending())
 
     peak = traced_peak(lambda: trio.run(main))
-    reply, records = held
-    assert msgpack.unpackb(reply[4:]) == localapi.ok(seqs=list(range(16)), repeated=0)
+    s0, reply, records = held
+    assert msgpack.unpackb(reply[4:]) == localapi.ok(seqs=list(range(s0, s0 + 16)), repeated=0)
     assert peak < 24 << 20, f"{peak:,} bytes traced for a {len(raw):,}-byte submit"  # unpacked: ~75 MB
     back = trajectory.decode_batch(trajectory.encode_batch(records))
     assert [r.payload for r in back] == [b"p%d" % i for i in range(16)] and back[5].meta == meta
@@ -858,6 +864,7 @@ def test_a_submit_of_many_tiny_records_does_not_stop_the_nodes_loop(tmp_path, mo
 
     async def main():
         async with spool_node(tmp_path) as (path, spool):
+            out["s0"] = spool.stats()["next_seq"]
             async with trio.open_nursery() as tasks:
                 async def tick():
                     late, last = 0.0, trio.current_time()
@@ -873,8 +880,9 @@ def test_a_submit_of_many_tiny_records_does_not_stop_the_nodes_loop(tmp_path, mo
 
     trio.run(main)
     reply = msgpack.unpackb(out["reply"][4:])
-    assert reply == localapi.ok(seqs=list(range(n)), repeated=0)
-    assert [(r.seq, r.payload) for r in out["stored"]] == [(i, bytes([i & 0xff])) for i in range(n)]
+    s0 = out["s0"]
+    assert reply == localapi.ok(seqs=list(range(s0, s0 + n)), repeated=0)
+    assert [(r.seq - s0, r.payload) for r in out["stored"]] == [(i, bytes([i & 0xff])) for i in range(n)]
     assert where == {False}, "read or framed on the event loop"
     print(f"the loop's longest stall: {out['late']:.3f} s (before: 0.6-1.3 s)")
 
@@ -913,6 +921,7 @@ def test_connections_never_hold_more_than_the_budget_and_all_complete(tmp_path, 
     async def main():
         async with await TrajectorySpool.open(tmp_path / "spool", "n1", "r1") as spool:
             handle = LocalRequests(lambda: {"version": 1}, None, lambda: 1, spool)
+            s0 = spool.stats()["next_seq"]
             seen = {"real": 0, "counted": 0}
             head_sent, go, replies = set(), trio.Event(), {}
 
@@ -950,7 +959,7 @@ def test_connections_never_hold_more_than_the_budget_and_all_complete(tmp_path, 
                         go.set()
                     n.cancel_scope.cancel()
             assert all(r["ok"] for r in replies.values()) and len(replies) == 6
-            assert sorted(s for r in replies.values() for s in r["seqs"]) == list(range(6))
+            assert sorted(s for r in replies.values() for s in r["seqs"]) == list(range(s0, s0 + 6))
             assert spool.stats()["records"] == 6
             held = spool.pending(max_records=100, max_bytes=1 << 30)
             assert sorted(r.payload for r in held) == payloads  # each once, whole
@@ -969,6 +978,7 @@ def test_a_request_larger_than_the_whole_budget_is_refused_and_the_node_serves_o
     async def main():
         async with await TrajectorySpool.open(tmp_path / "spool", "n1", "r1") as spool:
             handle = LocalRequests(lambda: {"version": 1}, None, lambda: 1, spool)
+            s0 = spool.stats()["next_seq"]
             async with trio.open_nursery() as n:
                 path = await n.start(functools.partial(serve_local, tmp_path / "node.sock", handle, budget=budget))
 
@@ -986,9 +996,9 @@ def test_a_request_larger_than_the_whole_budget_is_refused_and_the_node_serves_o
                         with pytest.raises(NodeError) as ae:
                             await c.submit(bytes(2 << 20), 1, timeout=5)
                         assert ae.value.code == localapi.TOO_LARGE
-                        assert await c.submit(b"small too", 1, timeout=5) == 1
+                        assert await c.submit(b"small too", 1, timeout=5) == s0 + 1
                 n.cancel_scope.cancel()
-            assert seq == 0 and spool.stats()["records"] == 2
+            assert seq == s0 and spool.stats()["records"] == 2
             assert budget.refused == 2 and budget.used == 0
 
     trio.run(main)
@@ -1003,6 +1013,7 @@ def test_a_request_that_finds_no_room_within_the_wait_gets_buffers_full(tmp_path
     async def main():
         async with await TrajectorySpool.open(tmp_path / "spool", "n1", "r1") as spool:
             handle = LocalRequests(lambda: {"version": 1}, None, lambda: 1, spool)
+            s0 = spool.stats()["next_seq"]
             async with trio.open_nursery() as n:
                 path = await n.start(functools.partial(serve_local, tmp_path / "node.sock", handle, budget=budget,
                                                        budget_wait=0.5))
@@ -1023,9 +1034,9 @@ def test_a_request_that_finds_no_room_within_the_wait_gets_buffers_full(tmp_path
                         e = await trio.to_thread.run_sync(second)
                         assert e.code == localapi.BUFFERS_FULL and 0.4 < time.monotonic() - t0 < 5
                         await hog.send_all(big[-10:])
-                        assert (await _read_reply(hog))["seqs"] == [0]
+                        assert (await _read_reply(hog))["seqs"] == [s0]
                     async with AsyncNodeClient(path) as c:
-                        assert await c.submit(b"b" * (400 << 10), 1, timeout=5, record_id=b"second") == 1
+                        assert await c.submit(b"b" * (400 << 10), 1, timeout=5, record_id=b"second") == s0 + 1
                 n.cancel_scope.cancel()
             assert spool.stats()["records"] == 2 and budget.timed_out == 1 and budget.used == 0
 
