@@ -241,8 +241,9 @@ class Node:
         held = self.spool.stats()["records"]
         if not held:
             return
-        log.info("stopping: uploading the %d records in the trajectory spool, for up to %g s "
-                 "(a second SIGTERM or SIGINT stops at once)", held, self.cfg.drain_s)
+        if self.cfg.drain_s > 0:
+            log.info("stopping: uploading the %d records in the trajectory spool, for up to %g s "
+                     "(a second SIGTERM or SIGINT stops at once)", held, self.cfg.drain_s)
         try:
             await self.uploader.drain(self.cfg.drain_s)
         finally:  # a second signal cancels the wait: say what it left all the same
