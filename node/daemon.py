@@ -161,7 +161,6 @@ class Node:
         self.spool: TrajectorySpool | None = None
         self.uploader: TrajectoryUploader | None = None
         self.local: LocalRequests | None = None
-        self.stopping = False
         self._lock_fd: int | None = None
 
     @property
@@ -237,7 +236,7 @@ class Node:
         else runs on (peers are still served). The caller cancels the node afterwards."""
         if self.uploader is None or self.local is None:
             return  # stopped before the spool was open
-        self.stopping = self.local.stopping = True
+        self.local.stopping = True
         held = self.spool.stats()["records"]
         if not held:
             return
@@ -414,7 +413,7 @@ class Node:
             **a.durable.status(),
             **({} if a.sink is None else a.sink.status()),
             "latest_version": self.book.latest_version,
-            "stopping": self.stopping,  # stopping: uploading the spool, refusing submits
+            "stopping": self.local is not None and self.local.stopping,  # uploading the spool, refusing submits
             "listen": self.listen_addr,
             "tracker_connected": self.tracker.connected,
             "uplink_mbit": self.cfg.uplink_mbit,  # as declared (--uplink-mbit); each peer's: its "uplink"
