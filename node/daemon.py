@@ -236,7 +236,7 @@ class Node:
         else runs on (peers are still served). The caller cancels the node afterwards."""
         if self.uploader is None or self.local is None:
             return  # stopped before the spool was open
-        self.local.stopping = True
+        self.local.stopping = self.tracker.stopping = True
         held = self.spool.stats()["records"]
         if not held:
             return

@@ -12,13 +12,15 @@ from patchswarm.node.net.transport import MessageStream, exchange_hello
 from patchswarm.protocol import wire
 
 
-@pytest.mark.parametrize("stopping", [True, False])
+@pytest.mark.parametrize("stopping", [True, False, "draining"])
 def test_a_tracker_lost_as_the_member_stops_is_no_warning(monkeypatch, caplog, stopping):
     """The tracker closes its connection in the same moment as this member is told to stop
     (a demo's or a fleet's shutdown signals both): the loss, read before the stop's cancel
     reached the link, was logged as a WARNING ("lost the tracker ...; reconnecting") on every
     such shutdown (`make demo`'s node logs). Now it is INFO; a loss while the member runs on
-    is still a WARNING."""
+    is still a WARNING. "draining": the member is stopping but uploads its spool first (node
+    daemon's drain, which sets `stopping`); the loss comes before any cancel, and a demo's
+    shutdown logged it as a WARNING again until the drain told the link."""
     far = []
 
     async def fake_connect(addr, creds, roles, hello):  # the Hellos exchanged, over memory
@@ -41,8 +43,9 @@ def test_a_tracker_lost_as_the_member_stops_is_no_warning(monkeypatch, caplog, s
             async with trio.open_nursery() as n:
                 n.start_soon(link.run)
                 await trio.testing.wait_all_tasks_blocked()
+                link.stopping = stopping == "draining"
                 far[0].send_stream.close()  # the tracker stopped: EOF ...
-                if not stopping:
+                if stopping is not True:
                     await trio.testing.wait_all_tasks_blocked()
                 n.cancel_scope.cancel()  # ... as this member stops, or later
 
@@ -50,4 +53,5 @@ def test_a_tracker_lost_as_the_member_stops_is_no_warning(monkeypatch, caplog, s
         trio.run(main)
     [lost] = [r for r in caplog.records if r.getMessage().startswith("lost the tracker")]
     assert lost.levelno == (logging.INFO if stopping else logging.WARNING), lost.getMessage()
+    assert ("reconnecting" in lost.getMessage()) is not bool(stopping)
     assert "tracker closed the connection" in lost.getMessage()

@@ -44,6 +44,7 @@ class TrackerLink:
         self._on_connect = on_connect
         self.stream: MessageStream | None = None
         self.backoff = Backoff(BACKOFF_MIN, BACKOFF_MAX)
+        self.stopping = False  # set by a member that drains before it stops (node/daemon.py drain)
         # The revocation list is trust, not swarm policy: the link takes it into the
         # credentials itself (every handshake asks them), and keeps it across restarts.
         self._revocations_file = revocations_file
@@ -107,9 +108,10 @@ class TrackerLink:
                             continue
                         await self._on_message(msg)
             except* (*CONNECTION_ERRORS, ProtocolError) as group:
-                if trio.current_effective_deadline() == -math.inf:
-                    # This member is stopping (its SIGTERM's cancel came while the loss was read):
-                    # a tracker stopped beside it (a fleet or a demo shut down) is no fault to warn of.
+                if self.stopping or trio.current_effective_deadline() == -math.inf:
+                    # This member is stopping (draining, or its SIGTERM's cancel came while the loss
+                    # was read): a tracker stopped beside it (a fleet or a demo shut down) is no
+                    # fault to warn of.
                     log.info("lost the tracker (%s) as this member stops", one_line(group.exceptions[0]))
                 else:
                     log.warning("lost the tracker (%s); reconnecting", one_line(group.exceptions[0]))
