@@ -70,7 +70,7 @@ def test_node_series_follow_the_status():
         ("patchswarm_peers_dropped_total", (("kind", "protocol error"),)): 1,
         ("patchswarm_sessions_replaced_total", ()): 3, ("patchswarm_peers_snubbed_total", ()): 2,
         ("patchswarm_peers_snubbed_slow_total", ()): 1, ("patchswarm_requests_given_up_early_total", ()): 4,
-        ("patchswarm_tracker_connected", ()): 1, ("patchswarm_spool_records", ()): 7,
+        ("patchswarm_tracker_connected", ()): 1, ("patchswarm_stopping", ()): 0, ("patchswarm_spool_records", ()): 7,
         ("patchswarm_spool_bytes", ()): 7000, ("patchswarm_trajectories_appended_total", ()): 20,
         ("patchswarm_trajectories_acked_total", ()): 13,
         ("patchswarm_trajectory_upload_bytes_per_second", ()): 1234.5,
@@ -88,6 +88,12 @@ def test_node_series_follow_the_status():
     for key, value in expected.items():
         assert got.get(key) == value, key
     assert not any(name.startswith("patchswarm_engine") for name, _ in got)  # no engine configured: no series
+
+
+def test_a_stopping_node_says_so():
+    """While it drains (uploads its spool before a stop, refusing submits) the node's status
+    says `stopping`, and its metrics too."""
+    assert samples(NodeMetrics(), {**NODE_STATUS, "stopping": True})[("patchswarm_stopping", ())] == 1
 
 
 def test_each_applied_version_is_observed_once_across_scrapes():

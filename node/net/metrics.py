@@ -206,6 +206,8 @@ class NodeMetrics(StatusMetrics):
         yield from _disk(st)
         yield from _storage(st)
         yield from _uplink(st)
+        yield from _gauge("patchswarm_stopping", "1 while the node stops: it uploads its trajectory spool first and "
+                          "refuses submits (--drain-s)", int(bool(st.get("stopping"))))
         spool = st.get("spool")
         if spool:
             yield from _gauge("patchswarm_spool_records", "trajectories spooled and not yet acknowledged by the origin",
