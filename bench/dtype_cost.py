@@ -49,7 +49,7 @@ def typical(name: str, n: int, rng: np.random.Generator) -> torch.Tensor:
     info = BY_NAME[name]
     if name == "f8e8m0":
         return torch.from_numpy(rng.integers(110, 135, size=n, dtype=np.uint8)).view(info.torch_dtype)
-    if info.torch_dtype.is_floating_point and name != "f4e2m1x2":
+    if info.torch_dtype.is_floating_point and info.torch_dtype is not FP4X2:  # torch cannot cast to fp4
         return torch.from_numpy(rng.standard_normal(n) * 0.02).to(info.torch_dtype)
     if info.width == 8:
         return torch.from_numpy(rng.integers(0, 1 << 31, size=n, dtype=np.int64)).view(info.torch_dtype)

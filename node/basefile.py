@@ -37,7 +37,7 @@ import torch
 
 from patchswarm.node.checkpoint import check_tensor_name, fsync_path
 from patchswarm.protocol.errors import InvalidInput, StateHashMismatch, UnsupportedFormat, UsageError
-from patchswarm.protocol.dtypes import E8M0, FP4X2, info_of
+from patchswarm.protocol.dtypes import E8M0, FP4X2, info_of, safetensors_shape_fault
 from patchswarm.protocol.patch import Patch, TensorSpec, apply
 from patchswarm.protocol.statehash import state_hash
 
@@ -91,9 +91,9 @@ def plan(table: Iterable[tuple[str, torch.dtype, tuple[int, ...]]]) -> list[Entr
         check_tensor_name(name)
         if dtype not in _ST_DTYPE:
             raise UsageError(f"base file: dtype {dtype} of {name!r} has no safetensors name")
-        if dtype is FP4X2 and not shape:
-            raise UsageError(f"base file: tensor {name!r}: expected at least one dimension for {dtype}, found none "
-                             f"(safetensors' F4 counts fp4 values along the last one)")
+        fault = safetensors_shape_fault(dtype, shape)
+        if fault is not None:
+            raise UsageError(f"base file: tensor {name!r}: {fault}")
         size = _nbytes(dtype, shape)
         out.append(Entry(name, dtype, tuple(shape), at, at + size))
         at += size

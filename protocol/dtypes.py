@@ -107,6 +107,16 @@ _INFOS += [
 FP4X2 = getattr(torch, "float4_e2m1fn_x2", None)
 if FP4X2 is not None:
     _INFOS.append(DtypeInfo("f4e2m1x2", FP4X2, torch.uint8, np.uint8, 1, 0, False))
+
+
+def safetensors_shape_fault(dtype: torch.dtype, shape) -> str | None:
+    """Why a tensor of this dtype and shape has no form in a safetensors file, or None.
+    safetensors' F4 counts fp4 values, two a byte, along the last dimension, so a
+    float4_e2m1fn_x2 tensor with no dimensions has none (safetensors' own save refuses it)."""
+    if dtype is FP4X2 and not len(shape):
+        return (f"expected at least one dimension for {dtype}, found none (safetensors' F4 counts fp4 values "
+                f"along the last one)")
+    return None
 BY_NAME = {i.name: i for i in _INFOS}
 # The dtypes a served checkpoint's floating tensors may be cast to, by the names people type.
 SERVED_DTYPES = {

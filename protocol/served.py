@@ -39,7 +39,7 @@ from typing import Iterator
 import torch
 
 from .changes import MAX_DIMS as CHANGE_MAX_DIMS
-from .dtypes import BY_NAME, BY_TORCH, E8M0, FP4X2, check_dense
+from .dtypes import BY_NAME, BY_TORCH, E8M0, FP4X2, check_dense, safetensors_shape_fault
 from .errors import InvalidInput, UnsupportedFormat, UsageError
 from .patchformat import MAX_DIM, MAX_NAME_BYTES, name_bytes
 
@@ -92,9 +92,9 @@ def check_served_spec(name: str, dtype: torch.dtype, shape: tuple[int, ...], fmt
     if len(shape) > CHANGE_MAX_DIMS or any(d > MAX_DIM for d in shape):  # an empty tensor's may be any size
         raise UsageError(f"served state: tensor {name!r}: expected at most {CHANGE_MAX_DIMS} dimensions of at most "
                          f"{MAX_DIM}, found shape {list(shape)}")
-    if dtype is FP4X2 and not shape:
-        raise UsageError(f"served state: tensor {name!r}: expected at least one dimension for {dtype}, found none "
-                         f"(safetensors' F4, which nodes' weights files are, counts fp4 values along the last one)")
+    fault = safetensors_shape_fault(dtype, shape)  # nodes' weights files are safetensors
+    if fault is not None:
+        raise UsageError(f"served state: tensor {name!r}: {fault}")
 
 
 def check_format(fmt: str) -> str:

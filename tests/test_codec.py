@@ -24,6 +24,7 @@ from patchswarm.protocol.patchencode import ChunkPacker, _plan_segments, keyfram
 from patchswarm.protocol.patchformat import MAX_FULL_SEGMENT_BYTES, TensorSpec, parse_chunk
 
 DTYPES = list(BY_TORCH)  # every dtype the codec supports, so a new one is covered at once
+FP4X2 = [torch.float4_e2m1fn_x2] if hasattr(torch, "float4_e2m1fn_x2") else []  # torch >= 2.8; no casts to it
 INT_OF = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 # Bit patterns a codec keyed on exponents and signs must carry through unchanged,
@@ -114,7 +115,7 @@ def pairs(draw):
         t = random_bits(shape, dtype, rng)
         if draw(st.booleans()):  # realistic magnitudes, not random bits
             t = (torch.from_numpy(rng.standard_normal(t.numel()).astype(np.float32) * 0.02).reshape(shape).to(dtype)
-                 if dtype.is_floating_point and dtype != getattr(torch, "float4_e2m1fn_x2", None) else t)  # no cast
+                 if dtype.is_floating_point and dtype not in FP4X2 else t)  # torch cannot cast to fp4
         specials = draw(st.sampled_from([0.0, 0.0, 0.01, 0.3]))
         sprinkle_specials(t, rng, specials)
         base[f"t{i}"] = t
@@ -1047,7 +1048,6 @@ def test_apply_batches_hold_a_segment_per_thread_and_end_at_an_unparsable_chunk(
 # ---------------------------------------------------------------- the dtypes added after the first release
 
 E8M0 = [torch.float8_e8m0fnu] if hasattr(torch, "float8_e8m0fnu") else []
-FP4X2 = [torch.float4_e2m1fn_x2] if hasattr(torch, "float4_e2m1fn_x2") else []
 FNUZ = [torch.float8_e4m3fnuz, torch.float8_e5m2fnuz]
 NEW_DTYPES = [torch.float64, torch.uint16, torch.uint32, torch.uint64, *E8M0, *FNUZ, *FP4X2]
 
