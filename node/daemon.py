@@ -237,7 +237,7 @@ class Node:
         if self.uploader is None or self.local is None:
             return  # stopped before the spool was open
         self.local.stopping = self.tracker.stopping = True
-        held = self.spool.stats()["records"]
+        held = self.spool.unacked
         if not held:
             return
         if self.cfg.drain_s > 0:
@@ -246,7 +246,7 @@ class Node:
         try:
             await self.uploader.drain(self.cfg.drain_s)
         finally:  # a second signal cancels the wait: say what it left all the same
-            left = self.spool.stats()["records"]
+            left = self.spool.unacked
             if left:
                 log.warning("stopping with %d of the spool's records not acknowledged by the origin: they "
                             "upload when this node starts again with this data dir", left)

@@ -991,6 +991,11 @@ class TrajectorySpool:
 
     # ------------------------------------------------------------ status
 
+    @property
+    def unacked(self) -> int:
+        """Records durable here that the origin has not acknowledged (stats' "records")."""
+        return self._unacked
+
     def stats(self) -> dict:
         in_flight = 0
         for seg in self._segs:

@@ -161,16 +161,15 @@ class TrajectoryUploader:
         await self.spool.ack(seqs)
         self._resend_if_drained()  # after the ack: these records are not pending again
 
-    async def drain(self, seconds: float) -> int:
+    async def drain(self, seconds: float) -> None:
         """Keep uploading until the origin has acknowledged every record in the spool, for
-        at most `seconds`; return how many are still unacknowledged (0: all uploaded). For a
-        stop (the node refuses new records meanwhile). *Why:* a spot instance reclaimed, or a
-        host drained, loses its disk with it: a record the spool held, durable at the node
-        and answered as such, was lost when the node stopped at once on SIGTERM."""
+        at most `seconds` (`spool.unacked` says what is left). For a stop (the node refuses
+        new records meanwhile). *Why:* a spot instance reclaimed, or a host drained, loses
+        its disk with it: a record the spool held, durable at the node and answered as
+        such, was lost when the node stopped at once on SIGTERM."""
         with trio.move_on_after(seconds):
-            while self.spool.stats()["records"]:
+            while self.spool.unacked:
                 await trio.sleep(DRAIN_POLL_S)
-        return self.spool.stats()["records"]
 
     def status(self) -> dict:
         st = self.spool.stats()
