@@ -234,8 +234,8 @@ class Node:
         """Before a stop (the first SIGTERM or SIGINT): refuse new submits (code "stopping")
         and upload what the trajectory spool holds, for at most `drain_s`, while everything
         else runs on (peers are still served). The caller cancels the node afterwards."""
-        if self.uploader is None or self.local is None:
-            return  # stopped before the spool was open
+        if self.local is None:
+            return  # stopped before it served (the spool and uploader come first)
         self.local.stopping = self.tracker.stopping = True
         held = self.spool.unacked
         if not held:
