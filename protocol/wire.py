@@ -44,6 +44,14 @@ a node sends its uplink only on a connection that selected revision 5
 (node/net/transport.py `exchange_hello` leaves it out on others), and the tracker
 strips "uplink" from the entries it sends to a member of revision 4.
 
+Revision 6 added `Heartbeat.uplink`: the uplink a member says it has now, which may move
+during its session (protocol/uplinkmeter.py `reported_uplink`: its declared rate, lowered to
+what it measured where that is well under it, or what it measured where it declares none). The
+tracker takes a new value into the member's peer entry (at most once per
+`tracker.core.UPLINK_CHANGE_S`) and passes it on as at a join, so every member plans with it. A
+member sends it only to a tracker whose connection selected revision 6 (a tracker of revision 5
+would refuse the field); one of revision 5 keeps what the member's Hello said.
+
 Limits (named constants below, like h11's): every frame before the peer's
 Hello is at most MAX_HELLO_FRAME_BYTES (its header alone is refused beyond
 that, before any body is buffered); after it, `max_frame`. A body is read
@@ -90,12 +98,14 @@ MAX_WAN_REGIONS = 1 << 10  # regions in a PeerList's wan_rates
 # The wire revisions this code speaks, offered newest first in TLS ALPN (node/net/trust.py); a
 # connection reads what the revision it selected added (`revision`). Members of the first
 # version offer no ALPN protocol and select none; they are sent no optional field.
-# the newest: 5 added declared uplinks (Hello.uplink, "uplink" in peer entries), 4 record keys in
+# the newest: 6 added Heartbeat.uplink (an uplink that moves within a session), 5 declared uplinks
+# (Hello.uplink, "uplink" in peer entries), 4 record keys in
 # Trajectories batches, 3 TrajectoriesBusy, 2 PeerList.wan_rates
-WIRE_REVISION = "patchswarm/5"
-WIRE_REVISIONS = (WIRE_REVISION, "patchswarm/4", "patchswarm/3", "patchswarm/2")
+WIRE_REVISION = "patchswarm/6"
+WIRE_REVISIONS = (WIRE_REVISION, "patchswarm/5", "patchswarm/4", "patchswarm/3", "patchswarm/2")
 RECORD_KEYS_REVISION = 4  # a Trajectories batch may carry record keys (module docstring)
 UPLINK_REVISION = 5  # Hello.uplink and peer entries' "uplink" (module docstring)
+UPLINK_NOW_REVISION = 6  # Heartbeat.uplink (module docstring)
 # The largest uplink a member may declare, in Mbit/s (10 Tbit/s: beyond any NIC; the plan only
 # compares uplinks with their region's median, so the bound only keeps the number sane).
 MAX_UPLINK_MBIT = 10_000_000
@@ -301,6 +311,9 @@ class Unreachable:
 @dataclass(frozen=True)
 class Heartbeat:
     versions: list[int]  # as in Hello: the sender's current verified version, [] if none
+    # Revision 6 (optional): the uplink the member says it has now, Mbit/s as Hello.uplink; None:
+    # none. Sent only on a connection that selected revision 6.
+    uplink: float | None = None
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from patchswarm.protocol.peersets import apply_delta
 from patchswarm.protocol.responsibility import uplink_caps
 from patchswarm.tracker import server
 from patchswarm.tracker.core import (BAD_MESSAGE, BEHIND, OVER_ANNOUNCES, OVER_JOINS, OVER_SIGNALS, REPLACED, SILENT,
-                                     Close, Send, TrackerCore)
+                                     UPLINK_CHANGE_S, Close, Send, TrackerCore)
 
 KEY = Ed25519PrivateKey.generate()
 SWARM = "sw-test"
@@ -960,6 +960,59 @@ def test_the_trackers_gateways_skip_a_slow_member_as_the_nodes_do():
             caps = uplink_caps(there, {m: ups[m] for m in there})
             assert run.core.peers.gateways(f"r{r}") == responsibility.gateways(key, there, 2, caps)
         assert "n1.0" not in run.core.peers.gateways("r1")
+
+
+def test_an_uplink_said_in_a_heartbeat_reaches_every_member_and_moves_the_gateways():
+    """Revision 6: a node's heartbeat says the uplink it has now (it measured 9.44 Mbit/s of the
+    100 it declared). Its entry takes it; the next delta tells the members that know it (b of
+    revision 4 without the key), its region's gateways are re-ranked with it, and a change
+    within UPLINK_CHANGE_S of the last is left for a later heartbeat."""
+    run = Run(wan_gateways=2)
+    origin = _join_at(run, "origin", wire.WIRE_REVISION, uplink=1000, role="origin")
+    ups = {f"n{i}": 100 for i in range(4)}
+    conns = {m: _join_at(run, m, wire.WIRE_REVISION, uplink=up, region="r1") for m, up in ups.items()}
+    b = _join_at(run, "b", REV4, region="r1")
+    run.tick(0.5)
+    slow = next(m for m in ups if any(m in responsibility.gateways((v, False), [*ups, "b"], 2)
+                                      for v in range(1, 4)))  # a gateway of a version while it is not slow
+    before = {c: len(run.got[c]) for c in [*conns.values(), b]}
+    run.send(conns[slow], wire.Heartbeat([], uplink=9.44), at=1.0)
+    run.tick(2.0)
+    for m, c in conns.items():
+        if m != slow:
+            assert _uplinks_in(run.got[c][before[c]:]) == [(slow, 9.44)] and run.peers(c)[slow]["uplink"] == 9.44
+    assert _uplinks_in(run.got[b][before[b]:]) == [] and "uplink" not in run.peers(b)[slow]
+    caps = uplink_caps([*ups, "b"], {**ups, slow: 9.44})
+    assert caps[slow] < responsibility.SLOW_UPLINK
+    for v in range(1, 4):
+        run.send(origin, wire.Announce(envelope(v, v == 1)))
+        assert slow not in run.core.peers.gateways("r1")
+        assert run.core.peers.gateways("r1") == responsibility.gateways((v, v == 1), [*ups, "b"], 2, caps)
+    # Too soon after the change: kept for later; the same value again is no change.
+    run.send(conns[slow], wire.Heartbeat([], uplink=100), at=1.0 + UPLINK_CHANGE_S - 0.5)
+    run.send(conns[slow], wire.Heartbeat([], uplink=9.44), at=1.0 + UPLINK_CHANGE_S - 0.2)
+    assert {m["id"]: m.get("uplink") for m in run.core.status()["members"]}[slow] == 9.44
+    for c in [origin, b, *conns.values()]:  # all alive past the heartbeat timeout
+        run.send(c, wire.Heartbeat([], uplink=100 if c is not b else None), at=1.0 + UPLINK_CHANGE_S - 1.0)
+    run.send(conns[slow], wire.Heartbeat([], uplink=None), at=1.0 + UPLINK_CHANGE_S)  # its estimate aged out
+    run.tick(1.0 + UPLINK_CHANGE_S + 1.0)
+    other = conns["n0" if slow != "n0" else "n1"]
+    assert "uplink" not in run.peers(other)[slow] and run.peers(other)["b"] == {"id": "b", "region": "r1",
+                                                                                "addr": "b:7000", "role": "node"}
+
+
+def test_a_heartbeat_uplink_counts_only_on_a_connection_of_revision_6():
+    """A member whose connection chose revision 5 keeps its Hello's uplink: a member of that
+    revision sends none in heartbeats (exchange rules, node/net/trackerlink.py), and what one
+    would say there is not taken."""
+    run = Run()
+    a = _join_at(run, "a", "patchswarm/5", uplink=100)
+    c = _join_at(run, "c", wire.WIRE_REVISION, uplink=100)
+    run.tick(0.5)
+    run.send(a, wire.Heartbeat([], uplink=5.0), at=1.0)
+    run.tick(2.0)
+    assert run.peers(c)["a"]["uplink"] == 100
+    assert {m["id"]: m.get("uplink") for m in run.core.status()["members"]} == {"a": 100, "c": 100}
 
 
 def test_over_tls_a_node_of_revision_5_declares_its_uplink_and_one_of_revision_4_leaves_it_out(tmp_path):

@@ -69,7 +69,8 @@ def test_random_bytes_after_a_deferrals_type_key_raise_only_protocol_error(tail)
 
 
 @pytest.mark.parametrize("selected, number", [(None, 1), ("patchswarm/2", 2), ("patchswarm/3", 3),
-                                              ("patchswarm/4", 4), ("patchswarm/5", 5), (wire.WIRE_REVISION, 5)])
+                                              ("patchswarm/4", 4), ("patchswarm/5", 5), ("patchswarm/6", 6),
+                                              (wire.WIRE_REVISION, 6)])
 def test_the_selected_revision_as_a_number(selected, number):
     assert wire.revision(selected) == number
 
@@ -126,7 +127,9 @@ def _handshake(server_ctx: ssl.SSLContext, client_ctx: ssl.SSLContext) -> tuple[
 
 
 @pytest.mark.parametrize("origin_offers, node_offers, selected", [
-    (None, None, "patchswarm/5"),  # both of this version: revision 5, deferrals, record keys and uplinks
+    (None, None, "patchswarm/6"),  # both of this version: deferrals, record keys, uplinks said in heartbeats
+    (None, ["patchswarm/5", "patchswarm/4", "patchswarm/3", "patchswarm/2"], "patchswarm/5"),  # no heartbeat uplink
+    (["patchswarm/5", "patchswarm/4", "patchswarm/3", "patchswarm/2"], None, "patchswarm/5"),
     (None, ["patchswarm/4", "patchswarm/3", "patchswarm/2"], "patchswarm/4"),  # a node of revision 4: no uplinks
     (["patchswarm/4", "patchswarm/3", "patchswarm/2"], None, "patchswarm/4"),  # this node, an origin of revision 4
     (None, ["patchswarm/3", "patchswarm/2"], "patchswarm/3"),  # a node of revision 3: no record keys
@@ -141,6 +144,8 @@ def test_each_pair_of_versions_selects_the_newest_revision_both_speak(creds, ori
     got = _handshake(_offering(trust.server_context(origin), origin_offers),
                      _offering(trust.client_context(node), node_offers))
     assert got == (selected, selected)
-    # record keys only where both speak revision 4, uplinks only where both are of this version
-    assert (wire.revision(got[0]) >= wire.RECORD_KEYS_REVISION) == (selected in ("patchswarm/4", "patchswarm/5"))
-    assert (wire.revision(got[0]) >= wire.UPLINK_REVISION) == (selected == wire.WIRE_REVISION)
+    # record keys where both speak revision 4, declared uplinks 5, uplinks in heartbeats only this version
+    assert (wire.revision(got[0]) >= wire.RECORD_KEYS_REVISION) == (selected in ("patchswarm/4", "patchswarm/5",
+                                                                                 "patchswarm/6"))
+    assert (wire.revision(got[0]) >= wire.UPLINK_REVISION) == (selected in ("patchswarm/5", "patchswarm/6"))
+    assert (wire.revision(got[0]) >= wire.UPLINK_NOW_REVISION) == (selected == wire.WIRE_REVISION)

@@ -13,8 +13,10 @@ What it decides:
 - each member's peer set (protocol/peersets.py): the whole set when it
   joins, deltas afterwards, coalesced for `delta_delay` so a burst of joins
   costs each affected member one message; each entry with the uplink its
-  member declared in its Hello (wire revision 5), left out for a member whose
-  connection selected an older revision (it would refuse the key);
+  member declared in its Hello (wire revision 5), or says in its heartbeats
+  since (revision 6: lowered to what it measured, protocol/uplinkmeter.py
+  `reported_uplink`; at most one change per `UPLINK_CHANGE_S`), left out for
+  a member whose connection selected an older revision (it would refuse the key);
 - the manifests: only the origin announces; each is verified (trainer
   signature, swarm, forward only); `notice_seeds` nodes per region get it
   whole (VersionNotice), every other node a VersionHint, and gets it from a
@@ -38,6 +40,7 @@ import collections
 import dataclasses
 import heapq
 import logging
+import math
 import zlib
 from typing import Hashable
 
@@ -88,6 +91,11 @@ SILENT, REPLACED, OVER_JOINS, OVER_ANNOUNCES, OVER_SIGNALS, BAD_MESSAGE, BEHIND,
     "fell behind", "left")
 
 
+# A member's uplink changes at most this often: each change re-ranks its region's gateways and
+# sends the change to every member that knows it. An honest member's moves far less often
+# (`reported_uplink`'s step); a member that changes it each heartbeat has the rest ignored
+# until the time has passed (its next heartbeat then says its value again).
+UPLINK_CHANGE_S = 10.0
 MAX_REASON_CHARS = 200  # of an Unreachable's reason (an exception's one line)
 
 
@@ -127,7 +135,8 @@ class Member:
     errors: int = 0  # Error messages it sent this session (the first ERRORS_LOGGED are logged at INFO)
     revision: int = 1  # the wire revision its connection chose (2 and later read WAN rates)
     unreachable: tuple[str, str] | None = None  # (address, why) it was told it cannot be reached at
-    uplink: float | None = None  # Mbit/s, as its Hello declared (revision 5); None: none
+    uplink: float | None = None  # Mbit/s, as its Hello declared (revision 5) or its heartbeats say (6); None: none
+    uplink_at: float = -math.inf  # when a heartbeat last changed `uplink`
 
     def entry(self) -> dict:
         e = {"id": self.id, "region": self.region, "addr": self.addr, "role": self.role}
@@ -318,6 +327,7 @@ class TrackerCore:
         self._by_seen.move_to_end(m.id)
         if isinstance(msg, wire.Heartbeat):
             m.versions = list(msg.versions)
+            self._heard_uplink(m, msg.uplink, now)
             return []
         if isinstance(msg, wire.Announce):
             return self._announce(m, msg.manifest, now, verified)
@@ -336,6 +346,16 @@ class TrackerCore:
                     msg.message)
             return []
         return self._drop(m, now, BAD_MESSAGE, f"sent {type(msg).__name__}, which the tracker does not take")
+
+    def _heard_uplink(self, m: Member, uplink: float | None, now: float) -> None:
+        """A heartbeat's uplink: the member's peer entry takes a new one (the next delta tells
+        whoever knows it, and its region is re-ranked), at most once per `UPLINK_CHANGE_S`. A
+        member whose connection chose revision 5 or before sends none: its Hello's stands."""
+        if m.revision < wire.UPLINK_NOW_REVISION or uplink == m.uplink or m.role not in (NODE, ORIGIN) \
+                or now - m.uplink_at < UPLINK_CHANGE_S:
+            return
+        m.uplink, m.uplink_at = uplink, now
+        self._changed(self.peers.join(m.id, m.role, m.region, m.addr, m.uplink), now)
 
     def _relay_signal(self, m, msg: wire.Signal) -> list:
         """WebRTC signalling between members (node/net/rtcsignal.py): to the member it names,
