@@ -12,7 +12,8 @@ import trio
 from hypothesis import given, settings
 
 from patchswarm.protocol.errors import UsageError
-from patchswarm.protocol.uplinkmeter import MIN_SAMPLES, UplinkMeter
+from patchswarm.protocol.uplinkmeter import MIN_SAMPLES, REPORT_EVERY_S, UplinkMeter, UplinkReport, reported_uplink
+from patchswarm.tracker.core import UPLINK_CHANGE_S
 
 PART = 128 << 10
 
@@ -88,7 +89,8 @@ def test_an_estimate_needs_min_samples_and_is_their_median():
 
 @pytest.mark.parametrize("measured_rate, declared, warns", [
     (1_250_000, 100, True),   # 10 Mbit/s measured, 100 declared
-    (6_250_000, 100, False),  # 50 of 100: not under half
+    (6_250_000, 100, False),  # 50 of 100: not under a quarter
+    (2_500_000, 100, True),  # 20 of 100
     (1_250_000, None, False),  # none declared
 ])
 def test_below_declared_names_an_uplink_well_under_the_declared_one(measured_rate, declared, warns):
@@ -172,3 +174,48 @@ def test_real_sockets_with_slow_readers_measure_what_they_take():
 
     rate = trio.run(main)
     assert 0.5 * rate <= meter.estimate() <= 2.0 * rate, (meter.estimate(), rate, list(meter.samples))
+
+
+def test_samples_older_than_max_age_no_longer_count():
+    """A member planned as slow rarely backs up again: its estimate must end, or it stays slow."""
+    meter = UplinkMeter(window_s=1.0, max_age_s=100.0)
+    t = 0.0
+    for _ in range(MIN_SAMPLES + 1):
+        t = _parallel_sends(meter, t, 2, 1.0, 125_000)
+    meter.started(t + 0.1)
+    meter.finished(t + 0.2, 0)
+    assert meter.estimate(now=t + 50) == 250_000.0
+    assert meter.estimate(now=t + 97.0) is not None  # its samples, of windows ending at 2-5 s, are 97-100 s old
+    assert meter.estimate(now=t + 97.5) is None  # the first aged out: fewer than MIN_SAMPLES
+    assert meter.estimate(now=t + 200) is None and not meter.samples
+    assert meter.estimate_mbit(now=t + 200) is None
+
+
+@pytest.mark.parametrize("declared, measured, last, others, said", [
+    (100.0, None, None, None, 100.0),    # nothing measured: what is declared
+    (100.0, 37.0, None, None, 100.0),    # a healthy member whose neighbours' downlinks were the limit
+    (100.0, 24.0, None, None, 24.0),     # under a quarter: the measurement
+    (100.0, 9.437, None, None, 9.44),    # three significant digits
+    (100.0, 9.437, None, 5.0, 9.44),     # with a declared rate the others' do not count
+    (100.0, 9.9, 9.44, None, 9.44),      # within REPORT_STEP of what was said: unchanged
+    (100.0, 7.0, 9.44, None, 7.0),       # further: the new value
+    (100.0, 80.0, 9.44, None, 100.0),    # recovered: the declared rate again
+    (None, None, None, None, None),      # nothing declared nor measured
+    (None, 9.437, None, None, None),     # none declared and no other says one: nothing to compare with
+    (None, 93.6, None, 100.0, None),     # none declared, as fast as the others say: none (counts as the median)
+    (None, 9.437, None, 100.0, 9.44),    # under a quarter of what the others say
+    (None, 9.437, 9.44, None, None),     # no other says one now: nothing to compare with
+    (None, 9.437, 9.44, 30.0, None),     # the others are slow too: none
+    (10.0, 40.0, None, None, 10.0),      # a measurement never raises what is said
+])
+def test_reported_uplink_lowers_a_rate_only_where_measured_far_under_it(declared, measured, last, others, said):
+    assert reported_uplink(declared, measured, last, others) == said
+
+
+def test_uplink_report_changes_at_most_once_per_report_every_s():
+    said = UplinkReport(100.0)
+    assert said.value == 100.0 and not said.update(0.0, None) and not said.update(1.0, 30.0)
+    assert said.update(2.0, 9.437) and said.value == 9.44  # the first change goes at once
+    assert not said.update(2.0 + REPORT_EVERY_S - 0.1, 90.0) and said.value == 9.44  # too soon after it
+    assert said.update(2.0 + REPORT_EVERY_S, 90.0) and said.value == 100.0
+    assert REPORT_EVERY_S > UPLINK_CHANGE_S  # so the tracker takes every change a member says
