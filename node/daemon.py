@@ -39,6 +39,7 @@ from patchswarm.protocol.picker import (ENDGAME_AFTER, ORIGIN_PIPELINE, SLOW_CHU
                                         WAN_GATEWAYS, PiecePicker)
 from patchswarm.protocol.publication import describe
 from patchswarm.protocol.responsibility import swarm_wan_rates
+from patchswarm.protocol.uplinkmeter import UplinkReport
 from patchswarm.protocol.versions import VersionBook
 
 from patchswarm.node.applier import Applier
@@ -66,6 +67,9 @@ from patchswarm.node.persistence import COMPACT_EVERY, DurableState
 from patchswarm.node.changelog import DIRNAME as CHANGES_DIR
 from patchswarm.node.weights import WEIGHTS_NAME
 
+# How often the node looks at its uplink estimate (a median of at most 32 samples); a change is
+# sent to the tracker at once, so a host found slow mid-version re-plans its region within ~1 s.
+UPLINK_CHECK_S = 0.5
 log = logging.getLogger("patchswarm.node")
 
 KEEP_VERSIONS = 4  # objects kept after they are applied, to serve peers that are behind
@@ -148,6 +152,8 @@ class Node:
         self.peers = PeerSet(self.id, None, self.upload, self._on_message,  # store set in run()
                              on_open=self._on_peer_open, on_close=self._on_peer_close, inflows=self.inflows)
         self.peers.declared_uplink_mbit, self.peers.region = cfg.uplink_mbit, self.region
+        # What this node says its uplink is: declared, or lower where it measured far less (_watch_uplink).
+        self.uplink_said = UplinkReport(cfg.uplink_mbit)
         self.tracker = TrackerLink(cfg.tracker, self.creds, self._hello, self._on_tracker_message,
                                    revocations_file=self.data_dir / "revocations")
         self.rtc = None if cfg.transport == "tcp" else RTCSignaller(
@@ -223,6 +229,7 @@ class Node:
             nursery.start_soon(self.manifests.run)
             nursery.start_soon(self.tracker.run)
             nursery.start_soon(self.dialer.run)
+            nursery.start_soon(self._watch_uplink)
             if self.applier.sink is not None:
                 nursery.start_soon(self.applier.sink.run)
                 await self.applier.hand_off_loaded()
@@ -274,8 +281,30 @@ class Node:
 
     def _hello(self) -> wire.Hello:
         # One Hello for every connection: exchange_hello leaves the uplink out below revision 5.
+        # The tracker link builds one per heartbeat, which says the uplink too (revision 6).
         return wire.Hello(self.id, self.region, "node", self.cfg.advertise or self.listen_addr,
-                          [] if self.version is None else [self.version], uplink=self.cfg.uplink_mbit)
+                          [] if self.version is None else [self.version], uplink=self.uplink_said.value)
+
+    async def _watch_uplink(self) -> None:
+        """Keep what this node says its uplink is up to date (`uplink_said`: --uplink-mbit, or what
+        it measured where that is far under it, or under what its region's other nodes say where
+        it declares none; protocol/uplinkmeter.py `reported_uplink`). On a change this node plans
+        with the new value at once and sends the tracker a heartbeat that says it, which the
+        tracker's next delta tells the others."""
+        said = self.uplink_said
+        while True:
+            await trio.sleep(UPLINK_CHECK_S)
+            now = trio.current_time()
+            if not said.update(now, self.peers.uplink.estimate_mbit(now), self._region_says()):
+                continue
+            log.info("this node now says its uplink is %s Mbit/s (declared: %s; measured while its sends "
+                     "backed up: %s): each version's plan takes it",
+                     "none" if said.value is None else f"{said.value:g}",
+                     "none" if said.declared is None else f"{said.declared:g}", self.peers.uplink.estimate_mbit())
+            if self.dialer.members:
+                self._on_peer_list(list(self.dialer.members.values()))
+            with trio.move_on_after(UPLINK_CHECK_S * 10):  # a tracker that reads nothing: the periodic one says it
+                await self.tracker.heartbeat_now()
 
     # ------------------------------------------------------------ tracker
 
@@ -329,18 +358,32 @@ class Node:
         self.fetcher.wake()
 
     def _uplinks(self, peers: list[dict]) -> dict[str, float]:
-        """The declared uplinks the plan uses (node id -> Mbit/s; ids missing declared none): the
-        nodes' peer entries, and this node's own --uplink-mbit only where the tracker's
-        connection selected revision 5. Every member of a region must plan with the same
-        uplinks: a tracker of revision 4 (or one this node reached below 5) hears no uplink
-        from this node and tells the others none, so this node counts its own as none too."""
+        """The uplinks the plan uses (node id -> Mbit/s; ids missing said none): the nodes' peer
+        entries, and this node's own as the tracker has it (`_uplink_told`)."""
         uplinks = {p["id"]: p[wire.PEER_UPLINK] for p in peers
                    if p["role"] == "node" and wire.PEER_UPLINK in p and p["id"] != self.id}
-        ms = self.tracker.stream
-        if self.cfg.uplink_mbit is not None and ms is not None and \
-                wire.revision(ms.wire_revision) >= wire.UPLINK_REVISION:
-            uplinks[self.id] = self.cfg.uplink_mbit
+        own = self._uplink_told()
+        if own is not None:
+            uplinks[self.id] = own
         return uplinks
+
+    def _region_says(self) -> float | None:
+        """The upper median of the uplinks the other nodes of this region say (their peer
+        entries), which a node that declares none compares its measurement with; None: none say one."""
+        said = sorted(p[wire.PEER_UPLINK] for p in self.dialer.members.values()
+                      if p["role"] == "node" and p["region"] == self.region and wire.PEER_UPLINK in p)
+        return said[len(said) // 2] if said else None
+
+    def _uplink_told(self) -> float | None:
+        """This node's uplink as the tracker has it, which the others plan with, so this node
+        does too: what it says now where the tracker's connection selected revision 6 (its
+        heartbeats say it); what this session's Hello said at revision 5; none at revision 4
+        or before, or with no tracker yet (it hears none)."""
+        ms = self.tracker.stream
+        revision = 0 if ms is None else wire.revision(ms.wire_revision)
+        if revision >= wire.UPLINK_NOW_REVISION:
+            return self.uplink_said.value
+        return self.tracker.hello_sent.uplink if revision >= wire.UPLINK_REVISION else None
 
     # ------------------------------------------------------------ peers
 
@@ -420,7 +463,10 @@ class Node:
             "part_bytes": self.peers.part_bytes,  # the parts it sends, sized to that (protocol/assembly.py)
             # As measured while this node's sends backed up (protocol/uplinkmeter.py); None: they never did.
             "uplink_measured_mbit": self.peers.uplink.estimate_mbit(),
-            # Members of this region planned as slow by their declared uplinks (protocol/responsibility.py
+            # What the tracker has of it, and so what every member plans its share on: declared, or
+            # measured where that is far under it (protocol/uplinkmeter.py reported_uplink).
+            "uplink_said_mbit": self._uplink_told(),
+            # Members of this region planned as slow by the uplinks they say (protocol/responsibility.py
             # SLOW_UPLINK): they bring nothing in while others can, and are asked last.
             "slow_neighbours": self.picker.slow_neighbours,
             # The WAN rates (Mbit/s) this node plans each chunk's chain of regions with: the tracker's,

@@ -256,24 +256,27 @@ def test_status_shows_a_model_dir_version_written_ahead_of_current(capsys, monke
     assert "/m/current (version 3) " in " ".join(capsys.readouterr().out.split())
 
 
-@pytest.mark.parametrize("declared, measured, slow, shown", [
-    (100.0, None, [], "│ 100 Mbit/s declared │"),
-    (100.0, 9.437, ["n3"], "│ 100 Mbit/s declared, 9.437 Mbit/s measured while sends backed up │"),
-    (None, 9.437, [], "│ 9.437 Mbit/s measured while sends backed up │"),
-    (None, None, [], None),
+@pytest.mark.parametrize("declared, measured, said, slow, shown", [
+    (100.0, None, 100.0, [], "│ 100 Mbit/s declared │"),
+    (100.0, 9.437, 9.44, ["n3"],
+     "│ 100 Mbit/s declared, 9.437 Mbit/s measured while sends backed up, planned on 9.44 Mbit/s │"),
+    (100.0, 60.1, 100.0, [], "│ 100 Mbit/s declared, 60.1 Mbit/s measured while sends backed up │"),
+    (None, 9.437, 9.44, [], "│ 9.437 Mbit/s measured while sends backed up, planned on 9.44 Mbit/s │"),
+    (None, None, None, [], None),
 ])
-def test_status_shows_the_declared_and_measured_uplinks_and_slow_neighbours(capsys, monkeypatch, declared, measured,
-                                                                           slow, shown):
+def test_status_shows_the_declared_measured_and_said_uplinks_and_slow_neighbours(capsys, monkeypatch, declared,
+                                                                                measured, said, slow, shown):
     from patchswarm.node.cli.services import print_status
 
     monkeypatch.setenv("COLUMNS", "300")
     st = {"node_id": "n1", "region": "r0", "version": 3, "base_path": "/d/weights.safetensors",
           "bytes_in": {"origin": 0, "same_region": 0, "other_region": 0}, "bytes_out": 0, "chunks_rejected": 0,
-          "peers": [], "uplink_mbit": declared, "uplink_measured_mbit": measured, "slow_neighbours": slow}
+          "peers": [], "uplink_mbit": declared, "uplink_measured_mbit": measured, "uplink_said_mbit": said,
+          "slow_neighbours": slow}
     print_status(st)
     out = " ".join(capsys.readouterr().out.split())
     assert (shown in out) if shown else "Mbit/s" not in out
-    assert ("slow neighbours │ n3 (by declared uplinks" in out) == bool(slow)
+    assert ("slow neighbours │ n3 (by the uplinks they say" in out) == bool(slow)
     print_status({**st, "part_bytes": 256 << 10})
     out = " ".join(capsys.readouterr().out.split())
     assert ("Mbit/s declared (sends parts of 256 KiB)" in out) == bool(declared)

@@ -141,11 +141,12 @@ def test_engine_series_appear_only_with_an_engine_entry():
 
 
 @pytest.mark.parametrize("metrics", [NodeMetrics, OriginMetrics])
-def test_declared_and_measured_uplinks_are_gauges_where_the_status_has_them(metrics):
+def test_declared_measured_and_said_uplinks_are_gauges_where_the_status_has_them(metrics):
     base = NODE_STATUS if metrics is NodeMetrics else {"version": 1, "tracker_connected": True, "peers": []}
-    got = samples(metrics(), {**base, "uplink_mbit": 100.0, "uplink_measured_mbit": 9.8})
+    got = samples(metrics(), {**base, "uplink_mbit": 100.0, "uplink_measured_mbit": 9.8, "uplink_said_mbit": 9.8})
     assert got[("patchswarm_uplink_declared_mbit", ())] == 100.0
     assert got[("patchswarm_uplink_measured_mbit", ())] == 9.8
+    assert got[("patchswarm_uplink_said_mbit", ())] == 9.8
     none = samples(metrics(), {**base, "uplink_mbit": None, "uplink_measured_mbit": None})
     assert not any(name.startswith("patchswarm_uplink") for name, _ in none)  # no series for what is not known
 

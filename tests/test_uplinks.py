@@ -24,6 +24,7 @@ from patchswarm.node.net import transport, trust
 from patchswarm.node.net.service import parse_uplink
 from patchswarm.protocol import wire
 from patchswarm.protocol.assembly import part_bytes_for
+from patchswarm.protocol.responsibility import SLOW_UPLINK, uplink_caps
 from patchswarm.tracker import server
 
 DECLARED = {"fast": 100.0, "slow": 10.0, "quiet": None}  # Mbit/s; quiet declares none
@@ -117,6 +118,68 @@ def test_a_tracker_of_revision_4_hears_no_uplink_and_no_node_counts_its_own(tmp_
         assert all(node.tracker.stream.wire_revision == "patchswarm/4" for node in nodes.values())
         assert {m["id"]: m.get("uplink") for m in tracker.status()["members"]} == dict.fromkeys(DECLARED)
         assert all(c[-1] == {} for c in calls.values()), calls
+
+    _run_swarm(tmp_path, check)
+
+
+def _measure(node: Node, mbit: float) -> None:
+    """Feed the node's uplink meter six half-second windows, just past, in which two sends waited
+    at once and carried `mbit` Mbit/s together (what backed-up relaying to neighbours gives)."""
+    meter, t = node.peers.uplink, trio.current_time() - 5.0
+    for _ in range(6):
+        meter.started(t)
+        meter.started(t)
+        for _ in range(2):
+            meter.finished(t + meter.window_s, int(mbit * 1e6 / 8 * meter.window_s / 2))
+        t += meter.window_s
+    meter.started(t + 0.1)  # closes the last window
+    meter.finished(t + 0.2, 0)
+
+
+@pytest.mark.parametrize("revision", [None, "patchswarm/5"])
+def test_a_node_that_measures_a_slow_uplink_says_so_and_every_node_plans_with_it(tmp_path, monkeypatch, revision):
+    """"fast" declares 100 Mbit/s but measures 9.44 while its sends back up (a busier NIC): it says
+    9.44 in its heartbeats (wire revision 6), the tracker passes it on, and every node's picker
+    plans with {fast: 9.44, slow: 10}, its own included; status and the tracker show it; then
+    "quiet", which declares none, measures 2 Mbit/s against the others' 10 and says that. With
+    a tracker of revision 5, which reads no uplink in a heartbeat, every node plans on what the
+    Hellos said, "fast" and "quiet" included."""
+    from patchswarm.node import daemon
+    from patchswarm.node.net import trackerlink
+
+    monkeypatch.setattr(daemon, "UPLINK_CHECK_S", 0.1)
+    monkeypatch.setattr(trackerlink, "HEARTBEAT_SECONDS", 0.2)
+    if revision is not None:
+        def older(creds):
+            ctx = trust.server_context(creds)
+            ctx.set_alpn_protocols([revision, "patchswarm/4", "patchswarm/3", "patchswarm/2"])
+            return ctx
+        monkeypatch.setattr(transport, "server_context", older)
+    declared = {m: up for m, up in DECLARED.items() if up is not None}
+    want = {**declared, "fast": 9.44} if revision is None else declared
+
+    async def check(tracker, nodes, calls):
+        await _until(lambda: all(c and c[-1] == declared for c in calls.values()), 30)
+        _measure(nodes["fast"], 9.437)
+        await _until(lambda: nodes["fast"].status()["uplink_measured_mbit"] is not None, 10)
+        await _until(lambda: all(c[-1] == want for c in calls.values()), 10)
+        st = nodes["fast"].status()
+        assert (st["uplink_mbit"], st["uplink_said_mbit"]) == (100.0, want["fast"])  # what the tracker has
+        said = {m["id"]: m.get("uplink") for m in tracker.status()["members"]}
+        assert said == {**DECLARED, "fast": want["fast"]}
+        await trio.sleep(0.5)  # and it stays so (the node says it in each heartbeat)
+        assert all(c[-1] == want for c in calls.values())
+        caps = uplink_caps(nodes, want)
+        slow = sorted(m for m in nodes if caps and caps[m] < SLOW_UPLINK)
+        assert slow == ([] if revision is None else ["slow"])  # fast and slow alike now: 9.44 and 10 of 10
+        assert all(node.status()["slow_neighbours"] == slow for node in nodes.values())
+        # "quiet" declares none: it measures 2 Mbit/s, under a quarter of what the others say (the
+        # upper median of 9.44 and 10), and says so.
+        _measure(nodes["quiet"], 2.0)
+        told = {**want, "quiet": 2.0} if revision is None else want
+        await _until(lambda: nodes["quiet"].uplink_said.value == 2.0, 10)
+        await _until(lambda: all(c[-1] == told for c in calls.values()), 10)
+        assert nodes["quiet"].status()["uplink_said_mbit"] == told.get("quiet")
 
     _run_swarm(tmp_path, check)
 

@@ -368,13 +368,16 @@ def print_status(st: dict) -> None:
                             + (f"; last error: {engine['last_error']}" if engine.get("last_error") else ""))
     t.add_row("tracker", "connected" if st.get("tracker_connected") else "not connected")
     declared, measured, part = st.get("uplink_mbit"), st.get("uplink_measured_mbit"), st.get("part_bytes")
+    said = st.get("uplink_said_mbit")
     if declared or measured:
         t.add_row("uplink", ", ".join(
             ([f"{declared:g} Mbit/s declared" + (f" (sends parts of {part >> 10} KiB)" if part else "")]
              if declared else [])
-            + ([f"{measured:g} Mbit/s measured while sends backed up"] if measured else [])))
+            + ([f"{measured:g} Mbit/s measured while sends backed up"] if measured else [])
+            + ([f"planned on {said:g} Mbit/s"] if said and said != declared else [])))
     if st.get("slow_neighbours"):
-        t.add_row("slow neighbours", ", ".join(st["slow_neighbours"]) + " (by declared uplinks: asked last, no share)")
+        t.add_row("slow neighbours",
+                  ", ".join(st["slow_neighbours"]) + " (by the uplinks they say: asked last, no share)")
     if st.get("wan_rates"):
         t.add_row("WAN rates", format_wan_rates(st["wan_rates"]) + " Mbit/s (each chunk's regions, fastest first)")
     b = st["bytes_in"]

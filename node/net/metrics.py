@@ -51,13 +51,17 @@ def _disk(st: dict) -> Iterable[Metric]:
 
 
 def _uplink(st: dict) -> Iterable[Metric]:
-    """The uplink a member declared and the one measured while its sends backed up
-    (protocol/uplinkmeter.py): the same keys in a node's and the origin's status."""
+    """The uplink a member declared, the one measured while its sends backed up
+    (protocol/uplinkmeter.py) and (a node's) the one it says: the same keys in a node's and the
+    origin's status, which has no said one."""
     yield from _gauge("patchswarm_uplink_declared_mbit", "the uplink this member declared (--uplink-mbit), "
                       "which its share of each version is planned on", st.get("uplink_mbit"))
     yield from _gauge("patchswarm_uplink_measured_mbit", "this member's upload rate while more than one of its "
                       "sends within its region waited at once (the median of the last 32 half-second samples)",
                       st.get("uplink_measured_mbit"))
+    yield from _gauge("patchswarm_uplink_said_mbit", "the uplink this member tells the tracker, which every member "
+                      "plans its share on: declared, or measured where that is under a quarter of it",
+                      st.get("uplink_said_mbit"))
 
 
 def _storage(st: dict) -> Iterable[Metric]:

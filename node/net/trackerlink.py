@@ -43,6 +43,7 @@ class TrackerLink:
         self._on_message = on_message
         self._on_connect = on_connect
         self.stream: MessageStream | None = None
+        self.hello_sent: wire.Hello | None = None  # the Hello of the current (or last) session
         self.backoff = Backoff(BACKOFF_MIN, BACKOFF_MAX)
         self.stopping = False  # set by a member that drains before it stops (node/daemon.py drain)
         # The revocation list is trust, not swarm policy: the link takes it into the
@@ -76,7 +77,8 @@ class TrackerLink:
     async def run(self) -> None:
         while True:
             try:
-                ms = await connect(self.addr, self.creds, {"tracker"}, self._hello())
+                hello = self._hello()
+                ms = await connect(self.addr, self.creds, {"tracker"}, hello)
             except (*CONNECTION_ERRORS, PatchswarmError) as e:
                 delay = self.backoff.next()
                 if isinstance(e, PeerRefused):  # it answered: it says why (a budget, this member's region)
@@ -87,6 +89,7 @@ class TrackerLink:
                 await trio.sleep(delay)
                 continue
             self.backoff.reset()
+            self.hello_sent = hello
             log.info("joined the swarm via tracker %s", self.addr)
             try:
                 async with trio.open_nursery() as n:
@@ -123,8 +126,21 @@ class TrackerLink:
     async def _heartbeat(self, ms: MessageStream) -> None:
         while True:
             with trio.fail_after(HEARTBEAT_SECONDS * 5):
-                await ms.send(wire.Heartbeat(self._hello().versions))
+                await ms.send(self._heartbeat_of(ms))
             await trio.sleep(HEARTBEAT_SECONDS)
+
+    def _heartbeat_of(self, ms: MessageStream) -> wire.Heartbeat:
+        # A heartbeat says the member's uplink now where the tracker reads it (revision 6): it
+        # may have moved since the Hello (protocol/uplinkmeter.py UplinkReport).
+        hello = self._hello()
+        says_uplink = wire.revision(ms.wire_revision) >= wire.UPLINK_NOW_REVISION
+        return wire.Heartbeat(hello.versions, uplink=hello.uplink if says_uplink else None)
+
+    async def heartbeat_now(self) -> bool:
+        """A heartbeat now, besides the periodic ones (the member's uplink changed: the sooner the
+        tracker has it, the sooner the region plans with it); False if not connected."""
+        ms = self.stream
+        return ms is not None and await self.send(self._heartbeat_of(ms))
 
     async def send(self, msg) -> bool:
         """Send now if connected; False if not (the owner's on_connect catches up later)."""
