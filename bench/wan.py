@@ -26,7 +26,11 @@ against the same system's run without them.
 Declared uplinks: every patchswarm daemon is started with `--uplink-mbit`, its
 host's link rate (`--lan-mbit`, or its `--slow-uplink` rate), so the plan gives a
 slow member a smaller share; `--no-declare-uplinks` leaves them out (the plan
-without them), for a side-by-side run of the same topology.
+without them), for a side-by-side run of the same topology, and
+`--slow-declares-lan` has the slow ones declare the LAN's rate (a host slower
+than it says). Measured uplinks: members say what they measured while relaying
+(protocol/uplinkmeter.py `reported_uplink`), which a version's plan takes only
+once said; `--warmup` fetches one version untimed first and times the next.
 
 Hosts behind NAT (issue 22): the system `patchswarm-nat` runs patchswarm on the
 same topology with one remote region (`--nat-region`, default the last) behind
@@ -98,7 +102,8 @@ def make_runner(name: str, args: argparse.Namespace) -> Runner:
                                 node_args=shlex.split(args.node_args), tell_rates=name != "patchswarm-blind",
                                 faults=faults, nat_regions=(nat,) if name == "patchswarm-nat" else (),
                                 declare_uplinks=not args.no_declare_uplinks, link_trace=args.link_trace,
-                                link_trace_step_s=args.link_trace_ms / 1000)
+                                link_trace_step_s=args.link_trace_ms / 1000,
+                                slow_declares_lan=args.slow_declares_lan, warmup=args.warmup)
     raise ValueError(f"system: expected one of {SYSTEMS}, found {name!r}")
 
 
@@ -212,6 +217,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-declare-uplinks", action="store_true",
                     help="patchswarm/star: daemons declare no uplink (by default each declares its link's rate, "
                          "--uplink-mbit: --lan-mbit, or its --slow-uplink rate), for side-by-side runs")
+    ap.add_argument("--slow-declares-lan", action="store_true",
+                    help="patchswarm/star: --slow-uplink nodes declare --lan-mbit (a host slower or busier than it "
+                         "says), so only what they measure can tell the plan")
+    ap.add_argument("--warmup", action="store_true",
+                    help="patchswarm: fetch one version untimed first, so the uplinks members measure while relaying "
+                         "it (and say to the tracker) are in the timed version's plan")
     ap.add_argument("--kill-at", type=float, default=1.0,
                     help="*-faults: SIGKILL one gateway per remote region (libtorrent: the leecher of the same "
                          "name) this many s after the announcement (libtorrent: after `go`)")
@@ -294,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
           + (f"; slow uplinks {', '.join(f'{n} {m:g} Mbit/s' for n, m in spec.slow_uplinks)}"
              if spec.slow_uplinks else "")
           + ("; patchswarm daemons declare no uplink" if args.no_declare_uplinks
+             else "; patchswarm daemons declare the LAN's rate, the slow ones too" if args.slow_declares_lan
              else "; patchswarm daemons declare their uplinks (--uplink-mbit)"), flush=True)
 
     sizes = [args.nodes] + [int(n) for n in args.scaling.split(",") if n and int(n) != args.nodes]

@@ -48,6 +48,9 @@ FAST_POLL_S = 0.05  # while fetching with faults scheduled: the polls also run t
 # state while applying). Runs that would not fit in MemAvailable are skipped instead of OOM-killing the box.
 DAEMON_BASE_BYTES, DAEMON_BYTES_PER_CHECKPOINT_BYTE = 250e6, 10
 _CLI_TIMEOUT_S = 120.0
+# After a warm-up version: a node looks at its estimate every 2 s and heartbeats every 2 s, and the
+# tracker's delta goes out within 1 s (node/daemon.py UPLINK_CHECK_S, tracker/core.py).
+WARMUP_SETTLE_S = 8.0
 _CONNECT_WAIT_S = 20.0      # for every node to have its peers before the timed version
 
 
@@ -86,8 +89,15 @@ class PatchswarmRunner:
     def __init__(self, no_peers: bool = False, verbose: bool = False, log_dir: Path | None = None,
                  chunk_bytes: int | None = None, node_args: tuple[str, ...] = (), tell_rates: bool = True,
                  faults: Faults | None = None, nat_regions: tuple[int, ...] = (), declare_uplinks: bool = True,
-                 link_trace: int | None = None, link_trace_step_s: float = 0.1):
+                 link_trace: int | None = None, link_trace_step_s: float = 0.1, slow_declares_lan: bool = False,
+                 warmup: bool = False):
         self.no_peers = no_peers
+        # Slow nodes declare the LAN's rate (a host slower or busier than it says; `uplink_args`).
+        self.slow_declares_lan = slow_declares_lan
+        # One untimed version before the timed one (`WARMUP_SETTLE_S` after it), so what each member
+        # measured of its uplink while relaying it is in everyone's plan; the timed version is then
+        # version 2, the payload's base again (the same changed elements, the other way).
+        self.warmup = warmup
         # A region whose links (and the origin's uplink) are traced during the fetch (bench/linktrace.py)
         # and shown per `link_trace_step_s` from the announcement; None: no trace.
         self.link_trace = link_trace
@@ -103,6 +113,7 @@ class PatchswarmRunner:
         # chunk holds about one segment of a patch (a patch codes well under a byte per element).
         self.chunk_bytes = chunk_bytes
         self.name = ("star" if no_peers else "patchswarm") + ("" if tell_rates else " rate-blind") \
+            + (" after a warm-up version" if warmup else "") \
             + ("" if faults is None else f" {faults.label()}") \
             + ("" if not nat_regions else " NAT " + ",".join(f"r{r}" for r in nat_regions))
         self.verbose = verbose
@@ -158,7 +169,7 @@ class PatchswarmRunner:
             exe, "origin", "--tracker", tracker_addr, "--creds", str(creds / "origin"),
             "--key", str(swarm / "trainer.key"), "--data-dir", str(origin_dir),
             "--listen", f"{topo.origin.ip}:{ORIGIN_PORT}", "--region", _region(topo.origin.region),
-            "--watch", str(watch), *uplink_args(topo.spec, topo.origin.name, self.declare_uplinks), *verbose,
+            "--watch", str(watch), *self._uplink_args(topo, topo.origin.name), *verbose,
             *([] if self.chunk_bytes is None else ["--chunk-bytes", str(self.chunk_bytes),
                                                    "--segment-elements", str(self.chunk_bytes)])])
         sockets = {}
@@ -176,7 +187,7 @@ class PatchswarmRunner:
                 *(["--no-listen"] if h.region in self.nat_regions else ["--listen", f"{h.ip}:{NODE_PORT}"]),
                 *(["--transport", "auto"] if self.nat_regions else []), "--region", _region(h.region),
                 *(["--no-peers"] if self.no_peers else []),
-                *uplink_args(topo.spec, h.name, self.declare_uplinks), *self.node_args, *verbose]
+                *self._uplink_args(topo, h.name), *self.node_args, *verbose]
             self._spawn(topo, h, logs, self._argv[h.name])
         clients = {name: NodeClient(path) for name, path in sockets.items()}
         trace = None
@@ -186,6 +197,12 @@ class PatchswarmRunner:
             _wait_versions(clients, 0, deadline, NodeUnavailable)
             _wait_published(origin_dir, "v000.safetensors", deadline)
             connected = _wait_connected(clients, self._wanted_connections(topo), deadline)
+            timed, timed_state = 1, payload.target
+            if self.warmup:
+                _drop(payload.target, watch / "v001.safetensors")
+                _wait_versions(clients, 1, deadline, NodeUnavailable)
+                time.sleep(WARMUP_SETTLE_S)
+                timed, timed_state = 2, payload.base
             start_status = {n: c.status() for n, c in clients.items()}
             before = topo.counters()
             if self.link_trace is not None:
@@ -193,13 +210,13 @@ class PatchswarmRunner:
                                    **{f"wan{r}": (topo.router_ns, f"wan{r}") for r in range(topo.spec.regions)}})
                 trace.start()
             t_drop = time.time()
-            _drop(payload.target, watch / "v001.safetensors")
+            _drop(timed_state, watch / f"v{timed:03d}.safetensors")
             polled = {n: c for n, c in clients.items()}  # killed nodes leave it; a restarted one is back
             schedule = self._fault_schedule(topo, logs, polled) if self.faults else None
-            cpu = _watch_fetch(polled, 1, self._pids, deadline, NodeUnavailable, schedule)
+            cpu = _watch_fetch(polled, timed, self._pids, deadline, NodeUnavailable, schedule)
             if trace is not None:
                 trace.stop()
-            _wait_versions(polled, 1, deadline, NodeUnavailable)
+            _wait_versions(polled, timed, deadline, NodeUnavailable)
             moved = topo.counters() - before
             end_status = {n: c.status() for n, c in polled.items()}
         finally:
@@ -210,32 +227,35 @@ class PatchswarmRunner:
         # Every node's final status (per-peer piece bytes, timeline) beside the logs, for diagnosis.
         (logs / "status.json").write_text(json.dumps(end_status, indent=1, sort_keys=True) + "\n")
         (logs / "fetch-cpu.json").write_text(json.dumps(dataclasses.asdict(cpu), indent=1) + "\n")
-        expected = _state_hash(payload.target)
+        expected = _state_hash(timed_state)
         wrong = sorted(n for n, st in end_status.items() if st.get("state_hash") != expected)
         if wrong:
-            raise RunFailed(f"state hash differs from version 1's on {wrong[:6]}: expected {expected}, "
+            raise RunFailed(f"state hash differs from version {timed}'s on {wrong[:6]}: expected {expected}, "
                             f"found {end_status[wrong[0]].get('state_hash')}")
         killed = set(self._killed) if self.faults else set()
         # A restarted node may have learned of the version from its store, not an announcement.
-        v1 = {n: _timeline(st, 1) for n, st in end_status.items() if n not in killed}
-        back = {n: next((a for a in st.get("applied", []) if a.get("version") == 1), {}) for n, st in end_status.items()
+        v1 = {n: _timeline(st, timed) for n, st in end_status.items() if n not in killed}
+        back = {n: next((a for a in st.get("applied", []) if a.get("version") == timed), {})
+                for n, st in end_status.items()
                 if n in killed}
         t_announce = min(e["announced_at"] for e in v1.values())
         per_node = {n: e["complete_at"] - t_announce for n, e in v1.items()}
         applied_s = max(e["applied_at"] for e in v1.values()) - t_announce
         apply_cpu = sorted(e["apply_s"] for e in v1.values())
         swarm_patch = {e["bytes"] for e in v1.values()}
-        notes = [f"publish (rename -> first node learns of v1) {t_announce - t_drop:.2f} s",
+        notes = [f"publish (rename -> first node learns of v{timed}) {t_announce - t_drop:.2f} s",
                  f"apply per node (decode, write, hash check; wall) median {apply_cpu[len(apply_cpu) // 2]:.2f} s, "
                  f"max {apply_cpu[-1]:.2f} s",
-                 _version0_note(start_status, connected),
+                 _version0_note(start_status, connected) if not self.warmup else
+                 f"version 1 fetched untimed first (warm-up), {WARMUP_SETTLE_S:g} s before version 2; "
+                 + _said_note(start_status),
                  f"swarm patch as the origin chunks it: {', '.join(f'{b:,}' for b in sorted(swarm_patch))} bytes",
                  _bytes_in_note(start_status, end_status, payload.patch_bytes),
                  f"CPU while fetching (first node learns of v1 -> every node holds it, as polled): "
                  f"{cpu.wall_s:.2f} s wall; the swarm's processes used {cpu.swarm_s:.2f} CPU-s, everything on "
                  f"the machine {cpu.busy_s:.2f} of the {cpu.cores} cores' {cpu.cores * cpu.wall_s:.2f} CPU-s"]
-        stalls = {n: st["longest_wait_s"]["v1 patch"] for n, st in end_status.items()
-                  if n not in killed and "v1 patch" in st.get("longest_wait_s", {})}
+        stalls = {n: st["longest_wait_s"][f"v{timed} patch"] for n, st in end_status.items()
+                  if n not in killed and f"v{timed} patch" in st.get("longest_wait_s", {})}
         if self.faults:
             back = {n: f"{e['complete_at'] - t_announce:.2f} s" if "complete_at" in e else "?" for n, e in back.items()}
             notes.append(f"{self.faults.label()}: killed {sorted(killed)}; restarted and complete: {back or 'none'}; "
@@ -294,6 +314,9 @@ class PatchswarmRunner:
                                               / "node.sock")
         return run_due
 
+    def _uplink_args(self, topo: Topology, host: str) -> list[str]:
+        return uplink_args(topo.spec, host, self.declare_uplinks, self.slow_declares_lan)
+
     def _wanted_connections(self, topo: Topology) -> int:
         """How many peers (origin included) a node holds at least once the swarm has settled:
         the ones it dials (node/dialer.py `Dialer.wanted`); others may dial it too."""
@@ -325,12 +348,14 @@ def download_limit(node_args) -> float | None:
     return None
 
 
-def uplink_args(spec, host: str, declare: bool = True) -> list[str]:
+def uplink_args(spec, host: str, declare: bool = True, slow_declares_lan: bool = False) -> list[str]:
     """The `--uplink-mbit` a daemon on `host` declares: its link's rate each way (`lan_mbit`), or
-    its `slow_uplinks` rate; nothing where `declare` is False (bench/wan.py --no-declare-uplinks)."""
+    its `slow_uplinks` rate (the LAN's too with `slow_declares_lan`: bench/wan.py
+    --slow-declares-lan); nothing where `declare` is False (bench/wan.py --no-declare-uplinks)."""
     if not declare:
         return []
-    return ["--uplink-mbit", f"{dict(spec.slow_uplinks).get(host, spec.lan_mbit):g}"]
+    slow = {} if slow_declares_lan else dict(spec.slow_uplinks)
+    return ["--uplink-mbit", f"{slow.get(host, spec.lan_mbit):g}"]
 
 
 def first_gateways(topo: Topology) -> list[str]:
@@ -474,6 +499,14 @@ def _timeline(status: dict, version: int) -> dict:
         raise RunFailed(f"{status.get('node_id')}: expected a timeline of version {version} with {need} in its "
                         f"status, found {entry}")
     return entry
+
+
+def _said_note(status: dict) -> str:
+    """The uplinks the nodes say (status 'uplink_said_mbit') where one differs from what it declares."""
+    said = {n: st.get("uplink_said_mbit") for n, st in sorted(status.items())
+            if st.get("uplink_said_mbit") != st.get("uplink_mbit")}
+    return ("uplinks said after it, where not as declared (Mbit/s): "
+            + (", ".join(f"{n} {v}" for n, v in said.items()) if said else "none"))
 
 
 def _version0_note(start: dict, connected: dict[str, int]) -> str:
