@@ -165,7 +165,7 @@ def reported_uplink(declared: float | None, measured: float | None, last: float 
     origin's region, whose downlinks also carry the origin's sends) healthy 100 Mbit/s members
     measured 37-94 Mbit/s (bench/RESULTS.md, 2026-12-07), so a smaller gap is the measuring's own
     error, and said as is it would mark a healthy member slow or skew every share. A member at a
-    tenth of its region's rate measures 9.2-9.4 Mbit/s of 10. `last`: what this member said
+    tenth of its region's rate measures 8.4-9.4 Mbit/s of 10. `last`: what this member said
     before; a measured value stays while the estimate is within `REPORT_STEP` of it, so a noisy
     estimate does not re-plan the region at every member each time it moves."""
     reference = declared if declared is not None else others
