@@ -466,8 +466,7 @@ class PeerSet:
         elif not self._warned_uplink:
             self._warned_uplink = True
             log.warning("this member's uplink measured %.3g Mbit/s while its sends backed up, under a quarter of the "
-                        "%.3g Mbit/s it declares (--uplink-mbit): its share of each version is planned on "
-                        "the measured rate (with a tracker of this version); declare what it does",
+                        "%.3g Mbit/s it declares (--uplink-mbit); declare what it does",
                         measured, self.declared_uplink_mbit)
 
     def _next_to_send(self, s: Session):
