@@ -40,8 +40,7 @@ from pathlib import Path
 import trio
 
 from patchswarm.protocol.errors import ChunkGone, InvalidInput
-from patchswarm.protocol.manifest import Manifest, describe, key_of
-from patchswarm.protocol.publication import ObjKey
+from patchswarm.protocol.manifest import Manifest, ObjKey, describe, key_of
 from patchswarm.protocol.versions import NEW, VersionBook
 
 from patchswarm.node.diskspace import DiskCondition

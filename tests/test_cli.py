@@ -195,10 +195,14 @@ def test_commands_without_weights_do_not_load_torch():
     """Every command builds the whole parser; a default read from a torch module (the node's
     --compact-every from node/persistence.py) cost `swarm init`, `swarm issue` and the tracker
     ~1.5 s of CPU each at start-up. The node's client too: `patchswarm status` and a rollout
-    worker's submits imported torch for `follow` alone (test_client.py follows with it)."""
+    worker's submits imported torch for `follow` alone (test_client.py follows with it). And
+    `patchswarm trajectories`: the trainer package's own import brought the origin in, and the
+    object store brought the patch format (2.3 s for a six-record store, 0.3 s without)."""
     code = ("import sys; from patchswarm.node.cli import build_parser; build_parser(); "
             "import patchswarm.node.cli.swarm, patchswarm.tracker.cli, patchswarm.tracker.server; "
             "import patchswarm.node.client; "
+            "from patchswarm.node.trainer.trajstore import TrajectoryReader; "
+            "from patchswarm.node.store import latest_version; "
             "print(sorted(m for m in ('torch', 'aiortc') if m in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
     assert r.stdout.strip() == "[]", r.stdout
