@@ -168,9 +168,13 @@ class Fetcher:
                     self.store.put_manifest(key, m, self.book.envelope(key))
                 except OSError:
                     continue  # our disk (the store told store.disk, which logs); the next want retries
-            # A keyframe with no patch beside it (the first version) is what every member
-            # bootstraps from: fetch it under the WAN plan like a patch.
-            coordinated = not key[1] or self.book.get((key[0], False)) is None
+            # A keyframe with no patch beside it (the first version, or one published keyframe-only)
+            # is what every member fetches while it is the newest: fetch it under the WAN plan like
+            # a patch. Once newer versions are out it is a late joiner's, which the others applied
+            # long ago: from any holder at once. Under the plan, with nobody of the region fetching
+            # it, the joiner sat out the takeover (2 s) before anyone was asked.
+            coordinated = not key[1] or (self.book.get((key[0], False)) is None
+                                         and self.book.latest_version == key[0])
             self.picker.add_object(key, len(m.chunks), have=self.store.have(key), priority=key[0], now=now,
                                    coordinated=coordinated)
             self._last_chunk_at[key] = now

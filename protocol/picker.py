@@ -44,8 +44,8 @@ to the slowest):
      rates (`set_wan_rates`: the tracker's, which every member is told).
 Keyframe objects (late joiners, rare): no responsibility; node peers of R,
 else node peers of other regions, else the origin. A keyframe every member
-fetches (the swarm's first version) is added with `coordinated=True` and
-follows the patch rules.
+fetches (the swarm's first version while it is the newest; node/fetcher.py
+decides) is added with `coordinated=True` and follows the patch rules.
 
 Among requestable chunks: objects by priority (lower first), then rarest first
 (rarity = connected peers that have the chunk), ties by a per-object shuffle

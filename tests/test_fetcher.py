@@ -371,3 +371,52 @@ def test_a_download_limit_sizes_the_requests_in_flight_to_three_seconds_of_it(tm
 
     trio.run(main)
     assert picker.is_fetching(KEY) and picker.max_inflight == cap
+
+
+@pytest.mark.parametrize("newer", [False, True])
+def test_a_late_joiner_asks_for_the_first_keyframe_at_once_and_the_swarm_fetches_it_under_the_plan(tmp_path, newer):
+    """The swarm's first version is a keyframe with no patch beside it: while it is the newest,
+    every member fetches it and it goes under the WAN plan like a patch. A node that joins after
+    newer versions came wants it too, but the others applied it long ago: under the plan it waited
+    for the takeover (2 s) before asking anyone (test_swarm's late node: 2.0 s of 2.1 s to catch
+    up on loopback). Now the origin, the only holder, is asked at once."""
+    from patchswarm.protocol.manifest import sign_manifest
+
+    sk = Ed25519PrivateKey.generate()
+    book = VersionBook("sw", sk.public_key())
+    hashes = ["blake3:" + f"{i:02x}" * 32 for i in range(3)]
+    first = Manifest(swarm_id="sw", version=0, base_version=None, base_hash=None, target_hash=hashes[0], tensors=[],
+                     chunks=[(10, bytes(32))] * 4, codec={"format": 1}, created_at=0.0)
+    book.offer(sign_manifest(first, sk))
+    if newer:
+        patch = Manifest(swarm_id="sw", version=1, base_version=0, base_hash=hashes[0], target_hash=hashes[1],
+                         tensors=[], chunks=[(10, bytes(32))], codec={"format": 1}, created_at=1.0)
+        book.offer(sign_manifest(patch, sk))
+    store = ObjectStore(tmp_path / "objects")
+    picker = PiecePicker("me", "r1", "r0", seed=3, request_timeout=TIMEOUT, takeover_after=2.0)
+    picker.set_members({"me": "r1", "a": "r1", "b": "r0"})
+    inflows = Inflows()
+    peers = PeerSet("me", store, TokenBucket(None), _noop, inflows=inflows)
+    fetcher = Fetcher("me", "r1", picker, peers, inflows, store, book, on_complete=lambda key: None)
+    key = (0, True)
+
+    async def main():
+        async with trio.open_nursery() as n:
+            await n.start(fetcher.run)
+            sessions = {}
+            for peer, role, region in [("a", "node", "r1"), ("b", "node", "r0"), ("origin", "origin", "r0")]:
+                s = sessions[peer] = Session(RecordingStream(), peer, role, region, "x:1", outbound=True)
+                s.tasks = n
+                peers.sessions[peer] = s
+                fetcher.peer_joined(s)
+            fetcher.on_announce(sessions["origin"], wire.Have(0, True, bytes([0b1111])))
+            fetcher.want([key])
+            await trio.testing.wait_all_tasks_blocked()
+            n.cancel_scope.cancel()
+        return sessions
+
+    sessions = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert picker._objects[key].is_patch == (not newer)
+    asked = [m.chunk for _, m in sessions["origin"].ms.sent if isinstance(m, wire.Request)]
+    if newer:  # as many as the pipeline allows, at once (the mock clock has not moved)
+        assert asked and set(asked) <= {0, 1, 2, 3}, asked
