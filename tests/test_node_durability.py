@@ -41,11 +41,15 @@ def test_kills_mid_apply_and_mid_compaction_resume_bit_exact_with_nothing_left_b
     with SwarmLab(tmp_path) as lab:
         lab.start_tracker()
         lab.start_origin(watch=watch, extra=ORIGIN_ARGS)
-        hold = {"PATCHSWARM_FAILPOINTS": "apply.written=sleep:30,compact.applied=sleep:30"}
-        node = lab.start_node("n", extra=["--compact-every", "2"], env=hold)
+        node = lab.start_node("n", extra=["--compact-every", "2"])
         write_checkpoint(watch, "step0000.safetensors", checkpoints[0])
         lab.wait_version([node], 0)  # a keyframe: written whole as the base at once
         assert node.status()["base_version"] == 0
+        # The holds, armed only now (a SIGTERM, not a kill under test): version 0's apply would
+        # sit out a whole hold, 30 s of the test.
+        node.env = {"PATCHSWARM_FAILPOINTS": "apply.written=sleep:30,compact.applied=sleep:30"}
+        lab.kill(node, signal.SIGTERM)
+        lab.restart(node)
         landed = {"apply": 0, "apply and compaction": 0}
         since_restart = 0
         for v in range(1, KILLS + 1):
