@@ -28,7 +28,7 @@ def test_every_acknowledged_record_arrives_exactly_once_through_kills(tmp_path):
         origin = lab.start_origin()
         nodes = [lab.start_node(f"n{i}", region=f"r{i % 2}") for i in range(4)]
         stop = threading.Event()
-        workers = [Submitter(p, stop, random.Random(i)) for i, p in enumerate(nodes)]
+        workers = [Submitter(p, stop, random.Random(i), pause=0.005) for i, p in enumerate(nodes)]
         for w in workers:
             w.start()
         victims = [origin, *nodes]
