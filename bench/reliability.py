@@ -173,8 +173,8 @@ def _check_weights(out: Outcome, members: list[Proc], expected: dict, kill_at: f
 def _at_version_0(lab: SwarmLab, watch: Path, ckpts, nodes: list[str], tracker_port: int = 0):
     """A tracker, an origin watching `watch` and `nodes`, every node at version 0 (a keyframe)."""
     tracker = lab.start_tracker(port=tracker_port)
-    origin = lab.start_origin(watch=watch, extra=ORIGIN_ARGS)
-    members = [lab.start_node(name) for name in nodes]
+    origin = lab.start_origin(watch=watch, extra=ORIGIN_ARGS, wait=False)
+    members = lab.start_nodes([(name, "r0") for name in nodes], starting=[origin])
     write_checkpoint(watch, "step0000.safetensors", ckpts[0])
     lab.wait_version(members, 0, timeout=TIMEOUT_S)
     return tracker, origin, members
@@ -215,8 +215,8 @@ def node_mid_upload(root: Path, trials: int, hold: float) -> Outcome:
     kills: list[Kill] = []
     with SwarmLab(root) as lab:
         lab.start_tracker()
-        origin = lab.start_origin()
-        node = lab.start_node("n", env=failpoint(points[0], hold))
+        origin = lab.start_origin(wait=False)
+        (node,) = lab.start_nodes([("n", "r0")], starting=[origin], env=failpoint(points[0], hold))
         stop = threading.Event()
         worker = Submitter(node, stop, random.Random(1))
         worker.start()

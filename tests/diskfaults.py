@@ -131,8 +131,9 @@ def _swarm(root: Path, fault: str, on: str, node_extra=(), first_version: bool =
     with SmallDisk(root / on, DISK_BYTES) as disk, SwarmLab(root) as lab:
         run = Run(Outcome(fault), states, expected, root / "watch", disk, lab)
         lab.start_tracker()
-        run.origin = lab.start_origin(watch=run.watch, extra=ORIGIN_ARGS)
-        run.node = lab.start_node("n", extra=list(node_extra))
+        run.origin = lab.start_origin(watch=run.watch, extra=ORIGIN_ARGS, wait=False)
+        run.node = lab.start_node("n", extra=list(node_extra), wait=False)
+        lab.listening(run.origin, run.node)
         if first_version:
             run.publish(0)
             lab.wait_version([run.node], 0, timeout=WAIT_S)

@@ -123,7 +123,7 @@ class SwarmLab:
         return p
 
     def start_origin(self, name: str = "origin", region: str = "r0", watch: Path | None = None,
-                     extra: list[str] = (), prefix: list[str] = ()) -> Proc:
+                     extra: list[str] = (), prefix: list[str] = (), wait: bool = True) -> Proc:
         creds = self.creds(name, "origin")
         data = self.root / name
         args = ["origin", "--tracker", self.tracker_addr, "--creds", creds, "--key", self.swarm / "trainer.key",
@@ -132,7 +132,8 @@ class SwarmLab:
             args += ["--watch", watch]
         p = Proc(name, args, self.root / f"{name}.log", data_dir=data, creds=creds, prefix=list(prefix))
         self._start(p)
-        p.addr = self.wait_log(p, LISTENING).group(1)
+        if wait:
+            p.addr = self.wait_log(p, LISTENING).group(1)
         return p
 
     def start_node(self, name: str, region: str = "r0", extra: list[str] = (), creds: Path | None = None,
@@ -146,6 +147,20 @@ class SwarmLab:
         if wait:
             p.addr = self.wait_log(p, LISTENING).group(1)
         return p
+
+    def start_nodes(self, members: list[tuple[str, str]], starting: list[Proc] = (), **kw) -> list[Proc]:
+        """Nodes (name, region) started together, each with `start_node`'s `kw`, then each waited
+        for, and with them the members in `starting` (started with wait=False): a start is ~2 s of
+        CPU, most of it importing torch, and one after another they were most of a swarm test's
+        set-up."""
+        nodes = [self.start_node(name, region, wait=False, **kw) for name, region in members]
+        self.listening(*starting, *nodes)
+        return nodes
+
+    def listening(self, *procs: Proc) -> None:
+        """Until each of `procs` (started with wait=False) logs its address; sets its `addr`."""
+        for p in procs:
+            p.addr = self.wait_log(p, LISTENING).group(1)
 
     def http_addr(self, p: Proc) -> str:
         """The HOST:PORT a member started with `--metrics` serves HTTP on."""

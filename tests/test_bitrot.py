@@ -46,8 +46,8 @@ def test_a_chunk_damaged_on_a_running_nodes_disk_is_refused_not_sent(tmp_path):
     watch = tmp_path / "watch"
     with SwarmLab(tmp_path) as lab:
         lab.start_tracker()
-        lab.start_origin(region="r0", watch=watch, extra=ORIGIN_ARGS)
-        a = lab.start_node("a", region="r1")
+        origin = lab.start_origin(region="r0", watch=watch, extra=ORIGIN_ARGS, wait=False)
+        (a,) = lab.start_nodes([("a", "r1")], starting=[origin])
         for v in (0, 1):
             write_checkpoint(watch, f"step{v:04d}.safetensors", checkpoints[v])
             lab.wait_version([a], v)

@@ -110,11 +110,12 @@ def test_engine_and_command_get_each_version_in_order_from_a_model_directory(tmp
         vllm = FakeEngine(tmp_path, vllm_model=tmp_path / "c-model" / "current")  # `vllm serve D/current`
         with SwarmLab(tmp_path) as lab:
             lab.start_tracker()
-            lab.start_origin(region="r0", watch=watch, extra=ORIGIN_ARGS)
-            a = lab.start_node("a", region="r1", extra=["--engine", "sglang", "--engine-url", engine.url])
-            b = lab.start_node("b", region="r1", extra=["--on-version", cmd])
+            origin = lab.start_origin(region="r0", watch=watch, extra=ORIGIN_ARGS, wait=False)
+            a = lab.start_node("a", region="r1", extra=["--engine", "sglang", "--engine-url", engine.url], wait=False)
+            b = lab.start_node("b", region="r1", extra=["--on-version", cmd], wait=False)
             vl = lab.start_node("c", region="r1", extra=["--engine", "vllm", "--engine-url", vllm.url,
-                                                         "--model-dir", str(tmp_path / "c-model")])
+                                                         "--model-dir", str(tmp_path / "c-model")], wait=False)
+            lab.listening(origin, a, b, vl)
             hashes = []
             for step in range(3):
                 _write_model_dir(watch, step)

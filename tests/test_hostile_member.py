@@ -135,9 +135,8 @@ def test_a_hostile_member_cannot_stop_honest_nodes_or_grow_the_victim(tmp_path, 
     times: dict[int, float] = {}
     with SwarmLab(tmp_path) as lab:
         lab.start_tracker()
-        lab.start_origin(region="r0", watch=watch, extra=ORIGIN_ARGS)
-        a = lab.start_node("a", region="r1")
-        b = lab.start_node("b", region="r1")
+        origin = lab.start_origin(region="r0", watch=watch, extra=ORIGIN_ARGS, wait=False)
+        a, b = lab.start_nodes([("a", "r1"), ("b", "r1")], starting=[origin])
         write_checkpoint(watch, "step0000.safetensors", checkpoints[0])
         lab.wait_version([a, b], 0)
 

@@ -67,9 +67,10 @@ def test_form_2_versions_reach_every_node_across_a_restart_a_compaction_and_a_la
     watch.mkdir()
     with SwarmLab(tmp_path) as lab:
         lab.start_tracker()
-        lab.start_origin(region="r0", watch=watch, extra=ORIGIN_ARGS)
-        a = lab.start_node("a", region="r1", extra=["--on-version", "true"])
-        b = lab.start_node("b", region="r1", extra=["--compact-every", "2"])
+        origin = lab.start_origin(region="r0", watch=watch, extra=ORIGIN_ARGS, wait=False)
+        a = lab.start_node("a", region="r1", extra=["--on-version", "true"], wait=False)
+        b = lab.start_node("b", region="r1", extra=["--compact-every", "2"], wait=False)
+        lab.listening(origin, a, b)
         for step in range(2):
             _write_model_dir(watch, step)
             lab.wait_version([a, b], step)

@@ -40,8 +40,8 @@ def test_kills_mid_apply_and_mid_compaction_resume_bit_exact_with_nothing_left_b
     expected = [served(s, torch.bfloat16) for s in checkpoints]
     with SwarmLab(tmp_path) as lab:
         lab.start_tracker()
-        lab.start_origin(watch=watch, extra=ORIGIN_ARGS)
-        node = lab.start_node("n", extra=["--compact-every", "2"])
+        origin = lab.start_origin(watch=watch, extra=ORIGIN_ARGS, wait=False)
+        (node,) = lab.start_nodes([("n", "r0")], starting=[origin], extra=["--compact-every", "2"])
         write_checkpoint(watch, "step0000.safetensors", checkpoints[0])
         lab.wait_version([node], 0)  # a keyframe: written whole as the base at once
         assert node.status()["base_version"] == 0

@@ -57,9 +57,8 @@ def test_page_in_headless_chromium_shows_the_members_of_a_running_swarm(tmp_path
     with SwarmLab(tmp_path) as lab:
         tracker = lab.start_tracker(extra=["--metrics", "127.0.0.1:0"])
         http = lab.http_addr(tracker)
-        lab.start_origin(region="us-west", watch=ckpt)
-        nodes = [lab.start_node(name, region) for name, region in
-                 (("gpu-1", "us-east"), ("gpu-2", "us-east"), ("gpu-3", "eu-west"))]
+        origin = lab.start_origin(region="us-west", watch=ckpt, wait=False)
+        nodes = lab.start_nodes([("gpu-1", "us-east"), ("gpu-2", "us-east"), ("gpu-3", "eu-west")], starting=[origin])
         write_checkpoint(ckpt, "0000.safetensors", {"w": torch.arange(4096, dtype=torch.float32)})
         lab.wait_version(nodes, 0)
         with urllib.request.urlopen(f"http://{http}/swarm.json", timeout=10) as r:

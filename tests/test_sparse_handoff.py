@@ -28,8 +28,8 @@ def test_a_process_holding_a_model_follows_ten_versions_by_sparse_changes_alone(
     out = tmp_path / "follower.json"
     with SwarmLab(tmp_path) as lab:
         lab.start_tracker()
-        lab.start_origin(watch=watch, extra=["--chunk-bytes", "32768"])
-        node = lab.start_node("n0", extra=["--sparse-handoff"])
+        origin = lab.start_origin(watch=watch, extra=["--chunk-bytes", "32768"], wait=False)
+        (node,) = lab.start_nodes([("n0", "r0")], starting=[origin], extra=["--sparse-handoff"])
         write_checkpoint(watch, "step0000.safetensors", checkpoints[0])
         lab.wait_version([node], 0)
         log = tmp_path / "follower.log"

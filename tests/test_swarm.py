@@ -57,8 +57,8 @@ def test_every_node_gets_every_version_bit_exactly_and_mostly_from_peers(tmp_pat
     watch = tmp_path / "watch"
     with SwarmLab(tmp_path) as lab:
         lab.start_tracker()
-        origin = lab.start_origin(region="r0", watch=watch, extra=ORIGIN_ARGS)
-        nodes = [lab.start_node(f"n{i}", region=f"r{i % 2}") for i in range(8)]
+        origin = lab.start_origin(region="r0", watch=watch, extra=ORIGIN_ARGS, wait=False)
+        nodes = lab.start_nodes([(f"n{i}", f"r{i % 2}") for i in range(8)], starting=[origin])
         origin_in = []
         for v in range(5):
             publish(lab, watch, checkpoints, v)
@@ -111,9 +111,9 @@ def test_chunks_are_relayed_while_they_still_arrive(tmp_path, checkpoints):
     watch = tmp_path / "watch"
     with SwarmLab(tmp_path) as lab:
         lab.start_tracker()
-        lab.start_origin(region="r0", watch=watch, extra=["--chunk-bytes", str(1 << 20)])
-        nodes = [lab.start_node(f"n{i}", region="r0" if i == 0 else "r1", extra=["--download-limit", "3M"])
-                 for i in range(4)]
+        origin = lab.start_origin(region="r0", watch=watch, extra=["--chunk-bytes", str(1 << 20)], wait=False)
+        nodes = lab.start_nodes([(f"n{i}", "r0" if i == 0 else "r1") for i in range(4)], starting=[origin],
+                                extra=["--download-limit", "3M"])
         publish(lab, watch, checkpoints, 0)
         statuses = lab.wait_version(nodes, 0, timeout=120)
         for p in nodes:
@@ -217,8 +217,8 @@ def test_tracker_restart_is_soft_state_members_reannounce_and_versions_flow(tmp_
     watch = tmp_path / "watch"
     with SwarmLab(tmp_path) as lab:
         tracker = lab.start_tracker()
-        lab.start_origin(watch=watch, extra=ORIGIN_ARGS)
-        a, b = lab.start_node("a", region="r1"), lab.start_node("b", region="r2")
+        origin = lab.start_origin(watch=watch, extra=ORIGIN_ARGS, wait=False)
+        a, b = lab.start_nodes([("a", "r1"), ("b", "r2")], starting=[origin])
         publish(lab, watch, checkpoints, 0)
         lab.wait_version([a, b], 0)
         # The tracker keeps nothing on disk: kill it and bring it back on the same address.
@@ -367,9 +367,8 @@ def test_an_announced_address_that_is_not_the_member_is_refused_not_fatal(tmp_pa
     watch = tmp_path / "watch"
     with SwarmLab(tmp_path) as lab:
         lab.start_tracker()
-        lab.start_origin(region="r0", watch=watch, extra=ORIGIN_ARGS)
-        victim = lab.start_node("victim", region="r1")
-        other = lab.start_node("other", region="r1")
+        origin = lab.start_origin(region="r0", watch=watch, extra=ORIGIN_ARGS, wait=False)
+        victim, other = lab.start_nodes([("victim", "r1"), ("other", "r1")], starting=[origin])
         publish(lab, watch, checkpoints, 0)
         lab.wait_version([victim, other], 0)
         mallory = lab.creds("mallory", "node")
@@ -419,8 +418,8 @@ def test_fp8_checkpoints_and_side_files_reach_every_node_bit_exactly(tmp_path, c
     watch.mkdir()
     with SwarmLab(tmp_path) as lab:
         lab.start_tracker()
-        lab.start_origin(region="r0", watch=watch, extra=[*ORIGIN_ARGS, "--served", served_format])
-        nodes = [lab.start_node("a", region="r1"), lab.start_node("b", region="r1")]
+        origin = lab.start_origin(region="r0", watch=watch, extra=[*ORIGIN_ARGS, "--served", served_format], wait=False)
+        nodes = lab.start_nodes([("a", "r1"), ("b", "r1")], starting=[origin])
         for step in range(3):
             files = {"config.json": json.dumps({"model_type": "tiny", "step": step // 2}).encode(),
                      "tokenizer.json": b'{"vocab": {"a": 0}}'}
@@ -533,9 +532,8 @@ def test_a_revoked_member_is_dropped_by_everyone_and_cannot_rejoin(tmp_path, che
     revocations = tmp_path / "tracker-revocations"
     with SwarmLab(tmp_path) as lab:
         tracker = lab.start_tracker(extra=["--revocations", revocations])
-        origin = lab.start_origin(region="r0", watch=watch, extra=ORIGIN_ARGS)
-        good = lab.start_node("good", region="r1")
-        stolen = lab.start_node("stolen", region="r1")
+        origin = lab.start_origin(region="r0", watch=watch, extra=ORIGIN_ARGS, wait=False)
+        good, stolen = lab.start_nodes([("good", "r1"), ("stolen", "r1")], starting=[origin])
         publish(lab, watch, checkpoints, 0)
         lab.wait_version([good, stolen], 0)
         assert "stolen" in {p["id"] for p in good.status()["peers"]}
@@ -566,9 +564,9 @@ def test_manifests_reach_hinted_nodes_from_peers_or_on_request_and_every_version
     watch = tmp_path / "watch"
     with SwarmLab(tmp_path) as lab:
         lab.start_tracker(extra=["--notice-seeds", "1"])
-        lab.start_origin(region="r0", watch=watch, extra=ORIGIN_ARGS)
-        nodes = [lab.start_node(f"n{i}", region="r0") for i in range(4)]
-        star = lab.start_node("star", region="r0", extra=["--no-peers", "--no-listen"])
+        origin = lab.start_origin(region="r0", watch=watch, extra=ORIGIN_ARGS, wait=False)
+        star = lab.start_node("star", region="r0", extra=["--no-peers", "--no-listen"], wait=False)
+        nodes = lab.start_nodes([(f"n{i}", "r0") for i in range(4)], starting=[origin, star])
         for v in range(4):
             publish(lab, watch, checkpoints, v)
             for p, st in zip([*nodes, star], lab.wait_version([*nodes, star], v, timeout=120)):

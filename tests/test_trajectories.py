@@ -25,8 +25,8 @@ def test_every_acknowledged_record_arrives_exactly_once_through_kills(tmp_path):
     rng = random.Random(7)
     with SwarmLab(tmp_path) as lab:
         lab.start_tracker()
-        origin = lab.start_origin()
-        nodes = [lab.start_node(f"n{i}", region=f"r{i % 2}") for i in range(4)]
+        origin = lab.start_origin(wait=False)
+        nodes = lab.start_nodes([(f"n{i}", f"r{i % 2}") for i in range(4)], starting=[origin])
         stop = threading.Event()
         workers = [Submitter(p, stop, random.Random(i), pause=0.005) for i, p in enumerate(nodes)]
         for w in workers:
