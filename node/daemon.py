@@ -295,12 +295,13 @@ class Node:
         while True:
             await trio.sleep(UPLINK_CHECK_S)
             now = trio.current_time()
-            if not said.update(now, self.peers.uplink.estimate_mbit(now), self._region_says()):
+            measured = self.peers.uplink.estimate_mbit(now)
+            if not said.update(now, measured, self._region_says()):
                 continue
             log.info("this node now says its uplink is %s Mbit/s (declared: %s; measured while its sends "
                      "backed up: %s): each version's plan takes it",
                      "none" if said.value is None else f"{said.value:g}",
-                     "none" if said.declared is None else f"{said.declared:g}", self.peers.uplink.estimate_mbit())
+                     "none" if said.declared is None else f"{said.declared:g}", measured)
             if self.dialer.members:
                 self._on_peer_list(list(self.dialer.members.values()))
             with trio.move_on_after(UPLINK_CHECK_S * 10):  # a tracker that reads nothing: the periodic one says it

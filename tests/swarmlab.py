@@ -118,7 +118,7 @@ class SwarmLab:
         p = Proc(name, ["tracker", "--creds", creds, "--listen", f"127.0.0.1:{port}", *extra],
                  self.root / f"{name}.log", prefix=list(prefix))
         self._start(p)
-        p.addr = self.wait_log(p, LISTENING).group(1)
+        self.listening(p)
         self.tracker_addr = p.addr
         return p
 
@@ -133,7 +133,7 @@ class SwarmLab:
         p = Proc(name, args, self.root / f"{name}.log", data_dir=data, creds=creds, prefix=list(prefix))
         self._start(p)
         if wait:
-            p.addr = self.wait_log(p, LISTENING).group(1)
+            self.listening(p)
         return p
 
     def start_node(self, name: str, region: str = "r0", extra: list[str] = (), creds: Path | None = None,
@@ -145,7 +145,7 @@ class SwarmLab:
                  data_dir=data, creds=creds, env=env or {}, prefix=list(prefix))
         self._start(p)
         if wait:
-            p.addr = self.wait_log(p, LISTENING).group(1)
+            self.listening(p)
         return p
 
     def start_nodes(self, members: list[tuple[str, str]], starting: list[Proc] = (), **kw) -> list[Proc]:
@@ -158,7 +158,7 @@ class SwarmLab:
         return nodes
 
     def listening(self, *procs: Proc) -> None:
-        """Until each of `procs` (started with wait=False) logs its address; sets its `addr`."""
+        """Until each of `procs` logs its address; sets its `addr`."""
         for p in procs:
             p.addr = self.wait_log(p, LISTENING).group(1)
 
