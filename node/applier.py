@@ -59,6 +59,7 @@ class Applier:
         self.sink = sink
         self.swarm_id = durable.swarm_id
         self.keep_versions = keep_versions
+        self.no_origin_listed = False  # the tracker's last list of members named no origin (node/daemon.py)
         self.apply_nice = apply_nice
         self.apply_threads = apply_threads
         self._weights: Weights | None = None
@@ -171,7 +172,8 @@ class Applier:
 
     async def run(self) -> None:
         """Keep the fetcher on the plan and apply its first object once complete, until cancelled.
-        Nothing is planned before the origin's region is known (the WAN plan needs it)."""
+        Nothing is planned before the origin's region is known (the WAN plan needs it): from the
+        tracker's list of members, else from the manifests."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery  # for compactions, which outlive one apply
             self._compact_if_due()  # a restart may resume with a long chain after the base
@@ -179,6 +181,7 @@ class Applier:
                 if self._base_due and self.weights is not None and self.store.disk.may_retry():
                     await self._write_base()  # one that failed (a full disk), again once the backoff allows
                 self._compact_if_due()
+                self._origin_region_from_manifests()
                 if self.fetcher.picker.origin_region is not None:
                     current_hash = None if self.weights is None else self.weights.state_hash
                     plan = self.book.plan(self.version, current_hash)
@@ -190,6 +193,16 @@ class Applier:
                         and self.sink.disk.may_retry():  # the model directory behind after a full disk
                     await self._write_sink(None)
                 await self._wakeup.wait(POLL_S)
+
+    def _origin_region_from_manifests(self) -> None:
+        """Where the tracker's list names no origin (the trainer is down), plan with the region
+        its manifests name: peers may hold all this node lacks (protocol/publication.py
+        `origin_region_of`). Where the list names one, node/daemon.py took its region."""
+        picker = self.fetcher.picker
+        if picker.origin_region is None and self.no_origin_listed and (region := self.book.origin_region) is not None:
+            picker.set_origin_region(region)
+            log.info("planning with the origin's region %s, as its manifests name it (the tracker lists no origin)",
+                     region)
 
     @property
     def unusable(self) -> frozenset[ObjKey]:

@@ -346,9 +346,11 @@ class Node:
     def _on_peer_list(self, peers: list[dict]) -> None:
         self.dialer.set_members({p["id"]: p for p in peers})
         origins = [p for p in peers if p["role"] == "origin"]
-        if origins and self.picker.origin_region is None:
-            self.picker.set_origin_region(origins[0]["region"])
-            self.applier.wake()  # the plan can start
+        self.applier.no_origin_listed = not origins
+        if self.picker.origin_region is None:
+            if origins:
+                self.picker.set_origin_region(origins[0]["region"])
+            self.applier.wake()  # the plan can start (with no origin: from the manifests' region)
         uplinks = self._uplinks(peers)
         if self.cfg.no_peers:
             self.picker.set_members({self.id: self.region}, uplinks={k: v for k, v in uplinks.items() if k == self.id})

@@ -3,7 +3,8 @@
 A manifest names one published version of a swarm's weights: which version it
 patches (`base_version`/`base_hash`, both None for a keyframe), the state hash
 it yields (`target_hash`), the tensors it holds, and the chunks (size and
-SHA-256 each) that nodes fetch from each other. The trainer signs it with its
+SHA-256 each) that nodes fetch from each other, and (since 2026-12-07) the
+publishing origin's region (`origin_region_of`). The trainer signs it with its
 Ed25519 key; nodes verify it against the swarm's `trainer.pub` before trusting
 any chunk it lists.
 
@@ -54,6 +55,8 @@ SHA256_BYTES = 32
 # Chunks of one version, at most: 2 TiB of 2 MiB chunks (a 500 GB checkpoint's keyframe
 # is ~170k). Wire messages bound chunk indices and Have bitfields by it.
 MAX_CHUNKS = 1 << 20
+MAX_REGION_BYTES = 256  # a region's name in UTF-8: wire.MAX_NAME_BYTES, a member's in its Hello (wire imports this module)
+ORIGIN_REGION = "origin_region"  # codec key: the publishing origin's region (`origin_region_of`)
 _FIELDS = ("swarm_id", "version", "base_version", "base_hash", "target_hash",
            "tensors", "chunks", "codec", "created_at")
 # A form-2 tensor table: compressed at this level (as the patch container's), and read back
@@ -106,6 +109,25 @@ class Manifest:
     @property
     def total_bytes(self) -> int:
         return sum(size for size, _ in self.chunks)
+
+
+def is_region(value) -> bool:
+    """A region name as members carry one: a non-empty str of at most MAX_REGION_BYTES in UTF-8."""
+    return isinstance(value, str) and 0 < len(value.encode("utf-8", "surrogatepass")) <= MAX_REGION_BYTES
+
+
+def origin_region_of(m: Manifest) -> str | None:
+    """The region of the origin that published `m`, as it signed it; None where it names none
+    (an origin from before 2026-12-07) or names one no member could be of.
+
+    *Why in the manifest:* a node plans each chunk's chain of regions from the origin's
+    region, which it learned only from the tracker's list of live members. A node that
+    joined or restarted while the trainer was down (a crash, a preemption, a resume from a
+    checkpoint) planned nothing, even where its peers held every object it lacked. Signed
+    beside the objects, the region is known wherever a manifest is; a key that readers of
+    the codec before it ignore."""
+    region = m.codec.get(ORIGIN_REGION)
+    return region if is_region(region) else None
 
 
 def key_of(m: Manifest) -> ObjKey:

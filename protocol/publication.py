@@ -4,7 +4,8 @@ Owns the mapping between `protocol.patch.Patch` and a signed `Manifest`: the
 manifest carries the patch's header (kind, hashes, tensor table, full and
 removed lists, layout) and one (size, SHA-256) per chunk; the chunks are the
 patch's own independently decodable chunks. A node that holds a verified
-manifest and every chunk rebuilds the exact Patch with `patch_of`.
+manifest and every chunk rebuilds the exact Patch with `patch_of`. The
+manifest also names the publishing origin's region (manifest.py `origin_region_of`).
 
 An object is named by `ObjKey = (version, keyframe)`: for one version the
 origin may publish both a patch (from version - 1) and a keyframe.
@@ -20,7 +21,8 @@ import zstandard
 
 from . import planes
 from .errors import CorruptData, UsageError
-from .manifest import TABLE_ZSTD_LEVEL, Manifest, ObjKey, describe, key_of  # noqa: F401 (key_of, describe: re-exported)
+from .manifest import (MAX_REGION_BYTES, ORIGIN_REGION, TABLE_ZSTD_LEVEL, Manifest, ObjKey, describe, is_region,  # noqa: F401
+                       key_of, origin_region_of)  # key_of, describe, origin_region_of: re-exported
 from .patch import FORMAT_VERSION, Patch, TensorSpec
 
 # Most chunks the origin cuts one object into. A manifest carries a (size, SHA-256) per chunk
@@ -75,13 +77,14 @@ def table_after(patch: Patch) -> list[TensorSpec]:
 
 def manifest_of(patch: Patch, *, swarm_id: str, version: int, created_at: float,
                 chunk_table: list[tuple[int, bytes]] | None = None, compact: bool = False,
-                form: int = 1) -> Manifest:
+                form: int = 1, origin_region: str | None = None) -> Manifest:
     """The manifest of `patch` published as `version` (its base is version - 1 unless a keyframe).
 
     `chunk_table`: each chunk's (size, SHA-256), for a patch whose chunks went to disk as
     they were made (its `chunks` then stay empty). `compact` (form 1): a `full` list that
     names every tensor in table order is written as ALL_TENSORS. `form` 2: only the full
-    tensors' specs, the layout as one row index per tensor (protocol/manifest.py)."""
+    tensors' specs, the layout as one row index per tensor (protocol/manifest.py).
+    `origin_region`: the publishing origin's region, signed with the rest (`origin_region_of`)."""
     if not isinstance(patch, Patch):
         raise UsageError(f"manifest_of: expected a Patch, found {type(patch).__name__}")
     if form not in (1, 2):
@@ -99,6 +102,11 @@ def manifest_of(patch: Patch, *, swarm_id: str, version: int, created_at: float,
         tensors = _full_specs(patch)
         codec = {"format": FORMAT_VERSION, "removed": list(patch.removed),
                  "layout": _pack_layout(patch.layout, [t.name for t in patch.tensors])}
+    if origin_region is not None:
+        if not is_region(origin_region):
+            raise UsageError(f"manifest_of: expected origin_region a non-empty str of at most {MAX_REGION_BYTES} "
+                             f"UTF-8 bytes, found {origin_region!r:.80}")
+        codec[ORIGIN_REGION] = origin_region
     return Manifest(
         swarm_id=swarm_id,
         version=version,

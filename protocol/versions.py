@@ -19,7 +19,7 @@ import hashlib
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from .errors import ConflictingManifest, InvalidInput, StaleVersion
-from .manifest import Manifest, ObjKey, describe, key_of, peek_key, verify_manifest
+from .manifest import Manifest, ObjKey, describe, key_of, origin_region_of, peek_key, verify_manifest
 
 KNOWN = "known"
 NEW = "new"
@@ -195,6 +195,16 @@ class VersionBook:
     def latest_keyframe(self) -> int | None:
         """The version of the latest keyframe held that is not unusable."""
         return max((k[0] for k in self._manifests if k[1] and k not in self._unusable), default=None)
+
+    @property
+    def origin_region(self) -> str | None:
+        """The origin's region as the newest manifest held that names one says it
+        (protocol/manifest.py `origin_region_of`); None if none does."""
+        for key in sorted(self._manifests, reverse=True):
+            region = origin_region_of(self._manifests[key])
+            if region is not None:
+                return region
+        return None
 
     def retained(self, max_patches: int) -> list[ObjKey]:
         """What a tracker keeps: the latest keyframe, every patch after it, and up to

@@ -143,3 +143,36 @@ def test_the_applier_keeps_the_tensors_views_from_one_version_to_the_next(tmp_pa
         assert torch.equal(_bits(applier.weights.state[name]), _bits(base[name]))
     applier.weights = applier.load_weights()  # as after a failed apply
     assert applier._views == {}
+
+
+def test_with_no_origin_listed_the_plan_starts_from_the_region_the_manifests_name(tmp_path):
+    """A node that joins or restarts while the trainer is down hears of no origin from the
+    tracker; it plans with the region the signed manifests name, so peers holding the objects
+    serve it (before, it planned nothing until an origin came back)."""
+    from patchswarm.protocol.manifest import sign_manifest
+    from patchswarm.protocol.patch import keyframe
+
+    key = Ed25519PrivateKey.generate()
+    state = {"w": torch.randn(64, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)}
+    m = manifest_of(keyframe(state, chunk_bytes=1024), swarm_id=SWARM, version=0, created_at=0.0,
+                    origin_region="r7")
+    store = ObjectStore(tmp_path / "objects")
+    book = VersionBook(SWARM, key.public_key())
+    picker, inflows = PiecePicker("n1", "r0", None), Inflows()
+    fetcher = Fetcher("n1", "r0", picker, PeerSet("n1", store, TokenBucket(None), _noop, inflows=inflows), inflows,
+                      store, book, on_complete=lambda key: None)
+    applier = Applier(book, store, fetcher, DurableState(tmp_path, store, SWARM), keep_versions=4, apply_nice=0,
+                      apply_threads=None)
+
+    async def main():
+        with trio.move_on_after(0.3):
+            await applier.run()
+
+    trio.run(main)
+    assert picker.origin_region is None and not picker.is_fetching((0, True))  # no manifest: nothing to go on
+    book.offer(sign_manifest(m, key))
+    trio.run(main)  # (a restart's stored manifests, before the tracker's word)
+    assert picker.origin_region is None and not picker.is_fetching((0, True))
+    applier.no_origin_listed = True  # the tracker's list names no origin
+    trio.run(main)
+    assert picker.origin_region == "r7" and picker.is_fetching((0, True))

@@ -16,8 +16,8 @@ from patchswarm.protocol import wire
 from patchswarm.protocol.errors import CorruptData, UsageError
 from patchswarm.protocol.manifest import MAGICS, Manifest, decode_manifest, encode_manifest, sign_manifest, verify_manifest
 from patchswarm.protocol.patch import Patch, TensorSpec, apply, diff, keyframe
-from patchswarm.protocol.publication import (ALL_TENSORS, MAX_OBJECT_CHUNKS, manifest_of, object_chunk_bytes, patch_of,
-                                             table_of)
+from patchswarm.protocol.publication import (ALL_TENSORS, MAX_OBJECT_CHUNKS, ORIGIN_REGION, manifest_of,
+                                             object_chunk_bytes, origin_region_of, patch_of, table_of)
 
 MiB, GB = 1 << 20, 10 ** 9
 
@@ -240,3 +240,36 @@ def test_both_forms_sign_and_verify_and_another_magic_is_refused():
     data = msgpack.packb(["patchswarm-manifest/3"] + msgpack.unpackb(encode_manifest(m))[1:])
     with pytest.raises(CorruptData, match="expected magic 'patchswarm-manifest/1' or 'patchswarm-manifest/2', found"):
         decode_manifest(data)
+
+
+# ------------------------------------------------------------------ the origin's region
+
+
+@pytest.mark.parametrize("form", [1, 2])
+def test_the_origins_region_is_signed_into_the_manifest_and_read_back(form):
+    state = {"w": torch.arange(16, dtype=torch.float32).to(torch.bfloat16)}
+    m = manifest_of(keyframe(state), swarm_id="s", version=0, created_at=0.0, form=form, origin_region="eu-west")
+    assert origin_region_of(m) == "eu-west"
+    key = Ed25519PrivateKey.generate()
+    back = verify_manifest(sign_manifest(m, key), key.public_key())
+    assert origin_region_of(back) == "eu-west" and back == m
+    plain = manifest_of(keyframe(state), swarm_id="s", version=0, created_at=0.0, form=form)
+    assert origin_region_of(plain) is None and ORIGIN_REGION not in plain.codec  # as origins before it wrote
+
+
+def test_a_region_a_manifest_may_name_is_one_a_member_may_say_in_its_hello():
+    from patchswarm.protocol.manifest import MAX_REGION_BYTES
+    assert MAX_REGION_BYTES == wire.MAX_NAME_BYTES
+
+
+@pytest.mark.parametrize("value", ["", "r" * 257, "é" * 129, 7, ["r0"], None])
+def test_a_manifest_naming_no_usable_region_names_none(value):
+    state = {"w": torch.zeros(4, dtype=torch.bfloat16)}
+    m = manifest_of(keyframe(state), swarm_id="s", version=0, created_at=0.0)
+    odd = Manifest(**{**{f: getattr(m, f) for f in ("swarm_id", "version", "base_version", "base_hash",
+                                                    "target_hash", "tensors", "chunks", "created_at")},
+                      "codec": {**m.codec, ORIGIN_REGION: value}})
+    assert origin_region_of(odd) is None
+    if value is not None:
+        with pytest.raises(UsageError, match="origin_region"):
+            manifest_of(keyframe(state), swarm_id="s", version=0, created_at=0.0, origin_region=value)

@@ -362,3 +362,18 @@ def test_a_keyframe_marked_unusable_supersedes_nothing():
     assert b.plan(None, None) == [(4, K), (5, P), (6, P)] and b.latest_keyframe == 4
     b.forget_below(11)
     assert b.unusable == set()
+
+
+def _naming(version: int, region: str | None, keyframe: bool = False) -> bytes:
+    m = Manifest(swarm_id=SWARM, version=version, base_version=None if keyframe else version - 1,
+                 base_hash=None if keyframe else h(version - 1), target_hash=h(version), tensors=[["w", "bf16", [4]]],
+                 chunks=[(100, hashlib.sha256(b"%d" % version).digest())],
+                 codec={"format": 2, **({} if region is None else {"origin_region": region})}, created_at=0.0)
+    return sign_manifest(m, KEY)
+
+
+def test_the_origins_region_is_the_newest_manifests_that_names_one():
+    assert book().origin_region is None
+    assert book(envelope(0, keyframe=True), envelope(1)).origin_region is None  # an origin from before it
+    assert book(_naming(0, "r0", keyframe=True), envelope(1)).origin_region == "r0"
+    assert book(_naming(0, "r0", keyframe=True), _naming(1, "r2")).origin_region == "r2"  # the origin moved

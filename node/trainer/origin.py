@@ -601,7 +601,7 @@ class Origin:
         created_at = time.time()
         for form, compact in self._manifest_forms(len(patch.tensors)):
             m = manifest_of(patch, swarm_id=self.swarm_id, version=key[0], created_at=created_at,
-                            chunk_table=writer.table, compact=compact, form=form)
+                            chunk_table=writer.table, compact=compact, form=form, origin_region=self.cfg.region)
             envelope = sign_manifest(m, self.key)
             size = len(wire.encode(wire.Announce(envelope)))
             if size <= wire.MAX_FRAME_BYTES:
