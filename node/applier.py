@@ -50,7 +50,7 @@ COMPACT_NICE = 19  # compaction is the least urgent work on the host
 class Applier:
     def __init__(self, book: VersionBook, store: ObjectStore, fetcher: Fetcher, durable: DurableState,
                  *, keep_versions: int, apply_nice: int, apply_threads: int | None, sink: ModelSink | None = None,
-                 record_changes: bool = False):
+                 record_changes: bool = False, keep_keyframe: bool = True):
         self.book = book
         self.manifest_check = ManifestCheck(book)  # large manifests verified off the event loop
         self.store = store
@@ -60,6 +60,9 @@ class Applier:
         self.swarm_id = durable.swarm_id
         self.keep_versions = keep_versions
         self.no_origin_listed = False  # the tracker's last list of members named no origin (node/daemon.py)
+        self.keep_keyframe = keep_keyframe  # for late joiners: see `joiners_keyframe`
+        self._keyframe_released: int | None = None  # the keyframe last let go for want of room (logged once)
+        self.kept_keyframe: int | None = None  # as of the last retire, for status
         self.apply_nice = apply_nice
         self.apply_threads = apply_threads
         self._weights: Weights | None = None
@@ -196,7 +199,7 @@ class Applier:
 
     def _origin_region_from_manifests(self) -> None:
         """Where the tracker's list names no origin (the trainer is down), plan with the region
-        its manifests name: peers may hold all this node lacks (protocol/publication.py
+        its manifests name: peers may hold all this node lacks (protocol/manifest.py
         `origin_region_of`). Where the list names one, node/daemon.py took its region."""
         picker = self.fetcher.picker
         if picker.origin_region is None and self.no_origin_listed and (region := self.book.origin_region) is not None:
@@ -351,7 +354,8 @@ class Applier:
         self._compact_if_due()  # versions applied meanwhile may make the next one due
 
     def _retire(self, version: int) -> None:
-        """Drop what can never be needed again: objects older than the kept window."""
+        """Drop what can never be needed again: objects older than the kept window, except
+        what late joiners take (`joiners_keyframe`)."""
         for key in [k for k in self._timeline if k[0] <= version]:
             del self._timeline[key]
         # Kept: the window late peers may still ask for, and every patch since the base (a
@@ -359,8 +363,43 @@ class Applier:
         floor = min(version - self.keep_versions, self.durable.keep_from())
         if self.changelog is not None:
             self.changelog.retire(floor - 1)  # the same versions' change files: an engine follows from the base
+        keyframe = self.kept_keyframe = self.joiners_keyframe()
+        if keyframe is not None:
+            floor = min(floor, keyframe)
         for key in self.store.keys():
             if key[0] < floor and not self.fetcher.picker.is_fetching(key):
                 self.store.drop(key)
         self.book.forget_below(floor)
         self.fetcher.forget_below(floor)
+
+    def joiners_keyframe(self) -> int | None:
+        """The latest keyframe's version where this node holds that keyframe whole and keeps it,
+        with every patch after it that it holds, for nodes that join later; None otherwise.
+
+        *Why:* a joiner takes the latest keyframe and the patches after it (the tracker hands
+        it those manifests). Nodes that were running when the keyframe came out fetched its
+        patch, never the keyframe, so the first joiner after it takes it from the origin (0.664
+        of the state: ~330 GB at 500 GB). Kept past the window by that joiner, every later
+        joiner takes it, and the chain after it, from peers: its region's, or one copy across
+        each region's WAN link. Costs only disk the node had already written (the keyframe, the
+        patches it fetched anyway), until the next keyframe; let go, with one warning, while
+        the disk has less free than the base file's size (what a compaction writes beside it),
+        so that what joiners may need never stops the node from taking its own versions."""
+        if not self.keep_keyframe:
+            return None
+        keyframe = self.book.latest_keyframe
+        if keyframe is None or not self.store.complete((keyframe, True)):
+            return None
+        free = diskspace.free_bytes(self.durable.path.parent)
+        try:
+            need = self.durable.path.stat().st_size
+        except OSError:
+            need = 0
+        if free is not None and free < need:
+            if self._keyframe_released != keyframe:
+                self._keyframe_released = keyframe
+                log.warning("not keeping v%d's keyframe for late joiners: %s B free, under the base's %s B "
+                            "(they take it from the origin)", keyframe, f"{free:,}", f"{need:,}")
+            return None
+        self._keyframe_released = None
+        return keyframe

@@ -87,6 +87,7 @@ class NodeConfig:
     download_limit: float | None = None
     no_peers: bool = False
     keep_versions: int = KEEP_VERSIONS
+    keep_keyframe: bool = True  # hold the latest keyframe, once held, for late joiners (Applier.joiners_keyframe)
     seed: int | None = None
     spool_bytes: int = SPOOL_BYTES
     apply_nice: int = APPLY_NICE
@@ -193,7 +194,7 @@ class Node:
         self.applier = Applier(self.book, self.store, self.fetcher, durable,
                                keep_versions=self.cfg.keep_versions, apply_nice=self.cfg.apply_nice,
                                apply_threads=self.cfg.apply_threads, sink=self._model_sink(),
-                               record_changes=self.cfg.sparse_handoff)
+                               record_changes=self.cfg.sparse_handoff, keep_keyframe=self.cfg.keep_keyframe)
         self.manifests = ManifestRelay(self.applier.offer, self._has_manifest, self.peers, self.tracker.send)
         self.applier.weights = await trio.to_thread.run_sync(self.applier.load_weights)
         self.spool = await TrajectorySpool.open(self.data_dir / "spool", self.id, self.region,
@@ -459,6 +460,8 @@ class Node:
             **a.durable.status(),
             **({} if a.sink is None else a.sink.status()),
             "latest_version": self.book.latest_version,
+            # The latest keyframe, held and kept with the patches after it for nodes that join later; None: not held.
+            "kept_keyframe": a.kept_keyframe,
             "stopping": self.local is not None and self.local.stopping,  # uploading the spool, refusing submits
             "listen": self.listen_addr,
             "tracker_connected": self.tracker.connected,

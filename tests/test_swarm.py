@@ -127,6 +127,44 @@ def test_chunks_are_relayed_while_they_still_arrive(tmp_path, checkpoints):
             assert "Traceback" not in p.text(), p.name
 
 
+def test_a_joiner_keeps_the_keyframe_it_joined_through_so_the_next_joiner_needs_no_origin(tmp_path, checkpoints):
+    """Nodes running when a keyframe comes out fetch that version's patch, never the keyframe;
+    a node that joined through it keeps it, and the patches after it, past its 4-version
+    window, so a node joining later takes them from it: here with the origin gone. (Before,
+    the joiner dropped the keyframe 4 versions on and the next joiner waited for the origin.)"""
+    g = torch.Generator().manual_seed(11)
+    noise = {n: torch.randn(t.shape, generator=g) for n, t in checkpoints[0].items()}
+    half = {n: torch.where(torch.rand(t.shape, generator=g) < 0.5, t, noise[n]) for n, t in checkpoints[0].items()}
+    # Half the elements change at version 1 and the other half at 2: each patch costs less than a
+    # keyframe, the two together more, so version 2 comes with a keyframe its running nodes skip.
+    states = [noise, half, *checkpoints]
+    watch = tmp_path / "watch"
+    with SwarmLab(tmp_path) as lab:
+        lab.start_tracker()
+        origin = lab.start_origin(region="r0", watch=watch, extra=ORIGIN_ARGS, wait=False)
+        (first,) = lab.start_nodes([("first", "r0")], starting=[origin])
+        for v in range(4):
+            publish(lab, watch, states, v)
+            lab.wait_version([first], v)
+        assert re.search(r"published version 2 \(patch [\d,]+ B, keyframe [\d,]+ B", origin.text()), origin.text()
+        assert re.search(r"applied version 2 \(patch", first.text())
+        joiner = lab.start_node("joiner", region="r1")
+        lab.wait_version([joiner], 3)
+        assert re.search(r"applied version 2 \(keyframe", joiner.text())
+        for v in range(4, len(states)):
+            publish(lab, watch, states, v)
+            lab.wait_version([first, joiner], v)
+        last = len(states) - 1
+        assert joiner.status()["kept_keyframe"] == 2 and first.status()["kept_keyframe"] is None
+        assert (joiner.data_dir / "objects" / "v0000000002-keyframe").is_dir()
+        lab.kill(origin, signal.SIGTERM)
+        late = lab.start_node("late", region="r1")
+        (st,) = lab.wait_version([late], last, timeout=60)
+        assert same_bits(load_weights(late), served_bf16(states[last]))
+        assert re.search(r"applied version 2 \(keyframe", late.text())
+        assert st["bytes_in"]["origin"] == 0 and st["bytes_in"]["same_region"] > 0, st["bytes_in"]
+
+
 def test_node_killed_mid_download_restarts_and_converges(tmp_path, checkpoints):
     watch = tmp_path / "watch"
     with SwarmLab(tmp_path) as lab:
