@@ -799,38 +799,40 @@ def test_one_feed_serves_one_get_batch_at_a_time(tmp_path):
     trio.run(main)
 
 
-def test_get_batch_reads_the_store_beside_the_event_loop(tmp_path):
+def test_get_batch_reads_the_store_beside_the_event_loop(tmp_path, monkeypatch):
     """Before: get_batch read and decoded the store's files on the origin's event loop
     (~1 ms per MB from the page cache, more from a disk): a trainer taking 256 records of
     1 MiB held every node's intake and chunk serving for a quarter second per step. Now
-    the cursor reads in a worker thread and the loop goes on ticking."""
+    the cursor reads in a worker thread. Checked by the thread each read ran on, not by
+    the loop's gaps, which a loaded machine stretches either way."""
+    import threading
+
     from patchswarm.node.trainer.origin import Origin
+    from patchswarm.node.trainer.trajstore import TrajectoryCursor
     from patchswarm.protocol.trajectory import Record
 
     cfg = _intake_setup(tmp_path)
+    readers = []
+    read = TrajectoryCursor.read
+
+    def recorded(self, *args, **kwargs):
+        readers.append(threading.get_ident())
+        return read(self, *args, **kwargs)
+
+    monkeypatch.setattr(TrajectoryCursor, "read", recorded)
 
     async def main():
         o = Origin(cfg)
-        gaps = []
         async with trio.open_nursery() as n:
             await n.start(o.run)
             for b in range(8):
                 await o.trajectory_store.append([Record("n1", "r1", b * 8 + i, 0, 1.0, bytes(2 << 20)) for i in range(8)])
-            t0 = time.perf_counter()
-            assert len(o.trajectory_store.cursor().read(64)) == 64
-            direct = time.perf_counter() - t0
-            done = trio.Event()
-            n.start_soon(_loop_gaps, done, gaps, 0.002)
-            await trio.sleep(0.05)
             got = await o.trajectories().get_batch(64, timeout=30)
-            await trio.sleep(0.05)  # the ticker records the gap, if there was one
-            done.set()
             n.cancel_scope.cancel()
-        return len(got), direct, max(gaps)
+        return len(got)
 
-    count, direct, worst = trio.run(main)
-    assert count == 64
-    assert worst < max(0.04, direct / 2), (worst, direct)
+    assert trio.run(main) == 64
+    assert readers and threading.get_ident() not in readers, readers  # trio.run's loop runs on this thread
 
 
 def test_the_origins_own_large_manifests_are_verified_off_the_event_loop(tmp_path):
