@@ -9,8 +9,9 @@ nothing inbound, with --transport webrtc, or with auto after failed TCP dials),
 the dial loop, the backoff after a failed
 dial, and the rule for two members that want each other: the one that can
 reach the other over TCP when only one can (a member with no address dials
-one that has one), else the smaller id, dials first; the other only if no
-connection came a little later, so a pair rarely opens two connections
+one that has one), else the one that joined later (the other learns of it
+only a tracker delta later), else the smaller id, dials first; the other only
+if no connection came a little later, so a pair rarely opens two connections
 (node/peers.py keeps one if it does). A dialed
 connection runs as a session of the `PeerSet`. Must not accept connections
 (the daemon serves) or say anything on a session.
@@ -74,9 +75,12 @@ class Dialer:
         # us with none, so we dial as a member without one does. Until we join again.
         self.unreachable: str | None = None
         self._second: set[str] = set()  # peers whose dial we wait for, as the second dialer
+        self._there_before: frozenset[str] | None = None  # the members listed when this node joined
 
     def set_members(self, members: dict[str, dict]) -> None:
         self.members = {i: p for i, p in members.items() if i != self.me}
+        if self._there_before is None:
+            self._there_before = frozenset(self.members)
         for counts in (self._failures, self._tcp_failures):  # of members that left: not kept for ever
             for pid in [pid for pid in counts if pid not in self.members]:
                 del counts[pid]
@@ -124,10 +128,17 @@ class Dialer:
         """Of this node and node `p`, which both want each other, whether this one dials first.
         Where exactly one of the two accepts connections (has an address), the other: it
         reaches that one over TCP, through its NAT, where the reverse would take a WebRTC
-        data channel (several times the CPU per byte, node/README.md). Else the smaller id."""
+        data channel (several times the CPU per byte, node/README.md). Else this node, where
+        `p` was listed when it joined: `p` learns of it only from the tracker's next peer
+        delta (up to its DELTA_DELAY, 1 s, later) and wanted this one only if it ranks among
+        its peers. *Why:* a joiner whose id came after its peers' waited that second, or
+        SECOND_DIALER_WAIT (2 s), with the origin its only source, and took from it what its
+        peers held (bench/late_joiners.py). Else the smaller id."""
         mine, theirs = bool(self.hello().listen) and self.unreachable is None, bool(p["addr"])
         if mine != theirs:
             return theirs
+        if self._there_before is not None and p["id"] in self._there_before:
+            return True
         return self.me < p["id"]
 
     async def run(self) -> None:

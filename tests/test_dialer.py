@@ -94,6 +94,27 @@ def test_a_node_the_tracker_could_not_reach_dials_as_one_without_an_address():
     assert d.dials_first(reachable) and d.route(reachable) == "tcp"  # ...unless peers cannot dial it
 
 
+def test_a_joiner_dials_the_members_listed_when_it_joined_and_waits_for_later_ones_as_before():
+    """Members listed in the joiner's first peer set learn of it only from the tracker's next
+    delta (up to 1 s later), and may not want it: the joiner dials them first, whatever the
+    ids. One that joins after it is another joiner: the smaller id dials first."""
+    from patchswarm.protocol import wire
+    d = Dialer("n9", "r2", creds=None, peers=None, hello=lambda: wire.Hello("n9", "r2", "node", "10.0.0.9:7000", []),
+               download=None, rtc=None)
+    old = {"id": "n2", "region": "r1", "addr": "10.0.0.2:7000", "role": "node"}
+    natted = {"id": "n3", "region": "r1", "addr": "", "role": "node"}
+    d.set_members({"n2": old, "n3": natted, "n9": {"id": "n9"}})
+    assert d.dials_first(old)
+    assert not d.dials_first(natted)  # reachable here, not there: it dials this one over TCP, as before
+    later = {"id": "n5", "region": "r1", "addr": "10.0.0.5:7000", "role": "node"}
+    d.set_members({"n2": old, "n3": natted, "n5": later})
+    assert d.dials_first(old) and not d.dials_first(later)
+    first = Dialer("n1", "r1", creds=None, peers=None, hello=lambda: wire.Hello("n1", "r1", "node", "10.0.0.1:7000", []),
+                   download=None, rtc=None)
+    first.set_members({})  # the swarm's first member
+    assert first.dials_first(later)  # n1 < n5, as before
+
+
 def test_told_it_is_unreachable_a_node_stops_waiting_to_be_dialed():
     from patchswarm.protocol import wire
 
