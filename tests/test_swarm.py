@@ -156,6 +156,7 @@ def test_a_joiner_keeps_the_keyframe_it_joined_through_so_the_next_joiner_needs_
             lab.wait_version([first, joiner], v)
         last = len(states) - 1
         assert joiner.status()["kept_keyframe"] == 2 and first.status()["kept_keyframe"] is None
+        assert "v2's keyframe and the patches after it, kept" in lab._cli("status", "--socket", joiner.socket)
         assert (joiner.data_dir / "objects" / "v0000000002-keyframe").is_dir()
         lab.kill(origin, signal.SIGTERM)
         late = lab.start_node("late", region="r1")

@@ -358,6 +358,8 @@ def print_status(st: dict) -> None:
     base = st.get("base_version")
     t.add_row("durable", f"base {st['base_path']} at version {'-' if base is None else base}, "
                          f"the stored patches after it; {st.get('compactions', 0)} compactions")
+    if st.get("kept_keyframe") is not None:
+        t.add_row("for joiners", f"v{st['kept_keyframe']}'s keyframe and the patches after it, kept")
     if st.get("model_dir"):
         err = st.get("model_dir_error")
         ahead = st.get("model_dir_written")
