@@ -380,8 +380,8 @@ class Applier:
         it those manifests). Nodes that were running when the keyframe came out fetched its
         patch, never the keyframe, so the first joiner after it takes it from the origin (0.664
         of the state: ~330 GB at 500 GB). Kept past the window by that joiner, every later
-        joiner takes it, and the chain after it, from peers: its region's, or one copy across
-        each region's WAN link. Costs only disk the node had already written (the keyframe, the
+        joiner takes it, and the chain after it, from nodes (its region's, else others') before
+        the origin (bench/late_joiners.py). Costs only disk the node had already written (the keyframe, the
         patches it fetched anyway), until the next keyframe; let go, with one warning, while
         the disk has less free than the base file's size (what a compaction writes beside it),
         so that what joiners may need never stops the node from taking its own versions."""

@@ -10,8 +10,8 @@ the dial loop, the backoff after a failed
 dial, and the rule for two members that want each other: the one that can
 reach the other over TCP when only one can (a member with no address dials
 one that has one), else the one that joined later (the other learns of it
-only a tracker delta later), else the smaller id, dials first; the other only
-if no connection came a little later, so a pair rarely opens two connections
+only a tracker delta later), dials first; the other only if no connection
+came a little later, so a pair rarely opens two connections
 (node/peers.py keeps one if it does). A dialed
 connection runs as a session of the `PeerSet`. Must not accept connections
 (the daemon serves) or say anything on a session.
@@ -75,12 +75,14 @@ class Dialer:
         # us with none, so we dial as a member without one does. Until we join again.
         self.unreachable: str | None = None
         self._second: set[str] = set()  # peers whose dial we wait for, as the second dialer
-        self._there_before: frozenset[str] | None = None  # the members listed when this node joined
+        # The members listed when this node joined and listed ever since (one that left and came
+        # back is a joiner again): None before the first peer set.
+        self._there_before: frozenset[str] | None = None
 
     def set_members(self, members: dict[str, dict]) -> None:
         self.members = {i: p for i, p in members.items() if i != self.me}
-        if self._there_before is None:
-            self._there_before = frozenset(self.members)
+        self._there_before = frozenset(self.members if self._there_before is None
+                                       else self._there_before & self.members.keys())
         for counts in (self._failures, self._tcp_failures):  # of members that left: not kept for ever
             for pid in [pid for pid in counts if pid not in self.members]:
                 del counts[pid]
@@ -128,17 +130,18 @@ class Dialer:
         """Of this node and node `p`, which both want each other, whether this one dials first.
         Where exactly one of the two accepts connections (has an address), the other: it
         reaches that one over TCP, through its NAT, where the reverse would take a WebRTC
-        data channel (several times the CPU per byte, node/README.md). Else this node, where
-        `p` was listed when it joined: `p` learns of it only from the tracker's next peer
-        delta (up to its DELTA_DELAY, 1 s, later) and wanted this one only if it ranks among
-        its peers. *Why:* a joiner whose id came after its peers' waited that second, or
-        SECOND_DIALER_WAIT (2 s), with the origin its only source, and took from it what its
-        peers held (bench/late_joiners.py). Else the smaller id."""
+        data channel (several times the CPU per byte, node/README.md). Else the one that
+        joined later: this node where `p` was listed when it joined, `p` where it came after.
+        The earlier member learns of a joiner only from the tracker's next peer delta (up to
+        its DELTA_DELAY, 1 s, later) and wants it only if it ranks among its peers. *Why:* by
+        ids, a joiner whose id came after its peers' waited that second, or SECOND_DIALER_WAIT
+        (2 s), with the origin its only source, and took from it what its peers held
+        (bench/late_joiners.py). The smaller id only before any peer set."""
         mine, theirs = bool(self.hello().listen) and self.unreachable is None, bool(p["addr"])
         if mine != theirs:
             return theirs
-        if self._there_before is not None and p["id"] in self._there_before:
-            return True
+        if self._there_before is not None:
+            return p["id"] in self._there_before
         return self.me < p["id"]
 
     async def run(self) -> None:

@@ -94,10 +94,11 @@ def test_a_node_the_tracker_could_not_reach_dials_as_one_without_an_address():
     assert d.dials_first(reachable) and d.route(reachable) == "tcp"  # ...unless peers cannot dial it
 
 
-def test_a_joiner_dials_the_members_listed_when_it_joined_and_waits_for_later_ones_as_before():
-    """Members listed in the joiner's first peer set learn of it only from the tracker's next
+def test_the_one_that_joined_later_dials_first_whatever_the_ids():
+    """Members listed in a joiner's first peer set learn of it only from the tracker's next
     delta (up to 1 s later), and may not want it: the joiner dials them first, whatever the
-    ids. One that joins after it is another joiner: the smaller id dials first."""
+    ids; a member that came after it is a joiner in its turn and dials it. One that left and
+    came back is a joiner again. Reachability still comes first."""
     from patchswarm.protocol import wire
     d = Dialer("n9", "r2", creds=None, peers=None, hello=lambda: wire.Hello("n9", "r2", "node", "10.0.0.9:7000", []),
                download=None, rtc=None)
@@ -109,10 +110,15 @@ def test_a_joiner_dials_the_members_listed_when_it_joined_and_waits_for_later_on
     later = {"id": "n5", "region": "r1", "addr": "10.0.0.5:7000", "role": "node"}
     d.set_members({"n2": old, "n3": natted, "n5": later})
     assert d.dials_first(old) and not d.dials_first(later)
+    d.set_members({"n3": natted, "n5": later})  # n2 left...
+    d.set_members({"n2": old, "n3": natted, "n5": later})  # ...and joined again
+    assert not d.dials_first(old)
     first = Dialer("n1", "r1", creds=None, peers=None, hello=lambda: wire.Hello("n1", "r1", "node", "10.0.0.1:7000", []),
                    download=None, rtc=None)
+    assert first.dials_first(later)  # no peer set yet: the smaller id
     first.set_members({})  # the swarm's first member
-    assert first.dials_first(later)  # n1 < n5, as before
+    first.set_members({"n5": later})
+    assert not first.dials_first(later)  # n5 joined after it: n5 dials
 
 
 def test_told_it_is_unreachable_a_node_stops_waiting_to_be_dialed():
