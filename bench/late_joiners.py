@@ -7,7 +7,8 @@ Per mode (`keep`: nodes as they start by default; `no-keep`: every node with
 chunks) and two nodes of region r0 running from version 0. Versions (`states`): random
 bf16 weights, half their elements drawn again at version 1 and the other half at 2 (each
 patch cheaper than a keyframe, the two together dearer: version 2 comes with a keyframe,
-which the running nodes skip for its patch), then sparse steps. Wave 1: `--joiners` nodes of region r1 start together at version 3 and catch up
+which the running nodes skip for its patch), then sparse steps. Wave 1: `--joiners` nodes
+of region r1 start together at version 3 and catch up
 through keyframe 2. Five versions later (past every node's 4-version window), wave 2: as
 many nodes of region r2 start together. Per wave: the bytes each joiner needs (the keyframe
 and the patches after it, all joiners together), what the origin sent them (a multiple of
@@ -121,7 +122,8 @@ def main() -> int:
     ap.add_argument("--joiners", type=int, default=4, help="nodes per wave (default 4)")
     ap.add_argument("--upload-limit", default="4M", help="the origin's --upload-limit (default 4M: bytes/s)")
     ap.add_argument("--modes", default="keep,no-keep", help="comma-separated: keep, no-keep")
-    ap.add_argument("--mib", type=float, default=48.0, help="the served state's size (default 48 MiB: ~50 keyframe chunks)")
+    ap.add_argument("--mib", type=float, default=48.0,
+                    help="the served state's size (default 48 MiB: ~50 keyframe chunks)")
     args = ap.parse_args()
     modes = args.modes.split(",")
     if not modes or any(m not in ("keep", "no-keep") for m in modes) or args.joiners < 1:
@@ -130,14 +132,15 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="psw-joiners-") as tmp:
         for mode in modes:
             rows += one_mode(Path(tmp) / mode, mode, args.joiners, args.upload_limit, args.mib)
-    print(f"\n{args.joiners} joiners a wave, a {args.mib:g} MiB bf16 state, keyframe at v{KEYFRAME_AT}, origin --upload-limit {args.upload_limit}; "
-          f"need: keyframe + patches after it, per joiner\n")
+    print(f"\n{args.joiners} joiners a wave, a {args.mib:g} MiB bf16 state, keyframe at v{KEYFRAME_AT}, "
+          f"origin --upload-limit {args.upload_limit}; need: keyframe + patches after it, per joiner\n")
     print("| mode | wave | need per joiner B | from the origin (x need) | from nodes (x need) | "
           "joiners keeping the keyframe | wave's time s |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['mode']} | {r['wave']} | {r['need']:,} | {r['from_origin']:,} ({r['from_origin'] / r['need']:.2f}) | "
-              f"{r['from_nodes']:,} ({r['from_nodes'] / r['need']:.2f}) | {r['kept']} | {r['elapsed']:.1f} |")
+        origin, nodes = r["from_origin"], r["from_nodes"]
+        print(f"| {r['mode']} | {r['wave']} | {r['need']:,} | {origin:,} ({origin / r['need']:.2f}) | "
+              f"{nodes:,} ({nodes / r['need']:.2f}) | {r['kept']} | {r['elapsed']:.1f} |")
     return 0
 
 

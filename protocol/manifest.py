@@ -55,7 +55,8 @@ SHA256_BYTES = 32
 # Chunks of one version, at most: 2 TiB of 2 MiB chunks (a 500 GB checkpoint's keyframe
 # is ~170k). Wire messages bound chunk indices and Have bitfields by it.
 MAX_CHUNKS = 1 << 20
-MAX_REGION_BYTES = 256  # a region's name in UTF-8: wire.MAX_NAME_BYTES, a member's in its Hello (wire imports this module)
+# A region's name in UTF-8: wire.MAX_NAME_BYTES, a member's in its Hello (wire imports this module).
+MAX_REGION_BYTES = 256
 ORIGIN_REGION = "origin_region"  # codec key: the publishing origin's region (`origin_region_of`)
 _FIELDS = ("swarm_id", "version", "base_version", "base_hash", "target_hash",
            "tensors", "chunks", "codec", "created_at")

@@ -21,8 +21,8 @@ import zstandard
 
 from . import planes
 from .errors import CorruptData, UsageError
-from .manifest import (MAX_REGION_BYTES, ORIGIN_REGION, TABLE_ZSTD_LEVEL, Manifest, ObjKey, describe, is_region,  # noqa: F401
-                       key_of, origin_region_of)  # key_of, describe, origin_region_of: re-exported
+from .manifest import (MAX_REGION_BYTES, ORIGIN_REGION, TABLE_ZSTD_LEVEL, Manifest, ObjKey,  # noqa: F401
+                       describe, is_region, key_of, origin_region_of)  # key_of, describe, origin_region_of: re-exported
 from .patch import FORMAT_VERSION, Patch, TensorSpec
 
 # Most chunks the origin cuts one object into. A manifest carries a (size, SHA-256) per chunk

@@ -113,8 +113,8 @@ def test_the_one_that_joined_later_dials_first_whatever_the_ids():
     d.set_members({"n3": natted, "n5": later})  # n2 left...
     d.set_members({"n2": old, "n3": natted, "n5": later})  # ...and joined again
     assert not d.dials_first(old)
-    first = Dialer("n1", "r1", creds=None, peers=None, hello=lambda: wire.Hello("n1", "r1", "node", "10.0.0.1:7000", []),
-                   download=None, rtc=None)
+    first = Dialer("n1", "r1", creds=None, peers=None,
+                   hello=lambda: wire.Hello("n1", "r1", "node", "10.0.0.1:7000", []), download=None, rtc=None)
     assert first.dials_first(later)  # no peer set yet: the smaller id
     first.set_members({})  # the swarm's first member
     first.set_members({"n5": later})

@@ -257,7 +257,8 @@ def cmd_node(args: argparse.Namespace) -> int:
                         compact_every=args.compact_every, model_dir=args.model_dir, engine=args.engine,
                         engine_url=args.engine_url, on_version=args.on_version,
                         sparse_handoff=args.sparse_handoff, transport=args.transport, no_listen=args.no_listen,
-                        keep_keyframe=args.keep_keyframe, ice=_ice_config(args), member_connections=args.member_connections,
+                        keep_keyframe=args.keep_keyframe, ice=_ice_config(args),
+                        member_connections=args.member_connections,
                         uplink_mbit=args.uplink_mbit, require_region=args.require_region, drain_s=args.drain_s))
 
     async def start(task_status):
