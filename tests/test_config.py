@@ -250,6 +250,20 @@ def test_every_service_flag_is_configurable():
         assert {"metrics", "log_format", "listen", "creds"} <= flags
 
 
+def test_each_flags_variable_and_file_key_are_its_own_name():
+    """A flag whose dest differs from its name (`--no-keep-keyframe` stored as keep_keyframe)
+    read PATCHSWARM_KEEP_KEYFRAME=1 as "drop it": each variable is the flag's name, and a
+    switch set by any layer means what the flag means."""
+    parser = build_parser()
+    for name in ("tracker", "origin", "node"):
+        for a in config._options(parser.subcommands[name]):
+            assert config.env_name(a) == config.ENV_PREFIX + config._key(a).upper().replace("-", "_"), a.option_strings
+    base = [*NODE]
+    assert not parse(base, environ={}).no_keep_keyframe
+    assert parse(base, environ={"PATCHSWARM_NO_KEEP_KEYFRAME": "1"}).no_keep_keyframe
+    assert parse([*base, "--no-keep-keyframe"], environ={}).no_keep_keyframe
+
+
 def test_env_lists_and_switches():
     p = build_parser().subcommands["node"]
     no_peers = next(a for a in p._actions if a.dest == "no_peers")

@@ -185,7 +185,7 @@ def _node_args(p: argparse.ArgumentParser) -> None:
                            "a node that declares none counts as the median")
     add_require_region_argument(p)
     _compact_argument(p)
-    p.add_argument("--no-keep-keyframe", dest="keep_keyframe", action="store_false",
+    p.add_argument("--no-keep-keyframe", action="store_true",
                    help="drop the latest keyframe with the other old versions even where this node holds it; by "
                         "default a node that joined through it keeps it, and the patches after it, until the next "
                         "keyframe (while the disk has the base file's size free), so that later joiners take them "
@@ -257,7 +257,7 @@ def cmd_node(args: argparse.Namespace) -> int:
                         compact_every=args.compact_every, model_dir=args.model_dir, engine=args.engine,
                         engine_url=args.engine_url, on_version=args.on_version,
                         sparse_handoff=args.sparse_handoff, transport=args.transport, no_listen=args.no_listen,
-                        keep_keyframe=args.keep_keyframe, ice=_ice_config(args),
+                        keep_keyframe=not args.no_keep_keyframe, ice=_ice_config(args),
                         member_connections=args.member_connections,
                         uplink_mbit=args.uplink_mbit, require_region=args.require_region, drain_s=args.drain_s))
 
