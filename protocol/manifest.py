@@ -44,6 +44,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from .errors import CorruptData, SignatureError, UsageError
+from .regions import region_fault
 from .packreader import PackReader
 
 MAGIC = "patchswarm-manifest/1"
@@ -55,8 +56,6 @@ SHA256_BYTES = 32
 # Chunks of one version, at most: 2 TiB of 2 MiB chunks (a 500 GB checkpoint's keyframe
 # is ~170k). Wire messages bound chunk indices and Have bitfields by it.
 MAX_CHUNKS = 1 << 20
-# A region's name in UTF-8: wire.MAX_NAME_BYTES, a member's in its Hello (wire imports this module).
-MAX_REGION_BYTES = 256
 ORIGIN_REGION = "origin_region"  # codec key: the publishing origin's region (`origin_region_of`)
 _FIELDS = ("swarm_id", "version", "base_version", "base_hash", "target_hash",
            "tensors", "chunks", "codec", "created_at")
@@ -112,14 +111,9 @@ class Manifest:
         return sum(size for size, _ in self.chunks)
 
 
-def is_region(value) -> bool:
-    """A region name as members carry one: a non-empty str of at most MAX_REGION_BYTES in UTF-8."""
-    return isinstance(value, str) and 0 < len(value.encode("utf-8", "surrogatepass")) <= MAX_REGION_BYTES
-
-
 def origin_region_of(m: Manifest) -> str | None:
     """The region of the origin that published `m`, as it signed it; None where it names none
-    (an origin from before 2026-12-07) or names one no member could be of.
+    (an origin from before 2026-12-07) or names one no member could be of (`region_fault`).
 
     *Why in the manifest:* a node plans each chunk's chain of regions from the origin's
     region, which it learned only from the tracker's list of live members. A node that
@@ -128,7 +122,7 @@ def origin_region_of(m: Manifest) -> str | None:
     beside the objects, the region is known wherever a manifest is; a key that readers of
     the codec before it ignore."""
     region = m.codec.get(ORIGIN_REGION)
-    return region if is_region(region) else None
+    return region if region_fault(region) is None else None
 
 
 def key_of(m: Manifest) -> ObjKey:

@@ -21,8 +21,9 @@ import zstandard
 
 from . import planes
 from .errors import CorruptData, UsageError
-from .manifest import (MAX_REGION_BYTES, ORIGIN_REGION, TABLE_ZSTD_LEVEL, Manifest, ObjKey,  # noqa: F401
-                       describe, is_region, key_of, origin_region_of)  # key_of, describe, origin_region_of: re-exported
+from .manifest import (ORIGIN_REGION, TABLE_ZSTD_LEVEL, Manifest, ObjKey, describe, key_of,  # noqa: F401
+                       origin_region_of)  # key_of, describe, origin_region_of: re-exported
+from .regions import region_fault
 from .patch import FORMAT_VERSION, Patch, TensorSpec
 
 # Most chunks the origin cuts one object into. A manifest carries a (size, SHA-256) per chunk
@@ -103,9 +104,8 @@ def manifest_of(patch: Patch, *, swarm_id: str, version: int, created_at: float,
         codec = {"format": FORMAT_VERSION, "removed": list(patch.removed),
                  "layout": _pack_layout(patch.layout, [t.name for t in patch.tensors])}
     if origin_region is not None:
-        if not is_region(origin_region):
-            raise UsageError(f"manifest_of: expected origin_region a non-empty str of at most {MAX_REGION_BYTES} "
-                             f"UTF-8 bytes, found {origin_region!r:.80}")
+        if (fault := region_fault(origin_region)) is not None:
+            raise UsageError(f"manifest_of: expected origin_region {fault}, found {origin_region!r:.80}")
         codec[ORIGIN_REGION] = origin_region
     return Manifest(
         swarm_id=swarm_id,

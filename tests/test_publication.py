@@ -258,11 +258,11 @@ def test_the_origins_region_is_signed_into_the_manifest_and_read_back(form):
 
 
 def test_a_region_a_manifest_may_name_is_one_a_member_may_say_in_its_hello():
-    from patchswarm.protocol.manifest import MAX_REGION_BYTES
+    from patchswarm.protocol.regions import MAX_REGION_BYTES
     assert MAX_REGION_BYTES == wire.MAX_NAME_BYTES
 
 
-@pytest.mark.parametrize("value", ["", "r" * 257, "é" * 129, 7, ["r0"], None])
+@pytest.mark.parametrize("value", ["", "r" * 257, "é" * 129, "r\n0", 7, ["r0"], None])
 def test_a_manifest_naming_no_usable_region_names_none(value):
     state = {"w": torch.zeros(4, dtype=torch.bfloat16)}
     m = manifest_of(keyframe(state), swarm_id="s", version=0, created_at=0.0)

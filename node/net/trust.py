@@ -59,6 +59,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from patchswarm.protocol import wire
+from patchswarm.protocol.regions import region_fault  # noqa: F401 (re-exported: transport.py, cli)
 from patchswarm.protocol.errors import InvalidInput, UsageError
 from patchswarm.protocol.revocation import RevocationBook, RevocationList, serial_hex, sign_list, verify_list
 
@@ -109,20 +110,6 @@ def _now() -> datetime.datetime:
 
 
 # ------------------------------------------------------------------ regions
-
-
-def region_fault(region) -> str | None:
-    """What keeps `region` from being a member's region, or None: it must be what a Hello
-    carries (a str of 1 to wire.MAX_NAME_BYTES bytes of UTF-8), printable, so a log line
-    quoting it is one line. The same rule for a certificate's region, a member's own
-    --region and a peer's Hello (node/net/transport.py)."""
-    if not isinstance(region, str) or not region:
-        return "a non-empty str"
-    if not region.isprintable():  # control characters, lone surrogates (not UTF-8)
-        return "printable characters"
-    if len(region.encode("utf-8")) > wire.MAX_NAME_BYTES:
-        return f"at most {wire.MAX_NAME_BYTES} bytes of UTF-8"
-    return None
 
 
 def region_uri(region: str) -> str:
